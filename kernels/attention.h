@@ -1,0 +1,19 @@
+// Causal multi-head scaled dot-product attention, computed flash-style: one query row at a
+// time with an online softmax, so no (T, T) score matrix is ever stored. Backward recomputes
+// the probabilities from the saved log-sum-exp.
+#pragma once
+
+#include <cstdint>
+
+namespace cputrain::kernels {
+
+// q, k, v, out (B, T, H, D); lse (B, H, T) receives log(sum_j exp(s_ij)) of the scaled scores
+// s_ij = q_i . k_j / sqrt(D) over j <= i.
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       int64_t B, int64_t T, int64_t H, int64_t D);
+// dq, dk, dv (B, T, H, D) += gradients, given dout and the forward's q, k, v, out and lse.
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                        const float* k, const float* v, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t H, int64_t D);
+
+}  // namespace cputrain::kernels

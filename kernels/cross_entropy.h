@@ -1,0 +1,16 @@
+// Softmax cross-entropy over a vocabulary.
+#pragma once
+
+#include <cstdint>
+
+namespace cputrain::kernels {
+
+// logits (N, V); targets (N), each in [0, V). losses (N) receives -log softmax(logits)[target],
+// lse (N) receives log(sum exp(logits)) for backward.
+void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
+                           int64_t N, int64_t V);
+// dlogits (N, V) += dlosses[i] * (softmax(logits_i) - onehot(target_i)).
+void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
+                            const int32_t* targets, const float* dlosses, int64_t N, int64_t V);
+
+}  // namespace cputrain::kernels

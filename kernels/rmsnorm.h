@@ -1,0 +1,15 @@
+// RMSNorm (Zhang & Sennrich 2019): out = inp / sqrt(mean(inp^2) + eps) * weight.
+#pragma once
+
+#include <cstdint>
+
+namespace cputrain::kernels {
+
+// inp, out (N, C); weight (C); rstd (N) receives 1 / sqrt(mean(inp^2) + eps) for backward.
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps);
+// dinp (N, C) += d/dinp, dweight (C) += d/dweight, given dout (N, C) and the saved rstd.
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
+
+}  // namespace cputrain::kernels

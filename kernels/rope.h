@@ -1,0 +1,20 @@
+// Rotary position embedding (Su et al. 2021) on adjacent pairs, as llama.cpp's "normal" RoPE:
+// for head dimension D (even) and pair j in [0, D/2), position p rotates (x[2j], x[2j+1]) by
+// angle p * theta^(-2j/D).
+#pragma once
+
+#include <cstdint>
+
+namespace cputrain::kernels {
+
+// table (T, D/2, 2) receives (cos, sin) of the angle for positions 0..T-1, computed in double
+// and rounded to float.
+void rope_table(float* table, int64_t T, int64_t D, double theta);
+// inp, out (B, T, H, D); out may equal inp. Position of row t is t (table row t).
+void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T,
+                  int64_t H, int64_t D);
+// dinp (B, T, H, D) += the inverse rotation of dout.
+void rope_backward(float* dinp, const float* dout, const float* table, int64_t B, int64_t T,
+                   int64_t H, int64_t D);
+
+}  // namespace cputrain::kernels

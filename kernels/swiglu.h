@@ -1,0 +1,14 @@
+// SwiGLU gating (Shazeer 2020): out = silu(gate) * up, silu(x) = x / (1 + exp(-x)).
+#pragma once
+
+#include <cstdint>
+
+namespace cputrain::kernels {
+
+// gate, up, out: n elements each.
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
+// dgate += dout * up * silu'(gate), dup += dout * silu(gate).
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
+                     const float* up, int64_t n);
+
+}  // namespace cputrain::kernels
