@@ -1,6 +1,3 @@
-#include <cstdio>
+#include "tools/cli.h"
 
-int main() {
-  std::puts("cputrain: the command line is being assembled");
-  return 1;
-}
+int main(int argc, char** argv) { return cputrain::run_cli(argc, argv); }

@@ -1,0 +1,87 @@
+#include "engine/autograd.h"
+
+#include <stdexcept>
+#include <vector>
+
+namespace cputrain {
+namespace {
+
+bool g_grad_enabled = true;
+
+using Tape = std::vector<std::function<void()>>;
+
+std::vector<Tape>& tapes() {
+  static std::vector<Tape> stack(1);
+  return stack;
+}
+
+Tape& current_tape() { return tapes().back(); }
+
+}  // namespace
+
+const Tensor& GradCell::get_or_zeros() {
+  if (!grad_.defined()) grad_ = Tensor::zeros(shape_, DType::F32, MemoryCategory::Workspace);
+  return grad_;
+}
+
+Variable::Variable(const Tensor& value, bool requires_grad)
+    : impl_(std::make_shared<Impl>(
+          Impl{value, requires_grad ? std::make_shared<GradCell>(value.shape()) : nullptr})) {}
+
+const Tensor& Variable::grad() const {
+  static const Tensor kUndefined;
+  return impl_->grad ? impl_->grad->tensor() : kUndefined;
+}
+
+bool grad_enabled() { return g_grad_enabled; }
+
+NoGradGuard::NoGradGuard() : previous_(g_grad_enabled) { g_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { g_grad_enabled = previous_; }
+
+bool needs_grad(std::initializer_list<const Variable*> inputs) {
+  if (!g_grad_enabled) return false;
+  for (const Variable* v : inputs)
+    if (v->requires_grad()) return true;
+  return false;
+}
+
+void record_backward(std::function<void()> backward) {
+  current_tape().push_back(std::move(backward));
+}
+
+namespace {
+
+void run_tape() {
+  Tape& tape = current_tape();
+  while (!tape.empty()) {
+    std::function<void()> node = std::move(tape.back());
+    tape.pop_back();
+    node();
+  }
+}
+
+}  // namespace
+
+void backward(const Variable& loss, float scale) {
+  if (!loss.requires_grad()) throw std::logic_error("backward: loss does not require grad");
+  if (loss.value().numel() != 1) throw std::logic_error("backward: loss is not a scalar");
+  loss.grad_ref()->get_or_zeros().f32()[0] = scale;
+  run_tape();
+}
+
+void backward(const Variable& output, const Tensor& grad_output) {
+  if (!output.requires_grad()) throw std::logic_error("backward: output does not require grad");
+  if (!(grad_output.shape() == output.shape()))
+    throw std::logic_error("backward: gradient shape " + grad_output.shape().str() +
+                           " differs from output " + output.shape().str());
+  output.grad_ref()->get_or_zeros().copy_from(grad_output);
+  run_tape();
+}
+
+void clear_tape() { current_tape().clear(); }
+size_t tape_size() { return current_tape().size(); }
+
+TapeScope::TapeScope() { tapes().emplace_back(); }
+TapeScope::~TapeScope() { tapes().pop_back(); }
+
+}  // namespace cputrain

@@ -1,0 +1,102 @@
+#include "engine/memory.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <new>
+#include <string>
+
+namespace cputrain {
+namespace {
+
+struct Counters {
+  std::array<std::atomic<int64_t>, kMemoryCategoryCount> live{};
+  std::array<std::atomic<int64_t>, kMemoryCategoryCount> peak{};
+  std::atomic<int64_t> live_total{0};
+  std::atomic<int64_t> peak_total{0};
+};
+
+Counters& counters() {
+  static Counters c;
+  return c;
+}
+
+void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+// Reads "Key:   123 kB" from a /proc file, in bytes.
+int64_t read_proc_kb(const char* path, const std::string& key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.compare(0, key.size(), key) == 0 && line.size() > key.size() &&
+        line[key.size()] == ':') {
+      return std::strtoll(line.c_str() + key.size() + 1, nullptr, 10) * 1024;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::string_view memory_category_name(MemoryCategory category) {
+  switch (category) {
+    case MemoryCategory::Weights: return "weights";
+    case MemoryCategory::Bf16Weights: return "bf16_weights";
+    case MemoryCategory::Gradients: return "gradients";
+    case MemoryCategory::OptimizerState: return "optimizer_state";
+    case MemoryCategory::Activations: return "activations";
+    case MemoryCategory::Workspace: return "workspace";
+  }
+  return "unknown";
+}
+
+void* memory_allocate(size_t bytes, MemoryCategory category) {
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* ptr = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (ptr == nullptr) throw std::bad_alloc();
+  Counters& c = counters();
+  const int i = static_cast<int>(category);
+  const auto n = static_cast<int64_t>(bytes);
+  raise_peak(c.peak[i], c.live[i].fetch_add(n, std::memory_order_relaxed) + n);
+  raise_peak(c.peak_total, c.live_total.fetch_add(n, std::memory_order_relaxed) + n);
+  return ptr;
+}
+
+void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
+  if (ptr == nullptr) return;
+  std::free(ptr);
+  Counters& c = counters();
+  c.live[static_cast<int>(category)].fetch_sub(static_cast<int64_t>(bytes),
+                                               std::memory_order_relaxed);
+  c.live_total.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+MemoryStats memory_stats() {
+  Counters& c = counters();
+  MemoryStats s;
+  for (int i = 0; i < kMemoryCategoryCount; ++i) {
+    s.live_bytes[i] = c.live[i].load(std::memory_order_relaxed);
+    s.peak_bytes[i] = c.peak[i].load(std::memory_order_relaxed);
+  }
+  s.live_total_bytes = c.live_total.load(std::memory_order_relaxed);
+  s.peak_total_bytes = c.peak_total.load(std::memory_order_relaxed);
+  return s;
+}
+
+void memory_reset_peaks() {
+  Counters& c = counters();
+  for (int i = 0; i < kMemoryCategoryCount; ++i) c.peak[i].store(c.live[i].load());
+  c.peak_total.store(c.live_total.load());
+}
+
+ProcessMemory process_memory() {
+  return {read_proc_kb("/proc/self/status", "VmRSS"), read_proc_kb("/proc/self/status", "VmHWM")};
+}
+
+int64_t available_memory_bytes() { return read_proc_kb("/proc/meminfo", "MemAvailable"); }
+
+}  // namespace cputrain

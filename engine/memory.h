@@ -1,0 +1,46 @@
+// Memory accounting: every tensor allocation is tagged with what it is for, and live and peak
+// bytes are kept per category. Next to it, the process view from /proc.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace cputrain {
+
+enum class MemoryCategory : int {
+  Weights,         // FP32 master weights
+  Bf16Weights,     // bf16 copies of the weight matrices
+  Gradients,       // FP32 parameter gradients
+  OptimizerState,  // AdamW m and v
+  Activations,     // op outputs and what ops save for backward
+  Workspace,       // transient buffers: activation gradients, scratch, logits
+};
+inline constexpr int kMemoryCategoryCount = 6;
+std::string_view memory_category_name(MemoryCategory category);
+
+struct MemoryStats {
+  std::array<int64_t, kMemoryCategoryCount> live_bytes{};
+  std::array<int64_t, kMemoryCategoryCount> peak_bytes{};
+  int64_t live_total_bytes = 0;
+  int64_t peak_total_bytes = 0;
+};
+
+// 64-byte aligned; counted under `category` until memory_free. Throws std::bad_alloc.
+void* memory_allocate(size_t bytes, MemoryCategory category);
+void memory_free(void* ptr, size_t bytes, MemoryCategory category);
+MemoryStats memory_stats();
+// Sets every peak to the current live figure.
+void memory_reset_peaks();
+
+// Resident set size and its high-water mark (VmRSS, VmHWM of /proc/self/status).
+struct ProcessMemory {
+  int64_t rss_bytes = 0;
+  int64_t peak_rss_bytes = 0;
+};
+ProcessMemory process_memory();
+// MemAvailable of /proc/meminfo (0 if unreadable).
+int64_t available_memory_bytes();
+
+}  // namespace cputrain

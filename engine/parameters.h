@@ -1,0 +1,45 @@
+// The trainable parameters of a model: one contiguous FP32 allocation for the weights and one
+// for their gradients (llm.c's layout), described by a table of names, shapes and offsets.
+// Each parameter is a Variable viewing its slice, with its gradient bound to the matching
+// slice of the gradient buffer.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "engine/autograd.h"
+
+namespace cputrain {
+
+struct ParameterInfo {
+  std::string name;
+  Shape shape;
+  int64_t offset = 0;  // in elements, into weights() and gradients()
+  bool decay = false;  // takes weight decay (matrices do, norm gains do not)
+};
+
+class ParameterSet {
+ public:
+  // Declares a parameter; returns its index. Only before allocate().
+  int add(const std::string& name, const Shape& shape, bool decay);
+  // Allocates the weights (zeroed) and gradients (zeroed) for everything declared.
+  void allocate();
+
+  const std::vector<ParameterInfo>& infos() const { return infos_; }
+  const Variable& var(int index) const { return vars_[index]; }
+  int64_t numel() const { return numel_; }
+  const Tensor& weights() const { return weights_; }
+  const Tensor& gradients() const { return gradients_; }
+  // Index of the parameter called `name`, or -1.
+  int find(const std::string& name) const;
+  void zero_grad() const { gradients_.fill_zero(); }
+
+ private:
+  std::vector<ParameterInfo> infos_;
+  std::vector<Variable> vars_;
+  int64_t numel_ = 0;
+  Tensor weights_;
+  Tensor gradients_;
+};
+
+}  // namespace cputrain

@@ -1,0 +1,60 @@
+// One training step and one evaluation, independent of the model: the model is a ParameterSet
+// and a function from (inputs, targets) to a scalar loss Variable.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "engine/adamw.h"
+#include "engine/lr_schedule.h"
+#include "engine/parameters.h"
+
+namespace cputrain {
+
+struct TrainOptions {
+  int64_t batch = 8;  // sequences per micro-batch
+  int64_t accum = 1;  // micro-batches per optimizer step
+  int64_t ctx = 256;  // tokens per sequence
+  uint64_t seed = 1;
+  LrSchedule lr;
+  AdamWConfig adamw;
+};
+
+struct StepResult {
+  double loss = 0.0;  // mean over the step's batch * accum sequences
+  double lr = 0.0;
+  double grad_norm = 0.0;  // before clipping
+  double ms = 0.0;
+  double tokens_per_s = 0.0;
+};
+
+class Trainer {
+ public:
+  using LossFn = std::function<Variable(const Tensor& inputs, const Tensor& targets)>;
+
+  Trainer(const ParameterSet& params, LossFn loss_fn, const TrainOptions& options);
+
+  // Step `step` (1-based): accum micro-batches of windows sampled from `tokens` by
+  // (seed, step, row), gradients summed with each micro-batch's loss scaled by 1 / accum, one
+  // AdamW update at the scheduled rate.
+  StepResult step(std::span<const int32_t> tokens, int64_t step);
+
+  // Mean loss over the first `windows` consecutive evaluation windows of `tokens` (fewer if
+  // the split is shorter), without recording gradients.
+  double evaluate(std::span<const int32_t> tokens, int64_t windows) const;
+
+  const AdamW& optimizer() const { return optimizer_; }
+  AdamW& optimizer() { return optimizer_; }
+  const TrainOptions& options() const { return options_; }
+
+ private:
+  const ParameterSet& params_;
+  LossFn loss_fn_;
+  TrainOptions options_;
+  AdamW optimizer_;
+  Tensor inputs_;   // (batch, ctx) i32
+  Tensor targets_;  // (batch, ctx) i32
+};
+
+}  // namespace cputrain

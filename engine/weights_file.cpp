@@ -1,0 +1,160 @@
+#include "engine/weights_file.h"
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <vector>
+
+#include "engine/atomic_file.h"
+#include "engine/error.h"
+
+namespace cputrain {
+namespace {
+
+constexpr char kMagic[8] = {'C', 'T', 'W', 'E', 'I', 'G', 'H', 'T'};
+constexpr uint32_t kVersion = 1;
+
+uint64_t fnv1a(const char* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+  for (size_t i = 0; i < n; ++i) {
+    h ^= static_cast<unsigned char>(data[i]);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+class Writer {
+ public:
+  void bytes(const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    buffer_.insert(buffer_.end(), c, c + n);
+  }
+  template <typename T>
+  void value(T v) { bytes(&v, sizeof(v)); }
+  void string(const std::string& s) {
+    value(static_cast<uint32_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  std::vector<char>& buffer() { return buffer_; }
+
+ private:
+  std::vector<char> buffer_;
+};
+
+class Reader {
+ public:
+  Reader(const std::string& path, const std::vector<char>& data) : path_(path), data_(data) {}
+  void bytes(void* p, size_t n) {
+    if (n > data_.size() - pos_) throw UserError(path_ + ": truncated weights file");
+    std::memcpy(p, data_.data() + pos_, n);
+    pos_ += n;
+  }
+  template <typename T>
+  T value() {
+    T v;
+    bytes(&v, sizeof(v));
+    return v;
+  }
+  std::string string(size_t limit) {
+    const auto n = value<uint32_t>();
+    if (n > limit) throw UserError(path_ + ": corrupt weights file (string of " + std::to_string(n) + " bytes)");
+    std::string s(n, '\0');
+    bytes(s.data(), n);
+    return s;
+  }
+  size_t pos() const { return pos_; }
+
+ private:
+  std::string path_;
+  const std::vector<char>& data_;
+  size_t pos_ = 0;
+};
+
+std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UserError(path + ": cannot open weights file");
+  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Checks magic, version and the trailing checksum.
+void check_header(const std::string& path, const std::vector<char>& data) {
+  if (data.size() < sizeof(kMagic) + 4 + 8 || std::memcmp(data.data(), kMagic, sizeof(kMagic)) != 0)
+    throw UserError(path + ": not a cputrain weights file");
+  uint32_t version;
+  std::memcpy(&version, data.data() + sizeof(kMagic), 4);
+  if (version != kVersion)
+    throw UserError(path + ": weights file version " + std::to_string(version) + ", expected " +
+                    std::to_string(kVersion));
+  uint64_t stored;
+  std::memcpy(&stored, data.data() + data.size() - 8, 8);
+  if (fnv1a(data.data(), data.size() - 8) != stored)
+    throw UserError(path + ": checksum mismatch (the weights file is corrupt or truncated)");
+}
+
+}  // namespace
+
+void save_weights(const std::string& path, const ParameterSet& params,
+                  const std::string& config_json) {
+  Writer w;
+  w.bytes(kMagic, sizeof(kMagic));
+  w.value(kVersion);
+  w.value(static_cast<uint64_t>(config_json.size()));
+  w.bytes(config_json.data(), config_json.size());
+  w.value(static_cast<uint32_t>(params.infos().size()));
+  uint64_t count = 0;
+  for (const ParameterInfo& p : params.infos()) {
+    w.string(p.name);
+    w.value(static_cast<uint32_t>(p.shape.ndim()));
+    for (int i = 0; i < p.shape.ndim(); ++i) w.value(static_cast<uint64_t>(p.shape[i]));
+    count += static_cast<uint64_t>(p.shape.numel());
+  }
+  w.value(count);
+  for (const ParameterInfo& p : params.infos())
+    w.bytes(params.weights().f32() + p.offset, static_cast<size_t>(p.shape.numel()) * 4);
+  w.value(fnv1a(w.buffer().data(), w.buffer().size()));
+
+  write_file_atomic(path, w.buffer().data(), w.buffer().size());
+}
+
+std::string read_weights_config(const std::string& path) {
+  const std::vector<char> data = read_file(path);
+  check_header(path, data);
+  Reader r(path, data);
+  char skip[sizeof(kMagic) + 4];
+  r.bytes(skip, sizeof(skip));
+  const auto n = r.value<uint64_t>();
+  if (n > data.size()) throw UserError(path + ": corrupt weights file");
+  std::string json(n, '\0');
+  r.bytes(json.data(), n);
+  return json;
+}
+
+void load_weights(const std::string& path, const ParameterSet& params) {
+  const std::vector<char> data = read_file(path);
+  check_header(path, data);
+  Reader r(path, data);
+  char skip[sizeof(kMagic) + 4];
+  r.bytes(skip, sizeof(skip));
+  const auto json_bytes = r.value<uint64_t>();
+  if (json_bytes > data.size()) throw UserError(path + ": corrupt weights file");
+  std::string json(json_bytes, '\0');
+  r.bytes(json.data(), json_bytes);
+  const auto n_params = r.value<uint32_t>();
+  if (n_params != params.infos().size())
+    throw UserError(path + ": holds " + std::to_string(n_params) + " parameters, the model has " +
+                    std::to_string(params.infos().size()));
+  for (const ParameterInfo& p : params.infos()) {
+    const std::string name = r.string(4096);
+    const auto ndim = r.value<uint32_t>();
+    bool same = name == p.name && ndim == static_cast<uint32_t>(p.shape.ndim());
+    for (uint32_t i = 0; i < ndim && i < 4; ++i)
+      same = same && r.value<uint64_t>() == static_cast<uint64_t>(p.shape[static_cast<int>(i)]);
+    if (!same)
+      throw UserError(path + ": parameter " + name + " does not match the model's " + p.name + " " +
+                      p.shape.str());
+  }
+  r.value<uint64_t>();
+  for (const ParameterInfo& p : params.infos())
+    r.bytes(params.weights().f32() + p.offset, static_cast<size_t>(p.shape.numel()) * 4);
+}
+
+}  // namespace cputrain

@@ -1,0 +1,107 @@
+#include "models/llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <random>
+#include <stdexcept>
+
+#include "engine/ops.h"
+#include "kernels/rope.h"
+
+namespace cputrain {
+
+LlamaModel::LlamaModel(const LlamaConfig& config) : config_(config) {
+  const std::string error = validate(config);
+  if (!error.empty()) throw std::invalid_argument(error);
+  const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
+  tok_embeddings_ = params_.add("tok_embeddings.weight", Shape{V, C}, true);
+  for (int64_t i = 0; i < config.n_layers; ++i) {
+    const std::string l = "layers." + std::to_string(i) + ".";
+    Block b;
+    b.attention_norm = params_.add(l + "attention_norm.weight", Shape{C}, false);
+    b.wq = params_.add(l + "attention.wq.weight", Shape{C, C}, true);
+    b.wk = params_.add(l + "attention.wk.weight", Shape{C, C}, true);
+    b.wv = params_.add(l + "attention.wv.weight", Shape{C, C}, true);
+    b.wo = params_.add(l + "attention.wo.weight", Shape{C, C}, true);
+    b.ffn_norm = params_.add(l + "ffn_norm.weight", Shape{C}, false);
+    b.w1 = params_.add(l + "feed_forward.w1.weight", Shape{F, C}, true);
+    b.w3 = params_.add(l + "feed_forward.w3.weight", Shape{F, C}, true);
+    b.w2 = params_.add(l + "feed_forward.w2.weight", Shape{C, F}, true);
+    blocks_.push_back(b);
+  }
+  norm_ = params_.add("norm.weight", Shape{C}, false);
+  output_ = params_.add("output.weight", Shape{V, C}, true);
+  params_.allocate();
+
+  const int64_t D = config.head_dim();
+  rope_table_ = Tensor::empty(Shape{config.ctx, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(rope_table_.f32(), config.ctx, D, config.rope_theta);
+}
+
+void LlamaModel::init_weights(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  // Box-Muller on 53-bit uniforms, so the init is the same with any standard library.
+  auto normal = [&rng]() {
+    const double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+  };
+  const double std_matrix = 0.02;
+  const double std_residual = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layers));
+  params_.weights().fill_zero();
+  for (const ParameterInfo& info : params_.infos()) {
+    float* w = params_.weights().f32() + info.offset;
+    const int64_t n = info.shape.numel();
+    if (info.shape.ndim() == 1) {
+      for (int64_t i = 0; i < n; ++i) w[i] = 1.0f;
+      continue;
+    }
+    const bool residual = info.name.ends_with("attention.wo.weight") ||
+                          info.name.ends_with("feed_forward.w2.weight");
+    const double stddev = residual ? std_residual : std_matrix;
+    for (int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(stddev * normal());
+  }
+}
+
+Variable LlamaModel::block_forward(const Block& b, const Variable& x) {
+  const float eps = config_.norm_eps;
+  const int64_t H = config_.n_heads;
+  Variable h = rmsnorm(x, p(b.attention_norm), eps);
+  Variable q = rope(linear(h, p(b.wq)), rope_table_, H);
+  Variable k = rope(linear(h, p(b.wk)), rope_table_, H);
+  Variable v = linear(h, p(b.wv));
+  Variable a = add(x, linear(attention(q, k, v, H), p(b.wo)));
+  Variable g = rmsnorm(a, p(b.ffn_norm), eps);
+  Variable f = swiglu(linear(g, p(b.w1)), linear(g, p(b.w3)));
+  return add(a, linear(f, p(b.w2)));
+}
+
+Variable LlamaModel::hidden(const Tensor& inputs) {
+  if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
+    throw std::invalid_argument("model input must be (B, T) with T <= ctx");
+  Variable x = embedding(p(tok_embeddings_), inputs);
+  for (const Block& b : blocks_) x = block_forward(b, x);
+  return rmsnorm(x, p(norm_), config_.norm_eps);
+}
+
+Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets) {
+  return cross_entropy(linear(hidden(inputs), p(output_)), targets);
+}
+
+Tensor LlamaModel::logits(const Tensor& inputs) {
+  NoGradGuard no_grad;
+  return linear(hidden(inputs), p(output_)).value();
+}
+
+Tensor LlamaModel::last_logits(const Tensor& inputs) {
+  NoGradGuard no_grad;
+  const Tensor h = hidden(inputs).value();
+  const int64_t B = inputs.dim(0), T = inputs.dim(1), C = config_.d_model;
+  Tensor last = Tensor::empty(Shape{B, C}, DType::F32, MemoryCategory::Workspace);
+  for (int64_t b = 0; b < B; ++b)
+    std::copy_n(h.f32() + (b * T + T - 1) * C, C, last.f32() + b * C);
+  return linear(Variable(last, false), p(output_)).value();
+}
+
+}  // namespace cputrain

@@ -1,0 +1,50 @@
+// The Llama-style decoder of DESIGN.md: token embedding; per block pre-norm RMSNorm, causal
+// multi-head attention with RoPE, RMSNorm, SwiGLU MLP, each with a residual; final RMSNorm;
+// untied LM head. Parameter names follow llama.cpp's "llama" architecture.
+#pragma once
+
+#include <cstdint>
+
+#include "engine/parameters.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+
+class LlamaModel {
+ public:
+  explicit LlamaModel(const LlamaConfig& config);
+
+  const LlamaConfig& config() const { return config_; }
+  ParameterSet& parameters() { return params_; }
+  const ParameterSet& parameters() const { return params_; }
+
+  // Normal(0, 0.02) for matrices, 0.02 / sqrt(2 n_layers) for the output projections (wo, w2),
+  // ones for norm gains; deterministic in seed.
+  void init_weights(uint64_t seed);
+
+  // inputs, targets (B, T) i32, T <= ctx -> mean cross-entropy, recorded for backward.
+  Variable loss(const Tensor& inputs, const Tensor& targets);
+  // inputs (B, T) -> logits (B, T, V), without recording anything.
+  Tensor logits(const Tensor& inputs);
+  // inputs (B, T) -> logits of the last position only (B, V), without recording anything.
+  Tensor last_logits(const Tensor& inputs);
+
+ private:
+  struct Block {
+    int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
+  };
+  // (B, T, C) hidden states after the final norm.
+  Variable hidden(const Tensor& inputs);
+  Variable block_forward(const Block& block, const Variable& x);
+  const Variable& p(int index) const { return params_.var(index); }
+
+  LlamaConfig config_;
+  ParameterSet params_;
+  int tok_embeddings_ = 0;
+  std::vector<Block> blocks_;
+  int norm_ = 0;
+  int output_ = 0;
+  Tensor rope_table_;  // (ctx, D/2, 2)
+};
+
+}  // namespace cputrain

@@ -1,0 +1,70 @@
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "engine/memory.h"
+#include "engine/parameters.h"
+#include "engine/tensor.h"
+
+namespace cputrain {
+namespace {
+
+int64_t live(MemoryCategory c) { return memory_stats().live_bytes[static_cast<int>(c)]; }
+int64_t peak(MemoryCategory c) { return memory_stats().peak_bytes[static_cast<int>(c)]; }
+
+TEST(Memory, TracksLiveAndPeakPerCategory) {
+  memory_reset_peaks();
+  const int64_t base = live(MemoryCategory::Activations);
+  const int64_t base_ws = live(MemoryCategory::Workspace);
+  {
+    Tensor a = Tensor::empty(Shape{100, 10}, DType::F32, MemoryCategory::Activations);
+    Tensor b = Tensor::empty(Shape{50}, DType::BF16, MemoryCategory::Activations);
+    EXPECT_EQ(live(MemoryCategory::Activations), base + 4000 + 100);
+    EXPECT_EQ(live(MemoryCategory::Workspace), base_ws);
+    Tensor view = a.view(10, Shape{5, 2});  // a view allocates nothing
+    EXPECT_EQ(live(MemoryCategory::Activations), base + 4100);
+    a = Tensor();
+    EXPECT_EQ(live(MemoryCategory::Activations), base + 4100);  // the view keeps the storage
+  }
+  EXPECT_EQ(live(MemoryCategory::Activations), base);
+  EXPECT_EQ(peak(MemoryCategory::Activations), base + 4100);
+  memory_reset_peaks();
+  EXPECT_EQ(peak(MemoryCategory::Activations), base);
+}
+
+TEST(Memory, ProcessMemoryIsRead) {
+  const ProcessMemory m = process_memory();
+  EXPECT_GT(m.rss_bytes, 0);
+  EXPECT_GE(m.peak_rss_bytes, m.rss_bytes);
+  std::vector<char> big(64 << 20, 1);  // touch 64 MiB
+  EXPECT_GE(process_memory().peak_rss_bytes, m.rss_bytes + (60 << 20));
+  EXPECT_EQ(big[12345] + big.back(), 2);
+  EXPECT_GT(available_memory_bytes(), 0);
+}
+
+TEST(Tensor, ViewsShareStorageAndReshapeChecksSize) {
+  Tensor t = Tensor::zeros(Shape{2, 3, 4}, DType::F32, MemoryCategory::Workspace);
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(t.f32()[i], 0.0f);
+  Tensor v = t.view(12, Shape{3, 4});
+  v.f32()[0] = 5.0f;
+  EXPECT_EQ(t.f32()[12], 5.0f);
+  EXPECT_EQ(t.reshape(Shape{6, 4}).dim(0), 6);
+  EXPECT_THROW(t.reshape(Shape{5, 5}), std::invalid_argument);
+  EXPECT_THROW(t.view(20, Shape{2, 4}), std::invalid_argument);
+  EXPECT_THROW((Shape{1, 2, 3, 4, 5}), std::invalid_argument);
+}
+
+TEST(ParameterSet, SlicesAreAlignedAndGradientsBound) {
+  ParameterSet p;
+  p.add("a", Shape{3, 5}, true);
+  p.add("b", Shape{7}, false);
+  p.allocate();
+  EXPECT_EQ(p.infos()[1].offset % 16, 0);
+  EXPECT_EQ(p.find("b"), 1);
+  EXPECT_EQ(p.find("c"), -1);
+  EXPECT_EQ(p.var(1).value().f32(), p.weights().f32() + p.infos()[1].offset);
+  EXPECT_EQ(p.var(1).grad().f32(), p.gradients().f32() + p.infos()[1].offset);
+}
+
+}  // namespace
+}  // namespace cputrain

@@ -1,0 +1,133 @@
+// The tiny preset against PyTorch (tests/models/make_llama_reference.py), in the manner of
+// llm.c's test_gpt2.c: from the same weights and batch, the logits, the loss, every parameter
+// gradient, and the losses, gradient norms and weights of 10 AdamW steps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "engine/adamw.h"
+#include "models/llama.h"
+#include "reference_file.h"
+
+namespace cputrain {
+namespace {
+
+using test::ReferenceTensor;
+
+// Tolerances: losses agree to 1e-5 relative; gradients, logits and weights to 1e-4 of the
+// largest magnitude in their tensor (float rounding of different summation orders).
+constexpr double kLossTolerance = 1e-5;
+constexpr double kTensorTolerance = 1e-4;
+
+class LlamaReference : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ref_ = test::read_reference_file(std::string(CPUTRAIN_TEST_DATA_DIR) +
+                                     "/llama_tiny_reference.ctrf");
+    const std::vector<int32_t>& c = ref_.at("config").i32;
+    ASSERT_EQ(c.size(), 7u);
+    config_.vocab = c[0];
+    config_.d_model = c[1];
+    config_.n_layers = c[2];
+    config_.n_heads = c[3];
+    config_.ffn = c[4];
+    config_.ctx = 64;
+    B_ = c[5];
+    T_ = c[6];
+    tokens_ = to_tensor(ref_.at("tokens"));
+    targets_ = to_tensor(ref_.at("targets"));
+  }
+
+  Tensor to_tensor(const ReferenceTensor& r) const {
+    Tensor t = Tensor::empty(Shape{B_, T_}, DType::I32, MemoryCategory::Workspace);
+    EXPECT_EQ(static_cast<int64_t>(r.i32.size()), B_ * T_);
+    std::copy(r.i32.begin(), r.i32.end(), t.i32());
+    return t;
+  }
+
+  void load_initial_weights(LlamaModel& model) const {
+    const ParameterSet& p = model.parameters();
+    for (const ParameterInfo& info : p.infos()) {
+      const ReferenceTensor& r = ref_.at("init/" + info.name);
+      ASSERT_EQ(static_cast<int64_t>(r.f32.size()), info.shape.numel()) << info.name;
+      std::copy(r.f32.begin(), r.f32.end(), p.weights().f32() + info.offset);
+    }
+  }
+
+  // max |got - want| over the tensor, relative to max |want|.
+  static double relative_error(const float* got, const std::vector<float>& want) {
+    double max_diff = 0.0, max_ref = 1e-12;
+    for (size_t i = 0; i < want.size(); ++i) {
+      max_diff = std::max(max_diff, std::abs(static_cast<double>(got[i]) - want[i]));
+      max_ref = std::max(max_ref, std::abs(static_cast<double>(want[i])));
+    }
+    return max_diff / max_ref;
+  }
+
+  std::map<std::string, ReferenceTensor> ref_;
+  LlamaConfig config_;
+  int64_t B_ = 0, T_ = 0;
+  Tensor tokens_, targets_;
+};
+
+TEST_F(LlamaReference, ParameterNamesShapesAndCount) {
+  LlamaModel model(config_);
+  int64_t total = 0;
+  for (const ParameterInfo& info : model.parameters().infos()) {
+    ASSERT_TRUE(ref_.count("init/" + info.name)) << info.name;
+    const ReferenceTensor& r = ref_.at("init/" + info.name);
+    ASSERT_EQ(static_cast<int>(r.shape.size()), info.shape.ndim()) << info.name;
+    for (int i = 0; i < info.shape.ndim(); ++i) EXPECT_EQ(r.shape[i], info.shape[i]) << info.name;
+    total += info.shape.numel();
+  }
+  EXPECT_EQ(total, parameter_count(config_));
+}
+
+TEST_F(LlamaReference, LogitsLossAndGradients) {
+  LlamaModel model(config_);
+  load_initial_weights(model);
+  const Tensor logits = model.logits(tokens_);
+  EXPECT_LT(relative_error(logits.f32(), ref_.at("logits").f32), kTensorTolerance);
+
+  Variable loss = model.loss(tokens_, targets_);
+  const double want = ref_.at("loss").f32[0];
+  EXPECT_NEAR(loss.value().f32()[0], want, kLossTolerance * want);
+  backward(loss);
+  const ParameterSet& p = model.parameters();
+  for (const ParameterInfo& info : p.infos()) {
+    EXPECT_LT(relative_error(p.gradients().f32() + info.offset, ref_.at("grad/" + info.name).f32),
+              kTensorTolerance)
+        << info.name;
+  }
+}
+
+TEST_F(LlamaReference, TenAdamWSteps) {
+  LlamaModel model(config_);
+  load_initial_weights(model);
+  AdamWConfig adamw;  // betas 0.9/0.95, eps 1e-8, decay 0.1 on matrices, clip 1.0
+  AdamW optimizer(model.parameters(), adamw);
+  const std::vector<float>& losses = ref_.at("steps/loss").f32;
+  const std::vector<float>& norms = ref_.at("steps/grad_norm").f32;
+  ASSERT_EQ(losses.size(), 10u);
+  for (size_t step = 0; step < 10; ++step) {
+    model.parameters().zero_grad();
+    Variable loss = model.loss(tokens_, targets_);
+    backward(loss);
+    EXPECT_NEAR(loss.value().f32()[0], losses[step], kLossTolerance * losses[step])
+        << "step " << step + 1;
+    const float norm = optimizer.step(1e-3f);
+    EXPECT_NEAR(norm, norms[step], kTensorTolerance * norms[step]) << "step " << step + 1;
+  }
+  EXPECT_LT(losses[9], losses[0]);  // the reference itself learns
+  const ParameterSet& p = model.parameters();
+  for (const ParameterInfo& info : p.infos()) {
+    EXPECT_LT(relative_error(p.weights().f32() + info.offset, ref_.at("final/" + info.name).f32),
+              kTensorTolerance)
+        << info.name;
+  }
+}
+
+}  // namespace
+}  // namespace cputrain

@@ -1,0 +1,153 @@
+// The cputrain binary end to end: bad input gets one clear line and a non-zero exit without
+// touching what is on disk; a tiny run trains, writes its run directory, and samples.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string read_all(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("cputrain_cli_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  Result run(const std::string& args) const {
+    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
+    const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >" + out.string() +
+                            " 2>" + err.string() + " </dev/null";
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = read_all(out);
+    r.err = read_all(err);
+    return r;
+  }
+
+  // A corpus of fortune-style documents, large enough for the tiny preset.
+  fs::path write_corpus(int documents) const {
+    const fs::path corpus = dir_ / "corpus.txt";
+    std::ofstream out(corpus);
+    const char* subjects[] = {"The cat", "A programmer", "My neighbour", "The old tree",
+                              "Every student", "The river"};
+    const char* verbs[] = {"likes", "watches", "remembers", "forgets", "builds", "paints"};
+    const char* objects[] = {"the morning sun.", "a quiet song.", "the long road home.",
+                             "small green apples.", "an honest answer.", "the last train."};
+    for (int d = 0; d < documents; ++d) {
+      for (int s = 0; s < 3; ++s)
+        out << subjects[(d + s) % 6] << " " << verbs[(d * 5 + s) % 6] << " "
+            << objects[(d * 7 + s * 3) % 6] << "\n";
+      out << "%\n";
+    }
+    return corpus;
+  }
+
+  static void expect_one_line_error(const Result& r, const std::string& needle) {
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(Cli, UnknownPreset) {
+  expect_one_line_error(run("--preset huge --out " + (dir_ / "run").string()), "--preset huge");
+}
+
+TEST_F(Cli, NonPositiveBatchStepsCtx) {
+  const std::string base = "--preset tiny --corpus " + write_corpus(50).string() + " --out " +
+                           (dir_ / "run").string();
+  expect_one_line_error(run(base + " --batch 0"), "--batch");
+  expect_one_line_error(run(base + " --steps -3"), "--steps");
+  expect_one_line_error(run(base + " --ctx 0"), "--ctx");
+}
+
+TEST_F(Cli, MissingAndEmptyCorpus) {
+  expect_one_line_error(run("--preset tiny --corpus " + (dir_ / "nope").string() + " --out " +
+                            (dir_ / "run").string()),
+                        (dir_ / "nope").string());
+  const fs::path empty = dir_ / "empty.txt";
+  std::ofstream(empty).close();
+  expect_one_line_error(
+      run("--preset tiny --corpus " + empty.string() + " --out " + (dir_ / "run").string()),
+      empty.string());
+}
+
+TEST_F(Cli, CorpusShorterThanOneWindow) {
+  // About 20 x 60 characters of text cannot fill one window of 4096 tokens.
+  expect_one_line_error(run("--preset tiny --vocab 300 --ctx 4096 --corpus " +
+                            write_corpus(20).string() + " --out " + (dir_ / "run").string()),
+                        "--ctx");
+}
+
+TEST_F(Cli, UnwritableOut) {
+  // A path under a regular file can never be created, even as root.
+  const fs::path blocker = dir_ / "file";
+  std::ofstream(blocker) << "x";
+  expect_one_line_error(run("--preset tiny --corpus " + write_corpus(50).string() + " --out " +
+                            (blocker / "run").string()),
+                        "--out");
+  EXPECT_EQ(read_all(blocker), "x");
+}
+
+TEST_F(Cli, SampleFromMissingRun) {
+  expect_one_line_error(run("sample --run " + (dir_ / "none").string()), "--run");
+}
+
+TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
+  const fs::path run_dir = dir_ / "run";
+  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 30 --eval-every 10 "
+                       "--sample-tokens 8 --corpus " + write_corpus(400).string() + " --out " +
+                       run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  for (const char* f : {"config.json", "tokenizer.model", "metrics.jsonl", "model.bin", "train.log"})
+    EXPECT_TRUE(fs::exists(run_dir / f)) << f;
+
+  std::ifstream metrics(run_dir / "metrics.jsonl");
+  std::string line;
+  std::vector<nlohmann::json> rows;
+  while (std::getline(metrics, line)) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 30u);
+  for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s"})
+    EXPECT_TRUE(rows[0].contains(key)) << key;
+  EXPECT_TRUE(rows[9].contains("val_loss"));
+  EXPECT_FALSE(rows[8].contains("val_loss"));
+  // A repetitive corpus is easy: 30 steps must cut the loss well below its start.
+  EXPECT_LT(rows[29]["loss"].get<double>(), rows[0]["loss"].get<double>() - 1.0);
+  EXPECT_LT(rows[29]["val_loss"].get<double>(), rows[9]["val_loss"].get<double>());
+
+  const Result s = run("sample --run " + run_dir.string() + " --prompt 'The cat' --max-tokens 12");
+  ASSERT_EQ(s.exit_code, 0) << s.err;
+  EXPECT_EQ(s.out.rfind("The cat", 0), 0u) << s.out;
+  EXPECT_GT(s.out.size(), 8u);
+}
+
+}  // namespace

@@ -1,0 +1,54 @@
+#include "tools/cli.h"
+
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "engine/error.h"
+#include "tools/sample_command.h"
+#include "tools/train_command.h"
+
+namespace cputrain {
+namespace {
+
+bool is_subcommand(const std::string& arg) {
+  return arg == "train" || arg == "sample";
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) {
+  // `train` is the default subcommand: `cputrain --preset mini` means `cputrain train ...`.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  const bool top_help = !args.empty() && (args[0] == "-h" || args[0] == "--help");
+  if (!top_help && (args.empty() || !is_subcommand(args[0]))) args.insert(args.begin(), "train");
+  std::reverse(args.begin(), args.end());  // CLI11 consumes a reversed vector
+
+  CLI::App app{"cputrain: train decoder-only transformers on CPUs", "cputrain"};
+  app.require_subcommand(1);
+  TrainArgs train_args;
+  CLI::App* train = app.add_subcommand("train", "Train a model (the default subcommand)");
+  add_train_flags(*train, train_args);
+  SampleArgs sample_args;
+  CLI::App* sample = app.add_subcommand("sample", "Generate text from a trained run");
+  add_sample_flags(*sample, sample_args);
+
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (train->parsed()) return run_train(train_args);
+    if (sample->parsed()) return run_sample(sample_args);
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "cputrain: error: %s\n", e.what());
+    return 1;
+  }
+  return 1;
+}
+
+}  // namespace cputrain

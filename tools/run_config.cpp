@@ -1,0 +1,86 @@
+#include "tools/run_config.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/error.h"
+
+namespace cputrain {
+
+using nlohmann::json;
+
+std::string run_config_to_json(const RunConfig& c) {
+  const json j = {
+      {"preset", c.preset},
+      {"corpus", c.corpus},
+      {"model",
+       {{"vocab", c.model.vocab},
+        {"d_model", c.model.d_model},
+        {"n_layers", c.model.n_layers},
+        {"n_heads", c.model.n_heads},
+        {"ffn", c.model.ffn},
+        {"ctx", c.model.ctx},
+        {"norm_eps", c.model.norm_eps},
+        {"rope_theta", c.model.rope_theta},
+        {"parameters", parameter_count(c.model)}}},
+      {"train",
+       {{"steps", c.steps},
+        {"batch", c.train.batch},
+        {"accum", c.train.accum},
+        {"ctx", c.train.ctx},
+        {"seed", c.train.seed},
+        {"lr", c.train.lr.peak},
+        {"warmup_steps", c.train.lr.warmup_steps},
+        {"min_lr_ratio", c.train.lr.min_ratio},
+        {"beta1", c.train.adamw.beta1},
+        {"beta2", c.train.adamw.beta2},
+        {"eps", c.train.adamw.eps},
+        {"weight_decay", c.train.adamw.weight_decay},
+        {"grad_clip", c.train.adamw.grad_clip},
+        {"threads", c.threads}}},
+  };
+  return j.dump(2) + "\n";
+}
+
+RunConfig read_run_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UserError(path + ": cannot open run configuration");
+  RunConfig c;
+  try {
+    const json j = json::parse(in);
+    c.preset = j.at("preset").get<std::string>();
+    c.corpus = j.at("corpus").get<std::string>();
+    const json& m = j.at("model");
+    c.model.vocab = m.at("vocab").get<int64_t>();
+    c.model.d_model = m.at("d_model").get<int64_t>();
+    c.model.n_layers = m.at("n_layers").get<int64_t>();
+    c.model.n_heads = m.at("n_heads").get<int64_t>();
+    c.model.ffn = m.at("ffn").get<int64_t>();
+    c.model.ctx = m.at("ctx").get<int64_t>();
+    c.model.norm_eps = m.at("norm_eps").get<float>();
+    c.model.rope_theta = m.at("rope_theta").get<double>();
+    const json& t = j.at("train");
+    c.steps = t.at("steps").get<int64_t>();
+    c.train.batch = t.at("batch").get<int64_t>();
+    c.train.accum = t.at("accum").get<int64_t>();
+    c.train.ctx = t.at("ctx").get<int64_t>();
+    c.train.seed = t.at("seed").get<uint64_t>();
+    c.train.lr.peak = t.at("lr").get<double>();
+    c.train.lr.warmup_steps = t.at("warmup_steps").get<int64_t>();
+    c.train.lr.min_ratio = t.at("min_lr_ratio").get<double>();
+    c.train.lr.total_steps = c.steps;
+    c.train.adamw.beta1 = t.at("beta1").get<float>();
+    c.train.adamw.beta2 = t.at("beta2").get<float>();
+    c.train.adamw.eps = t.at("eps").get<float>();
+    c.train.adamw.weight_decay = t.at("weight_decay").get<float>();
+    c.train.adamw.grad_clip = t.at("grad_clip").get<float>();
+    c.threads = t.at("threads").get<int>();
+  } catch (const json::exception& e) {
+    throw UserError(path + ": malformed run configuration (" + e.what() + ")");
+  }
+  const std::string error = validate(c.model);
+  if (!error.empty()) throw UserError(path + ": invalid model configuration: " + error);
+  return c;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,25 @@
+// config.json of a run directory: the model configuration and the options a run was started
+// with, so `sample` and later commands rebuild the same model.
+#pragma once
+
+#include <string>
+
+#include "engine/trainer.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+
+struct RunConfig {
+  std::string preset;
+  std::string corpus;
+  LlamaConfig model;
+  TrainOptions train;
+  int64_t steps = 0;
+  int threads = 0;
+};
+
+std::string run_config_to_json(const RunConfig& config);
+// UserError naming `path` when it is missing or malformed.
+RunConfig read_run_config(const std::string& path);
+
+}  // namespace cputrain

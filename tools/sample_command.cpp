@@ -1,0 +1,73 @@
+#include "tools/sample_command.h"
+
+#include <omp.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "engine/error.h"
+#include "engine/tokenizer.h"
+#include "engine/weights_file.h"
+#include "models/generate.h"
+#include "models/llama.h"
+#include "tools/run_config.h"
+
+namespace cputrain {
+
+void add_sample_flags(CLI::App& app, SampleArgs& a) {
+  app.add_option("--run", a.run, "Run directory written by `cputrain train`")->required();
+  app.add_option("--prompt", a.prompt, "Text to continue (default: start of a document)");
+  app.add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str();
+  app.add_option("--temperature", a.temperature, "Softmax temperature (0: greedy)")
+      ->capture_default_str();
+  app.add_option("--top-k", a.top_k, "Sample among the k most likely tokens (0: all)")
+      ->capture_default_str();
+  app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)");
+}
+
+int run_sample(const SampleArgs& a) {
+  if (a.max_tokens <= 0) throw UserError("--max-tokens must be positive");
+  if (a.temperature < 0) throw UserError("--temperature must not be negative");
+  if (a.top_k < 0) throw UserError("--top-k must not be negative");
+  if (!std::filesystem::is_directory(a.run))
+    throw UserError("--run " + a.run + ": no such run directory");
+  omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
+  const RunConfig config = read_run_config(a.run + "/config.json");
+  const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
+  if (tokenizer.vocab_size() != config.model.vocab)
+    throw UserError(a.run + "/tokenizer.model: vocabulary " + std::to_string(tokenizer.vocab_size()) +
+                    " does not match the model's " + std::to_string(config.model.vocab));
+  LlamaModel model(config.model);
+  load_weights(a.run + "/model.bin", model.parameters());
+
+  std::vector<int32_t> prompt = {tokenizer.bos_id()};
+  const std::vector<int32_t> encoded = tokenizer.encode(a.prompt);
+  prompt.insert(prompt.end(), encoded.begin(), encoded.end());
+  SampleOptions options;
+  options.max_new_tokens = a.max_tokens;
+  options.temperature = static_cast<float>(a.temperature);
+  options.top_k = a.top_k;
+  options.seed = a.seed;
+  options.stop_token = tokenizer.bos_id();
+
+  // Stream: decode everything generated so far and print what is new.
+  std::vector<int32_t> generated = encoded;
+  std::string printed = tokenizer.decode(generated);
+  std::fputs(printed.c_str(), stdout);
+  std::fflush(stdout);
+  generate(model, prompt, options, [&](int32_t token) {
+    if (token == tokenizer.bos_id()) return;
+    generated.push_back(token);
+    const std::string text = tokenizer.decode(generated);
+    if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+      std::fputs(text.c_str() + printed.size(), stdout);
+      std::fflush(stdout);
+      printed = text;
+    }
+  });
+  std::fputs("\n", stdout);
+  return 0;
+}
+
+}  // namespace cputrain

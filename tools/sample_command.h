@@ -1,0 +1,23 @@
+// `cputrain sample`: generate text from a run directory's saved model.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+namespace cputrain {
+
+struct SampleArgs {
+  std::string run;
+  std::string prompt;
+  int64_t max_tokens = 200;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1;
+  int threads = 0;
+};
+
+void add_sample_flags(CLI::App& app, SampleArgs& args);
+int run_sample(const SampleArgs& args);
+
+}  // namespace cputrain

@@ -1,0 +1,240 @@
+#include "tools/train_command.h"
+
+#include <omp.h>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/atomic_file.h"
+#include "engine/data_pipeline.h"
+#include "engine/error.h"
+#include "engine/memory.h"
+#include "engine/trainer.h"
+#include "engine/weights_file.h"
+#include "kernels/gemm.h"
+#include "models/generate.h"
+#include "models/llama.h"
+#include "tools/run_config.h"
+
+namespace cputrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+int64_t default_steps(const std::string& preset) {
+  if (preset == "tiny") return 200;
+  if (preset == "mini") return 600;
+  return 2000;
+}
+
+double default_lr(const LlamaConfig& c) { return c.d_model <= 256 ? 1e-3 : (c.d_model <= 512 ? 6e-4 : 3e-4); }
+
+void require_positive(int64_t value, const char* flag) {
+  if (value <= 0) throw UserError(std::string(flag) + " must be positive (got " + std::to_string(value) + ")");
+}
+
+// Resolves preset values and flag overrides into a validated run configuration.
+RunConfig resolve(const TrainArgs& a) {
+  const auto preset = find_preset(a.preset);
+  if (!preset) {
+    std::string names;
+    for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    throw UserError("--preset " + a.preset + ": unknown preset (choose one of " + names + ")");
+  }
+  RunConfig c;
+  c.preset = a.preset;
+  c.corpus = a.corpus;
+  c.model = preset->config;
+  auto take = [](int64_t flag, int64_t preset_value, const char* name) {
+    if (flag == -1) return preset_value;
+    require_positive(flag, name);
+    return flag;
+  };
+  c.model.vocab = take(a.vocab, c.model.vocab, "--vocab");
+  c.model.d_model = take(a.d_model, c.model.d_model, "--d-model");
+  c.model.n_layers = take(a.layers, c.model.n_layers, "--layers");
+  c.model.n_heads = take(a.heads, c.model.n_heads, "--heads");
+  c.model.ffn = take(a.ffn, c.model.ffn, "--ffn");
+  c.model.ctx = take(a.ctx, c.model.ctx, "--ctx");
+  const std::string error = validate(c.model);
+  if (!error.empty()) throw UserError(error);
+  c.steps = take(a.steps, default_steps(a.preset), "--steps");
+  c.train.batch = take(a.batch, preset->batch, "--batch");
+  c.train.accum = take(a.accum, preset->accum, "--accum");
+  c.train.ctx = c.model.ctx;
+  c.train.seed = a.seed;
+  c.train.lr.peak = a.lr < 0 ? default_lr(c.model) : a.lr;
+  if (!(c.train.lr.peak > 0.0) || !std::isfinite(c.train.lr.peak))
+    throw UserError("--lr must be a positive number (got " + std::to_string(a.lr) + ")");
+  c.train.lr.warmup_steps = a.warmup >= 0 ? a.warmup : std::min<int64_t>(100, c.steps / 10);
+  c.train.lr.total_steps = c.steps;
+  c.train.lr.min_ratio = 0.1;
+  c.train.adamw.weight_decay = static_cast<float>(a.weight_decay);
+  c.train.adamw.grad_clip = static_cast<float>(a.grad_clip);
+  if (a.eval_windows <= 0) throw UserError("--eval-windows must be positive");
+  c.threads = a.threads > 0 ? a.threads : omp_get_num_procs();
+  return c;
+}
+
+// Creates the run directory and proves it writable, before any work is done.
+void prepare_run_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError("--out " + dir + ": cannot create directory (" + ec.message() + ")");
+  const std::string probe = dir + "/.write-test";
+  std::ofstream out(probe);
+  if (!out || !(out << "ok") || (out.close(), !out))
+    throw UserError("--out " + dir + ": directory is not writable");
+  fs::remove(probe, ec);
+}
+
+std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path) {
+  auto console = std::make_shared<spdlog::sinks::stdout_sink_mt>();
+  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_path, false);
+  auto logger = std::make_shared<spdlog::logger>("cputrain", spdlog::sinks_init_list{console, file});
+  logger->set_pattern("[%H:%M:%S] %v");
+  logger->flush_on(spdlog::level::info);
+  return logger;
+}
+
+double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
+
+std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t tokens,
+                        uint64_t seed) {
+  SampleOptions options;
+  options.max_new_tokens = tokens;
+  options.seed = seed;
+  options.stop_token = tokenizer.bos_id();
+  std::vector<int32_t> out = generate(model, {tokenizer.bos_id()}, options);
+  std::vector<int32_t> body;
+  for (size_t i = 1; i < out.size(); ++i)
+    if (out[i] != tokenizer.bos_id()) body.push_back(out[i]);
+  return tokenizer.decode(body);
+}
+
+}  // namespace
+
+void add_train_flags(CLI::App& app, TrainArgs& a) {
+  app.add_option("--preset", a.preset, "Model preset: tiny, mini, mega, behemoth, titan")
+      ->capture_default_str();
+  app.add_option("--corpus", a.corpus, "Text file or folder of text files")->capture_default_str();
+  app.add_option("--out", a.out, "Run directory (default runs/<preset>)");
+  app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)");
+  app.add_option("--batch", a.batch, "Sequences per micro-batch (default: per preset)");
+  app.add_option("--accum", a.accum, "Micro-batches per optimizer step (default: per preset)");
+  app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)");
+  app.add_option("--vocab", a.vocab, "Tokenizer vocabulary size (default: per preset)");
+  app.add_option("--d-model", a.d_model, "Model width");
+  app.add_option("--layers", a.layers, "Number of blocks");
+  app.add_option("--heads", a.heads, "Attention heads");
+  app.add_option("--ffn", a.ffn, "SwiGLU hidden width");
+  app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)");
+  app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))");
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay on matrices")
+      ->capture_default_str();
+  app.add_option("--grad-clip", a.grad_clip, "Global gradient-norm clip (0: off)")
+      ->capture_default_str();
+  app.add_option("--seed", a.seed, "Seed for init and batch sampling")->capture_default_str();
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)");
+  app.add_option("--eval-every", a.eval_every, "Validation loss every N steps (default: steps / 10)");
+  app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
+      ->capture_default_str();
+  app.add_option("--sample-every", a.sample_every, "Print a sample every N steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--sample-tokens", a.sample_tokens, "Tokens per printed sample")
+      ->capture_default_str();
+  app.add_option("--log-every", a.log_every, "Log a line every N steps")->capture_default_str();
+  app.add_option("--gemm", a.gemm, "GEMM implementation: eigen or reference (default: fastest)");
+}
+
+int run_train(const TrainArgs& args) {
+  RunConfig config = resolve(args);
+  if (args.gemm.size()) {
+    kernels::GemmBackend backend;
+    if (!kernels::gemm_backend_from_name(args.gemm, &backend))
+      throw UserError("--gemm " + args.gemm + ": unknown implementation (eigen or reference)");
+    kernels::gemm_set_backend(backend);
+  }
+  if (args.log_every <= 0) throw UserError("--log-every must be positive");
+  const std::string out = args.out.empty() ? "runs/" + config.preset : args.out;
+  prepare_run_dir(out);
+  omp_set_num_threads(config.threads);
+  auto log = make_logger(out + "/train.log");
+  spdlog::set_default_logger(log);
+
+  PreparedData data = prepare_data(config.corpus, static_cast<int>(config.model.vocab), out);
+  config.model.vocab = data.tokenizer.vocab_size();
+  const auto train_tokens = data.dataset.train_tokens();
+  const auto val_tokens = data.dataset.val_tokens();
+  if (static_cast<int64_t>(train_tokens.size()) < config.train.ctx + 1)
+    throw UserError("--corpus " + config.corpus + ": the training split has " +
+                    std::to_string(train_tokens.size()) + " tokens, fewer than one window of --ctx " +
+                    std::to_string(config.train.ctx) + " + 1");
+  const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
+  if (!can_eval)
+    log->warn("the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
+              "validation loss", val_tokens.size(), config.train.ctx);
+  const int64_t eval_every = args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+
+  LlamaModel model(config.model);
+  model.init_weights(config.train.seed);
+  write_file_atomic(out + "/config.json", run_config_to_json(config));
+  log->info("model {}: {} parameters (d_model {}, layers {}, heads {}, ffn {}, vocab {}, ctx {})",
+            config.preset, parameter_count(config.model), config.model.d_model,
+            config.model.n_layers, config.model.n_heads, config.model.ffn, config.model.vocab,
+            config.model.ctx);
+  log->info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads, "
+            "gemm {}", config.steps, config.train.batch, config.train.accum, config.train.ctx,
+            config.train.lr.peak, config.train.lr.warmup_steps, config.threads,
+            kernels::gemm_backend_name(kernels::gemm_backend()));
+
+  Trainer trainer(model.parameters(),
+                  [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
+                  config.train);
+  std::ofstream metrics(out + "/metrics.jsonl", std::ios::trunc);
+  if (!metrics) throw UserError(out + "/metrics.jsonl: cannot open for writing");
+
+  for (int64_t step = 1; step <= config.steps; ++step) {
+    const StepResult r = trainer.step(train_tokens, step);
+    if (!std::isfinite(r.loss))
+      throw UserError("step " + std::to_string(step) + ": loss is " + std::to_string(r.loss) +
+                      " (try a lower --lr)");
+    const ProcessMemory mem = process_memory();
+    nlohmann::json m = {{"step", step},
+                        {"loss", r.loss},
+                        {"lr", r.lr},
+                        {"grad_norm", r.grad_norm},
+                        {"tokens_per_s", r.tokens_per_s},
+                        {"ms", r.ms},
+                        {"rss_bytes", mem.rss_bytes},
+                        {"peak_rss_bytes", mem.peak_rss_bytes}};
+    std::string val;
+    if (can_eval && (step % eval_every == 0 || step == config.steps)) {
+      const double v = trainer.evaluate(val_tokens, args.eval_windows);
+      m["val_loss"] = v;
+      val = fmt::format(" | val {:.4f}", v);
+    }
+    metrics << m.dump() << "\n" << std::flush;
+    if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
+      log->info("step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
+                "{:.0f} ms | mem {:.2f} GiB",
+                step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
+                gib(mem.rss_bytes));
+    }
+    if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
+      log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
+  }
+  const std::string weights_path = out + "/model.bin";
+  save_weights(weights_path, model.parameters(), run_config_to_json(config));
+  log->info("saved {}", weights_path);
+  for (uint64_t i = 1; i <= 3; ++i)
+    log->info("sample {}: {}", i, sample_text(model, data.tokenizer, args.sample_tokens, i));
+  return 0;
+}
+
+}  // namespace cputrain
