@@ -1,6 +1,6 @@
-// Causal multi-head scaled dot-product attention, computed flash-style: one query row at a
-// time with an online softmax, so no (T, T) score matrix is ever stored. Backward recomputes
-// the probabilities from the saved log-sum-exp.
+// Causal multi-head scaled dot-product attention, one query row at a time with a row-sized
+// scratch buffer, so no (T, T) score matrix is ever stored. Backward recomputes the
+// probabilities from the saved log-sum-exp.
 #pragma once
 
 #include <cstdint>

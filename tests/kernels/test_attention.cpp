@@ -1,0 +1,123 @@
+// Causal attention against a double-precision reference that builds the full score matrix;
+// backward against numerical gradients of that reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernel_test_util.h"
+#include "kernels/attention.h"
+
+namespace cputrain::kernels {
+namespace {
+
+using test::max_error;
+using test::numerical_gradient;
+using test::random_floats;
+using test::ThreadCount;
+using test::to_double;
+
+struct Dims {
+  int64_t B, T, H, D;
+  int64_t n() const { return B * T * H * D; }
+  int64_t at(int64_t b, int64_t t, int64_t h) const { return ((b * T + t) * H + h) * D; }
+};
+
+// out and lse of causal softmax(q k^T / sqrt(D)) v; returns sum(out * dout) when dout is given.
+double attention_ref(const Dims& s, const std::vector<double>& q, const std::vector<double>& k,
+                     const std::vector<double>& v, const std::vector<float>* dout,
+                     std::vector<double>* out, std::vector<double>* lse) {
+  double loss = 0.0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t i = 0; i < s.T; ++i) {
+        std::vector<double> score(s.T, 0.0);
+        double max = -1e300;
+        for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t d = 0; d < s.D; ++d)
+            score[j] += q[s.at(b, i, h) + d] * k[s.at(b, j, h) + d] * scale;
+          max = std::max(max, score[j]);
+        }
+        double sum = 0.0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(score[j] - max);
+        if (lse) (*lse)[(b * s.H + h) * s.T + i] = max + std::log(sum);
+        for (int64_t d = 0; d < s.D; ++d) {
+          double o = 0.0;
+          for (int64_t j = 0; j <= i; ++j)
+            o += std::exp(score[j] - max) / sum * v[s.at(b, j, h) + d];
+          if (out) (*out)[s.at(b, i, h) + d] = o;
+          if (dout) loss += o * (*dout)[s.at(b, i, h) + d];
+        }
+      }
+  return loss;
+}
+
+class Attention : public ::testing::TestWithParam<Dims> {};
+
+TEST_P(Attention, ForwardMatchesReference) {
+  const Dims s = GetParam();
+  const std::vector<float> q = random_floats(s.n(), 1, -2.0f, 2.0f);
+  const std::vector<float> k = random_floats(s.n(), 2, -2.0f, 2.0f);
+  const std::vector<float> v = random_floats(s.n(), 3);
+  std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T);
+  attention_ref(s, to_double(q), to_double(k), to_double(v), nullptr, &want, &want_lse);
+  for (int threads : {1, 2}) {
+    ThreadCount tc(threads);
+    std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
+    attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.D);
+    EXPECT_LT(max_error(out, want), 1e-5);
+    EXPECT_LT(max_error(lse, want_lse), 1e-5);
+  }
+}
+
+TEST_P(Attention, BackwardMatchesNumericalGradient) {
+  const Dims s = GetParam();
+  const std::vector<float> q = random_floats(s.n(), 4, -2.0f, 2.0f);
+  const std::vector<float> k = random_floats(s.n(), 5, -2.0f, 2.0f);
+  const std::vector<float> v = random_floats(s.n(), 6);
+  const std::vector<float> dout = random_floats(s.n(), 7);
+  std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
+  attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.D);
+  const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
+  auto want_dq = numerical_gradient(
+      [&](const auto& x) { return attention_ref(s, x, kd, vd, &dout, nullptr, nullptr); }, qd);
+  auto want_dk = numerical_gradient(
+      [&](const auto& x) { return attention_ref(s, qd, x, vd, &dout, nullptr, nullptr); }, kd);
+  auto want_dv = numerical_gradient(
+      [&](const auto& x) { return attention_ref(s, qd, kd, x, &dout, nullptr, nullptr); }, vd);
+  const std::vector<float> base = random_floats(s.n(), 8);
+  for (size_t i = 0; i < base.size(); ++i) {
+    want_dq[i] += base[i];
+    want_dk[i] += base[i];
+    want_dv[i] += base[i];
+  }
+  std::vector<float> first;
+  for (int threads : {1, 2}) {
+    ThreadCount tc(threads);
+    std::vector<float> dq = base, dk = base, dv = base;
+    attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                       out.data(), lse.data(), s.B, s.T, s.H, s.D);
+    EXPECT_LT(max_error(dq, want_dq), 1e-4);
+    EXPECT_LT(max_error(dk, want_dk), 1e-4);
+    EXPECT_LT(max_error(dv, want_dv), 1e-4);
+    std::vector<float> all = dq;
+    all.insert(all.end(), dk.begin(), dk.end());
+    all.insert(all.end(), dv.begin(), dv.end());
+    if (first.empty())
+      first = all;
+    else
+      EXPECT_EQ(all, first) << "gradients depend on the thread count";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
+                         ::testing::Values(Dims{1, 1, 1, 4}, Dims{2, 7, 3, 5}, Dims{1, 13, 2, 8},
+                                           Dims{3, 4, 1, 3}),
+                         [](const auto& info) {
+                           const Dims& d = info.param;
+                           return "B" + std::to_string(d.B) + "T" + std::to_string(d.T) + "H" +
+                                  std::to_string(d.H) + "D" + std::to_string(d.D);
+                         });
+
+}  // namespace
+}  // namespace cputrain::kernels

@@ -1,0 +1,255 @@
+// Embedding, RMSNorm, RoPE, SwiGLU, cross-entropy and the vector sums against double-precision
+// references written here; backward kernels against numerical gradients of those references,
+// starting from non-zero gradients since every backward kernel accumulates.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernel_test_util.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/embedding.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
+#include "kernels/vector_add.h"
+
+namespace cputrain::kernels {
+namespace {
+
+using test::max_error;
+using test::numerical_gradient;
+using test::random_floats;
+using test::ThreadCount;
+using test::to_double;
+
+// Adds `base` to a gradient so it can be compared with an accumulating kernel's output.
+std::vector<double> plus(const std::vector<double>& g, const std::vector<float>& base) {
+  std::vector<double> out(g.size());
+  for (size_t i = 0; i < g.size(); ++i) out[i] = g[i] + base[i];
+  return out;
+}
+
+TEST(Embedding, ForwardGathersAndBackwardScattersRepeats) {
+  const int64_t V = 11, C = 70, N = 9;  // C spans a column block and a tail
+  const std::vector<int32_t> tokens = {3, 0, 10, 3, 3, 7, 0, 5, 10};
+  const std::vector<float> table = random_floats(V * C, 1);
+  std::vector<float> out(N * C);
+  embedding_forward(out.data(), tokens.data(), table.data(), N, C);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t c = 0; c < C; ++c) ASSERT_EQ(out[i * C + c], table[tokens[i] * C + c]);
+
+  const std::vector<float> dout = random_floats(N * C, 2);
+  const std::vector<float> base = random_floats(V * C, 3);
+  std::vector<double> want(base.begin(), base.end());
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t c = 0; c < C; ++c) want[tokens[i] * C + c] += dout[i * C + c];
+  for (int threads : {1, 2}) {
+    ThreadCount tc(threads);
+    std::vector<float> dtable = base;
+    embedding_backward(dtable.data(), dout.data(), tokens.data(), N, C);
+    EXPECT_LT(max_error(dtable, want), 1e-6) << threads << " threads";
+  }
+}
+
+double rmsnorm_ref(const std::vector<double>& x, const std::vector<double>& w,
+                   const std::vector<float>& dout, int64_t N, int64_t C, float eps,
+                   std::vector<double>* y_out = nullptr) {
+  double loss = 0.0;
+  for (int64_t i = 0; i < N; ++i) {
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += x[i * C + c] * x[i * C + c];
+    const double r = 1.0 / std::sqrt(ss / C + eps);
+    for (int64_t c = 0; c < C; ++c) {
+      const double y = x[i * C + c] * r * w[c];
+      if (y_out) (*y_out)[i * C + c] = y;
+      loss += y * dout[i * C + c];
+    }
+  }
+  return loss;
+}
+
+TEST(RmsNorm, ForwardAndBackwardMatchReference) {
+  const int64_t N = 37, C = 19;  // dweight sums over more than one row block
+  const float eps = 1e-5f;
+  const std::vector<float> x = random_floats(N * C, 4, -2.0f, 2.0f);
+  const std::vector<float> w = random_floats(C, 5, 0.5f, 1.5f);
+  const std::vector<float> dout = random_floats(N * C, 6);
+  std::vector<double> y_ref(N * C);
+  rmsnorm_ref(to_double(x), to_double(w), dout, N, C, eps, &y_ref);
+  std::vector<float> y(N * C), rstd(N);
+  rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, eps);
+  EXPECT_LT(max_error(y, y_ref), 1e-6);
+
+  const auto fx = [&](const std::vector<double>& xv) {
+    return rmsnorm_ref(xv, to_double(w), dout, N, C, eps);
+  };
+  const auto fw = [&](const std::vector<double>& wv) {
+    return rmsnorm_ref(to_double(x), wv, dout, N, C, eps);
+  };
+  const std::vector<float> dx0 = random_floats(N * C, 7), dw0 = random_floats(C, 8);
+  const std::vector<double> want_dx = plus(numerical_gradient(fx, to_double(x)), dx0);
+  const std::vector<double> want_dw = plus(numerical_gradient(fw, to_double(w)), dw0);
+  std::vector<float> first_dw;
+  for (int threads : {1, 2}) {
+    ThreadCount tc(threads);
+    std::vector<float> dx = dx0, dw = dw0;
+    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+    EXPECT_LT(max_error(dx, want_dx), 1e-5);
+    EXPECT_LT(max_error(dw, want_dw), 1e-5);
+    if (first_dw.empty())
+      first_dw = dw;
+    else
+      EXPECT_EQ(dw, first_dw) << "dweight depends on the thread count";
+  }
+}
+
+TEST(Rope, TableForwardAndBackward) {
+  const int64_t B = 2, T = 5, H = 3, D = 6;
+  const double theta = 10000.0;
+  std::vector<float> table(T * D);
+  rope_table(table.data(), T, D, theta);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const double angle = t * std::pow(theta, -2.0 * j / D);
+      ASSERT_FLOAT_EQ(table[(t * D / 2 + j) * 2], static_cast<float>(std::cos(angle)));
+      ASSERT_FLOAT_EQ(table[(t * D / 2 + j) * 2 + 1], static_cast<float>(std::sin(angle)));
+    }
+  const int64_t n = B * T * H * D;
+  const std::vector<float> x = random_floats(n, 9);
+  const std::vector<float> dout = random_floats(n, 10);
+  // Reference: rotate each adjacent pair (x[2j], x[2j+1]) of position t.
+  const auto ref = [&](const std::vector<double>& xv, std::vector<double>* y) {
+    double loss = 0.0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < D / 2; ++j) {
+            const int64_t at = ((b * T + t) * H + h) * D + 2 * j;
+            const double c = table[(t * D / 2 + j) * 2], s = table[(t * D / 2 + j) * 2 + 1];
+            const double y0 = xv[at] * c - xv[at + 1] * s, y1 = xv[at] * s + xv[at + 1] * c;
+            if (y) (*y)[at] = y0, (*y)[at + 1] = y1;
+            loss += y0 * dout[at] + y1 * dout[at + 1];
+          }
+    return loss;
+  };
+  std::vector<double> y_ref(n);
+  ref(to_double(x), &y_ref);
+  std::vector<float> y(n);
+  rope_forward(y.data(), x.data(), table.data(), B, T, H, D);
+  EXPECT_LT(max_error(y, y_ref), 1e-6);
+  std::vector<float> inplace = x;
+  rope_forward(inplace.data(), inplace.data(), table.data(), B, T, H, D);
+  EXPECT_EQ(inplace, y);
+
+  const std::vector<float> dx0 = random_floats(n, 11);
+  const std::vector<double> want =
+      plus(numerical_gradient([&](const std::vector<double>& v) { return ref(v, nullptr); },
+                              to_double(x)),
+           dx0);
+  std::vector<float> dx = dx0;
+  rope_backward(dx.data(), dout.data(), table.data(), B, T, H, D);
+  EXPECT_LT(max_error(dx, want), 1e-6);
+}
+
+TEST(SwiGlu, ForwardAndBackwardMatchReference) {
+  const int64_t n = 101;
+  const std::vector<float> gate = random_floats(n, 12, -6.0f, 6.0f);
+  const std::vector<float> up = random_floats(n, 13, -2.0f, 2.0f);
+  const std::vector<float> dout = random_floats(n, 14);
+  const auto ref = [&](const std::vector<double>& g, const std::vector<double>& u) {
+    double loss = 0.0;
+    for (int64_t i = 0; i < n; ++i) loss += g[i] / (1.0 + std::exp(-g[i])) * u[i] * dout[i];
+    return loss;
+  };
+  std::vector<float> out(n);
+  swiglu_forward(out.data(), gate.data(), up.data(), n);
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_NEAR(out[i], gate[i] / (1.0 + std::exp(-static_cast<double>(gate[i]))) * up[i], 1e-5);
+  const std::vector<float> dg0 = random_floats(n, 15), du0 = random_floats(n, 16);
+  const auto want_dg = plus(
+      numerical_gradient([&](const std::vector<double>& g) { return ref(g, to_double(up)); },
+                         to_double(gate)),
+      dg0);
+  const auto want_du = plus(
+      numerical_gradient([&](const std::vector<double>& u) { return ref(to_double(gate), u); },
+                         to_double(up)),
+      du0);
+  std::vector<float> dg = dg0, du = du0;
+  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
+  EXPECT_LT(max_error(dg, want_dg), 1e-5);
+  EXPECT_LT(max_error(du, want_du), 1e-5);
+}
+
+TEST(CrossEntropy, ForwardAndBackwardMatchReference) {
+  const int64_t N = 7, V = 53;
+  const std::vector<float> logits = random_floats(N * V, 17, -8.0f, 8.0f);
+  const std::vector<int32_t> targets = {0, 52, 17, 17, 3, 40, 26};
+  const std::vector<float> dlosses = random_floats(N, 18, 0.1f, 1.0f);
+  const auto ref = [&](const std::vector<double>& x, std::vector<double>* losses) {
+    double total = 0.0;
+    for (int64_t i = 0; i < N; ++i) {
+      double sum = 0.0;
+      for (int64_t j = 0; j < V; ++j) sum += std::exp(x[i * V + j]);
+      const double l = std::log(sum) - x[i * V + targets[i]];
+      if (losses) (*losses)[i] = l;
+      total += l * dlosses[i];
+    }
+    return total;
+  };
+  std::vector<double> want(N);
+  ref(to_double(logits), &want);
+  std::vector<float> losses(N), lse(N);
+  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  EXPECT_LT(max_error(losses, want), 1e-6);
+
+  // Large logits must not overflow.
+  std::vector<float> big = logits;
+  for (float& x : big) x += 1000.0f;
+  std::vector<float> big_losses(N), big_lse(N);
+  cross_entropy_forward(big_losses.data(), big_lse.data(), big.data(), targets.data(), N, V);
+  for (int64_t i = 0; i < N; ++i) ASSERT_NEAR(big_losses[i], want[i], 1e-3);
+
+  const std::vector<float> d0 = random_floats(N * V, 19);
+  const auto want_d = plus(
+      numerical_gradient([&](const std::vector<double>& x) { return ref(x, nullptr); },
+                         to_double(logits)),
+      d0);
+  std::vector<float> d = d0;
+  cross_entropy_backward(d.data(), logits.data(), lse.data(), targets.data(), dlosses.data(), N,
+                         V);
+  EXPECT_LT(max_error(d, want_d), 1e-5);
+}
+
+TEST(VectorOps, AddAccumulateAndSumOfSquares) {
+  const int64_t n = 100003;  // several blocks and a tail
+  const std::vector<float> a = random_floats(n, 20), b = random_floats(n, 21);
+  std::vector<float> out(n);
+  vector_add(out.data(), a.data(), b.data(), n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], a[i] + b[i]);
+  std::vector<float> alias = a;
+  vector_add(alias.data(), alias.data(), b.data(), n);
+  EXPECT_EQ(alias, out);
+  std::vector<float> acc = a;
+  vector_accumulate(acc.data(), b.data(), n);
+  EXPECT_EQ(acc, out);
+
+  double want = 0.0;
+  for (float x : a) want += static_cast<double>(x) * x;
+  double first = 0.0;
+  for (int threads : {1, 2}) {
+    ThreadCount tc(threads);
+    const double got = vector_sum_squares(a.data(), n);
+    EXPECT_NEAR(got, want, 1e-9 * want);
+    if (threads == 1)
+      first = got;
+    else
+      EXPECT_EQ(got, first) << "depends on the thread count";
+  }
+  EXPECT_EQ(vector_sum_squares(a.data(), 0), 0.0);
+  EXPECT_EQ(vector_sum_squares(a.data(), 3),
+            static_cast<double>(a[0]) * a[0] + static_cast<double>(a[1]) * a[1] +
+                static_cast<double>(a[2]) * a[2]);
+}
+
+}  // namespace
+}  // namespace cputrain::kernels
