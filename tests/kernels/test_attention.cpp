@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <sstream>
 
 #include "kernel_test_util.h"
 #include "kernels/attention.h"
@@ -115,8 +116,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Dims{3, 4, 1, 3}),
                          [](const auto& info) {
                            const Dims& d = info.param;
-                           return "B" + std::to_string(d.B) + "T" + std::to_string(d.T) + "H" +
-                                  std::to_string(d.H) + "D" + std::to_string(d.D);
+                           std::ostringstream name;
+                           name << "B" << d.B << "T" << d.T << "H" << d.H << "D" << d.D;
+                           return name.str();
                          });
 
 }  // namespace
