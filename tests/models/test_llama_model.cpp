@@ -1,0 +1,163 @@
+// The decoder's presets, parameter count, initialisation, gradient-accumulation equivalence and
+// sampling.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <set>
+
+#include "models/generate.h"
+#include "models/llama.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+namespace {
+
+// V*C embedding + V*C head + C final norm + per layer 4 C^2 attention, 3 C F MLP, 2 C norms.
+int64_t analytic_count(const LlamaConfig& c) {
+  return 2 * c.vocab * c.d_model + c.d_model +
+         c.n_layers * (4 * c.d_model * c.d_model + 3 * c.d_model * c.ffn + 2 * c.d_model);
+}
+
+TEST(Presets, TableAndParameterCounts) {
+  const std::vector<std::string> names = preset_names();
+  EXPECT_EQ(names, (std::vector<std::string>{"tiny", "mini", "mega", "behemoth", "titan"}));
+  for (const std::string& name : names) {
+    const Preset p = *find_preset(name);
+    EXPECT_EQ(parameter_count(p.config), analytic_count(p.config)) << name;
+    EXPECT_EQ(validate(p.config), "") << name;
+    EXPECT_EQ(p.config.d_model % p.config.n_heads, 0) << name;
+  }
+  EXPECT_FALSE(find_preset("gigantic").has_value());
+  // The sizes DESIGN.md quotes for a 16384 vocabulary.
+  EXPECT_NEAR(parameter_count(find_preset("mega")->config) / 1e6, 99, 1);
+  EXPECT_NEAR(parameter_count(find_preset("behemoth")->config) / 1e6, 444, 2);
+  EXPECT_NEAR(parameter_count(find_preset("titan")->config) / 1e9, 1.41, 0.01);
+}
+
+TEST(Presets, ValidateRejectsInconsistentShapes) {
+  LlamaConfig c = find_preset("tiny")->config;
+  c.n_heads = 5;  // 64 is not divisible by 5
+  EXPECT_NE(validate(c), "");
+  c = find_preset("tiny")->config;
+  c.d_model = 60;
+  c.n_heads = 4;  // head dim 15 is odd: RoPE rotates pairs
+  EXPECT_NE(validate(c), "");
+}
+
+TEST(LlamaModel, ParameterSetMatchesCountAndNames) {
+  const LlamaConfig c = find_preset("mini")->config;
+  LlamaModel model(c);
+  int64_t total = 0;
+  std::set<std::string> names;
+  for (const ParameterInfo& info : model.parameters().infos()) {
+    total += info.shape.numel();
+    EXPECT_TRUE(names.insert(info.name).second) << info.name;
+    EXPECT_EQ(info.decay, info.shape.ndim() == 2) << info.name;
+  }
+  EXPECT_EQ(total, parameter_count(c));
+  EXPECT_EQ(names.count("layers.5.feed_forward.w2.weight"), 1u);
+}
+
+TEST(LlamaModel, InitIsSeededWithTheDesignedScales) {
+  LlamaConfig c = find_preset("tiny")->config;
+  c.n_layers = 8;
+  LlamaModel a(c), b(c), other(c);
+  a.init_weights(7);
+  b.init_weights(7);
+  other.init_weights(8);
+  const ParameterSet& p = a.parameters();
+  const int64_t n = p.weights().numel();
+  EXPECT_TRUE(std::equal(p.weights().f32(), p.weights().f32() + n, b.parameters().weights().f32()));
+  EXPECT_FALSE(
+      std::equal(p.weights().f32(), p.weights().f32() + n, other.parameters().weights().f32()));
+  for (const ParameterInfo& info : p.infos()) {
+    const float* w = p.weights().f32() + info.offset;
+    const int64_t m = info.shape.numel();
+    if (info.shape.ndim() == 1) {
+      for (int64_t i = 0; i < m; ++i) ASSERT_EQ(w[i], 1.0f) << info.name;
+      continue;
+    }
+    double sum = 0.0, sq = 0.0;
+    for (int64_t i = 0; i < m; ++i) sum += w[i], sq += static_cast<double>(w[i]) * w[i];
+    const double mean = sum / m, stddev = std::sqrt(sq / m - mean * mean);
+    const bool residual = info.name.ends_with("wo.weight") || info.name.ends_with("w2.weight");
+    const double want = residual ? 0.02 / std::sqrt(2.0 * c.n_layers) : 0.02;
+    EXPECT_NEAR(stddev, want, 0.06 * want) << info.name;  // >= 4096 samples each
+    EXPECT_NEAR(mean, 0.0, 0.1 * want) << info.name;
+  }
+}
+
+Tensor random_tokens(int64_t B, int64_t T, int64_t V, uint32_t seed) {
+  Tensor t = Tensor::empty(Shape{B, T}, DType::I32, MemoryCategory::Workspace);
+  std::mt19937 rng(seed);
+  for (int64_t i = 0; i < B * T; ++i) t.i32()[i] = static_cast<int32_t>(rng() % V);
+  return t;
+}
+
+TEST(LlamaModel, InitialLossIsNearUniform) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  LlamaModel model(c);
+  model.init_weights(1);
+  const Tensor x = random_tokens(2, 16, c.vocab, 1), y = random_tokens(2, 16, c.vocab, 2);
+  NoGradGuard no_grad;
+  const float loss = model.loss(x, y).value().f32()[0];
+  EXPECT_NEAR(loss, std::log(static_cast<double>(c.vocab)), 0.1);
+}
+
+// Two half batches, each loss scaled by 1/2, give the gradients of the whole batch.
+TEST(LlamaModel, GradientAccumulationEqualsTheFullBatch) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  LlamaModel model(c);
+  model.init_weights(3);
+  const int64_t B = 4, T = 24;
+  const Tensor x = random_tokens(B, T, c.vocab, 3), y = random_tokens(B, T, c.vocab, 4);
+  ParameterSet& p = model.parameters();
+  const int64_t n = p.gradients().numel();
+
+  p.zero_grad();
+  backward(model.loss(x, y));
+  const std::vector<float> full(p.gradients().f32(), p.gradients().f32() + n);
+
+  p.zero_grad();
+  for (int64_t half = 0; half < 2; ++half) {
+    Tensor xh = Tensor::empty(Shape{B / 2, T}, DType::I32, MemoryCategory::Workspace);
+    Tensor yh = Tensor::empty(Shape{B / 2, T}, DType::I32, MemoryCategory::Workspace);
+    std::copy_n(x.i32() + half * (B / 2) * T, (B / 2) * T, xh.i32());
+    std::copy_n(y.i32() + half * (B / 2) * T, (B / 2) * T, yh.i32());
+    backward(model.loss(xh, yh), 0.5f);
+  }
+  double max_diff = 0.0, max_ref = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    max_diff = std::max(max_diff, std::abs(static_cast<double>(p.gradients().f32()[i]) - full[i]));
+    max_ref = std::max(max_ref, std::abs(static_cast<double>(full[i])));
+  }
+  EXPECT_GT(max_ref, 0.0);
+  EXPECT_LT(max_diff / max_ref, 1e-5);
+}
+
+TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  LlamaModel model(c);
+  model.init_weights(5);
+  SampleOptions greedy;
+  greedy.temperature = 0.0f;
+  greedy.max_new_tokens = 10;
+  const std::vector<int32_t> a = generate(model, {1, 2, 3}, greedy);
+  const std::vector<int32_t> b = generate(model, {1, 2, 3}, greedy);
+  EXPECT_EQ(a, b);
+  ASSERT_EQ(a.size(), 13u);
+  EXPECT_EQ(std::vector<int32_t>(a.begin(), a.begin() + 3), (std::vector<int32_t>{1, 2, 3}));
+
+  const std::vector<float> logits = {0.0f, 5.0f, 1.0f, 4.0f, -2.0f};
+  EXPECT_EQ(sample_token(logits.data(), 5, 0.0f, 0, 0.5), 1);
+  for (double u : {0.0, 0.3, 0.7, 0.999999}) {
+    const int32_t t = sample_token(logits.data(), 5, 1.0f, 2, u);
+    EXPECT_TRUE(t == 1 || t == 3) << u;  // only the two largest survive top-k 2
+  }
+  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 0.0), 1);
+  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 0.999999), 4);  // whole vocabulary
+}
+
+}  // namespace
+}  // namespace cputrain
