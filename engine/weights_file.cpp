@@ -7,20 +7,13 @@
 
 #include "engine/atomic_file.h"
 #include "engine/error.h"
+#include "engine/hash.h"
 
 namespace cputrain {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'T', 'W', 'E', 'I', 'G', 'H', 'T'};
 constexpr uint32_t kVersion = 1;
-
-uint64_t fnv1a(const char* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
-  for (size_t i = 0; i < n; ++i) {
-    h ^= static_cast<unsigned char>(data[i]);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 class Writer {
  public:

@@ -10,6 +10,7 @@ namespace {
 
 inline float dot(const float* a, const float* b, int64_t D) {
   float s = 0.0f;
+#pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
   return s;
 }

@@ -1,0 +1,132 @@
+#include "engine/token_dataset.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <utility>
+
+#include "engine/atomic_file.h"
+#include "engine/error.h"
+
+namespace cputrain {
+namespace {
+
+constexpr char kMagic[8] = {'C', 'T', 'T', 'O', 'K', '0', '0', '1'};
+
+// The file: this header, then n_tokens int32 (train split first), little-endian.
+struct Header {
+  char magic[8];
+  uint64_t corpus;
+  uint64_t tokenizer;
+  uint64_t vocab;
+  uint64_t n_tokens;
+  uint64_t n_train;
+  uint64_t train_docs;
+  uint64_t val_docs;
+};
+static_assert(sizeof(Header) == 64);
+
+}  // namespace
+
+TokenDataset TokenDataset::build(const std::vector<std::string>& documents,
+                                 const Tokenizer& tokenizer, const std::string& cache_path,
+                                 const TokenCacheKey& key) {
+  const int64_t n = static_cast<int64_t>(documents.size());
+  std::vector<std::vector<int32_t>> encoded(documents.size());
+#pragma omp parallel for schedule(dynamic, 64)
+  for (int64_t i = 0; i < n; ++i) encoded[i] = tokenizer.encode(documents[i]);
+  auto is_val = [](int64_t i) { return i % 10 == 9; };
+
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof(kMagic));
+  h.corpus = key.corpus;
+  h.tokenizer = key.tokenizer;
+  h.vocab = key.vocab;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t len = encoded[i].size() + 1;  // BOS
+    h.n_tokens += len;
+    if (is_val(i)) {
+      ++h.val_docs;
+    } else {
+      h.n_train += len;
+      ++h.train_docs;
+    }
+  }
+  std::string bytes(sizeof(Header) + h.n_tokens * sizeof(int32_t), '\0');
+  std::memcpy(bytes.data(), &h, sizeof(h));
+  auto* out = reinterpret_cast<int32_t*>(bytes.data() + sizeof(Header));
+  for (bool val : {false, true}) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (is_val(i) != val) continue;
+      *out++ = tokenizer.bos_id();
+      std::memcpy(out, encoded[i].data(), encoded[i].size() * sizeof(int32_t));
+      out += encoded[i].size();
+    }
+  }
+  write_file_atomic(cache_path, bytes.data(), bytes.size());
+  return open(cache_path);
+}
+
+TokenDataset TokenDataset::open(const std::string& cache_path) {
+  const int fd = ::open(cache_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw UserError(cache_path + ": cannot be opened: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    throw UserError(cache_path + ": cannot be read: " + std::strerror(errno));
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < sizeof(Header)) {
+    ::close(fd);
+    throw UserError(cache_path + ": not a token cache (file too short)");
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) throw UserError(cache_path + ": cannot be mapped: " + std::strerror(errno));
+  TokenDataset d;
+  d.map_ = map;
+  d.map_bytes_ = size;
+  Header h;
+  std::memcpy(&h, map, sizeof(h));
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0)
+    throw UserError(cache_path + ": not a token cache (bad magic)");
+  if (h.n_train > h.n_tokens || h.n_tokens > (size - sizeof(Header)) / sizeof(int32_t) ||
+      size != sizeof(Header) + h.n_tokens * sizeof(int32_t))
+    throw UserError(cache_path + ": token cache is truncated or has a corrupt header");
+  d.tokens_ = reinterpret_cast<const int32_t*>(static_cast<const char*>(map) + sizeof(Header));
+  d.total_ = h.n_tokens;
+  d.train_ = h.n_train;
+  d.train_docs_ = static_cast<int64_t>(h.train_docs);
+  d.val_docs_ = static_cast<int64_t>(h.val_docs);
+  d.key_ = {h.corpus, h.tokenizer, h.vocab};
+  return d;
+}
+
+TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }
+
+TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
+  if (this != &other) {
+    unmap();
+    map_ = std::exchange(other.map_, nullptr);
+    map_bytes_ = std::exchange(other.map_bytes_, 0);
+    tokens_ = std::exchange(other.tokens_, nullptr);
+    total_ = std::exchange(other.total_, 0);
+    train_ = std::exchange(other.train_, 0);
+    train_docs_ = other.train_docs_;
+    val_docs_ = other.val_docs_;
+    key_ = other.key_;
+  }
+  return *this;
+}
+
+TokenDataset::~TokenDataset() { unmap(); }
+
+void TokenDataset::unmap() {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  map_ = nullptr;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,53 @@
+// A SentencePiece BPE tokenizer with byte fallback: every byte string encodes, and decoding
+// gives back exactly the text that was encoded.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sentencepiece {
+class SentencePieceProcessor;
+}
+
+namespace cputrain {
+
+class Tokenizer {
+ public:
+  // The ids every cputrain tokenizer reserves.
+  static constexpr int32_t kUnk = 0, kBos = 1, kEos = 2;
+  // 256 byte pieces and the three above come first; BPE merges need room after them.
+  static constexpr int kMinVocab = 300;
+
+  // Trains on `documents` (a sample of at most a million if there are more) and writes the
+  // model to `model_path` atomically. Throws UserError for an unusable vocab size or corpus.
+  static Tokenizer train(const std::vector<std::string>& documents, int vocab_size,
+                         const std::string& model_path);
+  // Throws UserError if the file is missing or not a SentencePiece model.
+  static Tokenizer load(const std::string& model_path);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  std::vector<int32_t> encode(std::string_view text) const;
+  std::string decode(std::span<const int32_t> ids) const;
+  std::string decode(const std::vector<int32_t>& ids) const {
+    return decode(std::span<const int32_t>(ids));
+  }
+  int vocab_size() const;
+  int32_t bos_id() const { return kBos; }
+  int32_t eos_id() const { return kEos; }
+  // The serialized model, as written to disk.
+  const std::string& model_bytes() const { return model_bytes_; }
+
+ private:
+  Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> processor, std::string bytes);
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> processor_;
+  std::string model_bytes_;
+};
+
+}  // namespace cputrain
