@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -38,8 +39,16 @@ int run_cli(int argc, char** argv) {
 
   try {
     app.parse(args);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // One line naming the flag, like every other input error.
+    std::string message = e.what();
+    std::replace(message.begin(), message.end(), '\n', ' ');
+    std::fprintf(stderr, "cputrain: error: %s (see cputrain --help)\n", message.c_str());
+    return 2;
   }
   try {
     if (train->parsed()) return run_train(train_args);

@@ -23,7 +23,8 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
   app.add_option("--top-k", a.top_k, "Sample among the k most likely tokens (0: all)")
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)");
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
+      ->check(CLI::PositiveNumber);
 }
 
 int run_sample(const SampleArgs& a) {

@@ -90,6 +90,20 @@ TEST_F(Cli, NonPositiveBatchStepsCtx) {
   expect_one_line_error(run(base + " --ctx 0"), "--ctx");
 }
 
+TEST_F(Cli, OutOfRangeAndUnknownFlags) {
+  const std::string base = "--preset tiny --corpus " + write_corpus(50).string() + " --out " +
+                           (dir_ / "run").string();
+  expect_one_line_error(run(base + " --lr -1"), "--lr");
+  expect_one_line_error(run(base + " --lr 0"), "--lr");
+  expect_one_line_error(run(base + " --threads 0"), "--threads");
+  expect_one_line_error(run(base + " --steps -1"), "--steps");
+  expect_one_line_error(run(base + " --grad-clip -0.5"), "--grad-clip");
+  expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
+  expect_one_line_error(run(base + " --bogus"), "--bogus");
+  expect_one_line_error(run(base + " --batch two"), "--batch");
+  EXPECT_FALSE(fs::exists(dir_ / "run" / "model.bin"));
+}
+
 TEST_F(Cli, MissingAndEmptyCorpus) {
   expect_one_line_error(run("--preset tiny --corpus " + (dir_ / "nope").string() + " --out " +
                             (dir_ / "run").string()),
