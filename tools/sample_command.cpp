@@ -10,6 +10,7 @@
 #include "engine/weights_file.h"
 #include "models/generate.h"
 #include "models/llama.h"
+#include "tools/flag_checks.h"
 #include "tools/run_config.h"
 
 namespace cputrain {
@@ -24,7 +25,7 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
 }
 
 int run_sample(const SampleArgs& a) {

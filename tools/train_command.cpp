@@ -19,6 +19,7 @@
 #include "kernels/gemm.h"
 #include "models/generate.h"
 #include "models/llama.h"
+#include "tools/flag_checks.h"
 #include "tools/run_config.h"
 
 namespace cputrain {
@@ -125,49 +126,49 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--corpus", a.corpus, "Text file or folder of text files")->capture_default_str();
   app.add_option("--out", a.out, "Run directory (default runs/<preset>)");
   app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--batch", a.batch, "Sequences per micro-batch (default: per preset)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--accum", a.accum, "Micro-batches per optimizer step (default: per preset)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--vocab", a.vocab, "Tokenizer vocabulary size (default: per preset)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--d-model", a.d_model, "Model width")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--layers", a.layers, "Number of blocks")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--heads", a.heads, "Attention heads")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--ffn", a.ffn, "SwiGLU hidden width")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay on matrices")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   app.add_option("--grad-clip", a.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   app.add_option("--seed", a.seed, "Seed for init and batch sampling")->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--eval-every", a.eval_every, "Validation loss every N steps (default: steps / 10)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--sample-every", a.sample_every, "Print a sample every N steps (0: only at the end)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   app.add_option("--sample-tokens", a.sample_tokens, "Tokens per printed sample")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   app.add_option("--log-every", a.log_every, "Log a line every N steps")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   app.add_option("--gemm", a.gemm, "GEMM implementation: eigen or reference (default: fastest)");
 }
 
