@@ -20,6 +20,11 @@ using test::ReferenceTensor;
 // largest magnitude in their tensor (float rounding of different summation orders).
 constexpr double kLossTolerance = 1e-5;
 constexpr double kTensorTolerance = 1e-4;
+// Weights after 10 AdamW steps: Adam divides each update by the gradient's own magnitude, so an
+// element whose gradient is rounding noise (|g| ~ 1e-9) moves by a noise-driven ~lr. The largest
+// such difference, relative to the tensor's largest weight, is near 1e-4 even between float32
+// and float64 runs of the reference itself.
+constexpr double kFinalWeightTolerance = 1e-3;
 
 class LlamaReference : public ::testing::Test {
  protected:
@@ -124,7 +129,7 @@ TEST_F(LlamaReference, TenAdamWSteps) {
   const ParameterSet& p = model.parameters();
   for (const ParameterInfo& info : p.infos()) {
     EXPECT_LT(relative_error(p.weights().f32() + info.offset, ref_.at("final/" + info.name).f32),
-              kTensorTolerance)
+              kFinalWeightTolerance)
         << info.name;
   }
 }
