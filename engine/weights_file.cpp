@@ -108,10 +108,8 @@ void save_weights(const std::string& path, const ParameterSet& params,
   write_file_atomic(path, w.buffer().data(), w.buffer().size());
 }
 
-std::string read_weights_config(const std::string& path) {
-  const std::vector<char> data = read_file(path);
-  check_header(path, data);
-  Reader r(path, data);
+// Skips the magic and version (checked by check_header) and reads the JSON config.
+static std::string read_config_block(const std::string& path, const std::vector<char>& data, Reader& r) {
   char skip[sizeof(kMagic) + 4];
   r.bytes(skip, sizeof(skip));
   const auto n = r.value<uint64_t>();
@@ -121,16 +119,18 @@ std::string read_weights_config(const std::string& path) {
   return json;
 }
 
+std::string read_weights_config(const std::string& path) {
+  const std::vector<char> data = read_file(path);
+  check_header(path, data);
+  Reader r(path, data);
+  return read_config_block(path, data, r);
+}
+
 void load_weights(const std::string& path, const ParameterSet& params) {
   const std::vector<char> data = read_file(path);
   check_header(path, data);
   Reader r(path, data);
-  char skip[sizeof(kMagic) + 4];
-  r.bytes(skip, sizeof(skip));
-  const auto json_bytes = r.value<uint64_t>();
-  if (json_bytes > data.size()) throw UserError(path + ": corrupt weights file");
-  std::string json(json_bytes, '\0');
-  r.bytes(json.data(), json_bytes);
+  read_config_block(path, data, r);
   const auto n_params = r.value<uint32_t>();
   if (n_params != params.infos().size())
     throw UserError(path + ": holds " + std::to_string(n_params) + " parameters, the model has " +

@@ -3,6 +3,39 @@
 #include <cmath>
 
 namespace cputrain::kernels {
+namespace {
+
+// Rotates every adjacent pair of `in` by the table's angle for its position, or by minus that
+// angle (the inverse, for backward) when Inverse; stores into or adds onto `out`.
+template <bool Inverse, bool Accumulate>
+void rotate_pairs(float* out, const float* in, const float* table, int64_t B, int64_t T,
+                  int64_t H, int64_t D) {
+  const int64_t half = D / 2;
+  const float sign = Inverse ? -1.0f : 1.0f;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* cs = table + t * half * 2;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t base = ((b * T + t) * H + h) * D;
+        for (int64_t j = 0; j < half; ++j) {
+          const float c = cs[2 * j], s = sign * cs[2 * j + 1];
+          const float x0 = in[base + 2 * j], x1 = in[base + 2 * j + 1];
+          const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+          if (Accumulate) {
+            out[base + 2 * j] += y0;
+            out[base + 2 * j + 1] += y1;
+          } else {
+            out[base + 2 * j] = y0;
+            out[base + 2 * j + 1] = y1;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
 
 void rope_table(float* table, int64_t T, int64_t D, double theta) {
   const int64_t half = D / 2;
@@ -18,42 +51,12 @@ void rope_table(float* table, int64_t T, int64_t D, double theta) {
 
 void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T,
                   int64_t H, int64_t D) {
-  const int64_t half = D / 2;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* cs = table + t * half * 2;
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t base = ((b * T + t) * H + h) * D;
-        for (int64_t j = 0; j < half; ++j) {
-          const float c = cs[2 * j], s = cs[2 * j + 1];
-          const float x0 = inp[base + 2 * j], x1 = inp[base + 2 * j + 1];
-          out[base + 2 * j] = x0 * c - x1 * s;
-          out[base + 2 * j + 1] = x0 * s + x1 * c;
-        }
-      }
-    }
-  }
+  rotate_pairs<false, false>(out, inp, table, B, T, H, D);
 }
 
 void rope_backward(float* dinp, const float* dout, const float* table, int64_t B, int64_t T,
                    int64_t H, int64_t D) {
-  const int64_t half = D / 2;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* cs = table + t * half * 2;
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t base = ((b * T + t) * H + h) * D;
-        for (int64_t j = 0; j < half; ++j) {
-          const float c = cs[2 * j], s = cs[2 * j + 1];
-          const float g0 = dout[base + 2 * j], g1 = dout[base + 2 * j + 1];
-          dinp[base + 2 * j] += g0 * c + g1 * s;
-          dinp[base + 2 * j + 1] += -g0 * s + g1 * c;
-        }
-      }
-    }
-  }
+  rotate_pairs<true, true>(dinp, dout, table, B, T, H, D);
 }
 
 }  // namespace cputrain::kernels

@@ -1,5 +1,7 @@
 #include "tools/run_config.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -8,6 +10,21 @@
 namespace cputrain {
 
 using nlohmann::json;
+
+namespace {
+
+// A float as the shortest decimal that reads back as the same float (0.9f is written 0.9, not
+// 0.8999999761581421).
+double shortest(float f) {
+  char buf[32];
+  for (int digits = 6; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) break;
+  }
+  return std::strtod(buf, nullptr);
+}
+
+}  // namespace
 
 std::string run_config_to_json(const RunConfig& c) {
   const json j = {
@@ -20,7 +37,7 @@ std::string run_config_to_json(const RunConfig& c) {
         {"n_heads", c.model.n_heads},
         {"ffn", c.model.ffn},
         {"ctx", c.model.ctx},
-        {"norm_eps", c.model.norm_eps},
+        {"norm_eps", shortest(c.model.norm_eps)},
         {"rope_theta", c.model.rope_theta},
         {"parameters", parameter_count(c.model)}}},
       {"train",
@@ -32,11 +49,11 @@ std::string run_config_to_json(const RunConfig& c) {
         {"lr", c.train.lr.peak},
         {"warmup_steps", c.train.lr.warmup_steps},
         {"min_lr_ratio", c.train.lr.min_ratio},
-        {"beta1", c.train.adamw.beta1},
-        {"beta2", c.train.adamw.beta2},
-        {"eps", c.train.adamw.eps},
-        {"weight_decay", c.train.adamw.weight_decay},
-        {"grad_clip", c.train.adamw.grad_clip},
+        {"beta1", shortest(c.train.adamw.beta1)},
+        {"beta2", shortest(c.train.adamw.beta2)},
+        {"eps", shortest(c.train.adamw.eps)},
+        {"weight_decay", shortest(c.train.adamw.weight_decay)},
+        {"grad_clip", shortest(c.train.adamw.grad_clip)},
         {"threads", c.threads}}},
   };
   return j.dump(2) + "\n";
