@@ -1,6 +1,7 @@
 #include "engine/corpus.h"
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -14,7 +15,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool is_hidden(const fs::path& p) { return p.filename().string().starts_with("."); }
+bool is_hidden(const fs::path& p) {
+  return p.filename().string().starts_with(".");
+}
 
 bool only_whitespace(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isspace(c) != 0; });
@@ -84,6 +87,10 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files) {
     for (std::string& d : split_documents(text)) docs.push_back(std::move(d));
   }
   return docs;
+}
+
+std::vector<std::string> read_documents(const std::string& path) {
+  return read_documents(list_corpus_files(path));
 }
 
 uint64_t corpus_fingerprint(const std::vector<std::string>& files) {

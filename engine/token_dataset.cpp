@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -16,54 +17,46 @@ namespace {
 
 constexpr char kMagic[8] = {'C', 'T', 'T', 'O', 'K', '0', '0', '1'};
 
-// The file: this header, then n_tokens int32 (train split first), little-endian.
+// The file "CTTOK001": this header, then n_tokens int32 (the n_train training tokens first),
+// in the machine's byte order (little-endian on x86-64).
 struct Header {
   char magic[8];
-  uint64_t corpus;
-  uint64_t tokenizer;
-  uint64_t vocab;
   uint64_t n_tokens;
   uint64_t n_train;
-  uint64_t train_docs;
-  uint64_t val_docs;
+  uint64_t fingerprint;
 };
-static_assert(sizeof(Header) == 64);
+static_assert(sizeof(Header) == 32);
 
 }  // namespace
 
 TokenDataset TokenDataset::build(const std::vector<std::string>& documents,
                                  const Tokenizer& tokenizer, const std::string& cache_path,
-                                 const TokenCacheKey& key) {
+                                 uint64_t fingerprint) {
   const int64_t n = static_cast<int64_t>(documents.size());
   std::vector<std::vector<int32_t>> encoded(documents.size());
 #pragma omp parallel for schedule(dynamic, 64)
   for (int64_t i = 0; i < n; ++i) encoded[i] = tokenizer.encode(documents[i]);
-  auto is_val = [](int64_t i) { return i % 10 == 9; };
+  auto is_val = [n](int64_t i) { return n < 10 ? n >= 2 && i == n - 1 : i % 10 == 9; };
 
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
-  h.corpus = key.corpus;
-  h.tokenizer = key.tokenizer;
-  h.vocab = key.vocab;
+  h.fingerprint = fingerprint;
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t len = encoded[i].size() + 1;  // BOS
     h.n_tokens += len;
-    if (is_val(i)) {
-      ++h.val_docs;
-    } else {
-      h.n_train += len;
-      ++h.train_docs;
-    }
+    if (!is_val(i)) h.n_train += len;
   }
   std::string bytes(sizeof(Header) + h.n_tokens * sizeof(int32_t), '\0');
   std::memcpy(bytes.data(), &h, sizeof(h));
-  auto* out = reinterpret_cast<int32_t*>(bytes.data() + sizeof(Header));
+  char* out = bytes.data() + sizeof(Header);
+  const int32_t bos = tokenizer.bos_id();
   for (bool val : {false, true}) {
     for (int64_t i = 0; i < n; ++i) {
       if (is_val(i) != val) continue;
-      *out++ = tokenizer.bos_id();
+      std::memcpy(out, &bos, sizeof(bos));
+      out += sizeof(bos);
       std::memcpy(out, encoded[i].data(), encoded[i].size() * sizeof(int32_t));
-      out += encoded[i].size();
+      out += encoded[i].size() * sizeof(int32_t);
     }
   }
   write_file_atomic(cache_path, bytes.data(), bytes.size());
@@ -72,11 +65,12 @@ TokenDataset TokenDataset::build(const std::vector<std::string>& documents,
 
 TokenDataset TokenDataset::open(const std::string& cache_path) {
   const int fd = ::open(cache_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw UserError(cache_path + ": cannot be opened: " + std::strerror(errno));
+  if (fd < 0) throw UserError(cache_path + ": cannot be opened (" + std::strerror(errno) + ")");
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
+    const int err = errno;
     ::close(fd);
-    throw UserError(cache_path + ": cannot be read: " + std::strerror(errno));
+    throw UserError(cache_path + ": cannot be read (" + std::strerror(err) + ")");
   }
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < sizeof(Header)) {
@@ -84,28 +78,32 @@ TokenDataset TokenDataset::open(const std::string& cache_path) {
     throw UserError(cache_path + ": not a token cache (file too short)");
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  const int map_err = errno;
   ::close(fd);
-  if (map == MAP_FAILED) throw UserError(cache_path + ": cannot be mapped: " + std::strerror(errno));
-  TokenDataset d;
+  if (map == MAP_FAILED)
+    throw UserError(cache_path + ": cannot be mapped (" + std::strerror(map_err) + ")");
+  TokenDataset d;  // unmaps on the throws below
   d.map_ = map;
   d.map_bytes_ = size;
   Header h;
   std::memcpy(&h, map, sizeof(h));
   if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0)
-    throw UserError(cache_path + ": not a token cache (bad magic)");
-  if (h.n_train > h.n_tokens || h.n_tokens > (size - sizeof(Header)) / sizeof(int32_t) ||
-      size != sizeof(Header) + h.n_tokens * sizeof(int32_t))
-    throw UserError(cache_path + ": token cache is truncated or has a corrupt header");
+    throw UserError(cache_path + ": not a token cache (no CTTOK001 magic)");
+  const size_t room = (size - sizeof(Header)) / sizeof(int32_t);
+  if (h.n_tokens != room || size != sizeof(Header) + room * sizeof(int32_t) ||
+      h.n_train > h.n_tokens)
+    throw UserError(cache_path + ": token cache is truncated or its header is corrupt (" +
+                    std::to_string(size) + " bytes for " + std::to_string(h.n_tokens) + " tokens)");
   d.tokens_ = reinterpret_cast<const int32_t*>(static_cast<const char*>(map) + sizeof(Header));
   d.total_ = h.n_tokens;
   d.train_ = h.n_train;
-  d.train_docs_ = static_cast<int64_t>(h.train_docs);
-  d.val_docs_ = static_cast<int64_t>(h.val_docs);
-  d.key_ = {h.corpus, h.tokenizer, h.vocab};
+  d.fingerprint_ = h.fingerprint;
   return d;
 }
 
-TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }
+TokenDataset::TokenDataset(TokenDataset&& other) noexcept {
+  *this = std::move(other);
+}
 
 TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
   if (this != &other) {
@@ -115,14 +113,14 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
     tokens_ = std::exchange(other.tokens_, nullptr);
     total_ = std::exchange(other.total_, 0);
     train_ = std::exchange(other.train_, 0);
-    train_docs_ = other.train_docs_;
-    val_docs_ = other.val_docs_;
-    key_ = other.key_;
+    fingerprint_ = std::exchange(other.fingerprint_, 0);
   }
   return *this;
 }
 
-TokenDataset::~TokenDataset() { unmap(); }
+TokenDataset::~TokenDataset() {
+  unmap();
+}
 
 void TokenDataset::unmap() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);

@@ -1,5 +1,5 @@
 // The tokenized corpus, cached in a binary file and memory-mapped: the training split, then
-// the validation split, each a run of documents that each begin with BOS.
+// the validation split, each a run of whole documents that each begin with BOS.
 #pragma once
 
 #include <cstdint>
@@ -11,23 +11,17 @@
 
 namespace cputrain {
 
-// What a cache was built from; a cache is reused only when all of it matches.
-struct TokenCacheKey {
-  uint64_t corpus = 0;     // corpus_fingerprint of the files
-  uint64_t tokenizer = 0;  // FNV-1a of the serialized tokenizer model
-  uint64_t vocab = 0;      // the vocabulary size that was asked for
-  bool operator==(const TokenCacheKey&) const = default;
-};
-
 class TokenDataset {
  public:
-  // Every tenth document (the 10th, 20th, ...) goes to validation, the rest to training, so
-  // both splits span the whole corpus and are cut at document boundaries. Writes the cache
+  // Every tenth document (the 10th, 20th, ...) goes to validation and the rest to training, so
+  // both splits span the whole corpus (a folder's files are read in name order, often by topic)
+  // and hold about 90% / 10% of the tokens. With 2 to 9 documents the last one is validation.
+  // `fingerprint` identifies what the cache was built from (see prepare_data). Writes the cache
   // atomically and maps it.
   static TokenDataset build(const std::vector<std::string>& documents, const Tokenizer& tokenizer,
-                            const std::string& cache_path, const TokenCacheKey& key);
-  // Maps an existing cache. Throws UserError naming the file if it is missing, truncated or not
-  // a cache.
+                            const std::string& cache_path, uint64_t fingerprint);
+  // Maps an existing cache read-only. Throws UserError naming the file if it is missing,
+  // truncated or not a cache.
   static TokenDataset open(const std::string& cache_path);
 
   TokenDataset(TokenDataset&& other) noexcept;
@@ -38,9 +32,7 @@ class TokenDataset {
 
   std::span<const int32_t> train_tokens() const { return {tokens_, train_}; }
   std::span<const int32_t> val_tokens() const { return {tokens_ + train_, total_ - train_}; }
-  const TokenCacheKey& key() const { return key_; }
-  int64_t train_documents() const { return train_docs_; }
-  int64_t val_documents() const { return val_docs_; }
+  uint64_t fingerprint() const { return fingerprint_; }
 
  private:
   TokenDataset() = default;
@@ -51,9 +43,7 @@ class TokenDataset {
   const int32_t* tokens_ = nullptr;
   size_t total_ = 0;
   size_t train_ = 0;
-  int64_t train_docs_ = 0;
-  int64_t val_docs_ = 0;
-  TokenCacheKey key_;
+  uint64_t fingerprint_ = 0;
 };
 
 }  // namespace cputrain

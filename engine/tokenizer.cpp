@@ -3,26 +3,73 @@
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
+#include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <iterator>
 #include <unordered_map>
 
 #include "engine/atomic_file.h"
 #include "engine/error.h"
+#include "engine/hash.h"
 
 namespace cputrain {
 namespace {
 
-class DocumentIterator : public sentencepiece::SentenceIterator {
+// SentencePiece trains on "sentences" and skips any longer than max_sentence_length, so a
+// corpus of whole books would leave it nothing. Documents are cut into pieces of at most
+// kChunkBytes at line ends (a longer line at a UTF-8 character boundary), and a large corpus is
+// sampled down to about kSampleBytes by a fixed hash of the chunk index, so training time is
+// bounded and the same corpus always gives the same tokenizer.
+constexpr size_t kChunkBytes = 4096;
+constexpr uint64_t kSampleBytes = uint64_t{32} << 20;
+
+std::vector<std::string> training_chunks(const std::vector<std::string>& documents) {
+  uint64_t total = 0;
+  for (const std::string& d : documents) total += d.size();
+  // Keep chunk k when splitmix64(k) falls below keep_below: a fraction ~ kSampleBytes / total.
+  const uint64_t keep_below =
+      total <= kSampleBytes
+          ? UINT64_MAX
+          : static_cast<uint64_t>(std::ldexp(static_cast<double>(kSampleBytes) / total, 64));
+  std::vector<std::string> chunks;
+  uint64_t k = 0;
+  auto emit = [&](std::string_view piece) {
+    if (splitmix64(k++) <= keep_below) chunks.emplace_back(piece);
+  };
+  for (const std::string& doc : documents) {
+    const std::string_view text(doc);
+    size_t begin = 0;
+    while (begin < text.size()) {
+      size_t end = begin;
+      // Whole lines while they fit.
+      while (end < text.size()) {
+        size_t line_end = text.find('\n', end);
+        line_end = line_end == std::string_view::npos ? text.size() : line_end + 1;
+        if (line_end - begin > kChunkBytes) break;
+        end = line_end;
+      }
+      if (end == begin) {  // one line longer than a chunk: cut before a continuation byte
+        end = begin + kChunkBytes;
+        while (end > begin + 1 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+      }
+      emit(text.substr(begin, end - begin));
+      begin = end;
+    }
+  }
+  return chunks;
+}
+
+class ChunkIterator : public sentencepiece::SentenceIterator {
  public:
-  explicit DocumentIterator(const std::vector<std::string>& docs) : docs_(docs) {}
-  bool done() const override { return index_ >= docs_.size(); }
+  explicit ChunkIterator(const std::vector<std::string>& chunks) : chunks_(chunks) {}
+  bool done() const override { return index_ >= chunks_.size(); }
   void Next() override { ++index_; }
-  const std::string& value() const override { return docs_[index_]; }
+  const std::string& value() const override { return chunks_[index_]; }
   sentencepiece::util::Status status() const override { return {}; }
 
  private:
-  const std::vector<std::string>& docs_;
+  const std::vector<std::string>& chunks_;
   size_t index_ = 0;
 };
 
@@ -30,7 +77,8 @@ std::unique_ptr<sentencepiece::SentencePieceProcessor> processor_from(const std:
                                                                       const std::string& name) {
   auto processor = std::make_unique<sentencepiece::SentencePieceProcessor>();
   const auto status = processor->LoadFromSerializedProto(bytes);
-  if (!status.ok()) throw UserError(name + ": not a SentencePiece model (" + status.ToString() + ")");
+  if (!status.ok())
+    throw UserError(name + ": not a SentencePiece model (" + status.ToString() + ")");
   if (processor->bos_id() != Tokenizer::kBos || processor->unk_id() != Tokenizer::kUnk ||
       processor->eos_id() != Tokenizer::kEos)
     throw UserError(name + ": expected unk, bos, eos at ids 0, 1, 2");
@@ -46,11 +94,15 @@ Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
-Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_size,
-                           const std::string& model_path) {
+void Tokenizer::check_vocab_size(int vocab_size) {
   if (vocab_size < kMinVocab)
     throw UserError("--vocab " + std::to_string(vocab_size) + ": must be at least " +
                     std::to_string(kMinVocab) + " (256 byte pieces, unk, bos, eos and merges)");
+}
+
+Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_size,
+                           const std::string& model_path) {
+  check_vocab_size(vocab_size);
   if (documents.empty()) throw UserError("the corpus holds no text to train a tokenizer on");
   // Identity normalisation and no dummy prefix, so decode(encode(text)) == text; byte fallback
   // so any byte sequence encodes. Pieces may hold runs of spaces (code, verse, ASCII art).
@@ -64,9 +116,10 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_
       {"remove_extra_whitespaces", "false"},
       {"allow_whitespace_only_pieces", "true"},
       {"split_digits", "true"},
-      {"max_sentence_length", "65536"},
-      {"input_sentence_size", "1000000"},
-      {"shuffle_input_sentence", "true"},
+      // Room for invalid UTF-8 bytes, which normalisation turns into 3-byte U+FFFD.
+      {"max_sentence_length", std::to_string(3 * kChunkBytes)},
+      {"input_sentence_size", "0"},  // sampled above, deterministically
+      {"shuffle_input_sentence", "false"},
       {"unk_id", "0"},
       {"bos_id", "1"},
       {"eos_id", "2"},
@@ -75,7 +128,8 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_
       {"num_threads", "2"},
       {"minloglevel", "2"},
   };
-  DocumentIterator it(documents);
+  const std::vector<std::string> chunks = training_chunks(documents);
+  ChunkIterator it(chunks);
   std::string bytes;
   const auto status = sentencepiece::SentencePieceTrainer::Train(args, &it, &bytes);
   if (!status.ok())
@@ -112,6 +166,8 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
   return text;
 }
 
-int Tokenizer::vocab_size() const { return processor_->GetPieceSize(); }
+int Tokenizer::vocab_size() const {
+  return processor_->GetPieceSize();
+}
 
 }  // namespace cputrain

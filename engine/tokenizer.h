@@ -21,9 +21,13 @@ class Tokenizer {
   static constexpr int32_t kUnk = 0, kBos = 1, kEos = 2;
   // 256 byte pieces and the three above come first; BPE merges need room after them.
   static constexpr int kMinVocab = 300;
+  // Throws UserError naming --vocab unless vocab_size >= kMinVocab.
+  static void check_vocab_size(int vocab_size);
 
-  // Trains on `documents` (a sample of at most a million if there are more) and writes the
-  // model to `model_path` atomically. Throws UserError for an unusable vocab size or corpus.
+  // Trains a BPE model of at most `vocab_size` pieces on `documents` (on a fixed sample of
+  // about 32 MB of them if there is more) and writes it to `model_path` atomically; a small
+  // corpus may give fewer pieces. Deterministic: the same documents give the same model bytes.
+  // Throws UserError for an unusable vocab size or corpus, leaving `model_path` untouched.
   static Tokenizer train(const std::vector<std::string>& documents, int vocab_size,
                          const std::string& model_path);
   // Throws UserError if the file is missing or not a SentencePiece model.

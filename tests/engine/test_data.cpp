@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -31,8 +32,8 @@ std::string read(const fs::path& path) {
 
 // A fresh, empty folder per test.
 fs::path temp_dir(const std::string& name) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("cputrain_data_" + name + "_" +
-                                                         std::to_string(::getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("cputrain_data_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
@@ -42,8 +43,8 @@ fs::path temp_dir(const std::string& name) {
 std::vector<std::string> synthetic_documents(int n) {
   const char* subjects[] = {"The cat", "A programmer", "My neighbour", "The old king", "Nobody"};
   const char* verbs[] = {"writes", "reads", "forgets", "remembers", "sings about", "eats"};
-  const char* objects[] = {"the moon", "a long letter", "seven apples", "the river at night",
-                           "an unfinished poem", "the compiler"};
+  const char* objects[] = {"the moon",           "a long letter",      "seven apples",
+                           "the river at night", "an unfinished poem", "the compiler"};
   std::vector<std::string> docs;
   for (int i = 0; i < n; ++i) {
     std::string d;
@@ -89,6 +90,19 @@ TEST(Corpus, SplitsDocumentsAtPercentLines) {
   EXPECT_TRUE(split_documents("%\n%\n").empty());
 }
 
+TEST(Corpus, ReadsTheDocumentsOfEveryFileInOrder) {
+  const fs::path dir = temp_dir("read");
+  write(dir / "b" / "quotes", "second\n%\nthird\n%\n");
+  write(dir / "b" / "quotes.dat", "\x01\x02 index");
+  write(dir / "a", "first, a file without separators\n\n  and a blank line\n");
+  write(dir / ".cache", "hidden\n");
+  write(dir / "c", "raw \xff\xfe bytes\n%\n   \n");
+  EXPECT_EQ(read_documents(dir.string()),
+            (std::vector<std::string>{"first, a file without separators\n\n  and a blank line\n",
+                                      "second\n", "third\n", std::string("raw \xff\xfe bytes\n")}));
+  EXPECT_THROW(read_documents((dir / "nothing").string()), UserError);
+}
+
 TEST(Corpus, FingerprintChangesWithContent) {
   const fs::path dir = temp_dir("fingerprint");
   write(dir / "a", "one\n");
@@ -119,20 +133,30 @@ Tokenizer* TokenizerTest::tokenizer_ = nullptr;
 TEST_F(TokenizerTest, RoundTripsAnyTextExactly) {
   const Tokenizer& t = *tokenizer_;
   EXPECT_LE(t.vocab_size(), 400);
-  EXPECT_GT(t.vocab_size(), Tokenizer::kMinVocab - 50);
-  const std::vector<std::string> texts = {"Hello,\n  world!\n", "The cat writes the moon.", "  leading and trailing  ",
-        "naïve ☃ café", "tabs\tand\n\nblank lines\n", std::string("\x01\xff\xfe raw", 7), ""};
+  EXPECT_GT(t.vocab_size(), 256 + 3 + 20);  // byte pieces, unk/bos/eos, and learned merges
+  EXPECT_EQ(t.bos_id(), 1);
+  EXPECT_EQ(t.eos_id(), 2);
+  const std::vector<std::string> texts = {"Hello,\n  world!\n",
+                                          "The cat writes the moon.",
+                                          "  leading and trailing  ",
+                                          "naïve ☃ café",
+                                          "tabs\tand\n\nblank lines\n\n\n",
+                                          "\r\n%\r\n",
+                                          "    indented\n",
+                                          ""};
   for (const std::string& text : texts) {
     const std::vector<int32_t> ids = t.encode(text);
     for (int32_t id : ids) {
       ASSERT_GE(id, 0);
       ASSERT_LT(id, t.vocab_size());
       ASSERT_NE(id, Tokenizer::kUnk) << text;  // byte fallback: nothing is unknown
+      ASSERT_NE(id, t.bos_id()) << text;       // BOS only ever comes from the cache
     }
-    if (text.find('\xff') == std::string::npos) {  // invalid UTF-8 cannot decode exactly
-      EXPECT_EQ(t.decode(ids), text);
-    }
+    EXPECT_EQ(t.decode(ids), text);
+    EXPECT_EQ(t.decode(std::span<const int32_t>(ids)), text);
   }
+  // Invalid UTF-8 encodes without unknowns and without throwing.
+  for (int32_t id : t.encode("\x01\xff\xfe raw \xc3")) EXPECT_NE(id, Tokenizer::kUnk);
   // Frequent training text compresses well below one token per byte.
   const std::string common = "The cat writes the moon.\n";
   EXPECT_LT(t.encode(common).size(), common.size() / 2);
@@ -141,61 +165,151 @@ TEST_F(TokenizerTest, RoundTripsAnyTextExactly) {
 TEST_F(TokenizerTest, LoadGivesTheSameTokenizer) {
   const Tokenizer loaded = Tokenizer::load((*dir_ / "tok.model").string());
   EXPECT_EQ(loaded.vocab_size(), tokenizer_->vocab_size());
-  EXPECT_EQ(loaded.model_bytes(), tokenizer_->model_bytes());
-  const std::string text = "My neighbour sings about seven apples!\n";
-  EXPECT_EQ(loaded.encode(text), tokenizer_->encode(text));
-  EXPECT_EQ(loaded.bos_id(), 1);
+  EXPECT_TRUE(loaded.model_bytes() == tokenizer_->model_bytes());
+  EXPECT_TRUE(read(*dir_ / "tok.model") == tokenizer_->model_bytes());
+  EXPECT_FALSE(fs::exists(*dir_ / "tok.model.tmp"));
+  for (const std::string text : {"My neighbour sings about seven apples!\n", "naïve ☃\n\n  x"}) {
+    EXPECT_EQ(loaded.encode(text), tokenizer_->encode(text));
+    EXPECT_EQ(loaded.decode(tokenizer_->encode(text)), text);
+  }
+  Tokenizer moved = Tokenizer::load((*dir_ / "tok.model").string());
+  Tokenizer target = std::move(moved);
+  EXPECT_EQ(target.encode("The cat"), tokenizer_->encode("The cat"));
+}
+
+TEST_F(TokenizerTest, TrainingIsDeterministic) {
+  const std::vector<std::string> docs = synthetic_documents(120);
+  const Tokenizer a = Tokenizer::train(docs, 320, (*dir_ / "a.model").string());
+  const Tokenizer b = Tokenizer::train(docs, 320, (*dir_ / "b.model").string());
+  EXPECT_TRUE(a.model_bytes() == b.model_bytes());
+}
+
+TEST_F(TokenizerTest, TrainsOnLongDocumentsAndInvalidUtf8) {
+  // A whole book as one document, and a 30 kB document without a line break: each longer than
+  // SentencePiece accepts as one sentence, so training must cut them up.
+  std::string book;
+  for (int i = 0; book.size() < 100000; ++i)
+    book += "Chapter " + std::to_string(i) + ": the cat and the dog go home.\n";
+  std::string line;
+  while (line.size() < 30000) line += "zebras, quaggas and okapis é ";
+  const std::vector<std::string> docs = {book, line, "bytes \xff\xfe\x80 that are not UTF-8\n"};
+  const Tokenizer t = Tokenizer::train(docs, 400, (*dir_ / "long.model").string());
+  EXPECT_GT(t.vocab_size(), 300);
+  for (const std::string& doc : {book, line}) {
+    const std::vector<int32_t> ids = t.encode(doc);
+    EXPECT_EQ(t.decode(ids), doc);
+    EXPECT_LT(ids.size(), doc.size() / 2);  // both were learned from
+  }
 }
 
 TEST_F(TokenizerTest, BadInputIsAUserError) {
   EXPECT_THROW(Tokenizer::load((*dir_ / "missing.model").string()), UserError);
   write(*dir_ / "garbage.model", "not a model");
   EXPECT_THROW(Tokenizer::load((*dir_ / "garbage.model").string()), UserError);
+  write(*dir_ / "empty.model", "");
+  EXPECT_THROW(Tokenizer::load((*dir_ / "empty.model").string()), UserError);
   EXPECT_THROW(Tokenizer::train(synthetic_documents(10), 100, (*dir_ / "small.model").string()),
                UserError);
+  EXPECT_THROW(Tokenizer::train({}, 400, (*dir_ / "none.model").string()), UserError);
   EXPECT_FALSE(fs::exists(*dir_ / "small.model"));
+  EXPECT_FALSE(fs::exists(*dir_ / "none.model"));
+  try {
+    Tokenizer::train(synthetic_documents(10), 100, (*dir_ / "small.model").string());
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("--vocab 100"), std::string::npos) << e.what();
+  }
+}
+
+// BOS + tokens of each document, in the given order.
+std::vector<int32_t> expected_stream(const Tokenizer& t, const std::vector<std::string>& docs,
+                                     const std::vector<size_t>& order) {
+  std::vector<int32_t> out;
+  for (size_t i : order) {
+    out.push_back(Tokenizer::kBos);
+    const std::vector<int32_t> ids = t.encode(docs[i]);
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
+  return out;
+}
+
+std::vector<int32_t> to_vector(std::span<const int32_t> s) {
+  return {s.begin(), s.end()};
 }
 
 TEST_F(TokenizerTest, CacheHoldsEveryDocumentSplitAtBoundaries) {
   const std::vector<std::string> docs = synthetic_documents(57);
   const std::string cache = (*dir_ / "tokens.bin").string();
-  const TokenCacheKey key{11, 22, 400};
-  const TokenDataset built = TokenDataset::build(docs, *tokenizer_, cache, key);
-  // Expected streams: BOS + tokens per document; every tenth document is validation.
-  std::vector<int32_t> train, val;
-  for (size_t i = 0; i < docs.size(); ++i) {
-    std::vector<int32_t>& dst = i % 10 == 9 ? val : train;
-    dst.push_back(Tokenizer::kBos);
-    const std::vector<int32_t> ids = tokenizer_->encode(docs[i]);
-    dst.insert(dst.end(), ids.begin(), ids.end());
+  const TokenDataset built = TokenDataset::build(docs, *tokenizer_, cache, 0x1234abcdull);
+  EXPECT_FALSE(fs::exists(cache + ".tmp"));
+  // Every tenth document (index 9, 19, ...) is validation.
+  std::vector<size_t> train_docs, val_docs;
+  for (size_t i = 0; i < docs.size(); ++i) (i % 10 == 9 ? val_docs : train_docs).push_back(i);
+  const std::vector<int32_t> train = expected_stream(*tokenizer_, docs, train_docs);
+  const std::vector<int32_t> val = expected_stream(*tokenizer_, docs, val_docs);
+  TokenDataset opened = TokenDataset::open(cache);
+  for (const TokenDataset* d : {&built, static_cast<const TokenDataset*>(&opened)}) {
+    EXPECT_EQ(to_vector(d->train_tokens()), train);
+    EXPECT_EQ(to_vector(d->val_tokens()), val);
+    EXPECT_EQ(d->fingerprint(), 0x1234abcdull);
   }
-  const TokenDataset opened = TokenDataset::open(cache);
-  for (const TokenDataset* d : {&built, &opened}) {
-    EXPECT_EQ(std::vector<int32_t>(d->train_tokens().begin(), d->train_tokens().end()), train);
-    EXPECT_EQ(std::vector<int32_t>(d->val_tokens().begin(), d->val_tokens().end()), val);
-    EXPECT_EQ(d->key(), key);
-    EXPECT_EQ(d->train_documents(), 52);
-    EXPECT_EQ(d->val_documents(), 5);
-  }
+  ASSERT_FALSE(opened.val_tokens().empty());
+  EXPECT_EQ(opened.train_tokens()[0], Tokenizer::kBos);
   EXPECT_EQ(opened.val_tokens()[0], Tokenizer::kBos);
   const double share = static_cast<double>(val.size()) / (train.size() + val.size());
   EXPECT_GT(share, 0.05);
   EXPECT_LT(share, 0.15);
+  // The file is the header and the tokens, nothing else.
+  EXPECT_EQ(fs::file_size(cache), 8 + 3 * 8 + 4 * (train.size() + val.size()));
+  EXPECT_EQ(read(cache).substr(0, 8), "CTTOK001");
+
+  // Moving keeps the mapping alive in the new owner only.
+  TokenDataset moved = std::move(opened);
+  EXPECT_EQ(to_vector(moved.train_tokens()), train);
+  EXPECT_TRUE(opened.train_tokens().empty());  // NOLINT(bugprone-use-after-move)
+}
+
+TEST_F(TokenizerTest, FewDocumentsStillGiveAValidationDocument) {
+  const std::vector<std::string> docs = synthetic_documents(3);
+  const std::string cache = (*dir_ / "few.bin").string();
+  const TokenDataset three = TokenDataset::build(docs, *tokenizer_, cache, 1);
+  EXPECT_EQ(to_vector(three.train_tokens()), expected_stream(*tokenizer_, docs, {0, 1}));
+  EXPECT_EQ(to_vector(three.val_tokens()), expected_stream(*tokenizer_, docs, {2}));
+  const TokenDataset one = TokenDataset::build({docs[0]}, *tokenizer_, cache, 1);
+  EXPECT_EQ(to_vector(one.train_tokens()), expected_stream(*tokenizer_, docs, {0}));
+  EXPECT_TRUE(one.val_tokens().empty());
+  const TokenDataset none = TokenDataset::build({}, *tokenizer_, cache, 1);
+  EXPECT_TRUE(none.train_tokens().empty());
+  EXPECT_TRUE(none.val_tokens().empty());
 }
 
 TEST_F(TokenizerTest, DamagedCacheIsAUserError) {
   const std::string cache = (*dir_ / "damaged.bin").string();
-  TokenDataset::build(synthetic_documents(20), *tokenizer_, cache, {1, 2, 3});
+  TokenDataset::build(synthetic_documents(20), *tokenizer_, cache, 7);
   const std::string bytes = read(cache);
-  write(cache, bytes.substr(0, bytes.size() - 3));
-  EXPECT_THROW(TokenDataset::open(cache), UserError);
-  write(cache, bytes.substr(0, 10));
-  EXPECT_THROW(TokenDataset::open(cache), UserError);
+  auto expect_rejected = [&](const std::string& content) {
+    write(cache, content);
+    try {
+      TokenDataset::open(cache);
+      ADD_FAILURE() << "accepted a damaged cache of " << content.size() << " bytes";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(cache), std::string::npos) << e.what();
+    }
+  };
+  expect_rejected(bytes.substr(0, bytes.size() - 4));  // a token short
+  expect_rejected(bytes.substr(0, bytes.size() - 3));  // not whole tokens
+  expect_rejected(bytes + std::string(4, '\0'));       // a token too many
+  expect_rejected(bytes.substr(0, 10));                // not even a header
+  expect_rejected("");
   std::string bad_magic = bytes;
   bad_magic[0] = 'X';
-  write(cache, bad_magic);
-  EXPECT_THROW(TokenDataset::open(cache), UserError);
+  expect_rejected(bad_magic);
+  std::string bad_split = bytes;
+  const uint64_t too_many = uint64_t{1} << 40;
+  std::memcpy(bad_split.data() + 16, &too_many, sizeof(too_many));  // train > total
+  expect_rejected(bad_split);
   EXPECT_THROW(TokenDataset::open((*dir_ / "none.bin").string()), UserError);
+  write(cache, bytes);
+  EXPECT_EQ(TokenDataset::open(cache).fingerprint(), 7u);
 }
 
 std::vector<int32_t> counting_stream(int32_t n) {
@@ -265,35 +379,88 @@ TEST(DataPipeline, ReusesPreparedDataAndRebuildsWhenInputsChange) {
   std::string text;
   for (const std::string& d : synthetic_documents(200)) text += d + "%\n";
   write(corpus / "quotes", text);
+  write(corpus / "quotes.dat", "index");
   const fs::path run = dir / "run";
   fs::create_directories(run);
+  const fs::path model = run / "tokenizer.model", cache = run / "tokens.bin";
 
   const PreparedData first = prepare_data(corpus.string(), 350, run.string());
-  EXPECT_FALSE(first.reused);
-  EXPECT_EQ(first.dataset.train_documents() + first.dataset.val_documents(), 200);
-  const auto stamp = fs::last_write_time(run / "tokens.bin");
+  EXPECT_FALSE(first.tokenizer_reused);
+  EXPECT_FALSE(first.cache_reused);
+  EXPECT_EQ(first.documents, 200);
+  EXPECT_TRUE(read(model) == first.tokenizer.model_bytes());
+  const auto model_stamp = fs::last_write_time(model);
+  const auto cache_stamp = fs::last_write_time(cache);
 
   const PreparedData second = prepare_data(corpus.string(), 350, run.string());
-  EXPECT_TRUE(second.reused);
-  EXPECT_EQ(fs::last_write_time(run / "tokens.bin"), stamp);
-  EXPECT_TRUE(std::equal(first.dataset.train_tokens().begin(), first.dataset.train_tokens().end(),
-                         second.dataset.train_tokens().begin(),
-                         second.dataset.train_tokens().end()));
+  EXPECT_TRUE(second.tokenizer_reused);
+  EXPECT_TRUE(second.cache_reused);
+  EXPECT_EQ(second.documents, 200);
+  EXPECT_EQ(fs::last_write_time(model), model_stamp);
+  EXPECT_EQ(fs::last_write_time(cache), cache_stamp);
+  EXPECT_EQ(to_vector(second.dataset.train_tokens()), to_vector(first.dataset.train_tokens()));
+  EXPECT_EQ(to_vector(second.dataset.val_tokens()), to_vector(first.dataset.val_tokens()));
 
+  // Another vocabulary: a new tokenizer and cache.
   const PreparedData other_vocab = prepare_data(corpus.string(), 330, run.string());
-  EXPECT_FALSE(other_vocab.reused);
+  EXPECT_FALSE(other_vocab.tokenizer_reused);
+  EXPECT_FALSE(other_vocab.cache_reused);
   EXPECT_LE(other_vocab.tokenizer.vocab_size(), 330);
+  EXPECT_TRUE(other_vocab.tokenizer.model_bytes() != first.tokenizer.model_bytes());
+  EXPECT_NE(other_vocab.dataset.fingerprint(), first.dataset.fingerprint());
 
+  // A grown corpus: the run keeps its tokenizer, the cache is rebuilt.
   write(corpus / "more", "An entirely new document about gardening.\n");
   const PreparedData grown = prepare_data(corpus.string(), 330, run.string());
-  EXPECT_FALSE(grown.reused);
-  EXPECT_EQ(grown.dataset.train_documents() + grown.dataset.val_documents(), 201);
+  EXPECT_TRUE(grown.tokenizer_reused);
+  EXPECT_FALSE(grown.cache_reused);
+  EXPECT_TRUE(grown.tokenizer.model_bytes() == other_vocab.tokenizer.model_bytes());
+  EXPECT_EQ(grown.documents, 201);
 
-  // A damaged cache is rebuilt, not trusted.
-  write(run / "tokens.bin", "garbage");
+  // A damaged cache is rebuilt, not trusted; so is a damaged tokenizer. (Removed first: the
+  // cache of `grown` is still mapped, and truncating a mapped file in place would fault it.)
+  fs::remove(cache);
+  write(cache, "garbage");
   const PreparedData rebuilt = prepare_data(corpus.string(), 330, run.string());
-  EXPECT_FALSE(rebuilt.reused);
-  EXPECT_EQ(rebuilt.dataset.train_documents() + rebuilt.dataset.val_documents(), 201);
+  EXPECT_FALSE(rebuilt.cache_reused);
+  EXPECT_EQ(to_vector(rebuilt.dataset.train_tokens()), to_vector(grown.dataset.train_tokens()));
+  write(model, "garbage");
+  const PreparedData retrained = prepare_data(corpus.string(), 330, run.string());
+  EXPECT_FALSE(retrained.tokenizer_reused);
+  EXPECT_TRUE(read(model) == retrained.tokenizer.model_bytes());
+  EXPECT_FALSE(fs::exists(run / "tokens.bin.tmp"));
+  EXPECT_FALSE(fs::exists(run / "tokenizer.model.tmp"));
+
+  // Bad input names the path or value.
+  EXPECT_THROW(prepare_data((dir / "missing").string(), 330, run.string()), UserError);
+  write(dir / "blank" / "a", "  \n%\n\n");
+  EXPECT_THROW(prepare_data((dir / "blank").string(), 330, run.string()), UserError);
+  const fs::path fresh = dir / "fresh";
+  fs::create_directories(fresh);
+  EXPECT_THROW(prepare_data(corpus.string(), 100, fresh.string()), UserError);
+}
+
+// The default corpus, when installed: prepared quickly at a realistic vocabulary, every
+// document round-trips, and the split is about 90/10.
+TEST(DataPipeline, PreparesTheFortunesCorpus) {
+  const std::string fortunes = "/usr/share/games/fortunes";
+  if (!fs::is_directory(fortunes)) GTEST_SKIP() << fortunes << " is not installed";
+  const fs::path run = temp_dir("fortunes");
+  const PreparedData data = prepare_data(fortunes, 4096, run.string());
+  EXPECT_EQ(data.tokenizer.vocab_size(), 4096);
+  EXPECT_GT(data.documents, 1000);
+  const double train = static_cast<double>(data.dataset.train_tokens().size());
+  const double val = static_cast<double>(data.dataset.val_tokens().size());
+  EXPECT_NEAR(val / (train + val), 0.1, 0.03);
+  int64_t mismatches = 0;
+  double bytes = 0;
+  for (const std::string& doc : read_documents(fortunes)) {
+    mismatches += data.tokenizer.decode(data.tokenizer.encode(doc)) != doc;
+    bytes += static_cast<double>(doc.size());
+  }
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_GT(bytes / (train + val), 2.5);  // bytes per token: BPE merges are doing their work
+  fs::remove_all(run);
 }
 
 }  // namespace
