@@ -6,6 +6,11 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/bf16.h"
+#include "kernels/cpu_features.h"
+#include "kernels/gemm_driver.h"
+#include "kernels/gemm_isa.h"
+
 namespace cputrain::kernels {
 namespace {
 
@@ -13,33 +18,29 @@ using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Row
 using ConstMap = Eigen::Map<const RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
 using MutMap = Eigen::Map<RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
 
-GemmBackend initial_backend() {
-  const char* env = std::getenv("CPUTRAIN_GEMM");
-  GemmBackend backend = GemmBackend::Eigen;
-  if (env != nullptr && *env != '\0' && !gemm_backend_from_name(env, &backend))
-    throw std::invalid_argument(std::string("CPUTRAIN_GEMM: unknown GEMM backend '") + env +
-                                "' (expected reference or eigen)");
-  return backend;
-}
+constexpr GemmBackend kAllBackends[] = {GemmBackend::Reference, GemmBackend::Eigen,
+                                        GemmBackend::Avx512, GemmBackend::Onednn};
 
 std::atomic<GemmBackend>& backend_slot() {
-  static std::atomic<GemmBackend> slot{initial_backend()};
+  static std::atomic<GemmBackend> slot{gemm_default_backend()};
   return slot;
 }
 
-}  // namespace
+std::atomic<size_t> workspace_bytes{0};
 
-void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                        const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                        float* C, int64_t ldc) {
+// Double-precision triple loop over elements read through `load`.
+template <typename T, typename Load>
+void reference_product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const T* A,
+                       int64_t lda, const T* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                       Load load) {
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < M; ++i) {
     for (int64_t j = 0; j < N; ++j) {
       double sum = 0.0;
       for (int64_t k = 0; k < K; ++k) {
-        const double a = at ? A[k * lda + i] : A[i * lda + k];
-        const double b = bt ? B[j * ldb + k] : B[k * ldb + j];
+        const double a = load(at ? A[k * lda + i] : A[i * lda + k]);
+        const double b = load(bt ? B[j * ldb + k] : B[k * ldb + j]);
         sum += a * b;
       }
       float& c = C[i * ldc + j];
@@ -47,6 +48,49 @@ void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_
                        : static_cast<float>(sum + static_cast<double>(beta) * c);
     }
   }
+}
+
+}  // namespace
+
+namespace detail {
+
+float* gemm_pack_buffer(size_t floats, int which) {
+  struct Buffer {
+    float* data = nullptr;
+    size_t size = 0;
+    ~Buffer() {
+      workspace_bytes -= size * sizeof(float);
+      std::free(data);
+    }
+  };
+  thread_local Buffer buffers[2];
+  Buffer& b = buffers[which];
+  if (b.size < floats) {
+    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+    float* grown = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (grown == nullptr) throw std::bad_alloc();
+    std::free(b.data);
+    workspace_bytes += bytes - b.size * sizeof(float);
+    b.data = grown;
+    b.size = bytes / sizeof(float);
+  }
+  return b.data;
+}
+
+}  // namespace detail
+
+void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                        const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                        float* C, int64_t ldc) {
+  reference_product(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
+                    [](float x) { return static_cast<double>(x); });
+}
+
+void gemm_bf16_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                         float beta, float* C, int64_t ldc) {
+  reference_product(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
+                    [](uint16_t x) { return static_cast<double>(bf16_to_fp32(x)); });
 }
 
 void gemm_f32_eigen(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
@@ -82,15 +126,50 @@ void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const
               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   switch (gemm_backend()) {
     case GemmBackend::Reference:
-      gemm_f32_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-      return;
+      return gemm_f32_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
     case GemmBackend::Eigen:
-      gemm_f32_eigen(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-      return;
+      return gemm_f32_eigen(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    case GemmBackend::Avx512:
+      return gemm_f32_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    case GemmBackend::Onednn:
+      return gemm_f32_onednn(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   }
 }
 
-void gemm_set_backend(GemmBackend backend) { backend_slot().store(backend); }
+void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const GemmBackend backend = gemm_backend();
+  if (backend == GemmBackend::Avx512 && cpu_features().avx512_bf16)
+    return gemm_bf16_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  if (backend == GemmBackend::Onednn)
+    return gemm_bf16_onednn(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  gemm_bf16_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+bool gemm_backend_available(GemmBackend backend) {
+  return backend != GemmBackend::Avx512 || cpu_features().avx512;
+}
+
+GemmBackend gemm_default_backend() {
+  const char* env = std::getenv("CPUTRAIN_GEMM");
+  if (env != nullptr && *env != '\0') {
+    GemmBackend backend;
+    if (!gemm_backend_from_name(env, &backend) || !gemm_backend_available(backend))
+      throw std::invalid_argument(std::string("CPUTRAIN_GEMM=") + env +
+                                  ": not a GEMM backend this CPU runs (" +
+                                  gemm_available_backends() + ")");
+    return backend;
+  }
+  return cpu_features().avx512 ? GemmBackend::Avx512 : GemmBackend::Eigen;
+}
+
+void gemm_set_backend(GemmBackend backend) {
+  if (!gemm_backend_available(backend))
+    throw std::invalid_argument(std::string("GEMM backend ") +
+                                std::string(gemm_backend_name(backend)) +
+                                " needs a CPU feature this machine lacks");
+  backend_slot().store(backend);
+}
 
 GemmBackend gemm_backend() { return backend_slot().load(std::memory_order_relaxed); }
 
@@ -100,12 +179,16 @@ std::string_view gemm_backend_name(GemmBackend backend) {
       return "reference";
     case GemmBackend::Eigen:
       return "eigen";
+    case GemmBackend::Avx512:
+      return "avx512";
+    case GemmBackend::Onednn:
+      return "onednn";
   }
   return "unknown";
 }
 
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend) {
-  for (GemmBackend b : {GemmBackend::Reference, GemmBackend::Eigen}) {
+  for (GemmBackend b : kAllBackends) {
     if (name == gemm_backend_name(b)) {
       *backend = b;
       return true;
@@ -113,5 +196,17 @@ bool gemm_backend_from_name(std::string_view name, GemmBackend* backend) {
   }
   return false;
 }
+
+std::string gemm_available_backends() {
+  std::string names;
+  for (GemmBackend b : kAllBackends) {
+    if (!gemm_backend_available(b)) continue;
+    if (!names.empty()) names += ", ";
+    names += gemm_backend_name(b);
+  }
+  return names;
+}
+
+size_t gemm_workspace_bytes() { return workspace_bytes.load(); }
 
 }  // namespace cputrain::kernels

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace cputrain::kernels {
@@ -20,21 +22,42 @@ enum class Transpose : bool { No = false, Yes = true };
 void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// The implementations behind gemm_f32. Each has the exact contract above.
-enum class GemmBackend { Reference, Eigen };
+// C[M,N] = op(A) op(B) + beta C with A and B in bf16 (uint16_t, see bf16.h), products summed in
+// FP32; the same layout contract as gemm_f32.
+void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
+//   Reference  triple loop in double (the ground truth for tests)
+//   Eigen      Eigen's FP32 GEMM (BF16: the reference)
+//   Avx512     our blocked AVX-512 kernels (BF16 needs AVX512_BF16; without it, the reference)
+//   Onednn     oneDNN's sgemm and bf16 matmul
+enum class GemmBackend { Reference, Eigen, Avx512, Onednn };
 
 // Straightforward triple loop with double accumulation: the ground truth for tests.
 void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                         const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
                         float* C, int64_t ldc);
+void gemm_bf16_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                         float beta, float* C, int64_t ldc);
 void gemm_f32_eigen(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
-// Selects the implementation gemm_f32 calls (default: the fastest this CPU runs).
+// Whether this CPU runs the backend's FP32 path.
+bool gemm_backend_available(GemmBackend backend);
+// The fastest available; the environment variable CPUTRAIN_GEMM (a backend name) overrides it.
+GemmBackend gemm_default_backend();
+// Selects the implementation gemm_f32 and gemm_bf16 call; throws std::invalid_argument for a
+// backend this CPU cannot run.
 void gemm_set_backend(GemmBackend backend);
 GemmBackend gemm_backend();
 std::string_view gemm_backend_name(GemmBackend backend);
-// Parses "reference" or "eigen"; returns false for anything else.
+// Parses "reference", "eigen", "avx512" or "onednn"; returns false for anything else.
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend);
+// The names of every backend this CPU can run, e.g. "reference, eigen, avx512, onednn".
+std::string gemm_available_backends();
+// Bytes held by GEMM packing buffers (kept between calls, one set per calling thread).
+size_t gemm_workspace_bytes();
 
 }  // namespace cputrain::kernels

@@ -1,19 +1,25 @@
-// gemm_f32 against a naive double-precision product written here, over every transpose
-// combination, odd sizes with tails, padded leading dimensions, beta 0/1/other, each backend
-// and one and two threads.
+// gemm_f32 and gemm_bf16 on every backend this CPU runs, against a naive double-precision
+// product written here: every transpose combination, sizes 1 to 257 with tails in every
+// dimension, padded leading dimensions, beta 0 (over NaN), 1 and 0.5, one and two threads.
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include <cmath>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <tuple>
 #include <vector>
 
+#include "kernels/bf16.h"
+#include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
 
 namespace cputrain::kernels {
 namespace {
+
+constexpr int64_t kSizes[] = {1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 65, 127, 257};
+constexpr size_t kSizeCount = sizeof(kSizes) / sizeof(kSizes[0]);
 
 std::vector<float> random_vector(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -28,24 +34,58 @@ struct Case {
   int64_t M, N, K;
   int64_t pad;  // extra columns in every leading dimension
   float beta;
+  int64_t lda() const { return (ta == Transpose::No ? K : M) + pad; }
+  int64_t ldb() const { return (tb == Transpose::No ? N : K) + pad; }
+  int64_t ldc() const { return N + pad; }
+  int64_t a_rows() const { return ta == Transpose::No ? M : K; }
+  int64_t b_rows() const { return tb == Transpose::No ? K : N; }
 };
 
-// C = op(A) op(B) + beta C, with element access spelled out from the storage layout.
-std::vector<double> naive(const Case& c, const std::vector<float>& A, int64_t lda,
-                          const std::vector<float>& B, int64_t ldb, const std::vector<float>& C,
-                          int64_t ldc) {
-  std::vector<double> out(C.begin(), C.end());
+// Every size appears as M, N and K, each with every transpose combination and beta.
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (size_t i = 0; i < kSizeCount; ++i)
+    for (size_t shift : {4u, 7u}) {
+      const int64_t M = kSizes[i], N = kSizes[(i + shift) % kSizeCount],
+                    K = kSizes[(i + 2 * shift) % kSizeCount];
+      for (Transpose ta : {Transpose::No, Transpose::Yes})
+        for (Transpose tb : {Transpose::No, Transpose::Yes})
+          for (float beta : {0.0f, 1.0f, 0.5f})
+            out.push_back({ta, tb, M, N, K, static_cast<int64_t>(out.size() % 3) * 5, beta});
+    }
+  // A K longer than one cache block, and M and N beyond one packed block.
+  out.push_back({Transpose::No, Transpose::Yes, 40, 70, 1100, 0, 0.0f});
+  out.push_back({Transpose::Yes, Transpose::No, 2100, 33, 20, 1, 1.0f});
+  out.push_back({Transpose::No, Transpose::No, 17, 2200, 9, 0, 0.5f});
+  return out;
+}
+
+std::string describe(const Case& c) {
+  std::ostringstream s;
+  s << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ta=" << (c.ta == Transpose::Yes)
+    << " tb=" << (c.tb == Transpose::Yes) << " beta=" << c.beta << " pad=" << c.pad;
+  return s.str();
+}
+
+// want = op(A) op(B) + beta C and scale = sum |a||b|, element by element from the storage layout.
+void naive(const Case& c, const std::vector<float>& A, const std::vector<float>& B,
+           const std::vector<float>& C, std::vector<double>* want, std::vector<double>* scale) {
+  want->assign(C.size(), 0.0);
+  scale->assign(C.size(), 0.0);
   for (int64_t i = 0; i < c.M; ++i)
     for (int64_t j = 0; j < c.N; ++j) {
-      double s = 0.0;
+      double s = 0.0, abs = 0.0;
       for (int64_t k = 0; k < c.K; ++k) {
-        const double a = c.ta == Transpose::No ? A[i * lda + k] : A[k * lda + i];
-        const double b = c.tb == Transpose::No ? B[k * ldb + j] : B[j * ldb + k];
+        const double a = c.ta == Transpose::No ? A[i * c.lda() + k] : A[k * c.lda() + i];
+        const double b = c.tb == Transpose::No ? B[k * c.ldb() + j] : B[j * c.ldb() + k];
         s += a * b;
+        abs += std::abs(a * b);
       }
-      out[i * ldc + j] = s + (c.beta == 0.0f ? 0.0 : c.beta * static_cast<double>(C[i * ldc + j]));
+      const size_t at = i * c.ldc() + j;
+      const double old = c.beta == 0.0f ? 0.0 : c.beta * static_cast<double>(C[at]);
+      (*want)[at] = s + old;
+      (*scale)[at] = abs + std::abs(old);
     }
-  return out;
 }
 
 class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
@@ -53,6 +93,9 @@ class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
   void SetUp() override {
     saved_backend_ = gemm_backend();
     saved_threads_ = omp_get_max_threads();
+    if (!gemm_backend_available(std::get<0>(GetParam())))
+      GTEST_SKIP() << gemm_backend_name(std::get<0>(GetParam())) << " does not run on this CPU ("
+                   << cpu_features_string() << ")";
     gemm_set_backend(std::get<0>(GetParam()));
     omp_set_num_threads(std::get<1>(GetParam()));
   }
@@ -60,49 +103,62 @@ class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
     gemm_set_backend(saved_backend_);
     omp_set_num_threads(saved_threads_);
   }
+
+  // Runs every case through `run` (which converts inputs as its data type needs) and checks
+  // |got - want| <= tolerance * scale + 1e-6, and that padding columns are untouched.
+  template <typename Run>
+  void check_all(bool bf16_inputs, double tolerance, Run run) {
+    uint32_t seed = 1;
+    for (const Case& c : cases()) {
+      std::vector<float> A = random_vector(c.a_rows() * c.lda(), seed++);
+      std::vector<float> B = random_vector(c.b_rows() * c.ldb(), seed++);
+      if (bf16_inputs) {  // the reference sees exactly the bf16 values the kernel sees
+        for (float& x : A) x = bf16_to_fp32(fp32_to_bf16(x));
+        for (float& x : B) x = bf16_to_fp32(fp32_to_bf16(x));
+      }
+      std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
+      if (c.beta == 0.0f)  // beta 0 must overwrite whatever C holds, NaN included
+        for (int64_t i = 0; i < c.M; ++i) C[i * c.ldc()] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<double> want, scale;
+      naive(c, A, B, C, &want, &scale);
+      std::vector<float> got = C;
+      run(c, A, B, got);
+      for (int64_t i = 0; i < c.M; ++i)
+        for (int64_t j = 0; j < c.ldc(); ++j) {
+          const size_t at = i * c.ldc() + j;
+          if (j >= c.N) {
+            ASSERT_EQ(got[at], C[at]) << "padding written: " << describe(c);
+            continue;
+          }
+          ASSERT_NEAR(got[at], want[at], tolerance * scale[at] + 1e-6)
+              << describe(c) << " at " << i << "," << j;
+        }
+    }
+  }
+
   GemmBackend saved_backend_{};
   int saved_threads_ = 1;
 };
 
-TEST_P(GemmTest, MatchesNaiveProduct) {
-  std::vector<Case> cases;
-  const int64_t sizes[][3] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 65}, {64, 48, 32}, {129, 31, 257},
-                              {2, 300, 1}, {31, 1, 100}};
-  uint32_t seed = 1;
-  for (const auto& s : sizes)
-    for (Transpose ta : {Transpose::No, Transpose::Yes})
-      for (Transpose tb : {Transpose::No, Transpose::Yes})
-        for (float beta : {0.0f, 1.0f, 0.5f})
-          cases.push_back({ta, tb, s[0], s[1], s[2], (seed++ % 3) * 3, beta});
-  for (const Case& c : cases) {
-    const int64_t a_rows = c.ta == Transpose::No ? c.M : c.K;
-    const int64_t a_cols = c.ta == Transpose::No ? c.K : c.M;
-    const int64_t b_rows = c.tb == Transpose::No ? c.K : c.N;
-    const int64_t b_cols = c.tb == Transpose::No ? c.N : c.K;
-    const int64_t lda = a_cols + c.pad, ldb = b_cols + c.pad, ldc = c.N + c.pad;
-    const std::vector<float> A = random_vector(a_rows * lda, seed++);
-    const std::vector<float> B = random_vector(b_rows * ldb, seed++);
-    std::vector<float> C = random_vector(c.M * ldc, seed++);
-    if (c.beta == 0.0f)  // beta 0 must overwrite whatever C holds, NaN included
-      for (int64_t i = 0; i < c.M; ++i) C[i * ldc] = std::numeric_limits<float>::quiet_NaN();
-    const std::vector<double> want = naive(c, A, lda, B, ldb, C, ldc);
-    std::vector<float> got = C;
-    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), lda, B.data(), ldb, c.beta, got.data(), ldc);
-    const double tol = 1e-5 * std::sqrt(static_cast<double>(c.K)) + 1e-6;
-    for (int64_t i = 0; i < c.M; ++i) {
-      for (int64_t j = 0; j < ldc; ++j) {
-        const size_t at = i * ldc + j;
-        if (j >= c.N) {  // padding is never written
-          ASSERT_EQ(got[at], C[at]);
-          continue;
-        }
-        ASSERT_NEAR(got[at], want[at], tol)
-            << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ta=" << (c.ta == Transpose::Yes)
-            << " tb=" << (c.tb == Transpose::Yes) << " beta=" << c.beta << " at " << i << ","
-            << j;
-      }
-    }
-  }
+// FP32: within 2e-6 of sum |a||b| (float rounding of a K-term sum in blocks).
+TEST_P(GemmTest, Fp32MatchesNaiveProduct) {
+  check_all(false, 2e-6, [](const Case& c, const std::vector<float>& A, const std::vector<float>& B,
+                            std::vector<float>& C) {
+    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta, C.data(),
+             c.ldc());
+  });
+}
+
+// BF16 inputs, FP32 sums: within 1e-5 of sum |a||b| of an FP64 product of the same bf16 values.
+TEST_P(GemmTest, Bf16MatchesNaiveProductOfRoundedInputs) {
+  check_all(true, 1e-5, [](const Case& c, const std::vector<float>& A, const std::vector<float>& B,
+                           std::vector<float>& C) {
+    std::vector<uint16_t> a(A.size()), b(B.size());
+    fp32_to_bf16_array(a.data(), A.data(), static_cast<int64_t>(A.size()));
+    fp32_to_bf16_array(b.data(), B.data(), static_cast<int64_t>(B.size()));
+    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta, C.data(),
+              c.ldc());
+  });
 }
 
 TEST_P(GemmTest, EmptyInnerDimensionScalesC) {
@@ -113,19 +169,46 @@ TEST_P(GemmTest, EmptyInnerDimensionScalesC) {
   std::vector<float> D = {1.0f, 2.0f, 3.0f, 4.0f};
   gemm_f32(Transpose::No, Transpose::No, 2, 2, 0, &unused, 1, &unused, 2, 1.0f, D.data(), 2);
   EXPECT_EQ(D, (std::vector<float>{1.0f, 2.0f, 3.0f, 4.0f}));
+  const uint16_t unused16 = 0;
+  gemm_bf16(Transpose::No, Transpose::No, 2, 2, 0, &unused16, 1, &unused16, 2, 0.5f, D.data(), 2);
+  EXPECT_EQ(D, (std::vector<float>{0.5f, 1.0f, 1.5f, 2.0f}));
+}
+
+// Each output element is computed by one thread in a fixed order, so results are bit-identical
+// for any thread count.
+TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
+  const Case c{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f};
+  const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
+  const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
+  std::vector<float> one(c.M * c.ldc()), two(c.M * c.ldc());
+  omp_set_num_threads(1);
+  gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), 0.0f, one.data(),
+           c.ldc());
+  omp_set_num_threads(2);
+  gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), 0.0f, two.data(),
+           c.ldc());
+  if (std::get<0>(GetParam()) == GemmBackend::Eigen ||
+      std::get<0>(GetParam()) == GemmBackend::Onednn)
+    GTEST_SKIP() << "library backends choose their own blocking per thread count";
+  EXPECT_EQ(one, two);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
                          ::testing::Combine(::testing::Values(GemmBackend::Reference,
-                                                              GemmBackend::Eigen),
+                                                              GemmBackend::Eigen,
+                                                              GemmBackend::Avx512,
+                                                              GemmBackend::Onednn),
                                             ::testing::Values(1, 2)),
                          [](const auto& info) {
-                           return std::string(gemm_backend_name(std::get<0>(info.param))) + "_" +
-                                  std::to_string(std::get<1>(info.param)) + "threads";
+                           std::ostringstream name;
+                           name << gemm_backend_name(std::get<0>(info.param)) << "_"
+                                << std::get<1>(info.param) << "threads";
+                           return name.str();
                          });
 
-TEST(GemmBackendNames, RoundTrip) {
-  for (GemmBackend b : {GemmBackend::Reference, GemmBackend::Eigen}) {
+TEST(GemmBackendNames, RoundTripAndAvailability) {
+  for (GemmBackend b : {GemmBackend::Reference, GemmBackend::Eigen, GemmBackend::Avx512,
+                        GemmBackend::Onednn}) {
     GemmBackend parsed{};
     ASSERT_TRUE(gemm_backend_from_name(gemm_backend_name(b), &parsed));
     EXPECT_EQ(parsed, b);
@@ -133,6 +216,9 @@ TEST(GemmBackendNames, RoundTrip) {
   GemmBackend parsed{};
   EXPECT_FALSE(gemm_backend_from_name("avx9000", &parsed));
   EXPECT_FALSE(gemm_backend_from_name("", &parsed));
+  EXPECT_TRUE(gemm_backend_available(GemmBackend::Reference));
+  EXPECT_EQ(gemm_backend_available(GemmBackend::Avx512), cpu_features().avx512);
+  EXPECT_TRUE(gemm_backend_available(gemm_default_backend()));
 }
 
 }  // namespace

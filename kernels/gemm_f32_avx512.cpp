@@ -1,0 +1,97 @@
+// FP32 GEMM on AVX-512: 14 x 32 micro-kernel of vfmadd231ps with broadcast A, over panels
+// packed by the blocked driver.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/gemm_avx512_tile.h"
+#include "kernels/gemm_driver.h"
+#include "kernels/gemm_isa.h"
+
+namespace cputrain::kernels {
+namespace {
+
+using detail::kTileCols;
+using detail::kTileRows;
+
+struct F32Avx512 {
+  using In = float;
+  using Packed = float;
+  static constexpr int64_t KU = 1, MR = kTileRows, NR = kTileCols;
+  static constexpr int64_t KC = 256, MC = MR * 8, NC = 2048, MB = MR * 144;
+
+  // dst[k][r] = op(A)[i0 + r][k0 + k]
+  static void pack_a(float* dst, const float* A, int64_t lda, bool trans, int64_t i0, int64_t m,
+                     int64_t k0, int64_t kc) {
+    if (trans) {  // A stored (K, M): each k is a contiguous run of m values
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = A + (k0 + k) * lda + i0;
+        float* d = dst + k * MR;
+        int64_t r = 0;
+        for (; r < m; ++r) d[r] = src[r];
+        for (; r < MR; ++r) d[r] = 0.0f;
+      }
+      return;
+    }
+    for (int64_t r = 0; r < MR; ++r) {
+      if (r < m) {
+        const float* src = A + (i0 + r) * lda + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + r] = src[k];
+      } else {
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + r] = 0.0f;
+      }
+    }
+  }
+
+  // dst[k][c] = op(B)[k0 + k][j0 + c]
+  static void pack_b(float* dst, const float* B, int64_t ldb, bool trans, int64_t j0, int64_t n,
+                     int64_t k0, int64_t kc) {
+    if (!trans) {  // B stored (K, N): each k is a contiguous run of n values
+      const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 hi =
+          n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = B + (k0 + k) * ldb + j0;
+        _mm512_store_ps(dst + k * NR, _mm512_maskz_loadu_ps(lo, src));
+        _mm512_store_ps(dst + k * NR + 16, _mm512_maskz_loadu_ps(hi, src + 16));
+      }
+      return;
+    }
+    // B stored (N, K): transpose 16 x 16 blocks through registers would be faster; columns
+    // are gathered one at a time.
+    for (int64_t c = 0; c < NR; ++c) {
+      if (c < n) {
+        const float* src = B + (j0 + c) * ldb + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = src[k];
+      } else {
+        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = 0.0f;
+      }
+    }
+  }
+
+  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
+                    float beta, int m, int n) {
+    detail::Tile t;
+#pragma GCC unroll 14
+    for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kp; ++k) {
+      const __m512 b0 = _mm512_load_ps(b + k * NR), b1 = _mm512_load_ps(b + k * NR + 16);
+#pragma GCC unroll 14
+      for (int r = 0; r < MR; ++r) {
+        const __m512 av = _mm512_set1_ps(a[k * MR + r]);
+        t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
+        t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
+      }
+    }
+    detail::store_tile(t, C, ldc, beta, m, n);
+  }
+};
+
+}  // namespace
+
+void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  detail::gemm_blocked<F32Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+}  // namespace cputrain::kernels

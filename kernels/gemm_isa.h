@@ -1,0 +1,31 @@
+// The GEMM implementations behind the dispatch in gemm.cpp, one per ISA or library; each has
+// the contract of gemm_f32 / gemm_bf16 in gemm.h and may only be called where
+// gemm_backend_available says so.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/gemm.h"
+
+namespace cputrain::kernels {
+
+namespace detail {
+// C = beta C (beta 0 overwrites with zeros): the whole product when K is 0.
+inline void scale_c(float* C, int64_t M, int64_t N, int64_t ldc, float beta) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+}
+}  // namespace detail
+
+void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                      const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc);
+void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+void gemm_bf16_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                      const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc);
+
+}  // namespace cputrain::kernels
