@@ -18,6 +18,53 @@ struct Tile {
   __m512 hi[kTileRows];
 };
 
+// out[j] lane i = in[i] lane j.
+inline __attribute__((always_inline)) void transpose16x16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512 v = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x88);
+    const __m512 w = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xdd);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x88);
+    const __m512 w2 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xdd);
+    r[q] = _mm512_shuffle_f32x4(v, v2, 0x88);
+    r[8 + q] = _mm512_shuffle_f32x4(v, v2, 0xdd);
+    r[4 + q] = _mm512_shuffle_f32x4(w, w2, 0x88);
+    r[12 + q] = _mm512_shuffle_f32x4(w, w2, 0xdd);
+  }
+}
+
+// Packs `rows` (<= 16) rows of `count` 4-byte elements, row r starting at src + r * row_bytes,
+// transposed: dst[k * dst_stride + r] for k < count and r < lanes (<= 16); lanes at or past
+// `rows` are written as zero.
+inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const void* src_v,
+                            int64_t row_bytes, int rows, int64_t count) {
+  auto* dst = static_cast<float*>(dst_v);
+  const auto* src = static_cast<const char*>(src_v);
+  const __mmask16 lane_mask = static_cast<__mmask16>((1u << lanes) - 1);
+  __m512 r[16];
+  for (int64_t k = 0; k < count; k += 16) {
+    const int rem = static_cast<int>(count - k < 16 ? count - k : 16);
+    const __mmask16 load_mask = static_cast<__mmask16>((1u << rem) - 1);
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < rows ? _mm512_maskz_loadu_ps(
+                            load_mask, reinterpret_cast<const float*>(src + i * row_bytes) + k)
+                      : _mm512_setzero_ps();
+    transpose16x16(r);
+    for (int kk = 0; kk < rem; ++kk)
+      _mm512_mask_storeu_ps(dst + (k + kk) * dst_stride, lane_mask, r[kk]);
+  }
+}
+
 // C[0:m, 0:n] = tile + beta * C (beta 0 overwrites, never reading C).
 inline __attribute__((always_inline)) void store_tile(const Tile& t, float* C, int64_t ldc,
                                                       float beta, int m, int n) {

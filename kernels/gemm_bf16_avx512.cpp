@@ -3,6 +3,7 @@
 // bf16 values of k = 2p (low half) and 2p + 1 (high half).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/gemm_avx512_tile.h"
@@ -19,28 +20,51 @@ inline uint32_t pair(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
+// dst[c] = (row0[c], row1[c]) for c < n (row1 null: zeros), c < lanes (<= 32); lanes at or past
+// n are zero.
+inline void interleave_pairs(uint32_t* dst, const uint16_t* row0, const uint16_t* row1, int n,
+                             int lanes) {
+  const __mmask32 load = n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
+  const __m512i x0 = _mm512_maskz_loadu_epi16(load, row0);
+  const __m512i x1 = row1 != nullptr ? _mm512_maskz_loadu_epi16(load, row1) : _mm512_setzero_si512();
+  // unpacklo/hi work within 128-bit lanes; the permutes put columns back in order.
+  const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+  const __m512i first =
+      _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
+  const __m512i second =
+      _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi);
+  const __mmask16 first_mask =
+      lanes >= 16 ? 0xffff : static_cast<__mmask16>((1u << lanes) - 1);
+  _mm512_mask_storeu_epi32(dst, first_mask, first);
+  if (lanes > 16)
+    _mm512_mask_storeu_epi32(dst + 16, static_cast<__mmask16>((1u << (lanes - 16)) - 1),
+                             second);
+}
+
 struct Bf16Avx512 {
   using In = uint16_t;
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 512, MC = MR * 8, NC = 2048, MB = MR * 144;
+  static constexpr int64_t KC = 512, MC = MR * 8, NC = 1024, MB = MR * 144;
 
   // dst[p][r] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1])
   static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,
                      int64_t m, int64_t k0, int64_t kc) {
     const int64_t kp = (kc + 1) / 2;
-    for (int64_t r = 0; r < MR; ++r) {
-      if (r >= m) {
-        for (int64_t p = 0; p < kp; ++p) dst[p * MR + r] = 0;
-        continue;
-      }
+    if (trans) {  // A stored (K, M): interleave rows k and k + 1
       for (int64_t p = 0; p < kp; ++p) {
-        const int64_t k = k0 + 2 * p;
-        const bool second = 2 * p + 1 < kc;
-        const uint16_t lo = trans ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
-        const uint16_t hi = !second ? 0 : trans ? A[(k + 1) * lda + i0 + r] : A[(i0 + r) * lda + k + 1];
-        dst[p * MR + r] = pair(lo, hi);
+        const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
+        interleave_pairs(dst + p * MR, row, 2 * p + 1 < kc ? row + lda : nullptr,
+                         static_cast<int>(m), MR);
       }
+      return;
+    }
+    // A stored (M, K): a pair is one 32-bit element of a row; transpose 16 x 16 blocks.
+    const int64_t full = kc / 2;
+    detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 2, static_cast<int>(m), full);
+    if (full < kp) {  // odd K: the last pair's second half is zero
+      for (int64_t r = 0; r < MR; ++r)
+        dst[full * MR + r] = r < m ? pair(A[(i0 + r) * lda + k0 + kc - 1], 0) : 0;
     }
   }
 
@@ -48,34 +72,24 @@ struct Bf16Avx512 {
   static void pack_b(uint32_t* dst, const uint16_t* B, int64_t ldb, bool trans, int64_t j0,
                      int64_t n, int64_t k0, int64_t kc) {
     const int64_t kp = (kc + 1) / 2;
-    if (!trans && n == NR) {  // B stored (K, N): interleave two rows of 32 values
+    if (!trans) {  // B stored (K, N): interleave rows k and k + 1
       for (int64_t p = 0; p < kp; ++p) {
-        const uint16_t* r0 = B + (k0 + 2 * p) * ldb + j0;
-        const __m512i x0 = _mm512_loadu_si512(r0);
-        const __m512i x1 = 2 * p + 1 < kc ? _mm512_loadu_si512(r0 + ldb) : _mm512_setzero_si512();
-        // unpacklo/hi work within 128-bit lanes; the permutes put columns back in order.
-        const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
-        const __m512i first = _mm512_permutex2var_epi64(
-            lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
-        const __m512i second = _mm512_permutex2var_epi64(
-            lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi);
-        _mm512_store_si512(dst + p * NR, first);
-        _mm512_store_si512(dst + p * NR + 16, second);
+        const uint16_t* row = B + (k0 + 2 * p) * ldb + j0;
+        interleave_pairs(dst + p * NR, row, 2 * p + 1 < kc ? row + ldb : nullptr,
+                         static_cast<int>(n), NR);
       }
       return;
     }
-    for (int64_t c = 0; c < NR; ++c) {
-      for (int64_t p = 0; p < kp; ++p) {
-        if (c >= n) {
-          dst[p * NR + c] = 0;
-          continue;
-        }
-        const int64_t k = k0 + 2 * p, j = j0 + c;
-        const bool second = 2 * p + 1 < kc;
-        const uint16_t lo = trans ? B[j * ldb + k] : B[k * ldb + j];
-        const uint16_t hi = !second ? 0 : trans ? B[j * ldb + k + 1] : B[(k + 1) * ldb + j];
-        dst[p * NR + c] = pair(lo, hi);
-      }
+    // B stored (N, K): a pair is one 32-bit element of a row; transpose 16 x 16 blocks.
+    const int64_t full = kc / 2;
+    for (int64_t half = 0; half < 2; ++half) {
+      const int rows = static_cast<int>(std::clamp<int64_t>(n - 16 * half, 0, 16));
+      detail::pack_transposed(dst + 16 * half, NR, 16, B + (j0 + 16 * half) * ldb + k0, ldb * 2,
+                              rows, full);
+    }
+    if (full < kp) {
+      for (int64_t c = 0; c < NR; ++c)
+        dst[full * NR + c] = c < n ? pair(B[(j0 + c) * ldb + k0 + kc - 1], 0) : 0;
     }
   }
 

@@ -84,12 +84,13 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
             const int64_t rb = item / col_groups, cg = item % col_groups;
             const int64_t ir0 = rb * ir_per_block, ir1 = std::min(n_ir, ir0 + ir_per_block);
             const int64_t jr0 = cg * jr_per_group, jr1 = std::min(n_jr, jr0 + jr_per_group);
-            for (int64_t jr = jr0; jr < jr1; ++jr) {
-              const int64_t j = jc + jr * NR;
-              const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
-              for (int64_t ir = ir0; ir < ir1; ++ir) {
-                const int64_t i = mb + ir * MR;
-                const int m = static_cast<int>(std::min<int64_t>(MR, M - i));
+            // The A micro-panel stays in L1 while B micro-panels stream from L2.
+            for (int64_t ir = ir0; ir < ir1; ++ir) {
+              const int64_t i = mb + ir * MR;
+              const int m = static_cast<int>(std::min<int64_t>(MR, M - i));
+              for (int64_t jr = jr0; jr < jr1; ++jr) {
+                const int64_t j = jc + jr * NR;
+                const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
                 P::micro(kp, apack + ir * kp * MR, bpack + jr * kp * NR, C + i * ldc + j, ldc,
                          beta_block, m, n);
               }

@@ -2,6 +2,7 @@
 // packed by the blocked driver.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/gemm_avx512_tile.h"
@@ -18,29 +19,20 @@ struct F32Avx512 {
   using In = float;
   using Packed = float;
   static constexpr int64_t KU = 1, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 256, MC = MR * 8, NC = 2048, MB = MR * 144;
+  static constexpr int64_t KC = 256, MC = MR * 8, NC = 1024, MB = MR * 144;
 
   // dst[k][r] = op(A)[i0 + r][k0 + k]
   static void pack_a(float* dst, const float* A, int64_t lda, bool trans, int64_t i0, int64_t m,
                      int64_t k0, int64_t kc) {
     if (trans) {  // A stored (K, M): each k is a contiguous run of m values
-      for (int64_t k = 0; k < kc; ++k) {
-        const float* src = A + (k0 + k) * lda + i0;
-        float* d = dst + k * MR;
-        int64_t r = 0;
-        for (; r < m; ++r) d[r] = src[r];
-        for (; r < MR; ++r) d[r] = 0.0f;
-      }
+      const __mmask16 load = static_cast<__mmask16>((1u << m) - 1);
+      const __mmask16 store = static_cast<__mmask16>((1u << MR) - 1);
+      for (int64_t k = 0; k < kc; ++k)
+        _mm512_mask_storeu_ps(dst + k * MR, store,
+                              _mm512_maskz_loadu_ps(load, A + (k0 + k) * lda + i0));
       return;
     }
-    for (int64_t r = 0; r < MR; ++r) {
-      if (r < m) {
-        const float* src = A + (i0 + r) * lda + k0;
-        for (int64_t k = 0; k < kc; ++k) dst[k * MR + r] = src[k];
-      } else {
-        for (int64_t k = 0; k < kc; ++k) dst[k * MR + r] = 0.0f;
-      }
-    }
+    detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 4, static_cast<int>(m), kc);
   }
 
   // dst[k][c] = op(B)[k0 + k][j0 + c]
@@ -57,15 +49,11 @@ struct F32Avx512 {
       }
       return;
     }
-    // B stored (N, K): transpose 16 x 16 blocks through registers would be faster; columns
-    // are gathered one at a time.
-    for (int64_t c = 0; c < NR; ++c) {
-      if (c < n) {
-        const float* src = B + (j0 + c) * ldb + k0;
-        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = src[k];
-      } else {
-        for (int64_t k = 0; k < kc; ++k) dst[k * NR + c] = 0.0f;
-      }
+    // B stored (N, K): 16 x 16 blocks transposed through registers.
+    for (int64_t half = 0; half < 2; ++half) {
+      const int rows = static_cast<int>(std::clamp<int64_t>(n - 16 * half, 0, 16));
+      detail::pack_transposed(dst + 16 * half, NR, 16, B + (j0 + 16 * half) * ldb + k0, ldb * 4,
+                              rows, kc);
     }
   }
 

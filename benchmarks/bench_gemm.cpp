@@ -1,0 +1,224 @@
+// GEMM benchmark: measures this machine's FP32 and BF16 peak, then times our kernels, oneDNN
+// and Eigen on the GEMM shapes of one training micro-batch of mini, mega and behemoth, and
+// prints GFLOP/s, % of the measured peak and ours / oneDNN.
+//
+//   build/bench_gemm                                  everything (a few minutes)
+//   build/bench_gemm --benchmark_filter=mega          one preset
+//   build/bench_gemm --benchmark_format=json          for tools
+//
+// Benchmarks are named gemm/<impl>/<dtype>/<preset>/<product> (impl: ours, onednn, eigen), with
+// counters GFLOPS and pct_peak (of the all-threads peak of that dtype).
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmarks/peak.h"
+#include "kernels/bf16.h"
+#include "kernels/cpu_features.h"
+#include "kernels/gemm.h"
+#include "kernels/gemm_isa.h"
+#include "models/llama_config.h"
+
+namespace cputrain::bench {
+namespace {
+
+using kernels::Transpose;
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+template <typename Loop>
+double median_rate(Loop loop, int threads) {
+  std::vector<double> rates;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    double flops = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+    flops += loop(int64_t{20'000'000});
+    rates.push_back(flops / seconds_since(start) / 1e9);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+}  // namespace
+
+Peak measure_peak() {
+  Peak p;
+  const auto& cpu = kernels::cpu_features();
+  const int all = omp_get_max_threads();
+  if (cpu.avx512) {
+    p.f32_one_thread = median_rate(fma_f32_loop, 1);
+    p.f32_all_threads = median_rate(fma_f32_loop, all);
+  }
+  if (cpu.avx512_bf16) {
+    p.bf16_one_thread = median_rate(dpbf16_loop, 1);
+    p.bf16_all_threads = median_rate(dpbf16_loop, all);
+  }
+  return p;
+}
+
+namespace {
+
+struct Shape {
+  std::string preset, product;
+  Transpose ta, tb;
+  int64_t M, N, K;
+  float beta;
+};
+
+// For a linear layer Y = X W^T with X (T, in) and W (out, in), T = batch x ctx tokens:
+// forward Y = X W^T, input gradient dX = dY W, weight gradient dW += dY^T X.
+void add_layer(std::vector<Shape>& out, const std::string& preset, const std::string& layer,
+               int64_t T, int64_t in, int64_t outs) {
+  out.push_back({preset, layer + "_fwd", Transpose::No, Transpose::Yes, T, outs, in, 0.0f});
+  out.push_back({preset, layer + "_dx", Transpose::No, Transpose::No, T, in, outs, 0.0f});
+  out.push_back({preset, layer + "_dw", Transpose::Yes, Transpose::No, outs, in, T, 1.0f});
+}
+
+std::vector<Shape> training_shapes() {
+  std::vector<Shape> shapes;
+  for (const char* name : {"mini", "mega", "behemoth"}) {
+    const Preset p = *find_preset(name);
+    const LlamaConfig& c = p.config;
+    const int64_t T = p.batch * c.ctx;
+    add_layer(shapes, name, "attn", T, c.d_model, c.d_model);  // wq, wk, wv, wo
+    add_layer(shapes, name, "ffn_up", T, c.d_model, c.ffn);    // w1, w3
+    add_layer(shapes, name, "ffn_down", T, c.ffn, c.d_model);  // w2
+    add_layer(shapes, name, "lm_head", T, c.d_model, c.vocab);
+  }
+  return shapes;
+}
+
+struct Operands {
+  std::vector<float> a, b, c;
+  std::vector<uint16_t> a16, b16;
+};
+
+Operands make_operands(const Shape& s) {
+  Operands o;
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  o.a.resize(s.M * s.K);
+  o.b.resize(s.K * s.N);
+  o.c.assign(s.M * s.N, 0.0f);
+  for (float& x : o.a) x = dist(rng);
+  for (float& x : o.b) x = dist(rng);
+  o.a16.resize(o.a.size());
+  o.b16.resize(o.b.size());
+  kernels::fp32_to_bf16_array(o.a16.data(), o.a.data(), static_cast<int64_t>(o.a.size()));
+  kernels::fp32_to_bf16_array(o.b16.data(), o.b.data(), static_cast<int64_t>(o.b.size()));
+  return o;
+}
+
+struct Result {
+  double gflops = 0;
+};
+std::map<std::string, double> results;  // "dtype/preset/product/impl" -> GFLOP/s
+Peak peak;
+
+void run_one(benchmark::State& state, const Shape& s, const std::string& impl, bool bf16) {
+  Operands o = make_operands(s);
+  const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
+  const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
+  auto call = [&] {
+    if (bf16) {
+      if (impl == "ours")
+        kernels::gemm_bf16_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
+                                  s.beta, o.c.data(), s.N);
+      else
+        kernels::gemm_bf16_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
+                                  s.beta, o.c.data(), s.N);
+    } else if (impl == "ours") {
+      kernels::gemm_f32_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a.data(), lda, o.b.data(), ldb,
+                               s.beta, o.c.data(), s.N);
+    } else if (impl == "onednn") {
+      kernels::gemm_f32_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a.data(), lda, o.b.data(), ldb,
+                               s.beta, o.c.data(), s.N);
+    } else {
+      kernels::gemm_f32_eigen(s.ta, s.tb, s.M, s.N, s.K, o.a.data(), lda, o.b.data(), ldb,
+                              s.beta, o.c.data(), s.N);
+    }
+  };
+  call();  // warm-up: packing buffers, oneDNN primitive creation
+  std::vector<double> times;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    const double t = seconds_since(start);
+    state.SetIterationTime(t);
+    times.push_back(t);
+  }
+  std::sort(times.begin(), times.end());
+  const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
+  const double gflops = flops / times[times.size() / 2] / 1e9;
+  const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
+  state.counters["GFLOPS"] = gflops;
+  state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
+  results[std::string(bf16 ? "bf16" : "f32") + "/" + s.preset + "/" + s.product + "/" + impl] =
+      gflops;
+}
+
+void print_summary(const std::vector<Shape>& shapes) {
+  std::printf("\npeak GFLOP/s (measured): f32 %.1f (1 thread %.1f), bf16 %.1f (1 thread %.1f), "
+              "%d threads\n",
+              peak.f32_all_threads, peak.f32_one_thread, peak.bf16_all_threads,
+              peak.bf16_one_thread, omp_get_max_threads());
+  std::printf("%-5s %-9s %-12s %6s %6s %6s  %7s %7s  %s\n", "dtype", "preset", "product", "M",
+              "N", "K", "ours", "onednn", "ours %peak  onednn %peak  ours/onednn  eigen");
+  for (const char* dtype : {"f32", "bf16"}) {
+    const double top = std::string(dtype) == "bf16" ? peak.bf16_all_threads : peak.f32_all_threads;
+    for (const Shape& s : shapes) {
+      const std::string key = std::string(dtype) + "/" + s.preset + "/" + s.product + "/";
+      if (!results.count(key + "ours") || !results.count(key + "onednn")) continue;
+      const double ours = results[key + "ours"], dnnl = results[key + "onednn"];
+      const double eigen = results.count(key + "eigen") ? results[key + "eigen"] : 0.0;
+      std::printf("%-5s %-9s %-12s %6ld %6ld %6ld  %7.1f %7.1f  %9.1f%% %12.1f%% %12.2f  %5.1f\n",
+                  dtype, s.preset.c_str(), s.product.c_str(), static_cast<long>(s.M),
+                  static_cast<long>(s.N), static_cast<long>(s.K), ours, dnnl,
+                  top > 0 ? 100 * ours / top : 0.0, top > 0 ? 100 * dnnl / top : 0.0,
+                  ours / dnnl, eigen);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cputrain::bench
+
+int main(int argc, char** argv) {
+  using namespace cputrain::bench;
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  const auto& cpu = cputrain::kernels::cpu_features();
+  std::printf("cpu features: %s\n", cputrain::kernels::cpu_features_string().c_str());
+  peak = measure_peak();
+  const std::vector<Shape> shapes = training_shapes();
+  for (const Shape& s : shapes) {
+    for (bool bf16 : {false, true}) {
+      for (const char* impl : {"ours", "onednn", "eigen"}) {
+        if (bf16 && std::string(impl) == "eigen") continue;
+        if (std::string(impl) == "ours" && !(bf16 ? cpu.avx512_bf16 : cpu.avx512)) continue;
+        const std::string name = std::string("gemm/") + impl + "/" + (bf16 ? "bf16" : "f32") +
+                                 "/" + s.preset + "/" + s.product;
+        benchmark::RegisterBenchmark(name.c_str(), [s, impl, bf16](benchmark::State& state) {
+          run_one(state, s, impl, bf16);
+        })
+            ->UseManualTime()
+            ->MinTime(0.3)
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  print_summary(shapes);
+  benchmark::Shutdown();
+  return 0;
+}
