@@ -55,13 +55,24 @@ inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const vo
   for (int64_t k = 0; k < count; k += 16) {
     const int rem = static_cast<int>(count - k < 16 ? count - k : 16);
     const __mmask16 load_mask = static_cast<__mmask16>((1u << rem) - 1);
-    for (int i = 0; i < 16; ++i)
-      r[i] = i < rows ? _mm512_maskz_loadu_ps(
-                            load_mask, reinterpret_cast<const float*>(src + i * row_bytes) + k)
-                      : _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      const float* row = reinterpret_cast<const float*>(src + i * row_bytes) + k;
+      // Plain loads for whole chunks: masked loads that miss the cache are much slower.
+      r[i] = i >= rows   ? _mm512_setzero_ps()
+             : rem == 16 ? _mm512_loadu_ps(row)
+                         : _mm512_maskz_loadu_ps(load_mask, row);
+    }
     transpose16x16(r);
     for (int kk = 0; kk < rem; ++kk)
       _mm512_mask_storeu_ps(dst + (k + kk) * dst_stride, lane_mask, r[kk]);
+  }
+}
+
+// Starts fetching the C tile, so that it has arrived when the K loop ends.
+inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t ldc, int m) {
+  for (int r = 0; r < m; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(C + r * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(C + r * ldc + 16), _MM_HINT_T0);
   }
 }
 

@@ -25,8 +25,12 @@ inline uint32_t pair(uint16_t lo, uint16_t hi) {
 inline void interleave_pairs(uint32_t* dst, const uint16_t* row0, const uint16_t* row1, int n,
                              int lanes) {
   const __mmask32 load = n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
-  const __m512i x0 = _mm512_maskz_loadu_epi16(load, row0);
-  const __m512i x1 = row1 != nullptr ? _mm512_maskz_loadu_epi16(load, row1) : _mm512_setzero_si512();
+  // Plain loads for whole rows of 32: masked loads that miss the cache are much slower.
+  auto read = [&](const uint16_t* row) {
+    if (row == nullptr) return _mm512_setzero_si512();
+    return n >= 32 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(load, row);
+  };
+  const __m512i x0 = read(row0), x1 = read(row1);
   // unpacklo/hi work within 128-bit lanes; the permutes put columns back in order.
   const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
   const __m512i first =
@@ -96,6 +100,7 @@ struct Bf16Avx512 {
   static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, float* C, int64_t ldc,
                     float beta, int m, int n) {
     detail::Tile t;
+    detail::prefetch_tile(C, ldc, m);
 #pragma GCC unroll 14
     for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kp; ++p) {

@@ -27,9 +27,14 @@ struct F32Avx512 {
     if (trans) {  // A stored (K, M): each k is a contiguous run of m values
       const __mmask16 load = static_cast<__mmask16>((1u << m) - 1);
       const __mmask16 store = static_cast<__mmask16>((1u << MR) - 1);
-      for (int64_t k = 0; k < kc; ++k)
-        _mm512_mask_storeu_ps(dst + k * MR, store,
-                              _mm512_maskz_loadu_ps(load, A + (k0 + k) * lda + i0));
+      // Plain loads where 16 values stay inside the row: masked loads that miss the cache are
+      // much slower.
+      const bool whole = i0 + 16 <= lda;
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = A + (k0 + k) * lda + i0;
+        const __m512 v = whole ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(load, src);
+        _mm512_mask_storeu_ps(dst + k * MR, store, v);
+      }
       return;
     }
     detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 4, static_cast<int>(m), kc);
@@ -42,6 +47,14 @@ struct F32Avx512 {
       const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
       const __mmask16 hi =
           n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+      if (n == NR) {
+        for (int64_t k = 0; k < kc; ++k) {
+          const float* src = B + (k0 + k) * ldb + j0;
+          _mm512_store_ps(dst + k * NR, _mm512_loadu_ps(src));
+          _mm512_store_ps(dst + k * NR + 16, _mm512_loadu_ps(src + 16));
+        }
+        return;
+      }
       for (int64_t k = 0; k < kc; ++k) {
         const float* src = B + (k0 + k) * ldb + j0;
         _mm512_store_ps(dst + k * NR, _mm512_maskz_loadu_ps(lo, src));
@@ -60,6 +73,7 @@ struct F32Avx512 {
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
                     float beta, int m, int n) {
     detail::Tile t;
+    detail::prefetch_tile(C, ldc, m);
 #pragma GCC unroll 14
     for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kp; ++k) {
