@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # The test command of the README: installs what is missing, builds with warnings as errors,
-# and runs the whole GoogleTest suite through ctest.
+# runs the whole GoogleTest suite through ctest, then runs it again with each GEMM
+# implementation forced (CPUTRAIN_GEMM), since every path this CPU has must pass it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/install_deps.sh
 tools/build.sh -DCPUTRAIN_WERROR=ON
 cd build
 ctest --output-on-failure --timeout 900 "$@"
+backends=(onednn eigen reference)
+if grep -qw avx512f /proc/cpuinfo; then
+  backends=(avx512 "${backends[@]}")
+fi
+for backend in "${backends[@]}"; do
+  echo "== the suite again with CPUTRAIN_GEMM=${backend}"
+  CPUTRAIN_GEMM=${backend} ctest --output-on-failure --timeout 900 "$@"
+done

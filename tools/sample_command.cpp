@@ -12,6 +12,7 @@
 #include "models/llama.h"
 #include "tools/flag_checks.h"
 #include "tools/run_config.h"
+#include "tools/train_command.h"
 
 namespace cputrain {
 
@@ -35,6 +36,7 @@ int run_sample(const SampleArgs& a) {
   if (!std::filesystem::is_directory(a.run))
     throw UserError("--run " + a.run + ": no such run directory");
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
+  select_gemm_backend("");
   const RunConfig config = read_run_config(a.run + "/config.json");
   const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
   if (tokenizer.vocab_size() != config.model.vocab)

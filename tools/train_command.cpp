@@ -16,6 +16,7 @@
 #include "engine/memory.h"
 #include "engine/trainer.h"
 #include "engine/weights_file.h"
+#include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
 #include "models/generate.h"
 #include "models/llama.h"
@@ -169,17 +170,28 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->check(non_negative());
   app.add_option("--log-every", a.log_every, "Log a line every N steps")->capture_default_str()
       ->check(positive());
-  app.add_option("--gemm", a.gemm, "GEMM implementation: eigen or reference (default: fastest)");
+  app.add_option("--gemm", a.gemm,
+                 "GEMM implementation: avx512, onednn, eigen or reference (default: the fastest "
+                 "this CPU runs; the CPUTRAIN_GEMM environment variable also sets it)");
+}
+
+void select_gemm_backend(const std::string& flag) {
+  kernels::GemmBackend backend;
+  try {
+    backend = kernels::gemm_backend();  // reads CPUTRAIN_GEMM on first use
+  } catch (const std::invalid_argument& e) {
+    throw UserError(e.what());
+  }
+  if (flag.empty()) return;
+  if (!kernels::gemm_backend_from_name(flag, &backend) || !kernels::gemm_backend_available(backend))
+    throw UserError("--gemm " + flag + ": not an implementation this CPU runs (" +
+                    kernels::gemm_available_backends() + ")");
+  kernels::gemm_set_backend(backend);
 }
 
 int run_train(const TrainArgs& args) {
   RunConfig config = resolve(args);
-  if (args.gemm.size()) {
-    kernels::GemmBackend backend;
-    if (!kernels::gemm_backend_from_name(args.gemm, &backend))
-      throw UserError("--gemm " + args.gemm + ": unknown implementation (eigen or reference)");
-    kernels::gemm_set_backend(backend);
-  }
+  select_gemm_backend(args.gemm);
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   const std::string out = args.out.empty() ? "runs/" + config.preset : args.out;
   prepare_run_dir(out);
@@ -208,10 +220,12 @@ int run_train(const TrainArgs& args) {
             config.preset, parameter_count(config.model), config.model.d_model,
             config.model.n_layers, config.model.n_heads, config.model.ffn, config.model.vocab,
             config.model.ctx);
-  log->info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads, "
-            "gemm {}", config.steps, config.train.batch, config.train.accum, config.train.ctx,
-            config.train.lr.peak, config.train.lr.warmup_steps, config.threads,
-            kernels::gemm_backend_name(kernels::gemm_backend()));
+  log->info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads",
+            config.steps, config.train.batch, config.train.accum, config.train.ctx,
+            config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
+  log->info("cpu: {}; gemm: {} (available: {})", kernels::cpu_features_string(),
+            kernels::gemm_backend_name(kernels::gemm_backend()),
+            kernels::gemm_available_backends());
 
   Trainer trainer(model.parameters(),
                   [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },

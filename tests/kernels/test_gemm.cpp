@@ -177,6 +177,9 @@ TEST_P(GemmTest, EmptyInnerDimensionScalesC) {
 // Each output element is computed by one thread in a fixed order, so results are bit-identical
 // for any thread count.
 TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
+  if (std::get<0>(GetParam()) == GemmBackend::Eigen ||
+      std::get<0>(GetParam()) == GemmBackend::Onednn)
+    GTEST_SKIP() << "library backends choose their own blocking per thread count";
   const Case c{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f};
   const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
   const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
@@ -187,9 +190,6 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
   omp_set_num_threads(2);
   gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), 0.0f, two.data(),
            c.ldc());
-  if (std::get<0>(GetParam()) == GemmBackend::Eigen ||
-      std::get<0>(GetParam()) == GemmBackend::Onednn)
-    GTEST_SKIP() << "library backends choose their own blocking per thread count";
   EXPECT_EQ(one, two);
 }
 

@@ -39,9 +39,10 @@ class Cli : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  Result run(const std::string& args) const {
+  // Runs cputrain with `args`, after environment assignments `env` ("NAME=value ...").
+  Result run(const std::string& env, const std::string& args) const {
     const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >" + out.string() +
+    const std::string cmd = env + " " + std::string(CPUTRAIN_BINARY) + " " + args + " >" + out.string() +
                             " 2>" + err.string() + " </dev/null";
     const int status = std::system(cmd.c_str());
     Result r;
@@ -50,6 +51,7 @@ class Cli : public ::testing::Test {
     r.err = read_all(err);
     return r;
   }
+  Result run(const std::string& args) const { return run("", args); }
 
   // A corpus of fortune-style documents, large enough for the tiny preset.
   fs::path write_corpus(int documents) const {
@@ -99,6 +101,7 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --steps -1"), "--steps");
   expect_one_line_error(run(base + " --grad-clip -0.5"), "--grad-clip");
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
+  expect_one_line_error(run("CPUTRAIN_GEMM=avx9000", base), "CPUTRAIN_GEMM=avx9000");
   expect_one_line_error(run(base + " --bogus"), "--bogus");
   expect_one_line_error(run(base + " --batch two"), "--batch");
   EXPECT_FALSE(fs::exists(dir_ / "run" / "model.bin"));
