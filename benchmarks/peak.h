@@ -15,7 +15,7 @@ struct Peak {
   double bf16_one_thread = 0, bf16_all_threads = 0;  // GFLOP/s
 };
 
-// Median of several timed runs; zero for a rate this CPU cannot measure.
+// Best of several timed runs; zero for a rate this CPU cannot measure.
 Peak measure_peak();
 
 }  // namespace cputrain::bench
