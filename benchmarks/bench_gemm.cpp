@@ -119,10 +119,13 @@ Operands make_operands(const Shape& s) {
   return o;
 }
 
-struct Result {
-  double gflops = 0;
-};
-std::map<std::string, double> results;  // "dtype/preset/product/impl" -> GFLOP/s
+// "dtype/preset/product/impl" -> GFLOP/s of each repetition; the summary takes the median.
+std::map<std::string, std::vector<double>> results;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 Peak peak;
 
 void run_one(benchmark::State& state, const Shape& s, const std::string& impl, bool bf16) {
@@ -163,8 +166,8 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
   const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
   state.counters["GFLOPS"] = gflops;
   state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
-  results[std::string(bf16 ? "bf16" : "f32") + "/" + s.preset + "/" + s.product + "/" + impl] =
-      gflops;
+  results[std::string(bf16 ? "bf16" : "f32") + "/" + s.preset + "/" + s.product + "/" + impl]
+      .push_back(gflops);
 }
 
 void print_summary(const std::vector<Shape>& shapes) {
@@ -172,6 +175,7 @@ void print_summary(const std::vector<Shape>& shapes) {
               "%d threads\n",
               peak.f32_all_threads, peak.f32_one_thread, peak.bf16_all_threads,
               peak.bf16_one_thread, omp_get_max_threads());
+  std::printf("GFLOP/s, the median of the repetitions\n");
   std::printf("%-5s %-9s %-12s %6s %6s %6s  %7s %7s  %s\n", "dtype", "preset", "product", "M",
               "N", "K", "ours", "onednn", "ours %peak  onednn %peak  ours/onednn  eigen");
   for (const char* dtype : {"f32", "bf16"}) {
@@ -179,8 +183,8 @@ void print_summary(const std::vector<Shape>& shapes) {
     for (const Shape& s : shapes) {
       const std::string key = std::string(dtype) + "/" + s.preset + "/" + s.product + "/";
       if (!results.count(key + "ours") || !results.count(key + "onednn")) continue;
-      const double ours = results[key + "ours"], dnnl = results[key + "onednn"];
-      const double eigen = results.count(key + "eigen") ? results[key + "eigen"] : 0.0;
+      const double ours = median(results[key + "ours"]), dnnl = median(results[key + "onednn"]);
+      const double eigen = results.count(key + "eigen") ? median(results[key + "eigen"]) : 0.0;
       std::printf("%-5s %-9s %-12s %6ld %6ld %6ld  %7.1f %7.1f  %9.1f%% %12.1f%% %12.2f  %5.1f\n",
                   dtype, s.preset.c_str(), s.product.c_str(), static_cast<long>(s.M),
                   static_cast<long>(s.N), static_cast<long>(s.K), ours, dnnl,
