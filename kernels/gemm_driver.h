@@ -73,15 +73,16 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
             P::pack_a(apack + ir * kp * MR, A, lda, at, mb + ir * MR,
                       std::min<int64_t>(MR, mbn - ir * MR), pc, kc);
           // Work items: (block of MC rows) x (group of NR-column micro-panels).
-          // Blocks of up to MC rows, smaller when there are too few rows to go round.
-          const int64_t ir_per_block =
-              std::clamp<int64_t>((n_ir + 2 * nt - 1) / (2 * nt), 1, P::MC / MR);
+          // Blocks of up to MC rows, smaller when there are too few rows to go round; handed
+          // out dynamically, since blocks differ in size (results do not: each tile is still
+          // computed whole by one thread).
+          const int64_t ir_per_block = std::clamp<int64_t>(n_ir / (8 * nt), 1, P::MC / MR);
           const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
           int64_t col_groups = 1;
           while (row_blocks * col_groups < 4 * nt && col_groups < n_jr) ++col_groups;
           const int64_t jr_per_group = (n_jr + col_groups - 1) / col_groups;
           col_groups = (n_jr + jr_per_group - 1) / jr_per_group;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
           for (int64_t item = 0; item < row_blocks * col_groups; ++item) {
             const int64_t rb = item / col_groups, cg = item % col_groups;
             const int64_t ir0 = rb * ir_per_block, ir1 = std::min(n_ir, ir0 + ir_per_block);
