@@ -6,6 +6,8 @@
 #include <new>
 #include <string>
 
+#include "kernels/workspace.h"
+
 namespace cputrain {
 namespace {
 
@@ -98,5 +100,17 @@ ProcessMemory process_memory() {
 }
 
 int64_t available_memory_bytes() { return read_proc_kb("/proc/meminfo", "MemAvailable"); }
+
+namespace {
+
+// Kernel scratch (GEMM packing buffers) is counted as workspace like any other allocation.
+const bool kernel_workspace_accounted = [] {
+  kernels::set_workspace_allocator(
+      {[](size_t bytes) { return memory_allocate(bytes, MemoryCategory::Workspace); },
+       [](void* ptr, size_t bytes) { memory_free(ptr, bytes, MemoryCategory::Workspace); }});
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace cputrain

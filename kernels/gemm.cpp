@@ -10,6 +10,7 @@
 #include "kernels/cpu_features.h"
 #include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/workspace.h"
 
 namespace cputrain::kernels {
 namespace {
@@ -55,24 +56,31 @@ void reference_product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
 namespace detail {
 
 float* gemm_pack_buffer(size_t floats, int which) {
+  // Each buffer remembers the allocator it came from, in case another is installed later.
   struct Buffer {
     float* data = nullptr;
-    size_t size = 0;
-    ~Buffer() {
-      workspace_bytes -= size * sizeof(float);
-      std::free(data);
+    size_t bytes = 0;
+    WorkspaceFree release = nullptr;
+    void reset() {
+      if (data != nullptr) {
+        release(data, bytes);
+        workspace_bytes -= bytes;
+      }
+      data = nullptr;
+      bytes = 0;
     }
+    ~Buffer() { reset(); }
   };
   thread_local Buffer buffers[2];
   Buffer& b = buffers[which];
-  if (b.size < floats) {
+  if (b.bytes < floats * sizeof(float)) {
+    b.reset();
+    const WorkspaceAllocator allocator = workspace_allocator();
     const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
-    float* grown = static_cast<float*>(std::aligned_alloc(64, bytes));
-    if (grown == nullptr) throw std::bad_alloc();
-    std::free(b.data);
-    workspace_bytes += bytes - b.size * sizeof(float);
-    b.data = grown;
-    b.size = bytes / sizeof(float);
+    b.data = static_cast<float*>(allocator.allocate(bytes));
+    b.bytes = bytes;
+    b.release = allocator.free;
+    workspace_bytes += bytes;
   }
   return b.data;
 }

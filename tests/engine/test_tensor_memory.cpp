@@ -5,6 +5,9 @@
 #include "engine/memory.h"
 #include "engine/parameters.h"
 #include "engine/tensor.h"
+#include "kernels/cpu_features.h"
+#include "kernels/gemm.h"
+#include "kernels/gemm_isa.h"
 
 namespace cputrain {
 namespace {
@@ -64,6 +67,28 @@ TEST(ParameterSet, SlicesAreAlignedAndGradientsBound) {
   EXPECT_EQ(p.find("c"), -1);
   EXPECT_EQ(p.var(1).value().f32(), p.weights().f32() + p.infos()[1].offset);
   EXPECT_EQ(p.var(1).grad().f32(), p.gradients().f32() + p.infos()[1].offset);
+}
+
+}  // namespace
+}  // namespace cputrain
+
+namespace cputrain {
+namespace {
+
+// GEMM packing buffers come from the accounted allocator, under Workspace.
+TEST(Memory, GemmPackingBuffersAreWorkspace) {
+  if (!kernels::cpu_features().avx512) GTEST_SKIP() << "no AVX-512: no packing buffers";
+  const auto workspace = [] { return live(MemoryCategory::Workspace); };
+  const int64_t before = workspace();
+  const size_t kernel_before = kernels::gemm_workspace_bytes();
+  const int64_t n = 700;  // larger than any product this process has run
+  std::vector<float> a(n * n, 1.0f), b(n * n, 1.0f), c(n * n);
+  kernels::gemm_f32_avx512(kernels::Transpose::No, kernels::Transpose::No, n, n, n, a.data(), n,
+                           b.data(), n, 0.0f, c.data(), n);
+  EXPECT_EQ(c[0], static_cast<float>(n));
+  const int64_t grown = static_cast<int64_t>(kernels::gemm_workspace_bytes() - kernel_before);
+  EXPECT_GT(grown, 0);
+  EXPECT_EQ(workspace() - before, grown);
 }
 
 }  // namespace
