@@ -134,7 +134,10 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   auto call = [&] {
     if (bf16) {
-      if (impl == "ours")
+      if (impl == "ours" && kernels::gemm_backend_available(kernels::GemmBackend::Amx))
+        kernels::gemm_bf16_amx(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
+                               s.beta, o.c.data(), s.N);
+      else if (impl == "ours")
         kernels::gemm_bf16_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
                                   s.beta, o.c.data(), s.N);
       else

@@ -31,8 +31,10 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
 //   Reference  triple loop in double (the ground truth for tests)
 //   Eigen      Eigen's FP32 GEMM (BF16: the reference)
 //   Avx512     our blocked AVX-512 kernels (BF16 needs AVX512_BF16; without it, the reference)
+//   Amx        BF16 on AMX tiles (FP32: the AVX-512 kernel); available only where the CPU has
+//              AMX and it passed a self-test against the AVX-512 BF16 kernel at first use
 //   Onednn     oneDNN's sgemm and bf16 matmul
-enum class GemmBackend { Reference, Eigen, Avx512, Onednn };
+enum class GemmBackend { Reference, Eigen, Avx512, Amx, Onednn };
 
 // Straightforward triple loop with double accumulation: the ground truth for tests.
 void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
@@ -53,7 +55,7 @@ GemmBackend gemm_default_backend();
 void gemm_set_backend(GemmBackend backend);
 GemmBackend gemm_backend();
 std::string_view gemm_backend_name(GemmBackend backend);
-// Parses "reference", "eigen", "avx512" or "onednn"; returns false for anything else.
+// Parses "reference", "eigen", "avx512", "amx" or "onednn"; returns false for anything else.
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend);
 // The names of every backend this CPU can run, e.g. "reference, eigen, avx512, onednn".
 std::string gemm_available_backends();

@@ -12,6 +12,9 @@ backends=(onednn eigen reference)
 if grep -qw avx512f /proc/cpuinfo; then
   backends=(avx512 "${backends[@]}")
 fi
+if grep -qw amx_bf16 /proc/cpuinfo; then
+  backends=(amx "${backends[@]}")
+fi
 for backend in "${backends[@]}"; do
   echo "== the suite again with CPUTRAIN_GEMM=${backend}"
   CPUTRAIN_GEMM=${backend} ctest --output-on-failure --timeout 900 "$@"

@@ -171,7 +171,7 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--log-every", a.log_every, "Log a line every N steps")->capture_default_str()
       ->check(positive());
   app.add_option("--gemm", a.gemm,
-                 "GEMM implementation: avx512, onednn, eigen or reference (default: the fastest "
+                 "GEMM implementation: amx, avx512, onednn, eigen or reference (default: the fastest "
                  "this CPU runs; the CPUTRAIN_GEMM environment variable also sets it)");
 }
 

@@ -93,8 +93,12 @@ class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
   void SetUp() override {
     saved_backend_ = gemm_backend();
     saved_threads_ = omp_get_max_threads();
-    if (!gemm_backend_available(std::get<0>(GetParam())))
-      GTEST_SKIP() << gemm_backend_name(std::get<0>(GetParam())) << " does not run on this CPU ("
+    const GemmBackend backend = std::get<0>(GetParam());
+    if (backend == GemmBackend::Amx && !cpu_features().amx_bf16)
+      GTEST_SKIP() << "AMX is absent on this CPU (" << cpu_features_string()
+                   << "): the AMX path is not tested here";
+    if (!gemm_backend_available(backend))
+      GTEST_SKIP() << gemm_backend_name(backend) << " does not run on this CPU ("
                    << cpu_features_string() << ")";
     gemm_set_backend(std::get<0>(GetParam()));
     omp_set_num_threads(std::get<1>(GetParam()));
@@ -197,6 +201,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
                          ::testing::Combine(::testing::Values(GemmBackend::Reference,
                                                               GemmBackend::Eigen,
                                                               GemmBackend::Avx512,
+                                                              GemmBackend::Amx,
                                                               GemmBackend::Onednn),
                                             ::testing::Values(1, 2)),
                          [](const auto& info) {
@@ -208,7 +213,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
 
 TEST(GemmBackendNames, RoundTripAndAvailability) {
   for (GemmBackend b : {GemmBackend::Reference, GemmBackend::Eigen, GemmBackend::Avx512,
-                        GemmBackend::Onednn}) {
+                        GemmBackend::Amx, GemmBackend::Onednn}) {
     GemmBackend parsed{};
     ASSERT_TRUE(gemm_backend_from_name(gemm_backend_name(b), &parsed));
     EXPECT_EQ(parsed, b);
@@ -218,6 +223,9 @@ TEST(GemmBackendNames, RoundTripAndAvailability) {
   EXPECT_FALSE(gemm_backend_from_name("", &parsed));
   EXPECT_TRUE(gemm_backend_available(GemmBackend::Reference));
   EXPECT_EQ(gemm_backend_available(GemmBackend::Avx512), cpu_features().avx512);
+  if (!cpu_features().amx_bf16) {
+    EXPECT_FALSE(gemm_backend_available(GemmBackend::Amx));
+  }
   EXPECT_TRUE(gemm_backend_available(gemm_default_backend()));
 }
 

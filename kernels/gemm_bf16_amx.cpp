@@ -1,0 +1,155 @@
+// BF16 GEMM on AMX: a 32 x 32 block of four 16 x 16 FP32 tiles, accumulated by tdpbf16ps from
+// two A tiles (16 rows x 16 K pairs) and two B tiles (16 K pairs x 16 columns) per step.
+// B panels are packed as K pairs exactly as for the AVX-512 BF16 kernel (the tile layout);
+// A micro-panels are packed row by row ([r][p]) so a tile row is 16 consecutive pairs.
+// Pairs left over after the last whole 16 are added with vdpbf16ps.
+//
+// This machine has no AMX: the path is reached only where cpuid and the OS grant AMX, and
+// gemm.cpp checks it against the AVX-512 BF16 path at first use.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "kernels/gemm_driver.h"
+#include "kernels/gemm_isa.h"
+
+namespace cputrain::kernels {
+namespace {
+
+inline uint32_t pair(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// Palette 1: tiles 0-3 hold C (16 rows x 64 bytes), 4-5 A, 6-7 B.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// Another library may configure the tiles its own way between our calls, so each thread
+// loads our configuration once per call of gemm_bf16_amx.
+std::atomic<uint64_t> call_generation{0};
+
+void configure_tiles() {
+  thread_local uint64_t configured = 0;
+  const uint64_t generation = call_generation.load(std::memory_order_relaxed);
+  if (configured == generation) return;
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+  configured = generation;
+}
+
+struct Bf16Amx {
+  using In = uint16_t;
+  using Packed = uint32_t;
+  static constexpr int64_t KU = 2, MR = 32, NR = 32;
+  static constexpr int64_t KC = 512, MC = MR * 4, NC = 1024, MB = MR * 64;
+
+  // dst[r][p] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1]), kp = ceil(kc / 2) per row
+  static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,
+                     int64_t m, int64_t k0, int64_t kc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t r = 0; r < MR; ++r) {
+      uint32_t* row = dst + r * kp;
+      if (r >= m) {
+        std::fill(row, row + kp, 0u);
+        continue;
+      }
+      if (!trans) {  // A stored (M, K): the pairs of a row are already consecutive
+        const uint16_t* src = A + (i0 + r) * lda + k0;
+        std::memcpy(row, src, static_cast<size_t>(kc / 2) * sizeof(uint32_t));
+        if (kc % 2) row[kp - 1] = pair(src[kc - 1], 0);
+        continue;
+      }
+      for (int64_t p = 0; p < kp; ++p) {
+        const int64_t k = k0 + 2 * p;
+        row[p] = pair(A[k * lda + i0 + r], 2 * p + 1 < kc ? A[(k + 1) * lda + i0 + r] : 0);
+      }
+    }
+  }
+
+  // dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c])
+  static void pack_b(uint32_t* dst, const uint16_t* B, int64_t ldb, bool trans, int64_t j0,
+                     int64_t n, int64_t k0, int64_t kc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t p = 0; p < kp; ++p) {
+      const int64_t k = k0 + 2 * p;
+      const bool second = 2 * p + 1 < kc;
+      for (int64_t c = 0; c < NR; ++c) {
+        if (c >= n) {
+          dst[p * NR + c] = 0;
+          continue;
+        }
+        const int64_t j = j0 + c;
+        dst[p * NR + c] = trans ? pair(B[j * ldb + k], second ? B[j * ldb + k + 1] : 0)
+                                : pair(B[k * ldb + j], second ? B[(k + 1) * ldb + j] : 0);
+      }
+    }
+  }
+
+  static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, float* C, int64_t ldc,
+                    float beta, int m, int n) {
+    configure_tiles();
+    alignas(64) float acc[MR * NR];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t a_stride = kp * 4, b_stride = NR * 4;
+    const int64_t whole = kp / 16 * 16;
+    for (int64_t p = 0; p < whole; p += 16) {
+      _tile_loadd(4, a + p, a_stride);
+      _tile_loadd(5, a + 16 * kp + p, a_stride);
+      _tile_loadd(6, b + p * NR, b_stride);
+      _tile_loadd(7, b + p * NR + 16, b_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc, NR * 4);
+    _tile_stored(1, acc + 16, NR * 4);
+    _tile_stored(2, acc + 16 * NR, NR * 4);
+    _tile_stored(3, acc + 16 * NR + 16, NR * 4);
+    for (int r = 0; r < m; ++r) {
+      __m512 lo = _mm512_load_ps(acc + r * NR), hi = _mm512_load_ps(acc + r * NR + 16);
+      for (int64_t p = whole; p < kp; ++p) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * kp + p]));
+        lo = _mm512_dpbf16_ps(lo, av, (__m512bh)_mm512_load_si512(b + p * NR));
+        hi = _mm512_dpbf16_ps(hi, av, (__m512bh)_mm512_load_si512(b + p * NR + 16));
+      }
+      const __mmask16 mask_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 mask_hi =
+          n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+      float* row = C + r * ldc;
+      if (beta != 0.0f) {
+        const __m512 vbeta = _mm512_set1_ps(beta);
+        lo = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_lo, row), lo);
+        hi = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_hi, row + 16), hi);
+      }
+      _mm512_mask_storeu_ps(row, mask_lo, lo);
+      _mm512_mask_storeu_ps(row + 16, mask_hi, hi);
+    }
+  }
+};
+
+}  // namespace
+
+void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                   const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                   float* C, int64_t ldc) {
+  call_generation.fetch_add(1, std::memory_order_relaxed);
+  detail::gemm_blocked<Bf16Amx>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+}  // namespace cputrain::kernels
