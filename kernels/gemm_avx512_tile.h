@@ -76,24 +76,28 @@ inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t
   }
 }
 
-// C[0:m, 0:n] = tile + beta * C (beta 0 overwrites, never reading C).
-inline __attribute__((always_inline)) void store_tile(const Tile& t, float* C, int64_t ldc,
-                                                      float beta, int m, int n) {
+// row[0:n] = (lo, hi) + beta * row (beta 0 overwrites, never reading the row); n <= 32.
+inline __attribute__((always_inline)) void store_row(float* row, __m512 lo, __m512 hi,
+                                                     float beta, int n) {
   const __mmask16 mask_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
   const __mmask16 mask_hi =
       n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
-  const __m512 vbeta = _mm512_set1_ps(beta);
+  if (beta != 0.0f) {
+    const __m512 vbeta = _mm512_set1_ps(beta);
+    lo = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_lo, row), lo);
+    hi = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_hi, row + 16), hi);
+  }
+  _mm512_mask_storeu_ps(row, mask_lo, lo);
+  _mm512_mask_storeu_ps(row + 16, mask_hi, hi);
+}
+
+// C[0:m, 0:n] = tile + beta * C.
+inline __attribute__((always_inline)) void store_tile(const Tile& t, float* C, int64_t ldc,
+                                                      float beta, int m, int n) {
 #pragma GCC unroll 14
   for (int r = 0; r < kTileRows; ++r) {
     if (r >= m) break;
-    float* row = C + r * ldc;
-    __m512 lo = t.lo[r], hi = t.hi[r];
-    if (beta != 0.0f) {
-      lo = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_lo, row), lo);
-      hi = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_hi, row + 16), hi);
-    }
-    _mm512_mask_storeu_ps(row, mask_lo, lo);
-    _mm512_mask_storeu_ps(row + 16, mask_hi, hi);
+    store_row(C + r * ldc, t.lo[r], t.hi[r], beta, n);
   }
 }
 

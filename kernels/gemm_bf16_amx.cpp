@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
 
@@ -128,17 +129,7 @@ struct Bf16Amx {
         lo = _mm512_dpbf16_ps(lo, av, (__m512bh)_mm512_load_si512(b + p * NR));
         hi = _mm512_dpbf16_ps(hi, av, (__m512bh)_mm512_load_si512(b + p * NR + 16));
       }
-      const __mmask16 mask_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-      const __mmask16 mask_hi =
-          n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
-      float* row = C + r * ldc;
-      if (beta != 0.0f) {
-        const __m512 vbeta = _mm512_set1_ps(beta);
-        lo = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_lo, row), lo);
-        hi = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_hi, row + 16), hi);
-      }
-      _mm512_mask_storeu_ps(row, mask_lo, lo);
-      _mm512_mask_storeu_ps(row + 16, mask_hi, hi);
+      detail::store_row(C + r * ldc, lo, hi, beta, n);
     }
   }
 };
