@@ -33,6 +33,9 @@ namespace cputrain::kernels::detail {
 // Packing buffers of the calling thread, grown on demand and kept for the next call.
 float* gemm_pack_buffer(size_t floats, int which);
 
+// K rows per packing item where rows are packed across micro-panels (a multiple of 2 = KU).
+constexpr int64_t kPackRows = 16;
+
 template <class P>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
@@ -61,17 +64,29 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
         const int64_t kc = std::min<int64_t>(P::KC, K - pc);
         const int64_t kp = (kc + KU - 1) / KU;
         const float beta_block = pc == 0 ? beta : 1.0f;
+        // Where stored rows run along N (B not transposed), a thread packs a range of K rows
+        // across every micro-panel, reading each row once from start to end; otherwise it packs
+        // whole micro-panels. The same for A below, whose rows run along M when transposed.
+        const int64_t k_chunks = (kc + kPackRows - 1) / kPackRows;
 #pragma omp for schedule(static)
-        for (int64_t jr = 0; jr < n_jr; ++jr)
-          P::pack_b(bpack + jr * kp * NR, B, ldb, bt, jc + jr * NR,
-                    std::min<int64_t>(NR, nc - jr * NR), pc, kc);
+        for (int64_t item = 0; item < (bt ? n_jr : k_chunks); ++item) {
+          const int64_t k0 = bt ? 0 : item * kPackRows;
+          const int64_t klen = bt ? kc : std::min<int64_t>(kPackRows, kc - k0);
+          for (int64_t jr = bt ? item : 0; jr < (bt ? item + 1 : n_jr); ++jr)
+            P::pack_b(bpack + jr * kp * NR + k0 / KU * NR, B, ldb, bt, jc + jr * NR,
+                      std::min<int64_t>(NR, nc - jr * NR), pc + k0, klen);
+        }
         for (int64_t mb = 0; mb < M; mb += P::MB) {
           const int64_t mbn = std::min<int64_t>(P::MB, M - mb);
           const int64_t n_ir = (mbn + MR - 1) / MR;
 #pragma omp for schedule(static)
-          for (int64_t ir = 0; ir < n_ir; ++ir)
-            P::pack_a(apack + ir * kp * MR, A, lda, at, mb + ir * MR,
-                      std::min<int64_t>(MR, mbn - ir * MR), pc, kc);
+          for (int64_t item = 0; item < (at ? k_chunks : n_ir); ++item) {
+            const int64_t k0 = at ? item * kPackRows : 0;
+            const int64_t klen = at ? std::min<int64_t>(kPackRows, kc - k0) : kc;
+            for (int64_t ir = at ? 0 : item; ir < (at ? n_ir : item + 1); ++ir)
+              P::pack_a(apack + ir * kp * MR + k0 / KU * MR, A, lda, at, mb + ir * MR,
+                        std::min<int64_t>(MR, mbn - ir * MR), pc + k0, klen);
+          }
           // Work items: (block of MC rows) x (group of NR-column micro-panels).
           // Blocks of up to MC rows, smaller when there are too few rows to go round; handed
           // out dynamically, since blocks differ in size (results do not: each tile is still
