@@ -44,11 +44,10 @@ PreparedData prepare_data(const std::string& corpus, int vocab, const std::strin
     }
   }
   // A small corpus can give fewer pieces than asked for; the cache then vouches for the match.
-  if (tokenizer && tokenizer->vocab_size() != vocab &&
-      !(cache && cache->fingerprint() == data_fingerprint(corpus_id, vocab, *tokenizer)))
-    tokenizer.reset();
-  if (tokenizer && cache &&
-      cache->fingerprint() == data_fingerprint(corpus_id, vocab, *tokenizer)) {
+  const bool cache_matches =
+      tokenizer && cache && cache->fingerprint() == data_fingerprint(corpus_id, vocab, *tokenizer);
+  if (tokenizer && tokenizer->vocab_size() != vocab && !cache_matches) tokenizer.reset();
+  if (cache_matches) {
     int64_t documents = 0;
     for (auto split : {cache->train_tokens(), cache->val_tokens()})
       documents += std::count(split.begin(), split.end(), tokenizer->bos_id());

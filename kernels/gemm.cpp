@@ -151,14 +151,8 @@ void gemm_bf16_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64
 void gemm_f32_eigen(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
+  if (K == 0) return detail::scale_c(C, M, N, ldc, beta);
   MutMap c(C, M, N, Eigen::OuterStride<>(ldc));
-  if (K == 0) {
-    if (beta == 0.0f)
-      c.setZero();
-    else
-      c *= beta;
-    return;
-  }
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   // op(A) and op(B) as expressions over row-major maps of the stored matrices.
   const ConstMap a(A, at ? K : M, at ? M : K, Eigen::OuterStride<>(lda));

@@ -77,7 +77,7 @@ void gemm_bf16_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
     }
     mm = &it->second;
   }
-  dnnl::stream stream(cpu_engine());
+  thread_local dnnl::stream stream(cpu_engine());
   memory a(mm->a, cpu_engine(), const_cast<uint16_t*>(A));
   memory b(mm->b, cpu_engine(), const_cast<uint16_t*>(B));
   memory c(mm->c, cpu_engine(), C);
