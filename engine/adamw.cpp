@@ -39,7 +39,9 @@ float AdamW::step(float lr) {
     h.step = step_;
     kernels::adamw_update(params_.weights().f32() + p.offset, params_.gradients().f32() + p.offset,
                           m_.f32() + p.offset, v_.f32() + p.offset, p.shape.numel(), h, scale,
-                          nullptr);
+                          params_.has_bf16_copies() && p.bf16_offset >= 0
+                              ? params_.bf16_weights().bf16() + p.bf16_offset
+                              : nullptr);
   }
   return static_cast<float>(norm);
 }

@@ -3,10 +3,13 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kernels/bf16.h"
+
 namespace cputrain {
 namespace {
 
 bool g_grad_enabled = true;
+DType g_compute_dtype = DType::F32;
 
 using Tape = std::vector<std::function<void()>>;
 
@@ -26,7 +29,31 @@ const Tensor& GradCell::get_or_zeros() {
 
 Variable::Variable(const Tensor& value, bool requires_grad)
     : impl_(std::make_shared<Impl>(
-          Impl{value, requires_grad ? std::make_shared<GradCell>(value.shape()) : nullptr})) {}
+          Impl{value, requires_grad ? std::make_shared<GradCell>(value.shape()) : nullptr, false,
+               Tensor()})) {}
+
+Variable Variable::op_output(const Tensor& value, bool requires_grad) {
+  Variable v(value, requires_grad);
+  v.impl_->op_output = true;
+  return v;
+}
+
+Tensor Variable::bf16_value() const {
+  if (impl_->bf16.defined()) return impl_->bf16;
+  const Tensor& v = impl_->value;
+  Tensor b = Tensor::empty(v.shape(), DType::BF16,
+                           impl_->op_output ? MemoryCategory::Activations : MemoryCategory::Workspace);
+  kernels::fp32_to_bf16_array(b.bf16(), v.f32(), v.numel());
+  if (impl_->op_output) impl_->bf16 = b;
+  return b;
+}
+
+void Variable::set_bf16_copy(const Tensor& copy) {
+  if (copy.dtype() != DType::BF16 || !(copy.shape() == impl_->value.shape()))
+    throw std::invalid_argument("set_bf16_copy: a bf16 tensor of shape " +
+                                impl_->value.shape().str());
+  impl_->bf16 = copy;
+}
 
 const Tensor& Variable::grad() const {
   static const Tensor kUndefined;
@@ -37,6 +64,15 @@ bool grad_enabled() { return g_grad_enabled; }
 
 NoGradGuard::NoGradGuard() : previous_(g_grad_enabled) { g_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { g_grad_enabled = previous_; }
+
+DType compute_dtype() { return g_compute_dtype; }
+
+ComputeDTypeGuard::ComputeDTypeGuard(DType dtype) : previous_(g_compute_dtype) {
+  if (dtype != DType::F32 && dtype != DType::BF16)
+    throw std::invalid_argument("compute dtype must be f32 or bf16");
+  g_compute_dtype = dtype;
+}
+ComputeDTypeGuard::~ComputeDTypeGuard() { g_compute_dtype = previous_; }
 
 bool needs_grad(std::initializer_list<const Variable*> inputs) {
   if (!g_grad_enabled) return false;

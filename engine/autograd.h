@@ -32,7 +32,11 @@ using GradRef = std::shared_ptr<GradCell>;
 class Variable {
  public:
   Variable() = default;
+  // A leaf: a parameter or an input.
   Variable(const Tensor& value, bool requires_grad);
+  // The output of an op (see ops.h). Its value is never written after creation, so its bf16
+  // rounding is computed once and shared by every op that takes it.
+  static Variable op_output(const Tensor& value, bool requires_grad);
 
   bool defined() const { return impl_ != nullptr; }
   const Tensor& value() const { return impl_->value; }
@@ -42,10 +46,19 @@ class Variable {
   const GradRef& grad_ref() const { return impl_->grad; }
   const Tensor& grad() const;
 
+  // The value rounded to bf16 (same shape, dtype BF16). A leaf with a bf16 copy attached
+  // (set_bf16_copy: the ParameterSet's, kept current by AdamW) returns that copy; an op output
+  // converts once, as an activation, and keeps the result; any other leaf converts on each call,
+  // into workspace, since its value may have been written since.
+  Tensor bf16_value() const;
+  void set_bf16_copy(const Tensor& copy);
+
  private:
   struct Impl {
     Tensor value;
     GradRef grad;
+    bool op_output = false;
+    Tensor bf16;  // the attached copy or the cached rounding; undefined until there is one
   };
   std::shared_ptr<Impl> impl_;
 };
@@ -62,6 +75,22 @@ class NoGradGuard {
 
  private:
   bool previous_;
+};
+
+// The precision of the ops' arithmetic, F32 by default. Under BF16 (DESIGN.md, Numerics) the
+// GEMMs take bf16 inputs and accumulate in FP32, and the activations ops save for backward are
+// kept in bf16; norms, softmax, attention statistics and the loss stay in FP32. An op records
+// the precision it ran under with its backward.
+DType compute_dtype();
+class ComputeDTypeGuard {
+ public:
+  explicit ComputeDTypeGuard(DType dtype);  // F32 or BF16
+  ~ComputeDTypeGuard();
+  ComputeDTypeGuard(const ComputeDTypeGuard&) = delete;
+  ComputeDTypeGuard& operator=(const ComputeDTypeGuard&) = delete;
+
+ private:
+  DType previous_;
 };
 
 // True when an op over `inputs` must record a backward: grad is enabled and some input

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "kernels/attention.h"
+#include "kernels/bf16.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/embedding.h"
 #include "kernels/gemm.h"
@@ -35,6 +36,26 @@ void require(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
+bool bf16_mode() { return compute_dtype() == DType::BF16; }
+
+// What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
+// rounding (shared with every other op that saves the same input).
+Tensor saved(const Variable& x) { return bf16_mode() ? x.bf16_value() : x.value(); }
+
+// A saved tensor as FP32, for kernels that compute in FP32: itself, or a workspace copy.
+Tensor as_f32(const Tensor& t) {
+  if (t.dtype() == DType::F32) return t;
+  Tensor f = Tensor::empty(t.shape(), DType::F32, MemoryCategory::Workspace);
+  kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
+  return f;
+}
+
+Tensor to_bf16(const Tensor& t) {
+  Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
+  kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
+  return b;
+}
+
 }  // namespace
 
 Variable embedding(const Variable& table, const Tensor& tokens) {
@@ -45,7 +66,7 @@ Variable embedding(const Variable& table, const Tensor& tokens) {
   Tensor y = new_activation(Shape{tokens.dim(0), tokens.dim(1), C});
   kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C);
   const bool grad = needs_grad({&table});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C] {
       if (!gy->tensor().defined()) return;
@@ -64,17 +85,40 @@ Variable linear(const Variable& x, const Variable& w) {
   const int64_t K = w.shape()[1];
   const int64_t M = x.value().numel() / K;
   Tensor y = new_activation(with_last_dim(xs, N));
-  kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, x.value().f32(), K, w.value().f32(),
-                    K, 0.0f, y.f32(), N);
+  const bool bf16 = bf16_mode();
+  // In bf16 mode both operands are bf16 roundings: x's is shared with the other ops that take
+  // x, w's is the parameter's copy.
+  const Tensor xv = bf16 ? x.bf16_value() : x.value();
+  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  if (bf16) {
+    kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K, 0.0f,
+                       y.f32(), N);
+  } else {
+    kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, xv.f32(), K, wv.f32(), K, 0.0f,
+                      y.f32(), N);
+  }
   const bool grad = needs_grad({&x, &w});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     // The gradient of x needs w and that of w needs x: save only what is used.
-    Tensor xv = w.requires_grad() ? x.value() : Tensor();
-    Tensor wv = x.requires_grad() ? w.value() : Tensor();
-    record_backward([xv, wv, gx = x.grad_ref(), gw = w.grad_ref(), gy = out.grad_ref(), M, N, K] {
+    Tensor xs_saved = w.requires_grad() ? xv : Tensor();
+    Tensor ws_saved = x.requires_grad() ? wv : Tensor();
+    record_backward([xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+                     gy = out.grad_ref(), M, N, K, bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
+      if (bf16) {
+        const Tensor dyb = to_bf16(dy);
+        if (gx) {
+          kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dyb.bf16(), N, wv.bf16(), K,
+                             1.0f, gx->get_or_zeros().f32(), K);
+        }
+        if (gw) {
+          kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dyb.bf16(), N, xv.bf16(), K,
+                             1.0f, gw->get_or_zeros().f32(), K);
+        }
+        return;
+      }
       if (gx) {
         kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K, 1.0f,
                           gx->get_or_zeros().f32(), K);
@@ -97,9 +141,9 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   Tensor rstd = new_activation(Shape{N});
   kernels::rmsnorm_forward(y.f32(), rstd.f32(), x.value().f32(), w.value().f32(), N, C, eps);
   const bool grad = needs_grad({&x, &w});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([xv = x.value(), wv = w.value(), rstd, gx = x.grad_ref(), gw = w.grad_ref(),
+    record_backward([xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(), gw = w.grad_ref(),
                      gy = out.grad_ref(), N, C] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
@@ -108,6 +152,7 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
                      : Tensor::zeros(Shape{N, C}, DType::F32, MemoryCategory::Workspace);
       Tensor dw = gw ? gw->get_or_zeros()
                      : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
+      const Tensor xv = as_f32(xs);
       kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xv.f32(), wv.f32(), rstd.f32(), N,
                                 C);
     });
@@ -124,7 +169,7 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
   Tensor y = new_activation(xs);
   kernels::rope_forward(y.f32(), x.value().f32(), table.f32(), B, T, H, D);
   const bool grad = needs_grad({&x});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       if (!gy->tensor().defined()) return;
@@ -142,13 +187,18 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   const int64_t B = s[0], T = s[1], H = n_heads, D = s[2] / n_heads;
   Tensor y = new_activation(s);
   Tensor lse = new_activation(Shape{B, H, T});
-  kernels::attention_forward(y.f32(), lse.f32(), q.value().f32(), k.value().f32(),
-                             v.value().f32(), B, T, H, D);
+  // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
+  // will see; the softmax statistics stay FP32.
+  const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
+  {
+    const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
+    kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, D);
+  }
   const bool grad = needs_grad({&q, &k, &v});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([qv = q.value(), kv = k.value(), vv = v.value(), y, lse, gq = q.grad_ref(),
-                     gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
+    record_backward([qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(), gk = k.grad_ref(),
+                     gv = v.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       auto grad_or_scratch = [&](const GradRef& g) {
@@ -156,8 +206,9 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
                  : Tensor::zeros(Shape{B, T, H * D}, DType::F32, MemoryCategory::Workspace);
       };
       Tensor dq = grad_or_scratch(gq), dk = grad_or_scratch(gk), dv = grad_or_scratch(gv);
+      const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
       kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
-                                  vv.f32(), y.f32(), lse.f32(), B, T, H, D);
+                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, D);
     });
   }
   return out;
@@ -169,9 +220,9 @@ Variable swiglu(const Variable& gate, const Variable& up) {
   Tensor y = new_activation(gate.shape());
   kernels::swiglu_forward(y.f32(), gate.value().f32(), up.value().f32(), n);
   const bool grad = needs_grad({&gate, &up});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([gv = gate.value(), uv = up.value(), gg = gate.grad_ref(),
+    record_backward([gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
                      gu = up.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
@@ -179,6 +230,7 @@ Variable swiglu(const Variable& gate, const Variable& up) {
         return g ? g->get_or_zeros() : Tensor::zeros(Shape{n}, DType::F32, MemoryCategory::Workspace);
       };
       Tensor dg = grad_or_scratch(gg), du = grad_or_scratch(gu);
+      const Tensor gv = as_f32(gs), uv = as_f32(us);
       kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gv.f32(), uv.f32(), n);
     });
   }
@@ -191,7 +243,7 @@ Variable add(const Variable& a, const Variable& b) {
   Tensor y = new_activation(a.shape());
   kernels::vector_add(y.f32(), a.value().f32(), b.value().f32(), n);
   const bool grad = needs_grad({&a, &b});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
@@ -218,7 +270,7 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   Tensor y = new_activation(Shape{1});
   y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
   const bool grad = needs_grad({&logits});
-  Variable out(y, grad);
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([lv = logits.value(), lse, targets, gl = logits.grad_ref(),
                      gy = out.grad_ref(), N, V] {

@@ -148,6 +148,7 @@ void load_weights(const std::string& path, const ParameterSet& params) {
   r.value<uint64_t>();
   for (const ParameterInfo& p : params.infos())
     r.bytes(params.weights().f32() + p.offset, static_cast<size_t>(p.shape.numel()) * 4);
+  params.sync_bf16_copies();
 }
 
 }  // namespace cputrain

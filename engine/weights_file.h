@@ -19,7 +19,7 @@ void save_weights(const std::string& path, const ParameterSet& params,
 std::string read_weights_config(const std::string& path);
 
 // Loads weights into `params`, whose names and shapes must match the file's. Any mismatch,
-// truncation or checksum failure is a UserError naming the file.
+// truncation or checksum failure is a UserError naming the file. Refreshes the bf16 copies, if any.
 void load_weights(const std::string& path, const ParameterSet& params);
 
 }  // namespace cputrain

@@ -118,7 +118,7 @@ float* gemm_pack_buffer(size_t floats, int which) {
     }
     ~Buffer() { reset(); }
   };
-  thread_local Buffer buffers[2];
+  thread_local Buffer buffers[4];
   Buffer& b = buffers[which];
   if (b.bytes < floats * sizeof(float)) {
     b.reset();
@@ -186,16 +186,58 @@ void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const
   }
 }
 
+namespace {
+
+// A stored rows x cols bf16 matrix (leading dimension ld) as a dense FP32 copy in the
+// calling thread's buffer `which`.
+const float* widen(const uint16_t* x, int64_t rows, int64_t cols, int64_t ld, int which) {
+  float* out = detail::gemm_pack_buffer(static_cast<size_t>(rows * cols), which);
+  if (ld == cols) {
+    bf16_to_fp32_array(out, x, rows * cols);
+    return out;
+  }
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = bf16_to_fp32(x[r * ld + c]);
+  return out;
+}
+
+}  // namespace
+
+bool gemm_bf16_native(GemmBackend backend) {
+  switch (backend) {
+    case GemmBackend::Amx:
+      return amx_usable();
+    case GemmBackend::Avx512:
+      return cpu_features().avx512_bf16;
+    case GemmBackend::Onednn:
+      return onednn_bf16_supported();
+    default:
+      return false;
+  }
+}
+
 void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   const GemmBackend backend = gemm_backend();
-  if (backend == GemmBackend::Amx)
-    return gemm_bf16_amx(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  if (backend == GemmBackend::Avx512 && cpu_features().avx512_bf16)
-    return gemm_bf16_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  if (backend == GemmBackend::Onednn)
+  if (backend == GemmBackend::Reference)
+    return gemm_bf16_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  if (gemm_bf16_native(backend)) {
+    if (backend == GemmBackend::Amx)
+      return gemm_bf16_amx(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    if (backend == GemmBackend::Avx512)
+      return gemm_bf16_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
     return gemm_bf16_onednn(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  gemm_bf16_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  }
+  // No bf16 instructions: widen both operands to FP32 and run the backend's FP32 GEMM. The
+  // product of two bf16 values is exact in FP32, so this is the same arithmetic: bf16 inputs,
+  // FP32 accumulation.
+  if (M == 0 || N == 0) return;
+  if (K == 0) return detail::scale_c(C, M, N, ldc, beta);
+  const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
+  const float* a = widen(A, at ? K : M, at ? M : K, lda, 2);
+  const float* b = widen(B, bt ? N : K, bt ? K : N, ldb, 3);
+  gemm_f32(ta, tb, M, N, K, a, at ? M : K, b, bt ? K : N, beta, C, ldc);
 }
 
 bool gemm_backend_available(GemmBackend backend) {

@@ -29,11 +29,11 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
 
 // The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
 //   Reference  triple loop in double (the ground truth for tests)
-//   Eigen      Eigen's FP32 GEMM (BF16: the reference)
-//   Avx512     our blocked AVX-512 kernels (BF16 needs AVX512_BF16; without it, the reference)
+//   Eigen      Eigen's FP32 GEMM (BF16: widened to FP32, see gemm_bf16_native)
+//   Avx512     our blocked AVX-512 kernels (BF16 needs AVX512_BF16; without it, widened)
 //   Amx        BF16 on AMX tiles (FP32: the AVX-512 kernel); available only where the CPU has
 //              AMX and it passed a self-test against the AVX-512 BF16 kernel at first use
-//   Onednn     oneDNN's sgemm and bf16 matmul
+//   Onednn     oneDNN's sgemm and bf16 matmul (where oneDNN has none for this CPU, widened)
 enum class GemmBackend { Reference, Eigen, Avx512, Amx, Onednn };
 
 // Straightforward triple loop with double accumulation: the ground truth for tests.
@@ -48,6 +48,11 @@ void gemm_f32_eigen(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
 
 // Whether this CPU runs the backend's FP32 path.
 bool gemm_backend_available(GemmBackend backend);
+// Whether the backend's BF16 path uses bf16 instructions on this CPU. Where it does not
+// (Eigen; AVX-512 without AVX512_BF16; oneDNN without its bf16 kernels), gemm_bf16 widens the
+// operands to FP32 and runs the FP32 GEMM: the same results (bf16 products are exact in FP32),
+// no faster than FP32. The reference backend computes in double.
+bool gemm_bf16_native(GemmBackend backend);
 // The fastest available; the environment variable CPUTRAIN_GEMM (a backend name) overrides it.
 GemmBackend gemm_default_backend();
 // Selects the implementation gemm_f32 and gemm_bf16 call; throws std::invalid_argument for a

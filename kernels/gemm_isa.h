@@ -27,6 +27,8 @@ void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                    float* C, int64_t ldc);
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).
+bool onednn_bf16_supported();
 void gemm_bf16_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                       const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                       float* C, int64_t ldc);

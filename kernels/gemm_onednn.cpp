@@ -36,6 +36,20 @@ dnnl::engine& cpu_engine() {
 
 }  // namespace
 
+bool onednn_bf16_supported() {
+  static const bool supported = [] {
+    try {
+      const memory::desc a({2, 2}, memory::data_type::bf16, memory::dims{2, 1});
+      const memory::desc c({2, 2}, memory::data_type::f32, memory::dims{2, 1});
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, a, c), cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;  // this oneDNN has no bf16 matmul for this CPU
+    }
+  }();
+  return supported;
+}
+
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;

@@ -20,18 +20,18 @@ LlamaModel::LlamaModel(const LlamaConfig& config) : config_(config) {
     const std::string l = "layers." + std::to_string(i) + ".";
     Block b;
     b.attention_norm = params_.add(l + "attention_norm.weight", Shape{C}, false);
-    b.wq = params_.add(l + "attention.wq.weight", Shape{C, C}, true);
-    b.wk = params_.add(l + "attention.wk.weight", Shape{C, C}, true);
-    b.wv = params_.add(l + "attention.wv.weight", Shape{C, C}, true);
-    b.wo = params_.add(l + "attention.wo.weight", Shape{C, C}, true);
+    b.wq = params_.add(l + "attention.wq.weight", Shape{C, C}, true, true);
+    b.wk = params_.add(l + "attention.wk.weight", Shape{C, C}, true, true);
+    b.wv = params_.add(l + "attention.wv.weight", Shape{C, C}, true, true);
+    b.wo = params_.add(l + "attention.wo.weight", Shape{C, C}, true, true);
     b.ffn_norm = params_.add(l + "ffn_norm.weight", Shape{C}, false);
-    b.w1 = params_.add(l + "feed_forward.w1.weight", Shape{F, C}, true);
-    b.w3 = params_.add(l + "feed_forward.w3.weight", Shape{F, C}, true);
-    b.w2 = params_.add(l + "feed_forward.w2.weight", Shape{C, F}, true);
+    b.w1 = params_.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
+    b.w3 = params_.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
+    b.w2 = params_.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
     blocks_.push_back(b);
   }
   norm_ = params_.add("norm.weight", Shape{C}, false);
-  output_ = params_.add("output.weight", Shape{V, C}, true);
+  output_ = params_.add("output.weight", Shape{V, C}, true, true);
   params_.allocate();
 
   const int64_t D = config.head_dim();
@@ -62,6 +62,14 @@ void LlamaModel::init_weights(uint64_t seed) {
     const double stddev = residual ? std_residual : std_matrix;
     for (int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(stddev * normal());
   }
+  params_.sync_bf16_copies();
+}
+
+void LlamaModel::set_compute_dtype(DType dtype) {
+  if (dtype != DType::F32 && dtype != DType::BF16)
+    throw std::invalid_argument("compute dtype must be f32 or bf16");
+  if (dtype == DType::BF16) params_.enable_bf16_copies();
+  compute_dtype_ = dtype;
 }
 
 Variable LlamaModel::block_forward(const Block& b, const Variable& x) {
@@ -86,16 +94,19 @@ Variable LlamaModel::hidden(const Tensor& inputs) {
 }
 
 Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets) {
+  ComputeDTypeGuard precision(compute_dtype_);
   return cross_entropy(linear(hidden(inputs), p(output_)), targets);
 }
 
 Tensor LlamaModel::logits(const Tensor& inputs) {
   NoGradGuard no_grad;
+  ComputeDTypeGuard precision(compute_dtype_);
   return linear(hidden(inputs), p(output_)).value();
 }
 
 Tensor LlamaModel::last_logits(const Tensor& inputs) {
   NoGradGuard no_grad;
+  ComputeDTypeGuard precision(compute_dtype_);
   const Tensor h = hidden(inputs).value();
   const int64_t B = inputs.dim(0), T = inputs.dim(1), C = config_.d_model;
   Tensor last = Tensor::empty(Shape{B, C}, DType::F32, MemoryCategory::Workspace);

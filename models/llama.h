@@ -22,6 +22,11 @@ class LlamaModel {
   // ones for norm gains; deterministic in seed.
   void init_weights(uint64_t seed);
 
+  // F32 (the default) or BF16: the precision of loss, logits and last_logits (autograd.h,
+  // ComputeDTypeGuard). BF16 gives the GEMM weights bf16 copies, kept current by AdamW.
+  void set_compute_dtype(DType dtype);
+  DType compute_dtype() const { return compute_dtype_; }
+
   // inputs, targets (B, T) i32, T <= ctx -> mean cross-entropy, recorded for backward.
   Variable loss(const Tensor& inputs, const Tensor& targets);
   // inputs (B, T) -> logits (B, T, V), without recording anything.
@@ -45,6 +50,7 @@ class LlamaModel {
   int norm_ = 0;
   int output_ = 0;
   Tensor rope_table_;  // (ctx, D/2, 2)
+  DType compute_dtype_ = DType::F32;
 };
 
 }  // namespace cputrain

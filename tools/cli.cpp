@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/error.h"
+#include "tools/parity_command.h"
 #include "tools/sample_command.h"
 #include "tools/train_command.h"
 
@@ -16,7 +17,7 @@ namespace cputrain {
 namespace {
 
 bool is_subcommand(const std::string& arg) {
-  return arg == "train" || arg == "sample";
+  return arg == "train" || arg == "sample" || arg == "parity";
 }
 
 }  // namespace
@@ -36,6 +37,10 @@ int run_cli(int argc, char** argv) {
   SampleArgs sample_args;
   CLI::App* sample = app.add_subcommand("sample", "Generate text from a trained run");
   add_sample_flags(*sample, sample_args);
+  ParityArgs parity_args;
+  CLI::App* parity = app.add_subcommand(
+      "parity", "Train the same steps in fp32, bf16 and fp32 with accumulation; compare losses");
+  add_parity_flags(*parity, parity_args);
 
   try {
     app.parse(args);
@@ -53,6 +58,7 @@ int run_cli(int argc, char** argv) {
   try {
     if (train->parsed()) return run_train(train_args);
     if (sample->parsed()) return run_sample(sample_args);
+    if (parity->parsed()) return run_parity(parity_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     return 1;

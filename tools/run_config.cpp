@@ -54,7 +54,8 @@ std::string run_config_to_json(const RunConfig& c) {
         {"eps", shortest(c.train.adamw.eps)},
         {"weight_decay", shortest(c.train.adamw.weight_decay)},
         {"grad_clip", shortest(c.train.adamw.grad_clip)},
-        {"threads", c.threads}}},
+        {"threads", c.threads},
+        {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"}}},
   };
   return j.dump(2) + "\n";
 }
@@ -92,6 +93,10 @@ RunConfig read_run_config(const std::string& path) {
     c.train.adamw.weight_decay = t.at("weight_decay").get<float>();
     c.train.adamw.grad_clip = t.at("grad_clip").get<float>();
     c.threads = t.at("threads").get<int>();
+    const std::string dtype = t.value("dtype", std::string("fp32"));
+    if (dtype != "fp32" && dtype != "bf16")
+      throw UserError(path + ": train.dtype must be fp32 or bf16 (got " + dtype + ")");
+    c.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   } catch (const json::exception& e) {
     throw UserError(path + ": malformed run configuration (" + e.what() + ")");
   }

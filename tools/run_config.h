@@ -16,6 +16,7 @@ struct RunConfig {
   TrainOptions train;
   int64_t steps = 0;
   int threads = 0;
+  DType dtype = DType::F32;  // F32 or BF16 (--dtype)
 };
 
 std::string run_config_to_json(const RunConfig& config);

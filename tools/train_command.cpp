@@ -40,8 +40,9 @@ void require_positive(int64_t value, const char* flag) {
   if (value <= 0) throw UserError(std::string(flag) + " must be positive (got " + std::to_string(value) + ")");
 }
 
-// Resolves preset values and flag overrides into a validated run configuration.
-RunConfig resolve(const TrainArgs& a) {
+}  // namespace
+
+RunConfig resolve_run_config(const TrainArgs& a) {
   const auto preset = find_preset(a.preset);
   if (!preset) {
     std::string names;
@@ -83,7 +84,6 @@ RunConfig resolve(const TrainArgs& a) {
   return c;
 }
 
-// Creates the run directory and proves it writable, before any work is done.
 void prepare_run_dir(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -94,6 +94,32 @@ void prepare_run_dir(const std::string& dir) {
     throw UserError("--out " + dir + ": directory is not writable");
   fs::remove(probe, ec);
 }
+
+DType choose_dtype(const std::string& flag, std::string* why) {
+  if (flag == "bf16" || flag == "fp32") {
+    *why = "--dtype " + flag;
+    return flag == "bf16" ? DType::BF16 : DType::F32;
+  }
+  if (!flag.empty()) throw UserError("--dtype " + flag + ": must be bf16 or fp32");
+  const kernels::GemmBackend backend = kernels::gemm_backend();
+  const std::string name(kernels::gemm_backend_name(backend));
+  if (kernels::gemm_bf16_native(backend)) {
+    *why = "the " + name + " GEMM has bf16 instructions on this CPU";
+    return DType::BF16;
+  }
+  *why = "the " + name +
+         " GEMM has no bf16 instructions on this CPU, where bf16 would be emulated and slower "
+         "than fp32 (--dtype bf16 forces it)";
+  return DType::F32;
+}
+
+std::string describe_compute() {
+  return fmt::format("cpu: {}; gemm: {} (available: {})", kernels::cpu_features_string(),
+                     kernels::gemm_backend_name(kernels::gemm_backend()),
+                     kernels::gemm_available_backends());
+}
+
+namespace {
 
 std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path) {
   auto console = std::make_shared<spdlog::sinks::stdout_sink_mt>();
@@ -173,6 +199,10 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--gemm", a.gemm,
                  "GEMM implementation: amx, avx512, onednn, eigen or reference (default: the fastest "
                  "this CPU runs; the CPUTRAIN_GEMM environment variable also sets it)");
+  app.add_option("--dtype", a.dtype,
+                 "Training precision: bf16 (bf16 GEMMs and saved activations, FP32 master weights) "
+                 "or fp32 (default: bf16 where the GEMM has bf16 instructions, else fp32)")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
 }
 
 void select_gemm_backend(const std::string& flag) {
@@ -190,8 +220,10 @@ void select_gemm_backend(const std::string& flag) {
 }
 
 int run_train(const TrainArgs& args) {
-  RunConfig config = resolve(args);
+  RunConfig config = resolve_run_config(args);
   select_gemm_backend(args.gemm);
+  std::string dtype_reason;
+  config.dtype = choose_dtype(args.dtype, &dtype_reason);
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   const std::string out = args.out.empty() ? "runs/" + config.preset : args.out;
   prepare_run_dir(out);
@@ -215,6 +247,7 @@ int run_train(const TrainArgs& args) {
 
   LlamaModel model(config.model);
   model.init_weights(config.train.seed);
+  model.set_compute_dtype(config.dtype);
   write_file_atomic(out + "/config.json", run_config_to_json(config));
   log->info("model {}: {} parameters (d_model {}, layers {}, heads {}, ffn {}, vocab {}, ctx {})",
             config.preset, parameter_count(config.model), config.model.d_model,
@@ -223,9 +256,8 @@ int run_train(const TrainArgs& args) {
   log->info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads",
             config.steps, config.train.batch, config.train.accum, config.train.ctx,
             config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
-  log->info("cpu: {}; gemm: {} (available: {})", kernels::cpu_features_string(),
-            kernels::gemm_backend_name(kernels::gemm_backend()),
-            kernels::gemm_available_backends());
+  log->info("{}", describe_compute());
+  log->info("dtype: {} ({})", config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason);
 
   Trainer trainer(model.parameters(),
                   [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tools/run_config.h"
+
 namespace cputrain {
 
 // Flags as given; -1 (or empty) means "take the preset's value".
@@ -33,6 +35,7 @@ struct TrainArgs {
   int64_t sample_tokens = 80;
   int64_t log_every = 1;
   std::string gemm;
+  std::string dtype;  // "bf16", "fp32", or empty: choose_dtype's default
 };
 
 void add_train_flags(CLI::App& app, TrainArgs& args);
@@ -40,5 +43,17 @@ void add_train_flags(CLI::App& app, TrainArgs& args);
 // CPUTRAIN_GEMM.
 void select_gemm_backend(const std::string& flag);
 int run_train(const TrainArgs& args);
+
+// The presets' values with the flags' overrides, validated; a UserError naming the flag.
+RunConfig resolve_run_config(const TrainArgs& args);
+// Creates the run directory and proves it writable, before any work is done.
+void prepare_run_dir(const std::string& dir);
+
+// --dtype: "bf16" or "fp32" as given; empty chooses bf16 where the selected GEMM has bf16
+// instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the
+// reason in *why. A UserError for anything else.
+DType choose_dtype(const std::string& flag, std::string* why);
+// "cpu: <features>; gemm: <path> (available: ...)" for the start-up log.
+std::string describe_compute();
 
 }  // namespace cputrain

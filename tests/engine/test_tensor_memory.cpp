@@ -91,5 +91,27 @@ TEST(Memory, GemmPackingBuffersAreWorkspace) {
   EXPECT_EQ(workspace() - before, grown);
 }
 
+TEST(Memory, Bf16WideningBuffersAreWorkspace) {
+  // The Eigen backend has no bf16 instructions: gemm_bf16 widens its operands into buffers
+  // that must be counted like the packing buffers.
+  const kernels::GemmBackend previous = kernels::gemm_backend();
+  kernels::gemm_set_backend(kernels::GemmBackend::Eigen);
+  ASSERT_FALSE(kernels::gemm_bf16_native(kernels::GemmBackend::Eigen));
+  const int64_t before = live(MemoryCategory::Workspace);
+  const size_t kernel_before = kernels::gemm_workspace_bytes();
+  const int64_t n = 701;  // larger than any product this process has run
+  const uint16_t one = 0x3f80, two = 0x4000;
+  std::vector<uint16_t> a(n * n, one), b(n * n, two);
+  std::vector<float> c(n * n);
+  kernels::gemm_bf16(kernels::Transpose::No, kernels::Transpose::Yes, n, n, n, a.data(), n,
+                     b.data(), n, 0.0f, c.data(), n);
+  kernels::gemm_set_backend(previous);
+  EXPECT_EQ(c[0], 2.0f * static_cast<float>(n));
+  EXPECT_EQ(c[n * n - 1], 2.0f * static_cast<float>(n));
+  const int64_t grown = static_cast<int64_t>(kernels::gemm_workspace_bytes() - kernel_before);
+  EXPECT_GT(grown, 0);
+  EXPECT_EQ(live(MemoryCategory::Workspace) - before, grown);
+}
+
 }  // namespace
 }  // namespace cputrain

@@ -6,6 +6,7 @@
 #include <random>
 #include <set>
 
+#include "engine/memory.h"
 #include "models/generate.h"
 #include "models/llama.h"
 #include "models/llama_config.h"
@@ -103,6 +104,60 @@ TEST(LlamaModel, InitialLossIsNearUniform) {
   NoGradGuard no_grad;
   const float loss = model.loss(x, y).value().f32()[0];
   EXPECT_NEAR(loss, std::log(static_cast<double>(c.vocab)), 0.1);
+}
+
+int64_t live_bytes(MemoryCategory c) {
+  return memory_stats().live_bytes[static_cast<int>(c)];
+}
+
+// bf16 mode against fp32 from the same init: the loss and every gradient within bf16
+// rounding, the GEMM weights (not the embedding) with bf16 copies, and the activations the
+// tape holds smaller by exactly half of what the blocks save.
+TEST(LlamaModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  const int64_t B = 2, T = 24;
+  const Tensor x = random_tokens(B, T, c.vocab, 5), y = random_tokens(B, T, c.vocab, 6);
+  LlamaModel f32(c), bf16(c);
+  f32.init_weights(3);
+  bf16.init_weights(3);
+  const int64_t copies_before = live_bytes(MemoryCategory::Bf16Weights);
+  bf16.set_compute_dtype(DType::BF16);
+  int64_t matrix_elems = 0;
+  for (const ParameterInfo& info : bf16.parameters().infos()) {
+    EXPECT_EQ(info.bf16_offset >= 0, info.shape.ndim() == 2 && info.name != "tok_embeddings.weight")
+        << info.name;
+    if (info.bf16_offset >= 0) matrix_elems += info.shape.numel();
+  }
+  EXPECT_EQ(live_bytes(MemoryCategory::Bf16Weights) - copies_before, matrix_elems * 2);
+
+  auto forward = [&](LlamaModel& m, int64_t* held) {
+    const int64_t before = live_bytes(MemoryCategory::Activations);
+    Variable loss = m.loss(x, y);
+    *held = live_bytes(MemoryCategory::Activations) - before;
+    m.parameters().zero_grad();
+    backward(loss);
+    return static_cast<double>(loss.value().f32()[0]);
+  };
+  int64_t held_f32 = 0, held_bf16 = 0;
+  const double loss_f32 = forward(f32, &held_f32);
+  const double loss_bf16 = forward(bf16, &held_bf16);
+  EXPECT_NEAR(loss_bf16, loss_f32, 1e-2);
+  EXPECT_NE(loss_bf16, loss_f32);
+  // Per token and layer the blocks save x, h, q, k, v, the attention output, a and g (8 C) and
+  // gate, up and their product (3 F); then the final norm's input and the head's input (2 C).
+  const int64_t saved_elems = B * T * (c.n_layers * (8 * c.d_model + 3 * c.ffn) + 2 * c.d_model);
+  EXPECT_EQ(held_f32 - held_bf16, saved_elems * 2);
+
+  for (const ParameterInfo& info : f32.parameters().infos()) {
+    const float* g32 = f32.parameters().gradients().f32() + info.offset;
+    const float* g16 = bf16.parameters().gradients().f32() + info.offset;
+    double num = 0.0, den = 0.0;
+    for (int64_t i = 0; i < info.shape.numel(); ++i) {
+      num += (static_cast<double>(g16[i]) - g32[i]) * (static_cast<double>(g16[i]) - g32[i]);
+      den += static_cast<double>(g32[i]) * g32[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 0.03) << info.name;
+  }
 }
 
 // Two half batches, each loss scaled by 1/2, give the gradients of the whole batch.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -165,6 +166,78 @@ TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
   ASSERT_EQ(s.exit_code, 0) << s.err;
   EXPECT_EQ(s.out.rfind("The cat", 0), 0u) << s.out;
   EXPECT_GT(s.out.size(), 8u);
+}
+
+TEST_F(Cli, Bf16RunTrainsAndRecordsItsDtype) {
+  const fs::path run_dir = dir_ / "run";
+  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 30 --dtype bf16 "
+                       "--sample-tokens 8 --corpus " + write_corpus(400).string() + " --out " +
+                       run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("dtype: bf16 (--dtype bf16)"), std::string::npos) << r.out;
+  std::ifstream config(run_dir / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(config)["train"]["dtype"], "bf16");
+  std::ifstream metrics(run_dir / "metrics.jsonl");
+  std::string line;
+  std::vector<double> losses;
+  while (std::getline(metrics, line)) losses.push_back(nlohmann::json::parse(line)["loss"]);
+  ASSERT_EQ(losses.size(), 30u);
+  EXPECT_LT(losses.back(), losses.front() - 1.0);
+}
+
+TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
+  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
+                       "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("dtype: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("GEMM has"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, BadDtypeAndParityFlags) {
+  const std::string corpus = write_corpus(50).string();
+  expect_one_line_error(run("--preset tiny --dtype fp16 --corpus " + corpus + " --out " +
+                            (dir_ / "run").string()),
+                        "--dtype");
+  const std::string parity = "parity --preset tiny --corpus " + corpus + " --out " +
+                             (dir_ / "parity").string();
+  expect_one_line_error(run(parity + " --accum 3"), "--accum 3");
+  expect_one_line_error(run(parity + " --accum 1"), "--accum 1");
+  expect_one_line_error(run(parity + " --tol-bf16 -1"), "--tol-bf16");
+  expect_one_line_error(run(parity + " --steps 0"), "--steps");
+}
+
+// The parity check on the tiny preset: bf16 tracks fp32, accumulation equals the single batch,
+// and a tolerance nobody can meet makes it fail.
+TEST_F(Cli, ParityOnTinyPreset) {
+  const std::string base = "parity --preset tiny --vocab 300 --ctx 32 --batch 8 --accum 2,4 "
+                           "--corpus " + write_corpus(400).string() + " --out " +
+                           (dir_ / "parity").string();
+  const Result r = run(base + " --steps 20 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const double fp32 = j["fp32_final_loss"], bf16 = j["bf16_final_loss"];
+  EXPECT_NEAR(j["bf16_delta_nats"].get<double>(), bf16 - fp32, 1e-12);
+  EXPECT_LT(std::abs(bf16 - fp32), 0.02);
+  EXPECT_NE(bf16, fp32);  // the bf16 run did round
+  ASSERT_EQ(j["accum"].size(), 2u);
+  EXPECT_EQ(j["accum"][0]["batch"], 4);
+  EXPECT_EQ(j["accum"][0]["accum"], 2);
+  EXPECT_EQ(j["accum"][1]["batch"], 2);
+  EXPECT_EQ(j["accum"][1]["accum"], 4);
+  for (const auto& a : j["accum"]) EXPECT_LT(std::abs(a["delta_nats"].get<double>()), 1e-4);
+  EXPECT_LT(j["bf16_activation_peak_bytes"].get<int64_t>(),
+            j["fp32_activation_peak_bytes"].get<int64_t>());
+  EXPECT_TRUE(j["pass"].get<bool>());
+  // parity.csv: a header and one row per step.
+  std::ifstream csv(dir_ / "parity" / "parity.csv");
+  std::string line;
+  int lines = 0;
+  while (std::getline(csv, line)) ++lines;
+  EXPECT_EQ(lines, 21);
+
+  const Result strict = run(base + " --steps 5 --tol-bf16 0");
+  EXPECT_EQ(strict.exit_code, 3) << strict.err;
+  EXPECT_NE(strict.err.find("exceeds its tolerance"), std::string::npos) << strict.err;
 }
 
 }  // namespace

@@ -1,0 +1,231 @@
+// The ops under ComputeDTypeGuard(BF16). On inputs and output gradients that are already bf16
+// values, rounding changes nothing, so every op must give what it gives in FP32: exactly for
+// the ops whose arithmetic stays FP32, up to summation order for the GEMMs. On arbitrary
+// inputs the results must stay within bf16 rounding of FP32, and what the ops save for backward
+// must be bf16.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "engine/adamw.h"
+#include "engine/memory.h"
+#include "engine/ops.h"
+#include "kernels/bf16.h"
+#include "kernels/rope.h"
+
+namespace cputrain {
+namespace {
+
+using OpFn = std::function<Variable(const std::vector<Variable>&)>;
+
+Tensor random_tensor(const Shape& shape, std::mt19937& rng, bool bf16_values, float scale = 1.0f) {
+  Tensor t = Tensor::empty(shape, DType::F32, MemoryCategory::Workspace);
+  std::normal_distribution<float> dist(0.0f, scale);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const float x = dist(rng);
+    t.f32()[i] = bf16_values ? kernels::bf16_to_fp32(kernels::fp32_to_bf16(x)) : x;
+  }
+  return t;
+}
+
+struct ModeRun {
+  std::vector<float> out;
+  std::vector<std::vector<float>> grads;
+};
+
+std::vector<float> values(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+// The op's output and the gradients of all inputs for output gradient r, under `dtype`. The
+// inputs enter through an op (a residual add of zeros), as activations do in a model.
+ModeRun run(const OpFn& op, const std::vector<Tensor>& inputs, const Tensor& r, DType dtype) {
+  ComputeDTypeGuard precision(dtype);
+  std::vector<Variable> leaves, vars;
+  for (const Tensor& t : inputs) {
+    leaves.emplace_back(t, true);
+    vars.push_back(add(leaves.back(), Variable(Tensor::zeros(t.shape(), DType::F32,
+                                                             MemoryCategory::Workspace),
+                                               false)));
+  }
+  const Variable out = op(vars);
+  ModeRun result{values(out.value()), {}};
+  backward(out, r);
+  for (const Variable& v : leaves) result.grads.push_back(values(v.grad()));
+  return result;
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 1e-30;
+  for (float x : v) m = std::max(m, static_cast<double>(std::abs(x)));
+  return m;
+}
+
+// Every element of got within rel * max|want| of want.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, double rel,
+                  const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  const double tol = rel * max_abs(want);
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], tol) << what << " element " << i;
+}
+
+void compare_modes(const OpFn& op, const std::vector<Tensor>& inputs, const Shape& out_shape,
+                   double rel, double grad_rel) {
+  std::mt19937 rng(99);
+  const Tensor r = random_tensor(out_shape, rng, true);
+  const ModeRun f32 = run(op, inputs, r, DType::F32);
+  const ModeRun bf16 = run(op, inputs, r, DType::BF16);
+  expect_close(bf16.out, f32.out, rel, "output");
+  for (size_t i = 0; i < inputs.size(); ++i)
+    expect_close(bf16.grads[i], f32.grads[i], grad_rel, "grad");
+}
+
+TEST(OpsBf16, LinearOnBf16ValuesMatchesFp32) {
+  std::mt19937 rng(1);
+  compare_modes([](const auto& v) { return linear(v[0], v[1]); },
+                {random_tensor(Shape{3, 17, 33}, rng, true), random_tensor(Shape{19, 33}, rng, true)},
+                Shape{3, 17, 19}, 1e-6, 1e-6);
+}
+
+TEST(OpsBf16, RmsNormOnBf16ValuesMatchesFp32) {
+  std::mt19937 rng(2);
+  compare_modes([](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f); },
+                {random_tensor(Shape{5, 7, 24}, rng, true), random_tensor(Shape{24}, rng, true)},
+                Shape{5, 7, 24}, 0.0, 0.0);
+}
+
+// The output is exact; the backward sees the output rounded to bf16 (it is saved that way), so
+// the gradients are within bf16 rounding.
+TEST(OpsBf16, AttentionOnBf16ValuesMatchesFp32) {
+  std::mt19937 rng(3);
+  const Shape s{2, 9, 12};
+  compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 3); },
+                {random_tensor(s, rng, true), random_tensor(s, rng, true),
+                 random_tensor(s, rng, true)},
+                s, 0.0, 1e-2);
+}
+
+TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
+  std::mt19937 rng(4);
+  const Shape s{3, 5, 11};
+  compare_modes([](const auto& v) { return swiglu(v[0], v[1]); },
+                {random_tensor(s, rng, true), random_tensor(s, rng, true)}, s, 0.0, 0.0);
+}
+
+TEST(OpsBf16, ArbitraryInputsStayWithinBf16RoundingOfFp32) {
+  // A block-like chain: norm, projections, attention, SwiGLU, residual. Each rounding is a
+  // relative 2^-9; a few of them in series stay within about 2%.
+  std::mt19937 rng(5);
+  const int64_t C = 32, F = 48, H = 4;
+  auto block = [=](const std::vector<Variable>& v) {
+    Variable h = rmsnorm(v[0], v[1], 1e-5f);
+    Variable a = add(v[0], linear(attention(linear(h, v[2]), linear(h, v[3]), linear(h, v[4]), H),
+                                  v[5]));
+    return add(a, linear(swiglu(linear(a, v[6]), linear(a, v[7])), v[8]));
+  };
+  std::vector<Tensor> inputs = {random_tensor(Shape{2, 13, C}, rng, false),
+                                random_tensor(Shape{C}, rng, false)};
+  for (int i = 0; i < 4; ++i) inputs.push_back(random_tensor(Shape{C, C}, rng, false, 0.2f));
+  inputs.push_back(random_tensor(Shape{F, C}, rng, false, 0.2f));
+  inputs.push_back(random_tensor(Shape{F, C}, rng, false, 0.2f));
+  inputs.push_back(random_tensor(Shape{C, F}, rng, false, 0.2f));
+  const Tensor r = random_tensor(Shape{2, 13, C}, rng, false);
+  const ModeRun f32 = run(block, inputs, r, DType::F32);
+  const ModeRun bf16 = run(block, inputs, r, DType::BF16);
+  auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+      den += static_cast<double>(b[i]) * b[i];
+    }
+    return std::sqrt(num / den);
+  };
+  const double out_error = rel_l2(bf16.out, f32.out);
+  EXPECT_LT(out_error, 0.02);
+  EXPECT_GT(out_error, 0.0);  // the bf16 path did round
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_LT(rel_l2(bf16.grads[i], f32.grads[i]), 0.02) << i;
+}
+
+// Activation bytes the tape of `op` holds once its inputs and output are dropped: what the op
+// saved for backward. The inputs are made by an op, as activations are in a model.
+int64_t saved_activation_bytes(const OpFn& op, const std::vector<Tensor>& inputs, DType dtype) {
+  const auto live = [] {
+    return memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)];
+  };
+  const int64_t before = live();
+  {
+    ComputeDTypeGuard precision(dtype);
+    std::vector<Variable> vars;
+    for (const Tensor& t : inputs) {
+      Variable leaf(t, true);
+      vars.push_back(add(leaf, leaf));
+    }
+    op(vars);
+  }
+  const int64_t held = live() - before;
+  clear_tape();
+  return held;
+}
+
+TEST(OpsBf16, SavedActivationsAreBf16) {
+  std::mt19937 rng(6);
+  const int64_t B = 2, T = 16, H = 4, C = 32, E = B * T * C;
+  const Shape s{B, T, C};
+  const std::vector<Tensor> in = {random_tensor(s, rng, false), random_tensor(s, rng, false),
+                                  random_tensor(s, rng, false)};
+  // swiglu saves gate and up.
+  const OpFn swiglu_op = [](const auto& v) { return swiglu(v[0], v[1]); };
+  EXPECT_EQ(saved_activation_bytes(swiglu_op, {in[0], in[1]}, DType::F32), 2 * E * 4);
+  EXPECT_EQ(saved_activation_bytes(swiglu_op, {in[0], in[1]}, DType::BF16), 2 * E * 2);
+  // attention saves q, k, v, its output, and the FP32 log-sum-exp per (b, h, t).
+  const OpFn attention_op = [H](const auto& v) { return attention(v[0], v[1], v[2], H); };
+  EXPECT_EQ(saved_activation_bytes(attention_op, in, DType::F32), 4 * E * 4 + B * H * T * 4);
+  EXPECT_EQ(saved_activation_bytes(attention_op, in, DType::BF16), 4 * E * 2 + B * H * T * 4);
+  // rmsnorm saves its input and the FP32 reciprocal norm per row.
+  const OpFn norm_op = [](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f); };
+  const Tensor gain = random_tensor(Shape{C}, rng, false);
+  EXPECT_EQ(saved_activation_bytes(norm_op, {in[0], gain}, DType::F32), E * 4 + B * T * 4 + C * 4);
+  EXPECT_EQ(saved_activation_bytes(norm_op, {in[0], gain}, DType::BF16), E * 2 + B * T * 4 + C * 4);
+}
+
+TEST(OpsBf16, AdamWWritesTheBf16CopiesOfFlaggedParameters) {
+  ParameterSet params;
+  const int matrix = params.add("matrix", Shape{5, 7}, true, true);
+  const int gain = params.add("gain", Shape{7}, false);
+  params.allocate();
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist;
+  for (int64_t i = 0; i < params.numel(); ++i) params.weights().f32()[i] = dist(rng);
+  params.enable_bf16_copies();
+  const ParameterInfo& m = params.infos()[matrix];
+  ASSERT_GE(m.bf16_offset, 0);
+  EXPECT_LT(params.infos()[gain].bf16_offset, 0);
+  EXPECT_EQ(params.bf16_weights().numel(), 64);  // 35 elements, padded to 64 bytes
+  const Tensor copy = params.var(matrix).bf16_value();
+  EXPECT_EQ(copy.bf16(), params.bf16_weights().bf16() + m.bf16_offset);
+  AdamW adamw(params, AdamWConfig{});
+  for (int64_t i = 0; i < params.numel(); ++i) params.gradients().f32()[i] = dist(rng);
+  adamw.step(0.1f);
+  for (int64_t i = 0; i < m.shape.numel(); ++i) {
+    const float w = params.weights().f32()[m.offset + i];
+    ASSERT_EQ(copy.bf16()[i], kernels::fp32_to_bf16(w)) << i;
+  }
+  // Writing the weights otherwise leaves the copies stale until synced.
+  params.weights().f32()[m.offset] = 3.0f;
+  params.sync_bf16_copies();
+  EXPECT_EQ(copy.bf16()[0], kernels::fp32_to_bf16(3.0f));
+}
+
+TEST(OpsBf16, LeafWithoutCopyConvertsItsCurrentValue) {
+  Tensor t = Tensor::zeros(Shape{4}, DType::F32, MemoryCategory::Workspace);
+  Variable leaf(t, false);
+  t.f32()[0] = 1.0f;
+  EXPECT_EQ(leaf.bf16_value().bf16()[0], kernels::fp32_to_bf16(1.0f));
+  t.f32()[0] = 2.0f;  // a leaf's value may change: no stale cache
+  EXPECT_EQ(leaf.bf16_value().bf16()[0], kernels::fp32_to_bf16(2.0f));
+}
+
+}  // namespace
+}  // namespace cputrain
