@@ -1,9 +1,11 @@
 #include "engine/autograd.h"
 
+#include <deque>
 #include <stdexcept>
 #include <vector>
 
 #include "kernels/bf16.h"
+#include "kernels/vector_add.h"
 
 namespace cputrain {
 namespace {
@@ -13,8 +15,9 @@ DType g_compute_dtype = DType::F32;
 
 using Tape = std::vector<std::function<void()>>;
 
-std::vector<Tape>& tapes() {
-  static std::vector<Tape> stack(1);
+// A deque: a tape being run stays where it is while a checkpoint region pushes another.
+std::deque<Tape>& tapes() {
+  static std::deque<Tape> stack(1);
   return stack;
 }
 
@@ -116,6 +119,35 @@ void backward(const Variable& output, const Tensor& grad_output) {
 
 void clear_tape() { current_tape().clear(); }
 size_t tape_size() { return current_tape().size(); }
+
+Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable& x) {
+  if (!g_grad_enabled) return fn(x);
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = fn(x).value();
+  }
+  Variable out = Variable::op_output(y, true);
+  record_backward([fn = std::move(fn), xv = x.value(), gx = x.grad_ref(), gy = out.grad_ref(),
+                   dtype = g_compute_dtype] {
+    const Tensor& dy = gy->tensor();
+    if (!dy.defined()) return;
+    ComputeDTypeGuard precision(dtype);
+    TapeScope tape;
+    // The input enters as it did in the forward pass: the output of an op.
+    Variable xr = Variable::op_output(xv, gx != nullptr);
+    Variable yr = fn(xr);
+    if (!yr.requires_grad()) return;  // nothing inside needs a gradient
+    backward(yr, dy);
+    if (!gx || !xr.grad().defined()) return;
+    if (!gx->tensor().defined()) {
+      gx->get_or_zeros().copy_from(xr.grad());
+    } else {
+      kernels::vector_accumulate(gx->get_or_zeros().f32(), xr.grad().f32(), xv.numel());
+    }
+  });
+  return out;
+}
 
 TapeScope::TapeScope() { tapes().emplace_back(); }
 TapeScope::~TapeScope() { tapes().pop_back(); }

@@ -110,6 +110,15 @@ void backward(const Variable& output, const Tensor& grad_output);
 void clear_tape();
 size_t tape_size();
 
+// A checkpoint region, for per-layer gradient checkpointing. fn runs forward without recording,
+// so nothing inside it is saved; the region keeps only its input x. When the backward pass
+// reaches the region it runs fn again on x, under the precision of the forward pass and onto a
+// tape of its own, and runs that tape: the same ops on the same values, so every gradient is
+// bitwise what fn would give without the region. fn must be deterministic and must not depend
+// on anything that changes between the forward and the backward pass. Without grad enabled it
+// is fn(x).
+Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable& x);
+
 // Records onto a fresh tape for its scope; the enclosing tape is restored afterwards.
 class TapeScope {
  public:

@@ -89,7 +89,13 @@ Variable LlamaModel::hidden(const Tensor& inputs) {
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
   Variable x = embedding(p(tok_embeddings_), inputs);
-  for (const Block& b : blocks_) x = block_forward(b, x);
+  for (const Block& b : blocks_) {
+    if (checkpointing_) {
+      x = checkpoint([this, &b](const Variable& in) { return block_forward(b, in); }, x);
+    } else {
+      x = block_forward(b, x);
+    }
+  }
   return rmsnorm(x, p(norm_), config_.norm_eps);
 }
 

@@ -26,6 +26,11 @@ class LlamaModel {
   // ComputeDTypeGuard). BF16 gives the GEMM weights bf16 copies, kept current by AdamW.
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return compute_dtype_; }
+  // Per-layer gradient checkpointing: each block is a checkpoint region (autograd.h), so the
+  // forward pass keeps only the blocks' inputs and the backward pass recomputes one block at a
+  // time. Gradients are bitwise the same as without.
+  void set_checkpointing(bool on) { checkpointing_ = on; }
+  bool checkpointing() const { return checkpointing_; }
 
   // inputs, targets (B, T) i32, T <= ctx -> mean cross-entropy, recorded for backward.
   Variable loss(const Tensor& inputs, const Tensor& targets);
@@ -51,6 +56,7 @@ class LlamaModel {
   int output_ = 0;
   Tensor rope_table_;  // (ctx, D/2, 2)
   DType compute_dtype_ = DType::F32;
+  bool checkpointing_ = false;
 };
 
 }  // namespace cputrain

@@ -55,7 +55,8 @@ std::string run_config_to_json(const RunConfig& c) {
         {"weight_decay", shortest(c.train.adamw.weight_decay)},
         {"grad_clip", shortest(c.train.adamw.grad_clip)},
         {"threads", c.threads},
-        {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"}}},
+        {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"},
+        {"checkpoint", c.checkpoint ? "layer" : "none"}}},
   };
   return j.dump(2) + "\n";
 }
@@ -97,6 +98,10 @@ RunConfig read_run_config(const std::string& path) {
     if (dtype != "fp32" && dtype != "bf16")
       throw UserError(path + ": train.dtype must be fp32 or bf16 (got " + dtype + ")");
     c.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
+    const std::string checkpoint = t.value("checkpoint", std::string("none"));
+    if (checkpoint != "none" && checkpoint != "layer")
+      throw UserError(path + ": train.checkpoint must be layer or none (got " + checkpoint + ")");
+    c.checkpoint = checkpoint == "layer";
   } catch (const json::exception& e) {
     throw UserError(path + ": malformed run configuration (" + e.what() + ")");
   }

@@ -17,6 +17,7 @@ struct RunConfig {
   int64_t steps = 0;
   int threads = 0;
   DType dtype = DType::F32;  // F32 or BF16 (--dtype)
+  bool checkpoint = false;   // per-layer gradient checkpointing (--checkpoint layer)
 };
 
 std::string run_config_to_json(const RunConfig& config);

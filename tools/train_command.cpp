@@ -203,6 +203,11 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
                  "Training precision: bf16 (bf16 GEMMs and saved activations, FP32 master weights) "
                  "or fp32 (default: bf16 where the GEMM has bf16 instructions, else fp32)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
+  app.add_option("--checkpoint", a.checkpoint,
+                 "Gradient checkpointing: layer (keep only each block's input, recompute the block "
+                 "in backward) or none")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"layer", "none"}));
 }
 
 void select_gemm_backend(const std::string& flag) {
@@ -224,6 +229,7 @@ int run_train(const TrainArgs& args) {
   select_gemm_backend(args.gemm);
   std::string dtype_reason;
   config.dtype = choose_dtype(args.dtype, &dtype_reason);
+  config.checkpoint = args.checkpoint == "layer";
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   const std::string out = args.out.empty() ? "runs/" + config.preset : args.out;
   prepare_run_dir(out);
@@ -248,6 +254,7 @@ int run_train(const TrainArgs& args) {
   LlamaModel model(config.model);
   model.init_weights(config.train.seed);
   model.set_compute_dtype(config.dtype);
+  model.set_checkpointing(config.checkpoint);
   write_file_atomic(out + "/config.json", run_config_to_json(config));
   log->info("model {}: {} parameters (d_model {}, layers {}, heads {}, ffn {}, vocab {}, ctx {})",
             config.preset, parameter_count(config.model), config.model.d_model,
@@ -257,7 +264,9 @@ int run_train(const TrainArgs& args) {
             config.steps, config.train.batch, config.train.accum, config.train.ctx,
             config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
   log->info("{}", describe_compute());
-  log->info("dtype: {} ({})", config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason);
+  log->info("dtype: {} ({}); gradient checkpointing: {}",
+            config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
+            config.checkpoint ? "per layer" : "none");
 
   Trainer trainer(model.parameters(),
                   [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },

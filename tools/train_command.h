@@ -36,6 +36,7 @@ struct TrainArgs {
   int64_t log_every = 1;
   std::string gemm;
   std::string dtype;  // "bf16", "fp32", or empty: choose_dtype's default
+  std::string checkpoint = "none";  // "layer" or "none"
 };
 
 void add_train_flags(CLI::App& app, TrainArgs& args);

@@ -191,5 +191,46 @@ TEST(Autograd, ActivationsAreFreedByBackward) {
   EXPECT_EQ(memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)], before);
 }
 
+// A checkpoint region inside a larger graph: its input is also used outside it (so its
+// gradient accumulates from both), and a weight is used only inside it.
+TEST(OpsGradient, CheckpointRegion) {
+  std::mt19937 rng(11);
+  check_gradients(
+      [](const auto& v) {
+        const Variable w = v[1], gain = v[2];
+        Variable inner = checkpoint(
+            [w, gain](const Variable& in) {
+              return swiglu(linear(in, w), rmsnorm(in, gain, 1e-5f));
+            },
+            v[0]);
+        return add(inner, v[0]);
+      },
+      {random_tensor(Shape{2, 5, 6}, rng), random_tensor(Shape{6, 6}, rng),
+       random_tensor(Shape{6}, rng)},
+      2e-3);
+}
+
+TEST(Autograd, CheckpointKeepsOnlyItsInputUntilBackward) {
+  std::mt19937 rng(12);
+  const Tensor xt = random_tensor(Shape{4, 8, 16}, rng), wt = random_tensor(Shape{16, 16}, rng);
+  Variable w(wt, true);
+  const auto live = [] {
+    return memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)];
+  };
+  const int64_t before = live();
+  {
+    Variable x(xt, true);
+    Variable y = checkpoint(
+        [w](const Variable& in) { return linear(swiglu(linear(in, w), linear(in, w)), w); }, x);
+    EXPECT_EQ(tape_size(), 1u);
+    EXPECT_EQ(live() - before, y.value().bytes());  // x is a leaf, not an activation
+    backward(y, random_tensor(y.shape(), rng));
+    EXPECT_EQ(tape_size(), 0u);
+    EXPECT_TRUE(x.grad().defined());
+    EXPECT_TRUE(w.grad().defined());
+  }
+  EXPECT_EQ(live(), before);
+}
+
 }  // namespace
 }  // namespace cputrain

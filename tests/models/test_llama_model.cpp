@@ -160,35 +160,92 @@ TEST(LlamaModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
   }
 }
 
-// Two half batches, each loss scaled by 1/2, give the gradients of the whole batch.
+// Per-layer checkpointing against none, in fp32 and in bf16: the same loss and gradients to the
+// bit, and of what each layer saved only its FP32 input is kept.
+class Checkpointing : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
+  const DType dtype = GetParam();
+  LlamaConfig c = find_preset("tiny")->config;
+  c.n_layers = 3;
+  const int64_t B = 3, T = 20, C = c.d_model, F = c.ffn, H = c.n_heads, L = c.n_layers;
+  const Tensor x = random_tokens(B, T, c.vocab, 7), y = random_tokens(B, T, c.vocab, 8);
+  LlamaModel full(c), ckpt(c);
+  full.init_weights(4);
+  ckpt.init_weights(4);
+  full.set_compute_dtype(dtype);
+  ckpt.set_compute_dtype(dtype);
+  ckpt.set_checkpointing(true);
+  auto run = [&](LlamaModel& m, int64_t* held) {
+    m.parameters().zero_grad();
+    const int64_t before = live_bytes(MemoryCategory::Activations);
+    Variable loss = m.loss(x, y);
+    *held = live_bytes(MemoryCategory::Activations) - before;
+    backward(loss);
+    return loss.value().f32()[0];
+  };
+  int64_t held_full = 0, held_ckpt = 0;
+  const float loss_full = run(full, &held_full);
+  const float loss_ckpt = run(ckpt, &held_ckpt);
+  EXPECT_EQ(loss_full, loss_ckpt);
+  const ParameterSet& a = full.parameters();
+  const ParameterSet& b = ckpt.parameters();
+  for (const ParameterInfo& info : a.infos()) {
+    const float* ga = a.gradients().f32() + info.offset;
+    const float* gb = b.gradients().f32() + info.offset;
+    bool any = false;
+    for (int64_t i = 0; i < info.shape.numel(); ++i) {
+      ASSERT_EQ(ga[i], gb[i]) << info.name << " element " << i;
+      any = any || ga[i] != 0.0f;
+    }
+    EXPECT_TRUE(any) << info.name << " got no gradient";
+  }
+  // Per token a layer saves 8 C + 3 F activations (bf16 or FP32), two reciprocal norms and H
+  // log-sum-exps (FP32); checkpointed, it keeps its FP32 input, C floats.
+  const int64_t bytes = dtype == DType::BF16 ? 2 : 4;
+  const int64_t per_token_layer = (8 * C + 3 * F) * bytes + (2 + H) * 4;
+  EXPECT_EQ(held_full - held_ckpt, L * B * T * (per_token_layer - C * 4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Checkpointing, ::testing::Values(DType::F32, DType::BF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// The same 8 sequences as 8x1, 4x2, 2x4 and 1x8 (micro-batch x accumulation), each
+// micro-batch's loss scaled by 1/accum: the gradients of the whole batch, to FP32 rounding.
 TEST(LlamaModel, GradientAccumulationEqualsTheFullBatch) {
   const LlamaConfig c = find_preset("tiny")->config;
   LlamaModel model(c);
   model.init_weights(3);
-  const int64_t B = 4, T = 24;
+  const int64_t B = 8, T = 24;
   const Tensor x = random_tokens(B, T, c.vocab, 3), y = random_tokens(B, T, c.vocab, 4);
   ParameterSet& p = model.parameters();
   const int64_t n = p.gradients().numel();
-
-  p.zero_grad();
-  backward(model.loss(x, y));
-  const std::vector<float> full(p.gradients().f32(), p.gradients().f32() + n);
-
-  p.zero_grad();
-  for (int64_t half = 0; half < 2; ++half) {
-    Tensor xh = Tensor::empty(Shape{B / 2, T}, DType::I32, MemoryCategory::Workspace);
-    Tensor yh = Tensor::empty(Shape{B / 2, T}, DType::I32, MemoryCategory::Workspace);
-    std::copy_n(x.i32() + half * (B / 2) * T, (B / 2) * T, xh.i32());
-    std::copy_n(y.i32() + half * (B / 2) * T, (B / 2) * T, yh.i32());
-    backward(model.loss(xh, yh), 0.5f);
+  auto gradients = [&](int64_t accum) {
+    const int64_t micro = B / accum;
+    p.zero_grad();
+    for (int64_t m = 0; m < accum; ++m) {
+      Tensor xm = Tensor::empty(Shape{micro, T}, DType::I32, MemoryCategory::Workspace);
+      Tensor ym = Tensor::empty(Shape{micro, T}, DType::I32, MemoryCategory::Workspace);
+      std::copy_n(x.i32() + m * micro * T, micro * T, xm.i32());
+      std::copy_n(y.i32() + m * micro * T, micro * T, ym.i32());
+      backward(model.loss(xm, ym), 1.0f / static_cast<float>(accum));
+    }
+    return std::vector<float>(p.gradients().f32(), p.gradients().f32() + n);
+  };
+  const std::vector<float> full = gradients(1);
+  for (int64_t accum : {2, 4, 8}) {
+    const std::vector<float> split = gradients(accum);
+    // Per parameter, relative to its largest gradient.
+    for (const ParameterInfo& info : p.infos()) {
+      double max_diff = 0.0, max_ref = 0.0;
+      for (int64_t i = info.offset; i < info.offset + info.shape.numel(); ++i) {
+        max_diff = std::max(max_diff, std::abs(static_cast<double>(split[i]) - full[i]));
+        max_ref = std::max(max_ref, std::abs(static_cast<double>(full[i])));
+      }
+      EXPECT_GT(max_ref, 0.0) << info.name;
+      EXPECT_LT(max_diff / max_ref, 1e-6) << info.name << " at " << B / accum << "x" << accum;
+    }
   }
-  double max_diff = 0.0, max_ref = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    max_diff = std::max(max_diff, std::abs(static_cast<double>(p.gradients().f32()[i]) - full[i]));
-    max_ref = std::max(max_ref, std::abs(static_cast<double>(full[i])));
-  }
-  EXPECT_GT(max_ref, 0.0);
-  EXPECT_LT(max_diff / max_ref, 1e-5);
 }
 
 TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {

@@ -185,6 +185,33 @@ TEST_F(Cli, Bf16RunTrainsAndRecordsItsDtype) {
   EXPECT_LT(losses.back(), losses.front() - 1.0);
 }
 
+// Per-layer checkpointing recomputes the same ops on the same values: the same losses to the
+// last bit, step after step.
+TEST_F(Cli, CheckpointedRunHasTheSameLosses) {
+  const std::string base = "--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 8 --sample-tokens 1 "
+                           "--corpus " + write_corpus(200).string();
+  auto losses = [&](const std::string& flags, const fs::path& out) {
+    const Result r = run(base + " " + flags + " --out " + out.string());
+    EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
+    std::ifstream metrics(out / "metrics.jsonl");
+    std::string line;
+    std::vector<double> v;
+    while (std::getline(metrics, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
+    return v;
+  };
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const std::vector<double> plain = losses(std::string("--dtype ") + dtype, dir_ / "plain");
+    const std::vector<double> ckpt =
+        losses(std::string("--dtype ") + dtype + " --checkpoint layer", dir_ / "ckpt");
+    ASSERT_EQ(plain.size(), 8u);
+    EXPECT_EQ(plain, ckpt) << dtype;
+    std::ifstream config(dir_ / "ckpt" / "config.json");
+    EXPECT_EQ(nlohmann::json::parse(config)["train"]["checkpoint"], "layer");
+  }
+  expect_one_line_error(run(base + " --checkpoint some --out " + (dir_ / "bad").string()),
+                        "--checkpoint");
+}
+
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
   const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
                        "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());
