@@ -56,13 +56,16 @@ std::string_view memory_category_name(MemoryCategory category) {
   return "unknown";
 }
 
+// What an allocation of `bytes` takes: whole 64-byte lines, at least one. Counted as such.
+size_t allocated_size(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
+
 void* memory_allocate(size_t bytes, MemoryCategory category) {
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  void* ptr = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  const size_t rounded = allocated_size(bytes);
+  void* ptr = std::aligned_alloc(64, rounded);
   if (ptr == nullptr) throw std::bad_alloc();
   Counters& c = counters();
   const int i = static_cast<int>(category);
-  const auto n = static_cast<int64_t>(bytes);
+  const auto n = static_cast<int64_t>(rounded);
   raise_peak(c.peak[i], c.live[i].fetch_add(n, std::memory_order_relaxed) + n);
   raise_peak(c.peak_total, c.live_total.fetch_add(n, std::memory_order_relaxed) + n);
   return ptr;
@@ -72,9 +75,9 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
   if (ptr == nullptr) return;
   std::free(ptr);
   Counters& c = counters();
-  c.live[static_cast<int>(category)].fetch_sub(static_cast<int64_t>(bytes),
-                                               std::memory_order_relaxed);
-  c.live_total.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  c.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
+  c.live_total.fetch_sub(n, std::memory_order_relaxed);
 }
 
 MemoryStats memory_stats() {

@@ -27,7 +27,8 @@ struct MemoryStats {
   int64_t peak_total_bytes = 0;
 };
 
-// 64-byte aligned; counted under `category` until memory_free. Throws std::bad_alloc.
+// 64-byte aligned and counted as whole 64-byte lines (at least one) under `category` until
+// memory_free. Throws std::bad_alloc.
 void* memory_allocate(size_t bytes, MemoryCategory category);
 void memory_free(void* ptr, size_t bytes, MemoryCategory category);
 MemoryStats memory_stats();

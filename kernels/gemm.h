@@ -1,6 +1,7 @@
 // General matrix multiply on row-major FP32 matrices, behind a runtime dispatch table.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstddef>
 #include <string>
@@ -64,7 +65,13 @@ std::string_view gemm_backend_name(GemmBackend backend);
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend);
 // The names of every backend this CPU can run, e.g. "reference, eigen, avx512, onednn".
 std::string gemm_available_backends();
-// Bytes held by GEMM packing buffers (kept between calls, one set per calling thread).
+// Bytes held by GEMM buffers (kept between calls, one set per calling thread).
 size_t gemm_workspace_bytes();
+// Bytes each of the calling thread's four GEMM buffers needs for one product of these sizes on
+// the selected backend: [0] and [1] packed panels of our blocked kernels, [2] and [3] the FP32
+// widenings of bf16 operands where the backend has no bf16 instructions. Each buffer grows to
+// the largest need it meets and stays; their sum is what gemm_workspace_bytes reports.
+std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M,
+                                        int64_t N, int64_t K);
 
 }  // namespace cputrain::kernels

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -37,6 +38,16 @@ float* gemm_pack_buffer(size_t floats, int which);
 // K rows per packing item where rows are packed across micro-panels (a multiple of 2 = KU).
 constexpr int64_t kPackRows = 16;
 
+// Floats gemm_blocked<P> takes of buffers 0 (B panels) and 1 (A panels) for an M x N x K
+// product with M, N, K > 0.
+template <class P>
+std::array<int64_t, 2> blocked_pack_floats(int64_t M, int64_t N, int64_t K) {
+  const int64_t nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
+  const int64_t mb_max = std::min<int64_t>(P::MB, (M + P::MR - 1) / P::MR * P::MR);
+  const int64_t kp_max = (std::min<int64_t>(P::KC, K) + P::KU - 1) / P::KU;
+  return {kp_max * nc_max, kp_max * mb_max};
+}
+
 template <class P>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
@@ -47,11 +58,9 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   if (K <= 0) return scale_c(C, M, N, ldc, beta);
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const int64_t nc_max = std::min<int64_t>(P::NC, (N + NR - 1) / NR * NR);
-  const int64_t mb_max = std::min<int64_t>(P::MB, (M + MR - 1) / MR * MR);
-  const int64_t kp_max = (std::min<int64_t>(P::KC, K) + KU - 1) / KU;
-  auto* bpack = reinterpret_cast<Packed*>(gemm_pack_buffer(kp_max * nc_max, 0));
-  auto* apack = reinterpret_cast<Packed*>(gemm_pack_buffer(kp_max * mb_max, 1));
+  const auto floats = blocked_pack_floats<P>(M, N, K);
+  auto* bpack = reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(floats[0]), 0));
+  auto* apack = reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(floats[1]), 1));
   const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
   const int threads = flops < 2e6 ? 1 : omp_get_max_threads();
 

@@ -3,6 +3,7 @@
 // gemm_backend_available says so.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "kernels/gemm.h"
@@ -25,6 +26,11 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
 void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                    const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                    float* C, int64_t ldc);
+// Floats the blocked kernels take of packing buffers 0 and 1 for an M x N x K product.
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(int64_t M, int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(int64_t M, int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_bf16_amx_pack_floats(int64_t M, int64_t N, int64_t K);
+
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).

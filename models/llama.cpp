@@ -75,13 +75,27 @@ void LlamaModel::set_compute_dtype(DType dtype) {
 Variable LlamaModel::block_forward(const Block& b, const Variable& x) {
   const float eps = config_.norm_eps;
   const int64_t H = config_.n_heads;
-  Variable h = rmsnorm(x, p(b.attention_norm), eps);
-  Variable q = rope(linear(h, p(b.wq)), rope_table_, H);
-  Variable k = rope(linear(h, p(b.wk)), rope_table_, H);
-  Variable v = linear(h, p(b.wv));
-  Variable a = add(x, linear(attention(q, k, v, H), p(b.wo)));
-  Variable g = rmsnorm(a, p(b.ffn_norm), eps);
-  Variable f = swiglu(linear(g, p(b.w1)), linear(g, p(b.w3)));
+  // Each scope ends where its intermediates are last used, so their FP32 values are freed
+  // there (the ops that need them in backward have saved them). models/memory_budget.cpp
+  // replays this order.
+  Variable a;
+  {
+    Variable q, k, v;
+    {
+      const Variable h = rmsnorm(x, p(b.attention_norm), eps);
+      q = rope(linear(h, p(b.wq)), rope_table_, H);
+      k = rope(linear(h, p(b.wk)), rope_table_, H);
+      v = linear(h, p(b.wv));
+    }
+    a = add(x, linear(attention(q, k, v, H), p(b.wo)));
+  }
+  Variable f;
+  {
+    const Variable g = rmsnorm(a, p(b.ffn_norm), eps);
+    const Variable gate = linear(g, p(b.w1));
+    const Variable up = linear(g, p(b.w3));
+    f = swiglu(gate, up);
+  }
   return add(a, linear(f, p(b.w2)));
 }
 

@@ -168,7 +168,8 @@ TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
   const DType dtype = GetParam();
   LlamaConfig c = find_preset("tiny")->config;
   c.n_layers = 3;
-  const int64_t B = 3, T = 20, C = c.d_model, F = c.ffn, H = c.n_heads, L = c.n_layers;
+  // B T = 80 tokens: every tensor below fills whole 64-byte lines.
+  const int64_t B = 4, T = 20, C = c.d_model, F = c.ffn, H = c.n_heads, L = c.n_layers;
   const Tensor x = random_tokens(B, T, c.vocab, 7), y = random_tokens(B, T, c.vocab, 8);
   LlamaModel full(c), ckpt(c);
   full.init_weights(4);

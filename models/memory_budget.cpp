@@ -1,0 +1,402 @@
+#include "models/memory_budget.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/gemm.h"
+
+namespace cputrain {
+namespace {
+
+using kernels::Transpose;
+
+int64_t rounded(int64_t bytes) { return (bytes + 63) / 64 * 64; }  // as memory_allocate
+
+// Live and peak bytes per category, with reference-counted entries: an entry is freed when its
+// last holder lets go, as a tensor's storage is.
+class Ledger {
+ public:
+  int alloc(MemoryCategory c, int64_t bytes) {
+    entries_.push_back({c, rounded(bytes), 1});
+    change(c, entries_.back().bytes);
+    return static_cast<int>(entries_.size()) - 1;
+  }
+  int retain(int id) {
+    ++entries_[id].refs;
+    return id;
+  }
+  void release(int id) {
+    if (id < 0) return;
+    if (--entries_[id].refs == 0) change(entries_[id].category, -entries_[id].bytes);
+  }
+  void change(MemoryCategory c, int64_t bytes) {
+    const int i = static_cast<int>(c);
+    live_[i] += bytes;
+    live_total_ += bytes;
+    peak_[i] = std::max(peak_[i], live_[i]);
+    peak_total_ = std::max(peak_total_, live_total_);
+  }
+  const std::array<int64_t, kMemoryCategoryCount>& peak() const { return peak_; }
+  int64_t peak_total() const { return peak_total_; }
+
+ private:
+  struct Entry {
+    MemoryCategory category;
+    int64_t bytes;
+    int refs;
+  };
+  std::vector<Entry> entries_;
+  std::array<int64_t, kMemoryCategoryCount> live_{}, peak_{};
+  int64_t live_total_ = 0, peak_total_ = 0;
+};
+
+// An activation Variable: its FP32 value and, once taken, its bf16 rounding.
+struct Var {
+  int value = -1;
+  int bf16 = -1;
+  int64_t elems = 0;
+};
+
+// What one block's ops keep on the tape for backward (ids into the ledger).
+struct BlockTape {
+  int n1_x, n1_rstd, wq_x, wk_x, wv_x, att_q, att_k, att_v, att_y, att_lse, wo_x;
+  int n2_x, n2_rstd, w1_x, w3_x, sw_gate, sw_up, w2_x;
+};
+
+// Replays the allocations of LlamaModel::loss and backward (models/llama.cpp, engine/ops.cpp,
+// engine/autograd.cpp) for one micro-batch of n = batch x ctx tokens.
+class StepReplay {
+ public:
+  StepReplay(Ledger& ledger, const LlamaConfig& c, const BudgetOptions& o)
+      : L_(ledger),
+        bf16_(o.dtype == DType::BF16),
+        n_(o.batch * o.ctx),
+        C_(c.d_model),
+        F_(c.ffn),
+        V_(c.vocab),
+        heads_(c.n_heads),
+        layers_(c.n_layers),
+        checkpoint_(o.checkpoint) {}
+
+  void run() {
+    Var x = act(n_ * C_);  // embedding
+    std::vector<BlockTape> tapes;
+    std::vector<int> region_inputs;
+    for (int64_t l = 0; l < layers_; ++l) {
+      Var out;
+      if (checkpoint_) {
+        out = block_forward(x, false, nullptr);
+        region_inputs.push_back(L_.retain(x.value));
+      } else {
+        tapes.emplace_back();
+        out = block_forward(x, true, &tapes.back());
+      }
+      drop(x);
+      x = out;
+    }
+    // Final norm, head, loss.
+    Var h = act(n_ * C_);
+    const int fn_rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
+    const int fn_x = saved(x);
+    drop(x);
+    Var logits = act(n_ * V_);
+    const int head_x = saved(h);
+    const int losses = work(n_ * 4);
+    const int ce_lse = L_.alloc(MemoryCategory::Activations, n_ * 4);
+    const int loss = L_.alloc(MemoryCategory::Activations, 4);
+    const int ce_logits = L_.retain(logits.value);
+    L_.release(losses);
+    drop(logits);
+    drop(h);
+
+    // Backward.
+    const int dloss = work(4);
+    const int dlosses = work(n_ * 4);
+    const int dlogits = work(n_ * V_ * 4);
+    L_.release(dlosses);
+    L_.release(ce_logits);
+    L_.release(ce_lse);
+    const int dh = linear_backward(n_ * V_, n_ * C_);
+    L_.release(head_x);
+    L_.release(dlogits);
+    int dx = work(n_ * C_ * 4);
+    norm_scratch();
+    L_.release(fn_x);
+    L_.release(fn_rstd);
+    L_.release(dh);
+    for (int64_t l = layers_ - 1; l >= 0; --l) {
+      if (!checkpoint_) {
+        dx = block_backward(tapes[l], dx, true);
+        continue;
+      }
+      // The region reruns the block on its input, recording, then runs that tape.
+      Var xr{L_.retain(region_inputs[l]), -1, n_ * C_};
+      BlockTape t;
+      Var yr = block_forward(xr, true, &t);
+      const int dy_inner = work(n_ * C_ * 4);  // backward(yr, dy) copies dy into yr's gradient
+      const int dx_inner = block_backward(t, dy_inner, false);
+      const int dx_outer = work(n_ * C_ * 4);  // copied into the input's gradient
+      drop(yr);
+      L_.release(dy_inner);
+      drop(xr);
+      L_.release(dx_inner);
+      L_.release(region_inputs[l]);
+      L_.release(dx);
+      dx = dx_outer;
+    }
+    L_.release(dx);  // the embedding's backward
+    L_.release(loss);
+    L_.release(dloss);
+  }
+
+ private:
+  Var act(int64_t elems) { return Var{L_.alloc(MemoryCategory::Activations, elems * 4), -1, elems}; }
+  int work(int64_t bytes) { return L_.alloc(MemoryCategory::Workspace, bytes); }
+  void drop(Var& v) {
+    L_.release(v.value);
+    L_.release(v.bf16);
+    v = Var{};
+  }
+  // Variable::bf16_value of an op output: converted once, kept with the variable.
+  void cache(Var& v) {
+    if (bf16_ && v.bf16 < 0) v.bf16 = L_.alloc(MemoryCategory::Activations, v.elems * 2);
+  }
+  // What an op saves of an input (ops.cpp, saved()): the value, or its cached bf16 rounding.
+  int saved(Var& v) {
+    cache(v);
+    return L_.retain(bf16_ ? v.bf16 : v.value);
+  }
+  // rmsnorm backward in bf16 mode widens its saved input for the FP32 kernel.
+  void norm_scratch() {
+    if (bf16_) L_.release(work(n_ * C_ * 4));
+  }
+  // A linear layer's backward: dy rounded to bf16 (bf16 mode), then the input's gradient.
+  int linear_backward(int64_t dy_elems, int64_t dx_elems, int existing_dx = -1) {
+    const int dyb = bf16_ ? work(dy_elems * 2) : -1;
+    const int dx = existing_dx >= 0 ? existing_dx : work(dx_elems * 4);
+    L_.release(dyb);
+    return dx;
+  }
+
+  // LlamaModel::block_forward.
+  Var block_forward(Var& x, bool grad, BlockTape* t) {
+    const int64_t nc = n_ * C_, nf = n_ * F_;
+    Var a;
+    {
+      Var q, k, v;
+      {
+        Var h = act(nc);
+        const int rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
+        if (grad) {
+          t->n1_x = saved(x);
+          t->n1_rstd = rstd;
+        } else {
+          L_.release(rstd);
+        }
+        Var pre = act(nc);  // linear wq, then rope
+        cache(h);
+        if (grad) t->wq_x = L_.retain(bf16_ ? h.bf16 : h.value);
+        q = act(nc);
+        drop(pre);
+        pre = act(nc);  // linear wk, then rope
+        if (grad) t->wk_x = L_.retain(bf16_ ? h.bf16 : h.value);
+        k = act(nc);
+        drop(pre);
+        v = act(nc);  // linear wv
+        if (grad) t->wv_x = L_.retain(bf16_ ? h.bf16 : h.value);
+        drop(h);
+      }
+      // attention: output and log-sum-exp, then q, k, v as saved (and widened for the kernel)
+      Var y = act(nc);
+      const int lse = L_.alloc(MemoryCategory::Activations, n_ * heads_ * 4);
+      cache(q);
+      cache(k);
+      cache(v);
+      if (bf16_) {
+        const int widened[3] = {work(nc * 4), work(nc * 4), work(nc * 4)};
+        for (int id : widened) L_.release(id);
+      }
+      if (grad) {
+        t->att_q = L_.retain(bf16_ ? q.bf16 : q.value);
+        t->att_k = L_.retain(bf16_ ? k.bf16 : k.value);
+        t->att_v = L_.retain(bf16_ ? v.bf16 : v.value);
+        t->att_y = saved(y);
+        t->att_lse = lse;
+      } else {
+        L_.release(lse);
+      }
+      Var wo = act(nc);
+      cache(y);
+      if (grad) t->wo_x = L_.retain(bf16_ ? y.bf16 : y.value);
+      a = act(nc);  // add(x, wo)
+      drop(wo);
+      drop(y);
+      drop(v);
+      drop(k);
+      drop(q);
+    }
+    Var f;
+    {
+      Var g = act(nc);
+      const int rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
+      if (grad) {
+        t->n2_x = saved(a);
+        t->n2_rstd = rstd;
+      } else {
+        L_.release(rstd);
+      }
+      Var gate = act(nf);
+      cache(g);
+      if (grad) t->w1_x = L_.retain(bf16_ ? g.bf16 : g.value);
+      Var up = act(nf);
+      if (grad) t->w3_x = L_.retain(bf16_ ? g.bf16 : g.value);
+      f = act(nf);
+      if (grad) {
+        t->sw_gate = saved(gate);
+        t->sw_up = saved(up);
+      }
+      drop(up);
+      drop(gate);
+      drop(g);
+    }
+    Var w2 = act(nc);
+    cache(f);
+    if (grad) t->w2_x = L_.retain(bf16_ ? f.bf16 : f.value);
+    Var out = act(nc);  // add(a, w2)
+    drop(w2);
+    drop(f);
+    drop(a);
+    return out;
+  }
+
+  // The block's tape run in reverse from dout, the gradient of its output; returns the
+  // gradient of its input. release_dout: whether the block's add is the last holder of dout.
+  int block_backward(const BlockTape& t, int dout, bool release_dout) {
+    const int64_t nc = n_ * C_, nf = n_ * F_;
+    const int da = work(nc * 4);
+    int dy = work(nc * 4);  // add(a, w2): both gradients
+    if (release_dout) L_.release(dout);
+    const int df = linear_backward(nc, nf);  // w2
+    L_.release(t.w2_x);
+    L_.release(dy);
+    const int dgate = work(nf * 4), dup = work(nf * 4);  // swiglu
+    if (bf16_) {
+      const int widened[2] = {work(nf * 4), work(nf * 4)};
+      for (int id : widened) L_.release(id);
+    }
+    L_.release(t.sw_gate);
+    L_.release(t.sw_up);
+    L_.release(df);
+    const int dg = linear_backward(nf, nc);  // w3, recorded last
+    L_.release(t.w3_x);
+    L_.release(dup);
+    linear_backward(nf, nc, dg);  // w1
+    L_.release(t.w1_x);
+    L_.release(dgate);
+    norm_scratch();  // ffn norm
+    L_.release(t.n2_x);
+    L_.release(t.n2_rstd);
+    L_.release(dg);
+    const int dx = work(nc * 4);  // add(x, wo): both gradients
+    dy = work(nc * 4);
+    L_.release(da);
+    const int dattn = linear_backward(nc, nc);  // wo
+    L_.release(t.wo_x);
+    L_.release(dy);
+    const int dq = work(nc * 4), dk = work(nc * 4), dv = work(nc * 4);  // attention
+    if (bf16_) {
+      const int widened[4] = {work(nc * 4), work(nc * 4), work(nc * 4), work(nc * 4)};
+      for (int id : widened) L_.release(id);
+    }
+    for (int id : {t.att_q, t.att_k, t.att_v, t.att_y, t.att_lse, dattn}) L_.release(id);
+    const int dh = linear_backward(nc, nc);  // wv
+    L_.release(t.wv_x);
+    L_.release(dv);
+    const int dk_pre = work(nc * 4);  // rope k
+    L_.release(dk);
+    linear_backward(nc, nc, dh);  // wk
+    L_.release(t.wk_x);
+    L_.release(dk_pre);
+    const int dq_pre = work(nc * 4);  // rope q
+    L_.release(dq);
+    linear_backward(nc, nc, dh);  // wq
+    L_.release(t.wq_x);
+    L_.release(dq_pre);
+    norm_scratch();  // attention norm
+    L_.release(t.n1_x);
+    L_.release(t.n1_rstd);
+    L_.release(dh);
+    return dx;
+  }
+
+  Ledger& L_;
+  const bool bf16_;
+  const int64_t n_, C_, F_, V_, heads_, layers_;
+  const bool checkpoint_;
+};
+
+// The four GEMM buffers at the largest size any of the step's products asks.
+int64_t gemm_buffers(const LlamaConfig& c, const BudgetOptions& o) {
+  const int64_t n = o.batch * o.ctx, C = c.d_model, F = c.ffn, V = c.vocab;
+  const bool bf16 = o.dtype == DType::BF16;
+  std::array<size_t, 4> most{};
+  const int64_t layers[][2] = {{C, C}, {F, C}, {C, F}, {V, C}};  // (out, in)
+  for (const auto& w : layers) {
+    const int64_t out = w[0], in = w[1];
+    for (const auto& need :
+         {kernels::gemm_buffer_bytes(bf16, Transpose::No, Transpose::Yes, n, out, in),
+          kernels::gemm_buffer_bytes(bf16, Transpose::No, Transpose::No, n, in, out),
+          kernels::gemm_buffer_bytes(bf16, Transpose::Yes, Transpose::No, out, in, n)}) {
+      for (size_t i = 0; i < most.size(); ++i) most[i] = std::max(most[i], need[i]);
+    }
+  }
+  int64_t total = 0;
+  for (size_t b : most) total += static_cast<int64_t>(b);
+  return total;
+}
+
+}  // namespace
+
+MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
+  Ledger ledger;
+  // The parameter table (LlamaModel's), each parameter padded as ParameterSet pads it.
+  const int64_t C = c.d_model, F = c.ffn, V = c.vocab;
+  int64_t elems = 0, copies = 0;
+  auto param = [&](int64_t numel, bool copy) {
+    elems += (numel + 15) / 16 * 16;
+    if (copy) copies += (numel + 31) / 32 * 32;
+  };
+  param(V * C, false);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    param(C, false);
+    for (int i = 0; i < 4; ++i) param(C * C, true);
+    param(C, false);
+    for (int i = 0; i < 3; ++i) param(F * C, true);
+  }
+  param(C, false);
+  param(V * C, true);
+  ledger.alloc(MemoryCategory::Weights, elems * 4);
+  ledger.alloc(MemoryCategory::Gradients, elems * 4);
+  ledger.alloc(MemoryCategory::OptimizerState, elems * 4);  // m
+  ledger.alloc(MemoryCategory::OptimizerState, elems * 4);  // v
+  if (o.dtype == DType::BF16) ledger.alloc(MemoryCategory::Bf16Weights, copies * 2);
+  // Held for the whole run: the RoPE table (ctx x head_dim), the trainer's token buffers,
+  // and the GEMM buffers at their steady size.
+  ledger.alloc(MemoryCategory::Workspace, c.ctx * c.head_dim() * 4);
+  ledger.alloc(MemoryCategory::Workspace, o.batch * o.ctx * 4);
+  ledger.alloc(MemoryCategory::Workspace, o.batch * o.ctx * 4);
+  const int64_t gemm = gemm_buffers(c, o);
+  ledger.change(MemoryCategory::Workspace, gemm);
+
+  StepReplay(ledger, c, o).run();
+
+  MemoryBudget b;
+  b.peak_bytes = ledger.peak();
+  b.step_peak_bytes = ledger.peak_total();
+  b.gemm_buffer_bytes = gemm;
+  b.corpus_bytes = o.corpus_tokens * 4;
+  b.runtime_bytes = kRuntimeBytes;
+  return b;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,54 @@
+// The analytic memory budget of training a LlamaModel: bytes per memory category (engine/
+// memory.h) from the configuration and the run's options, without allocating anything.
+// Weights, their bf16 copies, gradients and AdamW state are sums over the parameter table.
+// Activations and workspace are found by replaying one training step's allocations in the
+// order the model and its ops make and free them (what each op saves for backward, the
+// gradients of activations, transient conversions, GEMM buffers), keeping the peak of each
+// category and of their sum. The tracking allocator measures the same categories, so the two
+// can be compared category by category.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "engine/memory.h"
+#include "engine/tensor.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+
+struct BudgetOptions {
+  DType dtype = DType::F32;
+  int64_t batch = 1;  // sequences per micro-batch
+  int64_t ctx = 1;    // tokens per sequence
+  int64_t accum = 1;  // micro-batches per step: gradients accumulate in place, so no extra memory
+  bool checkpoint = false;
+  int threads = 1;
+  int64_t corpus_tokens = 0;  // both splits of the token cache
+};
+
+struct MemoryBudget {
+  // The most each category holds during a step.
+  std::array<int64_t, kMemoryCategoryCount> peak_bytes{};
+  // The most all categories hold at one moment (not more than the sum of their peaks: the
+  // activations peak at the end of the forward pass, the workspace during the backward pass).
+  int64_t step_peak_bytes = 0;
+  // Of the workspace: the GEMM packing and widening buffers at their steady size.
+  int64_t gemm_buffer_bytes = 0;
+  // The token cache, memory-mapped: resident as training touches it, reported apart.
+  int64_t corpus_bytes = 0;
+  // The process before any tensor: code, libraries, the tokenizer, thread stacks, allocator
+  // overhead. An estimate (kRuntimeBytes), or a measurement passed in by the caller.
+  int64_t runtime_bytes = 0;
+  int64_t total_bytes() const { return step_peak_bytes + corpus_bytes + runtime_bytes; }
+};
+
+// What a cputrain process holds before its first tensor, as measured on Debian 12 builds
+// (VmRSS after start-up: about 40 MiB with oneDNN, OpenMP and sentencepiece loaded).
+inline constexpr int64_t kRuntimeBytes = 48ll << 20;
+
+// The budget on the GEMM backend selected now (its packing and widening buffers count).
+MemoryBudget memory_budget(const LlamaConfig& config, const BudgetOptions& options);
+
+}  // namespace cputrain
