@@ -1,5 +1,7 @@
 #include "engine/memory.h"
 
+#include <malloc.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
@@ -100,6 +102,12 @@ void memory_reset_peaks() {
 
 ProcessMemory process_memory() {
   return {read_proc_kb("/proc/self/status", "VmRSS"), read_proc_kb("/proc/self/status", "VmHWM")};
+}
+
+bool process_memory_reset_peak() {
+  ::malloc_trim(0);
+  std::ofstream out("/proc/self/clear_refs");
+  return static_cast<bool>(out << "5" << std::flush);
 }
 
 int64_t available_memory_bytes() { return read_proc_kb("/proc/meminfo", "MemAvailable"); }

@@ -41,6 +41,10 @@ struct ProcessMemory {
   int64_t peak_rss_bytes = 0;
 };
 ProcessMemory process_memory();
+// Returns freed heap memory to the system (malloc_trim) and restarts the peak RSS from the
+// current RSS (/proc/self/clear_refs), so a later peak measures what follows, not set-up work
+// such as tokenizer training. Returns false where the kernel does not allow it.
+bool process_memory_reset_peak();
 // MemAvailable of /proc/meminfo (0 if unreadable).
 int64_t available_memory_bytes();
 

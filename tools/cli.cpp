@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/error.h"
+#include "tools/budget_command.h"
 #include "tools/parity_command.h"
 #include "tools/sample_command.h"
 #include "tools/train_command.h"
@@ -17,7 +18,7 @@ namespace cputrain {
 namespace {
 
 bool is_subcommand(const std::string& arg) {
-  return arg == "train" || arg == "sample" || arg == "parity";
+  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget";
 }
 
 }  // namespace
@@ -41,6 +42,10 @@ int run_cli(int argc, char** argv) {
   CLI::App* parity = app.add_subcommand(
       "parity", "Train the same steps in fp32, bf16 and fp32 with accumulation; compare losses");
   add_parity_flags(*parity, parity_args);
+  BudgetArgs budget_args;
+  CLI::App* budget = app.add_subcommand(
+      "budget", "Print the memory budget of a training run and whether it fits in this machine");
+  add_budget_flags(*budget, budget_args);
 
   try {
     app.parse(args);
@@ -59,6 +64,7 @@ int run_cli(int argc, char** argv) {
     if (train->parsed()) return run_train(train_args);
     if (sample->parsed()) return run_sample(sample_args);
     if (parity->parsed()) return run_parity(parity_args);
+    if (budget->parsed()) return run_budget(budget_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     return 1;

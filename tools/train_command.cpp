@@ -20,6 +20,8 @@
 #include "kernels/gemm.h"
 #include "models/generate.h"
 #include "models/llama.h"
+#include "models/memory_budget.h"
+#include "tools/budget_command.h"
 #include "tools/flag_checks.h"
 #include "tools/run_config.h"
 
@@ -111,6 +113,11 @@ DType choose_dtype(const std::string& flag, std::string* why) {
          " GEMM has no bf16 instructions on this CPU, where bf16 would be emulated and slower "
          "than fp32 (--dtype bf16 forces it)";
   return DType::F32;
+}
+
+int64_t memory_limit_bytes(double gib) {
+  if (gib > 0.0) return static_cast<int64_t>(gib * 1024.0 * 1024.0 * 1024.0);
+  return available_memory_bytes();
 }
 
 std::string describe_compute() {
@@ -205,9 +212,13 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->check(CLI::IsMember({"bf16", "fp32"}));
   app.add_option("--checkpoint", a.checkpoint,
                  "Gradient checkpointing: layer (keep only each block's input, recompute the block "
-                 "in backward) or none")
+                 "in backward), none, or auto (layer when the budget without it does not fit)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"layer", "none"}));
+      ->check(CLI::IsMember({"layer", "none", "auto"}));
+  app.add_option("--mem-limit", a.mem_limit_gib,
+                 "GiB the run may use (default: the available memory at start); training refuses "
+                 "to start when its budget exceeds it")
+      ->check(positive());
 }
 
 void select_gemm_backend(const std::string& flag) {
@@ -229,7 +240,6 @@ int run_train(const TrainArgs& args) {
   select_gemm_backend(args.gemm);
   std::string dtype_reason;
   config.dtype = choose_dtype(args.dtype, &dtype_reason);
-  config.checkpoint = args.checkpoint == "layer";
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   const std::string out = args.out.empty() ? "runs/" + config.preset : args.out;
   prepare_run_dir(out);
@@ -249,11 +259,37 @@ int run_train(const TrainArgs& args) {
   if (!can_eval)
     log->warn("the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
               "validation loss", val_tokens.size(), config.train.ctx);
+  // The budget, before anything large is allocated: checkpointing where asked (or where it is
+  // needed to fit), and a refusal, with the figures and the levers, where even that does not fit.
+  const int64_t corpus_tokens = static_cast<int64_t>(train_tokens.size() + val_tokens.size());
+  const int64_t available = memory_limit_bytes(args.mem_limit_gib);
+  config.checkpoint = args.checkpoint == "layer";
+  MemoryBudget budget = memory_budget(config.model, budget_options(config, corpus_tokens));
+  if (args.checkpoint == "auto" && available > 0 && budget.total_bytes() > available) {
+    RunConfig with = config;
+    with.checkpoint = true;
+    const MemoryBudget b = memory_budget(with.model, budget_options(with, corpus_tokens));
+    log->info("checkpointing per layer: without it the budget, {}, exceeds the available {}",
+              format_bytes(budget.total_bytes()), format_bytes(available));
+    config.checkpoint = true;
+    budget = b;
+  }
+  log->info("memory budget ({}, batch {}, ctx {}, checkpointing {}):\n{}",
+            config.dtype == DType::BF16 ? "bf16" : "fp32", config.train.batch, config.train.ctx,
+            config.checkpoint ? "per layer" : "none", budget_table(budget, available));
+  if (available > 0 && budget.total_bytes() > available) {
+    log->error("levers:\n{}", budget_levers(config, corpus_tokens, available));
+    throw UserError("--preset " + config.preset + ": the memory budget, " +
+                    format_bytes(budget.total_bytes()) + ", exceeds the available " +
+                    format_bytes(available) + " (table and levers above)");
+  }
   const int64_t eval_every = args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
 
+  process_memory_reset_peak();  // from here on the peak RSS is training's
   LlamaModel model(config.model);
   model.init_weights(config.train.seed);
   model.set_compute_dtype(config.dtype);
+  const int64_t budget_total = budget.total_bytes();
   model.set_checkpointing(config.checkpoint);
   write_file_atomic(out + "/config.json", run_config_to_json(config));
   log->info("model {}: {} parameters (d_model {}, layers {}, heads {}, ffn {}, vocab {}, ctx {})",
@@ -280,6 +316,7 @@ int run_train(const TrainArgs& args) {
       throw UserError("step " + std::to_string(step) + ": loss is " + std::to_string(r.loss) +
                       " (try a lower --lr)");
     const ProcessMemory mem = process_memory();
+    const MemoryStats stats = memory_stats();
     nlohmann::json m = {{"step", step},
                         {"loss", r.loss},
                         {"lr", r.lr},
@@ -287,7 +324,14 @@ int run_train(const TrainArgs& args) {
                         {"tokens_per_s", r.tokens_per_s},
                         {"ms", r.ms},
                         {"rss_bytes", mem.rss_bytes},
-                        {"peak_rss_bytes", mem.peak_rss_bytes}};
+                        {"peak_rss_bytes", mem.peak_rss_bytes},
+                        {"budget_bytes", budget_total}};
+    for (int i = 0; i < kMemoryCategoryCount; ++i) {
+      const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
+      m[name + "_bytes"] = stats.live_bytes[i];
+      m[name + "_peak_bytes"] = stats.peak_bytes[i];
+      m[name + "_budget_bytes"] = budget.peak_bytes[i];
+    }
     std::string val;
     if (can_eval && (step % eval_every == 0 || step == config.steps)) {
       const double v = trainer.evaluate(val_tokens, args.eval_windows);
@@ -297,9 +341,10 @@ int run_train(const TrainArgs& args) {
     metrics << m.dump() << "\n" << std::flush;
     if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
       log->info("step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
-                "{:.0f} ms | mem {:.2f} GiB",
+                "{:.0f} ms | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%)",
                 step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
-                gib(mem.rss_bytes));
+                gib(mem.peak_rss_bytes), gib(budget_total),
+                100.0 * (static_cast<double>(mem.peak_rss_bytes) / static_cast<double>(budget_total) - 1.0));
     }
     if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
       log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));

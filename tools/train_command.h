@@ -36,7 +36,8 @@ struct TrainArgs {
   int64_t log_every = 1;
   std::string gemm;
   std::string dtype;  // "bf16", "fp32", or empty: choose_dtype's default
-  std::string checkpoint = "none";  // "layer" or "none"
+  double mem_limit_gib = 0.0;  // memory the run may use; 0: MemAvailable at start
+  std::string checkpoint = "auto";  // "layer", "none", or "auto": layer when none would not fit
 };
 
 void add_train_flags(CLI::App& app, TrainArgs& args);
@@ -54,6 +55,8 @@ void prepare_run_dir(const std::string& dir);
 // instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the
 // reason in *why. A UserError for anything else.
 DType choose_dtype(const std::string& flag, std::string* why);
+// --mem-limit in bytes, or MemAvailable when it is 0.
+int64_t memory_limit_bytes(double mem_limit_gib);
 // "cpu: <features>; gemm: <path> (available: ...)" for the start-up log.
 std::string describe_compute();
 

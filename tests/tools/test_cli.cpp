@@ -212,6 +212,67 @@ TEST_F(Cli, CheckpointedRunHasTheSameLosses) {
                         "--checkpoint");
 }
 
+TEST_F(Cli, BudgetJsonHasEveryCategoryAndTheLeversMove) {
+  auto budget = [&](const std::string& flags) {
+    const Result r = run("budget --preset tiny --json " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out);
+  };
+  const nlohmann::json plain = budget("--dtype fp32 --checkpoint none");
+  for (const char* key : {"weights_bytes", "bf16_weights_bytes", "gradients_bytes",
+                          "optimizer_state_bytes", "activations_bytes", "workspace_bytes",
+                          "step_peak_bytes", "corpus_bytes", "runtime_bytes", "total_bytes"})
+    EXPECT_TRUE(plain.contains(key)) << key;
+  EXPECT_EQ(plain["total_bytes"].get<int64_t>(),
+            plain["step_peak_bytes"].get<int64_t>() + plain["corpus_bytes"].get<int64_t>() +
+                plain["runtime_bytes"].get<int64_t>());
+  EXPECT_EQ(plain["optimizer_state_bytes"].get<int64_t>(), 2 * plain["weights_bytes"].get<int64_t>());
+  EXPECT_EQ(plain["bf16_weights_bytes"].get<int64_t>(), 0);
+  const nlohmann::json bf16 = budget("--dtype bf16 --checkpoint none");
+  EXPECT_GT(bf16["bf16_weights_bytes"].get<int64_t>(), 0);
+  EXPECT_LT(bf16["activations_bytes"].get<int64_t>(), plain["activations_bytes"].get<int64_t>());
+  const nlohmann::json ckpt = budget("--dtype fp32 --checkpoint layer");
+  EXPECT_LT(ckpt["activations_bytes"].get<int64_t>(), plain["activations_bytes"].get<int64_t>());
+  const nlohmann::json big = budget("--dtype fp32 --checkpoint none --batch 8");
+  EXPECT_GT(big["activations_bytes"].get<int64_t>(), plain["activations_bytes"].get<int64_t>());
+}
+
+// Over its memory limit training does not start: the table and the levers, one error line,
+// no model written. Between the budgets with and without checkpointing, auto checkpoints.
+TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
+  const std::string corpus = write_corpus(200).string();
+  const std::string base = "--preset tiny --vocab 300 --batch 4 --steps 2 --sample-tokens 1 "
+                           "--dtype fp32 --corpus " + corpus;
+  const Result refused = run(base + " --mem-limit 0.01 --out " + (dir_ / "small").string());
+  expect_one_line_error(refused, "exceeds the available");
+  EXPECT_NE(refused.out.find("levers:"), std::string::npos) << refused.out;
+  EXPECT_NE(refused.out.find("--batch 2 --accum 2"), std::string::npos) << refused.out;
+  EXPECT_FALSE(fs::exists(dir_ / "small" / "model.bin"));
+
+  auto total = [&](const std::string& checkpoint) {
+    const Result r = run("budget --preset tiny --vocab 300 --batch 4 --dtype fp32 --json "
+                         "--checkpoint " + checkpoint + " --corpus " + corpus);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return static_cast<double>(nlohmann::json::parse(r.out)["total_bytes"].get<int64_t>());
+  };
+  const double between = (total("none") + total("layer")) / 2.0 / (1024.0 * 1024.0 * 1024.0);
+  const fs::path run_dir = dir_ / "auto";
+  const Result r = run(base + " --mem-limit " + std::to_string(between) + " --out " +
+                       run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("checkpointing per layer: without it the budget"), std::string::npos) << r.out;
+  std::ifstream config(run_dir / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(config)["train"]["checkpoint"], "layer");
+  std::ifstream metrics(run_dir / "metrics.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(metrics, line));
+  const nlohmann::json m = nlohmann::json::parse(line);
+  for (const char* key : {"budget_bytes", "activations_peak_bytes", "activations_budget_bytes",
+                          "workspace_bytes", "weights_bytes"})
+    EXPECT_TRUE(m.contains(key)) << key;
+  EXPECT_NE(r.out.find("/ budget "), std::string::npos) << r.out;
+}
+
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
   const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
                        "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());

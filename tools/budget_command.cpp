@@ -1,0 +1,192 @@
+#include "tools/budget_command.h"
+
+#include <spdlog/fmt/fmt.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "engine/corpus.h"
+#include "engine/error.h"
+#include "engine/memory.h"
+#include "tools/flag_checks.h"
+
+namespace cputrain {
+namespace {
+
+const char* category_label(MemoryCategory c) {
+  switch (c) {
+    case MemoryCategory::Weights: return "weights (FP32 master)";
+    case MemoryCategory::Bf16Weights: return "bf16 weight copies";
+    case MemoryCategory::Gradients: return "gradients (FP32)";
+    case MemoryCategory::OptimizerState: return "AdamW m and v";
+    case MemoryCategory::Activations: return "activations (peak)";
+    case MemoryCategory::Workspace: return "workspace (peak)";
+  }
+  return "";
+}
+
+std::string dtype_string(DType d) { return d == DType::BF16 ? "bf16" : "fp32"; }
+
+// The token cache's size before the corpus is tokenized: about one token per 3.5 bytes of
+// text, 4 bytes each.
+int64_t estimated_corpus_tokens(const std::string& corpus) {
+  int64_t bytes = 0;
+  for (const std::string& f : list_corpus_files(corpus)) {
+    struct stat st {};
+    if (::stat(f.c_str(), &st) == 0) bytes += st.st_size;
+  }
+  return static_cast<int64_t>(static_cast<double>(bytes) / 3.5);
+}
+
+}  // namespace
+
+std::string format_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024.0 * 1024.0) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0));
+  return fmt::format("{:.1f} MiB", b / (1024.0 * 1024.0));
+}
+
+BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens) {
+  BudgetOptions o;
+  o.dtype = c.dtype;
+  o.batch = c.train.batch;
+  o.ctx = c.train.ctx;
+  o.accum = c.train.accum;
+  o.checkpoint = c.checkpoint;
+  o.threads = c.threads;
+  o.corpus_tokens = corpus_tokens;
+  return o;
+}
+
+std::string budget_table(const MemoryBudget& b, int64_t available) {
+  std::string t;
+  for (int i = 0; i < kMemoryCategoryCount; ++i) {
+    const auto c = static_cast<MemoryCategory>(i);
+    if (b.peak_bytes[i] == 0) continue;
+    t += fmt::format("  {:<38} {:>12}\n", category_label(c), format_bytes(b.peak_bytes[i]));
+  }
+  t += fmt::format("  {:<38} {:>12}\n", "step peak (all of the above at once)",
+                   format_bytes(b.step_peak_bytes));
+  t += fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
+  t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
+                   format_bytes(b.runtime_bytes));
+  t += fmt::format("  {:<38} {:>12}\n", "total", format_bytes(b.total_bytes()));
+  if (available > 0) {
+    t += fmt::format("  {:<38} {:>12}  -> {}\n", "available (MemAvailable or --mem-limit)",
+                     format_bytes(available), b.total_bytes() <= available ? "fits" : "DOES NOT FIT");
+  }
+  return t;
+}
+
+std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t available) {
+  struct Lever {
+    std::string what;
+    RunConfig config;
+  };
+  std::vector<Lever> levers;
+  if (c.dtype != DType::BF16) {
+    RunConfig r = c;
+    r.dtype = DType::BF16;
+    levers.push_back({"--dtype bf16", r});
+  }
+  if (!c.checkpoint) {
+    RunConfig r = c;
+    r.checkpoint = true;
+    levers.push_back({"--checkpoint layer", r});
+  }
+  if (c.train.batch > 1) {
+    RunConfig r = c;
+    r.train.batch = c.train.batch / 2;
+    r.train.accum = c.train.accum * 2;
+    levers.push_back({fmt::format("--batch {} --accum {} (same tokens per step)", r.train.batch,
+                                  r.train.accum),
+                      r});
+  }
+  if (c.train.ctx > 1) {
+    RunConfig r = c;
+    r.train.ctx = c.train.ctx / 2;
+    r.model.ctx = r.train.ctx;
+    levers.push_back({fmt::format("--ctx {}", r.train.ctx), r});
+  }
+  std::string t;
+  for (const Lever& l : levers) {
+    const MemoryBudget b = memory_budget(l.config.model, budget_options(l.config, corpus_tokens));
+    t += fmt::format("  {:<48} total {:>12}{}\n", l.what, format_bytes(b.total_bytes()),
+                     available > 0 ? (b.total_bytes() <= available ? "  fits" : "  does not fit")
+                                   : "");
+  }
+  return t;
+}
+
+void add_budget_flags(CLI::App& app, BudgetArgs& a) {
+  TrainArgs& t = a.train;
+  app.add_option("--preset", t.preset, "Model preset")->capture_default_str();
+  app.add_option("--corpus", t.corpus, "Corpus, for the size of its token cache")
+      ->capture_default_str();
+  app.add_option("--batch", t.batch, "Sequences per micro-batch (default: the preset's)")
+      ->check(positive());
+  app.add_option("--accum", t.accum, "Micro-batches per step (default: the preset's)")
+      ->check(positive());
+  app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")->check(positive());
+  app.add_option("--vocab", t.vocab, "Vocabulary size")->check(positive());
+  app.add_option("--d-model", t.d_model, "Model width")->check(positive());
+  app.add_option("--layers", t.layers, "Number of blocks")->check(positive());
+  app.add_option("--heads", t.heads, "Attention heads")->check(positive());
+  app.add_option("--ffn", t.ffn, "SwiGLU hidden width")->check(positive());
+  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
+  app.add_option("--gemm", t.gemm, "GEMM implementation (its buffers count)");
+  app.add_option("--dtype", t.dtype, "bf16 or fp32 (default: as train chooses)")
+      ->check(CLI::IsMember({"bf16", "fp32"}));
+  t.checkpoint = "none";
+  app.add_option("--checkpoint", t.checkpoint, "layer or none")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"layer", "none"}));
+  app.add_option("--mem-limit", t.mem_limit_gib, "GiB to fit in (default: the available memory)")
+      ->check(positive());
+  app.add_flag("--json", a.json, "Print a JSON object of bytes per category and total_bytes");
+}
+
+int run_budget(const BudgetArgs& a) {
+  RunConfig config = resolve_run_config(a.train);
+  select_gemm_backend(a.train.gemm);
+  std::string why;
+  config.dtype = choose_dtype(a.train.dtype, &why);
+  config.checkpoint = a.train.checkpoint == "layer";
+  const int64_t corpus_tokens = estimated_corpus_tokens(config.corpus);
+  const MemoryBudget b = memory_budget(config.model, budget_options(config, corpus_tokens));
+  const int64_t available = memory_limit_bytes(a.train.mem_limit_gib);
+  if (a.json) {
+    nlohmann::json j = {{"preset", config.preset},
+                        {"dtype", dtype_string(config.dtype)},
+                        {"batch", config.train.batch},
+                        {"accum", config.train.accum},
+                        {"ctx", config.train.ctx},
+                        {"checkpoint", config.checkpoint ? "layer" : "none"},
+                        {"parameters", parameter_count(config.model)}};
+    for (int i = 0; i < kMemoryCategoryCount; ++i)
+      j[std::string(memory_category_name(static_cast<MemoryCategory>(i))) + "_bytes"] =
+          b.peak_bytes[i];
+    j["step_peak_bytes"] = b.step_peak_bytes;
+    j["corpus_bytes"] = b.corpus_bytes;
+    j["runtime_bytes"] = b.runtime_bytes;
+    j["total_bytes"] = b.total_bytes();
+    j["available_bytes"] = available;
+    j["fits"] = b.total_bytes() <= available;
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s", fmt::format("memory budget: preset {} ({} parameters), {}, {} x {} sequences "
+                                "of {} tokens, checkpointing {}\n",
+                                config.preset, parameter_count(config.model),
+                                dtype_string(config.dtype), config.train.batch,
+                                config.train.accum, config.train.ctx,
+                                config.checkpoint ? "per layer" : "none")
+                        .c_str());
+  std::printf("%s", budget_table(b, available).c_str());
+  const std::string levers = budget_levers(config, corpus_tokens, available);
+  if (!levers.empty()) std::printf("levers:\n%s", levers.c_str());
+  return 0;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,33 @@
+// `cputrain budget`: the analytic memory budget of a training run (models/memory_budget.h) as
+// a table, whether it fits in this machine's available memory, and what each lever would give.
+// The same report is what `cputrain train` prints when it refuses to start.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "models/memory_budget.h"
+#include "tools/run_config.h"
+#include "tools/train_command.h"
+
+namespace cputrain {
+
+struct BudgetArgs {
+  TrainArgs train;  // preset, shape overrides, batch, accum, ctx, dtype, checkpoint, threads, corpus
+  bool json = false;
+};
+
+void add_budget_flags(CLI::App& app, BudgetArgs& args);
+int run_budget(const BudgetArgs& args);
+
+BudgetOptions budget_options(const RunConfig& config, int64_t corpus_tokens);
+// The per-category table with the total, and whether it fits in `available` bytes.
+std::string budget_table(const MemoryBudget& budget, int64_t available);
+// One line per lever not in use yet (bf16, per-layer checkpointing, half the batch with twice
+// the accumulation, half the context) with the total it would give and whether that fits.
+std::string budget_levers(const RunConfig& config, int64_t corpus_tokens, int64_t available);
+// "1.23 GiB"
+std::string format_bytes(int64_t bytes);
+
+}  // namespace cputrain
