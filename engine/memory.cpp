@@ -115,6 +115,11 @@ int64_t available_memory_bytes() { return read_proc_kb("/proc/meminfo", "MemAvai
 namespace {
 
 // Kernel scratch (GEMM packing buffers) is counted as workspace like any other allocation.
+// Tensors of 1 MiB and more are mapped and unmapped on their own, so freeing one returns its
+// pages at once and the resident set follows the live tensors. (glibc's default threshold
+// rises after the first large free, after which freed tensors stay in the heap as residue.)
+const bool large_allocations_mapped = [] { return ::mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1; }();
+
 const bool kernel_workspace_accounted = [] {
   kernels::set_workspace_allocator(
       {[](size_t bytes) { return memory_allocate(bytes, MemoryCategory::Workspace); },

@@ -286,6 +286,8 @@ int run_train(const TrainArgs& args) {
   const int64_t eval_every = args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
 
   process_memory_reset_peak();  // from here on the peak RSS is training's
+  log->info("resident before the model: {} (the budget's runtime estimate: {})",
+            format_bytes(process_memory().rss_bytes), format_bytes(budget.runtime_bytes));
   LlamaModel model(config.model);
   model.init_weights(config.train.seed);
   model.set_compute_dtype(config.dtype);
