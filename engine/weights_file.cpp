@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/atomic_file.h"
+#include "engine/binary_io.h"
 #include "engine/error.h"
 #include "engine/hash.h"
 
@@ -14,24 +15,6 @@ namespace {
 
 constexpr char kMagic[8] = {'C', 'T', 'W', 'E', 'I', 'G', 'H', 'T'};
 constexpr uint32_t kVersion = 1;
-
-class Writer {
- public:
-  void bytes(const void* p, size_t n) {
-    const char* c = static_cast<const char*>(p);
-    buffer_.insert(buffer_.end(), c, c + n);
-  }
-  template <typename T>
-  void value(T v) { bytes(&v, sizeof(v)); }
-  void string(const std::string& s) {
-    value(static_cast<uint32_t>(s.size()));
-    bytes(s.data(), s.size());
-  }
-  std::vector<char>& buffer() { return buffer_; }
-
- private:
-  std::vector<char> buffer_;
-};
 
 class Reader {
  public:
@@ -87,7 +70,8 @@ void check_header(const std::string& path, const std::vector<char>& data) {
 
 void save_weights(const std::string& path, const ParameterSet& params,
                   const std::string& config_json) {
-  Writer w;
+  AtomicFileWriter out(path);
+  HashingWriter w(out);
   w.bytes(kMagic, sizeof(kMagic));
   w.value(kVersion);
   w.value(static_cast<uint64_t>(config_json.size()));
@@ -103,9 +87,8 @@ void save_weights(const std::string& path, const ParameterSet& params,
   w.value(count);
   for (const ParameterInfo& p : params.infos())
     w.bytes(params.weights().f32() + p.offset, static_cast<size_t>(p.shape.numel()) * 4);
-  w.value(fnv1a(w.buffer().data(), w.buffer().size()));
-
-  write_file_atomic(path, w.buffer().data(), w.buffer().size());
+  w.checksum();
+  out.commit();
 }
 
 // Skips the magic and version (checked by check_header) and reads the JSON config.

@@ -1,0 +1,48 @@
+#include "engine/binary_io.h"
+
+#include <vector>
+
+#include "engine/error.h"
+
+namespace cputrain {
+
+FileReader::FileReader(const std::string& path, const std::string& kind)
+    : path_(path), kind_(kind), in_(path, std::ios::binary) {
+  if (!in_) throw UserError(path + ": cannot open " + kind);
+  in_.seekg(0, std::ios::end);
+  size_ = static_cast<uint64_t>(in_.tellg());
+  in_.seekg(0, std::ios::beg);
+}
+
+void FileReader::bytes(void* p, size_t n) {
+  if (n > size_ - pos_) corrupt("truncated " + kind_);
+  in_.read(static_cast<char*>(p), static_cast<std::streamsize>(n));
+  if (!in_) corrupt("read error in " + kind_);
+  pos_ += n;
+}
+
+std::string FileReader::string(size_t limit) {
+  const auto n = value<uint32_t>();
+  if (n > limit) corrupt("corrupt " + kind_ + " (a string of " + std::to_string(n) + " bytes)");
+  std::string s(n, '\0');
+  bytes(s.data(), n);
+  return s;
+}
+
+void FileReader::corrupt(const std::string& what) const { throw UserError(path_ + ": " + what); }
+
+bool checksum_matches(const std::string& path, const std::string& kind, uint64_t min_bytes) {
+  FileReader r(path, kind);
+  if (r.size() < min_bytes) r.corrupt("too short for a " + kind + " (" + std::to_string(r.size()) + " bytes)");
+  std::vector<char> piece(1 << 20);
+  uint64_t h = kFnvOffset, left = r.size() - 8;
+  while (left > 0) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, piece.size()));
+    r.bytes(piece.data(), n);
+    h = fnv1a(piece.data(), n, h);
+    left -= n;
+  }
+  return r.value<uint64_t>() == h;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,105 @@
+#include "engine/checkpoint_file.h"
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/binary_io.h"
+#include "engine/error.h"
+
+namespace cputrain {
+namespace {
+
+constexpr char kMagic[8] = {'C', 'T', 'C', 'K', 'P', 'T', '0', '1'};
+constexpr uint32_t kVersion = 1;
+constexpr uint64_t kMaxJson = 1 << 20;
+
+std::string hex(uint64_t v) {
+  std::ostringstream s;
+  s << std::hex << v;
+  return s.str();
+}
+
+// Reads the header of a checkpoint whose checksum has been verified; leaves r at the arrays.
+CheckpointInfo read_header(FileReader& r, uint64_t* n) {
+  char magic[sizeof(kMagic)];
+  r.bytes(magic, sizeof(magic));
+  if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) r.corrupt("not a cputrain checkpoint");
+  const auto version = r.value<uint32_t>();
+  if (version != kVersion)
+    r.corrupt("checkpoint version " + std::to_string(version) + ", expected " +
+              std::to_string(kVersion));
+  const auto json_bytes = r.value<uint64_t>();
+  if (json_bytes > kMaxJson) r.corrupt("corrupt checkpoint (header of " + std::to_string(json_bytes) + " bytes)");
+  std::string text(json_bytes, '\0');
+  r.bytes(text.data(), text.size());
+  CheckpointInfo info;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    info.step = j.at("step").get<int64_t>();
+    info.adamw_step = j.at("adamw_step").get<int64_t>();
+    info.data_fingerprint = std::stoull(j.at("data_fingerprint").get<std::string>(), nullptr, 16);
+    info.config_json = j.at("config").dump(2) + "\n";
+  } catch (const std::exception& e) {
+    r.corrupt(std::string("corrupt checkpoint header (") + e.what() + ")");
+  }
+  *n = r.value<uint64_t>();
+  if (*n > r.size() / 12) r.corrupt("corrupt checkpoint (" + std::to_string(*n) + " weights)");
+  if (r.size() != r.pos() + *n * 12 + 8)
+    r.corrupt("corrupt checkpoint (its size does not match its header)");
+  return info;
+}
+
+void verify(const std::string& path) {
+  if (!checksum_matches(path, "checkpoint", sizeof(kMagic) + 4 + 8 + 8 + 8))
+    throw UserError(path + ": checksum mismatch (the checkpoint is corrupt or truncated)");
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const ParameterSet& params, const AdamW& adamw,
+                     const CheckpointInfo& info) {
+  const nlohmann::json j = {{"step", info.step},
+                            {"adamw_step", info.adamw_step},
+                            {"data_fingerprint", hex(info.data_fingerprint)},
+                            {"config", nlohmann::json::parse(info.config_json)}};
+  const std::string text = j.dump();
+  AtomicFileWriter out(path);
+  HashingWriter w(out);
+  w.bytes(kMagic, sizeof(kMagic));
+  w.value(kVersion);
+  w.value(static_cast<uint64_t>(text.size()));
+  w.bytes(text.data(), text.size());
+  const auto n = static_cast<uint64_t>(params.numel());
+  w.value(n);
+  w.bytes(params.weights().f32(), n * 4);
+  w.bytes(adamw.m().f32(), n * 4);
+  w.bytes(adamw.v().f32(), n * 4);
+  w.checksum();
+  out.commit();
+}
+
+CheckpointInfo read_checkpoint_info(const std::string& path) {
+  verify(path);
+  FileReader r(path, "checkpoint");
+  uint64_t n = 0;
+  return read_header(r, &n);
+}
+
+CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW& adamw) {
+  verify(path);
+  FileReader r(path, "checkpoint");
+  uint64_t n = 0;
+  CheckpointInfo info = read_header(r, &n);
+  if (n != static_cast<uint64_t>(params.numel()))
+    throw UserError(path + ": holds " + std::to_string(n) + " weights, the model has " +
+                    std::to_string(params.numel()));
+  r.bytes(params.weights().f32(), n * 4);
+  r.bytes(adamw.m().f32(), n * 4);
+  r.bytes(adamw.v().f32(), n * 4);
+  adamw.set_step_count(info.adamw_step);
+  params.sync_bf16_copies();
+  return info;
+}
+
+}  // namespace cputrain

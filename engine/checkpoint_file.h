@@ -1,0 +1,39 @@
+// A training checkpoint: what `cputrain train --resume` needs to continue a run so that it is
+// bitwise the run that never stopped. The FP32 weights, AdamW's m, v and step count, the step
+// reached (which fixes the learning-rate schedule and, with the seed, every later batch: the
+// sampler keeps no other state), the run configuration, and the fingerprint of the data
+// (tokenizer and token cache) it trained on. Written atomically (AtomicFileWriter).
+//
+// Layout (little-endian): "CTCKPT01" | u32 version = 1 | u64 json bytes | json | u64 n |
+// n f32 weights | n f32 m | n f32 v | u64 FNV-1a of everything before it. The JSON holds
+// "step", "adamw_step", "data_fingerprint" (hex) and "config" (the run's config.json).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "engine/adamw.h"
+#include "engine/parameters.h"
+
+namespace cputrain {
+
+struct CheckpointInfo {
+  int64_t step = 0;
+  int64_t adamw_step = 0;
+  uint64_t data_fingerprint = 0;
+  std::string config_json;
+};
+
+void save_checkpoint(const std::string& path, const ParameterSet& params, const AdamW& adamw,
+                     const CheckpointInfo& info);
+
+// Checks magic, version and checksum before anything else, then the header. A file that is
+// not a checkpoint, is truncated, corrupt or of another version is one UserError naming it.
+CheckpointInfo read_checkpoint_info(const std::string& path);
+
+// read_checkpoint_info, then the weights and AdamW's state into `params` and `adamw`, which must
+// be of the checkpoint's size; refreshes the bf16 copies. Nothing is written into them unless
+// the whole file is valid.
+CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW& adamw);
+
+}  // namespace cputrain
