@@ -5,12 +5,15 @@
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
+#include <csignal>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "engine/atomic_file.h"
+#include "engine/checkpoint_file.h"
 #include "engine/data_pipeline.h"
 #include "engine/error.h"
 #include "engine/memory.h"
@@ -139,6 +142,65 @@ std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path) {
 
 double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
+// SIGINT and SIGTERM ask the loop to finish its step, save and stop; a second one is fatal.
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) {
+  g_stop_signal = sig;
+  std::signal(sig, SIG_DFL);
+}
+
+std::string checkpoint_dir(const std::string& out) { return out + "/checkpoints"; }
+
+// The run's checkpoints, oldest first, by the step in their names (step-00000123.ckpt).
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& out) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(checkpoint_dir(out), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() != 18 || name.rfind("step-", 0) != 0 || !name.ends_with(".ckpt")) continue;
+    char* end = nullptr;
+    const long long step = std::strtoll(name.c_str() + 5, &end, 10);
+    if (end == name.c_str() + 13) found.emplace_back(step, e.path().string());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+std::string save_training_checkpoint(const std::string& out, int64_t step, const ParameterSet& params,
+                                     const AdamW& adamw, uint64_t data_fingerprint,
+                                     const std::string& config_json, int64_t keep) {
+  std::error_code ec;
+  fs::create_directories(checkpoint_dir(out), ec);
+  if (ec) throw UserError(checkpoint_dir(out) + ": cannot create (" + ec.message() + ")");
+  const std::string path = checkpoint_dir(out) + fmt::format("/step-{:08d}.ckpt", step);
+  save_checkpoint(path, params, adamw, CheckpointInfo{step, adamw.step_count(), data_fingerprint,
+                                                      config_json});
+  auto all = list_checkpoints(out);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i].second, ec);
+  return path;
+}
+
+// The model and training options of a run's configuration, for comparing two of them.
+nlohmann::json run_identity(const std::string& config_json) {
+  nlohmann::json j = nlohmann::json::parse(config_json);
+  j["train"].erase("threads");
+  return {j["model"], j["train"], j["corpus"]};
+}
+
+// Keeps the lines of metrics.jsonl up to `step`.
+void truncate_metrics(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    try {
+      if (nlohmann::json::parse(line).at("step").get<int64_t>() <= step) kept += line + "\n";
+    } catch (const std::exception&) {
+      // a line cut short by the interruption
+    }
+  }
+  write_file_atomic(path, kept);
+}
+
 std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t tokens,
                         uint64_t seed) {
   SampleOptions options;
@@ -215,6 +277,16 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
                  "in backward), none, or auto (layer when the budget without it does not fit)")
       ->capture_default_str()
       ->check(CLI::IsMember({"layer", "none", "auto"}));
+  app.add_option("--resume", a.resume,
+                 "Continue the run in this directory from its latest checkpoint, with its own "
+                 "configuration (bitwise as if it had not stopped)");
+  app.add_option("--save-every", a.save_every,
+                 "Save a checkpoint every N steps (default: steps / 10; 0: only at the end); also "
+                 "at the end and on SIGINT or SIGTERM")
+      ->check(non_negative());
+  app.add_option("--keep", a.keep, "Checkpoints kept in <out>/checkpoints")
+      ->capture_default_str()
+      ->check(positive());
   app.add_option("--mem-limit", a.mem_limit_gib,
                  "GiB the run may use (default: the available memory at start); training refuses "
                  "to start when its budget exceeds it")
@@ -236,12 +308,27 @@ void select_gemm_backend(const std::string& flag) {
 }
 
 int run_train(const TrainArgs& args) {
-  RunConfig config = resolve_run_config(args);
-  select_gemm_backend(args.gemm);
-  std::string dtype_reason;
-  config.dtype = choose_dtype(args.dtype, &dtype_reason);
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
-  const std::string out = args.out.empty() ? "runs/" + config.preset : args.out;
+  if (args.keep <= 0) throw UserError("--keep must be positive");
+  const bool resuming = !args.resume.empty();
+  RunConfig config;
+  std::string out, dtype_reason;
+  if (resuming) {
+    // The run's own configuration; only how it runs (threads, GEMM, logging) comes from flags.
+    out = args.resume;
+    if (!fs::is_directory(out)) throw UserError("--resume " + out + ": no such run directory");
+    config = read_run_config(out + "/config.json");
+    config.threads = args.threads > 0 ? args.threads : omp_get_num_procs();
+    select_gemm_backend(args.gemm);
+    dtype_reason = "as the run began";
+    if (list_checkpoints(out).empty())
+      throw UserError("--resume " + out + ": no checkpoint in " + checkpoint_dir(out));
+  } else {
+    config = resolve_run_config(args);
+    select_gemm_backend(args.gemm);
+    config.dtype = choose_dtype(args.dtype, &dtype_reason);
+    out = args.out.empty() ? "runs/" + config.preset : args.out;
+  }
   prepare_run_dir(out);
   omp_set_num_threads(config.threads);
   auto log = make_logger(out + "/train.log");
@@ -263,9 +350,9 @@ int run_train(const TrainArgs& args) {
   // needed to fit), and a refusal, with the figures and the levers, where even that does not fit.
   const int64_t corpus_tokens = static_cast<int64_t>(train_tokens.size() + val_tokens.size());
   const int64_t available = memory_limit_bytes(args.mem_limit_gib);
-  config.checkpoint = args.checkpoint == "layer";
+  if (!resuming) config.checkpoint = args.checkpoint == "layer";
   MemoryBudget budget = memory_budget(config.model, budget_options(config, corpus_tokens));
-  if (args.checkpoint == "auto" && available > 0 && budget.total_bytes() > available) {
+  if (!resuming && args.checkpoint == "auto" && available > 0 && budget.total_bytes() > available) {
     RunConfig with = config;
     with.checkpoint = true;
     const MemoryBudget b = memory_budget(with.model, budget_options(with, corpus_tokens));
@@ -293,7 +380,8 @@ int run_train(const TrainArgs& args) {
   model.set_compute_dtype(config.dtype);
   const int64_t budget_total = budget.total_bytes();
   model.set_checkpointing(config.checkpoint);
-  write_file_atomic(out + "/config.json", run_config_to_json(config));
+  const std::string config_json = run_config_to_json(config);
+  if (!resuming) write_file_atomic(out + "/config.json", config_json);
   log->info("model {}: {} parameters (d_model {}, layers {}, heads {}, ffn {}, vocab {}, ctx {})",
             config.preset, parameter_count(config.model), config.model.d_model,
             config.model.n_layers, config.model.n_heads, config.model.ffn, config.model.vocab,
@@ -309,14 +397,47 @@ int run_train(const TrainArgs& args) {
   Trainer trainer(model.parameters(),
                   [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
                   config.train);
-  std::ofstream metrics(out + "/metrics.jsonl", std::ios::trunc);
+  int64_t first_step = 1;
+  std::string last_checkpoint;
+  if (resuming) {
+    // The newest checkpoint that reads back whole; a damaged one is skipped, not deleted.
+    CheckpointInfo info;
+    const auto all = list_checkpoints(out);
+    for (auto it = all.rbegin(); it != all.rend() && last_checkpoint.empty(); ++it) {
+      try {
+        info = read_checkpoint_info(it->second);
+        last_checkpoint = it->second;
+      } catch (const UserError& e) {
+        log->warn("skipping {}", e.what());
+      }
+    }
+    if (last_checkpoint.empty())
+      throw UserError("--resume " + out + ": no readable checkpoint in " + checkpoint_dir(out));
+    if (run_identity(info.config_json) != run_identity(config_json))
+      throw UserError(last_checkpoint + ": made by another configuration than " + out +
+                      "/config.json");
+    if (info.data_fingerprint != data.dataset.fingerprint())
+      throw UserError(last_checkpoint + ": made on other data than " + out +
+                      " holds now (the corpus, tokenizer or token cache changed)");
+    load_checkpoint(last_checkpoint, model.parameters(), trainer.optimizer());
+    first_step = info.step + 1;
+    truncate_metrics(out + "/metrics.jsonl", info.step);
+    log->info("resuming from {} at step {}", last_checkpoint, first_step);
+  }
+  std::ofstream metrics(out + "/metrics.jsonl", resuming ? std::ios::app : std::ios::trunc);
   if (!metrics) throw UserError(out + "/metrics.jsonl: cannot open for writing");
+  const int64_t save_every =
+      args.save_every >= 0 ? args.save_every : std::max<int64_t>(1, config.steps / 10);
+  g_stop_signal = 0;
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
 
-  for (int64_t step = 1; step <= config.steps; ++step) {
+  for (int64_t step = first_step; step <= config.steps; ++step) {
     const StepResult r = trainer.step(train_tokens, step);
     if (!std::isfinite(r.loss))
       throw UserError("step " + std::to_string(step) + ": loss is " + std::to_string(r.loss) +
-                      " (try a lower --lr)");
+                      " (try a lower --lr); the last good checkpoint is " +
+                      (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
     const ProcessMemory mem = process_memory();
     const MemoryStats stats = memory_stats();
     nlohmann::json m = {{"step", step},
@@ -350,7 +471,22 @@ int run_train(const TrainArgs& args) {
     }
     if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
       log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
+    const int stop = g_stop_signal.load();
+    if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
+      last_checkpoint = save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
+                                                 data.dataset.fingerprint(), config_json, args.keep);
+    }
+    if (stop != 0) {
+      std::signal(SIGINT, SIG_DFL);
+      std::signal(SIGTERM, SIG_DFL);
+      log->warn("{} after step {}: saved {}; continue with: cputrain train --resume {}",
+                stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
+                last_checkpoint, out);
+      return 128 + stop;
+    }
   }
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
   const std::string weights_path = out + "/model.bin";
   save_weights(weights_path, model.parameters(), run_config_to_json(config));
   log->info("saved {}", weights_path);

@@ -36,6 +36,9 @@ struct TrainArgs {
   int64_t log_every = 1;
   std::string gemm;
   std::string dtype;  // "bf16", "fp32", or empty: choose_dtype's default
+  std::string resume;          // a run directory to continue from its latest checkpoint
+  int64_t save_every = -1;     // checkpoint every N steps; -1: steps / 10
+  int64_t keep = 3;            // checkpoints kept
   double mem_limit_gib = 0.0;  // memory the run may use; 0: MemAvailable at start
   std::string checkpoint = "auto";  // "layer", "none", or "auto": layer when none would not fit
 };

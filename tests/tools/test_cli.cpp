@@ -1,7 +1,9 @@
 // The cputrain binary end to end: bad input gets one clear line and a non-zero exit without
 // touching what is on disk; a tiny run trains, writes its run directory, and samples.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -271,6 +273,100 @@ TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
                           "workspace_bytes", "weights_bytes"})
     EXPECT_TRUE(m.contains(key)) << key;
   EXPECT_NE(r.out.find("/ budget "), std::string::npos) << r.out;
+}
+
+std::vector<double> losses_of(const fs::path& run_dir) {
+  std::ifstream metrics(run_dir / "metrics.jsonl");
+  std::string line;
+  std::vector<double> v;
+  while (std::getline(metrics, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
+  return v;
+}
+
+// 20 steps straight against 10, a resume from the checkpoint at step 10, and 10 more: the same
+// losses to the last bit and the same final weights, in fp32 and bf16. A damaged newer
+// checkpoint is skipped.
+TEST_F(Cli, ResumeIsBitwiseTheRunThatNeverStopped) {
+  const std::string corpus = write_corpus(200).string();
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const fs::path straight = dir_ / (std::string("straight_") + dtype);
+    const Result a = run("--preset tiny --vocab 300 --batch 4 --steps 20 --save-every 10 --keep 5 "
+                         "--sample-tokens 1 --dtype " + std::string(dtype) + " --corpus " + corpus +
+                         " --out " + straight.string());
+    ASSERT_EQ(a.exit_code, 0) << a.err << a.out;
+    ASSERT_TRUE(fs::exists(straight / "checkpoints" / "step-00000010.ckpt"));
+    ASSERT_TRUE(fs::exists(straight / "checkpoints" / "step-00000020.ckpt"));
+    // The state of the run after step 10, and a damaged checkpoint for step 15.
+    const fs::path resumed = dir_ / (std::string("resumed_") + dtype);
+    fs::create_directories(resumed / "checkpoints");
+    for (const char* f : {"config.json", "tokenizer.model", "tokens.bin"})
+      fs::copy_file(straight / f, resumed / f);
+    fs::copy_file(straight / "checkpoints" / "step-00000010.ckpt",
+                  resumed / "checkpoints" / "step-00000010.ckpt");
+    std::ofstream(resumed / "checkpoints" / "step-00000015.ckpt") << "not a checkpoint";
+    {
+      std::ifstream in(straight / "metrics.jsonl");
+      std::ofstream out(resumed / "metrics.jsonl");
+      std::string line;
+      for (int i = 0; i < 12 && std::getline(in, line); ++i) out << line << "\n";  // 2 beyond
+    }
+    const Result b = run("--resume " + resumed.string() + " --sample-tokens 1");
+    ASSERT_EQ(b.exit_code, 0) << b.err << b.out;
+    EXPECT_NE(b.out.find("skipping"), std::string::npos) << b.out;
+    EXPECT_NE(b.out.find("at step 11"), std::string::npos) << b.out;
+    EXPECT_EQ(losses_of(resumed), losses_of(straight)) << dtype;
+    EXPECT_EQ(read_all(resumed / "model.bin"), read_all(straight / "model.bin")) << dtype;
+  }
+  expect_one_line_error(run("--resume " + (dir_ / "nowhere").string()), "--resume");
+  fs::create_directories(dir_ / "empty_run");
+  std::ofstream(dir_ / "empty_run" / "config.json") << "{}";
+  expect_one_line_error(run("--resume " + (dir_ / "empty_run").string()), "config.json");
+}
+
+// SIGINT during training: the step finishes, a checkpoint is saved, the exit status is 130;
+// resuming completes a run whose losses equal an uninterrupted one's.
+TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
+  const std::string corpus = write_corpus(200).string();
+  const std::string flags = "--preset tiny --vocab 300 --batch 4 --steps 120 --save-every 1000 "
+                            "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " + corpus;
+  const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
+  ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
+  // Prepared data first, so the interrupted run starts training at once.
+  fs::create_directories(stopped);
+  for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(straight / f, stopped / f);
+
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::string log = (dir_ / "stopped.log").string();
+    std::freopen(log.c_str(), "w", stdout);
+    std::freopen(log.c_str(), "a", stderr);
+    const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + flags + " --out " + stopped.string();
+    ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Interrupt once a few steps are logged.
+  for (int i = 0; i < 3000 && losses_of(stopped).size() < 3; ++i) ::usleep(10000);
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 130) << read_all(dir_ / "stopped.log");
+  const size_t done = losses_of(stopped).size();
+  ASSERT_GE(done, 3u);
+  ASSERT_LT(done, 120u) << "the run ended before the interrupt";
+  EXPECT_NE(read_all(dir_ / "stopped.log").find("interrupted (SIGINT) after step " + std::to_string(done)),
+            std::string::npos)
+      << read_all(dir_ / "stopped.log");
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08zu.ckpt", done);
+  EXPECT_TRUE(fs::exists(stopped / "checkpoints" / name));
+  EXPECT_FALSE(fs::exists(stopped / "model.bin"));
+
+  const Result r = run("--resume " + stopped.string() + " --sample-tokens 1");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_EQ(losses_of(stopped), losses_of(straight));
+  EXPECT_EQ(read_all(stopped / "model.bin"), read_all(straight / "model.bin"));
 }
 
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
