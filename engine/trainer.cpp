@@ -39,18 +39,25 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   return r;
 }
 
-double Trainer::evaluate(std::span<const int32_t> tokens, int64_t windows) const {
+double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>& loss_fn,
+                     std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows) {
   NoGradGuard no_grad;
-  windows = std::min(windows, eval_window_count(tokens, options_.ctx));
+  windows = std::min(windows, eval_window_count(tokens, ctx));
+  Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+  Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
   double sum = 0.0;
-  for (int64_t first = 0; first < windows; first += options_.batch) {
-    const int64_t rows = std::min(options_.batch, windows - first);
-    Tensor inputs = inputs_.view(0, Shape{rows, options_.ctx});
-    Tensor targets = targets_.view(0, Shape{rows, options_.ctx});
-    eval_windows(tokens, options_.ctx, first, rows, inputs.i32(), targets.i32());
-    sum += static_cast<double>(loss_fn_(inputs, targets).value().f32()[0]) * static_cast<double>(rows);
+  for (int64_t first = 0; first < windows; first += batch) {
+    const int64_t rows = std::min(batch, windows - first);
+    Tensor in = inputs.view(0, Shape{rows, ctx});
+    Tensor tgt = targets.view(0, Shape{rows, ctx});
+    eval_windows(tokens, ctx, first, rows, in.i32(), tgt.i32());
+    sum += static_cast<double>(loss_fn(in, tgt).value().f32()[0]) * static_cast<double>(rows);
   }
   return windows > 0 ? sum / static_cast<double>(windows) : 0.0;
+}
+
+double Trainer::evaluate(std::span<const int32_t> tokens, int64_t windows) const {
+  return evaluate_loss(loss_fn_, tokens, options_.ctx, options_.batch, windows);
 }
 
 }  // namespace cputrain

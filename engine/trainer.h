@@ -29,6 +29,11 @@ struct StepResult {
   double tokens_per_s = 0.0;
 };
 
+// Mean loss of loss_fn over the first `windows` consecutive evaluation windows of `tokens`
+// (fewer if the stream is shorter), in batches of `batch`, without recording gradients.
+double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>& loss_fn,
+                     std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows);
+
 class Trainer {
  public:
   using LossFn = std::function<Variable(const Tensor& inputs, const Tensor& targets)>;

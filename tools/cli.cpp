@@ -10,6 +10,7 @@
 
 #include "engine/error.h"
 #include "tools/budget_command.h"
+#include "tools/eval_command.h"
 #include "tools/parity_command.h"
 #include "tools/sample_command.h"
 #include "tools/train_command.h"
@@ -18,7 +19,7 @@ namespace cputrain {
 namespace {
 
 bool is_subcommand(const std::string& arg) {
-  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget";
+  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval";
 }
 
 }  // namespace
@@ -46,6 +47,9 @@ int run_cli(int argc, char** argv) {
   CLI::App* budget = app.add_subcommand(
       "budget", "Print the memory budget of a training run and whether it fits in this machine");
   add_budget_flags(*budget, budget_args);
+  EvalArgs eval_args;
+  CLI::App* eval = app.add_subcommand("eval", "Loss and perplexity of a trained run");
+  add_eval_flags(*eval, eval_args);
 
   try {
     app.parse(args);
@@ -65,6 +69,7 @@ int run_cli(int argc, char** argv) {
     if (sample->parsed()) return run_sample(sample_args);
     if (parity->parsed()) return run_parity(parity_args);
     if (budget->parsed()) return run_budget(budget_args);
+    if (eval->parsed()) return run_eval(eval_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     return 1;

@@ -369,6 +369,34 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   EXPECT_EQ(read_all(stopped / "model.bin"), read_all(straight / "model.bin"));
 }
 
+// eval reproduces the validation loss training logged at its last step, reads checkpoints too,
+// and refuses damaged input with one line.
+TEST_F(Cli, EvalMatchesTrainingsValidationLoss) {
+  const fs::path run_dir = dir_ / "run";
+  const Result r = run("--preset tiny --vocab 300 --batch 4 --steps 10 --eval-windows 6 "
+                       "--sample-tokens 1 --dtype fp32 --corpus " + write_corpus(300).string() +
+                       " --out " + run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream metrics(run_dir / "metrics.jsonl");
+  std::string line, last;
+  while (std::getline(metrics, line)) last = line;
+  const double val = nlohmann::json::parse(last)["val_loss"];
+  const Result e = run("eval --run " + run_dir.string() + " --windows 6 --batch 4 --json");
+  ASSERT_EQ(e.exit_code, 0) << e.err;
+  const nlohmann::json j = nlohmann::json::parse(e.out);
+  EXPECT_NEAR(j["loss"].get<double>(), val, 1e-6);
+  EXPECT_NEAR(j["perplexity"].get<double>(), std::exp(val), 1e-3);
+  EXPECT_EQ(j["windows"], 6);
+  const Result c = run("eval --run " + run_dir.string() + " --windows 6 --batch 4 --weights " +
+                       (run_dir / "checkpoints" / "step-00000010.ckpt").string() + " --json");
+  ASSERT_EQ(c.exit_code, 0) << c.err;
+  EXPECT_EQ(nlohmann::json::parse(c.out)["loss"], j["loss"]);  // the same weights
+
+  expect_one_line_error(run("eval --run " + (dir_ / "none").string()), "--run");
+  std::ofstream(run_dir / "model.bin", std::ios::trunc) << "garbage";
+  expect_one_line_error(run("eval --run " + run_dir.string()), "model.bin");
+}
+
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
   const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
                        "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());

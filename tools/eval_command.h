@@ -1,0 +1,25 @@
+// `cputrain eval`: the loss and perplexity of a trained run on its validation split or on
+// another corpus.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+namespace cputrain {
+
+struct EvalArgs {
+  std::string run;
+  std::string corpus;     // empty: the run's validation split
+  std::string weights;    // empty: <run>/model.bin, else the newest checkpoint
+  int64_t windows = 0;    // 0: every window
+  int64_t batch = 8;
+  int threads = 0;
+  std::string gemm;
+  bool json = false;
+};
+
+void add_eval_flags(CLI::App& app, EvalArgs& args);
+int run_eval(const EvalArgs& args);
+
+}  // namespace cputrain
