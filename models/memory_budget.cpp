@@ -59,8 +59,9 @@ struct Var {
 
 // What one block's ops keep on the tape for backward (ids into the ledger).
 struct BlockTape {
-  int n1_x, n1_rstd, wq_x, wk_x, wv_x, att_q, att_k, att_v, att_y, att_lse, wo_x;
-  int n2_x, n2_rstd, w1_x, w3_x, sw_gate, sw_up, w2_x;
+  int n1_x = -1, n1_rstd = -1, wq_x = -1, wk_x = -1, wv_x = -1, att_q = -1, att_k = -1;
+  int att_v = -1, att_y = -1, att_lse = -1, wo_x = -1, n2_x = -1, n2_rstd = -1, w1_x = -1;
+  int w3_x = -1, sw_gate = -1, sw_up = -1, w2_x = -1;
 };
 
 // Replays the allocations of LlamaModel::loss and backward (models/llama.cpp, engine/ops.cpp,
@@ -95,12 +96,10 @@ class StepReplay {
       x = out;
     }
     // Final norm, head, loss.
-    Var h = act(n_ * C_);
-    const int fn_rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
-    const int fn_x = saved(x);
+    int fn_x = -1, fn_rstd = -1, head_x = -1;
+    Var h = norm_forward(x, true, &fn_x, &fn_rstd);
     drop(x);
-    Var logits = act(n_ * V_);
-    const int head_x = saved(h);
+    Var logits = linear_forward(h, n_ * V_, true, &head_x);
     const int losses = work(n_ * 4);
     const int ce_lse = L_.alloc(MemoryCategory::Activations, n_ * 4);
     const int loss = L_.alloc(MemoryCategory::Activations, 4);
@@ -178,32 +177,44 @@ class StepReplay {
     return dx;
   }
 
+  // rmsnorm: its output and FP32 reciprocal norms; with grad it saves its input and those.
+  Var norm_forward(Var& x, bool grad, int* saved_x, int* saved_rstd) {
+    Var y = act(n_ * C_);
+    const int rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
+    if (grad) {
+      *saved_x = saved(x);
+      *saved_rstd = rstd;
+    } else {
+      L_.release(rstd);
+    }
+    return y;
+  }
+  // linear: its output, then its input's bf16 rounding for the GEMM; with grad it saves that
+  // input (or its rounding).
+  Var linear_forward(Var& x, int64_t out_elems, bool grad, int* saved_x) {
+    Var y = act(out_elems);
+    cache(x);
+    if (grad) *saved_x = L_.retain(bf16_ ? x.bf16 : x.value);
+    return y;
+  }
+
   // LlamaModel::block_forward.
   Var block_forward(Var& x, bool grad, BlockTape* t) {
     const int64_t nc = n_ * C_, nf = n_ * F_;
+    BlockTape unused;
+    if (t == nullptr) t = &unused;
     Var a;
     {
       Var q, k, v;
       {
-        Var h = act(nc);
-        const int rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
-        if (grad) {
-          t->n1_x = saved(x);
-          t->n1_rstd = rstd;
-        } else {
-          L_.release(rstd);
-        }
-        Var pre = act(nc);  // linear wq, then rope
-        cache(h);
-        if (grad) t->wq_x = L_.retain(bf16_ ? h.bf16 : h.value);
-        q = act(nc);
+        Var h = norm_forward(x, grad, &t->n1_x, &t->n1_rstd);
+        Var pre = linear_forward(h, nc, grad, &t->wq_x);
+        q = act(nc);  // rope
         drop(pre);
-        pre = act(nc);  // linear wk, then rope
-        if (grad) t->wk_x = L_.retain(bf16_ ? h.bf16 : h.value);
+        pre = linear_forward(h, nc, grad, &t->wk_x);
         k = act(nc);
         drop(pre);
-        v = act(nc);  // linear wv
-        if (grad) t->wv_x = L_.retain(bf16_ ? h.bf16 : h.value);
+        v = linear_forward(h, nc, grad, &t->wv_x);
         drop(h);
       }
       // attention: output and log-sum-exp, then q, k, v as saved (and widened for the kernel)
@@ -225,9 +236,7 @@ class StepReplay {
       } else {
         L_.release(lse);
       }
-      Var wo = act(nc);
-      cache(y);
-      if (grad) t->wo_x = L_.retain(bf16_ ? y.bf16 : y.value);
+      Var wo = linear_forward(y, nc, grad, &t->wo_x);
       a = act(nc);  // add(x, wo)
       drop(wo);
       drop(y);
@@ -237,19 +246,9 @@ class StepReplay {
     }
     Var f;
     {
-      Var g = act(nc);
-      const int rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
-      if (grad) {
-        t->n2_x = saved(a);
-        t->n2_rstd = rstd;
-      } else {
-        L_.release(rstd);
-      }
-      Var gate = act(nf);
-      cache(g);
-      if (grad) t->w1_x = L_.retain(bf16_ ? g.bf16 : g.value);
-      Var up = act(nf);
-      if (grad) t->w3_x = L_.retain(bf16_ ? g.bf16 : g.value);
+      Var g = norm_forward(a, grad, &t->n2_x, &t->n2_rstd);
+      Var gate = linear_forward(g, nf, grad, &t->w1_x);
+      Var up = linear_forward(g, nf, grad, &t->w3_x);
       f = act(nf);
       if (grad) {
         t->sw_gate = saved(gate);
@@ -259,9 +258,7 @@ class StepReplay {
       drop(gate);
       drop(g);
     }
-    Var w2 = act(nc);
-    cache(f);
-    if (grad) t->w2_x = L_.retain(bf16_ ? f.bf16 : f.value);
+    Var w2 = linear_forward(f, nc, grad, &t->w2_x);
     Var out = act(nc);  // add(a, w2)
     drop(w2);
     drop(f);
