@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages cputrain builds and runs with, only those that are missing.
-# Usage: tools/install_deps.sh [--torch]   (--torch adds what the PyTorch comparison needs)
+# Usage: tools/install_deps.sh [--torch | --fuzz]   (--torch adds what the PyTorch comparison
+# needs, --fuzz clang and its libFuzzer runtime)
 set -euo pipefail
 
 packages=(g++ cmake make pkg-config libdnnl-dev libeigen3-dev libsentencepiece-dev
@@ -8,6 +9,9 @@ packages=(g++ cmake make pkg-config libdnnl-dev libeigen3-dev libsentencepiece-d
           nlohmann-json3-dev fortunes)
 if [[ "${1:-}" == "--torch" ]]; then
   packages+=(python3 python3-torch libopenblas0)
+fi
+if [[ "${1:-}" == "--fuzz" ]]; then
+  packages+=(clang libclang-rt-14-dev)
 fi
 
 missing=()
