@@ -12,6 +12,7 @@
 #include "tools/budget_command.h"
 #include "tools/eval_command.h"
 #include "tools/parity_command.h"
+#include "tools/plot_command.h"
 #include "tools/sample_command.h"
 #include "tools/train_command.h"
 
@@ -19,7 +20,7 @@ namespace cputrain {
 namespace {
 
 bool is_subcommand(const std::string& arg) {
-  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval";
+  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" || arg == "plot";
 }
 
 }  // namespace
@@ -50,6 +51,9 @@ int run_cli(int argc, char** argv) {
   EvalArgs eval_args;
   CLI::App* eval = app.add_subcommand("eval", "Loss and perplexity of a trained run");
   add_eval_flags(*eval, eval_args);
+  PlotArgs plot_args;
+  CLI::App* plot = app.add_subcommand("plot", "Plot a run's losses and tokens/s as an SVG file");
+  add_plot_flags(*plot, plot_args);
 
   try {
     app.parse(args);
@@ -70,6 +74,7 @@ int run_cli(int argc, char** argv) {
     if (parity->parsed()) return run_parity(parity_args);
     if (budget->parsed()) return run_budget(budget_args);
     if (eval->parsed()) return run_eval(eval_args);
+    if (plot->parsed()) return run_plot(plot_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     return 1;

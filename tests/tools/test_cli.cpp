@@ -397,6 +397,34 @@ TEST_F(Cli, EvalMatchesTrainingsValidationLoss) {
   expect_one_line_error(run("eval --run " + run_dir.string()), "model.bin");
 }
 
+TEST_F(Cli, PlotWritesAnSvgOfTheRun) {
+  const fs::path run_dir = dir_ / "run";
+  ASSERT_EQ(run("--preset tiny --vocab 300 --batch 4 --steps 12 --eval-every 4 --sample-tokens 1 "
+                "--corpus " + write_corpus(200).string() + " --out " + run_dir.string())
+                .exit_code,
+            0);
+  const Result p = run("plot --run " + run_dir.string());
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  EXPECT_NE(p.out.find("12 steps"), std::string::npos) << p.out;
+  const std::string svg = read_all(run_dir / "plot.svg");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  for (const char* text : {"train loss", "validation loss", "tokens/s"})
+    EXPECT_NE(svg.find(text), std::string::npos) << text;
+  size_t polylines = 0;
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1))
+    ++polylines;
+  EXPECT_EQ(polylines, 3u);
+  // 12 train points, 3 validation points.
+  const size_t first = svg.find("points=\"");
+  const size_t end = svg.find('"', first + 8);
+  EXPECT_EQ(std::count(svg.begin() + static_cast<long>(first), svg.begin() + static_cast<long>(end), ','), 3);
+
+  expect_one_line_error(run("plot --run " + (dir_ / "none").string()), "--run");
+  std::ofstream(run_dir / "metrics.jsonl", std::ios::app) << "{broken\n";
+  expect_one_line_error(run("plot --run " + run_dir.string()), "metrics.jsonl");
+}
+
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
   const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
                        "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());
