@@ -20,9 +20,10 @@ double gradient_norm(const ParameterSet& params) {
   return std::sqrt(sum);
 }
 
-float AdamW::step(float lr) {
+float AdamW::step(float lr) { return step(lr, gradient_norm(params_)); }
+
+float AdamW::step(float lr, double norm) {
   ++step_;
-  const double norm = gradient_norm(params_);
   // torch: clip_coef = max_norm / (norm + 1e-6), clamped to at most 1.
   float scale = 1.0f;
   if (config_.grad_clip > 0.0f) {

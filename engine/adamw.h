@@ -20,6 +20,8 @@ class AdamW {
   // One update at learning rate lr from the accumulated gradients; returns the global
   // gradient norm before clipping. Gradients are left as they are.
   float step(float lr);
+  // The same with the global gradient norm already computed (gradient_norm).
+  float step(float lr, double norm);
   int64_t step_count() const { return step_; }
   const Tensor& m() const { return m_; }
   const Tensor& v() const { return v_; }

@@ -31,8 +31,13 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   }
   StepResult r;
   r.lr = learning_rate(options_.lr, step);
-  r.grad_norm = optimizer_.step(static_cast<float>(r.lr));
   r.loss = loss_sum / static_cast<double>(options_.accum);
+  r.grad_norm = gradient_norm(params_);
+  if (filter_ && !filter_(r)) {
+    r.skipped = true;
+  } else {
+    optimizer_.step(static_cast<float>(r.lr), r.grad_norm);
+  }
   r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
              .count();
   r.tokens_per_s = static_cast<double>(B * options_.accum * options_.ctx) / (r.ms / 1000.0);

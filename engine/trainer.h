@@ -27,6 +27,7 @@ struct StepResult {
   double grad_norm = 0.0;  // before clipping
   double ms = 0.0;
   double tokens_per_s = 0.0;
+  bool skipped = false;  // the step filter refused the update: the weights are as before
 };
 
 // Mean loss of loss_fn over the first `windows` consecutive evaluation windows of `tokens`
@@ -45,6 +46,10 @@ class Trainer {
   // AdamW update at the scheduled rate.
   StepResult step(std::span<const int32_t> tokens, int64_t step);
 
+  // Called once the step's loss and gradient norm are known and before the update; returning
+  // false skips the update (a non-finite loss, a spike). No filter: every update is applied.
+  void set_step_filter(std::function<bool(const StepResult&)> filter) { filter_ = std::move(filter); }
+
   // Mean loss over the first `windows` consecutive evaluation windows of `tokens` (fewer if
   // the split is shorter), without recording gradients.
   double evaluate(std::span<const int32_t> tokens, int64_t windows) const;
@@ -58,6 +63,7 @@ class Trainer {
   LossFn loss_fn_;
   TrainOptions options_;
   AdamW optimizer_;
+  std::function<bool(const StepResult&)> filter_;
   Tensor inputs_;   // (batch, ctx) i32
   Tensor targets_;  // (batch, ctx) i32
 };

@@ -287,6 +287,16 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--keep", a.keep, "Checkpoints kept in <out>/checkpoints")
       ->capture_default_str()
       ->check(positive());
+  app.add_option("--spike", a.spike,
+                 "Treat a loss above this many times the mean of the last 20 steps as a bad step "
+                 "(0: off)")
+      ->capture_default_str()
+      ->check(non_negative());
+  app.add_option("--on-bad-step", a.on_bad_step,
+                 "On a non-finite loss or gradient norm, or a spike: stop (naming the last good "
+                 "checkpoint) or skip the update and go on")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"stop", "skip"}));
   app.add_option("--mem-limit", a.mem_limit_gib,
                  "GiB the run may use (default: the available memory at start); training refuses "
                  "to start when its budget exceeds it")
@@ -428,16 +438,42 @@ int run_train(const TrainArgs& args) {
   if (!metrics) throw UserError(out + "/metrics.jsonl: cannot open for writing");
   const int64_t save_every =
       args.save_every >= 0 ? args.save_every : std::max<int64_t>(1, config.steps / 10);
+  // A bad step (non-finite loss or gradient norm, or a spike) is never applied; it stops the run
+  // or, with --on-bad-step skip, is passed over.
+  std::vector<double> recent;  // losses of the last accepted steps
+  std::string bad_reason;
+  trainer.set_step_filter([&](const StepResult& r) {
+    bad_reason.clear();
+    if (!std::isfinite(r.loss)) {
+      bad_reason = fmt::format("loss is {}", r.loss);
+    } else if (!std::isfinite(r.grad_norm)) {
+      bad_reason = fmt::format("gradient norm is {}", r.grad_norm);
+    } else if (args.spike > 0.0 && !recent.empty()) {
+      double mean = 0.0;
+      for (double l : recent) mean += l;
+      mean /= static_cast<double>(recent.size());
+      if (r.loss > args.spike * mean)
+        bad_reason = fmt::format("loss {:.4f} is a spike (over {:g} x the mean {:.4f} of the last {} "
+                                 "steps)", r.loss, args.spike, mean, recent.size());
+    }
+    if (!bad_reason.empty()) return false;
+    recent.push_back(r.loss);
+    if (recent.size() > 20) recent.erase(recent.begin());
+    return true;
+  });
   g_stop_signal = 0;
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
 
   for (int64_t step = first_step; step <= config.steps; ++step) {
     const StepResult r = trainer.step(train_tokens, step);
-    if (!std::isfinite(r.loss))
-      throw UserError("step " + std::to_string(step) + ": loss is " + std::to_string(r.loss) +
-                      " (try a lower --lr); the last good checkpoint is " +
+    if (r.skipped && args.on_bad_step == "stop") {
+      throw UserError("step " + std::to_string(step) + ": " + bad_reason +
+                      "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
+                      "the last good checkpoint is " +
                       (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
+    }
+    if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
     const ProcessMemory mem = process_memory();
     const MemoryStats stats = memory_stats();
     nlohmann::json m = {{"step", step},
@@ -448,7 +484,8 @@ int run_train(const TrainArgs& args) {
                         {"ms", r.ms},
                         {"rss_bytes", mem.rss_bytes},
                         {"peak_rss_bytes", mem.peak_rss_bytes},
-                        {"budget_bytes", budget_total}};
+                        {"budget_bytes", budget_total},
+                        {"skipped", r.skipped}};
     for (int i = 0; i < kMemoryCategoryCount; ++i) {
       const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
       m[name + "_bytes"] = stats.live_bytes[i];

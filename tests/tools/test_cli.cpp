@@ -425,6 +425,31 @@ TEST_F(Cli, PlotWritesAnSvgOfTheRun) {
   expect_one_line_error(run("plot --run " + run_dir.string()), "metrics.jsonl");
 }
 
+// A bad step is never applied: by default it stops the run naming the step and the last good
+// checkpoint; with --on-bad-step skip the run goes on. (--spike 0.5 makes every step after the
+// first a spike.)
+TEST_F(Cli, BadStepsStopOrAreSkipped) {
+  const std::string base = "--preset tiny --vocab 300 --batch 4 --steps 5 --save-every 1 "
+                           "--sample-tokens 1 --spike 0.5 --corpus " + write_corpus(200).string();
+  const Result stopped = run(base + " --out " + (dir_ / "stop").string());
+  expect_one_line_error(stopped, "step 2: loss");
+  EXPECT_NE(stopped.err.find("spike"), std::string::npos) << stopped.err;
+  EXPECT_NE(stopped.err.find("step-00000001.ckpt"), std::string::npos) << stopped.err;
+  EXPECT_FALSE(fs::exists(dir_ / "stop" / "checkpoints" / "step-00000002.ckpt"));
+
+  const fs::path skip = dir_ / "skip";
+  const Result r = run(base + " --on-bad-step skip --out " + skip.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("step 2: loss"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("skipped"), std::string::npos) << r.out;
+  std::ifstream metrics(skip / "metrics.jsonl");
+  std::string line;
+  std::vector<bool> skipped;
+  while (std::getline(metrics, line)) skipped.push_back(nlohmann::json::parse(line)["skipped"]);
+  EXPECT_EQ(skipped, (std::vector<bool>{false, true, true, true, true}));
+  expect_one_line_error(run(base + " --on-bad-step ignore --out " + skip.string()), "--on-bad-step");
+}
+
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
   const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
                        "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());
