@@ -5,7 +5,8 @@
 #   benchmarks/memory_table.sh "mini fp32 none 8" "mega bf16 layer 4"
 # Runs share one run directory (CPUTRAIN_MEMORY_DIR, default runs/memory) so the tokenizer and
 # token cache of the corpus are made once. STEPS (default 3) steps each, accumulation 1, ctx
-# as the preset; tokens/s is the median of the steps after the first.
+# as the preset; tokens/s is the median of the steps after the first. EXTRA adds flags to every
+# run (e.g. EXTRA="--save-every 0" to skip the per-step checkpoints of a short run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${CPUTRAIN_MEMORY_DIR:-runs/memory}
@@ -14,7 +15,7 @@ echo "| preset | dtype | checkpoint | batch x ctx | budget | peak RSS | gap | ac
 echo "|---|---|---|---|---|---|---|---|---|---|---|"
 for row in "$@"; do
   read -r preset dtype checkpoint batch <<<"$row"
-  cmd="build/cputrain --preset $preset --dtype $dtype --checkpoint $checkpoint --batch $batch --accum 1 --steps $steps --eval-windows 1 --sample-tokens 1 --out $dir"
+  cmd="build/cputrain --preset $preset --dtype $dtype --checkpoint $checkpoint --batch $batch --accum 1 --steps $steps --eval-windows 1 --sample-tokens 1 --out $dir${EXTRA:+ $EXTRA}"
   if ! $cmd >"$dir.log" 2>&1; then
     echo "| $preset | $dtype | $checkpoint | $batch | failed: $(tail -1 "$dir.log") | | | | | | \`$cmd\` |"
     continue
