@@ -1,6 +1,10 @@
 #include "engine/checkpoint_file.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -86,7 +90,7 @@ CheckpointInfo read_checkpoint_info(const std::string& path) {
   return read_header(r, &n);
 }
 
-CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW& adamw) {
+CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW* adamw) {
   verify(path);
   FileReader r(path, "checkpoint");
   uint64_t n = 0;
@@ -95,11 +99,35 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
     throw UserError(path + ": holds " + std::to_string(n) + " weights, the model has " +
                     std::to_string(params.numel()));
   r.bytes(params.weights().f32(), n * 4);
-  r.bytes(adamw.m().f32(), n * 4);
-  r.bytes(adamw.v().f32(), n * 4);
-  adamw.set_step_count(info.adamw_step);
+  if (adamw != nullptr) {
+    r.bytes(adamw->m().f32(), n * 4);
+    r.bytes(adamw->v().f32(), n * 4);
+    adamw->set_step_count(info.adamw_step);
+  }
   params.sync_bf16_copies();
   return info;
+}
+
+std::string checkpoint_dir(const std::string& run_dir) { return run_dir + "/checkpoints"; }
+
+std::string checkpoint_path(const std::string& run_dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "/step-%08lld.ckpt", static_cast<long long>(step));
+  return checkpoint_dir(run_dir) + name;
+}
+
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(checkpoint_dir(run_dir), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() != 18 || name.rfind("step-", 0) != 0 || !name.ends_with(".ckpt")) continue;
+    char* end = nullptr;
+    const long long step = std::strtoll(name.c_str() + 5, &end, 10);
+    if (end == name.c_str() + 13) found.emplace_back(step, e.path().string());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
 }
 
 }  // namespace cputrain

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/adamw.h"
 #include "engine/parameters.h"
@@ -31,9 +33,16 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
 // not a checkpoint, is truncated, corrupt or of another version is one UserError naming it.
 CheckpointInfo read_checkpoint_info(const std::string& path);
 
-// read_checkpoint_info, then the weights and AdamW's state into `params` and `adamw`, which must
-// be of the checkpoint's size; refreshes the bf16 copies. Nothing is written into them unless
-// the whole file is valid.
-CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW& adamw);
+// read_checkpoint_info, then the weights into `params` and, unless `adamw` is null, AdamW's
+// state into it; both must be of the checkpoint's size. Refreshes the bf16 copies. Nothing is
+// written into them unless the whole file is valid.
+CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW* adamw);
+
+// A run directory's checkpoints: <run>/checkpoints/step-NNNNNNNN.ckpt.
+std::string checkpoint_dir(const std::string& run_dir);
+std::string checkpoint_path(const std::string& run_dir, int64_t step);
+// (step, path) of each checkpoint file in the run directory, oldest first; none if the folder
+// is missing.
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir);
 
 }  // namespace cputrain

@@ -59,7 +59,7 @@ std::string_view memory_category_name(MemoryCategory category) {
 }
 
 // What an allocation of `bytes` takes: whole 64-byte lines, at least one. Counted as such.
-size_t allocated_size(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
+static size_t allocated_size(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
 
 void* memory_allocate(size_t bytes, MemoryCategory category) {
   const size_t rounded = allocated_size(bytes);

@@ -25,16 +25,28 @@ void ParameterSet::allocate() {
   }
 }
 
+namespace {
+// bf16 elements of one copy: each starts on a 64-byte boundary, as the weights do.
+int64_t padded_bf16(int64_t numel) { return (numel + 31) / 32 * 32; }
+}  // namespace
+
+int64_t ParameterSet::bf16_copy_numel() const {
+  int64_t total = 0;
+  for (const ParameterInfo& p : infos_)
+    if (p.bf16_copy) total += padded_bf16(p.shape.numel());
+  return total;
+}
+
 void ParameterSet::enable_bf16_copies() {
   if (!weights_.defined()) throw std::logic_error("ParameterSet::enable_bf16_copies before allocate");
   if (has_bf16_copies()) return;
-  int64_t total = 0;
+  int64_t offset = 0;
   for (ParameterInfo& p : infos_) {
     if (!p.bf16_copy) continue;
-    p.bf16_offset = total;
-    total += (p.shape.numel() + 31) / 32 * 32;  // 64-byte boundaries, as for the weights
+    p.bf16_offset = offset;
+    offset += padded_bf16(p.shape.numel());
   }
-  bf16_weights_ = Tensor::zeros(Shape{total}, DType::BF16, MemoryCategory::Bf16Weights);
+  bf16_weights_ = Tensor::zeros(Shape{offset}, DType::BF16, MemoryCategory::Bf16Weights);
   for (size_t i = 0; i < infos_.size(); ++i) {
     const ParameterInfo& p = infos_[i];
     if (p.bf16_offset >= 0) vars_[i].set_bf16_copy(bf16_weights_.view(p.bf16_offset, p.shape));

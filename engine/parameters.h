@@ -40,6 +40,8 @@ class ParameterSet {
   // Bf16Weights, attaches each to its Variable (Variable::bf16_value) and fills them. AdamW
   // writes them in its update; whoever writes the weights otherwise calls sync_bf16_copies().
   void enable_bf16_copies();
+  // Elements the bf16 copies take, padding included (known once the parameters are declared).
+  int64_t bf16_copy_numel() const;
   bool has_bf16_copies() const { return bf16_weights_.defined(); }
   const Tensor& bf16_weights() const { return bf16_weights_; }
   // Rounds the current weights into the copies; nothing without them.

@@ -104,7 +104,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         ParameterSet params;
         make_params(params);
         AdamW adamw(params, AdamWConfig{});
-        load_checkpoint(path, params, adamw);
+        load_checkpoint(path, params, &adamw);
         break;
       }
       case kWeights: {

@@ -143,7 +143,6 @@ void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   detail::gemm_blocked<Bf16Amx>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
-
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(int64_t M, int64_t N, int64_t K) {
   return detail::blocked_pack_floats<Bf16Amx>(M, N, K);
 }

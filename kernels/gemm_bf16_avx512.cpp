@@ -125,7 +125,6 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
   detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
-
 std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(int64_t M, int64_t N, int64_t K) {
   return detail::blocked_pack_floats<Bf16Avx512>(M, N, K);
 }

@@ -96,7 +96,6 @@ void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K
   detail::gemm_blocked<F32Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
-
 std::array<int64_t, 2> gemm_f32_avx512_pack_floats(int64_t M, int64_t N, int64_t K) {
   return detail::blocked_pack_floats<F32Avx512>(M, N, K);
 }

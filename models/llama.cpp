@@ -11,27 +11,41 @@
 
 namespace cputrain {
 
-LlamaModel::LlamaModel(const LlamaConfig& config) : config_(config) {
-  const std::string error = validate(config);
-  if (!error.empty()) throw std::invalid_argument(error);
+LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& params) {
   const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
-  tok_embeddings_ = params_.add("tok_embeddings.weight", Shape{V, C}, true);
+  Layout layout;
+  layout.tok_embeddings = params.add("tok_embeddings.weight", Shape{V, C}, true);
   for (int64_t i = 0; i < config.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     Block b;
-    b.attention_norm = params_.add(l + "attention_norm.weight", Shape{C}, false);
-    b.wq = params_.add(l + "attention.wq.weight", Shape{C, C}, true, true);
-    b.wk = params_.add(l + "attention.wk.weight", Shape{C, C}, true, true);
-    b.wv = params_.add(l + "attention.wv.weight", Shape{C, C}, true, true);
-    b.wo = params_.add(l + "attention.wo.weight", Shape{C, C}, true, true);
-    b.ffn_norm = params_.add(l + "ffn_norm.weight", Shape{C}, false);
-    b.w1 = params_.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
-    b.w3 = params_.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
-    b.w2 = params_.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
-    blocks_.push_back(b);
+    b.attention_norm = params.add(l + "attention_norm.weight", Shape{C}, false);
+    b.wq = params.add(l + "attention.wq.weight", Shape{C, C}, true, true);
+    b.wk = params.add(l + "attention.wk.weight", Shape{C, C}, true, true);
+    b.wv = params.add(l + "attention.wv.weight", Shape{C, C}, true, true);
+    b.wo = params.add(l + "attention.wo.weight", Shape{C, C}, true, true);
+    b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
+    b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
+    b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
+    b.w2 = params.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
+    layout.blocks.push_back(b);
   }
-  norm_ = params_.add("norm.weight", Shape{C}, false);
-  output_ = params_.add("output.weight", Shape{V, C}, true, true);
+  layout.norm = params.add("norm.weight", Shape{C}, false);
+  layout.output = params.add("output.weight", Shape{V, C}, true, true);
+  return layout;
+}
+
+void LlamaModel::declare_parameters(const LlamaConfig& config, ParameterSet& params) {
+  declare(config, params);
+}
+
+LlamaModel::LlamaModel(const LlamaConfig& config) : config_(config) {
+  const std::string error = validate(config);
+  if (!error.empty()) throw std::invalid_argument(error);
+  Layout layout = declare(config, params_);
+  tok_embeddings_ = layout.tok_embeddings;
+  blocks_ = std::move(layout.blocks);
+  norm_ = layout.norm;
+  output_ = layout.output;
   params_.allocate();
 
   const int64_t D = config.head_dim();

@@ -14,6 +14,10 @@ class LlamaModel {
  public:
   explicit LlamaModel(const LlamaConfig& config);
 
+  // Declares the model's parameters into `params` without allocating them: their names,
+  // shapes, decay and bf16-copy flags, as the model holds them (the memory budget sizes them so).
+  static void declare_parameters(const LlamaConfig& config, ParameterSet& params);
+
   const LlamaConfig& config() const { return config_; }
   ParameterSet& parameters() { return params_; }
   const ParameterSet& parameters() const { return params_; }
@@ -43,6 +47,13 @@ class LlamaModel {
   struct Block {
     int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
   };
+  struct Layout {
+    int tok_embeddings = 0;
+    std::vector<Block> blocks;
+    int norm = 0;
+    int output = 0;
+  };
+  static Layout declare(const LlamaConfig& config, ParameterSet& params);
   // (B, T, C) hidden states after the final norm.
   Variable hidden(const Tensor& inputs);
   Variable block_forward(const Block& block, const Variable& x);

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernels/gemm.h"
+#include "models/llama.h"
 
 namespace cputrain {
 namespace {
@@ -356,22 +357,10 @@ int64_t gemm_buffers(const LlamaConfig& c, const BudgetOptions& o) {
 
 MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   Ledger ledger;
-  // The parameter table (LlamaModel's), each parameter padded as ParameterSet pads it.
-  const int64_t C = c.d_model, F = c.ffn, V = c.vocab;
-  int64_t elems = 0, copies = 0;
-  auto param = [&](int64_t numel, bool copy) {
-    elems += (numel + 15) / 16 * 16;
-    if (copy) copies += (numel + 31) / 32 * 32;
-  };
-  param(V * C, false);
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    param(C, false);
-    for (int i = 0; i < 4; ++i) param(C * C, true);
-    param(C, false);
-    for (int i = 0; i < 3; ++i) param(F * C, true);
-  }
-  param(C, false);
-  param(V * C, true);
+  // The model's parameter table, declared but not allocated.
+  ParameterSet params;
+  LlamaModel::declare_parameters(c, params);
+  const int64_t elems = params.numel(), copies = params.bf16_copy_numel();
   ledger.alloc(MemoryCategory::Weights, elems * 4);
   ledger.alloc(MemoryCategory::Gradients, elems * 4);
   ledger.alloc(MemoryCategory::OptimizerState, elems * 4);  // m

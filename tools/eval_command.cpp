@@ -29,21 +29,10 @@ namespace fs = std::filesystem;
 // model.bin, or else the newest checkpoint of the run.
 std::string default_weights(const std::string& run) {
   if (fs::exists(run + "/model.bin")) return run + "/model.bin";
-  std::string newest;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(run + "/checkpoints", ec)) {
-    const std::string p = e.path().string();
-    if (p.ends_with(".ckpt") && p > newest) newest = p;
-  }
-  if (newest.empty())
+  const auto all = list_checkpoints(run);
+  if (all.empty())
     throw UserError("--run " + run + ": neither model.bin nor a checkpoint to evaluate");
-  return newest;
-}
-
-void load_into(const std::string& path, LlamaModel& model) {
-  if (!path.ends_with(".ckpt")) return load_weights(path, model.parameters());
-  AdamW scratch(model.parameters(), AdamWConfig{});
-  load_checkpoint(path, model.parameters(), scratch);
+  return all.back().second;
 }
 
 }  // namespace
@@ -76,7 +65,11 @@ int run_eval(const EvalArgs& a) {
                     std::to_string(config.model.vocab));
   LlamaModel model(config.model);
   const std::string weights = a.weights.empty() ? default_weights(a.run) : a.weights;
-  load_into(weights, model);
+  if (weights.ends_with(".ckpt")) {
+    load_checkpoint(weights, model.parameters(), nullptr);
+  } else {
+    load_weights(weights, model.parameters());
+  }
 
   std::vector<int32_t> owned;
   std::span<const int32_t> tokens;

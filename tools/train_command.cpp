@@ -149,22 +149,22 @@ extern "C" void on_stop_signal(int sig) {
   std::signal(sig, SIG_DFL);
 }
 
-std::string checkpoint_dir(const std::string& out) { return out + "/checkpoints"; }
-
-// The run's checkpoints, oldest first, by the step in their names (step-00000123.ckpt).
-std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& out) {
-  std::vector<std::pair<int64_t, std::string>> found;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(checkpoint_dir(out), ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() != 18 || name.rfind("step-", 0) != 0 || !name.ends_with(".ckpt")) continue;
-    char* end = nullptr;
-    const long long step = std::strtoll(name.c_str() + 5, &end, 10);
-    if (end == name.c_str() + 13) found.emplace_back(step, e.path().string());
+// Catches SIGINT and SIGTERM for its scope; the default actions are back afterwards, however
+// the scope is left.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    std::signal(SIGINT, on_stop_signal);
+    std::signal(SIGTERM, on_stop_signal);
   }
-  std::sort(found.begin(), found.end());
-  return found;
-}
+  ~StopSignals() {
+    std::signal(SIGINT, SIG_DFL);
+    std::signal(SIGTERM, SIG_DFL);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+};
 
 std::string save_training_checkpoint(const std::string& out, int64_t step, const ParameterSet& params,
                                      const AdamW& adamw, uint64_t data_fingerprint,
@@ -172,7 +172,7 @@ std::string save_training_checkpoint(const std::string& out, int64_t step, const
   std::error_code ec;
   fs::create_directories(checkpoint_dir(out), ec);
   if (ec) throw UserError(checkpoint_dir(out) + ": cannot create (" + ec.message() + ")");
-  const std::string path = checkpoint_dir(out) + fmt::format("/step-{:08d}.ckpt", step);
+  const std::string path = checkpoint_path(out, step);
   save_checkpoint(path, params, adamw, CheckpointInfo{step, adamw.step_count(), data_fingerprint,
                                                       config_json});
   auto all = list_checkpoints(out);
@@ -388,7 +388,6 @@ int run_train(const TrainArgs& args) {
   LlamaModel model(config.model);
   model.init_weights(config.train.seed);
   model.set_compute_dtype(config.dtype);
-  const int64_t budget_total = budget.total_bytes();
   model.set_checkpointing(config.checkpoint);
   const std::string config_json = run_config_to_json(config);
   if (!resuming) write_file_atomic(out + "/config.json", config_json);
@@ -429,7 +428,7 @@ int run_train(const TrainArgs& args) {
     if (info.data_fingerprint != data.dataset.fingerprint())
       throw UserError(last_checkpoint + ": made on other data than " + out +
                       " holds now (the corpus, tokenizer or token cache changed)");
-    load_checkpoint(last_checkpoint, model.parameters(), trainer.optimizer());
+    load_checkpoint(last_checkpoint, model.parameters(), &trainer.optimizer());
     first_step = info.step + 1;
     truncate_metrics(out + "/metrics.jsonl", info.step);
     log->info("resuming from {} at step {}", last_checkpoint, first_step);
@@ -461,71 +460,67 @@ int run_train(const TrainArgs& args) {
     if (recent.size() > 20) recent.erase(recent.begin());
     return true;
   });
-  g_stop_signal = 0;
-  std::signal(SIGINT, on_stop_signal);
-  std::signal(SIGTERM, on_stop_signal);
-
-  for (int64_t step = first_step; step <= config.steps; ++step) {
-    const StepResult r = trainer.step(train_tokens, step);
-    if (r.skipped && args.on_bad_step == "stop") {
-      throw UserError("step " + std::to_string(step) + ": " + bad_reason +
-                      "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
-                      "the last good checkpoint is " +
-                      (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
-    }
-    if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
-    const ProcessMemory mem = process_memory();
-    const MemoryStats stats = memory_stats();
-    nlohmann::json m = {{"step", step},
-                        {"loss", r.loss},
-                        {"lr", r.lr},
-                        {"grad_norm", r.grad_norm},
-                        {"tokens_per_s", r.tokens_per_s},
-                        {"ms", r.ms},
-                        {"rss_bytes", mem.rss_bytes},
-                        {"peak_rss_bytes", mem.peak_rss_bytes},
-                        {"budget_bytes", budget_total},
-                        {"skipped", r.skipped}};
-    for (int i = 0; i < kMemoryCategoryCount; ++i) {
-      const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
-      m[name + "_bytes"] = stats.live_bytes[i];
-      m[name + "_peak_bytes"] = stats.peak_bytes[i];
-      m[name + "_budget_bytes"] = budget.peak_bytes[i];
-    }
-    std::string val;
-    if (can_eval && (step % eval_every == 0 || step == config.steps)) {
-      const double v = trainer.evaluate(val_tokens, args.eval_windows);
-      m["val_loss"] = v;
-      val = fmt::format(" | val {:.4f}", v);
-    }
-    metrics << m.dump() << "\n" << std::flush;
-    if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
-      log->info("step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
-                "{:.0f} ms | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%)",
-                step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
-                gib(mem.peak_rss_bytes), gib(budget_total),
-                100.0 * (static_cast<double>(mem.peak_rss_bytes) / static_cast<double>(budget_total) - 1.0));
-    }
-    if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
-      log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
-    const int stop = g_stop_signal.load();
-    if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
-      last_checkpoint = save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
-                                                 data.dataset.fingerprint(), config_json, args.keep);
-    }
-    if (stop != 0) {
-      std::signal(SIGINT, SIG_DFL);
-      std::signal(SIGTERM, SIG_DFL);
-      log->warn("{} after step {}: saved {}; continue with: cputrain train --resume {}",
-                stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
-                last_checkpoint, out);
-      return 128 + stop;
+  {  // signals: a stop request ends the loop after its step
+    const StopSignals signals;
+    for (int64_t step = first_step; step <= config.steps; ++step) {
+      const StepResult r = trainer.step(train_tokens, step);
+      if (r.skipped && args.on_bad_step == "stop") {
+        throw UserError("step " + std::to_string(step) + ": " + bad_reason +
+                        "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
+                        "the last good checkpoint is " +
+                        (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
+      }
+      if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
+      const ProcessMemory mem = process_memory();
+      const MemoryStats stats = memory_stats();
+      nlohmann::json m = {{"step", step},
+                          {"loss", r.loss},
+                          {"lr", r.lr},
+                          {"grad_norm", r.grad_norm},
+                          {"tokens_per_s", r.tokens_per_s},
+                          {"ms", r.ms},
+                          {"rss_bytes", mem.rss_bytes},
+                          {"peak_rss_bytes", mem.peak_rss_bytes},
+                          {"budget_bytes", budget.total_bytes()},
+                          {"skipped", r.skipped}};
+      for (int i = 0; i < kMemoryCategoryCount; ++i) {
+        const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
+        m[name + "_bytes"] = stats.live_bytes[i];
+        m[name + "_peak_bytes"] = stats.peak_bytes[i];
+        m[name + "_budget_bytes"] = budget.peak_bytes[i];
+      }
+      std::string val;
+      if (can_eval && (step % eval_every == 0 || step == config.steps)) {
+        const double v = trainer.evaluate(val_tokens, args.eval_windows);
+        m["val_loss"] = v;
+        val = fmt::format(" | val {:.4f}", v);
+      }
+      metrics << m.dump() << "\n" << std::flush;
+      if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
+        log->info("step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
+                  "{:.0f} ms | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%)",
+                  step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
+                  gib(mem.peak_rss_bytes), gib(budget.total_bytes()),
+                  100.0 * (static_cast<double>(mem.peak_rss_bytes) /
+                               static_cast<double>(budget.total_bytes()) - 1.0));
+      }
+      if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
+        log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
+      const int stop = g_stop_signal.load();
+      if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
+        last_checkpoint = save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
+                                                   data.dataset.fingerprint(), config_json, args.keep);
+      }
+      if (stop != 0) {
+        log->warn("{} after step {}: saved {}; continue with: cputrain train --resume {}",
+                  stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
+                  last_checkpoint, out);
+        return 128 + stop;
+      }
     }
   }
-  std::signal(SIGINT, SIG_DFL);
-  std::signal(SIGTERM, SIG_DFL);
   const std::string weights_path = out + "/model.bin";
-  save_weights(weights_path, model.parameters(), run_config_to_json(config));
+  save_weights(weights_path, model.parameters(), config_json);
   log->info("saved {}", weights_path);
   for (uint64_t i = 1; i <= 3; ++i)
     log->info("sample {}: {}", i, sample_text(model, data.tokenizer, args.sample_tokens, i));

@@ -73,7 +73,7 @@ TEST_F(CheckpointFile, RoundTripIsExact) {
   make(loaded);
   loaded.enable_bf16_copies();
   AdamW adamw(loaded, AdamWConfig{});
-  const CheckpointInfo info = load_checkpoint(path_, loaded, adamw);
+  const CheckpointInfo info = load_checkpoint(path_, loaded, &adamw);
   EXPECT_EQ(values(loaded.weights()), values(params_.weights()));
   EXPECT_EQ(values(adamw.m()), values(adamw_->m()));
   EXPECT_EQ(values(adamw.v()), values(adamw_->v()));
@@ -96,13 +96,13 @@ TEST_F(CheckpointFile, DamagedFilesAreRefusedWithoutTouchingTheModel) {
   const std::vector<float> before = values(target.weights());
   for (int tenth = 0; tenth < 10; ++tenth) {
     write(std::vector<char>(good.begin(), good.begin() + static_cast<long>(good.size() * tenth / 10)));
-    EXPECT_THROW(load_checkpoint(path_, target, adamw), UserError) << tenth * 10 << "%";
+    EXPECT_THROW(load_checkpoint(path_, target, &adamw), UserError) << tenth * 10 << "%";
   }
   for (size_t i = 0; i < good.size(); i += 3) {
     std::vector<char> bad = good;
     bad[i] ^= 0x04;
     write(bad);
-    EXPECT_THROW(load_checkpoint(path_, target, adamw), UserError) << "flipped byte " << i;
+    EXPECT_THROW(load_checkpoint(path_, target, &adamw), UserError) << "flipped byte " << i;
   }
   EXPECT_EQ(values(target.weights()), before);
   EXPECT_EQ(adamw.step_count(), 0);
@@ -122,7 +122,7 @@ TEST_F(CheckpointFile, ForeignFilesAndOtherModelsAreRefused) {
   bigger.add("w", Shape{40, 3}, true);
   bigger.allocate();
   AdamW adamw(bigger, AdamWConfig{});
-  EXPECT_THROW(load_checkpoint(path_, bigger, adamw), UserError);
+  EXPECT_THROW(load_checkpoint(path_, bigger, &adamw), UserError);
   EXPECT_THROW(read_checkpoint_info((dir_ / "missing.ckpt").string()), UserError);
 }
 
