@@ -25,6 +25,13 @@ class HashingWriter {
     value(static_cast<uint32_t>(s.size()));
     bytes(s.data(), s.size());
   }
+  // The start both file formats share: magic (8 bytes) | u32 version | u64 JSON bytes | JSON.
+  void preamble(const char* magic, uint32_t version, const std::string& json) {
+    bytes(magic, 8);
+    value(version);
+    value(static_cast<uint64_t>(json.size()));
+    bytes(json.data(), json.size());
+  }
   // Appends the hash of everything written so far.
   void checksum() { value(hash_); }
 
@@ -46,6 +53,10 @@ class FileReader {
     return v;
   }
   std::string string(size_t limit);
+  // Reads the preamble HashingWriter::preamble wrote and returns its JSON: first the magic and
+  // version (so a foreign file is named as such), then the trailing checksum over the whole
+  // file (a second pass), then the JSON, of at most max_json bytes.
+  std::string preamble(const char* magic, uint32_t version, uint64_t max_json);
   uint64_t size() const { return size_; }
   uint64_t pos() const { return pos_; }
   [[noreturn]] void corrupt(const std::string& what) const;

@@ -24,19 +24,9 @@ std::string hex(uint64_t v) {
   return s.str();
 }
 
-// Reads the header of a checkpoint whose checksum has been verified; leaves r at the arrays.
+// Opens a checkpoint (magic, version, checksum) and reads its header; leaves r at the arrays.
 CheckpointInfo read_header(FileReader& r, uint64_t* n) {
-  char magic[sizeof(kMagic)];
-  r.bytes(magic, sizeof(magic));
-  if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) r.corrupt("not a cputrain checkpoint");
-  const auto version = r.value<uint32_t>();
-  if (version != kVersion)
-    r.corrupt("checkpoint version " + std::to_string(version) + ", expected " +
-              std::to_string(kVersion));
-  const auto json_bytes = r.value<uint64_t>();
-  if (json_bytes > kMaxJson) r.corrupt("corrupt checkpoint (header of " + std::to_string(json_bytes) + " bytes)");
-  std::string text(json_bytes, '\0');
-  r.bytes(text.data(), text.size());
+  const std::string text = r.preamble(kMagic, kVersion, kMaxJson);
   CheckpointInfo info;
   try {
     const nlohmann::json j = nlohmann::json::parse(text);
@@ -54,11 +44,6 @@ CheckpointInfo read_header(FileReader& r, uint64_t* n) {
   return info;
 }
 
-void verify(const std::string& path) {
-  if (!checksum_matches(path, "checkpoint", sizeof(kMagic) + 4 + 8 + 8 + 8))
-    throw UserError(path + ": checksum mismatch (the checkpoint is corrupt or truncated)");
-}
-
 }  // namespace
 
 void save_checkpoint(const std::string& path, const ParameterSet& params, const AdamW& adamw,
@@ -70,10 +55,7 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
   const std::string text = j.dump();
   AtomicFileWriter out(path);
   HashingWriter w(out);
-  w.bytes(kMagic, sizeof(kMagic));
-  w.value(kVersion);
-  w.value(static_cast<uint64_t>(text.size()));
-  w.bytes(text.data(), text.size());
+  w.preamble(kMagic, kVersion, text);
   const auto n = static_cast<uint64_t>(params.numel());
   w.value(n);
   w.bytes(params.weights().f32(), n * 4);
@@ -84,14 +66,12 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
 }
 
 CheckpointInfo read_checkpoint_info(const std::string& path) {
-  verify(path);
   FileReader r(path, "checkpoint");
   uint64_t n = 0;
   return read_header(r, &n);
 }
 
 CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW* adamw) {
-  verify(path);
   FileReader r(path, "checkpoint");
   uint64_t n = 0;
   CheckpointInfo info = read_header(r, &n);
