@@ -1,6 +1,7 @@
-// Causal multi-head scaled dot-product attention, one query row at a time with a row-sized
-// scratch buffer, so no (T, T) score matrix is ever stored. Backward recomputes the
-// probabilities from the saved log-sum-exp.
+// Causal multi-head scaled dot-product attention in 64 x 64 tiles with an online softmax, so no
+// (T, T) score matrix is ever stored; backward recomputes the probabilities from the saved
+// log-sum-exp (kernels/attention_tiled.h). Runs the AVX-512 build where the CPU has it, else
+// the AVX2 one.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,18 @@
+// The tiled attention compiled for AVX-512: one zmm per vector, register blocks of 4 rows.
+#include "kernels/attention_isa.h"
+#include "kernels/attention_tiled.h"
+
+namespace cputrain::kernels {
+
+void attention_forward_avx512(float* out, float* lse, const float* q, const float* k,
+                              const float* v, int64_t B, int64_t T, int64_t H, int64_t D) {
+  detail::attention_forward_tiled<4>(out, lse, q, k, v, B, T, H, D);
+}
+
+void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                               const float* k, const float* v, const float* out, const float* lse,
+                               int64_t B, int64_t T, int64_t H, int64_t D) {
+  detail::attention_backward_tiled<4>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
+}
+
+}  // namespace cputrain::kernels

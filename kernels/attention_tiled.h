@@ -1,0 +1,345 @@
+// Causal attention in tiles (after FlashAttention-2): 64 queries x 64 keys at a time, online
+// softmax in the forward, probabilities recomputed from the saved log-sum-exp in the backward,
+// so no (T, T) matrix is ever stored. Written with GCC vector types of 16 floats; the file that
+// includes this header picks the ISA by its compile flags (one zmm, or two ymm per vector) and
+// RB, the rows of a register block.
+//
+// Layout inside a tile: the head dimension D is padded with zeros to Dp, a multiple of 16, so
+// every row is whole vectors. Queries are pre-multiplied by 1/sqrt(D).
+//
+// Forward: one task per (batch, head, query tile); each output row is computed whole by one
+// task. Backward: one task per (batch, head), key tiles outer and query tiles inner, so dK and dV
+// of a key tile and dQ of the head accumulate in a fixed order: results do not depend on the
+// thread count.
+#pragma once
+
+// Vectors of 16 floats are passed only between inline functions of this header, so the ABI
+// note GCC gives for them where AVX-512 is off does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace cputrain::kernels::detail {
+namespace {
+
+typedef float vf __attribute__((vector_size(64), may_alias));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kTile = 64;  // queries and keys per tile (a multiple of kLanes)
+
+inline __attribute__((always_inline)) vf load(const float* p) {
+  return *reinterpret_cast<const vf_unaligned*>(p);
+}
+inline __attribute__((always_inline)) void store(float* p, vf v) {
+  *reinterpret_cast<vf_unaligned*>(p) = v;
+}
+inline __attribute__((always_inline)) vf splat(float a) { return vf{} + a; }
+
+// exp(x) for x <= 88.7, to about 2 ulp; inputs below -87.3 give about 1e-38 instead of less
+// (callers zero the entries that must be zero). Range reduction x = n ln2 + r, |r| <= ln2 / 2,
+// and the Taylor polynomial of degree 7 (truncation error below 1e-8 relative).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = std::fma(n, -0.693145751953125f, x);
+  r = std::fma(n, -1.428606765330187e-06f, r);
+  float p = 1.0f / 5040.0f;
+  p = std::fma(p, r, 1.0f / 720.0f);
+  p = std::fma(p, r, 1.0f / 120.0f);
+  p = std::fma(p, r, 1.0f / 24.0f);
+  p = std::fma(p, r, 1.0f / 6.0f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// C[m, 0:N] (+)= sum_k A[m, k] B[k, 0:N] for m < M; N a multiple of kLanes.
+template <int RB>
+void tile_nn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+             int64_t M, int64_t N, int64_t K, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (N - n0) / kLanes));
+    int64_t m0 = 0;
+    auto block = [&]<int R>(std::integral_constant<int, R>) {
+      vf acc[R][4];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+          acc[r][v] = accumulate && v < nv ? load(C + (m0 + r) * ldc + n0 + v * kLanes) : vf{};
+      if (nv == 4) {
+        for (int64_t k = 0; k < K; ++k) {
+          const float* b = B + k * ldb + n0;
+          const vf b0 = load(b), b1 = load(b + 16), b2 = load(b + 32), b3 = load(b + 48);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const vf a = splat(A[(m0 + r) * lda + k]);
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+            acc[r][2] += a * b2;
+            acc[r][3] += a * b3;
+          }
+        }
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          const float* b = B + k * ldb + n0;
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const vf a = splat(A[(m0 + r) * lda + k]);
+            for (int v = 0; v < nv; ++v) acc[r][v] += a * load(b + v * kLanes);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < nv; ++v) store(C + (m0 + r) * ldc + n0 + v * kLanes, acc[r][v]);
+    };
+    for (; m0 + RB <= M; m0 += RB) block(std::integral_constant<int, RB>{});
+    for (; m0 < M; ++m0) block(std::integral_constant<int, 1>{});
+  }
+}
+
+// C[m, 0:N] += sum_k A[k, m] B[k, 0:N] for m < M; N a multiple of kLanes.
+template <int RB>
+void tile_tn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+             int64_t M, int64_t N, int64_t K) {
+  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (N - n0) / kLanes));
+    int64_t m0 = 0;
+    auto block = [&]<int R>(std::integral_constant<int, R>) {
+      vf acc[R][4];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+          acc[r][v] = v < nv ? load(C + (m0 + r) * ldc + n0 + v * kLanes) : vf{};
+      if (nv == 4) {
+        for (int64_t k = 0; k < K; ++k) {
+          const float* b = B + k * ldb + n0;
+          const vf b0 = load(b), b1 = load(b + 16), b2 = load(b + 32), b3 = load(b + 48);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const vf a = splat(A[k * lda + m0 + r]);
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+            acc[r][2] += a * b2;
+            acc[r][3] += a * b3;
+          }
+        }
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          const float* b = B + k * ldb + n0;
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const vf a = splat(A[k * lda + m0 + r]);
+            for (int v = 0; v < nv; ++v) acc[r][v] += a * load(b + v * kLanes);
+          }
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < nv; ++v) store(C + (m0 + r) * ldc + n0 + v * kLanes, acc[r][v]);
+    };
+    for (; m0 + RB <= M; m0 += RB) block(std::integral_constant<int, RB>{});
+    for (; m0 < M; ++m0) block(std::integral_constant<int, 1>{});
+  }
+}
+
+// Buffers of the calling thread, grown on demand and kept for the next call.
+inline float* attention_buffer(size_t floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < floats) buffer.assign(floats, 0.0f);
+  return buffer.data();
+}
+
+inline int64_t padded_dim(int64_t D) { return (D + kLanes - 1) / kLanes * kLanes; }
+
+// rows x Dp: dst[r, d] = scale * src[r * stride + d], zero for d >= D.
+inline void pack_rows(float* dst, const float* src, int64_t stride, int64_t rows, int64_t D,
+                      int64_t Dp, float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = dst + r * Dp;
+    const float* in = src + r * stride;
+    for (int64_t d = 0; d < D; ++d) out[d] = in[d] * scale;
+    for (int64_t d = D; d < Dp; ++d) out[d] = 0.0f;
+  }
+}
+
+// Dp x kTile: dst[d, c] = src[c * stride + d] for c < cols, zero elsewhere.
+inline void pack_transposed_tile(float* dst, const float* src, int64_t stride, int64_t cols,
+                                 int64_t D, int64_t Dp) {
+  std::memset(dst, 0, sizeof(float) * static_cast<size_t>(Dp * kTile));
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t d = 0; d < D; ++d) dst[d * kTile + c] = src[c * stride + d];
+}
+
+// Replaces the scores S (rows x kTile) of query rows i0.. and key columns j0.. by
+// exp(S - shift[r]), zero where the key is past the query or past the sequence (cols).
+inline void exp_scores(float* S, const float* shift, int64_t rows, int64_t cols, int64_t i0,
+                       int64_t j0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = S + r * kTile;
+    const float m = shift[r];
+    const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+#pragma omp simd
+    for (int64_t c = 0; c < kTile; ++c) s[c] = c < valid ? exp_approx(s[c] - m) : 0.0f;
+  }
+}
+
+template <int RB>
+void attention_forward_tiled(float* out, float* lse, const float* q, const float* k,
+                             const float* v, int64_t B, int64_t T, int64_t H, int64_t D) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t row = H * D, Dp = padded_dim(D);
+  const int64_t tiles = (T + kTile - 1) / kTile;
+  const int64_t tasks = B * H * tiles;
+#pragma omp parallel
+  {
+    float* Q = attention_buffer(static_cast<size_t>(4 * kTile * Dp + kTile * kTile + 3 * kTile));
+    float* Kt = Q + kTile * Dp;
+    float* V = Kt + kTile * Dp;
+    float* O = V + kTile * Dp;
+    float* S = O + kTile * Dp;
+    float* m = S + kTile * kTile;
+    float* l = m + kTile;
+    float* alpha = l + kTile;
+    // Later query tiles attend to more keys: hand out the largest first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t qt = tiles - 1 - task % tiles, bh = task / tiles;
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t i0 = qt * kTile, rows = std::min(kTile, T - i0);
+      const int64_t off = b * T * row + h * D;
+      pack_rows(Q, q + off + i0 * row, row, rows, D, Dp, scale);
+      std::fill(O, O + rows * Dp, 0.0f);
+      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + rows, 0.0f);
+      for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+        const int64_t cols = std::min(kTile, T - j0);
+        pack_transposed_tile(Kt, k + off + j0 * row, row, cols, D, Dp);
+        pack_rows(V, v + off + j0 * row, row, cols, D, Dp, 1.0f);
+        tile_nn<RB>(S, kTile, Q, Dp, Kt, kTile, rows, kTile, Dp, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* s = S + r * kTile;
+          const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+          float mx = m[r];
+          for (int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
+          alpha[r] = exp_approx(m[r] - mx);  // m[r] = -inf on the first tile: alpha ~ 0
+          m[r] = mx;
+        }
+        exp_scores(S, m, rows, cols, i0, j0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* p = S + r * kTile;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < kTile; ++c) sum += p[c];
+          l[r] = l[r] * alpha[r] + sum;
+          float* o = O + r * Dp;
+          const float a = alpha[r];
+#pragma omp simd
+          for (int64_t d = 0; d < Dp; ++d) o[d] *= a;
+        }
+        tile_nn<RB>(O, Dp, S, kTile, V, Dp, rows, Dp, cols, true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = out + off + (i0 + r) * row;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = O[r * Dp + d] * inv;
+        lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
+      }
+    }
+  }
+}
+
+template <int RB>
+void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                              const float* k, const float* v, const float* out, const float* lse,
+                              int64_t B, int64_t T, int64_t H, int64_t D) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t row = H * D, Dp = padded_dim(D);
+  const int64_t Tp = (T + kTile - 1) / kTile * kTile;
+#pragma omp parallel
+  {
+    // Whole head: scaled queries, output gradients, keys, dQ; per key tile: K^T, V^T, dK, dV;
+    // per tile pair: probabilities and their gradients.
+    float* Qs = attention_buffer(
+        static_cast<size_t>(4 * Tp * Dp + 4 * kTile * Dp + 2 * kTile * kTile + Tp));
+    float* G = Qs + Tp * Dp;
+    float* K = G + Tp * Dp;
+    float* dQ = K + Tp * Dp;
+    float* Kt = dQ + Tp * Dp;
+    float* Vt = Kt + kTile * Dp;
+    float* dK = Vt + kTile * Dp;
+    float* dV = dK + kTile * Dp;
+    float* P = dV + kTile * Dp;
+    float* dS = P + kTile * kTile;
+    float* Di = dS + kTile * kTile;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t off = b * T * row + h * D;
+      const float* lse_bh = lse + bh * T;
+      pack_rows(Qs, q + off, row, T, D, Dp, scale);
+      pack_rows(G, dout + off, row, T, D, Dp, 1.0f);
+      pack_rows(K, k + off, row, T, D, Dp, 1.0f);
+      std::fill(dQ, dQ + T * Dp, 0.0f);
+      for (int64_t i = 0; i < T; ++i) {  // D_i = sum_j P_ij dP_ij = dout_i . out_i
+        const float* g = dout + off + i * row;
+        const float* o = out + off + i * row;
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s += g[d] * o[d];
+        Di[i] = s;
+      }
+      for (int64_t j0 = 0; j0 < T; j0 += kTile) {
+        const int64_t cols = std::min(kTile, T - j0);
+        pack_transposed_tile(Kt, k + off + j0 * row, row, cols, D, Dp);
+        pack_transposed_tile(Vt, v + off + j0 * row, row, cols, D, Dp);
+        std::fill(dK, dK + kTile * Dp, 0.0f);
+        std::fill(dV, dV + kTile * Dp, 0.0f);
+        for (int64_t i0 = j0; i0 < T; i0 += kTile) {
+          const int64_t rows = std::min(kTile, T - i0);
+          tile_nn<RB>(P, kTile, Qs + i0 * Dp, Dp, Kt, kTile, rows, kTile, Dp, false);
+          exp_scores(P, lse_bh + i0, rows, cols, i0, j0);
+          tile_tn<RB>(dV, Dp, P, kTile, G + i0 * Dp, Dp, cols, Dp, rows);  // dV += P^T dO
+          tile_nn<RB>(dS, kTile, G + i0 * Dp, Dp, Vt, kTile, rows, kTile, Dp, false);  // dP
+          for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - D_i)
+            const float di = Di[i0 + r];
+            float* ds = dS + r * kTile;
+            const float* p = P + r * kTile;
+#pragma omp simd
+            for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - di);
+          }
+          tile_tn<RB>(dK, Dp, dS, kTile, Qs + i0 * Dp, Dp, cols, Dp, rows);  // dK += dS^T Qs
+          tile_nn<RB>(dQ + i0 * Dp, Dp, dS, kTile, K + j0 * Dp, Dp, rows, Dp, cols, true);
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          float* gk = dk + off + (j0 + c) * row;
+          float* gv = dv + off + (j0 + c) * row;
+          for (int64_t d = 0; d < D; ++d) {
+            gk[d] += dK[c * Dp + d];
+            gv[d] += dV[c * Dp + d];
+          }
+        }
+      }
+      for (int64_t i = 0; i < T; ++i) {  // the scores were scaled: dq = scale * dS K
+        float* gq = dq + off + i * row;
+        for (int64_t d = 0; d < D; ++d) gq[d] += scale * dQ[i * Dp + d];
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cputrain::kernels::detail
