@@ -2,11 +2,15 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "kernels/workspace.h"
 
@@ -44,6 +48,64 @@ int64_t read_proc_kb(const char* path, const std::string& key) {
   return 0;
 }
 
+// Freed blocks of 1 MiB and more, kept by size for the next allocation of the same size: a
+// training step allocates the same sizes in the same order every time, so from the second step
+// on its tensors reuse the pages of the previous one instead of mapping, faulting in and zeroing
+// fresh ones. The cache never holds more than what keeps live + cached within the peak of live
+// bytes, so the resident set still stays within the peak the budget predicts.
+class BlockCache {
+ public:
+  static constexpr size_t kMinBytes = size_t{1} << 20;
+
+  // A cached block of exactly `bytes`, or nullptr after making room for a new one of that size.
+  void* take(size_t bytes, int64_t live, int64_t peak) {
+    std::lock_guard lock(mutex_);
+    auto it = blocks_.find(bytes);
+    if (it != blocks_.end() && !it->second.empty()) {
+      void* ptr = it->second.back();
+      it->second.pop_back();
+      cached_ -= static_cast<int64_t>(bytes);
+      return ptr;
+    }
+    evict_until(std::max<int64_t>(0, peak - live - static_cast<int64_t>(bytes)));
+    return nullptr;
+  }
+
+  // Keeps a freed block if live + cached stays within the peak, else frees it.
+  void put(void* ptr, size_t bytes, int64_t live, int64_t peak) {
+    std::lock_guard lock(mutex_);
+    if (live + cached_ + static_cast<int64_t>(bytes) > peak) return std::free(ptr);
+    blocks_[bytes].push_back(ptr);
+    cached_ += static_cast<int64_t>(bytes);
+  }
+
+  void release() {
+    std::lock_guard lock(mutex_);
+    evict_until(0);
+  }
+
+ private:
+  // Frees cached blocks, the largest first, until at most `limit` bytes stay cached.
+  void evict_until(int64_t limit) {
+    for (auto it = blocks_.rbegin(); cached_ > limit && it != blocks_.rend(); ++it) {
+      while (cached_ > limit && !it->second.empty()) {
+        std::free(it->second.back());
+        it->second.pop_back();
+        cached_ -= static_cast<int64_t>(it->first);
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::map<size_t, std::vector<void*>> blocks_;
+  int64_t cached_ = 0;
+};
+
+BlockCache& block_cache() {
+  static BlockCache cache;
+  return cache;
+}
+
 }  // namespace
 
 std::string_view memory_category_name(MemoryCategory category) {
@@ -63,9 +125,13 @@ static size_t allocated_size(size_t bytes) { return bytes == 0 ? 64 : (bytes + 6
 
 void* memory_allocate(size_t bytes, MemoryCategory category) {
   const size_t rounded = allocated_size(bytes);
-  void* ptr = std::aligned_alloc(64, rounded);
-  if (ptr == nullptr) throw std::bad_alloc();
   Counters& c = counters();
+  void* ptr = rounded >= BlockCache::kMinBytes
+                  ? block_cache().take(rounded, c.live_total.load(std::memory_order_relaxed),
+                                       c.peak_total.load(std::memory_order_relaxed))
+                  : nullptr;
+  if (ptr == nullptr) ptr = std::aligned_alloc(64, rounded);
+  if (ptr == nullptr) throw std::bad_alloc();
   const int i = static_cast<int>(category);
   const auto n = static_cast<int64_t>(rounded);
   raise_peak(c.peak[i], c.live[i].fetch_add(n, std::memory_order_relaxed) + n);
@@ -75,11 +141,15 @@ void* memory_allocate(size_t bytes, MemoryCategory category) {
 
 void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
   if (ptr == nullptr) return;
-  std::free(ptr);
   Counters& c = counters();
-  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  const size_t rounded = allocated_size(bytes);
+  const auto n = static_cast<int64_t>(rounded);
   c.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
-  c.live_total.fetch_sub(n, std::memory_order_relaxed);
+  const int64_t live = c.live_total.fetch_sub(n, std::memory_order_relaxed) - n;
+  if (rounded >= BlockCache::kMinBytes)
+    block_cache().put(ptr, rounded, live, c.peak_total.load(std::memory_order_relaxed));
+  else
+    std::free(ptr);
 }
 
 MemoryStats memory_stats() {
@@ -104,7 +174,10 @@ ProcessMemory process_memory() {
   return {read_proc_kb("/proc/self/status", "VmRSS"), read_proc_kb("/proc/self/status", "VmHWM")};
 }
 
+void memory_release_cached() { block_cache().release(); }
+
 bool process_memory_reset_peak() {
+  memory_release_cached();
   ::malloc_trim(0);
   std::ofstream out("/proc/self/clear_refs");
   return static_cast<bool>(out << "5" << std::flush);
@@ -115,9 +188,10 @@ int64_t available_memory_bytes() { return read_proc_kb("/proc/meminfo", "MemAvai
 namespace {
 
 // Kernel scratch (GEMM packing buffers) is counted as workspace like any other allocation.
-// Tensors of 1 MiB and more are mapped and unmapped on their own, so freeing one returns its
-// pages at once and the resident set follows the live tensors. (glibc's default threshold
-// rises after the first large free, after which freed tensors stay in the heap as residue.)
+// Tensors of 1 MiB and more are mapped and unmapped on their own, so a block that leaves the
+// cache returns its pages at once and the resident set follows live + cached tensors. (glibc's
+// default threshold rises after the first large free, after which freed tensors would stay in
+// the heap as residue.)
 const bool large_allocations_mapped = [] { return ::mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1; }();
 
 const bool kernel_workspace_accounted = [] {

@@ -28,12 +28,15 @@ struct MemoryStats {
 };
 
 // 64-byte aligned and counted as whole 64-byte lines (at least one) under `category` until
-// memory_free. Throws std::bad_alloc.
+// memory_free. Throws std::bad_alloc. Freed blocks of 1 MiB and more are kept for reuse by an
+// allocation of the same size while live + kept bytes stay within the peak of live bytes.
 void* memory_allocate(size_t bytes, MemoryCategory category);
 void memory_free(void* ptr, size_t bytes, MemoryCategory category);
 MemoryStats memory_stats();
 // Sets every peak to the current live figure.
 void memory_reset_peaks();
+// Frees the blocks kept for reuse.
+void memory_release_cached();
 
 // Resident set size and its high-water mark (VmRSS, VmHWM of /proc/self/status).
 struct ProcessMemory {

@@ -295,11 +295,13 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
       pack_rows(G, dout + off, row, T, D, Dp, 1.0f);
       pack_rows(K, k + off, row, T, D, Dp, 1.0f);
       std::fill(dQ, dQ + T * Dp, 0.0f);
-      for (int64_t i = 0; i < T; ++i) {  // D_i = sum_j P_ij dP_ij = dout_i . out_i
-        const float* g = dout + off + i * row;
+      // D_i = sum_j P_ij dP_ij = dout_i . out_i, summed in the order tile_nn sums dP_ij, so
+      // that where P_ii = 1 (a single key) dS is exactly 0.
+      for (int64_t i = 0; i < T; ++i) {
+        const float* g = G + i * Dp;
         const float* o = out + off + i * row;
         float s = 0.0f;
-        for (int64_t d = 0; d < D; ++d) s += g[d] * o[d];
+        for (int64_t d = 0; d < D; ++d) s = std::fma(g[d], o[d], s);
         Di[i] = s;
       }
       for (int64_t j0 = 0; j0 < T; j0 += kTile) {
