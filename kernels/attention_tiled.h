@@ -20,12 +20,13 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "kernels/exp_approx.h"
 
 namespace cputrain::kernels::detail {
 namespace {
@@ -43,27 +44,6 @@ inline __attribute__((always_inline)) void store(float* p, vf v) {
   *reinterpret_cast<vf_unaligned*>(p) = v;
 }
 inline __attribute__((always_inline)) vf splat(float a) { return vf{} + a; }
-
-// exp(x) for x <= 88.7, to about 2 ulp; inputs below -87.3 give about 1e-38 instead of less
-// (callers zero the entries that must be zero). Range reduction x = n ln2 + r, |r| <= ln2 / 2,
-// and the Taylor polynomial of degree 7 (truncation error below 1e-8 relative).
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = std::fma(n, -0.693145751953125f, x);
-  r = std::fma(n, -1.428606765330187e-06f, r);
-  float p = 1.0f / 5040.0f;
-  p = std::fma(p, r, 1.0f / 720.0f);
-  p = std::fma(p, r, 1.0f / 120.0f);
-  p = std::fma(p, r, 1.0f / 24.0f);
-  p = std::fma(p, r, 1.0f / 6.0f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
-}
 
 // C[m, 0:N] (+)= sum_k A[m, k] B[k, 0:N] for m < M; N a multiple of kLanes.
 template <int RB>

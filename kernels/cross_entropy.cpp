@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/exp_approx.h"
+
 namespace cputrain::kernels {
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
@@ -11,10 +13,12 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
     float max = x[0];
+#pragma omp simd reduction(max : max)
     for (int64_t j = 1; j < V; ++j) max = std::max(max, x[j]);
-    double sum = 0.0;
-    for (int64_t j = 0; j < V; ++j) sum += std::exp(x[j] - max);
-    const double l = static_cast<double>(max) + std::log(sum);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < V; ++j) sum += exp_approx(x[j] - max);
+    const double l = static_cast<double>(max) + std::log(static_cast<double>(sum));
     lse[i] = static_cast<float>(l);
     losses[i] = static_cast<float>(l - x[targets[i]]);
   }
@@ -27,7 +31,8 @@ void cross_entropy_backward(float* dlogits, const float* logits, const float* ls
     const float* x = logits + i * V;
     float* dx = dlogits + i * V;
     const float l = lse[i], g = dlosses[i];
-    for (int64_t j = 0; j < V; ++j) dx[j] += g * std::exp(x[j] - l);
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) dx[j] += g * exp_approx(x[j] - l);
     dx[targets[i]] -= g;
   }
 }

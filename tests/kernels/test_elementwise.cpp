@@ -3,10 +3,13 @@
 // starting from non-zero gradients since every backward kernel accumulates.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kernel_test_util.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/exp_approx.h"
 #include "kernels/embedding.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
@@ -178,6 +181,27 @@ TEST(SwiGlu, ForwardAndBackwardMatchReference) {
   swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
   EXPECT_LT(max_error(dg, want_dg), 1e-5);
   EXPECT_LT(max_error(du, want_du), 1e-5);
+}
+
+TEST(ExpApprox, WithinTwoUlpOverItsRange) {
+  double worst = 0.0;
+  for (float x = -87.3f; x <= 88.3f; x = std::nextafter(x + 1e-3f, 100.0f)) {
+    const double want = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::abs(exp_approx(x) - want) / want);
+  }
+  EXPECT_LT(worst, 2.0 * 0x1p-23);  // 2 ulp of a float in [1, 2)
+  EXPECT_EQ(exp_approx(0.0f), 1.0f);
+  EXPECT_EQ(exp_approx(1.0f), std::exp(1.0f));
+  EXPECT_GE(exp_approx(-1000.0f), 0.0f);
+  EXPECT_LT(exp_approx(-1000.0f), 1e-37f);
+  EXPECT_LT(exp_approx(-std::numeric_limits<float>::infinity()), 1e-37f);
+  // NaN stays NaN, also where the loop is vectorised.
+  std::vector<float> xs(100, 0.5f), ys(100);
+  xs[37] = std::numeric_limits<float>::quiet_NaN();
+#pragma omp simd
+  for (size_t i = 0; i < xs.size(); ++i) ys[i] = exp_approx(xs[i]);
+  EXPECT_TRUE(std::isnan(ys[37]));
+  EXPECT_EQ(ys[36], exp_approx(0.5f));
 }
 
 TEST(CrossEntropy, ForwardAndBackwardMatchReference) {
