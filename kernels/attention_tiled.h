@@ -13,9 +13,6 @@
 // thread count.
 #pragma once
 
-// Vectors of 16 floats are passed only between inline functions of this header, so the ABI
-// note GCC gives for them where AVX-512 is off does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <omp.h>
 
@@ -26,24 +23,17 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/exp_approx.h"
+#include "kernels/vec16.h"
 
 namespace cputrain::kernels::detail {
 namespace {
 
-typedef float vf __attribute__((vector_size(64), may_alias));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-
-constexpr int64_t kLanes = 16;
+using vec::kLanes;
+using vec::load;
+using vec::splat;
+using vec::store;
+using vec::vf;
 constexpr int64_t kTile = 64;  // queries and keys per tile (a multiple of kLanes)
-
-inline __attribute__((always_inline)) vf load(const float* p) {
-  return *reinterpret_cast<const vf_unaligned*>(p);
-}
-inline __attribute__((always_inline)) void store(float* p, vf v) {
-  *reinterpret_cast<vf_unaligned*>(p) = v;
-}
-inline __attribute__((always_inline)) vf splat(float a) { return vf{} + a; }
 
 // C[m, 0:N] (+)= sum_k A[m, k] B[k, 0:N] for m < M; N a multiple of kLanes.
 template <int RB>
@@ -171,10 +161,19 @@ inline void exp_scores(float* S, const float* shift, int64_t rows, int64_t cols,
                        int64_t j0) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = S + r * kTile;
-    const float m = shift[r];
+    const vf m = splat(shift[r]);
     const int64_t valid = std::min(cols, i0 + r - j0 + 1);
-#pragma omp simd
-    for (int64_t c = 0; c < kTile; ++c) s[c] = c < valid ? exp_approx(s[c] - m) : 0.0f;
+    for (int64_t c = 0; c < kTile; c += kLanes) {
+      if (c >= valid) {
+        store(s + c, vf{});
+        continue;
+      }
+      vf p = vec::exp(load(s + c) - m);
+      if (c + kLanes > valid) {
+        for (int64_t l = valid - c; l < kLanes; ++l) p[l] = 0.0f;
+      }
+      store(s + c, p);
+    }
   }
 }
 
@@ -216,7 +215,7 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
           const int64_t valid = std::min(cols, i0 + r - j0 + 1);
           float mx = m[r];
           for (int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
-          alpha[r] = exp_approx(m[r] - mx);  // m[r] = -inf on the first tile: alpha ~ 0
+          alpha[r] = vec::exp(m[r] - mx);  // m[r] = -inf on the first tile: alpha ~ 0
           m[r] = mx;
         }
         exp_scores(S, m, rows, cols, i0, j0);

@@ -2,23 +2,33 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
-#include "kernels/exp_approx.h"
+#include "kernels/vec16.h"
 
 namespace cputrain::kernels {
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
                            int64_t N, int64_t V) {
+  using vec::kLanes, vec::vf;
+  const int64_t whole = V / kLanes * kLanes;
+  const int tail = static_cast<int>(V - whole);
+  const float lowest = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
-    float max = x[0];
-#pragma omp simd reduction(max : max)
-    for (int64_t j = 1; j < V; ++j) max = std::max(max, x[j]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < V; ++j) sum += exp_approx(x[j] - max);
-    const double l = static_cast<double>(max) + std::log(static_cast<double>(sum));
+    vf vmax = vec::splat(lowest);
+    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
+    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
+    const float max = vec::hmax(vmax);
+    vf vsum{};
+    for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
+    if (tail) {
+      vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
+      for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
+      vsum += e;
+    }
+    const double l = static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
     lse[i] = static_cast<float>(l);
     losses[i] = static_cast<float>(l - x[targets[i]]);
   }
@@ -26,13 +36,21 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
 
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V) {
+  using vec::kLanes, vec::vf;
+  const int64_t whole = V / kLanes * kLanes;
+  const int tail = static_cast<int>(V - whole);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
     float* dx = dlogits + i * V;
     const float l = lse[i], g = dlosses[i];
-#pragma omp simd
-    for (int64_t j = 0; j < V; ++j) dx[j] += g * exp_approx(x[j] - l);
+    for (int64_t j = 0; j < whole; j += kLanes)
+      vec::store(dx + j, vec::load(dx + j) + g * vec::exp(vec::load(x + j) - l));
+    if (tail) {
+      const vf d = vec::load_partial(dx + whole, tail, 0.0f) +
+                   g * vec::exp(vec::load_partial(x + whole, tail, 0.0f) - l);
+      vec::store_partial(dx + whole, d, tail);
+    }
     dx[targets[i]] -= g;
   }
 }

@@ -1,0 +1,84 @@
+// Vectors of 16 floats as GCC vector types, and a vectorised exp on them. The ISA comes from
+// the flags of the file that includes this header (one zmm per vector with AVX-512, two ymm
+// with AVX2), so everything here has internal linkage: each file gets its own copy, and code
+// built for AVX-512 can never be picked by the linker for a file built for AVX2.
+#pragma once
+
+// Vectors are passed only between inline functions, so the ABI note GCC gives for them where
+// AVX-512 is off does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <cstdint>
+#include <cstring>
+
+namespace cputrain::kernels::vec {
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(64), may_alias));
+typedef uint32_t vu __attribute__((vector_size(64), may_alias));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline __attribute__((always_inline)) vf load(const float* p) {
+  return *reinterpret_cast<const vf_unaligned*>(p);
+}
+inline __attribute__((always_inline)) void store(float* p, vf v) {
+  *reinterpret_cast<vf_unaligned*>(p) = v;
+}
+inline __attribute__((always_inline)) vf splat(float a) { return vf{} + a; }
+
+// The first n (< kLanes) values at p, the other lanes `fill`.
+inline vf load_partial(const float* p, int n, float fill) {
+  vf v = splat(fill);
+  std::memcpy(&v, p, sizeof(float) * static_cast<size_t>(n));
+  return v;
+}
+inline void store_partial(float* p, vf v, int n) {
+  std::memcpy(p, &v, sizeof(float) * static_cast<size_t>(n));
+}
+
+inline __attribute__((always_inline)) vf max(vf a, vf b) { return a < b ? b : a; }
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// exp(x) per lane, within 2 ulp for -87.3 <= x <= 88.3: range reduction x = n ln2 + r with
+// |r| <= ln2 / 2 and the Taylor polynomial of degree 7 (truncation error below 1e-8
+// relative), then 2^n put into the exponent bits. Below -87.3 the result is about 1e-38
+// instead of smaller (callers that need an exact 0 set it themselves); above 88.3 it is
+// exp(88.3); NaN gives NaN.
+inline __attribute__((always_inline)) vf exp(vf x) {
+  const vf lo = splat(-87.3f), hi = splat(88.3f);
+  x = x < lo ? lo : x;  // NaN compares false and stays NaN
+  x = x > hi ? hi : x;
+  // Adding 1.5 * 2^23 rounds x / ln2 to the integer n, which lands in the low mantissa bits of
+  // t (read back below without a float-to-int conversion).
+  const vf t = x * 1.44269504088896341f + 12582912.0f;
+  const vf n = t - 12582912.0f;
+  vf r = x - n * 0.693145751953125f;  // ln2 in two parts, the first exact in n
+  r = r - n * 1.428606765330187e-06f;
+  vf p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // 2^n: the exponent field n + 127, from t's bits 0x4B400000 + n.
+  const vu scale = ((vu)t + (127u - 0x4B400000u)) << 23;
+  return p * (vf)scale;
+}
+
+inline float exp(float x) { return exp(splat(x))[0]; }
+
+}  // namespace
+}  // namespace cputrain::kernels::vec
