@@ -1,5 +1,10 @@
 #include "kernels/attention.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
 #include "kernels/attention_isa.h"
 #include "kernels/cpu_features.h"
 
@@ -17,6 +22,45 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   if (cpu_features().avx512)
     return attention_backward_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
   attention_backward_avx2(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
+}
+
+void attention_decode(float* out, const float* q, const float* keys, const float* values,
+                      int64_t n, int64_t m, int64_t H, int64_t D) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t row = H * D;
+#pragma omp parallel
+  {
+    std::vector<float> p(static_cast<size_t>(n + m));
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qi = q + i * row + h * D;
+        const int64_t len = n + i + 1;
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < len; ++j) {
+          const float* kj = keys + j * row + h * D;
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qi[d] * kj[d];
+          p[j] = s * scale;
+          max = std::max(max, p[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < len; ++j) {
+          p[j] = std::exp(p[j] - max);
+          sum += p[j];
+        }
+        float* oi = out + i * row + h * D;
+        std::fill(oi, oi + D, 0.0f);
+        for (int64_t j = 0; j < len; ++j) {
+          const float* vj = values + j * row + h * D;
+          const float w = p[j] / sum;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) oi[d] += w * vj[d];
+        }
+      }
+    }
+  }
 }
 
 }  // namespace cputrain::kernels

@@ -17,4 +17,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t H, int64_t D);
 
+// Incremental decoding: m new queries q (m, H * D) at positions n .. n + m - 1 against the keys
+// and values of positions 0 .. n + m - 1 (rows of H * D in `keys`, `values`), causal: query i
+// attends positions 0 .. n + i. out (m, H * D).
+void attention_decode(float* out, const float* q, const float* keys, const float* values,
+                      int64_t n, int64_t m, int64_t H, int64_t D);
+
 }  // namespace cputrain::kernels

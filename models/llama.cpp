@@ -7,6 +7,8 @@
 #include <stdexcept>
 
 #include "engine/ops.h"
+#include "kernels/attention.h"
+#include "kernels/bf16.h"
 #include "kernels/rope.h"
 
 namespace cputrain {
@@ -146,6 +148,59 @@ Tensor LlamaModel::last_logits(const Tensor& inputs) {
   Tensor last = Tensor::empty(Shape{B, C}, DType::F32, MemoryCategory::Workspace);
   for (int64_t b = 0; b < B; ++b)
     std::copy_n(h.f32() + (b * T + T - 1) * C, C, last.f32() + b * C);
+  return linear(Variable(last, false), p(output_)).value();
+}
+
+LlamaModel::KvCache LlamaModel::new_kv_cache() const {
+  KvCache cache;
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Shape shape{config_.ctx, config_.d_model};
+    cache.keys.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
+    cache.values.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
+  }
+  return cache;
+}
+
+Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
+  const auto m = static_cast<int64_t>(tokens.size());
+  const int64_t n = cache.length, C = config_.d_model, H = config_.n_heads;
+  const int64_t D = C / H;
+  if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size())
+    throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
+  NoGradGuard no_grad;
+  ComputeDTypeGuard precision(compute_dtype_);
+  Tensor input = Tensor::empty(Shape{1, m}, DType::I32, MemoryCategory::Workspace);
+  std::copy(tokens.begin(), tokens.end(), input.i32());
+  // RoPE angles of positions n .. n + m - 1.
+  Tensor table = Tensor::empty(Shape{m, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  std::copy_n(rope_table_.f32() + n * D, m * D, table.f32());
+  // Attention sees what the full forward pass gives it: in bf16 mode, bf16 roundings.
+  const bool round = compute_dtype_ == DType::BF16;
+  auto as_attention_input = [round](const Tensor& t, float* dst) {
+    const float* src = t.f32();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      dst[i] = round ? kernels::bf16_to_fp32(kernels::fp32_to_bf16(src[i])) : src[i];
+  };
+  Variable x = embedding(p(tok_embeddings_), input);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Block& b = blocks_[l];
+    const Variable h = rmsnorm(x, p(b.attention_norm), config_.norm_eps);
+    const Tensor q = rope(linear(h, p(b.wq)), table, H).value();
+    as_attention_input(rope(linear(h, p(b.wk)), table, H).value(), cache.keys[l].f32() + n * C);
+    as_attention_input(linear(h, p(b.wv)).value(), cache.values[l].f32() + n * C);
+    Tensor qa = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
+    as_attention_input(q, qa.f32());
+    Tensor att = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
+    kernels::attention_decode(att.f32(), qa.f32(), cache.keys[l].f32(), cache.values[l].f32(),
+                              n, m, H, D);
+    const Variable a = add(x, linear(Variable(att, false), p(b.wo)));
+    const Variable g = rmsnorm(a, p(b.ffn_norm), config_.norm_eps);
+    x = add(a, linear(swiglu(linear(g, p(b.w1)), linear(g, p(b.w3))), p(b.w2)));
+  }
+  cache.length = n + m;
+  const Tensor hn = rmsnorm(x, p(norm_), config_.norm_eps).value();
+  Tensor last = Tensor::empty(Shape{1, C}, DType::F32, MemoryCategory::Workspace);
+  std::copy_n(hn.f32() + (m - 1) * C, C, last.f32());
   return linear(Variable(last, false), p(output_)).value();
 }
 

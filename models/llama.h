@@ -43,6 +43,19 @@ class LlamaModel {
   // inputs (B, T) -> logits of the last position only (B, V), without recording anything.
   Tensor last_logits(const Tensor& inputs);
 
+  // Incremental decoding: the keys (after RoPE) and values of every layer for the positions
+  // decoded so far, so each new token costs one pass over the cache instead of the whole
+  // sequence again.
+  struct KvCache {
+    std::vector<Tensor> keys, values;  // per layer (ctx, d_model)
+    int64_t length = 0;
+  };
+  KvCache new_kv_cache() const;
+  // Runs `tokens` (non-empty; positions cache.length ..; cache.length + size <= ctx) through the
+  // model, appends their keys and values to the cache, and returns the logits (1, V) of the
+  // last one: what last_logits gives for the whole sequence so far. Records nothing.
+  Tensor decode(const std::vector<int32_t>& tokens, KvCache& cache);
+
  private:
   struct Block {
     int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;

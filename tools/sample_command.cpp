@@ -24,6 +24,9 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
       ->capture_default_str();
   app.add_option("--top-k", a.top_k, "Sample among the k most likely tokens (0: all)")
       ->capture_default_str();
+  app.add_option("--top-p", a.top_p,
+                 "Sample among the most likely tokens whose probabilities sum to at least p (1: all)")
+      ->capture_default_str();
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(positive());
@@ -33,6 +36,8 @@ int run_sample(const SampleArgs& a) {
   if (a.max_tokens <= 0) throw UserError("--max-tokens must be positive");
   if (a.temperature < 0) throw UserError("--temperature must not be negative");
   if (a.top_k < 0) throw UserError("--top-k must not be negative");
+  if (!(a.top_p > 0.0 && a.top_p <= 1.0))
+    throw UserError("--top-p " + std::to_string(a.top_p) + ": must be in (0, 1]");
   if (!std::filesystem::is_directory(a.run))
     throw UserError("--run " + a.run + ": no such run directory");
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
@@ -52,6 +57,7 @@ int run_sample(const SampleArgs& a) {
   options.max_new_tokens = a.max_tokens;
   options.temperature = static_cast<float>(a.temperature);
   options.top_k = a.top_k;
+  options.top_p = static_cast<float>(a.top_p);
   options.seed = a.seed;
   options.stop_token = tokenizer.bos_id();
 

@@ -13,6 +13,7 @@ struct SampleArgs {
   int64_t max_tokens = 200;
   double temperature = 0.8;
   int64_t top_k = 40;
+  double top_p = 1.0;
   uint64_t seed = 1;
   int threads = 0;
 };

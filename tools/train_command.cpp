@@ -2,10 +2,11 @@
 
 #include <omp.h>
 #include <spdlog/sinks/basic_file_sink.h>
-#include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <filesystem>
@@ -26,6 +27,7 @@
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
+#include "tools/progress.h"
 #include "tools/run_config.h"
 
 namespace cputrain {
@@ -131,8 +133,8 @@ std::string describe_compute() {
 
 namespace {
 
-std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path) {
-  auto console = std::make_shared<spdlog::sinks::stdout_sink_mt>();
+std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path,
+                                            std::shared_ptr<ProgressSink> console) {
   auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_path, false);
   auto logger = std::make_shared<spdlog::logger>("cputrain", spdlog::sinks_init_list{console, file});
   logger->set_pattern("[%H:%M:%S] %v");
@@ -341,8 +343,15 @@ int run_train(const TrainArgs& args) {
   }
   prepare_run_dir(out);
   omp_set_num_threads(config.threads);
-  auto log = make_logger(out + "/train.log");
+  // On a terminal a progress line with the time left stays under the log.
+  auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1);
+  auto log = make_logger(out + "/train.log", console);
   spdlog::set_default_logger(log);
+  // Whatever way the run ends, the progress line is gone before the last words.
+  struct ClearStatus {
+    ProgressSink& sink;
+    ~ClearStatus() { sink.set_status(""); }
+  } clear_status{*console};
 
   PreparedData data = prepare_data(config.corpus, static_cast<int>(config.model.vocab), out);
   config.model.vocab = data.tokenizer.vocab_size();
@@ -462,6 +471,7 @@ int run_train(const TrainArgs& args) {
   });
   {  // signals: a stop request ends the loop after its step
     const StopSignals signals;
+    const auto loop_start = std::chrono::steady_clock::now();
     for (int64_t step = first_step; step <= config.steps; ++step) {
       const StepResult r = trainer.step(train_tokens, step);
       if (r.skipped && args.on_bad_step == "stop") {
@@ -504,6 +514,13 @@ int run_train(const TrainArgs& args) {
                   100.0 * (static_cast<double>(mem.peak_rss_bytes) /
                                static_cast<double>(budget.total_bytes()) - 1.0));
       }
+      if (console->terminal()) {
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
+        console->set_status(progress_line(step, config.steps, first_step - 1, elapsed, "steps",
+                                          fmt::format("loss {:.3f} | {:.0f} tok/s", r.loss,
+                                                      r.tokens_per_s)));
+      }
       if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
         log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
       const int stop = g_stop_signal.load();
@@ -519,6 +536,7 @@ int run_train(const TrainArgs& args) {
       }
     }
   }
+  console->set_status("");
   const std::string weights_path = out + "/model.bin";
   save_weights(weights_path, model.parameters(), config_json);
   log->info("saved {}", weights_path);

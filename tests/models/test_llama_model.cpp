@@ -263,13 +263,74 @@ TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
   EXPECT_EQ(std::vector<int32_t>(a.begin(), a.begin() + 3), (std::vector<int32_t>{1, 2, 3}));
 
   const std::vector<float> logits = {0.0f, 5.0f, 1.0f, 4.0f, -2.0f};
-  EXPECT_EQ(sample_token(logits.data(), 5, 0.0f, 0, 0.5), 1);
+  EXPECT_EQ(sample_token(logits.data(), 5, 0.0f, 0, 1.0f, 0.5), 1);
   for (double u : {0.0, 0.3, 0.7, 0.999999}) {
-    const int32_t t = sample_token(logits.data(), 5, 1.0f, 2, u);
+    const int32_t t = sample_token(logits.data(), 5, 1.0f, 2, 1.0f, u);
     EXPECT_TRUE(t == 1 || t == 3) << u;  // only the two largest survive top-k 2
   }
-  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 0.0), 1);
-  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 0.999999), 4);  // whole vocabulary
+  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 1.0f, 0.0), 1);
+  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 1.0f, 0.999999), 4);  // whole vocabulary
+  // Probabilities exp(l) / sum: 0.705, 0.259, 0.035, ...: top-p 0.9 keeps tokens 1 and 3 only,
+  // top-p 0.5 token 1 only.
+  for (double u : {0.0, 0.5, 0.8, 0.999999}) {
+    const int32_t t = sample_token(logits.data(), 5, 1.0f, 0, 0.9f, u);
+    EXPECT_TRUE(t == 1 || t == 3) << u;
+    EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 0.5f, u), 1) << u;
+  }
+  EXPECT_EQ(sample_token(logits.data(), 5, 1.0f, 0, 0.9f, 0.999999), 3);
+}
+
+// Decoding with the KV cache gives, at every step, the logits of a full forward pass over the
+// sequence so far; in fp32 and bf16, from a prompt and one token at a time, up to ctx.
+TEST(Generate, KvCacheMatchesFullForward) {
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    const LlamaConfig c = find_preset("tiny")->config;
+    LlamaModel model(c);
+    model.init_weights(6);
+    model.set_compute_dtype(dtype);
+    std::vector<int32_t> tokens = {5, 9, 2, 77, 3};
+    LlamaModel::KvCache cache = model.new_kv_cache();
+    Tensor cached = model.decode(tokens, cache);
+    for (int64_t step = 0; static_cast<int64_t>(tokens.size()) <= c.ctx; ++step) {
+      const auto T = static_cast<int64_t>(tokens.size());
+      Tensor input = Tensor::empty(Shape{1, T}, DType::I32, MemoryCategory::Workspace);
+      std::copy(tokens.begin(), tokens.end(), input.i32());
+      const Tensor full = model.last_logits(input);
+      double max_diff = 0.0, max_ref = 0.0;
+      for (int64_t v = 0; v < c.vocab; ++v) {
+        max_diff = std::max(max_diff, std::abs(double{cached.f32()[v]} - full.f32()[v]));
+        max_ref = std::max(max_ref, std::abs(double{full.f32()[v]}));
+      }
+      ASSERT_GT(max_ref, 0.0);
+      ASSERT_LT(max_diff / max_ref, 1e-5)
+          << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16");
+      if (T == c.ctx) break;
+      const auto next = static_cast<int32_t>((step * 37 + 11) % c.vocab);
+      tokens.push_back(next);
+      cached = model.decode({next}, cache);
+    }
+    EXPECT_EQ(cache.length, c.ctx);
+    EXPECT_THROW(model.decode({1}, cache), std::invalid_argument);  // the cache is full
+  }
+}
+
+// Past ctx tokens, generation goes on from the last ctx / 2 (a fresh cache), as a full forward
+// pass over those tokens would.
+TEST(Generate, GoesOnPastTheContext) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  LlamaModel model(c);
+  model.init_weights(7);
+  SampleOptions greedy;
+  greedy.temperature = 0.0f;
+  greedy.max_new_tokens = c.ctx + 10;
+  const std::vector<int32_t> out = generate(model, {1, 2, 3}, greedy);
+  ASSERT_EQ(static_cast<int64_t>(out.size()), 3 + c.ctx + 10);
+  // The token after the restart: greedy on the last ctx / 2 tokens before it.
+  const int64_t restart_at = c.ctx + 1;  // tokens in the sequence at the restart
+  Tensor input = Tensor::empty(Shape{1, c.ctx / 2}, DType::I32, MemoryCategory::Workspace);
+  std::copy(out.begin() + restart_at - c.ctx / 2, out.begin() + restart_at, input.i32());
+  const Tensor logits = model.last_logits(input);
+  EXPECT_EQ(out[restart_at], sample_token(logits.f32(), c.vocab, 0.0f, 0, 1.0f, 0.0));
 }
 
 }  // namespace
