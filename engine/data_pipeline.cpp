@@ -18,7 +18,8 @@ uint64_t data_fingerprint(uint64_t corpus_fingerprint, int vocab, const Tokenize
   return fnv1a(tokenizer.model_bytes(), h);
 }
 
-PreparedData prepare_data(const std::string& corpus, int vocab, const std::string& run_dir) {
+PreparedData prepare_data(const std::string& corpus, int vocab, const std::string& run_dir,
+                          const DataProgress& progress) {
   Tokenizer::check_vocab_size(vocab);
   const std::vector<std::string> files = list_corpus_files(corpus);
   const uint64_t corpus_id = corpus_fingerprint(files);
@@ -60,11 +61,16 @@ PreparedData prepare_data(const std::string& corpus, int vocab, const std::strin
   const bool reuse_tokenizer = tokenizer.has_value();
   if (!reuse_tokenizer) {
     spdlog::info("training a tokenizer of {} pieces on {} documents", vocab, documents.size());
+    if (progress) progress("training the tokenizer", 0, 0);
     tokenizer.emplace(Tokenizer::train(documents, vocab, model_path));
   }
   spdlog::info("tokenizing {} documents into {}", documents.size(), cache_path);
+  std::function<void(int64_t, int64_t)> on_documents;
+  if (progress)
+    on_documents = [&progress](int64_t done, int64_t total) { progress("tokenizing", done, total); };
   TokenDataset dataset = TokenDataset::build(documents, *tokenizer, cache_path,
-                                             data_fingerprint(corpus_id, vocab, *tokenizer));
+                                             data_fingerprint(corpus_id, vocab, *tokenizer),
+                                             on_documents);
   return {std::move(*tokenizer), std::move(dataset), static_cast<int64_t>(documents.size()),
           reuse_tokenizer, false};
 }

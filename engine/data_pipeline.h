@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "engine/token_dataset.h"
@@ -27,6 +28,10 @@ uint64_t data_fingerprint(uint64_t corpus_fingerprint, int vocab, const Tokenize
 // keeps its tokenizer, and a checkpoint its meaning, while the vocabulary stays the same.
 // Maps run_dir/tokens.bin if its fingerprint matches, else rebuilds it. Both files are written
 // atomically. Throws UserError for a missing or empty corpus or an unusable vocab.
-PreparedData prepare_data(const std::string& corpus, int vocab, const std::string& run_dir);
+// `progress`, when set, hears of the long phases: (phase, done, total), total 0 where the
+// phase cannot tell how far it is (training the tokenizer).
+using DataProgress = std::function<void(const std::string&, int64_t, int64_t)>;
+PreparedData prepare_data(const std::string& corpus, int vocab, const std::string& run_dir,
+                          const DataProgress& progress = nullptr);
 
 }  // namespace cputrain

@@ -1,5 +1,9 @@
 #include "engine/token_dataset.h"
 
+#include <omp.h>
+
+#include <atomic>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -31,11 +35,18 @@ static_assert(sizeof(Header) == 32);
 
 TokenDataset TokenDataset::build(const std::vector<std::string>& documents,
                                  const Tokenizer& tokenizer, const std::string& cache_path,
-                                 uint64_t fingerprint) {
+                                 uint64_t fingerprint,
+                                 const std::function<void(int64_t, int64_t)>& progress) {
   const int64_t n = static_cast<int64_t>(documents.size());
   std::vector<std::vector<int32_t>> encoded(documents.size());
+  std::atomic<int64_t> done{0};
 #pragma omp parallel for schedule(dynamic, 64)
-  for (int64_t i = 0; i < n; ++i) encoded[i] = tokenizer.encode(documents[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    encoded[i] = tokenizer.encode(documents[i]);
+    const int64_t d = done.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (progress && omp_get_thread_num() == 0 && d % 256 == 0) progress(d, n);
+  }
+  if (progress) progress(n, n);
   auto is_val = [n](int64_t i) { return n < 10 ? n >= 2 && i == n - 1 : i % 10 == 9; };
 
   Header h{};

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -17,9 +18,11 @@ class TokenDataset {
   // both splits span the whole corpus (a folder's files are read in name order, often by topic)
   // and hold about 90% / 10% of the tokens. With 2 to 9 documents the last one is validation.
   // `fingerprint` identifies what the cache was built from (see prepare_data). Writes the cache
-  // atomically and maps it.
+  // atomically and maps it. `progress`, when set, is called now and then with the documents
+  // encoded so far and their total, from one thread.
   static TokenDataset build(const std::vector<std::string>& documents, const Tokenizer& tokenizer,
-                            const std::string& cache_path, uint64_t fingerprint);
+                            const std::string& cache_path, uint64_t fingerprint,
+                            const std::function<void(int64_t, int64_t)>& progress = nullptr);
   // Maps an existing cache read-only. Throws UserError naming the file if it is missing,
   // truncated or not a cache.
   static TokenDataset open(const std::string& cache_path);

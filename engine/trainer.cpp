@@ -45,7 +45,8 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
 }
 
 double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>& loss_fn,
-                     std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows) {
+                     std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows,
+                     const std::function<void(int64_t, int64_t)>& progress) {
   NoGradGuard no_grad;
   windows = std::min(windows, eval_window_count(tokens, ctx));
   Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
@@ -57,6 +58,7 @@ double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>
     Tensor tgt = targets.view(0, Shape{rows, ctx});
     eval_windows(tokens, ctx, first, rows, in.i32(), tgt.i32());
     sum += static_cast<double>(loss_fn(in, tgt).value().f32()[0]) * static_cast<double>(rows);
+    if (progress) progress(first + rows, windows);
   }
   return windows > 0 ? sum / static_cast<double>(windows) : 0.0;
 }

@@ -32,8 +32,10 @@ struct StepResult {
 
 // Mean loss of loss_fn over the first `windows` consecutive evaluation windows of `tokens`
 // (fewer if the stream is shorter), in batches of `batch`, without recording gradients.
+// `progress`, when set, is called after each batch with the windows done and their total.
 double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>& loss_fn,
-                     std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows);
+                     std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows,
+                     const std::function<void(int64_t, int64_t)>& progress = nullptr);
 
 class Trainer {
  public:

@@ -1,7 +1,9 @@
 #include "tools/eval_command.h"
 
 #include <omp.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +20,7 @@
 #include "engine/weights_file.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
+#include "tools/progress.h"
 #include "tools/run_config.h"
 #include "tools/train_command.h"
 
@@ -95,9 +98,17 @@ int run_eval(const EvalArgs& a) {
                     std::to_string(tokens.size()) + " tokens, fewer than one window of ctx " +
                     std::to_string(ctx) + " + 1");
   const int64_t windows = a.windows > 0 ? std::min(a.windows, available) : available;
+  // On a terminal, a progress line with the time left while the windows are evaluated.
+  ProgressSink status(!a.json && ::isatty(::fileno(stdout)) == 1);
+  const auto start = std::chrono::steady_clock::now();
   const double loss = evaluate_loss(
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, tokens, ctx,
-      a.batch, windows);
+      a.batch, windows, [&](int64_t done, int64_t total) {
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        status.set_status("evaluating " + progress_line(done, total, 0, elapsed, "windows", ""));
+      });
+  status.set_status("");
   const double ppl = std::exp(loss);
   if (a.json) {
     const nlohmann::json j = {{"loss", loss},

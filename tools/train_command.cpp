@@ -353,7 +353,25 @@ int run_train(const TrainArgs& args) {
     ~ClearStatus() { sink.set_status(""); }
   } clear_status{*console};
 
-  PreparedData data = prepare_data(config.corpus, static_cast<int>(config.model.vocab), out);
+  DataProgress data_progress;
+  if (console->terminal()) {
+    data_progress = [&console, phase_seen = std::string(),
+                     phase_start = std::chrono::steady_clock::now()](
+                        const std::string& phase, int64_t done, int64_t total) mutable {
+      if (phase != phase_seen) {
+        phase_seen = phase;
+        phase_start = std::chrono::steady_clock::now();
+      }
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
+      console->set_status(total > 0 ? phase + " " + progress_line(done, total, 0, elapsed,
+                                                                  "documents", "")
+                                    : phase + " ...");
+    };
+  }
+  PreparedData data =
+      prepare_data(config.corpus, static_cast<int>(config.model.vocab), out, data_progress);
+  console->set_status("");
   config.model.vocab = data.tokenizer.vocab_size();
   const auto train_tokens = data.dataset.train_tokens();
   const auto val_tokens = data.dataset.val_tokens();
