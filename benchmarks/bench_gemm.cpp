@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/peak.h"
+#include "kernels/peak.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
@@ -34,39 +34,6 @@ using kernels::Transpose;
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
-
-// The best of several runs: interference from elsewhere only ever lowers a peak.
-template <typename Loop>
-double best_rate(Loop loop, int threads) {
-  std::vector<double> rates;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto start = std::chrono::steady_clock::now();
-    double flops = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : flops)
-    flops += loop(int64_t{20'000'000});
-    rates.push_back(flops / seconds_since(start) / 1e9);
-  }
-  return *std::max_element(rates.begin(), rates.end());
-}
-
-}  // namespace
-
-Peak measure_peak() {
-  Peak p;
-  const auto& cpu = kernels::cpu_features();
-  const int all = omp_get_max_threads();
-  if (cpu.avx512) {
-    p.f32_one_thread = best_rate(fma_f32_loop, 1);
-    p.f32_all_threads = best_rate(fma_f32_loop, all);
-  }
-  if (cpu.avx512_bf16) {
-    p.bf16_one_thread = best_rate(dpbf16_loop, 1);
-    p.bf16_all_threads = best_rate(dpbf16_loop, all);
-  }
-  return p;
-}
-
-namespace {
 
 struct Shape {
   std::string preset, product;
@@ -126,7 +93,7 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
-Peak peak;
+kernels::Peak peak;
 
 void run_one(benchmark::State& state, const Shape& s, const std::string& impl, bool bf16) {
   Operands o = make_operands(s);
@@ -206,7 +173,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   const auto& cpu = cputrain::kernels::cpu_features();
   std::printf("cpu features: %s\n", cputrain::kernels::cpu_features_string().c_str());
-  peak = measure_peak();
+  peak = cputrain::kernels::measure_peak();
   const std::vector<Shape> shapes = training_shapes();
   for (const Shape& s : shapes) {
     for (bool bf16 : {false, true}) {

@@ -67,4 +67,11 @@ std::string validate(const LlamaConfig& c) {
   return "";
 }
 
+double training_flops_per_token(const LlamaConfig& c, int64_t ctx) {
+  const double d = static_cast<double>(c.d_model), layers = static_cast<double>(c.n_layers);
+  const double matrices = layers * (4.0 * d * d + 3.0 * d * static_cast<double>(c.ffn)) +
+                          static_cast<double>(c.vocab) * d;
+  return 6.0 * matrices + 6.0 * layers * static_cast<double>(ctx) * d;
+}
+
 }  // namespace cputrain

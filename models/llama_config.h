@@ -35,6 +35,10 @@ std::vector<std::string> preset_names();
 // Number of trainable parameters: embedding and LM head V*C each, per layer 4 C^2 (attention)
 // + 3 C F (SwiGLU) + 2 C (norms), and the final norm C.
 int64_t parameter_count(const LlamaConfig& config);
+// FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
+// products (the blocks' and the LM head's) plus 6 x layers x ctx x d_model for causal attention
+// (scores and weighted sum, forward and backward). The numerator of MFU.
+double training_flops_per_token(const LlamaConfig& config, int64_t ctx);
 
 // Empty when valid, else what is wrong (naming the flag).
 std::string validate(const LlamaConfig& config);

@@ -22,6 +22,7 @@
 #include "engine/weights_file.h"
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
+#include "kernels/peak.h"
 #include "models/generate.h"
 #include "models/llama.h"
 #include "models/memory_budget.h"
@@ -426,6 +427,16 @@ int run_train(const TrainArgs& args) {
             config.steps, config.train.batch, config.train.accum, config.train.ctx,
             config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
   log->info("{}", describe_compute());
+  // MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
+  // (about 0.1 s).
+  const kernels::Peak peak = kernels::measure_peak(2'000'000, 3);
+  const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_all_threads > 0;
+  const double peak_gflops = bf16_peak ? peak.bf16_all_threads : peak.f32_all_threads;
+  const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
+  if (peak_gflops > 0)
+    log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}; training FLOPs per token: {:.3g}",
+              config.threads, peak_gflops, bf16_peak ? "bf16 (vdpbf16ps)" : "fp32 (FMA)",
+              flops_per_token);
   log->info("dtype: {} ({}); gradient checkpointing: {}",
             config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
             config.checkpoint ? "per layer" : "none");
@@ -510,7 +521,9 @@ int run_train(const TrainArgs& args) {
                           {"rss_bytes", mem.rss_bytes},
                           {"peak_rss_bytes", mem.peak_rss_bytes},
                           {"budget_bytes", budget.total_bytes()},
-                          {"skipped", r.skipped}};
+                          {"skipped", r.skipped},
+                          {"model_gflops_per_s", flops_per_token * r.tokens_per_s / 1e9}};
+      if (peak_gflops > 0) m["mfu"] = flops_per_token * r.tokens_per_s / 1e9 / peak_gflops;
       for (int i = 0; i < kMemoryCategoryCount; ++i) {
         const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
         m[name + "_bytes"] = stats.live_bytes[i];
@@ -533,11 +546,13 @@ int run_train(const TrainArgs& args) {
                                static_cast<double>(budget.total_bytes()) - 1.0));
       }
       if (console->terminal()) {
+        const std::string mfu_text =
+            peak_gflops > 0 ? fmt::format(" | MFU {:.0f}%", 100.0 * m["mfu"].get<double>()) : "";
         const double elapsed =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
         console->set_status(progress_line(step, config.steps, first_step - 1, elapsed, "steps",
-                                          fmt::format("loss {:.3f} | {:.0f} tok/s", r.loss,
-                                                      r.tokens_per_s)));
+                                          fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss,
+                                                      r.tokens_per_s, mfu_text)));
       }
       if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
         log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));

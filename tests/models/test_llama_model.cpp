@@ -249,6 +249,19 @@ TEST(LlamaModel, GradientAccumulationEqualsTheFullBatch) {
   }
 }
 
+// Training FLOPs per token: 6 x every matrix that multiplies activations (all 2-D parameters
+// but the embedding table, which is a lookup) plus causal attention, 6 x layers x ctx x d.
+TEST(LlamaConfig, TrainingFlopsPerToken) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  LlamaModel model(c);
+  double matrix_params = 0.0;
+  for (const ParameterInfo& info : model.parameters().infos())
+    if (info.shape.ndim() == 2 && info.name != "tok_embeddings.weight")
+      matrix_params += static_cast<double>(info.shape.numel());
+  const double attention = 6.0 * c.n_layers * 48 * c.d_model;
+  EXPECT_DOUBLE_EQ(training_flops_per_token(c, 48), 6.0 * matrix_params + attention);
+}
+
 TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
   const LlamaConfig c = find_preset("tiny")->config;
   LlamaModel model(c);

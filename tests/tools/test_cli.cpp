@@ -156,8 +156,14 @@ TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
   std::vector<nlohmann::json> rows;
   while (std::getline(metrics, line)) rows.push_back(nlohmann::json::parse(line));
   ASSERT_EQ(rows.size(), 30u);
-  for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s"})
+  for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "ms",
+                          "model_gflops_per_s", "activations_peak_bytes", "peak_rss_bytes"})
     EXPECT_TRUE(rows[0].contains(key)) << key;
+  // MFU where the peak could be measured (any CPU with AVX2 or AVX-512): a fraction of it.
+  if (rows[0].contains("mfu")) {
+    EXPECT_GT(rows[0]["mfu"].get<double>(), 0.0);
+    EXPECT_LT(rows[0]["mfu"].get<double>(), 1.0);
+  }
   EXPECT_TRUE(rows[9].contains("val_loss"));
   EXPECT_FALSE(rows[8].contains("val_loss"));
   // A repetitive corpus is easy: 30 steps must cut the loss well below its start.

@@ -1,0 +1,56 @@
+#include "kernels/peak.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "kernels/cpu_features.h"
+#include "kernels/peak_chains.h"
+
+namespace cputrain::kernels {
+
+double fma_f32_avx2_loop(int64_t iterations) {
+  const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-4f);
+  return run_chains<__m256>(iterations, 8 * 2,
+                            [&](__m256 acc) { return _mm256_fmadd_ps(acc, x, y); });
+}
+
+namespace {
+
+// The best of several runs: interference from elsewhere only ever lowers a peak.
+template <typename Loop>
+double best_rate(Loop loop, int threads, int64_t iterations, int repetitions) {
+  double best = 0.0;
+  for (int rep = 0; rep < repetitions; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    double flops = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+    flops += loop(iterations);
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, flops / s / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+Peak measure_peak(int64_t iterations, int repetitions) {
+  Peak p;
+  const auto& cpu = cpu_features();
+  const int all = omp_get_max_threads();
+  auto f32 = cpu.avx512 ? fma_f32_avx512_loop : cpu.avx2 ? fma_f32_avx2_loop : nullptr;
+  if (f32 != nullptr) {
+    p.f32_one_thread = best_rate(f32, 1, iterations, repetitions);
+    p.f32_all_threads = best_rate(f32, all, iterations, repetitions);
+  }
+  if (cpu.avx512_bf16) {
+    p.bf16_one_thread = best_rate(dpbf16_avx512_loop, 1, iterations, repetitions);
+    p.bf16_all_threads = best_rate(dpbf16_avx512_loop, all, iterations, repetitions);
+  }
+  return p;
+}
+
+}  // namespace cputrain::kernels
