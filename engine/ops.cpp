@@ -286,4 +286,88 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   return out;
 }
 
+int64_t lm_head_chunk_rows(int64_t V) {
+  return std::max<int64_t>(16, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
+}
+
+Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
+                               int64_t chunk_rows) {
+  const Shape& xs = x.shape();
+  require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
+          "lm_head_cross_entropy: x (..., K) and w (V, K)");
+  const int64_t V = w.shape()[0], K = w.shape()[1];
+  const int64_t N = x.value().numel() / K;
+  require(targets.dtype() == DType::I32 && targets.numel() == N,
+          "lm_head_cross_entropy: one i32 target per row of x");
+  const int64_t rows = std::min(N, chunk_rows > 0 ? chunk_rows : lm_head_chunk_rows(V));
+  const bool bf16 = bf16_mode();
+  const Tensor xv = bf16 ? x.bf16_value() : x.value();
+  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  const bool grad = needs_grad({&x, &w});
+  // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.
+  Tensor dl;
+  if (grad) dl = Tensor::empty(Shape{N, V}, bf16 ? DType::BF16 : DType::F32,
+                               MemoryCategory::Activations);
+  Tensor chunk;
+  if (!grad || bf16) chunk = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
+  Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
+  Tensor lse = Tensor::empty(Shape{rows}, DType::F32, MemoryCategory::Workspace);
+  const float each = 1.0f / static_cast<float>(N);
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t m = std::min(rows, N - r0);
+    float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
+    if (bf16) {
+      kernels::gemm_bf16(Transpose::No, Transpose::Yes, m, V, K, xv.bf16() + r0 * K, K,
+                         wv.bf16(), K, 0.0f, logits, V);
+    } else {
+      kernels::gemm_f32(Transpose::No, Transpose::Yes, m, V, K, xv.f32() + r0 * K, K, wv.f32(),
+                        K, 0.0f, logits, V);
+    }
+    kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
+                                   V);
+    if (!grad) continue;
+    kernels::cross_entropy_gradient(logits, logits, lse.f32(), targets.i32() + r0, each, m, V);
+    if (bf16) kernels::fp32_to_bf16_array(dl.bf16() + r0 * V, logits, m * V);
+  }
+  double sum = 0.0;
+  for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
+  Tensor y = new_activation(Shape{1});
+  y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    Tensor xs_saved = w.requires_grad() ? xv : Tensor();
+    Tensor ws_saved = x.requires_grad() ? wv : Tensor();
+    record_backward([dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+                     gy = out.grad_ref(), N, V, K, bf16] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const float scale = dy.f32()[0];
+      if (scale != 1.0f) {  // in place: the tape runs once
+        if (bf16) {
+          uint16_t* d = dl.bf16();
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < N * V; ++i)
+            d[i] = kernels::fp32_to_bf16(scale * kernels::bf16_to_fp32(d[i]));
+        } else {
+          float* d = dl.f32();
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
+        }
+      }
+      if (bf16) {
+        if (gx) kernels::gemm_bf16(Transpose::No, Transpose::No, N, K, V, dl.bf16(), V,
+                                   wv.bf16(), K, 1.0f, gx->get_or_zeros().f32(), K);
+        if (gw) kernels::gemm_bf16(Transpose::Yes, Transpose::No, V, K, N, dl.bf16(), V,
+                                   xv.bf16(), K, 1.0f, gw->get_or_zeros().f32(), K);
+        return;
+      }
+      if (gx) kernels::gemm_f32(Transpose::No, Transpose::No, N, K, V, dl.f32(), V, wv.f32(), K,
+                                1.0f, gx->get_or_zeros().f32(), K);
+      if (gw) kernels::gemm_f32(Transpose::Yes, Transpose::No, V, K, N, dl.f32(), V, xv.f32(), K,
+                                1.0f, gw->get_or_zeros().f32(), K);
+    });
+  }
+  return out;
+}
+
 }  // namespace cputrain

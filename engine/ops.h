@@ -23,5 +23,15 @@ Variable swiglu(const Variable& gate, const Variable& up);
 Variable add(const Variable& a, const Variable& b);
 // logits (..., V), targets i32 with numel = rows of logits -> mean cross-entropy, shape (1).
 Variable cross_entropy(const Variable& logits, const Tensor& targets);
+// cross_entropy(linear(x, w), targets) without the FP32 logits ever existing whole: chunk_rows
+// rows at a time (0: lm_head_chunk_rows) it computes their logits and loss and, with grad, the
+// loss's gradient by them for an output gradient of 1, (softmax - one-hot) / rows, kept for
+// backward in the compute precision (bf16 in bf16 mode, as linear rounds its output gradient).
+// Backward scales it by the output gradient and runs linear's two products.
+Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
+                               int64_t chunk_rows = 0);
+// Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
+// enough rows that packing the weight again for each chunk costs little next to the product.
+int64_t lm_head_chunk_rows(int64_t V);
 
 }  // namespace cputrain

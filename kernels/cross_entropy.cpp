@@ -55,4 +55,24 @@ void cross_entropy_backward(float* dlogits, const float* logits, const float* ls
   }
 }
 
+void cross_entropy_gradient(float* out, const float* logits, const float* lse,
+                            const int32_t* targets, float scale, int64_t N, int64_t V) {
+  using vec::kLanes, vec::vf;
+  const int64_t whole = V / kLanes * kLanes;
+  const int tail = static_cast<int>(V - whole);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = logits + i * V;
+    float* dx = out + i * V;
+    const float l = lse[i];
+    for (int64_t j = 0; j < whole; j += kLanes)
+      vec::store(dx + j, scale * vec::exp(vec::load(x + j) - l));
+    if (tail) {
+      const vf d = scale * vec::exp(vec::load_partial(x + whole, tail, 0.0f) - l);
+      vec::store_partial(dx + whole, d, tail);
+    }
+    dx[targets[i]] -= scale;
+  }
+}
+
 }  // namespace cputrain::kernels

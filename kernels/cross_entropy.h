@@ -13,4 +13,9 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V);
 
+// out (N, V) = scale * (softmax(logits_i) - onehot(target_i)), from the lse of the forward;
+// out may be logits itself.
+void cross_entropy_gradient(float* out, const float* logits, const float* lse,
+                            const int32_t* targets, float scale, int64_t N, int64_t V);
+
 }  // namespace cputrain::kernels

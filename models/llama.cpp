@@ -131,7 +131,7 @@ Variable LlamaModel::hidden(const Tensor& inputs) {
 
 Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets) {
   ComputeDTypeGuard precision(compute_dtype_);
-  return cross_entropy(linear(hidden(inputs), p(output_)), targets);
+  return lm_head_cross_entropy(hidden(inputs), p(output_), targets);
 }
 
 Tensor LlamaModel::logits(const Tensor& inputs) {

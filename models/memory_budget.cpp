@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "engine/ops.h"
 #include "kernels/gemm.h"
 #include "models/llama.h"
 
@@ -96,29 +97,29 @@ class StepReplay {
       drop(x);
       x = out;
     }
-    // Final norm, head, loss.
-    int fn_x = -1, fn_rstd = -1, head_x = -1;
+    // Final norm, then lm_head_cross_entropy: the gradient by the logits (kept for backward),
+    // one chunk of FP32 logits in bf16 mode, the per-row losses and the chunk's lse.
+    int fn_x = -1, fn_rstd = -1;
     Var h = norm_forward(x, true, &fn_x, &fn_rstd);
     drop(x);
-    Var logits = linear_forward(h, n_ * V_, true, &head_x);
+    cache(h);
+    const int head_x = L_.retain(bf16_ ? h.bf16 : h.value);
+    const int64_t rows = std::min(n_, lm_head_chunk_rows(V_));
+    const int dl = L_.alloc(MemoryCategory::Activations, n_ * V_ * (bf16_ ? 2 : 4));
+    const int chunk = bf16_ ? work(rows * V_ * 4) : -1;
     const int losses = work(n_ * 4);
-    const int ce_lse = L_.alloc(MemoryCategory::Activations, n_ * 4);
+    const int lse = work(rows * 4);
     const int loss = L_.alloc(MemoryCategory::Activations, 4);
-    const int ce_logits = L_.retain(logits.value);
+    L_.release(lse);
     L_.release(losses);
-    drop(logits);
+    L_.release(chunk);
     drop(h);
 
     // Backward.
     const int dloss = work(4);
-    const int dlosses = work(n_ * 4);
-    const int dlogits = work(n_ * V_ * 4);
-    L_.release(dlosses);
-    L_.release(ce_logits);
-    L_.release(ce_lse);
-    const int dh = linear_backward(n_ * V_, n_ * C_);
+    const int dh = work(n_ * C_ * 4);
+    L_.release(dl);
     L_.release(head_x);
-    L_.release(dlogits);
     int dx = work(n_ * C_ * 4);
     norm_scratch();
     L_.release(fn_x);
@@ -339,6 +340,11 @@ int64_t gemm_buffers(const LlamaConfig& c, const BudgetOptions& o) {
   const bool bf16 = o.dtype == DType::BF16;
   std::array<size_t, 4> most{};
   const int64_t layers[][2] = {{C, C}, {F, C}, {C, F}, {V, C}};  // (out, in)
+  // The LM head's forward runs on chunks of rows (lm_head_cross_entropy).
+  const int64_t head_rows = std::min(n, lm_head_chunk_rows(V));
+  for (size_t i = 0; i < most.size(); ++i)
+    most[i] = std::max(most[i], kernels::gemm_buffer_bytes(bf16, Transpose::No, Transpose::Yes,
+                                                           head_rows, V, C)[i]);
   for (const auto& w : layers) {
     const int64_t out = w[0], in = w[1];
     for (const auto& need :

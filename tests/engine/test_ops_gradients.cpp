@@ -126,6 +126,49 @@ TEST(OpsGradient, CrossEntropy) {
                   {random_tensor(Shape{2, 3, 13}, rng, 2.0f)}, 5e-3);
 }
 
+// The fused LM head and loss in chunks of 2 rows over 5 rows (a short last chunk), with an
+// output gradient that is not 1.
+TEST(OpsGradient, LmHeadCrossEntropyInChunks) {
+  std::mt19937 rng(12);
+  Tensor targets = Tensor::empty(Shape{5}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 5; ++i) targets.i32()[i] = (i * 5 + 2) % 13;
+  check_gradients([&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, 2); },
+                  {random_tensor(Shape{1, 5, 7}, rng), random_tensor(Shape{13, 7}, rng)}, 5e-3);
+}
+
+// It computes what linear then cross_entropy compute: the same loss, and gradients within
+// rounding, for any chunk size and output gradient.
+TEST(OpsGradient, LmHeadCrossEntropyMatchesLinearThenCrossEntropy) {
+  std::mt19937 rng(13);
+  const Tensor x0 = random_tensor(Shape{2, 9, 16}, rng), w0 = random_tensor(Shape{37, 16}, rng);
+  Tensor targets = Tensor::empty(Shape{18}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 18; ++i) targets.i32()[i] = (i * 11 + 4) % 37;
+  auto run = [&](int64_t chunk, float dy, std::vector<float>* grads) {
+    Variable x(x0, true), w(w0, true);
+    const Variable loss = chunk < 0 ? cross_entropy(linear(x, w), targets)
+                                    : lm_head_cross_entropy(x, w, targets, chunk);
+    backward(loss, dy);
+    grads->assign(x.grad().f32(), x.grad().f32() + x.grad().numel());
+    grads->insert(grads->end(), w.grad().f32(), w.grad().f32() + w.grad().numel());
+    return loss.value().f32()[0];
+  };
+  for (float dy : {1.0f, 0.3f}) {
+    std::vector<float> want, got;
+    const float want_loss = run(-1, dy, &want);
+    for (int64_t chunk : {0, 1, 4, 18, 100}) {
+      const float loss = run(chunk, dy, &got);
+      EXPECT_NEAR(loss, want_loss, 1e-6f * std::abs(want_loss)) << chunk;
+      double max_diff = 0.0, max_ref = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        max_diff = std::max(max_diff, std::abs(static_cast<double>(got[i]) - want[i]));
+        max_ref = std::max(max_ref, std::abs(static_cast<double>(want[i])));
+      }
+      EXPECT_GT(max_ref, 0.0);
+      EXPECT_LT(max_diff / max_ref, 1e-5) << "chunk " << chunk << " dy " << dy;
+    }
+  }
+}
+
 TEST(OpsGradient, Embedding) {
   std::mt19937 rng(9);
   Tensor tokens = Tensor::empty(Shape{2, 5}, DType::I32, MemoryCategory::Workspace);

@@ -144,8 +144,10 @@ TEST(LlamaModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
   EXPECT_NEAR(loss_bf16, loss_f32, 1e-2);
   EXPECT_NE(loss_bf16, loss_f32);
   // Per token and layer the blocks save x, h, q, k, v, the attention output, a and g (8 C) and
-  // gate, up and their product (3 F); then the final norm's input and the head's input (2 C).
-  const int64_t saved_elems = B * T * (c.n_layers * (8 * c.d_model + 3 * c.ffn) + 2 * c.d_model);
+  // gate, up and their product (3 F); then the final norm's input and the head's input (2 C);
+  // and the LM head keeps the loss's gradient by the logits (V).
+  const int64_t saved_elems =
+      B * T * (c.n_layers * (8 * c.d_model + 3 * c.ffn) + 2 * c.d_model + c.vocab);
   EXPECT_EQ(held_f32 - held_bf16, saved_elems * 2);
 
   for (const ParameterInfo& info : f32.parameters().infos()) {
