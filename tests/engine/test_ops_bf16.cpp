@@ -114,6 +114,29 @@ TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
                 {random_tensor(s, rng, true), random_tensor(s, rng, true)}, s, 0.0, 0.0);
 }
 
+// In bf16 mode the fused LM head and loss round what linear then cross_entropy round (the
+// input, the weight, the gradient by the logits): the same loss and gradients up to summation
+// order, for any chunk size and an output gradient that is not 1.
+TEST(OpsBf16, LmHeadCrossEntropyMatchesLinearThenCrossEntropy) {
+  std::mt19937 rng(21);
+  const std::vector<Tensor> inputs = {random_tensor(Shape{2, 9, 16}, rng, false),
+                                      random_tensor(Shape{37, 16}, rng, false)};
+  Tensor targets = Tensor::empty(Shape{18}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 18; ++i) targets.i32()[i] = (i * 11 + 4) % 37;
+  Tensor r = Tensor::empty(Shape{1}, DType::F32, MemoryCategory::Workspace);
+  r.f32()[0] = 0.5f;
+  const ModeRun want = run([&](const auto& v) { return cross_entropy(linear(v[0], v[1]), targets); },
+                           inputs, r, DType::BF16);
+  for (int64_t chunk : {0, 1, 5, 18}) {
+    const ModeRun got = run(
+        [&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, chunk); }, inputs,
+        r, DType::BF16);
+    expect_close(got.out, want.out, 1e-6, "loss");
+    expect_close(got.grads[0], want.grads[0], 1e-5, "dx");
+    expect_close(got.grads[1], want.grads[1], 1e-5, "dw");
+  }
+}
+
 TEST(OpsBf16, ArbitraryInputsStayWithinBf16RoundingOfFp32) {
   // A block-like chain: norm, projections, attention, SwiGLU, residual. Each rounding is a
   // relative 2^-9; a few of them in series stay within about 2%.
