@@ -35,10 +35,12 @@ using vec::store;
 using vec::vf;
 constexpr int64_t kTile = 64;  // queries and keys per tile (a multiple of kLanes)
 
-// C[m, 0:N] (+)= sum_k A[m, k] B[k, 0:N] for m < M; N a multiple of kLanes.
-template <int RB>
-void tile_nn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
-             int64_t M, int64_t N, int64_t K, bool accumulate) {
+// C[m, 0:N] (+)= sum_k op(A)[m, k] B[k, 0:N] for m < M, N a multiple of kLanes, where op(A) is
+// A (M x K, row stride lda) or, with TA, the transpose of A (K x M).
+template <int RB, bool TA>
+void tile_product(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
+                  int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  auto a_at = [A, lda](int64_t m, int64_t k) { return TA ? A[k * lda + m] : A[m * lda + k]; };
   for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
     const int nv = static_cast<int>(std::min<int64_t>(4, (N - n0) / kLanes));
     int64_t m0 = 0;
@@ -55,7 +57,7 @@ void tile_nn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
           const vf b0 = load(b), b1 = load(b + 16), b2 = load(b + 32), b3 = load(b + 48);
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            const vf a = splat(A[(m0 + r) * lda + k]);
+            const vf a = splat(a_at(m0 + r, k));
             acc[r][0] += a * b0;
             acc[r][1] += a * b1;
             acc[r][2] += a * b2;
@@ -67,7 +69,7 @@ void tile_nn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
           const float* b = B + k * ldb + n0;
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            const vf a = splat(A[(m0 + r) * lda + k]);
+            const vf a = splat(a_at(m0 + r, k));
             for (int v = 0; v < nv; ++v) acc[r][v] += a * load(b + v * kLanes);
           }
         }
@@ -81,50 +83,16 @@ void tile_nn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
   }
 }
 
-// C[m, 0:N] += sum_k A[k, m] B[k, 0:N] for m < M; N a multiple of kLanes.
+// C (+)= A B and C += A^T B.
+template <int RB>
+void tile_nn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+             int64_t M, int64_t N, int64_t K, bool accumulate) {
+  tile_product<RB, false>(C, ldc, A, lda, B, ldb, M, N, K, accumulate);
+}
 template <int RB>
 void tile_tn(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
              int64_t M, int64_t N, int64_t K) {
-  for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
-    const int nv = static_cast<int>(std::min<int64_t>(4, (N - n0) / kLanes));
-    int64_t m0 = 0;
-    auto block = [&]<int R>(std::integral_constant<int, R>) {
-      vf acc[R][4];
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v)
-          acc[r][v] = v < nv ? load(C + (m0 + r) * ldc + n0 + v * kLanes) : vf{};
-      if (nv == 4) {
-        for (int64_t k = 0; k < K; ++k) {
-          const float* b = B + k * ldb + n0;
-          const vf b0 = load(b), b1 = load(b + 16), b2 = load(b + 32), b3 = load(b + 48);
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const vf a = splat(A[k * lda + m0 + r]);
-            acc[r][0] += a * b0;
-            acc[r][1] += a * b1;
-            acc[r][2] += a * b2;
-            acc[r][3] += a * b3;
-          }
-        }
-      } else {
-        for (int64_t k = 0; k < K; ++k) {
-          const float* b = B + k * ldb + n0;
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const vf a = splat(A[k * lda + m0 + r]);
-            for (int v = 0; v < nv; ++v) acc[r][v] += a * load(b + v * kLanes);
-          }
-        }
-      }
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < nv; ++v) store(C + (m0 + r) * ldc + n0 + v * kLanes, acc[r][v]);
-    };
-    for (; m0 + RB <= M; m0 += RB) block(std::integral_constant<int, RB>{});
-    for (; m0 < M; ++m0) block(std::integral_constant<int, 1>{});
-  }
+  tile_product<RB, true>(C, ldc, A, lda, B, ldb, M, N, K, true);
 }
 
 // Buffers of the calling thread, grown on demand and kept for the next call.

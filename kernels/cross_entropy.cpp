@@ -34,44 +34,42 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
   }
 }
 
-void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
-                            const int32_t* targets, const float* dlosses, int64_t N, int64_t V) {
+namespace {
+
+// dx[0:V] = (accumulate ? dx : 0) + scale * exp(x - l) over one row.
+void scaled_softmax_row(float* dx, const float* x, float l, float scale, int64_t V,
+                        bool accumulate) {
   using vec::kLanes, vec::vf;
   const int64_t whole = V / kLanes * kLanes;
   const int tail = static_cast<int>(V - whole);
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const vf e = scale * vec::exp(vec::load(x + j) - l);
+    vec::store(dx + j, accumulate ? vec::load(dx + j) + e : e);
+  }
+  if (tail) {
+    const vf e = scale * vec::exp(vec::load_partial(x + whole, tail, 0.0f) - l);
+    vec::store_partial(dx + whole, accumulate ? vec::load_partial(dx + whole, tail, 0.0f) + e : e,
+                       tail);
+  }
+}
+
+}  // namespace
+
+void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
+                            const int32_t* targets, const float* dlosses, int64_t N, int64_t V) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
-    const float* x = logits + i * V;
-    float* dx = dlogits + i * V;
-    const float l = lse[i], g = dlosses[i];
-    for (int64_t j = 0; j < whole; j += kLanes)
-      vec::store(dx + j, vec::load(dx + j) + g * vec::exp(vec::load(x + j) - l));
-    if (tail) {
-      const vf d = vec::load_partial(dx + whole, tail, 0.0f) +
-                   g * vec::exp(vec::load_partial(x + whole, tail, 0.0f) - l);
-      vec::store_partial(dx + whole, d, tail);
-    }
-    dx[targets[i]] -= g;
+    scaled_softmax_row(dlogits + i * V, logits + i * V, lse[i], dlosses[i], V, true);
+    dlogits[i * V + targets[i]] -= dlosses[i];
   }
 }
 
 void cross_entropy_gradient(float* out, const float* logits, const float* lse,
                             const int32_t* targets, float scale, int64_t N, int64_t V) {
-  using vec::kLanes, vec::vf;
-  const int64_t whole = V / kLanes * kLanes;
-  const int tail = static_cast<int>(V - whole);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
-    const float* x = logits + i * V;
-    float* dx = out + i * V;
-    const float l = lse[i];
-    for (int64_t j = 0; j < whole; j += kLanes)
-      vec::store(dx + j, scale * vec::exp(vec::load(x + j) - l));
-    if (tail) {
-      const vf d = scale * vec::exp(vec::load_partial(x + whole, tail, 0.0f) - l);
-      vec::store_partial(dx + whole, d, tail);
-    }
-    dx[targets[i]] -= scale;
+    scaled_softmax_row(out + i * V, logits + i * V, lse[i], scale, V, false);
+    out[i * V + targets[i]] -= scale;
   }
 }
 
