@@ -56,7 +56,40 @@ Tensor to_bf16(const Tensor& t) {
   return b;
 }
 
+// out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:
+// x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv).
+void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,
+                    int64_t N, int64_t K) {
+  if (xv.dtype() == DType::BF16) {
+    kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K,
+                       wv.bf16(), K, 0.0f, out, N);
+  } else {
+    kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, xv.f32() + row0 * K, K, wv.f32(),
+                      K, 0.0f, out, N);
+  }
+}
+
+// A linear layer's backward from its output gradient dy (M, N), bf16 or FP32 as xv and wv:
+// gx (M, K) += dy w and gw (N, K) += dy^T x, each where its gradient is wanted.
+void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& wv,
+                              const GradRef& gx, const GradRef& gw, int64_t M, int64_t N,
+                              int64_t K) {
+  if (dy.dtype() == DType::BF16) {
+    if (gx) kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K,
+                               1.0f, gx->get_or_zeros().f32(), K);
+    if (gw) kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dy.bf16(), N, xv.bf16(), K,
+                               1.0f, gw->get_or_zeros().f32(), K);
+    return;
+  }
+  if (gx) kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K,
+                            1.0f, gx->get_or_zeros().f32(), K);
+  if (gw) kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K,
+                            1.0f, gw->get_or_zeros().f32(), K);
+}
+
 }  // namespace
+
+Tensor attention_input(const Variable& x) { return as_f32(saved(x)); }
 
 Variable embedding(const Variable& table, const Tensor& tokens) {
   require(table.value().ndim() == 2 && tokens.ndim() == 2 && tokens.dtype() == DType::I32,
@@ -90,13 +123,7 @@ Variable linear(const Variable& x, const Variable& w) {
   // x, w's is the parameter's copy.
   const Tensor xv = bf16 ? x.bf16_value() : x.value();
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
-  if (bf16) {
-    kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K, 0.0f,
-                       y.f32(), N);
-  } else {
-    kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, xv.f32(), K, wv.f32(), K, 0.0f,
-                      y.f32(), N);
-  }
+  linear_product(xv, 0, wv, y.f32(), M, N, K);
   const bool grad = needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -107,26 +134,7 @@ Variable linear(const Variable& x, const Variable& w) {
                      gy = out.grad_ref(), M, N, K, bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      if (bf16) {
-        const Tensor dyb = to_bf16(dy);
-        if (gx) {
-          kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dyb.bf16(), N, wv.bf16(), K,
-                             1.0f, gx->get_or_zeros().f32(), K);
-        }
-        if (gw) {
-          kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dyb.bf16(), N, xv.bf16(), K,
-                             1.0f, gw->get_or_zeros().f32(), K);
-        }
-        return;
-      }
-      if (gx) {
-        kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K, 1.0f,
-                          gx->get_or_zeros().f32(), K);
-      }
-      if (gw) {
-        kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K, 1.0f,
-                          gw->get_or_zeros().f32(), K);
-      }
+      linear_backward_products(bf16 ? to_bf16(dy) : dy, xv, wv, gx, gw, M, N, K);
     });
   }
   return out;
@@ -316,13 +324,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
-    if (bf16) {
-      kernels::gemm_bf16(Transpose::No, Transpose::Yes, m, V, K, xv.bf16() + r0 * K, K,
-                         wv.bf16(), K, 0.0f, logits, V);
-    } else {
-      kernels::gemm_f32(Transpose::No, Transpose::Yes, m, V, K, xv.f32() + r0 * K, K, wv.f32(),
-                        K, 0.0f, logits, V);
-    }
+    linear_product(xv, r0, wv, logits, m, V, K);
     kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
                                    V);
     if (!grad) continue;
@@ -354,17 +356,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
           for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
         }
       }
-      if (bf16) {
-        if (gx) kernels::gemm_bf16(Transpose::No, Transpose::No, N, K, V, dl.bf16(), V,
-                                   wv.bf16(), K, 1.0f, gx->get_or_zeros().f32(), K);
-        if (gw) kernels::gemm_bf16(Transpose::Yes, Transpose::No, V, K, N, dl.bf16(), V,
-                                   xv.bf16(), K, 1.0f, gw->get_or_zeros().f32(), K);
-        return;
-      }
-      if (gx) kernels::gemm_f32(Transpose::No, Transpose::No, N, K, V, dl.f32(), V, wv.f32(), K,
-                                1.0f, gx->get_or_zeros().f32(), K);
-      if (gw) kernels::gemm_f32(Transpose::Yes, Transpose::No, V, K, N, dl.f32(), V, xv.f32(), K,
-                                1.0f, gw->get_or_zeros().f32(), K);
+      linear_backward_products(dl, xv, wv, gx, gw, N, V, K);
     });
   }
   return out;

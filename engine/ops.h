@@ -21,6 +21,9 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
 Variable swiglu(const Variable& gate, const Variable& up);
 // a + b, equal shapes.
 Variable add(const Variable& a, const Variable& b);
+// What attention computes on for x, in FP32: x's value, or in bf16 mode its bf16 rounding
+// widened (the value the ops save and share).
+Tensor attention_input(const Variable& x);
 // logits (..., V), targets i32 with numel = rows of logits -> mean cross-entropy, shape (1).
 Variable cross_entropy(const Variable& logits, const Tensor& targets);
 // cross_entropy(linear(x, w), targets) without the FP32 logits ever existing whole: chunk_rows

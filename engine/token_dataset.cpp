@@ -40,11 +40,15 @@ TokenDataset TokenDataset::build(const std::vector<std::string>& documents,
   const int64_t n = static_cast<int64_t>(documents.size());
   std::vector<std::vector<int32_t>> encoded(documents.size());
   std::atomic<int64_t> done{0};
+  int64_t next_report = 256;  // read and written by thread 0 only
 #pragma omp parallel for schedule(dynamic, 64)
   for (int64_t i = 0; i < n; ++i) {
     encoded[i] = tokenizer.encode(documents[i]);
     const int64_t d = done.fetch_add(1, std::memory_order_relaxed) + 1;
-    if (progress && omp_get_thread_num() == 0 && d % 256 == 0) progress(d, n);
+    if (progress && omp_get_thread_num() == 0 && d >= next_report) {
+      progress(d, n);
+      next_report = d + 256;
+    }
   }
   if (progress) progress(n, n);
   auto is_val = [n](int64_t i) { return n < 10 ? n >= 2 && i == n - 1 : i % 10 == 9; };

@@ -8,7 +8,6 @@
 
 #include "engine/ops.h"
 #include "kernels/attention.h"
-#include "kernels/bf16.h"
 #include "kernels/rope.h"
 
 namespace cputrain {
@@ -88,7 +87,8 @@ void LlamaModel::set_compute_dtype(DType dtype) {
   compute_dtype_ = dtype;
 }
 
-Variable LlamaModel::block_forward(const Block& b, const Variable& x) {
+Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
+                                   const Attend& attend) {
   const float eps = config_.norm_eps;
   const int64_t H = config_.n_heads;
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
@@ -99,11 +99,11 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x) {
     Variable q, k, v;
     {
       const Variable h = rmsnorm(x, p(b.attention_norm), eps);
-      q = rope(linear(h, p(b.wq)), rope_table_, H);
-      k = rope(linear(h, p(b.wk)), rope_table_, H);
+      q = rope(linear(h, p(b.wq)), rope_table, H);
+      k = rope(linear(h, p(b.wk)), rope_table, H);
       v = linear(h, p(b.wv));
     }
-    a = add(x, linear(attention(q, k, v, H), p(b.wo)));
+    a = add(x, linear(attend(q, k, v), p(b.wo)));
   }
   Variable f;
   {
@@ -118,12 +118,19 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x) {
 Variable LlamaModel::hidden(const Tensor& inputs) {
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
+  const int64_t H = config_.n_heads;
+  const Attend attend = [H](const Variable& q, const Variable& k, const Variable& v) {
+    return attention(q, k, v, H);
+  };
   Variable x = embedding(p(tok_embeddings_), inputs);
   for (const Block& b : blocks_) {
     if (checkpointing_) {
-      x = checkpoint([this, &b](const Variable& in) { return block_forward(b, in); }, x);
+      // The region reruns in backward: it holds its own copy of attend.
+      x = checkpoint([this, &b, attend](const Variable& in) {
+        return block_forward(b, in, rope_table_, attend);
+      }, x);
     } else {
-      x = block_forward(b, x);
+      x = block_forward(b, x, rope_table_, attend);
     }
   }
   return rmsnorm(x, p(norm_), config_.norm_eps);
@@ -143,8 +150,11 @@ Tensor LlamaModel::logits(const Tensor& inputs) {
 Tensor LlamaModel::last_logits(const Tensor& inputs) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
-  const Tensor h = hidden(inputs).value();
-  const int64_t B = inputs.dim(0), T = inputs.dim(1), C = config_.d_model;
+  return last_position_logits(hidden(inputs).value(), inputs.dim(0), inputs.dim(1));
+}
+
+Tensor LlamaModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
+  const int64_t C = config_.d_model;
   Tensor last = Tensor::empty(Shape{B, C}, DType::F32, MemoryCategory::Workspace);
   for (int64_t b = 0; b < B; ++b)
     std::copy_n(h.f32() + (b * T + T - 1) * C, C, last.f32() + b * C);
@@ -174,34 +184,22 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   // RoPE angles of positions n .. n + m - 1.
   Tensor table = Tensor::empty(Shape{m, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
   std::copy_n(rope_table_.f32() + n * D, m * D, table.f32());
-  // Attention sees what the full forward pass gives it: in bf16 mode, bf16 roundings.
-  const bool round = compute_dtype_ == DType::BF16;
-  auto as_attention_input = [round](const Tensor& t, float* dst) {
-    const float* src = t.f32();
-    for (int64_t i = 0; i < t.numel(); ++i)
-      dst[i] = round ? kernels::bf16_to_fp32(kernels::fp32_to_bf16(src[i])) : src[i];
-  };
   Variable x = embedding(p(tok_embeddings_), input);
   for (size_t l = 0; l < blocks_.size(); ++l) {
-    const Block& b = blocks_[l];
-    const Variable h = rmsnorm(x, p(b.attention_norm), config_.norm_eps);
-    const Tensor q = rope(linear(h, p(b.wq)), table, H).value();
-    as_attention_input(rope(linear(h, p(b.wk)), table, H).value(), cache.keys[l].f32() + n * C);
-    as_attention_input(linear(h, p(b.wv)).value(), cache.values[l].f32() + n * C);
-    Tensor qa = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
-    as_attention_input(q, qa.f32());
-    Tensor att = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
-    kernels::attention_decode(att.f32(), qa.f32(), cache.keys[l].f32(), cache.values[l].f32(),
-                              n, m, H, D);
-    const Variable a = add(x, linear(Variable(att, false), p(b.wo)));
-    const Variable g = rmsnorm(a, p(b.ffn_norm), config_.norm_eps);
-    x = add(a, linear(swiglu(linear(g, p(b.w1)), linear(g, p(b.w3))), p(b.w2)));
+    // The new positions' keys and values join the cache as attention would see them (bf16
+    // roundings in bf16 mode); their queries attend to everything cached.
+    const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v) {
+      std::copy_n(attention_input(k).f32(), m * C, cache.keys[l].f32() + n * C);
+      std::copy_n(attention_input(v).f32(), m * C, cache.values[l].f32() + n * C);
+      Tensor att = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
+      kernels::attention_decode(att.f32(), attention_input(q).f32(), cache.keys[l].f32(),
+                                cache.values[l].f32(), n, m, H, D);
+      return Variable(att, false);
+    };
+    x = block_forward(blocks_[l], x, table, attend);
   }
   cache.length = n + m;
-  const Tensor hn = rmsnorm(x, p(norm_), config_.norm_eps).value();
-  Tensor last = Tensor::empty(Shape{1, C}, DType::F32, MemoryCategory::Workspace);
-  std::copy_n(hn.f32() + (m - 1) * C, C, last.f32());
-  return linear(Variable(last, false), p(output_)).value();
+  return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps).value(), 1, m);
 }
 
 }  // namespace cputrain

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "engine/parameters.h"
 #include "models/llama_config.h"
@@ -69,7 +70,14 @@ class LlamaModel {
   static Layout declare(const LlamaConfig& config, ParameterSet& params);
   // (B, T, C) hidden states after the final norm.
   Variable hidden(const Tensor& inputs);
-  Variable block_forward(const Block& block, const Variable& x);
+  // Attention of q, k, v (after RoPE): the whole-sequence op in training and evaluation, the
+  // KV cache in decoding.
+  using Attend = std::function<Variable(const Variable& q, const Variable& k, const Variable& v)>;
+  // One block on x, whose positions take their RoPE angles from the rows of rope_table.
+  Variable block_forward(const Block& block, const Variable& x, const Tensor& rope_table,
+                         const Attend& attend);
+  // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
+  Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
   const Variable& p(int index) const { return params_.var(index); }
 
   LlamaConfig config_;

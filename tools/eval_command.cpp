@@ -3,7 +3,6 @@
 #include <omp.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -100,13 +99,12 @@ int run_eval(const EvalArgs& a) {
   const int64_t windows = a.windows > 0 ? std::min(a.windows, available) : available;
   // On a terminal, a progress line with the time left while the windows are evaluated.
   ProgressSink status(!a.json && ::isatty(::fileno(stdout)) == 1);
-  const auto start = std::chrono::steady_clock::now();
+  const Stopwatch time;
   const double loss = evaluate_loss(
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, tokens, ctx,
       a.batch, windows, [&](int64_t done, int64_t total) {
-        const double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        status.set_status("evaluating " + progress_line(done, total, 0, elapsed, "windows", ""));
+        status.set_status("evaluating " +
+                          progress_line(done, total, 0, time.seconds(), "windows", ""));
       });
   status.set_status("");
   const double ppl = std::exp(loss);

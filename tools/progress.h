@@ -36,6 +36,19 @@ class ProgressSink : public spdlog::sinks::base_sink<std::mutex> {
 std::string progress_line(int64_t done, int64_t total, int64_t done_at_start, double elapsed_s,
                           const std::string& unit, const std::string& extra, int width = 30);
 
+// Seconds since construction or the last restart.
+class Stopwatch {
+ public:
+  Stopwatch() : start_(std::chrono::steady_clock::now()) {}
+  void restart() { start_ = std::chrono::steady_clock::now(); }
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
 // Seconds as "45s", "3m05s" or "2h07m".
 std::string format_duration(double seconds);
 

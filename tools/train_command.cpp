@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <filesystem>
@@ -356,16 +355,14 @@ int run_train(const TrainArgs& args) {
 
   DataProgress data_progress;
   if (console->terminal()) {
-    data_progress = [&console, phase_seen = std::string(),
-                     phase_start = std::chrono::steady_clock::now()](
+    data_progress = [&console, phase_seen = std::string(), phase_time = Stopwatch()](
                         const std::string& phase, int64_t done, int64_t total) mutable {
       if (phase != phase_seen) {
         phase_seen = phase;
-        phase_start = std::chrono::steady_clock::now();
+        phase_time.restart();
       }
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
-      console->set_status(total > 0 ? phase + " " + progress_line(done, total, 0, elapsed,
+      console->set_status(total > 0 ? phase + " " + progress_line(done, total, 0,
+                                                                  phase_time.seconds(),
                                                                   "documents", "")
                                     : phase + " ...");
     };
@@ -500,7 +497,7 @@ int run_train(const TrainArgs& args) {
   });
   {  // signals: a stop request ends the loop after its step
     const StopSignals signals;
-    const auto loop_start = std::chrono::steady_clock::now();
+    const Stopwatch loop_time;
     for (int64_t step = first_step; step <= config.steps; ++step) {
       const StepResult r = trainer.step(train_tokens, step);
       if (r.skipped && args.on_bad_step == "stop") {
@@ -511,6 +508,7 @@ int run_train(const TrainArgs& args) {
       }
       if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
       const ProcessMemory mem = process_memory();
+      const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
       const MemoryStats stats = memory_stats();
       nlohmann::json m = {{"step", step},
                           {"loss", r.loss},
@@ -522,8 +520,8 @@ int run_train(const TrainArgs& args) {
                           {"peak_rss_bytes", mem.peak_rss_bytes},
                           {"budget_bytes", budget.total_bytes()},
                           {"skipped", r.skipped},
-                          {"model_gflops_per_s", flops_per_token * r.tokens_per_s / 1e9}};
-      if (peak_gflops > 0) m["mfu"] = flops_per_token * r.tokens_per_s / 1e9 / peak_gflops;
+                          {"model_gflops_per_s", model_gflops}};
+      if (peak_gflops > 0) m["mfu"] = model_gflops / peak_gflops;
       for (int i = 0; i < kMemoryCategoryCount; ++i) {
         const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
         m[name + "_bytes"] = stats.live_bytes[i];
@@ -547,10 +545,10 @@ int run_train(const TrainArgs& args) {
       }
       if (console->terminal()) {
         const std::string mfu_text =
-            peak_gflops > 0 ? fmt::format(" | MFU {:.0f}%", 100.0 * m["mfu"].get<double>()) : "";
-        const double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
-        console->set_status(progress_line(step, config.steps, first_step - 1, elapsed, "steps",
+            peak_gflops > 0 ? fmt::format(" | MFU {:.0f}%", 100.0 * model_gflops / peak_gflops)
+                            : "";
+        console->set_status(progress_line(step, config.steps, first_step - 1, loop_time.seconds(),
+                                          "steps",
                                           fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss,
                                                       r.tokens_per_s, mfu_text)));
       }
