@@ -196,9 +196,14 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   Tensor y = new_activation(s);
   Tensor lse = new_activation(Shape{B, H, T});
   // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
-  // will see; the softmax statistics stay FP32.
+  // will see, with bf16 products where the CPU has them (else widened to FP32); the softmax
+  // statistics stay FP32.
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
-  {
+  const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
+  if (native) {
+    kernels::attention_forward_bf16(y.f32(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
+                                    D);
+  } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
     kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, D);
   }
@@ -206,7 +211,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(), gk = k.grad_ref(),
-                     gv = v.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
+                     gv = v.grad_ref(), gy = out.grad_ref(), native, B, T, H, D] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       auto grad_or_scratch = [&](const GradRef& g) {
@@ -214,6 +219,11 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
                  : Tensor::zeros(Shape{B, T, H * D}, DType::F32, MemoryCategory::Workspace);
       };
       Tensor dq = grad_or_scratch(gq), dk = grad_or_scratch(gk), dv = grad_or_scratch(gv);
+      if (native) {
+        kernels::attention_backward_bf16(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qs.bf16(),
+                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, D);
+        return;
+      }
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
       kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
                                   vv.f32(), yv.f32(), lse.f32(), B, T, H, D);
@@ -238,8 +248,10 @@ Variable swiglu(const Variable& gate, const Variable& up) {
         return g ? g->get_or_zeros() : Tensor::zeros(Shape{n}, DType::F32, MemoryCategory::Workspace);
       };
       Tensor dg = grad_or_scratch(gg), du = grad_or_scratch(gu);
-      const Tensor gv = as_f32(gs), uv = as_f32(us);
-      kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gv.f32(), uv.f32(), n);
+      if (gs.dtype() == DType::BF16)
+        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.bf16(), us.bf16(), n);
+      else
+        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.f32(), us.f32(), n);
     });
   }
   return out;

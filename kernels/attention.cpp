@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <stdexcept>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/attention_isa.h"
 #include "kernels/cpu_features.h"
+#include "kernels/gemm.h"
 
 namespace cputrain::kernels {
 
@@ -22,6 +27,35 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   if (cpu_features().avx512)
     return attention_backward_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
   attention_backward_avx2(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
+}
+
+bool attention_bf16_native() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("CPUTRAIN_ATTENTION");
+    if (env == nullptr || *env == '\0' || std::string_view(env) == "native") return true;
+    if (std::string_view(env) == "fp32") return false;
+    throw std::invalid_argument(std::string("CPUTRAIN_ATTENTION=") + env +
+                                ": not an attention path (native or fp32)");
+  }();
+  const GemmBackend gemm = gemm_backend();
+  return allowed && cpu_features().avx512_bf16 &&
+         (gemm == GemmBackend::Avx512 || gemm == GemmBackend::Amx);
+}
+
+void attention_forward_bf16(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+                            const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D) {
+  if (!attention_bf16_native())
+    throw std::logic_error("attention_forward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
+  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, D);
+}
+
+void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
+                             const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                             const uint16_t* out, const float* lse, int64_t B, int64_t T,
+                             int64_t H, int64_t D) {
+  if (!attention_bf16_native())
+    throw std::logic_error("attention_backward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
+  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values,

@@ -17,6 +17,20 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t H, int64_t D);
 
+// The same on bf16 q, k, v (and the forward's output rounded to bf16 in the backward), with
+// bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, the score gradients
+// and dout are rounded to bf16 where they enter a product, scores and softmax statistics stay
+// FP32. Only where attention_bf16_native() is true: AVX-512 BF16, with the GEMM on its avx512
+// or amx path (forcing a lower GEMM path forces this one too), and CPUTRAIN_ATTENTION not set
+// to fp32; elsewhere callers widen the inputs to FP32 and use the functions above.
+bool attention_bf16_native();
+void attention_forward_bf16(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+                            const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D);
+void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
+                             const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                             const uint16_t* out, const float* lse, int64_t B, int64_t T,
+                             int64_t H, int64_t D);
+
 // Incremental decoding: m new queries q (m, H * D) at positions n .. n + m - 1 against the keys
 // and values of positions 0 .. n + m - 1 (rows of H * D in `keys`, `values`), causal: query i
 // attends positions 0 .. n + i. out (m, H * D).

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/bf16_pairs_avx512.h"
 #include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
@@ -15,35 +16,8 @@ namespace {
 
 using detail::kTileCols;
 using detail::kTileRows;
-
-inline uint32_t pair(uint16_t lo, uint16_t hi) {
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
-
-// dst[c] = (row0[c], row1[c]) for c < n (row1 null: zeros), c < lanes (<= 32); lanes at or past
-// n are zero.
-inline void interleave_pairs(uint32_t* dst, const uint16_t* row0, const uint16_t* row1, int n,
-                             int lanes) {
-  const __mmask32 load = n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
-  // Plain loads for whole rows of 32: masked loads that miss the cache are much slower.
-  auto read = [&](const uint16_t* row) {
-    if (row == nullptr) return _mm512_setzero_si512();
-    return n >= 32 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(load, row);
-  };
-  const __m512i x0 = read(row0), x1 = read(row1);
-  // unpacklo/hi work within 128-bit lanes; the permutes put columns back in order.
-  const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
-  const __m512i first =
-      _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
-  const __m512i second =
-      _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi);
-  const __mmask16 first_mask =
-      lanes >= 16 ? 0xffff : static_cast<__mmask16>((1u << lanes) - 1);
-  _mm512_mask_storeu_epi32(dst, first_mask, first);
-  if (lanes > 16)
-    _mm512_mask_storeu_epi32(dst + 16, static_cast<__mmask16>((1u << (lanes - 16)) - 1),
-                             second);
-}
+using detail::interleave_pairs;
+using detail::bf16_pair;
 
 struct Bf16Avx512 {
   using In = uint16_t;
@@ -68,7 +42,7 @@ struct Bf16Avx512 {
     detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 2, static_cast<int>(m), full);
     if (full < kp) {  // odd K: the last pair's second half is zero
       for (int64_t r = 0; r < MR; ++r)
-        dst[full * MR + r] = r < m ? pair(A[(i0 + r) * lda + k0 + kc - 1], 0) : 0;
+        dst[full * MR + r] = r < m ? bf16_pair(A[(i0 + r) * lda + k0 + kc - 1], 0) : 0;
     }
   }
 
@@ -93,7 +67,7 @@ struct Bf16Avx512 {
     }
     if (full < kp) {
       for (int64_t c = 0; c < NR; ++c)
-        dst[full * NR + c] = c < n ? pair(B[(j0 + c) * ldb + k0 + kc - 1], 0) : 0;
+        dst[full * NR + c] = c < n ? bf16_pair(B[(j0 + c) * ldb + k0 + kc - 1], 0) : 0;
     }
   }
 

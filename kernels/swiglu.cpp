@@ -1,28 +1,68 @@
 #include "kernels/swiglu.h"
 
-#include <cmath>
+#include <algorithm>
+
+#include "kernels/vec16.h"
 
 namespace cputrain::kernels {
+namespace {
 
-void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
+using vec::kLanes;
+using vec::vf;
+
+inline vf sigmoid(vf g) { return 1.0f / (1.0f + vec::exp(-g)); }
+
+// The m (<= kLanes) values at p, zeros after them; and their store.
+inline vf get(const float* p, int m) {
+  return m == kLanes ? vec::load(p) : vec::load_partial(p, m, 0.0f);
+}
+inline void put(float* p, vf v, int m) {
+  if (m == kLanes)
+    vec::store(p, v);
+  else
+    vec::store_partial(p, v, m);
+}
+
+inline vf get(const uint16_t* p, int m) { return vec::load_bf16(p, m); }
+
+// gate and up FP32 or bf16.
+template <class In>
+void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, const In* up,
+                   int64_t n) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
 #pragma omp parallel for schedule(static) if (n > 16384)
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf g = get(gate + i, m), dy = get(dout + i, m), sig = sigmoid(g);
+    // d silu / dg = sig * (1 + g * (1 - sig))
+    put(dgate + i, get(dgate + i, m) + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
+    put(dup + i, get(dup + i, m) + dy * (g * sig), m);
+  }
+}
+
+}  // namespace
+
+// Runs of kLanes elements (the last one partial), split over threads.
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf g = get(gate + i, m);
+    put(out + i, g * sigmoid(g) * get(up + i, m), m);
   }
 }
 
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
                      const float* up, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 16384)
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    const float sig = 1.0f / (1.0f + std::exp(-g));
-    const float silu = g * sig;
-    // d silu / dg = sig * (1 + g * (1 - sig))
-    dgate[i] += dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
-    dup[i] += dout[i] * silu;
-  }
+  backward_runs(dgate, dup, dout, gate, up, n);
+}
+
+void swiglu_backward(float* dgate, float* dup, const float* dout, const uint16_t* gate,
+                     const uint16_t* up, int64_t n) {
+  backward_runs(dgate, dup, dout, gate, up, n);
 }
 
 }  // namespace cputrain::kernels

@@ -10,5 +10,8 @@ void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
 // dgate += dout * up * silu'(gate), dup += dout * silu(gate).
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
                      const float* up, int64_t n);
+// The same from bf16 gate and up.
+void swiglu_backward(float* dgate, float* dup, const float* dout, const uint16_t* gate,
+                     const uint16_t* up, int64_t n);
 
 }  // namespace cputrain::kernels

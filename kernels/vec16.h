@@ -37,6 +37,14 @@ inline void store_partial(float* p, vf v, int n) {
   std::memcpy(p, &v, sizeof(float) * static_cast<size_t>(n));
 }
 
+// The first n (<= kLanes) bf16 values at p, widened; the other lanes 0.
+inline vf load_bf16(const uint16_t* p, int n) {
+  typedef uint16_t vh __attribute__((vector_size(32), may_alias));
+  vh h{};
+  std::memcpy(&h, p, sizeof(uint16_t) * static_cast<size_t>(n));
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
 inline __attribute__((always_inline)) vf max(vf a, vf b) { return a < b ? b : a; }
 
 inline float hsum(vf v) {

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "engine/ops.h"
+#include "kernels/attention.h"
 #include "kernels/gemm.h"
 #include "models/llama.h"
 
@@ -219,13 +220,14 @@ class StepReplay {
         v = linear_forward(h, nc, grad, &t->wv_x);
         drop(h);
       }
-      // attention: output and log-sum-exp, then q, k, v as saved (and widened for the kernel)
+      // attention: output and log-sum-exp, then q, k, v as saved (bf16 widened for the kernel
+      // where it has no bf16 products)
       Var y = act(nc);
       const int lse = L_.alloc(MemoryCategory::Activations, n_ * heads_ * 4);
       cache(q);
       cache(k);
       cache(v);
-      if (bf16_) {
+      if (bf16_ && !kernels::attention_bf16_native()) {
         const int widened[3] = {work(nc * 4), work(nc * 4), work(nc * 4)};
         for (int id : widened) L_.release(id);
       }
@@ -278,11 +280,7 @@ class StepReplay {
     const int df = linear_backward(nc, nf);  // w2
     L_.release(t.w2_x);
     L_.release(dy);
-    const int dgate = work(nf * 4), dup = work(nf * 4);  // swiglu
-    if (bf16_) {
-      const int widened[2] = {work(nf * 4), work(nf * 4)};
-      for (int id : widened) L_.release(id);
-    }
+    const int dgate = work(nf * 4), dup = work(nf * 4);  // swiglu (reads bf16 as saved)
     L_.release(t.sw_gate);
     L_.release(t.sw_up);
     L_.release(df);
@@ -303,7 +301,7 @@ class StepReplay {
     L_.release(t.wo_x);
     L_.release(dy);
     const int dq = work(nc * 4), dk = work(nc * 4), dv = work(nc * 4);  // attention
-    if (bf16_) {
+    if (bf16_ && !kernels::attention_bf16_native()) {
       const int widened[4] = {work(nc * 4), work(nc * 4), work(nc * 4), work(nc * 4)};
       for (int id : widened) L_.release(id);
     }

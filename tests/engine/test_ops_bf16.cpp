@@ -13,6 +13,7 @@
 #include "engine/adamw.h"
 #include "engine/memory.h"
 #include "engine/ops.h"
+#include "kernels/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/rope.h"
 
@@ -96,15 +97,17 @@ TEST(OpsBf16, RmsNormOnBf16ValuesMatchesFp32) {
                 Shape{5, 7, 24}, 0.0, 0.0);
 }
 
-// The output is exact; the backward sees the output rounded to bf16 (it is saved that way), so
-// the gradients are within bf16 rounding.
+// The output is exact (within bf16 rounding where the probabilities are rounded); the backward
+// sees the output rounded to bf16 (it is saved that way), so the gradients are within bf16
+// rounding.
 TEST(OpsBf16, AttentionOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(3);
   const Shape s{2, 9, 12};
+  // Where attention has bf16 products it also rounds the probabilities (2^-9 relative).
   compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 3); },
                 {random_tensor(s, rng, true), random_tensor(s, rng, true),
                  random_tensor(s, rng, true)},
-                s, 0.0, 1e-2);
+                s, kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
 }
 
 TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 
 #include "kernel_test_util.h"
+#include "kernels/bf16.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/vec16.h"
 #include "kernels/embedding.h"
@@ -181,6 +183,40 @@ TEST(SwiGlu, ForwardAndBackwardMatchReference) {
   swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
   EXPECT_LT(max_error(dg, want_dg), 1e-5);
   EXPECT_LT(max_error(du, want_du), 1e-5);
+}
+
+// Large arrays (split over threads, a partial last run) and gates far outside exp's range.
+TEST(SwiGlu, LargeAndExtremeGates) {
+  const int64_t n = 40013;
+  std::vector<float> gate = random_floats(n, 17, -12.0f, 12.0f);
+  const std::vector<float> up = random_floats(n, 18, -2.0f, 2.0f);
+  const std::vector<float> dout = random_floats(n, 19);
+  const float extremes[] = {100.0f, -100.0f, 1000.0f, -1000.0f, 88.0f, -88.0f, 0.0f};
+  for (size_t i = 0; i < std::size(extremes); ++i) gate[n - 1 - i] = extremes[i];
+  std::vector<float> out(n), dg(n, 0.5f), du(n, -0.5f);
+  swiglu_forward(out.data(), gate.data(), up.data(), n);
+  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = gate[i], sig = 1.0 / (1.0 + std::exp(-g));
+    const double silu = g * sig, dsilu = sig * (1.0 + g * (1.0 - sig));
+    ASSERT_NEAR(out[i], silu * up[i], 1e-5 * std::max(1.0, std::abs(silu * up[i]))) << g;
+    ASSERT_NEAR(dg[i], 0.5 + dout[i] * up[i] * dsilu, 1e-5) << g;
+    ASSERT_NEAR(du[i], -0.5 + dout[i] * silu, 1e-5 * std::max(1.0, std::abs(silu))) << g;
+  }
+  // From bf16 gate and up: exactly what the FP32 kernel gives on the same values.
+  std::vector<uint16_t> gate16(n), up16(n);
+  for (int64_t i = 0; i < n; ++i) {
+    gate16[i] = fp32_to_bf16(gate[i]);
+    up16[i] = fp32_to_bf16(up[i]);
+    gate[i] = bf16_to_fp32(gate16[i]);
+  }
+  std::vector<float> upr(n);
+  for (int64_t i = 0; i < n; ++i) upr[i] = bf16_to_fp32(up16[i]);
+  std::vector<float> dg32(n, 0.5f), du32(n, -0.5f), dg16(n, 0.5f), du16(n, -0.5f);
+  swiglu_backward(dg32.data(), du32.data(), dout.data(), gate.data(), upr.data(), n);
+  swiglu_backward(dg16.data(), du16.data(), dout.data(), gate16.data(), up16.data(), n);
+  EXPECT_EQ(dg16, dg32);
+  EXPECT_EQ(du16, du32);
 }
 
 TEST(VecExp, WithinTwoUlpOverItsRange) {

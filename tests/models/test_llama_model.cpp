@@ -7,6 +7,7 @@
 #include <set>
 
 #include "engine/memory.h"
+#include "kernels/attention.h"
 #include "models/generate.h"
 #include "models/llama.h"
 #include "models/llama_config.h"
@@ -317,7 +318,11 @@ TEST(Generate, KvCacheMatchesFullForward) {
         max_ref = std::max(max_ref, std::abs(double{full.f32()[v]}));
       }
       ASSERT_GT(max_ref, 0.0);
-      ASSERT_LT(max_diff / max_ref, 1e-5)
+      // Where attention has bf16 products, the full forward rounds the probabilities to bf16
+      // (relative error up to 2^-9); decoding keeps them FP32.
+      const double tol =
+          dtype == DType::BF16 && kernels::attention_bf16_native() ? 1e-2 : 1e-5;
+      ASSERT_LT(max_diff / max_ref, tol)
           << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16");
       if (T == c.ctx) break;
       const auto next = static_cast<int32_t>((step * 37 + 11) % c.vocab);

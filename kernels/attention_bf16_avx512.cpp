@@ -1,0 +1,409 @@
+// Causal attention on bf16 q, k, v with vdpbf16ps (AVX-512 BF16): the tiled scheme of
+// attention_tiled.h (64 queries x 64 keys, online softmax, probabilities recomputed from the
+// saved log-sum-exp in the backward), with every product a dot product of bf16 pairs into FP32
+// accumulators. Scores, the softmax statistics, dP and all accumulations stay FP32; the
+// probabilities P and the output gradient dO are rounded to bf16 where they enter a product.
+// The score gradients dS enter theirs as two bf16 terms, hi + lo (about 16 significant bits):
+// a row of dS sums to zero, so dQ = dS K is a small difference of large terms, and one rounding
+// of dS made training measurably worse (cputrain parity, three seeds: +0.01 to +0.03 nats over
+// FP32-widened attention); with the second term the loss matches that of FP32 attention.
+//
+// One task per (batch, head), which packs that head's operands once:
+//   pairs along D    Q, K, dO rows as (T, Dp / 2) pairs: the left operand of S and dP;
+//   K^T and V^T      per key tile, (Dp / 2, 64) pairs: the right operand of S and dP;
+//   pairs along T    V, K as (T / 2, Dp): the right operand of P V and dS K (K per key tile
+//                    twice over, for dS hi and dS lo);
+//   Q^T and dO^T     (Dp, T / 2) pairs along T: the left operand of dK^T = Q^T dS and
+//                    dV^T = dO^T P.
+// Within a head the order of every sum is fixed, so results do not depend on the thread count.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "kernels/attention_isa.h"
+#include "kernels/bf16_pairs_avx512.h"
+#include "kernels/gemm_avx512_tile.h"
+#include "kernels/vec16.h"
+
+namespace cputrain::kernels {
+namespace {
+
+constexpr int64_t kTile = 64;       // queries and keys per tile
+constexpr int64_t kTilePairs = 32;  // pairs along a tile's 64 positions
+
+// A buffer of the calling thread, grown on demand and kept for the next call.
+template <int Which>
+uint32_t* thread_buffer(size_t words) {
+  thread_local std::vector<uint32_t> buffer;
+  if (buffer.size() < words) buffer.assign(words, 0u);
+  return buffer.data();
+}
+
+// R rows x NV vectors of C (+)= sum_p A[r][p] . B[p][16 v ..], the dot products of bf16 pairs.
+template <int R, int NV>
+inline __attribute__((always_inline)) void dp_block(float* C, int64_t ldc, const uint32_t* A,
+                                                    int64_t lda, const uint32_t* B, int64_t ldb,
+                                                    int64_t pairs, bool accumulate) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[r * lda + p]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
+}
+
+template <int NV>
+void dp_columns(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
+                int64_t ldb, int64_t M, int64_t pairs, bool accumulate) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6)
+    dp_block<6, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+  if (m + 4 <= M) {
+    dp_block<4, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+    m += 4;
+  }
+  if (m + 2 <= M) {
+    dp_block<2, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+    m += 2;
+  }
+  if (m < M) dp_block<1, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+}
+
+// C[0:M, 0:N] (+)= A B over `pairs` bf16 pairs: A (M x pairs, row stride lda), B (pairs x N,
+// row stride ldb), N a multiple of 16.
+void dp_product(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
+                int64_t ldb, int64_t M, int64_t N, int64_t pairs, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    switch (std::min<int64_t>(4, (N - n0) / 16)) {
+      case 4:
+        dp_columns<4>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+      case 3:
+        dp_columns<3>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+      case 2:
+        dp_columns<2>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+      default:
+        dp_columns<1>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+    }
+  }
+}
+
+// rows 0..Tp of (Dp / 2) pairs: dst[t] = src row t (stride `stride`, D values), zero past D and
+// past T.
+void rows_as_pairs(uint32_t* dst, const uint16_t* src, int64_t stride, int64_t T, int64_t Tp,
+                   int64_t D, int64_t Dp) {
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t t = 0; t < Tp; ++t) {
+    uint16_t* o = out + t * Dp;
+    if (t < T) std::memcpy(o, src + t * stride, sizeof(uint16_t) * static_cast<size_t>(D));
+    std::fill(o + (t < T ? D : 0), o + Dp, uint16_t{0});
+  }
+}
+
+// The same from FP32 rows, rounded to bf16 (to nearest, ties to even).
+void rows_as_pairs_rounded(uint32_t* dst, const float* src, int64_t stride, int64_t T, int64_t Tp,
+                           int64_t D, int64_t Dp) {
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t t = 0; t < Tp; ++t) {
+    uint16_t* o = out + t * Dp;
+    for (int64_t d = 0; d < Dp; d += 16) {
+      const int64_t n = t < T ? std::clamp<int64_t>(D - d, 0, 16) : 0;
+      const __m512 x =
+          _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), src + t * stride + d);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
+}
+
+// Pairs along T: dst[p][c] = (rows[2p][c], rows[2p + 1][c]) for p < Tp / 2, c < Dp, from rows
+// of Dp bf16 values `stride` values apart (zero past D and past T, as rows_as_pairs writes
+// them).
+void pairs_along_rows(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64_t Dp,
+                      int64_t stride) {
+  const auto* in = reinterpret_cast<const uint16_t*>(rows);
+  for (int64_t p = 0; p < Tp / 2; ++p)
+    for (int64_t c = 0; c < Dp; c += 32) {
+      const int n = static_cast<int>(std::min<int64_t>(32, Dp - c));
+      detail::interleave_pairs(dst + p * Dp + c, in + 2 * p * stride + c,
+                               in + (2 * p + 1) * stride + c, n, n);
+    }
+}
+
+// dst (cols x rows) = the transpose of src (rows x cols) of 32-bit elements, rows a multiple
+// of 16.
+void transpose_words(uint32_t* dst, const uint32_t* src, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; r += 16)
+    detail::pack_transposed(dst + r, rows, 16, src + r * cols, cols * 4, 16, cols);
+}
+
+// K^T pairs per key tile: dst + tile * (Dp / 2) * 64 holds (Dp / 2) x 64, from rows as pairs.
+void key_tiles_transposed(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64_t Dp) {
+  const int64_t Dh = Dp / 2;
+  for (int64_t j0 = 0; j0 < Tp; j0 += kTile)
+    transpose_words(dst + j0 * Dh, rows + j0 * Dh, kTile, Dh);
+}
+
+using vec::vf;
+
+inline __m512 exp16(__m512 x) {
+  return (__m512)vec::exp((vf)x);
+}
+
+// The mask of the 16 lanes from column c on that are below `valid`.
+inline __mmask16 valid_lanes(int64_t c, int64_t valid) {
+  const int64_t n = std::clamp<int64_t>(valid - c, 0, 16);
+  return static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Rounds 64 floats to bf16 into 32 pairs.
+inline void round_row(uint32_t* dst, const __m512 x[4]) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+  _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+}
+
+// 64 floats as two bf16 terms: hi = bf16(x) and lo = bf16(x - hi), each 32 pairs.
+inline void round_row_split(uint32_t* hi, uint32_t* lo, const __m512 x[4]) {
+  round_row(hi, x);
+  __m512 rest[4];
+  for (int v4 = 0; v4 < 4; ++v4) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 8 * v4));
+    rest[v4] = _mm512_sub_ps(
+        x[v4], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+  round_row(lo, rest);
+}
+
+// One head's shapes: rows of H * D values, D padded to Dp (a multiple of 16, Dh pairs), T to Tp
+// (whole tiles).
+struct Head {
+  Head(int64_t T, int64_t H, int64_t D)
+      : scale(1.0f / std::sqrt(static_cast<float>(D))),
+        row(H * D),
+        Dp((D + 15) / 16 * 16),
+        Dh(Dp / 2),
+        Tp((T + kTile - 1) / kTile * kTile) {}
+  float scale;
+  int64_t row, Dp, Dh, Tp;
+};
+
+// Consecutive pieces of a buffer.
+struct Carve {
+  uint32_t* next;
+  uint32_t* words(int64_t n) { return std::exchange(next, next + n); }
+  float* floats(int64_t n) { return reinterpret_cast<float*>(words(n)); }
+};
+
+}  // namespace
+
+void attention_forward_bf16_avx512(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D) {
+  const Head hd(T, H, D);
+  const float scale = hd.scale;
+  const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
+#pragma omp parallel
+  {
+    // Whole head, each Tp * Dh words: Q, K, V as rows of pairs, K^T per key tile, V as pairs
+    // along T; per query tile the scores, the output, P as bf16 and the row statistics.
+    Carve head{thread_buffer<0>(static_cast<size_t>(5 * Tp * Dh))};
+    uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
+    uint32_t *Vr = head.words(Tp * Dh), *Vi = head.words(Tp * Dh);
+    Carve tile{thread_buffer<1>(
+        static_cast<size_t>(kTile * kTile + kTile * Dp + kTile * kTilePairs + 2 * kTile))};
+    float *S = tile.floats(kTile * kTile), *O = tile.floats(kTile * Dp);
+    uint32_t* Pb = tile.words(kTile * kTilePairs);
+    float *m = tile.floats(kTile), *l = tile.floats(kTile);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t off = b * T * row + h * D;
+      rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
+      rows_as_pairs(Kr, k + off, row, T, Tp, D, Dp);
+      key_tiles_transposed(Kt, Kr, Tp, Dp);
+      rows_as_pairs(Vr, v + off, row, T, Tp, D, Dp);
+      pairs_along_rows(Vi, Vr, Tp, Dp, Dp);
+      for (int64_t i0 = 0; i0 < T; i0 += kTile) {
+        const int64_t rows = std::min(kTile, T - i0);
+        std::fill(O, O + rows * Dp, 0.0f);
+        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + rows, 0.0f);
+        for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+          const int64_t cols = std::min(kTile, T - j0);
+          dp_product(S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+            __m512 x[4];
+            __m512 mx = _mm512_set1_ps(m[r]);
+            for (int v4 = 0; v4 < 4; ++v4) {
+              x[v4] =
+                  _mm512_mul_ps(_mm512_loadu_ps(S + r * kTile + 16 * v4), _mm512_set1_ps(scale));
+              mx = _mm512_mask_max_ps(mx, valid_lanes(16 * v4, valid), mx, x[v4]);
+            }
+            const float mnew = _mm512_reduce_max_ps(mx);
+            const float alpha = m[r] == -std::numeric_limits<float>::infinity()
+                                    ? 0.0f
+                                    : exp16(_mm512_set1_ps(m[r] - mnew))[0];
+            m[r] = mnew;
+            __m512 sum = _mm512_setzero_ps();
+            for (int v4 = 0; v4 < 4; ++v4) {
+              x[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid),
+                                          exp16(_mm512_sub_ps(x[v4], _mm512_set1_ps(mnew))));
+              sum = _mm512_add_ps(sum, x[v4]);
+            }
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+            round_row(Pb + r * kTilePairs, x);
+            float* o = O + r * Dp;
+            for (int64_t d = 0; d < Dp; d += 16)
+              _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
+          }
+          dp_product(O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs, true);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = out + off + (i0 + r) * row;
+          const float inv = 1.0f / l[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = O[r * Dp + d] * inv;
+          lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  }
+}
+
+void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
+                                    const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                    const uint16_t* out, const float* lse, int64_t B, int64_t T,
+                                    int64_t H, int64_t D) {
+  const Head hd(T, H, D);
+  const float scale = hd.scale;
+  const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
+#pragma omp parallel
+  {
+    // Whole head, each Tp * Dh words: Q, K, V, dO as rows of pairs; K^T and V^T per key tile;
+    // K, Q, dO as pairs along T; Q^T and dO^T. Per key tile: its K pairs twice.
+    Carve head{thread_buffer<0>(static_cast<size_t>(11 * Tp * Dh + 2 * kTilePairs * Dp))};
+    uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh);
+    uint32_t *Gr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh);
+    uint32_t *Ki = head.words(Tp * Dh), *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
+    uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
+    uint32_t* K2 = head.words(2 * kTilePairs * Dp);
+    // dQ and D_i of the head; per key tile dK^T and dV^T; per tile pair P, dP, P as bf16 (rows,
+    // pairs along T), dS as bf16 hi and lo (rows of [hi | lo]; pairs along T of each).
+    Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + Tp + 2 * Dp * kTile +
+                                                     2 * kTile * kTile + 6 * kTile * kTilePairs))};
+    float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp);
+    float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);
+    float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
+    uint32_t *Pb = tile.words(kTile * kTilePairs), *Pi = tile.words(kTile * kTilePairs);
+    uint32_t* dSb = tile.words(2 * kTile * kTilePairs);
+    uint32_t *dSi = tile.words(kTile * kTilePairs), *dSi_lo = tile.words(kTile * kTilePairs);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t off = b * T * row + h * D;
+      const float* lse_bh = lse + bh * T;
+      rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
+      rows_as_pairs(Kr, k + off, row, T, Tp, D, Dp);
+      rows_as_pairs(Vr, v + off, row, T, Tp, D, Dp);
+      rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
+      key_tiles_transposed(Kt, Kr, Tp, Dp);
+      key_tiles_transposed(Vt, Vr, Tp, Dp);
+      pairs_along_rows(Ki, Kr, Tp, Dp, Dp);
+      pairs_along_rows(Qi, Qr, Tp, Dp, Dp);
+      pairs_along_rows(Gi, Gr, Tp, Dp, Dp);
+      transpose_words(QT, Qi, Tp / 2, Dp);
+      transpose_words(GT, Gi, Tp / 2, Dp);
+      // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
+      const auto* g16 = reinterpret_cast<const uint16_t*>(Gr);
+      for (int64_t i = 0; i < T; ++i) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          uint32_t gb = static_cast<uint32_t>(g16[i * Dp + d]) << 16;
+          uint32_t ob = static_cast<uint32_t>(out[off + i * row + d]) << 16;
+          float gf, of;
+          std::memcpy(&gf, &gb, 4);
+          std::memcpy(&of, &ob, 4);
+          s = std::fma(gf, of, s);
+        }
+        Di[i] = s;
+      }
+      std::fill(dQ, dQ + Tp * Dp, 0.0f);
+      for (int64_t j0 = 0; j0 < T; j0 += kTile) {
+        const int64_t cols = std::min(kTile, T - j0);
+        std::fill(dKT, dKT + Dp * kTile, 0.0f);
+        std::fill(dVT, dVT + Dp * kTile, 0.0f);
+        std::copy_n(Ki + j0 / 2 * Dp, kTilePairs * Dp, K2);
+        std::copy_n(Ki + j0 / 2 * Dp, kTilePairs * Dp, K2 + kTilePairs * Dp);
+        for (int64_t i0 = j0; i0 < T; i0 += kTile) {
+          const int64_t rows = std::min(kTile, T - i0);
+          dp_product(P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh, false);
+          dp_product(dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+            const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r]);
+            const __m512 di = _mm512_set1_ps(Di[i0 + r]);
+            __m512 p[4], ds[4];
+            for (int v4 = 0; v4 < 4; ++v4) {
+              const __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(P + r * kTile + 16 * v4),
+                                               _mm512_set1_ps(scale), shift);
+              p[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid), exp16(s));
+              ds[v4] = _mm512_mul_ps(_mm512_mul_ps(p[v4], _mm512_set1_ps(scale)),
+                                     _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
+            }
+            round_row(Pb + r * kTilePairs, p);
+            round_row_split(dSb + 2 * r * kTilePairs, dSb + (2 * r + 1) * kTilePairs, ds);
+          }
+          std::fill(Pb + rows * kTilePairs, Pb + kTile * kTilePairs, 0u);
+          std::fill(dSb + 2 * rows * kTilePairs, dSb + 2 * kTile * kTilePairs, 0u);
+          pairs_along_rows(Pi, Pb, kTile, kTile, kTile);
+          pairs_along_rows(dSi, dSb, kTile, kTile, 2 * kTile);
+          pairs_along_rows(dSi_lo, dSb + kTilePairs, kTile, kTile, 2 * kTile);
+          // dV^T += dO^T P, dK^T += Q^T (dS hi + dS lo), dQ += [dS hi | dS lo] [K; K] (the
+          // scale is in dS).
+          dp_product(dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs, true);
+          dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs, true);
+          dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi_lo, kTile, Dp, kTile, kTilePairs, true);
+          dp_product(dQ + i0 * Dp, Dp, dSb, 2 * kTilePairs, K2, Dp, rows, Dp, 2 * kTilePairs,
+                     true);
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          float* gk = dk + off + (j0 + c) * row;
+          float* gv = dv + off + (j0 + c) * row;
+          for (int64_t d = 0; d < D; ++d) {
+            gk[d] += dKT[d * kTile + c];
+            gv[d] += dVT[d * kTile + c];
+          }
+        }
+      }
+      for (int64_t i = 0; i < T; ++i) {
+        float* gq = dq + off + i * row;
+        for (int64_t d = 0; d < D; ++d) gq[d] += dQ[i * Dp + d];
+      }
+    }
+  }
+}
+
+}  // namespace cputrain::kernels
