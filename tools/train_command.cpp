@@ -17,6 +17,7 @@
 #include "engine/data_pipeline.h"
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "engine/threads.h"
 #include "engine/trainer.h"
 #include "engine/weights_file.h"
 #include "kernels/cpu_features.h"
@@ -254,6 +255,8 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--seed", a.seed, "Seed for init and batch sampling")->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(positive());
+  app.add_flag("--pin-threads", a.pin_threads,
+               "Bind each OpenMP thread to one CPU of those the process may use");
   app.add_option("--eval-every", a.eval_every, "Validation loss every N steps (default: steps / 10)")
       ->check(positive());
   app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
@@ -424,6 +427,11 @@ int run_train(const TrainArgs& args) {
             config.steps, config.train.batch, config.train.accum, config.train.ctx,
             config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
   log->info("{}", describe_compute());
+  if (args.pin_threads) {
+    std::string cpus;
+    for (int cpu : pin_threads()) cpus += (cpus.empty() ? "" : ",") + std::to_string(cpu);
+    log->info("threads pinned to CPUs {}", cpus);
+  }
   // MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
   // (about 0.1 s).
   const kernels::Peak peak = kernels::measure_peak(2'000'000, 3);

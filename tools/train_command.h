@@ -29,6 +29,7 @@ struct TrainArgs {
   double grad_clip = 1.0;
   uint64_t seed = 1;
   int threads = 0;
+  bool pin_threads = false;  // bind each OpenMP thread to one CPU
   int64_t eval_every = -1;
   int64_t eval_windows = 32;
   int64_t sample_every = 0;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -142,6 +143,20 @@ TEST_F(Cli, UnwritableOut) {
 
 TEST_F(Cli, SampleFromMissingRun) {
   expect_one_line_error(run("sample --run " + (dir_ / "none").string()), "--run");
+}
+
+TEST_F(Cli, PinThreadsBindsAndSaysWhere) {
+  const fs::path run_dir = dir_ / "run";
+  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 2 --threads 2 "
+                       "--pin-threads --sample-tokens 1 --corpus " + write_corpus(100).string() +
+                       " --out " + run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const std::string log = read_all(run_dir / "train.log");
+  const size_t at = log.find("threads pinned to CPUs ");
+  ASSERT_NE(at, std::string::npos) << log;
+  // Two threads, two CPU numbers.
+  const std::string cpus = log.substr(at + 23, log.find('\n', at) - at - 23);
+  EXPECT_EQ(std::count(cpus.begin(), cpus.end(), ','), 1) << cpus;
 }
 
 TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
