@@ -160,9 +160,12 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
                      : Tensor::zeros(Shape{N, C}, DType::F32, MemoryCategory::Workspace);
       Tensor dw = gw ? gw->get_or_zeros()
                      : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
-      const Tensor xv = as_f32(xs);
-      kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xv.f32(), wv.f32(), rstd.f32(), N,
-                                C);
+      if (xs.dtype() == DType::BF16)
+        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(),
+                                  N, C);
+      else
+        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.f32(), wv.f32(), rstd.f32(),
+                                  N, C);
     });
   }
   return out;

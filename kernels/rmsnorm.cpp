@@ -4,6 +4,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/bf16.h"
+
 namespace cputrain::kernels {
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
@@ -20,8 +22,15 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
   }
 }
 
-void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+namespace {
+
+inline float value(float x) { return x; }
+inline float value(uint16_t x) { return bf16_to_fp32(x); }
+
+// inp FP32 or bf16.
+template <class In>
+void backward(float* dinp, float* dweight, const float* dout, const In* inp, const float* weight,
+              const float* rstd, int64_t N, int64_t C) {
   // dweight sums over rows in fixed blocks, then the blocks in order: deterministic for any
   // thread count.
   constexpr int64_t kRowBlock = 32;
@@ -31,16 +40,17 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
   for (int64_t blk = 0; blk < blocks; ++blk) {
     float* dw = partial.data() + blk * C;
     for (int64_t i = blk * kRowBlock; i < std::min(N, (blk + 1) * kRowBlock); ++i) {
-      const float* x = inp + i * C;
+      const In* x = inp + i * C;
       const float* dy = dout + i * C;
       float* dx = dinp + i * C;
       const float r = rstd[i];
       double dot = 0.0;  // sum_c dy * w * x
-      for (int64_t c = 0; c < C; ++c) dot += static_cast<double>(dy[c]) * weight[c] * x[c];
+      for (int64_t c = 0; c < C; ++c) dot += static_cast<double>(dy[c]) * weight[c] * value(x[c]);
       const float k = static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
       for (int64_t c = 0; c < C; ++c) {
-        dx[c] += dy[c] * weight[c] * r - k * x[c];
-        dw[c] += dy[c] * x[c] * r;
+        const float xc = value(x[c]);
+        dx[c] += dy[c] * weight[c] * r - k * xc;
+        dw[c] += dy[c] * xc * r;
       }
     }
   }
@@ -48,6 +58,18 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
     const float* dw = partial.data() + blk * C;
     for (int64_t c = 0; c < C; ++c) dweight[c] += dw[c];
   }
+}
+
+}  // namespace
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+  backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const uint16_t* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+  backward(dinp, dweight, dout, inp, weight, rstd, N, C);
 }
 
 }  // namespace cputrain::kernels

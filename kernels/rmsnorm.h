@@ -11,5 +11,8 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
 // dinp (N, C) += d/dinp, dweight (C) += d/dweight, given dout (N, C) and the saved rstd.
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                       const float* weight, const float* rstd, int64_t N, int64_t C);
+// The same from a bf16 inp.
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const uint16_t* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
 
 }  // namespace cputrain::kernels

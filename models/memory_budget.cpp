@@ -122,7 +122,6 @@ class StepReplay {
     L_.release(dl);
     L_.release(head_x);
     int dx = work(n_ * C_ * 4);
-    norm_scratch();
     L_.release(fn_x);
     L_.release(fn_rstd);
     L_.release(dh);
@@ -167,10 +166,6 @@ class StepReplay {
   int saved(Var& v) {
     cache(v);
     return L_.retain(bf16_ ? v.bf16 : v.value);
-  }
-  // rmsnorm backward in bf16 mode widens its saved input for the FP32 kernel.
-  void norm_scratch() {
-    if (bf16_) L_.release(work(n_ * C_ * 4));
   }
   // A linear layer's backward: dy rounded to bf16 (bf16 mode), then the input's gradient.
   int linear_backward(int64_t dy_elems, int64_t dx_elems, int existing_dx = -1) {
@@ -290,7 +285,6 @@ class StepReplay {
     linear_backward(nf, nc, dg);  // w1
     L_.release(t.w1_x);
     L_.release(dgate);
-    norm_scratch();  // ffn norm
     L_.release(t.n2_x);
     L_.release(t.n2_rstd);
     L_.release(dg);
@@ -319,7 +313,6 @@ class StepReplay {
     linear_backward(nc, nc, dh);  // wq
     L_.release(t.wq_x);
     L_.release(dq_pre);
-    norm_scratch();  // attention norm
     L_.release(t.n1_x);
     L_.release(t.n1_rstd);
     L_.release(dh);

@@ -106,6 +106,18 @@ TEST(RmsNorm, ForwardAndBackwardMatchReference) {
     else
       EXPECT_EQ(dw, first_dw) << "dweight depends on the thread count";
   }
+  // From a bf16 input: exactly what the FP32 kernel gives on the same values.
+  std::vector<uint16_t> x16(N * C);
+  std::vector<float> xr(N * C);
+  for (int64_t i = 0; i < N * C; ++i) {
+    x16[i] = fp32_to_bf16(x[i]);
+    xr[i] = bf16_to_fp32(x16[i]);
+  }
+  std::vector<float> dx32 = dx0, dw32 = dw0, dx16 = dx0, dw16 = dw0;
+  rmsnorm_backward(dx32.data(), dw32.data(), dout.data(), xr.data(), w.data(), rstd.data(), N, C);
+  rmsnorm_backward(dx16.data(), dw16.data(), dout.data(), x16.data(), w.data(), rstd.data(), N, C);
+  EXPECT_EQ(dx16, dx32);
+  EXPECT_EQ(dw16, dw32);
 }
 
 TEST(Rope, TableForwardAndBackward) {
