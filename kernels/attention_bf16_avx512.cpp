@@ -186,14 +186,18 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
 }
 
+// 16 bf16 values as floats.
+inline __m512 widen16(__m256i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
 // 64 floats as two bf16 terms: hi = bf16(x) and lo = bf16(x - hi), each 32 pairs.
 inline void round_row_split(uint32_t* hi, uint32_t* lo, const __m512 x[4]) {
   round_row(hi, x);
   __m512 rest[4];
   for (int v4 = 0; v4 < 4; ++v4) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 8 * v4));
     rest[v4] = _mm512_sub_ps(
-        x[v4], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        x[v4], widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 8 * v4))));
   }
   round_row(lo, rest);
 }
@@ -339,16 +343,15 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
       // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
       const auto* g16 = reinterpret_cast<const uint16_t*>(Gr);
       for (int64_t i = 0; i < T; ++i) {
-        float s = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          uint32_t gb = static_cast<uint32_t>(g16[i * Dp + d]) << 16;
-          uint32_t ob = static_cast<uint32_t>(out[off + i * row + d]) << 16;
-          float gf, of;
-          std::memcpy(&gf, &gb, 4);
-          std::memcpy(&of, &ob, 4);
-          s = std::fma(gf, of, s);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 lanes = valid_lanes(d, D);
+          acc = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(g16 + i * Dp + d))),
+                                widen16(_mm256_maskz_loadu_epi16(lanes, out + off + i * row + d)),
+                                acc);
         }
-        Di[i] = s;
+        Di[i] = _mm512_reduce_add_ps(acc);
       }
       std::fill(dQ, dQ + Tp * Dp, 0.0f);
       for (int64_t j0 = 0; j0 < T; j0 += kTile) {
