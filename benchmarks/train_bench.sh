@@ -10,6 +10,7 @@
 # (causal attention, forward and backward).
 #   benchmarks/train_bench.sh                       # all four
 #   benchmarks/train_bench.sh "mega bf16"
+#   benchmarks/train_bench.sh --json "mini bf16"    # a JSON array of one object per run instead
 # Needs build/ (tools/build.sh) and, for PyTorch, tools/install_deps.sh --torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,27 +18,41 @@ steps=${STEPS:-6}
 torch_steps=${TORCH_STEPS:-3}
 dir=${CPUTRAIN_BENCH_DIR:-runs/train_bench}
 mkdir -p "$dir"
+format=markdown
+if [[ "${1:-}" == "--json" ]]; then
+  format=json
+  shift
+fi
 [[ $# -gt 0 ]] || set -- "mini fp32" "mini bf16" "mega fp32" "mega bf16"
 peak_line=$(build/bench_gemm --benchmark_filter='^$' 2>/dev/null | grep 'peak GFLOP/s' || true)
-echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $peak_line"
-echo
-echo "| preset | dtype | batch x ctx | cputrain tokens/s | ms/step | MFU | peak RSS | PyTorch tokens/s | ms/step | MFU | peak RSS | tokens/s ratio | RSS ratio |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+machine="$(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+if [[ $format == markdown ]]; then
+  echo "machine: $machine; $peak_line"
+  echo
+  echo "| preset | dtype | batch x ctx | cputrain tokens/s | ms/step | MFU | peak RSS | PyTorch tokens/s | ms/step | MFU | peak RSS | tokens/s ratio | RSS ratio |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+else
+  echo "["
+fi
+separator=""
 for row in "$@"; do
   read -r preset dtype <<<"$row"
   run="$dir"  # one directory: the tokenizer and token cache are made once
   build/cputrain --preset "$preset" --dtype "$dtype" --checkpoint none --accum 1 --steps "$steps" \
     --eval-windows 1 --sample-tokens 1 --save-every 0 --out "$run" >"$run/$preset-$dtype.log" 2>&1 ||
-    { echo "| $preset | $dtype | cputrain failed: $(tail -1 "$run/$preset-$dtype.log") |"; continue; }
+    { echo "cputrain $preset $dtype failed: $(tail -1 "$run/$preset-$dtype.log")" >&2; continue; }
   torch_json="{}"
   if [[ "${TORCH:-1}" != 0 ]]; then
     torch_json=$(/usr/bin/python3 benchmarks/torch_train.py --preset "$preset" --dtype "$dtype" \
                    --steps "$torch_steps" --threads "$(nproc)" --json 2>"$run/$preset-$dtype.torch.log") ||
       torch_json="{}"
   fi
-  python3 - "$run/metrics.jsonl" "$run/config.json" "$preset" "$dtype" "$peak_line" "$torch_json" <<'EOF'
+  [[ $format == json ]] && printf '%s' "$separator"
+  separator=","
+  python3 - "$run/metrics.jsonl" "$run/config.json" "$preset" "$dtype" "$peak_line" "$torch_json" \
+    "$format" "$machine" <<'EOF'
 import json, re, statistics, sys
-metrics, config_path, preset, dtype, peak_line, torch_json = sys.argv[1:]
+metrics, config_path, preset, dtype, peak_line, torch_json, fmt, machine = sys.argv[1:]
 rows = [json.loads(line) for line in open(metrics)]
 config = json.load(open(config_path))
 model, train = config["model"], config["train"]
@@ -53,7 +68,18 @@ tps = statistics.median(r["tokens_per_s"] for r in later)
 ms = statistics.median(r["ms"] for r in later)
 rss = max(r["peak_rss_bytes"] for r in rows)
 t = json.loads(torch_json)
-if t:
+if fmt == "json":
+    mfu_of = lambda tps: tps * flops_per_token / peak if peak and tps else None
+    out = {"preset": preset, "dtype": dtype, "batch": batch, "ctx": ctx, "machine": machine,
+           "peak_gflops": peak / 1e9 if peak else None, "tokens_per_s": tps, "ms_per_step": ms,
+           "mfu": mfu_of(tps), "peak_rss_bytes": rss, "torch": None}
+    if t:
+        out["torch"] = {"tokens_per_s": t["tokens_per_s"], "ms_per_step": t["ms_per_step"],
+                        "mfu": mfu_of(t["tokens_per_s"]), "peak_rss_bytes": t["peak_rss_bytes"],
+                        "tokens_per_s_ratio": tps / t["tokens_per_s"],
+                        "rss_ratio": rss / t["peak_rss_bytes"]}
+    print(json.dumps(out))
+elif t:
     print(f"| {preset} | {dtype} | {batch} x {ctx} | {tps:.0f} | {ms:.0f} | {mfu(tps)} | {gib(rss):.2f} GiB "
           f"| {t['tokens_per_s']:.0f} | {t['ms_per_step']:.0f} | {mfu(t['tokens_per_s'])} "
           f"| {gib(t['peak_rss_bytes']):.2f} GiB | {tps / t['tokens_per_s']:.2f} | {rss / t['peak_rss_bytes']:.2f} |")
@@ -62,3 +88,5 @@ else:
           f"| - | - | - | - | - | - |")
 EOF
 done
+[[ $format == json ]] && echo "]"
+exit 0
