@@ -186,6 +186,22 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
 }
 
+// dst[c * row + d] += src[d * kTile + c] for c < cols, d < D: src (Dp x kTile) transposed
+// through scratch (kTile x Dp).
+void add_transposed(float* dst, int64_t row, const float* src, float* scratch, int64_t cols,
+                    int64_t D, int64_t Dp) {
+  transpose_words(reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<const uint32_t*>(src),
+                  Dp, kTile);
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 lanes = valid_lanes(d, D);
+      float* out = dst + c * row + d;
+      _mm512_mask_storeu_ps(out, lanes,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, out),
+                                          _mm512_loadu_ps(scratch + c * Dp + d)));
+    }
+}
+
 // 16 bf16 values as floats.
 inline __m512 widen16(__m256i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
@@ -316,10 +332,11 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
     uint32_t* K2 = head.words(2 * kTilePairs * Dp);
     // dQ and D_i of the head; per key tile dK^T and dV^T; per tile pair P, dP, P as bf16 (rows,
     // pairs along T), dS as bf16 hi and lo (rows of [hi | lo]; pairs along T of each).
-    Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + Tp + 2 * Dp * kTile +
+    Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + Tp + 3 * Dp * kTile +
                                                      2 * kTile * kTile + 6 * kTile * kTilePairs))};
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp);
     float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);
+    float* scratch = tile.floats(Dp * kTile);
     float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
     uint32_t *Pb = tile.words(kTile * kTilePairs), *Pi = tile.words(kTile * kTilePairs);
     uint32_t* dSb = tile.words(2 * kTile * kTilePairs);
@@ -392,14 +409,8 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
           dp_product(dQ + i0 * Dp, Dp, dSb, 2 * kTilePairs, K2, Dp, rows, Dp, 2 * kTilePairs,
                      true);
         }
-        for (int64_t c = 0; c < cols; ++c) {
-          float* gk = dk + off + (j0 + c) * row;
-          float* gv = dv + off + (j0 + c) * row;
-          for (int64_t d = 0; d < D; ++d) {
-            gk[d] += dKT[d * kTile + c];
-            gv[d] += dVT[d * kTile + c];
-          }
-        }
+        add_transposed(dk + off + j0 * row, row, dKT, scratch, cols, D, Dp);
+        add_transposed(dv + off + j0 * row, row, dVT, scratch, cols, D, Dp);
       }
       for (int64_t i = 0; i < T; ++i) {
         float* gq = dq + off + i * row;
