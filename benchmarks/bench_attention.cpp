@@ -1,0 +1,115 @@
+// Attention benchmark: the causal attention of one training micro-batch of mini, mega and
+// behemoth (batch x ctx x heads x head dimension of the preset), forward and backward, on each
+// path this CPU runs: the FP32 tiles (fp32) and, with AVX512_BF16, the vdpbf16ps tiles (bf16).
+// Prints GFLOP/s (the products' FLOPs: 2 x B x H x T^2 x D for the causal forward, 5/2 of that
+// for the backward, which recomputes the scores) and % of the measured peak of the dtype.
+//
+//   build/bench_attention
+//   build/bench_attention --benchmark_filter=mega
+//
+// Benchmarks are named attention/<path>/<preset>/<forward|backward>, counters GFLOPS and
+// pct_peak.
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/bf16.h"
+#include "kernels/cpu_features.h"
+#include "kernels/peak.h"
+#include "models/llama_config.h"
+
+namespace cputrain::bench {
+namespace {
+
+kernels::Peak peak;
+
+struct Dims {
+  std::string preset;
+  int64_t B, T, H, D;
+  int64_t n() const { return B * T * H * D; }
+};
+
+void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(s.n()), k(s.n()), v(s.n()), dout(s.n()), out(s.n()), lse(s.B * s.H * s.T);
+  for (auto* t : {&q, &k, &v, &dout})
+    for (float& x : *t) x = kernels::bf16_to_fp32(kernels::fp32_to_bf16(normal(rng)));
+  std::vector<uint16_t> q16(s.n()), k16(s.n()), v16(s.n()), out16(s.n());
+  kernels::fp32_to_bf16_array(q16.data(), q.data(), s.n());
+  kernels::fp32_to_bf16_array(k16.data(), k.data(), s.n());
+  kernels::fp32_to_bf16_array(v16.data(), v.data(), s.n());
+  std::vector<float> dq(s.n()), dk(s.n()), dv(s.n());
+  auto forward = [&] {
+    if (bf16)
+      kernels::attention_forward_bf16(out.data(), lse.data(), q16.data(), k16.data(), v16.data(),
+                                      s.B, s.T, s.H, s.D);
+    else
+      kernels::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
+                                 s.H, s.D);
+  };
+  auto call = [&] {
+    if (!backward) return forward();
+    if (bf16)
+      kernels::attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q16.data(),
+                                       k16.data(), v16.data(), out16.data(), lse.data(), s.B, s.T,
+                                       s.H, s.D);
+    else
+      kernels::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(),
+                                  k.data(), v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.D);
+  };
+  forward();
+  kernels::fp32_to_bf16_array(out16.data(), out.data(), s.n());
+  call();  // warm-up: thread buffers
+  std::vector<double> times;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(t);
+    times.push_back(t);
+  }
+  std::sort(times.begin(), times.end());
+  const double fwd_flops = 2.0 * s.B * s.H * static_cast<double>(s.T) * s.T * s.D;
+  const double gflops = (backward ? 2.5 : 1.0) * fwd_flops / times[times.size() / 2] / 1e9;
+  const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
+  state.counters["GFLOPS"] = gflops;
+  state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
+}
+
+}  // namespace
+}  // namespace cputrain::bench
+
+int main(int argc, char** argv) {
+  using namespace cputrain::bench;
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  peak = cputrain::kernels::measure_peak();
+  std::printf("peak GFLOP/s (measured, all threads): f32 %.1f, bf16 %.1f\n",
+              peak.f32_all_threads, peak.bf16_all_threads);
+  for (const char* name : {"mini", "mega", "behemoth"}) {
+    const cputrain::Preset p = *cputrain::find_preset(name);
+    const Dims s{name, p.batch, p.config.ctx, p.config.n_heads, p.config.d_model / p.config.n_heads};
+    for (bool bf16 : {false, true}) {
+      if (bf16 && !cputrain::kernels::attention_bf16_native()) continue;
+      for (bool backward : {false, true}) {
+        const std::string bench = std::string("attention/") + (bf16 ? "bf16" : "fp32") + "/" +
+                                  name + "/" + (backward ? "backward" : "forward");
+        benchmark::RegisterBenchmark(bench.c_str(), [s, bf16, backward](benchmark::State& st) {
+          run_one(st, s, bf16, backward);
+        })
+            ->UseManualTime()
+            ->MinTime(0.3)
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
