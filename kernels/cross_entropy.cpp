@@ -1,76 +1,29 @@
 #include "kernels/cross_entropy.h"
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
-
-#include "kernels/vec16.h"
+#include "kernels/cpu_features.h"
+#include "kernels/cross_entropy_isa.h"
 
 namespace cputrain::kernels {
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
                            int64_t N, int64_t V) {
-  using vec::kLanes, vec::vf;
-  const int64_t whole = V / kLanes * kLanes;
-  const int tail = static_cast<int>(V - whole);
-  const float lowest = -std::numeric_limits<float>::infinity();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    const float* x = logits + i * V;
-    vf vmax = vec::splat(lowest);
-    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
-    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
-    const float max = vec::hmax(vmax);
-    vf vsum{};
-    for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
-    if (tail) {
-      vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
-      for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
-      vsum += e;
-    }
-    const double l = static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
-    lse[i] = static_cast<float>(l);
-    losses[i] = static_cast<float>(l - x[targets[i]]);
-  }
+  if (cpu_features().avx512)
+    return cross_entropy_forward_avx512(losses, lse, logits, targets, N, V);
+  cross_entropy_forward_avx2(losses, lse, logits, targets, N, V);
 }
-
-namespace {
-
-// dx[0:V] = (accumulate ? dx : 0) + scale * exp(x - l) over one row.
-void scaled_softmax_row(float* dx, const float* x, float l, float scale, int64_t V,
-                        bool accumulate) {
-  using vec::kLanes, vec::vf;
-  const int64_t whole = V / kLanes * kLanes;
-  const int tail = static_cast<int>(V - whole);
-  for (int64_t j = 0; j < whole; j += kLanes) {
-    const vf e = scale * vec::exp(vec::load(x + j) - l);
-    vec::store(dx + j, accumulate ? vec::load(dx + j) + e : e);
-  }
-  if (tail) {
-    const vf e = scale * vec::exp(vec::load_partial(x + whole, tail, 0.0f) - l);
-    vec::store_partial(dx + whole, accumulate ? vec::load_partial(dx + whole, tail, 0.0f) + e : e,
-                       tail);
-  }
-}
-
-}  // namespace
 
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
                             const int32_t* targets, const float* dlosses, int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    scaled_softmax_row(dlogits + i * V, logits + i * V, lse[i], dlosses[i], V, true);
-    dlogits[i * V + targets[i]] -= dlosses[i];
-  }
+  if (cpu_features().avx512)
+    return cross_entropy_backward_avx512(dlogits, logits, lse, targets, dlosses, N, V);
+  cross_entropy_backward_avx2(dlogits, logits, lse, targets, dlosses, N, V);
 }
 
 void cross_entropy_gradient(float* out, const float* logits, const float* lse,
                             const int32_t* targets, float scale, int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    scaled_softmax_row(out + i * V, logits + i * V, lse[i], scale, V, false);
-    out[i * V + targets[i]] -= scale;
-  }
+  if (cpu_features().avx512)
+    return cross_entropy_gradient_avx512(out, logits, lse, targets, scale, N, V);
+  cross_entropy_gradient_avx2(out, logits, lse, targets, scale, N, V);
 }
 
 }  // namespace cputrain::kernels

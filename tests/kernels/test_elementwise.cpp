@@ -10,7 +10,9 @@
 
 #include "kernel_test_util.h"
 #include "kernels/bf16.h"
+#include "kernels/cpu_features.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/cross_entropy_isa.h"
 #include "kernels/vec16.h"
 #include "kernels/embedding.h"
 #include "kernels/rmsnorm.h"
@@ -253,6 +255,25 @@ TEST(VecExp, WithinTwoUlpOverItsRange) {
   EXPECT_EQ(ys[8], exp(0.5f));
 }
 
+struct CrossEntropyImpl {
+  const char* name;
+  decltype(&cross_entropy_forward) forward;
+  decltype(&cross_entropy_backward) backward;
+  decltype(&cross_entropy_gradient) gradient;
+};
+
+// The builds this CPU runs, and the dispatching entry points.
+std::vector<CrossEntropyImpl> cross_entropy_impls() {
+  std::vector<CrossEntropyImpl> impls{
+      {"dispatch", cross_entropy_forward, cross_entropy_backward, cross_entropy_gradient},
+      {"avx2", cross_entropy_forward_avx2, cross_entropy_backward_avx2,
+       cross_entropy_gradient_avx2}};
+  if (cpu_features().avx512)
+    impls.push_back({"avx512", cross_entropy_forward_avx512, cross_entropy_backward_avx512,
+                     cross_entropy_gradient_avx512});
+  return impls;
+}
+
 TEST(CrossEntropy, ForwardAndBackwardMatchReference) {
   const int64_t N = 7, V = 53;
   const std::vector<float> logits = random_floats(N * V, 17, -8.0f, 8.0f);
@@ -271,26 +292,42 @@ TEST(CrossEntropy, ForwardAndBackwardMatchReference) {
   };
   std::vector<double> want(N);
   ref(to_double(logits), &want);
-  std::vector<float> losses(N), lse(N);
-  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
-  EXPECT_LT(max_error(losses, want), 1e-6);
-
-  // Large logits must not overflow.
-  std::vector<float> big = logits;
-  for (float& x : big) x += 1000.0f;
-  std::vector<float> big_losses(N), big_lse(N);
-  cross_entropy_forward(big_losses.data(), big_lse.data(), big.data(), targets.data(), N, V);
-  for (int64_t i = 0; i < N; ++i) ASSERT_NEAR(big_losses[i], want[i], 1e-3);
-
   const std::vector<float> d0 = random_floats(N * V, 19);
   const auto want_d = plus(
       numerical_gradient([&](const std::vector<double>& x) { return ref(x, nullptr); },
                          to_double(logits)),
       d0);
-  std::vector<float> d = d0;
-  cross_entropy_backward(d.data(), logits.data(), lse.data(), targets.data(), dlosses.data(), N,
-                         V);
-  EXPECT_LT(max_error(d, want_d), 1e-5);
+  std::vector<float> first;
+  for (const CrossEntropyImpl& impl : cross_entropy_impls()) {
+    std::vector<float> losses(N), lse(N);
+    impl.forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+    EXPECT_LT(max_error(losses, want), 1e-6) << impl.name;
+
+    // Large logits must not overflow.
+    std::vector<float> big = logits;
+    for (float& x : big) x += 1000.0f;
+    std::vector<float> big_losses(N), big_lse(N);
+    impl.forward(big_losses.data(), big_lse.data(), big.data(), targets.data(), N, V);
+    for (int64_t i = 0; i < N; ++i) ASSERT_NEAR(big_losses[i], want[i], 1e-3) << impl.name;
+
+    std::vector<float> d = d0;
+    impl.backward(d.data(), logits.data(), lse.data(), targets.data(), dlosses.data(), N, V);
+    EXPECT_LT(max_error(d, want_d), 1e-5) << impl.name;
+    // The gradient alone, scaled, in place over a copy of the logits: backward's increment.
+    std::vector<float> g = logits;
+    impl.gradient(g.data(), g.data(), lse.data(), targets.data(), 0.5f, N, V);
+    std::vector<float> d_half(N * V, 0.0f);
+    const std::vector<float> half(N, 0.5f);
+    impl.backward(d_half.data(), logits.data(), lse.data(), targets.data(), half.data(), N, V);
+    EXPECT_EQ(g, d_half) << impl.name;
+    // Every build gives the same bits: the same vector arithmetic, lane for lane.
+    std::vector<float> all = losses;
+    for (const auto* v : {&lse, &d, &g}) all.insert(all.end(), v->begin(), v->end());
+    if (first.empty())
+      first = all;
+    else
+      EXPECT_EQ(all, first) << impl.name;
+  }
 }
 
 TEST(VectorOps, AddAccumulateAndSumOfSquares) {
