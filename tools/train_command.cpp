@@ -20,6 +20,7 @@
 #include "engine/threads.h"
 #include "engine/trainer.h"
 #include "engine/weights_file.h"
+#include "kernels/attention.h"
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
 #include "kernels/peak.h"
@@ -312,6 +313,7 @@ void select_gemm_backend(const std::string& flag) {
   kernels::GemmBackend backend;
   try {
     backend = kernels::gemm_backend();  // reads CPUTRAIN_GEMM on first use
+    kernels::attention_bf16_native();   // reads CPUTRAIN_ATTENTION on first use
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
   }

@@ -48,7 +48,7 @@ struct TrainArgs {
 
 void add_train_flags(CLI::App& app, TrainArgs& args);
 // Applies --gemm (empty: keep the default); a UserError for a name this CPU cannot run, or a bad
-// CPUTRAIN_GEMM.
+// CPUTRAIN_GEMM or CPUTRAIN_ATTENTION.
 void select_gemm_backend(const std::string& flag);
 int run_train(const TrainArgs& args);
 

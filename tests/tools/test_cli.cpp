@@ -108,6 +108,7 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --grad-clip -0.5"), "--grad-clip");
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
   expect_one_line_error(run("CPUTRAIN_GEMM=avx9000", base), "CPUTRAIN_GEMM=avx9000");
+  expect_one_line_error(run("CPUTRAIN_ATTENTION=bogus", base), "CPUTRAIN_ATTENTION=bogus");
   expect_one_line_error(run(base + " --bogus"), "--bogus");
   expect_one_line_error(run(base + " --batch two"), "--batch");
   EXPECT_FALSE(fs::exists(dir_ / "run" / "model.bin"));
