@@ -7,9 +7,9 @@
 // Layout inside a tile: the head dimension D is padded with zeros to Dp, a multiple of 16, so
 // every row is whole vectors. Queries are pre-multiplied by 1/sqrt(D).
 //
-// Forward: one task per (batch, head, query tile); each output row is computed whole by one
-// task. Backward: one task per (batch, head), key tiles outer and query tiles inner, so dK and dV
-// of a key tile and dQ of the head accumulate in a fixed order: results do not depend on the
+// Forward: one task per (batch, head), which packs the head's K^T and V once, then runs its query
+// tiles. Backward: one task per (batch, head), key tiles outer and query tiles inner, so dK and
+// dV of a key tile and dQ of the head accumulate in a fixed order: results do not depend on the
 // thread count.
 #pragma once
 
@@ -150,61 +150,64 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
                              const float* v, int64_t B, int64_t T, int64_t H, int64_t D) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t row = H * D, Dp = padded_dim(D);
-  const int64_t tiles = (T + kTile - 1) / kTile;
-  const int64_t tasks = B * H * tiles;
+  const int64_t Tp = (T + kTile - 1) / kTile * kTile;
 #pragma omp parallel
   {
-    float* Q = attention_buffer(static_cast<size_t>(4 * kTile * Dp + kTile * kTile + 3 * kTile));
-    float* Kt = Q + kTile * Dp;
-    float* V = Kt + kTile * Dp;
-    float* O = V + kTile * Dp;
+    // Whole head: K^T per key tile and V, packed once; per query tile: Q, O, scores, statistics.
+    float* Kt = attention_buffer(
+        static_cast<size_t>(2 * Tp * Dp + 2 * kTile * Dp + kTile * kTile + 3 * kTile));
+    float* V = Kt + Tp * Dp;
+    float* Q = V + Tp * Dp;
+    float* O = Q + kTile * Dp;
     float* S = O + kTile * Dp;
     float* m = S + kTile * kTile;
     float* l = m + kTile;
     float* alpha = l + kTile;
-    // Later query tiles attend to more keys: hand out the largest first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t qt = tiles - 1 - task % tiles, bh = task / tiles;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const int64_t i0 = qt * kTile, rows = std::min(kTile, T - i0);
       const int64_t off = b * T * row + h * D;
-      pack_rows(Q, q + off + i0 * row, row, rows, D, Dp, scale);
-      std::fill(O, O + rows * Dp, 0.0f);
-      std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l, l + rows, 0.0f);
-      for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
-        const int64_t cols = std::min(kTile, T - j0);
-        pack_transposed_tile(Kt, k + off + j0 * row, row, cols, D, Dp);
-        pack_rows(V, v + off + j0 * row, row, cols, D, Dp, 1.0f);
-        tile_nn<RB>(S, kTile, Q, Dp, Kt, kTile, rows, kTile, Dp, false);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* s = S + r * kTile;
-          const int64_t valid = std::min(cols, i0 + r - j0 + 1);
-          float mx = m[r];
-          for (int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
-          alpha[r] = vec::exp(m[r] - mx);  // m[r] = -inf on the first tile: alpha ~ 0
-          m[r] = mx;
-        }
-        exp_scores(S, m, rows, cols, i0, j0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* p = S + r * kTile;
-          float sum = 0.0f;
+      for (int64_t j0 = 0; j0 < T; j0 += kTile)
+        pack_transposed_tile(Kt + j0 * Dp, k + off + j0 * row, row, std::min(kTile, T - j0), D,
+                             Dp);
+      pack_rows(V, v + off, row, T, D, Dp, 1.0f);
+      for (int64_t i0 = 0; i0 < T; i0 += kTile) {
+        const int64_t rows = std::min(kTile, T - i0);
+        pack_rows(Q, q + off + i0 * row, row, rows, D, Dp, scale);
+        std::fill(O, O + rows * Dp, 0.0f);
+        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + rows, 0.0f);
+        for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+          const int64_t cols = std::min(kTile, T - j0);
+          tile_nn<RB>(S, kTile, Q, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* s = S + r * kTile;
+            const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+            float mx = m[r];
+            for (int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
+            alpha[r] = vec::exp(m[r] - mx);  // m[r] = -inf on the first tile: alpha ~ 0
+            m[r] = mx;
+          }
+          exp_scores(S, m, rows, cols, i0, j0);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* p = S + r * kTile;
+            float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < kTile; ++c) sum += p[c];
-          l[r] = l[r] * alpha[r] + sum;
-          float* o = O + r * Dp;
-          const float a = alpha[r];
+            for (int64_t c = 0; c < kTile; ++c) sum += p[c];
+            l[r] = l[r] * alpha[r] + sum;
+            float* o = O + r * Dp;
+            const float a = alpha[r];
 #pragma omp simd
-          for (int64_t d = 0; d < Dp; ++d) o[d] *= a;
+            for (int64_t d = 0; d < Dp; ++d) o[d] *= a;
+          }
+          tile_nn<RB>(O, Dp, S, kTile, V + j0 * Dp, Dp, rows, Dp, cols, true);
         }
-        tile_nn<RB>(O, Dp, S, kTile, V, Dp, rows, Dp, cols, true);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = out + off + (i0 + r) * row;
-        const float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < D; ++d) dst[d] = O[r * Dp + d] * inv;
-        lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = out + off + (i0 + r) * row;
+          const float inv = 1.0f / l[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = O[r * Dp + d] * inv;
+          lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        }
       }
     }
   }
