@@ -11,6 +11,7 @@
 // pct_peak.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>

@@ -18,9 +18,9 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         int64_t B, int64_t T, int64_t H, int64_t D);
 
 // The same on bf16 q, k, v (and the forward's output rounded to bf16 in the backward), with
-// bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, the score gradients
-// and dout are rounded to bf16 where they enter a product, scores and softmax statistics stay
-// FP32. Only where attention_bf16_native() is true: AVX-512 BF16, with the GEMM on its avx512
+// bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities and dout are
+// rounded to bf16 where they enter a product, the score gradients enter as two bf16 terms
+// (hi + lo), scores and softmax statistics stay FP32. Only where attention_bf16_native() is true: AVX-512 BF16, with the GEMM on its avx512
 // or amx path (forcing a lower GEMM path forces this one too), and CPUTRAIN_ATTENTION not set
 // to fp32; elsewhere callers widen the inputs to FP32 and use the functions above.
 bool attention_bf16_native();

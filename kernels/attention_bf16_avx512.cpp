@@ -11,8 +11,7 @@
 // One task per (batch, head), which packs that head's operands once:
 //   pairs along D    Q, K, dO rows as (T, Dp / 2) pairs: the left operand of S and dP;
 //   K^T and V^T      per key tile, (Dp / 2, 64) pairs: the right operand of S and dP;
-//   pairs along T    V, K as (T / 2, Dp): the right operand of P V and dS K (K per key tile
-//                    twice over, for dS hi and dS lo);
+//   pairs along T    V, K as (T / 2, Dp): the right operand of P V and dS K;
 //   Q^T and dO^T     (Dp, T / 2) pairs along T: the left operand of dK^T = Q^T dS and
 //                    dV^T = dO^T P.
 // Within a head the order of every sum is fixed, so results do not depend on the thread count.
@@ -141,16 +140,14 @@ void rows_as_pairs_rounded(uint32_t* dst, const float* src, int64_t stride, int6
 }
 
 // Pairs along T: dst[p][c] = (rows[2p][c], rows[2p + 1][c]) for p < Tp / 2, c < Dp, from rows
-// of Dp bf16 values `stride` values apart (zero past D and past T, as rows_as_pairs writes
-// them).
-void pairs_along_rows(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64_t Dp,
-                      int64_t stride) {
+// of Dp bf16 values (zero past D and past T, as rows_as_pairs writes them).
+void pairs_along_rows(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64_t Dp) {
   const auto* in = reinterpret_cast<const uint16_t*>(rows);
   for (int64_t p = 0; p < Tp / 2; ++p)
     for (int64_t c = 0; c < Dp; c += 32) {
       const int n = static_cast<int>(std::min<int64_t>(32, Dp - c));
-      detail::interleave_pairs(dst + p * Dp + c, in + 2 * p * stride + c,
-                               in + (2 * p + 1) * stride + c, n, n);
+      detail::interleave_pairs(dst + p * Dp + c, in + 2 * p * Dp + c, in + (2 * p + 1) * Dp + c,
+                               n, n);
     }
 }
 
@@ -265,7 +262,7 @@ void attention_forward_bf16_avx512(float* out, float* lse, const uint16_t* q, co
       rows_as_pairs(Kr, k + off, row, T, Tp, D, Dp);
       key_tiles_transposed(Kt, Kr, Tp, Dp);
       rows_as_pairs(Vr, v + off, row, T, Tp, D, Dp);
-      pairs_along_rows(Vi, Vr, Tp, Dp, Dp);
+      pairs_along_rows(Vi, Vr, Tp, Dp);
       for (int64_t i0 = 0; i0 < T; i0 += kTile) {
         const int64_t rows = std::min(kTile, T - i0);
         std::fill(O, O + rows * Dp, 0.0f);
@@ -284,9 +281,8 @@ void attention_forward_bf16_avx512(float* out, float* lse, const uint16_t* q, co
               mx = _mm512_mask_max_ps(mx, valid_lanes(16 * v4, valid), mx, x[v4]);
             }
             const float mnew = _mm512_reduce_max_ps(mx);
-            const float alpha = m[r] == -std::numeric_limits<float>::infinity()
-                                    ? 0.0f
-                                    : exp16(_mm512_set1_ps(m[r] - mnew))[0];
+            // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0.
+            const float alpha = exp16(_mm512_set1_ps(m[r] - mnew))[0];
             m[r] = mnew;
             __m512 sum = _mm512_setzero_ps();
             for (int v4 = 0; v4 < 4; ++v4) {
@@ -323,15 +319,14 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
 #pragma omp parallel
   {
     // Whole head, each Tp * Dh words: Q, K, V, dO as rows of pairs; K^T and V^T per key tile;
-    // K, Q, dO as pairs along T; Q^T and dO^T. Per key tile: its K pairs twice.
-    Carve head{thread_buffer<0>(static_cast<size_t>(11 * Tp * Dh + 2 * kTilePairs * Dp))};
+    // K, Q, dO as pairs along T; Q^T and dO^T.
+    Carve head{thread_buffer<0>(static_cast<size_t>(11 * Tp * Dh))};
     uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh);
     uint32_t *Gr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh);
     uint32_t *Ki = head.words(Tp * Dh), *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
-    uint32_t* K2 = head.words(2 * kTilePairs * Dp);
-    // dQ and D_i of the head; per key tile dK^T and dV^T; per tile pair P, dP, P as bf16 (rows,
-    // pairs along T), dS as bf16 hi and lo (rows of [hi | lo]; pairs along T of each).
+    // dQ and D_i of the head; per key tile dK^T and dV^T; per tile pair P, dP, and P, dS hi and
+    // dS lo as bf16 (rows, and pairs along T).
     Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + Tp + 3 * Dp * kTile +
                                                      2 * kTile * kTile + 6 * kTile * kTilePairs))};
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp);
@@ -339,8 +334,8 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
     float* scratch = tile.floats(Dp * kTile);
     float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
     uint32_t *Pb = tile.words(kTile * kTilePairs), *Pi = tile.words(kTile * kTilePairs);
-    uint32_t* dSb = tile.words(2 * kTile * kTilePairs);
-    uint32_t *dSi = tile.words(kTile * kTilePairs), *dSi_lo = tile.words(kTile * kTilePairs);
+    uint32_t *dSb = tile.words(kTile * kTilePairs), *dSi = tile.words(kTile * kTilePairs);
+    uint32_t *dSb_lo = tile.words(kTile * kTilePairs), *dSi_lo = tile.words(kTile * kTilePairs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
@@ -352,9 +347,9 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
       rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
       key_tiles_transposed(Kt, Kr, Tp, Dp);
       key_tiles_transposed(Vt, Vr, Tp, Dp);
-      pairs_along_rows(Ki, Kr, Tp, Dp, Dp);
-      pairs_along_rows(Qi, Qr, Tp, Dp, Dp);
-      pairs_along_rows(Gi, Gr, Tp, Dp, Dp);
+      pairs_along_rows(Ki, Kr, Tp, Dp);
+      pairs_along_rows(Qi, Qr, Tp, Dp);
+      pairs_along_rows(Gi, Gr, Tp, Dp);
       transpose_words(QT, Qi, Tp / 2, Dp);
       transpose_words(GT, Gi, Tp / 2, Dp);
       // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
@@ -375,8 +370,6 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
         const int64_t cols = std::min(kTile, T - j0);
         std::fill(dKT, dKT + Dp * kTile, 0.0f);
         std::fill(dVT, dVT + Dp * kTile, 0.0f);
-        std::copy_n(Ki + j0 / 2 * Dp, kTilePairs * Dp, K2);
-        std::copy_n(Ki + j0 / 2 * Dp, kTilePairs * Dp, K2 + kTilePairs * Dp);
         for (int64_t i0 = j0; i0 < T; i0 += kTile) {
           const int64_t rows = std::min(kTile, T - i0);
           dp_product(P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh, false);
@@ -394,20 +387,21 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
                                      _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
             }
             round_row(Pb + r * kTilePairs, p);
-            round_row_split(dSb + 2 * r * kTilePairs, dSb + (2 * r + 1) * kTilePairs, ds);
+            round_row_split(dSb + r * kTilePairs, dSb_lo + r * kTilePairs, ds);
           }
-          std::fill(Pb + rows * kTilePairs, Pb + kTile * kTilePairs, 0u);
-          std::fill(dSb + 2 * rows * kTilePairs, dSb + 2 * kTile * kTilePairs, 0u);
-          pairs_along_rows(Pi, Pb, kTile, kTile, kTile);
-          pairs_along_rows(dSi, dSb, kTile, kTile, 2 * kTile);
-          pairs_along_rows(dSi_lo, dSb + kTilePairs, kTile, kTile, 2 * kTile);
-          // dV^T += dO^T P, dK^T += Q^T (dS hi + dS lo), dQ += [dS hi | dS lo] [K; K] (the
-          // scale is in dS).
+          for (uint32_t* rounded : {Pb, dSb, dSb_lo})
+            std::fill(rounded + rows * kTilePairs, rounded + kTile * kTilePairs, 0u);
+          pairs_along_rows(Pi, Pb, kTile, kTile);
+          pairs_along_rows(dSi, dSb, kTile, kTile);
+          pairs_along_rows(dSi_lo, dSb_lo, kTile, kTile);
+          // dV^T += dO^T P, dK^T += Q^T (dS hi + dS lo), dQ += (dS hi + dS lo) K (the scale is
+          // in dS).
+          const uint32_t* K = Ki + j0 / 2 * Dp;
           dp_product(dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs, true);
           dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs, true);
           dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi_lo, kTile, Dp, kTile, kTilePairs, true);
-          dp_product(dQ + i0 * Dp, Dp, dSb, 2 * kTilePairs, K2, Dp, rows, Dp, 2 * kTilePairs,
-                     true);
+          dp_product(dQ + i0 * Dp, Dp, dSb, kTilePairs, K, Dp, rows, Dp, kTilePairs, true);
+          dp_product(dQ + i0 * Dp, Dp, dSb_lo, kTilePairs, K, Dp, rows, Dp, kTilePairs, true);
         }
         add_transposed(dk + off + j0 * row, row, dKT, scratch, cols, D, Dp);
         add_transposed(dv + off + j0 * row, row, dVT, scratch, cols, D, Dp);
