@@ -25,6 +25,12 @@ Tape& current_tape() { return tapes().back(); }
 
 }  // namespace
 
+const Tensor& GradCell::get_for_accumulate(float* beta) {
+  *beta = grad_.defined() ? 1.0f : 0.0f;
+  if (!grad_.defined()) grad_ = Tensor::empty(shape_, DType::F32, MemoryCategory::Workspace);
+  return grad_;
+}
+
 const Tensor& GradCell::get_or_zeros() {
   if (!grad_.defined()) grad_ = Tensor::zeros(shape_, DType::F32, MemoryCategory::Workspace);
   return grad_;
@@ -44,6 +50,7 @@ Variable Variable::op_output(const Tensor& value, bool requires_grad) {
 Tensor Variable::bf16_value() const {
   if (impl_->bf16.defined()) return impl_->bf16;
   const Tensor& v = impl_->value;
+  if (v.dtype() == DType::BF16) return v;  // a value that is its own rounding
   Tensor b = Tensor::empty(v.shape(), DType::BF16,
                            impl_->op_output ? MemoryCategory::Activations : MemoryCategory::Workspace);
   kernels::fp32_to_bf16_array(b.bf16(), v.f32(), v.numel());
@@ -56,6 +63,15 @@ void Variable::set_bf16_copy(const Tensor& copy) {
     throw std::invalid_argument("set_bf16_copy: a bf16 tensor of shape " +
                                 impl_->value.shape().str());
   impl_->bf16 = copy;
+}
+
+void Variable::cache_bf16_value(const Tensor& rounding) const {
+  if (!impl_->op_output)
+    throw std::invalid_argument("cache_bf16_value: only an op output's rounding is cached");
+  if (rounding.dtype() != DType::BF16 || !(rounding.shape() == impl_->value.shape()))
+    throw std::invalid_argument("cache_bf16_value: a bf16 tensor of shape " +
+                                impl_->value.shape().str());
+  impl_->bf16 = rounding;
 }
 
 const Tensor& Variable::grad() const {

@@ -18,6 +18,10 @@ class GradCell {
   explicit GradCell(const Shape& shape) : shape_(shape) {}
   // The gradient, allocated zeroed (as workspace) on first use.
   const Tensor& get_or_zeros();
+  // The gradient for a kernel that computes out = contribution + beta * out: allocated
+  // uninitialised on first use with *beta = 0 (the first contribution overwrites it), else
+  // *beta = 1.
+  const Tensor& get_for_accumulate(float* beta);
   // The gradient if anything has been accumulated, else an undefined tensor.
   const Tensor& tensor() const { return grad_; }
   // Accumulate into an existing tensor (a parameter's slice of the flat gradient buffer).
@@ -46,12 +50,18 @@ class Variable {
   const GradRef& grad_ref() const { return impl_->grad; }
   const Tensor& grad() const;
 
-  // The value rounded to bf16 (same shape, dtype BF16). A leaf with a bf16 copy attached
-  // (set_bf16_copy: the ParameterSet's, kept current by AdamW) returns that copy; an op output
-  // converts once, as an activation, and keeps the result; any other leaf converts on each call,
-  // into workspace, since its value may have been written since.
+  // The value rounded to bf16 (same shape, dtype BF16). A bf16 value is its own rounding (an
+  // op that in bf16 mode writes only the rounding of its output). A leaf with a bf16 copy
+  // attached (set_bf16_copy: the ParameterSet's, kept current by AdamW) returns that copy; an
+  // op output converts once, as an activation, and keeps the result; any other leaf converts on
+  // each call, into workspace, since its value may have been written since.
   Tensor bf16_value() const;
   void set_bf16_copy(const Tensor& copy);
+  // An op output's bf16 rounding, made by a pass that read its value anyway: what bf16_value
+  // will return, as a cache (an op output's value never changes). Throws for a leaf.
+  void cache_bf16_value(const Tensor& rounding) const;
+  bool has_bf16_value() const { return impl_->bf16.defined(); }
+  bool is_op_output() const { return impl_->op_output; }
 
  private:
   struct Impl {

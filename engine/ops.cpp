@@ -38,6 +38,13 @@ void require(bool ok, const char* what) {
 
 bool bf16_mode() { return compute_dtype() == DType::BF16; }
 
+// The FP32 value of an op's input. In bf16 mode an output only GEMMs consume may hold its bf16
+// rounding alone (swiglu's); an op that computes on FP32 values cannot take it.
+const Tensor& fp32_value(const Variable& x) {
+  require(x.value().dtype() == DType::F32, "an op on FP32 values given a bf16-only activation");
+  return x.value();
+}
+
 // What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
 // rounding (shared with every other op that saves the same input).
 Tensor saved(const Variable& x) { return bf16_mode() ? x.bf16_value() : x.value(); }
@@ -74,17 +81,21 @@ void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out
 void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& wv,
                               const GradRef& gx, const GradRef& gw, int64_t M, int64_t N,
                               int64_t K) {
+  // The first contribution to a gradient overwrites it (beta 0) instead of adding to zeros.
+  float bx = 1.0f, bw = 1.0f;
+  float* dx = gx ? gx->get_for_accumulate(&bx).f32() : nullptr;
+  float* dw = gw ? gw->get_for_accumulate(&bw).f32() : nullptr;
   if (dy.dtype() == DType::BF16) {
     if (gx) kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K,
-                               1.0f, gx->get_or_zeros().f32(), K);
+                               bx, dx, K);
     if (gw) kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dy.bf16(), N, xv.bf16(), K,
-                               1.0f, gw->get_or_zeros().f32(), K);
+                               bw, dw, K);
     return;
   }
-  if (gx) kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K,
-                            1.0f, gx->get_or_zeros().f32(), K);
-  if (gw) kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K,
-                            1.0f, gw->get_or_zeros().f32(), K);
+  if (gx) kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K, bx,
+                            dx, K);
+  if (gw) kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K, bw,
+                            dw, K);
 }
 
 }  // namespace
@@ -121,7 +132,7 @@ Variable linear(const Variable& x, const Variable& w) {
   const bool bf16 = bf16_mode();
   // In bf16 mode both operands are bf16 roundings: x's is shared with the other ops that take
   // x, w's is the parameter's copy.
-  const Tensor xv = bf16 ? x.bf16_value() : x.value();
+  const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
   linear_product(xv, 0, wv, y.f32(), M, N, K);
   const bool grad = needs_grad({&x, &w});
@@ -145,11 +156,26 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   const int64_t C = xs[xs.ndim() - 1];
   require(w.value().ndim() == 1 && w.shape()[0] == C, "rmsnorm: x (..., C) and w (C)");
   const int64_t N = x.value().numel() / C;
-  Tensor y = new_activation(xs);
-  Tensor rstd = new_activation(Shape{N});
-  kernels::rmsnorm_forward(y.f32(), rstd.f32(), x.value().f32(), w.value().f32(), N, C, eps);
   const bool grad = needs_grad({&x, &w});
+  Tensor y;
+  Tensor rstd = new_activation(Shape{N});
+  if (bf16_mode()) {
+    // The output is only ever a GEMM input: only its bf16 rounding is written, in the pass that
+    // also rounds x for the backward (where nothing has rounded it yet).
+    y = Tensor::empty(xs, DType::BF16, MemoryCategory::Activations);
+    const bool round_input = grad && x.is_op_output() && !x.has_bf16_value();
+    Tensor x16;
+    if (round_input) x16 = Tensor::empty(xs, DType::BF16, MemoryCategory::Activations);
+    kernels::rmsnorm_forward_bf16(y.bf16(), round_input ? x16.bf16() : nullptr, rstd.f32(),
+                                  fp32_value(x).f32(), w.value().f32(), N, C, eps);
+    if (round_input) x.cache_bf16_value(x16);
+  } else {
+    y = new_activation(xs);
+    kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
+                             eps);
+  }
   Variable out = Variable::op_output(y, grad);
+  if (y.dtype() == DType::BF16) out.cache_bf16_value(y);
   if (grad) {
     record_backward([xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(), gw = w.grad_ref(),
                      gy = out.grad_ref(), N, C] {
@@ -177,10 +203,19 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
           "rope: x (B, T, C) with C = H * D, D even");
   const int64_t B = xs[0], T = xs[1], H = n_heads, D = xs[2] / n_heads;
   require(table.numel() >= T * D, "rope: table shorter than T");
-  Tensor y = new_activation(xs);
-  kernels::rope_forward(y.f32(), x.value().f32(), table.f32(), B, T, H, D);
   const bool grad = needs_grad({&x});
-  Variable out = Variable::op_output(y, grad);
+  Variable out;
+  if (bf16_mode()) {
+    // Attention takes only the bf16 rounding of q and k: only that is written.
+    Tensor y = Tensor::empty(xs, DType::BF16, MemoryCategory::Activations);
+    kernels::rope_forward_bf16(y.bf16(), fp32_value(x).f32(), table.f32(), B, T, H, D);
+    out = Variable::op_output(y, grad);
+    out.cache_bf16_value(y);
+  } else {
+    Tensor y = new_activation(xs);
+    kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D);
+    out = Variable::op_output(y, grad);
+  }
   if (grad) {
     record_backward([table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       if (!gy->tensor().defined()) return;
@@ -196,15 +231,17 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   require(s.ndim() == 3 && k.shape() == s && v.shape() == s && s[2] % n_heads == 0,
           "attention: q, k, v (B, T, C) with C = H * D");
   const int64_t B = s[0], T = s[1], H = n_heads, D = s[2] / n_heads;
-  Tensor y = new_activation(s);
   Tensor lse = new_activation(Shape{B, H, T});
   // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
   // will see, with bf16 products where the CPU has them (else widened to FP32); the softmax
-  // statistics stay FP32.
+  // statistics stay FP32. With bf16 products it writes only the bf16 rounding of its output:
+  // all the output projection and the backward take of it.
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
   const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
+  Tensor y = native ? Tensor::empty(s, DType::BF16, MemoryCategory::Activations)
+                    : new_activation(s);
   if (native) {
-    kernels::attention_forward_bf16(y.f32(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
+    kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
                                     D);
   } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
@@ -212,6 +249,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
+  if (native) out.cache_bf16_value(y);
   if (grad) {
     record_backward([qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(), gk = k.grad_ref(),
                      gv = v.grad_ref(), gy = out.grad_ref(), native, B, T, H, D] {
@@ -238,10 +276,34 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
 Variable swiglu(const Variable& gate, const Variable& up) {
   require(gate.shape() == up.shape(), "swiglu: gate and up of equal shape");
   const int64_t n = gate.value().numel();
-  Tensor y = new_activation(gate.shape());
-  kernels::swiglu_forward(y.f32(), gate.value().f32(), up.value().f32(), n);
   const bool grad = needs_grad({&gate, &up});
-  Variable out = Variable::op_output(y, grad);
+  Variable out;
+  if (bf16_mode()) {
+    // The output is only ever a GEMM input (the down projection's), which takes its bf16
+    // rounding: only that is written, in the pass that also rounds gate and up for the backward
+    // (where nothing has rounded them yet).
+    Tensor y = Tensor::empty(gate.shape(), DType::BF16, MemoryCategory::Activations);
+    const bool round_inputs = grad && gate.is_op_output() && up.is_op_output() &&
+                              !gate.has_bf16_value() && !up.has_bf16_value();
+    Tensor gate16, up16;
+    if (round_inputs) {
+      gate16 = Tensor::empty(gate.shape(), DType::BF16, MemoryCategory::Activations);
+      up16 = Tensor::empty(up.shape(), DType::BF16, MemoryCategory::Activations);
+    }
+    kernels::swiglu_forward_bf16(y.bf16(), round_inputs ? gate16.bf16() : nullptr,
+                                 round_inputs ? up16.bf16() : nullptr, fp32_value(gate).f32(),
+                                 fp32_value(up).f32(), n);
+    if (round_inputs) {
+      gate.cache_bf16_value(gate16);
+      up.cache_bf16_value(up16);
+    }
+    out = Variable::op_output(y, grad);
+    out.cache_bf16_value(y);
+  } else {
+    Tensor y = new_activation(gate.shape());
+    kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), fp32_value(up).f32(), n);
+    out = Variable::op_output(y, grad);
+  }
   if (grad) {
     record_backward([gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
                      gu = up.grad_ref(), gy = out.grad_ref(), n] {
@@ -264,7 +326,7 @@ Variable add(const Variable& a, const Variable& b) {
   require(a.shape() == b.shape(), "add: equal shapes");
   const int64_t n = a.value().numel();
   Tensor y = new_activation(a.shape());
-  kernels::vector_add(y.f32(), a.value().f32(), b.value().f32(), n);
+  kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
   const bool grad = needs_grad({&a, &b});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -286,8 +348,8 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
           "cross_entropy: one i32 target per row of logits");
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
   Tensor lse = new_activation(Shape{N});
-  kernels::cross_entropy_forward(losses.f32(), lse.f32(), logits.value().f32(), targets.i32(), N,
-                                 V);
+  kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(),
+                                 targets.i32(), N, V);
   double sum = 0.0;
   for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
   Tensor y = new_activation(Shape{1});
@@ -324,7 +386,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
           "lm_head_cross_entropy: one i32 target per row of x");
   const int64_t rows = std::min(N, chunk_rows > 0 ? chunk_rows : lm_head_chunk_rows(V));
   const bool bf16 = bf16_mode();
-  const Tensor xv = bf16 ? x.bf16_value() : x.value();
+  const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
   const bool grad = needs_grad({&x, &w});
   // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.

@@ -17,7 +17,9 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps);
 Variable rope(const Variable& x, const Tensor& table, int64_t n_heads);
 // q, k, v (B, T, C) -> causal softmax(q k^T / sqrt(D)) v per head, (B, T, C).
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads);
-// silu(gate) * up, elementwise.
+// silu(gate) * up, elementwise. In bf16 mode its value is its bf16 rounding only (what a GEMM
+// takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
+// same pass.
 Variable swiglu(const Variable& gate, const Variable& up);
 // a + b, equal shapes.
 Variable add(const Variable& a, const Variable& b);

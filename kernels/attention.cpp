@@ -42,7 +42,7 @@ bool attention_bf16_native() {
          (gemm == GemmBackend::Avx512 || gemm == GemmBackend::Amx);
 }
 
-void attention_forward_bf16(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D) {
   if (!attention_bf16_native())
     throw std::logic_error("attention_forward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");

@@ -17,14 +17,16 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t H, int64_t D);
 
-// The same on bf16 q, k, v (and the forward's output rounded to bf16 in the backward), with
-// bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities and dout are
-// rounded to bf16 where they enter a product, the score gradients enter as two bf16 terms
-// (hi + lo), scores and softmax statistics stay FP32. Only where attention_bf16_native() is true: AVX-512 BF16, with the GEMM on its avx512
-// or amx path (forcing a lower GEMM path forces this one too), and CPUTRAIN_ATTENTION not set
-// to fp32; elsewhere callers widen the inputs to FP32 and use the functions above.
+// The same on bf16 q, k, v, with the output written rounded to bf16 (as the backward takes it),
+// and bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, dout and the
+// score gradients are rounded to bf16 where they enter a product (dQ and dK multiply the score
+// gradients by K and Q less their means, see attention_bf16_avx512.cpp), scores and softmax
+// statistics stay FP32. Only where attention_bf16_native() is true: AVX-512 BF16, with the
+// GEMM on its avx512 or amx path (forcing a lower GEMM path forces this one too), and
+// CPUTRAIN_ATTENTION not set to fp32; elsewhere callers widen the inputs to FP32 and use the
+// functions above.
 bool attention_bf16_native();
-void attention_forward_bf16(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D);
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
                              const uint16_t* q, const uint16_t* k, const uint16_t* v,

@@ -2,11 +2,14 @@
 // attention_tiled.h (64 queries x 64 keys, online softmax, probabilities recomputed from the
 // saved log-sum-exp in the backward), with every product a dot product of bf16 pairs into FP32
 // accumulators. Scores, the softmax statistics, dP and all accumulations stay FP32; the
-// probabilities P and the output gradient dO are rounded to bf16 where they enter a product.
-// The score gradients dS enter theirs as two bf16 terms, hi + lo (about 16 significant bits):
-// a row of dS sums to zero, so dQ = dS K is a small difference of large terms, and one rounding
-// of dS made training measurably worse (cputrain parity, three seeds: +0.01 to +0.03 nats over
-// FP32-widened attention); with the second term the loss matches that of FP32 attention.
+// probabilities P, the output gradient dO and the score gradients dS are rounded to bf16 where
+// they enter a product, and the output is written rounded to bf16.
+// dQ = dS K and dK = dS^T Q take K and Q less their means over the sequence, m_K and m_Q, and
+// add m_K (resp. m_Q) times the row (column) sums of dS, kept exact in FP32: the same sums, but
+// the rounding error of dS then scales with the spread of the keys (queries), not their size.
+// Keys share a large common component, and a row of dS sums to zero, so dQ is a small
+// difference of large terms: with dS K as it is, one rounding of dS made training measurably
+// worse (cputrain parity, three seeds: +0.01 to +0.03 nats over FP32-widened attention).
 //
 // One task per (batch, head), which packs that head's operands once:
 //   pairs along D    Q, K, dO rows as (T, Dp / 2) pairs: the left operand of S and dP;
@@ -204,15 +207,33 @@ inline __m512 widen16(__m256i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-// 64 floats as two bf16 terms: hi = bf16(x) and lo = bf16(x - hi), each 32 pairs.
-inline void round_row_split(uint32_t* hi, uint32_t* lo, const __m512 x[4]) {
-  round_row(hi, x);
-  __m512 rest[4];
-  for (int v4 = 0; v4 < 4; ++v4) {
-    rest[v4] = _mm512_sub_ps(
-        x[v4], widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 8 * v4))));
+// The mean over rows 0..T of the bf16 rows (Dp values each, zero past D): mean[0:Dp].
+void column_means(float* mean, const uint32_t* rows, int64_t T, int64_t Dp) {
+  const auto* in = reinterpret_cast<const uint16_t*>(rows);
+  for (int64_t d = 0; d < Dp; d += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t t = 0; t < T; ++t)
+      acc = _mm512_add_ps(acc, widen16(_mm256_loadu_si256(
+                                   reinterpret_cast<const __m256i*>(in + t * Dp + d))));
+    _mm512_storeu_ps(mean + d, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / static_cast<float>(T))));
   }
-  round_row(lo, rest);
+}
+
+// dst rows t < T: bf16(src row t - mean); rows T..Tp zero. Rows of Dp bf16 values.
+void rows_centered(uint32_t* dst, const uint32_t* src, const float* mean, int64_t T, int64_t Tp,
+                   int64_t Dp) {
+  const auto* in = reinterpret_cast<const uint16_t*>(src);
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t t = 0; t < Tp; ++t)
+    for (int64_t d = 0; d < Dp; d += 16) {
+      __m256i r = _mm256_setzero_si256();
+      if (t < T) {
+        const __m512 x =
+            widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * Dp + d)));
+        r = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_loadu_ps(mean + d)));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * Dp + d), r);
+    }
 }
 
 // One head's shapes: rows of H * D values, D padded to Dp (a multiple of 16, Dh pairs), T to Tp
@@ -237,7 +258,7 @@ struct Carve {
 
 }  // namespace
 
-void attention_forward_bf16_avx512(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                                    const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D) {
   const Head hd(T, H, D);
   const float scale = hd.scale;
@@ -299,9 +320,12 @@ void attention_forward_bf16_avx512(float* out, float* lse, const uint16_t* q, co
           dp_product(O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs, true);
         }
         for (int64_t r = 0; r < rows; ++r) {
-          float* dst = out + off + (i0 + r) * row;
-          const float inv = 1.0f / l[r];
-          for (int64_t d = 0; d < D; ++d) dst[d] = O[r * Dp + d] * inv;
+          uint16_t* dst = out + off + (i0 + r) * row;
+          const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm256_mask_storeu_epi16(
+                dst + d, valid_lanes(d, D),
+                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + r * Dp + d), inv)));
           lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
         }
       }
@@ -319,23 +343,25 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
 #pragma omp parallel
   {
     // Whole head, each Tp * Dh words: Q, K, V, dO as rows of pairs; K^T and V^T per key tile;
-    // K, Q, dO as pairs along T; Q^T and dO^T.
-    Carve head{thread_buffer<0>(static_cast<size_t>(11 * Tp * Dh))};
+    // K and Q less their means (rows), K less its mean and dO as pairs along T; (Q less its
+    // mean)^T and dO^T.
+    Carve head{thread_buffer<0>(static_cast<size_t>(13 * Tp * Dh))};
     uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh);
     uint32_t *Gr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh);
+    uint32_t *Kc = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
     uint32_t *Ki = head.words(Tp * Dh), *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
-    // dQ and D_i of the head; per key tile dK^T and dV^T; per tile pair P, dP, and P, dS hi and
-    // dS lo as bf16 (rows, and pairs along T).
-    Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + Tp + 3 * Dp * kTile +
-                                                     2 * kTile * kTile + 6 * kTile * kTilePairs))};
-    float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp);
+    // dQ, D_i and the row sums of dS of the head; the means of K and Q; per key tile dK^T and
+    // dV^T; per tile pair P, dP, and P and dS as bf16 (rows, and pairs along T).
+    Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + 2 * Tp + 2 * Dp + 3 * Dp * kTile +
+                                                     2 * kTile * kTile + 4 * kTile * kTilePairs))};
+    float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(Tp);
+    float *k_mean = tile.floats(Dp), *q_mean = tile.floats(Dp);
     float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);
     float* scratch = tile.floats(Dp * kTile);
     float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
     uint32_t *Pb = tile.words(kTile * kTilePairs), *Pi = tile.words(kTile * kTilePairs);
     uint32_t *dSb = tile.words(kTile * kTilePairs), *dSi = tile.words(kTile * kTilePairs);
-    uint32_t *dSb_lo = tile.words(kTile * kTilePairs), *dSi_lo = tile.words(kTile * kTilePairs);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
@@ -347,8 +373,15 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
       rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
       key_tiles_transposed(Kt, Kr, Tp, Dp);
       key_tiles_transposed(Vt, Vr, Tp, Dp);
-      pairs_along_rows(Ki, Kr, Tp, Dp);
-      pairs_along_rows(Qi, Qr, Tp, Dp);
+      // dQ = dS K and dK = dS^T Q take K and Q less their means m: dS K = dS (K - m) + (dS 1) m,
+      // with the sums of dS exact in FP32. Where keys (queries) share a large component, the
+      // rounding error of dS then scales with their spread, not their size.
+      column_means(k_mean, Kr, T, Dp);
+      column_means(q_mean, Qr, T, Dp);
+      rows_centered(Kc, Kr, k_mean, T, Tp, Dp);
+      rows_centered(Qc, Qr, q_mean, T, Tp, Dp);
+      pairs_along_rows(Ki, Kc, Tp, Dp);
+      pairs_along_rows(Qi, Qc, Tp, Dp);
       pairs_along_rows(Gi, Gr, Tp, Dp);
       transpose_words(QT, Qi, Tp / 2, Dp);
       transpose_words(GT, Gi, Tp / 2, Dp);
@@ -366,10 +399,13 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
         Di[i] = _mm512_reduce_add_ps(acc);
       }
       std::fill(dQ, dQ + Tp * Dp, 0.0f);
+      std::fill(row_sum, row_sum + Tp, 0.0f);
       for (int64_t j0 = 0; j0 < T; j0 += kTile) {
         const int64_t cols = std::min(kTile, T - j0);
         std::fill(dKT, dKT + Dp * kTile, 0.0f);
         std::fill(dVT, dVT + Dp * kTile, 0.0f);
+        __m512 cs[4];
+        for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
         for (int64_t i0 = j0; i0 < T; i0 += kTile) {
           const int64_t rows = std::min(kTile, T - i0);
           dp_product(P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh, false);
@@ -385,30 +421,37 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
               p[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid), exp16(s));
               ds[v4] = _mm512_mul_ps(_mm512_mul_ps(p[v4], _mm512_set1_ps(scale)),
                                      _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
+              cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
             }
+            row_sum[i0 + r] += _mm512_reduce_add_ps(
+                _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]), _mm512_add_ps(ds[2], ds[3])));
             round_row(Pb + r * kTilePairs, p);
-            round_row_split(dSb + r * kTilePairs, dSb_lo + r * kTilePairs, ds);
+            round_row(dSb + r * kTilePairs, ds);
           }
-          for (uint32_t* rounded : {Pb, dSb, dSb_lo})
+          for (uint32_t* rounded : {Pb, dSb})
             std::fill(rounded + rows * kTilePairs, rounded + kTile * kTilePairs, 0u);
           pairs_along_rows(Pi, Pb, kTile, kTile);
           pairs_along_rows(dSi, dSb, kTile, kTile);
-          pairs_along_rows(dSi_lo, dSb_lo, kTile, kTile);
-          // dV^T += dO^T P, dK^T += Q^T (dS hi + dS lo), dQ += (dS hi + dS lo) K (the scale is
-          // in dS).
-          const uint32_t* K = Ki + j0 / 2 * Dp;
+          // dV^T += dO^T P, dK^T += (Q - m_Q)^T dS, dQ += dS (K - m_K) (the scale is in dS).
           dp_product(dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs, true);
           dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs, true);
-          dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi_lo, kTile, Dp, kTile, kTilePairs, true);
-          dp_product(dQ + i0 * Dp, Dp, dSb, kTilePairs, K, Dp, rows, Dp, kTilePairs, true);
-          dp_product(dQ + i0 * Dp, Dp, dSb_lo, kTilePairs, K, Dp, rows, Dp, kTilePairs, true);
+          dp_product(dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp, rows, Dp,
+                     kTilePairs, true);
+        }
+        // dK^T += m_Q (column sums of dS)^T
+        for (int64_t d = 0; d < Dp; ++d) {
+          const __m512 m = _mm512_set1_ps(q_mean[d]);
+          for (int v4 = 0; v4 < 4; ++v4) {
+            float* o = dKT + d * kTile + 16 * v4;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(m, cs[v4], _mm512_loadu_ps(o)));
+          }
         }
         add_transposed(dk + off + j0 * row, row, dKT, scratch, cols, D, Dp);
         add_transposed(dv + off + j0 * row, row, dVT, scratch, cols, D, Dp);
       }
       for (int64_t i = 0; i < T; ++i) {
         float* gq = dq + off + i * row;
-        for (int64_t d = 0; d < D; ++d) gq[d] += dQ[i * Dp + d];
+        for (int64_t d = 0; d < D; ++d) gq[d] += dQ[i * Dp + d] + row_sum[i] * k_mean[d];
       }
     }
   }

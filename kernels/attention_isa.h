@@ -17,7 +17,7 @@ void attention_forward_avx512(float* out, float* lse, const float* q, const floa
 void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                const float* k, const float* v, const float* out, const float* lse,
                                int64_t B, int64_t T, int64_t H, int64_t D);
-void attention_forward_bf16_avx512(float* out, float* lse, const uint16_t* q, const uint16_t* k,
+void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                                    const uint16_t* v, int64_t B, int64_t T, int64_t H,
                                    int64_t D);
 void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,

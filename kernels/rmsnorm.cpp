@@ -8,24 +8,56 @@
 
 namespace cputrain::kernels {
 
-void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                     int64_t C, float eps) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) {
-    const float* x = inp + i * C;
-    float* y = out + i * C;
-    double ss = 0.0;
-    for (int64_t c = 0; c < C; ++c) ss += static_cast<double>(x[c]) * x[c];
-    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
-    for (int64_t c = 0; c < C; ++c) y[c] = x[c] * r * weight[c];
-    rstd[i] = r;
-  }
-}
-
 namespace {
 
 inline float value(float x) { return x; }
 inline float value(uint16_t x) { return bf16_to_fp32(x); }
+
+// sum of term(c) (a double) over c < C, as 8 partial sums (of c % 8, which the compiler keeps
+// in vector lanes instead of one chain of dependent adds) added in a fixed order.
+template <class Term>
+inline double sum8(int64_t C, Term term) {
+  double acc[8] = {};
+  int64_t c = 0;
+  for (; c + 8 <= C; c += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += term(c + l);
+  for (int l = 0; c + l < C; ++l) acc[l] += term(c + l);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+inline void put(float& out, float y) { out = y; }
+inline void put(uint16_t& out, float y) { out = fp32_to_bf16(y); }
+
+// Out FP32 or bf16 (rounded); inp16, where not null, receives the rounding of inp.
+template <class Out>
+void forward(Out* out, uint16_t* inp16, float* rstd, const float* inp, const float* weight,
+             int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = inp + i * C;
+    Out* y = out + i * C;
+    const double ss = sum8(C, [x](int64_t c) { return static_cast<double>(x[c]) * x[c]; });
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
+    for (int64_t c = 0; c < C; ++c) put(y[c], x[c] * r * weight[c]);
+    if (inp16 != nullptr)
+      for (int64_t c = 0; c < C; ++c) inp16[i * C + c] = fp32_to_bf16(x[c]);
+    rstd[i] = r;
+  }
+}
+
+}  // namespace
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps) {
+  forward(out, nullptr, rstd, inp, weight, N, C, eps);
+}
+
+void rmsnorm_forward_bf16(uint16_t* out, uint16_t* inp16, float* rstd, const float* inp,
+                          const float* weight, int64_t N, int64_t C, float eps) {
+  forward(out, inp16, rstd, inp, weight, N, C, eps);
+}
+
+namespace {
 
 // inp FP32 or bf16.
 template <class In>
@@ -44,8 +76,9 @@ void backward(float* dinp, float* dweight, const float* dout, const In* inp, con
       const float* dy = dout + i * C;
       float* dx = dinp + i * C;
       const float r = rstd[i];
-      double dot = 0.0;  // sum_c dy * w * x
-      for (int64_t c = 0; c < C; ++c) dot += static_cast<double>(dy[c]) * weight[c] * value(x[c]);
+      const double dot = sum8(C, [=](int64_t c) {  // sum_c dy * w * x
+        return static_cast<double>(dy[c]) * weight[c] * value(x[c]);
+      });
       const float k = static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
       for (int64_t c = 0; c < C; ++c) {
         const float xc = value(x[c]);

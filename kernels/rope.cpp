@@ -2,13 +2,19 @@
 
 #include <cmath>
 
+#include "kernels/bf16.h"
+
 namespace cputrain::kernels {
 namespace {
 
+inline void put(float& out, float y, bool accumulate) { out = accumulate ? out + y : y; }
+inline void put(uint16_t& out, float y, bool) { out = fp32_to_bf16(y); }
+
 // Rotates every adjacent pair of `in` by the table's angle for its position, or by minus that
-// angle (the inverse, for backward) when Inverse; stores into or adds onto `out`.
-template <bool Inverse, bool Accumulate>
-void rotate_pairs(float* out, const float* in, const float* table, int64_t B, int64_t T,
+// angle (the inverse, for backward) when Inverse; stores into or (FP32 only) adds onto `out`,
+// rounding to bf16 where Out is bf16.
+template <bool Inverse, bool Accumulate, class Out>
+void rotate_pairs(Out* out, const float* in, const float* table, int64_t B, int64_t T,
                   int64_t H, int64_t D) {
   const int64_t half = D / 2;
   const float sign = Inverse ? -1.0f : 1.0f;
@@ -22,13 +28,8 @@ void rotate_pairs(float* out, const float* in, const float* table, int64_t B, in
           const float c = cs[2 * j], s = sign * cs[2 * j + 1];
           const float x0 = in[base + 2 * j], x1 = in[base + 2 * j + 1];
           const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-          if (Accumulate) {
-            out[base + 2 * j] += y0;
-            out[base + 2 * j + 1] += y1;
-          } else {
-            out[base + 2 * j] = y0;
-            out[base + 2 * j + 1] = y1;
-          }
+          put(out[base + 2 * j], y0, Accumulate);
+          put(out[base + 2 * j + 1], y1, Accumulate);
         }
       }
     }
@@ -51,6 +52,11 @@ void rope_table(float* table, int64_t T, int64_t D, double theta) {
 
 void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T,
                   int64_t H, int64_t D) {
+  rotate_pairs<false, false>(out, inp, table, B, T, H, D);
+}
+
+void rope_forward_bf16(uint16_t* out, const float* inp, const float* table, int64_t B, int64_t T,
+                       int64_t H, int64_t D) {
   rotate_pairs<false, false>(out, inp, table, B, T, H, D);
 }
 

@@ -7,6 +7,10 @@ namespace cputrain::kernels {
 
 // gate, up, out: n elements each.
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
+// out = bf16(silu(gate) * up), the rounding of what swiglu_forward writes; where gate16 and up16
+// are not null, the roundings of gate and up go there in the same pass (fp32_to_bf16 of each).
+void swiglu_forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* gate,
+                         const float* up, int64_t n);
 // dgate += dout * up * silu'(gate), dup += dout * silu(gate).
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
                      const float* up, int64_t n);

@@ -45,6 +45,20 @@ inline vf load_bf16(const uint16_t* p, int n) {
   return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
+// The first n (<= kLanes) lanes of v rounded to bf16 at p, as fp32_to_bf16 rounds (to
+// nearest even; a NaN stays a quiet NaN).
+inline void store_bf16(uint16_t* p, vf v, int n) {
+  typedef uint16_t vh __attribute__((vector_size(32), may_alias));
+  const vu bits = (vu)v;
+  const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vu quiet = (bits >> 16) | 0x0040u;
+  const vh h = __builtin_convertvector((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, vh);
+  if (n == kLanes)
+    std::memcpy(p, &h, sizeof(h));
+  else
+    std::memcpy(p, &h, sizeof(uint16_t) * static_cast<size_t>(n));
+}
+
 inline __attribute__((always_inline)) vf max(vf a, vf b) { return a < b ? b : a; }
 
 inline float hsum(vf v) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 #include <random>
 #include <stdexcept>
@@ -155,9 +156,13 @@ Tensor LlamaModel::last_logits(const Tensor& inputs) {
 
 Tensor LlamaModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
   const int64_t C = config_.d_model;
-  Tensor last = Tensor::empty(Shape{B, C}, DType::F32, MemoryCategory::Workspace);
+  // h is FP32, or in bf16 mode its rounding alone (rmsnorm's output), which is all the head's
+  // GEMM takes of it.
+  Tensor last = Tensor::empty(Shape{B, C}, h.dtype(), MemoryCategory::Workspace);
+  const size_t bytes = h.dtype() == DType::BF16 ? 2 : 4;
   for (int64_t b = 0; b < B; ++b)
-    std::copy_n(h.f32() + (b * T + T - 1) * C, C, last.f32() + b * C);
+    std::memcpy(static_cast<char*>(last.raw()) + b * C * bytes,
+                static_cast<const char*>(h.raw()) + (b * T + T - 1) * C * bytes, C * bytes);
   return linear(Variable(last, false), p(output_)).value();
 }
 

@@ -152,6 +152,11 @@ class StepReplay {
 
  private:
   Var act(int64_t elems) { return Var{L_.alloc(MemoryCategory::Activations, elems * 4), -1, elems}; }
+  // The output of an op that in bf16 mode writes only its bf16 rounding (rmsnorm, rope, swiglu,
+  // attention with bf16 products).
+  Var rounded_act(int64_t elems) {
+    return bf16_ ? Var{-1, L_.alloc(MemoryCategory::Activations, elems * 2), elems} : act(elems);
+  }
   int work(int64_t bytes) { return L_.alloc(MemoryCategory::Workspace, bytes); }
   void drop(Var& v) {
     L_.release(v.value);
@@ -177,7 +182,7 @@ class StepReplay {
 
   // rmsnorm: its output and FP32 reciprocal norms; with grad it saves its input and those.
   Var norm_forward(Var& x, bool grad, int* saved_x, int* saved_rstd) {
-    Var y = act(n_ * C_);
+    Var y = rounded_act(n_ * C_);
     const int rstd = L_.alloc(MemoryCategory::Activations, n_ * 4);
     if (grad) {
       *saved_x = saved(x);
@@ -207,17 +212,17 @@ class StepReplay {
       {
         Var h = norm_forward(x, grad, &t->n1_x, &t->n1_rstd);
         Var pre = linear_forward(h, nc, grad, &t->wq_x);
-        q = act(nc);  // rope
+        q = rounded_act(nc);  // rope
         drop(pre);
         pre = linear_forward(h, nc, grad, &t->wk_x);
-        k = act(nc);
+        k = rounded_act(nc);
         drop(pre);
         v = linear_forward(h, nc, grad, &t->wv_x);
         drop(h);
       }
-      // attention: output and log-sum-exp, then q, k, v as saved (bf16 widened for the kernel
-      // where it has no bf16 products)
-      Var y = act(nc);
+      // attention: output (with bf16 products, only its rounding) and log-sum-exp, then q, k, v
+      // as saved (bf16 widened for the kernel where it has no bf16 products)
+      Var y = bf16_ && kernels::attention_bf16_native() ? rounded_act(nc) : act(nc);
       const int lse = L_.alloc(MemoryCategory::Activations, n_ * heads_ * 4);
       cache(q);
       cache(k);
@@ -248,7 +253,7 @@ class StepReplay {
       Var g = norm_forward(a, grad, &t->n2_x, &t->n2_rstd);
       Var gate = linear_forward(g, nf, grad, &t->w1_x);
       Var up = linear_forward(g, nf, grad, &t->w3_x);
-      f = act(nf);
+      f = rounded_act(nf);  // swiglu, with the roundings of gate and up saved below
       if (grad) {
         t->sw_gate = saved(gate);
         t->sw_up = saved(up);

@@ -37,7 +37,13 @@ struct ModeRun {
   std::vector<std::vector<float>> grads;
 };
 
-std::vector<float> values(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+// A tensor's values as floats (bf16 widened).
+std::vector<float> values(const Tensor& t) {
+  if (t.dtype() == DType::F32) return {t.f32(), t.f32() + t.numel()};
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) out[i] = kernels::bf16_to_fp32(t.bf16()[i]);
+  return out;
+}
 
 // The op's output and the gradients of all inputs for output gradient r, under `dtype`. The
 // inputs enter through an op (a residual add of zeros), as activations do in a model.
@@ -83,6 +89,31 @@ void compare_modes(const OpFn& op, const std::vector<Tensor>& inputs, const Shap
     expect_close(bf16.grads[i], f32.grads[i], grad_rel, "grad");
 }
 
+// An op whose bf16-mode output is only ever a GEMM's or attention's input: there it is the bf16
+// rounding of the FP32 output and nothing else (an op on FP32 values refuses it); the gradients
+// are those of FP32.
+void expect_rounded_output_and_fp32_gradients(const OpFn& op, const std::vector<Tensor>& inputs,
+                                              const Shape& out_shape) {
+  std::mt19937 rng(98);
+  const Tensor r = random_tensor(out_shape, rng, true);
+  const ModeRun f32 = run(op, inputs, r, DType::F32);
+  const ModeRun bf16 = run(op, inputs, r, DType::BF16);
+  ASSERT_EQ(bf16.out.size(), f32.out.size());
+  for (size_t i = 0; i < f32.out.size(); ++i)
+    ASSERT_EQ(bf16.out[i], kernels::bf16_to_fp32(kernels::fp32_to_bf16(f32.out[i]))) << i;
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_EQ(bf16.grads[i], f32.grads[i]);
+  ComputeDTypeGuard precision(DType::BF16);
+  std::vector<Variable> vars;
+  for (const Tensor& t : inputs) vars.emplace_back(t, false);
+  const Variable y = op(vars);
+  EXPECT_EQ(y.value().dtype(), DType::BF16);
+  EXPECT_THROW(add(y, y), std::invalid_argument);
+  // Its rounding feeds a GEMM as is.
+  const int64_t K = out_shape[out_shape.ndim() - 1];
+  const Variable w(random_tensor(Shape{7, K}, rng, true), false);
+  EXPECT_EQ(linear(y, w).value().numel(), y.value().numel() / K * 7);
+}
+
 TEST(OpsBf16, LinearOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(1);
   compare_modes([](const auto& v) { return linear(v[0], v[1]); },
@@ -92,9 +123,10 @@ TEST(OpsBf16, LinearOnBf16ValuesMatchesFp32) {
 
 TEST(OpsBf16, RmsNormOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(2);
-  compare_modes([](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f); },
-                {random_tensor(Shape{5, 7, 24}, rng, true), random_tensor(Shape{24}, rng, true)},
-                Shape{5, 7, 24}, 0.0, 0.0);
+  expect_rounded_output_and_fp32_gradients(
+      [](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f); },
+      {random_tensor(Shape{5, 7, 24}, rng, true), random_tensor(Shape{24}, rng, true)},
+      Shape{5, 7, 24});
 }
 
 // The output is exact (within bf16 rounding where the probabilities are rounded); the backward
@@ -113,8 +145,18 @@ TEST(OpsBf16, AttentionOnBf16ValuesMatchesFp32) {
 TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(4);
   const Shape s{3, 5, 11};
-  compare_modes([](const auto& v) { return swiglu(v[0], v[1]); },
-                {random_tensor(s, rng, true), random_tensor(s, rng, true)}, s, 0.0, 0.0);
+  expect_rounded_output_and_fp32_gradients(
+      [](const auto& v) { return swiglu(v[0], v[1]); },
+      {random_tensor(s, rng, true), random_tensor(s, rng, true)}, s);
+}
+
+TEST(OpsBf16, RopeOnBf16ValuesMatchesFp32) {
+  std::mt19937 rng(5);
+  const Shape s{2, 7, 12};
+  Tensor table = Tensor::empty(Shape{7, 4}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(table.f32(), 7, 4, 10000.0);
+  expect_rounded_output_and_fp32_gradients(
+      [table](const auto& v) { return rope(v[0], table, 3); }, {random_tensor(s, rng, true)}, s);
 }
 
 // In bf16 mode the fused LM head and loss round what linear then cross_entropy round (the

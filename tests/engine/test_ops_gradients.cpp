@@ -69,6 +69,21 @@ void check_gradients(const OpFn& op, const std::vector<Tensor>& inputs, double t
   }
 }
 
+// A gradient's first contribution may overwrite it (beta 0, uninitialised memory); later ones
+// add (beta 1); get_or_zeros after that returns the same tensor.
+TEST(GradCell, FirstContributionOverwritesThenAccumulates) {
+  GradCell cell(Shape{3});
+  float beta = -1.0f;
+  const Tensor first = cell.get_for_accumulate(&beta);
+  EXPECT_EQ(beta, 0.0f);
+  for (int i = 0; i < 3; ++i) first.f32()[i] = static_cast<float>(i);
+  const Tensor second = cell.get_for_accumulate(&beta);
+  EXPECT_EQ(beta, 1.0f);
+  EXPECT_EQ(second.f32(), first.f32());
+  EXPECT_EQ(cell.get_or_zeros().f32(), first.f32());
+  EXPECT_EQ(cell.get_or_zeros().f32()[2], 2.0f);
+}
+
 TEST(OpsGradient, Linear) {
   std::mt19937 rng(1);
   // x (2, 3, 7) and w (5, 7): odd sizes on every axis.

@@ -18,6 +18,7 @@
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
+#include "kernels/swiglu_isa.h"
 #include "kernels/vector_add.h"
 
 namespace cputrain::kernels {
@@ -86,6 +87,15 @@ TEST(RmsNorm, ForwardAndBackwardMatchReference) {
   std::vector<float> y(N * C), rstd(N);
   rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, eps);
   EXPECT_LT(max_error(y, y_ref), 1e-6);
+  // The bf16-output forward: the roundings of y and of x, the same rstd.
+  std::vector<uint16_t> y16(N * C), x16_fwd(N * C);
+  std::vector<float> rstd16(N);
+  rmsnorm_forward_bf16(y16.data(), x16_fwd.data(), rstd16.data(), x.data(), w.data(), N, C, eps);
+  EXPECT_EQ(rstd16, rstd);
+  for (int64_t i = 0; i < N * C; ++i) {
+    ASSERT_EQ(y16[i], fp32_to_bf16(y[i])) << i;
+    ASSERT_EQ(x16_fwd[i], fp32_to_bf16(x[i])) << i;
+  }
 
   const auto fx = [&](const std::vector<double>& xv) {
     return rmsnorm_ref(xv, to_double(w), dout, N, C, eps);
@@ -159,6 +169,9 @@ TEST(Rope, TableForwardAndBackward) {
   std::vector<float> inplace = x;
   rope_forward(inplace.data(), inplace.data(), table.data(), B, T, H, D);
   EXPECT_EQ(inplace, y);
+  std::vector<uint16_t> y16(n);
+  rope_forward_bf16(y16.data(), x.data(), table.data(), B, T, H, D);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y16[i], fp32_to_bf16(y[i])) << i;
 
   const std::vector<float> dx0 = random_floats(n, 11);
   const std::vector<double> want =
@@ -231,6 +244,76 @@ TEST(SwiGlu, LargeAndExtremeGates) {
   swiglu_backward(dg16.data(), du16.data(), dout.data(), gate16.data(), up16.data(), n);
   EXPECT_EQ(dg16, dg32);
   EXPECT_EQ(du16, du32);
+}
+
+// The bf16-output forward writes fp32_to_bf16 of what the FP32 forward writes, and of gate and
+// up: over threads, a partial last run, ties, NaN, infinities and denormals.
+TEST(SwiGlu, Bf16ForwardRoundsWhatFp32ForwardWrites) {
+  const int64_t n = 40013;
+  std::vector<float> gate = random_floats(n, 20, -12.0f, 12.0f);
+  std::vector<float> up = random_floats(n, 21, -2.0f, 2.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float denormal = std::numeric_limits<float>::denorm_min() * 3.0f;
+  // 1 + 2^-8 is a tie between two bf16 values (rounds to even: 1); 1 + 3 * 2^-8 rounds up.
+  const float specials[] = {nan, inf, -inf, denormal, -denormal, 1.00390625f, 1.01171875f,
+                            -0.0f, 3.0e38f, -100.0f};
+  for (size_t i = 0; i < std::size(specials); ++i) {
+    gate[n - 1 - i] = specials[i];
+    up[n - 1 - 2 * i] = specials[i];
+  }
+  std::vector<float> out(n);
+  swiglu_forward(out.data(), gate.data(), up.data(), n);
+  std::vector<uint16_t> out16(n, 0xdead), gate16(n, 0xdead), up16(n, 0xdead);
+  swiglu_forward_bf16(out16.data(), gate16.data(), up16.data(), gate.data(), up.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(out16[i], fp32_to_bf16(out[i])) << "out " << i << ": " << gate[i] << ", " << up[i];
+    ASSERT_EQ(gate16[i], fp32_to_bf16(gate[i])) << "gate " << i << " " << gate[i];
+    ASSERT_EQ(up16[i], fp32_to_bf16(up[i])) << "up " << i << " " << up[i];
+  }
+  // Without the input roundings, the output alone.
+  std::vector<uint16_t> alone(n, 0xdead);
+  swiglu_forward_bf16(alone.data(), nullptr, nullptr, gate.data(), up.data(), n);
+  EXPECT_EQ(alone, out16);
+}
+
+// The AVX2 and AVX-512 builds of the SwiGLU loops give the same bits, for every entry.
+TEST(SwiGlu, IsaBuildsAgreeBitwise) {
+  if (!cpu_features().avx512) GTEST_SKIP() << "no AVX-512 here: only the AVX2 build runs";
+  const int64_t n = 40013;
+  std::vector<float> gate = random_floats(n, 22, -12.0f, 12.0f);
+  const std::vector<float> up = random_floats(n, 23, -2.0f, 2.0f);
+  const std::vector<float> dout = random_floats(n, 24);
+  gate[n - 1] = 100.0f;
+  gate[n - 2] = -100.0f;
+  std::vector<uint16_t> gate16(n), up16(n);
+  for (int64_t i = 0; i < n; ++i) {
+    gate16[i] = fp32_to_bf16(gate[i]);
+    up16[i] = fp32_to_bf16(up[i]);
+  }
+  struct Result {
+    std::vector<float> out, dg, du, dg16, du16;
+    std::vector<uint16_t> out16, g16, u16;
+  };
+  auto run = [&](const SwigluKernels& k) {
+    Result r{std::vector<float>(n), std::vector<float>(n, 0.5f), std::vector<float>(n, -0.5f),
+             std::vector<float>(n, 0.5f), std::vector<float>(n, -0.5f), std::vector<uint16_t>(n),
+             std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
+    k.forward(r.out.data(), gate.data(), up.data(), n);
+    k.forward_bf16(r.out16.data(), r.g16.data(), r.u16.data(), gate.data(), up.data(), n);
+    k.backward(r.dg.data(), r.du.data(), dout.data(), gate.data(), up.data(), n);
+    k.backward_bf16(r.dg16.data(), r.du16.data(), dout.data(), gate16.data(), up16.data(), n);
+    return r;
+  };
+  const Result a = run(swiglu_kernels_avx2()), b = run(swiglu_kernels_avx512());
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.out16, b.out16);
+  EXPECT_EQ(a.g16, b.g16);
+  EXPECT_EQ(a.u16, b.u16);
+  EXPECT_EQ(a.dg, b.dg);
+  EXPECT_EQ(a.du, b.du);
+  EXPECT_EQ(a.dg16, b.dg16);
+  EXPECT_EQ(a.du16, b.du16);
 }
 
 TEST(VecExp, WithinTwoUlpOverItsRange) {

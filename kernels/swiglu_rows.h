@@ -1,0 +1,83 @@
+// The SwiGLU loops, compiled once per ISA (swiglu_avx2.cpp, swiglu_avx512.cpp: one zmm or two
+// ymm per vector of vec16.h) and reached through the dispatch in swiglu.cpp. Everything here has
+// internal linkage, so each ISA's file keeps its own copy.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/swiglu_isa.h"
+#include "kernels/vec16.h"
+
+namespace cputrain::kernels::detail {
+namespace {
+
+using vec::kLanes;
+using vec::vf;
+
+inline vf sigmoid(vf g) {
+  return 1.0f / (1.0f + vec::exp(-g));
+}
+
+// The m (<= kLanes) values at p, zeros after them; and their store.
+inline vf get(const float* p, int m) {
+  return m == kLanes ? vec::load(p) : vec::load_partial(p, m, 0.0f);
+}
+inline void put(float* p, vf v, int m) {
+  if (m == kLanes)
+    vec::store(p, v);
+  else
+    vec::store_partial(p, v, m);
+}
+
+inline vf get(const uint16_t* p, int m) {
+  return vec::load_bf16(p, m);
+}
+
+// gate and up FP32 or bf16.
+template <class In>
+void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, const In* up,
+                   int64_t n) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf g = get(gate + i, m), dy = get(dout + i, m), sig = sigmoid(g);
+    // d silu / dg = sig * (1 + g * (1 - sig))
+    put(dgate + i, get(dgate + i, m) + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
+    put(dup + i, get(dup + i, m) + dy * (g * sig), m);
+  }
+}
+
+// Runs of kLanes elements (the last one partial), split over threads.
+void forward(float* out, const float* gate, const float* up, int64_t n) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf g = get(gate + i, m);
+    put(out + i, g * sigmoid(g) * get(up + i, m), m);
+  }
+}
+
+void forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* gate,
+                  const float* up, int64_t n) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf g = get(gate + i, m), u = get(up + i, m);
+    vec::store_bf16(out + i, g * sigmoid(g) * u, m);
+    if (gate16 != nullptr) vec::store_bf16(gate16 + i, g, m);
+    if (up16 != nullptr) vec::store_bf16(up16 + i, u, m);
+  }
+}
+
+constexpr SwigluKernels kSwigluKernels = {forward, forward_bf16, backward_runs<float>,
+                                          backward_runs<uint16_t>};
+
+}  // namespace
+}  // namespace cputrain::kernels::detail
