@@ -302,8 +302,10 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
               mx = _mm512_mask_max_ps(mx, valid_lanes(16 * v4, valid), mx, x[v4]);
             }
             const float mnew = _mm512_reduce_max_ps(mx);
-            // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0.
-            const float alpha = exp16(_mm512_set1_ps(m[r] - mnew))[0];
+            // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0. Where the
+            // maximum stays (most rows after the first few key tiles) alpha is exactly 1.
+            const bool rescale = mnew != m[r];
+            const float alpha = rescale ? exp16(_mm512_set1_ps(m[r] - mnew))[0] : 1.0f;
             m[r] = mnew;
             __m512 sum = _mm512_setzero_ps();
             for (int v4 = 0; v4 < 4; ++v4) {
@@ -314,8 +316,10 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
             l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
             round_row(Pb + r * kTilePairs, x);
             float* o = O + r * Dp;
-            for (int64_t d = 0; d < Dp; d += 16)
-              _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
+            if (rescale)
+              for (int64_t d = 0; d < Dp; d += 16)
+                _mm512_storeu_ps(o + d,
+                                 _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
           }
           dp_product(O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs, true);
         }
