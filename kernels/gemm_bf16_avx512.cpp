@@ -19,6 +19,15 @@ using detail::kTileRows;
 using detail::interleave_pairs;
 using detail::bf16_pair;
 
+// Where rows are packed across micro-panels (gemm_driver.h), the driver walks each stored row
+// from start to end a few elements per call: fetch the part of both rows the calls a few
+// micro-panels on will read.
+inline void prefetch_ahead(const uint16_t* row0, const uint16_t* row1) {
+  constexpr int64_t kAhead = 256;  // elements: 512 bytes
+  _mm_prefetch(reinterpret_cast<const char*>(row0 + kAhead), _MM_HINT_T0);
+  if (row1 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(row1 + kAhead), _MM_HINT_T0);
+}
+
 struct Bf16Avx512 {
   using In = uint16_t;
   using Packed = uint32_t;
@@ -32,6 +41,7 @@ struct Bf16Avx512 {
     if (trans) {  // A stored (K, M): interleave rows k and k + 1
       for (int64_t p = 0; p < kp; ++p) {
         const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
+        prefetch_ahead(row, 2 * p + 1 < kc ? row + lda : nullptr);
         interleave_pairs(dst + p * MR, row, 2 * p + 1 < kc ? row + lda : nullptr,
                          static_cast<int>(m), MR);
       }
@@ -53,6 +63,7 @@ struct Bf16Avx512 {
     if (!trans) {  // B stored (K, N): interleave rows k and k + 1
       for (int64_t p = 0; p < kp; ++p) {
         const uint16_t* row = B + (k0 + 2 * p) * ldb + j0;
+        prefetch_ahead(row, 2 * p + 1 < kc ? row + ldb : nullptr);
         interleave_pairs(dst + p * NR, row, 2 * p + 1 < kc ? row + ldb : nullptr,
                          static_cast<int>(n), NR);
       }
