@@ -8,6 +8,8 @@
 // AVX-512 is off does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -59,7 +61,38 @@ inline void store_bf16(uint16_t* p, vf v, int n) {
     std::memcpy(p, &h, sizeof(uint16_t) * static_cast<size_t>(n));
 }
 
-inline __attribute__((always_inline)) vf max(vf a, vf b) { return a < b ? b : a; }
+// max_of(a, b) = a > b ? a : b and min_of(a, b) = a < b ? a : b per lane, b where either is NaN
+// (the x86 max and min instructions). Selections go through them because GCC lowers a ?: on
+// these vectors lane by lane, through the stack, where a vector spans two registers (AVX2): vec
+// exp took 8.7 ms per 4M floats that way against 1.1 ms so.
+#if defined(__AVX512F__)
+inline __attribute__((always_inline)) vf max_of(vf a, vf b) {
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+}
+inline __attribute__((always_inline)) vf min_of(vf a, vf b) {
+  return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+}
+#else
+union Halves {
+  vf v;
+  __m256 h[2];
+};
+inline __attribute__((always_inline)) vf max_of(vf a, vf b) {
+  Halves x{a}, y{b}, r;
+  r.h[0] = _mm256_max_ps(x.h[0], y.h[0]);
+  r.h[1] = _mm256_max_ps(x.h[1], y.h[1]);
+  return r.v;
+}
+inline __attribute__((always_inline)) vf min_of(vf a, vf b) {
+  Halves x{a}, y{b}, r;
+  r.h[0] = _mm256_min_ps(x.h[0], y.h[0]);
+  r.h[1] = _mm256_min_ps(x.h[1], y.h[1]);
+  return r.v;
+}
+#endif
+
+// a < b ? b : a per lane (a where either is NaN).
+inline __attribute__((always_inline)) vf max(vf a, vf b) { return max_of(b, a); }
 
 inline float hsum(vf v) {
   float s = 0.0f;
@@ -79,8 +112,8 @@ inline float hmax(vf v) {
 // exp(88.3); NaN gives NaN.
 inline __attribute__((always_inline)) vf exp(vf x) {
   const vf lo = splat(-87.3f), hi = splat(88.3f);
-  x = x < lo ? lo : x;  // NaN compares false and stays NaN
-  x = x > hi ? hi : x;
+  x = max_of(lo, x);  // x < lo ? lo : x: NaN compares false and stays NaN
+  x = min_of(hi, x);  // x > hi ? hi : x
   // Adding 1.5 * 2^23 rounds x / ln2 to the integer n, which lands in the low mantissa bits of
   // t (read back below without a float-to-int conversion).
   const vf t = x * 1.44269504088896341f + 12582912.0f;
