@@ -57,10 +57,14 @@ class Variable {
   // each call, into workspace, since its value may have been written since.
   Tensor bf16_value() const;
   void set_bf16_copy(const Tensor& copy);
-  // An op output's bf16 rounding, made by a pass that read its value anyway: what bf16_value
-  // will return, as a cache (an op output's value never changes). Throws for a leaf.
+  // An op output's bf16 rounding, made (or about to be made) by a pass that reads its value
+  // anyway: what bf16_value will return, as a cache (an op output's value never changes).
+  // Throws for a leaf.
   void cache_bf16_value(const Tensor& rounding) const;
-  bool has_bf16_value() const { return impl_->bf16.defined(); }
+  // Whether bf16_value needs no conversion: a rounding is attached or the value is bf16.
+  bool has_bf16_value() const {
+    return impl_->bf16.defined() || impl_->value.dtype() == DType::BF16;
+  }
   bool is_op_output() const { return impl_->op_output; }
 
  private:

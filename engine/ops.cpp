@@ -18,8 +18,8 @@ namespace {
 
 using kernels::Transpose;
 
-Tensor new_activation(const Shape& shape) {
-  return Tensor::empty(shape, DType::F32, MemoryCategory::Activations);
+Tensor new_activation(const Shape& shape, DType dtype = DType::F32) {
+  return Tensor::empty(shape, dtype, MemoryCategory::Activations);
 }
 
 // Shape of x with its last dimension replaced by n.
@@ -48,6 +48,18 @@ const Tensor& fp32_value(const Variable& x) {
 // What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
 // rounding (shared with every other op that saves the same input).
 Tensor saved(const Variable& x) { return bf16_mode() ? x.bf16_value() : x.value(); }
+
+// In bf16 mode, where an op that reads x's FP32 value also saves x for its backward: the tensor
+// its pass writes x's rounding into, which x keeps as its bf16 value (what saved(x) returns);
+// undefined where there is nothing to write (no backward, a leaf, or x already rounded).
+Tensor rounding_in_pass(const Variable& x, bool grad) {
+  if (!grad || !x.is_op_output() || x.has_bf16_value()) return Tensor();
+  Tensor rounding = new_activation(x.shape(), DType::BF16);
+  x.cache_bf16_value(rounding);
+  return rounding;
+}
+
+uint16_t* bf16_or_null(const Tensor& t) { return t.defined() ? t.bf16() : nullptr; }
 
 // A saved tensor as FP32, for kernels that compute in FP32: itself, or a workspace copy.
 Tensor as_f32(const Tensor& t) {
@@ -161,21 +173,17 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   Tensor rstd = new_activation(Shape{N});
   if (bf16_mode()) {
     // The output is only ever a GEMM input: only its bf16 rounding is written, in the pass that
-    // also rounds x for the backward (where nothing has rounded it yet).
-    y = Tensor::empty(xs, DType::BF16, MemoryCategory::Activations);
-    const bool round_input = grad && x.is_op_output() && !x.has_bf16_value();
-    Tensor x16;
-    if (round_input) x16 = Tensor::empty(xs, DType::BF16, MemoryCategory::Activations);
-    kernels::rmsnorm_forward_bf16(y.bf16(), round_input ? x16.bf16() : nullptr, rstd.f32(),
-                                  fp32_value(x).f32(), w.value().f32(), N, C, eps);
-    if (round_input) x.cache_bf16_value(x16);
+    // also rounds x for the backward.
+    y = new_activation(xs, DType::BF16);
+    const Tensor x16 = rounding_in_pass(x, grad);
+    kernels::rmsnorm_forward_bf16(y.bf16(), bf16_or_null(x16), rstd.f32(), fp32_value(x).f32(),
+                                  w.value().f32(), N, C, eps);
   } else {
     y = new_activation(xs);
     kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
                              eps);
   }
   Variable out = Variable::op_output(y, grad);
-  if (y.dtype() == DType::BF16) out.cache_bf16_value(y);
   if (grad) {
     record_backward([xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(), gw = w.grad_ref(),
                      gy = out.grad_ref(), N, C] {
@@ -204,18 +212,13 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
   const int64_t B = xs[0], T = xs[1], H = n_heads, D = xs[2] / n_heads;
   require(table.numel() >= T * D, "rope: table shorter than T");
   const bool grad = needs_grad({&x});
-  Variable out;
-  if (bf16_mode()) {
-    // Attention takes only the bf16 rounding of q and k: only that is written.
-    Tensor y = Tensor::empty(xs, DType::BF16, MemoryCategory::Activations);
+  // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
+  Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
+  if (y.dtype() == DType::BF16)
     kernels::rope_forward_bf16(y.bf16(), fp32_value(x).f32(), table.f32(), B, T, H, D);
-    out = Variable::op_output(y, grad);
-    out.cache_bf16_value(y);
-  } else {
-    Tensor y = new_activation(xs);
+  else
     kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D);
-    out = Variable::op_output(y, grad);
-  }
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       if (!gy->tensor().defined()) return;
@@ -238,8 +241,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   // all the output projection and the backward take of it.
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
   const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
-  Tensor y = native ? Tensor::empty(s, DType::BF16, MemoryCategory::Activations)
-                    : new_activation(s);
+  Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
   if (native) {
     kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
                                     D);
@@ -249,7 +251,6 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
-  if (native) out.cache_bf16_value(y);
   if (grad) {
     record_backward([qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(), gk = k.grad_ref(),
                      gv = v.grad_ref(), gy = out.grad_ref(), native, B, T, H, D] {
@@ -277,33 +278,19 @@ Variable swiglu(const Variable& gate, const Variable& up) {
   require(gate.shape() == up.shape(), "swiglu: gate and up of equal shape");
   const int64_t n = gate.value().numel();
   const bool grad = needs_grad({&gate, &up});
-  Variable out;
+  Tensor y;
   if (bf16_mode()) {
     // The output is only ever a GEMM input (the down projection's), which takes its bf16
-    // rounding: only that is written, in the pass that also rounds gate and up for the backward
-    // (where nothing has rounded them yet).
-    Tensor y = Tensor::empty(gate.shape(), DType::BF16, MemoryCategory::Activations);
-    const bool round_inputs = grad && gate.is_op_output() && up.is_op_output() &&
-                              !gate.has_bf16_value() && !up.has_bf16_value();
-    Tensor gate16, up16;
-    if (round_inputs) {
-      gate16 = Tensor::empty(gate.shape(), DType::BF16, MemoryCategory::Activations);
-      up16 = Tensor::empty(up.shape(), DType::BF16, MemoryCategory::Activations);
-    }
-    kernels::swiglu_forward_bf16(y.bf16(), round_inputs ? gate16.bf16() : nullptr,
-                                 round_inputs ? up16.bf16() : nullptr, fp32_value(gate).f32(),
-                                 fp32_value(up).f32(), n);
-    if (round_inputs) {
-      gate.cache_bf16_value(gate16);
-      up.cache_bf16_value(up16);
-    }
-    out = Variable::op_output(y, grad);
-    out.cache_bf16_value(y);
+    // rounding: only that is written, in the pass that also rounds gate and up for the backward.
+    y = new_activation(gate.shape(), DType::BF16);
+    const Tensor gate16 = rounding_in_pass(gate, grad), up16 = rounding_in_pass(up, grad);
+    kernels::swiglu_forward_bf16(y.bf16(), bf16_or_null(gate16), bf16_or_null(up16),
+                                 fp32_value(gate).f32(), fp32_value(up).f32(), n);
   } else {
-    Tensor y = new_activation(gate.shape());
+    y = new_activation(gate.shape());
     kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), fp32_value(up).f32(), n);
-    out = Variable::op_output(y, grad);
   }
+  Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward([gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
                      gu = up.grad_ref(), gy = out.grad_ref(), n] {
