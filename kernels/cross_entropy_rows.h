@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cross_entropy_isa.h"
 #include "kernels/vec16.h"
 
 namespace cputrain::kernels::detail {
@@ -75,6 +76,8 @@ inline void ce_gradient(float* out, const float* logits, const float* lse, const
     out[i * V + targets[i]] -= scale;
   }
 }
+
+constexpr CrossEntropyKernels kCrossEntropyKernels = {ce_forward, ce_backward, ce_gradient};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail

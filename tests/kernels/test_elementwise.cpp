@@ -347,13 +347,14 @@ struct CrossEntropyImpl {
 
 // The builds this CPU runs, and the dispatching entry points.
 std::vector<CrossEntropyImpl> cross_entropy_impls() {
+  const CrossEntropyKernels& avx2 = cross_entropy_kernels_avx2();
   std::vector<CrossEntropyImpl> impls{
       {"dispatch", cross_entropy_forward, cross_entropy_backward, cross_entropy_gradient},
-      {"avx2", cross_entropy_forward_avx2, cross_entropy_backward_avx2,
-       cross_entropy_gradient_avx2}};
-  if (cpu_features().avx512)
-    impls.push_back({"avx512", cross_entropy_forward_avx512, cross_entropy_backward_avx512,
-                     cross_entropy_gradient_avx512});
+      {"avx2", avx2.forward, avx2.backward, avx2.gradient}};
+  if (cpu_features().avx512) {
+    const CrossEntropyKernels& avx512 = cross_entropy_kernels_avx512();
+    impls.push_back({"avx512", avx512.forward, avx512.backward, avx512.gradient});
+  }
   return impls;
 }
 
