@@ -11,13 +11,12 @@
 // pct_peak.
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_timing.h"
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
@@ -67,17 +66,9 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
   forward();
   if (!bf16) kernels::fp32_to_bf16_array(out16.data(), out.data(), s.n());
   call();  // warm-up: thread buffers
-  std::vector<double> times;
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    call();
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    state.SetIterationTime(t);
-    times.push_back(t);
-  }
-  std::sort(times.begin(), times.end());
+  const double seconds = timed_median(state, call);
   const double fwd_flops = 2.0 * s.B * s.H * static_cast<double>(s.T) * s.T * s.D;
-  const double gflops = (backward ? 2.5 : 1.0) * fwd_flops / times[times.size() / 2] / 1e9;
+  const double gflops = (backward ? 2.5 : 1.0) * fwd_flops / seconds / 1e9;
   const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
   state.counters["GFLOPS"] = gflops;
   state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
@@ -101,12 +92,9 @@ int main(int argc, char** argv) {
       for (bool backward : {false, true}) {
         const std::string bench = std::string("attention/") + (bf16 ? "bf16" : "fp32") + "/" +
                                   name + "/" + (backward ? "backward" : "forward");
-        benchmark::RegisterBenchmark(bench.c_str(), [s, bf16, backward](benchmark::State& st) {
+        register_timed(bench, [s, bf16, backward](benchmark::State& st) {
           run_one(st, s, bf16, backward);
-        })
-            ->UseManualTime()
-            ->MinTime(0.3)
-            ->Unit(benchmark::kMillisecond);
+        });
       }
     }
   }

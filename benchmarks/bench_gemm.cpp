@@ -12,13 +12,13 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_timing.h"
 #include "kernels/peak.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
@@ -30,10 +30,6 @@ namespace cputrain::bench {
 namespace {
 
 using kernels::Transpose;
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 struct Shape {
   std::string preset, product;
@@ -122,17 +118,9 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
     }
   };
   call();  // warm-up: packing buffers, oneDNN primitive creation
-  std::vector<double> times;
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    call();
-    const double t = seconds_since(start);
-    state.SetIterationTime(t);
-    times.push_back(t);
-  }
-  std::sort(times.begin(), times.end());
+  const double seconds = timed_median(state, call);
   const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
-  const double gflops = flops / times[times.size() / 2] / 1e9;
+  const double gflops = flops / seconds / 1e9;
   const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
   state.counters["GFLOPS"] = gflops;
   state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
@@ -182,12 +170,9 @@ int main(int argc, char** argv) {
         if (std::string(impl) == "ours" && !(bf16 ? cpu.avx512_bf16 : cpu.avx512)) continue;
         const std::string name = std::string("gemm/") + impl + "/" + (bf16 ? "bf16" : "f32") +
                                  "/" + s.preset + "/" + s.product;
-        benchmark::RegisterBenchmark(name.c_str(), [s, impl, bf16](benchmark::State& state) {
+        register_timed(name, [s, impl, bf16](benchmark::State& state) {
           run_one(state, s, impl, bf16);
-        })
-            ->UseManualTime()
-            ->MinTime(0.3)
-            ->Unit(benchmark::kMillisecond);
+        });
       }
     }
   }

@@ -1,0 +1,106 @@
+// Elementwise kernel benchmark: SwiGLU (forward, forward with bf16 output, backward) and the
+// cross-entropy forward at the shapes of one mega micro-batch (4096 tokens x ffn 1536; one LM
+// head chunk of 512 rows x vocabulary 16384), for each ISA build this CPU runs (avx2 always,
+// avx512 where present), so the builds can be compared on one machine.
+//
+//   build/bench_elementwise
+//   build/bench_elementwise --benchmark_filter=avx2
+//
+// Benchmarks are named elementwise/<isa>/<kernel>, counter GBps (bytes read and written per
+// second).
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_timing.h"
+#include "kernels/cpu_features.h"
+#include "kernels/cross_entropy_isa.h"
+#include "kernels/swiglu_isa.h"
+
+namespace cputrain::bench {
+namespace {
+
+using kernels::CrossEntropyKernels;
+using kernels::SwigluKernels;
+
+constexpr int64_t kSwigluN = 4096 * 1536;
+constexpr int64_t kRows = 512, kVocab = 16384;
+
+// Varied values in a range where exp neither under- nor overflows.
+std::vector<float> values(int64_t n, float scale) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = scale * static_cast<float>((i * 7919) % 2001 - 1000) / 1000;
+  return v;
+}
+
+void swiglu(benchmark::State& state, const SwigluKernels& k, const std::string& which) {
+  const int64_t n = kSwigluN;
+  const std::vector<float> gate = values(n, 6.0f), up = values(n, 2.0f), dout = values(n, 1.0f);
+  std::vector<float> out(n), dgate(n), dup(n);
+  std::vector<uint16_t> out16(n), gate16(n), up16(n);
+  double bytes = 0.0;
+  std::function<void()> call;
+  if (which == "forward") {
+    call = [&] { k.forward(out.data(), gate.data(), up.data(), n); };
+    bytes = 12.0 * n;
+  } else if (which == "forward_bf16") {
+    call = [&] {
+      k.forward_bf16(out16.data(), gate16.data(), up16.data(), gate.data(), up.data(), n);
+    };
+    bytes = 14.0 * n;
+  } else {
+    call = [&] { k.backward(dgate.data(), dup.data(), dout.data(), gate.data(), up.data(), n); };
+    bytes = 28.0 * n;
+  }
+  call();
+  state.counters["GBps"] = bytes / timed_median(state, call) / 1e9;
+}
+
+void cross_entropy(benchmark::State& state, const CrossEntropyKernels& k) {
+  const std::vector<float> logits = values(kRows * kVocab, 8.0f);
+  std::vector<int32_t> targets(kRows);
+  for (int64_t i = 0; i < kRows; ++i) targets[i] = static_cast<int32_t>((i * 131) % kVocab);
+  std::vector<float> losses(kRows), lse(kRows);
+  auto call = [&] {
+    k.forward(losses.data(), lse.data(), logits.data(), targets.data(), kRows, kVocab);
+  };
+  call();
+  state.counters["GBps"] = 4.0 * kRows * kVocab / timed_median(state, call) / 1e9;
+}
+
+}  // namespace
+}  // namespace cputrain::bench
+
+int main(int argc, char** argv) {
+  using namespace cputrain::bench;
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  struct Build {
+    const char* isa;
+    const cputrain::kernels::SwigluKernels* swiglu;
+    const cputrain::kernels::CrossEntropyKernels* cross_entropy;
+  };
+  std::vector<Build> builds{{"avx2", &cputrain::kernels::swiglu_kernels_avx2(),
+                             &cputrain::kernels::cross_entropy_kernels_avx2()}};
+  if (cputrain::kernels::cpu_features().avx512)
+    builds.push_back({"avx512", &cputrain::kernels::swiglu_kernels_avx512(),
+                      &cputrain::kernels::cross_entropy_kernels_avx512()});
+  for (const Build& b : builds) {
+    const std::string prefix = std::string("elementwise/") + b.isa + "/";
+    for (const char* which : {"forward", "forward_bf16", "backward"}) {
+      const auto* k = b.swiglu;
+      register_timed(prefix + "swiglu_" + which,
+                     [k, which](benchmark::State& st) { swiglu(st, *k, which); });
+    }
+    const auto* ce = b.cross_entropy;
+    register_timed(prefix + "cross_entropy_forward",
+                   [ce](benchmark::State& st) { cross_entropy(st, *ce); });
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,39 @@
+// What the benchmark programs share: each call timed by hand (Google Benchmark's manual time,
+// so that set-up stays out of the figure), the median over the iterations, and one registration
+// of every benchmark as manual time, at least 0.3 s, in milliseconds.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace cputrain::bench {
+
+// Runs call once per iteration of state, reporting its time; returns the median in seconds.
+template <class Call>
+double timed_median(benchmark::State& state, Call&& call) {
+  std::vector<double> times;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(t);
+    times.push_back(t);
+  }
+  std::sort(times.begin(), times.end());
+  return times.empty() ? 0.0 : times[times.size() / 2];
+}
+
+inline void register_timed(const std::string& name, std::function<void(benchmark::State&)> fn) {
+  benchmark::RegisterBenchmark(name.c_str(), std::move(fn))
+      ->UseManualTime()
+      ->MinTime(0.3)
+      ->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace cputrain::bench
