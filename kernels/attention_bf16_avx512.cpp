@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -250,10 +252,23 @@ struct Head {
 };
 
 // Consecutive pieces of a buffer.
+// Consecutive pieces of the calling thread's buffer Which, of `size` words: the sizes are
+// counted by hand, so taking more than that stops the program instead of overrunning.
+template <int Which>
 struct Carve {
-  uint32_t* next;
-  uint32_t* words(int64_t n) { return std::exchange(next, next + n); }
+  explicit Carve(int64_t size)
+      : next(thread_buffer<Which>(static_cast<size_t>(size))), left(size) {}
+  uint32_t* words(int64_t n) {
+    if (n > left) {
+      std::fprintf(stderr, "attention_bf16_avx512: buffer %d carved past its size\n", Which);
+      std::abort();
+    }
+    left -= n;
+    return std::exchange(next, next + n);
+  }
   float* floats(int64_t n) { return reinterpret_cast<float*>(words(n)); }
+  uint32_t* next;
+  int64_t left;
 };
 
 }  // namespace
@@ -267,11 +282,10 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
   {
     // Whole head, each Tp * Dh words: Q, K, V as rows of pairs, K^T per key tile, V as pairs
     // along T; per query tile the scores, the output, P as bf16 and the row statistics.
-    Carve head{thread_buffer<0>(static_cast<size_t>(5 * Tp * Dh))};
+    Carve<0> head(5 * Tp * Dh);
     uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
     uint32_t *Vr = head.words(Tp * Dh), *Vi = head.words(Tp * Dh);
-    Carve tile{thread_buffer<1>(
-        static_cast<size_t>(kTile * kTile + kTile * Dp + kTile * kTilePairs + 2 * kTile))};
+    Carve<1> tile(kTile * kTile + kTile * Dp + kTile * kTilePairs + 2 * kTile);
     float *S = tile.floats(kTile * kTile), *O = tile.floats(kTile * Dp);
     uint32_t* Pb = tile.words(kTile * kTilePairs);
     float *m = tile.floats(kTile), *l = tile.floats(kTile);
@@ -349,7 +363,7 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
     // Whole head, each Tp * Dh words: Q, K, V, dO as rows of pairs; K^T and V^T per key tile;
     // K and Q less their means (rows), K less its mean and dO as pairs along T; (Q less its
     // mean)^T and dO^T.
-    Carve head{thread_buffer<0>(static_cast<size_t>(13 * Tp * Dh))};
+    Carve<0> head(13 * Tp * Dh);
     uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh);
     uint32_t *Gr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh);
     uint32_t *Kc = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
@@ -357,8 +371,8 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
     // dQ, D_i and the row sums of dS of the head; the means of K and Q; per key tile dK^T and
     // dV^T; per tile pair P, dP, and P and dS as bf16 (rows, and pairs along T).
-    Carve tile{thread_buffer<1>(static_cast<size_t>(Tp * Dp + 2 * Tp + 2 * Dp + 3 * Dp * kTile +
-                                                     2 * kTile * kTile + 4 * kTile * kTilePairs))};
+    Carve<1> tile(Tp * Dp + 2 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
+                  4 * kTile * kTilePairs);
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(Tp);
     float *k_mean = tile.floats(Dp), *q_mean = tile.floats(Dp);
     float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);

@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <random>
 #include <sstream>
 
@@ -303,8 +302,6 @@ TEST(AttentionBf16, GradientsAccurateWhenKeysAndQueriesShareAComponent) {
   EXPECT_LT(relative_rms(dq, want_dq), 4e-3);
   EXPECT_LT(relative_rms(dk, want_dk), 2.4e-3);
   EXPECT_LT(relative_rms(dv, want_dv), 3e-3);
-  std::printf("relative RMS error: dq %.2e dk %.2e dv %.2e\n", relative_rms(dq, want_dq),
-              relative_rms(dk, want_dk), relative_rms(dv, want_dv));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTiles,
