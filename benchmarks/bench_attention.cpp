@@ -69,9 +69,7 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
   const double seconds = timed_median(state, call);
   const double fwd_flops = 2.0 * s.B * s.H * static_cast<double>(s.T) * s.T * s.D;
   const double gflops = (backward ? 2.5 : 1.0) * fwd_flops / seconds / 1e9;
-  const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
-  state.counters["GFLOPS"] = gflops;
-  state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
+  report_gflops(state, gflops, peak, bf16);
 }
 
 }  // namespace

@@ -121,9 +121,7 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
   const double seconds = timed_median(state, call);
   const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
   const double gflops = flops / seconds / 1e9;
-  const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
-  state.counters["GFLOPS"] = gflops;
-  state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
+  report_gflops(state, gflops, peak, bf16);
   results[std::string(bf16 ? "bf16" : "f32") + "/" + s.preset + "/" + s.product + "/" + impl]
       .push_back(gflops);
 }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/peak.h"
+
 namespace cputrain::bench {
 
 // Runs call once per iteration of state, reporting its time; returns the median in seconds.
@@ -27,6 +29,14 @@ double timed_median(benchmark::State& state, Call&& call) {
   }
   std::sort(times.begin(), times.end());
   return times.empty() ? 0.0 : times[times.size() / 2];
+}
+
+// The counters GFLOPS and pct_peak (of the measured all-threads peak of the dtype).
+inline void report_gflops(benchmark::State& state, double gflops, const kernels::Peak& peak,
+                          bool bf16) {
+  const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
+  state.counters["GFLOPS"] = gflops;
+  state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
 }
 
 inline void register_timed(const std::string& name, std::function<void(benchmark::State&)> fn) {
