@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "engine/profiler.h"
 #include "kernels/bf16.h"
 #include "kernels/vector_add.h"
 
@@ -13,7 +14,11 @@ namespace {
 bool g_grad_enabled = true;
 DType g_compute_dtype = DType::F32;
 
-using Tape = std::vector<std::function<void()>>;
+struct TapeNode {
+  const char* op;
+  std::function<void()> backward;
+};
+using Tape = std::vector<TapeNode>;
 
 // A deque: a tape being run stays where it is while a checkpoint region pushes another.
 std::deque<Tape>& tapes() {
@@ -53,6 +58,7 @@ Tensor Variable::bf16_value() const {
   if (v.dtype() == DType::BF16) return v;  // a value that is its own rounding
   Tensor b = Tensor::empty(v.shape(), DType::BF16,
                            impl_->op_output ? MemoryCategory::Activations : MemoryCategory::Workspace);
+  profiler::Scope scope("to bf16", profiler::Pass::Forward);
   kernels::fp32_to_bf16_array(b.bf16(), v.f32(), v.numel());
   if (impl_->op_output) impl_->bf16 = b;
   return b;
@@ -100,8 +106,8 @@ bool needs_grad(std::initializer_list<const Variable*> inputs) {
   return false;
 }
 
-void record_backward(std::function<void()> backward) {
-  current_tape().push_back(std::move(backward));
+void record_backward(const char* op, std::function<void()> backward) {
+  current_tape().push_back(TapeNode{op, std::move(backward)});
 }
 
 namespace {
@@ -109,9 +115,10 @@ namespace {
 void run_tape() {
   Tape& tape = current_tape();
   while (!tape.empty()) {
-    std::function<void()> node = std::move(tape.back());
+    TapeNode node = std::move(tape.back());
     tape.pop_back();
-    node();
+    profiler::Scope scope(node.op, profiler::Pass::Backward);
+    node.backward();
   }
 }
 
@@ -144,8 +151,8 @@ Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable&
     y = fn(x).value();
   }
   Variable out = Variable::op_output(y, true);
-  record_backward([fn = std::move(fn), xv = x.value(), gx = x.grad_ref(), gy = out.grad_ref(),
-                   dtype = g_compute_dtype] {
+  record_backward("checkpoint", [fn = std::move(fn), xv = x.value(), gx = x.grad_ref(),
+                                 gy = out.grad_ref(), dtype = g_compute_dtype] {
     const Tensor& dy = gy->tensor();
     if (!dy.defined()) return;
     ComputeDTypeGuard precision(dtype);

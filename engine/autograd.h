@@ -111,8 +111,9 @@ class ComputeDTypeGuard {
 // requires a gradient.
 bool needs_grad(std::initializer_list<const Variable*> inputs);
 
-// Appends a backward closure to the current tape.
-void record_backward(std::function<void()> backward);
+// Appends a backward closure to the current tape; the profiler times it under `op` (a string
+// literal) as a backward pass.
+void record_backward(const char* op, std::function<void()> backward);
 
 // Seeds d(loss)/d(loss) = scale (loss has one element) and runs the current tape in reverse,
 // emptying it. Gradients accumulate (+=) into bound parameter gradients.

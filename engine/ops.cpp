@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "engine/profiler.h"
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/cross_entropy.h"
@@ -17,6 +18,8 @@ namespace cputrain {
 namespace {
 
 using kernels::Transpose;
+using profiler::Pass;
+using profiler::Scope;
 
 Tensor new_activation(const Shape& shape, DType dtype = DType::F32) {
   return Tensor::empty(shape, dtype, MemoryCategory::Activations);
@@ -65,20 +68,37 @@ uint16_t* bf16_or_null(const Tensor& t) { return t.defined() ? t.bf16() : nullpt
 Tensor as_f32(const Tensor& t) {
   if (t.dtype() == DType::F32) return t;
   Tensor f = Tensor::empty(t.shape(), DType::F32, MemoryCategory::Workspace);
+  Scope scope("to fp32", Pass::Backward);
   kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
   return f;
 }
 
 Tensor to_bf16(const Tensor& t) {
   Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
+  Scope scope("to bf16", Pass::Backward);
   kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
   return b;
+}
+
+// The profiler's names of a layer's three GEMMs.
+struct GemmNames {
+  const char* y;   // Y = X W^T
+  const char* dx;  // dX = dY W
+  const char* dw;  // dW += dY^T X
+};
+constexpr GemmNames kLinearGemms{"linear GEMM Y=XW'", "linear GEMM dX=dY W", "linear GEMM dW=dY'X"};
+constexpr GemmNames kLmHeadGemms{"lm_head GEMM Y=XW'", "lm_head GEMM dX=dY W",
+                                 "lm_head GEMM dW=dY'X"};
+
+double gemm_flops(int64_t M, int64_t N, int64_t K) {
+  return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
 }
 
 // out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:
 // x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv).
 void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,
-                    int64_t N, int64_t K) {
+                    int64_t N, int64_t K, const GemmNames& names) {
+  Scope scope(names.y, Pass::Forward, gemm_flops(M, N, K));
   if (xv.dtype() == DType::BF16) {
     kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K,
                        wv.bf16(), K, 0.0f, out, N);
@@ -91,23 +111,30 @@ void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out
 // A linear layer's backward from its output gradient dy (M, N), bf16 or FP32 as xv and wv:
 // gx (M, K) += dy w and gw (N, K) += dy^T x, each where its gradient is wanted.
 void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& wv,
-                              const GradRef& gx, const GradRef& gw, int64_t M, int64_t N,
-                              int64_t K) {
+                              const GradRef& gx, const GradRef& gw, int64_t M, int64_t N, int64_t K,
+                              const GemmNames& names) {
   // The first contribution to a gradient overwrites it (beta 0) instead of adding to zeros.
   float bx = 1.0f, bw = 1.0f;
   float* dx = gx ? gx->get_for_accumulate(&bx).f32() : nullptr;
   float* dw = gw ? gw->get_for_accumulate(&bw).f32() : nullptr;
-  if (dy.dtype() == DType::BF16) {
-    if (gx) kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K,
-                               bx, dx, K);
-    if (gw) kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dy.bf16(), N, xv.bf16(), K,
-                               bw, dw, K);
-    return;
+  const bool bf16 = dy.dtype() == DType::BF16;
+  if (gx) {
+    Scope scope(names.dx, Pass::Backward, gemm_flops(M, K, N));
+    if (bf16)
+      kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K, bx, dx,
+                         K);
+    else
+      kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K, bx, dx, K);
   }
-  if (gx) kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K, bx,
-                            dx, K);
-  if (gw) kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K, bw,
-                            dw, K);
+  if (gw) {
+    Scope scope(names.dw, Pass::Backward, gemm_flops(N, K, M));
+    if (bf16)
+      kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dy.bf16(), N, xv.bf16(), K, bw, dw,
+                         K);
+    else
+      kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K, bw, dw,
+                        K);
+  }
 }
 
 }  // namespace
@@ -119,12 +146,13 @@ Variable embedding(const Variable& table, const Tensor& tokens) {
           "embedding: table (V, C) and tokens (B, T) i32");
   const int64_t C = table.shape()[1];
   const int64_t N = tokens.numel();
+  Scope scope("embedding", Pass::Forward);
   Tensor y = new_activation(Shape{tokens.dim(0), tokens.dim(1), C});
   kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C);
   const bool grad = needs_grad({&table});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C] {
+    record_backward("embedding", [tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C] {
       if (!gy->tensor().defined()) return;
       kernels::embedding_backward(gt->get_or_zeros().f32(), gy->tensor().f32(), tokens.i32(), N,
                                   C);
@@ -140,24 +168,25 @@ Variable linear(const Variable& x, const Variable& w) {
   const int64_t N = w.shape()[0];
   const int64_t K = w.shape()[1];
   const int64_t M = x.value().numel() / K;
+  Scope scope("linear", Pass::Forward);
   Tensor y = new_activation(with_last_dim(xs, N));
   const bool bf16 = bf16_mode();
   // In bf16 mode both operands are bf16 roundings: x's is shared with the other ops that take
   // x, w's is the parameter's copy.
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
-  linear_product(xv, 0, wv, y.f32(), M, N, K);
+  linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
   const bool grad = needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     // The gradient of x needs w and that of w needs x: save only what is used.
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
-    record_backward([xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
-                     gy = out.grad_ref(), M, N, K, bf16] {
+    record_backward("linear", [xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+                               gy = out.grad_ref(), M, N, K, bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      linear_backward_products(bf16 ? to_bf16(dy) : dy, xv, wv, gx, gw, M, N, K);
+      linear_backward_products(bf16 ? to_bf16(dy) : dy, xv, wv, gx, gw, M, N, K, kLinearGemms);
     });
   }
   return out;
@@ -168,6 +197,7 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   const int64_t C = xs[xs.ndim() - 1];
   require(w.value().ndim() == 1 && w.shape()[0] == C, "rmsnorm: x (..., C) and w (C)");
   const int64_t N = x.value().numel() / C;
+  Scope scope("rmsnorm", Pass::Forward);
   const bool grad = needs_grad({&x, &w});
   Tensor y;
   Tensor rstd = new_activation(Shape{N});
@@ -185,8 +215,8 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(), gw = w.grad_ref(),
-                     gy = out.grad_ref(), N, C] {
+    record_backward("rmsnorm", [xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(),
+                                gw = w.grad_ref(), gy = out.grad_ref(), N, C] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // The kernel produces both gradients; a side nobody needs goes to scratch.
@@ -211,6 +241,7 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
           "rope: x (B, T, C) with C = H * D, D even");
   const int64_t B = xs[0], T = xs[1], H = n_heads, D = xs[2] / n_heads;
   require(table.numel() >= T * D, "rope: table shorter than T");
+  Scope scope("rope", Pass::Forward);
   const bool grad = needs_grad({&x});
   // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
   Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
@@ -220,7 +251,7 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
     kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D);
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
+    record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       if (!gy->tensor().defined()) return;
       kernels::rope_backward(gx->get_or_zeros().f32(), gy->tensor().f32(), table.f32(), B, T, H,
                              D);
@@ -234,6 +265,10 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   require(s.ndim() == 3 && k.shape() == s && v.shape() == s && s[2] % n_heads == 0,
           "attention: q, k, v (B, T, C) with C = H * D");
   const int64_t B = s[0], T = s[1], H = n_heads, D = s[2] / n_heads;
+  // Causal: query t meets t + 1 keys; each product is 2 D FLOPs per (query, key) pair.
+  const double pair_flops = 2.0 * static_cast<double>(B * H * D) * static_cast<double>(T) *
+                            static_cast<double>(T + 1) / 2.0;
+  Scope scope("attention", Pass::Forward, 2.0 * pair_flops);  // S = Q K^T, O = P V
   Tensor lse = new_activation(Shape{B, H, T});
   // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
   // will see, with bf16 products where the CPU has them (else widened to FP32); the softmax
@@ -252,10 +287,13 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(), gk = k.grad_ref(),
-                     gv = v.grad_ref(), gy = out.grad_ref(), native, B, T, H, D] {
+    record_backward("attention", [qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(),
+                                  gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), native,
+                                  pair_flops, B, T, H, D] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
+      // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+      profiler::add_flops(5.0 * pair_flops);
       auto grad_or_scratch = [&](const GradRef& g) {
         return g ? g->get_or_zeros()
                  : Tensor::zeros(Shape{B, T, H * D}, DType::F32, MemoryCategory::Workspace);
@@ -277,6 +315,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
 Variable swiglu(const Variable& gate, const Variable& up) {
   require(gate.shape() == up.shape(), "swiglu: gate and up of equal shape");
   const int64_t n = gate.value().numel();
+  Scope scope("swiglu", Pass::Forward);
   const bool grad = needs_grad({&gate, &up});
   Tensor y;
   if (bf16_mode()) {
@@ -292,8 +331,8 @@ Variable swiglu(const Variable& gate, const Variable& up) {
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
-                     gu = up.grad_ref(), gy = out.grad_ref(), n] {
+    record_backward("swiglu", [gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
+                               gu = up.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       auto grad_or_scratch = [&](const GradRef& g) {
@@ -312,12 +351,13 @@ Variable swiglu(const Variable& gate, const Variable& up) {
 Variable add(const Variable& a, const Variable& b) {
   require(a.shape() == b.shape(), "add: equal shapes");
   const int64_t n = a.value().numel();
+  Scope scope("add", Pass::Forward);
   Tensor y = new_activation(a.shape());
   kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
   const bool grad = needs_grad({&a, &b});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
+    record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       if (ga) kernels::vector_accumulate(ga->get_or_zeros().f32(), dy.f32(), n);
@@ -333,6 +373,7 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   const int64_t N = logits.value().numel() / V;
   require(targets.dtype() == DType::I32 && targets.numel() == N,
           "cross_entropy: one i32 target per row of logits");
+  Scope scope("cross_entropy", Pass::Forward);
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
   Tensor lse = new_activation(Shape{N});
   kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(),
@@ -344,8 +385,8 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   const bool grad = needs_grad({&logits});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward([lv = logits.value(), lse, targets, gl = logits.grad_ref(),
-                     gy = out.grad_ref(), N, V] {
+    record_backward("cross_entropy", [lv = logits.value(), lse, targets, gl = logits.grad_ref(),
+                                      gy = out.grad_ref(), N, V] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       Tensor dlosses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
@@ -372,6 +413,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   require(targets.dtype() == DType::I32 && targets.numel() == N,
           "lm_head_cross_entropy: one i32 target per row of x");
   const int64_t rows = std::min(N, chunk_rows > 0 ? chunk_rows : lm_head_chunk_rows(V));
+  Scope scope("lm_head + cross_entropy", Pass::Forward);
   const bool bf16 = bf16_mode();
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
@@ -388,7 +430,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
-    linear_product(xv, r0, wv, logits, m, V, K);
+    linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
     kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
                                    V);
     if (!grad) continue;
@@ -403,25 +445,26 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   if (grad) {
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
-    record_backward([dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+    record_backward("lm_head + cross_entropy",
+                    [dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
                      gy = out.grad_ref(), N, V, K, bf16] {
-      const Tensor& dy = gy->tensor();
-      if (!dy.defined()) return;
-      const float scale = dy.f32()[0];
-      if (scale != 1.0f) {  // in place: the tape runs once
-        if (bf16) {
-          uint16_t* d = dl.bf16();
+                      const Tensor& dy = gy->tensor();
+                      if (!dy.defined()) return;
+                      const float scale = dy.f32()[0];
+                      if (scale != 1.0f) {  // in place: the tape runs once
+                        if (bf16) {
+                          uint16_t* d = dl.bf16();
 #pragma omp parallel for schedule(static)
-          for (int64_t i = 0; i < N * V; ++i)
-            d[i] = kernels::fp32_to_bf16(scale * kernels::bf16_to_fp32(d[i]));
-        } else {
-          float* d = dl.f32();
+                          for (int64_t i = 0; i < N * V; ++i)
+                            d[i] = kernels::fp32_to_bf16(scale * kernels::bf16_to_fp32(d[i]));
+                        } else {
+                          float* d = dl.f32();
 #pragma omp parallel for schedule(static)
-          for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
-        }
-      }
-      linear_backward_products(dl, xv, wv, gx, gw, N, V, K);
-    });
+                          for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
+                        }
+                      }
+                      linear_backward_products(dl, xv, wv, gx, gw, N, V, K, kLmHeadGemms);
+                    });
   }
   return out;
 }

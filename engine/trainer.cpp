@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "engine/batch_sampler.h"
+#include "engine/profiler.h"
 
 namespace cputrain {
 
@@ -21,10 +22,16 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t B = options_.batch;
   double loss_sum = 0.0;
-  params_.zero_grad();
+  {
+    profiler::Scope scope("zero gradients", profiler::Pass::Step);
+    params_.zero_grad();
+  }
   for (int64_t micro = 0; micro < options_.accum; ++micro) {
-    sample_windows(tokens, options_.ctx, options_.seed, static_cast<uint64_t>(step), micro * B, B,
-                   inputs_.i32(), targets_.i32());
+    {
+      profiler::Scope scope("sample batch", profiler::Pass::Step);
+      sample_windows(tokens, options_.ctx, options_.seed, static_cast<uint64_t>(step), micro * B, B,
+                     inputs_.i32(), targets_.i32());
+    }
     Variable loss = loss_fn_(inputs_, targets_);
     loss_sum += loss.value().f32()[0];
     backward(loss, 1.0f / static_cast<float>(options_.accum));
@@ -32,10 +39,14 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   StepResult r;
   r.lr = learning_rate(options_.lr, step);
   r.loss = loss_sum / static_cast<double>(options_.accum);
-  r.grad_norm = gradient_norm(params_);
+  {
+    profiler::Scope scope("gradient norm", profiler::Pass::Step);
+    r.grad_norm = gradient_norm(params_);
+  }
   if (filter_ && !filter_(r)) {
     r.skipped = true;
   } else {
+    profiler::Scope scope("adamw", profiler::Pass::Step);
     optimizer_.step(static_cast<float>(r.lr), r.grad_norm);
   }
   r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)

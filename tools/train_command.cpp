@@ -6,8 +6,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -17,6 +17,7 @@
 #include "engine/data_pipeline.h"
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "engine/profiler.h"
 #include "engine/threads.h"
 #include "engine/trainer.h"
 #include "engine/weights_file.h"
@@ -258,6 +259,9 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->check(positive());
   app.add_flag("--pin-threads", a.pin_threads,
                "Bind each OpenMP thread to one CPU of those the process may use");
+  app.add_flag("--profile", a.profile,
+               "Time every op (forward and backward), the optimizer and the GEMMs over the steps "
+               "after the first; print the table at the end and write <out>/profile.json");
   app.add_option("--eval-every", a.eval_every, "Validation loss every N steps (default: steps / 10)")
       ->check(positive());
   app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
@@ -505,11 +509,46 @@ int run_train(const TrainArgs& args) {
     if (recent.size() > 20) recent.erase(recent.begin());
     return true;
   });
+  // --profile: every step but the first (page faults of first touch, block cache filling),
+  // unless it is the only one.
+  int64_t profiled_steps = 0;
+  double profiled_seconds = 0.0;
+  auto report_profile = [&] {
+    if (profiled_steps == 0) return;
+    const auto entries = profiler::entries();
+    log->info(
+        "profile of the last {} steps ({:.0f} ms per step; each scope's own time, the "
+        "scopes inside it excluded):",
+        profiled_steps, 1e3 * profiled_seconds / static_cast<double>(profiled_steps));
+    for (const std::string& line : profiler::report(entries, profiled_steps, profiled_seconds))
+      log->info("  {}", line);
+    nlohmann::json j = {
+        {"steps", profiled_steps},
+        {"ms_per_step", 1e3 * profiled_seconds / static_cast<double>(profiled_steps)},
+        {"scopes", nlohmann::json::array()}};
+    for (const profiler::Entry& e : entries) {
+      const double per = 1.0 / static_cast<double>(profiled_steps);
+      j["scopes"].push_back({{"name", e.name},
+                             {"pass", std::string(profiler::pass_name(e.pass))},
+                             {"calls_per_step", static_cast<double>(e.calls) * per},
+                             {"ms_per_step", 1e3 * e.seconds * per},
+                             {"gflop_per_step", e.flops * per / 1e9}});
+    }
+    write_file_atomic(out + "/profile.json", j.dump(1) + "\n");
+    log->info("wrote {}/profile.json", out);
+  };
   {  // signals: a stop request ends the loop after its step
     const StopSignals signals;
     const Stopwatch loop_time;
     for (int64_t step = first_step; step <= config.steps; ++step) {
+      const bool profile_step = args.profile && (step > first_step || first_step == config.steps);
+      profiler::set_enabled(profile_step);
       const StepResult r = trainer.step(train_tokens, step);
+      profiler::set_enabled(false);
+      if (profile_step) {
+        ++profiled_steps;
+        profiled_seconds += r.ms / 1e3;
+      }
       if (r.skipped && args.on_bad_step == "stop") {
         throw UserError("step " + std::to_string(step) + ": " + bad_reason +
                         "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
@@ -570,6 +609,7 @@ int run_train(const TrainArgs& args) {
                                                    data.dataset.fingerprint(), config_json, args.keep);
       }
       if (stop != 0) {
+        report_profile();
         log->warn("{} after step {}: saved {}; continue with: cputrain train --resume {}",
                   stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
                   last_checkpoint, out);
@@ -578,6 +618,7 @@ int run_train(const TrainArgs& args) {
     }
   }
   console->set_status("");
+  report_profile();
   const std::string weights_path = out + "/model.bin";
   save_weights(weights_path, model.parameters(), config_json);
   log->info("saved {}", weights_path);

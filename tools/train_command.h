@@ -30,6 +30,7 @@ struct TrainArgs {
   uint64_t seed = 1;
   int threads = 0;
   bool pin_threads = false;  // bind each OpenMP thread to one CPU
+  bool profile = false;      // per-op timers over the steps after the first, printed at the end
   int64_t eval_every = -1;
   int64_t eval_windows = 32;
   int64_t sample_every = 0;

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "engine/memory.h"
+#include "engine/profiler.h"
 #include "kernels/attention.h"
 #include "models/generate.h"
 #include "models/llama.h"
@@ -263,6 +264,35 @@ TEST(LlamaConfig, TrainingFlopsPerToken) {
       matrix_params += static_cast<double>(info.shape.numel());
   const double attention = 6.0 * c.n_layers * 48 * c.d_model;
   EXPECT_DOUBLE_EQ(training_flops_per_token(c, 48), 6.0 * matrix_params + attention);
+}
+
+// A profiled forward and backward counts, in its GEMM scopes, exactly the matrix FLOPs that
+// training_flops_per_token (MFU's numerator) counts per token, and in attention's forward the
+// causal pairs: 2 products x 2 D FLOPs x T (T + 1) / 2 query-key pairs per head and sequence.
+TEST(LlamaModel, ProfiledStepCountsTheFlopsMfuCounts) {
+  const LlamaConfig c = find_preset("tiny")->config;
+  LlamaModel model(c);
+  model.init_weights(1);
+  const int64_t B = 2, T = 48;
+  const Tensor x = random_tokens(B, T, c.vocab, 1), y = random_tokens(B, T, c.vocab, 2);
+  profiler::reset();
+  profiler::set_enabled(true);
+  backward(model.loss(x, y));
+  profiler::set_enabled(false);
+  double gemm = 0.0, attention_forward = 0.0;
+  int64_t linear_calls = 0;
+  for (const profiler::Entry& e : profiler::entries()) {
+    if (e.name.find("GEMM") != std::string::npos) gemm += e.flops;
+    if (e.name == "attention" && e.pass == profiler::Pass::Forward) attention_forward = e.flops;
+    if (e.name == "linear" && e.pass == profiler::Pass::Forward) linear_calls = e.calls;
+  }
+  profiler::reset();
+  const double tokens = static_cast<double>(B * T);
+  const double attention_mfu = 6.0 * c.n_layers * T * c.d_model;  // per token, T^2 / 2 pairs
+  EXPECT_DOUBLE_EQ(gemm, (training_flops_per_token(c, T) - attention_mfu) * tokens);
+  EXPECT_DOUBLE_EQ(attention_forward,
+                   4.0 * c.n_layers * B * c.d_model * static_cast<double>(T * (T + 1)) / 2.0);
+  EXPECT_EQ(linear_calls, 7 * c.n_layers);
 }
 
 TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {

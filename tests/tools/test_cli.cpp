@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -158,6 +159,37 @@ TEST_F(Cli, PinThreadsBindsAndSaysWhere) {
   // Two threads, two CPU numbers.
   const std::string cpus = log.substr(at + 23, log.find('\n', at) - at - 23);
   EXPECT_EQ(std::count(cpus.begin(), cpus.end(), ','), 1) << cpus;
+}
+
+// --profile: the table in the log and profile.json over the steps after the first, with every
+// linear layer's three GEMMs once per step each, and scopes that sum to no more than the step.
+TEST_F(Cli, ProfileTimesTheOpsOfTheStepsAfterTheFirst) {
+  const fs::path run_dir = dir_ / "run";
+  const Result r =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 3 --profile "
+          "--sample-tokens 1 --corpus " +
+          write_corpus(100).string() + " --out " + run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const std::string log = read_all(run_dir / "train.log");
+  EXPECT_NE(log.find("profile of the last 2 steps"), std::string::npos) << log;
+  EXPECT_NE(log.find("(in no scope)"), std::string::npos) << log;
+  const auto j = nlohmann::json::parse(read_all(run_dir / "profile.json"));
+  EXPECT_EQ(j["steps"].get<int>(), 2);
+  const auto config = nlohmann::json::parse(read_all(run_dir / "config.json"));
+  const int layers = config["model"]["n_layers"].get<int>();
+  double sum_ms = 0.0;
+  std::set<std::string> gemms;
+  for (const auto& e : j["scopes"]) {
+    sum_ms += e["ms_per_step"].get<double>();
+    const std::string name = e["name"].get<std::string>();
+    if (name.rfind("linear GEMM", 0) == 0) {
+      gemms.insert(name);
+      EXPECT_DOUBLE_EQ(e["calls_per_step"].get<double>(), 7.0 * layers) << name;
+      EXPECT_GT(e["gflop_per_step"].get<double>(), 0.0) << name;
+    }
+  }
+  EXPECT_EQ(gemms.size(), 3u);
+  EXPECT_LE(sum_ms, j["ms_per_step"].get<double>() * 1.0001);
 }
 
 TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
