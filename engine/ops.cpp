@@ -425,17 +425,24 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   Tensor chunk;
   if (!grad || bf16) chunk = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
-  Tensor lse = Tensor::empty(Shape{rows}, DType::F32, MemoryCategory::Workspace);
+  Tensor lse;
+  if (!grad) lse = Tensor::empty(Shape{rows}, DType::F32, MemoryCategory::Workspace);
   const float each = 1.0f / static_cast<float>(N);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
     linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
-    kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
-                                   V);
-    if (!grad) continue;
-    kernels::cross_entropy_gradient(logits, logits, lse.f32(), targets.i32() + r0, each, m, V);
-    if (bf16) kernels::fp32_to_bf16_array(dl.bf16() + r0 * V, logits, m * V);
+    Scope ce("cross_entropy", Pass::Forward);
+    if (!grad) {
+      kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
+                                     V);
+    } else if (bf16) {  // the gradient's rounding straight from each row, while it is in cache
+      kernels::cross_entropy_forward_gradient_bf16(dl.bf16() + r0 * V, losses.f32() + r0, logits,
+                                                   targets.i32() + r0, each, m, V);
+    } else {
+      kernels::cross_entropy_forward_gradient(logits, losses.f32() + r0, logits, targets.i32() + r0,
+                                              each, m, V);
+    }
   }
   double sum = 0.0;
   for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];

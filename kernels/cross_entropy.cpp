@@ -29,4 +29,15 @@ void cross_entropy_gradient(float* out, const float* logits, const float* lse,
   kernels().gradient(out, logits, lse, targets, scale, N, V);
 }
 
+void cross_entropy_forward_gradient(float* out, float* losses, const float* logits,
+                                    const int32_t* targets, float scale, int64_t N, int64_t V) {
+  kernels().forward_gradient(out, nullptr, losses, logits, targets, scale, N, V);
+}
+
+void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, const float* logits,
+                                         const int32_t* targets, float scale, int64_t N,
+                                         int64_t V) {
+  kernels().forward_gradient(nullptr, out_bf16, losses, logits, targets, scale, N, V);
+}
+
 }  // namespace cputrain::kernels

@@ -14,6 +14,8 @@ struct CrossEntropyKernels {
                    const float* dlosses, int64_t N, int64_t V);
   void (*gradient)(float* out, const float* logits, const float* lse, const int32_t* targets,
                    float scale, int64_t N, int64_t V);
+  void (*forward_gradient)(float* out, uint16_t* out_bf16, float* losses, const float* logits,
+                           const int32_t* targets, float scale, int64_t N, int64_t V);
 };
 
 const CrossEntropyKernels& cross_entropy_kernels_avx2();

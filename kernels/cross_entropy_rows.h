@@ -77,7 +77,53 @@ inline void ce_gradient(float* out, const float* logits, const float* lse, const
   }
 }
 
-constexpr CrossEntropyKernels kCrossEntropyKernels = {ce_forward, ce_backward, ce_gradient};
+// ce_forward and ce_gradient of one row at a time, the gradient written as FP32 (out may be
+// logits) or as its bf16 rounding: the row is read from memory once and stays in cache for the
+// other two passes, where the separate kernels stream the whole chunk three times.
+inline void ce_forward_gradient(float* out, uint16_t* out_bf16, float* losses, const float* logits,
+                                const int32_t* targets, float scale, int64_t N, int64_t V) {
+  using vec::kLanes, vec::vf;
+  const int64_t whole = V / kLanes * kLanes;
+  const int tail = static_cast<int>(V - whole);
+  const float lowest = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = logits + i * V;
+    vf vmax = vec::splat(lowest);
+    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
+    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
+    const float max = vec::hmax(vmax);
+    vf vsum{};
+    for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
+    if (tail) {
+      vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
+      for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
+      vsum += e;
+    }
+    const double ld = static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
+    const float l = static_cast<float>(ld);
+    const int64_t t = targets[i];
+    losses[i] = static_cast<float>(ld - x[t]);
+    // As scaled_softmax_row, then minus scale at the target, before any rounding.
+    auto grad = [&](int64_t j, int n) {
+      vf e = scale *
+             vec::exp((n == kLanes ? vec::load(x + j) : vec::load_partial(x + j, n, 0.0f)) - l);
+      if (t >= j && t < j + n) e[t - j] -= scale;
+      if (out_bf16 != nullptr) {
+        vec::store_bf16(out_bf16 + i * V + j, e, n);
+      } else if (n == kLanes) {
+        vec::store(out + i * V + j, e);
+      } else {
+        vec::store_partial(out + i * V + j, e, n);
+      }
+    };
+    for (int64_t j = 0; j < whole; j += kLanes) grad(j, kLanes);
+    if (tail) grad(whole, tail);
+  }
+}
+
+constexpr CrossEntropyKernels kCrossEntropyKernels = {ce_forward, ce_backward, ce_gradient,
+                                                      ce_forward_gradient};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail
