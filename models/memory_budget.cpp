@@ -30,7 +30,11 @@ class Ledger {
   }
   void release(int id) {
     if (id < 0) return;
-    if (--entries_[id].refs == 0) change(entries_[id].category, -entries_[id].bytes);
+    if (--entries_[id].refs == 0) {
+      change(entries_[id].category, -entries_[id].bytes);
+      if (entries_[id].bytes >= kCachedBlockBytes)
+        largest_freed_ = std::max(largest_freed_, entries_[id].bytes);
+    }
   }
   void change(MemoryCategory c, int64_t bytes) {
     const int i = static_cast<int>(c);
@@ -41,6 +45,8 @@ class Ledger {
   }
   const std::array<int64_t, kMemoryCategoryCount>& peak() const { return peak_; }
   int64_t peak_total() const { return peak_total_; }
+  // The largest block freed that the allocator's block cache keeps (engine/memory.cpp).
+  int64_t largest_freed() const { return largest_freed_; }
 
  private:
   struct Entry {
@@ -50,7 +56,8 @@ class Ledger {
   };
   std::vector<Entry> entries_;
   std::array<int64_t, kMemoryCategoryCount> live_{}, peak_{};
-  int64_t live_total_ = 0, peak_total_ = 0;
+  int64_t live_total_ = 0, peak_total_ = 0, largest_freed_ = 0;
+  static constexpr int64_t kCachedBlockBytes = int64_t{1} << 20;
 };
 
 // An activation Variable: its FP32 value and, once taken, its bf16 rounding.
@@ -99,7 +106,7 @@ class StepReplay {
       x = out;
     }
     // Final norm, then lm_head_cross_entropy: the gradient by the logits (kept for backward),
-    // one chunk of FP32 logits in bf16 mode, the per-row losses and the chunk's lse.
+    // one chunk of FP32 logits in bf16 mode and the per-row losses.
     int fn_x = -1, fn_rstd = -1;
     Var h = norm_forward(x, true, &fn_x, &fn_rstd);
     drop(x);
@@ -109,9 +116,7 @@ class StepReplay {
     const int dl = L_.alloc(MemoryCategory::Activations, n_ * V_ * (bf16_ ? 2 : 4));
     const int chunk = bf16_ ? work(rows * V_ * 4) : -1;
     const int losses = work(n_ * 4);
-    const int lse = work(rows * 4);
     const int loss = L_.alloc(MemoryCategory::Activations, 4);
-    L_.release(lse);
     L_.release(losses);
     L_.release(chunk);
     drop(h);
@@ -381,6 +386,7 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   MemoryBudget b;
   b.peak_bytes = ledger.peak();
   b.step_peak_bytes = ledger.peak_total();
+  b.cache_headroom_bytes = ledger.largest_freed();
   b.gemm_buffer_bytes = gemm;
   b.corpus_bytes = o.corpus_tokens * 4;
   b.runtime_bytes = kRuntimeBytes;

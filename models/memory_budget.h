@@ -36,12 +36,17 @@ struct MemoryBudget {
   int64_t step_peak_bytes = 0;
   // Of the workspace: the GEMM packing and widening buffers at their steady size.
   int64_t gemm_buffer_bytes = 0;
+  // Freed tensors the allocator keeps for the next step beyond the step peak: at most the
+  // largest tensor a step frees (engine/memory.cpp, the block cache).
+  int64_t cache_headroom_bytes = 0;
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;
   // The process before any tensor: code, libraries, the tokenizer, thread stacks, allocator
   // overhead. An estimate (kRuntimeBytes), or a measurement passed in by the caller.
   int64_t runtime_bytes = 0;
-  int64_t total_bytes() const { return step_peak_bytes + corpus_bytes + runtime_bytes; }
+  int64_t total_bytes() const {
+    return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes;
+  }
 };
 
 // What a training process holds besides its tensors and the token cache, as measured on

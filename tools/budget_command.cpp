@@ -68,6 +68,8 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
   }
   t += fmt::format("  {:<38} {:>12}\n", "step peak (all of the above at once)",
                    format_bytes(b.step_peak_bytes));
+  t += fmt::format("  {:<38} {:>12}\n", "kept for the next step (largest freed)",
+                   format_bytes(b.cache_headroom_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
                    format_bytes(b.runtime_bytes));
@@ -168,6 +170,7 @@ int run_budget(const BudgetArgs& a) {
       j[std::string(memory_category_name(static_cast<MemoryCategory>(i))) + "_bytes"] =
           b.peak_bytes[i];
     j["step_peak_bytes"] = b.step_peak_bytes;
+    j["cache_headroom_bytes"] = b.cache_headroom_bytes;
     j["corpus_bytes"] = b.corpus_bytes;
     j["runtime_bytes"] = b.runtime_bytes;
     j["total_bytes"] = b.total_bytes();

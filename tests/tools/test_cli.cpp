@@ -279,13 +279,14 @@ TEST_F(Cli, BudgetJsonHasEveryCategoryAndTheLeversMove) {
     return nlohmann::json::parse(r.out);
   };
   const nlohmann::json plain = budget("--dtype fp32 --checkpoint none");
-  for (const char* key : {"weights_bytes", "bf16_weights_bytes", "gradients_bytes",
-                          "optimizer_state_bytes", "activations_bytes", "workspace_bytes",
-                          "step_peak_bytes", "corpus_bytes", "runtime_bytes", "total_bytes"})
+  for (const char* key :
+       {"weights_bytes", "bf16_weights_bytes", "gradients_bytes", "optimizer_state_bytes",
+        "activations_bytes", "workspace_bytes", "step_peak_bytes", "cache_headroom_bytes",
+        "corpus_bytes", "runtime_bytes", "total_bytes"})
     EXPECT_TRUE(plain.contains(key)) << key;
   EXPECT_EQ(plain["total_bytes"].get<int64_t>(),
-            plain["step_peak_bytes"].get<int64_t>() + plain["corpus_bytes"].get<int64_t>() +
-                plain["runtime_bytes"].get<int64_t>());
+            plain["step_peak_bytes"].get<int64_t>() + plain["cache_headroom_bytes"].get<int64_t>() +
+                plain["corpus_bytes"].get<int64_t>() + plain["runtime_bytes"].get<int64_t>());
   EXPECT_EQ(plain["optimizer_state_bytes"].get<int64_t>(), 2 * plain["weights_bytes"].get<int64_t>());
   EXPECT_EQ(plain["bf16_weights_bytes"].get<int64_t>(), 0);
   const nlohmann::json bf16 = budget("--dtype bf16 --checkpoint none");
