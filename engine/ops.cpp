@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include "engine/profiler.h"
 #include "kernels/attention.h"
@@ -137,6 +138,32 @@ void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& 
   }
 }
 
+// The gradients one backward kernel writes (a null cell: scratch), and whether it adds onto
+// them. It overwrites, so nothing needs zero-filling, where every cell is still empty and no two
+// are the same (swiglu(x, x)); else the empty ones are zero-filled and it accumulates.
+struct KernelGrads {
+  std::vector<Tensor> grads;
+  bool accumulate = false;
+};
+KernelGrads kernel_grads(std::initializer_list<const GradRef*> cells, const Shape& shape) {
+  KernelGrads k;
+  for (auto a = cells.begin(); a != cells.end(); ++a) {
+    if (**a && (**a)->tensor().defined()) k.accumulate = true;
+    for (auto b = cells.begin(); b != a; ++b)
+      if (**a && **a == **b) k.accumulate = true;
+  }
+  for (const GradRef* cell : cells) {
+    float beta = 0.0f;
+    if (!*cell)
+      k.grads.push_back(k.accumulate ? Tensor::zeros(shape, DType::F32, MemoryCategory::Workspace)
+                                     : Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
+    else
+      k.grads.push_back(k.accumulate ? (*cell)->get_or_zeros()
+                                     : (*cell)->get_for_accumulate(&beta));
+  }
+  return k;
+}
+
 }  // namespace
 
 Tensor attention_input(const Variable& x) { return as_f32(saved(x)); }
@@ -220,16 +247,16 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // The kernel produces both gradients; a side nobody needs goes to scratch.
-      Tensor dx = gx ? gx->get_or_zeros()
-                     : Tensor::zeros(Shape{N, C}, DType::F32, MemoryCategory::Workspace);
+      const KernelGrads gxs = kernel_grads({&gx}, Shape{N, C});
+      const Tensor& dx = gxs.grads[0];
       Tensor dw = gw ? gw->get_or_zeros()
                      : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
       if (xs.dtype() == DType::BF16)
-        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(),
-                                  N, C);
+        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(), N,
+                                  C, gxs.accumulate);
       else
-        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.f32(), wv.f32(), rstd.f32(),
-                                  N, C);
+        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.f32(), wv.f32(), rstd.f32(), N,
+                                  C, gxs.accumulate);
     });
   }
   return out;
@@ -253,8 +280,9 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
   if (grad) {
     record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       if (!gy->tensor().defined()) return;
-      kernels::rope_backward(gx->get_or_zeros().f32(), gy->tensor().f32(), table.f32(), B, T, H,
-                             D);
+      const KernelGrads g = kernel_grads({&gx}, Shape{B, T, H * D});
+      kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
+                             g.accumulate);
     });
   }
   return out;
@@ -294,19 +322,17 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       if (!dy.defined()) return;
       // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
       profiler::add_flops(5.0 * pair_flops);
-      auto grad_or_scratch = [&](const GradRef& g) {
-        return g ? g->get_or_zeros()
-                 : Tensor::zeros(Shape{B, T, H * D}, DType::F32, MemoryCategory::Workspace);
-      };
-      Tensor dq = grad_or_scratch(gq), dk = grad_or_scratch(gk), dv = grad_or_scratch(gv);
+      const KernelGrads g = kernel_grads({&gq, &gk, &gv}, Shape{B, T, H * D});
+      const Tensor &dq = g.grads[0], &dk = g.grads[1], &dv = g.grads[2];
       if (native) {
         kernels::attention_backward_bf16(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qs.bf16(),
-                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, D);
+                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, D,
+                                         g.accumulate);
         return;
       }
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
       kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
-                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, D);
+                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, D, g.accumulate);
     });
   }
   return out;
@@ -335,14 +361,13 @@ Variable swiglu(const Variable& gate, const Variable& up) {
                                gu = up.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      auto grad_or_scratch = [&](const GradRef& g) {
-        return g ? g->get_or_zeros() : Tensor::zeros(Shape{n}, DType::F32, MemoryCategory::Workspace);
-      };
-      Tensor dg = grad_or_scratch(gg), du = grad_or_scratch(gu);
+      const KernelGrads g = kernel_grads({&gg, &gu}, Shape{n});
+      const Tensor &dg = g.grads[0], &du = g.grads[1];
       if (gs.dtype() == DType::BF16)
-        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.bf16(), us.bf16(), n);
+        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.bf16(), us.bf16(), n,
+                                 g.accumulate);
       else
-        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.f32(), us.f32(), n);
+        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.f32(), us.f32(), n, g.accumulate);
     });
   }
   return out;
@@ -360,8 +385,16 @@ Variable add(const Variable& a, const Variable& b) {
     record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      if (ga) kernels::vector_accumulate(ga->get_or_zeros().f32(), dy.f32(), n);
-      if (gb) kernels::vector_accumulate(gb->get_or_zeros().f32(), dy.f32(), n);
+      // One side after the other (a and b may be the same): the first contribution is a copy.
+      for (const GradRef* g : {&ga, &gb}) {
+        if (!*g) continue;
+        float beta = 0.0f;
+        float* d = (*g)->get_for_accumulate(&beta).f32();
+        if (beta == 0.0f)
+          kernels::vector_copy(d, dy.f32(), n);
+        else
+          kernels::vector_accumulate(d, dy.f32(), n);
+      }
     });
   }
   return out;

@@ -23,10 +23,10 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t D) {
+                        int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate) {
   if (cpu_features().avx512)
-    return attention_backward_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
-  attention_backward_avx2(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
+    return attention_backward_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate);
+  attention_backward_avx2(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate);
 }
 
 bool attention_bf16_native() {
@@ -49,13 +49,13 @@ void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const 
   attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, D);
 }
 
-void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
-                             const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                             const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                             int64_t H, int64_t D) {
+void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                             const uint16_t* k, const uint16_t* v, const uint16_t* out,
+                             const float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
+                             bool accumulate) {
   if (!attention_bf16_native())
     throw std::logic_error("attention_backward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
-  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
+  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate);
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values,

@@ -12,10 +12,11 @@ namespace cputrain::kernels {
 // s_ij = q_i . k_j / sqrt(D) over j <= i.
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        int64_t B, int64_t T, int64_t H, int64_t D);
-// dq, dk, dv (B, T, H, D) += gradients, given dout and the forward's q, k, v, out and lse.
+// dq, dk, dv (B, T, H, D) += gradients (accumulate), or = gradients (not: they may hold
+// garbage, and must not overlap), given dout and the forward's q, k, v, out and lse.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t D);
+                        int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate);
 
 // The same on bf16 q, k, v, with the output written rounded to bf16 (as the backward takes it),
 // and bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, dout and the
@@ -28,10 +29,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 bool attention_bf16_native();
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D);
-void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
-                             const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                             const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                             int64_t H, int64_t D);
+void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                             const uint16_t* k, const uint16_t* v, const uint16_t* out,
+                             const float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
+                             bool accumulate);
 
 // Incremental decoding: m new queries q (m, H * D) at positions n .. n + m - 1 against the keys
 // and values of positions 0 .. n + m - 1 (rows of H * D in `keys`, `values`), causal: query i

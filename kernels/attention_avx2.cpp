@@ -12,8 +12,8 @@ void attention_forward_avx2(float* out, float* lse, const float* q, const float*
 
 void attention_backward_avx2(float* dq, float* dk, float* dv, const float* dout, const float* q,
                              const float* k, const float* v, const float* out, const float* lse,
-                             int64_t B, int64_t T, int64_t H, int64_t D) {
-  detail::attention_backward_tiled<1>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D);
+                             int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate) {
+  detail::attention_backward_tiled<1>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate);
 }
 
 }  // namespace cputrain::kernels

@@ -188,19 +188,18 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
 }
 
-// dst[c * row + d] += src[d * kTile + c] for c < cols, d < D: src (Dp x kTile) transposed
-// through scratch (kTile x Dp).
+// dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[d * kTile + c] for c < cols,
+// d < D: src (Dp x kTile) transposed through scratch (kTile x Dp).
 void add_transposed(float* dst, int64_t row, const float* src, float* scratch, int64_t cols,
-                    int64_t D, int64_t Dp) {
+                    int64_t D, int64_t Dp, bool accumulate) {
   transpose_words(reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<const uint32_t*>(src),
                   Dp, kTile);
   for (int64_t c = 0; c < cols; ++c)
     for (int64_t d = 0; d < D; d += 16) {
       const __mmask16 lanes = valid_lanes(d, D);
       float* out = dst + c * row + d;
-      _mm512_mask_storeu_ps(out, lanes,
-                            _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, out),
-                                          _mm512_loadu_ps(scratch + c * Dp + d)));
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(lanes, out) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(out, lanes, _mm512_add_ps(base, _mm512_loadu_ps(scratch + c * Dp + d)));
     }
 }
 
@@ -354,7 +353,7 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
 void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
                                     const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t D) {
+                                    int64_t H, int64_t D, bool accumulate) {
   const Head hd(T, H, D);
   const float scale = hd.scale;
   const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
@@ -464,12 +463,13 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
             _mm512_storeu_ps(o, _mm512_fmadd_ps(m, cs[v4], _mm512_loadu_ps(o)));
           }
         }
-        add_transposed(dk + off + j0 * row, row, dKT, scratch, cols, D, Dp);
-        add_transposed(dv + off + j0 * row, row, dVT, scratch, cols, D, Dp);
+        add_transposed(dk + off + j0 * row, row, dKT, scratch, cols, D, Dp, accumulate);
+        add_transposed(dv + off + j0 * row, row, dVT, scratch, cols, D, Dp, accumulate);
       }
       for (int64_t i = 0; i < T; ++i) {
         float* gq = dq + off + i * row;
-        for (int64_t d = 0; d < D; ++d) gq[d] += dQ[i * Dp + d] + row_sum[i] * k_mean[d];
+        for (int64_t d = 0; d < D; ++d)
+          gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + row_sum[i] * k_mean[d]);
       }
     }
   }

@@ -216,7 +216,7 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
 template <int RB>
 void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout, const float* q,
                               const float* k, const float* v, const float* out, const float* lse,
-                              int64_t B, int64_t T, int64_t H, int64_t D) {
+                              int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t row = H * D, Dp = padded_dim(D);
   const int64_t Tp = (T + kTile - 1) / kTile * kTile;
@@ -280,14 +280,15 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
           float* gk = dk + off + (j0 + c) * row;
           float* gv = dv + off + (j0 + c) * row;
           for (int64_t d = 0; d < D; ++d) {
-            gk[d] += dK[c * Dp + d];
-            gv[d] += dV[c * Dp + d];
+            gk[d] = (accumulate ? gk[d] : 0.0f) + dK[c * Dp + d];
+            gv[d] = (accumulate ? gv[d] : 0.0f) + dV[c * Dp + d];
           }
         }
       }
       for (int64_t i = 0; i < T; ++i) {  // the scores were scaled: dq = scale * dS K
         float* gq = dq + off + i * row;
-        for (int64_t d = 0; d < D; ++d) gq[d] += scale * dQ[i * Dp + d];
+        for (int64_t d = 0; d < D; ++d)
+          gq[d] = (accumulate ? gq[d] : 0.0f) + scale * dQ[i * Dp + d];
       }
     }
   }

@@ -62,7 +62,7 @@ namespace {
 // inp FP32 or bf16.
 template <class In>
 void backward(float* dinp, float* dweight, const float* dout, const In* inp, const float* weight,
-              const float* rstd, int64_t N, int64_t C) {
+              const float* rstd, int64_t N, int64_t C, bool accumulate) {
   // dweight sums over rows in fixed blocks, then the blocks in order: deterministic for any
   // thread count.
   constexpr int64_t kRowBlock = 32;
@@ -82,7 +82,7 @@ void backward(float* dinp, float* dweight, const float* dout, const In* inp, con
       const float k = static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
       for (int64_t c = 0; c < C; ++c) {
         const float xc = value(x[c]);
-        dx[c] += dy[c] * weight[c] * r - k * xc;
+        dx[c] = (accumulate ? dx[c] : 0.0f) + (dy[c] * weight[c] * r - k * xc);
         dw[c] += dy[c] * xc * r;
       }
     }
@@ -96,13 +96,15 @@ void backward(float* dinp, float* dweight, const float* dout, const In* inp, con
 }  // namespace
 
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                      const float* weight, const float* rstd, int64_t N, int64_t C) {
-  backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+                      const float* weight, const float* rstd, int64_t N, int64_t C,
+                      bool accumulate) {
+  backward(dinp, dweight, dout, inp, weight, rstd, N, C, accumulate);
 }
 
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const uint16_t* inp,
-                      const float* weight, const float* rstd, int64_t N, int64_t C) {
-  backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+                      const float* weight, const float* rstd, int64_t N, int64_t C,
+                      bool accumulate) {
+  backward(dinp, dweight, dout, inp, weight, rstd, N, C, accumulate);
 }
 
 }  // namespace cputrain::kernels

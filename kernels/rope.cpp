@@ -61,8 +61,9 @@ void rope_forward_bf16(uint16_t* out, const float* inp, const float* table, int6
 }
 
 void rope_backward(float* dinp, const float* dout, const float* table, int64_t B, int64_t T,
-                   int64_t H, int64_t D) {
-  rotate_pairs<true, true>(dinp, dout, table, B, T, H, D);
+                   int64_t H, int64_t D, bool accumulate) {
+  if (accumulate) return rotate_pairs<true, true>(dinp, dout, table, B, T, H, D);
+  rotate_pairs<true, false>(dinp, dout, table, B, T, H, D);
 }
 
 }  // namespace cputrain::kernels

@@ -16,8 +16,9 @@ void rope_forward(float* out, const float* inp, const float* table, int64_t B, i
 // The same, rounded to bf16 (fp32_to_bf16 of what rope_forward writes).
 void rope_forward_bf16(uint16_t* out, const float* inp, const float* table, int64_t B, int64_t T,
                        int64_t H, int64_t D);
-// dinp (B, T, H, D) += the inverse rotation of dout.
+// dinp (B, T, H, D) += the inverse rotation of dout (accumulate), or = it (not: dinp may hold
+// garbage).
 void rope_backward(float* dinp, const float* dout, const float* table, int64_t B, int64_t T,
-                   int64_t H, int64_t D);
+                   int64_t H, int64_t D, bool accumulate);
 
 }  // namespace cputrain::kernels

@@ -24,13 +24,13 @@ void swiglu_forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const 
 }
 
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
-                     const float* up, int64_t n) {
-  kernels().backward(dgate, dup, dout, gate, up, n);
+                     const float* up, int64_t n, bool accumulate) {
+  kernels().backward(dgate, dup, dout, gate, up, n, accumulate);
 }
 
 void swiglu_backward(float* dgate, float* dup, const float* dout, const uint16_t* gate,
-                     const uint16_t* up, int64_t n) {
-  kernels().backward_bf16(dgate, dup, dout, gate, up, n);
+                     const uint16_t* up, int64_t n, bool accumulate) {
+  kernels().backward_bf16(dgate, dup, dout, gate, up, n, accumulate);
 }
 
 }  // namespace cputrain::kernels

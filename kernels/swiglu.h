@@ -11,11 +11,12 @@ void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
 // are not null, the roundings of gate and up go there in the same pass (fp32_to_bf16 of each).
 void swiglu_forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* gate,
                          const float* up, int64_t n);
-// dgate += dout * up * silu'(gate), dup += dout * silu(gate).
+// dgate += dout * up * silu'(gate), dup += dout * silu(gate) (accumulate); or = (not: dgate
+// and dup may hold garbage, and must not overlap).
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
-                     const float* up, int64_t n);
+                     const float* up, int64_t n, bool accumulate);
 // The same from bf16 gate and up.
 void swiglu_backward(float* dgate, float* dup, const float* dout, const uint16_t* gate,
-                     const uint16_t* up, int64_t n);
+                     const uint16_t* up, int64_t n, bool accumulate);
 
 }  // namespace cputrain::kernels

@@ -12,9 +12,9 @@ struct SwigluKernels {
   void (*forward_bf16)(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* gate,
                        const float* up, int64_t n);
   void (*backward)(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
-                   int64_t n);
+                   int64_t n, bool accumulate);
   void (*backward_bf16)(float* dgate, float* dup, const float* dout, const uint16_t* gate,
-                        const uint16_t* up, int64_t n);
+                        const uint16_t* up, int64_t n, bool accumulate);
 };
 
 const SwigluKernels& swiglu_kernels_avx2();

@@ -37,7 +37,7 @@ inline vf get(const uint16_t* p, int m) {
 // gate and up FP32 or bf16.
 template <class In>
 void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, const In* up,
-                   int64_t n) {
+                   int64_t n, bool accumulate) {
   const int64_t runs = (n + kLanes - 1) / kLanes;
 #pragma omp parallel for schedule(static) if (n > 16384)
   for (int64_t r = 0; r < runs; ++r) {
@@ -45,8 +45,10 @@ void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, 
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
     const vf g = get(gate + i, m), dy = get(dout + i, m), sig = sigmoid(g);
     // d silu / dg = sig * (1 + g * (1 - sig))
-    put(dgate + i, get(dgate + i, m) + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
-    put(dup + i, get(dup + i, m) + dy * (g * sig), m);
+    const vf base_g = accumulate ? get(dgate + i, m) : vf{},
+             base_u = accumulate ? get(dup + i, m) : vf{};
+    put(dgate + i, base_g + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
+    put(dup + i, base_u + dy * (g * sig), m);
   }
 }
 

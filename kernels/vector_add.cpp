@@ -15,6 +15,11 @@ void vector_accumulate(float* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
+void vector_copy(float* dst, const float* src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
 double vector_sum_squares(const float* x, int64_t n) {
   // Fixed blocks summed in order: the result does not depend on the thread count.
   constexpr int64_t kBlock = 8192;

@@ -139,7 +139,7 @@ TEST_P(Attention, BackwardMatchesNumericalGradient) {
       ThreadCount tc(threads);
       std::vector<float> dq = base, dk = base, dv = base;
       impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.D);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.D, true);
       EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name;
       EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name;
       EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name;
@@ -184,12 +184,22 @@ TEST_P(AttentionTiles, MatchesReference) {
       impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.D);
       EXPECT_LT(max_error(out, want), 1e-5) << impl.name;
       EXPECT_LT(max_error(lse, want_lse), 1e-5) << impl.name;
-      std::vector<float> dq(s.n()), dk(s.n()), dv(s.n());
+      // Overwriting: what the buffers held (NaN here) must not show through.
+      std::vector<float> dq(s.n(), std::numeric_limits<float>::quiet_NaN()),
+          dk(s.n(), std::numeric_limits<float>::quiet_NaN()),
+          dv(s.n(), std::numeric_limits<float>::quiet_NaN());
       impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.D);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.D, false);
       EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name;
       EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name;
       EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name;
+      // Accumulating onto zeros gives the same bits.
+      std::vector<float> zq(s.n()), zk(s.n()), zv(s.n());
+      impl.backward(zq.data(), zk.data(), zv.data(), dout.data(), q.data(), k.data(), v.data(),
+                    out.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+      EXPECT_EQ(zq, dq) << impl.name;
+      EXPECT_EQ(zk, dk) << impl.name;
+      EXPECT_EQ(zv, dv) << impl.name;
       std::vector<float> all = out;
       for (const auto* g : {&lse, &dq, &dk, &dv}) all.insert(all.end(), g->begin(), g->end());
       if (first.empty())
@@ -242,7 +252,19 @@ TEST_P(AttentionTiles, Bf16MatchesReference) {
     // Gradients accumulate into what is there.
     std::vector<float> dq = base, dk = base, dv = base;
     attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D);
+                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+    // Overwriting buffers of NaN gives what accumulating onto zeros gives.
+    std::vector<float> nq(s.n(), std::numeric_limits<float>::quiet_NaN()),
+        nk(s.n(), std::numeric_limits<float>::quiet_NaN()),
+        nv(s.n(), std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> zq(s.n()), zk(s.n()), zv(s.n());
+    attention_backward_bf16(nq.data(), nk.data(), nv.data(), dout.data(), q.data(), k.data(),
+                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D, false);
+    attention_backward_bf16(zq.data(), zk.data(), zv.data(), dout.data(), q.data(), k.data(),
+                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+    EXPECT_EQ(nq, zq);
+    EXPECT_EQ(nk, zk);
+    EXPECT_EQ(nv, zv);
     for (size_t i = 0; i < base.size(); ++i) {
       dq[i] -= base[i];
       dk[i] -= base[i];
@@ -286,11 +308,11 @@ TEST(AttentionBf16, GradientsAccurateWhenKeysAndQueriesShareAComponent) {
   for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
   std::vector<float> want_dq(s.n()), want_dk(s.n()), want_dv(s.n());
   attention_backward(want_dq.data(), want_dk.data(), want_dv.data(), dout.data(), q.data(),
-                     k.data(), v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.D);
+                     k.data(), v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.D, false);
   std::vector<float> dq(s.n()), dk(s.n()), dv(s.n());
   attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), to_bf16(q).data(),
-                          to_bf16(k).data(), to_bf16(v).data(), out16.data(), lse.data(), s.B,
-                          s.T, s.H, s.D);
+                          to_bf16(k).data(), to_bf16(v).data(), out16.data(), lse.data(), s.B, s.T,
+                          s.H, s.D, false);
   auto relative_rms = [](const std::vector<float>& got, const std::vector<float>& want) {
     double err = 0.0, norm = 0.0;
     for (size_t i = 0; i < got.size(); ++i) {

@@ -110,7 +110,8 @@ TEST(RmsNorm, ForwardAndBackwardMatchReference) {
   for (int threads : {1, 2}) {
     ThreadCount tc(threads);
     std::vector<float> dx = dx0, dw = dw0;
-    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+    rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C,
+                     true);
     EXPECT_LT(max_error(dx, want_dx), 1e-5);
     EXPECT_LT(max_error(dw, want_dw), 1e-5);
     if (first_dw.empty())
@@ -126,8 +127,10 @@ TEST(RmsNorm, ForwardAndBackwardMatchReference) {
     xr[i] = bf16_to_fp32(x16[i]);
   }
   std::vector<float> dx32 = dx0, dw32 = dw0, dx16 = dx0, dw16 = dw0;
-  rmsnorm_backward(dx32.data(), dw32.data(), dout.data(), xr.data(), w.data(), rstd.data(), N, C);
-  rmsnorm_backward(dx16.data(), dw16.data(), dout.data(), x16.data(), w.data(), rstd.data(), N, C);
+  rmsnorm_backward(dx32.data(), dw32.data(), dout.data(), xr.data(), w.data(), rstd.data(), N, C,
+                   true);
+  rmsnorm_backward(dx16.data(), dw16.data(), dout.data(), x16.data(), w.data(), rstd.data(), N, C,
+                   true);
   EXPECT_EQ(dx16, dx32);
   EXPECT_EQ(dw16, dw32);
 }
@@ -179,7 +182,7 @@ TEST(Rope, TableForwardAndBackward) {
                               to_double(x)),
            dx0);
   std::vector<float> dx = dx0;
-  rope_backward(dx.data(), dout.data(), table.data(), B, T, H, D);
+  rope_backward(dx.data(), dout.data(), table.data(), B, T, H, D, true);
   EXPECT_LT(max_error(dx, want), 1e-6);
 }
 
@@ -207,7 +210,7 @@ TEST(SwiGlu, ForwardAndBackwardMatchReference) {
                          to_double(up)),
       du0);
   std::vector<float> dg = dg0, du = du0;
-  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
+  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n, true);
   EXPECT_LT(max_error(dg, want_dg), 1e-5);
   EXPECT_LT(max_error(du, want_du), 1e-5);
 }
@@ -222,7 +225,7 @@ TEST(SwiGlu, LargeAndExtremeGates) {
   for (size_t i = 0; i < std::size(extremes); ++i) gate[n - 1 - i] = extremes[i];
   std::vector<float> out(n), dg(n, 0.5f), du(n, -0.5f);
   swiglu_forward(out.data(), gate.data(), up.data(), n);
-  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n);
+  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n, true);
   for (int64_t i = 0; i < n; ++i) {
     const double g = gate[i], sig = 1.0 / (1.0 + std::exp(-g));
     const double silu = g * sig, dsilu = sig * (1.0 + g * (1.0 - sig));
@@ -240,8 +243,8 @@ TEST(SwiGlu, LargeAndExtremeGates) {
   std::vector<float> upr(n);
   for (int64_t i = 0; i < n; ++i) upr[i] = bf16_to_fp32(up16[i]);
   std::vector<float> dg32(n, 0.5f), du32(n, -0.5f), dg16(n, 0.5f), du16(n, -0.5f);
-  swiglu_backward(dg32.data(), du32.data(), dout.data(), gate.data(), upr.data(), n);
-  swiglu_backward(dg16.data(), du16.data(), dout.data(), gate16.data(), up16.data(), n);
+  swiglu_backward(dg32.data(), du32.data(), dout.data(), gate.data(), upr.data(), n, true);
+  swiglu_backward(dg16.data(), du16.data(), dout.data(), gate16.data(), up16.data(), n, true);
   EXPECT_EQ(dg16, dg32);
   EXPECT_EQ(du16, du32);
 }
@@ -301,8 +304,8 @@ TEST(SwiGlu, IsaBuildsAgreeBitwise) {
              std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
     k.forward(r.out.data(), gate.data(), up.data(), n);
     k.forward_bf16(r.out16.data(), r.g16.data(), r.u16.data(), gate.data(), up.data(), n);
-    k.backward(r.dg.data(), r.du.data(), dout.data(), gate.data(), up.data(), n);
-    k.backward_bf16(r.dg16.data(), r.du16.data(), dout.data(), gate16.data(), up16.data(), n);
+    k.backward(r.dg.data(), r.du.data(), dout.data(), gate.data(), up.data(), n, true);
+    k.backward_bf16(r.dg16.data(), r.du16.data(), dout.data(), gate16.data(), up16.data(), n, true);
     return r;
   };
   const Result a = run(swiglu_kernels_avx2()), b = run(swiglu_kernels_avx512());
@@ -474,6 +477,72 @@ TEST(CrossEntropy, FusedForwardGradientEqualsForwardThenGradient) {
   cross_entropy_forward_gradient_bf16(out16.data(), losses2.data(), logits.data(), targets.data(),
                                       2.0f, N, V);
   for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(out16[i], fp32_to_bf16(want[i])) << i;
+}
+
+// Backward kernels told not to accumulate write their gradient over whatever the buffer held
+// (NaN here): the same bits as accumulating onto zeros. Over threads and partial runs.
+TEST(Backward, OverwritingEqualsAccumulatingOntoZeros) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto bf16_of = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = fp32_to_bf16(v[i]);
+    return out;
+  };
+  {  // SwiGLU, both builds, FP32 and bf16 inputs
+    const int64_t n = 40013;
+    const std::vector<float> gate = random_floats(n, 30, -8.0f, 8.0f), up = random_floats(n, 31);
+    const std::vector<float> dout = random_floats(n, 32);
+    const std::vector<uint16_t> gate16 = bf16_of(gate), up16 = bf16_of(up);
+    std::vector<const SwigluKernels*> builds{&swiglu_kernels_avx2()};
+    if (cpu_features().avx512) builds.push_back(&swiglu_kernels_avx512());
+    for (const SwigluKernels* k : builds) {
+      std::vector<float> zg(n), zu(n), ng(n, nan), nu(n, nan);
+      k->backward(zg.data(), zu.data(), dout.data(), gate.data(), up.data(), n, true);
+      k->backward(ng.data(), nu.data(), dout.data(), gate.data(), up.data(), n, false);
+      EXPECT_EQ(ng, zg);
+      EXPECT_EQ(nu, zu);
+      std::vector<float> zg16(n), zu16(n), ng16(n, nan), nu16(n, nan);
+      k->backward_bf16(zg16.data(), zu16.data(), dout.data(), gate16.data(), up16.data(), n, true);
+      k->backward_bf16(ng16.data(), nu16.data(), dout.data(), gate16.data(), up16.data(), n, false);
+      EXPECT_EQ(ng16, zg16);
+      EXPECT_EQ(nu16, zu16);
+    }
+  }
+  {  // RMSNorm, FP32 and bf16 input; dweight still accumulates
+    const int64_t N = 70, C = 37;
+    const std::vector<float> x = random_floats(N * C, 33, -2.0f, 2.0f), w = random_floats(C, 34);
+    const std::vector<float> dout = random_floats(N * C, 35);
+    const std::vector<uint16_t> x16 = bf16_of(x);
+    std::vector<float> y(N * C), rstd(N);
+    rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+    for (int threads : {1, 2}) {
+      ThreadCount tc(threads);
+      const std::vector<float> dw0 = random_floats(C, 36);
+      std::vector<float> zx(N * C), nx(N * C, nan), zw = dw0, nw = dw0;
+      rmsnorm_backward(zx.data(), zw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C,
+                       true);
+      rmsnorm_backward(nx.data(), nw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C,
+                       false);
+      EXPECT_EQ(nx, zx);
+      EXPECT_EQ(nw, zw);
+      std::vector<float> zx16(N * C), nx16(N * C, nan), w16a = dw0, w16b = dw0;
+      rmsnorm_backward(zx16.data(), w16a.data(), dout.data(), x16.data(), w.data(), rstd.data(), N,
+                       C, true);
+      rmsnorm_backward(nx16.data(), w16b.data(), dout.data(), x16.data(), w.data(), rstd.data(), N,
+                       C, false);
+      EXPECT_EQ(nx16, zx16);
+    }
+  }
+  {  // RoPE
+    const int64_t B = 2, T = 9, H = 3, D = 8, n = B * T * H * D;
+    std::vector<float> table(T * D);
+    rope_table(table.data(), T, D, 10000.0);
+    const std::vector<float> dout = random_floats(n, 37);
+    std::vector<float> z(n), nn(n, nan);
+    rope_backward(z.data(), dout.data(), table.data(), B, T, H, D, true);
+    rope_backward(nn.data(), dout.data(), table.data(), B, T, H, D, false);
+    EXPECT_EQ(nn, z);
+  }
 }
 
 TEST(VectorOps, AddAccumulateAndSumOfSquares) {
