@@ -91,6 +91,20 @@ inline __attribute__((always_inline)) vf min_of(vf a, vf b) {
 }
 #endif
 
+// The square root per lane (IEEE, correctly rounded).
+#if defined(__AVX512F__)
+inline __attribute__((always_inline)) vf sqrt(vf a) {
+  return (vf)_mm512_sqrt_ps((__m512)a);
+}
+#else
+inline __attribute__((always_inline)) vf sqrt(vf a) {
+  Halves x{a}, r;
+  r.h[0] = _mm256_sqrt_ps(x.h[0]);
+  r.h[1] = _mm256_sqrt_ps(x.h[1]);
+  return r.v;
+}
+#endif
+
 // a < b ? b : a per lane (a where either is NaN).
 inline __attribute__((always_inline)) vf max(vf a, vf b) { return max_of(b, a); }
 
