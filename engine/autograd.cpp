@@ -30,13 +30,31 @@ Tape& current_tape() { return tapes().back(); }
 
 }  // namespace
 
+namespace {
+
+void require_fp32(const Tensor& grad) {
+  if (grad.defined() && grad.dtype() != DType::F32)
+    throw std::logic_error(
+        "a second contribution to a gradient its only one wrote rounded to bf16");
+}
+
+}  // namespace
+
+Tensor GradCell::rounded_for_overwrite() {
+  if (!rounded_ok()) return Tensor();
+  grad_ = Tensor::empty(shape_, DType::BF16, MemoryCategory::Workspace);
+  return grad_;
+}
+
 const Tensor& GradCell::get_for_accumulate(float* beta) {
+  require_fp32(grad_);
   *beta = grad_.defined() ? 1.0f : 0.0f;
   if (!grad_.defined()) grad_ = Tensor::empty(shape_, DType::F32, MemoryCategory::Workspace);
   return grad_;
 }
 
 const Tensor& GradCell::get_or_zeros() {
+  require_fp32(grad_);
   if (!grad_.defined()) grad_ = Tensor::zeros(shape_, DType::F32, MemoryCategory::Workspace);
   return grad_;
 }
@@ -101,9 +119,12 @@ ComputeDTypeGuard::~ComputeDTypeGuard() { g_compute_dtype = previous_; }
 
 bool needs_grad(std::initializer_list<const Variable*> inputs) {
   if (!g_grad_enabled) return false;
+  bool any = false;
+  for (const Variable* v : inputs) any = any || v->requires_grad();
+  if (!any) return false;
   for (const Variable* v : inputs)
-    if (v->requires_grad()) return true;
-  return false;
+    if (v->requires_grad()) v->grad_ref()->add_contribution();
+  return true;
 }
 
 void record_backward(const char* op, std::function<void()> backward) {
@@ -151,6 +172,7 @@ Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable&
     y = fn(x).value();
   }
   Variable out = Variable::op_output(y, true);
+  if (x.requires_grad()) x.grad_ref()->add_contribution();
   record_backward("checkpoint", [fn = std::move(fn), xv = x.value(), gx = x.grad_ref(),
                                  gy = out.grad_ref(), dtype = g_compute_dtype] {
     const Tensor& dy = gy->tensor();

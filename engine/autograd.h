@@ -22,14 +22,31 @@ class GradCell {
   // uninitialised on first use with *beta = 0 (the first contribution overwrites it), else
   // *beta = 1.
   const Tensor& get_for_accumulate(float* beta);
-  // The gradient if anything has been accumulated, else an undefined tensor.
+  // The gradient if anything has been accumulated, else an undefined tensor. FP32, or BF16
+  // where its single contribution was written as its rounding (rounded_for_overwrite).
   const Tensor& tensor() const { return grad_; }
   // Accumulate into an existing tensor (a parameter's slice of the flat gradient buffer).
   void bind(const Tensor& grad) { grad_ = grad; }
 
+  // Contributions the backward pass will make: one per input slot of a recorded op that takes
+  // this variable (needs_grad counts them).
+  void add_contribution() { ++contributions_; }
+  int contributions() const { return contributions_; }
+  // Everything that reads this gradient takes only its bf16 rounding (the output of a linear
+  // layer in bf16 mode).
+  void set_read_rounded() { read_rounded_ = true; }
+  // Whether the gradient is read only rounded, will receive exactly one contribution and has
+  // none yet: that contribution may then write its rounding alone.
+  bool rounded_ok() const { return read_rounded_ && contributions_ == 1 && !grad_.defined(); }
+  // Where rounded_ok: a BF16 tensor (workspace) for the contribution to write its rounding into,
+  // which becomes the gradient. Else an undefined tensor: write FP32 as usual.
+  Tensor rounded_for_overwrite();
+
  private:
   Shape shape_;
   Tensor grad_;
+  int contributions_ = 0;
+  bool read_rounded_ = false;
 };
 using GradRef = std::shared_ptr<GradCell>;
 
@@ -108,7 +125,9 @@ class ComputeDTypeGuard {
 };
 
 // True when an op over `inputs` must record a backward: grad is enabled and some input
-// requires a gradient.
+// requires a gradient. Then every input that does is counted as one more contribution to its
+// gradient (GradCell::contributions): each op calls it once, for the inputs its backward will
+// write the gradients of.
 bool needs_grad(std::initializer_list<const Variable*> inputs);
 
 // Appends a backward closure to the current tape; the profiler times it under `op` (a string

@@ -206,6 +206,9 @@ Variable linear(const Variable& x, const Variable& w) {
   const bool grad = needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
+    // In bf16 mode the backward takes only the rounding of its output's gradient: an op whose
+    // backward is that gradient's only contribution may write the rounding alone.
+    if (bf16) out.grad_ref()->set_read_rounded();
     // The gradient of x needs w and that of w needs x: save only what is used.
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
@@ -213,7 +216,8 @@ Variable linear(const Variable& x, const Variable& w) {
                                gy = out.grad_ref(), M, N, K, bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      linear_backward_products(bf16 ? to_bf16(dy) : dy, xv, wv, gx, gw, M, N, K, kLinearGemms);
+      const bool round = bf16 && dy.dtype() != DType::BF16;
+      linear_backward_products(round ? to_bf16(dy) : dy, xv, wv, gx, gw, M, N, K, kLinearGemms);
     });
   }
   return out;
@@ -280,6 +284,12 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
   if (grad) {
     record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
       if (!gy->tensor().defined()) return;
+      if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
+        const Tensor rounded = gx->rounded_for_overwrite();
+        if (rounded.defined())
+          return kernels::rope_backward_bf16(rounded.bf16(), gy->tensor().f32(), table.f32(), B, T,
+                                             H, D);
+      }
       const KernelGrads g = kernel_grads({&gx}, Shape{B, T, H * D});
       kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
                              g.accumulate);
@@ -361,6 +371,13 @@ Variable swiglu(const Variable& gate, const Variable& up) {
                                gu = up.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
+      // Both gradients written as their roundings, where that is all gate's and up's producers
+      // read (linear layers in bf16 mode) and this is their only contribution.
+      if (gg && gu && gs.dtype() == DType::BF16 && gg->rounded_ok() && gu->rounded_ok()) {
+        const Tensor dg16 = gg->rounded_for_overwrite(), du16 = gu->rounded_for_overwrite();
+        return kernels::swiglu_backward_rounded(dg16.bf16(), du16.bf16(), dy.f32(), gs.bf16(),
+                                                us.bf16(), n);
+      }
       const KernelGrads g = kernel_grads({&gg, &gu}, Shape{n});
       const Tensor &dg = g.grads[0], &du = g.grads[1];
       if (gs.dtype() == DType::BF16)
@@ -385,9 +402,15 @@ Variable add(const Variable& a, const Variable& b) {
     record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      // One side after the other (a and b may be the same): the first contribution is a copy.
+      // One side after the other (a and b may be the same): the first contribution is a copy,
+      // or its rounding where that is all the side's producer reads.
       for (const GradRef* g : {&ga, &gb}) {
         if (!*g) continue;
+        const Tensor rounded = (*g)->rounded_for_overwrite();
+        if (rounded.defined()) {
+          kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
+          continue;
+        }
         float beta = 0.0f;
         float* d = (*g)->get_for_accumulate(&beta).f32();
         if (beta == 0.0f)

@@ -66,4 +66,9 @@ void rope_backward(float* dinp, const float* dout, const float* table, int64_t B
   rotate_pairs<true, false>(dinp, dout, table, B, T, H, D);
 }
 
+void rope_backward_bf16(uint16_t* dinp, const float* dout, const float* table, int64_t B, int64_t T,
+                        int64_t H, int64_t D) {
+  rotate_pairs<true, false>(dinp, dout, table, B, T, H, D);
+}
+
 }  // namespace cputrain::kernels

@@ -20,5 +20,9 @@ void rope_forward_bf16(uint16_t* out, const float* inp, const float* table, int6
 // garbage).
 void rope_backward(float* dinp, const float* dout, const float* table, int64_t B, int64_t T,
                    int64_t H, int64_t D, bool accumulate);
+// The inverse rotation of dout rounded to bf16 (fp32_to_bf16 of what rope_backward writes when
+// it does not accumulate).
+void rope_backward_bf16(uint16_t* dinp, const float* dout, const float* table, int64_t B, int64_t T,
+                        int64_t H, int64_t D);
 
 }  // namespace cputrain::kernels

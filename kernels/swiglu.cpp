@@ -33,4 +33,9 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const uint16_t
   kernels().backward_bf16(dgate, dup, dout, gate, up, n, accumulate);
 }
 
+void swiglu_backward_rounded(uint16_t* dgate, uint16_t* dup, const float* dout,
+                             const uint16_t* gate, const uint16_t* up, int64_t n) {
+  kernels().backward_rounded(dgate, dup, dout, gate, up, n);
+}
+
 }  // namespace cputrain::kernels

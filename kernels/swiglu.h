@@ -18,5 +18,9 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* g
 // The same from bf16 gate and up.
 void swiglu_backward(float* dgate, float* dup, const float* dout, const uint16_t* gate,
                      const uint16_t* up, int64_t n, bool accumulate);
+// From bf16 gate and up, dgate and dup written as the bf16 rounding (fp32_to_bf16) of what
+// swiglu_backward writes when it does not accumulate.
+void swiglu_backward_rounded(uint16_t* dgate, uint16_t* dup, const float* dout,
+                             const uint16_t* gate, const uint16_t* up, int64_t n);
 
 }  // namespace cputrain::kernels

@@ -15,6 +15,8 @@ struct SwigluKernels {
                    int64_t n, bool accumulate);
   void (*backward_bf16)(float* dgate, float* dup, const float* dout, const uint16_t* gate,
                         const uint16_t* up, int64_t n, bool accumulate);
+  void (*backward_rounded)(uint16_t* dgate, uint16_t* dup, const float* dout, const uint16_t* gate,
+                           const uint16_t* up, int64_t n);
 };
 
 const SwigluKernels& swiglu_kernels_avx2();

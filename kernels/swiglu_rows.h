@@ -52,6 +52,20 @@ void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, 
   }
 }
 
+// backward_runs overwriting, with the gradients written rounded to bf16 instead.
+void backward_rounded(uint16_t* dgate, uint16_t* dup, const float* dout, const uint16_t* gate,
+                      const uint16_t* up, int64_t n) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf g = get(gate + i, m), dy = get(dout + i, m), sig = sigmoid(g);
+    vec::store_bf16(dgate + i, vf{} + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
+    vec::store_bf16(dup + i, vf{} + dy * (g * sig), m);
+  }
+}
+
 // Runs of kLanes elements (the last one partial), split over threads.
 void forward(float* out, const float* gate, const float* up, int64_t n) {
   const int64_t runs = (n + kLanes - 1) / kLanes;
@@ -79,7 +93,7 @@ void forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* 
 }
 
 constexpr SwigluKernels kSwigluKernels = {forward, forward_bf16, backward_runs<float>,
-                                          backward_runs<uint16_t>};
+                                          backward_runs<uint16_t>, backward_rounded};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail

@@ -177,9 +177,10 @@ class StepReplay {
     cache(v);
     return L_.retain(bf16_ ? v.bf16 : v.value);
   }
-  // A linear layer's backward: dy rounded to bf16 (bf16 mode), then the input's gradient.
-  int linear_backward(int64_t dy_elems, int64_t dx_elems, int existing_dx = -1) {
-    const int dyb = bf16_ ? work(dy_elems * 2) : -1;
+  // A linear layer's backward: dy rounded to bf16 (bf16 mode, unless its producer wrote only the
+  // rounding), then the input's gradient.
+  int linear_backward(int64_t dy_elems, int64_t dx_elems, bool dy_rounded, int existing_dx = -1) {
+    const int dyb = bf16_ && !dy_rounded ? work(dy_elems * 2) : -1;
     const int dx = existing_dx >= 0 ? existing_dx : work(dx_elems * 4);
     L_.release(dyb);
     return dx;
@@ -277,31 +278,34 @@ class StepReplay {
 
   // The block's tape run in reverse from dout, the gradient of its output; returns the
   // gradient of its input. release_dout: whether the block's add is the last holder of dout.
+  // In bf16 mode the gradient of a linear layer's output is written as its rounding alone by
+  // its only contribution where the kernel can (add, swiglu, rope; not attention's dv).
   int block_backward(const BlockTape& t, int dout, bool release_dout) {
     const int64_t nc = n_ * C_, nf = n_ * F_;
+    const int64_t g = bf16_ ? 2 : 4;  // bytes per element of such a gradient
     const int da = work(nc * 4);
-    int dy = work(nc * 4);  // add(a, w2): both gradients
+    int dy = work(nc * g);  // add(a, w2): both gradients, w2's output's rounded
     if (release_dout) L_.release(dout);
-    const int df = linear_backward(nc, nf);  // w2
+    const int df = linear_backward(nc, nf, true);  // w2
     L_.release(t.w2_x);
     L_.release(dy);
-    const int dgate = work(nf * 4), dup = work(nf * 4);  // swiglu (reads bf16 as saved)
+    const int dgate = work(nf * g), dup = work(nf * g);  // swiglu (reads bf16 as saved)
     L_.release(t.sw_gate);
     L_.release(t.sw_up);
     L_.release(df);
-    const int dg = linear_backward(nf, nc);  // w3, recorded last
+    const int dg = linear_backward(nf, nc, true);  // w3, recorded last
     L_.release(t.w3_x);
     L_.release(dup);
-    linear_backward(nf, nc, dg);  // w1
+    linear_backward(nf, nc, true, dg);  // w1
     L_.release(t.w1_x);
     L_.release(dgate);
     L_.release(t.n2_x);
     L_.release(t.n2_rstd);
     L_.release(dg);
     const int dx = work(nc * 4);  // add(x, wo): both gradients
-    dy = work(nc * 4);
+    dy = work(nc * g);
     L_.release(da);
-    const int dattn = linear_backward(nc, nc);  // wo
+    const int dattn = linear_backward(nc, nc, true);  // wo
     L_.release(t.wo_x);
     L_.release(dy);
     const int dq = work(nc * 4), dk = work(nc * 4), dv = work(nc * 4);  // attention
@@ -310,17 +314,17 @@ class StepReplay {
       for (int id : widened) L_.release(id);
     }
     for (int id : {t.att_q, t.att_k, t.att_v, t.att_y, t.att_lse, dattn}) L_.release(id);
-    const int dh = linear_backward(nc, nc);  // wv
+    const int dh = linear_backward(nc, nc, false);  // wv
     L_.release(t.wv_x);
     L_.release(dv);
-    const int dk_pre = work(nc * 4);  // rope k
+    const int dk_pre = work(nc * g);  // rope k
     L_.release(dk);
-    linear_backward(nc, nc, dh);  // wk
+    linear_backward(nc, nc, true, dh);  // wk
     L_.release(t.wk_x);
     L_.release(dk_pre);
-    const int dq_pre = work(nc * 4);  // rope q
+    const int dq_pre = work(nc * g);  // rope q
     L_.release(dq);
-    linear_backward(nc, nc, dh);  // wq
+    linear_backward(nc, nc, true, dh);  // wq
     L_.release(t.wq_x);
     L_.release(dq_pre);
     L_.release(t.n1_x);

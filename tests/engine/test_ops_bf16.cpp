@@ -237,6 +237,49 @@ int64_t saved_activation_bytes(const OpFn& op, const std::vector<Tensor>& inputs
   return held;
 }
 
+// In bf16 mode the gradient of a linear layer's output, when its only contribution comes from
+// swiglu, rope or add, is written as its bf16 rounding alone (all the layer's backward reads);
+// with a second contribution counted it stays FP32 and the layer rounds it. Either way every
+// parameter gradient has the same bits.
+TEST(OpsBf16, LinearOutputGradientsRoundedWhereProducedSameBits) {
+  std::mt19937 rng(7);
+  const int64_t B = 2, T = 5, C = 8, F = 12, H = 2;
+  Tensor table = Tensor::empty(Shape{T, C / H / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(table.f32(), T, C / H, 10000.0);
+  const Tensor x0 = random_tensor(Shape{B, T, C}, rng, false);
+  std::vector<Tensor> w;
+  for (const Shape& s : {Shape{F, C}, Shape{F, C}, Shape{C, F}, Shape{C, C}, Shape{C, C}})
+    w.push_back(random_tensor(s, rng, false, 0.3f));
+  const Tensor r = random_tensor(Shape{B, T, C}, rng, false);
+  auto step = [&](bool extra_contribution, std::vector<DType>* grad_dtypes) {
+    ComputeDTypeGuard precision(DType::BF16);
+    Variable x(x0, true);
+    std::vector<Variable> ws;
+    for (const Tensor& t : w) ws.emplace_back(t, true);
+    const Variable h =
+        add(x, Variable(Tensor::zeros(x0.shape(), DType::F32, MemoryCategory::Workspace), false));
+    const Variable g = linear(h, ws[0]), u = linear(h, ws[1]);
+    const Variable o = linear(swiglu(g, u), ws[2]);
+    const Variable y = linear(h, ws[3]);
+    const Variable l4 = linear(rope(y, table, H), ws[4]);
+    const Variable out = add(add(h, o), l4);
+    // One more contribution counted for each, none made: the rounding moves to the layers.
+    if (extra_contribution)
+      for (const Variable* v : {&g, &u, &o, &y, &l4}) needs_grad({v});
+    backward(out, r);
+    for (const Variable* v : {&g, &u, &o, &y, &l4}) grad_dtypes->push_back(v->grad().dtype());
+    std::vector<std::vector<float>> grads{values(x.grad())};
+    for (const Variable& v : ws) grads.push_back(values(v.grad()));
+    return grads;
+  };
+  std::vector<DType> rounded, unrounded;
+  const auto a = step(false, &rounded), b = step(true, &unrounded);
+  for (DType d : rounded) EXPECT_EQ(d, DType::BF16);
+  for (DType d : unrounded) EXPECT_EQ(d, DType::F32);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "gradient " << i;
+}
+
 TEST(OpsBf16, SavedActivationsAreBf16) {
   std::mt19937 rng(6);
   const int64_t B = 2, T = 16, H = 4, C = 32, E = B * T * C;

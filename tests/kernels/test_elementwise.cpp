@@ -545,6 +545,49 @@ TEST(Backward, OverwritingEqualsAccumulatingOntoZeros) {
   }
 }
 
+// The backward kernels that write a gradient as its bf16 rounding alone: fp32_to_bf16 of what
+// their FP32 form writes, per build, over a partial last run and a NaN.
+TEST(Backward, RoundedGradientsAreTheRoundingOfTheFp32Ones) {
+  auto bf16_of = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = fp32_to_bf16(v[i]);
+    return out;
+  };
+  const int64_t n = 40013;
+  std::vector<float> dout = random_floats(n, 40);
+  dout[n - 3] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<uint16_t> gate16 = bf16_of(random_floats(n, 41, -8.0f, 8.0f));
+  const std::vector<uint16_t> up16 = bf16_of(random_floats(n, 42));
+  std::vector<const SwigluKernels*> builds{&swiglu_kernels_avx2()};
+  if (cpu_features().avx512) builds.push_back(&swiglu_kernels_avx512());
+  for (const SwigluKernels* k : builds) {
+    std::vector<float> dg(n), du(n);
+    k->backward_bf16(dg.data(), du.data(), dout.data(), gate16.data(), up16.data(), n, false);
+    std::vector<uint16_t> dg16(n + 1, 0xBEEF), du16(n + 1, 0xBEEF);
+    k->backward_rounded(dg16.data(), du16.data(), dout.data(), gate16.data(), up16.data(), n);
+    EXPECT_EQ(std::vector<uint16_t>(dg16.begin(), dg16.end() - 1), bf16_of(dg));
+    EXPECT_EQ(std::vector<uint16_t>(du16.begin(), du16.end() - 1), bf16_of(du));
+    EXPECT_EQ(dg16[n], 0xBEEF);
+    EXPECT_EQ(du16[n], 0xBEEF);
+  }
+  std::vector<uint16_t> dg16(n), du16(n);
+  swiglu_backward_rounded(dg16.data(), du16.data(), dout.data(), gate16.data(), up16.data(), n);
+  std::vector<float> dg(n), du(n);
+  swiglu_backward(dg.data(), du.data(), dout.data(), gate16.data(), up16.data(), n, false);
+  EXPECT_EQ(dg16, bf16_of(dg));
+  EXPECT_EQ(du16, bf16_of(du));
+
+  const int64_t B = 2, T = 9, H = 3, D = 8, m = B * T * H * D;
+  std::vector<float> table(T * D);
+  rope_table(table.data(), T, D, 10000.0);
+  const std::vector<float> g = random_floats(m, 43, -3.0f, 3.0f);
+  std::vector<float> want(m);
+  rope_backward(want.data(), g.data(), table.data(), B, T, H, D, false);
+  std::vector<uint16_t> got(m);
+  rope_backward_bf16(got.data(), g.data(), table.data(), B, T, H, D);
+  EXPECT_EQ(got, bf16_of(want));
+}
+
 TEST(VectorOps, AddAccumulateAndSumOfSquares) {
   const int64_t n = 100003;  // several blocks and a tail
   const std::vector<float> a = random_floats(n, 20), b = random_floats(n, 21);
