@@ -188,7 +188,11 @@ Variable embedding(const Variable& table, const Tensor& tokens) {
   return out;
 }
 
-Variable linear(const Variable& x, const Variable& w) {
+namespace {
+
+// linear and linear_rounded; rounded: in bf16 mode the output is written as its bf16 rounding
+// alone.
+Variable linear_op(const Variable& x, const Variable& w, bool rounded) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "linear: x (..., K) and w (N, K)");
@@ -196,13 +200,20 @@ Variable linear(const Variable& x, const Variable& w) {
   const int64_t K = w.shape()[1];
   const int64_t M = x.value().numel() / K;
   Scope scope("linear", Pass::Forward);
-  Tensor y = new_activation(with_last_dim(xs, N));
   const bool bf16 = bf16_mode();
+  rounded = rounded && bf16;
+  Tensor y = new_activation(with_last_dim(xs, N), rounded ? DType::BF16 : DType::F32);
   // In bf16 mode both operands are bf16 roundings: x's is shared with the other ops that take
   // x, w's is the parameter's copy.
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
-  linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+  if (rounded) {
+    Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K));
+    kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K,
+                               y.bf16(), N);
+  } else {
+    linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+  }
   const bool grad = needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -221,6 +232,16 @@ Variable linear(const Variable& x, const Variable& w) {
     });
   }
   return out;
+}
+
+}  // namespace
+
+Variable linear(const Variable& x, const Variable& w) {
+  return linear_op(x, w, false);
+}
+
+Variable linear_rounded(const Variable& x, const Variable& w) {
+  return linear_op(x, w, true);
 }
 
 Variable rmsnorm(const Variable& x, const Variable& w, float eps) {

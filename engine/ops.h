@@ -11,6 +11,10 @@ namespace cputrain {
 Variable embedding(const Variable& table, const Tensor& tokens);
 // x (..., K), w (N, K) -> x w^T (..., N).
 Variable linear(const Variable& x, const Variable& w);
+// linear, for an output only GEMMs and attention read: in bf16 mode its value is its bf16
+// rounding alone (rounded in the GEMM's registers where gemm_bf16_rounded_direct), the same bits
+// as linear's output rounded; ops on FP32 values refuse it. In fp32 mode, linear.
+Variable linear_rounded(const Variable& x, const Variable& w);
 // x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
 Variable rmsnorm(const Variable& x, const Variable& w, float eps);
 // x (B, T, C) seen as (B, T, H, D); table from kernels::rope_table with at least T rows.

@@ -240,6 +240,29 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
   gemm_f32(ta, tb, M, N, K, a, at ? M : K, b, bt ? K : N, beta, C, ldc);
 }
 
+bool gemm_bf16_rounded_direct(int64_t K) {
+  return gemm_backend() == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512) &&
+         K <= gemm_bf16_avx512_block_k();
+}
+
+void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                       const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, uint16_t* C,
+                       int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (gemm_bf16_rounded_direct(K))
+    return gemm_bf16_rounded_avx512(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+  struct Scratch {
+    WorkspaceAllocator allocator = workspace_allocator();
+    size_t bytes;
+    float* data = static_cast<float*>(allocator.allocate(bytes));
+    ~Scratch() { allocator.free(data, bytes); }
+  } scratch{workspace_allocator(), static_cast<size_t>(M * N) * sizeof(float)};
+  gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, 0.0f, scratch.data, N);
+#pragma omp parallel for schedule(static) if (M * N > 65536)
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = fp32_to_bf16(scratch.data[i * N + j]);
+}
+
 bool gemm_backend_available(GemmBackend backend) {
   switch (backend) {
     case GemmBackend::Avx512:

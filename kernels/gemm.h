@@ -28,6 +28,17 @@ void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const
 void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
+// C[M,N] = op(A) op(B) rounded to bf16 (fp32_to_bf16), on bf16 A and B: bitwise what gemm_bf16
+// with beta 0 followed by rounding gives. Where gemm_bf16_rounded_direct, the FP32 products are
+// rounded in the kernel's registers, with no FP32 C anywhere; elsewhere through an FP32 scratch
+// of M x N taken from the workspace allocator for the call.
+void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                       const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, uint16_t* C,
+                       int64_t ldc);
+// Whether gemm_bf16_rounded needs no scratch for an inner dimension of K on the selected backend
+// (the AVX-512 BF16 kernel, K within its one K block).
+bool gemm_bf16_rounded_direct(int64_t K);
+
 // The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
 //   Reference  triple loop in double (the ground truth for tests)
 //   Eigen      Eigen's FP32 GEMM (BF16: widened to FP32, see gemm_bf16_native)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/bf16_pairs_avx512.h"
 #include "kernels/gemm_avx512_tile.h"
@@ -82,10 +83,12 @@ struct Bf16Avx512 {
     }
   }
 
-  static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, float* C, int64_t ldc,
+  // C FP32 (+ beta C) or, for the rounded product, bf16.
+  template <class CT>
+  static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, CT* C, int64_t ldc,
                     float beta, int m, int n) {
     detail::Tile t;
-    detail::prefetch_tile(C, ldc, m);
+    if constexpr (std::is_same_v<CT, float>) detail::prefetch_tile(C, ldc, m);
 #pragma GCC unroll 14
     for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kp; ++p) {
@@ -108,6 +111,16 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
                       const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                       float* C, int64_t ldc) {
   detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                              uint16_t* C, int64_t ldc) {
+  detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, 0.0f, C, ldc);
+}
+
+int64_t gemm_bf16_avx512_block_k() {
+  return Bf16Avx512::KC;
 }
 
 std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(int64_t M, int64_t N, int64_t K) {

@@ -17,6 +17,8 @@
 //   pack_b(Packed* dst, const In* B, ldb, bool trans, j0, n, k0, kc): columns j0..j0+n of op(B)
 //       as ceil(kc / KU) x NR, zero-padded;
 //   micro(kp, a, b, C, ldc, beta, m, n): C[0:m, 0:n] = a * b + beta C (beta 0: overwrite).
+// C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
+// the whole K in one block (K <= KC) and beta 0.
 #pragma once
 
 #include <omp.h>
@@ -26,6 +28,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <stdexcept>
+#include <type_traits>
 
 #include "kernels/gemm_isa.h"
 
@@ -48,14 +52,23 @@ std::array<int64_t, 2> blocked_pack_floats(int64_t M, int64_t N, int64_t K) {
   return {kp_max * nc_max, kp_max * mb_max};
 }
 
-template <class P>
+template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
-                  float beta, float* C, int64_t ldc) {
+                  float beta, CT* C, int64_t ldc) {
   using Packed = typename P::Packed;
   static_assert(sizeof(Packed) == sizeof(float));
   if (M <= 0 || N <= 0) return;
-  if (K <= 0) return scale_c(C, M, N, ldc, beta);
+  if constexpr (std::is_same_v<CT, float>) {
+    if (K <= 0) return scale_c(C, M, N, ldc, beta);
+  } else {
+    if (K <= 0) {
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, uint16_t{0});
+      return;
+    }
+    if (K > P::KC || beta != 0.0f)
+      throw std::logic_error("gemm_blocked: a bf16 C needs K <= KC and beta 0");
+  }
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const auto floats = blocked_pack_floats<P>(M, N, K);

@@ -23,6 +23,11 @@ void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K
 void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                       const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                       float* C, int64_t ldc);
+// gemm_bf16_rounded on the AVX-512 BF16 kernel; K <= gemm_bf16_avx512_block_k().
+void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                              uint16_t* C, int64_t ldc);
+int64_t gemm_bf16_avx512_block_k();
 void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                    const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                    float* C, int64_t ldc);

@@ -102,7 +102,7 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
       const Variable h = rmsnorm(x, p(b.attention_norm), eps);
       q = rope(linear(h, p(b.wq)), rope_table, H);
       k = rope(linear(h, p(b.wk)), rope_table, H);
-      v = linear(h, p(b.wv));
+      v = linear_rounded(h, p(b.wv));  // attention reads only its rounding
     }
     a = add(x, linear(attend(q, k, v), p(b.wo)));
   }

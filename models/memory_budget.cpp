@@ -207,6 +207,17 @@ class StepReplay {
     return y;
   }
 
+  // linear_rounded: in bf16 mode only the output's rounding, through an FP32 scratch where the
+  // GEMM cannot round in its registers (kernels::gemm_bf16_rounded_direct).
+  Var linear_rounded_forward(Var& x, int64_t out_elems, bool grad, int* saved_x) {
+    if (!bf16_) return linear_forward(x, out_elems, grad, saved_x);
+    Var y = rounded_act(out_elems);
+    cache(x);
+    if (!kernels::gemm_bf16_rounded_direct(C_)) L_.release(work(out_elems * 4));
+    if (grad) *saved_x = L_.retain(x.bf16);
+    return y;
+  }
+
   // LlamaModel::block_forward.
   Var block_forward(Var& x, bool grad, BlockTape* t) {
     const int64_t nc = n_ * C_, nf = n_ * F_;
@@ -223,7 +234,7 @@ class StepReplay {
         pre = linear_forward(h, nc, grad, &t->wk_x);
         k = rounded_act(nc);
         drop(pre);
-        v = linear_forward(h, nc, grad, &t->wv_x);
+        v = linear_rounded_forward(h, nc, grad, &t->wv_x);
         drop(h);
       }
       // attention: output (with bf16 products, only its rounding) and log-sum-exp, then q, k, v

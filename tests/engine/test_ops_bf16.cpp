@@ -280,6 +280,43 @@ TEST(OpsBf16, LinearOutputGradientsRoundedWhereProducedSameBits) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "gradient " << i;
 }
 
+// linear_rounded: in bf16 mode its value is linear's rounded (bf16 only, refused by ops on FP32
+// values) and the gradients are linear's; in fp32 mode it is linear. Over a K within the GEMM's
+// one block and one past it (where it rounds through a scratch).
+TEST(OpsBf16, LinearRoundedIsLinearsRounding) {
+  std::mt19937 rng(11);
+  for (const int64_t K : {int64_t{40}, int64_t{600}}) {
+    const Tensor x0 = random_tensor(Shape{3, 7, K}, rng, false);
+    const Tensor w0 = random_tensor(Shape{9, K}, rng, false, 0.2f);
+    const Tensor r = random_tensor(Shape{3, 7, 9}, rng, false);
+    for (DType dtype : {DType::BF16, DType::F32}) {
+      auto run = [&](bool rounded, std::vector<float>* out) {
+        ComputeDTypeGuard precision(dtype);
+        Variable x(x0, true), w(w0, true);
+        const Variable h = add(
+            x, Variable(Tensor::zeros(x0.shape(), DType::F32, MemoryCategory::Workspace), false));
+        const Variable y = rounded ? linear_rounded(h, w) : linear(h, w);
+        *out = values(y.value());
+        EXPECT_EQ(y.value().dtype(), rounded && dtype == DType::BF16 ? DType::BF16 : DType::F32);
+        if (y.value().dtype() == DType::BF16) {
+          EXPECT_THROW(add(y, y), std::invalid_argument);
+        }
+        backward(y, r);
+        return std::vector<std::vector<float>>{values(x.grad()), values(w.grad())};
+      };
+      std::vector<float> plain, rounded;
+      const auto g_plain = run(false, &plain), g_rounded = run(true, &rounded);
+      ASSERT_EQ(plain.size(), rounded.size());
+      for (size_t i = 0; i < plain.size(); ++i)
+        ASSERT_EQ(rounded[i], dtype == DType::BF16
+                                  ? kernels::bf16_to_fp32(kernels::fp32_to_bf16(plain[i]))
+                                  : plain[i])
+            << "K " << K << " element " << i;
+      EXPECT_EQ(g_rounded, g_plain) << "K " << K;
+    }
+  }
+}
+
 TEST(OpsBf16, SavedActivationsAreBf16) {
   std::mt19937 rng(6);
   const int64_t B = 2, T = 16, H = 4, C = 32, E = B * T * C;

@@ -178,6 +178,43 @@ TEST_P(GemmTest, EmptyInnerDimensionScalesC) {
   EXPECT_EQ(D, (std::vector<float>{0.5f, 1.0f, 1.5f, 2.0f}));
 }
 
+// The rounded product is bitwise the rounding of gemm_bf16's FP32 one (beta 0), over every case
+// and both sides of the kernel's one K block (512), with a NaN and an infinity among the
+// inputs; padding columns are untouched. Where it is direct (the AVX-512 BF16 kernel, K within
+// its block) the rounding happens in the kernel; elsewhere through an FP32 scratch.
+TEST_P(GemmTest, Bf16RoundedIsTheRoundingOfTheFp32Product) {
+  std::vector<Case> all = cases();
+  all.push_back({Transpose::No, Transpose::Yes, 130, 97, 512, 3, 0.0f});
+  all.push_back({Transpose::No, Transpose::Yes, 130, 97, 513, 0, 0.0f});
+  all.push_back({Transpose::Yes, Transpose::No, 29, 70, 511, 2, 0.0f});
+  uint32_t seed = 1000;
+  for (const Case& c : all) {
+    std::vector<uint16_t> a(c.a_rows() * c.lda()), b(c.b_rows() * c.ldb());
+    const std::vector<float> A = random_vector(a.size(), seed++),
+                             B = random_vector(b.size(), seed++);
+    fp32_to_bf16_array(a.data(), A.data(), static_cast<int64_t>(a.size()));
+    fp32_to_bf16_array(b.data(), B.data(), static_cast<int64_t>(b.size()));
+    a[0] = fp32_to_bf16(std::numeric_limits<float>::quiet_NaN());
+    b[b.size() - 1] = fp32_to_bf16(std::numeric_limits<float>::infinity());
+    std::vector<float> f(c.M * c.ldc());
+    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), 0.0f, f.data(),
+              c.ldc());
+    std::vector<uint16_t> got(c.M * c.ldc(), 0xBEEF);
+    gemm_bf16_rounded(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), got.data(),
+                      c.ldc());
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t j = 0; j < c.ldc(); ++j) {
+        const size_t at = i * c.ldc() + j;
+        ASSERT_EQ(got[at], j < c.N ? fp32_to_bf16(f[at]) : uint16_t{0xBEEF})
+            << describe(c) << " at " << i << "," << j;
+      }
+  }
+  const bool direct =
+      std::get<0>(GetParam()) == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512);
+  EXPECT_EQ(gemm_bf16_rounded_direct(512), direct);
+  EXPECT_FALSE(gemm_bf16_rounded_direct(513));
+}
+
 // Each output element is computed by one thread in a fixed order, so results are bit-identical
 // for any thread count.
 TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
