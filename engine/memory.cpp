@@ -94,9 +94,11 @@ class BlockCache {
     return largest_;
   }
 
+  // Frees every kept block and forgets the largest block freed.
   void release() {
     std::lock_guard lock(mutex_);
     evict_until(0);
+    largest_ = 0;
   }
 
  private:

@@ -28,7 +28,8 @@ struct MemoryStats {
   // Allocations of 1 MiB and more the block cache did not serve: fresh pages, faulted in and
   // zeroed by the kernel on first touch. A training step after the first makes none.
   int64_t fresh_blocks = 0;
-  // The largest block freed so far: what the cache may hold beyond the peak of live bytes.
+  // The largest block freed since the cache was last emptied (memory_release_cached): what the
+  // cache may hold beyond the peak of live bytes.
   int64_t largest_freed_block_bytes = 0;
 };
 
@@ -41,7 +42,7 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category);
 MemoryStats memory_stats();
 // Sets every peak to the current live figure.
 void memory_reset_peaks();
-// Frees the blocks kept for reuse.
+// Frees the blocks kept for reuse, and forgets the largest block freed so far.
 void memory_release_cached();
 
 // Resident set size and its high-water mark (VmRSS, VmHWM of /proc/self/status).

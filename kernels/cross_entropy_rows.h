@@ -16,27 +16,32 @@
 namespace cputrain::kernels::detail {
 namespace {
 
-inline void ce_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
-                       int64_t N, int64_t V) {
+// log(sum_j exp(x[j])) over one row of V, as max + log(sum exp(x - max)).
+inline double row_lse(const float* x, int64_t V) {
   using vec::kLanes, vec::vf;
   const int64_t whole = V / kLanes * kLanes;
   const int tail = static_cast<int>(V - whole);
   const float lowest = -std::numeric_limits<float>::infinity();
+  vf vmax = vec::splat(lowest);
+  for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
+  if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
+  const float max = vec::hmax(vmax);
+  vf vsum{};
+  for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
+  if (tail) {
+    vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
+    for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
+    vsum += e;
+  }
+  return static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
+}
+
+inline void ce_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
+                       int64_t N, int64_t V) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
-    vf vmax = vec::splat(lowest);
-    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
-    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
-    const float max = vec::hmax(vmax);
-    vf vsum{};
-    for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
-    if (tail) {
-      vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
-      for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
-      vsum += e;
-    }
-    const double l = static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
+    const double l = row_lse(x, V);
     lse[i] = static_cast<float>(l);
     losses[i] = static_cast<float>(l - x[targets[i]]);
   }
@@ -85,22 +90,10 @@ inline void ce_forward_gradient(float* out, uint16_t* out_bf16, float* losses, c
   using vec::kLanes, vec::vf;
   const int64_t whole = V / kLanes * kLanes;
   const int tail = static_cast<int>(V - whole);
-  const float lowest = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
-    vf vmax = vec::splat(lowest);
-    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
-    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
-    const float max = vec::hmax(vmax);
-    vf vsum{};
-    for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
-    if (tail) {
-      vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
-      for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
-      vsum += e;
-    }
-    const double ld = static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
+    const double ld = row_lse(x, V);
     const float l = static_cast<float>(ld);
     const int64_t t = targets[i];
     losses[i] = static_cast<float>(ld - x[t]);

@@ -34,10 +34,19 @@ inline vf get(const uint16_t* p, int m) {
   return vec::load_bf16(p, m);
 }
 
-// gate and up FP32 or bf16.
-template <class In>
-void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, const In* up,
-                   int64_t n, bool accumulate) {
+// A gradient's lanes: FP32 added onto (accumulate) or overwriting what is there, or its bf16
+// rounding (always overwriting).
+inline void store_grad(float* p, vf v, int m, bool accumulate) {
+  put(p, (accumulate ? get(p, m) : vf{}) + v, m);
+}
+inline void store_grad(uint16_t* p, vf v, int m, bool) {
+  vec::store_bf16(p, vf{} + v, m);
+}
+
+// gate and up FP32 or bf16; the gradients FP32 or (Out uint16_t) their bf16 roundings.
+template <class In, class Out>
+void backward_runs(Out* dgate, Out* dup, const float* dout, const In* gate, const In* up, int64_t n,
+                   bool accumulate) {
   const int64_t runs = (n + kLanes - 1) / kLanes;
 #pragma omp parallel for schedule(static) if (n > 16384)
   for (int64_t r = 0; r < runs; ++r) {
@@ -45,25 +54,14 @@ void backward_runs(float* dgate, float* dup, const float* dout, const In* gate, 
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
     const vf g = get(gate + i, m), dy = get(dout + i, m), sig = sigmoid(g);
     // d silu / dg = sig * (1 + g * (1 - sig))
-    const vf base_g = accumulate ? get(dgate + i, m) : vf{},
-             base_u = accumulate ? get(dup + i, m) : vf{};
-    put(dgate + i, base_g + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
-    put(dup + i, base_u + dy * (g * sig), m);
+    store_grad(dgate + i, dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m, accumulate);
+    store_grad(dup + i, dy * (g * sig), m, accumulate);
   }
 }
 
-// backward_runs overwriting, with the gradients written rounded to bf16 instead.
 void backward_rounded(uint16_t* dgate, uint16_t* dup, const float* dout, const uint16_t* gate,
                       const uint16_t* up, int64_t n) {
-  const int64_t runs = (n + kLanes - 1) / kLanes;
-#pragma omp parallel for schedule(static) if (n > 16384)
-  for (int64_t r = 0; r < runs; ++r) {
-    const int64_t i = r * kLanes;
-    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-    const vf g = get(gate + i, m), dy = get(dout + i, m), sig = sigmoid(g);
-    vec::store_bf16(dgate + i, vf{} + dy * get(up + i, m) * sig * (1.0f + g * (1.0f - sig)), m);
-    vec::store_bf16(dup + i, vf{} + dy * (g * sig), m);
-  }
+  backward_runs(dgate, dup, dout, gate, up, n, false);
 }
 
 // Runs of kLanes elements (the last one partial), split over threads.
@@ -92,8 +90,8 @@ void forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* 
   }
 }
 
-constexpr SwigluKernels kSwigluKernels = {forward, forward_bf16, backward_runs<float>,
-                                          backward_runs<uint16_t>, backward_rounded};
+constexpr SwigluKernels kSwigluKernels = {forward, forward_bf16, backward_runs<float, float>,
+                                          backward_runs<uint16_t, float>, backward_rounded};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail

@@ -1,6 +1,7 @@
 #include "models/memory_budget.h"
 
 #include <algorithm>
+#include <map>
 #include <vector>
 
 #include "engine/ops.h"
@@ -16,11 +17,16 @@ using kernels::Transpose;
 int64_t rounded(int64_t bytes) { return (bytes + 63) / 64 * 64; }  // as memory_allocate
 
 // Live and peak bytes per category, with reference-counted entries: an entry is freed when its
-// last holder lets go, as a tensor's storage is.
+// last holder lets go, as a tensor's storage is. Alongside, the allocator's block cache
+// (engine/memory.cpp) on the same sequence: freed blocks of 1 MiB and more kept by size for an
+// allocation of the same size while live + kept bytes stay within the peak of live bytes plus
+// the largest block freed, the largest sizes evicted first to make room; what live + kept reach
+// is what the process holds.
 class Ledger {
  public:
   int alloc(MemoryCategory c, int64_t bytes) {
     entries_.push_back({c, rounded(bytes), 1});
+    if (entries_.back().bytes >= kCachedBlockBytes) take(entries_.back().bytes);
     change(c, entries_.back().bytes);
     return static_cast<int>(entries_.size()) - 1;
   }
@@ -32,8 +38,7 @@ class Ledger {
     if (id < 0) return;
     if (--entries_[id].refs == 0) {
       change(entries_[id].category, -entries_[id].bytes);
-      if (entries_[id].bytes >= kCachedBlockBytes)
-        largest_freed_ = std::max(largest_freed_, entries_[id].bytes);
+      if (entries_[id].bytes >= kCachedBlockBytes) put(entries_[id].bytes);
     }
   }
   void change(MemoryCategory c, int64_t bytes) {
@@ -42,13 +47,38 @@ class Ledger {
     live_total_ += bytes;
     peak_[i] = std::max(peak_[i], live_[i]);
     peak_total_ = std::max(peak_total_, live_total_);
+    held_most_ = std::max(held_most_, live_total_ + cached_);
   }
   const std::array<int64_t, kMemoryCategoryCount>& peak() const { return peak_; }
   int64_t peak_total() const { return peak_total_; }
-  // The largest block freed that the allocator's block cache keeps (engine/memory.cpp).
-  int64_t largest_freed() const { return largest_freed_; }
+  // The most live + cached bytes since restart_held().
+  int64_t held_most() const { return held_most_; }
+  void restart_held() { held_most_ = live_total_ + cached_; }
 
  private:
+  void take(int64_t bytes) {
+    auto it = cache_.find(bytes);
+    if (it != cache_.end() && it->second > 0) {
+      --it->second;
+      cached_ -= bytes;
+      return;
+    }
+    const int64_t limit = std::max<int64_t>(0, peak_total_ + largest_ - live_total_ - bytes);
+    for (auto e = cache_.rbegin(); cached_ > limit && e != cache_.rend(); ++e) {
+      while (cached_ > limit && e->second > 0) {
+        --e->second;
+        cached_ -= e->first;
+      }
+    }
+  }
+  void put(int64_t bytes) {
+    largest_ = std::max(largest_, bytes);
+    if (live_total_ + cached_ + bytes > peak_total_ + largest_) return;
+    ++cache_[bytes];
+    cached_ += bytes;
+    held_most_ = std::max(held_most_, live_total_ + cached_);
+  }
+
   struct Entry {
     MemoryCategory category;
     int64_t bytes;
@@ -56,7 +86,9 @@ class Ledger {
   };
   std::vector<Entry> entries_;
   std::array<int64_t, kMemoryCategoryCount> live_{}, peak_{};
-  int64_t live_total_ = 0, peak_total_ = 0, largest_freed_ = 0;
+  int64_t live_total_ = 0, peak_total_ = 0, held_most_ = 0;
+  std::map<int64_t, int64_t> cache_;  // size -> blocks kept
+  int64_t cached_ = 0, largest_ = 0;
   static constexpr int64_t kCachedBlockBytes = int64_t{1} << 20;
 };
 
@@ -396,12 +428,17 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   const int64_t gemm = gemm_buffers(c, o);
   ledger.change(MemoryCategory::Workspace, gemm);
 
+  // Steps repeat the same allocations; the block cache settles within a few, so the third is
+  // what every later step holds.
+  StepReplay(ledger, c, o).run();
+  StepReplay(ledger, c, o).run();
+  ledger.restart_held();
   StepReplay(ledger, c, o).run();
 
   MemoryBudget b;
   b.peak_bytes = ledger.peak();
   b.step_peak_bytes = ledger.peak_total();
-  b.cache_headroom_bytes = ledger.largest_freed();
+  b.cache_headroom_bytes = std::max<int64_t>(0, ledger.held_most() - ledger.peak_total());
   b.gemm_buffer_bytes = gemm;
   b.corpus_bytes = o.corpus_tokens * 4;
   b.runtime_bytes = kRuntimeBytes;

@@ -36,8 +36,8 @@ struct MemoryBudget {
   int64_t step_peak_bytes = 0;
   // Of the workspace: the GEMM packing and widening buffers at their steady size.
   int64_t gemm_buffer_bytes = 0;
-  // Freed tensors the allocator keeps for the next step beyond the step peak: at most the
-  // largest tensor a step frees (engine/memory.cpp, the block cache).
+  // Freed tensors the allocator's block cache keeps beyond the step peak (at most the largest
+  // tensor a step frees; engine/memory.cpp), from the same replay run over three steps.
   int64_t cache_headroom_bytes = 0;
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;

@@ -68,7 +68,7 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
   }
   t += fmt::format("  {:<38} {:>12}\n", "step peak (all of the above at once)",
                    format_bytes(b.step_peak_bytes));
-  t += fmt::format("  {:<38} {:>12}\n", "kept for the next step (largest freed)",
+  t += fmt::format("  {:<38} {:>12}\n", "kept for the next step (block cache)",
                    format_bytes(b.cache_headroom_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
