@@ -22,6 +22,7 @@ struct Counters {
   std::array<std::atomic<int64_t>, kMemoryCategoryCount> peak{};
   std::atomic<int64_t> live_total{0};
   std::atomic<int64_t> peak_total{0};
+  std::atomic<int64_t> held_peak{0};  // the most live + cached bytes
 };
 
 Counters& counters() {
@@ -89,6 +90,10 @@ class BlockCache {
     std::lock_guard lock(mutex_);
     return fresh_;
   }
+  int64_t cached() {
+    std::lock_guard lock(mutex_);
+    return cached_;
+  }
   int64_t largest() {
     std::lock_guard lock(mutex_);
     return largest_;
@@ -155,6 +160,7 @@ void* memory_allocate(size_t bytes, MemoryCategory category) {
   const auto n = static_cast<int64_t>(rounded);
   raise_peak(c.peak[i], c.live[i].fetch_add(n, std::memory_order_relaxed) + n);
   raise_peak(c.peak_total, c.live_total.fetch_add(n, std::memory_order_relaxed) + n);
+  raise_peak(c.held_peak, c.live_total.load(std::memory_order_relaxed) + block_cache().cached());
   return ptr;
 }
 
@@ -165,10 +171,12 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
   const auto n = static_cast<int64_t>(rounded);
   c.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
   const int64_t live = c.live_total.fetch_sub(n, std::memory_order_relaxed) - n;
-  if (rounded >= BlockCache::kMinBytes)
+  if (rounded >= BlockCache::kMinBytes) {
     block_cache().put(ptr, rounded, live, c.peak_total.load(std::memory_order_relaxed));
-  else
+    raise_peak(c.held_peak, live + block_cache().cached());
+  } else {
     std::free(ptr);
+  }
 }
 
 MemoryStats memory_stats() {
@@ -181,6 +189,7 @@ MemoryStats memory_stats() {
   s.live_total_bytes = c.live_total.load(std::memory_order_relaxed);
   s.peak_total_bytes = c.peak_total.load(std::memory_order_relaxed);
   s.fresh_blocks = block_cache().fresh();
+  s.held_peak_bytes = c.held_peak.load(std::memory_order_relaxed);
   s.largest_freed_block_bytes = block_cache().largest();
   return s;
 }
@@ -189,6 +198,7 @@ void memory_reset_peaks() {
   Counters& c = counters();
   for (int i = 0; i < kMemoryCategoryCount; ++i) c.peak[i].store(c.live[i].load());
   c.peak_total.store(c.live_total.load());
+  c.held_peak.store(c.live_total.load() + block_cache().cached());
 }
 
 ProcessMemory process_memory() {

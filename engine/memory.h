@@ -25,6 +25,8 @@ struct MemoryStats {
   std::array<int64_t, kMemoryCategoryCount> peak_bytes{};
   int64_t live_total_bytes = 0;
   int64_t peak_total_bytes = 0;
+  // The most live bytes plus blocks kept by the cache: what the process holds for tensors.
+  int64_t held_peak_bytes = 0;
   // Allocations of 1 MiB and more the block cache did not serve: fresh pages, faulted in and
   // zeroed by the kernel on first touch. A training step after the first makes none.
   int64_t fresh_blocks = 0;
