@@ -76,7 +76,7 @@ Tensor Variable::bf16_value() const {
   if (v.dtype() == DType::BF16) return v;  // a value that is its own rounding
   Tensor b = Tensor::empty(v.shape(), DType::BF16,
                            impl_->op_output ? MemoryCategory::Activations : MemoryCategory::Workspace);
-  profiler::Scope scope("to bf16", profiler::Pass::Forward);
+  profiler::Scope scope("to bf16", profiler::Pass::Enclosing);
   kernels::fp32_to_bf16_array(b.bf16(), v.f32(), v.numel());
   if (impl_->op_output) impl_->bf16 = b;
   return b;

@@ -69,14 +69,14 @@ uint16_t* bf16_or_null(const Tensor& t) { return t.defined() ? t.bf16() : nullpt
 Tensor as_f32(const Tensor& t) {
   if (t.dtype() == DType::F32) return t;
   Tensor f = Tensor::empty(t.shape(), DType::F32, MemoryCategory::Workspace);
-  Scope scope("to fp32", Pass::Backward);
+  Scope scope("to fp32", Pass::Enclosing);
   kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
   return f;
 }
 
 Tensor to_bf16(const Tensor& t) {
   Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
-  Scope scope("to bf16", Pass::Backward);
+  Scope scope("to bf16", Pass::Enclosing);
   kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
   return b;
 }

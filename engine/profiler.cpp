@@ -56,6 +56,7 @@ void reset() {
 Scope::Scope(const char* name, Pass pass, double flops) : active_(state().enabled) {
   if (!active_) return;
   State& s = state();
+  if (pass == Pass::Enclosing) pass = s.open.empty() ? Pass::Step : s.open.back().pass;
   s.open.push_back(Open{name, pass, flops, s.clock()});
 }
 
@@ -97,6 +98,8 @@ std::string_view pass_name(Pass pass) {
       return "backward";
     case Pass::Step:
       return "step";
+    case Pass::Enclosing:
+      return "enclosing";
   }
   return "?";
 }

@@ -14,7 +14,9 @@
 
 namespace cputrain::profiler {
 
-enum class Pass { Forward, Backward, Step };  // Step: optimizer and other per-step work
+// Step: optimizer and other per-step work. Enclosing: the pass of the innermost open scope
+// (Step where there is none), for helpers both passes call.
+enum class Pass { Forward, Backward, Step, Enclosing };
 
 void set_enabled(bool on);
 bool enabled();

@@ -126,6 +126,18 @@ TEST_F(Profiler, ReportGivesPerStepTimesSharesRatesAndTheRemainder) {
   EXPECT_NE(lines[3].find("(in no scope)"), std::string::npos);
 }
 
+TEST_F(Profiler, EnclosingPassIsTheInnermostOpenScopes) {
+  {
+    Scope outer("attention", Pass::Backward);
+    Scope inner("to fp32", Pass::Enclosing);
+  }
+  { Scope alone("to fp32", Pass::Enclosing); }
+  const auto list = entries();
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_NE(find(list, "to fp32", Pass::Backward), nullptr);
+  EXPECT_NE(find(list, "to fp32", Pass::Step), nullptr);
+}
+
 TEST_F(Profiler, RefusesToToggleOrResetInsideAScope) {
   Scope s("op", Pass::Forward);
   EXPECT_THROW(set_enabled(false), std::logic_error);
