@@ -30,15 +30,11 @@ struct MemoryStats {
   // Allocations of 1 MiB and more the block cache did not serve: fresh pages, faulted in and
   // zeroed by the kernel on first touch. A training step after the first makes none.
   int64_t fresh_blocks = 0;
-  // The largest block freed since the cache was last emptied (memory_release_cached): what the
-  // cache may hold beyond the peak of live bytes.
-  int64_t largest_freed_block_bytes = 0;
 };
 
 // 64-byte aligned and counted as whole 64-byte lines (at least one) under `category` until
 // memory_free. Throws std::bad_alloc. Freed blocks of 1 MiB and more are kept for reuse by an
-// allocation of the same size while live + kept bytes stay within the peak of live bytes plus
-// the largest block freed so far.
+// allocation of the same size (engine/block_cache.h).
 void* memory_allocate(size_t bytes, MemoryCategory category);
 void memory_free(void* ptr, size_t bytes, MemoryCategory category);
 MemoryStats memory_stats();

@@ -1,9 +1,9 @@
 #include "models/memory_budget.h"
 
 #include <algorithm>
-#include <map>
 #include <vector>
 
+#include "engine/block_cache.h"
 #include "engine/ops.h"
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
@@ -18,16 +18,17 @@ int64_t rounded(int64_t bytes) { return (bytes + 63) / 64 * 64; }  // as memory_
 
 // Live and peak bytes per category, with reference-counted entries: an entry is freed when its
 // last holder lets go, as a tensor's storage is. Alongside, the allocator's block cache
-// (engine/memory.cpp) on the same sequence: freed blocks of 1 MiB and more kept by size for an
-// allocation of the same size while live + kept bytes stay within the peak of live bytes plus
-// the largest block freed, the largest sizes evicted first to make room; what live + kept reach
-// is what the process holds.
+// (engine/block_cache.h) on the same sequence, by size alone: what live + kept bytes reach is
+// what the process holds.
 class Ledger {
  public:
   int alloc(MemoryCategory c, int64_t bytes) {
     entries_.push_back({c, rounded(bytes), 1});
-    if (entries_.back().bytes >= kCachedBlockBytes) take(entries_.back().bytes);
-    change(c, entries_.back().bytes);
+    const int64_t n = entries_.back().bytes;
+    char block;
+    if (n >= Cache::kMinBytes)
+      cache_.take(n, live_total_, peak_total_, &block, [](char, int64_t) {});
+    change(c, n);
     return static_cast<int>(entries_.size()) - 1;
   }
   int retain(int id) {
@@ -37,8 +38,10 @@ class Ledger {
   void release(int id) {
     if (id < 0) return;
     if (--entries_[id].refs == 0) {
-      change(entries_[id].category, -entries_[id].bytes);
-      if (entries_[id].bytes >= kCachedBlockBytes) put(entries_[id].bytes);
+      const int64_t n = entries_[id].bytes;
+      change(entries_[id].category, -n);
+      if (n >= Cache::kMinBytes) cache_.put(char{}, n, live_total_, peak_total_);
+      held_most_ = std::max(held_most_, live_total_ + cache_.cached());
     }
   }
   void change(MemoryCategory c, int64_t bytes) {
@@ -47,38 +50,16 @@ class Ledger {
     live_total_ += bytes;
     peak_[i] = std::max(peak_[i], live_[i]);
     peak_total_ = std::max(peak_total_, live_total_);
-    held_most_ = std::max(held_most_, live_total_ + cached_);
+    held_most_ = std::max(held_most_, live_total_ + cache_.cached());
   }
   const std::array<int64_t, kMemoryCategoryCount>& peak() const { return peak_; }
   int64_t peak_total() const { return peak_total_; }
   // The most live + cached bytes since restart_held().
   int64_t held_most() const { return held_most_; }
-  void restart_held() { held_most_ = live_total_ + cached_; }
+  void restart_held() { held_most_ = live_total_ + cache_.cached(); }
 
  private:
-  void take(int64_t bytes) {
-    auto it = cache_.find(bytes);
-    if (it != cache_.end() && it->second > 0) {
-      --it->second;
-      cached_ -= bytes;
-      return;
-    }
-    const int64_t limit = std::max<int64_t>(0, peak_total_ + largest_ - live_total_ - bytes);
-    for (auto e = cache_.rbegin(); cached_ > limit && e != cache_.rend(); ++e) {
-      while (cached_ > limit && e->second > 0) {
-        --e->second;
-        cached_ -= e->first;
-      }
-    }
-  }
-  void put(int64_t bytes) {
-    largest_ = std::max(largest_, bytes);
-    if (live_total_ + cached_ + bytes > peak_total_ + largest_) return;
-    ++cache_[bytes];
-    cached_ += bytes;
-    held_most_ = std::max(held_most_, live_total_ + cached_);
-  }
-
+  using Cache = BlockCache<char>;  // sizes only: a kept block is nothing but its size
   struct Entry {
     MemoryCategory category;
     int64_t bytes;
@@ -87,9 +68,7 @@ class Ledger {
   std::vector<Entry> entries_;
   std::array<int64_t, kMemoryCategoryCount> live_{}, peak_{};
   int64_t live_total_ = 0, peak_total_ = 0, held_most_ = 0;
-  std::map<int64_t, int64_t> cache_;  // size -> blocks kept
-  int64_t cached_ = 0, largest_ = 0;
-  static constexpr int64_t kCachedBlockBytes = int64_t{1} << 20;
+  Cache cache_;
 };
 
 // An activation Variable: its FP32 value and, once taken, its bf16 rounding.
