@@ -1,14 +1,19 @@
 // Elementwise kernel benchmark: SwiGLU (forward, forward with bf16 output, backward) and the
 // cross-entropy forward at the shapes of one mega micro-batch (4096 tokens x ffn 1536; one LM
 // head chunk of 512 rows x vocabulary 16384), for each ISA build this CPU runs (avx2 always,
-// avx512 where present), so the builds can be compared on one machine.
+// avx512 where present), so the builds can be compared on one machine. Next to them, what the
+// memory-bound passes are measured against: the AdamW update over 16M parameters (30 bytes
+// each) and a triad over arrays as large (c = a + s b), and the cost of entering an OpenMP
+// parallel region.
 //
 //   build/bench_elementwise
 //   build/bench_elementwise --benchmark_filter=avx2
+//   build/bench_elementwise --benchmark_filter='memory|openmp'
 //
-// Benchmarks are named elementwise/<isa>/<kernel>, counter GBps (bytes read and written per
-// second).
+// Benchmarks are named elementwise/<isa>/<kernel>, memory/<pass> (counter GBps: bytes read and
+// written per second) and openmp/empty_parallel_region (counter us per region).
 #include <benchmark/benchmark.h>
+#include <omp.h>
 
 #include <cstdint>
 #include <functional>
@@ -16,6 +21,7 @@
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
+#include "kernels/adamw.h"
 #include "kernels/cpu_features.h"
 #include "kernels/cross_entropy_isa.h"
 #include "kernels/swiglu_isa.h"
@@ -74,6 +80,51 @@ void cross_entropy(benchmark::State& state, const CrossEntropyKernels& k) {
   state.counters["GBps"] = 4.0 * kRows * kVocab / timed_median(state, call) / 1e9;
 }
 
+constexpr int64_t kParams = int64_t{16} << 20;
+
+// One AdamW step over kParams parameters with a bf16 copy: reads parameter, gradient, m and v,
+// writes parameter, m, v and the copy (30 bytes per parameter).
+void adamw(benchmark::State& state) {
+  std::vector<float> p = values(kParams, 1.0f), g = values(kParams, 0.01f), m(kParams), v(kParams);
+  std::vector<uint16_t> copy(kParams);
+  kernels::AdamWHyper h;
+  h.weight_decay = 0.1f;
+  auto call = [&] {
+    kernels::adamw_update(p.data(), g.data(), m.data(), v.data(), kParams, h, 1.0f, copy.data());
+  };
+  call();
+  state.counters["GBps"] = 30.0 * kParams / timed_median(state, call) / 1e9;
+}
+
+// c = a + s b over kParams floats, split over the threads: 12 bytes per element.
+void triad(benchmark::State& state) {
+  const std::vector<float> a = values(kParams, 1.0f), b = values(kParams, 2.0f);
+  std::vector<float> c(kParams);
+  auto call = [&] {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < kParams; ++i) c[i] = a[i] + 1.5f * b[i];
+  };
+  call();
+  state.counters["GBps"] = 12.0 * kParams / timed_median(state, call) / 1e9;
+}
+
+// 10000 empty parallel regions of all threads.
+void empty_parallel_regions(benchmark::State& state) {
+  constexpr int kRegions = 10000;
+  int sink = 0;
+  auto call = [&] {
+    for (int r = 0; r < kRegions; ++r) {
+#pragma omp parallel
+      {
+        if (omp_get_thread_num() == 0) sink += 1;
+      }
+    }
+  };
+  call();
+  state.counters["us"] = 1e6 * timed_median(state, call) / kRegions;
+  benchmark::DoNotOptimize(sink);
+}
+
 }  // namespace
 }  // namespace cputrain::bench
 
@@ -102,6 +153,9 @@ int main(int argc, char** argv) {
     register_timed(prefix + "cross_entropy_forward",
                    [ce](benchmark::State& st) { cross_entropy(st, *ce); });
   }
+  register_timed("memory/adamw_update", adamw);
+  register_timed("memory/triad", triad);
+  register_timed("openmp/empty_parallel_region", empty_parallel_regions);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
