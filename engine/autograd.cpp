@@ -28,10 +28,6 @@ std::deque<Tape>& tapes() {
 
 Tape& current_tape() { return tapes().back(); }
 
-}  // namespace
-
-namespace {
-
 void require_fp32(const Tensor& grad) {
   if (grad.defined() && grad.dtype() != DType::F32)
     throw std::logic_error(

@@ -529,26 +529,26 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   if (grad) {
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
-    record_backward("lm_head + cross_entropy",
-                    [dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+    auto backward = [dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
                      gy = out.grad_ref(), N, V, K, bf16] {
-                      const Tensor& dy = gy->tensor();
-                      if (!dy.defined()) return;
-                      const float scale = dy.f32()[0];
-                      if (scale != 1.0f) {  // in place: the tape runs once
-                        if (bf16) {
-                          uint16_t* d = dl.bf16();
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const float scale = dy.f32()[0];
+      if (scale != 1.0f) {  // in place: the tape runs once
+        if (bf16) {
+          uint16_t* d = dl.bf16();
 #pragma omp parallel for schedule(static)
-                          for (int64_t i = 0; i < N * V; ++i)
-                            d[i] = kernels::fp32_to_bf16(scale * kernels::bf16_to_fp32(d[i]));
-                        } else {
-                          float* d = dl.f32();
+          for (int64_t i = 0; i < N * V; ++i)
+            d[i] = kernels::fp32_to_bf16(scale * kernels::bf16_to_fp32(d[i]));
+        } else {
+          float* d = dl.f32();
 #pragma omp parallel for schedule(static)
-                          for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
-                        }
-                      }
-                      linear_backward_products(dl, xv, wv, gx, gw, N, V, K, kLmHeadGemms);
-                    });
+          for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
+        }
+      }
+      linear_backward_products(dl, xv, wv, gx, gw, N, V, K, kLmHeadGemms);
+    };
+    record_backward("lm_head + cross_entropy", std::move(backward));
   }
   return out;
 }

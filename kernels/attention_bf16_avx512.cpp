@@ -250,7 +250,6 @@ struct Head {
   int64_t row, Dp, Dh, Tp;
 };
 
-// Consecutive pieces of a buffer.
 // Consecutive pieces of the calling thread's buffer Which, of `size` words: the sizes are
 // counted by hand, so taking more than that stops the program instead of overrunning.
 template <int Which>

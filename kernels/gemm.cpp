@@ -4,10 +4,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <vector>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
@@ -251,16 +252,14 @@ void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
   if (M <= 0 || N <= 0) return;
   if (gemm_bf16_rounded_direct(K))
     return gemm_bf16_rounded_avx512(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
-  struct Scratch {
-    WorkspaceAllocator allocator = workspace_allocator();
-    size_t bytes;
-    float* data = static_cast<float*>(allocator.allocate(bytes));
-    ~Scratch() { allocator.free(data, bytes); }
-  } scratch{workspace_allocator(), static_cast<size_t>(M * N) * sizeof(float)};
-  gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, 0.0f, scratch.data, N);
-#pragma omp parallel for schedule(static) if (M * N > 65536)
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = fp32_to_bf16(scratch.data[i * N + j]);
+  const WorkspaceAllocator allocator = workspace_allocator();
+  const size_t bytes = static_cast<size_t>(M * N) * sizeof(float);
+  const auto release = [&](float* p) { allocator.free(p, bytes); };
+  const std::unique_ptr<float, decltype(release)> scratch(
+      static_cast<float*>(allocator.allocate(bytes)), release);
+  gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, 0.0f, scratch.get(), N);
+  if (ldc == N) return fp32_to_bf16_array(C, scratch.get(), M * N);
+  for (int64_t i = 0; i < M; ++i) fp32_to_bf16_array(C + i * ldc, scratch.get() + i * N, N);
 }
 
 bool gemm_backend_available(GemmBackend backend) {

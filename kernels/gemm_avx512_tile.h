@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "kernels/vec16.h"
+
 namespace cputrain::kernels::detail {
 namespace {
 
@@ -91,25 +93,11 @@ inline __attribute__((always_inline)) void store_row(float* row, __m512 lo, __m5
   _mm512_mask_storeu_ps(row + 16, mask_hi, hi);
 }
 
-// row[0:n] = the bf16 roundings (as fp32_to_bf16: to nearest even, NaN kept quiet) of (lo, hi).
-inline __attribute__((always_inline)) __m256i round_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x0040));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
+// row[0:n] = the bf16 roundings of (lo, hi) (vec::store_bf16, as fp32_to_bf16 rounds); n <= 32.
 inline __attribute__((always_inline)) void store_row_bf16(uint16_t* row, __m512 lo, __m512 hi,
                                                           int n) {
-  const __mmask16 mask_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-  const __mmask16 mask_hi = n >= 32  ? 0xffff
-                            : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1)
-                                     : 0;
-  _mm256_mask_storeu_epi16(row, mask_lo, round_bf16(lo));
-  _mm256_mask_storeu_epi16(row + 16, mask_hi, round_bf16(hi));
+  vec::store_bf16(row, (vec::vf)lo, n < 16 ? n : 16);
+  if (n > 16) vec::store_bf16(row + 16, (vec::vf)hi, n - 16);
 }
 
 // C[0:m, 0:n] = tile + beta * C.

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <numbers>
 #include <random>
 #include <stdexcept>
@@ -159,10 +158,8 @@ Tensor LlamaModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
   // h is FP32, or in bf16 mode its rounding alone (rmsnorm's output), which is all the head's
   // GEMM takes of it.
   Tensor last = Tensor::empty(Shape{B, C}, h.dtype(), MemoryCategory::Workspace);
-  const size_t bytes = h.dtype() == DType::BF16 ? 2 : 4;
   for (int64_t b = 0; b < B; ++b)
-    std::memcpy(static_cast<char*>(last.raw()) + b * C * bytes,
-                static_cast<const char*>(h.raw()) + (b * T + T - 1) * C * bytes, C * bytes);
+    last.view(b * C, Shape{C}).copy_from(h.view((b * T + T - 1) * C, Shape{C}));
   return linear(Variable(last, false), p(output_)).value();
 }
 

@@ -526,8 +526,8 @@ int run_train(const TrainArgs& args) {
         {"steps", profiled_steps},
         {"ms_per_step", 1e3 * profiled_seconds / static_cast<double>(profiled_steps)},
         {"scopes", nlohmann::json::array()}};
+    const double per = 1.0 / static_cast<double>(profiled_steps);
     for (const profiler::Entry& e : entries) {
-      const double per = 1.0 / static_cast<double>(profiled_steps);
       j["scopes"].push_back({{"name", e.name},
                              {"pass", std::string(profiler::pass_name(e.pass))},
                              {"calls_per_step", static_cast<double>(e.calls) * per},
