@@ -17,6 +17,8 @@
 //   pack_b(Packed* dst, const In* B, ldb, bool trans, j0, n, k0, kc): columns j0..j0+n of op(B)
 //       as ceil(kc / KU) x NR, zero-padded;
 //   micro(kp, a, b, C, ldc, beta, m, n): C[0:m, 0:n] = a * b + beta C (beta 0: overwrite).
+// A policy whose A micro-panels are not pair-major ([p][r]) declares kWholePanelsA = true, so
+// the driver never packs A by ranges of K rows across micro-panels.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 #pragma once
@@ -45,6 +47,14 @@ constexpr int64_t kPackRows = 16;
 // Floats gemm_blocked<P> takes of buffers 0 (B panels) and 1 (A panels) for an M x N x K
 // product with M, N, K > 0.
 template <class P>
+constexpr bool whole_panels_a() {
+  if constexpr (requires { P::kWholePanelsA; })
+    return P::kWholePanelsA;
+  else
+    return false;
+}
+
+template <class P>
 std::array<int64_t, 2> blocked_pack_floats(int64_t M, int64_t N, int64_t K) {
   const int64_t nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
   const int64_t mb_max = std::min<int64_t>(P::MB, (M + P::MR - 1) / P::MR * P::MR);
@@ -70,6 +80,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
       throw std::logic_error("gemm_blocked: a bf16 C needs K <= KC and beta 0");
   }
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
+  const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const auto floats = blocked_pack_floats<P>(M, N, K);
   auto* bpack = reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(floats[0]), 0));
@@ -103,10 +114,10 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
           const int64_t mbn = std::min<int64_t>(P::MB, M - mb);
           const int64_t n_ir = (mbn + MR - 1) / MR;
 #pragma omp for schedule(static)
-          for (int64_t item = 0; item < (at ? k_chunks : n_ir); ++item) {
-            const int64_t k0 = at ? item * kPackRows : 0;
-            const int64_t klen = at ? std::min<int64_t>(kPackRows, kc - k0) : kc;
-            for (int64_t ir = at ? 0 : item; ir < (at ? n_ir : item + 1); ++ir)
+          for (int64_t item = 0; item < (a_by_rows ? k_chunks : n_ir); ++item) {
+            const int64_t k0 = a_by_rows ? item * kPackRows : 0;
+            const int64_t klen = a_by_rows ? std::min<int64_t>(kPackRows, kc - k0) : kc;
+            for (int64_t ir = a_by_rows ? 0 : item; ir < (a_by_rows ? n_ir : item + 1); ++ir)
               P::pack_a(apack + ir * kp * MR + k0 / KU * MR, A, lda, at, mb + ir * MR,
                         std::min<int64_t>(MR, mbn - ir * MR), pc + k0, klen);
           }

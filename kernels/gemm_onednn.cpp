@@ -1,6 +1,7 @@
 // oneDNN behind the GEMM interface: dnnl_sgemm for FP32 (row-major, as ours), and a cached
 // matmul primitive for BF16 inputs with FP32 output. A comparison for the benchmarks and a
 // second path on hardware our kernels are not verified on.
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -29,7 +30,21 @@ struct Bf16Matmul {
   dnnl::matmul primitive;
 };
 
+// oneDNN 2.6's AMX matmul dies on SIGILL (tilezero with no tile configuration) on the
+// Sapphire/Emerald Rapids machines we run on, even in a program of its own with the tile data
+// permission granted; so oneDNN is kept to AVX512_CORE_BF16 unless the user names an ISA
+// (ONEDNN_MAX_CPU_ISA). Must run before oneDNN generates any code.
+void limit_isa() {
+  static const bool done = [] {
+    if (!std::getenv("ONEDNN_MAX_CPU_ISA") && !std::getenv("DNNL_MAX_CPU_ISA"))
+      dnnl::set_max_cpu_isa(dnnl::cpu_isa::avx512_core_bf16);
+    return true;
+  }();
+  (void)done;
+}
+
 dnnl::engine& cpu_engine() {
+  limit_isa();
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }
@@ -54,6 +69,7 @@ void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return detail::scale_c(C, M, N, ldc, beta);
+  limit_isa();
   const dnnl_status_t status =
       dnnl_sgemm(ta == Transpose::Yes ? 'T' : 'N', tb == Transpose::Yes ? 'T' : 'N', M, N, K, 1.0f,
                  A, lda, B, ldb, beta, C, ldc);

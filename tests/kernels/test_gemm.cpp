@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -97,6 +98,8 @@ class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
     if (backend == GemmBackend::Amx && !cpu_features().amx_bf16)
       GTEST_SKIP() << "AMX is absent on this CPU (" << cpu_features_string()
                    << "): the AMX path is not tested here";
+    if (backend == GemmBackend::Amx && !gemm_backend_available(backend))
+      GTEST_FAIL() << "this CPU has AMX but the AMX GEMM failed its self-test against AVX-512";
     if (!gemm_backend_available(backend))
       GTEST_SKIP() << gemm_backend_name(backend) << " does not run on this CPU ("
                    << cpu_features_string() << ")";
@@ -260,8 +263,11 @@ TEST(GemmBackendNames, RoundTripAndAvailability) {
   EXPECT_FALSE(gemm_backend_from_name("", &parsed));
   EXPECT_TRUE(gemm_backend_available(GemmBackend::Reference));
   EXPECT_EQ(gemm_backend_available(GemmBackend::Avx512), cpu_features().avx512);
-  if (!cpu_features().amx_bf16) {
-    EXPECT_FALSE(gemm_backend_available(GemmBackend::Amx));
+  // Where the CPU has AMX, the AMX GEMM must pass its start-up self-test and, unless a backend
+  // is forced, be the default.
+  EXPECT_EQ(gemm_backend_available(GemmBackend::Amx), cpu_features().amx_bf16);
+  if (cpu_features().amx_bf16 && !std::getenv("CPUTRAIN_GEMM")) {
+    EXPECT_EQ(gemm_default_backend(), GemmBackend::Amx);
   }
   EXPECT_TRUE(gemm_backend_available(gemm_default_backend()));
 }
