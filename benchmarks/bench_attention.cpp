@@ -80,8 +80,8 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   peak = cputrain::kernels::measure_peak();
-  std::printf("peak GFLOP/s (measured, all threads): f32 %.1f, bf16 %.1f\n",
-              peak.f32_all_threads, peak.bf16_all_threads);
+  std::printf("peak GFLOP/s (measured, all threads): f32 %.1f, bf16 %.1f, amx %.1f\n",
+              peak.f32_all_threads, peak.bf16_all_threads, peak.amx_all_threads);
   for (const char* name : {"mini", "mega", "behemoth"}) {
     const cputrain::Preset p = *cputrain::find_preset(name);
     const Dims s{name, p.batch, p.config.ctx, p.config.n_heads, p.config.d_model / p.config.n_heads};

@@ -127,15 +127,18 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
 }
 
 void print_summary(const std::vector<Shape>& shapes) {
-  std::printf("\npeak GFLOP/s (measured): f32 %.1f (1 thread %.1f), bf16 %.1f (1 thread %.1f), "
-              "%d threads\n",
-              peak.f32_all_threads, peak.f32_one_thread, peak.bf16_all_threads,
-              peak.bf16_one_thread, omp_get_max_threads());
+  std::printf(
+      "\npeak GFLOP/s (measured): f32 %.1f (1 thread %.1f), bf16 %.1f (1 thread %.1f), "
+      "amx %.1f (1 thread %.1f), %d threads; bf16 %%peak is of %s\n",
+      peak.f32_all_threads, peak.f32_one_thread, peak.bf16_all_threads, peak.bf16_one_thread,
+      peak.amx_all_threads, peak.amx_one_thread, omp_get_max_threads(),
+      peak.bf16_best_instruction());
   std::printf("GFLOP/s, the median of the repetitions\n");
   std::printf("%-5s %-9s %-12s %6s %6s %6s  %7s %7s  %s\n", "dtype", "preset", "product", "M",
               "N", "K", "ours", "onednn", "ours %peak  onednn %peak  ours/onednn  eigen");
   for (const char* dtype : {"f32", "bf16"}) {
-    const double top = std::string(dtype) == "bf16" ? peak.bf16_all_threads : peak.f32_all_threads;
+    const double top =
+        std::string(dtype) == "bf16" ? peak.bf16_best_all_threads() : peak.f32_all_threads;
     for (const Shape& s : shapes) {
       const std::string key = std::string(dtype) + "/" + s.preset + "/" + s.product + "/";
       if (!results.count(key + "ours") || !results.count(key + "onednn")) continue;

@@ -31,10 +31,11 @@ double timed_median(benchmark::State& state, Call&& call) {
   return times.empty() ? 0.0 : times[times.size() / 2];
 }
 
-// The counters GFLOPS and pct_peak (of the measured all-threads peak of the dtype).
+// The counters GFLOPS and pct_peak (of the measured all-threads peak of the dtype; for bf16 the
+// machine's best BF16 instruction, AMX where present).
 inline void report_gflops(benchmark::State& state, double gflops, const kernels::Peak& peak,
                           bool bf16) {
-  const double top = bf16 ? peak.bf16_all_threads : peak.f32_all_threads;
+  const double top = bf16 ? peak.bf16_best_all_threads() : peak.f32_all_threads;
   state.counters["GFLOPS"] = gflops;
   state.counters["pct_peak"] = top > 0 ? 100.0 * gflops / top : 0.0;
 }

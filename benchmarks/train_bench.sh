@@ -6,7 +6,7 @@
 # (TORCH_STEPS timed steps, default 3, after one warm-up; TORCH=0 skips it). Prints one
 # Markdown row per run: tokens/s and ms/step (medians of the steps after the first), MFU, peak
 # RSS, and ours / PyTorch. MFU = tokens/s x FLOPs per token over the peak of that dtype measured
-# here by bench_gemm first; FLOPs per token = 6 x matrix parameters + 6 x layers x ctx x d_model
+# here by bench_gemm first (bf16: AMX tdpbf16ps where the CPU has AMX, else vdpbf16ps); FLOPs per token = 6 x matrix parameters + 6 x layers x ctx x d_model
 # (causal attention, forward and backward).
 #   benchmarks/train_bench.sh                       # all four
 #   benchmarks/train_bench.sh "mega bf16"
@@ -59,8 +59,9 @@ model, train = config["model"], config["train"]
 d, layers, ffn, vocab = model["d_model"], model["n_layers"], model["ffn"], model["vocab"]
 ctx, batch = train["ctx"], train["batch"]
 flops_per_token = 6 * (layers * (4 * d * d + 3 * d * ffn) + vocab * d) + 6 * layers * ctx * d
-m = re.search(r"f32 ([0-9.]+).*bf16 ([0-9.]+)", peak_line)
-peak = (float(m.group(2)) if dtype == "bf16" else float(m.group(1))) * 1e9 if m else 0.0
+m = re.search(r"f32 ([0-9.]+).*bf16 ([0-9.]+).*amx ([0-9.]+)", peak_line)
+bf16_peak = (float(m.group(3)) or float(m.group(2))) if m else 0.0  # AMX where present
+peak = (bf16_peak if dtype == "bf16" else float(m.group(1))) * 1e9 if m else 0.0
 gib = lambda b: b / 2**30
 mfu = lambda tps: f"{100 * tps * flops_per_token / peak:.0f}%" if peak and tps else "-"
 later = rows[1:] or rows

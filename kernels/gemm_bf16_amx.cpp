@@ -4,14 +4,15 @@
 // A micro-panels are packed row by row ([r][p]) so a tile row is 16 consecutive pairs.
 // Pairs left over after the last whole 16 are added with vdpbf16ps.
 //
-// This machine has no AMX: the path is reached only where cpuid and the OS grant AMX, and
-// gemm.cpp checks it against the AVX-512 BF16 path at first use.
+// Reached only where cpuid and the OS grant AMX; gemm.cpp checks it against the AVX-512 BF16
+// path at first use.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 
+#include "kernels/amx_tiles.h"
 #include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
@@ -23,16 +24,6 @@ inline uint32_t pair(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
-// Palette 1: tiles 0-3 hold C (16 rows x 64 bytes), 4-5 A, 6-7 B.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64);
-
 // Another library may configure the tiles its own way between our calls, so each thread
 // loads our configuration once per call of gemm_bf16_amx.
 std::atomic<uint64_t> call_generation{0};
@@ -41,12 +32,7 @@ void configure_tiles() {
   thread_local uint64_t configured = 0;
   const uint64_t generation = call_generation.load(std::memory_order_relaxed);
   if (configured == generation) return;
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
+  load_full_tile_config();  // tiles 0-3 hold C, 4-5 A, 6-7 B
   configured = generation;
 }
 

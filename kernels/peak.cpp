@@ -50,6 +50,10 @@ Peak measure_peak(int64_t iterations, int repetitions) {
     p.bf16_one_thread = best_rate(dpbf16_avx512_loop, 1, iterations, repetitions);
     p.bf16_all_threads = best_rate(dpbf16_avx512_loop, all, iterations, repetitions);
   }
+  if (cpu.amx_bf16) {
+    p.amx_one_thread = best_rate(tdpbf16_amx_loop, 1, iterations, repetitions);
+    p.amx_all_threads = best_rate(tdpbf16_amx_loop, all, iterations, repetitions);
+  }
   return p;
 }
 

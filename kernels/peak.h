@@ -11,16 +11,27 @@ namespace cputrain::kernels {
 double fma_f32_avx2_loop(int64_t iterations);
 double fma_f32_avx512_loop(int64_t iterations);
 double dpbf16_avx512_loop(int64_t iterations);
+// The same for AMX tdpbf16ps (iterations / 4 rounds of two), only where AMX is usable.
+double tdpbf16_amx_loop(int64_t iterations);
 
 struct Peak {
   double f32_one_thread = 0, f32_all_threads = 0;    // GFLOP/s
-  double bf16_one_thread = 0, bf16_all_threads = 0;  // GFLOP/s
+  double bf16_one_thread = 0, bf16_all_threads = 0;  // GFLOP/s, vdpbf16ps
+  double amx_one_thread = 0, amx_all_threads = 0;    // GFLOP/s, AMX tdpbf16ps (0 without AMX)
+
+  // The BF16 rate this machine's best BF16 path runs at: AMX where the CPU has it.
+  double bf16_best_all_threads() const {
+    return amx_all_threads > 0 ? amx_all_threads : bf16_all_threads;
+  }
+  const char* bf16_best_instruction() const {
+    return amx_all_threads > 0 ? "AMX tdpbf16ps" : "vdpbf16ps";
+  }
 };
 
 // The best of `repetitions` timed runs of `iterations` rounds each, on 1 thread and on all
 // threads; zero for a rate this CPU cannot reach with vector instructions (bf16 without
-// AVX512_BF16). FP32 uses AVX-512 where the CPU has it, else AVX2. With the defaults it takes a
-// few seconds (benchmarks); training uses a short measurement.
+// AVX512_BF16, AMX without AMX). FP32 uses AVX-512 where the CPU has it, else AVX2. With the
+// defaults it takes a few seconds (benchmarks); training uses a short measurement.
 Peak measure_peak(int64_t iterations = 20'000'000, int repetitions = 5);
 
 }  // namespace cputrain::kernels

@@ -441,12 +441,15 @@ int run_train(const TrainArgs& args) {
   // MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
   // (about 0.1 s).
   const kernels::Peak peak = kernels::measure_peak(2'000'000, 3);
-  const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_all_threads > 0;
-  const double peak_gflops = bf16_peak ? peak.bf16_all_threads : peak.f32_all_threads;
+  // In bf16 the peak is the machine's best BF16 instruction (AMX where present), whichever GEMM
+  // runs.
+  const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_best_all_threads() > 0;
+  const double peak_gflops = bf16_peak ? peak.bf16_best_all_threads() : peak.f32_all_threads;
   const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
   if (peak_gflops > 0)
-    log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}; training FLOPs per token: {:.3g}",
-              config.threads, peak_gflops, bf16_peak ? "bf16 (vdpbf16ps)" : "fp32 (FMA)",
+    log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}{}; training FLOPs per token: {:.3g}",
+              config.threads, peak_gflops, bf16_peak ? "bf16 " : "fp32 (FMA)",
+              bf16_peak ? std::string("(") + peak.bf16_best_instruction() + ")" : std::string(),
               flops_per_token);
   log->info("dtype: {} ({}); gradient checkpointing: {}",
             config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
