@@ -17,11 +17,16 @@ and the peak resident set (ru_maxrss). Installed by `tools/install_deps.sh --tor
 import argparse
 import json
 import math
+import os
 import resource
 import statistics
 import sys
 import time
 
+# Debian's PyTorch 1.13 runs bf16 through oneDNN 2.6, whose AMX kernels die on SIGILL on the
+# Xeons with AMX we have run on; it is kept to AVX512_CORE_BF16 there, as cputrain's oneDNN backend
+# is (kernels/gemm_onednn.cpp), unless ONEDNN_MAX_CPU_ISA is set. Must precede the import.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 import torch
 import torch.utils.checkpoint
 

@@ -25,6 +25,9 @@ inline void load_full_tile_config() {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
+  // GCC 12 does not count ldtilecfg as reading its operand and may drop the stores above
+  // (seen at -O2: only the palette byte was written, so every later tile instruction faulted).
+  __asm__ volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 

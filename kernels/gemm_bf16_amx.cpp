@@ -14,15 +14,12 @@
 
 #include "kernels/amx_tiles.h"
 #include "kernels/gemm_avx512_tile.h"
+#include "kernels/gemm_bf16_packing.h"
 #include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
 
 namespace cputrain::kernels {
 namespace {
-
-inline uint32_t pair(uint16_t lo, uint16_t hi) {
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
 
 // Another library may configure the tiles its own way between our calls, so each thread
 // loads our configuration once per call of gemm_bf16_amx.
@@ -47,42 +44,40 @@ struct Bf16Amx {
   static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,
                      int64_t m, int64_t k0, int64_t kc) {
     const int64_t kp = (kc + 1) / 2;
-    for (int64_t r = 0; r < MR; ++r) {
-      uint32_t* row = dst + r * kp;
-      if (r >= m) {
-        std::fill(row, row + kp, 0u);
-        continue;
-      }
-      if (!trans) {  // A stored (M, K): the pairs of a row are already consecutive
+    if (!trans) {  // A stored (M, K): the pairs of a row are already consecutive
+      for (int64_t r = 0; r < MR; ++r) {
+        uint32_t* row = dst + r * kp;
+        if (r >= m) {
+          std::fill(row, row + kp, 0u);
+          continue;
+        }
         const uint16_t* src = A + (i0 + r) * lda + k0;
         std::memcpy(row, src, static_cast<size_t>(kc / 2) * sizeof(uint32_t));
-        if (kc % 2) row[kp - 1] = pair(src[kc - 1], 0);
-        continue;
+        if (kc % 2) row[kp - 1] = detail::bf16_pair(src[kc - 1], 0);
       }
-      for (int64_t p = 0; p < kp; ++p) {
-        const int64_t k = k0 + 2 * p;
-        row[p] = pair(A[k * lda + i0 + r], 2 * p + 1 < kc ? A[(k + 1) * lda + i0 + r] : 0);
+      return;
+    }
+    // A stored (K, M): interleave rows k and k + 1 into 16 pairs x 32 rows, then transpose.
+    alignas(64) uint32_t block[16 * MR];
+    for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+      const int np = static_cast<int>(std::min<int64_t>(16, kp - p0));
+      for (int q = 0; q < np; ++q) {
+        const int64_t p = p0 + q;
+        const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
+        const uint16_t* next = 2 * p + 1 < kc ? row + lda : nullptr;
+        detail::prefetch_ahead(row, next);
+        detail::interleave_pairs(block + q * MR, row, next, static_cast<int>(m), MR);
       }
+      for (int64_t half = 0; half < 2; ++half)
+        detail::pack_transposed(dst + half * 16 * kp + p0, kp, np, block + half * 16, MR * 4, np,
+                                16);
     }
   }
 
-  // dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c])
+  // dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c]), as the AVX-512 BF16 kernel
   static void pack_b(uint32_t* dst, const uint16_t* B, int64_t ldb, bool trans, int64_t j0,
                      int64_t n, int64_t k0, int64_t kc) {
-    const int64_t kp = (kc + 1) / 2;
-    for (int64_t p = 0; p < kp; ++p) {
-      const int64_t k = k0 + 2 * p;
-      const bool second = 2 * p + 1 < kc;
-      for (int64_t c = 0; c < NR; ++c) {
-        if (c >= n) {
-          dst[p * NR + c] = 0;
-          continue;
-        }
-        const int64_t j = j0 + c;
-        dst[p * NR + c] = trans ? pair(B[j * ldb + k], second ? B[j * ldb + k + 1] : 0)
-                                : pair(B[k * ldb + j], second ? B[(k + 1) * ldb + j] : 0);
-      }
-    }
+    detail::pack_b_pairs32(dst, B, ldb, trans, j0, n, k0, kc);
   }
 
   static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, float* C, int64_t ldc,
