@@ -42,11 +42,19 @@ bool attention_bf16_native() {
          (gemm == GemmBackend::Avx512 || gemm == GemmBackend::Amx);
 }
 
+// The bf16 attention's products on AMX tiles where the GEMM runs on AMX (which passed its
+// self-test); CPUTRAIN_GEMM=avx512 keeps both on vdpbf16ps.
+namespace {
+bool attention_amx() {
+  return cpu_features().amx_bf16 && gemm_backend() == GemmBackend::Amx;
+}
+}  // namespace
+
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D) {
   if (!attention_bf16_native())
     throw std::logic_error("attention_forward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
-  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, D);
+  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, D, attention_amx());
 }
 
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
@@ -55,7 +63,8 @@ void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
                              bool accumulate) {
   if (!attention_bf16_native())
     throw std::logic_error("attention_backward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
-  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate);
+  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate,
+                                 attention_amx());
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values,

@@ -96,9 +96,18 @@ void dp_columns(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uin
 }
 
 // C[0:M, 0:N] (+)= A B over `pairs` bf16 pairs: A (M x pairs, row stride lda), B (pairs x N,
-// row stride ldb), N a multiple of 16.
-void dp_product(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
+// row stride ldb), N a multiple of 16. With amx, the rows in whole tiles of 16 go to AMX where
+// pairs is a multiple of 16 (the tile configuration loaded on this thread), the rest here.
+void dp_product(bool amx, float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
                 int64_t ldb, int64_t M, int64_t N, int64_t pairs, bool accumulate) {
+  if (amx && pairs % 16 == 0 && M >= 16) {
+    const int64_t tiled = M / 16 * 16;
+    attention_product_amx(C, ldc, A, lda, B, ldb, tiled, N, pairs, accumulate);
+    if (tiled == M) return;
+    C += tiled * ldc;
+    A += tiled * lda;
+    M -= tiled;
+  }
   for (int64_t n0 = 0; n0 < N; n0 += 64) {
     switch (std::min<int64_t>(4, (N - n0) / 16)) {
       case 4:
@@ -240,12 +249,14 @@ void rows_centered(uint32_t* dst, const uint32_t* src, const float* mean, int64_
 // One head's shapes: rows of H * D values, D padded to Dp (a multiple of 16, Dh pairs), T to Tp
 // (whole tiles).
 struct Head {
-  Head(int64_t T, int64_t H, int64_t D)
-      : scale(1.0f / std::sqrt(static_cast<float>(D))),
+  Head(int64_t T, int64_t H, int64_t D, bool amx)
+      : amx(amx),
+        scale(1.0f / std::sqrt(static_cast<float>(D))),
         row(H * D),
         Dp((D + 15) / 16 * 16),
         Dh(Dp / 2),
         Tp((T + kTile - 1) / kTile * kTile) {}
+  bool amx;  // products on AMX tiles
   float scale;
   int64_t row, Dp, Dh, Tp;
 };
@@ -272,8 +283,9 @@ struct Carve {
 }  // namespace
 
 void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D) {
-  const Head hd(T, H, D);
+                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D,
+                                   bool amx) {
+  const Head hd(T, H, D, amx);
   const float scale = hd.scale;
   const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
 #pragma omp parallel
@@ -287,6 +299,7 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
     float *S = tile.floats(kTile * kTile), *O = tile.floats(kTile * Dp);
     uint32_t* Pb = tile.words(kTile * kTilePairs);
     float *m = tile.floats(kTile), *l = tile.floats(kTile);
+    if (hd.amx) attention_amx_configure();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
@@ -303,7 +316,8 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
         std::fill(l, l + rows, 0.0f);
         for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
-          dp_product(S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh, false);
+          dp_product(hd.amx, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
+                     false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t valid = std::min(cols, i0 + r - j0 + 1);
             __m512 x[4];
@@ -333,7 +347,8 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
                 _mm512_storeu_ps(o + d,
                                  _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
           }
-          dp_product(O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs, true);
+          dp_product(hd.amx, O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs,
+                     true);
         }
         for (int64_t r = 0; r < rows; ++r) {
           uint16_t* dst = out + off + (i0 + r) * row;
@@ -352,8 +367,8 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
 void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
                                     const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t D, bool accumulate) {
-  const Head hd(T, H, D);
+                                    int64_t H, int64_t D, bool accumulate, bool amx) {
+  const Head hd(T, H, D, amx);
   const float scale = hd.scale;
   const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
 #pragma omp parallel
@@ -378,6 +393,7 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
     float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
     uint32_t *Pb = tile.words(kTile * kTilePairs), *Pi = tile.words(kTile * kTilePairs);
     uint32_t *dSb = tile.words(kTile * kTilePairs), *dSi = tile.words(kTile * kTilePairs);
+    if (hd.amx) attention_amx_configure();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
@@ -424,8 +440,10 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
         for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
         for (int64_t i0 = j0; i0 < T; i0 += kTile) {
           const int64_t rows = std::min(kTile, T - i0);
-          dp_product(P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh, false);
-          dp_product(dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh, false);
+          dp_product(hd.amx, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
+                     false);
+          dp_product(hd.amx, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh,
+                     false);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t valid = std::min(cols, i0 + r - j0 + 1);
             const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r]);
@@ -449,9 +467,11 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
           pairs_along_rows(Pi, Pb, kTile, kTile);
           pairs_along_rows(dSi, dSb, kTile, kTile);
           // dV^T += dO^T P, dK^T += (Q - m_Q)^T dS, dQ += dS (K - m_K) (the scale is in dS).
-          dp_product(dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs, true);
-          dp_product(dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs, true);
-          dp_product(dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp, rows, Dp,
+          dp_product(hd.amx, dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs,
+                     true);
+          dp_product(hd.amx, dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs,
+                     true);
+          dp_product(hd.amx, dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp, rows, Dp,
                      kTilePairs, true);
         }
         // dK^T += m_Q (column sums of dS)^T

@@ -17,12 +17,20 @@ void attention_forward_avx512(float* out, float* lse, const float* q, const floa
 void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                const float* k, const float* v, const float* out, const float* lse,
                                int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate);
+// amx: the products on AMX tiles (attention_product_amx), only where cpu_features().amx_bf16.
 void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                                   const uint16_t* v, int64_t B, int64_t T, int64_t H,
-                                   int64_t D);
+                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D,
+                                   bool amx);
 void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
                                     const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t D, bool accumulate);
+                                    int64_t H, int64_t D, bool accumulate, bool amx);
+
+// AMX (attention_amx.cpp): loads the tile configuration on the calling thread; then
+// C[0:M, 0:N] (+)= A B with A (M x pairs, row stride lda) and B (pairs x N, row stride ldb) as
+// bf16 pairs, M, N and pairs multiples of 16.
+void attention_amx_configure();
+void attention_product_amx(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
+                           int64_t ldb, int64_t M, int64_t N, int64_t pairs, bool accumulate);
 
 }  // namespace cputrain::kernels

@@ -222,10 +222,10 @@ std::vector<double> from_bf16(const std::vector<uint16_t>& x) {
   return out;
 }
 
-// The bf16 kernels (vdpbf16ps) against the double reference on the bf16 values of q, k, v.
-// P, dout and dS are rounded to bf16 inside (relative error up to 2^-9 each) and so is the
-// output, so the tolerance is that of a few bf16 roundings, not of FP32; lse comes from FP32
-// scores.
+// The bf16 kernels (vdpbf16ps, or AMX tiles where the GEMM runs on AMX) against the double
+// reference on the bf16 values of q, k, v. P, dout and dS are rounded to bf16 inside (relative
+// error up to 2^-9 each) and so is the output, so the tolerance is that of a few bf16 roundings,
+// not of FP32; lse comes from FP32 scores.
 TEST_P(AttentionTiles, Bf16MatchesReference) {
   if (!attention_bf16_native()) GTEST_SKIP() << "no AVX-512 BF16 here, or a lower GEMM path forced";
   const Dims s = GetParam();
@@ -331,7 +331,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTiles,
                                            Dims{3, 4, 1, 3}, Dims{1, 1, 1, 64}, Dims{1, 64, 1, 64},
                                            Dims{2, 65, 2, 16}, Dims{1, 200, 1, 64},
                                            Dims{1, 130, 3, 12}, Dims{2, 129, 2, 40},
-                                           Dims{1, 70, 1, 96}),
+                                           Dims{1, 70, 1, 96}, Dims{1, 100, 2, 64}),
                          [](const auto& info) {
                            const Dims& d = info.param;
                            std::ostringstream name;
