@@ -83,12 +83,43 @@ struct Bf16Amx {
   static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, float* C, int64_t ldc,
                     float beta, int m, int n) {
     configure_tiles();
+    const int64_t a_stride = kp * 4, b_stride = NR * 4;
+    // A whole 32 x 32 block with beta 0 or 1 and whole tiles along K: C goes through the tiles.
+    if (m == MR && n == NR && kp % 16 == 0 && (beta == 0.0f || beta == 1.0f)) {
+      const int64_t c_stride = ldc * 4;
+      if (beta == 0.0f) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, C, c_stride);
+        _tile_loadd(1, C + 16, c_stride);
+        _tile_loadd(2, C + 16 * ldc, c_stride);
+        _tile_loadd(3, C + 16 * ldc + 16, c_stride);
+      }
+      for (int64_t p = 0; p < kp; p += 16) {
+        _tile_loadd(4, a + p, a_stride);
+        _tile_loadd(6, b + p * NR, b_stride);
+        _tile_loadd(7, b + p * NR + 16, b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a + 16 * kp + p, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, C, c_stride);
+      _tile_stored(1, C + 16, c_stride);
+      _tile_stored(2, C + 16 * ldc, c_stride);
+      _tile_stored(3, C + 16 * ldc + 16, c_stride);
+      return;
+    }
+    // Otherwise through a block of FP32 on the stack, pairs past the last whole 16 on vdpbf16ps.
     alignas(64) float acc[MR * NR];
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const int64_t a_stride = kp * 4, b_stride = NR * 4;
     const int64_t whole = kp / 16 * 16;
     for (int64_t p = 0; p < whole; p += 16) {
       _tile_loadd(4, a + p, a_stride);
