@@ -242,7 +242,9 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
 }
 
 bool gemm_bf16_rounded_direct(int64_t K) {
-  return gemm_backend() == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512) &&
+  const GemmBackend backend = gemm_backend();
+  if (backend == GemmBackend::Amx) return K <= gemm_bf16_amx_block_k();
+  return backend == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512) &&
          K <= gemm_bf16_avx512_block_k();
 }
 
@@ -250,8 +252,11 @@ void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
                        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, uint16_t* C,
                        int64_t ldc) {
   if (M <= 0 || N <= 0) return;
-  if (gemm_bf16_rounded_direct(K))
+  if (gemm_bf16_rounded_direct(K)) {
+    if (gemm_backend() == GemmBackend::Amx)
+      return gemm_bf16_rounded_amx(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
     return gemm_bf16_rounded_avx512(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
+  }
   const WorkspaceAllocator allocator = workspace_allocator();
   const size_t bytes = static_cast<size_t>(M * N) * sizeof(float);
   const auto release = [&](float* p) { allocator.free(p, bytes); };

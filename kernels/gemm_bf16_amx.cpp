@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/amx_tiles.h"
 #include "kernels/gemm_avx512_tile.h"
@@ -88,12 +89,17 @@ struct Bf16Amx {
     detail::pack_b_pairs32(dst, B, ldb, trans, j0, n, k0, kc);
   }
 
-  static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, float* C, int64_t ldc,
+  // C FP32 (+ beta C) or, for the rounded product (beta 0), bf16.
+  template <class CT>
+  static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, CT* C, int64_t ldc,
                     float beta, int m, int n) {
+    constexpr bool fp32_c = std::is_same_v<CT, float>;
     configure_tiles();
     const int64_t a_stride = kp * 4, b_stride = NR * 4;
-    // A whole 32 x 32 block with beta 0 or 1 and whole tiles along K: C goes through the tiles.
-    if (m == MR && n == NR && kp % 16 == 0 && (beta == 0.0f || beta == 1.0f)) {
+    // A whole 32 x 32 FP32 block with beta 0 or 1 and whole tiles along K: C goes through the
+    // tiles.
+    if (fp32_c && m == MR && n == NR && kp % 16 == 0 && (beta == 0.0f || beta == 1.0f)) {
+      auto* Cf = reinterpret_cast<float*>(C);
       const int64_t c_stride = ldc * 4;
       if (beta == 0.0f) {
         _tile_zero(0);
@@ -101,10 +107,10 @@ struct Bf16Amx {
         _tile_zero(2);
         _tile_zero(3);
       } else {
-        _tile_loadd(0, C, c_stride);
-        _tile_loadd(1, C + 16, c_stride);
-        _tile_loadd(2, C + 16 * ldc, c_stride);
-        _tile_loadd(3, C + 16 * ldc + 16, c_stride);
+        _tile_loadd(0, Cf, c_stride);
+        _tile_loadd(1, Cf + 16, c_stride);
+        _tile_loadd(2, Cf + 16 * ldc, c_stride);
+        _tile_loadd(3, Cf + 16 * ldc + 16, c_stride);
       }
       for (int64_t p = 0; p < kp; p += 16) {
         prefetch_b_ahead(b, p, NR);
@@ -117,13 +123,14 @@ struct Bf16Amx {
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
-      _tile_stored(0, C, c_stride);
-      _tile_stored(1, C + 16, c_stride);
-      _tile_stored(2, C + 16 * ldc, c_stride);
-      _tile_stored(3, C + 16 * ldc + 16, c_stride);
+      _tile_stored(0, Cf, c_stride);
+      _tile_stored(1, Cf + 16, c_stride);
+      _tile_stored(2, Cf + 16 * ldc, c_stride);
+      _tile_stored(3, Cf + 16 * ldc + 16, c_stride);
       return;
     }
-    // Otherwise through a block of FP32 on the stack, pairs past the last whole 16 on vdpbf16ps.
+    // Otherwise through a block of FP32 on the stack, pairs past the last whole 16 on vdpbf16ps,
+    // rounded to bf16 there for a bf16 C.
     alignas(64) float acc[MR * NR];
     _tile_zero(0);
     _tile_zero(1);
@@ -152,7 +159,10 @@ struct Bf16Amx {
         lo = _mm512_dpbf16_ps(lo, av, (__m512bh)_mm512_load_si512(b + p * NR));
         hi = _mm512_dpbf16_ps(hi, av, (__m512bh)_mm512_load_si512(b + p * NR + 16));
       }
-      detail::store_row(C + r * ldc, lo, hi, beta, n);
+      if constexpr (fp32_c)
+        detail::store_row(C + r * ldc, lo, hi, beta, n);
+      else
+        detail::store_row_bf16(C + r * ldc, lo, hi, n);
     }
   }
 };
@@ -164,6 +174,17 @@ void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                    float* C, int64_t ldc) {
   call_generation.fetch_add(1, std::memory_order_relaxed);
   detail::gemm_blocked<Bf16Amx>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+void gemm_bf16_rounded_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                           const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                           uint16_t* C, int64_t ldc) {
+  call_generation.fetch_add(1, std::memory_order_relaxed);
+  detail::gemm_blocked<Bf16Amx>(ta, tb, M, N, K, A, lda, B, ldb, 0.0f, C, ldc);
+}
+
+int64_t gemm_bf16_amx_block_k() {
+  return Bf16Amx::KC;
 }
 
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(int64_t M, int64_t N, int64_t K) {

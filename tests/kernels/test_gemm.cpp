@@ -216,8 +216,9 @@ TEST_P(GemmTest, Bf16RoundedIsTheRoundingOfTheFp32Product) {
             << describe(c) << " at " << i << "," << j;
       }
   }
-  const bool direct =
-      std::get<0>(GetParam()) == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512);
+  const GemmBackend backend = std::get<0>(GetParam());
+  const bool direct = backend == GemmBackend::Amx ||
+                      (backend == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512));
   EXPECT_EQ(gemm_bf16_rounded_direct(512), direct);
   EXPECT_FALSE(gemm_bf16_rounded_direct(513));
 }
