@@ -30,13 +30,13 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
 
 // C[M,N] = op(A) op(B) rounded to bf16 (fp32_to_bf16), on bf16 A and B: bitwise what gemm_bf16
 // with beta 0 followed by rounding gives. Where gemm_bf16_rounded_direct, the FP32 products are
-// rounded in the kernel's registers, with no FP32 C anywhere; elsewhere through an FP32 scratch
+// rounded by the kernel (in registers, or from its AMX tiles), with no FP32 C of M x N; elsewhere through an FP32 scratch
 // of M x N taken from the workspace allocator for the call.
 void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, uint16_t* C,
                        int64_t ldc);
 // Whether gemm_bf16_rounded needs no scratch for an inner dimension of K on the selected backend
-// (the AVX-512 BF16 kernel, K within its one K block).
+// (the AVX-512 BF16 or the AMX kernel, K within its one K block).
 bool gemm_bf16_rounded_direct(int64_t K);
 
 // The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
