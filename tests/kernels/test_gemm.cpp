@@ -54,10 +54,14 @@ std::vector<Case> cases() {
           for (float beta : {0.0f, 1.0f, 0.5f})
             out.push_back({ta, tb, M, N, K, static_cast<int64_t>(out.size() % 3) * 5, beta});
     }
-  // Whole 32 x 32 blocks with K a multiple of 32 (the AMX kernel's C through the tiles).
+  // Whole 32 x 32 blocks with K a multiple of 32 (the AMX kernel's C through the tiles), and
+  // with K = 33 (one step of tiles, then a pair on vdpbf16ps).
   for (Transpose ta : {Transpose::No, Transpose::Yes})
     for (Transpose tb : {Transpose::No, Transpose::Yes})
-      for (float beta : {0.0f, 1.0f, 0.5f}) out.push_back({ta, tb, 64, 96, 64, 3, beta});
+      for (float beta : {0.0f, 1.0f, 0.5f}) {
+        out.push_back({ta, tb, 64, 96, 64, 3, beta});
+        out.push_back({ta, tb, 64, 96, 33, 0, beta});
+      }
   // A K longer than one cache block, and M and N beyond one packed block.
   out.push_back({Transpose::No, Transpose::Yes, 40, 70, 1100, 0, 0.0f});
   out.push_back({Transpose::Yes, Transpose::No, 2100, 33, 20, 1, 1.0f});
