@@ -6,8 +6,9 @@
 # (TORCH_STEPS timed steps, default 3, after one warm-up; TORCH=0 skips it). Prints one
 # Markdown row per run: tokens/s and ms/step (medians of the steps after the first), MFU, peak
 # RSS, and ours / PyTorch. MFU = tokens/s x FLOPs per token over the peak of that dtype measured
-# here by bench_gemm first (bf16: AMX tdpbf16ps where the CPU has AMX, else vdpbf16ps); FLOPs per token = 6 x matrix parameters + 6 x layers x ctx x d_model
-# (causal attention, forward and backward).
+# here by bench_gemm first (bf16: AMX tdpbf16ps where the CPU has AMX, else vdpbf16ps); FLOPs per
+# token = 6 x matrix parameters + 6 x layers x ctx x d_model (causal attention, forward and
+# backward).
 #   benchmarks/train_bench.sh                       # all four
 #   benchmarks/train_bench.sh "mega bf16"
 #   benchmarks/train_bench.sh --json "mini bf16"    # a JSON array of one object per run instead

@@ -42,11 +42,12 @@ bool attention_bf16_native() {
          (gemm == GemmBackend::Avx512 || gemm == GemmBackend::Amx);
 }
 
-// The bf16 attention's products on AMX tiles where the GEMM runs on AMX (which passed its
-// self-test); CPUTRAIN_GEMM=avx512 keeps both on vdpbf16ps.
+// The bf16 attention's products on AMX tiles where the GEMM runs on AMX (selectable only where
+// the CPU has AMX and the AMX GEMM passed its self-test); CPUTRAIN_GEMM=avx512 keeps both on
+// vdpbf16ps.
 namespace {
 bool attention_amx() {
-  return cpu_features().amx_bf16 && gemm_backend() == GemmBackend::Amx;
+  return gemm_backend() == GemmBackend::Amx;
 }
 }  // namespace
 

@@ -1,9 +1,10 @@
 // Causal attention on bf16 q, k, v with vdpbf16ps (AVX-512 BF16): the tiled scheme of
 // attention_tiled.h (64 queries x 64 keys, online softmax, probabilities recomputed from the
 // saved log-sum-exp in the backward), with every product a dot product of bf16 pairs into FP32
-// accumulators (vdpbf16ps, or AMX tiles over the same operands where the caller asks: amx). Scores, the softmax statistics, dP and all accumulations stay FP32; the
-// probabilities P, the output gradient dO and the score gradients dS are rounded to bf16 where
-// they enter a product, and the output is written rounded to bf16.
+// accumulators (vdpbf16ps, or AMX tiles over the same operands where the caller asks: amx).
+// Scores, the softmax statistics, dP and all accumulations stay FP32; the probabilities P, the
+// output gradient dO and the score gradients dS are rounded to bf16 where they enter a product,
+// and the output is written rounded to bf16.
 // dQ = dS K and dK = dS^T Q take K and Q less their means over the sequence, m_K and m_Q, and
 // add m_K (resp. m_Q) times the row (column) sums of dS, kept exact in FP32: the same sums, but
 // the rounding error of dS then scales with the spread of the keys (queries), not their size.

@@ -30,8 +30,8 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
 
 // C[M,N] = op(A) op(B) rounded to bf16 (fp32_to_bf16), on bf16 A and B: bitwise what gemm_bf16
 // with beta 0 followed by rounding gives. Where gemm_bf16_rounded_direct, the FP32 products are
-// rounded by the kernel (in registers, or from its AMX tiles), with no FP32 C of M x N; elsewhere through an FP32 scratch
-// of M x N taken from the workspace allocator for the call.
+// rounded by the kernel (in registers, or from its AMX tiles), with no FP32 C of M x N;
+// elsewhere through an FP32 scratch of M x N taken from the workspace allocator for the call.
 void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, uint16_t* C,
                        int64_t ldc);

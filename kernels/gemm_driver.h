@@ -44,8 +44,7 @@ float* gemm_pack_buffer(size_t floats, int which);
 // K rows per packing item where rows are packed across micro-panels (a multiple of 2 = KU).
 constexpr int64_t kPackRows = 16;
 
-// Floats gemm_blocked<P> takes of buffers 0 (B panels) and 1 (A panels) for an M x N x K
-// product with M, N, K > 0.
+// P::kWholePanelsA where P declares it, else false.
 template <class P>
 constexpr bool whole_panels_a() {
   if constexpr (requires { P::kWholePanelsA; })
@@ -54,6 +53,8 @@ constexpr bool whole_panels_a() {
     return false;
 }
 
+// Floats gemm_blocked<P> takes of buffers 0 (B panels) and 1 (A panels) for an M x N x K
+// product with M, N, K > 0.
 template <class P>
 std::array<int64_t, 2> blocked_pack_floats(int64_t M, int64_t N, int64_t K) {
   const int64_t nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);

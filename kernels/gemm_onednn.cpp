@@ -30,9 +30,9 @@ struct Bf16Matmul {
   dnnl::matmul primitive;
 };
 
-// oneDNN 2.6's AMX matmul dies on SIGILL (tilezero with no tile configuration) on the
-// Sapphire/Emerald Rapids machines we run on, even in a program of its own with the tile data
-// permission granted; so oneDNN is kept to AVX512_CORE_BF16 unless the user names an ISA
+// oneDNN 2.6's AMX matmul died on SIGILL (tilezero with no tile configuration) on the Xeon with
+// AMX we ran on (family 6 model 207), also in a program of its own with the tile data permission
+// granted; so oneDNN is kept to AVX512_CORE_BF16 unless the user names an ISA
 // (ONEDNN_MAX_CPU_ISA). Must run before oneDNN generates any code.
 void limit_isa() {
   static const bool done = [] {
