@@ -14,12 +14,12 @@ inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
-// dst[c] = (row0[c], row1[c]) for c < n (row1 null: zeros), c < lanes (<= 32); lanes at or past
-// n are zero.
-inline void interleave_pairs(uint32_t* dst, const uint16_t* row0, const uint16_t* row1, int n,
+// dst[c] = (row0[c], row1[c]) for c < lanes (<= 32) (row1 null: zeros), where the rows hold n
+// values (n may exceed lanes); lanes at or past n are zero.
+inline void interleave_pairs(uint32_t* dst, const uint16_t* row0, const uint16_t* row1, int64_t n,
                              int lanes) {
   const __mmask32 load = n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
-  // Plain loads for whole rows of 32: masked loads that miss the cache are much slower.
+  // Plain loads where the rows hold 32 values: masked loads that miss the cache are much slower.
   auto read = [&](const uint16_t* row) {
     if (row == nullptr) return _mm512_setzero_si512();
     return n >= 32 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(load, row);

@@ -47,7 +47,8 @@ inline __attribute__((always_inline)) void transpose16x16(__m512 r[16]) {
 
 // Packs `rows` (<= 16) rows of `count` 4-byte elements, row r starting at src + r * row_bytes,
 // transposed: dst[k * dst_stride + r] for k < count and r < lanes (<= 16); lanes at or past
-// `rows` are written as zero.
+// `rows` are written as zero. Each row is fetched 256 bytes ahead of its loads: the rows are
+// read side by side, more streams than the hardware prefetcher follows.
 inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const void* src_v,
                             int64_t row_bytes, int rows, int64_t count) {
   auto* dst = static_cast<float*>(dst_v);
@@ -59,6 +60,7 @@ inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const vo
     const __mmask16 load_mask = static_cast<__mmask16>((1u << rem) - 1);
     for (int i = 0; i < 16; ++i) {
       const float* row = reinterpret_cast<const float*>(src + i * row_bytes) + k;
+      if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(row + 64), _MM_HINT_T0);
       // Plain loads for whole chunks: masked loads that miss the cache are much slower.
       r[i] = i >= rows   ? _mm512_setzero_ps()
              : rem == 16 ? _mm512_loadu_ps(row)

@@ -38,7 +38,7 @@ struct Bf16Amx {
   using In = uint16_t;
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = 32, NR = 32;
-  static constexpr int64_t KC = 512, MC = MR * 4, NC = 1024, MB = MR * 64;
+  static constexpr int64_t KC = 512, MC = MR * 4, NC = 1024;
   static constexpr bool kWholePanelsA = true;  // A is packed row by row
 
   // dst[r][p] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1]), kp = ceil(kc / 2) per row
@@ -67,7 +67,7 @@ struct Bf16Amx {
         const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
         const uint16_t* next = 2 * p + 1 < kc ? row + lda : nullptr;
         detail::prefetch_ahead(row, next);
-        detail::interleave_pairs(block + q * MR, row, next, static_cast<int>(m), MR);
+        detail::interleave_pairs(block + q * MR, row, next, m, MR);
       }
       for (int64_t half = 0; half < 2; ++half)
         detail::pack_transposed(dst + half * 16 * kp + p0, kp, np, block + half * 16, MR * 4, np,
@@ -132,8 +132,8 @@ int64_t gemm_bf16_amx_block_k() {
   return Bf16Amx::KC;
 }
 
-std::array<int64_t, 2> gemm_bf16_amx_pack_floats(int64_t M, int64_t N, int64_t K) {
-  return detail::blocked_pack_floats<Bf16Amx>(M, N, K);
+std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
+  return detail::blocked_pack_floats<Bf16Amx>(ta, M, N, K);
 }
 
 }  // namespace cputrain::kernels

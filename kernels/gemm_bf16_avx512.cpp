@@ -16,16 +16,16 @@
 namespace cputrain::kernels {
 namespace {
 
+using detail::bf16_pair;
+using detail::interleave_pairs;
 using detail::kTileCols;
 using detail::kTileRows;
-using detail::interleave_pairs;
-using detail::bf16_pair;
 
 struct Bf16Avx512 {
   using In = uint16_t;
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 512, MC = MR * 8, NC = 1024, MB = MR * 144;
+  static constexpr int64_t KC = 512, MC = MR * 8, NC = 1024;
 
   // dst[p][r] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1])
   static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,
@@ -35,14 +35,14 @@ struct Bf16Avx512 {
       for (int64_t p = 0; p < kp; ++p) {
         const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
         detail::prefetch_ahead(row, 2 * p + 1 < kc ? row + lda : nullptr);
-        interleave_pairs(dst + p * MR, row, 2 * p + 1 < kc ? row + lda : nullptr,
-                         static_cast<int>(m), MR);
+        interleave_pairs(dst + p * MR, row, 2 * p + 1 < kc ? row + lda : nullptr, m, MR);
       }
       return;
     }
     // A stored (M, K): a pair is one 32-bit element of a row; transpose 16 x 16 blocks.
     const int64_t full = kc / 2;
-    detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 2, static_cast<int>(m), full);
+    detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 2,
+                            static_cast<int>(std::min<int64_t>(m, MR)), full);
     if (full < kp) {  // odd K: the last pair's second half is zero
       for (int64_t r = 0; r < MR; ++r)
         dst[full * MR + r] = r < m ? bf16_pair(A[(i0 + r) * lda + k0 + kc - 1], 0) : 0;
@@ -94,8 +94,8 @@ int64_t gemm_bf16_avx512_block_k() {
   return Bf16Avx512::KC;
 }
 
-std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(int64_t M, int64_t N, int64_t K) {
-  return detail::blocked_pack_floats<Bf16Avx512>(M, N, K);
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
+  return detail::blocked_pack_floats<Bf16Avx512>(ta, M, N, K);
 }
 
 }  // namespace cputrain::kernels

@@ -23,8 +23,9 @@ inline void prefetch_ahead(const uint16_t* row0, const uint16_t* row1) {
   if (row1 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(row1 + kAhead), _MM_HINT_T0);
 }
 
-// dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c]) for c < 32, p < ceil(kc / 2);
-// columns at or past n, and the second half of a last odd pair, are zero.
+// dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c]) for c < 32, p < ceil(kc / 2),
+// where op(B) has n columns from j0 on; columns at or past n, and the second half of a last odd
+// pair, are zero.
 inline void pack_b_pairs32(uint32_t* dst, const uint16_t* B, int64_t ldb, bool trans, int64_t j0,
                            int64_t n, int64_t k0, int64_t kc) {
   constexpr int64_t NR = 32;
@@ -33,8 +34,7 @@ inline void pack_b_pairs32(uint32_t* dst, const uint16_t* B, int64_t ldb, bool t
     for (int64_t p = 0; p < kp; ++p) {
       const uint16_t* row = B + (k0 + 2 * p) * ldb + j0;
       prefetch_ahead(row, 2 * p + 1 < kc ? row + ldb : nullptr);
-      interleave_pairs(dst + p * NR, row, 2 * p + 1 < kc ? row + ldb : nullptr, static_cast<int>(n),
-                       NR);
+      interleave_pairs(dst + p * NR, row, 2 * p + 1 < kc ? row + ldb : nullptr, n, NR);
     }
     return;
   }

@@ -1,21 +1,23 @@
-// The blocked GEMM driver (after BLIS): five loops around a register-blocked micro-kernel, over
-// panels of A and B packed for it. Only the packing and the micro-kernel differ per data type and
-// ISA; they come in a policy P, and this header is included by each ISA's file so that the whole
+// The blocked GEMM driver (after BLIS): loops around a register-blocked micro-kernel, over panels
+// of A and B packed for it. Only the packing and the micro-kernel differ per data type and ISA;
+// they come in a policy P, and this header is included by each ISA's file so that the whole
 // driver is compiled with that ISA's flags.
 //
-//   for jc in N by NC            B panel (KC x NC) packed once, shared by the threads
+//   for jc in N by NC            B block (KC x NC) packed once by all threads together
 //     for pc in K by KC          beta applies on the first K block only
-//       for mb in M by MB        A block (MB x KC) packed once, shared
-//         threads split the (MR x NR) tiles: by blocks of MC rows, and if there are too few,
-//         by groups of NR columns as well; each tile is computed by one thread, so results
-//         are the same for any thread count.
+//       work items (block of up to MC rows) x (group of NR-column micro-panels), handed out
+//       dynamically: the thread that takes an item packs the item's rows of A (MC x KC) into
+//       its own buffer, where they stay in its L2, and computes the item's (MR x NR) tiles.
+//       Each tile is computed whole by one thread, so results are the same for any thread
+//       count. Two barriers per (jc, pc): after B is packed, and before it is packed again.
 //
 // P provides: In (stored element), Packed (4-byte packed element), KU (k values per packed
-// element), MR, NR, KC, MC, NC, MB (block sizes, KC a multiple of KU), and
-//   pack_a(Packed* dst, const In* A, lda, bool trans, i0, m, k0, kc): rows i0..i0+m (m <= MR) of
-//       op(A), columns k0..k0+kc, as ceil(kc / KU) x MR, zero-padded;
-//   pack_b(Packed* dst, const In* B, ldb, bool trans, j0, n, k0, kc): columns j0..j0+n of op(B)
-//       as ceil(kc / KU) x NR, zero-padded;
+// element), MR, NR, KC, MC, NC (block sizes, KC a multiple of KU), and
+//   pack_a(Packed* dst, const In* A, lda, bool trans, i0, m, k0, kc): rows i0..i0+min(m, MR)
+//       of op(A), columns k0..k0+kc, as ceil(kc / KU) x MR, zero-padded; m is the rows op(A)
+//       has from i0 on, so that a packing routine knows how far it may read;
+//   pack_b(Packed* dst, const In* B, ldb, bool trans, j0, n, k0, kc): columns j0..j0+min(n, NR)
+//       of op(B) as ceil(kc / KU) x NR, zero-padded; n is the columns op(B) has from j0 on;
 //   micro(kp, a, b, C, ldc, beta, m, n): C[0:m, 0:n] = a * b + beta C (beta 0: overwrite).
 // A policy whose A micro-panels are not pair-major ([p][r]) declares kWholePanelsA = true, so
 // the driver never packs A by ranges of K rows across micro-panels.
@@ -53,14 +55,54 @@ constexpr bool whole_panels_a() {
     return false;
 }
 
-// Floats gemm_blocked<P> takes of buffers 0 (B panels) and 1 (A panels) for an M x N x K
-// product with M, N, K > 0.
+// The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
+inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
+  const double flops =
+      2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+  return flops < 2e6 ? 1 : omp_get_max_threads();
+}
+
+// Bytes of packed B a super-block may take: it is read from L3 by both threads.
+constexpr int64_t kSuperBlockBytes = 4 << 20;
+
+// How gemm_blocked<P> splits an M x N x K product (M, N, K > 0).
 template <class P>
-std::array<int64_t, 2> blocked_pack_floats(int64_t M, int64_t N, int64_t K) {
-  const int64_t nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
-  const int64_t mb_max = std::min<int64_t>(P::MB, (M + P::MR - 1) / P::MR * P::MR);
-  const int64_t kp_max = (std::min<int64_t>(P::KC, K) + P::KU - 1) / P::KU;
-  return {kp_max * nc_max, kp_max * mb_max};
+struct BlockedPlan {
+  int threads;
+  int64_t n_ir;          // micro-panels of MR rows over M
+  int64_t ir_per_block;  // micro-panels per row block (a work item's rows)
+  int64_t nc_max;        // columns of the widest B block
+  int64_t kp_block;      // packed K steps of a whole K block (KC / KU, or fewer for a small K)
+  int64_t ks;            // K per super-block: whole K blocks of KC, or all of K
+  int64_t b_floats() const { return (ks + P::KC - 1) / P::KC * kp_block * nc_max; }
+  int64_t a_floats_per_thread() const { return kp_block * ir_per_block * P::MR; }
+};
+
+template <class P>
+BlockedPlan<P> blocked_plan(bool a_transposed, int64_t M, int64_t N, int64_t K) {
+  BlockedPlan<P> plan;
+  plan.threads = blocked_threads(M, N, K);
+  plan.n_ir = (M + P::MR - 1) / P::MR;
+  // Blocks of up to MC rows, smaller when there are too few rows to go round.
+  plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, P::MC / P::MR);
+  plan.nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
+  plan.kp_block = (std::min<int64_t>(P::KC, K) + P::KU - 1) / P::KU;
+  // Where A's rows run along K, an item reads one stretch of each row over a super-block's K
+  // blocks, and its rows of C stay in L2 between them instead of going back to memory. A
+  // transposed A (a weight gradient's, whose K is the tokens) would be read across thousands of
+  // rows, a page each, by every item: one K block at a time there.
+  const int64_t block_bytes = plan.kp_block * plan.nc_max * 4;
+  const int64_t blocks = a_transposed ? 1 : std::max<int64_t>(1, kSuperBlockBytes / block_bytes);
+  plan.ks = std::min(K, blocks * P::KC);
+  return plan;
+}
+
+// Floats gemm_blocked<P> takes of buffers 0 (a B super-block) and 1 (every thread's A rows) for
+// an M x N x K product with M, N, K > 0.
+template <class P>
+std::array<int64_t, 2> blocked_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
+  const BlockedPlan<P> plan = blocked_plan<P>(ta == Transpose::Yes, M, N, K);
+  return {plan.b_floats(), plan.threads * plan.a_floats_per_thread()};
 }
 
 template <class P, class CT>
@@ -83,69 +125,74 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const auto floats = blocked_pack_floats<P>(M, N, K);
-  auto* bpack = reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(floats[0]), 0));
-  auto* apack = reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(floats[1]), 1));
-  const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-  const int threads = flops < 2e6 ? 1 : omp_get_max_threads();
+  const BlockedPlan<P> plan = blocked_plan<P>(at, M, N, K);
+  auto* bpack =
+      reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.b_floats()), 0));
+  auto* apack = reinterpret_cast<Packed*>(
+      gemm_pack_buffer(static_cast<size_t>(plan.threads * plan.a_floats_per_thread()), 1));
+  const int64_t n_ir = plan.n_ir, ir_per_block = plan.ir_per_block;
+  const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
+  const int64_t k_chunks_block = (P::KC + kPackRows - 1) / kPackRows;
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(plan.threads)
   {
     const int nt = omp_get_num_threads();
+    Packed* const my_a = apack + omp_get_thread_num() * plan.a_floats_per_thread();
     for (int64_t jc = 0; jc < N; jc += P::NC) {
       const int64_t nc = std::min<int64_t>(P::NC, N - jc);
       const int64_t n_jr = (nc + NR - 1) / NR;
-      for (int64_t pc = 0; pc < K; pc += P::KC) {
-        const int64_t kc = std::min<int64_t>(P::KC, K - pc);
-        const int64_t kp = (kc + KU - 1) / KU;
-        const float beta_block = pc == 0 ? beta : 1.0f;
-        // Where stored rows run along N (B not transposed), a thread packs a range of K rows
-        // across every micro-panel, reading each row once from start to end; otherwise it packs
-        // whole micro-panels. The same for A below, whose rows run along M when transposed.
-        const int64_t k_chunks = (kc + kPackRows - 1) / kPackRows;
+      const int64_t b_block_floats = plan.kp_block * n_jr * NR;  // one K block's B panels
+      // Column groups only where there are too few row blocks to go round.
+      int64_t col_groups = 1;
+      while (row_blocks * col_groups < 4 * nt && col_groups < n_jr) ++col_groups;
+      const int64_t jr_per_group = (n_jr + col_groups - 1) / col_groups;
+      col_groups = (n_jr + jr_per_group - 1) / jr_per_group;
+      for (int64_t ps = 0; ps < K; ps += plan.ks) {
+        const int64_t ks = std::min(plan.ks, K - ps);
+        const int64_t q_blocks = (ks + P::KC - 1) / P::KC;
+        // The super-block's B, K block q at bpack + q * b_block_floats. Where stored rows run
+        // along N (B not transposed), a thread packs a range of K rows across every
+        // micro-panel, reading each row once from start to end; otherwise it packs whole
+        // micro-panels. The same for A below, whose rows run along M when transposed.
+        const int64_t b_items = bt ? n_jr : k_chunks_block;
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < (bt ? n_jr : k_chunks); ++item) {
-          const int64_t k0 = bt ? 0 : item * kPackRows;
+        for (int64_t item = 0; item < q_blocks * b_items; ++item) {
+          const int64_t q = item / b_items, pc = ps + q * P::KC;
+          const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
+          const int64_t k0 = bt ? 0 : item % b_items * kPackRows;
+          if (k0 >= kc) continue;
           const int64_t klen = bt ? kc : std::min<int64_t>(kPackRows, kc - k0);
-          for (int64_t jr = bt ? item : 0; jr < (bt ? item + 1 : n_jr); ++jr)
-            P::pack_b(bpack + jr * kp * NR + k0 / KU * NR, B, ldb, bt, jc + jr * NR,
-                      std::min<int64_t>(NR, nc - jr * NR), pc + k0, klen);
+          Packed* const block = bpack + q * b_block_floats;
+          for (int64_t jr = bt ? item % b_items : 0; jr < (bt ? item % b_items + 1 : n_jr); ++jr)
+            P::pack_b(block + jr * kp * NR + k0 / KU * NR, B, ldb, bt, jc + jr * NR,
+                      N - jc - jr * NR, pc + k0, klen);
         }
-        for (int64_t mb = 0; mb < M; mb += P::MB) {
-          const int64_t mbn = std::min<int64_t>(P::MB, M - mb);
-          const int64_t n_ir = (mbn + MR - 1) / MR;
-#pragma omp for schedule(static)
-          for (int64_t item = 0; item < (a_by_rows ? k_chunks : n_ir); ++item) {
-            const int64_t k0 = a_by_rows ? item * kPackRows : 0;
-            const int64_t klen = a_by_rows ? std::min<int64_t>(kPackRows, kc - k0) : kc;
-            for (int64_t ir = a_by_rows ? 0 : item; ir < (a_by_rows ? n_ir : item + 1); ++ir)
-              P::pack_a(apack + ir * kp * MR + k0 / KU * MR, A, lda, at, mb + ir * MR,
-                        std::min<int64_t>(MR, mbn - ir * MR), pc + k0, klen);
-          }
-          // Work items: (block of MC rows) x (group of NR-column micro-panels).
-          // Blocks of up to MC rows, smaller when there are too few rows to go round; handed
-          // out dynamically, since blocks differ in size (results do not: each tile is still
-          // computed whole by one thread).
-          const int64_t ir_per_block = std::clamp<int64_t>(n_ir / (8 * nt), 1, P::MC / MR);
-          const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
-          int64_t col_groups = 1;
-          while (row_blocks * col_groups < 4 * nt && col_groups < n_jr) ++col_groups;
-          const int64_t jr_per_group = (n_jr + col_groups - 1) / col_groups;
-          col_groups = (n_jr + jr_per_group - 1) / jr_per_group;
+        // Each item runs over the super-block's K blocks, its rows of C staying in L2.
 #pragma omp for schedule(dynamic, 1)
-          for (int64_t item = 0; item < row_blocks * col_groups; ++item) {
-            const int64_t rb = item / col_groups, cg = item % col_groups;
-            const int64_t ir0 = rb * ir_per_block, ir1 = std::min(n_ir, ir0 + ir_per_block);
-            const int64_t jr0 = cg * jr_per_group, jr1 = std::min(n_jr, jr0 + jr_per_group);
-            // The A micro-panel stays in L1 while B micro-panels stream from L2.
+        for (int64_t item = 0; item < row_blocks * col_groups; ++item) {
+          const int64_t rb = item / col_groups, cg = item % col_groups;
+          const int64_t ir0 = rb * ir_per_block, ir1 = std::min(n_ir, ir0 + ir_per_block);
+          const int64_t jr0 = cg * jr_per_group, jr1 = std::min(n_jr, jr0 + jr_per_group);
+          for (int64_t q = 0; q < q_blocks; ++q) {
+            const int64_t pc = ps + q * P::KC;
+            const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
+            const float beta_block = pc == 0 ? beta : 1.0f;
+            for (int64_t k0 = 0; k0 < (a_by_rows ? kc : 1); k0 += kPackRows) {
+              const int64_t klen = a_by_rows ? std::min<int64_t>(kPackRows, kc - k0) : kc;
+              for (int64_t ir = ir0; ir < ir1; ++ir)
+                P::pack_a(my_a + (ir - ir0) * kp * MR + k0 / KU * MR, A, lda, at, ir * MR,
+                          M - ir * MR, pc + k0, klen);
+            }
+            const Packed* const block = bpack + q * b_block_floats;
+            // The A micro-panel stays in L1 while B micro-panels stream from L2 and L3.
             for (int64_t ir = ir0; ir < ir1; ++ir) {
-              const int64_t i = mb + ir * MR;
+              const int64_t i = ir * MR;
               const int m = static_cast<int>(std::min<int64_t>(MR, M - i));
               for (int64_t jr = jr0; jr < jr1; ++jr) {
                 const int64_t j = jc + jr * NR;
                 const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
-                P::micro(kp, apack + ir * kp * MR, bpack + jr * kp * NR, C + i * ldc + j, ldc,
-                         beta_block, m, n);
+                P::micro(kp, my_a + (ir - ir0) * kp * MR, block + jr * kp * NR, C + i * ldc + j,
+                         ldc, beta_block, m, n);
               }
             }
           }

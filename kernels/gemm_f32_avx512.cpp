@@ -19,17 +19,17 @@ struct F32Avx512 {
   using In = float;
   using Packed = float;
   static constexpr int64_t KU = 1, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 256, MC = MR * 8, NC = 1024, MB = MR * 144;
+  static constexpr int64_t KC = 512, MC = MR * 8, NC = 1024;
 
   // dst[k][r] = op(A)[i0 + r][k0 + k]
   static void pack_a(float* dst, const float* A, int64_t lda, bool trans, int64_t i0, int64_t m,
                      int64_t k0, int64_t kc) {
     if (trans) {  // A stored (K, M): each k is a contiguous run of m values
-      const __mmask16 load = static_cast<__mmask16>((1u << m) - 1);
+      const __mmask16 load = static_cast<__mmask16>((1u << std::min<int64_t>(m, MR)) - 1);
       const __mmask16 store = static_cast<__mmask16>((1u << MR) - 1);
-      // Plain loads where 16 values stay inside the row: masked loads that miss the cache are
-      // much slower.
-      const bool whole = i0 + 16 <= lda;
+      // Plain loads where the row holds 16 values: masked loads that miss the cache are much
+      // slower.
+      const bool whole = m >= 16;
       for (int64_t k = 0; k < kc; ++k) {
         const float* src = A + (k0 + k) * lda + i0;
         const __m512 v = whole ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(load, src);
@@ -37,7 +37,8 @@ struct F32Avx512 {
       }
       return;
     }
-    detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 4, static_cast<int>(m), kc);
+    detail::pack_transposed(dst, MR, MR, A + i0 * lda + k0, lda * 4,
+                            static_cast<int>(std::min<int64_t>(m, MR)), kc);
   }
 
   // dst[k][c] = op(B)[k0 + k][j0 + c]
@@ -47,7 +48,7 @@ struct F32Avx512 {
       const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
       const __mmask16 hi =
           n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
-      if (n == NR) {
+      if (n >= NR) {
         for (int64_t k = 0; k < kc; ++k) {
           const float* src = B + (k0 + k) * ldb + j0;
           _mm512_store_ps(dst + k * NR, _mm512_loadu_ps(src));
@@ -96,8 +97,8 @@ void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K
   detail::gemm_blocked<F32Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
-std::array<int64_t, 2> gemm_f32_avx512_pack_floats(int64_t M, int64_t N, int64_t K) {
-  return detail::blocked_pack_floats<F32Avx512>(M, N, K);
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
+  return detail::blocked_pack_floats<F32Avx512>(ta, M, N, K);
 }
 
 }  // namespace cputrain::kernels
