@@ -66,7 +66,7 @@ struct Bf16Amx {
         const int64_t p = p0 + q;
         const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
         const uint16_t* next = 2 * p + 1 < kc ? row + lda : nullptr;
-        detail::prefetch_ahead(row, next);
+        detail::prefetch_rows_ahead(row, lda);
         detail::interleave_pairs(block + q * MR, row, next, m, MR);
       }
       for (int64_t half = 0; half < 2; ++half)

@@ -34,7 +34,7 @@ struct Bf16Avx512 {
     if (trans) {  // A stored (K, M): interleave rows k and k + 1
       for (int64_t p = 0; p < kp; ++p) {
         const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
-        detail::prefetch_ahead(row, 2 * p + 1 < kc ? row + lda : nullptr);
+        detail::prefetch_rows_ahead(row, lda);
         interleave_pairs(dst + p * MR, row, 2 * p + 1 < kc ? row + lda : nullptr, m, MR);
       }
       return;

@@ -14,13 +14,13 @@
 namespace cputrain::kernels::detail {
 namespace {
 
-// Where rows are packed across micro-panels (gemm_driver.h), the driver walks each stored row
-// from start to end a few elements per call: fetch the part of both rows the calls a few
-// micro-panels on will read.
-inline void prefetch_ahead(const uint16_t* row0, const uint16_t* row1) {
-  constexpr int64_t kAhead = 256;  // elements: 512 bytes
-  _mm_prefetch(reinterpret_cast<const char*>(row0 + kAhead), _MM_HINT_T0);
-  if (row1 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(row1 + kAhead), _MM_HINT_T0);
+// Where stored rows are packed a few at a time (gemm_driver.h's kPackRows), the same columns
+// of the rows kPrefetchRows on: fetched now, they have arrived when the driver gets there. (Rows
+// read side by side, at a stride, are more streams than the hardware prefetcher follows.)
+constexpr int64_t kPrefetchRows = 32;
+inline void prefetch_rows_ahead(const uint16_t* row, int64_t ld) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * ld), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + (kPrefetchRows + 1) * ld), _MM_HINT_T0);
 }
 
 // dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c]) for c < 32, p < ceil(kc / 2),
@@ -33,7 +33,7 @@ inline void pack_b_pairs32(uint32_t* dst, const uint16_t* B, int64_t ldb, bool t
   if (!trans) {  // B stored (K, N): interleave rows k and k + 1
     for (int64_t p = 0; p < kp; ++p) {
       const uint16_t* row = B + (k0 + 2 * p) * ldb + j0;
-      prefetch_ahead(row, 2 * p + 1 < kc ? row + ldb : nullptr);
+      prefetch_rows_ahead(row, ldb);
       interleave_pairs(dst + p * NR, row, 2 * p + 1 < kc ? row + ldb : nullptr, n, NR);
     }
     return;
