@@ -444,7 +444,10 @@ int run_train(const TrainArgs& args) {
   // In bf16 the peak is the machine's best BF16 instruction (AMX where present), whichever GEMM
   // runs.
   const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_best_all_threads() > 0;
-  const double peak_gflops = bf16_peak ? peak.bf16_best_all_threads() : peak.f32_all_threads;
+  const auto peak_of = [bf16_peak](const kernels::Peak& p) {
+    return bf16_peak ? p.bf16_best_all_threads() : p.f32_all_threads;
+  };
+  double peak_gflops = peak_of(peak);
   const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
   if (peak_gflops > 0)
     log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}{}; training FLOPs per token: {:.3g}",
@@ -561,6 +564,14 @@ int run_train(const TrainArgs& args) {
       if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
       const ProcessMemory mem = process_memory();
       const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
+      // A step near or above the peak means the short start-up measurement ran while another
+      // load held a core: measured again, longer, keeping the best.
+      if (peak_gflops > 0 && model_gflops > 0.9 * peak_gflops) {
+        const double again = std::max(peak_gflops, peak_of(kernels::measure_peak(2'000'000, 10)));
+        log->info("peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s (was {:.0f})",
+                  step, model_gflops, again, peak_gflops);
+        peak_gflops = again;
+      }
       const MemoryStats stats = memory_stats();
       nlohmann::json m = {{"step", step},
                           {"loss", r.loss},
