@@ -26,9 +26,11 @@
 #pragma once
 
 #include <omp.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -105,6 +107,43 @@ std::array<int64_t, 2> blocked_pack_floats(Transpose ta, int64_t M, int64_t N, i
   return {plan.b_floats(), plan.threads * plan.a_floats_per_thread()};
 }
 
+// `rows` stored rows of `row_bytes` bytes, `stride` bytes apart, fetched into L2 a few cache
+// lines per step: the rows of A a thread packs next, fetched while it computes (rows read at a
+// stride from L3 or memory, without this, come several times slower than the packing runs).
+struct RowsPrefetch {
+  const char* base = nullptr;
+  int64_t rows = 0, row_bytes = 0, stride = 0, lines_per_step = 0;
+  int64_t row = 0, offset = 0;
+
+  RowsPrefetch() = default;
+  RowsPrefetch(const void* base_, int64_t rows_, int64_t row_bytes_, int64_t stride_, int64_t steps)
+      : base(static_cast<const char*>(base_)),
+        rows(rows_),
+        row_bytes(row_bytes_),
+        stride(stride_),
+        lines_per_step((rows_ * ((row_bytes_ + 63) / 64 + 1) + steps - 1) /
+                       std::max<int64_t>(1, steps)) {}
+  void step() {
+    for (int64_t l = 0; l < lines_per_step && row < rows; ++l) {
+      _mm_prefetch(base + row * stride + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= row_bytes + 64) {
+        offset = 0;
+        ++row;
+      }
+    }
+  }
+};
+
+// The next item of [*, end) from a shared counter, or end when none is left; the counter never
+// passes end.
+inline int64_t claim_item(std::atomic<int64_t>& counter, int64_t end) {
+  int64_t v = counter.load(std::memory_order_relaxed);
+  while (v < end && !counter.compare_exchange_weak(v, v + 1, std::memory_order_relaxed)) {
+  }
+  return v;
+}
+
 template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
@@ -134,9 +173,12 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
   const int64_t k_chunks_block = (P::KC + kPackRows - 1) / kPackRows;
 
+  std::atomic<int64_t> next_item{0};  // work items of every (jc, ps) block, numbered on
+
 #pragma omp parallel num_threads(plan.threads)
   {
     const int nt = omp_get_num_threads();
+    int64_t items_begin = 0;
     Packed* const my_a = apack + omp_get_thread_num() * plan.a_floats_per_thread();
     for (int64_t jc = 0; jc < N; jc += P::NC) {
       const int64_t nc = std::min<int64_t>(P::NC, N - jc);
@@ -167,16 +209,35 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
             P::pack_b(block + jr * kp * NR + k0 / KU * NR, B, ldb, bt, jc + jr * NR,
                       N - jc - jr * NR, pc + k0, klen);
         }
-        // Each item runs over the super-block's K blocks, its rows of C staying in L2.
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < row_blocks * col_groups; ++item) {
-          const int64_t rb = item / col_groups, cg = item % col_groups;
+        // Each item runs over the super-block's K blocks, its rows of C staying in L2. Items
+        // are handed out one ahead, so that a thread fetches the rows of A it packs next while
+        // it computes.
+        const int64_t items_end = items_begin + row_blocks * col_groups;
+        const auto a_rows = [&](int64_t item, int64_t q, int64_t steps) {
+          const int64_t i0 = (item - items_begin) / col_groups * ir_per_block * MR;
+          const int64_t m = std::min(M, i0 + ir_per_block * MR) - i0;
+          const int64_t pc = ps + q * P::KC, kc = std::min<int64_t>(P::KC, K - pc);
+          constexpr int64_t es = sizeof(typename P::In);
+          return at ? RowsPrefetch(A + pc * lda + i0, kc, m * es, lda * es, steps)
+                    : RowsPrefetch(A + i0 * lda + pc, m, kc * es, lda * es, steps);
+        };
+        int64_t item = claim_item(next_item, items_end);
+        while (item < items_end) {
+          const int64_t next = claim_item(next_item, items_end);
+          const int64_t rb = (item - items_begin) / col_groups,
+                        cg = (item - items_begin) % col_groups;
           const int64_t ir0 = rb * ir_per_block, ir1 = std::min(n_ir, ir0 + ir_per_block);
           const int64_t jr0 = cg * jr_per_group, jr1 = std::min(n_jr, jr0 + jr_per_group);
           for (int64_t q = 0; q < q_blocks; ++q) {
             const int64_t pc = ps + q * P::KC;
             const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
             const float beta_block = pc == 0 ? beta : 1.0f;
+            const int64_t steps = (ir1 - ir0) * (jr1 - jr0);
+            RowsPrefetch ahead;
+            if (q + 1 < q_blocks)
+              ahead = a_rows(item, q + 1, steps);
+            else if (next < items_end)
+              ahead = a_rows(next, 0, steps);
             for (int64_t k0 = 0; k0 < (a_by_rows ? kc : 1); k0 += kPackRows) {
               const int64_t klen = a_by_rows ? std::min<int64_t>(kPackRows, kc - k0) : kc;
               for (int64_t ir = ir0; ir < ir1; ++ir)
@@ -193,10 +254,14 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                 const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
                 P::micro(kp, my_a + (ir - ir0) * kp * MR, block + jr * kp * NR, C + i * ldc + j,
                          ldc, beta_block, m, n);
+                ahead.step();
               }
             }
           }
+          item = next;
         }
+        items_begin = items_end;
+#pragma omp barrier
       }
     }
   }
