@@ -25,7 +25,7 @@ struct Bf16Avx512 {
   using In = uint16_t;
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 512, MC = MR * 8, NC = 1024;
+  static constexpr int64_t KC = 512, MC = MR * 8, NC = 2048;
 
   // dst[p][r] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1])
   static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,

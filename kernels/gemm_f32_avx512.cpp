@@ -19,7 +19,7 @@ struct F32Avx512 {
   using In = float;
   using Packed = float;
   static constexpr int64_t KU = 1, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 512, MC = MR * 8, NC = 1024;
+  static constexpr int64_t KC = 512, MC = MR * 8, NC = 2048;
 
   // dst[k][r] = op(A)[i0 + r][k0 + k]
   static void pack_a(float* dst, const float* A, int64_t lda, bool trans, int64_t i0, int64_t m,
