@@ -72,6 +72,11 @@ inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const vo
   }
 }
 
+// K steps before the end of a micro-kernel's loop at which it fetches its C tile: late enough
+// that the lines are not evicted again by the A and B panels streaming through L1, early enough
+// to arrive from L2 or L3 in time.
+constexpr int64_t kPrefetchCSteps = 32;
+
 // Starts fetching the C tile, so that it has arrived when the K loop ends.
 inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t ldc, int m) {
   for (int r = 0; r < m; ++r) {
@@ -87,9 +92,13 @@ inline __attribute__((always_inline)) void store_row(float* row, __m512 lo, __m5
   const __mmask16 mask_hi =
       n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
   if (beta != 0.0f) {
+    // Plain loads for whole vectors: masked loads that miss L1 are much slower.
     const __m512 vbeta = _mm512_set1_ps(beta);
-    lo = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_lo, row), lo);
-    hi = _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask_hi, row + 16), hi);
+    const __m512 c_lo = n >= 16 ? _mm512_loadu_ps(row) : _mm512_maskz_loadu_ps(mask_lo, row);
+    const __m512 c_hi =
+        n >= 32 ? _mm512_loadu_ps(row + 16) : _mm512_maskz_loadu_ps(mask_hi, row + 16);
+    lo = _mm512_fmadd_ps(vbeta, c_lo, lo);
+    hi = _mm512_fmadd_ps(vbeta, c_hi, hi);
   }
   _mm512_mask_storeu_ps(row, mask_lo, lo);
   _mm512_mask_storeu_ps(row + 16, mask_hi, hi);

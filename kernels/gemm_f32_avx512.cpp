@@ -71,13 +71,11 @@ struct F32Avx512 {
     }
   }
 
-  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
-                    float beta, int m, int n) {
-    detail::Tile t;
-    detail::prefetch_tile(C, ldc, m);
-#pragma GCC unroll 14
-    for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kp; ++k) {
+  // The tile plus the products of k = k0..k1.
+  static inline __attribute__((always_inline)) void steps(detail::Tile& t, const float* a,
+                                                          const float* b, int64_t k0,
+                                                          int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
       const __m512 b0 = _mm512_load_ps(b + k * NR), b1 = _mm512_load_ps(b + k * NR + 16);
 #pragma GCC unroll 14
       for (int r = 0; r < MR; ++r) {
@@ -86,6 +84,17 @@ struct F32Avx512 {
         t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
       }
     }
+  }
+
+  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
+                    float beta, int m, int n) {
+    detail::Tile t;
+#pragma GCC unroll 14
+    for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
+    const int64_t late = std::max<int64_t>(0, kp - detail::kPrefetchCSteps);
+    steps(t, a, b, 0, late);
+    detail::prefetch_tile(C, ldc, m);
+    steps(t, a, b, late, kp);
     detail::store_tile(t, C, ldc, beta, m, n);
   }
 };
