@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/vec16.h"
 
@@ -72,11 +73,6 @@ inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const vo
   }
 }
 
-// K steps before the end of a micro-kernel's loop at which it fetches its C tile: late enough
-// that the lines are not evicted again by the A and B panels streaming through L1, early enough
-// to arrive from L2 or L3 in time.
-constexpr int64_t kPrefetchCSteps = 32;
-
 // Starts fetching the C tile, so that it has arrived when the K loop ends.
 inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t ldc, int m) {
   for (int r = 0; r < m; ++r) {
@@ -129,6 +125,26 @@ inline __attribute__((always_inline)) void store_tile(const Tile& t, uint16_t* C
     if (r >= m) break;
     store_row_bf16(C + r * ldc, t.lo[r], t.hi[r], n);
   }
+}
+
+// K steps before the end of a micro-kernel's loop at which it fetches an FP32 C tile: late
+// enough that the lines are not evicted again by the A and B panels streaming through L1,
+// early enough to arrive from L2 or L3 in time.
+constexpr int64_t kPrefetchCSteps = 32;
+
+// The frame of the AVX-512 micro-kernels: C[0:m, 0:n] = the sum over K steps 0..kp + beta C,
+// where steps(t, k0, k1) adds the products of steps k0..k1 to the tile t.
+template <class CT, class Steps>
+inline __attribute__((always_inline)) void micro_tile(int64_t kp, Steps steps, CT* C,
+                                                      int64_t ldc, float beta, int m, int n) {
+  Tile t;
+#pragma GCC unroll 14
+  for (int r = 0; r < kTileRows; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
+  const int64_t late = kp > kPrefetchCSteps ? kp - kPrefetchCSteps : 0;
+  steps(t, 0, late);
+  if constexpr (std::is_same_v<CT, float>) prefetch_tile(C, ldc, m);
+  steps(t, late, kp);
+  store_tile(t, C, ldc, beta, m, n);
 }
 
 }  // namespace

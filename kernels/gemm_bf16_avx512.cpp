@@ -54,34 +54,24 @@ struct Bf16Avx512 {
     detail::pack_b_pairs32(dst, B, ldb, trans, j0, n, k0, kc);
   }
 
-  // The tile plus the products of K pairs p0..p1.
-  static inline __attribute__((always_inline)) void steps(detail::Tile& t, const uint32_t* a,
-                                                          const uint32_t* b, int64_t p0,
-                                                          int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const __m512bh b0 = (__m512bh)_mm512_load_si512(b + p * NR);
-      const __m512bh b1 = (__m512bh)_mm512_load_si512(b + p * NR + 16);
-#pragma GCC unroll 14
-      for (int r = 0; r < MR; ++r) {
-        const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[p * MR + r]));
-        t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
-        t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
-      }
-    }
-  }
-
   // C FP32 (+ beta C) or, for the rounded product, bf16.
   template <class CT>
   static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, CT* C, int64_t ldc,
                     float beta, int m, int n) {
-    detail::Tile t;
+    const auto steps = [a, b](detail::Tile& t, int64_t p0, int64_t p1)
+                           __attribute__((always_inline)) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const __m512bh b0 = (__m512bh)_mm512_load_si512(b + p * NR);
+        const __m512bh b1 = (__m512bh)_mm512_load_si512(b + p * NR + 16);
 #pragma GCC unroll 14
-    for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
-    const int64_t late = std::max<int64_t>(0, kp - detail::kPrefetchCSteps);
-    steps(t, a, b, 0, late);
-    if constexpr (std::is_same_v<CT, float>) detail::prefetch_tile(C, ldc, m);
-    steps(t, a, b, late, kp);
-    detail::store_tile(t, C, ldc, beta, m, n);
+        for (int r = 0; r < MR; ++r) {
+          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[p * MR + r]));
+          t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
+          t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
+        }
+      }
+    };
+    detail::micro_tile(kp, steps, C, ldc, beta, m, n);
   }
 };
 

@@ -3,13 +3,16 @@
 // they come in a policy P, and this header is included by each ISA's file so that the whole
 // driver is compiled with that ISA's flags.
 //
-//   for jc in N by NC            B block (KC x NC) packed once by all threads together
-//     for pc in K by KC          beta applies on the first K block only
+//   for jc in N by NC            columns of C
+//     for ps in K by KS          a super-block of K blocks of KC (KS = KC for a transposed A):
+//                                its B (KS x NC) packed by all threads together
 //       work items (block of up to MC rows) x (group of NR-column micro-panels), handed out
-//       dynamically: the thread that takes an item packs the item's rows of A (MC x KC) into
-//       its own buffer, where they stay in its L2, and computes the item's (MR x NR) tiles.
-//       Each tile is computed whole by one thread, so results are the same for any thread
-//       count. Two barriers per (jc, pc): after B is packed, and before it is packed again.
+//       one ahead from a shared counter: the thread that takes an item runs through the
+//       super-block's K blocks, for each packing the item's rows of A (MC x KC) into its own
+//       buffer, where they stay in its L2, and computing the item's (MR x NR) tiles; beta
+//       applies on the first K block only. Each tile is computed whole by one thread, in the
+//       same order of K blocks, so results are the same for any thread count. Two barriers per
+//       (jc, ps): after B is packed, and before it is packed again.
 //
 // P provides: In (stored element), Packed (4-byte packed element), KU (k values per packed
 // element), MR, NR, KC, MC, NC (block sizes, KC a multiple of KU), and
@@ -108,8 +111,9 @@ std::array<int64_t, 2> blocked_pack_floats(Transpose ta, int64_t M, int64_t N, i
 }
 
 // `rows` stored rows of `row_bytes` bytes, `stride` bytes apart, fetched into L2 a few cache
-// lines per step: the rows of A a thread packs next, fetched while it computes (rows read at a
-// stride from L3 or memory, without this, come several times slower than the packing runs).
+// lines per step: the rows of A a thread packs next, fetched while it computes. (Read at a
+// stride from L3 or memory only when packed, they arrive at a fraction of the rate the packing
+// could take them.)
 struct RowsPrefetch {
   const char* base = nullptr;
   int64_t rows = 0, row_bytes = 0, stride = 0, lines_per_step = 0;

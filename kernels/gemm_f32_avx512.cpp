@@ -71,31 +71,21 @@ struct F32Avx512 {
     }
   }
 
-  // The tile plus the products of k = k0..k1.
-  static inline __attribute__((always_inline)) void steps(detail::Tile& t, const float* a,
-                                                          const float* b, int64_t k0,
-                                                          int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m512 b0 = _mm512_load_ps(b + k * NR), b1 = _mm512_load_ps(b + k * NR + 16);
-#pragma GCC unroll 14
-      for (int r = 0; r < MR; ++r) {
-        const __m512 av = _mm512_set1_ps(a[k * MR + r]);
-        t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
-        t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
-      }
-    }
-  }
-
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
                     float beta, int m, int n) {
-    detail::Tile t;
+    const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1)
+                           __attribute__((always_inline)) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const __m512 b0 = _mm512_load_ps(b + k * NR), b1 = _mm512_load_ps(b + k * NR + 16);
 #pragma GCC unroll 14
-    for (int r = 0; r < MR; ++r) t.lo[r] = t.hi[r] = _mm512_setzero_ps();
-    const int64_t late = std::max<int64_t>(0, kp - detail::kPrefetchCSteps);
-    steps(t, a, b, 0, late);
-    detail::prefetch_tile(C, ldc, m);
-    steps(t, a, b, late, kp);
-    detail::store_tile(t, C, ldc, beta, m, n);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 av = _mm512_set1_ps(a[k * MR + r]);
+          t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
+          t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
+        }
+      }
+    };
+    detail::micro_tile(kp, steps, C, ldc, beta, m, n);
   }
 };
 
