@@ -564,14 +564,16 @@ int run_train(const TrainArgs& args) {
       if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
       const ProcessMemory mem = process_memory();
       const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
-      // A step near or above the peak means the short start-up measurement ran while another
-      // load held a core: measured again, longer, keeping the best.
+      // A step near or above the peak means the short measurement ran while something held a
+      // core: measured again, longer, keeping the best. A step still above it has no MFU.
       if (peak_gflops > 0 && model_gflops > 0.9 * peak_gflops) {
         const double again = std::max(peak_gflops, peak_of(kernels::measure_peak(2'000'000, 10)));
-        log->info("peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s (was {:.0f})",
+        log->info("peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s "
+                  "(was {:.0f})",
                   step, model_gflops, again, peak_gflops);
         peak_gflops = again;
       }
+      const bool mfu_known = peak_gflops > 0 && model_gflops <= peak_gflops;
       const MemoryStats stats = memory_stats();
       nlohmann::json m = {{"step", step},
                           {"loss", r.loss},
@@ -584,7 +586,7 @@ int run_train(const TrainArgs& args) {
                           {"budget_bytes", budget.total_bytes()},
                           {"skipped", r.skipped},
                           {"model_gflops_per_s", model_gflops}};
-      if (peak_gflops > 0) m["mfu"] = model_gflops / peak_gflops;
+      if (mfu_known) m["mfu"] = model_gflops / peak_gflops;
       for (int i = 0; i < kMemoryCategoryCount; ++i) {
         const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
         m[name + "_bytes"] = stats.live_bytes[i];
@@ -608,7 +610,7 @@ int run_train(const TrainArgs& args) {
       }
       if (console->terminal()) {
         const std::string mfu_text =
-            peak_gflops > 0 ? fmt::format(" | MFU {:.0f}%", 100.0 * model_gflops / peak_gflops)
+            mfu_known ? fmt::format(" | MFU {:.0f}%", 100.0 * model_gflops / peak_gflops)
                             : "";
         console->set_status(progress_line(step, config.steps, first_step - 1, loop_time.seconds(),
                                           "steps",
