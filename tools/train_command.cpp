@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "engine/atomic_file.h"
 #include "engine/checkpoint_file.h"
@@ -30,6 +31,7 @@
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
+#include "tools/mfu_peak.h"
 #include "tools/progress.h"
 #include "tools/run_config.h"
 
@@ -447,7 +449,8 @@ int run_train(const TrainArgs& args) {
   const auto peak_of = [bf16_peak](const kernels::Peak& p) {
     return bf16_peak ? p.bf16_best_all_threads() : p.f32_all_threads;
   };
-  double peak_gflops = peak_of(peak);
+  const double peak_gflops = peak_of(peak);
+  MfuPeak mfu_peak(peak_gflops, [&] { return peak_of(kernels::measure_peak(2'000'000, 10)); });
   const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
   if (peak_gflops > 0)
     log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}{}; training FLOPs per token: {:.3g}",
@@ -564,16 +567,12 @@ int run_train(const TrainArgs& args) {
       if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
       const ProcessMemory mem = process_memory();
       const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
-      // A step near or above the peak means the short measurement ran while something held a
-      // core: measured again, longer, keeping the best. A step still above it has no MFU.
-      if (peak_gflops > 0 && model_gflops > 0.9 * peak_gflops) {
-        const double again = std::max(peak_gflops, peak_of(kernels::measure_peak(2'000'000, 10)));
+      const double peak_before = mfu_peak.gflops();
+      if (mfu_peak.update(model_gflops))
         log->info("peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s "
                   "(was {:.0f})",
-                  step, model_gflops, again, peak_gflops);
-        peak_gflops = again;
-      }
-      const bool mfu_known = peak_gflops > 0 && model_gflops <= peak_gflops;
+                  step, model_gflops, mfu_peak.gflops(), peak_before);
+      const std::optional<double> mfu = mfu_peak.mfu(model_gflops);
       const MemoryStats stats = memory_stats();
       nlohmann::json m = {{"step", step},
                           {"loss", r.loss},
@@ -586,7 +585,7 @@ int run_train(const TrainArgs& args) {
                           {"budget_bytes", budget.total_bytes()},
                           {"skipped", r.skipped},
                           {"model_gflops_per_s", model_gflops}};
-      if (mfu_known) m["mfu"] = model_gflops / peak_gflops;
+      if (mfu) m["mfu"] = *mfu;
       for (int i = 0; i < kMemoryCategoryCount; ++i) {
         const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
         m[name + "_bytes"] = stats.live_bytes[i];
@@ -609,9 +608,7 @@ int run_train(const TrainArgs& args) {
                                static_cast<double>(budget.total_bytes()) - 1.0));
       }
       if (console->terminal()) {
-        const std::string mfu_text =
-            mfu_known ? fmt::format(" | MFU {:.0f}%", 100.0 * model_gflops / peak_gflops)
-                            : "";
+        const std::string mfu_text = mfu ? fmt::format(" | MFU {:.0f}%", 100.0 * *mfu) : "";
         console->set_status(progress_line(step, config.steps, first_step - 1, loop_time.seconds(),
                                           "steps",
                                           fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss,
