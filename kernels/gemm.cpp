@@ -355,10 +355,11 @@ std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, i
     bytes[3] = rounded((bt ? N : K) * (bt ? K : N));
     bf16 = false;  // then the FP32 GEMM runs
   }
-  if (bf16 && backend == GemmBackend::Amx) packs = gemm_bf16_amx_pack_floats(ta, M, N, K);
-  if (bf16 && backend == GemmBackend::Avx512) packs = gemm_bf16_avx512_pack_floats(ta, M, N, K);
+  if (bf16 && backend == GemmBackend::Amx) packs = gemm_bf16_amx_pack_floats(ta, tb, M, N, K);
+  if (bf16 && backend == GemmBackend::Avx512)
+    packs = gemm_bf16_avx512_pack_floats(ta, tb, M, N, K);
   if (!bf16 && (backend == GemmBackend::Avx512 || backend == GemmBackend::Amx))
-    packs = gemm_f32_avx512_pack_floats(ta, M, N, K);
+    packs = gemm_f32_avx512_pack_floats(ta, tb, M, N, K);
   if (packs[0] > 0) bytes[0] = rounded(packs[0]);
   if (packs[1] > 0) bytes[1] = rounded(packs[1]);
   return bytes;

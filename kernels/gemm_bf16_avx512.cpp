@@ -93,8 +93,9 @@ int64_t gemm_bf16_avx512_block_k() {
   return Bf16Avx512::KC;
 }
 
-std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
-  return detail::blocked_pack_floats<Bf16Avx512>(ta, M, N, K);
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb,
+                                                    int64_t M, int64_t N, int64_t K) {
+  return detail::blocked_pack_floats<Bf16Avx512>(ta, tb, M, N, K);
 }
 
 }  // namespace cputrain::kernels

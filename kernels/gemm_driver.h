@@ -24,6 +24,20 @@
 //   micro(kp, a, b, C, ldc, beta, m, n): C[0:m, 0:n] = a * b + beta C (beta 0: overwrite).
 // A policy whose A micro-panels are not pair-major ([p][r]) declares kWholePanelsA = true, so
 // the driver never packs A by ranges of K rows across micro-panels.
+//
+// A weight gradient's product (A transposed and B not: both stored with K along the rows) takes
+// another path where P declares kFusedPacking (KU = 1) and provides
+//   micro_fused(kp, a_src, lda, a_pack, pack_a, b_src, ldb, b_pack, pack_b, C, ldc, beta, m, n,
+//               next_a, next_rows):
+//       micro's product, reading A's rows i..i+m and B's columns j..j+n of K rows straight from
+//       the matrices where pack_a / pack_b, and storing them packed as it goes, else reading
+//       the packed copies; meanwhile it fetches into L2 next_rows rows of MR values of A, lda
+//       apart from next_a (a share of the rows the next row of C packs);
+// each thread takes its own range of B micro-panels (columns of C) and runs, per K block, over
+// every row of C: the first micro-panel of a row packs that row's A, the first row packs each
+// B micro-panel. The packing runs inside the products, with no barrier at all; each tile is
+// computed whole by one thread, K block after K block, so results are the same for any thread
+// count here too.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 #pragma once
@@ -60,6 +74,20 @@ constexpr bool whole_panels_a() {
     return false;
 }
 
+// P::kFusedPacking where P declares it, else false.
+template <class P>
+constexpr bool fused_packing() {
+  if constexpr (requires { P::kFusedPacking; })
+    return P::kFusedPacking;
+  else
+    return false;
+}
+
+// B micro-panels of a thread's columns packed at a time on the fused path. A is read again for
+// each group, so groups are wide: 24 x 32 columns, 1.5 MiB of packed B at KC 512, which is
+// read from L2 and L3 well enough (8 panels, 512 KiB, measured no faster).
+constexpr int64_t kFusedPanels = 24;
+
 // The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
 inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   const double flops =
@@ -79,14 +107,26 @@ struct BlockedPlan {
   int64_t nc_max;        // columns of the widest B block
   int64_t kp_block;      // packed K steps of a whole K block (KC / KU, or fewer for a small K)
   int64_t ks;            // K per super-block: whole K blocks of KC, or all of K
-  int64_t b_floats() const { return (ks + P::KC - 1) / P::KC * kp_block * nc_max; }
-  int64_t a_floats_per_thread() const { return kp_block * ir_per_block * P::MR; }
+  bool fused;            // the fused path: a thread's columns, packing inside the products
+  int64_t fused_panels;  // B micro-panels per thread packed at a time on the fused path
+  int64_t b_floats() const {
+    return fused ? threads * kp_block * fused_panels * P::NR
+                 : (ks + P::KC - 1) / P::KC * kp_block * nc_max;
+  }
+  int64_t a_floats_per_thread() const { return kp_block * (fused ? 1 : ir_per_block) * P::MR; }
 };
 
 template <class P>
-BlockedPlan<P> blocked_plan(bool a_transposed, int64_t M, int64_t N, int64_t K) {
+BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int64_t N, int64_t K) {
   BlockedPlan<P> plan;
   plan.threads = blocked_threads(M, N, K);
+  // The fused path where each thread has 4 micro-panels of columns or more, and the rows are
+  // not so many more than the columns that every thread reading all of A would cost more than
+  // the packing it saves (an LM head's weight gradient).
+  const int64_t n_jr = (N + P::NR - 1) / P::NR;
+  plan.fused =
+      fused_packing<P>() && a_transposed && !b_transposed && n_jr >= 4 * plan.threads && M <= 4 * N;
+  plan.fused_panels = std::min(kFusedPanels, (n_jr + plan.threads - 1) / plan.threads);
   plan.n_ir = (M + P::MR - 1) / P::MR;
   // Blocks of up to MC rows, smaller when there are too few rows to go round.
   plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, P::MC / P::MR);
@@ -105,8 +145,9 @@ BlockedPlan<P> blocked_plan(bool a_transposed, int64_t M, int64_t N, int64_t K) 
 // Floats gemm_blocked<P> takes of buffers 0 (a B super-block) and 1 (every thread's A rows) for
 // an M x N x K product with M, N, K > 0.
 template <class P>
-std::array<int64_t, 2> blocked_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
-  const BlockedPlan<P> plan = blocked_plan<P>(ta == Transpose::Yes, M, N, K);
+std::array<int64_t, 2> blocked_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                           int64_t K) {
+  const BlockedPlan<P> plan = blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K);
   return {plan.b_floats(), plan.threads * plan.a_floats_per_thread()};
 }
 
@@ -148,6 +189,53 @@ inline int64_t claim_item(std::atomic<int64_t>& counter, int64_t end) {
   return v;
 }
 
+// The fused path (see the top of this file): C (FP32) = op(A) op(B) + beta C with A and B both
+// stored (K, *), into buffers laid out by `plan`.
+template <class P>
+void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
+                const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
+                float beta, float* C, int64_t ldc, typename P::Packed* apack,
+                typename P::Packed* bpack) {
+  static_assert(P::KU == 1, "the fused path packs one K row per step");
+  constexpr int64_t MR = P::MR, NR = P::NR;
+  const int64_t n_ir = (M + MR - 1) / MR, n_jr = (N + NR - 1) / NR;
+#pragma omp parallel num_threads(plan.threads)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t jr_begin = n_jr * t / nt, jr_end = n_jr * (t + 1) / nt;
+    auto* const my_a = apack + t * plan.a_floats_per_thread();
+    auto* const my_b = bpack + t * plan.kp_block * plan.fused_panels * NR;
+    for (int64_t jc = jr_begin; jc < jr_end; jc += plan.fused_panels) {
+      const int64_t jc_end = std::min(jr_end, jc + plan.fused_panels);
+      for (int64_t pc = 0; pc < K; pc += P::KC) {
+        const int64_t kp = std::min<int64_t>(P::KC, K - pc);
+        const float beta_block = pc == 0 ? beta : 1.0f;
+        for (int64_t ir = 0; ir < n_ir; ++ir) {
+          const int64_t i = ir * MR;
+          const int m = static_cast<int>(std::min<int64_t>(MR, M - i));
+          // The next row's A (of this K block, else of the next), fetched into L2 a share at a
+          // time by the products that read this row's packed copy.
+          const int64_t next_pc = ir + 1 < n_ir ? pc : pc + P::KC;
+          const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
+          const int64_t next_kp = next_pc < K ? std::min<int64_t>(P::KC, K - next_pc) : 0;
+          const int64_t calls = jc_end - jc - 1;
+          for (int64_t jr = jc; jr < jc_end; ++jr) {
+            const int64_t j = jr * NR;
+            const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
+            const int64_t c = jr - jc - 1;  // this call's share of the next row's K rows
+            const int64_t r0 = c < 0 ? 0 : next_kp * c / calls;
+            const int64_t r1 = c < 0 ? 0 : next_kp * (c + 1) / calls;
+            const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
+            P::micro_fused(kp, A + pc * lda + i, lda, my_a, jr == jc, B + pc * ldb + j, ldb,
+                           my_b + (jr - jc) * kp * NR, ir == 0, C + i * ldc + j, ldc, beta_block, m,
+                           n, next_a, r1 - r0);
+          }
+        }
+      }
+    }
+  }
+}
+
 template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
@@ -168,11 +256,14 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const BlockedPlan<P> plan = blocked_plan<P>(at, M, N, K);
+  const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K);
   auto* bpack =
       reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.b_floats()), 0));
   auto* apack = reinterpret_cast<Packed*>(
       gemm_pack_buffer(static_cast<size_t>(plan.threads * plan.a_floats_per_thread()), 1));
+  if constexpr (fused_packing<P>() && std::is_same_v<CT, float>) {
+    if (plan.fused) return gemm_fused<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc, apack, bpack);
+  }
   const int64_t n_ir = plan.n_ir, ir_per_block = plan.ir_per_block;
   const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
   const int64_t k_chunks_block = (P::KC + kPackRows - 1) / kPackRows;

@@ -71,6 +71,83 @@ struct F32Avx512 {
     }
   }
 
+  // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), row k
+  // of each read at as + k * lda and bs + k * ldb where packed there and then, each fetched
+  // kFusedAhead rows ahead: rows a stride apart, a page or two each, are past what the hardware
+  // prefetcher follows. Rows of the next A are fetched one a step, from the first.
+  static constexpr bool kFusedPacking = true;
+  static constexpr int64_t kFusedAhead = 16;
+
+  template <bool PackA, bool PackB>
+  static void micro_fused_t(int64_t kp, const float* as, int64_t lda, float* ap, const float* bs,
+                            int64_t ldb, float* bp, float* C, int64_t ldc, float beta, int m,
+                            int n, const float* next_a, int64_t next_rows) {
+    const __mmask16 a_load = static_cast<__mmask16>((1u << m) - 1);
+    const __mmask16 a_store = static_cast<__mmask16>((1u << MR) - 1);
+    const __mmask16 b_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 b_hi =
+        n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+    const auto steps = [=](detail::Tile& t, int64_t k0, int64_t k1)
+                           __attribute__((always_inline)) {
+      for (int64_t k = k0; k < k1; ++k) {
+        if (k < next_rows) {
+          const char* row = reinterpret_cast<const char*>(next_a + k * lda);
+          _mm_prefetch(row, _MM_HINT_T1);
+          _mm_prefetch(row + 4 * MR - 4, _MM_HINT_T1);
+        }
+        __m512 b0, b1;
+        if constexpr (PackB) {
+          const float* row = bs + k * ldb;
+          const char* ahead = reinterpret_cast<const char*>(row + kFusedAhead * ldb);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + 64, _MM_HINT_T0);
+          _mm_prefetch(ahead + 124, _MM_HINT_T0);  // the third line of an unaligned row
+          // Plain loads for whole rows: masked loads that miss the cache are much slower.
+          b0 = n >= 16 ? _mm512_loadu_ps(row) : _mm512_maskz_loadu_ps(b_lo, row);
+          b1 = n >= 32 ? _mm512_loadu_ps(row + 16) : _mm512_maskz_loadu_ps(b_hi, row + 16);
+          _mm512_store_ps(bp + k * NR, b0);
+          _mm512_store_ps(bp + k * NR + 16, b1);
+        } else {
+          b0 = _mm512_load_ps(bp + k * NR);
+          b1 = _mm512_load_ps(bp + k * NR + 16);
+        }
+        const float* ak = ap + k * MR;
+        if constexpr (PackA) {
+          const float* row = as + k * lda;
+          const char* ahead = reinterpret_cast<const char*>(row + kFusedAhead * lda);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + 4 * MR - 4, _MM_HINT_T0);
+          _mm512_mask_storeu_ps(ap + k * MR, a_store, _mm512_maskz_loadu_ps(a_load, row));
+          if (m == MR) ak = row;  // just loaded, in L1; a shorter row is broadcast from ap
+        }
+#pragma GCC unroll 14
+        for (int r = 0; r < MR; ++r) {
+          const __m512 av = _mm512_set1_ps(ak[r]);
+          t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
+          t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
+        }
+      }
+    };
+    detail::micro_tile(kp, steps, C, ldc, beta, m, n);
+  }
+
+  static void micro_fused(int64_t kp, const float* as, int64_t lda, float* ap, bool pack_a,
+                          const float* bs, int64_t ldb, float* bp, bool pack_b, float* C,
+                          int64_t ldc, float beta, int m, int n, const float* next_a,
+                          int64_t next_rows) {
+    if (pack_a && pack_b)
+      return micro_fused_t<true, true>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                       next_rows);
+    if (pack_a)
+      return micro_fused_t<true, false>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                        next_rows);
+    if (pack_b)
+      return micro_fused_t<false, true>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                        next_rows);
+    micro_fused_t<false, false>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                next_rows);
+  }
+
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
                     float beta, int m, int n) {
     const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1)
@@ -96,8 +173,9 @@ void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K
   detail::gemm_blocked<F32Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
-std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K) {
-  return detail::blocked_pack_floats<F32Avx512>(ta, M, N, K);
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb,
+                                                   int64_t M, int64_t N, int64_t K) {
+  return detail::blocked_pack_floats<F32Avx512>(ta, tb, M, N, K);
 }
 
 }  // namespace cputrain::kernels

@@ -37,9 +37,12 @@ void gemm_bf16_rounded_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int
                            uint16_t* C, int64_t ldc);
 int64_t gemm_bf16_amx_block_k();
 // Floats the blocked kernels take of packing buffers 0 and 1 for an M x N x K product.
-std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K);
-std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K);
-std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, int64_t M, int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb,
+                                                   int64_t M, int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb,
+                                                    int64_t M, int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb,
+                                                 int64_t M, int64_t N, int64_t K);
 
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);

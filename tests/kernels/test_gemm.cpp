@@ -239,17 +239,22 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
   if (std::get<0>(GetParam()) == GemmBackend::Eigen ||
       std::get<0>(GetParam()) == GemmBackend::Onednn)
     GTEST_SKIP() << "library backends choose their own blocking per thread count";
-  const Case c{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f};
-  const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
-  const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
-  std::vector<float> one(c.M * c.ldc()), two(c.M * c.ldc());
-  omp_set_num_threads(1);
-  gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), 0.0f, one.data(),
-           c.ldc());
-  omp_set_num_threads(2);
-  gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), 0.0f, two.data(),
-           c.ldc());
-  EXPECT_EQ(one, two);
+  // A forward product, and a weight gradient's (A transposed, B not: the fused path, each
+  // thread taking its own columns) accumulated into C.
+  for (const Case& c : {Case{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f},
+                        Case{Transpose::Yes, Transpose::No, 300, 520, 700, 3, 1.0f}}) {
+    const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
+    const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
+    const std::vector<float> C = random_vector(c.M * c.ldc(), 9);
+    std::vector<float> one = C, two = C;
+    omp_set_num_threads(1);
+    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta,
+             one.data(), c.ldc());
+    omp_set_num_threads(2);
+    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta,
+             two.data(), c.ldc());
+    EXPECT_EQ(one, two) << describe(c);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
