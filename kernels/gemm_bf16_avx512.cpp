@@ -18,6 +18,8 @@ namespace {
 
 using detail::bf16_pair;
 using detail::interleave_pairs;
+using detail::pairs_of;
+using detail::read_bf16_row;
 using detail::kTileCols;
 using detail::kTileRows;
 
@@ -52,6 +54,109 @@ struct Bf16Avx512 {
   static void pack_b(uint32_t* dst, const uint16_t* B, int64_t ldb, bool trans, int64_t j0,
                      int64_t n, int64_t k0, int64_t kc) {
     detail::pack_b_pairs32(dst, B, ldb, trans, j0, n, k0, kc);
+  }
+
+  // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), the
+  // pair of rows 2p, 2p + 1 of each read from as and bs where packed there and then (B's pairs
+  // used straight from the registers; A's stored kAAhead pairs before their broadcasts read
+  // them back, which a store just made would hold up), each fetched kFusedAhead pairs ahead:
+  // rows a stride apart, a page or two each, are past what the hardware prefetcher follows.
+  static constexpr bool kFusedPacking = true;
+  static constexpr int64_t kFusedAhead = 8, kAAhead = 16;
+  // Packing A's pairs inside the products costs shuffles the FP32 path has not, so here the
+  // fused path takes only the shapes it measured ahead on (Zen 4, in-process alternation):
+  // twice the rows in columns or more (down projections: 512 x 1536 x 4096 a little ahead,
+  // 256 x 768 x 2048 8% ahead), and small products, where the blocked path's barrier per K
+  // block is a large part of the time (256 x 256 x 2048: 10% ahead); square and taller ones of
+  // 0.8 GFLOP and more ran 5-10% faster on the blocked path.
+  static bool fused_suits(int64_t M, int64_t N, int64_t K) {
+    return 2 * M <= N || 2.0 * static_cast<double>(M) * static_cast<double>(N) * K < 5e8;
+  }
+
+  // ap[q] = the pairs of A's rows 2q and 2q + 1 (the second zero past kc).
+  static inline __attribute__((always_inline)) void fused_pack_a(const uint16_t* as, int64_t lda,
+                                                                 uint32_t* ap, int64_t q,
+                                                                 int64_t kc, int64_t a_rows) {
+    const uint16_t* row = as + 2 * q * lda;
+    __m512i first, second;
+    pairs_of(read_bf16_row(row, a_rows),
+             read_bf16_row(2 * q + 1 < kc ? row + lda : nullptr, a_rows), &first, &second);
+    _mm512_mask_storeu_epi32(ap + q * MR, static_cast<__mmask16>((1u << MR) - 1), first);
+  }
+
+  template <bool PackA, bool PackB>
+  static void micro_fused_t(int64_t kc, const uint16_t* as, int64_t lda, uint32_t* ap,
+                            const uint16_t* bs, int64_t ldb, uint32_t* bp, float* C, int64_t ldc,
+                            float beta, int64_t a_rows, int64_t b_cols, const uint16_t* next_a,
+                            int64_t next_rows) {
+    const int64_t kp = (kc + 1) / 2;
+    const int m = static_cast<int>(std::min<int64_t>(MR, a_rows));
+    const int n = static_cast<int>(std::min<int64_t>(NR, b_cols));
+    if constexpr (PackA)
+      for (int64_t q = 0; q < std::min(kAAhead, kp); ++q) fused_pack_a(as, lda, ap, q, kc, a_rows);
+    const auto steps = [=](detail::Tile& t, int64_t p0, int64_t p1)
+                           __attribute__((always_inline)) {
+      for (int64_t p = p0; p < p1; ++p) {
+        if (2 * p < next_rows) {
+          const char* row = reinterpret_cast<const char*>(next_a + 2 * p * lda);
+          _mm_prefetch(row, _MM_HINT_T1);
+          _mm_prefetch(row + 2 * MR - 2, _MM_HINT_T1);
+          _mm_prefetch(row + 2 * lda, _MM_HINT_T1);
+          _mm_prefetch(row + 2 * lda + 2 * MR - 2, _MM_HINT_T1);
+        }
+        __m512bh b0, b1;
+        if constexpr (PackB) {
+          const uint16_t* row = bs + 2 * p * ldb;
+          const char* ahead = reinterpret_cast<const char*>(row + 2 * kFusedAhead * ldb);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + 62, _MM_HINT_T0);
+          _mm_prefetch(ahead + 2 * ldb, _MM_HINT_T0);
+          _mm_prefetch(ahead + 2 * ldb + 62, _MM_HINT_T0);
+          __m512i first, second;
+          pairs_of(read_bf16_row(row, b_cols),
+                   read_bf16_row(2 * p + 1 < kc ? row + ldb : nullptr, b_cols), &first, &second);
+          _mm512_store_si512(bp + p * NR, first);
+          _mm512_store_si512(bp + p * NR + 16, second);
+          b0 = (__m512bh)first;
+          b1 = (__m512bh)second;
+        } else {
+          b0 = (__m512bh)_mm512_load_si512(bp + p * NR);
+          b1 = (__m512bh)_mm512_load_si512(bp + p * NR + 16);
+        }
+        if constexpr (PackA) {
+          if (p + kAAhead < kp) fused_pack_a(as, lda, ap, p + kAAhead, kc, a_rows);
+          const char* ahead = reinterpret_cast<const char*>(as + 2 * (p + kFusedAhead) * lda);
+          _mm_prefetch(ahead, _MM_HINT_T0);
+          _mm_prefetch(ahead + 2 * MR - 2, _MM_HINT_T0);
+          _mm_prefetch(ahead + 2 * lda, _MM_HINT_T0);
+          _mm_prefetch(ahead + 2 * lda + 2 * MR - 2, _MM_HINT_T0);
+        }
+#pragma GCC unroll 14
+        for (int r = 0; r < MR; ++r) {
+          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[p * MR + r]));
+          t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
+          t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
+        }
+      }
+    };
+    detail::micro_tile(kp, steps, C, ldc, beta, m, n);
+  }
+
+  static void micro_fused(int64_t kc, const uint16_t* as, int64_t lda, uint32_t* ap, bool pack_a,
+                          const uint16_t* bs, int64_t ldb, uint32_t* bp, bool pack_b, float* C,
+                          int64_t ldc, float beta, int64_t m, int64_t n, const uint16_t* next_a,
+                          int64_t next_rows) {
+    if (pack_a && pack_b)
+      return micro_fused_t<true, true>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                       next_rows);
+    if (pack_a)
+      return micro_fused_t<true, false>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                        next_rows);
+    if (pack_b)
+      return micro_fused_t<false, true>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                        next_rows);
+    micro_fused_t<false, false>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
+                                next_rows);
   }
 
   // C FP32 (+ beta C) or, for the rounded product, bf16.

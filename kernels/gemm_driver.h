@@ -26,13 +26,16 @@
 // the driver never packs A by ranges of K rows across micro-panels.
 //
 // A weight gradient's product (A transposed and B not: both stored with K along the rows) takes
-// another path where P declares kFusedPacking (KU = 1) and provides
-//   micro_fused(kp, a_src, lda, a_pack, pack_a, b_src, ldb, b_pack, pack_b, C, ldc, beta, m, n,
+// another path where P declares kFusedPacking, says in fused_suits(M, N, K) which shapes take it,
+// and provides
+//   micro_fused(kc, a_src, lda, a_pack, pack_a, b_src, ldb, b_pack, pack_b, C, ldc, beta, m, n,
 //               next_a, next_rows):
-//       micro's product, reading A's rows i..i+m and B's columns j..j+n of K rows straight from
-//       the matrices where pack_a / pack_b, and storing them packed as it goes, else reading
-//       the packed copies; meanwhile it fetches into L2 next_rows rows of MR values of A, lda
-//       apart from next_a (a share of the rows the next row of C packs);
+//       micro's product over kc K rows (ceil(kc / KU) packed steps), reading A's rows
+//       i..i+min(m, MR) and B's columns j..j+min(n, NR) straight from the matrices where
+//       pack_a / pack_b, and storing them packed as it goes, else reading the packed copies (m
+//       and n: the rows and columns op(A) and op(B) have from i and j on); meanwhile it fetches
+//       into L2 next_rows K rows of MR values of A, lda apart from next_a (a share of the rows
+//       the next row of C packs);
 // each thread takes its own range of B micro-panels (columns of C) and runs, per K block, over
 // every row of C: the first micro-panel of a row packs that row's A, the first row packs each
 // B micro-panel. The packing runs inside the products, with no barrier at all; each tile is
@@ -117,15 +120,20 @@ struct BlockedPlan {
 };
 
 template <class P>
-BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int64_t N, int64_t K) {
+BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int64_t N, int64_t K,
+                            bool c_fp32 = true) {
   BlockedPlan<P> plan;
   plan.threads = blocked_threads(M, N, K);
-  // The fused path where each thread has 4 micro-panels of columns or more, and the rows are
-  // not so many more than the columns that every thread reading all of A would cost more than
-  // the packing it saves (an LM head's weight gradient).
+  // The fused path where each thread has 4 micro-panels of columns or more, and where P finds
+  // it suits the shape: every thread reads all of A there, which costs more than the packing
+  // phase it saves where A has many more rows than B has columns (an LM head's weight
+  // gradient).
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
-  plan.fused =
-      fused_packing<P>() && a_transposed && !b_transposed && n_jr >= 4 * plan.threads && M <= 4 * N;
+  if constexpr (fused_packing<P>())
+    plan.fused = c_fp32 && a_transposed && !b_transposed && n_jr >= 4 * plan.threads &&
+                 P::fused_suits(M, N, K);
+  else
+    plan.fused = false;
   plan.fused_panels = std::min(kFusedPanels, (n_jr + plan.threads - 1) / plan.threads);
   plan.n_ir = (M + P::MR - 1) / P::MR;
   // Blocks of up to MC rows, smaller when there are too few rows to go round.
@@ -196,8 +204,7 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
                 const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
                 float beta, float* C, int64_t ldc, typename P::Packed* apack,
                 typename P::Packed* bpack) {
-  static_assert(P::KU == 1, "the fused path packs one K row per step");
-  constexpr int64_t MR = P::MR, NR = P::NR;
+  constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const int64_t n_ir = (M + MR - 1) / MR, n_jr = (N + NR - 1) / NR;
 #pragma omp parallel num_threads(plan.threads)
   {
@@ -208,27 +215,25 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     for (int64_t jc = jr_begin; jc < jr_end; jc += plan.fused_panels) {
       const int64_t jc_end = std::min(jr_end, jc + plan.fused_panels);
       for (int64_t pc = 0; pc < K; pc += P::KC) {
-        const int64_t kp = std::min<int64_t>(P::KC, K - pc);
+        const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
         const float beta_block = pc == 0 ? beta : 1.0f;
         for (int64_t ir = 0; ir < n_ir; ++ir) {
           const int64_t i = ir * MR;
-          const int m = static_cast<int>(std::min<int64_t>(MR, M - i));
           // The next row's A (of this K block, else of the next), fetched into L2 a share at a
           // time by the products that read this row's packed copy.
           const int64_t next_pc = ir + 1 < n_ir ? pc : pc + P::KC;
           const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
-          const int64_t next_kp = next_pc < K ? std::min<int64_t>(P::KC, K - next_pc) : 0;
+          const int64_t next_kc = next_pc < K ? std::min<int64_t>(P::KC, K - next_pc) : 0;
           const int64_t calls = jc_end - jc - 1;
           for (int64_t jr = jc; jr < jc_end; ++jr) {
             const int64_t j = jr * NR;
-            const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
             const int64_t c = jr - jc - 1;  // this call's share of the next row's K rows
-            const int64_t r0 = c < 0 ? 0 : next_kp * c / calls;
-            const int64_t r1 = c < 0 ? 0 : next_kp * (c + 1) / calls;
+            const int64_t r0 = c < 0 ? 0 : next_kc * c / calls;
+            const int64_t r1 = c < 0 ? 0 : next_kc * (c + 1) / calls;
             const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
-            P::micro_fused(kp, A + pc * lda + i, lda, my_a, jr == jc, B + pc * ldb + j, ldb,
-                           my_b + (jr - jc) * kp * NR, ir == 0, C + i * ldc + j, ldc, beta_block, m,
-                           n, next_a, r1 - r0);
+            P::micro_fused(kc, A + pc * lda + i, lda, my_a, jr == jc, B + pc * ldb + j, ldb,
+                           my_b + (jr - jc) * kp * NR, ir == 0, C + i * ldc + j, ldc, beta_block,
+                           M - i, N - j, next_a, r1 - r0);
           }
         }
       }
@@ -256,7 +261,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K);
+  const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>);
   auto* bpack =
       reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.b_floats()), 0));
   auto* apack = reinterpret_cast<Packed*>(

@@ -255,6 +255,20 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
              two.data(), c.ldc());
     EXPECT_EQ(one, two) << describe(c);
   }
+  // BF16, a down projection's weight gradient: the fused path there too.
+  const Case c{Transpose::Yes, Transpose::No, 150, 520, 700, 2, 1.0f};
+  std::vector<uint16_t> A(c.a_rows() * c.lda()), B(c.b_rows() * c.ldb());
+  const std::vector<float> a = random_vector(A.size(), 10), b = random_vector(B.size(), 11);
+  for (size_t i = 0; i < A.size(); ++i) A[i] = fp32_to_bf16(a[i]);
+  for (size_t i = 0; i < B.size(); ++i) B[i] = fp32_to_bf16(b[i]);
+  std::vector<float> one = random_vector(c.M * c.ldc(), 12), two = one;
+  omp_set_num_threads(1);
+  gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta, one.data(),
+            c.ldc());
+  omp_set_num_threads(2);
+  gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta, two.data(),
+            c.ldc());
+  EXPECT_EQ(one, two) << "bf16 " << describe(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
