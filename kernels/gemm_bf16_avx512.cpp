@@ -56,6 +56,17 @@ struct Bf16Avx512 {
     detail::pack_b_pairs32(dst, B, ldb, trans, j0, n, k0, kc);
   }
 
+  // One K pair step of the tile: row r += a[r] . (b0, b1), the dot products of bf16 pairs.
+  static inline __attribute__((always_inline)) void pair_step(detail::Tile& t, const uint32_t* a,
+                                                              __m512bh b0, __m512bh b1) {
+#pragma GCC unroll 14
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r]));
+      t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
+      t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
+    }
+  }
+
   // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), the
   // pair of rows 2p, 2p + 1 of each read from as and bs where packed there and then (B's pairs
   // used straight from the registers; A's stored kAAhead pairs before their broadcasts read
@@ -131,32 +142,10 @@ struct Bf16Avx512 {
           _mm_prefetch(ahead + 2 * lda, _MM_HINT_T0);
           _mm_prefetch(ahead + 2 * lda + 2 * MR - 2, _MM_HINT_T0);
         }
-#pragma GCC unroll 14
-        for (int r = 0; r < MR; ++r) {
-          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[p * MR + r]));
-          t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
-          t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
-        }
+        pair_step(t, ap + p * MR, b0, b1);
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);
-  }
-
-  static void micro_fused(int64_t kc, const uint16_t* as, int64_t lda, uint32_t* ap, bool pack_a,
-                          const uint16_t* bs, int64_t ldb, uint32_t* bp, bool pack_b, float* C,
-                          int64_t ldc, float beta, int64_t m, int64_t n, const uint16_t* next_a,
-                          int64_t next_rows) {
-    if (pack_a && pack_b)
-      return micro_fused_t<true, true>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                       next_rows);
-    if (pack_a)
-      return micro_fused_t<true, false>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                        next_rows);
-    if (pack_b)
-      return micro_fused_t<false, true>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                        next_rows);
-    micro_fused_t<false, false>(kc, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                next_rows);
   }
 
   // C FP32 (+ beta C) or, for the rounded product, bf16.
@@ -166,14 +155,8 @@ struct Bf16Avx512 {
     const auto steps = [a, b](detail::Tile& t, int64_t p0, int64_t p1)
                            __attribute__((always_inline)) {
       for (int64_t p = p0; p < p1; ++p) {
-        const __m512bh b0 = (__m512bh)_mm512_load_si512(b + p * NR);
-        const __m512bh b1 = (__m512bh)_mm512_load_si512(b + p * NR + 16);
-#pragma GCC unroll 14
-        for (int r = 0; r < MR; ++r) {
-          const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[p * MR + r]));
-          t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
-          t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
-        }
+        pair_step(t, a + p * MR, (__m512bh)_mm512_load_si512(b + p * NR),
+                  (__m512bh)_mm512_load_si512(b + p * NR + 16));
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);

@@ -28,8 +28,8 @@
 // A weight gradient's product (A transposed and B not: both stored with K along the rows) takes
 // another path where P declares kFusedPacking, says in fused_suits(M, N, K) which shapes take it,
 // and provides
-//   micro_fused(kc, a_src, lda, a_pack, pack_a, b_src, ldb, b_pack, pack_b, C, ldc, beta, m, n,
-//               next_a, next_rows):
+//   micro_fused_t<pack_a, pack_b>(kc, a_src, lda, a_pack, b_src, ldb, b_pack, C, ldc, beta, m,
+//                                 n, next_a, next_rows):
 //       micro's product over kc K rows (ceil(kc / KU) packed steps), reading A's rows
 //       i..i+min(m, MR) and B's columns j..j+min(n, NR) straight from the matrices where
 //       pack_a / pack_b, and storing them packed as it goes, else reading the packed copies (m
@@ -197,6 +197,15 @@ inline int64_t claim_item(std::atomic<int64_t>& counter, int64_t end) {
   return v;
 }
 
+// P::micro_fused_t<pack_a, pack_b>(args...), the flags made template arguments.
+template <class P, class... Args>
+inline void micro_fused(bool pack_a, bool pack_b, Args... args) {
+  if (pack_a && pack_b) return P::template micro_fused_t<true, true>(args...);
+  if (pack_a) return P::template micro_fused_t<true, false>(args...);
+  if (pack_b) return P::template micro_fused_t<false, true>(args...);
+  P::template micro_fused_t<false, false>(args...);
+}
+
 // The fused path (see the top of this file): C (FP32) = op(A) op(B) + beta C with A and B both
 // stored (K, *), into buffers laid out by `plan`.
 template <class P>
@@ -231,9 +240,9 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
             const int64_t r0 = c < 0 ? 0 : next_kc * c / calls;
             const int64_t r1 = c < 0 ? 0 : next_kc * (c + 1) / calls;
             const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
-            P::micro_fused(kc, A + pc * lda + i, lda, my_a, jr == jc, B + pc * ldb + j, ldb,
-                           my_b + (jr - jc) * kp * NR, ir == 0, C + i * ldc + j, ldc, beta_block,
-                           M - i, N - j, next_a, r1 - r0);
+            micro_fused<P>(jr == jc, ir == 0, kc, A + pc * lda + i, lda, my_a, B + pc * ldb + j,
+                           ldb, my_b + (jr - jc) * kp * NR, C + i * ldc + j, ldc, beta_block, M - i,
+                           N - j, next_a, r1 - r0);
           }
         }
       }

@@ -71,6 +71,17 @@ struct F32Avx512 {
     }
   }
 
+  // One K step of the tile: row r += a[r] (b0, b1).
+  static inline __attribute__((always_inline)) void fma_step(detail::Tile& t, const float* a,
+                                                             __m512 b0, __m512 b1) {
+#pragma GCC unroll 14
+    for (int r = 0; r < MR; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r]);
+      t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
+      t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
+    }
+  }
+
   // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), row k
   // of each read at as + k * lda and bs + k * ldb where packed there and then, each fetched
   // kFusedAhead rows ahead: rows a stride apart, a page or two each, are past what the hardware
@@ -82,10 +93,11 @@ struct F32Avx512 {
   static bool fused_suits(int64_t M, int64_t N, int64_t) { return M <= 4 * N; }
 
   template <bool PackA, bool PackB>
-  static void micro_fused_t(int64_t kp, const float* as, int64_t lda, float* ap, const float* bs,
+  static void micro_fused_t(int64_t kc, const float* as, int64_t lda, float* ap, const float* bs,
                             int64_t ldb, float* bp, float* C, int64_t ldc, float beta,
                             int64_t a_rows, int64_t b_cols, const float* next_a,
                             int64_t next_rows) {
+    const int64_t kp = kc;  // KU = 1
     const int m = static_cast<int>(std::min<int64_t>(MR, a_rows));
     const int n = static_cast<int>(std::min<int64_t>(NR, b_cols));
     const __mmask16 a_load = static_cast<__mmask16>((1u << m) - 1);
@@ -126,33 +138,10 @@ struct F32Avx512 {
           _mm512_mask_storeu_ps(ap + k * MR, a_store, _mm512_maskz_loadu_ps(a_load, row));
           if (m == MR) ak = row;  // just loaded, in L1; a shorter row is broadcast from ap
         }
-#pragma GCC unroll 14
-        for (int r = 0; r < MR; ++r) {
-          const __m512 av = _mm512_set1_ps(ak[r]);
-          t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
-          t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
-        }
+        fma_step(t, ak, b0, b1);
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);
-  }
-
-  static void micro_fused(int64_t kc, const float* as, int64_t lda, float* ap, bool pack_a,
-                          const float* bs, int64_t ldb, float* bp, bool pack_b, float* C,
-                          int64_t ldc, float beta, int64_t m, int64_t n, const float* next_a,
-                          int64_t next_rows) {
-    const int64_t kp = kc;  // KU = 1
-    if (pack_a && pack_b)
-      return micro_fused_t<true, true>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                       next_rows);
-    if (pack_a)
-      return micro_fused_t<true, false>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                        next_rows);
-    if (pack_b)
-      return micro_fused_t<false, true>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                        next_rows);
-    micro_fused_t<false, false>(kp, as, lda, ap, bs, ldb, bp, C, ldc, beta, m, n, next_a,
-                                next_rows);
   }
 
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
@@ -160,13 +149,7 @@ struct F32Avx512 {
     const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1)
                            __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
-        const __m512 b0 = _mm512_load_ps(b + k * NR), b1 = _mm512_load_ps(b + k * NR + 16);
-#pragma GCC unroll 14
-        for (int r = 0; r < MR; ++r) {
-          const __m512 av = _mm512_set1_ps(a[k * MR + r]);
-          t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
-          t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
-        }
+        fma_step(t, a + k * MR, _mm512_load_ps(b + k * NR), _mm512_load_ps(b + k * NR + 16));
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);
