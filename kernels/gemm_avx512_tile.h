@@ -73,6 +73,12 @@ inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const vo
   }
 }
 
+// The lanes of vector v (columns 16 v .. 16 v + 15) of a 32-column row below column n.
+inline __mmask16 columns_mask(int64_t n, int v) {
+  const int64_t k = n - 16 * v;
+  return k >= 16 ? 0xffff : k > 0 ? static_cast<__mmask16>((1u << k) - 1) : 0;
+}
+
 // Starts fetching the C tile, so that it has arrived when the K loop ends.
 inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t ldc, int m) {
   for (int r = 0; r < m; ++r) {
@@ -84,9 +90,7 @@ inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t
 // row[0:n] = (lo, hi) + beta * row (beta 0 overwrites, never reading the row); n <= 32.
 inline __attribute__((always_inline)) void store_row(float* row, __m512 lo, __m512 hi,
                                                      float beta, int n) {
-  const __mmask16 mask_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-  const __mmask16 mask_hi =
-      n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+  const __mmask16 mask_lo = columns_mask(n, 0), mask_hi = columns_mask(n, 1);
   if (beta != 0.0f) {
     // Plain loads for whole vectors: masked loads that miss L1 are much slower.
     const __m512 vbeta = _mm512_set1_ps(beta);

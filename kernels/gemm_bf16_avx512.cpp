@@ -84,6 +84,16 @@ struct Bf16Avx512 {
     return 2 * M <= N || 2.0 * static_cast<double>(M) * static_cast<double>(N) * K < 5e8;
   }
 
+  // Fetches the first `count` values of rows `row` and `row + ld` (their first and last lines).
+  template <_mm_hint Hint>
+  static inline __attribute__((always_inline)) void prefetch_pair(const uint16_t* row, int64_t ld,
+                                                                  int64_t count) {
+    for (const uint16_t* r : {row, row + ld}) {
+      _mm_prefetch(reinterpret_cast<const char*>(r), Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(r + count - 1), Hint);
+    }
+  }
+
   // ap[q] = the pairs of A's rows 2q and 2q + 1 (the second zero past kc).
   static inline __attribute__((always_inline)) void fused_pack_a(const uint16_t* as, int64_t lda,
                                                                  uint32_t* ap, int64_t q,
@@ -108,21 +118,11 @@ struct Bf16Avx512 {
     const auto steps = [=](detail::Tile& t, int64_t p0, int64_t p1)
                            __attribute__((always_inline)) {
       for (int64_t p = p0; p < p1; ++p) {
-        if (2 * p < next_rows) {
-          const char* row = reinterpret_cast<const char*>(next_a + 2 * p * lda);
-          _mm_prefetch(row, _MM_HINT_T1);
-          _mm_prefetch(row + 2 * MR - 2, _MM_HINT_T1);
-          _mm_prefetch(row + 2 * lda, _MM_HINT_T1);
-          _mm_prefetch(row + 2 * lda + 2 * MR - 2, _MM_HINT_T1);
-        }
+        if (2 * p < next_rows) prefetch_pair<_MM_HINT_T1>(next_a + 2 * p * lda, lda, MR);
         __m512bh b0, b1;
         if constexpr (PackB) {
           const uint16_t* row = bs + 2 * p * ldb;
-          const char* ahead = reinterpret_cast<const char*>(row + 2 * kFusedAhead * ldb);
-          _mm_prefetch(ahead, _MM_HINT_T0);
-          _mm_prefetch(ahead + 62, _MM_HINT_T0);
-          _mm_prefetch(ahead + 2 * ldb, _MM_HINT_T0);
-          _mm_prefetch(ahead + 2 * ldb + 62, _MM_HINT_T0);
+          prefetch_pair<_MM_HINT_T0>(row + 2 * kFusedAhead * ldb, ldb, NR);
           __m512i first, second;
           pairs_of(read_bf16_row(row, b_cols),
                    read_bf16_row(2 * p + 1 < kc ? row + ldb : nullptr, b_cols), &first, &second);
@@ -136,11 +136,7 @@ struct Bf16Avx512 {
         }
         if constexpr (PackA) {
           if (p + kAAhead < kp) fused_pack_a(as, lda, ap, p + kAAhead, kc, a_rows);
-          const char* ahead = reinterpret_cast<const char*>(as + 2 * (p + kFusedAhead) * lda);
-          _mm_prefetch(ahead, _MM_HINT_T0);
-          _mm_prefetch(ahead + 2 * MR - 2, _MM_HINT_T0);
-          _mm_prefetch(ahead + 2 * lda, _MM_HINT_T0);
-          _mm_prefetch(ahead + 2 * lda + 2 * MR - 2, _MM_HINT_T0);
+          prefetch_pair<_MM_HINT_T0>(as + 2 * (p + kFusedAhead) * lda, lda, MR);
         }
         pair_step(t, ap + p * MR, b0, b1);
       }

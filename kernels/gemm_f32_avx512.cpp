@@ -45,9 +45,7 @@ struct F32Avx512 {
   static void pack_b(float* dst, const float* B, int64_t ldb, bool trans, int64_t j0, int64_t n,
                      int64_t k0, int64_t kc) {
     if (!trans) {  // B stored (K, N): each k is a contiguous run of n values
-      const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-      const __mmask16 hi =
-          n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+      const __mmask16 lo = detail::columns_mask(n, 0), hi = detail::columns_mask(n, 1);
       if (n >= NR) {
         for (int64_t k = 0; k < kc; ++k) {
           const float* src = B + (k0 + k) * ldb + j0;
@@ -102,9 +100,7 @@ struct F32Avx512 {
     const int n = static_cast<int>(std::min<int64_t>(NR, b_cols));
     const __mmask16 a_load = static_cast<__mmask16>((1u << m) - 1);
     const __mmask16 a_store = static_cast<__mmask16>((1u << MR) - 1);
-    const __mmask16 b_lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-    const __mmask16 b_hi =
-        n >= 32 ? 0xffff : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+    const __mmask16 b_lo = detail::columns_mask(n, 0), b_hi = detail::columns_mask(n, 1);
     const auto steps = [=](detail::Tile& t, int64_t k0, int64_t k1)
                            __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
