@@ -302,6 +302,14 @@ void gemm_set_backend(GemmBackend backend) {
 
 GemmBackend gemm_backend() { return backend_slot().load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<bool> fused_on{true};
+}  // namespace
+
+void gemm_set_fused(bool on) { fused_on.store(on); }
+
+bool gemm_fused() { return fused_on.load(std::memory_order_relaxed); }
+
 std::string_view gemm_backend_name(GemmBackend backend) {
   switch (backend) {
     case GemmBackend::Reference:

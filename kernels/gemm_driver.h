@@ -131,7 +131,7 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
   if constexpr (fused_packing<P>())
     plan.fused = c_fp32 && a_transposed && !b_transposed && n_jr >= 4 * plan.threads &&
-                 P::fused_suits(M, N, K);
+                 P::fused_suits(M, N, K) && gemm_fused();
   else
     plan.fused = false;
   plan.fused_panels = std::min(kFusedPanels, (n_jr + plan.threads - 1) / plan.threads);

@@ -271,6 +271,41 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
   EXPECT_EQ(one, two) << "bf16 " << describe(c);
 }
 
+// The fused path computes each tile over the same K blocks in the same order as the blocked
+// path, so the two give the same bits: weight-gradient shapes that take it in FP32 and BF16
+// (tails in every dimension, K over one block, beta 1 and 0.5), fused against blocked.
+TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
+  if (std::get<0>(GetParam()) != GemmBackend::Avx512)
+    GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  struct Restore {
+    ~Restore() { gemm_set_fused(true); }
+  } restore;
+  for (const Case& c : {Case{Transpose::Yes, Transpose::No, 300, 520, 1100, 3, 1.0f},
+                        Case{Transpose::Yes, Transpose::No, 33, 1100, 700, 0, 0.5f},
+                        Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f}}) {
+    const std::vector<float> a = random_vector(c.a_rows() * c.lda(), 20);
+    const std::vector<float> b = random_vector(c.b_rows() * c.ldb(), 21);
+    std::vector<uint16_t> a16(a.size()), b16(b.size());
+    for (size_t i = 0; i < a.size(); ++i) a16[i] = fp32_to_bf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = fp32_to_bf16(b[i]);
+    const std::vector<float> C = random_vector(c.M * c.ldc(), 22);
+    for (bool bf16 : {false, true}) {
+      std::vector<float> fused = C, blocked = C;
+      for (bool on : {true, false}) {
+        gemm_set_fused(on);
+        float* out = on ? fused.data() : blocked.data();
+        if (bf16)
+          gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a16.data(), c.lda(), b16.data(), c.ldb(), c.beta,
+                    out, c.ldc());
+        else
+          gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta, out,
+                   c.ldc());
+      }
+      EXPECT_EQ(fused, blocked) << (bf16 ? "bf16 " : "f32 ") << describe(c);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
                          ::testing::Combine(::testing::Values(GemmBackend::Reference,
                                                               GemmBackend::Eigen,
