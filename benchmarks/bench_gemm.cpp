@@ -19,47 +19,17 @@
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
+#include "benchmarks/gemm_shapes.h"
 #include "kernels/peak.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
 #include "kernels/gemm_isa.h"
-#include "models/llama_config.h"
 
 namespace cputrain::bench {
 namespace {
 
 using kernels::Transpose;
-
-struct Shape {
-  std::string preset, product;
-  Transpose ta, tb;
-  int64_t M, N, K;
-  float beta;
-};
-
-// For a linear layer Y = X W^T with X (T, in) and W (out, in), T = batch x ctx tokens:
-// forward Y = X W^T, input gradient dX = dY W, weight gradient dW += dY^T X.
-void add_layer(std::vector<Shape>& out, const std::string& preset, const std::string& layer,
-               int64_t T, int64_t in, int64_t outs) {
-  out.push_back({preset, layer + "_fwd", Transpose::No, Transpose::Yes, T, outs, in, 0.0f});
-  out.push_back({preset, layer + "_dx", Transpose::No, Transpose::No, T, in, outs, 0.0f});
-  out.push_back({preset, layer + "_dw", Transpose::Yes, Transpose::No, outs, in, T, 1.0f});
-}
-
-std::vector<Shape> training_shapes() {
-  std::vector<Shape> shapes;
-  for (const char* name : {"mini", "mega", "behemoth"}) {
-    const Preset p = *find_preset(name);
-    const LlamaConfig& c = p.config;
-    const int64_t T = p.batch * c.ctx;
-    add_layer(shapes, name, "attn", T, c.d_model, c.d_model);  // wq, wk, wv, wo
-    add_layer(shapes, name, "ffn_up", T, c.d_model, c.ffn);    // w1, w3
-    add_layer(shapes, name, "ffn_down", T, c.ffn, c.d_model);  // w2
-    add_layer(shapes, name, "lm_head", T, c.d_model, c.vocab);
-  }
-  return shapes;
-}
 
 struct Operands {
   std::vector<float> a, b, c;
@@ -163,7 +133,7 @@ int main(int argc, char** argv) {
   const auto& cpu = cputrain::kernels::cpu_features();
   std::printf("cpu features: %s\n", cputrain::kernels::cpu_features_string().c_str());
   peak = cputrain::kernels::measure_peak();
-  const std::vector<Shape> shapes = training_shapes();
+  const std::vector<Shape> shapes = training_shapes({"mini", "mega", "behemoth"});
   for (const Shape& s : shapes) {
     for (bool bf16 : {false, true}) {
       for (const char* impl : {"ours", "onednn", "eigen"}) {

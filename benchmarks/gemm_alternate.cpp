@@ -1,0 +1,129 @@
+// GEMM comparison robust to a shared machine's changes of speed: for each training shape of a
+// preset, calls ours, ours with the fused path off (weight-gradient shapes only) and oneDNN in
+// turn, call after call, so that a spell of slowness falls on all of them alike; prints the
+// median GFLOP/s of each and the ratios. Operands are 64-byte aligned, as the trainer's tensors.
+//
+//   build/gemm_alternate                                 mega, f32 and bf16, 9 calls each
+//   build/gemm_alternate --preset mini --dtype bf16 --calls 15 --products _dw
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmarks/gemm_shapes.h"
+#include "kernels/bf16.h"
+#include "kernels/gemm.h"
+
+namespace cputrain::bench {
+namespace {
+
+using kernels::GemmBackend;
+using kernels::Transpose;
+
+template <class T>
+struct Aligned {
+  explicit Aligned(size_t n)
+      : data(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {}
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data;
+  T* get() const { return data.get(); }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void run(const Shape& s, bool bf16, int calls) {
+  const size_t a_size = static_cast<size_t>(s.M * s.K), b_size = static_cast<size_t>(s.K * s.N);
+  Aligned<float> A(a_size), B(b_size), C(static_cast<size_t>(s.M * s.N));
+  Aligned<uint16_t> A16(a_size), B16(b_size);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (size_t i = 0; i < a_size; ++i) A.get()[i] = dist(rng);
+  for (size_t i = 0; i < b_size; ++i) B.get()[i] = dist(rng);
+  std::fill(C.get(), C.get() + s.M * s.N, 0.0f);
+  kernels::fp32_to_bf16_array(A16.get(), A.get(), static_cast<int64_t>(a_size));
+  kernels::fp32_to_bf16_array(B16.get(), B.get(), static_cast<int64_t>(b_size));
+  const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
+  const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
+  const bool weight_gradient = s.ta == Transpose::Yes && s.tb == Transpose::No;
+  // 0: ours, 1: ours with the fused path off, 2: oneDNN
+  const auto call = [&](int which) {
+    kernels::gemm_set_backend(which == 2 ? GemmBackend::Onednn : GemmBackend::Avx512);
+    kernels::gemm_set_fused(which != 1);
+    const auto start = std::chrono::steady_clock::now();
+    if (bf16)
+      kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, A16.get(), lda, B16.get(), ldb, s.beta,
+                         C.get(), s.N);
+    else
+      kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, A.get(), lda, B.get(), ldb, s.beta, C.get(),
+                        s.N);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  std::vector<double> times[3];
+  for (int i = 0; i <= calls; ++i)  // the first round warms up buffers and oneDNN's primitives
+    for (int which = 0; which < 3; ++which) {
+      if (which == 1 && !weight_gradient) continue;
+      const double t = call(which);
+      if (i > 0) times[which].push_back(t);
+    }
+  kernels::gemm_set_fused(true);
+  const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
+  const double ours = flops / median(times[0]) / 1e9, onednn = flops / median(times[2]) / 1e9;
+  std::printf("%-5s %-9s %-13s %6lld %6lld %6lld  %7.1f", bf16 ? "bf16" : "f32", s.preset.c_str(),
+              s.product.c_str(), static_cast<long long>(s.M), static_cast<long long>(s.N),
+              static_cast<long long>(s.K), ours);
+  if (weight_gradient)
+    std::printf(" %7.1f", flops / median(times[1]) / 1e9);
+  else
+    std::printf(" %7s", "-");
+  std::printf(" %7.1f  %6.3f", onednn, ours / onednn);
+  if (weight_gradient) std::printf("  %6.3f", flops / median(times[1]) / 1e9 / onednn);
+  std::printf("\n");
+}
+
+}  // namespace
+}  // namespace cputrain::bench
+
+int main(int argc, char** argv) {
+  using namespace cputrain;
+  CLI::App app{"GEMM shapes of a preset: ours, ours without the fused path, oneDNN, in turn"};
+  std::string preset = "mega", dtype = "both", products;
+  int calls = 9;
+  app.add_option("--preset", preset, "Preset whose training shapes to run")
+      ->check([](const std::string& name) {
+        return find_preset(name) ? std::string() : "unknown preset '" + name + "'";
+      });
+  app.add_option("--dtype", dtype, "f32, bf16 or both")
+      ->check(CLI::IsMember({"f32", "bf16", "both"}));
+  app.add_option("--calls", calls, "Timed calls of each implementation")->check(CLI::Range(1, 1000));
+  app.add_option("--products", products, "Only products whose name contains this, e.g. _dw");
+  CLI11_PARSE(app, argc, argv);
+  if (!kernels::gemm_backend_available(kernels::GemmBackend::Avx512) ||
+      !kernels::gemm_backend_available(kernels::GemmBackend::Onednn)) {
+    std::fprintf(stderr, "gemm_alternate: needs the avx512 and onednn GEMM paths (this CPU: %s)\n",
+                 kernels::gemm_available_backends().c_str());
+    return 1;
+  }
+  std::printf("%d threads, %d calls each, medians; blocked: ours with the fused path off (weight gradients)\n",
+              omp_get_max_threads(), calls);
+  std::printf("%-5s %-9s %-13s %6s %6s %6s  %7s %7s %7s  %6s  %6s\n", "dtype", "preset", "product",
+              "M", "N", "K", "ours", "blocked", "onednn", "ours/o", "blk/o");
+  for (const bool bf16 : {false, true}) {
+    if ((bf16 && dtype == "f32") || (!bf16 && dtype == "bf16")) continue;
+    for (const bench::Shape& s : bench::training_shapes({preset}))
+      if (products.empty() || s.product.find(products) != std::string::npos)
+        bench::run(s, bf16, calls);
+  }
+  return 0;
+}

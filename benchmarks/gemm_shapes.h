@@ -1,0 +1,46 @@
+// The GEMM shapes of one training micro-batch of a preset: each linear layer type's three
+// products and the LM head's. Shared by the GEMM benchmark programs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "models/llama_config.h"
+
+namespace cputrain::bench {
+
+struct Shape {
+  std::string preset, product;
+  kernels::Transpose ta, tb;
+  int64_t M, N, K;
+  float beta;
+};
+
+// For a linear layer Y = X W^T with X (T, in) and W (out, in), T = batch x ctx tokens:
+// forward Y = X W^T, input gradient dX = dY W, weight gradient dW += dY^T X.
+inline void add_layer(std::vector<Shape>& out, const std::string& preset, const std::string& layer,
+                      int64_t T, int64_t in, int64_t outs) {
+  using kernels::Transpose;
+  out.push_back({preset, layer + "_fwd", Transpose::No, Transpose::Yes, T, outs, in, 0.0f});
+  out.push_back({preset, layer + "_dx", Transpose::No, Transpose::No, T, in, outs, 0.0f});
+  out.push_back({preset, layer + "_dw", Transpose::Yes, Transpose::No, outs, in, T, 1.0f});
+}
+
+// The shapes of each named preset, in order.
+inline std::vector<Shape> training_shapes(const std::vector<std::string>& presets) {
+  std::vector<Shape> shapes;
+  for (const std::string& name : presets) {
+    const Preset p = *find_preset(name);
+    const LlamaConfig& c = p.config;
+    const int64_t T = p.batch * c.ctx;
+    add_layer(shapes, name, "attn", T, c.d_model, c.d_model);  // wq, wk, wv, wo
+    add_layer(shapes, name, "ffn_up", T, c.d_model, c.ffn);    // w1, w3
+    add_layer(shapes, name, "ffn_down", T, c.ffn, c.d_model);  // w2
+    add_layer(shapes, name, "lm_head", T, c.d_model, c.vocab);
+  }
+  return shapes;
+}
+
+}  // namespace cputrain::bench
