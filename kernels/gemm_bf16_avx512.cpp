@@ -56,11 +56,13 @@ struct Bf16Avx512 {
     detail::pack_b_pairs32(dst, B, ldb, trans, j0, n, k0, kc);
   }
 
-  // One K pair step of the tile: row r += a[r] . (b0, b1), the dot products of bf16 pairs.
+  // One K pair step of the tile's first R rows: row r += a[r] . (b0, b1), the dot products of
+  // bf16 pairs.
+  template <int R>
   static inline __attribute__((always_inline)) void pair_step(detail::Tile& t, const uint32_t* a,
                                                               __m512bh b0, __m512bh b1) {
 #pragma GCC unroll 14
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r]));
       t.lo[r] = _mm512_dpbf16_ps(t.lo[r], av, b0);
       t.hi[r] = _mm512_dpbf16_ps(t.hi[r], av, b1);
@@ -75,13 +77,15 @@ struct Bf16Avx512 {
   static constexpr bool kFusedPacking = true;
   static constexpr int64_t kFusedAhead = 8, kAAhead = 16;
   // Packing A's pairs inside the products costs shuffles the FP32 path has not, so here the
-  // fused path takes only the shapes it measured ahead on (Zen 4, in-process alternation):
-  // twice the rows in columns or more (down projections: 512 x 1536 x 4096 a little ahead,
-  // 256 x 768 x 2048 8% ahead), and small products, where the blocked path's barrier per K
-  // block is a large part of the time (256 x 256 x 2048: 10% ahead); square and taller ones of
-  // 0.8 GFLOP and more ran 5-10% faster on the blocked path.
+  // fused path takes only the shapes it measured ahead on (Zen 4, alternating call by call with
+  // the blocked path): as many rows as columns or fewer (512 x 512 x 4096 1-6% ahead since a
+  // tile's last rows cost only their own, 512 x 1536 x 4096 and 256 x 768 x 2048 a little
+  // ahead), and small products, where the blocked path's barrier per K block is a large part of
+  // the time (256 x 256 x 2048: 10% ahead). Taller ones (1536 x 512 x 4096, 768 x 256 x 2048)
+  // ran level with the blocked path in the machine's usual state and 10-25% behind it while
+  // another tenant loaded the caches.
   static bool fused_suits(int64_t M, int64_t N, int64_t K) {
-    return 2 * M <= N || 2.0 * static_cast<double>(M) * static_cast<double>(N) * K < 5e8;
+    return M <= N || 2.0 * static_cast<double>(M) * static_cast<double>(N) * K < 5e8;
   }
 
   // Fetches the first `count` values of rows `row` and `row + ld` (their first and last lines).
@@ -115,7 +119,7 @@ struct Bf16Avx512 {
     const int n = static_cast<int>(std::min<int64_t>(NR, b_cols));
     if constexpr (PackA)
       for (int64_t q = 0; q < std::min(kAAhead, kp); ++q) fused_pack_a(as, lda, ap, q, kc, a_rows);
-    const auto steps = [=](detail::Tile& t, int64_t p0, int64_t p1)
+    const auto steps = [=](detail::Tile& t, int64_t p0, int64_t p1, auto rows)
                            __attribute__((always_inline)) {
       for (int64_t p = p0; p < p1; ++p) {
         if (2 * p < next_rows) prefetch_pair<_MM_HINT_T1>(next_a + 2 * p * lda, lda, MR);
@@ -138,7 +142,7 @@ struct Bf16Avx512 {
           if (p + kAAhead < kp) fused_pack_a(as, lda, ap, p + kAAhead, kc, a_rows);
           prefetch_pair<_MM_HINT_T0>(as + 2 * (p + kFusedAhead) * lda, lda, MR);
         }
-        pair_step(t, ap + p * MR, b0, b1);
+        pair_step<decltype(rows)::value>(t, ap + p * MR, b0, b1);
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);
@@ -148,11 +152,11 @@ struct Bf16Avx512 {
   template <class CT>
   static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, CT* C, int64_t ldc,
                     float beta, int m, int n) {
-    const auto steps = [a, b](detail::Tile& t, int64_t p0, int64_t p1)
+    const auto steps = [a, b](detail::Tile& t, int64_t p0, int64_t p1, auto rows)
                            __attribute__((always_inline)) {
       for (int64_t p = p0; p < p1; ++p) {
-        pair_step(t, a + p * MR, (__m512bh)_mm512_load_si512(b + p * NR),
-                  (__m512bh)_mm512_load_si512(b + p * NR + 16));
+        pair_step<decltype(rows)::value>(t, a + p * MR, (__m512bh)_mm512_load_si512(b + p * NR),
+                                         (__m512bh)_mm512_load_si512(b + p * NR + 16));
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);

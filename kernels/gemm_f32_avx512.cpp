@@ -69,11 +69,12 @@ struct F32Avx512 {
     }
   }
 
-  // One K step of the tile: row r += a[r] (b0, b1).
+  // One K step of the tile's first R rows: row r += a[r] (b0, b1).
+  template <int R>
   static inline __attribute__((always_inline)) void fma_step(detail::Tile& t, const float* a,
                                                              __m512 b0, __m512 b1) {
 #pragma GCC unroll 14
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(a[r]);
       t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
       t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
@@ -101,7 +102,7 @@ struct F32Avx512 {
     const __mmask16 a_load = static_cast<__mmask16>((1u << m) - 1);
     const __mmask16 a_store = static_cast<__mmask16>((1u << MR) - 1);
     const __mmask16 b_lo = detail::columns_mask(n, 0), b_hi = detail::columns_mask(n, 1);
-    const auto steps = [=](detail::Tile& t, int64_t k0, int64_t k1)
+    const auto steps = [=](detail::Tile& t, int64_t k0, int64_t k1, auto rows)
                            __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
         if (k < next_rows) {
@@ -132,9 +133,11 @@ struct F32Avx512 {
           _mm_prefetch(ahead, _MM_HINT_T0);
           _mm_prefetch(ahead + 4 * MR - 4, _MM_HINT_T0);
           _mm512_mask_storeu_ps(ap + k * MR, a_store, _mm512_maskz_loadu_ps(a_load, row));
-          if (m == MR) ak = row;  // just loaded, in L1; a shorter row is broadcast from ap
+          // Broadcast from the row just loaded, in L1, where the tile's rows are all in it (a
+          // store just made to ap would hold the broadcasts up); else from ap.
+          if (decltype(rows)::value <= m) ak = row;
         }
-        fma_step(t, ak, b0, b1);
+        fma_step<decltype(rows)::value>(t, ak, b0, b1);
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);
@@ -142,10 +145,11 @@ struct F32Avx512 {
 
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
                     float beta, int m, int n) {
-    const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1)
+    const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1, auto rows)
                            __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
-        fma_step(t, a + k * MR, _mm512_load_ps(b + k * NR), _mm512_load_ps(b + k * NR + 16));
+        fma_step<decltype(rows)::value>(t, a + k * MR, _mm512_load_ps(b + k * NR),
+                                        _mm512_load_ps(b + k * NR + 16));
       }
     };
     detail::micro_tile(kp, steps, C, ldc, beta, m, n);

@@ -72,6 +72,13 @@ std::vector<Case> cases() {
   out.push_back({Transpose::No, Transpose::No, 9, 1100, 2100, 2, 1.0f});
   out.push_back({Transpose::No, Transpose::Yes, 15, 1060, 2100, 0, 0.0f});
   out.push_back({Transpose::Yes, Transpose::No, 9, 1100, 2100, 1, 0.5f});
+  // Every count of rows a tile can end with (1 to 14, alone and after a whole tile): the
+  // micro-kernels compute a tile's last rows in a tile of their own size. A weight gradient
+  // wide enough for the fused path, and a forward product on the blocked one.
+  for (int64_t M = 1; M <= 28; ++M) {
+    out.push_back({Transpose::Yes, Transpose::No, M, 260, 40, M % 2, 1.0f});
+    out.push_back({Transpose::No, Transpose::Yes, M, 33, 20, 0, 0.0f});
+  }
   return out;
 }
 
