@@ -72,10 +72,13 @@ struct Bf16Avx512 {
   // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), the
   // pair of rows 2p, 2p + 1 of each read from as and bs where packed there and then (B's pairs
   // used straight from the registers; A's stored kAAhead pairs before their broadcasts read
-  // them back, which a store just made would hold up), each fetched kFusedAhead pairs ahead:
-  // rows a stride apart, a page or two each, are past what the hardware prefetcher follows.
+  // them back, which a store just made would hold up), each fetched into L1 kFusedAhead pairs
+  // ahead and into L2 kFusedFar pairs ahead: rows a stride apart, a page or two each, are past
+  // what the hardware prefetcher follows. (The L2 fetch, as on FP32: on Zen 4, alternating
+  // builds run by run, 512 x 512 x 4096 and 512 x 1536 x 4096 1% ahead over 11 rounds,
+  // 256 x 256 x 2048 2%, 256 x 768 x 2048 level.)
   static constexpr bool kFusedPacking = true;
-  static constexpr int64_t kFusedAhead = 8, kAAhead = 16;
+  static constexpr int64_t kFusedAhead = 8, kAAhead = 16, kFusedFar = 32;
   // Packing A's pairs inside the products costs shuffles the FP32 path has not, so here the
   // fused path takes only the shapes it measured ahead on (Zen 4, alternating call by call with
   // the blocked path): as many rows as columns or fewer (512 x 512 x 4096 1-6% ahead since a
@@ -127,6 +130,7 @@ struct Bf16Avx512 {
         if constexpr (PackB) {
           const uint16_t* row = bs + 2 * p * ldb;
           prefetch_pair<_MM_HINT_T0>(row + 2 * kFusedAhead * ldb, ldb, NR);
+          prefetch_pair<_MM_HINT_T1>(row + 2 * kFusedFar * ldb, ldb, NR);
           __m512i first, second;
           pairs_of(read_bf16_row(row, b_cols),
                    read_bf16_row(2 * p + 1 < kc ? row + ldb : nullptr, b_cols), &first, &second);
@@ -141,6 +145,7 @@ struct Bf16Avx512 {
         if constexpr (PackA) {
           if (p + kAAhead < kp) fused_pack_a(as, lda, ap, p + kAAhead, kc, a_rows);
           prefetch_pair<_MM_HINT_T0>(as + 2 * (p + kFusedAhead) * lda, lda, MR);
+          prefetch_pair<_MM_HINT_T1>(as + 2 * (p + kFusedFar) * lda, lda, MR);
         }
         pair_step<decltype(rows)::value>(t, ap + p * MR, b0, b1);
       }
