@@ -214,7 +214,7 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
                 float beta, float* C, int64_t ldc, typename P::Packed* apack,
                 typename P::Packed* bpack) {
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const int64_t n_ir = (M + MR - 1) / MR, n_jr = (N + NR - 1) / NR;
+  const int64_t n_ir = plan.n_ir, n_jr = (N + NR - 1) / NR;
 #pragma omp parallel num_threads(plan.threads)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();

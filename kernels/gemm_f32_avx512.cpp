@@ -86,8 +86,8 @@ struct F32Avx512 {
   // into L1 kFusedAhead rows ahead and into L2 kFusedFar rows ahead: rows a stride apart, a page
   // or two each, are past what the hardware prefetcher follows, and a fetch into L1 from memory
   // holds one of L1's few miss buffers all the way (the L2 fetch ahead of it: 2% on Zen 4 on
-  // 512 x 512 x 4096 and 512 x 1536 x 4096, alternating call by call; 32 rows as good, 128
-  // less). Rows of the next A are fetched one a step, from the first.
+  // 512 x 512 x 4096 and 512 x 1536 x 4096, alternating builds run by run; 32 rows as good,
+  // 128 less). Rows of the next A are fetched one a step, from the first.
   static constexpr bool kFusedPacking = true;
   static constexpr int64_t kFusedAhead = 16, kFusedFar = 64;
   // Measured on Zen 4: ahead of the blocked path up to rows = 4 x columns (a feed-forward
