@@ -15,10 +15,16 @@
 
 namespace cputrain::bench {
 
-// Runs call once per iteration of state, reporting its time; returns the median in seconds.
+// The least time, in seconds, of a run Google Benchmark reports (MinTime of every benchmark).
+constexpr double kMinSeconds = 0.3;
+
+// Runs call once per iteration of state, reporting its time; returns the median in seconds, and
+// in *reported whether Google Benchmark reports this run: it first runs a benchmark with 1, 10,
+// ... iterations to find how many fill kMinSeconds, and reports only the run that does.
 template <class Call>
-double timed_median(benchmark::State& state, Call&& call) {
+double timed_median(benchmark::State& state, Call&& call, bool* reported = nullptr) {
   std::vector<double> times;
+  double total = 0.0;
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
     call();
@@ -26,7 +32,9 @@ double timed_median(benchmark::State& state, Call&& call) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     state.SetIterationTime(t);
     times.push_back(t);
+    total += t;
   }
+  if (reported != nullptr) *reported = total >= kMinSeconds;
   std::sort(times.begin(), times.end());
   return times.empty() ? 0.0 : times[times.size() / 2];
 }
@@ -43,7 +51,7 @@ inline void report_gflops(benchmark::State& state, double gflops, const kernels:
 inline void register_timed(const std::string& name, std::function<void(benchmark::State&)> fn) {
   benchmark::RegisterBenchmark(name.c_str(), std::move(fn))
       ->UseManualTime()
-      ->MinTime(0.3)
+      ->MinTime(kMinSeconds)
       ->Unit(benchmark::kMillisecond);
 }
 

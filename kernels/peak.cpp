@@ -37,6 +37,17 @@ double best_rate(Loop loop, int threads, int64_t iterations, int repetitions) {
 
 }  // namespace
 
+Peak higher_peak(const Peak& a, const Peak& b) {
+  Peak p;
+  p.f32_one_thread = std::max(a.f32_one_thread, b.f32_one_thread);
+  p.f32_all_threads = std::max(a.f32_all_threads, b.f32_all_threads);
+  p.bf16_one_thread = std::max(a.bf16_one_thread, b.bf16_one_thread);
+  p.bf16_all_threads = std::max(a.bf16_all_threads, b.bf16_all_threads);
+  p.amx_one_thread = std::max(a.amx_one_thread, b.amx_one_thread);
+  p.amx_all_threads = std::max(a.amx_all_threads, b.amx_all_threads);
+  return p;
+}
+
 Peak measure_peak(int64_t iterations, int repetitions) {
   Peak p;
   const auto& cpu = cpu_features();

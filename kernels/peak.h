@@ -28,6 +28,10 @@ struct Peak {
   }
 };
 
+// Each rate the higher of a's and b's: a peak measured twice, at the start and the end of a
+// benchmark run (on a shared machine, one of the two may fall in a slower spell).
+Peak higher_peak(const Peak& a, const Peak& b);
+
 // The best of `repetitions` timed runs of `iterations` rounds each, on 1 thread and on all
 // threads; zero for a rate this CPU cannot reach with vector instructions (bf16 without
 // AVX512_BF16, AMX without AMX). FP32 uses AVX-512 where the CPU has it, else AVX2. With the
