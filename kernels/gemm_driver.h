@@ -159,6 +159,13 @@ std::array<int64_t, 2> blocked_pack_floats(Transpose ta, Transpose tb, int64_t M
   return {plan.b_floats(), plan.threads * plan.a_floats_per_thread()};
 }
 
+// Whether gemm_blocked<P> takes the fused path for an M x N x K product with an FP32 C.
+template <class P>
+bool takes_fused_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
+  return M > 0 && N > 0 && K > 0 &&
+         blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K).fused;
+}
+
 // `rows` stored rows of `row_bytes` bytes, `stride` bytes apart, fetched into L2 a few cache
 // lines per step: the rows of A a thread packs next, fetched while it computes. (Read at a
 // stride from L3 or memory only when packed, they arrive at a fraction of the rate the packing

@@ -178,4 +178,8 @@ std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb,
   return detail::blocked_pack_floats<F32Avx512>(ta, tb, M, N, K);
 }
 
+bool gemm_f32_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
+  return detail::takes_fused_path<F32Avx512>(ta, tb, M, N, K);
+}
+
 }  // namespace cputrain::kernels

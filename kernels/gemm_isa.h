@@ -43,6 +43,10 @@ std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb,
                                                     int64_t M, int64_t N, int64_t K);
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb,
                                                  int64_t M, int64_t N, int64_t K);
+// Whether the AVX-512 kernels take their fused path for an M x N x K product (FP32 C) on the
+// calling thread's OpenMP thread count, with gemm_fused() as it is now.
+bool gemm_f32_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
+bool gemm_bf16_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
 
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);

@@ -15,6 +15,7 @@
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
+#include "kernels/gemm_isa.h"
 
 namespace cputrain::kernels {
 namespace {
@@ -297,6 +298,15 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
     for (size_t i = 0; i < b.size(); ++i) b16[i] = fp32_to_bf16(b[i]);
     const std::vector<float> C = random_vector(c.M * c.ldc(), 22);
     for (bool bf16 : {false, true}) {
+      // Each shape takes the fused path, so that the comparison is not of the blocked path
+      // with itself.
+      gemm_set_fused(true);
+      ASSERT_TRUE(bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
+                       : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K))
+          << (bf16 ? "bf16 " : "f32 ") << describe(c);
+      gemm_set_fused(false);
+      ASSERT_FALSE(bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
+                        : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K));
       std::vector<float> fused = C, blocked = C;
       for (bool on : {true, false}) {
         gemm_set_fused(on);
