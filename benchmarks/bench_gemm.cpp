@@ -108,14 +108,12 @@ void print_peak(const char* when, const kernels::Peak& p) {
       p.amx_all_threads, p.amx_one_thread, omp_get_max_threads());
 }
 
-// The table, with % of the higher of the peaks measured at the start and at the end (the
-// counters pct_peak, reported during the run, are of the first).
+// The table, with % of `peak` (the higher of the two measurements).
 void print_summary(const std::vector<Shape>& shapes, const kernels::Peak& start,
                    const kernels::Peak& end) {
   std::printf("\n");
   print_peak("at the start", start);
   print_peak("at the end", end);
-  peak = kernels::higher_peak(start, end);
   std::printf("%%peak is of the higher of the two; bf16 %%peak is of %s\n",
               peak.bf16_best_instruction());
   std::printf("GFLOP/s, the median of the repetitions\n");
@@ -163,8 +161,11 @@ int main(int argc, char** argv) {
     }
   }
   benchmark::RunSpecifiedBenchmarks();
-  const cputrain::kernels::Peak start = peak;
-  print_summary(shapes, start, cputrain::kernels::measure_peak());
+  // The peak again: the counters pct_peak, reported during the run, are of the first
+  // measurement; the table's % of peak is of the higher of the two.
+  const cputrain::kernels::Peak start = peak, end = cputrain::kernels::measure_peak();
+  peak = cputrain::kernels::higher_peak(start, end);
+  print_summary(shapes, start, end);
   benchmark::Shutdown();
   return 0;
 }

@@ -323,6 +323,26 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   }
 }
 
+// The cases of every row count a tile can end with (cases()) reach the paths they are there for:
+// the weight gradient the fused path, the forward product the blocked one.
+TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
+  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  ASSERT_TRUE(gemm_fused());
+  const int saved_threads = omp_get_max_threads();
+  struct Restore {
+    int threads;
+    ~Restore() { omp_set_num_threads(threads); }
+  } restore{saved_threads};
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    for (int64_t M = 1; M <= 28; ++M) {
+      EXPECT_TRUE(gemm_f32_avx512_takes_fused(Transpose::Yes, Transpose::No, M, 260, 40)) << M;
+      EXPECT_TRUE(gemm_bf16_avx512_takes_fused(Transpose::Yes, Transpose::No, M, 260, 40)) << M;
+      EXPECT_FALSE(gemm_f32_avx512_takes_fused(Transpose::No, Transpose::Yes, M, 33, 20)) << M;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
                          ::testing::Combine(::testing::Values(GemmBackend::Reference,
                                                               GemmBackend::Eigen,
