@@ -28,15 +28,21 @@ struct Bf16Avx512 {
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = kTileRows, NR = kTileCols;
   static constexpr int64_t KC = 512, MC = MR * 8, NC = 2048;
+  static constexpr int64_t kPrefetchRowsAliased = 8;
 
   // dst[p][r] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1])
   static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,
                      int64_t m, int64_t k0, int64_t kc) {
     const int64_t kp = (kc + 1) / 2;
     if (trans) {  // A stored (K, M): interleave rows k and k + 1
+      // Rows that alias in L1 fetched fewer rows on, so that they are not evicted again before
+      // they are read (on Zen 4, the LM head's weight gradient 2% faster at 8 than at 32;
+      // other strides level).
+      const int64_t ahead =
+          detail::rows_alias_in_l1(lda * 2) ? kPrefetchRowsAliased : detail::kPrefetchRows;
       for (int64_t p = 0; p < kp; ++p) {
         const uint16_t* row = A + (k0 + 2 * p) * lda + i0;
-        detail::prefetch_rows_ahead(row, lda);
+        detail::prefetch_rows_ahead(row, lda, ahead);
         interleave_pairs(dst + p * MR, row, 2 * p + 1 < kc ? row + lda : nullptr, m, MR);
       }
       return;

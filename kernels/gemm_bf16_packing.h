@@ -18,9 +18,9 @@ namespace {
 // of the rows kPrefetchRows on: fetched now, they have arrived when the driver gets there. (Rows
 // read side by side, at a stride, are more streams than the hardware prefetcher follows.)
 constexpr int64_t kPrefetchRows = 32;
-inline void prefetch_rows_ahead(const uint16_t* row, int64_t ld) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * ld), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(row + (kPrefetchRows + 1) * ld), _MM_HINT_T0);
+inline void prefetch_rows_ahead(const uint16_t* row, int64_t ld, int64_t ahead = kPrefetchRows) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead * ld), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + (ahead + 1) * ld), _MM_HINT_T0);
 }
 
 // dst[p][c] = (op(B)[k0 + 2p][j0 + c], op(B)[k0 + 2p + 1][j0 + c]) for c < 32, p < ceil(kc / 2),

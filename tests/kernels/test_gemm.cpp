@@ -73,6 +73,11 @@ std::vector<Case> cases() {
   out.push_back({Transpose::No, Transpose::No, 9, 1100, 2100, 2, 1.0f});
   out.push_back({Transpose::No, Transpose::Yes, 15, 1060, 2100, 0, 0.0f});
   out.push_back({Transpose::Yes, Transpose::No, 9, 1100, 2100, 1, 0.5f});
+  // A transposed A whose rows are 2048 values apart (8 KiB in FP32, 4 KiB in bf16), which the
+  // blocked path packs a few K rows at a time (rows that alias in L1): odd K, and K over one
+  // block.
+  out.push_back({Transpose::Yes, Transpose::No, 60, 33, 37, 2048 - 60, 1.0f});
+  out.push_back({Transpose::Yes, Transpose::No, 40, 45, 1100, 2048 - 40, 0.5f});
   // Every count of rows a tile can end with (1 to 14, alone and after a whole tile): the
   // micro-kernels compute a tile's last rows in a tile of their own size. A weight gradient
   // wide enough for the fused path, and a forward product on the blocked one.
