@@ -48,8 +48,9 @@ inline __attribute__((always_inline)) void transpose16x16(__m512 r[16]) {
 
 // Packs `rows` (<= 16) rows of `count` 4-byte elements, row r starting at src + r * row_bytes,
 // transposed: dst[k * dst_stride + r] for k < count and r < lanes (<= 16); lanes at or past
-// `rows` are written as zero. Each row is fetched 256 bytes ahead of its loads: the rows are
-// read side by side, more streams than the hardware prefetcher follows.
+// `rows` are written as zero. Each row is fetched 128 bytes ahead of its loads: the rows are
+// read side by side, more streams than the hardware prefetcher follows. (On Zen 4, alternating
+// call by call with 256 bytes: 0-1.8% faster on the mega shapes that pack through here.)
 inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const void* src_v,
                             int64_t row_bytes, int rows, int64_t count) {
   auto* dst = static_cast<float*>(dst_v);
@@ -61,7 +62,7 @@ inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const vo
     const __mmask16 load_mask = static_cast<__mmask16>((1u << rem) - 1);
     for (int i = 0; i < 16; ++i) {
       const float* row = reinterpret_cast<const float*>(src + i * row_bytes) + k;
-      if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(row + 64), _MM_HINT_T0);
+      if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(row + 32), _MM_HINT_T0);
       // Plain loads for whole chunks: masked loads that miss the cache are much slower.
       r[i] = i >= rows   ? _mm512_setzero_ps()
              : rem == 16 ? _mm512_loadu_ps(row)
