@@ -309,9 +309,8 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const int64_t n_ir = plan.n_ir, ir_per_block = plan.ir_per_block;
   const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
   const int64_t k_chunks_block = (P::KC + kPackRows - 1) / kPackRows;
-  const int64_t a_pack_rows =
-      rows_alias_in_l1(lda * static_cast<int64_t>(sizeof(typename P::In))) ? kPackRowsAliased
-                                                                            : kPackRows;
+  const bool a_rows_alias = rows_alias_in_l1(lda * static_cast<int64_t>(sizeof(typename P::In)));
+  const int64_t a_pack_rows = a_rows_alias ? kPackRowsAliased : kPackRows;
 
   std::atomic<int64_t> next_item{0};  // work items of every (jc, ps) block, numbered on
 
@@ -355,7 +354,10 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
         // hardware prefetcher would not follow. (A stored (M, K) is read along its rows, a few
         // at a time, and is left to pack_a's own fetches: fetched into L2 ahead as well, it
         // took the place of packed B there and was 0-3% slower on Zen 4, alternating call by
-        // call; a transposed A's fetch ahead is worth 2.4% on 1536 x 512 x 4096 in bf16.)
+        // call; a transposed A's fetch ahead is worth 1.2-2.4% on 1536 x 512 x 4096 in bf16.
+        // Not where its rows alias in L1, and so in a few sets of L2 as well, which cannot hold
+        // an item's rows: there the fetch only evicts them again, and the LM head's weight
+        // gradient, 16384 x 512 x 4096, is 1.7-4.3% faster in bf16 without it, 0.6% in FP32.)
         const int64_t items_end = items_begin + row_blocks * col_groups;
         const auto a_rows = [&](int64_t item, int64_t steps) {
           const int64_t i0 = (item - items_begin) / col_groups * ir_per_block * MR;
@@ -377,7 +379,8 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
             const float beta_block = pc == 0 ? beta : 1.0f;
             const int64_t steps = (ir1 - ir0) * (jr1 - jr0);
             RowsPrefetch ahead;
-            if (at && next < items_end) ahead = a_rows(next, steps);  // q_blocks is 1 here
+            if (at && !a_rows_alias && next < items_end)
+              ahead = a_rows(next, steps);  // q_blocks is 1 here
             for (int64_t k0 = 0; k0 < (a_by_rows ? kc : 1); k0 += a_pack_rows) {
               const int64_t klen = a_by_rows ? std::min<int64_t>(a_pack_rows, kc - k0) : kc;
               for (int64_t ir = ir0; ir < ir1; ++ir)
