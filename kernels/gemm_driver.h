@@ -109,11 +109,6 @@ inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   return flops < 2e6 ? 1 : omp_get_max_threads();
 }
 
-// Micro-panels of rows per work item of the blocked path where A is stored (M, K) (on Zen 4,
-// alternating call by call with 8, the MC of the AVX-512 kernels: 0-2% faster on the mega
-// shapes in FP32 and bf16; 1 panel no better than 2).
-constexpr int64_t kStoredRowPanels = 2;
-
 // Bytes of packed B a super-block may take: it is read from L3 by both threads.
 constexpr int64_t kSuperBlockBytes = 4 << 20;
 
@@ -152,13 +147,8 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
     plan.fused = false;
   plan.fused_panels = std::min(kFusedPanels, (n_jr + plan.threads - 1) / plan.threads);
   plan.n_ir = (M + P::MR - 1) / P::MR;
-  // Blocks of up to MC rows where A is transposed, whose rows an item reads a stretch of MC
-  // values each (longer stretches read better), and of kStoredRowPanels micro-panels where A
-  // is stored (M, K) and read along its rows, so that the size of an item does not matter to
-  // its reads and small items even out the threads' ends; smaller when there are too few rows
-  // to go round.
-  const int64_t max_panels = a_transposed ? P::MC / P::MR : kStoredRowPanels;
-  plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, max_panels);
+  // Blocks of up to MC rows, smaller when there are too few rows to go round.
+  plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, P::MC / P::MR);
   plan.nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
   plan.kp_block = (std::min<int64_t>(P::KC, K) + P::KU - 1) / P::KU;
   // Where A's rows run along K, an item reads one stretch of each row over a super-block's K
