@@ -103,6 +103,8 @@ void reference_product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
 
 namespace detail {
 
+std::atomic<int64_t> fused_rows_shared{0};
+
 float* gemm_pack_buffer(size_t floats, int which) {
   // Each buffer remembers the allocator it came from, in case another is installed later.
   struct Buffer {
@@ -309,6 +311,10 @@ std::atomic<bool> fused_on{true};
 void gemm_set_fused(bool on) { fused_on.store(on); }
 
 bool gemm_fused() { return fused_on.load(std::memory_order_relaxed); }
+
+int64_t gemm_fused_rows_shared() {
+  return detail::fused_rows_shared.load(std::memory_order_relaxed);
+}
 
 std::string_view gemm_backend_name(GemmBackend backend) {
   switch (backend) {

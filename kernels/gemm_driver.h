@@ -38,9 +38,11 @@
 //       the next row of C packs);
 // each thread takes its own range of B micro-panels (columns of C) and runs, per K block, over
 // every row of C: the first micro-panel of a row packs that row's A, the first row packs each
-// B micro-panel. The packing runs inside the products, with no barrier at all; each tile is
-// computed whole by one thread, K block after K block, so results are the same for any thread
-// count here too.
+// B micro-panel. The packing runs inside the products, with no barrier at all. The rows of a
+// thread's last K block are shared: once its row 0 has packed that block's B, a thread that has
+// finished its own columns takes rows from the back (FusedShare), so that the threads end
+// together. Each tile sees its K blocks in order, from the same packed operands, whichever
+// thread computes the last, so results are the same for any thread count here too.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 #pragma once
@@ -53,6 +55,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <type_traits>
@@ -224,6 +227,34 @@ inline void micro_fused(bool pack_a, bool pack_b, Args... args) {
   P::template micro_fused_t<false, false>(args...);
 }
 
+// Rows of C shared on the fused path: the rows of a thread's last K block (of its last group
+// of columns) that are left, taken one at a time from the front by the thread itself and from
+// the back by threads that have finished their own, so that a thread slowed down (by another
+// tenant of its core, say) is helped rather than waited for. `rows` holds front << 32 | back;
+// the others are set before `ready` is.
+struct alignas(64) FusedShare {
+  std::atomic<uint64_t> rows{0};
+  std::atomic<int> ready{0};  // B of the K block packed, rows open
+  int64_t jc = 0, jc_end = 0, pc = 0;
+};
+
+// The next row of `share` from the front (its owner) or the back (another thread), or -1 when
+// none is left.
+inline int64_t take_fused_row(FusedShare& share, bool front) {
+  uint64_t v = share.rows.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t f = v >> 32, b = v & 0xffffffffu;
+    if (f >= b) return -1;
+    const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+    if (share.rows.compare_exchange_weak(v, next, std::memory_order_relaxed))
+      return static_cast<int64_t>(front ? f : b - 1);
+  }
+}
+
+// Rows of C computed on the fused path by a thread other than their columns' (counted for the
+// tests, which check that the sharing is reached).
+extern std::atomic<int64_t> fused_rows_shared;
+
 // The fused path (see the top of this file): C (FP32) = op(A) op(B) + beta C with A and B both
 // stored (K, *), into buffers laid out by `plan`.
 template <class P>
@@ -231,38 +262,75 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
                 const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
                 float beta, float* C, int64_t ldc, typename P::Packed* apack,
                 typename P::Packed* bpack) {
+  using Packed = typename P::Packed;
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const int64_t n_ir = plan.n_ir, n_jr = (N + NR - 1) / NR;
+  std::unique_ptr<FusedShare[]> shares(new FusedShare[plan.threads]);
+  const auto b_of = [&](int64_t thread) {
+    return bpack + thread * plan.kp_block * plan.fused_panels * NR;
+  };
+  // Row ir of C over the micro-panels jc..jc_end of columns and K block pc: the first product
+  // packs the row's A into a_buf, and B's micro-panels are packed into b_buf where pack_b (row
+  // 0), else read from there; where fetch_next, the products fetch the next row's A into L2.
+  const auto row = [&](int64_t ir, int64_t jc, int64_t jc_end, int64_t pc, Packed* a_buf,
+                       Packed* b_buf, bool pack_b, bool fetch_next) {
+    const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
+    const float beta_block = pc == 0 ? beta : 1.0f;
+    const int64_t i = ir * MR;
+    // The next row's A (of this K block, else of the next), fetched into L2 a share at a time
+    // by the products that read this row's packed copy.
+    const int64_t next_pc = ir + 1 < n_ir ? pc : pc + P::KC;
+    const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
+    const int64_t next_kc = fetch_next && next_pc < K ? std::min<int64_t>(P::KC, K - next_pc) : 0;
+    const int64_t calls = jc_end - jc - 1;
+    for (int64_t jr = jc; jr < jc_end; ++jr) {
+      const int64_t j = jr * NR;
+      const int64_t c = jr - jc - 1;  // this call's share of the next row's K rows
+      const int64_t r0 = c < 0 ? 0 : next_kc * c / calls;
+      const int64_t r1 = c < 0 ? 0 : next_kc * (c + 1) / calls;
+      const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
+      micro_fused<P>(jr == jc, pack_b, kc, A + pc * lda + i, lda, a_buf, B + pc * ldb + j, ldb,
+                     b_buf + (jr - jc) * kp * NR, C + i * ldc + j, ldc, beta_block, M - i, N - j,
+                     next_a, r1 - r0);
+    }
+  };
 #pragma omp parallel num_threads(plan.threads)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t jr_begin = n_jr * t / nt, jr_end = n_jr * (t + 1) / nt;
-    auto* const my_a = apack + t * plan.a_floats_per_thread();
-    auto* const my_b = bpack + t * plan.kp_block * plan.fused_panels * NR;
+    Packed* const my_a = apack + t * plan.a_floats_per_thread();
+    Packed* const my_b = b_of(t);
+    if (jr_begin == jr_end) shares[t].ready.store(1, std::memory_order_release);  // no rows
     for (int64_t jc = jr_begin; jc < jr_end; jc += plan.fused_panels) {
       const int64_t jc_end = std::min(jr_end, jc + plan.fused_panels);
       for (int64_t pc = 0; pc < K; pc += P::KC) {
-        const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
-        const float beta_block = pc == 0 ? beta : 1.0f;
-        for (int64_t ir = 0; ir < n_ir; ++ir) {
-          const int64_t i = ir * MR;
-          // The next row's A (of this K block, else of the next), fetched into L2 a share at a
-          // time by the products that read this row's packed copy.
-          const int64_t next_pc = ir + 1 < n_ir ? pc : pc + P::KC;
-          const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
-          const int64_t next_kc = next_pc < K ? std::min<int64_t>(P::KC, K - next_pc) : 0;
-          const int64_t calls = jc_end - jc - 1;
-          for (int64_t jr = jc; jr < jc_end; ++jr) {
-            const int64_t j = jr * NR;
-            const int64_t c = jr - jc - 1;  // this call's share of the next row's K rows
-            const int64_t r0 = c < 0 ? 0 : next_kc * c / calls;
-            const int64_t r1 = c < 0 ? 0 : next_kc * (c + 1) / calls;
-            const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
-            micro_fused<P>(jr == jc, ir == 0, kc, A + pc * lda + i, lda, my_a, B + pc * ldb + j,
-                           ldb, my_b + (jr - jc) * kp * NR, C + i * ldc + j, ldc, beta_block, M - i,
-                           N - j, next_a, r1 - r0);
-          }
+        if (jc_end < jr_end || pc + P::KC < K) {
+          for (int64_t ir = 0; ir < n_ir; ++ir) row(ir, jc, jc_end, pc, my_a, my_b, ir == 0, true);
+          continue;
         }
+        // The last K block of the last group: row 0 packs B, then the rows are shared. Every
+        // earlier K block of these columns is done, so a row taken by another thread still
+        // sees its K blocks in order, and is computed from the same packed operands.
+        FusedShare& share = shares[t];
+        share.jc = jc;
+        share.jc_end = jc_end;
+        share.pc = pc;
+        share.rows.store(uint64_t{1} << 32 | static_cast<uint64_t>(n_ir),
+                         std::memory_order_relaxed);
+        row(0, jc, jc_end, pc, my_a, my_b, true, true);
+        share.ready.store(1, std::memory_order_release);
+        for (int64_t ir; (ir = take_fused_row(share, true)) >= 0;)
+          row(ir, jc, jc_end, pc, my_a, my_b, false, true);
+      }
+    }
+    // Then the rows other threads have left of their last K block, from the back.
+    for (int64_t d = 1; d < nt; ++d) {
+      const int64_t v = (t + d) % nt;
+      FusedShare& share = shares[v];
+      while (share.ready.load(std::memory_order_acquire) == 0) _mm_pause();
+      for (int64_t ir; (ir = take_fused_row(share, false)) >= 0;) {
+        row(ir, share.jc, share.jc_end, share.pc, my_a, b_of(v), false, false);
+        fused_rows_shared.fetch_add(1, std::memory_order_relaxed);
       }
     }
   }

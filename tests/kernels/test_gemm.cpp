@@ -348,6 +348,56 @@ TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
   }
 }
 
+// On the fused path a thread that has finished its columns computes rows the others have left
+// of their last K block. Two threads with 4 and 5 micro-panels of columns: the first finishes
+// early and takes rows of the second's; the results have the bits of one thread's, and rows are
+// taken (over a few calls, as it depends on timing).
+TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
+  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  const GemmBackend saved_backend = gemm_backend();
+  const int saved_threads = omp_get_max_threads();
+  struct Restore {
+    GemmBackend backend;
+    int threads;
+    ~Restore() {
+      gemm_set_backend(backend);
+      omp_set_num_threads(threads);
+    }
+  } restore{saved_backend, saved_threads};
+  gemm_set_backend(GemmBackend::Avx512);
+  const Case c{Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f};
+  const std::vector<float> a = random_vector(c.a_rows() * c.lda(), 30);
+  const std::vector<float> b = random_vector(c.b_rows() * c.ldb(), 31);
+  std::vector<uint16_t> a16(a.size()), b16(b.size());
+  for (size_t i = 0; i < a.size(); ++i) a16[i] = fp32_to_bf16(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) b16[i] = fp32_to_bf16(b[i]);
+  const std::vector<float> C = random_vector(c.M * c.ldc(), 32);
+  for (bool bf16 : {false, true}) {
+    const auto run = [&](std::vector<float>& out) {
+      if (bf16)
+        gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a16.data(), c.lda(), b16.data(), c.ldb(), c.beta,
+                  out.data(), c.ldc());
+      else
+        gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta,
+                 out.data(), c.ldc());
+    };
+    omp_set_num_threads(1);
+    std::vector<float> one = C;
+    run(one);
+    omp_set_num_threads(2);
+    ASSERT_TRUE(bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
+                     : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K));
+    const int64_t shared_before = gemm_fused_rows_shared();
+    for (int call = 0; call < 50 && gemm_fused_rows_shared() == shared_before; ++call) {
+      std::vector<float> two = C;
+      run(two);
+      ASSERT_EQ(two, one) << (bf16 ? "bf16" : "f32") << ", call " << call;
+    }
+    EXPECT_GT(gemm_fused_rows_shared(), shared_before)
+        << (bf16 ? "bf16" : "f32") << ": no row was taken by the other thread in 50 calls";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
                          ::testing::Combine(::testing::Values(GemmBackend::Reference,
                                                               GemmBackend::Eigen,
