@@ -58,6 +58,7 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 
 #include "kernels/gemm_isa.h"
@@ -327,7 +328,13 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     for (int64_t d = 1; d < nt; ++d) {
       const int64_t v = (t + d) % nt;
       FusedShare& share = shares[v];
-      while (share.ready.load(std::memory_order_acquire) == 0) _mm_pause();
+      // (Yielding after a while, in case the two share a core.)
+      for (int spins = 0; share.ready.load(std::memory_order_acquire) == 0; ++spins) {
+        if (spins < 4096)
+          _mm_pause();
+        else
+          std::this_thread::yield();
+      }
       for (int64_t ir; (ir = take_fused_row(share, false)) >= 0;) {
         row(ir, share.jc, share.jc_end, share.pc, my_a, b_of(v), false, false);
         fused_rows_shared.fetch_add(1, std::memory_order_relaxed);
