@@ -60,6 +60,7 @@
 #include <stdexcept>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/gemm_isa.h"
 
@@ -372,7 +373,21 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
     if (plan.fused) return gemm_fused<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc, apack, bpack);
   }
   const int64_t n_ir = plan.n_ir, ir_per_block = plan.ir_per_block;
-  const int64_t row_blocks = (n_ir + ir_per_block - 1) / ir_per_block;
+  // Row blocks of ir_per_block micro-panels, and at the end, the last threads x 2 blocks' worth
+  // in blocks of a quarter of that, so that the threads end closer together (on Zen 4, 0-1.6%
+  // faster on the mega shapes, alternating call by call).
+  const int64_t small_block = std::max<int64_t>(1, ir_per_block / 4);
+  const int64_t head_blocks =
+      std::max<int64_t>(0, n_ir - 2 * plan.threads * ir_per_block) / ir_per_block;
+  const int64_t head_panels = head_blocks * ir_per_block;
+  const int64_t row_blocks = head_blocks + (n_ir - head_panels + small_block - 1) / small_block;
+  // Micro-panels ir0..ir1 of row block rb.
+  const auto block_panels = [=](int64_t rb) {
+    const int64_t ir0 = rb < head_blocks ? rb * ir_per_block
+                                         : head_panels + (rb - head_blocks) * small_block;
+    return std::pair<int64_t, int64_t>(
+        ir0, std::min(n_ir, ir0 + (rb < head_blocks ? ir_per_block : small_block)));
+  };
   const int64_t k_chunks_block = (P::KC + kPackRows - 1) / kPackRows;
   const bool a_rows_alias = rows_alias_in_l1(lda * static_cast<int64_t>(sizeof(typename P::In)));
   const int64_t a_pack_rows = a_rows_alias ? kPackRowsAliased : kPackRows;
@@ -425,8 +440,9 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
         // gradient, 16384 x 512 x 4096, is 1.7-4.3% faster in bf16 without it, 0.6% in FP32.)
         const int64_t items_end = items_begin + row_blocks * col_groups;
         const auto a_rows = [&](int64_t item, int64_t steps) {
-          const int64_t i0 = (item - items_begin) / col_groups * ir_per_block * MR;
-          const int64_t m = std::min(M, i0 + ir_per_block * MR) - i0;
+          const auto [p0, p1] = block_panels((item - items_begin) / col_groups);
+          const int64_t i0 = p0 * MR;
+          const int64_t m = std::min(M, p1 * MR) - i0;
           const int64_t kc = std::min<int64_t>(P::KC, K - ps);
           constexpr int64_t es = sizeof(typename P::In);
           return RowsPrefetch(A + ps * lda + i0, kc, m * es, lda * es, steps);
@@ -436,7 +452,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
           const int64_t next = claim_item(next_item, items_end);
           const int64_t rb = (item - items_begin) / col_groups,
                         cg = (item - items_begin) % col_groups;
-          const int64_t ir0 = rb * ir_per_block, ir1 = std::min(n_ir, ir0 + ir_per_block);
+          const auto [ir0, ir1] = block_panels(rb);
           const int64_t jr0 = cg * jr_per_group, jr1 = std::min(n_jr, jr0 + jr_per_group);
           for (int64_t q = 0; q < q_blocks; ++q) {
             const int64_t pc = ps + q * P::KC;

@@ -67,6 +67,8 @@ std::vector<Case> cases() {
   out.push_back({Transpose::No, Transpose::Yes, 40, 70, 1100, 0, 0.0f});
   out.push_back({Transpose::Yes, Transpose::No, 2100, 33, 20, 1, 1.0f});
   out.push_back({Transpose::No, Transpose::No, 17, 2200, 9, 0, 0.5f});
+  // Enough rows for the blocked path's last work items to be smaller than the others.
+  out.push_back({Transpose::No, Transpose::No, 1000, 40, 30, 2, 1.0f});
   // Over 1024 columns, so B's K blocks are grouped into super-blocks (several K blocks an item
   // runs through) with a short last one, for an A stored (M, K), and one K block at a time for
   // a transposed A.
