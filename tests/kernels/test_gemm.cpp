@@ -286,6 +286,36 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
   EXPECT_EQ(one, two) << "bf16 " << describe(c);
 }
 
+// A weight-gradient case's operands in FP32 and as bf16, and C; run() computes the case into
+// `out` (a copy of C) in either data type on the current backend.
+struct FusedCaseOperands {
+  FusedCaseOperands(const Case& c_, uint32_t seed)
+      : c(c_),
+        a(random_vector(c.a_rows() * c.lda(), seed)),
+        b(random_vector(c.b_rows() * c.ldb(), seed + 1)),
+        C(random_vector(c.M * c.ldc(), seed + 2)),
+        a16(a.size()),
+        b16(b.size()) {
+    for (size_t i = 0; i < a.size(); ++i) a16[i] = fp32_to_bf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) b16[i] = fp32_to_bf16(b[i]);
+  }
+  void run(bool bf16, std::vector<float>& out) const {
+    if (bf16)
+      gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a16.data(), c.lda(), b16.data(), c.ldb(), c.beta,
+                out.data(), c.ldc());
+    else
+      gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta,
+               out.data(), c.ldc());
+  }
+  bool takes_fused(bool bf16) const {
+    return bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
+                : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K);
+  }
+  Case c;
+  std::vector<float> a, b, C;
+  std::vector<uint16_t> a16, b16;
+};
+
 // The fused path computes each tile over the same K blocks in the same order as the blocked
 // path, so the two give the same bits: weight-gradient shapes that take it in FP32 and BF16
 // (tails in every dimension, K over one block, beta 1 and 0.5), fused against blocked.
@@ -298,32 +328,18 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   for (const Case& c : {Case{Transpose::Yes, Transpose::No, 300, 520, 1100, 3, 1.0f},
                         Case{Transpose::Yes, Transpose::No, 33, 1100, 700, 0, 0.5f},
                         Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f}}) {
-    const std::vector<float> a = random_vector(c.a_rows() * c.lda(), 20);
-    const std::vector<float> b = random_vector(c.b_rows() * c.ldb(), 21);
-    std::vector<uint16_t> a16(a.size()), b16(b.size());
-    for (size_t i = 0; i < a.size(); ++i) a16[i] = fp32_to_bf16(a[i]);
-    for (size_t i = 0; i < b.size(); ++i) b16[i] = fp32_to_bf16(b[i]);
-    const std::vector<float> C = random_vector(c.M * c.ldc(), 22);
+    const FusedCaseOperands ops(c, 20);
     for (bool bf16 : {false, true}) {
       // Each shape takes the fused path, so that the comparison is not of the blocked path
       // with itself.
       gemm_set_fused(true);
-      ASSERT_TRUE(bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
-                       : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K))
-          << (bf16 ? "bf16 " : "f32 ") << describe(c);
+      ASSERT_TRUE(ops.takes_fused(bf16)) << (bf16 ? "bf16 " : "f32 ") << describe(c);
       gemm_set_fused(false);
-      ASSERT_FALSE(bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
-                        : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K));
-      std::vector<float> fused = C, blocked = C;
+      ASSERT_FALSE(ops.takes_fused(bf16));
+      std::vector<float> fused = ops.C, blocked = ops.C;
       for (bool on : {true, false}) {
         gemm_set_fused(on);
-        float* out = on ? fused.data() : blocked.data();
-        if (bf16)
-          gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a16.data(), c.lda(), b16.data(), c.ldb(), c.beta,
-                    out, c.ldc());
-        else
-          gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta, out,
-                   c.ldc());
+        ops.run(bf16, on ? fused : blocked);
       }
       EXPECT_EQ(fused, blocked) << (bf16 ? "bf16 " : "f32 ") << describe(c);
     }
@@ -368,33 +384,18 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     }
   } restore{saved_backend, saved_threads};
   gemm_set_backend(GemmBackend::Avx512);
-  const Case c{Transpose::Yes, Transpose::No, 280, 9 * 32, 1024, 0, 1.0f};
-  const std::vector<float> a = random_vector(c.a_rows() * c.lda(), 30);
-  const std::vector<float> b = random_vector(c.b_rows() * c.ldb(), 31);
-  std::vector<uint16_t> a16(a.size()), b16(b.size());
-  for (size_t i = 0; i < a.size(); ++i) a16[i] = fp32_to_bf16(a[i]);
-  for (size_t i = 0; i < b.size(); ++i) b16[i] = fp32_to_bf16(b[i]);
-  const std::vector<float> C = random_vector(c.M * c.ldc(), 32);
+  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 1024, 0, 1.0f}, 30);
   for (bool bf16 : {false, true}) {
-    const auto run = [&](std::vector<float>& out) {
-      if (bf16)
-        gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a16.data(), c.lda(), b16.data(), c.ldb(), c.beta,
-                  out.data(), c.ldc());
-      else
-        gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta,
-                 out.data(), c.ldc());
-    };
     omp_set_num_threads(1);
-    std::vector<float> one = C;
-    run(one);
+    std::vector<float> one = ops.C;
+    ops.run(bf16, one);
     omp_set_num_threads(2);
-    ASSERT_TRUE(bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
-                     : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K));
+    ASSERT_TRUE(ops.takes_fused(bf16));
     const int64_t shared_before = gemm_fused_rows_shared();
     constexpr int kCalls = 400;
     for (int call = 0; call < kCalls && gemm_fused_rows_shared() == shared_before; ++call) {
-      std::vector<float> two = C;
-      run(two);
+      std::vector<float> two = ops.C;
+      ops.run(bf16, two);
       ASSERT_EQ(two, one) << (bf16 ? "bf16" : "f32") << ", call " << call;
     }
     EXPECT_GT(gemm_fused_rows_shared(), shared_before)
