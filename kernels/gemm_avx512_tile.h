@@ -173,5 +173,19 @@ inline __attribute__((always_inline)) void micro_tile(int64_t kp, Steps steps, C
   });
 }
 
+// micro_tile over K steps 0..kp in blocks of `block` steps, the tile stored into C after each
+// (beta on the first only): the bits of one product per block, with the tile in L1 between
+// them.
+template <class Steps>
+inline __attribute__((always_inline)) void micro_tile_blocks(int64_t kp, int64_t block,
+                                                             Steps steps, float* C, int64_t ldc,
+                                                             float beta, int m, int n) {
+  for (int64_t k0 = 0; k0 < kp; k0 += block) {
+    const auto part = [&](Tile& t, int64_t k1, int64_t k2, auto rows)
+                          __attribute__((always_inline)) { steps(t, k0 + k1, k0 + k2, rows); };
+    micro_tile(kp - k0 < block ? kp - k0 : block, part, C, ldc, k0 == 0 ? beta : 1.0f, m, n);
+  }
+}
+
 }  // namespace
 }  // namespace cputrain::kernels::detail

@@ -156,7 +156,7 @@ struct Bf16Avx512 {
         pair_step<decltype(rows)::value>(t, ap + p * MR, b0, b1);
       }
     };
-    detail::micro_tile(kp, steps, C, ldc, beta, m, n);
+    detail::micro_tile_blocks(kp, KC / KU, steps, C, ldc, beta, m, n);
   }
 
   // C FP32 (+ beta C) or, for the rounded product, bf16.

@@ -30,19 +30,21 @@
 // and provides
 //   micro_fused_t<pack_a, pack_b>(kc, a_src, lda, a_pack, b_src, ldb, b_pack, C, ldc, beta, m,
 //                                 n, next_a, next_rows):
-//       micro's product over kc K rows (ceil(kc / KU) packed steps), reading A's rows
-//       i..i+min(m, MR) and B's columns j..j+min(n, NR) straight from the matrices where
-//       pack_a / pack_b, and storing them packed as it goes, else reading the packed copies (m
-//       and n: the rows and columns op(A) and op(B) have from i and j on); meanwhile it fetches
-//       into L2 next_rows K rows of MR values of A, lda apart from next_a (a share of the rows
-//       the next row of C packs);
-// each thread takes its own range of B micro-panels (columns of C) and runs, per K block, over
-// every row of C: the first micro-panel of a row packs that row's A, the first row packs each
-// B micro-panel. The packing runs inside the products, with no barrier at all. The rows of a
-// thread's last K block are shared: once its row 0 has packed that block's B, a thread that has
-// finished its own columns takes rows from the back (FusedShare), so that the threads end
-// together. Each tile sees its K blocks in order, from the same packed operands, whichever
-// thread computes the last, so results are the same for any thread count here too.
+//       micro's product over kc K rows (ceil(kc / KU) packed steps; up to kFusedKBlocks x KC,
+//       the tile stored into C after each KC of them, as one product per K block of KC would
+//       store it), reading A's rows i..i+min(m, MR) and B's columns j..j+min(n, NR) straight
+//       from the matrices where pack_a / pack_b, and storing them packed as it goes, else
+//       reading the packed copies (m and n: the rows and columns op(A) and op(B) have from i and
+//       j on); meanwhile it fetches into L2 next_rows K rows of MR values of A, lda apart from
+//       next_a (a share of the rows the next row of C packs);
+// each thread takes its own range of B micro-panels (columns of C) and runs, per K block of
+// kFusedKBlocks x KC, over every row of C: the first micro-panel of a row packs that row's A,
+// the first row packs each B micro-panel. The packing runs inside the products, with no barrier
+// at all. The rows of a thread's last K block are shared: once its row 0 has packed that
+// block's B, a thread that has finished its own columns takes rows from the back (FusedShare),
+// so that the threads end together. Each tile sees its K blocks in order, from the same packed
+// operands, whichever thread computes the last, so results are the same for any thread count
+// here too, and the same as the blocked path's.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 #pragma once
@@ -107,6 +109,14 @@ constexpr bool fused_packing() {
 // read from L2 and L3 well enough (8 panels, 512 KiB, measured no faster).
 constexpr int64_t kFusedPanels = 24;
 
+// K blocks of KC that the fused path takes as one, so that a row of C goes to and from L2 or
+// further half as often: there the rows of C a thread computes do not stay in L2 from one K
+// block to the next, with its B and the A read past them. (On Zen 4, alternating call by call
+// on the mega weight gradients, FP32 and bf16: level with 1 in calm runs, 2.6-7.9% faster in
+// spells where another tenant loads the memory; 4 was 5-9% slower on 1536 x 512 x 4096, whose
+// B, then 2 MiB a thread, is read again for each of its 110 rows.)
+constexpr int64_t kFusedKBlocks = 2;
+
 // The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
 inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   const double flops =
@@ -124,7 +134,8 @@ struct BlockedPlan {
   int64_t n_ir;          // micro-panels of MR rows over M
   int64_t ir_per_block;  // micro-panels per row block (a work item's rows)
   int64_t nc_max;        // columns of the widest B block
-  int64_t kp_block;      // packed K steps of a whole K block (KC / KU, or fewer for a small K)
+  int64_t kc_block;      // K rows per K block: KC, or kFusedKBlocks x KC on the fused path
+  int64_t kp_block;      // packed K steps of a whole K block (kc_block / KU, or fewer for a small K)
   int64_t ks;            // K per super-block: whole K blocks of KC, or all of K
   bool fused;            // the fused path: a thread's columns, packing inside the products
   int64_t fused_panels;  // B micro-panels per thread packed at a time on the fused path
@@ -155,7 +166,8 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // Blocks of up to MC rows, smaller when there are too few rows to go round.
   plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, P::MC / P::MR);
   plan.nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
-  plan.kp_block = (std::min<int64_t>(P::KC, K) + P::KU - 1) / P::KU;
+  plan.kc_block = plan.fused ? kFusedKBlocks * P::KC : P::KC;
+  plan.kp_block = (std::min<int64_t>(plan.kc_block, K) + P::KU - 1) / P::KU;
   // Where A's rows run along K, an item reads one stretch of each row over a super-block's K
   // blocks, and its rows of C stay in L2 between them instead of going back to memory. A
   // transposed A (a weight gradient's, whose K is the tokens) would be read across thousands of
@@ -265,6 +277,7 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
                 float beta, float* C, int64_t ldc, typename P::Packed* apack,
                 typename P::Packed* bpack) {
   using Packed = typename P::Packed;
+  const int64_t kc_block = plan.kc_block;
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const int64_t n_ir = plan.n_ir, n_jr = (N + NR - 1) / NR;
   std::unique_ptr<FusedShare[]> shares(new FusedShare[plan.threads]);
@@ -276,14 +289,14 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
   // 0), else read from there; where fetch_next, the products fetch the next row's A into L2.
   const auto row = [&](int64_t ir, int64_t jc, int64_t jc_end, int64_t pc, Packed* a_buf,
                        Packed* b_buf, bool pack_b, bool fetch_next) {
-    const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
+    const int64_t kc = std::min<int64_t>(kc_block, K - pc), kp = (kc + KU - 1) / KU;
     const float beta_block = pc == 0 ? beta : 1.0f;
     const int64_t i = ir * MR;
     // The next row's A (of this K block, else of the next), fetched into L2 a share at a time
     // by the products that read this row's packed copy.
-    const int64_t next_pc = ir + 1 < n_ir ? pc : pc + P::KC;
+    const int64_t next_pc = ir + 1 < n_ir ? pc : pc + kc_block;
     const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
-    const int64_t next_kc = fetch_next && next_pc < K ? std::min<int64_t>(P::KC, K - next_pc) : 0;
+    const int64_t next_kc = fetch_next && next_pc < K ? std::min<int64_t>(kc_block, K - next_pc) : 0;
     const int64_t calls = jc_end - jc - 1;
     for (int64_t jr = jc; jr < jc_end; ++jr) {
       const int64_t j = jr * NR;
@@ -305,8 +318,8 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     if (jr_begin == jr_end) shares[t].ready.store(1, std::memory_order_release);  // no rows
     for (int64_t jc = jr_begin; jc < jr_end; jc += plan.fused_panels) {
       const int64_t jc_end = std::min(jr_end, jc + plan.fused_panels);
-      for (int64_t pc = 0; pc < K; pc += P::KC) {
-        if (jc_end < jr_end || pc + P::KC < K) {
+      for (int64_t pc = 0; pc < K; pc += kc_block) {
+        if (jc_end < jr_end || pc + kc_block < K) {
           for (int64_t ir = 0; ir < n_ir; ++ir) row(ir, jc, jc_end, pc, my_a, my_b, ir == 0, true);
           continue;
         }

@@ -150,7 +150,7 @@ struct F32Avx512 {
         fma_step<decltype(rows)::value>(t, ak, b0, b1);
       }
     };
-    detail::micro_tile(kp, steps, C, ldc, beta, m, n);
+    detail::micro_tile_blocks(kp, KC / KU, steps, C, ldc, beta, m, n);
   }
 
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,

@@ -318,7 +318,9 @@ struct FusedCaseOperands {
 
 // The fused path computes each tile over the same K blocks in the same order as the blocked
 // path, so the two give the same bits: weight-gradient shapes that take it in FP32 and BF16
-// (tails in every dimension, K over one block, beta 1 and 0.5), fused against blocked.
+// (tails in every dimension; K 700, in one of the fused path's K blocks of two blocks of 512,
+// whose products store the tile after each, and K 1031 and 1100, over one; beta 1 and 0.5),
+// fused against blocked.
 TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   if (std::get<0>(GetParam()) != GemmBackend::Avx512)
     GTEST_SKIP() << "the fused path is the avx512 kernels'";
@@ -367,10 +369,10 @@ TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
 }
 
 // On the fused path a thread that has finished its columns computes rows the others have left
-// of their last K block. Two threads with 4 and 5 micro-panels of columns: the first finishes
-// early and takes rows of the second's; the results have the bits of one thread's, and rows are
-// taken (within some calls: it depends on timing, and on a loaded machine the two threads may
-// not overlap in a given call).
+// of their last K block (here the second of two). Two threads with 4 and 5 micro-panels of
+// columns: the first finishes early and takes rows of the second's; the results have the bits
+// of one thread's, and rows are taken (within some calls: it depends on timing, and on a loaded
+// machine the two threads may not overlap in a given call).
 TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
   const GemmBackend saved_backend = gemm_backend();
@@ -384,7 +386,7 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     }
   } restore{saved_backend, saved_threads};
   gemm_set_backend(GemmBackend::Avx512);
-  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 1024, 0, 1.0f}, 30);
+  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
   for (bool bf16 : {false, true}) {
     omp_set_num_threads(1);
     std::vector<float> one = ops.C;
