@@ -112,9 +112,9 @@ constexpr int64_t kFusedPanels = 24;
 // K blocks of KC that the fused path takes as one, so that a row of C goes to and from L2 or
 // further half as often: there the rows of C a thread computes do not stay in L2 from one K
 // block to the next, with its B and the A read past them. (On Zen 4, alternating call by call
-// on the mega weight gradients, FP32 and bf16: level with 1 in calm runs, 2.6-7.9% faster in
-// spells where another tenant loads the memory; 4 was 5-9% slower on 1536 x 512 x 4096, whose
-// B, then 2 MiB a thread, is read again for each of its 110 rows.)
+// on the mega weight gradients, FP32 and bf16: level with 1 in calm runs, 1.4-9% faster in
+// spells where another tenant loads the memory; 4 was up to 8.7% slower on 1536 x 512 x 4096,
+// whose B, then 2 MiB a thread, is read again for each of its 110 rows.)
 constexpr int64_t kFusedKBlocks = 2;
 
 // The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
