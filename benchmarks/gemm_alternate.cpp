@@ -1,10 +1,13 @@
 // GEMM comparison robust to a shared machine's changes of speed: for each training shape of a
 // preset, calls ours, ours with the fused path off (weight-gradient shapes only) and oneDNN in
 // turn, call after call, so that a spell of slowness falls on all of them alike; prints the
-// median GFLOP/s of each and the ratios. Operands are 64-byte aligned, as the trainer's tensors.
+// median GFLOP/s of each and the ratios. With --fused-k-blocks N, weight gradients are also
+// timed with the fused path taking N K blocks of 512 as one (gemm_set_fused_k_blocks), in the
+// same turn. Operands are 64-byte aligned, as the trainer's tensors.
 //
 //   build/gemm_alternate                                 mega, f32 and bf16, 9 calls each
 //   build/gemm_alternate --preset mini --dtype bf16 --calls 15 --products _dw
+//   build/gemm_alternate --products _dw --fused-k-blocks 1
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -43,7 +46,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void run(const Shape& s, bool bf16, int calls) {
+void run(const Shape& s, bool bf16, int calls, int k_blocks) {
   const size_t a_size = static_cast<size_t>(s.M * s.K), b_size = static_cast<size_t>(s.K * s.N);
   Aligned<float> A(a_size), B(b_size), C(static_cast<size_t>(s.M * s.N));
   Aligned<uint16_t> A16(a_size), B16(b_size);
@@ -57,10 +60,12 @@ void run(const Shape& s, bool bf16, int calls) {
   const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   const bool weight_gradient = s.ta == Transpose::Yes && s.tb == Transpose::No;
-  // 0: ours, 1: ours with the fused path off, 2: oneDNN
+  // 0: ours, 1: ours with the fused path off, 2: oneDNN, 3: ours with k_blocks K blocks as one
+  const int default_k_blocks = kernels::gemm_fused_k_blocks();
   const auto call = [&](int which) {
     kernels::gemm_set_backend(which == 2 ? GemmBackend::Onednn : GemmBackend::Avx512);
     kernels::gemm_set_fused(which != 1);
+    kernels::gemm_set_fused_k_blocks(which == 3 ? k_blocks : default_k_blocks);
     const auto start = std::chrono::steady_clock::now();
     if (bf16)
       kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, A16.get(), lda, B16.get(), ldb, s.beta,
@@ -70,14 +75,16 @@ void run(const Shape& s, bool bf16, int calls) {
                         s.N);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  std::vector<double> times[3];
+  const bool with_k_blocks = weight_gradient && k_blocks > 0;
+  std::vector<double> times[4];
   for (int i = 0; i <= calls; ++i)  // the first round warms up buffers and oneDNN's primitives
-    for (int which = 0; which < 3; ++which) {
-      if (which == 1 && !weight_gradient) continue;
+    for (int which = 0; which < 4; ++which) {
+      if ((which == 1 && !weight_gradient) || (which == 3 && !with_k_blocks)) continue;
       const double t = call(which);
       if (i > 0) times[which].push_back(t);
     }
   kernels::gemm_set_fused(true);
+  kernels::gemm_set_fused_k_blocks(default_k_blocks);
   const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
   const double ours = flops / median(times[0]) / 1e9, onednn = flops / median(times[2]) / 1e9;
   std::printf("%-5s %-9s %-13s %6lld %6lld %6lld  %7.1f", bf16 ? "bf16" : "f32", s.preset.c_str(),
@@ -89,6 +96,10 @@ void run(const Shape& s, bool bf16, int calls) {
     std::printf(" %7s", "-");
   std::printf(" %7.1f  %6.3f", onednn, ours / onednn);
   if (weight_gradient) std::printf("  %6.3f", flops / median(times[1]) / 1e9 / onednn);
+  if (with_k_blocks) {
+    const double kb = flops / median(times[3]) / 1e9;
+    std::printf("  %7.1f  %6.3f  %7.3f", kb, kb / onednn, kb / ours);
+  }
   std::printf("\n");
 }
 
@@ -99,7 +110,7 @@ int main(int argc, char** argv) {
   using namespace cputrain;
   CLI::App app{"GEMM shapes of a preset: ours, ours without the fused path, oneDNN, in turn"};
   std::string preset = "mega", dtype = "both", products;
-  int calls = 9;
+  int calls = 9, k_blocks = 0;
   app.add_option("--preset", preset, "Preset whose training shapes to run")
       ->check([](const std::string& name) {
         return find_preset(name) ? std::string() : "unknown preset '" + name + "'";
@@ -108,6 +119,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"f32", "bf16", "both"}));
   app.add_option("--calls", calls, "Timed calls of each implementation")->check(CLI::Range(1, 1000));
   app.add_option("--products", products, "Only products whose name contains this, e.g. _dw");
+  app.add_option("--fused-k-blocks", k_blocks,
+                 "Also time weight gradients with the fused path taking this many K blocks of "
+                 "512 as one (columns kblk, kb/o, kb/ours)")
+      ->check(CLI::Range(1, 16));
   CLI11_PARSE(app, argc, argv);
   if (!kernels::gemm_backend_available(kernels::GemmBackend::Avx512) ||
       !kernels::gemm_backend_available(kernels::GemmBackend::Onednn)) {
@@ -117,13 +132,18 @@ int main(int argc, char** argv) {
   }
   std::printf("%d threads, %d calls each, medians; blocked: ours with the fused path off (weight gradients)\n",
               omp_get_max_threads(), calls);
-  std::printf("%-5s %-9s %-13s %6s %6s %6s  %7s %7s %7s  %6s  %6s\n", "dtype", "preset", "product",
+  if (k_blocks > 0)
+    std::printf("kblk: ours with the fused path taking %d K blocks of 512 as one (default %d)\n",
+                k_blocks, kernels::gemm_fused_k_blocks());
+  std::printf("%-5s %-9s %-13s %6s %6s %6s  %7s %7s %7s  %6s  %6s", "dtype", "preset", "product",
               "M", "N", "K", "ours", "blocked", "onednn", "ours/o", "blk/o");
+  if (k_blocks > 0) std::printf("  %7s  %6s  %7s", "kblk", "kb/o", "kb/ours");
+  std::printf("\n");
   for (const bool bf16 : {false, true}) {
     if ((bf16 && dtype == "f32") || (!bf16 && dtype == "bf16")) continue;
     for (const bench::Shape& s : bench::training_shapes({preset}))
       if (products.empty() || s.product.find(products) != std::string::npos)
-        bench::run(s, bf16, calls);
+        bench::run(s, bf16, calls, k_blocks);
   }
   return 0;
 }

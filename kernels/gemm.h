@@ -81,6 +81,11 @@ std::string gemm_available_backends();
 // blocked path, with the same results bit for bit. For tests and comparisons.
 void gemm_set_fused(bool on);
 bool gemm_fused();
+// K blocks of 512 the fused path takes as one (2 by default; kernels/gemm.cpp says why): any
+// count gives the same results bit for bit. For tests and comparisons (gemm_alternate
+// --fused-k-blocks); throws std::invalid_argument below 1 or above 16.
+void gemm_set_fused_k_blocks(int blocks);
+int gemm_fused_k_blocks();
 // Bytes held by GEMM buffers (kept between calls, one set per calling thread).
 size_t gemm_workspace_bytes();
 // Bytes each of the calling thread's four GEMM buffers needs for one product of these sizes on

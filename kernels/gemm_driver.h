@@ -30,21 +30,21 @@
 // and provides
 //   micro_fused_t<pack_a, pack_b>(kc, a_src, lda, a_pack, b_src, ldb, b_pack, C, ldc, beta, m,
 //                                 n, next_a, next_rows):
-//       micro's product over kc K rows (ceil(kc / KU) packed steps; up to kFusedKBlocks x KC,
-//       the tile stored into C after each KC of them, as one product per K block of KC would
-//       store it), reading A's rows i..i+min(m, MR) and B's columns j..j+min(n, NR) straight
-//       from the matrices where pack_a / pack_b, and storing them packed as it goes, else
-//       reading the packed copies (m and n: the rows and columns op(A) and op(B) have from i and
-//       j on); meanwhile it fetches into L2 next_rows K rows of MR values of A, lda apart from
-//       next_a (a share of the rows the next row of C packs);
+//       micro's product over kc K rows (ceil(kc / KU) packed steps, up to gemm_fused_k_blocks()
+//       x KC; the tile stored into C after each KC of them, as one product per K block of KC
+//       would store it), reading A's rows i..i+min(m, MR) and B's columns j..j+min(n, NR)
+//       straight from the matrices where pack_a / pack_b, and storing them packed as it goes,
+//       else reading the packed copies (m and n: the rows and columns op(A) and op(B) have from
+//       i and j on); meanwhile it fetches into L2 next_rows K rows of MR values of A, lda apart
+//       from next_a (a share of the rows the next row of C packs);
 // each thread takes its own range of B micro-panels (columns of C) and runs, per K block of
-// kFusedKBlocks x KC, over every row of C: the first micro-panel of a row packs that row's A,
-// the first row packs each B micro-panel. The packing runs inside the products, with no barrier
-// at all. The rows of a thread's last K block are shared: once its row 0 has packed that
-// block's B, a thread that has finished its own columns takes rows from the back (FusedShare),
-// so that the threads end together. Each tile sees its K blocks in order, from the same packed
-// operands, whichever thread computes the last, so results are the same for any thread count
-// here too, and the same as the blocked path's.
+// gemm_fused_k_blocks() x KC, over every row of C: the first micro-panel of a row packs that
+// row's A, the first row packs each B micro-panel. The packing runs inside the products, with
+// no barrier at all. The rows of a thread's last K block are shared: once its row 0 has packed
+// that block's B, a thread that has finished its own columns takes rows from the back
+// (FusedShare), so that the threads end together. Each tile sees its K blocks in order, from the
+// same packed operands, whichever thread computes the last, so results are the same for any
+// thread count here too, and the same as the blocked path's.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 #pragma once
@@ -105,17 +105,10 @@ constexpr bool fused_packing() {
 }
 
 // B micro-panels of a thread's columns packed at a time on the fused path. A is read again for
-// each group, so groups are wide: 24 x 32 columns, 1.5 MiB of packed B at KC 512, which is
-// read from L2 and L3 well enough (8 panels, 512 KiB, measured no faster).
+// each group, so groups are wide: 24 x 32 columns, 3 MiB of packed FP32 B at K blocks of 1024,
+// which is read from L2 and L3 well enough (on Zen 4, 512 x 1536 x 4096 with 8 or 12 panels
+// 0.6-1.4% slower, alternating call by call).
 constexpr int64_t kFusedPanels = 24;
-
-// K blocks of KC that the fused path takes as one, so that a row of C goes to and from L2 or
-// further half as often: there the rows of C a thread computes do not stay in L2 from one K
-// block to the next, with its B and the A read past them. (On Zen 4, alternating call by call
-// on the mega weight gradients, FP32 and bf16: level with 1 in calm runs, 1.4-9% faster in
-// spells where another tenant loads the memory; 4 was up to 8.7% slower on 1536 x 512 x 4096,
-// whose B, then 2 MiB a thread, is read again for each of its 110 rows.)
-constexpr int64_t kFusedKBlocks = 2;
 
 // The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
 inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
@@ -134,8 +127,8 @@ struct BlockedPlan {
   int64_t n_ir;          // micro-panels of MR rows over M
   int64_t ir_per_block;  // micro-panels per row block (a work item's rows)
   int64_t nc_max;        // columns of the widest B block
-  int64_t kc_block;      // K rows per K block: KC, or kFusedKBlocks x KC on the fused path
-  int64_t kp_block;      // packed K steps of a whole K block (kc_block / KU, or fewer for a small K)
+  int64_t kc_block;      // K rows per K block: KC, or gemm_fused_k_blocks() x KC when fused
+  int64_t kp_block;      // packed K steps of a K block (kc_block / KU, or fewer for a small K)
   int64_t ks;            // K per super-block: whole K blocks of KC, or all of K
   bool fused;            // the fused path: a thread's columns, packing inside the products
   int64_t fused_panels;  // B micro-panels per thread packed at a time on the fused path
@@ -166,7 +159,7 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // Blocks of up to MC rows, smaller when there are too few rows to go round.
   plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, P::MC / P::MR);
   plan.nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
-  plan.kc_block = plan.fused ? kFusedKBlocks * P::KC : P::KC;
+  plan.kc_block = plan.fused ? gemm_fused_k_blocks() * P::KC : P::KC;
   plan.kp_block = (std::min<int64_t>(plan.kc_block, K) + P::KU - 1) / P::KU;
   // Where A's rows run along K, an item reads one stretch of each row over a super-block's K
   // blocks, and its rows of C stay in L2 between them instead of going back to memory. A
@@ -296,7 +289,8 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     // by the products that read this row's packed copy.
     const int64_t next_pc = ir + 1 < n_ir ? pc : pc + kc_block;
     const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
-    const int64_t next_kc = fetch_next && next_pc < K ? std::min<int64_t>(kc_block, K - next_pc) : 0;
+    const int64_t next_kc =
+        fetch_next && next_pc < K ? std::min<int64_t>(kc_block, K - next_pc) : 0;
     const int64_t calls = jc_end - jc - 1;
     for (int64_t jr = jc; jr < jc_end; ++jr) {
       const int64_t j = jr * NR;

@@ -318,32 +318,41 @@ struct FusedCaseOperands {
 
 // The fused path computes each tile over the same K blocks in the same order as the blocked
 // path, so the two give the same bits: weight-gradient shapes that take it in FP32 and BF16
-// (tails in every dimension; K 700, in one of the fused path's K blocks of two blocks of 512,
-// whose products store the tile after each, and K 1031 and 1100, over one; beta 1 and 0.5),
+// (tails in every dimension; K 700, 1031 and 1100, within and over the fused path's K blocks of
+// 1, 2 and 3 blocks of 512, whose products store the tile after each 512; beta 1 and 0.5),
 // fused against blocked.
 TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   if (std::get<0>(GetParam()) != GemmBackend::Avx512)
     GTEST_SKIP() << "the fused path is the avx512 kernels'";
   struct Restore {
-    ~Restore() { gemm_set_fused(true); }
+    int k_blocks = gemm_fused_k_blocks();
+    ~Restore() {
+      gemm_set_fused(true);
+      gemm_set_fused_k_blocks(k_blocks);
+    }
   } restore;
   for (const Case& c : {Case{Transpose::Yes, Transpose::No, 300, 520, 1100, 3, 1.0f},
                         Case{Transpose::Yes, Transpose::No, 33, 1100, 700, 0, 0.5f},
                         Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f}}) {
     const FusedCaseOperands ops(c, 20);
-    for (bool bf16 : {false, true}) {
-      // Each shape takes the fused path, so that the comparison is not of the blocked path
-      // with itself.
-      gemm_set_fused(true);
-      ASSERT_TRUE(ops.takes_fused(bf16)) << (bf16 ? "bf16 " : "f32 ") << describe(c);
-      gemm_set_fused(false);
-      ASSERT_FALSE(ops.takes_fused(bf16));
-      std::vector<float> fused = ops.C, blocked = ops.C;
-      for (bool on : {true, false}) {
-        gemm_set_fused(on);
-        ops.run(bf16, on ? fused : blocked);
+    for (int k_blocks : {1, 2, 3}) {
+      gemm_set_fused_k_blocks(k_blocks);
+      for (bool bf16 : {false, true}) {
+        const std::string what = std::string(bf16 ? "bf16 " : "f32 ") + describe(c) +
+                                 ", fused K blocks of " + std::to_string(k_blocks) + " x 512";
+        // Each shape takes the fused path, so that the comparison is not of the blocked path
+        // with itself.
+        gemm_set_fused(true);
+        ASSERT_TRUE(ops.takes_fused(bf16)) << what;
+        gemm_set_fused(false);
+        ASSERT_FALSE(ops.takes_fused(bf16)) << what;
+        std::vector<float> fused = ops.C, blocked = ops.C;
+        for (bool on : {true, false}) {
+          gemm_set_fused(on);
+          ops.run(bf16, on ? fused : blocked);
+        }
+        EXPECT_EQ(fused, blocked) << what;
       }
-      EXPECT_EQ(fused, blocked) << (bf16 ? "bf16 " : "f32 ") << describe(c);
     }
   }
 }
