@@ -258,6 +258,22 @@ inline int64_t take_fused_row(FusedShare& share, bool front) {
   }
 }
 
+// The calling thread's FusedShare for each of `threads` threads, reset, kept from call to call
+// (no allocation in a training step after the first).
+inline FusedShare* fused_shares(int threads) {
+  thread_local std::unique_ptr<FusedShare[]> shares;
+  thread_local int size = 0;
+  if (size < threads) {
+    shares.reset(new FusedShare[threads]);
+    size = threads;
+  }
+  for (int t = 0; t < threads; ++t) {
+    shares[t].rows.store(0, std::memory_order_relaxed);
+    shares[t].ready.store(0, std::memory_order_relaxed);
+  }
+  return shares.get();
+}
+
 // Rows of C computed on the fused path by a thread other than their columns' (counted for the
 // tests, which check that the sharing is reached).
 extern std::atomic<int64_t> fused_rows_shared;
@@ -273,7 +289,7 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
   const int64_t kc_block = plan.kc_block;
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const int64_t n_ir = plan.n_ir, n_jr = (N + NR - 1) / NR;
-  std::unique_ptr<FusedShare[]> shares(new FusedShare[plan.threads]);
+  FusedShare* const shares = fused_shares(plan.threads);
   const auto b_of = [&](int64_t thread) {
     return bpack + thread * plan.kp_block * plan.fused_panels * NR;
   };
