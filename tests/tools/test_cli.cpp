@@ -60,6 +60,19 @@ class Cli : public ::testing::Test {
   }
   Result run(const std::string& args) const { return run("", args); }
 
+  // Starts cputrain with `args` in the background, its output to `log`; returns its pid.
+  static pid_t start(const std::string& args, const fs::path& log) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      std::freopen(log.c_str(), "w", stdout);
+      std::freopen(log.c_str(), "a", stderr);
+      const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args;
+      ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    return pid;
+  }
+
   // A corpus of fortune-style documents, large enough for the tiny preset.
   fs::path write_corpus(int documents) const {
     const fs::path corpus = dir_ / "corpus.txt";
@@ -394,22 +407,15 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   fs::create_directories(stopped);
   for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(straight / f, stopped / f);
 
-  const pid_t pid = ::fork();
+  const pid_t pid = start(flags + " --out " + stopped.string(), dir_ / "stopped.log");
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const std::string log = (dir_ / "stopped.log").string();
-    std::freopen(log.c_str(), "w", stdout);
-    std::freopen(log.c_str(), "a", stderr);
-    const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + flags + " --out " + stopped.string();
-    ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   // Interrupt once a few steps are logged.
   for (int i = 0; i < 3000 && losses_of(stopped).size() < 3; ++i) ::usleep(10000);
   ::kill(pid, SIGINT);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << WTERMSIG(status) << "\n"
+                                 << read_all(dir_ / "stopped.log");
   EXPECT_EQ(WEXITSTATUS(status), 130) << read_all(dir_ / "stopped.log");
   const size_t done = losses_of(stopped).size();
   ASSERT_GE(done, 3u);
@@ -426,6 +432,37 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   EXPECT_EQ(losses_of(stopped), losses_of(straight));
   EXPECT_EQ(read_all(stopped / "model.bin"), read_all(straight / "model.bin"));
+}
+
+// A second SIGINT, sent once the first is acknowledged, before the step ends, ends the run at
+// once by the signal's default action, without a checkpoint (steps of 128 sequences, long
+// enough for it to arrive first).
+TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
+  const std::string flags = "--preset tiny --vocab 300 --batch 128 --save-every 100000 "
+                            "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " +
+                            write_corpus(200).string();
+  const fs::path prepared = dir_ / "prepared", twice = dir_ / "twice";
+  ASSERT_EQ(run(flags + " --steps 1 --out " + prepared.string()).exit_code, 0);
+  fs::create_directories(twice);
+  for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(prepared / f, twice / f);
+
+  const pid_t pid = start(flags + " --steps 100000 --out " + twice.string(), dir_ / "twice.log");
+  ASSERT_GE(pid, 0);
+  for (int i = 0; i < 3000 && losses_of(twice).size() < 2; ++i) ::usleep(10000);
+  ::kill(pid, SIGINT);
+  const std::string acknowledged = "SIGINT: the run stops after this step";
+  for (int i = 0; i < 30000 && read_all(dir_ / "twice.log").find(acknowledged) == std::string::npos;
+       ++i)
+    ::usleep(1000);
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exit status " << WEXITSTATUS(status) << "\n"
+                                   << read_all(dir_ / "twice.log");
+  EXPECT_EQ(WTERMSIG(status), SIGINT);
+  EXPECT_EQ(read_all(dir_ / "twice.log").find("interrupted (SIGINT)"), std::string::npos)
+      << read_all(dir_ / "twice.log");
+  EXPECT_FALSE(fs::exists(twice / "checkpoints"));
 }
 
 // eval reproduces the validation loss training logged at its last step, reads checkpoints too,
