@@ -35,6 +35,8 @@ std::string read_all(const fs::path& p) {
   return s.str();
 }
 
+std::vector<double> losses_of(const fs::path& run_dir);
+
 class Cli : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -70,6 +72,17 @@ class Cli : public ::testing::Test {
       ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
+    return pid;
+  }
+
+  // start() with `args` --out `run_dir`, the tokenizer and tokens of the run in `prepared` copied
+  // there first so that it trains at once; returns once `steps` steps are logged.
+  static pid_t start_prepared(const std::string& args, const fs::path& prepared,
+                              const fs::path& run_dir, const fs::path& log, size_t steps) {
+    fs::create_directories(run_dir);
+    for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(prepared / f, run_dir / f);
+    const pid_t pid = start(args + " --out " + run_dir.string(), log);
+    for (int i = 0; pid > 0 && i < 3000 && losses_of(run_dir).size() < steps; ++i) ::usleep(10000);
     return pid;
   }
 
@@ -403,14 +416,9 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
                             "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " + corpus;
   const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
   ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
-  // Prepared data first, so the interrupted run starts training at once.
-  fs::create_directories(stopped);
-  for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(straight / f, stopped / f);
-
-  const pid_t pid = start(flags + " --out " + stopped.string(), dir_ / "stopped.log");
-  ASSERT_GE(pid, 0);
   // Interrupt once a few steps are logged.
-  for (int i = 0; i < 3000 && losses_of(stopped).size() < 3; ++i) ::usleep(10000);
+  const pid_t pid = start_prepared(flags, straight, stopped, dir_ / "stopped.log", 3);
+  ASSERT_GE(pid, 0);
   ::kill(pid, SIGINT);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -443,12 +451,9 @@ TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
                             write_corpus(200).string();
   const fs::path prepared = dir_ / "prepared", twice = dir_ / "twice";
   ASSERT_EQ(run(flags + " --steps 1 --out " + prepared.string()).exit_code, 0);
-  fs::create_directories(twice);
-  for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(prepared / f, twice / f);
-
-  const pid_t pid = start(flags + " --steps 100000 --out " + twice.string(), dir_ / "twice.log");
+  const pid_t pid =
+      start_prepared(flags + " --steps 100000", prepared, twice, dir_ / "twice.log", 2);
   ASSERT_GE(pid, 0);
-  for (int i = 0; i < 3000 && losses_of(twice).size() < 2; ++i) ::usleep(10000);
   ::kill(pid, SIGINT);
   const std::string acknowledged = "SIGINT: the run stops after this step";
   for (int i = 0; i < 30000 && read_all(dir_ / "twice.log").find(acknowledged) == std::string::npos;
