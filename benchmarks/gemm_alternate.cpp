@@ -1,7 +1,7 @@
 // GEMM comparison robust to a shared machine's changes of speed: for each training shape of a
-// preset, calls ours, ours with the fused path off (weight-gradient shapes only) and oneDNN in
-// turn, call after call, so that a spell of slowness falls on all of them alike; prints the
-// median GFLOP/s of each and the ratios. With --fused-k-blocks N, weight gradients are also
+// preset, calls ours, ours with the fused and direct paths off (weight-gradient shapes only) and
+// oneDNN in turn, call after call, so that a spell of slowness falls on all of them alike; prints
+// the median GFLOP/s of each and the ratios. With --fused-k-blocks N, weight gradients are also
 // timed with the fused path taking N K blocks of 512 as one (gemm_set_fused_k_blocks), in the
 // same turn. Operands are 64-byte aligned, as the trainer's tensors.
 //
@@ -60,7 +60,8 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks) {
   const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   const bool weight_gradient = s.ta == Transpose::Yes && s.tb == Transpose::No;
-  // 0: ours, 1: ours with the fused path off, 2: oneDNN, 3: ours with k_blocks K blocks as one
+  // 0: ours, 1: ours with the fused and direct paths off, 2: oneDNN, 3: ours with k_blocks K
+  // blocks as one
   const int default_k_blocks = kernels::gemm_fused_k_blocks();
   const auto call = [&](int which) {
     kernels::gemm_set_backend(which == 2 ? GemmBackend::Onednn : GemmBackend::Avx512);
@@ -108,7 +109,8 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks) {
 
 int main(int argc, char** argv) {
   using namespace cputrain;
-  CLI::App app{"GEMM shapes of a preset: ours, ours without the fused path, oneDNN, in turn"};
+  CLI::App app{
+      "GEMM shapes of a preset: ours, ours without the fused and direct paths, oneDNN, in turn"};
   std::string preset = "mega", dtype = "both", products;
   int calls = 9, k_blocks = 0;
   app.add_option("--preset", preset, "Preset whose training shapes to run")
@@ -130,8 +132,10 @@ int main(int argc, char** argv) {
                  kernels::gemm_available_backends().c_str());
     return 1;
   }
-  std::printf("%d threads, %d calls each, medians; blocked: ours with the fused path off (weight gradients)\n",
-              omp_get_max_threads(), calls);
+  std::printf(
+      "%d threads, %d calls each, medians; blocked: ours with the fused and direct paths off "
+      "(weight gradients)\n",
+      omp_get_max_threads(), calls);
   if (k_blocks > 0)
     std::printf("kblk: ours with the fused path taking %d K blocks of 512 as one (default %d)\n",
                 k_blocks, kernels::gemm_fused_k_blocks());

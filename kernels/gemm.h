@@ -76,9 +76,9 @@ std::string_view gemm_backend_name(GemmBackend backend);
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend);
 // The names of every backend this CPU can run, e.g. "reference, eigen, avx512, onednn".
 std::string gemm_available_backends();
-// Whether our blocked kernels take their fused path for weight-gradient products (A transposed,
-// B not; kernels/gemm_driver.h) where it suits the shape: on by default; off, they run the
-// blocked path, with the same results bit for bit. For tests and comparisons.
+// Whether our blocked kernels take their fused or direct path for weight-gradient products (A
+// transposed, B not; kernels/gemm_driver.h) where it suits the shape: on by default; off, they
+// run the blocked path, with the same results bit for bit. For tests and comparisons.
 void gemm_set_fused(bool on);
 bool gemm_fused();
 // K blocks of 512 the fused path takes as one (2 by default; kernels/gemm.cpp says why): any

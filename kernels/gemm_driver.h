@@ -45,6 +45,17 @@
 // (FusedShare), so that the threads end together. Each tile sees its K blocks in order, from the
 // same packed operands, whichever thread computes the last, so results are the same for any
 // thread count here too, and the same as the blocked path's.
+// A weight gradient's product whose B block of KC rows fits L2 may take a third path, where P
+// declares kDirect, says in direct_suits(M, N, K) which shapes take it, and provides
+//   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n, far_a, far_b): micro's product over kc
+//       K rows, A's columns i..i+m and B's columns j..j+n read where they are stored, row k at
+//       a + k * lda and b + k * ldb, fetching A's or B's rows into L2 ahead where far_a / far_b
+//       (the K block's first reads of them);
+// each thread takes its own rows of C (all columns) and runs, per K block of KC, over row blocks
+// of kDirectRowPanels micro-panels, for each over every B micro-panel of the block's rows of B
+// and then over the row block's micro-panels. Nothing is packed: the block's rows of B (KC whole
+// rows, contiguous) stay in L2 while the thread's row blocks pass over them. Each tile sums the
+// same K blocks in the same order as on the blocked path, so the bits are the same again.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 #pragma once
@@ -104,6 +115,15 @@ constexpr bool fused_packing() {
     return false;
 }
 
+// P::kDirect where P declares it, else false.
+template <class P>
+constexpr bool direct_path() {
+  if constexpr (requires { P::kDirect; })
+    return P::kDirect;
+  else
+    return false;
+}
+
 // B micro-panels of a thread's columns packed at a time on the fused path. A is read again for
 // each group, so groups are wide: 24 x 32 columns, 3 MiB of packed FP32 B at K blocks of 1024,
 // which is read from L2 and L3 well enough (on Zen 4, 512 x 1536 x 4096 with 8 or 12 panels
@@ -130,13 +150,17 @@ struct BlockedPlan {
   int64_t kc_block;      // K rows per K block: KC, or gemm_fused_k_blocks() x KC when fused
   int64_t kp_block;      // packed K steps of a K block (kc_block / KU, or fewer for a small K)
   int64_t ks;            // K per super-block: whole K blocks of KC, or all of K
+  bool direct;           // the direct path: a thread's rows, nothing packed
   bool fused;            // the fused path: a thread's columns, packing inside the products
   int64_t fused_panels;  // B micro-panels per thread packed at a time on the fused path
   int64_t b_floats() const {
+    if (direct) return 0;
     return fused ? threads * kp_block * fused_panels * P::NR
                  : (ks + P::KC - 1) / P::KC * kp_block * nc_max;
   }
-  int64_t a_floats_per_thread() const { return kp_block * (fused ? 1 : ir_per_block) * P::MR; }
+  int64_t a_floats_per_thread() const {
+    return direct ? 0 : kp_block * (fused ? 1 : ir_per_block) * P::MR;
+  }
 };
 
 template <class P>
@@ -148,10 +172,17 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // it suits the shape: every thread reads all of A there, which costs more than the packing
   // phase it saves where A has many more rows than B has columns (an LM head's weight
   // gradient).
+  // The direct path before it where P finds it suits the shape and each thread has 4
+  // micro-panels of rows or more (gemm_fused() governs both).
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
+  const bool weight_gradient = c_fp32 && a_transposed && !b_transposed && gemm_fused();
+  if constexpr (direct_path<P>())
+    plan.direct = weight_gradient && M >= 4 * plan.threads * P::MR && P::direct_suits(M, N, K);
+  else
+    plan.direct = false;
   if constexpr (fused_packing<P>())
-    plan.fused = c_fp32 && a_transposed && !b_transposed && n_jr >= 4 * plan.threads &&
-                 P::fused_suits(M, N, K) && gemm_fused();
+    plan.fused =
+        weight_gradient && !plan.direct && n_jr >= 4 * plan.threads && P::fused_suits(M, N, K);
   else
     plan.fused = false;
   plan.fused_panels = std::min(kFusedPanels, (n_jr + plan.threads - 1) / plan.threads);
@@ -185,6 +216,13 @@ template <class P>
 bool takes_fused_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
   return M > 0 && N > 0 && K > 0 &&
          blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K).fused;
+}
+
+// Whether gemm_blocked<P> takes the direct path for an M x N x K product with an FP32 C.
+template <class P>
+bool takes_direct_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
+  return M > 0 && N > 0 && K > 0 &&
+         blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K).direct;
 }
 
 // `rows` stored rows of `row_bytes` bytes, `stride` bytes apart, fetched into L2 a few cache
@@ -367,6 +405,39 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
   }
 }
 
+// The direct path (see the top of this file): C (FP32) = op(A) op(B) + beta C with A and B both
+// stored (K, *), read where they are. A thread's rows are a contiguous share of M (so that the
+// threads have the same work), cut into micro-panels of MR rows from its first row.
+template <class P>
+void gemm_direct(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
+                 const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
+                 float beta, float* C, int64_t ldc) {
+  constexpr int64_t MR = P::MR, NR = P::NR, KC = P::KC;
+  constexpr int64_t rows_per_block = P::kDirectRowPanels * MR;
+#pragma omp parallel num_threads(plan.threads)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t row_begin = M * t / nt, row_end = M * (t + 1) / nt;
+    for (int64_t pc = 0; pc < K; pc += KC) {
+      const int64_t kc = std::min(KC, K - pc);
+      const float beta_block = pc == 0 ? beta : 1.0f;
+      for (int64_t r0 = row_begin; r0 < row_end; r0 += rows_per_block) {
+        const int64_t r1 = std::min(row_end, r0 + rows_per_block);
+        for (int64_t j = 0; j < N; j += NR) {
+          const int n = static_cast<int>(std::min(NR, N - j));
+          for (int64_t i = r0; i < r1; i += MR) {
+            const int m = static_cast<int>(std::min(MR, r1 - i));
+            // A's rows of the block are first read by its first micro-panel of columns, and
+            // B's by the thread's first row block: only those fetch into L2 ahead.
+            P::micro_direct(kc, A + pc * lda + i, lda, B + pc * ldb + j, ldb, C + i * ldc + j, ldc,
+                            beta_block, m, n, j == 0, r0 == row_begin);
+          }
+        }
+      }
+    }
+  }
+}
+
 template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
@@ -388,6 +459,9 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>);
+  if constexpr (direct_path<P>() && std::is_same_v<CT, float>) {
+    if (plan.direct) return gemm_direct<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  }
   auto* bpack =
       reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.b_floats()), 0));
   auto* apack = reinterpret_cast<Packed*>(

@@ -256,8 +256,10 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
     GTEST_SKIP() << "library backends choose their own blocking per thread count";
   // A forward product, and a weight gradient's (A transposed, B not: the fused path, each
   // thread taking its own columns) accumulated into C.
+  // And one on the direct path, each thread taking its own rows.
   for (const Case& c : {Case{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f},
-                        Case{Transpose::Yes, Transpose::No, 300, 520, 700, 3, 1.0f}}) {
+                        Case{Transpose::Yes, Transpose::No, 300, 520, 700, 3, 1.0f},
+                        Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f}}) {
     const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
     const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
     const std::vector<float> C = random_vector(c.M * c.ldc(), 9);
@@ -357,6 +359,70 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   }
 }
 
+// The direct path reads A and B where they are stored and sums each tile over the blocked path's
+// K blocks, so it gives that path's bits too: shapes that take it (rows split between the
+// threads mid micro-panel, an odd row count at the end, which must not read past A; columns
+// short of a micro-panel; K within one block of 512 and over three; beta 1, 0.5 and 0), on one
+// thread and two, against the blocked path.
+TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
+  if (std::get<0>(GetParam()) != GemmBackend::Avx512)
+    GTEST_SKIP() << "the direct path is the avx512 kernels'";
+  const int saved_threads = omp_get_max_threads();
+  struct Restore {
+    int threads;
+    ~Restore() {
+      gemm_set_fused(true);
+      omp_set_num_threads(threads);
+    }
+  } restore{saved_threads};
+  for (const Case& c : {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f},
+                        Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f},
+                        Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f},
+                        Case{Transpose::Yes, Transpose::No, 113, 113, 300, 1, 1.0f}}) {
+    const FusedCaseOperands ops(c, 40);
+    for (int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
+      gemm_set_fused(true);
+      ASSERT_TRUE(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K)) << what;
+      ASSERT_FALSE(ops.takes_fused(false)) << what;
+      gemm_set_fused(false);
+      ASSERT_FALSE(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K)) << what;
+      std::vector<float> direct = ops.C, blocked = ops.C;
+      for (bool on : {true, false}) {
+        gemm_set_fused(on);
+        ops.run(false, on ? direct : blocked);
+      }
+      EXPECT_EQ(direct, blocked) << what;
+    }
+  }
+}
+
+// Which FP32 weight gradients of mega take the direct path and which the fused one, on one
+// thread and two: the direct path where B's K block of 512 rows fits L2 (1 MiB) and A has no
+// more columns than B.
+TEST(GemmPaths, DirectPathTakesTheSquareWeightGradients) {
+  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
+  ASSERT_TRUE(gemm_fused());
+  const int saved_threads = omp_get_max_threads();
+  struct Restore {
+    int threads;
+    ~Restore() { omp_set_num_threads(threads); }
+  } restore{saved_threads};
+  constexpr Transpose T = Transpose::Yes, N = Transpose::No;
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    EXPECT_TRUE(gemm_f32_avx512_takes_direct(T, N, 512, 512, 4096)) << threads;
+    EXPECT_FALSE(gemm_f32_avx512_takes_fused(T, N, 512, 512, 4096)) << threads;
+    for (const auto& [M, Ncols] : {std::pair{1536, 512}, std::pair{512, 1536}}) {
+      EXPECT_FALSE(gemm_f32_avx512_takes_direct(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
+      EXPECT_TRUE(gemm_f32_avx512_takes_fused(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
+    }
+    // Not the forward product's layout, nor bf16's kernels (no direct path there).
+    EXPECT_FALSE(gemm_f32_avx512_takes_direct(N, T, 512, 512, 4096)) << threads;
+  }
+}
+
 // The cases of every row count a tile can end with (cases()) reach the paths they are there for:
 // the weight gradient the fused path, the forward product the blocked one.
 TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
@@ -395,7 +461,8 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     }
   } restore{saved_backend, saved_threads};
   gemm_set_backend(GemmBackend::Avx512);
-  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
+  // (More rows than columns: the fused path, not the direct one.)
+  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 300, 9 * 32, 2048, 0, 1.0f}, 30);
   for (bool bf16 : {false, true}) {
     omp_set_num_threads(1);
     std::vector<float> one = ops.C;
