@@ -46,14 +46,15 @@
 // same packed operands, whichever thread computes the last, so results are the same for any
 // thread count here too, and the same as the blocked path's.
 // A weight gradient's product whose B block of KC rows fits L2 may take a third path, where P
-// declares kDirect, says in direct_suits(M, N, K) which shapes take it, and provides
-//   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n, far_a, far_b): micro's product over kc
-//       K rows, A's columns i..i+m and B's columns j..j+n read where they are stored, row k at
-//       a + k * lda and b + k * ldb, fetching A's or B's rows into L2 ahead where far_a / far_b
-//       (the K block's first reads of them);
+// declares kDirect, says in direct_suits(M, N, K) which shapes take it, and provides a tile of
+// its own, kDirectMR x kDirectNR, and
+//   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n, far_a, far_b): C[0:m, 0:n] = the
+//       product over kc K rows + beta C, A's columns i..i+m and B's columns j..j+n read where
+//       they are stored, row k at a + k * lda and b + k * ldb, fetching A's or B's rows into L2
+//       ahead where far_a / far_b (the K block's first reads of them);
 // each thread takes its own rows of C (all columns) and runs, per K block of KC, over row blocks
-// of kDirectRowPanels micro-panels, for each over every B micro-panel of the block's rows of B
-// and then over the row block's micro-panels. Nothing is packed: the block's rows of B (KC whole
+// of kDirectRowPanels micro-panels of kDirectMR rows, for each over every kDirectNR columns and
+// then over the row block's micro-panels. Nothing is packed: the block's rows of B (KC whole
 // rows, contiguous) stay in L2 while the thread's row blocks pass over them. Each tile sums the
 // same K blocks in the same order as on the blocked path, so the bits are the same again.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
@@ -177,7 +178,8 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
   const bool weight_gradient = c_fp32 && a_transposed && !b_transposed && gemm_fused();
   if constexpr (direct_path<P>())
-    plan.direct = weight_gradient && M >= 4 * plan.threads * P::MR && P::direct_suits(M, N, K);
+    plan.direct =
+        weight_gradient && M >= 4 * plan.threads * P::kDirectMR && P::direct_suits(M, N, K);
   else
     plan.direct = false;
   if constexpr (fused_packing<P>())
@@ -406,18 +408,20 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
 }
 
 // The direct path (see the top of this file): C (FP32) = op(A) op(B) + beta C with A and B both
-// stored (K, *), read where they are. A thread's rows are a contiguous share of M (so that the
-// threads have the same work), cut into micro-panels of MR rows from its first row.
+// stored (K, *), read where they are. A thread's rows are a contiguous share of M, in whole
+// micro-panels.
 template <class P>
 void gemm_direct(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
                  const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
                  float beta, float* C, int64_t ldc) {
-  constexpr int64_t MR = P::MR, NR = P::NR, KC = P::KC;
+  constexpr int64_t MR = P::kDirectMR, NR = P::kDirectNR, KC = P::KC;
   constexpr int64_t rows_per_block = P::kDirectRowPanels * MR;
 #pragma omp parallel num_threads(plan.threads)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t row_begin = M * t / nt, row_end = M * (t + 1) / nt;
+    // Shares of M in whole micro-panels, so that A's values a K step reads share a cache line.
+    const auto share = [&](int64_t u) { return u == nt ? M : M * u / nt / MR * MR; };
+    const int64_t row_begin = share(t), row_end = share(t + 1);
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kc = std::min(KC, K - pc);
       const float beta_block = pc == 0 ? beta : 1.0f;

@@ -69,13 +69,12 @@ struct F32Avx512 {
     }
   }
 
-  // One K step of the tile's first R rows: row r += a[r] (b0, b1); without LastRow, row R - 1 is
-  // left out (a[R - 1] not read).
-  template <int R, bool LastRow = true>
+  // One K step of the tile's first R rows: row r += a[r] (b0, b1).
+  template <int R>
   static inline __attribute__((always_inline)) void fma_step(detail::Tile& t, const float* a,
                                                              __m512 b0, __m512 b1) {
 #pragma GCC unroll 14
-    for (int r = 0; r < (LastRow ? R : R - 1); ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 av = _mm512_set1_ps(a[r]);
       t.lo[r] = _mm512_fmadd_ps(av, b0, t.lo[r]);
       t.hi[r] = _mm512_fmadd_ps(av, b1, t.hi[r]);
@@ -154,76 +153,115 @@ struct F32Avx512 {
     detail::micro_tile_blocks(kp, KC / KU, steps, C, ldc, beta, m, n);
   }
 
-  // The direct path's micro-kernel (gemm_driver.h): A and B both read where they are stored,
-  // (K, M) and (K, N), each row fetched into L1 kDirectNear rows ahead and, where FarA / FarB
-  // (the first reads of the K block's rows), into L2 kDirectFar rows ahead. Taken where B's K
-  // block of KC rows (each thread reads all its columns) fits L2 and A has no more columns than
-  // B, in row blocks of 8 micro-panels. Measured on Zen 4, alternating call by call with the
-  // fused path (both slot orders): 512 x 512 x 4096 3-5% faster, 256 x 256 x 2048 3%;
-  // 1536 x 512 x 4096 level to 4% slower, and 512 x 1536 x 4096, whose B block does not fit,
-  // 5% slower. Row blocks of 4, 6, 10 or 12 micro-panels, fetches 32 or 64 rows ahead into L2
-  // and 4 or 10 into L1, or none of B's into L1: each level or 1-4% slower. Fetching into L2
-  // only on first reads: +0.7% (6 of 6 alternations).
+  // The direct path (gemm_driver.h), where B's K block of KC rows (each thread reads all its
+  // columns) fits L2 and A has no more columns than B: A and B both read where they are stored,
+  // (K, M) and (K, N), by a micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K
+  // step broadcasts 8 values of A's row, within one cache line, and loads 3 of B's), each row
+  // fetched into L1 kDirectNear rows ahead and, where FarA / FarB (the first reads of the K
+  // block's rows), into L2 kDirectFar rows ahead. Row blocks of 8 micro-panels. Measured on
+  // Zen 4, alternating call by call in one process (both slot orders):
+  // - against the fused path, with the 14 x 32 tile: 512 x 512 x 4096 3-5% faster,
+  //   256 x 256 x 2048 3%; 1536 x 512 x 4096 level to 4% slower, and 512 x 1536 x 4096, whose
+  //   B block does not fit, 5% slower. Row blocks of 4, 6, 10 or 12 micro-panels, fetches 32 or
+  //   64 rows ahead into L2 and 4 or 10 into L1, or none of B's into L1: each level or 1-4%
+  //   slower. Fetching into L2 only on first reads: +0.7% (6 of 6 alternations);
+  // - 8 x 48 against 14 x 32 (the 14 x 32 tile's A row spans two cache lines as often as not):
+  //   +1.8 to +2.4% on 512 x 512 x 4096, row blocks of 14 or 4 micro-panels +0.7 to +0.8%.
   static constexpr bool kDirect = true;
+  static constexpr int64_t kDirectMR = 8, kDirectNR = 48;
   static constexpr int64_t kDirectRowPanels = 8, kDirectNear = 6, kDirectFar = 48;
   static bool direct_suits(int64_t M, int64_t N, int64_t) {
     return M <= N && N * KC * static_cast<int64_t>(sizeof(float)) <= (int64_t{1} << 20);
   }
 
-  template <bool EvenRows, bool FarA, bool FarB>
-  static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb,
-                             float* C, int64_t ldc, float beta, int m, int n) {
-    const __mmask16 b_lo = detail::columns_mask(n, 0), b_hi = detail::columns_mask(n, 1);
-    const auto steps = [=](detail::Tile & t, int64_t k0, int64_t k1, auto rows)
-        __attribute__((always_inline)) {
+  template <int R, bool FarA, bool FarB>
+  static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b,
+                             int64_t ldb, float* C, int64_t ldc, float beta, int n) {
+    __m512 acc[R][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+    const __mmask16 mask[3] = {detail::columns_mask(n, 0), detail::columns_mask(n, 1),
+                               detail::columns_mask(n, 2)};
+    const bool whole = n >= 48;
+    const auto steps = [&](int64_t k0, int64_t k1) __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
         const float* brow = b + k * ldb;
         const float* arow = a + k * lda;
         const char* b_near = reinterpret_cast<const char*>(brow + kDirectNear * ldb);
-        const char* a_near = reinterpret_cast<const char*>(arow + kDirectNear * lda);
-        const char* b_far = reinterpret_cast<const char*>(brow + kDirectFar * ldb);
-        const char* a_far = reinterpret_cast<const char*>(arow + kDirectFar * lda);
         _mm_prefetch(b_near, _MM_HINT_T0);
         _mm_prefetch(b_near + 64, _MM_HINT_T0);
-        _mm_prefetch(a_near, _MM_HINT_T0);
-        _mm_prefetch(a_near + 4 * MR - 4, _MM_HINT_T0);
+        _mm_prefetch(b_near + 128, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectNear * lda), _MM_HINT_T0);
         if constexpr (FarB) {
+          const char* b_far = reinterpret_cast<const char*>(brow + kDirectFar * ldb);
           _mm_prefetch(b_far, _MM_HINT_T1);
           _mm_prefetch(b_far + 64, _MM_HINT_T1);
+          _mm_prefetch(b_far + 128, _MM_HINT_T1);
         }
-        if constexpr (FarA) {
-          _mm_prefetch(a_far, _MM_HINT_T1);
-          _mm_prefetch(a_far + 4 * MR - 4, _MM_HINT_T1);
-        }
+        if constexpr (FarA)
+          _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectFar * lda), _MM_HINT_T1);
         // Plain loads for whole rows: masked loads that miss the cache are much slower.
-        const __m512 b0 = n >= 16 ? _mm512_loadu_ps(brow) : _mm512_maskz_loadu_ps(b_lo, brow);
-        const __m512 b1 =
-            n >= 32 ? _mm512_loadu_ps(brow + 16) : _mm512_maskz_loadu_ps(b_hi, brow + 16);
-        // An odd m computes m + 1 rows (with_rows); the last is left out, as a[m] may lie past
-        // the end of A.
-        fma_step<decltype(rows)::value, EvenRows>(t, arow, b0, b1);
+        __m512 bv[3];
+        for (int v = 0; v < 3; ++v)
+          bv[v] = whole ? _mm512_loadu_ps(brow + 16 * v)
+                        : _mm512_maskz_loadu_ps(mask[v], brow + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 av = _mm512_set1_ps(arow[r]);
+          for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+        }
       }
     };
-    detail::micro_tile(kc, steps, C, ldc, beta, m, n);
+    // C's rows fetched kPrefetchCSteps steps before the end, as in micro_tile.
+    const int64_t late = kc > detail::kPrefetchCSteps ? kc - detail::kPrefetchCSteps : 0;
+    steps(0, late);
+    for (int r = 0; r < R; ++r) {
+      const char* row = reinterpret_cast<const char*>(C + r * ldc);
+      _mm_prefetch(row, _MM_HINT_T0);
+      _mm_prefetch(row + 64, _MM_HINT_T0);
+      _mm_prefetch(row + 128, _MM_HINT_T0);
+      _mm_prefetch(row + 188, _MM_HINT_T0);  // the fourth line of an unaligned row
+    }
+    steps(late, kc);
+    const __m512 vbeta = _mm512_set1_ps(beta);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* row = C + r * ldc;
+      for (int v = 0; v < 3; ++v) {
+        __m512 x = acc[r][v];
+        if (beta != 0.0f) {  // beta 0 overwrites, never reading C
+          const __m512 c = whole ? _mm512_loadu_ps(row + 16 * v)
+                                 : _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
+          x = _mm512_fmadd_ps(vbeta, c, x);
+        }
+        _mm512_mask_storeu_ps(row + 16 * v, mask[v], x);
+      }
+    }
   }
 
+  // C[0:m, 0:n] = the product over kc K rows + beta C (m <= kDirectMR, n <= kDirectNR); far_a
+  // and far_b: fetch A's or B's rows into L2 ahead.
   static void micro_direct(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb,
                            float* C, int64_t ldc, float beta, int m, int n, bool far_a,
                            bool far_b) {
-    const auto call = [&](auto even, auto fa, auto fb) {
-      micro_direct_t<decltype(even)::value, decltype(fa)::value, decltype(fb)::value>(
-          kc, a, lda, b, ldb, C, ldc, beta, m, n);
+    const auto rows = [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      if (far_a && far_b) return micro_direct_t<R, true, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      if (far_a) return micro_direct_t<R, true, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      if (far_b) return micro_direct_t<R, false, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      micro_direct_t<R, false, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
     };
-    using T = std::true_type;
-    using F = std::false_type;
-    const auto with_far = [&](auto even) {
-      if (far_a && far_b) return call(even, T{}, T{});
-      if (far_a) return call(even, T{}, F{});
-      if (far_b) return call(even, F{}, T{});
-      call(even, F{}, F{});
-    };
-    if (m % 2 == 0) return with_far(T{});
-    with_far(F{});
+    static_assert(kDirectMR == 8, "the cases below cover 1 to 8 rows");
+    switch (m) {
+      case 1: return rows(std::integral_constant<int, 1>{});
+      case 2: return rows(std::integral_constant<int, 2>{});
+      case 3: return rows(std::integral_constant<int, 3>{});
+      case 4: return rows(std::integral_constant<int, 4>{});
+      case 5: return rows(std::integral_constant<int, 5>{});
+      case 6: return rows(std::integral_constant<int, 6>{});
+      case 7: return rows(std::integral_constant<int, 7>{});
+      default: return rows(std::integral_constant<int, 8>{});
+    }
   }
 
   static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc, float beta,

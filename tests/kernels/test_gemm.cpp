@@ -360,10 +360,9 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
 }
 
 // The direct path reads A and B where they are stored and sums each tile over the blocked path's
-// K blocks, so it gives that path's bits too: shapes that take it (rows split between the
-// threads mid micro-panel, an odd row count at the end, which must not read past A; columns
-// short of a micro-panel; K within one block of 512 and over three; beta 1, 0.5 and 0), on one
-// thread and two, against the blocked path.
+// K blocks, so it gives that path's bits too: shapes that take it (every row count a micro-panel
+// can end with, among the threads' shares; columns short of a micro-panel; K within one block
+// of 512 and over three; beta 1, 0.5 and 0), on one thread and two, against the blocked path.
 TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   if (std::get<0>(GetParam()) != GemmBackend::Avx512)
     GTEST_SKIP() << "the direct path is the avx512 kernels'";
@@ -375,10 +374,13 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
       omp_set_num_threads(threads);
     }
   } restore{saved_threads};
-  for (const Case& c : {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f},
-                        Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f},
-                        Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f},
-                        Case{Transpose::Yes, Transpose::No, 113, 113, 300, 1, 1.0f}}) {
+  std::vector<Case> shapes = {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f},
+                              Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f},
+                              Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f},
+                              Case{Transpose::Yes, Transpose::No, 113, 113, 300, 1, 1.0f}};
+  for (int64_t M = 64; M < 72; ++M)  // the last micro-panel of 8 - 1 rows .. 8 rows
+    shapes.push_back(Case{Transpose::Yes, Transpose::No, M, 100, 530, 1, 1.0f});
+  for (const Case& c : shapes) {
     const FusedCaseOperands ops(c, 40);
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
