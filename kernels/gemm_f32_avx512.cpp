@@ -174,41 +174,39 @@ struct F32Avx512 {
     return M <= N && N * KC * static_cast<int64_t>(sizeof(float)) <= (int64_t{1} << 20);
   }
 
-  template <int R, bool FarA, bool FarB>
+  // R rows and V vectors of 16 columns (n > 16 (V - 1)).
+  template <int R, int V, bool FarA, bool FarB>
   static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b,
                              int64_t ldb, float* C, int64_t ldc, float beta, int n) {
-    __m512 acc[R][3];
+    __m512 acc[R][V];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-    const __mmask16 mask[3] = {detail::columns_mask(n, 0), detail::columns_mask(n, 1),
-                               detail::columns_mask(n, 2)};
-    const bool whole = n >= 48;
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    __mmask16 mask[V];
+    for (int v = 0; v < V; ++v) mask[v] = detail::columns_mask(n, v);
+    const bool whole = n >= 16 * V;
     const auto steps = [&](int64_t k0, int64_t k1) __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
         const float* brow = b + k * ldb;
         const float* arow = a + k * lda;
         const char* b_near = reinterpret_cast<const char*>(brow + kDirectNear * ldb);
-        _mm_prefetch(b_near, _MM_HINT_T0);
-        _mm_prefetch(b_near + 64, _MM_HINT_T0);
-        _mm_prefetch(b_near + 128, _MM_HINT_T0);
+        for (int v = 0; v < V; ++v) _mm_prefetch(b_near + 64 * v, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectNear * lda), _MM_HINT_T0);
         if constexpr (FarB) {
           const char* b_far = reinterpret_cast<const char*>(brow + kDirectFar * ldb);
-          _mm_prefetch(b_far, _MM_HINT_T1);
-          _mm_prefetch(b_far + 64, _MM_HINT_T1);
-          _mm_prefetch(b_far + 128, _MM_HINT_T1);
+          for (int v = 0; v < V; ++v) _mm_prefetch(b_far + 64 * v, _MM_HINT_T1);
         }
         if constexpr (FarA)
           _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectFar * lda), _MM_HINT_T1);
         // Plain loads for whole rows: masked loads that miss the cache are much slower.
-        __m512 bv[3];
-        for (int v = 0; v < 3; ++v)
+        __m512 bv[V];
+        for (int v = 0; v < V; ++v)
           bv[v] = whole ? _mm512_loadu_ps(brow + 16 * v)
                         : _mm512_maskz_loadu_ps(mask[v], brow + 16 * v);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512 av = _mm512_set1_ps(arow[r]);
-          for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
         }
       }
     };
@@ -217,17 +215,15 @@ struct F32Avx512 {
     steps(0, late);
     for (int r = 0; r < R; ++r) {
       const char* row = reinterpret_cast<const char*>(C + r * ldc);
-      _mm_prefetch(row, _MM_HINT_T0);
-      _mm_prefetch(row + 64, _MM_HINT_T0);
-      _mm_prefetch(row + 128, _MM_HINT_T0);
-      _mm_prefetch(row + 188, _MM_HINT_T0);  // the fourth line of an unaligned row
+      for (int v = 0; v < V; ++v) _mm_prefetch(row + 64 * v, _MM_HINT_T0);
+      _mm_prefetch(row + 64 * V - 4, _MM_HINT_T0);  // the last line of an unaligned row
     }
     steps(late, kc);
     const __m512 vbeta = _mm512_set1_ps(beta);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       float* row = C + r * ldc;
-      for (int v = 0; v < 3; ++v) {
+      for (int v = 0; v < V; ++v) {
         __m512 x = acc[r][v];
         if (beta != 0.0f) {  // beta 0 overwrites, never reading C
           const __m512 c = whole ? _mm512_loadu_ps(row + 16 * v)
@@ -244,12 +240,20 @@ struct F32Avx512 {
   static void micro_direct(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb,
                            float* C, int64_t ldc, float beta, int m, int n, bool far_a,
                            bool far_b) {
+    // Only the vectors the columns need (a last micro-panel of 32 columns, as at N = 512, would
+    // otherwise spend a third of its FMAs on zeros).
+    const auto vectors = [&](auto r, auto v) {
+      constexpr int R = decltype(r)::value, V = decltype(v)::value;
+      if (far_a && far_b)
+        return micro_direct_t<R, V, true, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      if (far_a) return micro_direct_t<R, V, true, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      if (far_b) return micro_direct_t<R, V, false, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      micro_direct_t<R, V, false, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
+    };
     const auto rows = [&](auto r) {
-      constexpr int R = decltype(r)::value;
-      if (far_a && far_b) return micro_direct_t<R, true, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
-      if (far_a) return micro_direct_t<R, true, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
-      if (far_b) return micro_direct_t<R, false, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
-      micro_direct_t<R, false, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      if (n > 32) return vectors(r, std::integral_constant<int, 3>{});
+      if (n > 16) return vectors(r, std::integral_constant<int, 2>{});
+      vectors(r, std::integral_constant<int, 1>{});
     };
     static_assert(kDirectMR == 8, "the cases below cover 1 to 8 rows");
     switch (m) {
