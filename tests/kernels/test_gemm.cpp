@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -309,6 +310,15 @@ struct FusedCaseOperands {
       gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta,
                out.data(), c.ldc());
   }
+  // The case computed with the fused and direct paths on, then off (gemm_set_fused; left off).
+  std::array<std::vector<float>, 2> on_and_off(bool bf16) const {
+    std::array<std::vector<float>, 2> out{C, C};
+    for (int i = 0; i < 2; ++i) {
+      gemm_set_fused(i == 0);
+      run(bf16, out[i]);
+    }
+    return out;
+  }
   bool takes_fused(bool bf16) const {
     return bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
                 : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K);
@@ -348,16 +358,18 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
         ASSERT_TRUE(ops.takes_fused(bf16)) << what;
         gemm_set_fused(false);
         ASSERT_FALSE(ops.takes_fused(bf16)) << what;
-        std::vector<float> fused = ops.C, blocked = ops.C;
-        for (bool on : {true, false}) {
-          gemm_set_fused(on);
-          ops.run(bf16, on ? fused : blocked);
-        }
+        const auto [fused, blocked] = ops.on_and_off(bf16);
         EXPECT_EQ(fused, blocked) << what;
       }
     }
   }
 }
+
+// Restores OpenMP's thread count at the end of a test.
+struct RestoreThreads {
+  int threads = omp_get_max_threads();
+  ~RestoreThreads() { omp_set_num_threads(threads); }
+};
 
 // The direct path reads A and B where they are stored and sums each tile over the blocked path's
 // K blocks, so it gives that path's bits too: shapes that take it (every row count a micro-panel
@@ -366,14 +378,10 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
 TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   if (std::get<0>(GetParam()) != GemmBackend::Avx512)
     GTEST_SKIP() << "the direct path is the avx512 kernels'";
-  const int saved_threads = omp_get_max_threads();
+  const RestoreThreads restore_threads;
   struct Restore {
-    int threads;
-    ~Restore() {
-      gemm_set_fused(true);
-      omp_set_num_threads(threads);
-    }
-  } restore{saved_threads};
+    ~Restore() { gemm_set_fused(true); }
+  } restore;
   std::vector<Case> shapes = {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f},
                               Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f},
                               Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f},
@@ -390,11 +398,7 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
       ASSERT_FALSE(ops.takes_fused(false)) << what;
       gemm_set_fused(false);
       ASSERT_FALSE(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K)) << what;
-      std::vector<float> direct = ops.C, blocked = ops.C;
-      for (bool on : {true, false}) {
-        gemm_set_fused(on);
-        ops.run(false, on ? direct : blocked);
-      }
+      const auto [direct, blocked] = ops.on_and_off(false);
       EXPECT_EQ(direct, blocked) << what;
     }
   }
@@ -406,11 +410,7 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
 TEST(GemmPaths, DirectPathTakesTheSquareWeightGradients) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
-  const int saved_threads = omp_get_max_threads();
-  struct Restore {
-    int threads;
-    ~Restore() { omp_set_num_threads(threads); }
-  } restore{saved_threads};
+  const RestoreThreads restore;
   constexpr Transpose T = Transpose::Yes, N = Transpose::No;
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
@@ -430,11 +430,7 @@ TEST(GemmPaths, DirectPathTakesTheSquareWeightGradients) {
 TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
-  const int saved_threads = omp_get_max_threads();
-  struct Restore {
-    int threads;
-    ~Restore() { omp_set_num_threads(threads); }
-  } restore{saved_threads};
+  const RestoreThreads restore;
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
     for (int64_t M = 1; M <= 28; ++M) {
