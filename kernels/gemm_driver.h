@@ -52,10 +52,11 @@
 //       product over kc K rows + beta C, A's columns i..i+m and B's columns j..j+n read where
 //       they are stored, row k at a + k * lda and b + k * ldb, fetching A's or B's rows into L2
 //       ahead where far_a / far_b (the K block's first reads of them);
-// each thread takes its own rows of C (all columns) and runs, per K block of KC, over row blocks
-// of kDirectRowPanels micro-panels of kDirectMR rows, for each over every kDirectNR columns and
-// then over the row block's micro-panels. Nothing is packed: the block's rows of B (KC whole
-// rows, contiguous) stay in L2 while the thread's row blocks pass over them. Each tile sums the
+// each thread takes its own rows of C (all columns) and runs, per K block of KC and group of
+// kDirectGroupPanels micro-panels of kDirectNR columns, over row blocks of kDirectRowPanels
+// micro-panels of kDirectMR rows, for each over the group's micro-panels of columns and then
+// over the row block's micro-panels. Nothing is packed: the group's columns of the block's
+// rows of B stay in L2 while the thread's row blocks pass over them. Each tile sums the
 // same K blocks in the same order as on the blocked path, so the bits are the same again.
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
@@ -416,6 +417,7 @@ void gemm_direct(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
                  float beta, float* C, int64_t ldc) {
   constexpr int64_t MR = P::kDirectMR, NR = P::kDirectNR, KC = P::KC;
   constexpr int64_t rows_per_block = P::kDirectRowPanels * MR;
+  constexpr int64_t group_cols = P::kDirectGroupPanels * NR;
 #pragma omp parallel num_threads(plan.threads)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -425,16 +427,20 @@ void gemm_direct(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kc = std::min(KC, K - pc);
       const float beta_block = pc == 0 ? beta : 1.0f;
-      for (int64_t r0 = row_begin; r0 < row_end; r0 += rows_per_block) {
-        const int64_t r1 = std::min(row_end, r0 + rows_per_block);
-        for (int64_t j = 0; j < N; j += NR) {
-          const int n = static_cast<int>(std::min(NR, N - j));
-          for (int64_t i = r0; i < r1; i += MR) {
-            const int m = static_cast<int>(std::min(MR, r1 - i));
-            // A's rows of the block are first read by its first micro-panel of columns, and
-            // B's by the thread's first row block: only those fetch into L2 ahead.
-            P::micro_direct(kc, A + pc * lda + i, lda, B + pc * ldb + j, ldb, C + i * ldc + j, ldc,
-                            beta_block, m, n, j == 0, r0 == row_begin);
+      for (int64_t g0 = 0; g0 < N; g0 += group_cols) {
+        const int64_t g1 = std::min(N, g0 + group_cols);
+        for (int64_t r0 = row_begin; r0 < row_end; r0 += rows_per_block) {
+          const int64_t r1 = std::min(row_end, r0 + rows_per_block);
+          for (int64_t j = g0; j < g1; j += NR) {
+            const int n = static_cast<int>(std::min(NR, g1 - j));
+            for (int64_t i = r0; i < r1; i += MR) {
+              const int m = static_cast<int>(std::min(MR, r1 - i));
+              // A's rows of the block are first read by the group's first micro-panel of
+              // columns, and B's by the thread's first row block: only those fetch into L2
+              // ahead.
+              P::micro_direct(kc, A + pc * lda + i, lda, B + pc * ldb + j, ldb, C + i * ldc + j,
+                              ldc, beta_block, m, n, j == g0, r0 == row_begin);
+            }
           }
         }
       }
