@@ -306,6 +306,7 @@ GemmBackend gemm_backend() { return backend_slot().load(std::memory_order_relaxe
 
 namespace {
 std::atomic<bool> fused_on{true};
+std::atomic<bool> direct_on{true};
 // Two: the rows of C a thread computes on the fused path do not stay in L2 from one K block to
 // the next (its packed B and the A read past them take it), so each K block reads and writes
 // them from L3 or memory; two blocks as one halve that. (On Zen 4, alternating call by call on
@@ -318,6 +319,10 @@ std::atomic<int> fused_k_blocks{2};
 void gemm_set_fused(bool on) { fused_on.store(on); }
 
 bool gemm_fused() { return fused_on.load(std::memory_order_relaxed); }
+
+void gemm_set_direct(bool on) { direct_on.store(on); }
+
+bool gemm_direct() { return direct_on.load(std::memory_order_relaxed); }
 
 void gemm_set_fused_k_blocks(int blocks) {
   if (blocks < 1 || blocks > 16)

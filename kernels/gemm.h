@@ -81,6 +81,11 @@ std::string gemm_available_backends();
 // run the blocked path, with the same results bit for bit. For tests and comparisons.
 void gemm_set_fused(bool on);
 bool gemm_fused();
+// Whether FP32 weight gradients take the direct path where it suits the shape (on by default);
+// off, those take the fused path, with the same results bit for bit. For tests and comparisons;
+// gemm_set_fused(false) turns both off.
+void gemm_set_direct(bool on);
+bool gemm_direct();
 // K blocks of 512 the fused path takes as one (2 by default; kernels/gemm.cpp says why): any
 // count gives the same results bit for bit. For tests and comparisons (gemm_alternate
 // --fused-k-blocks); throws std::invalid_argument below 1 or above 16.

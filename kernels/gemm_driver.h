@@ -174,13 +174,14 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // it suits the shape: every thread reads all of A there, which costs more than the packing
   // phase it saves where A has many more rows than B has columns (an LM head's weight
   // gradient).
-  // The direct path before it where P finds it suits the shape and each thread has 4
-  // micro-panels of rows or more (gemm_fused() governs both).
+  // The direct path before it where P finds it suits the shape and each thread has a row block
+  // of rows or more (gemm_fused() governs both, gemm_direct() the direct path).
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
   const bool weight_gradient = c_fp32 && a_transposed && !b_transposed && gemm_fused();
   if constexpr (direct_path<P>())
-    plan.direct =
-        weight_gradient && M >= 4 * plan.threads * P::kDirectMR && P::direct_suits(M, N, K);
+    plan.direct = weight_gradient && gemm_direct() &&
+                  M >= plan.threads * P::kDirectRowPanels * P::kDirectMR &&
+                  P::direct_suits(M, N, K);
   else
     plan.direct = false;
   if constexpr (fused_packing<P>())

@@ -153,8 +153,8 @@ struct F32Avx512 {
     detail::micro_tile_blocks(kp, KC / KU, steps, C, ldc, beta, m, n);
   }
 
-  // The direct path (gemm_driver.h), where B's K block of KC rows (each thread reads all its
-  // columns) fits L2 and A has no more columns than B: A and B both read where they are stored,
+  // The direct path (gemm_driver.h), for weight gradients with up to 4x as many rows as columns
+  // (direct_suits): A and B both read where they are stored,
   // (K, M) and (K, N), by a micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K
   // step broadcasts 8 values of A's row, within one cache line, and loads 3 of B's), each row
   // fetched into L1 kDirectNear rows ahead and, where FarA / FarB (the first reads of the K
@@ -162,7 +162,7 @@ struct F32Avx512 {
   // Zen 4, alternating call by call in one process (both slot orders):
   // - against the fused path, with the 14 x 32 tile: 512 x 512 x 4096 3-5% faster,
   //   256 x 256 x 2048 3%; 1536 x 512 x 4096 level to 4% slower, and 512 x 1536 x 4096, whose
-  //   B block does not fit, 5% slower. Row blocks of 4, 6, 10 or 12 micro-panels, fetches 32 or
+  //   B block did not fit L2 before the column groups below, 5% slower. Row blocks of 4, 6, 10 or 12 micro-panels, fetches 32 or
   //   64 rows ahead into L2 and 4 or 10 into L1, or none of B's into L1: each level or 1-4%
   //   slower. Fetching into L2 only on first reads: +0.7% (6 of 6 alternations);
   // - 8 x 48 against 14 x 32 (the 14 x 32 tile's A row spans two cache lines as often as not):
@@ -174,9 +174,11 @@ struct F32Avx512 {
   // 512 x 512 x 4096, against all 512 at once, +1.7% and +2.7% (8 of 8 alternations ahead);
   // groups of 1, 2, 3, 4, 5 or 8 micro-panels +0.1 to +2.4% in the same series.
   static constexpr int64_t kDirectGroupPanels = 6;
-  static bool direct_suits(int64_t M, int64_t N, int64_t) {
-    return M <= N && N * KC * static_cast<int64_t>(sizeof(float)) <= (int64_t{1} << 20);
-  }
+  // Up to 4x as many rows as columns (with the column groups below, against the fused path:
+  // 1536 x 512 x 4096 +1.6%, 512 x 1536 x 4096 +1.0%, 768 x 256 x 2048 +8.2%, 256 x 768 x 2048
+  // +1.9%, each 5 or 6 of 6 alternations ahead; the LM head's 16384 x 512 x 4096 2.3% behind
+  // the blocked path, where it stays).
+  static bool direct_suits(int64_t M, int64_t N, int64_t) { return M <= 4 * N; }
 
   // R rows and V vectors of 16 columns (n > 16 (V - 1)).
   template <int R, int V, bool FarA, bool FarB>

@@ -340,9 +340,11 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
     int k_blocks = gemm_fused_k_blocks();
     ~Restore() {
       gemm_set_fused(true);
+      gemm_set_direct(true);
       gemm_set_fused_k_blocks(k_blocks);
     }
   } restore;
+  gemm_set_direct(false);  // FP32 shapes like these take the direct path by default
   for (const Case& c : {Case{Transpose::Yes, Transpose::No, 300, 520, 1100, 3, 1.0f},
                         Case{Transpose::Yes, Transpose::No, 33, 1100, 700, 0, 0.5f},
                         Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f}}) {
@@ -385,8 +387,8 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   std::vector<Case> shapes = {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f},
                               Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f},
                               Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f},
-                              Case{Transpose::Yes, Transpose::No, 113, 113, 300, 1, 1.0f}};
-  for (int64_t M = 64; M < 72; ++M)  // the last micro-panel of 8 - 1 rows .. 8 rows
+                              Case{Transpose::Yes, Transpose::No, 131, 113, 300, 1, 1.0f}};
+  for (int64_t M = 128; M < 136; ++M)  // the last micro-panel of 8 - 1 rows .. 8 rows
     shapes.push_back(Case{Transpose::Yes, Transpose::No, M, 100, 530, 1, 1.0f});
   for (const Case& c : shapes) {
     const FusedCaseOperands ops(c, 40);
@@ -404,23 +406,27 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   }
 }
 
-// Which FP32 weight gradients of mega take the direct path and which the fused one, on one
-// thread and two: the direct path where B's K block of 512 rows fits L2 (1 MiB) and A has no
-// more columns than B.
-TEST(GemmPaths, DirectPathTakesTheSquareWeightGradients) {
+// Which FP32 weight gradients of mega take the direct path, on one thread and two: those with
+// up to 4x as many rows as columns, and not with gemm_set_direct(false) (the fused path then).
+TEST(GemmPaths, DirectPathTakesTheFp32WeightGradientsOfMega) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
   const RestoreThreads restore;
   constexpr Transpose T = Transpose::Yes, N = Transpose::No;
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
-    EXPECT_TRUE(gemm_f32_avx512_takes_direct(T, N, 512, 512, 4096)) << threads;
-    EXPECT_FALSE(gemm_f32_avx512_takes_fused(T, N, 512, 512, 4096)) << threads;
-    for (const auto& [M, Ncols] : {std::pair{1536, 512}, std::pair{512, 1536}}) {
+    for (const auto& [M, Ncols] :
+         {std::pair{512, 512}, std::pair{1536, 512}, std::pair{512, 1536}}) {
+      EXPECT_TRUE(gemm_f32_avx512_takes_direct(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
+      EXPECT_FALSE(gemm_f32_avx512_takes_fused(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
+      gemm_set_direct(false);
       EXPECT_FALSE(gemm_f32_avx512_takes_direct(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
       EXPECT_TRUE(gemm_f32_avx512_takes_fused(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
+      gemm_set_direct(true);
     }
-    // Not the forward product's layout, nor bf16's kernels (no direct path there).
+    // Not the LM head's (32x as many rows as columns: the blocked path), nor the forward
+    // product's layout.
+    EXPECT_FALSE(gemm_f32_avx512_takes_direct(T, N, 16384, 512, 4096)) << threads;
     EXPECT_FALSE(gemm_f32_avx512_takes_direct(N, T, 512, 512, 4096)) << threads;
   }
 }
@@ -455,12 +461,13 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     int threads;
     ~Restore() {
       gemm_set_backend(backend);
+      gemm_set_direct(true);
       omp_set_num_threads(threads);
     }
   } restore{saved_backend, saved_threads};
   gemm_set_backend(GemmBackend::Avx512);
-  // (More rows than columns: the fused path, not the direct one.)
-  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 300, 9 * 32, 2048, 0, 1.0f}, 30);
+  gemm_set_direct(false);  // FP32 would take the direct path
+  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
   for (bool bf16 : {false, true}) {
     omp_set_num_threads(1);
     std::vector<float> one = ops.C;
