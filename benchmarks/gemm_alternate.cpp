@@ -3,11 +3,14 @@
 // oneDNN in turn, call after call, so that a spell of slowness falls on all of them alike; prints
 // the median GFLOP/s of each and the ratios. With --fused-k-blocks N, weight gradients are also
 // timed with the fused path taking N K blocks of 512 as one (gemm_set_fused_k_blocks), in the
-// same turn. Operands are 64-byte aligned, as the trainer's tensors.
+// same turn; with --fused-column, FP32 weight gradients also with the direct path off (the fused
+// path where it suits them, gemm_set_direct). Operands are 64-byte aligned, as the trainer's
+// tensors.
 //
 //   build/gemm_alternate                                 mega, f32 and bf16, 9 calls each
 //   build/gemm_alternate --preset mini --dtype bf16 --calls 15 --products _dw
 //   build/gemm_alternate --products _dw --fused-k-blocks 1
+//   build/gemm_alternate --dtype f32 --products _dw --fused-column
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -46,7 +49,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void run(const Shape& s, bool bf16, int calls, int k_blocks) {
+void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) {
   const size_t a_size = static_cast<size_t>(s.M * s.K), b_size = static_cast<size_t>(s.K * s.N);
   Aligned<float> A(a_size), B(b_size), C(static_cast<size_t>(s.M * s.N));
   Aligned<uint16_t> A16(a_size), B16(b_size);
@@ -61,11 +64,12 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks) {
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   const bool weight_gradient = s.ta == Transpose::Yes && s.tb == Transpose::No;
   // 0: ours, 1: ours with the fused and direct paths off, 2: oneDNN, 3: ours with k_blocks K
-  // blocks as one
+  // blocks as one, 4: ours with the direct path off
   const int default_k_blocks = kernels::gemm_fused_k_blocks();
   const auto call = [&](int which) {
     kernels::gemm_set_backend(which == 2 ? GemmBackend::Onednn : GemmBackend::Avx512);
     kernels::gemm_set_fused(which != 1);
+    kernels::gemm_set_direct(which != 4);
     kernels::gemm_set_fused_k_blocks(which == 3 ? k_blocks : default_k_blocks);
     const auto start = std::chrono::steady_clock::now();
     if (bf16)
@@ -77,14 +81,22 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   const bool with_k_blocks = weight_gradient && k_blocks > 0;
-  std::vector<double> times[4];
-  for (int i = 0; i <= calls; ++i)  // the first round warms up buffers and oneDNN's primitives
-    for (int which = 0; which < 4; ++which) {
-      if ((which == 1 && !weight_gradient) || (which == 3 && !with_k_blocks)) continue;
+  const bool with_fused = weight_gradient && !bf16 && fused_column;
+  std::vector<double> times[5];
+  // The first round warms up buffers and oneDNN's primitives. Every other round runs the turn
+  // backwards, so that no implementation always follows the same one (a call's speed depends
+  // on what the call before left in the caches: up to a few per cent on these shapes).
+  for (int i = 0; i <= calls; ++i)
+    for (int w = 0; w < 5; ++w) {
+      const int which = i % 2 == 0 ? w : 4 - w;
+      if ((which == 1 && !weight_gradient) || (which == 3 && !with_k_blocks) ||
+          (which == 4 && !with_fused))
+        continue;
       const double t = call(which);
       if (i > 0) times[which].push_back(t);
     }
   kernels::gemm_set_fused(true);
+  kernels::gemm_set_direct(true);
   kernels::gemm_set_fused_k_blocks(default_k_blocks);
   const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
   const double ours = flops / median(times[0]) / 1e9, onednn = flops / median(times[2]) / 1e9;
@@ -101,6 +113,10 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks) {
     const double kb = flops / median(times[3]) / 1e9;
     std::printf("  %7.1f  %6.3f  %7.3f", kb, kb / onednn, kb / ours);
   }
+  if (with_fused) {
+    const double fu = flops / median(times[4]) / 1e9;
+    std::printf("  %7.1f  %6.3f  %7.3f", fu, fu / onednn, fu / ours);
+  }
   std::printf("\n");
 }
 
@@ -113,6 +129,7 @@ int main(int argc, char** argv) {
       "GEMM shapes of a preset: ours, ours without the fused and direct paths, oneDNN, in turn"};
   std::string preset = "mega", dtype = "both", products;
   int calls = 9, k_blocks = 0;
+  bool fused_column = false;
   app.add_option("--preset", preset, "Preset whose training shapes to run")
       ->check([](const std::string& name) {
         return find_preset(name) ? std::string() : "unknown preset '" + name + "'";
@@ -125,6 +142,9 @@ int main(int argc, char** argv) {
                  "Also time weight gradients with the fused path taking this many K blocks of "
                  "512 as one (columns kblk, kb/o, kb/ours)")
       ->check(CLI::Range(1, 16));
+  app.add_flag("--fused-column", fused_column,
+               "Also time FP32 weight gradients with the direct path off (columns fused, fu/o, "
+               "fu/ours)");
   CLI11_PARSE(app, argc, argv);
   if (!kernels::gemm_backend_available(kernels::GemmBackend::Avx512) ||
       !kernels::gemm_backend_available(kernels::GemmBackend::Onednn)) {
@@ -139,15 +159,18 @@ int main(int argc, char** argv) {
   if (k_blocks > 0)
     std::printf("kblk: ours with the fused path taking %d K blocks of 512 as one (default %d)\n",
                 k_blocks, kernels::gemm_fused_k_blocks());
+  if (fused_column)
+    std::printf("fused: ours with the direct path off (FP32 weight gradients)\n");
   std::printf("%-5s %-9s %-13s %6s %6s %6s  %7s %7s %7s  %6s  %6s", "dtype", "preset", "product",
               "M", "N", "K", "ours", "blocked", "onednn", "ours/o", "blk/o");
   if (k_blocks > 0) std::printf("  %7s  %6s  %7s", "kblk", "kb/o", "kb/ours");
+  if (fused_column) std::printf("  %7s  %6s  %7s", "fused", "fu/o", "fu/ours");
   std::printf("\n");
   for (const bool bf16 : {false, true}) {
     if ((bf16 && dtype == "f32") || (!bf16 && dtype == "bf16")) continue;
     for (const bench::Shape& s : bench::training_shapes({preset}))
       if (products.empty() || s.product.find(products) != std::string::npos)
-        bench::run(s, bf16, calls, k_blocks);
+        bench::run(s, bf16, calls, k_blocks, fused_column);
   }
   return 0;
 }
