@@ -406,8 +406,8 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   }
 }
 
-// Which FP32 weight gradients of mega take the direct path, on one thread and two: those with
-// up to 4x as many rows as columns, and not with gemm_set_direct(false) (the fused path then).
+// Which FP32 weight gradients take the direct path, on one thread and two: mega's, with up to 4x
+// as many rows as columns, and not with gemm_set_direct(false) (the fused path then).
 TEST(GemmPaths, DirectPathTakesTheFp32WeightGradientsOfMega) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
@@ -424,8 +424,13 @@ TEST(GemmPaths, DirectPathTakesTheFp32WeightGradientsOfMega) {
       EXPECT_TRUE(gemm_f32_avx512_takes_fused(T, N, M, Ncols, 4096)) << M << " x " << Ncols;
       gemm_set_direct(true);
     }
-    // Not the LM head's (32x as many rows as columns: the blocked path), nor the forward
-    // product's layout.
+    // Not where rows are a multiple of 4 KiB apart (behemoth's: the fused path), nor the LM
+    // head's (32x as many rows as columns: the blocked path), nor the forward product's layout.
+    for (const auto& [M, Ncols] :
+         {std::pair{1024, 1024}, std::pair{2816, 1024}, std::pair{1024, 2816}}) {
+      EXPECT_FALSE(gemm_f32_avx512_takes_direct(T, N, M, Ncols, 2048)) << M << " x " << Ncols;
+      EXPECT_TRUE(gemm_f32_avx512_takes_fused(T, N, M, Ncols, 2048)) << M << " x " << Ncols;
+    }
     EXPECT_FALSE(gemm_f32_avx512_takes_direct(T, N, 16384, 512, 4096)) << threads;
     EXPECT_FALSE(gemm_f32_avx512_takes_direct(N, T, 512, 512, 4096)) << threads;
   }
