@@ -45,9 +45,10 @@
 // (FusedShare), so that the threads end together. Each tile sees its K blocks in order, from the
 // same packed operands, whichever thread computes the last, so results are the same for any
 // thread count here too, and the same as the blocked path's.
-// A weight gradient's product whose B block of KC rows fits L2 may take a third path, where P
-// declares kDirect, says in direct_suits(M, N, K) which shapes take it, and provides a tile of
-// its own, kDirectMR x kDirectNR, and
+// A weight gradient's product may take a third path, the direct one, before the fused one, where
+// P declares kDirect and says in direct_suits(M, N, K) which shapes take it, each thread has a
+// row block of its own and neither operand's rows are a multiple of 4 KiB apart (blocked_plan);
+// P provides a tile of its own, kDirectMR x kDirectNR, and
 //   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n, far_a, far_b): C[0:m, 0:n] = the
 //       product over kc K rows + beta C, A's columns i..i+m and B's columns j..j+n read where
 //       they are stored, row k at a + k * lda and b + k * ldb, fetching A's or B's rows into L2

@@ -154,17 +154,18 @@ struct F32Avx512 {
   }
 
   // The direct path (gemm_driver.h), for weight gradients with up to 4x as many rows as columns
-  // (direct_suits): A and B both read where they are stored,
-  // (K, M) and (K, N), by a micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K
-  // step broadcasts 8 values of A's row, within one cache line, and loads 3 of B's), each row
-  // fetched into L1 kDirectNear rows ahead and, where FarA / FarB (the first reads of the K
-  // block's rows), into L2 kDirectFar rows ahead. Row blocks of 8 micro-panels. Measured on
-  // Zen 4, alternating call by call in one process (both slot orders):
+  // (direct_suits): A and B both read where they are stored, (K, M) and (K, N), by a
+  // micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K step broadcasts 8 values
+  // of A's row, within one cache line, and loads 3 of B's), each row fetched into L1
+  // kDirectNear rows ahead and, where FarA / FarB (the first reads of the K block's rows), into
+  // L2 kDirectFar rows ahead. Row blocks of 8 micro-panels. Measured on Zen 4, alternating call
+  // by call in one process (both slot orders):
   // - against the fused path, with the 14 x 32 tile: 512 x 512 x 4096 3-5% faster,
   //   256 x 256 x 2048 3%; 1536 x 512 x 4096 level to 4% slower, and 512 x 1536 x 4096, whose
-  //   B block did not fit L2 before the column groups below, 5% slower. Row blocks of 4, 6, 10 or 12 micro-panels, fetches 32 or
-  //   64 rows ahead into L2 and 4 or 10 into L1, or none of B's into L1: each level or 1-4%
-  //   slower. Fetching into L2 only on first reads: +0.7% (6 of 6 alternations);
+  //   B block did not fit L2 before the column groups below, 5% slower. Row blocks of 4, 6, 10
+  //   or 12 micro-panels, fetches 32 or 64 rows ahead into L2 and 4 or 10 into L1, or none of
+  //   B's into L1: each level or 1-4% slower. Fetching into L2 only on first reads: +0.7% (6 of
+  //   6 alternations);
   // - 8 x 48 against 14 x 32 (the 14 x 32 tile's A row spans two cache lines as often as not):
   //   +1.8 to +2.4% on 512 x 512 x 4096, row blocks of 14 or 4 micro-panels +0.7 to +0.8%.
   static constexpr bool kDirect = true;
@@ -174,7 +175,7 @@ struct F32Avx512 {
   // 512 x 512 x 4096, against all 512 at once, +1.7% and +2.7% (8 of 8 alternations ahead);
   // groups of 1, 2, 3, 4, 5 or 8 micro-panels +0.1 to +2.4% in the same series.
   static constexpr int64_t kDirectGroupPanels = 6;
-  // Up to 4x as many rows as columns (with the column groups below, against the fused path:
+  // Up to 4x as many rows as columns (with the column groups above, against the fused path:
   // 1536 x 512 x 4096 +1.6%, 512 x 1536 x 4096 +1.0%, 768 x 256 x 2048 +8.2%, 256 x 768 x 2048
   // +1.9%, each 5 or 6 of 6 alternations ahead; the LM head's 16384 x 512 x 4096 2.3% behind
   // the blocked path, where it stays).
@@ -274,10 +275,10 @@ struct F32Avx512 {
     }
   }
 
-  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc, float beta,
-                    int m, int n) {
-    const auto steps = [ a, b ](detail::Tile & t, int64_t k0, int64_t k1, auto rows)
-        __attribute__((always_inline)) {
+  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
+                    float beta, int m, int n) {
+    const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1, auto rows)
+                           __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
         fma_step<decltype(rows)::value>(t, a + k * MR, _mm512_load_ps(b + k * NR),
                                         _mm512_load_ps(b + k * NR + 16));

@@ -47,8 +47,9 @@ std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb,
 // calling thread's OpenMP thread count, with gemm_fused() as it is now.
 bool gemm_f32_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
 bool gemm_bf16_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
-// Whether the FP32 AVX-512 kernels take their direct path for an M x N x K product on the
-// calling thread's OpenMP thread count, with gemm_fused() as it is now.
+// Whether the FP32 AVX-512 kernels take their direct path for an M x N x K product of
+// contiguous operands on the calling thread's OpenMP thread count, with gemm_fused() and
+// gemm_direct() as they are now.
 bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
 // Rows of C the fused path has computed so far in this process on a thread other than the one
 // whose columns they are (the rows of its last K block it had not reached; gemm_driver.h).

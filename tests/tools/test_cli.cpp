@@ -80,7 +80,8 @@ class Cli : public ::testing::Test {
   static pid_t start_prepared(const std::string& args, const fs::path& prepared,
                               const fs::path& run_dir, const fs::path& log, size_t steps) {
     fs::create_directories(run_dir);
-    for (const char* f : {"tokenizer.model", "tokens.bin"}) fs::copy_file(prepared / f, run_dir / f);
+    for (const char* f : {"tokenizer.model", "tokens.bin"})
+      fs::copy_file(prepared / f, run_dir / f);
     const pid_t pid = start(args + " --out " + run_dir.string(), log);
     for (int i = 0; pid > 0 && i < 3000 && losses_of(run_dir).size() < steps; ++i) ::usleep(10000);
     return pid;
