@@ -255,12 +255,21 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
   if (std::get<0>(GetParam()) == GemmBackend::Eigen ||
       std::get<0>(GetParam()) == GemmBackend::Onednn)
     GTEST_SKIP() << "library backends choose their own blocking per thread count";
-  // A forward product, and a weight gradient's (A transposed, B not: the fused path, each
-  // thread taking its own columns) accumulated into C.
-  // And one on the direct path, each thread taking its own rows.
+  // A forward product, and weight gradients (A transposed, B not) accumulated into C: one of
+  // fewer rows than a thread's row block (the fused path, each thread taking its own columns),
+  // one of more (the direct path, each thread taking its own rows).
   for (const Case& c : {Case{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f},
-                        Case{Transpose::Yes, Transpose::No, 300, 520, 700, 3, 1.0f},
+                        Case{Transpose::Yes, Transpose::No, 40, 520, 700, 3, 1.0f},
                         Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f}}) {
+    // The paths named above.
+    if (std::get<0>(GetParam()) == GemmBackend::Avx512 && c.ta == Transpose::Yes) {
+      const bool direct = c.M >= 2 * 64;  // a row block of 64 rows for each of two threads
+      for (int threads : {1, 2}) {
+        omp_set_num_threads(threads);
+        EXPECT_EQ(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K), direct) << describe(c);
+        EXPECT_EQ(gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K), !direct) << describe(c);
+      }
+    }
     const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
     const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
     const std::vector<float> C = random_vector(c.M * c.ldc(), 9);
@@ -291,8 +300,8 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
 
 // A weight-gradient case's operands in FP32 and as bf16, and C; run() computes the case into
 // `out` (a copy of C) in either data type on the current backend.
-struct FusedCaseOperands {
-  FusedCaseOperands(const Case& c_, uint32_t seed)
+struct WeightGradientOperands {
+  WeightGradientOperands(const Case& c_, uint32_t seed)
       : c(c_),
         a(random_vector(c.a_rows() * c.lda(), seed)),
         b(random_vector(c.b_rows() * c.ldb(), seed + 1)),
@@ -348,7 +357,7 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   for (const Case& c : {Case{Transpose::Yes, Transpose::No, 300, 520, 1100, 3, 1.0f},
                         Case{Transpose::Yes, Transpose::No, 33, 1100, 700, 0, 0.5f},
                         Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f}}) {
-    const FusedCaseOperands ops(c, 20);
+    const WeightGradientOperands ops(c, 20);
     for (int k_blocks : {1, 2, 3}) {
       gemm_set_fused_k_blocks(k_blocks);
       for (bool bf16 : {false, true}) {
@@ -391,7 +400,7 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   for (int64_t M = 128; M < 136; ++M)  // the last micro-panel of 8 - 1 rows .. 8 rows
     shapes.push_back(Case{Transpose::Yes, Transpose::No, M, 100, 530, 1, 1.0f});
   for (const Case& c : shapes) {
-    const FusedCaseOperands ops(c, 40);
+    const WeightGradientOperands ops(c, 40);
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
       const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
@@ -472,7 +481,7 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
   } restore{saved_backend, saved_threads};
   gemm_set_backend(GemmBackend::Avx512);
   gemm_set_direct(false);  // FP32 would take the direct path
-  const FusedCaseOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
+  const WeightGradientOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
   for (bool bf16 : {false, true}) {
     omp_set_num_threads(1);
     std::vector<float> one = ops.C;
