@@ -47,7 +47,8 @@
 // thread count here too, and the same as the blocked path's.
 // A weight gradient's product may take a third path, the direct one, before the fused one, where
 // P declares kDirect and says in direct_suits(M, N, K) which shapes take it, each thread has a
-// row block of its own and neither operand's rows are a multiple of 4 KiB apart (blocked_plan);
+// row block of its own, neither operand's rows are a multiple of 4 KiB apart and every row of
+// both starts a cache line (blocked_plan);
 // P provides a tile of its own, kDirectMR x kDirectNR, and
 //   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n, far_a, far_b): C[0:m, 0:n] = the
 //       product over kc K rows + beta C, A's columns i..i+m and B's columns j..j+n read where
@@ -93,6 +94,12 @@ constexpr int64_t kPackRows = 16;
 // have their lines at a column all in one L1 set, which holds only a few of them (8 on Zen 4):
 // an LM head's gradient, whose rows are 32 or 64 KiB apart, read down a column.
 inline bool rows_alias_in_l1(int64_t stride_bytes) { return stride_bytes % 4096 == 0; }
+
+// Whether every row of an operand at p, stride_bytes apart, starts a 64-byte cache line (a
+// training step's tensors do).
+inline bool rows_start_lines(const void* p, int64_t stride_bytes) {
+  return reinterpret_cast<uintptr_t>(p) % 64 == 0 && stride_bytes % 64 == 0;
+}
 
 // kPackRows for a transposed A whose rows alias in L1: the rows being packed stay in L1 while
 // each of an item's micro-panels takes its columns of them (on Zen 4, alternating call by call,
@@ -166,10 +173,12 @@ struct BlockedPlan {
   }
 };
 
-// lda and ldb: the operands' strides in elements, 0 for contiguous ones (a training step's).
+// lda and ldb: the operands' strides in elements, 0 for contiguous ones (a training step's);
+// lines: whether every row of both starts a cache line (rows_start_lines).
 template <class P>
 BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int64_t N, int64_t K,
-                            bool c_fp32 = true, int64_t lda = 0, int64_t ldb = 0) {
+                            bool c_fp32 = true, int64_t lda = 0, int64_t ldb = 0,
+                            bool lines = true) {
   BlockedPlan<P> plan;
   plan.threads = blocked_threads(M, N, K);
   // The fused path where each thread has 4 micro-panels of columns or more, and where P finds
@@ -181,13 +190,17 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // gemm_direct() the direct path). Rows a multiple of 4 KiB apart fall in one set of L1 and
   // in a sixteenth of L2's, which hold fewer of them than a K block has: the rows fetched ahead
   // are evicted before they are read (1024 x 1024 x 2048 ran 7.6% slower than on the fused
-  // path, 1024 x 2816 and 2816 x 1024 1-2%).
+  // path, 1024 x 2816 and 2816 x 1024 1-2%). Rows that do not start a cache line have some of
+  // A's values a K step broadcasts in two lines and each of B's vectors across two: on Zen 4,
+  // 512 x 1536 x 4096 with A's rows 16 bytes past a line 2.2% slower than on the fused path,
+  // with B's 4.0%, with both 8.2% (alternating call by call).
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
   const bool weight_gradient = c_fp32 && a_transposed && !b_transposed && gemm_fused();
   if constexpr (direct_path<P>())
     plan.direct =
         weight_gradient && gemm_direct() &&
-        M >= plan.threads * P::kDirectRowPanels * P::kDirectMR && P::direct_suits(M, N, K) &&
+        lines && M >= plan.threads * P::kDirectRowPanels * P::kDirectMR &&
+        P::direct_suits(M, N, K) &&
         !rows_alias_in_l1((lda > 0 ? lda : M) * static_cast<int64_t>(sizeof(typename P::In))) &&
         !rows_alias_in_l1((ldb > 0 ? ldb : N) * static_cast<int64_t>(sizeof(typename P::In)));
   else
@@ -230,11 +243,15 @@ bool takes_fused_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
          blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K).fused;
 }
 
-// Whether gemm_blocked<P> takes the direct path for an M x N x K product with an FP32 C.
+// Whether gemm_blocked<P> takes the direct path for an M x N x K product with an FP32 C, of
+// operands whose rows start cache lines (lines) lda and ldb apart (0: contiguous).
 template <class P>
-bool takes_direct_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
+bool takes_direct_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                       int64_t lda = 0, int64_t ldb = 0, bool lines = true) {
   return M > 0 && N > 0 && K > 0 &&
-         blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K).direct;
+         blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K, true, lda, ldb,
+                         lines)
+             .direct;
 }
 
 // `rows` stored rows of `row_bytes` bytes, `stride` bytes apart, fetched into L2 a few cache
@@ -477,7 +494,10 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>, lda, ldb);
+  constexpr int64_t in_bytes = sizeof(typename P::In);
+  const bool lines = rows_start_lines(A, lda * in_bytes) && rows_start_lines(B, ldb * in_bytes);
+  const BlockedPlan<P> plan =
+      blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>, lda, ldb, lines);
   if constexpr (direct_path<P>() && std::is_same_v<CT, float>) {
     if (plan.direct) return gemm_direct<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc);
   }

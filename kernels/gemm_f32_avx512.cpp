@@ -308,4 +308,10 @@ bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t
   return detail::takes_direct_path<F32Avx512>(ta, tb, M, N, K);
 }
 
+bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                                  const float* A, int64_t lda, const float* B, int64_t ldb) {
+  const bool lines = detail::rows_start_lines(A, lda * 4) && detail::rows_start_lines(B, ldb * 4);
+  return detail::takes_direct_path<F32Avx512>(ta, tb, M, N, K, lda, ldb, lines);
+}
+
 }  // namespace cputrain::kernels

@@ -48,9 +48,13 @@ std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb,
 bool gemm_f32_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
 bool gemm_bf16_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
 // Whether the FP32 AVX-512 kernels take their direct path for an M x N x K product of
-// contiguous operands on the calling thread's OpenMP thread count, with gemm_fused() and
-// gemm_direct() as they are now.
+// contiguous operands that start cache lines on the calling thread's OpenMP thread count, with
+// gemm_fused() and gemm_direct() as they are now.
 bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
+// The same for the operands A and B, lda and ldb apart (the direct path wants rows that are not
+// a multiple of 4 KiB apart and that start cache lines).
+bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                                  const float* A, int64_t lda, const float* B, int64_t ldb);
 // Rows of C the fused path has computed so far in this process on a thread other than the one
 // whose columns they are (the rows of its last K block it had not reached; gemm_driver.h).
 int64_t gemm_fused_rows_shared();

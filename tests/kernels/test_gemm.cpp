@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdlib>
@@ -24,22 +25,46 @@ namespace {
 constexpr int64_t kSizes[] = {1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 65, 127, 257};
 constexpr size_t kSizeCount = sizeof(kSizes) / sizeof(kSizes[0]);
 
-std::vector<float> random_vector(size_t n, uint32_t seed) {
+template <class Vector = std::vector<float>>
+Vector random_vector(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
+  Vector v(n);
   for (float& x : v) x = dist(rng);
   return v;
 }
+
+// Storage that starts a 64-byte cache line, as the engine's tensors do (the direct path takes
+// only operands whose rows start lines).
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U>
+  bool operator==(const LineAllocator<U>&) const {
+    return true;
+  }
+};
+using LineFloats = std::vector<float, LineAllocator<float>>;
 
 struct Case {
   Transpose ta, tb;
   int64_t M, N, K;
   int64_t pad;  // extra columns in every leading dimension
   float beta;
-  int64_t lda() const { return (ta == Transpose::No ? K : M) + pad; }
-  int64_t ldb() const { return (tb == Transpose::No ? N : K) + pad; }
-  int64_t ldc() const { return N + pad; }
+  bool lines = false;  // leading dimensions (with pad) rounded up to whole 64-byte lines of floats
+  int64_t lda() const { return stride((ta == Transpose::No ? K : M) + pad); }
+  int64_t ldb() const { return stride((tb == Transpose::No ? N : K) + pad); }
+  int64_t ldc() const { return stride(N + pad); }
+  int64_t stride(int64_t columns) const { return lines ? (columns + 15) / 16 * 16 : columns; }
   int64_t a_rows() const { return ta == Transpose::No ? M : K; }
   int64_t b_rows() const { return tb == Transpose::No ? K : N; }
 };
@@ -94,7 +119,8 @@ std::vector<Case> cases() {
 std::string describe(const Case& c) {
   std::ostringstream s;
   s << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ta=" << (c.ta == Transpose::Yes)
-    << " tb=" << (c.tb == Transpose::Yes) << " beta=" << c.beta << " pad=" << c.pad;
+    << " tb=" << (c.tb == Transpose::Yes) << " beta=" << c.beta << " pad=" << c.pad
+    << (c.lines ? " (whole lines)" : "");
   return s.str();
 }
 
@@ -260,18 +286,21 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
   // one of more (the direct path, each thread taking its own rows).
   for (const Case& c : {Case{Transpose::No, Transpose::Yes, 300, 200, 600, 0, 0.0f},
                         Case{Transpose::Yes, Transpose::No, 40, 520, 700, 3, 1.0f},
-                        Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f}}) {
+                        Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f, true}}) {
+    const LineFloats A = random_vector<LineFloats>(c.a_rows() * c.lda(), 7);
+    const LineFloats B = random_vector<LineFloats>(c.b_rows() * c.ldb(), 8);
     // The paths named above.
     if (std::get<0>(GetParam()) == GemmBackend::Avx512 && c.ta == Transpose::Yes) {
       const bool direct = c.M >= 2 * 64;  // a row block of 64 rows for each of two threads
       for (int threads : {1, 2}) {
         omp_set_num_threads(threads);
-        EXPECT_EQ(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K), direct) << describe(c);
+        EXPECT_EQ(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(),
+                                               B.data(), c.ldb()),
+                  direct)
+            << describe(c);
         EXPECT_EQ(gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K), !direct) << describe(c);
       }
     }
-    const std::vector<float> A = random_vector(c.a_rows() * c.lda(), 7);
-    const std::vector<float> B = random_vector(c.b_rows() * c.ldb(), 8);
     const std::vector<float> C = random_vector(c.M * c.ldc(), 9);
     std::vector<float> one = C, two = C;
     omp_set_num_threads(1);
@@ -303,8 +332,8 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
 struct WeightGradientOperands {
   WeightGradientOperands(const Case& c_, uint32_t seed)
       : c(c_),
-        a(random_vector(c.a_rows() * c.lda(), seed)),
-        b(random_vector(c.b_rows() * c.ldb(), seed + 1)),
+        a(random_vector<LineFloats>(c.a_rows() * c.lda(), seed)),
+        b(random_vector<LineFloats>(c.b_rows() * c.ldb(), seed + 1)),
         C(random_vector(c.M * c.ldc(), seed + 2)),
         a16(a.size()),
         b16(b.size()) {
@@ -332,8 +361,13 @@ struct WeightGradientOperands {
     return bf16 ? gemm_bf16_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K)
                 : gemm_f32_avx512_takes_fused(c.ta, c.tb, c.M, c.N, c.K);
   }
+  bool takes_direct() const {
+    return gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(),
+                                        c.ldb());
+  }
   Case c;
-  std::vector<float> a, b, C;
+  LineFloats a, b;
+  std::vector<float> C;
   std::vector<uint16_t> a16, b16;
 };
 
@@ -393,22 +427,22 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
   struct Restore {
     ~Restore() { gemm_set_fused(true); }
   } restore;
-  std::vector<Case> shapes = {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f},
-                              Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f},
-                              Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f},
-                              Case{Transpose::Yes, Transpose::No, 131, 113, 300, 1, 1.0f}};
+  std::vector<Case> shapes = {Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f, true},
+                              Case{Transpose::Yes, Transpose::No, 129, 512, 700, 0, 0.5f, true},
+                              Case{Transpose::Yes, Transpose::No, 200, 250, 1537, 5, 0.0f, true},
+                              Case{Transpose::Yes, Transpose::No, 131, 113, 300, 1, 1.0f, true}};
   for (int64_t M = 128; M < 136; ++M)  // the last micro-panel of 8 - 1 rows .. 8 rows
-    shapes.push_back(Case{Transpose::Yes, Transpose::No, M, 100, 530, 1, 1.0f});
+    shapes.push_back(Case{Transpose::Yes, Transpose::No, M, 100, 530, 1, 1.0f, true});
   for (const Case& c : shapes) {
     const WeightGradientOperands ops(c, 40);
     for (int threads : {1, 2}) {
       omp_set_num_threads(threads);
       const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
       gemm_set_fused(true);
-      ASSERT_TRUE(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K)) << what;
+      ASSERT_TRUE(ops.takes_direct()) << what;
       ASSERT_FALSE(ops.takes_fused(false)) << what;
       gemm_set_fused(false);
-      ASSERT_FALSE(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K)) << what;
+      ASSERT_FALSE(ops.takes_direct()) << what;
       const auto [direct, blocked] = ops.on_and_off(false);
       EXPECT_EQ(direct, blocked) << what;
     }
@@ -442,6 +476,52 @@ TEST(GemmPaths, DirectPathTakesTheFp32WeightGradientsOfMega) {
     }
     EXPECT_FALSE(gemm_f32_avx512_takes_direct(T, N, 16384, 512, 4096)) << threads;
     EXPECT_FALSE(gemm_f32_avx512_takes_direct(N, T, 512, 512, 4096)) << threads;
+  }
+}
+
+// Operands whose rows do not start cache lines (an odd pointer or stride) take the fused path
+// instead of the direct one, and give the same bits as the same values stored on lines.
+TEST(GemmPaths, Fp32WeightGradientsOffCacheLinesTakeTheFusedPath) {
+  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
+  ASSERT_TRUE(gemm_fused());
+  const RestoreThreads restore;
+  const Case c{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f, true};
+  const WeightGradientOperands ops(c, 50);
+  // The same values one float further on, and with strides one float longer.
+  LineFloats a(ops.a.size() + 1), b(ops.b.size() + 1);
+  std::copy(ops.a.begin(), ops.a.end(), a.begin() + 1);
+  std::copy(ops.b.begin(), ops.b.end(), b.begin() + 1);
+  const auto widen = [](const LineFloats& v, int64_t rows, int64_t ld) {
+    LineFloats w(rows * (ld + 1));
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(v.begin() + r * ld, v.begin() + (r + 1) * ld, w.begin() + r * (ld + 1));
+    return w;
+  };
+  const LineFloats a_wide = widen(ops.a, c.a_rows(), c.lda());
+  const LineFloats b_wide = widen(ops.b, c.b_rows(), c.ldb());
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
+    ASSERT_TRUE(ops.takes_direct()) << what;
+    std::vector<float> want = ops.C;
+    gemm_f32_avx512(c.ta, c.tb, c.M, c.N, c.K, ops.a.data(), c.lda(), ops.b.data(), c.ldb(),
+                    c.beta, want.data(), c.ldc());
+    struct Off {
+      const char* name;
+      const float *A, *B;
+      int64_t lda, ldb;
+    };
+    for (const Off& o : {Off{"A a float past a line", a.data() + 1, ops.b.data(), c.lda(), c.ldb()},
+                         Off{"B a float past a line", ops.a.data(), b.data() + 1, c.lda(), c.ldb()},
+                         Off{"A's stride", a_wide.data(), ops.b.data(), c.lda() + 1, c.ldb()},
+                         Off{"B's stride", ops.a.data(), b_wide.data(), c.lda(), c.ldb() + 1}}) {
+      EXPECT_FALSE(gemm_f32_avx512_takes_direct(c.ta, c.tb, c.M, c.N, c.K, o.A, o.lda, o.B, o.ldb))
+          << o.name << ", " << what;
+      std::vector<float> got = ops.C;
+      gemm_f32_avx512(c.ta, c.tb, c.M, c.N, c.K, o.A, o.lda, o.B, o.ldb, c.beta, got.data(),
+                      c.ldc());
+      EXPECT_EQ(got, want) << o.name << ", " << what;
+    }
   }
 }
 
