@@ -31,26 +31,28 @@ namespace {
 
 using kernels::Transpose;
 
+// The operands start cache lines, as the engine's tensors do (gemm_shapes.h).
 struct Operands {
-  std::vector<float> a, b, c;
-  std::vector<uint16_t> a16, b16;
+  explicit Operands(const Shape& s)
+      : a_size(static_cast<size_t>(s.M * s.K)),
+        b_size(static_cast<size_t>(s.K * s.N)),
+        a(a_size),
+        b(b_size),
+        c(static_cast<size_t>(s.M * s.N)),
+        a16(a_size),
+        b16(b_size) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (size_t i = 0; i < a_size; ++i) a.get()[i] = dist(rng);
+    for (size_t i = 0; i < b_size; ++i) b.get()[i] = dist(rng);
+    std::fill(c.get(), c.get() + s.M * s.N, 0.0f);
+    kernels::fp32_to_bf16_array(a16.get(), a.get(), static_cast<int64_t>(a_size));
+    kernels::fp32_to_bf16_array(b16.get(), b.get(), static_cast<int64_t>(b_size));
+  }
+  size_t a_size, b_size;
+  Aligned<float> a, b, c;
+  Aligned<uint16_t> a16, b16;
 };
-
-Operands make_operands(const Shape& s) {
-  Operands o;
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  o.a.resize(s.M * s.K);
-  o.b.resize(s.K * s.N);
-  o.c.assign(s.M * s.N, 0.0f);
-  for (float& x : o.a) x = dist(rng);
-  for (float& x : o.b) x = dist(rng);
-  o.a16.resize(o.a.size());
-  o.b16.resize(o.b.size());
-  kernels::fp32_to_bf16_array(o.a16.data(), o.a.data(), static_cast<int64_t>(o.a.size()));
-  kernels::fp32_to_bf16_array(o.b16.data(), o.b.data(), static_cast<int64_t>(o.b.size()));
-  return o;
-}
 
 // "dtype/preset/product/impl" -> GFLOP/s of each repetition; the summary takes the median.
 std::map<std::string, std::vector<double>> results;
@@ -62,29 +64,29 @@ double median(std::vector<double> v) {
 kernels::Peak peak;
 
 void run_one(benchmark::State& state, const Shape& s, const std::string& impl, bool bf16) {
-  Operands o = make_operands(s);
+  const Operands o(s);
   const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   auto call = [&] {
     if (bf16) {
       if (impl == "ours" && kernels::gemm_backend_available(kernels::GemmBackend::Amx))
-        kernels::gemm_bf16_amx(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
-                               s.beta, o.c.data(), s.N);
+        kernels::gemm_bf16_amx(s.ta, s.tb, s.M, s.N, s.K, o.a16.get(), lda, o.b16.get(), ldb,
+                               s.beta, o.c.get(), s.N);
       else if (impl == "ours")
-        kernels::gemm_bf16_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
-                                  s.beta, o.c.data(), s.N);
+        kernels::gemm_bf16_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a16.get(), lda, o.b16.get(), ldb,
+                                  s.beta, o.c.get(), s.N);
       else
-        kernels::gemm_bf16_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a16.data(), lda, o.b16.data(), ldb,
-                                  s.beta, o.c.data(), s.N);
+        kernels::gemm_bf16_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a16.get(), lda, o.b16.get(), ldb,
+                                  s.beta, o.c.get(), s.N);
     } else if (impl == "ours") {
-      kernels::gemm_f32_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a.data(), lda, o.b.data(), ldb,
-                               s.beta, o.c.data(), s.N);
+      kernels::gemm_f32_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb,
+                               s.beta, o.c.get(), s.N);
     } else if (impl == "onednn") {
-      kernels::gemm_f32_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a.data(), lda, o.b.data(), ldb,
-                               s.beta, o.c.data(), s.N);
+      kernels::gemm_f32_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb,
+                               s.beta, o.c.get(), s.N);
     } else {
-      kernels::gemm_f32_eigen(s.ta, s.tb, s.M, s.N, s.K, o.a.data(), lda, o.b.data(), ldb,
-                              s.beta, o.c.data(), s.N);
+      kernels::gemm_f32_eigen(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb,
+                              s.beta, o.c.get(), s.N);
     }
   };
   call();  // warm-up: packing buffers, oneDNN primitive creation

@@ -33,17 +33,6 @@ namespace {
 using kernels::GemmBackend;
 using kernels::Transpose;
 
-template <class T>
-struct Aligned {
-  explicit Aligned(size_t n)
-      : data(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {}
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> data;
-  T* get() const { return data.get(); }
-};
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -10,6 +13,21 @@
 #include "models/llama_config.h"
 
 namespace cputrain::bench {
+
+// n values starting a 64-byte cache line, as the engine allocates its tensors (engine/memory.cpp):
+// the operands of a training step's products start lines, and so do those of the benchmarks.
+template <class T>
+struct Aligned {
+  explicit Aligned(size_t n)
+      : data(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {
+    if (data == nullptr) throw std::bad_alloc();
+  }
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data;
+  T* get() const { return data.get(); }
+};
 
 struct Shape {
   std::string preset, product;
