@@ -50,10 +50,9 @@
 // row block of its own, neither operand's rows are a multiple of 4 KiB apart and every row of
 // both starts a cache line (blocked_plan);
 // P provides a tile of its own, kDirectMR x kDirectNR, and
-//   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n, far_a, far_b): C[0:m, 0:n] = the
-//       product over kc K rows + beta C, A's columns i..i+m and B's columns j..j+n read where
-//       they are stored, row k at a + k * lda and b + k * ldb, fetching A's or B's rows into L2
-//       ahead where far_a / far_b (the K block's first reads of them);
+//   micro_direct(kc, a, lda, b, ldb, C, ldc, beta, m, n): C[0:m, 0:n] = the product over kc K
+//       rows + beta C, A's columns i..i+m and B's columns j..j+n read where they are stored,
+//       row k at a + k * lda and b + k * ldb;
 // each thread takes its own rows of C (all columns) and runs, per K block of KC and group of
 // kDirectGroupPanels micro-panels of kDirectNR columns, over row blocks of kDirectRowPanels
 // micro-panels of kDirectMR rows, for each over the group's micro-panels of columns and then
@@ -461,11 +460,8 @@ void gemm_direct(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
             const int n = static_cast<int>(std::min(NR, g1 - j));
             for (int64_t i = r0; i < r1; i += MR) {
               const int m = static_cast<int>(std::min(MR, r1 - i));
-              // A's rows of the block are first read by the group's first micro-panel of
-              // columns, and B's by the thread's first row block: only those fetch into L2
-              // ahead.
               P::micro_direct(kc, A + pc * lda + i, lda, B + pc * ldb + j, ldb, C + i * ldc + j,
-                              ldc, beta_block, m, n, j == g0, r0 == row_begin);
+                              ldc, beta_block, m, n);
             }
           }
         }

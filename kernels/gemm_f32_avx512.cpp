@@ -157,15 +157,18 @@ struct F32Avx512 {
   // (direct_suits): A and B both read where they are stored, (K, M) and (K, N), by a
   // micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K step broadcasts 8 values
   // of A's row, within one cache line, and loads 3 of B's), each row fetched into L1
-  // kDirectNear rows ahead and, where FarA / FarB (the first reads of the K block's rows), into
-  // L2 kDirectFar rows ahead. Row blocks of 8 micro-panels. Measured on Zen 4, alternating call
-  // by call in one process (both slot orders):
+  // kDirectNear rows ahead and into L2 kDirectFar rows ahead. Row blocks of 8 micro-panels.
+  // Measured on Zen 4, alternating call by call in one process (both slot orders):
   // - against the fused path, with the 14 x 32 tile: 512 x 512 x 4096 3-5% faster,
   //   256 x 256 x 2048 3%; 1536 x 512 x 4096 level to 4% slower, and 512 x 1536 x 4096, whose
   //   B block did not fit L2 before the column groups below, 5% slower. Row blocks of 4, 6, 10
   //   or 12 micro-panels, fetches 32 or 64 rows ahead into L2 and 4 or 10 into L1, or none of
-  //   B's into L1: each level or 1-4% slower. Fetching into L2 only on first reads: +0.7% (6 of
-  //   6 alternations);
+  //   B's into L1: each level or 1-4% slower. Fetching into L2 only on a K block's first reads
+  //   of a row (A's by a group's first micro-panel of columns, B's by a thread's first row
+  //   block): +0.7% (6 of 6 alternations) before C's rows were fetched into L2 (below); with
+  //   them, fetching on every read is ahead: 512 x 512 x 4096 +1.7% (6 of 6), 1536 x 512 x 4096
+  //   +0.5%, 512 x 1536 x 4096 +0.2%, mini's 256 x 256, 768 x 256 and 256 x 768 x 2048 -0.4
+  //   to +0.2%;
   // - 8 x 48 against 14 x 32 (the 14 x 32 tile's A row spans two cache lines as often as not):
   //   +1.8 to +2.4% on 512 x 512 x 4096, row blocks of 14 or 4 micro-panels +0.7 to +0.8%.
   static constexpr bool kDirect = true;
@@ -188,7 +191,7 @@ struct F32Avx512 {
   static bool direct_suits(int64_t M, int64_t N, int64_t) { return M <= 4 * N; }
 
   // R rows and V vectors of 16 columns (n > 16 (V - 1)).
-  template <int R, int V, bool FarA, bool FarB>
+  template <int R, int V>
   static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b,
                              int64_t ldb, float* C, int64_t ldc, float beta, int n) {
     __m512 acc[R][V];
@@ -205,12 +208,9 @@ struct F32Avx512 {
         const char* b_near = reinterpret_cast<const char*>(brow + kDirectNear * ldb);
         for (int v = 0; v < V; ++v) _mm_prefetch(b_near + 64 * v, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectNear * lda), _MM_HINT_T0);
-        if constexpr (FarB) {
-          const char* b_far = reinterpret_cast<const char*>(brow + kDirectFar * ldb);
-          for (int v = 0; v < V; ++v) _mm_prefetch(b_far + 64 * v, _MM_HINT_T1);
-        }
-        if constexpr (FarA)
-          _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectFar * lda), _MM_HINT_T1);
+        const char* b_far = reinterpret_cast<const char*>(brow + kDirectFar * ldb);
+        for (int v = 0; v < V; ++v) _mm_prefetch(b_far + 64 * v, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(arow + kDirectFar * lda), _MM_HINT_T1);
         // Plain loads for whole rows: masked loads that miss the cache are much slower.
         __m512 bv[V];
         for (int v = 0; v < V; ++v)
@@ -256,20 +256,14 @@ struct F32Avx512 {
     }
   }
 
-  // C[0:m, 0:n] = the product over kc K rows + beta C (m <= kDirectMR, n <= kDirectNR); far_a
-  // and far_b: fetch A's or B's rows into L2 ahead.
+  // C[0:m, 0:n] = the product over kc K rows + beta C (m <= kDirectMR, n <= kDirectNR).
   static void micro_direct(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb,
-                           float* C, int64_t ldc, float beta, int m, int n, bool far_a,
-                           bool far_b) {
+                           float* C, int64_t ldc, float beta, int m, int n) {
     // Only the vectors the columns need (a last micro-panel of 32 columns, as at N = 512, would
     // otherwise spend a third of its FMAs on zeros).
     const auto vectors = [&](auto r, auto v) {
       constexpr int R = decltype(r)::value, V = decltype(v)::value;
-      if (far_a && far_b)
-        return micro_direct_t<R, V, true, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
-      if (far_a) return micro_direct_t<R, V, true, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
-      if (far_b) return micro_direct_t<R, V, false, true>(kc, a, lda, b, ldb, C, ldc, beta, n);
-      micro_direct_t<R, V, false, false>(kc, a, lda, b, ldb, C, ldc, beta, n);
+      micro_direct_t<R, V>(kc, a, lda, b, ldb, C, ldc, beta, n);
     };
     const auto rows = [&](auto r) {
       if (n > 32) return vectors(r, std::integral_constant<int, 3>{});
