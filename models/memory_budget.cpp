@@ -86,13 +86,13 @@ struct BlockTape {
 };
 
 // Replays the allocations of LlamaModel::loss and backward (models/llama.cpp, engine/ops.cpp,
-// engine/autograd.cpp) for one micro-batch of n = batch x ctx tokens.
+// engine/autograd.cpp) for one micro-batch of n tokens (batch x ctx in training).
 class StepReplay {
  public:
-  StepReplay(Ledger& ledger, const LlamaConfig& c, const BudgetOptions& o)
+  StepReplay(Ledger& ledger, const LlamaConfig& c, const BudgetOptions& o, int64_t n)
       : L_(ledger),
         bf16_(o.dtype == DType::BF16),
-        n_(o.batch * o.ctx),
+        n_(n),
         C_(c.d_model),
         F_(c.ffn),
         V_(c.vocab),
@@ -164,6 +164,30 @@ class StepReplay {
     L_.release(dx);  // the embedding's backward
     L_.release(loss);
     L_.release(dloss);
+  }
+
+  // LlamaModel::loss under NoGradGuard (Trainer::evaluate): nothing saved, a checkpointed block
+  // run as it is, and the LM head's FP32 logits a chunk of rows at a time in either dtype.
+  void evaluate() {
+    Var x = act(n_ * C_);  // embedding
+    for (int64_t l = 0; l < layers_; ++l) {
+      Var out = block_forward(x, false, nullptr);
+      drop(x);
+      x = out;
+    }
+    Var h = norm_forward(x, false, nullptr, nullptr);
+    drop(x);
+    cache(h);
+    const int64_t rows = std::min(n_, lm_head_chunk_rows(V_));
+    const int chunk = work(rows * V_ * 4);
+    const int losses = work(n_ * 4);
+    const int lse = work(rows * 4);
+    const int loss = L_.alloc(MemoryCategory::Activations, 4);
+    L_.release(lse);
+    L_.release(losses);
+    L_.release(chunk);
+    drop(h);
+    L_.release(loss);
   }
 
  private:
@@ -408,11 +432,25 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   ledger.change(MemoryCategory::Workspace, gemm);
 
   // Steps repeat the same allocations; the block cache settles within a few, so the third is
-  // what every later step holds.
-  StepReplay(ledger, c, o).run();
-  StepReplay(ledger, c, o).run();
+  // what every later step holds. Where the run evaluates, a validation pass follows each step
+  // (evaluate_loss: its token buffers, then micro-batches of batch windows, the last of what
+  // is left): the blocks of its sizes take the place of some of the step's in the cache.
+  const int64_t n = o.batch * o.ctx;
+  const auto step = [&] {
+    StepReplay(ledger, c, o, n).run();
+    if (o.eval_windows <= 0) return;
+    const int64_t tokens = o.batch * o.ctx;
+    const int in = ledger.alloc(MemoryCategory::Workspace, tokens * 4);
+    const int tgt = ledger.alloc(MemoryCategory::Workspace, tokens * 4);
+    for (int64_t first = 0; first < o.eval_windows; first += o.batch)
+      StepReplay(ledger, c, o, std::min(o.batch, o.eval_windows - first) * o.ctx).evaluate();
+    ledger.release(tgt);
+    ledger.release(in);
+  };
+  step();
+  step();
   ledger.restart_held();
-  StepReplay(ledger, c, o).run();
+  step();
 
   MemoryBudget b;
   b.peak_bytes = ledger.peak();

@@ -3,8 +3,8 @@
 // Weights, their bf16 copies, gradients and AdamW state are sums over the parameter table.
 // Activations and workspace are found by replaying one training step's allocations in the
 // order the model and its ops make and free them (what each op saves for backward, the
-// gradients of activations, transient conversions, GEMM buffers), keeping the peak of each
-// category and of their sum. The tracking allocator measures the same categories, so the two
+// gradients of activations, transient conversions, GEMM buffers), and the validation pass
+// between steps where the run makes one, keeping the peak of each category and of their sum. The tracking allocator measures the same categories, so the two
 // can be compared category by category.
 #pragma once
 
@@ -26,10 +26,13 @@ struct BudgetOptions {
   bool checkpoint = false;
   int threads = 1;
   int64_t corpus_tokens = 0;  // both splits of the token cache
+  // Validation windows (of ctx tokens) per evaluation between steps (Trainer::evaluate, in
+  // micro-batches of batch windows); 0: the run evaluates none.
+  int64_t eval_windows = 0;
 };
 
 struct MemoryBudget {
-  // The most each category holds during a step.
+  // The most each category holds during a step (or a validation pass between steps).
   std::array<int64_t, kMemoryCategoryCount> peak_bytes{};
   // The most all categories hold at one moment (not more than the sum of their peaks: the
   // activations peak at the end of the forward pass, the workspace during the backward pass).
@@ -37,7 +40,8 @@ struct MemoryBudget {
   // Of the workspace: the GEMM packing and widening buffers at their steady size.
   int64_t gemm_buffer_bytes = 0;
   // Freed tensors the allocator's block cache keeps beyond the step peak (at most the largest
-  // tensor a step frees; engine/memory.cpp), from the same replay run over three steps.
+  // tensor a step frees; engine/memory.cpp), from the same replay run over three steps (each
+  // followed by a validation pass where the run makes them).
   int64_t cache_headroom_bytes = 0;
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;

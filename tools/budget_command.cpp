@@ -47,7 +47,7 @@ std::string format_bytes(int64_t bytes) {
   return fmt::format("{:.1f} MiB", b / (1024.0 * 1024.0));
 }
 
-BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens) {
+BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens, int64_t eval_windows) {
   BudgetOptions o;
   o.dtype = c.dtype;
   o.batch = c.train.batch;
@@ -56,6 +56,7 @@ BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens) {
   o.checkpoint = c.checkpoint;
   o.threads = c.threads;
   o.corpus_tokens = corpus_tokens;
+  o.eval_windows = eval_windows;
   return o;
 }
 
@@ -81,7 +82,8 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
   return t;
 }
 
-std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t available) {
+std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t eval_windows,
+                          int64_t available) {
   struct Lever {
     std::string what;
     RunConfig config;
@@ -113,7 +115,8 @@ std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t ava
   }
   std::string t;
   for (const Lever& l : levers) {
-    const MemoryBudget b = memory_budget(l.config.model, budget_options(l.config, corpus_tokens));
+    const MemoryBudget b =
+        memory_budget(l.config.model, budget_options(l.config, corpus_tokens, eval_windows));
     t += fmt::format("  {:<48} total {:>12}{}\n", l.what, format_bytes(b.total_bytes()),
                      available > 0 ? (b.total_bytes() <= available ? "  fits" : "  does not fit")
                                    : "");
@@ -156,7 +159,10 @@ int run_budget(const BudgetArgs& a) {
   config.dtype = choose_dtype(a.train.dtype, &why);
   config.checkpoint = a.train.checkpoint == "layer";
   const int64_t corpus_tokens = estimated_corpus_tokens(config.corpus);
-  const MemoryBudget b = memory_budget(config.model, budget_options(config, corpus_tokens));
+  // Training evaluates between steps (--eval-windows, its default here).
+  const int64_t eval_windows = a.train.eval_windows;
+  const MemoryBudget b =
+      memory_budget(config.model, budget_options(config, corpus_tokens, eval_windows));
   const int64_t available = memory_limit_bytes(a.train.mem_limit_gib);
   if (a.json) {
     nlohmann::json j = {{"preset", config.preset},
@@ -187,7 +193,7 @@ int run_budget(const BudgetArgs& a) {
                                 config.checkpoint ? "per layer" : "none")
                         .c_str());
   std::printf("%s", budget_table(b, available).c_str());
-  const std::string levers = budget_levers(config, corpus_tokens, available);
+  const std::string levers = budget_levers(config, corpus_tokens, eval_windows, available);
   if (!levers.empty()) std::printf("levers:\n%s", levers.c_str());
   return 0;
 }

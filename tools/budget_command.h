@@ -21,12 +21,14 @@ struct BudgetArgs {
 void add_budget_flags(CLI::App& app, BudgetArgs& args);
 int run_budget(const BudgetArgs& args);
 
-BudgetOptions budget_options(const RunConfig& config, int64_t corpus_tokens);
+// eval_windows: validation windows per evaluation between steps (0: the run evaluates none).
+BudgetOptions budget_options(const RunConfig& config, int64_t corpus_tokens, int64_t eval_windows);
 // The per-category table with the total, and whether it fits in `available` bytes.
 std::string budget_table(const MemoryBudget& budget, int64_t available);
 // One line per lever not in use yet (bf16, per-layer checkpointing, half the batch with twice
 // the accumulation, half the context) with the total it would give and whether that fits.
-std::string budget_levers(const RunConfig& config, int64_t corpus_tokens, int64_t available);
+std::string budget_levers(const RunConfig& config, int64_t corpus_tokens, int64_t eval_windows,
+                          int64_t available);
 // "1.23 GiB"
 std::string format_bytes(int64_t bytes);
 

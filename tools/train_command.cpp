@@ -433,11 +433,14 @@ int run_train(const TrainArgs& args) {
   const int64_t corpus_tokens = static_cast<int64_t>(train_tokens.size() + val_tokens.size());
   const int64_t available = memory_limit_bytes(args.mem_limit_gib);
   if (!resuming) config.checkpoint = args.checkpoint == "layer";
-  MemoryBudget budget = memory_budget(config.model, budget_options(config, corpus_tokens));
+  const int64_t eval_windows = can_eval ? args.eval_windows : 0;
+  MemoryBudget budget =
+      memory_budget(config.model, budget_options(config, corpus_tokens, eval_windows));
   if (!resuming && args.checkpoint == "auto" && available > 0 && budget.total_bytes() > available) {
     RunConfig with = config;
     with.checkpoint = true;
-    const MemoryBudget b = memory_budget(with.model, budget_options(with, corpus_tokens));
+    const MemoryBudget b =
+        memory_budget(with.model, budget_options(with, corpus_tokens, eval_windows));
     log->info("checkpointing per layer: without it the budget, {}, exceeds the available {}",
               format_bytes(budget.total_bytes()), format_bytes(available));
     config.checkpoint = true;
@@ -447,7 +450,7 @@ int run_train(const TrainArgs& args) {
             config.dtype == DType::BF16 ? "bf16" : "fp32", config.train.batch, config.train.ctx,
             config.checkpoint ? "per layer" : "none", budget_table(budget, available));
   if (available > 0 && budget.total_bytes() > available) {
-    log->error("levers:\n{}", budget_levers(config, corpus_tokens, available));
+    log->error("levers:\n{}", budget_levers(config, corpus_tokens, eval_windows, available));
     throw UserError("--preset " + config.preset + ": the memory budget, " +
                     format_bytes(budget.total_bytes()) + ", exceeds the available " +
                     format_bytes(available) + " (table and levers above)");

@@ -1,8 +1,9 @@
 // The analytic budget against the tracking allocator: one training step of the tiny and mini
-// presets, fp32 and bf16, with and without checkpointing; every category's peak must match, the
-// steps after it make no block afresh, and what the process holds for tensors, live and kept by
-// the block cache, matches the step peak plus the cache's headroom the budget replays (to the
-// byte, here).
+// presets, fp32 and bf16, with and without checkpointing, each step followed by a validation
+// pass as training makes them (three micro-batches, the last of one window); every category's
+// peak must match, the steps after it make no block afresh, and what the process holds for
+// tensors, live and kept by the block cache, matches the step peak plus the cache's headroom
+// the budget replays (to the byte, here).
 #include <gtest/gtest.h>
 
 #include <random>
@@ -38,6 +39,7 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatches) {
   bo.ctx = options.ctx;
   bo.accum = options.accum;
   bo.checkpoint = checkpoint;
+  bo.eval_windows = 2 * options.batch + 1;
   const MemoryBudget budget = memory_budget(c, bo);
 
   std::vector<int32_t> tokens(20000);
@@ -57,15 +59,19 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatches) {
     Trainer trainer(model.parameters(),
                     [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
                     options);
-    trainer.step(tokens, 1);  // the GEMM buffers reach their steady size
+    const auto step = [&](int64_t n) {
+      trainer.step(tokens, n);
+      trainer.evaluate(tokens, bo.eval_windows);
+    };
+    step(1);  // the GEMM buffers reach their steady size
     memory_reset_peaks();
-    trainer.step(tokens, 2);
+    step(2);
     after = memory_stats();
     gemm_after = static_cast<int64_t>(kernels::gemm_workspace_bytes());
     // From here on every block a step takes comes back from the block cache: no fresh pages.
-    trainer.step(tokens, 3);
+    step(3);
     memory_reset_peaks();
-    trainer.step(tokens, 4);
+    step(4);
     const MemoryStats fourth = memory_stats();
     EXPECT_EQ(fourth.fresh_blocks, after.fresh_blocks) << "blocks made afresh";
     // What the process holds for tensors, live and kept, against the budget's step peak plus
