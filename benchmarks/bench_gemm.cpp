@@ -31,29 +31,6 @@ namespace {
 
 using kernels::Transpose;
 
-// The operands start cache lines, as the engine's tensors do (gemm_shapes.h).
-struct Operands {
-  explicit Operands(const Shape& s)
-      : a_size(static_cast<size_t>(s.M * s.K)),
-        b_size(static_cast<size_t>(s.K * s.N)),
-        a(a_size),
-        b(b_size),
-        c(static_cast<size_t>(s.M * s.N)),
-        a16(a_size),
-        b16(b_size) {
-    std::mt19937 rng(1);
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-    for (size_t i = 0; i < a_size; ++i) a.get()[i] = dist(rng);
-    for (size_t i = 0; i < b_size; ++i) b.get()[i] = dist(rng);
-    std::fill(c.get(), c.get() + s.M * s.N, 0.0f);
-    kernels::fp32_to_bf16_array(a16.get(), a.get(), static_cast<int64_t>(a_size));
-    kernels::fp32_to_bf16_array(b16.get(), b.get(), static_cast<int64_t>(b_size));
-  }
-  size_t a_size, b_size;
-  Aligned<float> a, b, c;
-  Aligned<uint16_t> a16, b16;
-};
-
 // "dtype/preset/product/impl" -> GFLOP/s of each repetition; the summary takes the median.
 std::map<std::string, std::vector<double>> results;
 
@@ -64,7 +41,7 @@ double median(std::vector<double> v) {
 kernels::Peak peak;
 
 void run_one(benchmark::State& state, const Shape& s, const std::string& impl, bool bf16) {
-  const Operands o(s);
+  const GemmOperands o(s);
   const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   auto call = [&] {

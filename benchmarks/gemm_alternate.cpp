@@ -39,16 +39,10 @@ double median(std::vector<double> v) {
 }
 
 void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) {
-  const size_t a_size = static_cast<size_t>(s.M * s.K), b_size = static_cast<size_t>(s.K * s.N);
-  Aligned<float> A(a_size), B(b_size), C(static_cast<size_t>(s.M * s.N));
-  Aligned<uint16_t> A16(a_size), B16(b_size);
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  for (size_t i = 0; i < a_size; ++i) A.get()[i] = dist(rng);
-  for (size_t i = 0; i < b_size; ++i) B.get()[i] = dist(rng);
-  std::fill(C.get(), C.get() + s.M * s.N, 0.0f);
-  kernels::fp32_to_bf16_array(A16.get(), A.get(), static_cast<int64_t>(a_size));
-  kernels::fp32_to_bf16_array(B16.get(), B.get(), static_cast<int64_t>(b_size));
+  const GemmOperands o(s);
+  const float *A = o.a.get(), *B = o.b.get();
+  const uint16_t *A16 = o.a16.get(), *B16 = o.b16.get();
+  float* const C = o.c.get();
   const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   const bool weight_gradient = s.ta == Transpose::Yes && s.tb == Transpose::No;
@@ -62,10 +56,10 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) 
     kernels::gemm_set_fused_k_blocks(which == 3 ? k_blocks : default_k_blocks);
     const auto start = std::chrono::steady_clock::now();
     if (bf16)
-      kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, A16.get(), lda, B16.get(), ldb, s.beta,
-                         C.get(), s.N);
+      kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, A16, lda, B16, ldb, s.beta,
+                         C, s.N);
     else
-      kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, A.get(), lda, B.get(), ldb, s.beta, C.get(),
+      kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, A, lda, B, ldb, s.beta, C,
                         s.N);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };

@@ -2,13 +2,16 @@
 // products and the LM head's. Shared by the GEMM benchmark programs.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/bf16.h"
 #include "kernels/gemm.h"
 #include "models/llama_config.h"
 
@@ -45,6 +48,30 @@ inline void add_layer(std::vector<Shape>& out, const std::string& preset, const 
   out.push_back({preset, layer + "_dx", Transpose::No, Transpose::No, T, in, outs, 0.0f});
   out.push_back({preset, layer + "_dw", Transpose::Yes, Transpose::No, outs, in, T, 1.0f});
 }
+
+// A shape's operands, uniform in [-1, 1) (the same for every implementation), with the bf16
+// roundings of A and B, and C zero; stored on cache lines (Aligned).
+struct GemmOperands {
+  explicit GemmOperands(const Shape& s)
+      : a_size(static_cast<size_t>(s.M * s.K)),
+        b_size(static_cast<size_t>(s.K * s.N)),
+        a(a_size),
+        b(b_size),
+        c(static_cast<size_t>(s.M * s.N)),
+        a16(a_size),
+        b16(b_size) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (size_t i = 0; i < a_size; ++i) a.get()[i] = dist(rng);
+    for (size_t i = 0; i < b_size; ++i) b.get()[i] = dist(rng);
+    std::fill(c.get(), c.get() + s.M * s.N, 0.0f);
+    kernels::fp32_to_bf16_array(a16.get(), a.get(), static_cast<int64_t>(a_size));
+    kernels::fp32_to_bf16_array(b16.get(), b.get(), static_cast<int64_t>(b_size));
+  }
+  size_t a_size, b_size;
+  Aligned<float> a, b, c;
+  Aligned<uint16_t> a16, b16;
+};
 
 // The shapes of each named preset, in order.
 inline std::vector<Shape> training_shapes(const std::vector<std::string>& presets) {
