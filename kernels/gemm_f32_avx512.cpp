@@ -190,6 +190,17 @@ struct F32Avx512 {
   // the blocked path, where it stays).
   static bool direct_suits(int64_t M, int64_t N, int64_t) { return M <= 4 * N; }
 
+  // C's R rows of V vectors fetched into the cache level of Hint (_MM_HINT_T0 or _T1), with the
+  // line a row's last vector reaches where C's rows do not start lines.
+  template <int Hint, int R, int V>
+  static void fetch_c_rows(const float* C, int64_t ldc) {
+    for (int r = 0; r < R; ++r) {
+      const char* row = reinterpret_cast<const char*>(C + r * ldc);
+      for (int v = 0; v < V; ++v) _mm_prefetch(row + 64 * v, static_cast<_mm_hint>(Hint));
+      _mm_prefetch(row + 64 * V - 4, static_cast<_mm_hint>(Hint));
+    }
+  }
+
   // R rows and V vectors of 16 columns (n > 16 (V - 1)).
   template <int R, int V>
   static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b,
@@ -228,17 +239,9 @@ struct F32Avx512 {
     const int64_t early = std::max<int64_t>(0, kc - kDirectCL2Steps);
     const int64_t late = std::max<int64_t>(0, kc - detail::kPrefetchCSteps);
     steps(0, early);
-    for (int r = 0; r < R; ++r) {
-      const char* row = reinterpret_cast<const char*>(C + r * ldc);
-      for (int v = 0; v < V; ++v) _mm_prefetch(row + 64 * v, _MM_HINT_T1);
-      _mm_prefetch(row + 64 * V - 4, _MM_HINT_T1);
-    }
+    fetch_c_rows<_MM_HINT_T1, R, V>(C, ldc);
     steps(early, late);
-    for (int r = 0; r < R; ++r) {
-      const char* row = reinterpret_cast<const char*>(C + r * ldc);
-      for (int v = 0; v < V; ++v) _mm_prefetch(row + 64 * v, _MM_HINT_T0);
-      _mm_prefetch(row + 64 * V - 4, _MM_HINT_T0);  // the last line of an unaligned row
-    }
+    fetch_c_rows<_MM_HINT_T0, R, V>(C, ldc);
     steps(late, kc);
     const __m512 vbeta = _mm512_set1_ps(beta);
 #pragma GCC unroll 8
@@ -318,8 +321,8 @@ bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t
 
 bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                                   const float* A, int64_t lda, const float* B, int64_t ldb) {
-  const bool lines = detail::rows_start_lines(A, lda * 4) && detail::rows_start_lines(B, ldb * 4);
-  return detail::takes_direct_path<F32Avx512>(ta, tb, M, N, K, lda, ldb, lines);
+  return detail::takes_direct_path<F32Avx512>(ta, tb, M, N, K, lda, ldb,
+                                              detail::operands_start_lines(A, lda, B, ldb));
 }
 
 }  // namespace cputrain::kernels
