@@ -439,9 +439,8 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   const auto step = [&] {
     StepReplay(ledger, c, o, n).run();
     if (o.eval_windows <= 0) return;
-    const int64_t tokens = o.batch * o.ctx;
-    const int in = ledger.alloc(MemoryCategory::Workspace, tokens * 4);
-    const int tgt = ledger.alloc(MemoryCategory::Workspace, tokens * 4);
+    const int in = ledger.alloc(MemoryCategory::Workspace, n * 4);
+    const int tgt = ledger.alloc(MemoryCategory::Workspace, n * 4);
     for (int64_t first = 0; first < o.eval_windows; first += o.batch)
       StepReplay(ledger, c, o, std::min(o.batch, o.eval_windows - first) * o.ctx).evaluate();
     ledger.release(tgt);

@@ -4,8 +4,9 @@
 // Activations and workspace are found by replaying one training step's allocations in the
 // order the model and its ops make and free them (what each op saves for backward, the
 // gradients of activations, transient conversions, GEMM buffers), and the validation pass
-// between steps where the run makes one, keeping the peak of each category and of their sum. The tracking allocator measures the same categories, so the two
-// can be compared category by category.
+// between steps where the run makes one, keeping the peak of each category and of their sum.
+// The tracking allocator measures the same categories, so the two can be compared category by
+// category.
 #pragma once
 
 #include <array>
