@@ -56,11 +56,9 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) 
     kernels::gemm_set_fused_k_blocks(which == 3 ? k_blocks : default_k_blocks);
     const auto start = std::chrono::steady_clock::now();
     if (bf16)
-      kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, A16, lda, B16, ldb, s.beta,
-                         C, s.N);
+      kernels::gemm_bf16(s.ta, s.tb, s.M, s.N, s.K, A16, lda, B16, ldb, s.beta, C, s.N);
     else
-      kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, A, lda, B, ldb, s.beta, C,
-                        s.N);
+      kernels::gemm_f32(s.ta, s.tb, s.M, s.N, s.K, A, lda, B, ldb, s.beta, C, s.N);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   const bool with_k_blocks = weight_gradient && k_blocks > 0;
