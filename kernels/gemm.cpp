@@ -104,6 +104,7 @@ void reference_product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
 namespace detail {
 
 std::atomic<int64_t> fused_rows_shared{0};
+std::atomic<int64_t> fused_rows_a_shared{0};
 
 float* gemm_pack_buffer(size_t floats, int which) {
   // Each buffer remembers the allocator it came from, in case another is installed later.
@@ -335,6 +336,10 @@ int gemm_fused_k_blocks() { return fused_k_blocks.load(std::memory_order_relaxed
 
 int64_t gemm_fused_rows_shared() {
   return detail::fused_rows_shared.load(std::memory_order_relaxed);
+}
+
+int64_t gemm_fused_rows_a_shared() {
+  return detail::fused_rows_a_shared.load(std::memory_order_relaxed);
 }
 
 std::string_view gemm_backend_name(GemmBackend backend) {

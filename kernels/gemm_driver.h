@@ -42,8 +42,14 @@
 // row's A, the first row packs each B micro-panel. The packing runs inside the products, with
 // no barrier at all. The rows of a thread's last K block are shared: once its row 0 has packed
 // that block's B, a thread that has finished its own columns takes rows from the back
-// (FusedShare), so that the threads end together. Each tile sees its K blocks in order, from the
-// same packed operands, whichever thread computes the last, so results are the same for any
+// (FusedShare), so that the threads end together. Where P declares kFusedSharedA and a
+// thread's B block is larger than L2 (blocked_plan), A is packed once for all threads instead:
+// a row's packed A goes to a shared slot (one per row, two K blocks' worth) by whichever thread
+// claims the row first (SharedA: a tag per row, set by compare-and-swap), and others read it
+// from there once it is marked ready, or pack their own copy where it is not (so no thread ever
+// waits on another). Each thread starts its rows at its own share of them and goes round, so
+// that it mostly packs its share and reads the rest. Each tile sees its K blocks in order, from
+// the same packed operands, whichever thread computes the last, so results are the same for any
 // thread count here too, and the same as the blocked path's.
 // A weight gradient's product may take a third path, the direct one, before the fused one, where
 // P declares kDirect and says in direct_suits(M, N, K) which shapes take it, each thread has a
@@ -131,6 +137,15 @@ constexpr bool fused_packing() {
     return false;
 }
 
+// P::kFusedSharedA where P declares it, else false.
+template <class P>
+constexpr bool fused_shared_a() {
+  if constexpr (requires { P::kFusedSharedA; })
+    return P::kFusedSharedA;
+  else
+    return false;
+}
+
 // P::kDirect where P declares it, else false.
 template <class P>
 constexpr bool direct_path() {
@@ -153,6 +168,10 @@ inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   return flops < 2e6 ? 1 : omp_get_max_threads();
 }
 
+// Bytes of a thread's packed B block on the fused path past which A is packed once for all
+// threads (where the policy allows it): L2's size on the cores we target.
+constexpr int64_t kSharedABBytes = 1 << 20;
+
 // Bytes of packed B a super-block may take: it is read from L3 by both threads.
 constexpr int64_t kSuperBlockBytes = 4 << 20;
 
@@ -168,6 +187,7 @@ struct BlockedPlan {
   int64_t ks;            // K per super-block: whole K blocks of KC, or all of K
   bool direct;           // the direct path: a thread's rows, nothing packed
   bool fused;            // the fused path: a thread's columns, packing inside the products
+  bool shared_a;         // on the fused path, A packed once for all threads, a share each
   int64_t fused_panels;  // B micro-panels per thread packed at a time on the fused path
   int64_t b_floats() const {
     if (direct) return 0;
@@ -176,6 +196,10 @@ struct BlockedPlan {
   }
   int64_t a_floats_per_thread() const {
     return direct ? 0 : kp_block * (fused ? 1 : ir_per_block) * P::MR;
+  }
+  // Buffer 1: the shared A of two K blocks where A is shared, then every thread's A rows.
+  int64_t a_floats() const {
+    return (shared_a ? 2 * n_ir * kp_block * P::MR : 0) + threads * a_floats_per_thread();
   }
 };
 
@@ -223,6 +247,15 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   plan.nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
   plan.kc_block = plan.fused ? gemm_fused_k_blocks() * P::KC : P::KC;
   plan.kp_block = (std::min<int64_t>(plan.kc_block, K) + P::KU - 1) / P::KU;
+  // A packed once for all threads where P asks for it, every thread has one group of columns
+  // (so that all run through the K blocks in the same order) and a thread's B block is larger
+  // than L2 (1 MiB on the cores we target): there A's rows, fetched ahead into L2, are evicted
+  // by B's before they are packed, and packing each once instead of on every thread pays (on
+  // Zen 4, alternating call by call, bf16 512 x 1536 x 4096 +5.0 to +5.9%; where B's block
+  // fits, 512 x 512 x 4096 0.95 to 1.00 and 256 x 768 x 2048 0.98 to 1.01, not taken).
+  plan.shared_a = fused_shared_a<P>() && plan.fused && plan.threads > 1 &&
+                  plan.fused_panels * plan.threads >= n_jr &&
+                  plan.kp_block * plan.fused_panels * P::NR * 4 > kSharedABBytes;
   // Where A's rows run along K, an item reads one stretch of each row over a super-block's K
   // blocks, and its rows of C stay in L2 between them instead of going back to memory. A
   // transposed A (a weight gradient's, whose K is the tokens) would be read across thousands of
@@ -239,7 +272,7 @@ template <class P>
 std::array<int64_t, 2> blocked_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                            int64_t K) {
   const BlockedPlan<P> plan = blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K);
-  return {plan.b_floats(), plan.threads * plan.a_floats_per_thread()};
+  return {plan.b_floats(), plan.a_floats()};
 }
 
 // Whether gemm_blocked<P> takes the fused path for an M x N x K product with an FP32 C.
@@ -316,6 +349,7 @@ struct alignas(64) FusedShare {
   std::atomic<uint64_t> rows{0};
   std::atomic<int> ready{0};  // B of the K block packed, rows open
   int64_t jc = 0, jc_end = 0, pc = 0;
+  int64_t first = 0;  // the row at position 0 (positions run round from it)
 };
 
 // The next row of `share` from the front (its owner) or the back (another thread), or -1 when
@@ -351,6 +385,42 @@ inline FusedShare* fused_shares(int threads) {
 // tests, which check that the sharing is reached).
 extern std::atomic<int64_t> fused_rows_shared;
 
+// A thread's current K block on the fused path where A is shared, on a cache line of its own.
+struct alignas(64) ThreadBlock {
+  std::atomic<uint64_t> block{0};
+};
+
+// Where A is shared on the fused path: for each row of C, the K block whose packed A its slot
+// holds, and whether it is ready, as 2 block + 2 (being packed) or 2 block + 3 (ready); 0 before
+// the first. A row's tag only grows. Beside them each thread's current K block: a slot is
+// refilled only once every thread has left the K block before the one it holds.
+struct SharedA {
+  std::unique_ptr<std::atomic<uint64_t>[]> rows;
+  std::unique_ptr<ThreadBlock[]> blocks;
+  int64_t n_rows = 0, n_threads = 0;
+};
+
+// The calling thread's SharedA for n_ir rows and `threads` threads, reset, kept from call to
+// call.
+inline SharedA& shared_a_state(int64_t n_ir, int threads) {
+  thread_local SharedA state;
+  if (state.n_rows < n_ir) {
+    state.rows.reset(new std::atomic<uint64_t>[n_ir]);
+    state.n_rows = n_ir;
+  }
+  if (state.n_threads < threads) {
+    state.blocks.reset(new ThreadBlock[threads]);
+    state.n_threads = threads;
+  }
+  for (int64_t r = 0; r < n_ir; ++r) state.rows[r].store(0, std::memory_order_relaxed);
+  for (int t = 0; t < threads; ++t) state.blocks[t].block.store(0, std::memory_order_relaxed);
+  return state;
+}
+
+// Rows of C computed on the fused path from the shared copy of their packed A, not packing it
+// (counted for the tests, which check that the sharing is reached).
+extern std::atomic<int64_t> fused_rows_a_shared;
+
 // The fused path (see the top of this file): C (FP32) = op(A) op(B) + beta C with A and B both
 // stored (K, *), into buffers laid out by `plan`.
 template <class P>
@@ -363,23 +433,56 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const int64_t n_ir = plan.n_ir, n_jr = (N + NR - 1) / NR;
   FusedShare* const shares = fused_shares(plan.threads);
+  SharedA* const shared = plan.shared_a ? &shared_a_state(n_ir, plan.threads) : nullptr;
   const auto b_of = [&](int64_t thread) {
     return bpack + thread * plan.kp_block * plan.fused_panels * NR;
   };
-  // Row ir of C over the micro-panels jc..jc_end of columns and K block pc: the first product
-  // packs the row's A into a_buf, and B's micro-panels are packed into b_buf where pack_b (row
-  // 0), else read from there; where fetch_next, the products fetch the next row's A into L2.
+  Packed* const a_private = apack + (plan.shared_a ? 2 * n_ir * plan.kp_block * MR : 0);
+  // Row ir's packed A of the K block at pc in the shared slots.
+  const auto shared_a_of = [&](int64_t pc, int64_t ir) {
+    return apack + ((pc / kc_block) % 2 * n_ir + ir) * plan.kp_block * MR;
+  };
+  // The K block a thread is in, and the oldest any thread is in.
+  const auto enter_block = [&](int64_t t, int64_t pc) {
+    if (shared) shared->blocks[t].block.store(pc / kc_block, std::memory_order_release);
+  };
+  const auto oldest_block = [&] {
+    uint64_t oldest = UINT64_MAX;
+    for (int t = 0; t < plan.threads; ++t)
+      oldest = std::min(oldest, shared->blocks[t].block.load(std::memory_order_acquire));
+    return oldest;
+  };
+  // Row ir of C over the micro-panels jc..jc_end of columns and K block pc. A comes from the
+  // shared slot where another thread has packed it; else the first product packs it, into the
+  // shared slot where this thread claims it (and marks it ready after), else into a_buf. B's
+  // micro-panels are packed into b_buf where pack_b, else read from there. Where next_ir >= 0,
+  // the products fetch into L2 the stored A of row next_ir of the K block at next_pc.
   const auto row = [&](int64_t ir, int64_t jc, int64_t jc_end, int64_t pc, Packed* a_buf,
-                       Packed* b_buf, bool pack_b, bool fetch_next) {
-    const int64_t kc = std::min<int64_t>(kc_block, K - pc), kp = (kc + KU - 1) / KU;
+                       Packed* b_buf, bool pack_b, int64_t next_ir, int64_t next_pc) {
+    const int64_t kc = std::min<int64_t>(kc_block, K - pc);
     const float beta_block = pc == 0 ? beta : 1.0f;
     const int64_t i = ir * MR;
-    // The next row's A (of this K block, else of the next), fetched into L2 a share at a time
-    // by the products that read this row's packed copy.
-    const int64_t next_pc = ir + 1 < n_ir ? pc : pc + kc_block;
-    const int64_t next_i = ir + 1 < n_ir ? i + MR : 0;
+    bool pack_a = true, claimed = false;
+    const uint64_t block = static_cast<uint64_t>(pc / kc_block);
+    const uint64_t claim = 2 * block + 2, ready = 2 * block + 3;
+    if (shared) {
+      std::atomic<uint64_t>& tag = shared->rows[ir];
+      uint64_t v = tag.load(std::memory_order_acquire);
+      if (v == ready) {
+        a_buf = shared_a_of(pc, ir);
+        pack_a = false;
+        fused_rows_a_shared.fetch_add(1, std::memory_order_relaxed);
+      } else if (v < claim && oldest_block() + 1 >= block &&
+                 tag.compare_exchange_strong(v, claim, std::memory_order_acq_rel)) {
+        a_buf = shared_a_of(pc, ir);
+        claimed = true;
+      }
+    }
+    // The next row's A, fetched into L2 a share at a time by the products that read this row's
+    // packed copy.
     const int64_t next_kc =
-        fetch_next && next_pc < K ? std::min<int64_t>(kc_block, K - next_pc) : 0;
+        next_ir >= 0 && next_pc < K ? std::min<int64_t>(kc_block, K - next_pc) : 0;
+    const int64_t next_i = next_ir * MR;
     const int64_t calls = jc_end - jc - 1;
     for (int64_t jr = jc; jr < jc_end; ++jr) {
       const int64_t j = jr * NR;
@@ -387,38 +490,66 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
       const int64_t r0 = c < 0 ? 0 : next_kc * c / calls;
       const int64_t r1 = c < 0 ? 0 : next_kc * (c + 1) / calls;
       const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
-      micro_fused<P>(jr == jc, pack_b, kc, A + pc * lda + i, lda, a_buf, B + pc * ldb + j, ldb,
-                     b_buf + (jr - jc) * kp * NR, C + i * ldc + j, ldc, beta_block, M - i, N - j,
-                     next_a, r1 - r0);
+      micro_fused<P>(jr == jc && pack_a, pack_b, kc, A + pc * lda + i, lda, a_buf,
+                     B + pc * ldb + j, ldb, b_buf + (jr - jc) * ((kc + KU - 1) / KU) * NR,
+                     C + i * ldc + j, ldc, beta_block, M - i, N - j, next_a, r1 - r0);
+      if (jr == jc && claimed) shared->rows[ir].store(ready, std::memory_order_release);
     }
   };
 #pragma omp parallel num_threads(plan.threads)
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t jr_begin = n_jr * t / nt, jr_end = n_jr * (t + 1) / nt;
-    Packed* const my_a = apack + t * plan.a_floats_per_thread();
+    Packed* const my_a = a_private + t * plan.kp_block * MR;
     Packed* const my_b = b_of(t);
+    // Where A is shared, each thread starts its rows at its own share of them, which it packs
+    // for the others, and goes on round to the rest, by then packed by the others.
+    const int64_t first = shared ? n_ir * t / nt : 0;
+    const auto order = [&](int64_t pos) { return (first + pos) % n_ir; };
+    // Whether this thread will likely pack the row at position pos itself (its own share), so
+    // that fetching its stored A ahead pays.
+    const int64_t own = shared ? n_ir * (t + 1) / nt - first : n_ir;
     if (jr_begin == jr_end) shares[t].ready.store(1, std::memory_order_release);  // no rows
     for (int64_t jc = jr_begin; jc < jr_end; jc += plan.fused_panels) {
       const int64_t jc_end = std::min(jr_end, jc + plan.fused_panels);
       for (int64_t pc = 0; pc < K; pc += kc_block) {
+        enter_block(t, pc);
+        // The row after position pos: the next in this K block, else the first of the next.
+        const auto next_of = [&](int64_t pos, int64_t* next_pc) {
+          *next_pc = pos + 1 < n_ir ? pc : pc + kc_block;
+          const int64_t next_pos = pos + 1 < n_ir ? pos + 1 : 0;
+          return next_pos < own ? order(next_pos) : int64_t{-1};
+        };
         if (jc_end < jr_end || pc + kc_block < K) {
-          for (int64_t ir = 0; ir < n_ir; ++ir) row(ir, jc, jc_end, pc, my_a, my_b, ir == 0, true);
+          for (int64_t pos = 0; pos < n_ir; ++pos) {
+            int64_t next_pc;
+            const int64_t next_ir = next_of(pos, &next_pc);
+            row(order(pos), jc, jc_end, pc, my_a, my_b, pos == 0, next_ir, next_pc);
+          }
           continue;
         }
-        // The last K block of the last group: row 0 packs B, then the rows are shared. Every
-        // earlier K block of these columns is done, so a row taken by another thread still
-        // sees its K blocks in order, and is computed from the same packed operands.
+        // The last K block of the last group: the row at position 0 packs B, then the rows are
+        // shared. Every earlier K block of these columns is done, so a row taken by another
+        // thread still sees its K blocks in order, and is computed from the same packed
+        // operands.
         FusedShare& share = shares[t];
         share.jc = jc;
         share.jc_end = jc_end;
         share.pc = pc;
+        share.first = first;
         share.rows.store(uint64_t{1} << 32 | static_cast<uint64_t>(n_ir),
                          std::memory_order_relaxed);
-        row(0, jc, jc_end, pc, my_a, my_b, true, true);
+        {
+          int64_t next_pc;
+          const int64_t next_ir = next_of(0, &next_pc);
+          row(order(0), jc, jc_end, pc, my_a, my_b, true, next_ir, next_pc);
+        }
         share.ready.store(1, std::memory_order_release);
-        for (int64_t ir; (ir = take_fused_row(share, true)) >= 0;)
-          row(ir, jc, jc_end, pc, my_a, my_b, false, true);
+        for (int64_t pos; (pos = take_fused_row(share, true)) >= 0;) {
+          int64_t next_pc;
+          const int64_t next_ir = next_of(pos, &next_pc);
+          row(order(pos), jc, jc_end, pc, my_a, my_b, false, next_ir, next_pc);
+        }
       }
     }
     // Then the rows other threads have left of their last K block, from the back.
@@ -432,8 +563,10 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
         else
           std::this_thread::yield();
       }
-      for (int64_t ir; (ir = take_fused_row(share, false)) >= 0;) {
-        row(ir, share.jc, share.jc_end, share.pc, my_a, b_of(v), false, false);
+      enter_block(t, share.pc);
+      for (int64_t pos; (pos = take_fused_row(share, false)) >= 0;) {
+        row((share.first + pos) % n_ir, share.jc, share.jc_end, share.pc, my_a, b_of(v), false,
+            -1, 0);
         fused_rows_shared.fetch_add(1, std::memory_order_relaxed);
       }
     }
@@ -505,7 +638,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   auto* bpack =
       reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.b_floats()), 0));
   auto* apack = reinterpret_cast<Packed*>(
-      gemm_pack_buffer(static_cast<size_t>(plan.threads * plan.a_floats_per_thread()), 1));
+      gemm_pack_buffer(static_cast<size_t>(plan.a_floats()), 1));
   if constexpr (fused_packing<P>() && std::is_same_v<CT, float>) {
     if (plan.fused) return gemm_fused<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc, apack, bpack);
   }

@@ -58,6 +58,9 @@ bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t
 // Rows of C the fused path has computed so far in this process on a thread other than the one
 // whose columns they are (the rows of its last K block it had not reached; gemm_driver.h).
 int64_t gemm_fused_rows_shared();
+// Rows of C the fused path has computed so far in this process from the shared copy of their
+// packed A, not packing it (where A is packed once for all threads; gemm_driver.h).
+int64_t gemm_fused_rows_a_shared();
 
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);

@@ -569,7 +569,7 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     omp_set_num_threads(2);
     ASSERT_TRUE(ops.takes_fused(bf16));
     const int64_t shared_before = gemm_fused_rows_shared();
-    constexpr int kCalls = 400;
+    constexpr int kCalls = 2000;
     for (int call = 0; call < kCalls && gemm_fused_rows_shared() == shared_before; ++call) {
       std::vector<float> two = ops.C;
       ops.run(bf16, two);
@@ -578,6 +578,52 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     EXPECT_GT(gemm_fused_rows_shared(), shared_before)
         << (bf16 ? "bf16" : "f32") << ": no row was taken by the other thread in " << kCalls
         << " calls";
+  }
+}
+
+// Where a thread's B block on the fused path is larger than L2, bf16 packs A once for all
+// threads: a row's packed A is taken from a shared slot another thread has filled, or packed
+// where it is not ready. The bits are the blocked path's: 2 threads with 18 micro-panels of
+// columns each and 3 threads with 18, K over three blocks of 1024 (the third refills the first
+// block's slots), rows ending short of a micro-panel, beta 1 and 0; and rows are read from the
+// shared slots.
+TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
+  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  const GemmBackend saved_backend = gemm_backend();
+  const int saved_threads = omp_get_max_threads();
+  struct Restore {
+    GemmBackend backend;
+    int threads;
+    ~Restore() {
+      gemm_set_backend(backend);
+      gemm_set_fused(true);
+      omp_set_num_threads(threads);
+    }
+  } restore{saved_backend, saved_threads};
+  gemm_set_backend(GemmBackend::Avx512);
+  struct Setting {
+    int threads;
+    Case c;
+  };
+  for (const Setting& s : {Setting{2, {Transpose::Yes, Transpose::No, 100, 1100, 2600, 0, 1.0f}},
+                           Setting{3, {Transpose::Yes, Transpose::No, 61, 1700, 2100, 0, 0.0f}}}) {
+    omp_set_num_threads(s.threads);
+    const WeightGradientOperands ops(s.c, 40);
+    const std::string what = describe(s.c) + ", " + std::to_string(s.threads) + " threads";
+    gemm_set_fused(true);
+    ASSERT_TRUE(ops.takes_fused(true)) << what;
+    gemm_set_fused(false);
+    std::vector<float> blocked = ops.C;
+    ops.run(true, blocked);
+    gemm_set_fused(true);
+    const int64_t read_before = gemm_fused_rows_a_shared();
+    for (int call = 0; call < 3; ++call) {
+      std::vector<float> fused = ops.C;
+      ops.run(true, fused);
+      ASSERT_EQ(fused, blocked) << what << ", call " << call;
+    }
+    EXPECT_GT(gemm_fused_rows_a_shared(), read_before)
+        << what << ": no row read its packed A from the shared slots";
   }
 }
 
