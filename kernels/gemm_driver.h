@@ -506,8 +506,8 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     // for the others, and goes on round to the rest, by then packed by the others.
     const int64_t first = shared ? n_ir * t / nt : 0;
     const auto order = [&](int64_t pos) { return (first + pos) % n_ir; };
-    // Whether this thread will likely pack the row at position pos itself (its own share), so
-    // that fetching its stored A ahead pays.
+    // Positions below `own` hold this thread's share of the rows, whose A it will likely pack
+    // itself: only for those does fetching the stored A ahead pay.
     const int64_t own = shared ? n_ir * (t + 1) / nt - first : n_ir;
     if (jr_begin == jr_end) shares[t].ready.store(1, std::memory_order_release);  // no rows
     for (int64_t jc = jr_begin; jc < jr_end; jc += plan.fused_panels) {

@@ -541,6 +541,20 @@ TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
   }
 }
 
+// The AVX-512 backend for the lifetime of the object; then the backend and OpenMP's thread count
+// as they were, and the fused and direct paths on.
+struct OnAvx512Kernels {
+  GemmBackend backend = gemm_backend();
+  int threads = omp_get_max_threads();
+  OnAvx512Kernels() { gemm_set_backend(GemmBackend::Avx512); }
+  ~OnAvx512Kernels() {
+    gemm_set_backend(backend);
+    gemm_set_fused(true);
+    gemm_set_direct(true);
+    omp_set_num_threads(threads);
+  }
+};
+
 // On the fused path a thread that has finished its columns computes rows the others have left
 // of their last K block (here the second of two). Two threads with 4 and 5 micro-panels of
 // columns: the first finishes early and takes rows of the second's; the results have the bits
@@ -548,18 +562,7 @@ TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
 // machine the two threads may not overlap in a given call).
 TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
-  const GemmBackend saved_backend = gemm_backend();
-  const int saved_threads = omp_get_max_threads();
-  struct Restore {
-    GemmBackend backend;
-    int threads;
-    ~Restore() {
-      gemm_set_backend(backend);
-      gemm_set_direct(true);
-      omp_set_num_threads(threads);
-    }
-  } restore{saved_backend, saved_threads};
-  gemm_set_backend(GemmBackend::Avx512);
+  const OnAvx512Kernels on_avx512;
   gemm_set_direct(false);  // FP32 would take the direct path
   const WeightGradientOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
   for (bool bf16 : {false, true}) {
@@ -589,18 +592,7 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
 // shared slots.
 TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
   if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
-  const GemmBackend saved_backend = gemm_backend();
-  const int saved_threads = omp_get_max_threads();
-  struct Restore {
-    GemmBackend backend;
-    int threads;
-    ~Restore() {
-      gemm_set_backend(backend);
-      gemm_set_fused(true);
-      omp_set_num_threads(threads);
-    }
-  } restore{saved_backend, saved_threads};
-  gemm_set_backend(GemmBackend::Avx512);
+  const OnAvx512Kernels on_avx512;
   struct Setting {
     int threads;
     Case c;
