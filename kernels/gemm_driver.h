@@ -442,6 +442,8 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
   const auto shared_a_of = [&](int64_t pc, int64_t ir) {
     return apack + ((pc / kc_block) % 2 * n_ir + ir) * plan.kp_block * MR;
   };
+  // The row at position pos of a thread whose positions start at row `first` and go round.
+  const auto row_at = [n_ir](int64_t first, int64_t pos) { return (first + pos) % n_ir; };
   // The K block a thread is in, and the oldest any thread is in.
   const auto enter_block = [&](int64_t t, int64_t pc) {
     if (shared) shared->blocks[t].block.store(pc / kc_block, std::memory_order_release);
@@ -505,7 +507,6 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
     // Where A is shared, each thread starts its rows at its own share of them, which it packs
     // for the others, and goes on round to the rest, by then packed by the others.
     const int64_t first = shared ? n_ir * t / nt : 0;
-    const auto order = [&](int64_t pos) { return (first + pos) % n_ir; };
     // Positions below `own` hold this thread's share of the rows, whose A it will likely pack
     // itself: only for those does fetching the stored A ahead pay.
     const int64_t own = shared ? n_ir * (t + 1) / nt - first : n_ir;
@@ -514,18 +515,15 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
       const int64_t jc_end = std::min(jr_end, jc + plan.fused_panels);
       for (int64_t pc = 0; pc < K; pc += kc_block) {
         enter_block(t, pc);
-        // The row after position pos: the next in this K block, else the first of the next.
-        const auto next_of = [&](int64_t pos, int64_t* next_pc) {
-          *next_pc = pos + 1 < n_ir ? pc : pc + kc_block;
-          const int64_t next_pos = pos + 1 < n_ir ? pos + 1 : 0;
-          return next_pos < own ? order(next_pos) : int64_t{-1};
+        // The row at position pos of this thread's columns, fetching ahead the A of the row
+        // after it (the next in this K block, else the first of the next) where it is its own.
+        const auto own_row = [&](int64_t pos, bool pack_b) {
+          const int64_t next_pos = (pos + 1) % n_ir;
+          row(row_at(first, pos), jc, jc_end, pc, my_a, my_b, pack_b,
+              next_pos < own ? row_at(first, next_pos) : -1, next_pos > 0 ? pc : pc + kc_block);
         };
         if (jc_end < jr_end || pc + kc_block < K) {
-          for (int64_t pos = 0; pos < n_ir; ++pos) {
-            int64_t next_pc;
-            const int64_t next_ir = next_of(pos, &next_pc);
-            row(order(pos), jc, jc_end, pc, my_a, my_b, pos == 0, next_ir, next_pc);
-          }
+          for (int64_t pos = 0; pos < n_ir; ++pos) own_row(pos, pos == 0);
           continue;
         }
         // The last K block of the last group: the row at position 0 packs B, then the rows are
@@ -539,17 +537,9 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
         share.first = first;
         share.rows.store(uint64_t{1} << 32 | static_cast<uint64_t>(n_ir),
                          std::memory_order_relaxed);
-        {
-          int64_t next_pc;
-          const int64_t next_ir = next_of(0, &next_pc);
-          row(order(0), jc, jc_end, pc, my_a, my_b, true, next_ir, next_pc);
-        }
+        own_row(0, true);
         share.ready.store(1, std::memory_order_release);
-        for (int64_t pos; (pos = take_fused_row(share, true)) >= 0;) {
-          int64_t next_pc;
-          const int64_t next_ir = next_of(pos, &next_pc);
-          row(order(pos), jc, jc_end, pc, my_a, my_b, false, next_ir, next_pc);
-        }
+        for (int64_t pos; (pos = take_fused_row(share, true)) >= 0;) own_row(pos, false);
       }
     }
     // Then the rows other threads have left of their last K block, from the back.
@@ -565,7 +555,7 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
       }
       enter_block(t, share.pc);
       for (int64_t pos; (pos = take_fused_row(share, false)) >= 0;) {
-        row((share.first + pos) % n_ir, share.jc, share.jc_end, share.pc, my_a, b_of(v), false,
+        row(row_at(share.first, pos), share.jc, share.jc_end, share.pc, my_a, b_of(v), false,
             -1, 0);
         fused_rows_shared.fetch_add(1, std::memory_order_relaxed);
       }
