@@ -48,20 +48,20 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
   auto forward = [&] {
     if (bf16)
       kernels::attention_forward_bf16(out16.data(), lse.data(), q16.data(), k16.data(), v16.data(),
-                                      s.B, s.T, s.H, s.D);
+                                      s.B, s.T, s.H, s.H, s.D);
     else
       kernels::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
-                                 s.H, s.D);
+                                 s.H, s.H, s.D);
   };
   auto call = [&] {
     if (!backward) return forward();
     if (bf16)
       kernels::attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q16.data(),
                                        k16.data(), v16.data(), out16.data(), lse.data(), s.B, s.T,
-                                       s.H, s.D, false);
+                                       s.H, s.H, s.D, false);
     else
       kernels::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                                  v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.D, false);
+                                  v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false);
   };
   forward();
   if (!bf16) kernels::fp32_to_bf16_array(out16.data(), out.data(), s.n());

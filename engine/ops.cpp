@@ -338,10 +338,10 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
   if (native) {
     kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
-                                    D);
+                                    H, D);
   } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
-    kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, D);
+    kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, H, D);
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
@@ -357,13 +357,13 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       const Tensor &dq = g.grads[0], &dk = g.grads[1], &dv = g.grads[2];
       if (native) {
         kernels::attention_backward_bf16(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qs.bf16(),
-                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, D,
+                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, H, D,
                                          g.accumulate);
         return;
       }
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
       kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
-                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, D, g.accumulate);
+                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, H, D, g.accumulate);
     });
   }
   return out;

@@ -2,21 +2,28 @@
 // (T, T) score matrix is ever stored; backward recomputes the probabilities from the saved
 // log-sum-exp (kernels/attention_tiled.h). Runs the AVX-512 build where the CPU has it, else
 // the AVX2 one.
+//
+// Grouped-query attention: H query heads share KVH key/value heads (H % KVH == 0, KVH == H is
+// plain multi-head, KVH == 1 multi-query); query head h reads key/value head h / (H / KVH), so
+// consecutive query heads share one (Hugging Face's repeat_kv order). Queries, outputs and
+// their gradients are (B, T, H, D); keys, values and their gradients (B, T, KVH, D), rows of
+// KVH * D floats. The kernels read the shared heads in place, never repeated.
 #pragma once
 
 #include <cstdint>
 
 namespace cputrain::kernels {
 
-// q, k, v, out (B, T, H, D); lse (B, H, T) receives log(sum_j exp(s_ij)) of the scaled scores
-// s_ij = q_i . k_j / sqrt(D) over j <= i.
+// q, out (B, T, H, D); k, v (B, T, KVH, D); lse (B, H, T) receives log(sum_j exp(s_ij)) of the
+// scaled scores s_ij = q_i . k_j / sqrt(D) over j <= i (k of the query head's key/value head).
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       int64_t B, int64_t T, int64_t H, int64_t D);
-// dq, dk, dv (B, T, H, D) += gradients (accumulate), or = gradients (not: they may hold
-// garbage, and must not overlap), given dout and the forward's q, k, v, out and lse.
+                       int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D);
+// dq (B, T, H, D), dk, dv (B, T, KVH, D) += gradients (accumulate), or = gradients (not: they
+// may hold garbage, and must not overlap), given dout and the forward's q, k, v, out and lse.
+// dk and dv of a key/value head sum its query heads' contributions in the order of those heads.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate);
+                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate);
 
 // The same on bf16 q, k, v, with the output written rounded to bf16 (as the backward takes it),
 // and bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, dout and the
@@ -28,16 +35,17 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 // functions above.
 bool attention_bf16_native();
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                            const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D);
+                            const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                            int64_t D);
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                              const uint16_t* k, const uint16_t* v, const uint16_t* out,
-                             const float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
-                             bool accumulate);
+                             const float* lse, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                             int64_t D, bool accumulate);
 
 // Incremental decoding: m new queries q (m, H * D) at positions n .. n + m - 1 against the keys
-// and values of positions 0 .. n + m - 1 (rows of H * D in `keys`, `values`), causal: query i
-// attends positions 0 .. n + i. out (m, H * D).
-void attention_decode(float* out, const float* q, const float* keys, const float* values,
-                      int64_t n, int64_t m, int64_t H, int64_t D);
+// and values of positions 0 .. n + m - 1 (rows of KVH * D in `keys`, `values`), causal: query i
+// attends positions 0 .. n + i, query head h key/value head h / (H / KVH). out (m, H * D).
+void attention_decode(float* out, const float* q, const float* keys, const float* values, int64_t n,
+                      int64_t m, int64_t H, int64_t KVH, int64_t D);
 
 }  // namespace cputrain::kernels

@@ -5,15 +5,17 @@
 
 namespace cputrain::kernels {
 
-void attention_forward_avx2(float* out, float* lse, const float* q, const float* k,
-                            const float* v, int64_t B, int64_t T, int64_t H, int64_t D) {
-  detail::attention_forward_tiled<1>(out, lse, q, k, v, B, T, H, D);
+void attention_forward_avx2(float* out, float* lse, const float* q, const float* k, const float* v,
+                            int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
+  detail::attention_forward_tiled<1>(out, lse, q, k, v, B, T, H, KVH, D);
 }
 
 void attention_backward_avx2(float* dq, float* dk, float* dv, const float* dout, const float* q,
                              const float* k, const float* v, const float* out, const float* lse,
-                             int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate) {
-  detail::attention_backward_tiled<1>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, D, accumulate);
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                             bool accumulate) {
+  detail::attention_backward_tiled<1>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D,
+                                      accumulate);
 }
 
 }  // namespace cputrain::kernels

@@ -12,13 +12,22 @@
 // difference of large terms: with dS K as it is, one rounding of dS made training measurably
 // worse (cputrain parity, three seeds: +0.01 to +0.03 nats over FP32-widened attention).
 //
-// One task per (batch, head), which packs that head's operands once:
+// Grouped-query attention: H query heads, KVH key/value heads, query head h reading key/value
+// head h / (H / KVH); q, out, dq, dout rows of H * D values, k, v, dk, dv rows of KVH * D.
+//
+// The operands, each packed once per head that owns it:
 //   pairs along D    Q, K, dO rows as (T, Dp / 2) pairs: the left operand of S and dP;
 //   K^T and V^T      per key tile, (Dp / 2, 64) pairs: the right operand of S and dP;
 //   pairs along T    V, K as (T / 2, Dp): the right operand of P V and dS K;
 //   Q^T and dO^T     (Dp, T / 2) pairs along T: the left operand of dK^T = Q^T dS and
 //                    dV^T = dO^T P.
-// Within a head the order of every sum is fixed, so results do not depend on the thread count.
+// Forward: one task per (batch, query head), which packs Q, and its key/value head's K^T and V
+// unless the thread's previous task left them packed. Backward: one task per (batch, key/value
+// head), which packs the key/value head's operands (K, K^T, V^T, m_K, K - m_K) once, then runs
+// the group's query heads g in order, packing each one's (Q, dO, m_Q, Q - m_Q, their pairs
+// along T and transposes); dk and dv receive the query heads' contributions in the order
+// g = 0, 1, ... Within a task the order of every sum is fixed, so results do not depend on the
+// thread count.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -247,19 +256,21 @@ void rows_centered(uint32_t* dst, const uint32_t* src, const float* mean, int64_
     }
 }
 
-// One head's shapes: rows of H * D values, D padded to Dp (a multiple of 16, Dh pairs), T to Tp
-// (whole tiles).
+// One head's shapes: rows of H * D values (queries) and KVH * D (keys and values), query heads
+// per key/value head, D padded to Dp (a multiple of 16, Dh pairs), T to Tp (whole tiles).
 struct Head {
-  Head(int64_t T, int64_t H, int64_t D, bool amx)
+  Head(int64_t T, int64_t H, int64_t KVH, int64_t D, bool amx)
       : amx(amx),
         scale(1.0f / std::sqrt(static_cast<float>(D))),
         row(H * D),
+        kv_row(KVH * D),
+        group(H / KVH),
         Dp((D + 15) / 16 * 16),
         Dh(Dp / 2),
         Tp((T + kTile - 1) / kTile * kTile) {}
   bool amx;  // products on AMX tiles
   float scale;
-  int64_t row, Dp, Dh, Tp;
+  int64_t row, kv_row, group, Dp, Dh, Tp;
 };
 
 // Consecutive pieces of the calling thread's buffer Which, of `size` words: the sizes are
@@ -284,15 +295,17 @@ struct Carve {
 }  // namespace
 
 void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t D,
-                                   bool amx) {
-  const Head hd(T, H, D, amx);
+                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                                   int64_t D, bool amx) {
+  const Head hd(T, H, KVH, D, amx);
   const float scale = hd.scale;
-  const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
+  const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
+  const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
 #pragma omp parallel
   {
-    // Whole head, each Tp * Dh words: Q, K, V as rows of pairs, K^T per key tile, V as pairs
-    // along T; per query tile the scores, the output, P as bf16 and the row statistics.
+    // Whole head, each Tp * Dh words: Q (query head), K, V (its key/value head) as rows of pairs,
+    // K^T per key tile, V as pairs along T; per query tile the scores, the output, P as bf16 and
+    // the row statistics.
     Carve<0> head(5 * Tp * Dh);
     uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
     uint32_t *Vr = head.words(Tp * Dh), *Vi = head.words(Tp * Dh);
@@ -300,16 +313,21 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
     float *S = tile.floats(kTile * kTile), *O = tile.floats(kTile * Dp);
     uint32_t* Pb = tile.words(kTile * kTilePairs);
     float *m = tile.floats(kTile), *l = tile.floats(kTile);
+    int64_t packed = -1;  // b * KVH + the key/value head whose Kr, Kt, Vr, Vi are packed
     if (hd.amx) attention_amx_configure();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
+      const int64_t b = bh / H, h = bh % H, bkv = b * KVH + h / group;
       const int64_t off = b * T * row + h * D;
+      const int64_t kv_off = b * T * kv_row + h / group * D;
       rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
-      rows_as_pairs(Kr, k + off, row, T, Tp, D, Dp);
-      key_tiles_transposed(Kt, Kr, Tp, Dp);
-      rows_as_pairs(Vr, v + off, row, T, Tp, D, Dp);
-      pairs_along_rows(Vi, Vr, Tp, Dp);
+      if (bkv != packed) {
+        rows_as_pairs(Kr, k + kv_off, kv_row, T, Tp, D, Dp);
+        key_tiles_transposed(Kt, Kr, Tp, Dp);
+        rows_as_pairs(Vr, v + kv_off, kv_row, T, Tp, D, Dp);
+        pairs_along_rows(Vi, Vr, Tp, Dp);
+        packed = bkv;
+      }
       for (int64_t i0 = 0; i0 < T; i0 += kTile) {
         const int64_t rows = std::min(kTile, T - i0);
         std::fill(O, O + rows * Dp, 0.0f);
@@ -368,23 +386,25 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
 void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
                                     const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t D, bool accumulate, bool amx) {
-  const Head hd(T, H, D, amx);
+                                    int64_t H, int64_t KVH, int64_t D, bool accumulate, bool amx) {
+  const Head hd(T, H, KVH, D, amx);
   const float scale = hd.scale;
-  const int64_t row = hd.row, Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
+  const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
+  const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
 #pragma omp parallel
   {
-    // Whole head, each Tp * Dh words: Q, K, V, dO as rows of pairs; K^T and V^T per key tile;
-    // K and Q less their means (rows), K less its mean and dO as pairs along T; (Q less its
-    // mean)^T and dO^T.
+    // Each Tp * Dh words. Whole key/value head: K, V as rows of pairs; K^T and V^T per key tile;
+    // K less its mean, as rows and as pairs along T. Whole query head: Q, dO as rows of pairs; Q
+    // less its mean (rows); Q less its mean and dO as pairs along T; (Q less its mean)^T and
+    // dO^T.
     Carve<0> head(13 * Tp * Dh);
-    uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh);
-    uint32_t *Gr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh);
-    uint32_t *Kc = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
-    uint32_t *Ki = head.words(Tp * Dh), *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
+    uint32_t *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
+    uint32_t *Vt = head.words(Tp * Dh), *Kc = head.words(Tp * Dh), *Ki = head.words(Tp * Dh);
+    uint32_t *Qr = head.words(Tp * Dh), *Gr = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
+    uint32_t *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
-    // dQ, D_i and the row sums of dS of the head; the means of K and Q; per key tile dK^T and
-    // dV^T; per tile pair P, dP, and P and dS as bf16 (rows, and pairs along T).
+    // dQ, D_i and the row sums of dS of the query head; the means of K and Q; per key tile dK^T
+    // and dV^T; per tile pair P, dP, and P and dS as bf16 (rows, and pairs along T).
     Carve<1> tile(Tp * Dp + 2 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
                   4 * kTile * kTilePairs);
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(Tp);
@@ -396,100 +416,107 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
     uint32_t *dSb = tile.words(kTile * kTilePairs), *dSi = tile.words(kTile * kTilePairs);
     if (hd.amx) attention_amx_configure();
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const int64_t off = b * T * row + h * D;
-      const float* lse_bh = lse + bh * T;
-      rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
-      rows_as_pairs(Kr, k + off, row, T, Tp, D, Dp);
-      rows_as_pairs(Vr, v + off, row, T, Tp, D, Dp);
-      rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
+    for (int64_t bkv = 0; bkv < B * KVH; ++bkv) {
+      const int64_t b = bkv / KVH, kh = bkv % KVH;
+      const int64_t kv_off = b * T * kv_row + kh * D;
+      rows_as_pairs(Kr, k + kv_off, kv_row, T, Tp, D, Dp);
+      rows_as_pairs(Vr, v + kv_off, kv_row, T, Tp, D, Dp);
       key_tiles_transposed(Kt, Kr, Tp, Dp);
       key_tiles_transposed(Vt, Vr, Tp, Dp);
       // dQ = dS K and dK = dS^T Q take K and Q less their means m: dS K = dS (K - m) + (dS 1) m,
       // with the sums of dS exact in FP32. Where keys (queries) share a large component, the
       // rounding error of dS then scales with their spread, not their size.
       column_means(k_mean, Kr, T, Dp);
-      column_means(q_mean, Qr, T, Dp);
       rows_centered(Kc, Kr, k_mean, T, Tp, Dp);
-      rows_centered(Qc, Qr, q_mean, T, Tp, Dp);
       pairs_along_rows(Ki, Kc, Tp, Dp);
-      pairs_along_rows(Qi, Qc, Tp, Dp);
-      pairs_along_rows(Gi, Gr, Tp, Dp);
-      transpose_words(QT, Qi, Tp / 2, Dp);
-      transpose_words(GT, Gi, Tp / 2, Dp);
-      // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
-      const auto* g16 = reinterpret_cast<const uint16_t*>(Gr);
-      for (int64_t i = 0; i < T; ++i) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 lanes = valid_lanes(d, D);
-          acc = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(
-                                    reinterpret_cast<const __m256i*>(g16 + i * Dp + d))),
-                                widen16(_mm256_maskz_loadu_epi16(lanes, out + off + i * row + d)),
-                                acc);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kh * group + g, bh = b * H + h;
+        const int64_t off = b * T * row + h * D;
+        const float* lse_bh = lse + bh * T;
+        // dk and dv: the group's first query head writes them (or adds, with accumulate), the
+        // others add to that.
+        const bool add = accumulate || g > 0;
+        rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
+        rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
+        column_means(q_mean, Qr, T, Dp);
+        rows_centered(Qc, Qr, q_mean, T, Tp, Dp);
+        pairs_along_rows(Qi, Qc, Tp, Dp);
+        pairs_along_rows(Gi, Gr, Tp, Dp);
+        transpose_words(QT, Qi, Tp / 2, Dp);
+        transpose_words(GT, Gi, Tp / 2, Dp);
+        // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
+        const auto* g16 = reinterpret_cast<const uint16_t*>(Gr);
+        for (int64_t i = 0; i < T; ++i) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 lanes = valid_lanes(d, D);
+            acc = _mm512_fmadd_ps(
+                widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g16 + i * Dp + d))),
+                widen16(_mm256_maskz_loadu_epi16(lanes, out + off + i * row + d)), acc);
+          }
+          Di[i] = _mm512_reduce_add_ps(acc);
         }
-        Di[i] = _mm512_reduce_add_ps(acc);
-      }
-      std::fill(dQ, dQ + Tp * Dp, 0.0f);
-      std::fill(row_sum, row_sum + Tp, 0.0f);
-      for (int64_t j0 = 0; j0 < T; j0 += kTile) {
-        const int64_t cols = std::min(kTile, T - j0);
-        std::fill(dKT, dKT + Dp * kTile, 0.0f);
-        std::fill(dVT, dVT + Dp * kTile, 0.0f);
-        __m512 cs[4];
-        for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
-        for (int64_t i0 = j0; i0 < T; i0 += kTile) {
-          const int64_t rows = std::min(kTile, T - i0);
-          dp_product(hd.amx, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
-                     false);
-          dp_product(hd.amx, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh,
-                     false);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t valid = std::min(cols, i0 + r - j0 + 1);
-            const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r]);
-            const __m512 di = _mm512_set1_ps(Di[i0 + r]);
-            __m512 p[4], ds[4];
-            for (int v4 = 0; v4 < 4; ++v4) {
-              const __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(P + r * kTile + 16 * v4),
-                                               _mm512_set1_ps(scale), shift);
-              p[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid), exp16(s));
-              ds[v4] = _mm512_mul_ps(_mm512_mul_ps(p[v4], _mm512_set1_ps(scale)),
-                                     _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
-              cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
+        std::fill(dQ, dQ + Tp * Dp, 0.0f);
+        std::fill(row_sum, row_sum + Tp, 0.0f);
+        for (int64_t j0 = 0; j0 < T; j0 += kTile) {
+          const int64_t cols = std::min(kTile, T - j0);
+          std::fill(dKT, dKT + Dp * kTile, 0.0f);
+          std::fill(dVT, dVT + Dp * kTile, 0.0f);
+          __m512 cs[4];
+          for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
+          for (int64_t i0 = j0; i0 < T; i0 += kTile) {
+            const int64_t rows = std::min(kTile, T - i0);
+            dp_product(hd.amx, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
+                       false);
+            dp_product(hd.amx, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh,
+                       false);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+              const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r]);
+              const __m512 di = _mm512_set1_ps(Di[i0 + r]);
+              __m512 p[4], ds[4];
+              for (int v4 = 0; v4 < 4; ++v4) {
+                const __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(P + r * kTile + 16 * v4),
+                                                 _mm512_set1_ps(scale), shift);
+                p[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid), exp16(s));
+                ds[v4] =
+                    _mm512_mul_ps(_mm512_mul_ps(p[v4], _mm512_set1_ps(scale)),
+                                  _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
+                cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
+              }
+              row_sum[i0 + r] += _mm512_reduce_add_ps(
+                  _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]), _mm512_add_ps(ds[2], ds[3])));
+              round_row(Pb + r * kTilePairs, p);
+              round_row(dSb + r * kTilePairs, ds);
             }
-            row_sum[i0 + r] += _mm512_reduce_add_ps(
-                _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]), _mm512_add_ps(ds[2], ds[3])));
-            round_row(Pb + r * kTilePairs, p);
-            round_row(dSb + r * kTilePairs, ds);
+            for (uint32_t* rounded : {Pb, dSb})
+              std::fill(rounded + rows * kTilePairs, rounded + kTile * kTilePairs, 0u);
+            pairs_along_rows(Pi, Pb, kTile, kTile);
+            pairs_along_rows(dSi, dSb, kTile, kTile);
+            // dV^T += dO^T P, dK^T += (Q - m_Q)^T dS, dQ += dS (K - m_K) (the scale is in dS).
+            dp_product(hd.amx, dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs,
+                       true);
+            dp_product(hd.amx, dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs,
+                       true);
+            dp_product(hd.amx, dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp, rows, Dp,
+                       kTilePairs, true);
           }
-          for (uint32_t* rounded : {Pb, dSb})
-            std::fill(rounded + rows * kTilePairs, rounded + kTile * kTilePairs, 0u);
-          pairs_along_rows(Pi, Pb, kTile, kTile);
-          pairs_along_rows(dSi, dSb, kTile, kTile);
-          // dV^T += dO^T P, dK^T += (Q - m_Q)^T dS, dQ += dS (K - m_K) (the scale is in dS).
-          dp_product(hd.amx, dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs,
-                     true);
-          dp_product(hd.amx, dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs,
-                     true);
-          dp_product(hd.amx, dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp, rows, Dp,
-                     kTilePairs, true);
-        }
-        // dK^T += m_Q (column sums of dS)^T
-        for (int64_t d = 0; d < Dp; ++d) {
-          const __m512 m = _mm512_set1_ps(q_mean[d]);
-          for (int v4 = 0; v4 < 4; ++v4) {
-            float* o = dKT + d * kTile + 16 * v4;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(m, cs[v4], _mm512_loadu_ps(o)));
+          // dK^T += m_Q (column sums of dS)^T, with this query head's m_Q
+          for (int64_t d = 0; d < Dp; ++d) {
+            const __m512 m = _mm512_set1_ps(q_mean[d]);
+            for (int v4 = 0; v4 < 4; ++v4) {
+              float* o = dKT + d * kTile + 16 * v4;
+              _mm512_storeu_ps(o, _mm512_fmadd_ps(m, cs[v4], _mm512_loadu_ps(o)));
+            }
           }
+          add_transposed(dk + kv_off + j0 * kv_row, kv_row, dKT, scratch, cols, D, Dp, add);
+          add_transposed(dv + kv_off + j0 * kv_row, kv_row, dVT, scratch, cols, D, Dp, add);
         }
-        add_transposed(dk + off + j0 * row, row, dKT, scratch, cols, D, Dp, accumulate);
-        add_transposed(dv + off + j0 * row, row, dVT, scratch, cols, D, Dp, accumulate);
-      }
-      for (int64_t i = 0; i < T; ++i) {
-        float* gq = dq + off + i * row;
-        for (int64_t d = 0; d < D; ++d)
-          gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + row_sum[i] * k_mean[d]);
+        for (int64_t i = 0; i < T; ++i) {
+          float* gq = dq + off + i * row;
+          for (int64_t d = 0; d < D; ++d)
+            gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + row_sum[i] * k_mean[d]);
+        }
       }
     }
   }

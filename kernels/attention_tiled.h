@@ -7,10 +7,16 @@
 // Layout inside a tile: the head dimension D is padded with zeros to Dp, a multiple of 16, so
 // every row is whole vectors. Queries are pre-multiplied by 1/sqrt(D).
 //
-// Forward: one task per (batch, head), which packs the head's K^T and V once, then runs its query
-// tiles. Backward: one task per (batch, head), key tiles outer and query tiles inner, so dK and
-// dV of a key tile and dQ of the head accumulate in a fixed order: results do not depend on the
-// thread count.
+// Grouped-query attention: H query heads, KVH key/value heads, query head h reading key/value
+// head h / (H / KVH); q, out, dq, dout rows of H * D floats, k, v, dk, dv rows of KVH * D.
+//
+// Forward: one task per (batch, query head), which packs its key/value head's K^T and V (unless
+// the thread's previous task left them packed), then runs its query tiles. Backward: one task per
+// (batch, key/value head), which packs K, K^T and V^T once, then runs the group's query heads g
+// in order; per query head, key tiles outer and query tiles inner. dK and dV of a key tile and
+// dQ of a query head accumulate in a fixed order, and a key/value head's dk and dv receive its
+// query heads' contributions in the order g = 0, 1, ..: results do not depend on the thread
+// count.
 #pragma once
 
 
@@ -146,14 +152,14 @@ inline void exp_scores(float* S, const float* shift, int64_t rows, int64_t cols,
 }
 
 template <int RB>
-void attention_forward_tiled(float* out, float* lse, const float* q, const float* k,
-                             const float* v, int64_t B, int64_t T, int64_t H, int64_t D) {
+void attention_forward_tiled(float* out, float* lse, const float* q, const float* k, const float* v,
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t row = H * D, Dp = padded_dim(D);
+  const int64_t row = H * D, kv_row = KVH * D, group = H / KVH, Dp = padded_dim(D);
   const int64_t Tp = (T + kTile - 1) / kTile * kTile;
 #pragma omp parallel
   {
-    // Whole head: K^T per key tile and V, packed once; per query tile: Q, O, scores, statistics.
+    // Whole key/value head: K^T per key tile and V; per query tile: Q, O, scores, statistics.
     float* Kt = attention_buffer(
         static_cast<size_t>(2 * Tp * Dp + 2 * kTile * Dp + kTile * kTile + 3 * kTile));
     float* V = Kt + Tp * Dp;
@@ -163,14 +169,19 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
     float* m = S + kTile * kTile;
     float* l = m + kTile;
     float* alpha = l + kTile;
+    int64_t packed = -1;  // b * KVH + the key/value head whose K^T and V are in Kt and V
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
+      const int64_t b = bh / H, h = bh % H, bkv = b * KVH + h / group;
       const int64_t off = b * T * row + h * D;
-      for (int64_t j0 = 0; j0 < T; j0 += kTile)
-        pack_transposed_tile(Kt + j0 * Dp, k + off + j0 * row, row, std::min(kTile, T - j0), D,
-                             Dp);
-      pack_rows(V, v + off, row, T, D, Dp, 1.0f);
+      const int64_t kv_off = b * T * kv_row + h / group * D;
+      if (bkv != packed) {
+        for (int64_t j0 = 0; j0 < T; j0 += kTile)
+          pack_transposed_tile(Kt + j0 * Dp, k + kv_off + j0 * kv_row, kv_row,
+                               std::min(kTile, T - j0), D, Dp);
+        pack_rows(V, v + kv_off, kv_row, T, D, Dp, 1.0f);
+        packed = bkv;
+      }
       for (int64_t i0 = 0; i0 < T; i0 += kTile) {
         const int64_t rows = std::min(kTile, T - i0);
         pack_rows(Q, q + off + i0 * row, row, rows, D, Dp, scale);
@@ -216,79 +227,92 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
 template <int RB>
 void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout, const float* q,
                               const float* k, const float* v, const float* out, const float* lse,
-                              int64_t B, int64_t T, int64_t H, int64_t D, bool accumulate) {
+                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                              bool accumulate) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t row = H * D, Dp = padded_dim(D);
+  const int64_t row = H * D, kv_row = KVH * D, group = H / KVH, Dp = padded_dim(D);
   const int64_t Tp = (T + kTile - 1) / kTile * kTile;
 #pragma omp parallel
   {
-    // Whole head: scaled queries, output gradients, keys, dQ; per key tile: K^T, V^T, dK, dV;
-    // per tile pair: probabilities and their gradients.
-    float* Qs = attention_buffer(
-        static_cast<size_t>(4 * Tp * Dp + 4 * kTile * Dp + 2 * kTile * kTile + Tp));
+    // Whole key/value head: keys, and K^T and V^T per key tile; whole query head: scaled
+    // queries, output gradients, dQ; per key tile: dK, dV; per tile pair: probabilities and
+    // their gradients.
+    float* K = attention_buffer(
+        static_cast<size_t>(6 * Tp * Dp + 2 * kTile * Dp + 2 * kTile * kTile + Tp));
+    float* Kt = K + Tp * Dp;
+    float* Vt = Kt + Tp * Dp;
+    float* Qs = Vt + Tp * Dp;
     float* G = Qs + Tp * Dp;
-    float* K = G + Tp * Dp;
-    float* dQ = K + Tp * Dp;
-    float* Kt = dQ + Tp * Dp;
-    float* Vt = Kt + kTile * Dp;
-    float* dK = Vt + kTile * Dp;
+    float* dQ = G + Tp * Dp;
+    float* dK = dQ + Tp * Dp;
     float* dV = dK + kTile * Dp;
     float* P = dV + kTile * Dp;
     float* dS = P + kTile * kTile;
     float* Di = dS + kTile * kTile;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < B * H; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const int64_t off = b * T * row + h * D;
-      const float* lse_bh = lse + bh * T;
-      pack_rows(Qs, q + off, row, T, D, Dp, scale);
-      pack_rows(G, dout + off, row, T, D, Dp, 1.0f);
-      pack_rows(K, k + off, row, T, D, Dp, 1.0f);
-      std::fill(dQ, dQ + T * Dp, 0.0f);
-      // D_i = sum_j P_ij dP_ij = dout_i . out_i, summed in the order tile_nn sums dP_ij, so
-      // that where P_ii = 1 (a single key) dS is exactly 0.
-      for (int64_t i = 0; i < T; ++i) {
-        const float* g = G + i * Dp;
-        const float* o = out + off + i * row;
-        float s = 0.0f;
-        for (int64_t d = 0; d < D; ++d) s = std::fma(g[d], o[d], s);
-        Di[i] = s;
-      }
+    for (int64_t bkv = 0; bkv < B * KVH; ++bkv) {
+      const int64_t b = bkv / KVH, kh = bkv % KVH;
+      const int64_t kv_off = b * T * kv_row + kh * D;
+      pack_rows(K, k + kv_off, kv_row, T, D, Dp, 1.0f);
       for (int64_t j0 = 0; j0 < T; j0 += kTile) {
         const int64_t cols = std::min(kTile, T - j0);
-        pack_transposed_tile(Kt, k + off + j0 * row, row, cols, D, Dp);
-        pack_transposed_tile(Vt, v + off + j0 * row, row, cols, D, Dp);
-        std::fill(dK, dK + kTile * Dp, 0.0f);
-        std::fill(dV, dV + kTile * Dp, 0.0f);
-        for (int64_t i0 = j0; i0 < T; i0 += kTile) {
-          const int64_t rows = std::min(kTile, T - i0);
-          tile_nn<RB>(P, kTile, Qs + i0 * Dp, Dp, Kt, kTile, rows, kTile, Dp, false);
-          exp_scores(P, lse_bh + i0, rows, cols, i0, j0);
-          tile_tn<RB>(dV, Dp, P, kTile, G + i0 * Dp, Dp, cols, Dp, rows);  // dV += P^T dO
-          tile_nn<RB>(dS, kTile, G + i0 * Dp, Dp, Vt, kTile, rows, kTile, Dp, false);  // dP
-          for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - D_i)
-            const float di = Di[i0 + r];
-            float* ds = dS + r * kTile;
-            const float* p = P + r * kTile;
-#pragma omp simd
-            for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - di);
-          }
-          tile_tn<RB>(dK, Dp, dS, kTile, Qs + i0 * Dp, Dp, cols, Dp, rows);  // dK += dS^T Qs
-          tile_nn<RB>(dQ + i0 * Dp, Dp, dS, kTile, K + j0 * Dp, Dp, rows, Dp, cols, true);
-        }
-        for (int64_t c = 0; c < cols; ++c) {
-          float* gk = dk + off + (j0 + c) * row;
-          float* gv = dv + off + (j0 + c) * row;
-          for (int64_t d = 0; d < D; ++d) {
-            gk[d] = (accumulate ? gk[d] : 0.0f) + dK[c * Dp + d];
-            gv[d] = (accumulate ? gv[d] : 0.0f) + dV[c * Dp + d];
-          }
-        }
+        pack_transposed_tile(Kt + j0 * Dp, k + kv_off + j0 * kv_row, kv_row, cols, D, Dp);
+        pack_transposed_tile(Vt + j0 * Dp, v + kv_off + j0 * kv_row, kv_row, cols, D, Dp);
       }
-      for (int64_t i = 0; i < T; ++i) {  // the scores were scaled: dq = scale * dS K
-        float* gq = dq + off + i * row;
-        for (int64_t d = 0; d < D; ++d)
-          gq[d] = (accumulate ? gq[d] : 0.0f) + scale * dQ[i * Dp + d];
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kh * group + g, bh = b * H + h;
+        const int64_t off = b * T * row + h * D;
+        const float* lse_bh = lse + bh * T;
+        // dk and dv: the group's first query head writes them (or adds, with accumulate), the
+        // others add to that.
+        const bool add = accumulate || g > 0;
+        pack_rows(Qs, q + off, row, T, D, Dp, scale);
+        pack_rows(G, dout + off, row, T, D, Dp, 1.0f);
+        std::fill(dQ, dQ + T * Dp, 0.0f);
+        // D_i = sum_j P_ij dP_ij = dout_i . out_i, summed in the order tile_nn sums dP_ij, so
+        // that where P_ii = 1 (a single key) dS is exactly 0.
+        for (int64_t i = 0; i < T; ++i) {
+          const float* gi = G + i * Dp;
+          const float* o = out + off + i * row;
+          float s = 0.0f;
+          for (int64_t d = 0; d < D; ++d) s = std::fma(gi[d], o[d], s);
+          Di[i] = s;
+        }
+        for (int64_t j0 = 0; j0 < T; j0 += kTile) {
+          const int64_t cols = std::min(kTile, T - j0);
+          std::fill(dK, dK + kTile * Dp, 0.0f);
+          std::fill(dV, dV + kTile * Dp, 0.0f);
+          for (int64_t i0 = j0; i0 < T; i0 += kTile) {
+            const int64_t rows = std::min(kTile, T - i0);
+            tile_nn<RB>(P, kTile, Qs + i0 * Dp, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
+            exp_scores(P, lse_bh + i0, rows, cols, i0, j0);
+            tile_tn<RB>(dV, Dp, P, kTile, G + i0 * Dp, Dp, cols, Dp, rows);  // dV += P^T dO
+            // dP = dO V^T
+            tile_nn<RB>(dS, kTile, G + i0 * Dp, Dp, Vt + j0 * Dp, kTile, rows, kTile, Dp, false);
+            for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - D_i)
+              const float di = Di[i0 + r];
+              float* ds = dS + r * kTile;
+              const float* p = P + r * kTile;
+#pragma omp simd
+              for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - di);
+            }
+            tile_tn<RB>(dK, Dp, dS, kTile, Qs + i0 * Dp, Dp, cols, Dp, rows);  // dK += dS^T Qs
+            tile_nn<RB>(dQ + i0 * Dp, Dp, dS, kTile, K + j0 * Dp, Dp, rows, Dp, cols, true);
+          }
+          for (int64_t c = 0; c < cols; ++c) {
+            float* gk = dk + kv_off + (j0 + c) * kv_row;
+            float* gv = dv + kv_off + (j0 + c) * kv_row;
+            for (int64_t d = 0; d < D; ++d) {
+              gk[d] = (add ? gk[d] : 0.0f) + dK[c * Dp + d];
+              gv[d] = (add ? gv[d] : 0.0f) + dV[c * Dp + d];
+            }
+          }
+        }
+        for (int64_t i = 0; i < T; ++i) {  // the scores were scaled: dq = scale * dS K
+          float* gq = dq + off + i * row;
+          for (int64_t d = 0; d < D; ++d)
+            gq[d] = (accumulate ? gq[d] : 0.0f) + scale * dQ[i * Dp + d];
+        }
       }
     }
   }

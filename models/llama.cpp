@@ -195,7 +195,7 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
       std::copy_n(attention_input(v).f32(), m * C, cache.values[l].f32() + n * C);
       Tensor att = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
       kernels::attention_decode(att.f32(), attention_input(q).f32(), cache.keys[l].f32(),
-                                cache.values[l].f32(), n, m, H, D);
+                                cache.values[l].f32(), n, m, H, H, D);
       return Variable(att, false);
     };
     x = block_forward(blocks_[l], x, table, attend);

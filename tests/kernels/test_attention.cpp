@@ -1,12 +1,18 @@
 // Causal attention, each ISA build, against a double-precision reference that builds the full
 // score matrix; backward against numerical gradients of that reference on small shapes, and
 // against its analytic gradients (themselves checked against the numerical ones) on shapes of
-// several tiles, T not a multiple of the tile, T = 1, one head.
+// several tiles, T not a multiple of the tile, T = 1, one head. Grouped-query shapes (KVH < H
+// key/value heads) run through the same tests; the decode kernel against the full forward.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "kernel_test_util.h"
 #include "kernels/attention.h"
@@ -23,11 +29,30 @@ using test::random_floats;
 using test::ThreadCount;
 using test::to_double;
 
+// H query heads, KVH key/value heads; query head h reads key/value head h / (H / KVH).
 struct Dims {
-  int64_t B, T, H, D;
-  int64_t n() const { return B * T * H * D; }
+  int64_t B, T, H, KVH, D;
+  int64_t n() const { return B * T * H * D; }       // q, out, dq, dout
+  int64_t kv_n() const { return B * T * KVH * D; }  // k, v, dk, dv
   int64_t at(int64_t b, int64_t t, int64_t h) const { return ((b * T + t) * H + h) * D; }
+  // The key/value row that query head h reads at position t.
+  int64_t kv_at(int64_t b, int64_t t, int64_t h) const {
+    return ((b * T + t) * KVH + h / (H / KVH)) * D;
+  }
 };
+
+std::string dims_name(const Dims& d) {
+  std::ostringstream name;
+  name << "B" << d.B << "T" << d.T << "H" << d.H;
+  if (d.KVH != d.H) name << "KV" << d.KVH;
+  name << "D" << d.D;
+  return name.str();
+}
+
+// How gtest prints a shape in a failure message.
+void PrintTo(const Dims& d, std::ostream* os) {
+  *os << dims_name(d);
+}
 
 // out and lse of causal softmax(q k^T / sqrt(D)) v; returns sum(out * dout) when dout is given.
 double attention_ref(const Dims& s, const std::vector<double>& q, const std::vector<double>& k,
@@ -42,7 +67,7 @@ double attention_ref(const Dims& s, const std::vector<double>& q, const std::vec
         double max = -1e300;
         for (int64_t j = 0; j <= i; ++j) {
           for (int64_t d = 0; d < s.D; ++d)
-            score[j] += q[s.at(b, i, h) + d] * k[s.at(b, j, h) + d] * scale;
+            score[j] += q[s.at(b, i, h) + d] * k[s.kv_at(b, j, h) + d] * scale;
           max = std::max(max, score[j]);
         }
         double sum = 0.0;
@@ -51,7 +76,7 @@ double attention_ref(const Dims& s, const std::vector<double>& q, const std::vec
         for (int64_t d = 0; d < s.D; ++d) {
           double o = 0.0;
           for (int64_t j = 0; j <= i; ++j)
-            o += std::exp(score[j] - max) / sum * v[s.at(b, j, h) + d];
+            o += std::exp(score[j] - max) / sum * v[s.kv_at(b, j, h) + d];
           if (out) (*out)[s.at(b, i, h) + d] = o;
           if (dout) loss += o * (*dout)[s.at(b, i, h) + d];
         }
@@ -59,37 +84,39 @@ double attention_ref(const Dims& s, const std::vector<double>& q, const std::vec
   return loss;
 }
 
-// Gradients of sum(out * dout) by q, k, v, from the formulas of the softmax backward.
+// Gradients of sum(out * dout) by q, k, v, from the formulas of the softmax backward; dk and dv
+// of a key/value head sum over the query heads that read it.
 void attention_ref_backward(const Dims& s, const std::vector<double>& q,
                             const std::vector<double>& k, const std::vector<double>& v,
                             const std::vector<float>& dout, std::vector<double>& dq,
                             std::vector<double>& dk, std::vector<double>& dv) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
   dq.assign(s.n(), 0.0);
-  dk.assign(s.n(), 0.0);
-  dv.assign(s.n(), 0.0);
+  dk.assign(s.kv_n(), 0.0);
+  dv.assign(s.kv_n(), 0.0);
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t i = 0; i < s.T; ++i) {
         std::vector<double> p(i + 1, 0.0), dp(i + 1, 0.0);
         double max = -1e300, sum = 0.0, di = 0.0;
         for (int64_t j = 0; j <= i; ++j) {
-          for (int64_t d = 0; d < s.D; ++d) p[j] += q[s.at(b, i, h) + d] * k[s.at(b, j, h) + d];
+          for (int64_t d = 0; d < s.D; ++d) p[j] += q[s.at(b, i, h) + d] * k[s.kv_at(b, j, h) + d];
           p[j] *= scale;
           max = std::max(max, p[j]);
         }
         for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - max);
         for (int64_t j = 0; j <= i; ++j) {
           p[j] = std::exp(p[j] - max) / sum;
-          for (int64_t d = 0; d < s.D; ++d) dp[j] += dout[s.at(b, i, h) + d] * v[s.at(b, j, h) + d];
+          for (int64_t d = 0; d < s.D; ++d)
+            dp[j] += dout[s.at(b, i, h) + d] * v[s.kv_at(b, j, h) + d];
           di += p[j] * dp[j];
         }
         for (int64_t j = 0; j <= i; ++j) {
           const double ds = p[j] * (dp[j] - di) * scale;
           for (int64_t d = 0; d < s.D; ++d) {
-            dq[s.at(b, i, h) + d] += ds * k[s.at(b, j, h) + d];
-            dk[s.at(b, j, h) + d] += ds * q[s.at(b, i, h) + d];
-            dv[s.at(b, j, h) + d] += p[j] * dout[s.at(b, i, h) + d];
+            dq[s.at(b, i, h) + d] += ds * k[s.kv_at(b, j, h) + d];
+            dk[s.kv_at(b, j, h) + d] += ds * q[s.at(b, i, h) + d];
+            dv[s.kv_at(b, j, h) + d] += p[j] * dout[s.at(b, i, h) + d];
           }
         }
       }
@@ -115,11 +142,12 @@ class Attention : public ::testing::TestWithParam<Dims> {};
 TEST_P(Attention, BackwardMatchesNumericalGradient) {
   const Dims s = GetParam();
   const std::vector<float> q = random_floats(s.n(), 4, -2.0f, 2.0f);
-  const std::vector<float> k = random_floats(s.n(), 5, -2.0f, 2.0f);
-  const std::vector<float> v = random_floats(s.n(), 6);
+  const std::vector<float> k = random_floats(s.kv_n(), 5, -2.0f, 2.0f);
+  const std::vector<float> v = random_floats(s.kv_n(), 6);
   const std::vector<float> dout = random_floats(s.n(), 7);
   std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
-  attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.D);
+  attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
+                    s.D);
   const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
   auto want_dq = numerical_gradient(
       [&](const auto& x) { return attention_ref(s, x, kd, vd, &dout, nullptr, nullptr); }, qd);
@@ -127,19 +155,21 @@ TEST_P(Attention, BackwardMatchesNumericalGradient) {
       [&](const auto& x) { return attention_ref(s, qd, x, vd, &dout, nullptr, nullptr); }, kd);
   auto want_dv = numerical_gradient(
       [&](const auto& x) { return attention_ref(s, qd, kd, x, &dout, nullptr, nullptr); }, vd);
+  // What the gradients accumulate onto: q's shape, and the keys' (the first kv_n() of it).
   const std::vector<float> base = random_floats(s.n(), 8);
-  for (size_t i = 0; i < base.size(); ++i) {
-    want_dq[i] += base[i];
-    want_dk[i] += base[i];
-    want_dv[i] += base[i];
+  const std::vector<float> kv_base(base.begin(), base.begin() + s.kv_n());
+  for (size_t i = 0; i < base.size(); ++i) want_dq[i] += base[i];
+  for (size_t i = 0; i < kv_base.size(); ++i) {
+    want_dk[i] += kv_base[i];
+    want_dv[i] += kv_base[i];
   }
   for (const Impl& impl : implementations()) {
     std::vector<float> first;
     for (int threads : {1, 2}) {
       ThreadCount tc(threads);
-      std::vector<float> dq = base, dk = base, dv = base;
+      std::vector<float> dq = base, dk = kv_base, dv = kv_base;
       impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true);
       EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name;
       EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name;
       EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name;
@@ -155,10 +185,10 @@ TEST_P(Attention, BackwardMatchesNumericalGradient) {
   // The analytic reference used on larger shapes agrees with the numerical gradients.
   std::vector<double> ref_dq, ref_dk, ref_dv;
   attention_ref_backward(s, qd, kd, vd, dout, ref_dq, ref_dk, ref_dv);
-  for (size_t i = 0; i < base.size(); ++i) {
-    EXPECT_NEAR(ref_dq[i] + base[i], want_dq[i], 1e-6);
-    EXPECT_NEAR(ref_dk[i] + base[i], want_dk[i], 1e-6);
-    EXPECT_NEAR(ref_dv[i] + base[i], want_dv[i], 1e-6);
+  for (size_t i = 0; i < base.size(); ++i) EXPECT_NEAR(ref_dq[i] + base[i], want_dq[i], 1e-6);
+  for (size_t i = 0; i < kv_base.size(); ++i) {
+    EXPECT_NEAR(ref_dk[i] + kv_base[i], want_dk[i], 1e-6);
+    EXPECT_NEAR(ref_dv[i] + kv_base[i], want_dv[i], 1e-6);
   }
 }
 
@@ -169,8 +199,8 @@ class AttentionTiles : public ::testing::TestWithParam<Dims> {};
 TEST_P(AttentionTiles, MatchesReference) {
   const Dims s = GetParam();
   const std::vector<float> q = random_floats(s.n(), 11, -2.0f, 2.0f);
-  const std::vector<float> k = random_floats(s.n(), 12, -2.0f, 2.0f);
-  const std::vector<float> v = random_floats(s.n(), 13);
+  const std::vector<float> k = random_floats(s.kv_n(), 12, -2.0f, 2.0f);
+  const std::vector<float> v = random_floats(s.kv_n(), 13);
   const std::vector<float> dout = random_floats(s.n(), 14);
   const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
   std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T), want_dq, want_dk, want_dv;
@@ -181,22 +211,22 @@ TEST_P(AttentionTiles, MatchesReference) {
     for (int threads : {1, 2}) {
       ThreadCount tc(threads);
       std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
-      impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.D);
+      impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D);
       EXPECT_LT(max_error(out, want), 1e-5) << impl.name;
       EXPECT_LT(max_error(lse, want_lse), 1e-5) << impl.name;
       // Overwriting: what the buffers held (NaN here) must not show through.
       std::vector<float> dq(s.n(), std::numeric_limits<float>::quiet_NaN()),
-          dk(s.n(), std::numeric_limits<float>::quiet_NaN()),
-          dv(s.n(), std::numeric_limits<float>::quiet_NaN());
+          dk(s.kv_n(), std::numeric_limits<float>::quiet_NaN()),
+          dv(s.kv_n(), std::numeric_limits<float>::quiet_NaN());
       impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.D, false);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
       EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name;
       EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name;
       EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name;
       // Accumulating onto zeros gives the same bits.
-      std::vector<float> zq(s.n()), zk(s.n()), zv(s.n());
+      std::vector<float> zq(s.n()), zk(s.kv_n()), zv(s.kv_n());
       impl.backward(zq.data(), zk.data(), zv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true);
       EXPECT_EQ(zq, dq) << impl.name;
       EXPECT_EQ(zk, dk) << impl.name;
       EXPECT_EQ(zv, dv) << impl.name;
@@ -230,45 +260,46 @@ TEST_P(AttentionTiles, Bf16MatchesReference) {
   if (!attention_bf16_native()) GTEST_SKIP() << "no AVX-512 BF16 here, or a lower GEMM path forced";
   const Dims s = GetParam();
   const auto q = to_bf16(random_floats(s.n(), 11, -2.0f, 2.0f));
-  const auto k = to_bf16(random_floats(s.n(), 12, -2.0f, 2.0f));
-  const auto v = to_bf16(random_floats(s.n(), 13));
+  const auto k = to_bf16(random_floats(s.kv_n(), 12, -2.0f, 2.0f));
+  const auto v = to_bf16(random_floats(s.kv_n(), 13));
   const std::vector<float> dout = random_floats(s.n(), 14);
   const auto qd = from_bf16(q), kd = from_bf16(k), vd = from_bf16(v);
   std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T), want_dq, want_dk, want_dv;
   attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse);
   attention_ref_backward(s, qd, kd, vd, dout, want_dq, want_dk, want_dv);
   const std::vector<float> base = random_floats(s.n(), 15);
+  const std::vector<float> kv_base(base.begin(), base.begin() + s.kv_n());
   std::vector<float> first;
   for (int threads : {1, 2}) {
     ThreadCount tc(threads);
     std::vector<uint16_t> out16(s.n());
     std::vector<float> lse(s.B * s.H * s.T);
     attention_forward_bf16(out16.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
-                           s.D);
+                           s.KVH, s.D);
     std::vector<float> out(s.n());
     for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
     EXPECT_LT(max_error(out, want), 4e-3);
     EXPECT_LT(max_error(lse, want_lse), 1e-5);
     // Gradients accumulate into what is there.
-    std::vector<float> dq = base, dk = base, dv = base;
+    std::vector<float> dq = base, dk = kv_base, dv = kv_base;
     attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true);
     // Overwriting buffers of NaN gives what accumulating onto zeros gives.
     std::vector<float> nq(s.n(), std::numeric_limits<float>::quiet_NaN()),
-        nk(s.n(), std::numeric_limits<float>::quiet_NaN()),
-        nv(s.n(), std::numeric_limits<float>::quiet_NaN());
-    std::vector<float> zq(s.n()), zk(s.n()), zv(s.n());
+        nk(s.kv_n(), std::numeric_limits<float>::quiet_NaN()),
+        nv(s.kv_n(), std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> zq(s.n()), zk(s.kv_n()), zv(s.kv_n());
     attention_backward_bf16(nq.data(), nk.data(), nv.data(), dout.data(), q.data(), k.data(),
-                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D, false);
+                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
     attention_backward_bf16(zq.data(), zk.data(), zv.data(), dout.data(), q.data(), k.data(),
-                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.D, true);
+                            v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true);
     EXPECT_EQ(nq, zq);
     EXPECT_EQ(nk, zk);
     EXPECT_EQ(nv, zv);
-    for (size_t i = 0; i < base.size(); ++i) {
-      dq[i] -= base[i];
-      dk[i] -= base[i];
-      dv[i] -= base[i];
+    for (size_t i = 0; i < base.size(); ++i) dq[i] -= base[i];
+    for (size_t i = 0; i < kv_base.size(); ++i) {
+      dk[i] -= kv_base[i];
+      dv[i] -= kv_base[i];
     }
     EXPECT_LT(max_error(dq, want_dq), 1e-2);
     EXPECT_LT(max_error(dk, want_dk), 1e-2);
@@ -290,7 +321,7 @@ TEST_P(AttentionTiles, Bf16MatchesReference) {
 // leaves in dV (2.3e-3).
 TEST(AttentionBf16, GradientsAccurateWhenKeysAndQueriesShareAComponent) {
   if (!attention_bf16_native()) GTEST_SKIP() << "no AVX-512 BF16 here, or a lower GEMM path forced";
-  const Dims s{1, 256, 4, 64};
+  const Dims s{1, 256, 4, 4, 64};
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> common(s.D);
@@ -303,16 +334,17 @@ TEST(AttentionBf16, GradientsAccurateWhenKeysAndQueriesShareAComponent) {
     dout[i] = normal(rng);
   }
   std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
-  attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.D);
+  attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
+                    s.D);
   const std::vector<uint16_t> out16 = to_bf16(out);
   for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
   std::vector<float> want_dq(s.n()), want_dk(s.n()), want_dv(s.n());
   attention_backward(want_dq.data(), want_dk.data(), want_dv.data(), dout.data(), q.data(),
-                     k.data(), v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.D, false);
+                     k.data(), v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
   std::vector<float> dq(s.n()), dk(s.n()), dv(s.n());
   attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), to_bf16(q).data(),
                           to_bf16(k).data(), to_bf16(v).data(), out16.data(), lse.data(), s.B, s.T,
-                          s.H, s.D, false);
+                          s.H, s.KVH, s.D, false);
   auto relative_rms = [](const std::vector<float>& got, const std::vector<float>& want) {
     double err = 0.0, norm = 0.0;
     for (size_t i = 0; i < got.size(); ++i) {
@@ -326,28 +358,166 @@ TEST(AttentionBf16, GradientsAccurateWhenKeysAndQueriesShareAComponent) {
   EXPECT_LT(relative_rms(dv, want_dv), 3e-3);
 }
 
+// Grouped-query attention is multi-head attention on keys and values repeated to every query
+// head (Hugging Face's repeat_kv), with dk and dv of a key/value head the sum of the repeated
+// heads' gradients. The kernels read the shared heads in place and add the group's query heads
+// in order, so each build gives the bits it gives on the repeated keys and values, and dk, dv
+// those of the repeated heads' gradients summed in the order of the heads.
+TEST_P(AttentionTiles, GroupedEqualsRepeatedKeysAndValues) {
+  const Dims s = GetParam();
+  const Dims rep{s.B, s.T, s.H, s.H, s.D};
+  const std::vector<float> q = random_floats(s.n(), 21, -2.0f, 2.0f);
+  const std::vector<float> k = random_floats(s.kv_n(), 22, -2.0f, 2.0f);
+  const std::vector<float> v = random_floats(s.kv_n(), 23);
+  const std::vector<float> dout = random_floats(s.n(), 24);
+  // k, v repeated to (B, T, H, D); a key/value head's gradient: its query heads' summed in order.
+  auto repeat = [&](const std::vector<float>& x) {
+    std::vector<float> r(s.n());
+    for (int64_t b = 0; b < s.B; ++b)
+      for (int64_t t = 0; t < s.T; ++t)
+        for (int64_t h = 0; h < s.H; ++h)
+          std::copy_n(x.begin() + s.kv_at(b, t, h), s.D, r.begin() + rep.at(b, t, h));
+    return r;
+  };
+  auto sum_group = [&](const std::vector<float>& g) {
+    std::vector<float> r(s.kv_n());
+    std::vector<bool> seen(s.kv_n());
+    for (int64_t b = 0; b < s.B; ++b)
+      for (int64_t t = 0; t < s.T; ++t)
+        for (int64_t h = 0; h < s.H; ++h)
+          for (int64_t d = 0; d < s.D; ++d) {
+            const int64_t i = s.kv_at(b, t, h) + d;
+            r[i] = seen[i] ? r[i] + g[rep.at(b, t, h) + d] : g[rep.at(b, t, h) + d];
+            seen[i] = true;
+          }
+    return r;
+  };
+  const std::vector<float> kr = repeat(k), vr = repeat(v);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const Impl& impl : implementations()) {
+    std::vector<float> out(s.n()), lse(s.B * s.H * s.T), want(s.n()), want_lse(s.B * s.H * s.T);
+    impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D);
+    impl.forward(want.data(), want_lse.data(), q.data(), kr.data(), vr.data(), s.B, s.T, s.H, s.H,
+                 s.D);
+    EXPECT_EQ(out, want) << impl.name;
+    EXPECT_EQ(lse, want_lse) << impl.name;
+    std::vector<float> dq(s.n(), nan), dk(s.kv_n(), nan), dv(s.kv_n(), nan);
+    impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                  out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
+    std::vector<float> rq(s.n(), nan), rk(s.n(), nan), rv(s.n(), nan);
+    impl.backward(rq.data(), rk.data(), rv.data(), dout.data(), q.data(), kr.data(), vr.data(),
+                  out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false);
+    EXPECT_EQ(dq, rq) << impl.name;
+    EXPECT_EQ(dk, sum_group(rk)) << impl.name;
+    EXPECT_EQ(dv, sum_group(rv)) << impl.name;
+  }
+  if (!attention_bf16_native()) return;
+  const auto q16 = to_bf16(q), k16 = to_bf16(k), v16 = to_bf16(v);
+  const auto kr16 = to_bf16(kr), vr16 = to_bf16(vr);
+  std::vector<uint16_t> out(s.n()), want(s.n());
+  std::vector<float> lse(s.B * s.H * s.T), want_lse(s.B * s.H * s.T);
+  attention_forward_bf16(out.data(), lse.data(), q16.data(), k16.data(), v16.data(), s.B, s.T, s.H,
+                         s.KVH, s.D);
+  attention_forward_bf16(want.data(), want_lse.data(), q16.data(), kr16.data(), vr16.data(), s.B,
+                         s.T, s.H, s.H, s.D);
+  EXPECT_EQ(out, want) << "bf16";
+  EXPECT_EQ(lse, want_lse) << "bf16";
+  std::vector<float> dq(s.n(), nan), dk(s.kv_n(), nan), dv(s.kv_n(), nan);
+  attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q16.data(), k16.data(),
+                          v16.data(), out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
+  std::vector<float> rq(s.n(), nan), rk(s.n(), nan), rv(s.n(), nan);
+  attention_backward_bf16(rq.data(), rk.data(), rv.data(), dout.data(), q16.data(), kr16.data(),
+                          vr16.data(), out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false);
+  EXPECT_EQ(dq, rq) << "bf16";
+  EXPECT_EQ(dk, sum_group(rk)) << "bf16";
+  EXPECT_EQ(dv, sum_group(rv)) << "bf16";
+}
+
+// Decoding one position at a time, or m at a time, gives each position the output the full
+// forward gives it (summed in another order, so to FP32 rounding), and the double reference's.
+// The cache holds only the positions decoded so far, NaN past them: a read past the causal
+// window shows.
+TEST(AttentionDecode, MatchesFullForwardAtEveryPosition) {
+  for (const Dims s : {Dims{1, 70, 4, 2, 12}, Dims{1, 70, 4, 1, 12}, Dims{1, 70, 4, 2, 64},
+                       Dims{1, 70, 4, 1, 64}, Dims{1, 70, 4, 4, 64}, Dims{1, 70, 1, 1, 12}}) {
+    const std::vector<float> q = random_floats(s.n(), 31, -2.0f, 2.0f);
+    const std::vector<float> k = random_floats(s.kv_n(), 32, -2.0f, 2.0f);
+    const std::vector<float> v = random_floats(s.kv_n(), 33);
+    std::vector<float> full(s.n()), lse(s.H * s.T);
+    attention_forward(full.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
+                      s.D);
+    std::vector<double> ref(s.n());
+    attention_ref(s, to_double(q), to_double(k), to_double(v), nullptr, &ref, nullptr);
+    const int64_t row = s.H * s.D, kv_row = s.KVH * s.D;
+    for (const int64_t chunk : {int64_t{1}, int64_t{5}}) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::vector<float> keys(s.kv_n(), nan), values(s.kv_n(), nan), out(s.n(), nan);
+      for (int64_t n = 0; n < s.T; n += chunk) {
+        const int64_t m = std::min(chunk, s.T - n);
+        std::copy_n(k.begin() + n * kv_row, m * kv_row, keys.begin() + n * kv_row);
+        std::copy_n(v.begin() + n * kv_row, m * kv_row, values.begin() + n * kv_row);
+        attention_decode(out.data() + n * row, q.data() + n * row, keys.data(), values.data(), n, m,
+                         s.H, s.KVH, s.D);
+      }
+      for (int64_t t = 0; t < s.T; ++t) {
+        const std::vector<float> got(out.begin() + t * row, out.begin() + (t + 1) * row);
+        const std::vector<double> want(full.begin() + t * row, full.begin() + (t + 1) * row);
+        const std::vector<double> want_ref(ref.begin() + t * row, ref.begin() + (t + 1) * row);
+        EXPECT_LT(max_error(got, want), 1e-5) << dims_name(s) << " chunk " << chunk << " t " << t;
+        EXPECT_LT(max_error(got, want_ref), 1e-5)
+            << dims_name(s) << " chunk " << chunk << " t " << t;
+      }
+    }
+  }
+}
+
+TEST(AttentionHeads, RejectsKeyValueHeadsNotDividingQueryHeads) {
+  for (const int64_t kvh : {int64_t{0}, int64_t{3}}) {
+    EXPECT_THROW(attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 4, kvh, 8),
+                 std::invalid_argument);
+    EXPECT_THROW(attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                    nullptr, nullptr, 1, 1, 4, kvh, 8, false),
+                 std::invalid_argument);
+    EXPECT_THROW(attention_decode(nullptr, nullptr, nullptr, nullptr, 0, 1, 4, kvh, 8),
+                 std::invalid_argument);
+  }
+}
+
+std::string dims_param_name(const ::testing::TestParamInfo<Dims>& info) {
+  return dims_name(info.param);
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTiles,
-                         ::testing::Values(Dims{1, 1, 1, 4}, Dims{2, 7, 3, 5}, Dims{1, 13, 2, 8},
-                                           Dims{3, 4, 1, 3}, Dims{1, 1, 1, 64}, Dims{1, 64, 1, 64},
-                                           Dims{2, 65, 2, 16}, Dims{1, 200, 1, 64},
-                                           Dims{1, 130, 3, 12}, Dims{2, 129, 2, 40},
-                                           Dims{1, 70, 1, 96}, Dims{1, 100, 2, 64}),
-                         [](const auto& info) {
-                           const Dims& d = info.param;
-                           std::ostringstream name;
-                           name << "B" << d.B << "T" << d.T << "H" << d.H << "D" << d.D;
-                           return name.str();
-                         });
+                         ::testing::Values(Dims{1, 1, 1, 1, 4}, Dims{2, 7, 3, 3, 5},
+                                           Dims{1, 13, 2, 2, 8}, Dims{3, 4, 1, 1, 3},
+                                           Dims{1, 1, 1, 1, 64}, Dims{1, 64, 1, 1, 64},
+                                           Dims{2, 65, 2, 2, 16}, Dims{1, 200, 1, 1, 64},
+                                           Dims{1, 130, 3, 3, 12}, Dims{2, 129, 2, 2, 40},
+                                           Dims{1, 70, 1, 1, 96}, Dims{1, 100, 2, 2, 64}),
+                         dims_param_name);
+
+// Grouped-query shapes: H = 4 query heads on 4, 2 and 1 key/value heads at T = 1, 63, 65 and
+// 200; one head; groups of 3 and 4 query heads, D = 128.
+INSTANTIATE_TEST_SUITE_P(Grouped, AttentionTiles,
+                         ::testing::Values(Dims{2, 1, 4, 4, 16}, Dims{2, 1, 4, 2, 16},
+                                           Dims{2, 1, 4, 1, 16}, Dims{2, 63, 4, 4, 24},
+                                           Dims{2, 63, 4, 2, 24}, Dims{2, 63, 4, 1, 24},
+                                           Dims{1, 65, 4, 4, 64}, Dims{1, 65, 4, 2, 64},
+                                           Dims{1, 65, 4, 1, 64}, Dims{1, 200, 4, 4, 40},
+                                           Dims{1, 200, 4, 2, 40}, Dims{1, 200, 4, 1, 40},
+                                           Dims{2, 65, 1, 1, 32}, Dims{1, 130, 6, 2, 12},
+                                           Dims{2, 70, 6, 3, 20}, Dims{1, 100, 8, 2, 128}),
+                         dims_param_name);
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
-                         ::testing::Values(Dims{1, 1, 1, 4}, Dims{2, 7, 3, 5}, Dims{1, 13, 2, 8},
-                                           Dims{3, 4, 1, 3}),
-                         [](const auto& info) {
-                           const Dims& d = info.param;
-                           std::ostringstream name;
-                           name << "B" << d.B << "T" << d.T << "H" << d.H << "D" << d.D;
-                           return name.str();
-                         });
+                         ::testing::Values(Dims{1, 1, 1, 1, 4}, Dims{2, 7, 3, 3, 5},
+                                           Dims{1, 13, 2, 2, 8}, Dims{3, 4, 1, 1, 3}),
+                         dims_param_name);
+
+INSTANTIATE_TEST_SUITE_P(Grouped, Attention,
+                         ::testing::Values(Dims{2, 7, 4, 2, 6}, Dims{2, 7, 4, 1, 6},
+                                           Dims{1, 13, 6, 3, 8}, Dims{1, 1, 2, 1, 4}),
+                         dims_param_name);
 
 }  // namespace
 }  // namespace cputrain::kernels
