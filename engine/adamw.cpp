@@ -10,13 +10,18 @@ namespace cputrain {
 AdamW::AdamW(const ParameterSet& params, const AdamWConfig& config)
     : params_(params),
       config_(config),
-      m_(Tensor::zeros(Shape{params.numel()}, DType::F32, MemoryCategory::OptimizerState)),
-      v_(Tensor::zeros(Shape{params.numel()}, DType::F32, MemoryCategory::OptimizerState)) {}
+      m_(Tensor::zeros(Shape{params.trainable_numel()}, DType::F32,
+                       MemoryCategory::OptimizerState)),
+      v_(Tensor::zeros(Shape{params.trainable_numel()}, DType::F32,
+                       MemoryCategory::OptimizerState)) {}
 
 double gradient_norm(const ParameterSet& params) {
+  if (params.gradients().defined() && params.gradients().measured()) return 0.0;
   double sum = 0.0;
   for (const ParameterInfo& p : params.infos())
-    sum += kernels::vector_sum_squares(params.gradients().f32() + p.offset, p.shape.numel());
+    if (p.trainable)
+      sum += kernels::vector_sum_squares(params.gradients().f32() + p.grad_offset,
+                                         p.shape.numel());
   return std::sqrt(sum);
 }
 
@@ -30,7 +35,9 @@ float AdamW::step(float lr, double norm) {
     const float coef = config_.grad_clip / (static_cast<float>(norm) + 1e-6f);
     scale = coef < 1.0f ? coef : 1.0f;
   }
+  if (m_.measured()) return static_cast<float>(norm);
   for (const ParameterInfo& p : params_.infos()) {
+    if (!p.trainable) continue;
     kernels::AdamWHyper h;
     h.lr = lr;
     h.beta1 = config_.beta1;
@@ -38,8 +45,9 @@ float AdamW::step(float lr, double norm) {
     h.eps = config_.eps;
     h.weight_decay = p.decay ? config_.weight_decay : 0.0f;
     h.step = step_;
-    kernels::adamw_update(params_.weights().f32() + p.offset, params_.gradients().f32() + p.offset,
-                          m_.f32() + p.offset, v_.f32() + p.offset, p.shape.numel(), h, scale,
+    kernels::adamw_update(params_.weights().f32() + p.offset,
+                          params_.gradients().f32() + p.grad_offset, m_.f32() + p.grad_offset,
+                          v_.f32() + p.grad_offset, p.shape.numel(), h, scale,
                           params_.has_bf16_copies() && p.bf16_offset >= 0
                               ? params_.bf16_weights().bf16() + p.bf16_offset
                               : nullptr);

@@ -1,5 +1,6 @@
-// AdamW over a ParameterSet, with global gradient-norm clipping (as
-// torch.nn.utils.clip_grad_norm_ followed by torch.optim.AdamW).
+// AdamW over the trainable parameters of a ParameterSet, with global gradient-norm clipping (as
+// torch.nn.utils.clip_grad_norm_ followed by torch.optim.AdamW). m and v are laid out as the
+// gradients are (ParameterInfo::grad_offset).
 #pragma once
 
 #include "engine/parameters.h"
@@ -36,7 +37,7 @@ class AdamW {
   int64_t step_ = 0;
 };
 
-// Global L2 norm of all gradients in the set.
+// Global L2 norm of the gradients of the set's trainable parameters.
 double gradient_norm(const ParameterSet& params);
 
 }  // namespace cputrain

@@ -34,6 +34,9 @@ CheckpointInfo read_header(FileReader& r, uint64_t* n) {
     info.adamw_step = j.at("adamw_step").get<int64_t>();
     info.data_fingerprint = std::stoull(j.at("data_fingerprint").get<std::string>(), nullptr, 16);
     info.config_json = j.at("config").dump(2) + "\n";
+    if (j.contains("frozen_fingerprint"))
+      info.frozen_fingerprint =
+          std::stoull(j.at("frozen_fingerprint").get<std::string>(), nullptr, 16);
   } catch (const std::exception& e) {
     r.corrupt(std::string("corrupt checkpoint header (") + e.what() + ")");
   }
@@ -44,21 +47,38 @@ CheckpointInfo read_header(FileReader& r, uint64_t* n) {
   return info;
 }
 
+// The trainable parameters' weights laid out as their gradients are (ParameterInfo::
+// grad_offset): where nothing is frozen, the weights buffer itself.
+bool all_trainable(const ParameterSet& params) {
+  return params.numel() == params.trainable_numel();
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& path, const ParameterSet& params, const AdamW& adamw,
                      const CheckpointInfo& info) {
-  const nlohmann::json j = {{"step", info.step},
-                            {"adamw_step", info.adamw_step},
-                            {"data_fingerprint", hex(info.data_fingerprint)},
-                            {"config", nlohmann::json::parse(info.config_json)}};
+  nlohmann::json j = {{"step", info.step},
+                      {"adamw_step", info.adamw_step},
+                      {"data_fingerprint", hex(info.data_fingerprint)},
+                      {"config", nlohmann::json::parse(info.config_json)}};
+  if (const uint64_t frozen = params.frozen_fingerprint(); frozen != 0)
+    j["frozen_fingerprint"] = hex(frozen);
   const std::string text = j.dump();
   AtomicFileWriter out(path);
   HashingWriter w(out);
   w.preamble(kMagic, kVersion, text);
-  const auto n = static_cast<uint64_t>(params.numel());
+  const auto n = static_cast<uint64_t>(params.trainable_numel());
   w.value(n);
-  w.bytes(params.weights().f32(), n * 4);
+  if (all_trainable(params)) {
+    w.bytes(params.weights().f32(), n * 4);
+  } else {
+    std::vector<float> trainable(n, 0.0f);
+    for (const ParameterInfo& p : params.infos())
+      if (p.trainable)
+        std::copy_n(params.weights().f32() + p.offset, p.shape.numel(),
+                    trainable.data() + p.grad_offset);
+    w.bytes(trainable.data(), n * 4);
+  }
   w.bytes(adamw.m().f32(), n * 4);
   w.bytes(adamw.v().f32(), n * 4);
   w.checksum();
@@ -75,10 +95,23 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
   FileReader r(path, "checkpoint");
   uint64_t n = 0;
   CheckpointInfo info = read_header(r, &n);
-  if (n != static_cast<uint64_t>(params.numel()))
-    throw UserError(path + ": holds " + std::to_string(n) + " weights, the model has " +
-                    std::to_string(params.numel()));
-  r.bytes(params.weights().f32(), n * 4);
+  if (n != static_cast<uint64_t>(params.trainable_numel()))
+    throw UserError(path + ": holds " + std::to_string(n) + " weights, the model trains " +
+                    std::to_string(params.trainable_numel()));
+  if (info.frozen_fingerprint != params.frozen_fingerprint())
+    throw UserError(path + ": was trained on other frozen weights (fingerprint " +
+                    hex(info.frozen_fingerprint) + ", the model's " +
+                    hex(params.frozen_fingerprint()) + ")");
+  if (all_trainable(params)) {
+    r.bytes(params.weights().f32(), n * 4);
+  } else {
+    std::vector<float> trainable(n);
+    r.bytes(trainable.data(), n * 4);
+    for (const ParameterInfo& p : params.infos())
+      if (p.trainable)
+        std::copy_n(trainable.data() + p.grad_offset, p.shape.numel(),
+                    params.weights().f32() + p.offset);
+  }
   if (adamw != nullptr) {
     r.bytes(adamw->m().f32(), n * 4);
     r.bytes(adamw->v().f32(), n * 4);

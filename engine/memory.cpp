@@ -7,32 +7,94 @@
 #include <fstream>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "engine/block_cache.h"
+#include "kernels/gemm.h"
 #include "kernels/workspace.h"
 
 namespace cputrain {
 namespace {
 
-struct Counters {
+// Live and peak bytes per category and in all, and the cache of freed blocks
+// (engine/block_cache.h) with its lock: the process's ledger over real blocks, a measuring
+// ledger (MeasureScope) over sizes alone.
+template <class Block>
+struct Ledger {
   std::array<std::atomic<int64_t>, kMemoryCategoryCount> live{};
   std::array<std::atomic<int64_t>, kMemoryCategoryCount> peak{};
   std::atomic<int64_t> live_total{0};
   std::atomic<int64_t> peak_total{0};
   std::atomic<int64_t> held_peak{0};  // the most live + cached bytes
+  std::mutex mutex;
+  BlockCache<Block> cache;
 };
-
-Counters& counters() {
-  static Counters c;
-  return c;
-}
 
 void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
   int64_t seen = peak.load(std::memory_order_relaxed);
   while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
   }
 }
+
+// Counts an allocation of n bytes (whole lines) under `category`; *block is a kept block of that
+// size where the cache has one (true), else the cache has made room for a new one (false).
+template <class Block, class Drop>
+bool ledger_allocate(Ledger<Block>& l, int64_t n, MemoryCategory category, Block* block,
+                     Drop drop) {
+  const bool reused = n >= BlockCache<Block>::kMinBytes &&
+                      l.cache.take(n, l.live_total.load(std::memory_order_relaxed),
+                                   l.peak_total.load(std::memory_order_relaxed), block, drop);
+  const int i = static_cast<int>(category);
+  raise_peak(l.peak[i], l.live[i].fetch_add(n, std::memory_order_relaxed) + n);
+  raise_peak(l.peak_total, l.live_total.fetch_add(n, std::memory_order_relaxed) + n);
+  raise_peak(l.held_peak, l.live_total.load(std::memory_order_relaxed) + l.cache.cached());
+  return reused;
+}
+
+// Counts the free of n bytes; true where the cache keeps the block.
+template <class Block>
+bool ledger_free(Ledger<Block>& l, Block block, int64_t n, MemoryCategory category) {
+  l.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
+  const int64_t live = l.live_total.fetch_sub(n, std::memory_order_relaxed) - n;
+  const bool kept = n >= BlockCache<Block>::kMinBytes &&
+                    l.cache.put(block, n, live, l.peak_total.load(std::memory_order_relaxed));
+  raise_peak(l.held_peak, live + l.cache.cached());
+  return kept;
+}
+
+template <class Block>
+MemoryStats ledger_stats(Ledger<Block>& l) {
+  MemoryStats s;
+  for (int i = 0; i < kMemoryCategoryCount; ++i) {
+    s.live_bytes[i] = l.live[i].load(std::memory_order_relaxed);
+    s.peak_bytes[i] = l.peak[i].load(std::memory_order_relaxed);
+  }
+  s.live_total_bytes = l.live_total.load(std::memory_order_relaxed);
+  s.peak_total_bytes = l.peak_total.load(std::memory_order_relaxed);
+  s.held_peak_bytes = l.held_peak.load(std::memory_order_relaxed);
+  std::lock_guard lock(l.mutex);
+  s.fresh_blocks = l.cache.fresh();
+  return s;
+}
+
+template <class Block>
+void ledger_reset_peaks(Ledger<Block>& l) {
+  for (int i = 0; i < kMemoryCategoryCount; ++i) l.peak[i].store(l.live[i].load());
+  l.peak_total.store(l.live_total.load());
+  std::lock_guard lock(l.mutex);
+  l.held_peak.store(l.live_total.load() + l.cache.cached());
+}
+
+Ledger<void*>& process_ledger() {
+  static Ledger<void*> l;
+  return l;
+}
+
+// The ledger of the MeasureScope alive, or null. A kept block of a measured run is nothing but
+// its size.
+using MeasureLedger = Ledger<char>;
+std::atomic<MeasureLedger*> measure_ledger{nullptr};
 
 // Reads "Key:   123 kB" from a /proc file, in bytes.
 int64_t read_proc_kb(const char* path, const std::string& key) {
@@ -45,17 +107,6 @@ int64_t read_proc_kb(const char* path, const std::string& key) {
     }
   }
   return 0;
-}
-
-// The cache of freed blocks (engine/block_cache.h) and its lock.
-struct SharedCache {
-  std::mutex mutex;
-  BlockCache<void*> cache;
-};
-
-SharedCache& block_cache() {
-  static SharedCache c;
-  return c;
 }
 
 void free_block(void* ptr, int64_t) {
@@ -81,71 +132,94 @@ static size_t allocated_size(size_t bytes) { return bytes == 0 ? 64 : (bytes + 6
 
 void* memory_allocate(size_t bytes, MemoryCategory category) {
   const size_t rounded = allocated_size(bytes);
-  Counters& c = counters();
   const auto n = static_cast<int64_t>(rounded);
-  SharedCache& bc = block_cache();
-  std::lock_guard lock(bc.mutex);
+  if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
+    std::lock_guard lock(m->mutex);
+    char block;
+    ledger_allocate(*m, n, category, &block, [](char, int64_t) {});
+    return nullptr;
+  }
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
   void* ptr = nullptr;
-  if (n < BlockCache<void*>::kMinBytes ||
-      !bc.cache.take(n, c.live_total.load(std::memory_order_relaxed),
-                     c.peak_total.load(std::memory_order_relaxed), &ptr, free_block))
-    ptr = std::aligned_alloc(64, rounded);
-  if (ptr == nullptr) throw std::bad_alloc();
-  const int i = static_cast<int>(category);
-  raise_peak(c.peak[i], c.live[i].fetch_add(n, std::memory_order_relaxed) + n);
-  raise_peak(c.peak_total, c.live_total.fetch_add(n, std::memory_order_relaxed) + n);
-  raise_peak(c.held_peak, c.live_total.load(std::memory_order_relaxed) + bc.cache.cached());
+  if (!ledger_allocate(l, n, category, &ptr, free_block)) ptr = std::aligned_alloc(64, rounded);
+  if (ptr == nullptr) {
+    ledger_free(l, static_cast<void*>(nullptr), n, category);
+    throw std::bad_alloc();
+  }
   return ptr;
 }
 
 void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
-  if (ptr == nullptr) return;
-  Counters& c = counters();
-  const size_t rounded = allocated_size(bytes);
-  const auto n = static_cast<int64_t>(rounded);
-  c.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
-  const int64_t live = c.live_total.fetch_sub(n, std::memory_order_relaxed) - n;
-  SharedCache& bc = block_cache();
-  std::lock_guard lock(bc.mutex);
-  if (n < BlockCache<void*>::kMinBytes ||
-      !bc.cache.put(ptr, n, live, c.peak_total.load(std::memory_order_relaxed)))
-    std::free(ptr);
-  raise_peak(c.held_peak, live + bc.cache.cached());
-}
-
-MemoryStats memory_stats() {
-  Counters& c = counters();
-  MemoryStats s;
-  for (int i = 0; i < kMemoryCategoryCount; ++i) {
-    s.live_bytes[i] = c.live[i].load(std::memory_order_relaxed);
-    s.peak_bytes[i] = c.peak[i].load(std::memory_order_relaxed);
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  if (ptr == nullptr) {  // a measured allocation (or none)
+    if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
+      std::lock_guard lock(m->mutex);
+      ledger_free(*m, char{}, n, category);
+    }
+    return;
   }
-  s.live_total_bytes = c.live_total.load(std::memory_order_relaxed);
-  s.peak_total_bytes = c.peak_total.load(std::memory_order_relaxed);
-  s.held_peak_bytes = c.held_peak.load(std::memory_order_relaxed);
-  SharedCache& bc = block_cache();
-  std::lock_guard lock(bc.mutex);
-  s.fresh_blocks = bc.cache.fresh();
-  return s;
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  if (!ledger_free(l, ptr, n, category)) std::free(ptr);
 }
 
-void memory_reset_peaks() {
-  Counters& c = counters();
-  for (int i = 0; i < kMemoryCategoryCount; ++i) c.peak[i].store(c.live[i].load());
-  c.peak_total.store(c.live_total.load());
-  SharedCache& bc = block_cache();
-  std::lock_guard lock(bc.mutex);
-  c.held_peak.store(c.live_total.load() + bc.cache.cached());
+MemoryStats memory_stats() { return ledger_stats(process_ledger()); }
+
+void memory_reset_peaks() { ledger_reset_peaks(process_ledger()); }
+
+bool measuring() { return measure_ledger.load(std::memory_order_relaxed) != nullptr; }
+
+struct MeasureScope::State {
+  MeasureLedger ledger;
+  std::array<int64_t, kMeasureBuffers> buffers{};  // bytes held in each buffer slot
+  std::array<MemoryCategory, kMeasureBuffers> buffer_categories{};
+};
+
+namespace {
+std::atomic<MeasureScope::State*> measure_state{nullptr};
+}  // namespace
+
+void measure_buffer(int slot, size_t bytes, MemoryCategory category) {
+  MeasureScope::State* m = measure_state.load(std::memory_order_relaxed);
+  if (m == nullptr || slot < 0 || slot >= kMeasureBuffers)
+    throw std::logic_error("measure_buffer: a slot of a live MeasureScope");
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  int64_t& held = m->buffers[slot];
+  if (held >= n) return;
+  if (held > 0) memory_free(nullptr, static_cast<size_t>(held), m->buffer_categories[slot]);
+  memory_allocate(static_cast<size_t>(n), category);
+  held = n;
+  m->buffer_categories[slot] = category;
 }
+
+MeasureScope::MeasureScope() : state_(std::make_unique<State>()) {
+  // The kernels' one-time set-up computes for real (the GEMM's choice of backend runs its
+  // self-test): before measuring, not inside.
+  kernels::gemm_backend();
+  MeasureLedger* expected = nullptr;
+  if (!measure_ledger.compare_exchange_strong(expected, &state_->ledger))
+    throw std::logic_error("MeasureScope: one is already alive");
+  measure_state.store(state_.get());
+}
+
+MeasureScope::~MeasureScope() {
+  measure_state.store(nullptr);
+  measure_ledger.store(nullptr);
+}
+
+MemoryStats MeasureScope::stats() const { return ledger_stats(state_->ledger); }
+
+void MeasureScope::reset_peaks() { ledger_reset_peaks(state_->ledger); }
 
 ProcessMemory process_memory() {
   return {read_proc_kb("/proc/self/status", "VmRSS"), read_proc_kb("/proc/self/status", "VmHWM")};
 }
 
 void memory_release_cached() {
-  SharedCache& bc = block_cache();
-  std::lock_guard lock(bc.mutex);
-  bc.cache.clear(free_block);
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  l.cache.clear(free_block);
 }
 
 bool process_memory_reset_peak() {

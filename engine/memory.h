@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string_view>
 
 namespace cputrain {
@@ -42,6 +43,33 @@ MemoryStats memory_stats();
 void memory_reset_peaks();
 // Frees the blocks kept for reuse, and forgets the largest block freed so far.
 void memory_release_cached();
+
+// Measuring: while a MeasureScope is alive, memory_allocate gives no storage (it returns null)
+// and counts the allocation in the scope's own ledger instead of the process's, with the same
+// categories, peaks and block-cache policy; memory_free of null counts the free there. The code
+// that runs meanwhile (a training step, for the memory budget) runs its kernels only where
+// measuring() is false, so it makes exactly the allocations it makes for real, in the same
+// order, without touching memory. One scope at a time, on one thread.
+bool measuring();
+class MeasureScope {
+ public:
+  MeasureScope();
+  ~MeasureScope();
+  MeasureScope(const MeasureScope&) = delete;
+  MeasureScope& operator=(const MeasureScope&) = delete;
+  MemoryStats stats() const;
+  void reset_peaks();
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+// While measuring, what a long-lived scratch buffer of a kernel's does where the kernel would
+// ask it for `bytes` (the GEMM's packing buffers, kernels/gemm.h): each slot keeps the largest
+// size asked so far; a larger one frees the block it holds and allocates the new size.
+inline constexpr int kMeasureBuffers = 4;
+void measure_buffer(int slot, size_t bytes, MemoryCategory category);
 
 // Resident set size and its high-water mark (VmRSS, VmHWM of /proc/self/status).
 struct ProcessMemory {

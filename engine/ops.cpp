@@ -7,6 +7,7 @@
 #include "engine/profiler.h"
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
+#include "kernels/bias.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/embedding.h"
 #include "kernels/gemm.h"
@@ -42,6 +43,10 @@ void require(bool ok, const char* what) {
 
 bool bf16_mode() { return compute_dtype() == DType::BF16; }
 
+// Whether kernels run: not while measuring (engine/memory.h), where tensors have no elements
+// and an op makes only its allocations.
+bool computing() { return !measuring(); }
+
 // The FP32 value of an op's input. In bf16 mode an output only GEMMs consume may hold its bf16
 // rounding alone (swiglu's); an op that computes on FP32 values cannot take it.
 const Tensor& fp32_value(const Variable& x) {
@@ -70,14 +75,14 @@ Tensor as_f32(const Tensor& t) {
   if (t.dtype() == DType::F32) return t;
   Tensor f = Tensor::empty(t.shape(), DType::F32, MemoryCategory::Workspace);
   Scope scope("to fp32", Pass::Enclosing);
-  kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
+  if (computing()) kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
   return f;
 }
 
 Tensor to_bf16(const Tensor& t) {
   Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
   Scope scope("to bf16", Pass::Enclosing);
-  kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
+  if (computing()) kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
   return b;
 }
 
@@ -91,6 +96,15 @@ constexpr GemmNames kLinearGemms{"linear GEMM Y=XW'", "linear GEMM dX=dY W", "li
 constexpr GemmNames kLmHeadGemms{"lm_head GEMM Y=XW'", "lm_head GEMM dX=dY W",
                                  "lm_head GEMM dW=dY'X"};
 
+// While measuring, the allocations a GEMM of these sizes makes without computing it: its buffers
+// grow to what the product needs (kernels::gemm_buffer_bytes), in the order it takes them (the
+// widenings of bf16 operands first, then the packed panels of B and of A).
+void measure_gemm(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
+  const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+  for (const int buffer : {2, 3, 0, 1})
+    if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
+}
+
 double gemm_flops(int64_t M, int64_t N, int64_t K) {
   return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
 }
@@ -100,7 +114,9 @@ double gemm_flops(int64_t M, int64_t N, int64_t K) {
 void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,
                     int64_t N, int64_t K, const GemmNames& names) {
   Scope scope(names.y, Pass::Forward, gemm_flops(M, N, K));
-  if (xv.dtype() == DType::BF16) {
+  if (!computing()) {
+    measure_gemm(xv.dtype() == DType::BF16, Transpose::No, Transpose::Yes, M, N, K);
+  } else if (xv.dtype() == DType::BF16) {
     kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K,
                        wv.bf16(), K, 0.0f, out, N);
   } else {
@@ -121,7 +137,9 @@ void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& 
   const bool bf16 = dy.dtype() == DType::BF16;
   if (gx) {
     Scope scope(names.dx, Pass::Backward, gemm_flops(M, K, N));
-    if (bf16)
+    if (!computing())
+      measure_gemm(bf16, Transpose::No, Transpose::No, M, K, N);
+    else if (bf16)
       kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K, bx, dx,
                          K);
     else
@@ -129,7 +147,9 @@ void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& 
   }
   if (gw) {
     Scope scope(names.dw, Pass::Backward, gemm_flops(N, K, M));
-    if (bf16)
+    if (!computing())
+      measure_gemm(bf16, Transpose::Yes, Transpose::No, N, K, M);
+    else if (bf16)
       kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dy.bf16(), N, xv.bf16(), K, bw, dw,
                          K);
     else
@@ -145,21 +165,26 @@ struct KernelGrads {
   std::vector<Tensor> grads;
   bool accumulate = false;
 };
-KernelGrads kernel_grads(std::initializer_list<const GradRef*> cells, const Shape& shape) {
+struct GradSlot {
+  const GradRef* cell;
+  Shape shape;  // of the scratch where the cell is null
+};
+KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
   KernelGrads k;
-  for (auto a = cells.begin(); a != cells.end(); ++a) {
-    if (**a && (**a)->tensor().defined()) k.accumulate = true;
-    for (auto b = cells.begin(); b != a; ++b)
-      if (**a && **a == **b) k.accumulate = true;
+  for (auto a = slots.begin(); a != slots.end(); ++a) {
+    if (*a->cell && (*a->cell)->tensor().defined()) k.accumulate = true;
+    for (auto b = slots.begin(); b != a; ++b)
+      if (*a->cell && *a->cell == *b->cell) k.accumulate = true;
   }
-  for (const GradRef* cell : cells) {
+  for (const GradSlot& slot : slots) {
+    const GradRef& cell = *slot.cell;
     float beta = 0.0f;
-    if (!*cell)
-      k.grads.push_back(k.accumulate ? Tensor::zeros(shape, DType::F32, MemoryCategory::Workspace)
-                                     : Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
+    if (!cell)
+      k.grads.push_back(
+          k.accumulate ? Tensor::zeros(slot.shape, DType::F32, MemoryCategory::Workspace)
+                       : Tensor::empty(slot.shape, DType::F32, MemoryCategory::Workspace));
     else
-      k.grads.push_back(k.accumulate ? (*cell)->get_or_zeros()
-                                     : (*cell)->get_for_accumulate(&beta));
+      k.grads.push_back(k.accumulate ? cell->get_or_zeros() : cell->get_for_accumulate(&beta));
   }
   return k;
 }
@@ -175,14 +200,19 @@ Variable embedding(const Variable& table, const Tensor& tokens) {
   const int64_t N = tokens.numel();
   Scope scope("embedding", Pass::Forward);
   Tensor y = new_activation(Shape{tokens.dim(0), tokens.dim(1), C});
-  kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C);
+  // A frozen table may live as bf16 alone (ParameterSet): widened row by row.
+  if (computing() && table.value().dtype() == DType::BF16)
+    kernels::embedding_forward_bf16(y.f32(), tokens.i32(), table.value().bf16(), N, C);
+  else if (computing())
+    kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C);
   const bool grad = needs_grad({&table});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("embedding", [tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C] {
       if (!gy->tensor().defined()) return;
-      kernels::embedding_backward(gt->get_or_zeros().f32(), gy->tensor().f32(), tokens.i32(), N,
-                                  C);
+      const Tensor& gtable = gt->get_or_zeros();
+      if (computing())
+        kernels::embedding_backward(gtable.f32(), gy->tensor().f32(), tokens.i32(), N, C);
     });
   }
   return out;
@@ -190,15 +220,16 @@ Variable embedding(const Variable& table, const Tensor& tokens) {
 
 namespace {
 
-// linear and linear_rounded; rounded: in bf16 mode the output is written as its bf16 rounding
-// alone.
-Variable linear_op(const Variable& x, const Variable& w, bool rounded) {
+// linear and linear_rounded, with a bias where b is defined; rounded: in bf16 mode the output
+// is written as its bf16 rounding alone.
+Variable linear_op(const Variable& x, const Variable& w, const Variable& b, bool rounded) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "linear: x (..., K) and w (N, K)");
   const int64_t N = w.shape()[0];
   const int64_t K = w.shape()[1];
   const int64_t M = x.value().numel() / K;
+  require(!b.defined() || (b.value().ndim() == 1 && b.shape()[0] == N), "linear: bias (N)");
   Scope scope("linear", Pass::Forward);
   const bool bf16 = bf16_mode();
   rounded = rounded && bf16;
@@ -207,14 +238,26 @@ Variable linear_op(const Variable& x, const Variable& w, bool rounded) {
   // x, w's is the parameter's copy.
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
-  if (rounded) {
+  if (rounded && !b.defined()) {
     Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K));
-    kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K,
-                               y.bf16(), N);
+    if (computing()) {
+      kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(),
+                                 K, y.bf16(), N);
+    } else if (kernels::gemm_bf16_rounded_direct(K)) {
+      measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
+    } else {  // through an FP32 scratch of the kernel's (kernels/gemm.h)
+      const Tensor scratch = Tensor::empty(y.shape(), DType::F32, MemoryCategory::Workspace);
+      measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
+    }
+  } else if (rounded) {  // the sum with the bias is what is rounded
+    const Tensor sum = Tensor::empty(y.shape(), DType::F32, MemoryCategory::Workspace);
+    linear_product(xv, 0, wv, sum.f32(), M, N, K, kLinearGemms);
+    if (computing()) kernels::bias_add_rounded(y.bf16(), sum.f32(), b.value().f32(), M, N);
   } else {
     linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+    if (b.defined() && computing()) kernels::bias_add(y.f32(), b.value().f32(), M, N);
   }
-  const bool grad = needs_grad({&x, &w});
+  const bool grad = b.defined() ? needs_grad({&x, &w, &b}) : needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     // In bf16 mode the backward takes only the rounding of its output's gradient: an op whose
@@ -223,12 +266,22 @@ Variable linear_op(const Variable& x, const Variable& w, bool rounded) {
     // The gradient of x needs w and that of w needs x: save only what is used.
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
+    const GradRef gb = b.defined() ? b.grad_ref() : GradRef();
     record_backward("linear", [xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
-                               gy = out.grad_ref(), M, N, K, bf16] {
+                               gb, gy = out.grad_ref(), M, N, K, bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const bool round = bf16 && dy.dtype() != DType::BF16;
-      linear_backward_products(round ? to_bf16(dy) : dy, xv, wv, gx, gw, M, N, K, kLinearGemms);
+      const Tensor dyv = round ? to_bf16(dy) : dy;
+      if (gb) {  // from the values the products take: dy's rounding in bf16 mode
+        float beta = 0.0f;
+        float* db = gb->get_for_accumulate(&beta).f32();
+        if (computing() && dyv.dtype() == DType::BF16)
+          kernels::bias_backward(db, dyv.bf16(), M, N, beta != 0.0f);
+        else if (computing())
+          kernels::bias_backward(db, dyv.f32(), M, N, beta != 0.0f);
+      }
+      linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
     });
   }
   return out;
@@ -236,12 +289,12 @@ Variable linear_op(const Variable& x, const Variable& w, bool rounded) {
 
 }  // namespace
 
-Variable linear(const Variable& x, const Variable& w) {
-  return linear_op(x, w, false);
+Variable linear(const Variable& x, const Variable& w, const Variable& b) {
+  return linear_op(x, w, b, false);
 }
 
-Variable linear_rounded(const Variable& x, const Variable& w) {
-  return linear_op(x, w, true);
+Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b) {
+  return linear_op(x, w, b, true);
 }
 
 Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
@@ -258,11 +311,13 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
     // also rounds x for the backward.
     y = new_activation(xs, DType::BF16);
     const Tensor x16 = rounding_in_pass(x, grad);
-    kernels::rmsnorm_forward_bf16(y.bf16(), bf16_or_null(x16), rstd.f32(), fp32_value(x).f32(),
+    if (computing())
+      kernels::rmsnorm_forward_bf16(y.bf16(), bf16_or_null(x16), rstd.f32(), fp32_value(x).f32(),
                                   w.value().f32(), N, C, eps);
   } else {
     y = new_activation(xs);
-    kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
+    if (computing())
+      kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
                              eps);
   }
   Variable out = Variable::op_output(y, grad);
@@ -272,10 +327,11 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // The kernel produces both gradients; a side nobody needs goes to scratch.
-      const KernelGrads gxs = kernel_grads({&gx}, Shape{N, C});
+      const KernelGrads gxs = kernel_grads({{&gx, Shape{N, C}}});
       const Tensor& dx = gxs.grads[0];
       Tensor dw = gw ? gw->get_or_zeros()
                      : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
+      if (!computing()) return;
       if (xs.dtype() == DType::BF16)
         kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(), N,
                                   C, gxs.accumulate);
@@ -287,7 +343,7 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   return out;
 }
 
-Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
+Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split) {
   const Shape& xs = x.shape();
   require(xs.ndim() == 3 && xs[2] % n_heads == 0 && (xs[2] / n_heads) % 2 == 0,
           "rope: x (B, T, C) with C = H * D, D even");
@@ -297,33 +353,42 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads) {
   const bool grad = needs_grad({&x});
   // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
   Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
-  if (y.dtype() == DType::BF16)
-    kernels::rope_forward_bf16(y.bf16(), fp32_value(x).f32(), table.f32(), B, T, H, D);
+  if (!computing())
+    ;  // measuring: the output's allocation is all
+  else if (y.dtype() == DType::BF16)
+    kernels::rope_forward_bf16(y.bf16(), fp32_value(x).f32(), table.f32(), B, T, H, D, half_split);
   else
-    kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D);
+    kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D, half_split);
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D] {
+    record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D,
+                             half_split] {
       if (!gy->tensor().defined()) return;
       if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
         const Tensor rounded = gx->rounded_for_overwrite();
+        if (rounded.defined() && !computing()) return;
         if (rounded.defined())
           return kernels::rope_backward_bf16(rounded.bf16(), gy->tensor().f32(), table.f32(), B, T,
-                                             H, D);
+                                             H, D, half_split);
       }
-      const KernelGrads g = kernel_grads({&gx}, Shape{B, T, H * D});
-      kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
-                             g.accumulate);
+      const KernelGrads g = kernel_grads({{&gx, Shape{B, T, H * D}}});
+      if (computing())
+        kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
+                             half_split, g.accumulate);
     });
   }
   return out;
 }
 
-Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads) {
+Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
+                   int64_t n_kv_heads) {
   const Shape& s = q.shape();
-  require(s.ndim() == 3 && k.shape() == s && v.shape() == s && s[2] % n_heads == 0,
-          "attention: q, k, v (B, T, C) with C = H * D");
-  const int64_t B = s[0], T = s[1], H = n_heads, D = s[2] / n_heads;
+  const Shape& kvs = k.shape();
+  require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && s.ndim() == 3 &&
+              s[2] % n_heads == 0,
+          "attention: q (B, T, H * D), H a multiple of the key/value heads");
+  const int64_t B = s[0], T = s[1], H = n_heads, KVH = n_kv_heads, D = s[2] / n_heads;
+  require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
   // Causal: query t meets t + 1 keys; each product is 2 D FLOPs per (query, key) pair.
   const double pair_flops = 2.0 * static_cast<double>(B * H * D) * static_cast<double>(T) *
                             static_cast<double>(T + 1) / 2.0;
@@ -336,34 +401,42 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
   const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
   Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
-  if (native) {
+  if (!computing()) {
+    if (!native) {  // the widened inputs
+      const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
+    }
+  } else if (native) {
     kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
-                                    H, D);
+                                    KVH, D);
   } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
-    kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, H, D);
+    kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, KVH, D);
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("attention", [qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(),
                                   gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), native,
-                                  pair_flops, B, T, H, D] {
+                                  pair_flops, B, T, H, KVH, D] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
       profiler::add_flops(5.0 * pair_flops);
-      const KernelGrads g = kernel_grads({&gq, &gk, &gv}, Shape{B, T, H * D});
+      const Shape kv_shape{B, T, KVH * D};
+      const KernelGrads g =
+          kernel_grads({{&gq, Shape{B, T, H * D}}, {&gk, kv_shape}, {&gv, kv_shape}});
       const Tensor &dq = g.grads[0], &dk = g.grads[1], &dv = g.grads[2];
+      if (native && !computing()) return;
       if (native) {
         kernels::attention_backward_bf16(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qs.bf16(),
-                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, H, D,
-                                         g.accumulate);
+                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, KVH,
+                                         D, g.accumulate);
         return;
       }
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
-      kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
-                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, H, D, g.accumulate);
+      if (computing())
+        kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
+                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, KVH, D, g.accumulate);
     });
   }
   return out;
@@ -380,11 +453,13 @@ Variable swiglu(const Variable& gate, const Variable& up) {
     // rounding: only that is written, in the pass that also rounds gate and up for the backward.
     y = new_activation(gate.shape(), DType::BF16);
     const Tensor gate16 = rounding_in_pass(gate, grad), up16 = rounding_in_pass(up, grad);
-    kernels::swiglu_forward_bf16(y.bf16(), bf16_or_null(gate16), bf16_or_null(up16),
+    if (computing())
+      kernels::swiglu_forward_bf16(y.bf16(), bf16_or_null(gate16), bf16_or_null(up16),
                                  fp32_value(gate).f32(), fp32_value(up).f32(), n);
   } else {
     y = new_activation(gate.shape());
-    kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), fp32_value(up).f32(), n);
+    if (computing())
+      kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), fp32_value(up).f32(), n);
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -396,11 +471,13 @@ Variable swiglu(const Variable& gate, const Variable& up) {
       // read (linear layers in bf16 mode) and this is their only contribution.
       if (gg && gu && gs.dtype() == DType::BF16 && gg->rounded_ok() && gu->rounded_ok()) {
         const Tensor dg16 = gg->rounded_for_overwrite(), du16 = gu->rounded_for_overwrite();
+        if (!computing()) return;
         return kernels::swiglu_backward_rounded(dg16.bf16(), du16.bf16(), dy.f32(), gs.bf16(),
                                                 us.bf16(), n);
       }
-      const KernelGrads g = kernel_grads({&gg, &gu}, Shape{n});
+      const KernelGrads g = kernel_grads({{&gg, Shape{n}}, {&gu, Shape{n}}});
       const Tensor &dg = g.grads[0], &du = g.grads[1];
+      if (!computing()) return;
       if (gs.dtype() == DType::BF16)
         kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.bf16(), us.bf16(), n,
                                  g.accumulate);
@@ -416,7 +493,7 @@ Variable add(const Variable& a, const Variable& b) {
   const int64_t n = a.value().numel();
   Scope scope("add", Pass::Forward);
   Tensor y = new_activation(a.shape());
-  kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
+  if (computing()) kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
   const bool grad = needs_grad({&a, &b});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -429,11 +506,12 @@ Variable add(const Variable& a, const Variable& b) {
         if (!*g) continue;
         const Tensor rounded = (*g)->rounded_for_overwrite();
         if (rounded.defined()) {
-          kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
+          if (computing()) kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
           continue;
         }
         float beta = 0.0f;
         float* d = (*g)->get_for_accumulate(&beta).f32();
+        if (!computing()) continue;
         if (beta == 0.0f)
           kernels::vector_copy(d, dy.f32(), n);
         else
@@ -453,12 +531,14 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   Scope scope("cross_entropy", Pass::Forward);
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
   Tensor lse = new_activation(Shape{N});
-  kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(),
-                                 targets.i32(), N, V);
-  double sum = 0.0;
-  for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
   Tensor y = new_activation(Shape{1});
-  y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+  if (computing()) {
+    kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(),
+                                   targets.i32(), N, V);
+    double sum = 0.0;
+    for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
+    y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+  }
   const bool grad = needs_grad({&logits});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -467,9 +547,11 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       Tensor dlosses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
+      const Tensor& dlogits = gl->get_or_zeros();
+      if (!computing()) return;
       const float each = dy.f32()[0] / static_cast<float>(N);
       for (int64_t i = 0; i < N; ++i) dlosses.f32()[i] = each;
-      kernels::cross_entropy_backward(gl->get_or_zeros().f32(), lv.f32(), lse.f32(),
+      kernels::cross_entropy_backward(dlogits.f32(), lv.f32(), lse.f32(),
                                       targets.i32(), dlosses.f32(), N, V);
     });
   }
@@ -510,7 +592,9 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
     linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
     Scope ce("cross_entropy", Pass::Forward);
-    if (!grad) {
+    if (!computing()) {
+      continue;
+    } else if (!grad) {
       kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
                                      V);
     } else if (bf16) {  // the gradient's rounding straight from each row, while it is in cache
@@ -521,10 +605,12 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
                                               each, m, V);
     }
   }
-  double sum = 0.0;
-  for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
   Tensor y = new_activation(Shape{1});
-  y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+  if (computing()) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
+    y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+  }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
@@ -533,7 +619,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
                      gy = out.grad_ref(), N, V, K, bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      const float scale = dy.f32()[0];
+      const float scale = computing() ? dy.f32()[0] : 1.0f;
       if (scale != 1.0f) {  // in place: the tape runs once
         if (bf16) {
           uint16_t* d = dl.bf16();

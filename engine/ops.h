@@ -9,18 +9,25 @@ namespace cputrain {
 
 // table (V, C), tokens (B, T) i32 -> (B, T, C).
 Variable embedding(const Variable& table, const Tensor& tokens);
-// x (..., K), w (N, K) -> x w^T (..., N).
-Variable linear(const Variable& x, const Variable& w);
+// x (..., K), w (N, K), b (N) or undefined -> x w^T + b (..., N). In bf16 mode the products take
+// the bf16 roundings of x and w, and b's gradient sums the rounding of the output's gradient,
+// as the weight's does.
+Variable linear(const Variable& x, const Variable& w, const Variable& b = Variable());
 // linear, for an output only GEMMs and attention read: in bf16 mode its value is its bf16
-// rounding alone (rounded in the GEMM's registers where gemm_bf16_rounded_direct), the same bits
-// as linear's output rounded; ops on FP32 values refuse it. In fp32 mode, linear.
-Variable linear_rounded(const Variable& x, const Variable& w);
+// rounding alone (rounded in the GEMM's registers where gemm_bf16_rounded_direct and there is
+// no bias), the same bits as linear's output rounded; ops on FP32 values refuse it. In fp32
+// mode, linear.
+Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b = Variable());
 // x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
 Variable rmsnorm(const Variable& x, const Variable& w, float eps);
-// x (B, T, C) seen as (B, T, H, D); table from kernels::rope_table with at least T rows.
-Variable rope(const Variable& x, const Tensor& table, int64_t n_heads);
-// q, k, v (B, T, C) -> causal softmax(q k^T / sqrt(D)) v per head, (B, T, C).
-Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads);
+// x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
+// pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h).
+Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split);
+// q (B, T, H * D), k and v (B, T, KVH * D) -> causal softmax(q k^T / sqrt(D)) v per query head,
+// (B, T, H * D); query head h attends with key/value head h / (H / KVH) (grouped-query
+// attention; KVH = H is multi-head).
+Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
+                   int64_t n_kv_heads);
 // silu(gate) * up, elementwise. In bf16 mode its value is its bf16 rounding only (what a GEMM
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.

@@ -2,33 +2,62 @@
 
 #include <stdexcept>
 
+#include "engine/hash.h"
 #include "kernels/bf16.h"
 
 namespace cputrain {
+namespace {
+
+// FP32 elements of one parameter's slice: each starts on a 64-byte boundary.
+int64_t padded_f32(int64_t numel) { return (numel + 15) / 16 * 16; }
+// bf16 elements of one copy: each starts on a 64-byte boundary, as the weights do.
+int64_t padded_bf16(int64_t numel) { return (numel + 31) / 32 * 32; }
+
+}  // namespace
 
 int ParameterSet::add(const std::string& name, const Shape& shape, bool decay, bool bf16_copy) {
   if (weights_.defined()) throw std::logic_error("ParameterSet::add after allocate");
-  infos_.push_back({name, shape, numel_, decay, bf16_copy});
-  // Each parameter starts on a 64-byte boundary.
-  numel_ += (shape.numel() + 15) / 16 * 16;
+  ParameterInfo info;
+  info.name = name;
+  info.shape = shape;
+  info.decay = decay;
+  info.bf16_copy = bf16_copy;
+  infos_.push_back(info);
   return static_cast<int>(infos_.size()) - 1;
 }
 
-void ParameterSet::allocate() {
-  weights_ = Tensor::zeros(Shape{numel_}, DType::F32, MemoryCategory::Weights);
-  gradients_ = Tensor::zeros(Shape{numel_}, DType::F32, MemoryCategory::Gradients);
-  vars_.clear();
-  for (const ParameterInfo& p : infos_) {
-    Variable v(weights_.view(p.offset, p.shape), true);
-    v.grad_ref()->bind(gradients_.view(p.offset, p.shape));
-    vars_.push_back(v);
-  }
+void ParameterSet::set_trainable(int index, bool trainable) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::set_trainable after allocate");
+  infos_.at(static_cast<size_t>(index)).trainable = trainable;
 }
 
-namespace {
-// bf16 elements of one copy: each starts on a 64-byte boundary, as the weights do.
-int64_t padded_bf16(int64_t numel) { return (numel + 31) / 32 * 32; }
-}  // namespace
+void ParameterSet::allocate(DType compute) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::allocate twice");
+  const bool bf16 = compute == DType::BF16;
+  numel_ = 0;
+  trainable_numel_ = 0;
+  for (ParameterInfo& p : infos_) {
+    const bool bf16_only = bf16 && !p.trainable && p.bf16_copy;
+    p.offset = bf16_only ? -1 : numel_;
+    if (!bf16_only) numel_ += padded_f32(p.shape.numel());
+    p.grad_offset = p.trainable ? trainable_numel_ : -1;
+    if (p.trainable) trainable_numel_ += padded_f32(p.shape.numel());
+  }
+  weights_ = Tensor::zeros(Shape{numel_}, DType::F32, MemoryCategory::Weights);
+  if (trainable_numel_ > 0)
+    gradients_ = Tensor::zeros(Shape{trainable_numel_}, DType::F32, MemoryCategory::Gradients);
+  vars_.clear();
+  for (const ParameterInfo& p : infos_) {
+    if (p.offset < 0) {  // its value comes with the bf16 copies, below
+      vars_.emplace_back();
+      continue;
+    }
+    Variable v(weights_.view(p.offset, p.shape), p.trainable);
+    if (p.trainable) v.grad_ref()->bind(gradients_.view(p.grad_offset, p.shape));
+    vars_.push_back(v);
+  }
+  if (bf16) enable_bf16_copies();
+}
 
 int64_t ParameterSet::bf16_copy_numel() const {
   int64_t total = 0;
@@ -49,18 +78,57 @@ void ParameterSet::enable_bf16_copies() {
   bf16_weights_ = Tensor::zeros(Shape{offset}, DType::BF16, MemoryCategory::Bf16Weights);
   for (size_t i = 0; i < infos_.size(); ++i) {
     const ParameterInfo& p = infos_[i];
-    if (p.bf16_offset >= 0) vars_[i].set_bf16_copy(bf16_weights_.view(p.bf16_offset, p.shape));
+    if (p.bf16_offset < 0) continue;
+    const Tensor copy = bf16_weights_.view(p.bf16_offset, p.shape);
+    if (p.offset < 0)
+      vars_[i] = Variable(copy, false);  // a frozen weight that lives as bf16 alone
+    else
+      vars_[i].set_bf16_copy(copy);
   }
   sync_bf16_copies();
 }
 
 void ParameterSet::sync_bf16_copies() const {
-  if (!has_bf16_copies()) return;
+  if (!has_bf16_copies() || weights_.measured()) return;
   for (const ParameterInfo& p : infos_) {
-    if (p.bf16_offset < 0) continue;
+    if (p.bf16_offset < 0 || p.offset < 0) continue;
     kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset,
                                 weights_.f32() + p.offset, p.shape.numel());
   }
+}
+
+void ParameterSet::read_values(int index, float* values) const {
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  const int64_t n = p.shape.numel();
+  if (p.offset >= 0) {
+    std::copy_n(weights_.f32() + p.offset, n, values);
+  } else {
+    kernels::bf16_to_fp32_array(values, bf16_weights_.bf16() + p.bf16_offset, n);
+  }
+}
+
+void ParameterSet::write_values(int index, const float* values) const {
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  const int64_t n = p.shape.numel();
+  if (p.offset >= 0) std::copy_n(values, n, weights_.f32() + p.offset);
+  if (has_bf16_copies() && p.bf16_offset >= 0)
+    kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset, values, n);
+}
+
+uint64_t ParameterSet::frozen_fingerprint() const {
+  uint64_t h = kFnvOffset;
+  bool any = false;
+  for (const ParameterInfo& p : infos_) {
+    if (p.trainable) continue;
+    any = true;
+    h = fnv1a(p.name, h);
+    const int64_t n = p.shape.numel();
+    if (p.offset >= 0)
+      h = fnv1a(weights_.f32() + p.offset, static_cast<size_t>(n) * 4, h);
+    else
+      h = fnv1a(bf16_weights_.bf16() + p.bf16_offset, static_cast<size_t>(n) * 2, h);
+  }
+  return any ? h : 0;
 }
 
 int ParameterSet::find(const std::string& name) const {

@@ -1,9 +1,14 @@
-// The trainable parameters of a model: one contiguous FP32 allocation for the weights and one
-// for their gradients (llm.c's layout), described by a table of names, shapes and offsets.
-// Each parameter is a Variable viewing its slice, with its gradient bound to the matching
-// slice of the gradient buffer.
+// The parameters of a model: one contiguous FP32 allocation for the master weights and one for
+// the gradients of the trainable ones (llm.c's layout), described by a table of names, shapes and
+// offsets. Each parameter is a Variable viewing its slice; a trainable one has its gradient bound
+// to its slice of the gradient buffer.
+//
+// A frozen parameter (set_trainable(index, false) before allocate) has no gradient and takes no
+// part in the optimizer. Where the set is allocated for bf16 compute, a frozen parameter with a
+// bf16 copy (a GEMM weight) has no FP32 master at all: its value is its bf16 copy.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -14,27 +19,45 @@ namespace cputrain {
 struct ParameterInfo {
   std::string name;
   Shape shape;
-  int64_t offset = 0;  // in elements, into weights() and gradients()
-  bool decay = false;  // takes weight decay (matrices do, norm gains do not)
+  int64_t offset = -1;        // in elements into weights(); -1: no FP32 master (bf16 only)
+  bool decay = false;         // takes weight decay (matrices do, norm gains do not)
   bool bf16_copy = false;     // gets a bf16 copy in bf16 training (it feeds GEMMs)
   int64_t bf16_offset = -1;   // in elements, into bf16_weights(), once the copies exist
+  bool trainable = true;
+  int64_t grad_offset = -1;   // in elements into gradients() (and AdamW's m and v); -1: frozen
 };
 
 class ParameterSet {
  public:
   // Declares a parameter; returns its index. Only before allocate().
   int add(const std::string& name, const Shape& shape, bool decay, bool bf16_copy = false);
-  // Allocates the weights (zeroed) and gradients (zeroed) for everything declared.
-  void allocate();
+  // Marks a declared parameter frozen (or trainable again). Only before allocate().
+  void set_trainable(int index, bool trainable);
+  // Allocates the weights (zeroed) and the gradients of the trainable parameters (zeroed). With
+  // compute BF16 the bf16 copies are made at once, and frozen parameters that have one get no
+  // FP32 master.
+  void allocate(DType compute = DType::F32);
 
   const std::vector<ParameterInfo>& infos() const { return infos_; }
   const Variable& var(int index) const { return vars_[index]; }
+  // Elements of the FP32 masters, padding included.
   int64_t numel() const { return numel_; }
+  // Elements of the gradients (and of each of AdamW's m and v), padding included.
+  int64_t trainable_numel() const { return trainable_numel_; }
   const Tensor& weights() const { return weights_; }
   const Tensor& gradients() const { return gradients_; }
   // Index of the parameter called `name`, or -1.
   int find(const std::string& name) const;
-  void zero_grad() const { gradients_.fill_zero(); }
+  void zero_grad() const {
+    if (gradients_.defined()) gradients_.fill_zero();
+  }
+
+  // The parameter's values, as FP32 (n = its element count), from its master or, where it has
+  // none, its bf16 copy widened.
+  void read_values(int index, float* values) const;
+  // Sets the parameter's values: into its FP32 master (and its bf16 copy, where it has one), or
+  // rounded into its bf16 copy where that is all it has.
+  void write_values(int index, const float* values) const;
 
   // Allocates (once) the bf16 copies of the parameters declared with bf16_copy, as
   // Bf16Weights, attaches each to its Variable (Variable::bf16_value) and fills them. AdamW
@@ -44,13 +67,19 @@ class ParameterSet {
   int64_t bf16_copy_numel() const;
   bool has_bf16_copies() const { return bf16_weights_.defined(); }
   const Tensor& bf16_weights() const { return bf16_weights_; }
-  // Rounds the current weights into the copies; nothing without them.
+  // Rounds the current FP32 masters into the copies; nothing without them.
   void sync_bf16_copies() const;
+
+  // FNV-1a of the frozen parameters' names and values as stored (FP32 or bf16 bytes): what a
+  // checkpoint of the trainable ones records, so that it is resumed on the same frozen base
+  // only. 0 where nothing is frozen.
+  uint64_t frozen_fingerprint() const;
 
  private:
   std::vector<ParameterInfo> infos_;
   std::vector<Variable> vars_;
   int64_t numel_ = 0;
+  int64_t trainable_numel_ = 0;
   Tensor weights_;
   Tensor gradients_;
   Tensor bf16_weights_;

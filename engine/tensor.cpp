@@ -104,12 +104,14 @@ int32_t* Tensor::i32() const {
   return static_cast<int32_t*>(raw());
 }
 
-void Tensor::fill_zero() const { std::memset(raw(), 0, bytes()); }
+void Tensor::fill_zero() const {
+  if (!measured()) std::memset(raw(), 0, bytes());
+}
 
 void Tensor::copy_from(const Tensor& other) const {
   if (other.dtype_ != dtype_ || other.numel() != numel())
     throw std::invalid_argument("copy_from: " + other.shape_.str() + " to " + shape_.str());
-  std::memcpy(raw(), other.raw(), bytes());
+  if (!measured()) std::memcpy(raw(), other.raw(), bytes());
 }
 
 }  // namespace cputrain

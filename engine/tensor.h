@@ -63,6 +63,9 @@ class Tensor {
   DType dtype() const { return dtype_; }
   size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
   MemoryCategory category() const { return storage_->category(); }
+  // Made while measuring (engine/memory.h): a size and a category, no elements. fill_zero and
+  // copy_from do nothing on it; its element pointers must not be read.
+  bool measured() const { return storage_->data() == nullptr; }
 
   // The same elements under another shape of equal numel.
   Tensor reshape(const Shape& shape) const;

@@ -27,13 +27,13 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
     params_.zero_grad();
   }
   for (int64_t micro = 0; micro < options_.accum; ++micro) {
-    {
+    if (!measuring()) {
       profiler::Scope scope("sample batch", profiler::Pass::Step);
       sample_windows(tokens, options_.ctx, options_.seed, static_cast<uint64_t>(step), micro * B, B,
                      inputs_.i32(), targets_.i32());
     }
     Variable loss = loss_fn_(inputs_, targets_);
-    loss_sum += loss.value().f32()[0];
+    if (!measuring()) loss_sum += loss.value().f32()[0];
     backward(loss, 1.0f / static_cast<float>(options_.accum));
   }
   StepResult r;
@@ -67,8 +67,9 @@ double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>
     const int64_t rows = std::min(batch, windows - first);
     Tensor in = inputs.view(0, Shape{rows, ctx});
     Tensor tgt = targets.view(0, Shape{rows, ctx});
-    eval_windows(tokens, ctx, first, rows, in.i32(), tgt.i32());
-    sum += static_cast<double>(loss_fn(in, tgt).value().f32()[0]) * static_cast<double>(rows);
+    if (!measuring()) eval_windows(tokens, ctx, first, rows, in.i32(), tgt.i32());
+    const Variable loss = loss_fn(in, tgt);
+    if (!measuring()) sum += static_cast<double>(loss.value().f32()[0]) * static_cast<double>(rows);
     if (progress) progress(first + rows, windows);
   }
   return windows > 0 ? sum / static_cast<double>(windows) : 0.0;

@@ -1,5 +1,7 @@
 #include "engine/weights_file.h"
 
+#include <vector>
+
 #include "engine/atomic_file.h"
 #include "engine/binary_io.h"
 #include "engine/error.h"
@@ -27,8 +29,18 @@ void save_weights(const std::string& path, const ParameterSet& params,
     count += static_cast<uint64_t>(p.shape.numel());
   }
   w.value(count);
-  for (const ParameterInfo& p : params.infos())
-    w.bytes(params.weights().f32() + p.offset, static_cast<size_t>(p.shape.numel()) * 4);
+  std::vector<float> widened;  // a parameter that lives as bf16 alone, as FP32
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& p = params.infos()[i];
+    const auto bytes = static_cast<size_t>(p.shape.numel()) * 4;
+    if (p.offset >= 0) {
+      w.bytes(params.weights().f32() + p.offset, bytes);
+      continue;
+    }
+    widened.resize(static_cast<size_t>(p.shape.numel()));
+    params.read_values(static_cast<int>(i), widened.data());
+    w.bytes(widened.data(), bytes);
+  }
   w.checksum();
   out.commit();
 }
@@ -56,8 +68,18 @@ void load_weights(const std::string& path, const ParameterSet& params) {
                       p.shape.str());
   }
   r.value<uint64_t>();
-  for (const ParameterInfo& p : params.infos())
-    r.bytes(params.weights().f32() + p.offset, static_cast<size_t>(p.shape.numel()) * 4);
+  std::vector<float> values;  // for a parameter that lives as bf16 alone
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& p = params.infos()[i];
+    const auto bytes = static_cast<size_t>(p.shape.numel()) * 4;
+    if (p.offset >= 0) {
+      r.bytes(params.weights().f32() + p.offset, bytes);
+      continue;
+    }
+    values.resize(static_cast<size_t>(p.shape.numel()));
+    r.bytes(values.data(), bytes);
+    params.write_values(static_cast<int>(i), values.data());
+  }
   params.sync_bf16_copies();
 }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/bf16.h"
+
 namespace cputrain::kernels {
 
 void embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t N,
@@ -11,6 +13,13 @@ void embedding_forward(float* out, const int32_t* tokens, const float* table, in
   for (int64_t i = 0; i < N; ++i)
     std::memcpy(out + i * C, table + static_cast<int64_t>(tokens[i]) * C,
                 static_cast<size_t>(C) * sizeof(float));
+}
+
+void embedding_forward_bf16(float* out, const int32_t* tokens, const uint16_t* table, int64_t N,
+                            int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i)
+    bf16_to_fp32_array(out + i * C, table + static_cast<int64_t>(tokens[i]) * C, C);
 }
 
 void embedding_backward(float* dtable, const float* dout, const int32_t* tokens, int64_t N,

@@ -106,24 +106,33 @@ namespace detail {
 std::atomic<int64_t> fused_rows_shared{0};
 std::atomic<int64_t> fused_rows_a_shared{0};
 
-float* gemm_pack_buffer(size_t floats, int which) {
-  // Each buffer remembers the allocator it came from, in case another is installed later.
-  struct Buffer {
-    float* data = nullptr;
-    size_t bytes = 0;
-    WorkspaceFree release = nullptr;
-    void reset() {
-      if (data != nullptr) {
-        release(data, bytes);
-        workspace_bytes -= bytes;
-      }
-      data = nullptr;
-      bytes = 0;
+namespace {
+
+// Each buffer remembers the allocator it came from, in case another is installed later.
+struct Buffer {
+  float* data = nullptr;
+  size_t bytes = 0;
+  WorkspaceFree release = nullptr;
+  void reset() {
+    if (data != nullptr) {
+      release(data, bytes);
+      workspace_bytes -= bytes;
     }
-    ~Buffer() { reset(); }
-  };
+    data = nullptr;
+    bytes = 0;
+  }
+  ~Buffer() { reset(); }
+};
+
+Buffer* thread_buffers() {
   thread_local Buffer buffers[4];
-  Buffer& b = buffers[which];
+  return buffers;
+}
+
+}  // namespace
+
+float* gemm_pack_buffer(size_t floats, int which) {
+  Buffer& b = thread_buffers()[which];
   if (b.bytes < floats * sizeof(float)) {
     b.reset();
     const WorkspaceAllocator allocator = workspace_allocator();
@@ -379,6 +388,10 @@ std::string gemm_available_backends() {
 }
 
 size_t gemm_workspace_bytes() { return workspace_bytes.load(); }
+
+void gemm_release_buffers() {
+  for (int i = 0; i < 4; ++i) detail::thread_buffers()[i].reset();
+}
 
 std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M,
                                         int64_t N, int64_t K) {

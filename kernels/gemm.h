@@ -93,6 +93,8 @@ void gemm_set_fused_k_blocks(int blocks);
 int gemm_fused_k_blocks();
 // Bytes held by GEMM buffers (kept between calls, one set per calling thread).
 size_t gemm_workspace_bytes();
+// Frees the calling thread's GEMM buffers; the next product allocates what it needs again.
+void gemm_release_buffers();
 // Bytes each of the calling thread's four GEMM buffers needs for one product of these sizes on
 // the selected backend: [0] and [1] packed panels of our blocked kernels, [2] and [3] the FP32
 // widenings of bf16 operands where the backend has no bf16 instructions. Each buffer grows to

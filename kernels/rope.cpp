@@ -10,14 +10,16 @@ namespace {
 inline void put(float& out, float y, bool accumulate) { out = accumulate ? out + y : y; }
 inline void put(uint16_t& out, float y, bool) { out = fp32_to_bf16(y); }
 
-// Rotates every adjacent pair of `in` by the table's angle for its position, or by minus that
-// angle (the inverse, for backward) when Inverse; stores into or (FP32 only) adds onto `out`,
-// rounding to bf16 where Out is bf16.
+// Rotates every pair of `in` (adjacent, or half-split) by the table's angle for its position,
+// or by minus that angle (the inverse, for backward) when Inverse; stores into or (FP32 only)
+// adds onto `out`, rounding to bf16 where Out is bf16.
 template <bool Inverse, bool Accumulate, class Out>
 void rotate_pairs(Out* out, const float* in, const float* table, int64_t B, int64_t T,
-                  int64_t H, int64_t D) {
+                  int64_t H, int64_t D, bool half_split) {
   const int64_t half = D / 2;
   const float sign = Inverse ? -1.0f : 1.0f;
+  // Pair j is (x[first * j], x[first * j + second]).
+  const int64_t first = half_split ? 1 : 2, second = half_split ? half : 1;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -26,10 +28,11 @@ void rotate_pairs(Out* out, const float* in, const float* table, int64_t B, int6
         const int64_t base = ((b * T + t) * H + h) * D;
         for (int64_t j = 0; j < half; ++j) {
           const float c = cs[2 * j], s = sign * cs[2 * j + 1];
-          const float x0 = in[base + 2 * j], x1 = in[base + 2 * j + 1];
+          const int64_t i0 = base + first * j, i1 = i0 + second;
+          const float x0 = in[i0], x1 = in[i1];
           const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-          put(out[base + 2 * j], y0, Accumulate);
-          put(out[base + 2 * j + 1], y1, Accumulate);
+          put(out[i0], y0, Accumulate);
+          put(out[i1], y1, Accumulate);
         }
       }
     }
@@ -51,24 +54,24 @@ void rope_table(float* table, int64_t T, int64_t D, double theta) {
 }
 
 void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T,
-                  int64_t H, int64_t D) {
-  rotate_pairs<false, false>(out, inp, table, B, T, H, D);
+                  int64_t H, int64_t D, bool half_split) {
+  rotate_pairs<false, false>(out, inp, table, B, T, H, D, half_split);
 }
 
 void rope_forward_bf16(uint16_t* out, const float* inp, const float* table, int64_t B, int64_t T,
-                       int64_t H, int64_t D) {
-  rotate_pairs<false, false>(out, inp, table, B, T, H, D);
+                       int64_t H, int64_t D, bool half_split) {
+  rotate_pairs<false, false>(out, inp, table, B, T, H, D, half_split);
 }
 
 void rope_backward(float* dinp, const float* dout, const float* table, int64_t B, int64_t T,
-                   int64_t H, int64_t D, bool accumulate) {
-  if (accumulate) return rotate_pairs<true, true>(dinp, dout, table, B, T, H, D);
-  rotate_pairs<true, false>(dinp, dout, table, B, T, H, D);
+                   int64_t H, int64_t D, bool half_split, bool accumulate) {
+  if (accumulate) return rotate_pairs<true, true>(dinp, dout, table, B, T, H, D, half_split);
+  rotate_pairs<true, false>(dinp, dout, table, B, T, H, D, half_split);
 }
 
 void rope_backward_bf16(uint16_t* dinp, const float* dout, const float* table, int64_t B, int64_t T,
-                        int64_t H, int64_t D) {
-  rotate_pairs<true, false>(dinp, dout, table, B, T, H, D);
+                        int64_t H, int64_t D, bool half_split) {
+  rotate_pairs<true, false>(dinp, dout, table, B, T, H, D, half_split);
 }
 
 }  // namespace cputrain::kernels

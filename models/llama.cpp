@@ -5,6 +5,7 @@
 #include <numbers>
 #include <random>
 #include <stdexcept>
+#include <vector>
 
 #include "engine/ops.h"
 #include "kernels/attention.h"
@@ -14,16 +15,24 @@ namespace cputrain {
 
 LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& params) {
   const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
+  const int64_t Q = config.q_dim(), KV = config.kv_dim();
   Layout layout;
-  layout.tok_embeddings = params.add("tok_embeddings.weight", Shape{V, C}, true);
+  // Tied: the embedding is also the LM head's weight, a GEMM operand (bf16 copy).
+  layout.tok_embeddings = params.add("tok_embeddings.weight", Shape{V, C}, true,
+                                     config.tie_embeddings);
   for (int64_t i = 0; i < config.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     Block b;
     b.attention_norm = params.add(l + "attention_norm.weight", Shape{C}, false);
-    b.wq = params.add(l + "attention.wq.weight", Shape{C, C}, true, true);
-    b.wk = params.add(l + "attention.wk.weight", Shape{C, C}, true, true);
-    b.wv = params.add(l + "attention.wv.weight", Shape{C, C}, true, true);
-    b.wo = params.add(l + "attention.wo.weight", Shape{C, C}, true, true);
+    b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
+    b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
+    b.wv = params.add(l + "attention.wv.weight", Shape{KV, C}, true, true);
+    if (config.qkv_bias) {
+      b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
+      b.bk = params.add(l + "attention.wk.bias", Shape{KV}, false);
+      b.bv = params.add(l + "attention.wv.bias", Shape{KV}, false);
+    }
+    b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
     b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
     b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
     b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
@@ -31,7 +40,9 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& 
     layout.blocks.push_back(b);
   }
   layout.norm = params.add("norm.weight", Shape{C}, false);
-  layout.output = params.add("output.weight", Shape{V, C}, true, true);
+  layout.output = config.tie_embeddings
+                      ? layout.tok_embeddings
+                      : params.add("output.weight", Shape{V, C}, true, true);
   return layout;
 }
 
@@ -39,19 +50,26 @@ void LlamaModel::declare_parameters(const LlamaConfig& config, ParameterSet& par
   declare(config, params);
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config) : config_(config) {
-  const std::string error = validate(config);
-  if (!error.empty()) throw std::invalid_argument(error);
+LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
+    : config_(config) {
+  if (const auto problem = validate(config)) throw std::invalid_argument(problem->str());
+  if (options.compute_dtype != DType::F32 && options.compute_dtype != DType::BF16)
+    throw std::invalid_argument("compute dtype must be f32 or bf16");
   Layout layout = declare(config, params_);
   tok_embeddings_ = layout.tok_embeddings;
   blocks_ = std::move(layout.blocks);
   norm_ = layout.norm;
   output_ = layout.output;
-  params_.allocate();
+  if (options.trainable)
+    for (size_t i = 0; i < params_.infos().size(); ++i)
+      params_.set_trainable(static_cast<int>(i), options.trainable(params_.infos()[i].name));
+  params_.allocate(options.compute_dtype);
+  compute_dtype_ = options.compute_dtype;
 
-  const int64_t D = config.head_dim();
+  const int64_t D = config.head_size();
   rope_table_ = Tensor::empty(Shape{config.ctx, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
-  kernels::rope_table(rope_table_.f32(), config.ctx, D, config.rope_theta);
+  if (!rope_table_.measured())
+    kernels::rope_table(rope_table_.f32(), config.ctx, D, config.rope_theta);
 }
 
 void LlamaModel::init_weights(uint64_t seed) {
@@ -65,43 +83,55 @@ void LlamaModel::init_weights(uint64_t seed) {
   const double std_matrix = 0.02;
   const double std_residual = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layers));
   params_.weights().fill_zero();
-  for (const ParameterInfo& info : params_.infos()) {
-    float* w = params_.weights().f32() + info.offset;
+  std::vector<float> w;
+  for (size_t index = 0; index < params_.infos().size(); ++index) {
+    const ParameterInfo& info = params_.infos()[index];
     const int64_t n = info.shape.numel();
-    if (info.shape.ndim() == 1) {
-      for (int64_t i = 0; i < n; ++i) w[i] = 1.0f;
-      continue;
+    w.assign(static_cast<size_t>(n), 0.0f);
+    if (info.name.ends_with(".bias")) {
+      // zero
+    } else if (info.shape.ndim() == 1) {
+      std::fill(w.begin(), w.end(), 1.0f);
+    } else {
+      const bool residual = info.name.ends_with("attention.wo.weight") ||
+                            info.name.ends_with("feed_forward.w2.weight");
+      const double stddev = residual ? std_residual : std_matrix;
+      for (float& x : w) x = static_cast<float>(stddev * normal());
     }
-    const bool residual = info.name.ends_with("attention.wo.weight") ||
-                          info.name.ends_with("feed_forward.w2.weight");
-    const double stddev = residual ? std_residual : std_matrix;
-    for (int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(stddev * normal());
+    params_.write_values(static_cast<int>(index), w.data());
   }
-  params_.sync_bf16_copies();
 }
 
 void LlamaModel::set_compute_dtype(DType dtype) {
   if (dtype != DType::F32 && dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
   if (dtype == DType::BF16) params_.enable_bf16_copies();
+  for (const ParameterInfo& info : params_.infos())
+    if (dtype == DType::F32 && info.offset < 0)
+      throw std::invalid_argument("a model built for bf16 with frozen bf16 weights cannot compute "
+                                  "in f32 (" + info.name + ")");
   compute_dtype_ = dtype;
+}
+
+Variable LlamaModel::bias(int index) const {
+  return index >= 0 ? p(index) : Variable();
 }
 
 Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
                                    const Attend& attend) {
   const float eps = config_.norm_eps;
-  const int64_t H = config_.n_heads;
+  const int64_t H = config_.n_heads, KVH = config_.kv_heads();
+  const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
-  // there (the ops that need them in backward have saved them). models/memory_budget.cpp
-  // replays this order.
+  // there (the ops that need them in backward have saved them).
   Variable a;
   {
     Variable q, k, v;
     {
       const Variable h = rmsnorm(x, p(b.attention_norm), eps);
-      q = rope(linear(h, p(b.wq)), rope_table, H);
-      k = rope(linear(h, p(b.wk)), rope_table, H);
-      v = linear_rounded(h, p(b.wv));  // attention reads only its rounding
+      q = rope(linear(h, p(b.wq), bias(b.bq)), rope_table, H, half_split);
+      k = rope(linear(h, p(b.wk), bias(b.bk)), rope_table, KVH, half_split);
+      v = linear_rounded(h, p(b.wv), bias(b.bv));  // attention reads only its rounding
     }
     a = add(x, linear(attend(q, k, v), p(b.wo)));
   }
@@ -118,9 +148,9 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
 Variable LlamaModel::hidden(const Tensor& inputs) {
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
-  const int64_t H = config_.n_heads;
-  const Attend attend = [H](const Variable& q, const Variable& k, const Variable& v) {
-    return attention(q, k, v, H);
+  const int64_t H = config_.n_heads, KVH = config_.kv_heads();
+  const Attend attend = [H, KVH](const Variable& q, const Variable& k, const Variable& v) {
+    return attention(q, k, v, H, KVH);
   };
   Variable x = embedding(p(tok_embeddings_), inputs);
   for (const Block& b : blocks_) {
@@ -166,7 +196,7 @@ Tensor LlamaModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
 LlamaModel::KvCache LlamaModel::new_kv_cache() const {
   KvCache cache;
   for (size_t l = 0; l < blocks_.size(); ++l) {
-    const Shape shape{config_.ctx, config_.d_model};
+    const Shape shape{config_.ctx, config_.kv_dim()};
     cache.keys.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
     cache.values.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
   }
@@ -175,8 +205,8 @@ LlamaModel::KvCache LlamaModel::new_kv_cache() const {
 
 Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   const auto m = static_cast<int64_t>(tokens.size());
-  const int64_t n = cache.length, C = config_.d_model, H = config_.n_heads;
-  const int64_t D = C / H;
+  const int64_t n = cache.length, H = config_.n_heads, KVH = config_.kv_heads();
+  const int64_t D = config_.head_size(), Q = config_.q_dim(), KV = config_.kv_dim();
   if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size())
     throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
   NoGradGuard no_grad;
@@ -191,11 +221,11 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
     const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v) {
-      std::copy_n(attention_input(k).f32(), m * C, cache.keys[l].f32() + n * C);
-      std::copy_n(attention_input(v).f32(), m * C, cache.values[l].f32() + n * C);
-      Tensor att = Tensor::empty(Shape{1, m, C}, DType::F32, MemoryCategory::Workspace);
+      std::copy_n(attention_input(k).f32(), m * KV, cache.keys[l].f32() + n * KV);
+      std::copy_n(attention_input(v).f32(), m * KV, cache.values[l].f32() + n * KV);
+      Tensor att = Tensor::empty(Shape{1, m, Q}, DType::F32, MemoryCategory::Workspace);
       kernels::attention_decode(att.f32(), attention_input(q).f32(), cache.keys[l].f32(),
-                                cache.values[l].f32(), n, m, H, H, D);
+                                cache.values[l].f32(), n, m, H, KVH, D);
       return Variable(att, false);
     };
     x = block_forward(blocks_[l], x, table, attend);

@@ -1,19 +1,30 @@
 // The Llama-style decoder of DESIGN.md: token embedding; per block pre-norm RMSNorm, causal
-// multi-head attention with RoPE, RMSNorm, SwiGLU MLP, each with a residual; final RMSNorm;
-// untied LM head. Parameter names follow llama.cpp's "llama" architecture.
+// grouped-query attention with RoPE (q, k, v optionally with biases), RMSNorm, SwiGLU MLP, each
+// with a residual; final RMSNorm; an LM head of its own or tied to the embedding. Parameter
+// names follow Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "engine/parameters.h"
 #include "models/llama_config.h"
 
 namespace cputrain {
 
+// How a model is built, beside its shape.
+struct ModelOptions {
+  // F32 or BF16 (set_compute_dtype). Known at construction, a BF16 model keeps its frozen GEMM
+  // weights as bf16 alone (engine/parameters.h).
+  DType compute_dtype = DType::F32;
+  // Which parameters train, by name (LlamaModel::declare_parameters lists them); all where unset.
+  std::function<bool(const std::string& name)> trainable;
+};
+
 class LlamaModel {
  public:
-  explicit LlamaModel(const LlamaConfig& config);
+  explicit LlamaModel(const LlamaConfig& config, const ModelOptions& options = {});
 
   // Declares the model's parameters into `params` without allocating them: their names,
   // shapes, decay and bf16-copy flags, as the model holds them (the memory budget sizes them so).
@@ -24,11 +35,12 @@ class LlamaModel {
   const ParameterSet& parameters() const { return params_; }
 
   // Normal(0, 0.02) for matrices, 0.02 / sqrt(2 n_layers) for the output projections (wo, w2),
-  // ones for norm gains; deterministic in seed.
+  // ones for norm gains, zeros for biases; deterministic in seed.
   void init_weights(uint64_t seed);
 
   // F32 (the default) or BF16: the precision of loss, logits and last_logits (autograd.h,
-  // ComputeDTypeGuard). BF16 gives the GEMM weights bf16 copies, kept current by AdamW.
+  // ComputeDTypeGuard). BF16 gives the GEMM weights bf16 copies, kept current by AdamW (frozen
+  // weights keep their FP32 masters unless the model was built for BF16).
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return compute_dtype_; }
   // Per-layer gradient checkpointing: each block is a checkpoint region (autograd.h), so the
@@ -60,6 +72,7 @@ class LlamaModel {
  private:
   struct Block {
     int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
+    int bq = -1, bk = -1, bv = -1;  // the q, k, v biases; -1 without
   };
   struct Layout {
     int tok_embeddings = 0;
@@ -79,13 +92,15 @@ class LlamaModel {
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
   Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
   const Variable& p(int index) const { return params_.var(index); }
+  // The parameter at index, or an undefined Variable for -1 (no bias).
+  Variable bias(int index) const;
 
   LlamaConfig config_;
   ParameterSet params_;
   int tok_embeddings_ = 0;
   std::vector<Block> blocks_;
   int norm_ = 0;
-  int output_ = 0;
+  int output_ = 0;  // tok_embeddings_ where the embeddings are tied
   Tensor rope_table_;  // (ctx, D/2, 2)
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;

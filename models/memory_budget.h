@@ -1,16 +1,16 @@
-// The analytic memory budget of training a LlamaModel: bytes per memory category (engine/
-// memory.h) from the configuration and the run's options, without allocating anything.
-// Weights, their bf16 copies, gradients and AdamW state are sums over the parameter table.
-// Activations and workspace are found by replaying one training step's allocations in the
-// order the model and its ops make and free them (what each op saves for backward, the
-// gradients of activations, transient conversions, GEMM buffers), and the validation pass
-// between steps where the run makes one, keeping the peak of each category and of their sum.
-// The tracking allocator measures the same categories, so the two can be compared category by
-// category.
+// The memory budget of training a LlamaModel: bytes per memory category (engine/memory.h) from
+// the configuration and the run's options, without allocating anything. It is measured from the
+// real code: the model and trainer are built and three training steps (each followed by the
+// validation pass training makes between steps) run while measuring (engine/memory.h), where
+// every tensor records its size and category but gets no storage and no kernel runs. So what
+// an op saves for backward, the gradients of activations, transient conversions, GEMM buffers
+// and the block cache are counted as the allocator counts them in training, op by op, with no
+// copy of the model's allocations kept here.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "engine/memory.h"
@@ -30,6 +30,8 @@ struct BudgetOptions {
   // Validation windows (of ctx tokens) per evaluation between steps (Trainer::evaluate, in
   // micro-batches of batch windows); 0: the run evaluates none.
   int64_t eval_windows = 0;
+  // Which parameters train, by name (ModelOptions::trainable); all where unset.
+  std::function<bool(const std::string& name)> trainable;
 };
 
 struct MemoryBudget {
@@ -38,11 +40,8 @@ struct MemoryBudget {
   // The most all categories hold at one moment (not more than the sum of their peaks: the
   // activations peak at the end of the forward pass, the workspace during the backward pass).
   int64_t step_peak_bytes = 0;
-  // Of the workspace: the GEMM packing and widening buffers at their steady size.
-  int64_t gemm_buffer_bytes = 0;
   // Freed tensors the allocator's block cache keeps beyond the step peak (at most the largest
-  // tensor a step frees; engine/memory.cpp), from the same replay run over three steps (each
-  // followed by a validation pass where the run makes them).
+  // tensor a step frees; engine/memory.cpp), in the third step measured.
   int64_t cache_headroom_bytes = 0;
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;
@@ -59,7 +58,8 @@ struct MemoryBudget {
 // tokenizer), about 22 MiB once the OpenMP team and the GEMM libraries have run.
 inline constexpr int64_t kRuntimeBytes = 24ll << 20;
 
-// The budget on the GEMM backend selected now (its packing and widening buffers count).
+// The budget on the GEMM backend selected now (its packing and widening buffers count) and with
+// options.threads OpenMP threads (their buffers depend on it). Not while measuring already.
 MemoryBudget memory_budget(const LlamaConfig& config, const BudgetOptions& options);
 
 }  // namespace cputrain

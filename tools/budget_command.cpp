@@ -134,11 +134,7 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   app.add_option("--accum", t.accum, "Micro-batches per step (default: the preset's)")
       ->check(positive());
   app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")->check(positive());
-  app.add_option("--vocab", t.vocab, "Vocabulary size")->check(positive());
-  app.add_option("--d-model", t.d_model, "Model width")->check(positive());
-  app.add_option("--layers", t.layers, "Number of blocks")->check(positive());
-  app.add_option("--heads", t.heads, "Attention heads")->check(positive());
-  app.add_option("--ffn", t.ffn, "SwiGLU hidden width")->check(positive());
+  add_model_flags(app, t);
   app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
   app.add_option("--gemm", t.gemm, "GEMM implementation (its buffers count)");
   app.add_option("--dtype", t.dtype, "bf16 or fp32 (default: as train chooses)")

@@ -35,10 +35,15 @@ std::string run_config_to_json(const RunConfig& c) {
         {"d_model", c.model.d_model},
         {"n_layers", c.model.n_layers},
         {"n_heads", c.model.n_heads},
+        {"n_kv_heads", c.model.kv_heads()},
+        {"head_dim", c.model.head_size()},
         {"ffn", c.model.ffn},
         {"ctx", c.model.ctx},
         {"norm_eps", shortest(c.model.norm_eps)},
         {"rope_theta", c.model.rope_theta},
+        {"rope_pairs", rope_pairs_name(c.model.rope_pairs)},
+        {"qkv_bias", c.model.qkv_bias},
+        {"tie_embeddings", c.model.tie_embeddings},
         {"parameters", parameter_count(c.model)}}},
       {"train",
        {{"steps", c.steps},
@@ -78,6 +83,16 @@ RunConfig read_run_config(const std::string& path) {
     c.model.ctx = m.at("ctx").get<int64_t>();
     c.model.norm_eps = m.at("norm_eps").get<float>();
     c.model.rope_theta = m.at("rope_theta").get<double>();
+    // Runs made before these fields existed are plain multi-head, adjacent pairs, untied.
+    c.model.n_kv_heads = m.value("n_kv_heads", c.model.n_heads);
+    c.model.head_dim = m.value("head_dim", int64_t{0});
+    const std::string pairs = m.value("rope_pairs", std::string("adjacent"));
+    if (pairs != "adjacent" && pairs != "half-split")
+      throw UserError(path + ": model.rope_pairs must be adjacent or half-split (got " + pairs +
+                      ")");
+    c.model.rope_pairs = pairs == "adjacent" ? RopePairs::Adjacent : RopePairs::HalfSplit;
+    c.model.qkv_bias = m.value("qkv_bias", false);
+    c.model.tie_embeddings = m.value("tie_embeddings", false);
     const json& t = j.at("train");
     c.steps = t.at("steps").get<int64_t>();
     c.train.batch = t.at("batch").get<int64_t>();
@@ -105,8 +120,8 @@ RunConfig read_run_config(const std::string& path) {
   } catch (const json::exception& e) {
     throw UserError(path + ": malformed run configuration (" + e.what() + ")");
   }
-  const std::string error = validate(c.model);
-  if (!error.empty()) throw UserError(path + ": invalid model configuration: " + error);
+  if (const auto problem = validate(c.model))
+    throw UserError(path + ": invalid model configuration: model." + problem->str());
   return c;
 }
 

@@ -58,6 +58,22 @@ void require_positive(int64_t value, const char* flag) {
 
 }  // namespace
 
+std::string flag_message(const ConfigProblem& problem) {
+  static const std::pair<const char*, const char*> flags[] = {
+      {"vocab", "--vocab"},         {"d_model", "--d-model"},       {"n_layers", "--layers"},
+      {"n_heads", "--heads"},       {"n_kv_heads", "--kv-heads"},   {"head_dim", "--head-dim"},
+      {"ffn", "--ffn"},             {"ctx", "--ctx"},               {"rope_theta", "--rope-theta"}};
+  const auto flag = [](const std::string& field) {
+    for (const auto& [f, name] : flags)
+      if (field == f) return std::string(name);
+    return field;
+  };
+  ConfigProblem p = problem;
+  p.field = flag(p.field);
+  if (!p.other.empty()) p.other = flag(p.other);
+  return p.str();
+}
+
 RunConfig resolve_run_config(const TrainArgs& a) {
   const auto preset = find_preset(a.preset);
   if (!preset) {
@@ -80,8 +96,16 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   c.model.n_heads = take(a.heads, c.model.n_heads, "--heads");
   c.model.ffn = take(a.ffn, c.model.ffn, "--ffn");
   c.model.ctx = take(a.ctx, c.model.ctx, "--ctx");
-  const std::string error = validate(c.model);
-  if (!error.empty()) throw UserError(error);
+  c.model.n_kv_heads = a.kv_heads == -1 ? c.model.n_heads : take(a.kv_heads, 0, "--kv-heads");
+  c.model.head_dim = a.head_dim == -1 ? 0 : take(a.head_dim, 0, "--head-dim");
+  if (a.rope_theta != -1.0) c.model.rope_theta = a.rope_theta;
+  if (a.rope_pairs == "half-split") c.model.rope_pairs = RopePairs::HalfSplit;
+  else if (a.rope_pairs == "adjacent") c.model.rope_pairs = RopePairs::Adjacent;
+  else if (!a.rope_pairs.empty())
+    throw UserError("--rope-pairs " + a.rope_pairs + ": not a pairing (adjacent or half-split)");
+  c.model.qkv_bias = a.qkv_bias;
+  c.model.tie_embeddings = a.tie_embeddings;
+  if (const auto problem = validate(c.model)) throw UserError(flag_message(*problem));
   c.steps = take(a.steps, default_steps(a.preset), "--steps");
   c.train.batch = take(a.batch, preset->batch, "--batch");
   c.train.accum = take(a.accum, preset->accum, "--accum");
@@ -259,6 +283,29 @@ std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t t
 
 }  // namespace
 
+void add_model_flags(CLI::App& app, TrainArgs& a) {
+  app.add_option("--vocab", a.vocab, "Tokenizer vocabulary size (default: per preset)")
+      ->check(positive());
+  app.add_option("--d-model", a.d_model, "Model width")->check(positive());
+  app.add_option("--layers", a.layers, "Number of blocks")->check(positive());
+  app.add_option("--heads", a.heads, "Attention (query) heads")->check(positive());
+  app.add_option("--kv-heads", a.kv_heads,
+                 "Key/value heads: fewer than --heads is grouped-query attention, 1 multi-query "
+                 "(default: --heads)")
+      ->check(positive());
+  app.add_option("--head-dim", a.head_dim, "Width of one head (default: --d-model / --heads)")
+      ->check(positive());
+  app.add_option("--ffn", a.ffn, "SwiGLU hidden width")->check(positive());
+  app.add_option("--rope-theta", a.rope_theta, "RoPE base (default 10000)")->check(positive());
+  app.add_option("--rope-pairs", a.rope_pairs,
+                 "Elements RoPE rotates together: adjacent (llama) or half-split (neox, Qwen2) "
+                 "(default adjacent)")
+      ->check(CLI::IsMember({"adjacent", "half-split"}));
+  app.add_flag("--qkv-bias", a.qkv_bias, "Biases on the q, k and v projections (as Qwen2)");
+  app.add_flag("--tie-embeddings", a.tie_embeddings,
+               "The LM head is the token embedding matrix (as SmolLM2)");
+}
+
 void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--preset", a.preset, "Model preset: tiny, mini, mega, behemoth, titan")
       ->capture_default_str();
@@ -272,16 +319,7 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->check(positive());
   app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")
       ->check(positive());
-  app.add_option("--vocab", a.vocab, "Tokenizer vocabulary size (default: per preset)")
-      ->check(positive());
-  app.add_option("--d-model", a.d_model, "Model width")
-      ->check(positive());
-  app.add_option("--layers", a.layers, "Number of blocks")
-      ->check(positive());
-  app.add_option("--heads", a.heads, "Attention heads")
-      ->check(positive());
-  app.add_option("--ffn", a.ffn, "SwiGLU hidden width")
-      ->check(positive());
+  add_model_flags(app, a);
   app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)")
       ->check(positive());
   app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))")

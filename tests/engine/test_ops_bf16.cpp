@@ -136,10 +136,16 @@ TEST(OpsBf16, AttentionOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(3);
   const Shape s{2, 9, 12};
   // Where attention has bf16 products it also rounds the probabilities (2^-9 relative).
-  compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 3); },
+  compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 3, 3); },
                 {random_tensor(s, rng, true), random_tensor(s, rng, true),
                  random_tensor(s, rng, true)},
                 s, kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
+  // Grouped-query: 4 query heads on 2 key/value heads.
+  const Shape q{2, 9, 16}, kv{2, 9, 8};
+  compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 4, 2); },
+                {random_tensor(q, rng, true), random_tensor(kv, rng, true),
+                 random_tensor(kv, rng, true)},
+                q, kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
 }
 
 TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
@@ -156,7 +162,11 @@ TEST(OpsBf16, RopeOnBf16ValuesMatchesFp32) {
   Tensor table = Tensor::empty(Shape{7, 4}, DType::F32, MemoryCategory::Workspace);
   kernels::rope_table(table.f32(), 7, 4, 10000.0);
   expect_rounded_output_and_fp32_gradients(
-      [table](const auto& v) { return rope(v[0], table, 3); }, {random_tensor(s, rng, true)}, s);
+      [table](const auto& v) { return rope(v[0], table, 3, false); }, {random_tensor(s, rng, true)},
+      s);
+  expect_rounded_output_and_fp32_gradients(
+      [table](const auto& v) { return rope(v[0], table, 3, true); }, {random_tensor(s, rng, true)},
+      s);
 }
 
 // In bf16 mode the fused LM head and loss round what linear then cross_entropy round (the
@@ -189,7 +199,7 @@ TEST(OpsBf16, ArbitraryInputsStayWithinBf16RoundingOfFp32) {
   const int64_t C = 32, F = 48, H = 4;
   auto block = [=](const std::vector<Variable>& v) {
     Variable h = rmsnorm(v[0], v[1], 1e-5f);
-    Variable a = add(v[0], linear(attention(linear(h, v[2]), linear(h, v[3]), linear(h, v[4]), H),
+    Variable a = add(v[0], linear(attention(linear(h, v[2]), linear(h, v[3]), linear(h, v[4]), H, H),
                                   v[5]));
     return add(a, linear(swiglu(linear(a, v[6]), linear(a, v[7])), v[8]));
   };
@@ -261,7 +271,7 @@ TEST(OpsBf16, LinearOutputGradientsRoundedWhereProducedSameBits) {
     const Variable g = linear(h, ws[0]), u = linear(h, ws[1]);
     const Variable o = linear(swiglu(g, u), ws[2]);
     const Variable y = linear(h, ws[3]);
-    const Variable l4 = linear(rope(y, table, H), ws[4]);
+    const Variable l4 = linear(rope(y, table, H, false), ws[4]);
     const Variable out = add(add(h, o), l4);
     // One more contribution counted for each, none made: the rounding moves to the layers.
     if (extra_contribution)
@@ -328,7 +338,7 @@ TEST(OpsBf16, SavedActivationsAreBf16) {
   EXPECT_EQ(saved_activation_bytes(swiglu_op, {in[0], in[1]}, DType::F32), 2 * E * 4);
   EXPECT_EQ(saved_activation_bytes(swiglu_op, {in[0], in[1]}, DType::BF16), 2 * E * 2);
   // attention saves q, k, v, its output, and the FP32 log-sum-exp per (b, h, t).
-  const OpFn attention_op = [H](const auto& v) { return attention(v[0], v[1], v[2], H); };
+  const OpFn attention_op = [H](const auto& v) { return attention(v[0], v[1], v[2], H, H); };
   EXPECT_EQ(saved_activation_bytes(attention_op, in, DType::F32), 4 * E * 4 + B * H * T * 4);
   EXPECT_EQ(saved_activation_bytes(attention_op, in, DType::BF16), 4 * E * 2 + B * H * T * 4);
   // rmsnorm saves its input and the FP32 reciprocal norm per row.

@@ -91,6 +91,18 @@ TEST(OpsGradient, Linear) {
                   {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng)}, 2e-3);
 }
 
+TEST(OpsGradient, LinearWithBias) {
+  std::mt19937 rng(11);
+  for (const bool rounded : {false, true})
+    check_gradients(
+        [rounded](const auto& v) {
+          return rounded ? linear_rounded(v[0], v[1], v[2]) : linear(v[0], v[1], v[2]);
+        },
+        {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng),
+         random_tensor(Shape{5}, rng)},
+        2e-3);
+}
+
 TEST(OpsGradient, RmsNorm) {
   std::mt19937 rng(2);
   check_gradients([](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f); },
@@ -102,21 +114,35 @@ TEST(OpsGradient, Rope) {
   const int64_t T = 5, H = 2, D = 6;
   Tensor table = Tensor::empty(Shape{T, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
   kernels::rope_table(table.f32(), T, D, 10000.0);
-  check_gradients([&](const auto& v) { return rope(v[0], table, H); },
-                  {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+  for (const bool half_split : {false, true})
+    check_gradients([&](const auto& v) { return rope(v[0], table, H, half_split); },
+                    {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
 }
 
 TEST(OpsGradient, AttentionSeveralHeads) {
   std::mt19937 rng(4);
   const Shape s{2, 7, 12};  // B 2, T 7, H 3, D 4
-  check_gradients([](const auto& v) { return attention(v[0], v[1], v[2], 3); },
+  check_gradients([](const auto& v) { return attention(v[0], v[1], v[2], 3, 3); },
                   {random_tensor(s, rng), random_tensor(s, rng), random_tensor(s, rng)}, 5e-3);
+}
+
+// Grouped-query: 4 query heads on 2 and on 1 key/value heads, whose gradients sum over the
+// query heads that share them.
+TEST(OpsGradient, AttentionGroupedQueryHeads) {
+  std::mt19937 rng(14);
+  const int64_t B = 2, T = 6, H = 4, D = 4;
+  for (const int64_t KVH : {2, 1})
+    check_gradients([KVH](const auto& v) { return attention(v[0], v[1], v[2], H, KVH); },
+                    {random_tensor(Shape{B, T, H * D}, rng),
+                     random_tensor(Shape{B, T, KVH * D}, rng),
+                     random_tensor(Shape{B, T, KVH * D}, rng)},
+                    5e-3);
 }
 
 TEST(OpsGradient, AttentionOneHeadOnePosition) {
   std::mt19937 rng(5);
   const Shape s{1, 1, 8};
-  check_gradients([](const auto& v) { return attention(v[0], v[1], v[2], 1); },
+  check_gradients([](const auto& v) { return attention(v[0], v[1], v[2], 1, 1); },
                   {random_tensor(s, rng), random_tensor(s, rng), random_tensor(s, rng)}, 5e-3);
 }
 
@@ -204,9 +230,9 @@ TEST(OpsGradient, ComposedBlock) {
   auto block = [&](const std::vector<Variable>& v) {
     const Variable& x = v[0];
     Variable h = rmsnorm(x, v[1], 1e-5f);
-    Variable q = rope(linear(h, v[2]), table, H);
-    Variable k = rope(linear(h, v[3]), table, H);
-    Variable a = add(x, linear(attention(q, k, linear(h, v[4]), H), v[5]));
+    Variable q = rope(linear(h, v[2]), table, H, false);
+    Variable k = rope(linear(h, v[3]), table, H, false);
+    Variable a = add(x, linear(attention(q, k, linear(h, v[4]), H, H), v[5]));
     Variable g = rmsnorm(a, v[6], 1e-5f);
     return add(a, linear(swiglu(linear(g, v[7]), linear(g, v[8])), v[9]));
   };

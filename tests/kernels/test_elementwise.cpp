@@ -135,9 +135,14 @@ TEST(RmsNorm, ForwardAndBackwardMatchReference) {
   EXPECT_EQ(dw16, dw32);
 }
 
-TEST(Rope, TableForwardAndBackward) {
+// Both pairings, each against a reference that rotates its own pairs: adjacent (x[2j],
+// x[2j+1]) and half-split (x[j], x[j + D/2]), whose j-th pair turns at the j-th frequency.
+class Rope : public ::testing::TestWithParam<bool> {};
+
+TEST_P(Rope, TableForwardAndBackward) {
+  const bool half_split = GetParam();
   const int64_t B = 2, T = 5, H = 3, D = 6;
-  const double theta = 10000.0;
+  const double theta = half_split ? 1e6 : 10000.0;
   std::vector<float> table(T * D);
   rope_table(table.data(), T, D, theta);
   for (int64_t t = 0; t < T; ++t)
@@ -149,31 +154,32 @@ TEST(Rope, TableForwardAndBackward) {
   const int64_t n = B * T * H * D;
   const std::vector<float> x = random_floats(n, 9);
   const std::vector<float> dout = random_floats(n, 10);
-  // Reference: rotate each adjacent pair (x[2j], x[2j+1]) of position t.
   const auto ref = [&](const std::vector<double>& xv, std::vector<double>* y) {
     double loss = 0.0;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < H; ++h)
           for (int64_t j = 0; j < D / 2; ++j) {
-            const int64_t at = ((b * T + t) * H + h) * D + 2 * j;
+            const int64_t head = ((b * T + t) * H + h) * D;
+            const int64_t i0 = half_split ? head + j : head + 2 * j;
+            const int64_t i1 = half_split ? head + j + D / 2 : head + 2 * j + 1;
             const double c = table[(t * D / 2 + j) * 2], s = table[(t * D / 2 + j) * 2 + 1];
-            const double y0 = xv[at] * c - xv[at + 1] * s, y1 = xv[at] * s + xv[at + 1] * c;
-            if (y) (*y)[at] = y0, (*y)[at + 1] = y1;
-            loss += y0 * dout[at] + y1 * dout[at + 1];
+            const double y0 = xv[i0] * c - xv[i1] * s, y1 = xv[i0] * s + xv[i1] * c;
+            if (y) (*y)[i0] = y0, (*y)[i1] = y1;
+            loss += y0 * dout[i0] + y1 * dout[i1];
           }
     return loss;
   };
   std::vector<double> y_ref(n);
   ref(to_double(x), &y_ref);
   std::vector<float> y(n);
-  rope_forward(y.data(), x.data(), table.data(), B, T, H, D);
+  rope_forward(y.data(), x.data(), table.data(), B, T, H, D, half_split);
   EXPECT_LT(max_error(y, y_ref), 1e-6);
   std::vector<float> inplace = x;
-  rope_forward(inplace.data(), inplace.data(), table.data(), B, T, H, D);
+  rope_forward(inplace.data(), inplace.data(), table.data(), B, T, H, D, half_split);
   EXPECT_EQ(inplace, y);
   std::vector<uint16_t> y16(n);
-  rope_forward_bf16(y16.data(), x.data(), table.data(), B, T, H, D);
+  rope_forward_bf16(y16.data(), x.data(), table.data(), B, T, H, D, half_split);
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y16[i], fp32_to_bf16(y[i])) << i;
 
   const std::vector<float> dx0 = random_floats(n, 11);
@@ -182,9 +188,12 @@ TEST(Rope, TableForwardAndBackward) {
                               to_double(x)),
            dx0);
   std::vector<float> dx = dx0;
-  rope_backward(dx.data(), dout.data(), table.data(), B, T, H, D, true);
+  rope_backward(dx.data(), dout.data(), table.data(), B, T, H, D, half_split, true);
   EXPECT_LT(max_error(dx, want), 1e-6);
 }
+
+INSTANTIATE_TEST_SUITE_P(Pairs, Rope, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "HalfSplit" : "Adjacent"; });
 
 TEST(SwiGlu, ForwardAndBackwardMatchReference) {
   const int64_t n = 101;
@@ -538,10 +547,12 @@ TEST(Backward, OverwritingEqualsAccumulatingOntoZeros) {
     std::vector<float> table(T * D);
     rope_table(table.data(), T, D, 10000.0);
     const std::vector<float> dout = random_floats(n, 37);
-    std::vector<float> z(n), nn(n, nan);
-    rope_backward(z.data(), dout.data(), table.data(), B, T, H, D, true);
-    rope_backward(nn.data(), dout.data(), table.data(), B, T, H, D, false);
-    EXPECT_EQ(nn, z);
+    for (const bool half_split : {false, true}) {
+      std::vector<float> z(n), nn(n, nan);
+      rope_backward(z.data(), dout.data(), table.data(), B, T, H, D, half_split, true);
+      rope_backward(nn.data(), dout.data(), table.data(), B, T, H, D, half_split, false);
+      EXPECT_EQ(nn, z);
+    }
   }
 }
 
@@ -581,11 +592,13 @@ TEST(Backward, RoundedGradientsAreTheRoundingOfTheFp32Ones) {
   std::vector<float> table(T * D);
   rope_table(table.data(), T, D, 10000.0);
   const std::vector<float> g = random_floats(m, 43, -3.0f, 3.0f);
-  std::vector<float> want(m);
-  rope_backward(want.data(), g.data(), table.data(), B, T, H, D, false);
-  std::vector<uint16_t> got(m);
-  rope_backward_bf16(got.data(), g.data(), table.data(), B, T, H, D);
-  EXPECT_EQ(got, bf16_of(want));
+  for (const bool half_split : {false, true}) {
+    std::vector<float> want(m);
+    rope_backward(want.data(), g.data(), table.data(), B, T, H, D, half_split, false);
+    std::vector<uint16_t> got(m);
+    rope_backward_bf16(got.data(), g.data(), table.data(), B, T, H, D, half_split);
+    EXPECT_EQ(got, bf16_of(want));
+  }
 }
 
 TEST(VectorOps, AddAccumulateAndSumOfSquares) {

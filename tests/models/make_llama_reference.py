@@ -1,13 +1,15 @@
 #!/usr/bin/python3
 """Reference tensors for tests/models/test_llama_reference.cpp, from PyTorch.
 
-A self-contained fp32 PyTorch implementation of the cputrain decoder (tiny preset): from one
-seeded set of weights and one batch it records the logits, the loss, every parameter gradient,
-and the losses, gradient norms and weights of 10 AdamW steps with global norm clipping.
+A self-contained fp32 PyTorch implementation of the cputrain decoder, for two configurations
+(CONFIGS: the tiny preset, and one with grouped-query attention, tied embeddings, q/k/v biases
+and half-split RoPE): from one seeded set of weights and one batch it records the logits, the
+loss, every parameter gradient, and the losses, gradient norms and weights of 10 AdamW steps with
+global norm clipping.
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_tiny_reference.ctrf.
+which rewrites tests/data/llama_tiny_reference.ctrf and tests/data/llama_gqa_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -15,97 +17,148 @@ record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x
 import math
 import os
 import struct
+from dataclasses import dataclass
 
 import torch
 
-V, C, L, H, F = 512, 64, 2, 4, 192  # the tiny preset
-B, T = 2, 32
-D = C // H
-EPS = 1e-5
-THETA = 10000.0
+
+@dataclass
+class Config:
+    file: str
+    V: int
+    C: int
+    L: int
+    H: int
+    F: int
+    B: int
+    T: int
+    KVH: int
+    D: int
+    tied: bool = False
+    bias: bool = False
+    half_split: bool = False  # rotate (x[j], x[j + D/2]) instead of (x[2j], x[2j+1])
+    theta: float = 10000.0
+    eps: float = 1e-5
+
+
+CONFIGS = [
+    # The tiny preset.
+    Config("llama_tiny_reference.ctrf", V=512, C=64, L=2, H=4, F=192, B=2, T=32, KVH=4, D=16),
+    # Qwen2/SmolLM2-like: grouped-query attention (8 query heads, 2 kv heads), tied embeddings,
+    # q/k/v biases, half-split RoPE at theta 1e6, eps 1e-6, and a head dim of 10 (not a power of
+    # two, and H * D = 80 differs from the width 96).
+    Config("llama_gqa_reference.ctrf", V=256, C=96, L=2, H=8, F=160, B=2, T=24, KVH=2, D=10,
+           tied=True, bias=True, half_split=True, theta=1e6, eps=1e-6),
+]
 LR, BETAS, ADAM_EPS, DECAY, CLIP, STEPS = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 10
 
 
-def parameter_shapes():
-    shapes = [("tok_embeddings.weight", (V, C))]
-    for i in range(L):
+def parameter_shapes(c):
+    Q, KV = c.H * c.D, c.KVH * c.D
+    shapes = [("tok_embeddings.weight", (c.V, c.C))]
+    for i in range(c.L):
         p = f"layers.{i}."
         shapes += [
-            (p + "attention_norm.weight", (C,)),
-            (p + "attention.wq.weight", (C, C)),
-            (p + "attention.wk.weight", (C, C)),
-            (p + "attention.wv.weight", (C, C)),
-            (p + "attention.wo.weight", (C, C)),
-            (p + "ffn_norm.weight", (C,)),
-            (p + "feed_forward.w1.weight", (F, C)),
-            (p + "feed_forward.w3.weight", (F, C)),
-            (p + "feed_forward.w2.weight", (C, F)),
+            (p + "attention_norm.weight", (c.C,)),
+            (p + "attention.wq.weight", (Q, c.C)),
+            (p + "attention.wk.weight", (KV, c.C)),
+            (p + "attention.wv.weight", (KV, c.C)),
         ]
-    shapes += [("norm.weight", (C,)), ("output.weight", (V, C))]
+        if c.bias:
+            shapes += [
+                (p + "attention.wq.bias", (Q,)),
+                (p + "attention.wk.bias", (KV,)),
+                (p + "attention.wv.bias", (KV,)),
+            ]
+        shapes += [
+            (p + "attention.wo.weight", (c.C, Q)),
+            (p + "ffn_norm.weight", (c.C,)),
+            (p + "feed_forward.w1.weight", (c.F, c.C)),
+            (p + "feed_forward.w3.weight", (c.F, c.C)),
+            (p + "feed_forward.w2.weight", (c.C, c.F)),
+        ]
+    shapes += [("norm.weight", (c.C,))]
+    if not c.tied:
+        shapes += [("output.weight", (c.V, c.C))]
     return shapes
 
 
-def init_parameters(gen):
+def init_parameters(c, gen):
     params = {}
-    for name, shape in parameter_shapes():
-        if len(shape) == 1:
+    for name, shape in parameter_shapes(c):
+        if name.endswith(".bias"):
+            # Biases away from 0 so they change what attention sees.
+            t = 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:
             # Gains away from 1 so their gradients matter.
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif name.endswith("wo.weight") or name.endswith("w2.weight"):
-            t = torch.randn(shape, generator=gen) * (0.02 / math.sqrt(2 * L))
+            t = torch.randn(shape, generator=gen) * (0.02 / math.sqrt(2 * c.L))
         else:
             t = torch.randn(shape, generator=gen) * 0.02
         params[name] = t.float().requires_grad_(True)
     return params
 
 
-def rope_table():
+def rope_table(c):
     # Angles in float64, rounded to float32, as the C++ table is.
-    pos = torch.arange(T, dtype=torch.float64)[:, None]
-    j = torch.arange(D // 2, dtype=torch.float64)[None, :]
-    angle = pos * THETA ** (-2.0 * j / D)
+    pos = torch.arange(c.T, dtype=torch.float64)[:, None]
+    j = torch.arange(c.D // 2, dtype=torch.float64)[None, :]
+    angle = pos * c.theta ** (-2.0 * j / c.D)
     return torch.cos(angle).float(), torch.sin(angle).float()
 
 
-def rmsnorm(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+def rmsnorm(c, x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps) * w
 
 
-def rope(x, cos, sin):
-    # x (B, T, H, D): rotate adjacent pairs (x[2j], x[2j+1]) by the angle of position t.
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+def rope(c, x, cos, sin):
+    # x (B, T, H, D): rotate each pair of position t by its angle.
+    cs, sn = cos[None, :, None, :], sin[None, :, None, :]
+    if c.half_split:  # pairs (x[j], x[j + D/2]), Hugging Face's rotate_half
+        x0, x1 = x[..., : c.D // 2], x[..., c.D // 2:]
+        return torch.cat((x0 * cs - x1 * sn, x0 * sn + x1 * cs), dim=-1)
+    x0, x1 = x[..., 0::2], x[..., 1::2]  # adjacent pairs (x[2j], x[2j+1])
+    return torch.stack((x0 * cs - x1 * sn, x0 * sn + x1 * cs), dim=-1).flatten(-2)
 
 
-def attention(q, k, v):
-    # (B, T, H, D) -> (B, T, H, D), causal, scale 1/sqrt(D).
+def attention(c, q, k, v):
+    # q (B, T, H, D), k and v (B, T, KVH, D) -> (B, T, H, D), causal, scale 1/sqrt(D); query
+    # head h reads kv head h // (H / KVH).
+    k = k.repeat_interleave(c.H // c.KVH, dim=2)
+    v = v.repeat_interleave(c.H // c.KVH, dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    scores = q @ k.transpose(-1, -2) / math.sqrt(D)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    scores = q @ k.transpose(-1, -2) / math.sqrt(c.D)
+    mask = torch.ones(c.T, c.T, dtype=torch.bool).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def forward(p, tokens, cos, sin):
+def projection(c, p, name, h):
+    y = h @ p[name + ".weight"].T
+    return y + p[name + ".bias"] if c.bias else y
+
+
+def forward(c, p, tokens, cos, sin):
+    B, T, H, KVH, D = c.B, c.T, c.H, c.KVH, c.D
     x = p["tok_embeddings.weight"][tokens]
-    for i in range(L):
+    for i in range(c.L):
         n = f"layers.{i}."
-        h = rmsnorm(x, p[n + "attention_norm.weight"])
-        q = rope((h @ p[n + "attention.wq.weight"].T).view(B, T, H, D), cos, sin)
-        k = rope((h @ p[n + "attention.wk.weight"].T).view(B, T, H, D), cos, sin)
-        v = (h @ p[n + "attention.wv.weight"].T).view(B, T, H, D)
-        x = x + attention(q, k, v).reshape(B, T, C) @ p[n + "attention.wo.weight"].T
-        g = rmsnorm(x, p[n + "ffn_norm.weight"])
+        h = rmsnorm(c, x, p[n + "attention_norm.weight"])
+        q = rope(c, projection(c, p, n + "attention.wq", h).view(B, T, H, D), cos, sin)
+        k = rope(c, projection(c, p, n + "attention.wk", h).view(B, T, KVH, D), cos, sin)
+        v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
+        x = x + attention(c, q, k, v).reshape(B, T, H * D) @ p[n + "attention.wo.weight"].T
+        g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
         gate = g @ p[n + "feed_forward.w1.weight"].T
         up = g @ p[n + "feed_forward.w3.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ p[n + "feed_forward.w2.weight"].T
-    x = rmsnorm(x, p["norm.weight"])
-    return x @ p["output.weight"].T
+    x = rmsnorm(c, x, p["norm.weight"])
+    return x @ p["tok_embeddings.weight" if c.tied else "output.weight"].T
 
 
-def loss_of(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1))
+def loss_of(c, logits, targets):
+    return torch.nn.functional.cross_entropy(logits.view(-1, c.V), targets.view(-1))
 
 
 class Writer:
@@ -131,24 +184,30 @@ class Writer:
         os.replace(path + ".tmp", path)
 
 
-def main():
+def write_reference(c):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     gen = torch.Generator().manual_seed(1234)
-    params = init_parameters(gen)
-    tokens = torch.randint(0, V, (B, T), generator=gen)
-    targets = torch.randint(0, V, (B, T), generator=gen)
-    cos, sin = rope_table()
+    params = init_parameters(c, gen)
+    tokens = torch.randint(0, c.V, (c.B, c.T), generator=gen)
+    targets = torch.randint(0, c.V, (c.B, c.T), generator=gen)
+    cos, sin = rope_table(c)
 
     out = Writer()
-    out.add("config", torch.tensor([V, C, L, H, F, B, T], dtype=torch.int32))
+    config = [c.V, c.C, c.L, c.H, c.F, c.B, c.T]
+    if c.file != CONFIGS[0].file:  # the tiny file keeps its original 7 fields
+        config += [c.KVH, c.D, int(c.tied), int(c.bias), int(c.half_split)]
+        out.add("config", torch.tensor(config, dtype=torch.int32))
+        out.add("config_f32", torch.tensor([c.theta, c.eps], dtype=torch.float32))
+    else:
+        out.add("config", torch.tensor(config, dtype=torch.int32))
     out.add("tokens", tokens)
     out.add("targets", targets)
     for name, t in params.items():
         out.add("init/" + name, t)
 
-    logits = forward(params, tokens, cos, sin)
-    loss = loss_of(logits, targets)
+    logits = forward(c, params, tokens, cos, sin)
+    loss = loss_of(c, logits, targets)
     loss.backward()
     out.add("logits", logits)
     out.add("loss", loss.reshape(1))
@@ -156,14 +215,14 @@ def main():
         out.add("grad/" + name, t.grad)
 
     matrices = [t for t in params.values() if t.dim() == 2]
-    gains = [t for t in params.values() if t.dim() == 1]
+    vectors = [t for t in params.values() if t.dim() == 1]  # gains and biases: no decay
     opt = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": DECAY}, {"params": gains, "weight_decay": 0.0}],
+        [{"params": matrices, "weight_decay": DECAY}, {"params": vectors, "weight_decay": 0.0}],
         lr=LR, betas=BETAS, eps=ADAM_EPS)
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=False)
-        loss = loss_of(forward(params, tokens, cos, sin), targets)
+        loss = loss_of(c, forward(c, params, tokens, cos, sin), targets)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
         opt.step()
@@ -174,12 +233,16 @@ def main():
     for name, t in params.items():
         out.add("final/" + name, t)
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data",
-                        "llama_tiny_reference.ctrf")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", c.file)
     out.write(os.path.normpath(path))
-    print(f"init loss {losses[0]:.6f}, after {STEPS} steps {losses[-1]:.6f}; grad norms "
+    print(f"{c.file}: init loss {losses[0]:.6f}, after {STEPS} steps {losses[-1]:.6f}; grad norms "
           + " ".join(f"{n:.4f}" for n in norms))
     print(f"wrote {os.path.normpath(path)} ({os.path.getsize(path)} bytes)")
+
+
+def main():
+    for c in CONFIGS:
+        write_reference(c)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 #include <cmath>
 #include <random>
 #include <set>
+#include <tuple>
 
+#include "engine/adamw.h"
 #include "engine/memory.h"
 #include "engine/profiler.h"
 #include "kernels/attention.h"
@@ -28,7 +30,7 @@ TEST(Presets, TableAndParameterCounts) {
   for (const std::string& name : names) {
     const Preset p = *find_preset(name);
     EXPECT_EQ(parameter_count(p.config), analytic_count(p.config)) << name;
-    EXPECT_EQ(validate(p.config), "") << name;
+    EXPECT_FALSE(validate(p.config).has_value()) << name;
     EXPECT_EQ(p.config.d_model % p.config.n_heads, 0) << name;
   }
   EXPECT_FALSE(find_preset("gigantic").has_value());
@@ -39,13 +41,30 @@ TEST(Presets, TableAndParameterCounts) {
 }
 
 TEST(Presets, ValidateRejectsInconsistentShapes) {
-  LlamaConfig c = find_preset("tiny")->config;
-  c.n_heads = 5;  // 64 is not divisible by 5
-  EXPECT_NE(validate(c), "");
-  c = find_preset("tiny")->config;
-  c.d_model = 60;
-  c.n_heads = 4;  // head dim 15 is odd: RoPE rotates pairs
-  EXPECT_NE(validate(c), "");
+  const auto problem = [](void (*change)(LlamaConfig&)) {
+    LlamaConfig c = find_preset("tiny")->config;
+    change(c);
+    const auto p = validate(c);
+    return p ? p->str() : std::string();
+  };
+  // 64 is not divisible by 5.
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.n_heads = 5; }),
+            "d_model 64 is not a multiple of n_heads 5");
+  // Head dim 15 is odd: RoPE rotates pairs.
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.d_model = 60; }), "head_dim 15 must be even for RoPE");
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.n_kv_heads = 3; }),
+            "n_heads 4 is not a multiple of n_kv_heads 3");
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.head_dim = 7; }), "head_dim 7 must be even for RoPE");
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.vocab = 0; }), "vocab 0 must be positive");
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.rope_theta = 0.5; }),
+            "rope_theta 0.5 must be a number above 1");
+  // An explicit head dim need not divide the width, and GQA and MQA are valid.
+  EXPECT_EQ(problem([](LlamaConfig& c) {
+              c.head_dim = 24;
+              c.n_kv_heads = 2;
+            }),
+            "");
+  EXPECT_EQ(problem([](LlamaConfig& c) { c.n_kv_heads = 1; }), "");
 }
 
 TEST(LlamaModel, ParameterSetMatchesCountAndNames) {
@@ -163,6 +182,103 @@ TEST(LlamaModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
     EXPECT_LT(std::sqrt(num / den), 0.03) << info.name;
   }
 }
+
+// Everything frozen but the attention projections (and, with biases, theirs): those get bitwise
+// the gradients of the all-trainable model; nothing else gets a gradient, and the allocator holds
+// gradients and AdamW state for the trainable ones alone. Built for bf16, the frozen GEMM
+// weights (and a tied embedding) live as bf16 alone: no FP32 master.
+class FrozenParameters : public ::testing::TestWithParam<std::tuple<DType, bool>> {};
+
+TEST_P(FrozenParameters, TrainableOnesGetTheAllTrainableGradientsAndFrozenOnesNoMemory) {
+  const auto [dtype, shaped] = GetParam();
+  LlamaConfig c = find_preset("tiny")->config;
+  if (shaped) {
+    c.n_kv_heads = 2;
+    c.head_dim = 24;
+    c.qkv_bias = true;
+    c.tie_embeddings = true;
+    c.rope_pairs = RopePairs::HalfSplit;
+  }
+  const auto trainable = [](const std::string& name) {
+    return name.find(".attention.w") != std::string::npos;
+  };
+  const Tensor x = random_tokens(2, 24, c.vocab, 9), y = random_tokens(2, 24, c.vocab, 10);
+  ModelOptions all_options, frozen_options;
+  all_options.compute_dtype = frozen_options.compute_dtype = dtype;
+  frozen_options.trainable = trainable;
+  LlamaModel all(c, all_options);
+  const MemoryStats before = memory_stats();
+  LlamaModel part(c, frozen_options);
+  const MemoryStats built = memory_stats();
+  part.init_weights(5);
+  // The same values in both: where part holds a weight as bf16 alone, all holds its rounding.
+  std::vector<float> values;
+  for (size_t i = 0; i < part.parameters().infos().size(); ++i) {
+    values.resize(static_cast<size_t>(part.parameters().infos()[i].shape.numel()));
+    part.parameters().read_values(static_cast<int>(i), values.data());
+    all.parameters().write_values(static_cast<int>(i), values.data());
+  }
+
+  int64_t trainable_bytes = 0, master_bytes = 0, copy_bytes = 0;
+  for (const ParameterInfo& info : part.parameters().infos()) {
+    const int64_t n = info.shape.numel();
+    EXPECT_EQ(info.trainable, trainable(info.name)) << info.name;
+    if (info.trainable) trainable_bytes += (n + 15) / 16 * 16 * 4;
+    const bool master = info.trainable || dtype == DType::F32 || !info.bf16_copy;
+    EXPECT_EQ(info.offset >= 0, master) << info.name;
+    if (master) master_bytes += (n + 15) / 16 * 16 * 4;
+    if (dtype == DType::BF16 && info.bf16_copy) copy_bytes += (n + 31) / 32 * 32 * 2;
+  }
+  const auto grew = [&](MemoryCategory category, const MemoryStats& from, const MemoryStats& to) {
+    const int i = static_cast<int>(category);
+    return to.live_bytes[i] - from.live_bytes[i];
+  };
+  EXPECT_EQ(grew(MemoryCategory::Gradients, before, built), trainable_bytes);
+  EXPECT_EQ(grew(MemoryCategory::Weights, before, built), master_bytes);
+  EXPECT_EQ(grew(MemoryCategory::Bf16Weights, before, built), copy_bytes);
+  {
+    const MemoryStats start = memory_stats();
+    AdamW optimizer(part.parameters(), AdamWConfig{});
+    EXPECT_EQ(grew(MemoryCategory::OptimizerState, start, memory_stats()), 2 * trainable_bytes);
+  }
+
+  for (LlamaModel* m : {&all, &part}) {
+    m->parameters().zero_grad();
+    Variable loss = m->loss(x, y);
+    backward(loss);
+  }
+  const ParameterSet& a = all.parameters();
+  const ParameterSet& p = part.parameters();
+  for (size_t i = 0; i < p.infos().size(); ++i) {
+    const ParameterInfo& info = p.infos()[i];
+    EXPECT_EQ(p.var(static_cast<int>(i)).requires_grad(), info.trainable) << info.name;
+    if (!info.trainable) continue;
+    const float* ga = a.gradients().f32() + a.infos()[i].grad_offset;
+    const float* gp = p.gradients().f32() + info.grad_offset;
+    bool any = false;
+    for (int64_t e = 0; e < info.shape.numel(); ++e) {
+      ASSERT_EQ(ga[e], gp[e]) << info.name << " element " << e;
+      any = any || ga[e] != 0.0f;
+    }
+    EXPECT_TRUE(any) << info.name << " got no gradient";
+  }
+  // An AdamW step moves the trainable parameters only.
+  std::vector<float> frozen_before(static_cast<size_t>(c.vocab * c.d_model)), frozen_after;
+  p.read_values(0, frozen_before.data());
+  AdamW optimizer(part.parameters(), AdamWConfig{});
+  optimizer.step(1e-2f);
+  frozen_after.resize(frozen_before.size());
+  p.read_values(0, frozen_after.data());
+  EXPECT_EQ(frozen_after, frozen_before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configurations, FrozenParameters,
+                         ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_gqa_tied_bias" : "_tiny");
+                         });
 
 // Per-layer checkpointing against none, in fp32 and in bf16: the same loss and gradients to the
 // bit, and of what each layer saved only its FP32 input is kept.
@@ -327,10 +443,20 @@ TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
 }
 
 // Decoding with the KV cache gives, at every step, the logits of a full forward pass over the
-// sequence so far; in fp32 and bf16, from a prompt and one token at a time, up to ctx.
+// sequence so far; in fp32 and bf16, from a prompt and one token at a time, up to ctx; for
+// multi-head, grouped-query and multi-query attention.
 TEST(Generate, KvCacheMatchesFullForward) {
+  LlamaConfig gqa = find_preset("tiny")->config;  // 2 kv heads, head dim 24, biases, half-split
+  gqa.n_kv_heads = 2;
+  gqa.head_dim = 24;
+  gqa.qkv_bias = true;
+  gqa.tie_embeddings = true;
+  gqa.rope_pairs = RopePairs::HalfSplit;
+  LlamaConfig mqa = gqa;  // one kv head, adjacent pairs
+  mqa.n_kv_heads = 1;
+  mqa.rope_pairs = RopePairs::Adjacent;
+  for (const LlamaConfig& c : {find_preset("tiny")->config, gqa, mqa})
   for (DType dtype : {DType::F32, DType::BF16}) {
-    const LlamaConfig c = find_preset("tiny")->config;
     LlamaModel model(c);
     model.init_weights(6);
     model.set_compute_dtype(dtype);
@@ -353,7 +479,8 @@ TEST(Generate, KvCacheMatchesFullForward) {
       const double tol =
           dtype == DType::BF16 && kernels::attention_bf16_native() ? 1e-2 : 1e-5;
       ASSERT_LT(max_diff / max_ref, tol)
-          << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16");
+          << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16") << ", kv heads "
+          << c.kv_heads();
       if (T == c.ctx) break;
       const auto next = static_cast<int32_t>((step * 37 + 11) % c.vocab);
       tokens.push_back(next);

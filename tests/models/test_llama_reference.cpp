@@ -1,6 +1,8 @@
-// The tiny preset against PyTorch (tests/models/make_llama_reference.py), in the manner of
-// llm.c's test_gpt2.c: from the same weights and batch, the logits, the loss, every parameter
-// gradient, and the losses, gradient norms and weights of 10 AdamW steps.
+// The decoder against PyTorch (tests/models/make_llama_reference.py), in the manner of llm.c's
+// test_gpt2.c: from the same weights and batch, the logits, the loss, every parameter gradient,
+// and the losses, gradient norms and weights of 10 AdamW steps. Two configurations: the tiny
+// preset, and one with grouped-query attention (8 query heads, 2 kv heads), tied embeddings,
+// q/k/v biases, half-split RoPE at theta 1e6, eps 1e-6 and a head dim of 10.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,13 +28,12 @@ constexpr double kTensorTolerance = 1e-4;
 // and float64 runs of the reference itself.
 constexpr double kFinalWeightTolerance = 1e-3;
 
-class LlamaReference : public ::testing::Test {
+class LlamaReference : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    ref_ = test::read_reference_file(std::string(CPUTRAIN_TEST_DATA_DIR) +
-                                     "/llama_tiny_reference.ctrf");
+    ref_ = test::read_reference_file(std::string(CPUTRAIN_TEST_DATA_DIR) + "/" + GetParam());
     const std::vector<int32_t>& c = ref_.at("config").i32;
-    ASSERT_EQ(c.size(), 7u);
+    ASSERT_TRUE(c.size() == 7u || c.size() == 12u);
     config_.vocab = c[0];
     config_.d_model = c[1];
     config_.n_layers = c[2];
@@ -41,6 +42,17 @@ class LlamaReference : public ::testing::Test {
     config_.ctx = 64;
     B_ = c[5];
     T_ = c[6];
+    if (c.size() == 12u) {
+      config_.n_kv_heads = c[7];
+      config_.head_dim = c[8];
+      config_.tie_embeddings = c[9] != 0;
+      config_.qkv_bias = c[10] != 0;
+      config_.rope_pairs = c[11] != 0 ? RopePairs::HalfSplit : RopePairs::Adjacent;
+      const std::vector<float>& f = ref_.at("config_f32").f32;
+      ASSERT_EQ(f.size(), 2u);
+      config_.rope_theta = f[0];
+      config_.norm_eps = f[1];
+    }
     tokens_ = to_tensor(ref_.at("tokens"));
     targets_ = to_tensor(ref_.at("targets"));
   }
@@ -77,7 +89,7 @@ class LlamaReference : public ::testing::Test {
   Tensor tokens_, targets_;
 };
 
-TEST_F(LlamaReference, ParameterNamesShapesAndCount) {
+TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
   LlamaModel model(config_);
   int64_t total = 0;
   for (const ParameterInfo& info : model.parameters().infos()) {
@@ -88,9 +100,14 @@ TEST_F(LlamaReference, ParameterNamesShapesAndCount) {
     total += info.shape.numel();
   }
   EXPECT_EQ(total, parameter_count(config_));
+  // Every tensor of the reference is a parameter of the model.
+  for (const auto& [name, tensor] : ref_) {
+    if (!name.starts_with("init/")) continue;
+    EXPECT_GE(model.parameters().find(name.substr(5)), 0) << name;
+  }
 }
 
-TEST_F(LlamaReference, LogitsLossAndGradients) {
+TEST_P(LlamaReference, LogitsLossAndGradients) {
   LlamaModel model(config_);
   load_initial_weights(model);
   const Tensor logits = model.logits(tokens_);
@@ -108,7 +125,7 @@ TEST_F(LlamaReference, LogitsLossAndGradients) {
   }
 }
 
-TEST_F(LlamaReference, TenAdamWSteps) {
+TEST_P(LlamaReference, TenAdamWSteps) {
   LlamaModel model(config_);
   load_initial_weights(model);
   AdamWConfig adamw;  // betas 0.9/0.95, eps 1e-8, decay 0.1 on matrices, clip 1.0
@@ -133,6 +150,12 @@ TEST_F(LlamaReference, TenAdamWSteps) {
         << info.name;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Configurations, LlamaReference,
+                         ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf"),
+                         [](const auto& info) {
+                           return info.param.substr(6, info.param.find("_reference") - 6);
+                         });
 
 }  // namespace
 }  // namespace cputrain

@@ -325,6 +325,67 @@ TEST_F(Cli, BudgetJsonHasEveryCategoryAndTheLeversMove) {
   EXPECT_GT(big["activations_bytes"].get<int64_t>(), plain["activations_bytes"].get<int64_t>());
 }
 
+// A model of another shape, pretrained from scratch: grouped-query attention, tied embeddings,
+// q/k/v biases and half-split RoPE from the flags; config.json records them, and sample, eval
+// and resume rebuild the same model from it. Bad shapes are one line naming the flags.
+TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
+  const fs::path run_dir = dir_ / "run";
+  const std::string corpus = write_corpus(300).string();
+  const std::string shape =
+      "--preset tiny --vocab 300 --ctx 32 --batch 4 --kv-heads 2 --tie-embeddings --qkv-bias "
+      "--rope-theta 1000000 --rope-pairs half-split --sample-tokens 4 --corpus " + corpus;
+  const Result r = run(shape + " --steps 12 --save-every 6 --out " + run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  std::ifstream config_file(run_dir / "config.json");
+  const nlohmann::json model = nlohmann::json::parse(config_file)["model"];
+  EXPECT_EQ(model["n_heads"], 4);
+  EXPECT_EQ(model["n_kv_heads"], 2);
+  EXPECT_EQ(model["head_dim"], 16);
+  EXPECT_EQ(model["tie_embeddings"], true);
+  EXPECT_EQ(model["qkv_bias"], true);
+  EXPECT_EQ(model["rope_pairs"], "half-split");
+  EXPECT_EQ(model["rope_theta"].get<double>(), 1e6);
+  // 300 x 64 embedding (tied), per layer 2 x 64 x 64 (q, o) + 2 x 64 x 32 (k, v) + 64 + 2 x 32
+  // biases + 3 x 64 x 192 + 2 x 64, and the final norm.
+  EXPECT_EQ(model["parameters"], 300 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 128 +
+                                                 3 * 64 * 192 + 128) + 64);
+  const std::vector<double> losses = losses_of(run_dir);
+  ASSERT_EQ(losses.size(), 12u);
+  EXPECT_LT(losses.back(), losses.front());
+  const Result s = run("sample --run " + run_dir.string() + " --prompt 'The cat' --max-tokens 6");
+  ASSERT_EQ(s.exit_code, 0) << s.err;
+  EXPECT_EQ(s.out.rfind("The cat", 0), 0u) << s.out;
+  const Result e = run("eval --run " + run_dir.string());
+  ASSERT_EQ(e.exit_code, 0) << e.err;
+
+  const std::string base = "--preset tiny --corpus " + corpus + " --out " + (dir_ / "bad").string();
+  expect_one_line_error(run(base + " --kv-heads 3"), "--heads 4 is not a multiple of --kv-heads 3");
+  expect_one_line_error(run(base + " --head-dim 7"), "--head-dim 7 must be even for RoPE");
+  expect_one_line_error(run(base + " --rope-pairs diagonal"), "--rope-pairs");
+  expect_one_line_error(run(base + " --kv-heads 0"), "--kv-heads");
+  EXPECT_FALSE(fs::exists(dir_ / "bad" / "model.bin"));
+}
+
+// The budget of the same shapes, and of its --threads: fewer kv heads, tied embeddings hold
+// fewer weights; the GEMM's buffers grow with the threads.
+TEST_F(Cli, BudgetTakesTheShapeFlagsAndTheThreads) {
+  auto budget = [&](const std::string& flags) {
+    const Result r = run("budget --json --dtype fp32 " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out);
+  };
+  const nlohmann::json plain = budget("--preset tiny");
+  const nlohmann::json gqa = budget("--preset tiny --kv-heads 1");
+  const nlohmann::json tied = budget("--preset tiny --tie-embeddings");
+  EXPECT_LT(gqa["weights_bytes"].get<int64_t>(), plain["weights_bytes"].get<int64_t>());
+  EXPECT_EQ(plain["weights_bytes"].get<int64_t>() - tied["weights_bytes"].get<int64_t>(),
+            512 * 64 * 4);
+  EXPECT_EQ(plain["parameters"].get<int64_t>() - tied["parameters"].get<int64_t>(), 512 * 64);
+  const nlohmann::json one = budget("--preset mini --threads 1");
+  const nlohmann::json two = budget("--preset mini --threads 2");
+  EXPECT_LT(one["workspace_bytes"].get<int64_t>(), two["workspace_bytes"].get<int64_t>());
+}
+
 // Over its memory limit training does not start: the table and the levers, one error line,
 // no model written. Between the budgets with and without checkpointing, auto checkpoints.
 TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
