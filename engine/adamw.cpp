@@ -20,8 +20,7 @@ double gradient_norm(const ParameterSet& params) {
   double sum = 0.0;
   for (const ParameterInfo& p : params.infos())
     if (p.trainable)
-      sum += kernels::vector_sum_squares(params.gradients().f32() + p.grad_offset,
-                                         p.shape.numel());
+      sum += kernels::vector_sum_squares(params.gradients().f32() + p.grad_offset, p.shape.numel());
   return std::sqrt(sum);
 }
 

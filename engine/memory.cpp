@@ -164,11 +164,17 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
   if (!ledger_free(l, ptr, n, category)) std::free(ptr);
 }
 
-MemoryStats memory_stats() { return ledger_stats(process_ledger()); }
+MemoryStats memory_stats() {
+  return ledger_stats(process_ledger());
+}
 
-void memory_reset_peaks() { ledger_reset_peaks(process_ledger()); }
+void memory_reset_peaks() {
+  ledger_reset_peaks(process_ledger());
+}
 
-bool measuring() { return measure_ledger.load(std::memory_order_relaxed) != nullptr; }
+bool measuring() {
+  return measure_ledger.load(std::memory_order_relaxed) != nullptr;
+}
 
 struct MeasureScope::State {
   MeasureLedger ledger;
@@ -208,9 +214,13 @@ MeasureScope::~MeasureScope() {
   measure_ledger.store(nullptr);
 }
 
-MemoryStats MeasureScope::stats() const { return ledger_stats(state_->ledger); }
+MemoryStats MeasureScope::stats() const {
+  return ledger_stats(state_->ledger);
+}
 
-void MeasureScope::reset_peaks() { ledger_reset_peaks(state_->ledger); }
+void MeasureScope::reset_peaks() {
+  ledger_reset_peaks(state_->ledger);
+}
 
 ProcessMemory process_memory() {
   return {read_proc_kb("/proc/self/status", "VmRSS"), read_proc_kb("/proc/self/status", "VmHWM")};

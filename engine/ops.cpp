@@ -45,7 +45,9 @@ bool bf16_mode() { return compute_dtype() == DType::BF16; }
 
 // Whether kernels run: not while measuring (engine/memory.h), where tensors have no elements
 // and an op makes only its allocations.
-bool computing() { return !measuring(); }
+bool computing() {
+  return !measuring();
+}
 
 // The FP32 value of an op's input. In bf16 mode an output only GEMMs consume may hold its bf16
 // rounding alone (swiglu's); an op that computes on FP32 values cannot take it.
@@ -180,9 +182,9 @@ KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
     const GradRef& cell = *slot.cell;
     float beta = 0.0f;
     if (!cell)
-      k.grads.push_back(
-          k.accumulate ? Tensor::zeros(slot.shape, DType::F32, MemoryCategory::Workspace)
-                       : Tensor::empty(slot.shape, DType::F32, MemoryCategory::Workspace));
+      k.grads.push_back(k.accumulate
+                            ? Tensor::zeros(slot.shape, DType::F32, MemoryCategory::Workspace)
+                            : Tensor::empty(slot.shape, DType::F32, MemoryCategory::Workspace));
     else
       k.grads.push_back(k.accumulate ? cell->get_or_zeros() : cell->get_for_accumulate(&beta));
   }
@@ -241,8 +243,8 @@ Variable linear_op(const Variable& x, const Variable& w, const Variable& b, bool
   if (rounded && !b.defined()) {
     Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K));
     if (computing()) {
-      kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(),
-                                 K, y.bf16(), N);
+      kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K,
+                                 y.bf16(), N);
     } else if (kernels::gemm_bf16_rounded_direct(K)) {
       measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
     } else {  // through an FP32 scratch of the kernel's (kernels/gemm.h)
@@ -313,12 +315,12 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
     const Tensor x16 = rounding_in_pass(x, grad);
     if (computing())
       kernels::rmsnorm_forward_bf16(y.bf16(), bf16_or_null(x16), rstd.f32(), fp32_value(x).f32(),
-                                  w.value().f32(), N, C, eps);
+                                    w.value().f32(), N, C, eps);
   } else {
     y = new_activation(xs);
     if (computing())
       kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
-                             eps);
+                               eps);
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -353,29 +355,27 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half
   const bool grad = needs_grad({&x});
   // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
   Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
-  if (!computing())
-    ;  // measuring: the output's allocation is all
-  else if (y.dtype() == DType::BF16)
+  if (computing() && y.dtype() == DType::BF16)
     kernels::rope_forward_bf16(y.bf16(), fp32_value(x).f32(), table.f32(), B, T, H, D, half_split);
-  else
+  else if (computing())
     kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D, half_split);
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D,
-                             half_split] {
-      if (!gy->tensor().defined()) return;
-      if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
-        const Tensor rounded = gx->rounded_for_overwrite();
-        if (rounded.defined() && !computing()) return;
-        if (rounded.defined())
-          return kernels::rope_backward_bf16(rounded.bf16(), gy->tensor().f32(), table.f32(), B, T,
-                                             H, D, half_split);
-      }
-      const KernelGrads g = kernel_grads({{&gx, Shape{B, T, H * D}}});
-      if (computing())
-        kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
-                             half_split, g.accumulate);
-    });
+    record_backward(
+        "rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D, half_split] {
+          if (!gy->tensor().defined()) return;
+          if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
+            const Tensor rounded = gx->rounded_for_overwrite();
+            if (rounded.defined() && !computing()) return;
+            if (rounded.defined())
+              return kernels::rope_backward_bf16(rounded.bf16(), gy->tensor().f32(), table.f32(), B,
+                                                 T, H, D, half_split);
+          }
+          const KernelGrads g = kernel_grads({{&gx, Shape{B, T, H * D}}});
+          if (computing())
+            kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
+                                   half_split, g.accumulate);
+        });
   }
   return out;
 }
@@ -401,16 +401,14 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
   const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
   Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
-  if (!computing()) {
-    if (!native) {  // the widened inputs
-      const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
-    }
-  } else if (native) {
-    kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
-                                    KVH, D);
+  if (native) {
+    if (computing())
+      kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
+                                      KVH, D);
   } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
-    kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, KVH, D);
+    if (computing())
+      kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, KVH, D);
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
@@ -426,8 +424,8 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       const KernelGrads g =
           kernel_grads({{&gq, Shape{B, T, H * D}}, {&gk, kv_shape}, {&gv, kv_shape}});
       const Tensor &dq = g.grads[0], &dk = g.grads[1], &dv = g.grads[2];
-      if (native && !computing()) return;
       if (native) {
+        if (!computing()) return;
         kernels::attention_backward_bf16(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qs.bf16(),
                                          ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, KVH,
                                          D, g.accumulate);
@@ -436,7 +434,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
       if (computing())
         kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
-                                  vv.f32(), yv.f32(), lse.f32(), B, T, H, KVH, D, g.accumulate);
+                                    vv.f32(), yv.f32(), lse.f32(), B, T, H, KVH, D, g.accumulate);
     });
   }
   return out;
@@ -455,7 +453,7 @@ Variable swiglu(const Variable& gate, const Variable& up) {
     const Tensor gate16 = rounding_in_pass(gate, grad), up16 = rounding_in_pass(up, grad);
     if (computing())
       kernels::swiglu_forward_bf16(y.bf16(), bf16_or_null(gate16), bf16_or_null(up16),
-                                 fp32_value(gate).f32(), fp32_value(up).f32(), n);
+                                   fp32_value(gate).f32(), fp32_value(up).f32(), n);
   } else {
     y = new_activation(gate.shape());
     if (computing())
@@ -533,8 +531,8 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   Tensor lse = new_activation(Shape{N});
   Tensor y = new_activation(Shape{1});
   if (computing()) {
-    kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(),
-                                   targets.i32(), N, V);
+    kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(), targets.i32(),
+                                   N, V);
     double sum = 0.0;
     for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
     y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
@@ -551,8 +549,8 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
       if (!computing()) return;
       const float each = dy.f32()[0] / static_cast<float>(N);
       for (int64_t i = 0; i < N; ++i) dlosses.f32()[i] = each;
-      kernels::cross_entropy_backward(dlogits.f32(), lv.f32(), lse.f32(),
-                                      targets.i32(), dlosses.f32(), N, V);
+      kernels::cross_entropy_backward(dlogits.f32(), lv.f32(), lse.f32(), targets.i32(),
+                                      dlosses.f32(), N, V);
     });
   }
   return out;

@@ -9,9 +9,13 @@ namespace cputrain {
 namespace {
 
 // FP32 elements of one parameter's slice: each starts on a 64-byte boundary.
-int64_t padded_f32(int64_t numel) { return (numel + 15) / 16 * 16; }
+int64_t padded_f32(int64_t numel) {
+  return (numel + 15) / 16 * 16;
+}
 // bf16 elements of one copy: each starts on a 64-byte boundary, as the weights do.
-int64_t padded_bf16(int64_t numel) { return (numel + 31) / 32 * 32; }
+int64_t padded_bf16(int64_t numel) {
+  return (numel + 31) / 32 * 32;
+}
 
 }  // namespace
 

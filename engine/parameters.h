@@ -24,7 +24,7 @@ struct ParameterInfo {
   bool bf16_copy = false;     // gets a bf16 copy in bf16 training (it feeds GEMMs)
   int64_t bf16_offset = -1;   // in elements, into bf16_weights(), once the copies exist
   bool trainable = true;
-  int64_t grad_offset = -1;   // in elements into gradients() (and AdamW's m and v); -1: frozen
+  int64_t grad_offset = -1;  // in elements into gradients() (and AdamW's m and v); -1: frozen
 };
 
 class ParameterSet {

@@ -5,8 +5,12 @@
 namespace cputrain::kernels {
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return bf16_to_fp32(x); }
+inline float widen(float x) {
+  return x;
+}
+inline float widen(uint16_t x) {
+  return bf16_to_fp32(x);
+}
 
 // Columns in blocks of 64 per task; within a column the rows are summed in order.
 template <class T>

@@ -13,13 +13,14 @@ inline void put(uint16_t& out, float y, bool) { out = fp32_to_bf16(y); }
 // Rotates every pair of `in` (adjacent, or half-split) by the table's angle for its position,
 // or by minus that angle (the inverse, for backward) when Inverse; stores into or (FP32 only)
 // adds onto `out`, rounding to bf16 where Out is bf16.
-template <bool Inverse, bool Accumulate, class Out>
-void rotate_pairs(Out* out, const float* in, const float* table, int64_t B, int64_t T,
-                  int64_t H, int64_t D, bool half_split) {
+template <bool Inverse, bool Accumulate, bool HalfSplit, class Out>
+void rotate(Out* out, const float* in, const float* table, int64_t B, int64_t T, int64_t H,
+            int64_t D) {
   const int64_t half = D / 2;
   const float sign = Inverse ? -1.0f : 1.0f;
   // Pair j is (x[first * j], x[first * j + second]).
-  const int64_t first = half_split ? 1 : 2, second = half_split ? half : 1;
+  constexpr int64_t first = HalfSplit ? 1 : 2;
+  const int64_t second = HalfSplit ? half : 1;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -39,6 +40,13 @@ void rotate_pairs(Out* out, const float* in, const float* table, int64_t B, int6
   }
 }
 
+template <bool Inverse, bool Accumulate, class Out>
+void rotate_pairs(Out* out, const float* in, const float* table, int64_t B, int64_t T, int64_t H,
+                  int64_t D, bool half_split) {
+  if (half_split) return rotate<Inverse, Accumulate, true>(out, in, table, B, T, H, D);
+  rotate<Inverse, Accumulate, false>(out, in, table, B, T, H, D);
+}
+
 }  // namespace
 
 void rope_table(float* table, int64_t T, int64_t D, double theta) {
@@ -53,8 +61,8 @@ void rope_table(float* table, int64_t T, int64_t D, double theta) {
   }
 }
 
-void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T,
-                  int64_t H, int64_t D, bool half_split) {
+void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T, int64_t H,
+                  int64_t D, bool half_split) {
   rotate_pairs<false, false>(out, inp, table, B, T, H, D, half_split);
 }
 

@@ -12,8 +12,8 @@ namespace cputrain::kernels {
 // and rounded to float.
 void rope_table(float* table, int64_t T, int64_t D, double theta);
 // inp, out (B, T, H, D); out may equal inp. Position of row t is t (table row t).
-void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T,
-                  int64_t H, int64_t D, bool half_split);
+void rope_forward(float* out, const float* inp, const float* table, int64_t B, int64_t T, int64_t H,
+                  int64_t D, bool half_split);
 // The same, rounded to bf16 (fp32_to_bf16 of what rope_forward writes).
 void rope_forward_bf16(uint16_t* out, const float* inp, const float* table, int64_t B, int64_t T,
                        int64_t H, int64_t D, bool half_split);

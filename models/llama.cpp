@@ -18,8 +18,8 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& 
   const int64_t Q = config.q_dim(), KV = config.kv_dim();
   Layout layout;
   // Tied: the embedding is also the LM head's weight, a GEMM operand (bf16 copy).
-  layout.tok_embeddings = params.add("tok_embeddings.weight", Shape{V, C}, true,
-                                     config.tie_embeddings);
+  layout.tok_embeddings =
+      params.add("tok_embeddings.weight", Shape{V, C}, true, config.tie_embeddings);
   for (int64_t i = 0; i < config.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     Block b;
@@ -40,9 +40,8 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& 
     layout.blocks.push_back(b);
   }
   layout.norm = params.add("norm.weight", Shape{C}, false);
-  layout.output = config.tie_embeddings
-                      ? layout.tok_embeddings
-                      : params.add("output.weight", Shape{V, C}, true, true);
+  layout.output = config.tie_embeddings ? layout.tok_embeddings
+                                        : params.add("output.weight", Shape{V, C}, true, true);
   return layout;
 }
 
@@ -50,8 +49,7 @@ void LlamaModel::declare_parameters(const LlamaConfig& config, ParameterSet& par
   declare(config, params);
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
-    : config_(config) {
+LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options) : config_(config) {
   if (const auto problem = validate(config)) throw std::invalid_argument(problem->str());
   if (options.compute_dtype != DType::F32 && options.compute_dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
@@ -108,8 +106,10 @@ void LlamaModel::set_compute_dtype(DType dtype) {
   if (dtype == DType::BF16) params_.enable_bf16_copies();
   for (const ParameterInfo& info : params_.infos())
     if (dtype == DType::F32 && info.offset < 0)
-      throw std::invalid_argument("a model built for bf16 with frozen bf16 weights cannot compute "
-                                  "in f32 (" + info.name + ")");
+      throw std::invalid_argument(
+          "a model built for bf16 with frozen bf16 weights cannot compute "
+          "in f32 (" +
+          info.name + ")");
   compute_dtype_ = dtype;
 }
 

@@ -100,7 +100,7 @@ class LlamaModel {
   int tok_embeddings_ = 0;
   std::vector<Block> blocks_;
   int norm_ = 0;
-  int output_ = 0;  // tok_embeddings_ where the embeddings are tied
+  int output_ = 0;     // tok_embeddings_ where the embeddings are tied
   Tensor rope_table_;  // (ctx, D/2, 2)
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;

@@ -57,8 +57,8 @@ std::vector<std::string> preset_names() {
 
 int64_t parameter_count(const LlamaConfig& c) {
   const int64_t C = c.d_model, q = c.q_dim(), kv = c.kv_dim();
-  const int64_t per_layer = 2 * C * q + 2 * C * kv + 3 * C * c.ffn + 2 * C +
-                            (c.qkv_bias ? q + 2 * kv : 0);
+  const int64_t per_layer =
+      2 * C * q + 2 * C * kv + 3 * C * c.ffn + 2 * C + (c.qkv_bias ? q + 2 * kv : 0);
   return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * per_layer + C;
 }
 
@@ -71,8 +71,8 @@ std::string ConfigProblem::str() const {
 std::optional<ConfigProblem> validate(const LlamaConfig& c) {
   const auto text = [](int64_t v) { return std::to_string(v); };
   const std::pair<const char*, int64_t> positive[] = {
-      {"vocab", c.vocab}, {"d_model", c.d_model}, {"n_layers", c.n_layers},
-      {"n_heads", c.n_heads}, {"ffn", c.ffn}, {"ctx", c.ctx}};
+      {"vocab", c.vocab},     {"d_model", c.d_model}, {"n_layers", c.n_layers},
+      {"n_heads", c.n_heads}, {"ffn", c.ffn},         {"ctx", c.ctx}};
   for (const auto& [field, v] : positive)
     if (v <= 0) return ConfigProblem{field, text(v), "must be positive", "", ""};
   if (c.n_kv_heads < 0)
@@ -80,7 +80,8 @@ std::optional<ConfigProblem> validate(const LlamaConfig& c) {
   if (c.n_heads % c.kv_heads() != 0)
     return ConfigProblem{"n_heads", text(c.n_heads), "is not a multiple of", "n_kv_heads",
                          text(c.kv_heads())};
-  if (c.head_dim < 0) return ConfigProblem{"head_dim", text(c.head_dim), "must be positive", "", ""};
+  if (c.head_dim < 0)
+    return ConfigProblem{"head_dim", text(c.head_dim), "must be positive", "", ""};
   if (c.head_dim == 0 && c.d_model % c.n_heads != 0)
     return ConfigProblem{"d_model", text(c.d_model), "is not a multiple of", "n_heads",
                          text(c.n_heads)};

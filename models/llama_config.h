@@ -34,7 +34,7 @@ struct LlamaConfig {
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
-  int64_t q_dim() const { return n_heads * head_size(); }     // rows of wq, columns of wo
+  int64_t q_dim() const { return n_heads * head_size(); }      // rows of wq, columns of wo
   int64_t kv_dim() const { return kv_heads() * head_size(); }  // rows of wk and wv
 };
 

@@ -44,9 +44,9 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     t.ctx = o.ctx;
     t.accum = o.accum;
     t.lr.total_steps = 3;
-    Trainer trainer(model.parameters(),
-                    [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
-                    t);
+    Trainer trainer(
+        model.parameters(),
+        [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, t);
     // The validation split's windows (evaluate reads only their count while measuring).
     const std::vector<int32_t> eval_tokens(
         static_cast<size_t>(std::max<int64_t>(0, o.eval_windows) * o.ctx + 1));

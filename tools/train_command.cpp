@@ -59,10 +59,15 @@ void require_positive(int64_t value, const char* flag) {
 }  // namespace
 
 std::string flag_message(const ConfigProblem& problem) {
-  static const std::pair<const char*, const char*> flags[] = {
-      {"vocab", "--vocab"},         {"d_model", "--d-model"},       {"n_layers", "--layers"},
-      {"n_heads", "--heads"},       {"n_kv_heads", "--kv-heads"},   {"head_dim", "--head-dim"},
-      {"ffn", "--ffn"},             {"ctx", "--ctx"},               {"rope_theta", "--rope-theta"}};
+  static const std::pair<const char*, const char*> flags[] = {{"vocab", "--vocab"},
+                                                              {"d_model", "--d-model"},
+                                                              {"n_layers", "--layers"},
+                                                              {"n_heads", "--heads"},
+                                                              {"n_kv_heads", "--kv-heads"},
+                                                              {"head_dim", "--head-dim"},
+                                                              {"ffn", "--ffn"},
+                                                              {"ctx", "--ctx"},
+                                                              {"rope_theta", "--rope-theta"}};
   const auto flag = [](const std::string& field) {
     for (const auto& [f, name] : flags)
       if (field == f) return std::string(name);
@@ -99,8 +104,10 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   c.model.n_kv_heads = a.kv_heads == -1 ? c.model.n_heads : take(a.kv_heads, 0, "--kv-heads");
   c.model.head_dim = a.head_dim == -1 ? 0 : take(a.head_dim, 0, "--head-dim");
   if (a.rope_theta != -1.0) c.model.rope_theta = a.rope_theta;
-  if (a.rope_pairs == "half-split") c.model.rope_pairs = RopePairs::HalfSplit;
-  else if (a.rope_pairs == "adjacent") c.model.rope_pairs = RopePairs::Adjacent;
+  if (a.rope_pairs == "half-split")
+    c.model.rope_pairs = RopePairs::HalfSplit;
+  else if (a.rope_pairs == "adjacent")
+    c.model.rope_pairs = RopePairs::Adjacent;
   else if (!a.rope_pairs.empty())
     throw UserError("--rope-pairs " + a.rope_pairs + ": not a pairing (adjacent or half-split)");
   c.model.qkv_bias = a.qkv_bias;

@@ -22,12 +22,12 @@ struct TrainArgs {
   int64_t d_model = -1;
   int64_t layers = -1;
   int64_t heads = -1;
-  int64_t kv_heads = -1;            // -1: as many as --heads
-  int64_t head_dim = -1;            // -1: d_model / heads
-  double rope_theta = -1.0;         // -1: the preset's (10000)
-  std::string rope_pairs;           // "adjacent", "half-split", or empty: the preset's
-  bool qkv_bias = false;            // biases on the q, k and v projections
-  bool tie_embeddings = false;      // the LM head is the embedding matrix
+  int64_t kv_heads = -1;        // -1: as many as --heads
+  int64_t head_dim = -1;        // -1: d_model / heads
+  double rope_theta = -1.0;     // -1: the preset's (10000)
+  std::string rope_pairs;       // "adjacent", "half-split", or empty: the preset's
+  bool qkv_bias = false;        // biases on the q, k and v projections
+  bool tie_embeddings = false;  // the LM head is the embedding matrix
   int64_t ffn = -1;
   double lr = -1.0;
   int64_t warmup = -1;

@@ -126,6 +126,87 @@ TEST_F(CheckpointFile, ForeignFilesAndOtherModelsAreRefused) {
   EXPECT_THROW(read_checkpoint_info((dir_ / "missing.ckpt").string()), UserError);
 }
 
+// With frozen parameters a checkpoint holds the trainable ones (and their AdamW state) and a
+// fingerprint of the frozen ones: it resumes the trainable weights exactly, on the same frozen
+// base only; on another it is refused and nothing is written. In bf16 the frozen matrix lives
+// as bf16 alone, and the weights file still holds every parameter.
+TEST_F(CheckpointFile, FrozenParametersAreFingerprintedNotStored) {
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    const auto make_frozen = [dtype](ParameterSet& p) {
+      p.add("frozen", Shape{40, 8}, true, true);
+      p.add("w", Shape{5, 3}, true, true);
+      p.add("g", Shape{3}, false);
+      p.set_trainable(0, false);
+      p.allocate(dtype);
+    };
+    std::vector<float> base(320), other(320);
+    for (size_t i = 0; i < base.size(); ++i) {
+      base[i] = 0.5f * static_cast<float>(i % 7) - 1.0f;
+      other[i] = base[i] + (i == 100 ? 0.5f : 0.0f);
+    }
+    ParameterSet saved;
+    make_frozen(saved);
+    EXPECT_EQ(saved.infos()[0].offset >= 0, dtype == DType::F32);
+    EXPECT_EQ(saved.trainable_numel(), 16 + 16);  // w and g, each padded to 64 bytes
+    saved.write_values(0, base.data());
+    for (int i = 1; i < 3; ++i) {
+      std::vector<float> v(static_cast<size_t>(saved.infos()[i].shape.numel()));
+      for (size_t e = 0; e < v.size(); ++e) v[e] = 0.1f * static_cast<float>(e + i);
+      saved.write_values(i, v.data());
+    }
+    for (int64_t i = 0; i < saved.trainable_numel(); ++i)
+      saved.gradients().f32()[i] = 0.01f * static_cast<float>(i % 5);
+    AdamW adamw(saved, AdamWConfig{});
+    adamw.step(0.01f);
+    EXPECT_EQ(adamw.m().numel(), saved.trainable_numel());
+    save_checkpoint(path_, saved, adamw, info_);
+    EXPECT_LT(fs::file_size(path_), 1000u);  // 32 weights and their m and v, not the 320 frozen
+
+    ParameterSet same;
+    make_frozen(same);
+    same.write_values(0, base.data());
+    AdamW resumed(same, AdamWConfig{});
+    load_checkpoint(path_, same, &resumed);
+    for (int i = 1; i < 3; ++i) {
+      const int64_t n = saved.infos()[i].shape.numel();
+      std::vector<float> a(n), b(n);
+      saved.read_values(i, a.data());
+      same.read_values(i, b.data());
+      EXPECT_EQ(a, b) << saved.infos()[i].name;
+    }
+    EXPECT_EQ(values(resumed.m()), values(adamw.m()));
+    EXPECT_EQ(values(resumed.v()), values(adamw.v()));
+
+    ParameterSet changed;
+    make_frozen(changed);
+    changed.write_values(0, other.data());
+    AdamW untouched(changed, AdamWConfig{});
+    std::vector<float> w_before(15);
+    changed.read_values(1, w_before.data());
+    try {
+      load_checkpoint(path_, changed, &untouched);
+      FAIL() << "a checkpoint resumed on other frozen weights";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("other frozen weights"), std::string::npos) << e.what();
+    }
+    std::vector<float> w_after(15);
+    changed.read_values(1, w_after.data());
+    EXPECT_EQ(w_after, w_before);
+    EXPECT_EQ(untouched.step_count(), 0);
+
+    // The weights file holds all three, the frozen one as stored (bf16 widened).
+    const std::string weights = (dir_ / "model.bin").string();
+    save_weights(weights, saved, "{}");
+    ParameterSet read;
+    make_frozen(read);
+    load_weights(weights, read);
+    std::vector<float> a(320), b(320);
+    saved.read_values(0, a.data());
+    read.read_values(0, b.data());
+    EXPECT_EQ(a, b);
+  }
+}
+
 TEST_F(CheckpointFile, DiskFullKeepsThePreviousCheckpoint) {
   const std::vector<char> before = bytes();
   info_.step = 43;

@@ -136,16 +136,16 @@ TEST(OpsBf16, AttentionOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(3);
   const Shape s{2, 9, 12};
   // Where attention has bf16 products it also rounds the probabilities (2^-9 relative).
-  compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 3, 3); },
-                {random_tensor(s, rng, true), random_tensor(s, rng, true),
-                 random_tensor(s, rng, true)},
-                s, kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
+  compare_modes(
+      [](const auto& v) { return attention(v[0], v[1], v[2], 3, 3); },
+      {random_tensor(s, rng, true), random_tensor(s, rng, true), random_tensor(s, rng, true)}, s,
+      kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
   // Grouped-query: 4 query heads on 2 key/value heads.
   const Shape q{2, 9, 16}, kv{2, 9, 8};
-  compare_modes([](const auto& v) { return attention(v[0], v[1], v[2], 4, 2); },
-                {random_tensor(q, rng, true), random_tensor(kv, rng, true),
-                 random_tensor(kv, rng, true)},
-                q, kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
+  compare_modes(
+      [](const auto& v) { return attention(v[0], v[1], v[2], 4, 2); },
+      {random_tensor(q, rng, true), random_tensor(kv, rng, true), random_tensor(kv, rng, true)}, q,
+      kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
 }
 
 TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
@@ -199,8 +199,8 @@ TEST(OpsBf16, ArbitraryInputsStayWithinBf16RoundingOfFp32) {
   const int64_t C = 32, F = 48, H = 4;
   auto block = [=](const std::vector<Variable>& v) {
     Variable h = rmsnorm(v[0], v[1], 1e-5f);
-    Variable a = add(v[0], linear(attention(linear(h, v[2]), linear(h, v[3]), linear(h, v[4]), H, H),
-                                  v[5]));
+    Variable a =
+        add(v[0], linear(attention(linear(h, v[2]), linear(h, v[3]), linear(h, v[4]), H, H), v[5]));
     return add(a, linear(swiglu(linear(a, v[6]), linear(a, v[7])), v[8]));
   };
   std::vector<Tensor> inputs = {random_tensor(Shape{2, 13, C}, rng, false),

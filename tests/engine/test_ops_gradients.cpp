@@ -132,11 +132,11 @@ TEST(OpsGradient, AttentionGroupedQueryHeads) {
   std::mt19937 rng(14);
   const int64_t B = 2, T = 6, H = 4, D = 4;
   for (const int64_t KVH : {2, 1})
-    check_gradients([KVH](const auto& v) { return attention(v[0], v[1], v[2], H, KVH); },
-                    {random_tensor(Shape{B, T, H * D}, rng),
-                     random_tensor(Shape{B, T, KVH * D}, rng),
-                     random_tensor(Shape{B, T, KVH * D}, rng)},
-                    5e-3);
+    check_gradients(
+        [KVH](const auto& v) { return attention(v[0], v[1], v[2], H, KVH); },
+        {random_tensor(Shape{B, T, H * D}, rng), random_tensor(Shape{B, T, KVH * D}, rng),
+         random_tensor(Shape{B, T, KVH * D}, rng)},
+        5e-3);
 }
 
 TEST(OpsGradient, AttentionOneHeadOnePosition) {

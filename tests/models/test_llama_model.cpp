@@ -456,39 +456,38 @@ TEST(Generate, KvCacheMatchesFullForward) {
   mqa.n_kv_heads = 1;
   mqa.rope_pairs = RopePairs::Adjacent;
   for (const LlamaConfig& c : {find_preset("tiny")->config, gqa, mqa})
-  for (DType dtype : {DType::F32, DType::BF16}) {
-    LlamaModel model(c);
-    model.init_weights(6);
-    model.set_compute_dtype(dtype);
-    std::vector<int32_t> tokens = {5, 9, 2, 77, 3};
-    LlamaModel::KvCache cache = model.new_kv_cache();
-    Tensor cached = model.decode(tokens, cache);
-    for (int64_t step = 0; static_cast<int64_t>(tokens.size()) <= c.ctx; ++step) {
-      const auto T = static_cast<int64_t>(tokens.size());
-      Tensor input = Tensor::empty(Shape{1, T}, DType::I32, MemoryCategory::Workspace);
-      std::copy(tokens.begin(), tokens.end(), input.i32());
-      const Tensor full = model.last_logits(input);
-      double max_diff = 0.0, max_ref = 0.0;
-      for (int64_t v = 0; v < c.vocab; ++v) {
-        max_diff = std::max(max_diff, std::abs(double{cached.f32()[v]} - full.f32()[v]));
-        max_ref = std::max(max_ref, std::abs(double{full.f32()[v]}));
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      LlamaModel model(c);
+      model.init_weights(6);
+      model.set_compute_dtype(dtype);
+      std::vector<int32_t> tokens = {5, 9, 2, 77, 3};
+      LlamaModel::KvCache cache = model.new_kv_cache();
+      Tensor cached = model.decode(tokens, cache);
+      for (int64_t step = 0; static_cast<int64_t>(tokens.size()) <= c.ctx; ++step) {
+        const auto T = static_cast<int64_t>(tokens.size());
+        Tensor input = Tensor::empty(Shape{1, T}, DType::I32, MemoryCategory::Workspace);
+        std::copy(tokens.begin(), tokens.end(), input.i32());
+        const Tensor full = model.last_logits(input);
+        double max_diff = 0.0, max_ref = 0.0;
+        for (int64_t v = 0; v < c.vocab; ++v) {
+          max_diff = std::max(max_diff, std::abs(double{cached.f32()[v]} - full.f32()[v]));
+          max_ref = std::max(max_ref, std::abs(double{full.f32()[v]}));
+        }
+        ASSERT_GT(max_ref, 0.0);
+        // Where attention has bf16 products, the full forward rounds the probabilities to bf16
+        // (relative error up to 2^-9); decoding keeps them FP32.
+        const double tol = dtype == DType::BF16 && kernels::attention_bf16_native() ? 1e-2 : 1e-5;
+        ASSERT_LT(max_diff / max_ref, tol)
+            << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16") << ", kv heads "
+            << c.kv_heads();
+        if (T == c.ctx) break;
+        const auto next = static_cast<int32_t>((step * 37 + 11) % c.vocab);
+        tokens.push_back(next);
+        cached = model.decode({next}, cache);
       }
-      ASSERT_GT(max_ref, 0.0);
-      // Where attention has bf16 products, the full forward rounds the probabilities to bf16
-      // (relative error up to 2^-9); decoding keeps them FP32.
-      const double tol =
-          dtype == DType::BF16 && kernels::attention_bf16_native() ? 1e-2 : 1e-5;
-      ASSERT_LT(max_diff / max_ref, tol)
-          << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16") << ", kv heads "
-          << c.kv_heads();
-      if (T == c.ctx) break;
-      const auto next = static_cast<int32_t>((step * 37 + 11) % c.vocab);
-      tokens.push_back(next);
-      cached = model.decode({next}, cache);
+      EXPECT_EQ(cache.length, c.ctx);
+      EXPECT_THROW(model.decode({1}, cache), std::invalid_argument);  // the cache is full
     }
-    EXPECT_EQ(cache.length, c.ctx);
-    EXPECT_THROW(model.decode({1}, cache), std::invalid_argument);  // the cache is full
-  }
 }
 
 // Past ctx tokens, generation goes on from the last ctx / 2 (a fresh cache), as a full forward

@@ -5,10 +5,10 @@
 // steps after the second make no block afresh, and what the process holds for tensors, live and
 // kept by the block cache, equals the budget's step peak plus its cache headroom.
 #include <gtest/gtest.h>
-
 #include <omp.h>
 
 #include <functional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -30,6 +30,8 @@ struct Case {
   bool checkpoint;
   std::function<bool(const std::string&)> trainable;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class BudgetVsMeasured : public ::testing::TestWithParam<Case> {};
 
@@ -98,7 +100,9 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
             budget.step_peak_bytes + budget.cache_headroom_bytes);
 }
 
-LlamaConfig preset(const char* name) { return find_preset(name)->config; }
+LlamaConfig preset(const char* name) {
+  return find_preset(name)->config;
+}
 
 // The tiny preset's width with another attention: GQA with a head dim of 24 (q_dim 96), tied
 // embeddings, q/k/v biases, half-split RoPE.
