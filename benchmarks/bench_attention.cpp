@@ -84,15 +84,15 @@ int main(int argc, char** argv) {
               peak.f32_all_threads, peak.bf16_all_threads, peak.amx_all_threads);
   for (const char* name : {"mini", "mega", "behemoth"}) {
     const cputrain::Preset p = *cputrain::find_preset(name);
-    const Dims s{name, p.batch, p.config.ctx, p.config.n_heads, p.config.d_model / p.config.n_heads};
+    const Dims s{name, p.batch, p.config.ctx, p.config.n_heads,
+                 p.config.d_model / p.config.n_heads};
     for (bool bf16 : {false, true}) {
       if (bf16 && !cputrain::kernels::attention_bf16_native()) continue;
       for (bool backward : {false, true}) {
         const std::string bench = std::string("attention/") + (bf16 ? "bf16" : "fp32") + "/" +
                                   name + "/" + (backward ? "backward" : "forward");
-        register_timed(bench, [s, bf16, backward](benchmark::State& st) {
-          run_one(st, s, bf16, backward);
-        });
+        register_timed(
+            bench, [s, bf16, backward](benchmark::State& st) { run_one(st, s, bf16, backward); });
       }
     }
   }

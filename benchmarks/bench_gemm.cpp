@@ -20,11 +20,11 @@
 
 #include "benchmarks/bench_timing.h"
 #include "benchmarks/gemm_shapes.h"
-#include "kernels/peak.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/peak.h"
 
 namespace cputrain::bench {
 namespace {
@@ -56,14 +56,14 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
         kernels::gemm_bf16_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a16.get(), lda, o.b16.get(), ldb,
                                   s.beta, o.c.get(), s.N);
     } else if (impl == "ours") {
-      kernels::gemm_f32_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb,
-                               s.beta, o.c.get(), s.N);
+      kernels::gemm_f32_avx512(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb, s.beta,
+                               o.c.get(), s.N);
     } else if (impl == "onednn") {
-      kernels::gemm_f32_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb,
-                               s.beta, o.c.get(), s.N);
+      kernels::gemm_f32_onednn(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb, s.beta,
+                               o.c.get(), s.N);
     } else {
-      kernels::gemm_f32_eigen(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb,
-                              s.beta, o.c.get(), s.N);
+      kernels::gemm_f32_eigen(s.ta, s.tb, s.M, s.N, s.K, o.a.get(), lda, o.b.get(), ldb, s.beta,
+                              o.c.get(), s.N);
     }
   };
   call();  // warm-up: packing buffers, oneDNN primitive creation
@@ -96,8 +96,8 @@ void print_summary(const std::vector<Shape>& shapes, const kernels::Peak& start,
   std::printf("%%peak is of the higher of the two; bf16 %%peak is of %s\n",
               peak.bf16_best_instruction());
   std::printf("GFLOP/s, the median of the repetitions\n");
-  std::printf("%-5s %-9s %-12s %6s %6s %6s  %7s %7s  %s\n", "dtype", "preset", "product", "M",
-              "N", "K", "ours", "onednn", "ours %peak  onednn %peak  ours/onednn  eigen");
+  std::printf("%-5s %-9s %-12s %6s %6s %6s  %7s %7s  %s\n", "dtype", "preset", "product", "M", "N",
+              "K", "ours", "onednn", "ours %peak  onednn %peak  ours/onednn  eigen");
   for (const char* dtype : {"f32", "bf16"}) {
     const double top =
         std::string(dtype) == "bf16" ? peak.bf16_best_all_threads() : peak.f32_all_threads;
@@ -109,8 +109,8 @@ void print_summary(const std::vector<Shape>& shapes, const kernels::Peak& start,
       std::printf("%-5s %-9s %-12s %6ld %6ld %6ld  %7.1f %7.1f  %9.1f%% %12.1f%% %12.2f  %5.1f\n",
                   dtype, s.preset.c_str(), s.product.c_str(), static_cast<long>(s.M),
                   static_cast<long>(s.N), static_cast<long>(s.K), ours, dnnl,
-                  top > 0 ? 100 * ours / top : 0.0, top > 0 ? 100 * dnnl / top : 0.0,
-                  ours / dnnl, eigen);
+                  top > 0 ? 100 * ours / top : 0.0, top > 0 ? 100 * dnnl / top : 0.0, ours / dnnl,
+                  eigen);
     }
   }
 }
@@ -131,11 +131,10 @@ int main(int argc, char** argv) {
       for (const char* impl : {"ours", "onednn", "eigen"}) {
         if (bf16 && std::string(impl) == "eigen") continue;
         if (std::string(impl) == "ours" && !(bf16 ? cpu.avx512_bf16 : cpu.avx512)) continue;
-        const std::string name = std::string("gemm/") + impl + "/" + (bf16 ? "bf16" : "f32") +
-                                 "/" + s.preset + "/" + s.product;
-        register_timed(name, [s, impl, bf16](benchmark::State& state) {
-          run_one(state, s, impl, bf16);
-        });
+        const std::string name = std::string("gemm/") + impl + "/" + (bf16 ? "bf16" : "f32") + "/" +
+                                 s.preset + "/" + s.product;
+        register_timed(name,
+                       [s, impl, bf16](benchmark::State& state) { run_one(state, s, impl, bf16); });
       }
     }
   }

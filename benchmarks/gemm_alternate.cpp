@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
       });
   app.add_option("--dtype", dtype, "f32, bf16 or both")
       ->check(CLI::IsMember({"f32", "bf16", "both"}));
-  app.add_option("--calls", calls, "Timed calls of each implementation")->check(CLI::Range(1, 1000));
+  app.add_option("--calls", calls, "Timed calls of each implementation")
+      ->check(CLI::Range(1, 1000));
   app.add_option("--products", products, "Only products whose name contains this, e.g. _dw");
   app.add_option("--fused-k-blocks", k_blocks,
                  "Also time weight gradients with the fused path taking this many K blocks of "
@@ -140,8 +141,7 @@ int main(int argc, char** argv) {
   if (k_blocks > 0)
     std::printf("kblk: ours with the fused path taking %d K blocks of 512 as one (default %d)\n",
                 k_blocks, kernels::gemm_fused_k_blocks());
-  if (fused_column)
-    std::printf("fused: ours with the direct path off (FP32 weight gradients)\n");
+  if (fused_column) std::printf("fused: ours with the direct path off (FP32 weight gradients)\n");
   std::printf("%-5s %-9s %-13s %6s %6s %6s  %7s %7s %7s  %6s  %6s", "dtype", "preset", "product",
               "M", "N", "K", "ours", "blocked", "onednn", "ours/o", "blk/o");
   if (k_blocks > 0) std::printf("  %7s  %6s  %7s", "kblk", "kb/o", "kb/ours");

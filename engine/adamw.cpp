@@ -24,7 +24,9 @@ double gradient_norm(const ParameterSet& params) {
   return std::sqrt(sum);
 }
 
-float AdamW::step(float lr) { return step(lr, gradient_norm(params_)); }
+float AdamW::step(float lr) {
+  return step(lr, gradient_norm(params_));
+}
 
 float AdamW::step(float lr, double norm) {
   ++step_;

@@ -3,11 +3,11 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <algorithm>
 
 #include "engine/error.h"
 
@@ -16,7 +16,9 @@ namespace {
 std::atomic<int64_t> g_write_limit{-1};
 }  // namespace
 
-void set_atomic_write_limit_for_testing(int64_t bytes) { g_write_limit = bytes; }
+void set_atomic_write_limit_for_testing(int64_t bytes) {
+  g_write_limit = bytes;
+}
 
 AtomicFileWriter::AtomicFileWriter(const std::string& path)
     : path_(path), tmp_(path + ".tmp"), buffer_(1 << 20) {

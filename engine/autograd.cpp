@@ -26,7 +26,9 @@ std::deque<Tape>& tapes() {
   return stack;
 }
 
-Tape& current_tape() { return tapes().back(); }
+Tape& current_tape() {
+  return tapes().back();
+}
 
 void require_fp32(const Tensor& grad) {
   if (grad.defined() && grad.dtype() != DType::F32)
@@ -70,8 +72,9 @@ Tensor Variable::bf16_value() const {
   if (impl_->bf16.defined()) return impl_->bf16;
   const Tensor& v = impl_->value;
   if (v.dtype() == DType::BF16) return v;  // a value that is its own rounding
-  Tensor b = Tensor::empty(v.shape(), DType::BF16,
-                           impl_->op_output ? MemoryCategory::Activations : MemoryCategory::Workspace);
+  Tensor b =
+      Tensor::empty(v.shape(), DType::BF16,
+                    impl_->op_output ? MemoryCategory::Activations : MemoryCategory::Workspace);
   profiler::Scope scope("to bf16", profiler::Pass::Enclosing);
   if (!measuring()) kernels::fp32_to_bf16_array(b.bf16(), v.f32(), v.numel());
   if (impl_->op_output) impl_->bf16 = b;
@@ -99,19 +102,29 @@ const Tensor& Variable::grad() const {
   return impl_->grad ? impl_->grad->tensor() : kUndefined;
 }
 
-bool grad_enabled() { return g_grad_enabled; }
+bool grad_enabled() {
+  return g_grad_enabled;
+}
 
-NoGradGuard::NoGradGuard() : previous_(g_grad_enabled) { g_grad_enabled = false; }
-NoGradGuard::~NoGradGuard() { g_grad_enabled = previous_; }
+NoGradGuard::NoGradGuard() : previous_(g_grad_enabled) {
+  g_grad_enabled = false;
+}
+NoGradGuard::~NoGradGuard() {
+  g_grad_enabled = previous_;
+}
 
-DType compute_dtype() { return g_compute_dtype; }
+DType compute_dtype() {
+  return g_compute_dtype;
+}
 
 ComputeDTypeGuard::ComputeDTypeGuard(DType dtype) : previous_(g_compute_dtype) {
   if (dtype != DType::F32 && dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
   g_compute_dtype = dtype;
 }
-ComputeDTypeGuard::~ComputeDTypeGuard() { g_compute_dtype = previous_; }
+ComputeDTypeGuard::~ComputeDTypeGuard() {
+  g_compute_dtype = previous_;
+}
 
 bool needs_grad(std::initializer_list<const Variable*> inputs) {
   if (!g_grad_enabled) return false;
@@ -158,8 +171,12 @@ void backward(const Variable& output, const Tensor& grad_output) {
   run_tape();
 }
 
-void clear_tape() { current_tape().clear(); }
-size_t tape_size() { return current_tape().size(); }
+void clear_tape() {
+  current_tape().clear();
+}
+size_t tape_size() {
+  return current_tape().size();
+}
 
 Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable& x) {
   if (!g_grad_enabled) return fn(x);
@@ -191,7 +208,11 @@ Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable&
   return out;
 }
 
-TapeScope::TapeScope() { tapes().emplace_back(); }
-TapeScope::~TapeScope() { tapes().pop_back(); }
+TapeScope::TapeScope() {
+  tapes().emplace_back();
+}
+TapeScope::~TapeScope() {
+  tapes().pop_back();
+}
 
 }  // namespace cputrain

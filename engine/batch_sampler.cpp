@@ -24,8 +24,7 @@ void sample_windows(std::span<const int32_t> tokens, int64_t ctx, uint64_t seed,
   for (int64_t i = 0; i < rows; ++i) {
     const uint64_t r = static_cast<uint64_t>(first_row + i);
     const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ step) ^ r);
-    copy_window(tokens, static_cast<int64_t>(h % starts), ctx, inputs + i * ctx,
-                targets + i * ctx);
+    copy_window(tokens, static_cast<int64_t>(h % starts), ctx, inputs + i * ctx, targets + i * ctx);
   }
 }
 

@@ -48,7 +48,9 @@ std::string FileReader::preamble(const char* magic, uint32_t version, uint64_t m
   return json;
 }
 
-void FileReader::corrupt(const std::string& what) const { throw UserError(path_ + ": " + what); }
+void FileReader::corrupt(const std::string& what) const {
+  throw UserError(path_ + ": " + what);
+}
 
 bool checksum_matches(const std::string& path, const std::string& kind, uint64_t min_bytes) {
   FileReader r(path, kind);

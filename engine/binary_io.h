@@ -20,7 +20,9 @@ class HashingWriter {
     out_.write(p, n);
   }
   template <typename T>
-  void value(T v) { bytes(&v, sizeof(v)); }
+  void value(T v) {
+    bytes(&v, sizeof(v));
+  }
   void string(const std::string& s) {
     value(static_cast<uint32_t>(s.size()));
     bytes(s.data(), s.size());

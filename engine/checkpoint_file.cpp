@@ -121,7 +121,9 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
   return info;
 }
 
-std::string checkpoint_dir(const std::string& run_dir) { return run_dir + "/checkpoints"; }
+std::string checkpoint_dir(const std::string& run_dir) {
+  return run_dir + "/checkpoints";
+}
 
 std::string checkpoint_path(const std::string& run_dir, int64_t step) {
   char name[32];

@@ -67,10 +67,12 @@ PreparedData prepare_data(const std::string& corpus, int vocab, const std::strin
   spdlog::info("tokenizing {} documents into {}", documents.size(), cache_path);
   std::function<void(int64_t, int64_t)> on_documents;
   if (progress)
-    on_documents = [&progress](int64_t done, int64_t total) { progress("tokenizing", done, total); };
-  TokenDataset dataset = TokenDataset::build(documents, *tokenizer, cache_path,
-                                             data_fingerprint(corpus_id, vocab, *tokenizer),
-                                             on_documents);
+    on_documents = [&progress](int64_t done, int64_t total) {
+      progress("tokenizing", done, total);
+    };
+  TokenDataset dataset =
+      TokenDataset::build(documents, *tokenizer, cache_path,
+                          data_fingerprint(corpus_id, vocab, *tokenizer), on_documents);
   return {std::move(*tokenizer), std::move(dataset), static_cast<int64_t>(documents.size()),
           reuse_tokenizer, false};
 }

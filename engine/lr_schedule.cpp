@@ -12,8 +12,8 @@ double learning_rate(const LrSchedule& s, int64_t step) {
   const double min_lr = s.peak * s.min_ratio;
   const int64_t decay_steps = s.total_steps - s.warmup_steps;
   if (decay_steps <= 0) return s.peak;
-  const double progress =
-      std::clamp(static_cast<double>(step - s.warmup_steps) / static_cast<double>(decay_steps), 0.0, 1.0);
+  const double progress = std::clamp(
+      static_cast<double>(step - s.warmup_steps) / static_cast<double>(decay_steps), 0.0, 1.0);
   return min_lr + (s.peak - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 

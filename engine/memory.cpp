@@ -117,18 +117,26 @@ void free_block(void* ptr, int64_t) {
 
 std::string_view memory_category_name(MemoryCategory category) {
   switch (category) {
-    case MemoryCategory::Weights: return "weights";
-    case MemoryCategory::Bf16Weights: return "bf16_weights";
-    case MemoryCategory::Gradients: return "gradients";
-    case MemoryCategory::OptimizerState: return "optimizer_state";
-    case MemoryCategory::Activations: return "activations";
-    case MemoryCategory::Workspace: return "workspace";
+    case MemoryCategory::Weights:
+      return "weights";
+    case MemoryCategory::Bf16Weights:
+      return "bf16_weights";
+    case MemoryCategory::Gradients:
+      return "gradients";
+    case MemoryCategory::OptimizerState:
+      return "optimizer_state";
+    case MemoryCategory::Activations:
+      return "activations";
+    case MemoryCategory::Workspace:
+      return "workspace";
   }
   return "unknown";
 }
 
 // What an allocation of `bytes` takes: whole 64-byte lines, at least one. Counted as such.
-static size_t allocated_size(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
+static size_t allocated_size(size_t bytes) {
+  return bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
+}
 
 void* memory_allocate(size_t bytes, MemoryCategory category) {
   const size_t rounded = allocated_size(bytes);
@@ -239,7 +247,9 @@ bool process_memory_reset_peak() {
   return static_cast<bool>(out << "5" << std::flush);
 }
 
-int64_t available_memory_bytes() { return read_proc_kb("/proc/meminfo", "MemAvailable"); }
+int64_t available_memory_bytes() {
+  return read_proc_kb("/proc/meminfo", "MemAvailable");
+}
 
 namespace {
 

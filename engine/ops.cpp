@@ -30,10 +30,14 @@ Tensor new_activation(const Shape& shape, DType dtype = DType::F32) {
 // Shape of x with its last dimension replaced by n.
 Shape with_last_dim(const Shape& x, int64_t n) {
   switch (x.ndim()) {
-    case 1: return Shape{n};
-    case 2: return Shape{x[0], n};
-    case 3: return Shape{x[0], x[1], n};
-    default: return Shape{x[0], x[1], x[2], n};
+    case 1:
+      return Shape{n};
+    case 2:
+      return Shape{x[0], n};
+    case 3:
+      return Shape{x[0], x[1], n};
+    default:
+      return Shape{x[0], x[1], x[2], n};
   }
 }
 
@@ -41,7 +45,9 @@ void require(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
-bool bf16_mode() { return compute_dtype() == DType::BF16; }
+bool bf16_mode() {
+  return compute_dtype() == DType::BF16;
+}
 
 // Whether kernels run: not while measuring (engine/memory.h), where tensors have no elements
 // and an op makes only its allocations.
@@ -58,7 +64,9 @@ const Tensor& fp32_value(const Variable& x) {
 
 // What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
 // rounding (shared with every other op that saves the same input).
-Tensor saved(const Variable& x) { return bf16_mode() ? x.bf16_value() : x.value(); }
+Tensor saved(const Variable& x) {
+  return bf16_mode() ? x.bf16_value() : x.value();
+}
 
 // In bf16 mode, where an op that reads x's FP32 value also saves x for its backward: the tensor
 // its pass writes x's rounding into, which x keeps as its bf16 value (what saved(x) returns);
@@ -70,7 +78,9 @@ Tensor rounding_in_pass(const Variable& x, bool grad) {
   return rounding;
 }
 
-uint16_t* bf16_or_null(const Tensor& t) { return t.defined() ? t.bf16() : nullptr; }
+uint16_t* bf16_or_null(const Tensor& t) {
+  return t.defined() ? t.bf16() : nullptr;
+}
 
 // A saved tensor as FP32, for kernels that compute in FP32: itself, or a workspace copy.
 Tensor as_f32(const Tensor& t) {
@@ -119,11 +129,11 @@ void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out
   if (!computing()) {
     measure_gemm(xv.dtype() == DType::BF16, Transpose::No, Transpose::Yes, M, N, K);
   } else if (xv.dtype() == DType::BF16) {
-    kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K,
-                       wv.bf16(), K, 0.0f, out, N);
+    kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K, wv.bf16(),
+                       K, 0.0f, out, N);
   } else {
-    kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, xv.f32() + row0 * K, K, wv.f32(),
-                      K, 0.0f, out, N);
+    kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, xv.f32() + row0 * K, K, wv.f32(), K,
+                      0.0f, out, N);
   }
 }
 
@@ -193,7 +203,9 @@ KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
 
 }  // namespace
 
-Tensor attention_input(const Variable& x) { return as_f32(saved(x)); }
+Tensor attention_input(const Variable& x) {
+  return as_f32(saved(x));
+}
 
 Variable embedding(const Variable& table, const Tensor& tokens) {
   require(table.value().ndim() == 2 && tokens.ndim() == 2 && tokens.dtype() == DType::I32,
@@ -331,8 +343,8 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
       // The kernel produces both gradients; a side nobody needs goes to scratch.
       const KernelGrads gxs = kernel_grads({{&gx, Shape{N, C}}});
       const Tensor& dx = gxs.grads[0];
-      Tensor dw = gw ? gw->get_or_zeros()
-                     : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
+      Tensor dw =
+          gw ? gw->get_or_zeros() : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
       if (!computing()) return;
       if (xs.dtype() == DType::BF16)
         kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(), N,
@@ -577,8 +589,8 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   const bool grad = needs_grad({&x, &w});
   // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.
   Tensor dl;
-  if (grad) dl = Tensor::empty(Shape{N, V}, bf16 ? DType::BF16 : DType::F32,
-                               MemoryCategory::Activations);
+  if (grad)
+    dl = Tensor::empty(Shape{N, V}, bf16 ? DType::BF16 : DType::F32, MemoryCategory::Activations);
   Tensor chunk;
   if (!grad || bf16) chunk = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);

@@ -71,7 +71,8 @@ int64_t ParameterSet::bf16_copy_numel() const {
 }
 
 void ParameterSet::enable_bf16_copies() {
-  if (!weights_.defined()) throw std::logic_error("ParameterSet::enable_bf16_copies before allocate");
+  if (!weights_.defined())
+    throw std::logic_error("ParameterSet::enable_bf16_copies before allocate");
   if (has_bf16_copies()) return;
   int64_t offset = 0;
   for (ParameterInfo& p : infos_) {
@@ -96,8 +97,8 @@ void ParameterSet::sync_bf16_copies() const {
   if (!has_bf16_copies() || weights_.measured()) return;
   for (const ParameterInfo& p : infos_) {
     if (p.bf16_offset < 0 || p.offset < 0) continue;
-    kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset,
-                                weights_.f32() + p.offset, p.shape.numel());
+    kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset, weights_.f32() + p.offset,
+                                p.shape.numel());
   }
 }
 

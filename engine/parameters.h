@@ -19,10 +19,10 @@ namespace cputrain {
 struct ParameterInfo {
   std::string name;
   Shape shape;
-  int64_t offset = -1;        // in elements into weights(); -1: no FP32 master (bf16 only)
-  bool decay = false;         // takes weight decay (matrices do, norm gains do not)
-  bool bf16_copy = false;     // gets a bf16 copy in bf16 training (it feeds GEMMs)
-  int64_t bf16_offset = -1;   // in elements, into bf16_weights(), once the copies exist
+  int64_t offset = -1;       // in elements into weights(); -1: no FP32 master (bf16 only)
+  bool decay = false;        // takes weight decay (matrices do, norm gains do not)
+  bool bf16_copy = false;    // gets a bf16 copy in bf16 training (it feeds GEMMs)
+  int64_t bf16_offset = -1;  // in elements, into bf16_weights(), once the copies exist
   bool trainable = true;
   int64_t grad_offset = -1;  // in elements into gradients() (and AdamW's m and v); -1: frozen
 };

@@ -8,18 +8,24 @@ namespace cputrain {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::F32: return 4;
-    case DType::BF16: return 2;
-    case DType::I32: return 4;
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::I32:
+      return 4;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::F32: return "f32";
-    case DType::BF16: return "bf16";
-    case DType::I32: return "i32";
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::I32:
+      return "i32";
   }
   return "unknown";
 }
@@ -51,7 +57,9 @@ std::string Shape::str() const {
 Storage::Storage(size_t bytes, MemoryCategory category)
     : data_(memory_allocate(bytes, category)), bytes_(bytes), category_(category) {}
 
-Storage::~Storage() { memory_free(data_, bytes_, category_); }
+Storage::~Storage() {
+  memory_free(data_, bytes_, category_);
+}
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemoryCategory category) {
   Tensor t;

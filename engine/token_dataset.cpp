@@ -1,14 +1,12 @@
 #include "engine/token_dataset.h"
 
-#include <omp.h>
-
-#include <atomic>
-
 #include <fcntl.h>
+#include <omp.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <utility>

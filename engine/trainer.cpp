@@ -13,8 +13,8 @@ Trainer::Trainer(const ParameterSet& params, LossFn loss_fn, const TrainOptions&
       loss_fn_(std::move(loss_fn)),
       options_(options),
       optimizer_(params, options.adamw),
-      inputs_(Tensor::empty(Shape{options.batch, options.ctx}, DType::I32,
-                            MemoryCategory::Workspace)),
+      inputs_(
+          Tensor::empty(Shape{options.batch, options.ctx}, DType::I32, MemoryCategory::Workspace)),
       targets_(Tensor::empty(Shape{options.batch, options.ctx}, DType::I32,
                              MemoryCategory::Workspace)) {}
 
@@ -49,8 +49,8 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
     profiler::Scope scope("adamw", profiler::Pass::Step);
     optimizer_.step(static_cast<float>(r.lr), r.grad_norm);
   }
-  r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-             .count();
+  r.ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(B * options_.accum * options_.ctx) / (r.ms / 1000.0);
   return r;
 }

@@ -50,7 +50,9 @@ class Trainer {
 
   // Called once the step's loss and gradient norm are known and before the update; returning
   // false skips the update (a non-finite loss, a spike). No filter: every update is applied.
-  void set_step_filter(std::function<bool(const StepResult&)> filter) { filter_ = std::move(filter); }
+  void set_step_filter(std::function<bool(const StepResult&)> filter) {
+    filter_ = std::move(filter);
+  }
 
   // Mean loss over the first `windows` consecutive evaluation windows of `tokens` (fewer if
   // the split is shorter), without recording gradients.

@@ -37,8 +37,8 @@ void make_params(ParameterSet& p) {
 }
 
 const std::string& scratch_path() {
-  static const std::string path = std::filesystem::temp_directory_path() /
-                                  ("cputrain_fuzz_" + std::to_string(::getpid()));
+  static const std::string path =
+      std::filesystem::temp_directory_path() / ("cputrain_fuzz_" + std::to_string(::getpid()));
   return path;
 }
 
@@ -53,7 +53,8 @@ void write_seeds(const std::string& dir) {
   };
   ParameterSet params;
   make_params(params);
-  for (int64_t i = 0; i < params.numel(); ++i) params.weights().f32()[i] = 0.1f * static_cast<float>(i);
+  for (int64_t i = 0; i < params.numel(); ++i)
+    params.weights().f32()[i] = 0.1f * static_cast<float>(i);
   AdamW adamw(params, AdamWConfig{});
   RunConfig config;
   config.preset = "tiny";
@@ -96,8 +97,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(file.data() + file.size() - 8, &h, 8);
   }
   const std::string& path = scratch_path();
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(file.data(),
-                                                                static_cast<std::streamsize>(file.size()));
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(file.data(), static_cast<std::streamsize>(file.size()));
   try {
     switch (kind) {
       case kCheckpoint: {

@@ -170,8 +170,8 @@ void pairs_along_rows(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64_t D
   for (int64_t p = 0; p < Tp / 2; ++p)
     for (int64_t c = 0; c < Dp; c += 32) {
       const int n = static_cast<int>(std::min<int64_t>(32, Dp - c));
-      detail::interleave_pairs(dst + p * Dp + c, in + 2 * p * Dp + c, in + (2 * p + 1) * Dp + c,
-                               n, n);
+      detail::interleave_pairs(dst + p * Dp + c, in + 2 * p * Dp + c, in + (2 * p + 1) * Dp + c, n,
+                               n);
     }
 }
 
@@ -211,8 +211,8 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
 // d < D: src (Dp x kTile) transposed through scratch (kTile x Dp).
 void add_transposed(float* dst, int64_t row, const float* src, float* scratch, int64_t cols,
                     int64_t D, int64_t Dp, bool accumulate) {
-  transpose_words(reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<const uint32_t*>(src),
-                  Dp, kTile);
+  transpose_words(reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<const uint32_t*>(src), Dp,
+                  kTile);
   for (int64_t c = 0; c < cols; ++c)
     for (int64_t d = 0; d < D; d += 16) {
       const __mmask16 lanes = valid_lanes(d, D);
@@ -233,8 +233,8 @@ void column_means(float* mean, const uint32_t* rows, int64_t T, int64_t Dp) {
   for (int64_t d = 0; d < Dp; d += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = 0; t < T; ++t)
-      acc = _mm512_add_ps(acc, widen16(_mm256_loadu_si256(
-                                   reinterpret_cast<const __m256i*>(in + t * Dp + d))));
+      acc = _mm512_add_ps(
+          acc, widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * Dp + d))));
     _mm512_storeu_ps(mean + d, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / static_cast<float>(T))));
   }
 }

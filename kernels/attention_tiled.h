@@ -19,7 +19,6 @@
 // count.
 #pragma once
 
-
 #include <omp.h>
 
 #include <algorithm>
@@ -44,8 +43,8 @@ constexpr int64_t kTile = 64;  // queries and keys per tile (a multiple of kLane
 // C[m, 0:N] (+)= sum_k op(A)[m, k] B[k, 0:N] for m < M, N a multiple of kLanes, where op(A) is
 // A (M x K, row stride lda) or, with TA, the transpose of A (K x M).
 template <int RB, bool TA>
-void tile_product(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
-                  int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate) {
+void tile_product(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+                  int64_t M, int64_t N, int64_t K, bool accumulate) {
   auto a_at = [A, lda](int64_t m, int64_t k) { return TA ? A[k * lda + m] : A[m * lda + k]; };
   for (int64_t n0 = 0; n0 < N; n0 += 4 * kLanes) {
     const int nv = static_cast<int>(std::min<int64_t>(4, (N - n0) / kLanes));
@@ -108,7 +107,9 @@ inline float* attention_buffer(size_t floats) {
   return buffer.data();
 }
 
-inline int64_t padded_dim(int64_t D) { return (D + kLanes - 1) / kLanes * kLanes; }
+inline int64_t padded_dim(int64_t D) {
+  return (D + kLanes - 1) / kLanes * kLanes;
+}
 
 // rows x Dp: dst[r, d] = scale * src[r * stride + d], zero for d >= D.
 inline void pack_rows(float* dst, const float* src, int64_t stride, int64_t rows, int64_t D,

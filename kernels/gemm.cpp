@@ -24,8 +24,7 @@ using ConstMap = Eigen::Map<const RowMajor, Eigen::Unaligned, Eigen::OuterStride
 using MutMap = Eigen::Map<RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 constexpr GemmBackend kAllBackends[] = {GemmBackend::Reference, GemmBackend::Eigen,
-                                        GemmBackend::Avx512, GemmBackend::Amx,
-                                        GemmBackend::Onednn};
+                                        GemmBackend::Avx512, GemmBackend::Amx, GemmBackend::Onednn};
 
 // The AMX kernel against the AVX-512 BF16 kernel on a few shapes with tails in every
 // dimension, every transpose combination and both betas. Run once, where AMX is present.
@@ -147,16 +146,16 @@ float* gemm_pack_buffer(size_t floats, int which) {
 
 }  // namespace detail
 
-void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                        const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                        float* C, int64_t ldc) {
+void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                        int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                        int64_t ldc) {
   reference_product(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
                     [](float x) { return static_cast<double>(x); });
 }
 
 void gemm_bf16_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                         float beta, float* C, int64_t ldc) {
+                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                         float* C, int64_t ldc) {
   reference_product(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
                     [](uint16_t x) { return static_cast<double>(bf16_to_fp32(x)); });
 }
@@ -312,7 +311,9 @@ void gemm_set_backend(GemmBackend backend) {
   backend_slot().store(backend);
 }
 
-GemmBackend gemm_backend() { return backend_slot().load(std::memory_order_relaxed); }
+GemmBackend gemm_backend() {
+  return backend_slot().load(std::memory_order_relaxed);
+}
 
 namespace {
 std::atomic<bool> fused_on{true};
@@ -326,13 +327,21 @@ std::atomic<bool> direct_on{true};
 std::atomic<int> fused_k_blocks{2};
 }  // namespace
 
-void gemm_set_fused(bool on) { fused_on.store(on); }
+void gemm_set_fused(bool on) {
+  fused_on.store(on);
+}
 
-bool gemm_fused() { return fused_on.load(std::memory_order_relaxed); }
+bool gemm_fused() {
+  return fused_on.load(std::memory_order_relaxed);
+}
 
-void gemm_set_direct(bool on) { direct_on.store(on); }
+void gemm_set_direct(bool on) {
+  direct_on.store(on);
+}
 
-bool gemm_direct() { return direct_on.load(std::memory_order_relaxed); }
+bool gemm_direct() {
+  return direct_on.load(std::memory_order_relaxed);
+}
 
 void gemm_set_fused_k_blocks(int blocks) {
   if (blocks < 1 || blocks > 16)
@@ -341,7 +350,9 @@ void gemm_set_fused_k_blocks(int blocks) {
   fused_k_blocks.store(blocks);
 }
 
-int gemm_fused_k_blocks() { return fused_k_blocks.load(std::memory_order_relaxed); }
+int gemm_fused_k_blocks() {
+  return fused_k_blocks.load(std::memory_order_relaxed);
+}
 
 int64_t gemm_fused_rows_shared() {
   return detail::fused_rows_shared.load(std::memory_order_relaxed);
@@ -387,14 +398,16 @@ std::string gemm_available_backends() {
   return names;
 }
 
-size_t gemm_workspace_bytes() { return workspace_bytes.load(); }
+size_t gemm_workspace_bytes() {
+  return workspace_bytes.load();
+}
 
 void gemm_release_buffers() {
   for (int i = 0; i < 4; ++i) detail::thread_buffers()[i].reset();
 }
 
-std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M,
-                                        int64_t N, int64_t K) {
+std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                        int64_t K) {
   std::array<size_t, 4> bytes{};
   if (M <= 0 || N <= 0 || K <= 0) return bytes;
   auto rounded = [](int64_t floats) {
@@ -409,8 +422,7 @@ std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, i
     bf16 = false;  // then the FP32 GEMM runs
   }
   if (bf16 && backend == GemmBackend::Amx) packs = gemm_bf16_amx_pack_floats(ta, tb, M, N, K);
-  if (bf16 && backend == GemmBackend::Avx512)
-    packs = gemm_bf16_avx512_pack_floats(ta, tb, M, N, K);
+  if (bf16 && backend == GemmBackend::Avx512) packs = gemm_bf16_avx512_pack_floats(ta, tb, M, N, K);
   if (!bf16 && (backend == GemmBackend::Avx512 || backend == GemmBackend::Amx))
     packs = gemm_f32_avx512_pack_floats(ta, tb, M, N, K);
   if (packs[0] > 0) bytes[0] = rounded(packs[0]);

@@ -2,8 +2,8 @@
 #pragma once
 
 #include <array>
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -49,12 +49,12 @@ bool gemm_bf16_rounded_direct(int64_t K);
 enum class GemmBackend { Reference, Eigen, Avx512, Amx, Onednn };
 
 // Straightforward triple loop with double accumulation: the ground truth for tests.
-void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                        const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                        float* C, int64_t ldc);
+void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                        int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                        int64_t ldc);
 void gemm_bf16_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
-                         float beta, float* C, int64_t ldc);
+                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                         float* C, int64_t ldc);
 void gemm_f32_eigen(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
@@ -99,7 +99,7 @@ void gemm_release_buffers();
 // the selected backend: [0] and [1] packed panels of our blocked kernels, [2] and [3] the FP32
 // widenings of bf16 operands where the backend has no bf16 instructions. Each buffer grows to
 // the largest need it meets and stays; their sum is what gemm_workspace_bytes reports.
-std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M,
-                                        int64_t N, int64_t K);
+std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                        int64_t K);
 
 }  // namespace cputrain::kernels

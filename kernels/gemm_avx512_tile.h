@@ -89,8 +89,8 @@ inline __attribute__((always_inline)) void prefetch_tile(const float* C, int64_t
 }
 
 // row[0:n] = (lo, hi) + beta * row (beta 0 overwrites, never reading the row); n <= 32.
-inline __attribute__((always_inline)) void store_row(float* row, __m512 lo, __m512 hi,
-                                                     float beta, int n) {
+inline __attribute__((always_inline)) void store_row(float* row, __m512 lo, __m512 hi, float beta,
+                                                     int n) {
   const __mmask16 mask_lo = columns_mask(n, 0), mask_hi = columns_mask(n, 1);
   if (beta != 0.0f) {
     // Plain loads for whole vectors: masked loads that miss L1 are much slower.
@@ -144,13 +144,20 @@ template <class F>
 inline __attribute__((always_inline)) void with_rows(int m, F f) {
   static_assert(kTileRows == 14, "with_rows covers the even row counts up to 14");
   switch ((m + 1) / 2) {
-    case 1: return f(std::integral_constant<int, 2>{});
-    case 2: return f(std::integral_constant<int, 4>{});
-    case 3: return f(std::integral_constant<int, 6>{});
-    case 4: return f(std::integral_constant<int, 8>{});
-    case 5: return f(std::integral_constant<int, 10>{});
-    case 6: return f(std::integral_constant<int, 12>{});
-    default: return f(std::integral_constant<int, kTileRows>{});
+    case 1:
+      return f(std::integral_constant<int, 2>{});
+    case 2:
+      return f(std::integral_constant<int, 4>{});
+    case 3:
+      return f(std::integral_constant<int, 6>{});
+    case 4:
+      return f(std::integral_constant<int, 8>{});
+    case 5:
+      return f(std::integral_constant<int, 10>{});
+    case 6:
+      return f(std::integral_constant<int, 12>{});
+    default:
+      return f(std::integral_constant<int, kTileRows>{});
   }
 }
 
@@ -158,8 +165,8 @@ inline __attribute__((always_inline)) void with_rows(int m, F f) {
 // where steps(t, k0, k1, rows) adds the products of steps k0..k1 to the first `rows` rows of
 // the tile t (a std::integral_constant, m or m + 1).
 template <class CT, class Steps>
-inline __attribute__((always_inline)) void micro_tile(int64_t kp, Steps steps, CT* C,
-                                                      int64_t ldc, float beta, int m, int n) {
+inline __attribute__((always_inline)) void micro_tile(int64_t kp, Steps steps, CT* C, int64_t ldc,
+                                                      float beta, int m, int n) {
   with_rows(m, [&](auto rows) {
     constexpr int R = decltype(rows)::value;
     Tile t;
@@ -177,12 +184,14 @@ inline __attribute__((always_inline)) void micro_tile(int64_t kp, Steps steps, C
 // (beta on the first only): the bits of one product per block, with the tile in L1 between
 // them.
 template <class Steps>
-inline __attribute__((always_inline)) void micro_tile_blocks(int64_t kp, int64_t block,
-                                                             Steps steps, float* C, int64_t ldc,
-                                                             float beta, int m, int n) {
+inline __attribute__((always_inline)) void micro_tile_blocks(int64_t kp, int64_t block, Steps steps,
+                                                             float* C, int64_t ldc, float beta,
+                                                             int m, int n) {
   for (int64_t k0 = 0; k0 < kp; k0 += block) {
-    const auto part = [&](Tile& t, int64_t k1, int64_t k2, auto rows)
-                          __attribute__((always_inline)) { steps(t, k0 + k1, k0 + k2, rows); };
+    const auto part = [&](Tile & t, int64_t k1, int64_t k2, auto rows)
+        __attribute__((always_inline)) {
+      steps(t, k0 + k1, k0 + k2, rows);
+    };
     micro_tile(kp - k0 < block ? kp - k0 : block, part, C, ldc, k0 == 0 ? beta : 1.0f, m, n);
   }
 }

@@ -114,9 +114,8 @@ struct Bf16Amx {
 
 }  // namespace
 
-void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                   const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
-                   float* C, int64_t ldc) {
+void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                   int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   call_generation.fetch_add(1, std::memory_order_relaxed);
   detail::gemm_blocked<Bf16Amx>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
@@ -132,8 +131,8 @@ int64_t gemm_bf16_amx_block_k() {
   return Bf16Amx::KC;
 }
 
-std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb,
-                                                 int64_t M, int64_t N, int64_t K) {
+std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                                 int64_t K) {
   return detail::blocked_pack_floats<Bf16Amx>(ta, tb, M, N, K);
 }
 

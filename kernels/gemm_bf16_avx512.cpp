@@ -18,10 +18,10 @@ namespace {
 
 using detail::bf16_pair;
 using detail::interleave_pairs;
-using detail::pairs_of;
-using detail::read_bf16_row;
 using detail::kTileCols;
 using detail::kTileRows;
+using detail::pairs_of;
+using detail::read_bf16_row;
 
 struct Bf16Avx512 {
   using In = uint16_t;
@@ -132,8 +132,8 @@ struct Bf16Avx512 {
     const int n = static_cast<int>(std::min<int64_t>(NR, b_cols));
     if constexpr (PackA)
       for (int64_t q = 0; q < std::min(kAAhead, kp); ++q) fused_pack_a(as, lda, ap, q, kc, a_rows);
-    const auto steps = [=](detail::Tile& t, int64_t p0, int64_t p1, auto rows)
-                           __attribute__((always_inline)) {
+    const auto steps = [=](detail::Tile & t, int64_t p0, int64_t p1, auto rows)
+        __attribute__((always_inline)) {
       for (int64_t p = p0; p < p1; ++p) {
         if (2 * p < next_rows) prefetch_pair<_MM_HINT_T1>(next_a + 2 * p * lda, lda, MR);
         __m512bh b0, b1;
@@ -167,8 +167,8 @@ struct Bf16Avx512 {
   template <class CT>
   static void micro(int64_t kp, const uint32_t* a, const uint32_t* b, CT* C, int64_t ldc,
                     float beta, int m, int n) {
-    const auto steps = [a, b](detail::Tile& t, int64_t p0, int64_t p1, auto rows)
-                           __attribute__((always_inline)) {
+    const auto steps = [ a, b ](detail::Tile & t, int64_t p0, int64_t p1, auto rows)
+        __attribute__((always_inline)) {
       for (int64_t p = p0; p < p1; ++p) {
         pair_step<decltype(rows)::value>(t, a + p * MR, (__m512bh)_mm512_load_si512(b + p * NR),
                                          (__m512bh)_mm512_load_si512(b + p * NR + 16));
@@ -196,8 +196,8 @@ int64_t gemm_bf16_avx512_block_k() {
   return Bf16Avx512::KC;
 }
 
-std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb,
-                                                    int64_t M, int64_t N, int64_t K) {
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
+                                                    int64_t N, int64_t K) {
   return detail::blocked_pack_floats<Bf16Avx512>(ta, tb, M, N, K);
 }
 

@@ -98,7 +98,9 @@ constexpr int64_t kPackRows = 16;
 // Stored rows whose stride is a multiple of L1's way size (4 KiB on the x86 cores we target)
 // have their lines at a column all in one L1 set, which holds only a few of them (8 on Zen 4):
 // an LM head's gradient, whose rows are 32 or 64 KiB apart, read down a column.
-inline bool rows_alias_in_l1(int64_t stride_bytes) { return stride_bytes % 4096 == 0; }
+inline bool rows_alias_in_l1(int64_t stride_bytes) {
+  return stride_bytes % 4096 == 0;
+}
 
 // Whether every row of an operand at p, stride_bytes apart, starts a 64-byte cache line (a
 // training step's tensors do).
@@ -228,9 +230,8 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   const bool weight_gradient = c_fp32 && a_transposed && !b_transposed && gemm_fused();
   if constexpr (direct_path<P>())
     plan.direct =
-        weight_gradient && gemm_direct() &&
-        lines && M >= plan.threads * P::kDirectRowPanels * P::kDirectMR &&
-        P::direct_suits(M, N, K) &&
+        weight_gradient && gemm_direct() && lines &&
+        M >= plan.threads * P::kDirectRowPanels * P::kDirectMR && P::direct_suits(M, N, K) &&
         !rows_alias_in_l1((lda > 0 ? lda : M) * static_cast<int64_t>(sizeof(typename P::In))) &&
         !rows_alias_in_l1((ldb > 0 ? ldb : N) * static_cast<int64_t>(sizeof(typename P::In)));
   else
@@ -285,11 +286,10 @@ bool takes_fused_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
 // Whether gemm_blocked<P> takes the direct path for an M x N x K product with an FP32 C, of
 // operands whose rows start cache lines (lines) lda and ldb apart (0: contiguous).
 template <class P>
-bool takes_direct_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                       int64_t lda = 0, int64_t ldb = 0, bool lines = true) {
+bool takes_direct_path(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, int64_t lda = 0,
+                       int64_t ldb = 0, bool lines = true) {
   return M > 0 && N > 0 && K > 0 &&
-         blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K, true, lda, ldb,
-                         lines)
+         blocked_plan<P>(ta == Transpose::Yes, tb == Transpose::Yes, M, N, K, true, lda, ldb, lines)
              .direct;
 }
 
@@ -492,9 +492,9 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
       const int64_t r0 = c < 0 ? 0 : next_kc * c / calls;
       const int64_t r1 = c < 0 ? 0 : next_kc * (c + 1) / calls;
       const auto* next_a = r1 > r0 ? A + (next_pc + r0) * lda + next_i : nullptr;
-      micro_fused<P>(jr == jc && pack_a, pack_b, kc, A + pc * lda + i, lda, a_buf,
-                     B + pc * ldb + j, ldb, b_buf + (jr - jc) * ((kc + KU - 1) / KU) * NR,
-                     C + i * ldc + j, ldc, beta_block, M - i, N - j, next_a, r1 - r0);
+      micro_fused<P>(jr == jc && pack_a, pack_b, kc, A + pc * lda + i, lda, a_buf, B + pc * ldb + j,
+                     ldb, b_buf + (jr - jc) * ((kc + KU - 1) / KU) * NR, C + i * ldc + j, ldc,
+                     beta_block, M - i, N - j, next_a, r1 - r0);
       if (jr == jc && claimed) shared->rows[ir].store(ready, std::memory_order_release);
     }
   };
@@ -555,8 +555,8 @@ void gemm_fused(const BlockedPlan<P>& plan, int64_t M, int64_t N, int64_t K,
       }
       enter_block(t, share.pc);
       for (int64_t pos; (pos = take_fused_row(share, false)) >= 0;) {
-        row(row_at(share.first, pos), share.jc, share.jc_end, share.pc, my_a, b_of(v), false,
-            -1, 0);
+        row(row_at(share.first, pos), share.jc, share.jc_end, share.pc, my_a, b_of(v), false, -1,
+            0);
         fused_rows_shared.fetch_add(1, std::memory_order_relaxed);
       }
     }
@@ -620,15 +620,15 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const bool a_by_rows = at && !whole_panels_a<P>();
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
-  const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>, lda,
-                                              ldb, operands_start_lines(A, lda, B, ldb));
+  const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>, lda, ldb,
+                                              operands_start_lines(A, lda, B, ldb));
   if constexpr (direct_path<P>() && std::is_same_v<CT, float>) {
     if (plan.direct) return gemm_direct<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc);
   }
   auto* bpack =
       reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.b_floats()), 0));
-  auto* apack = reinterpret_cast<Packed*>(
-      gemm_pack_buffer(static_cast<size_t>(plan.a_floats()), 1));
+  auto* apack =
+      reinterpret_cast<Packed*>(gemm_pack_buffer(static_cast<size_t>(plan.a_floats()), 1));
   if constexpr (fused_packing<P>() && std::is_same_v<CT, float>) {
     if (plan.fused) return gemm_fused<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc, apack, bpack);
   }
@@ -643,8 +643,8 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const int64_t row_blocks = head_blocks + (n_ir - head_panels + small_block - 1) / small_block;
   // Micro-panels ir0..ir1 of row block rb.
   const auto block_panels = [=](int64_t rb) {
-    const int64_t ir0 = rb < head_blocks ? rb * ir_per_block
-                                         : head_panels + (rb - head_blocks) * small_block;
+    const int64_t ir0 =
+        rb < head_blocks ? rb * ir_per_block : head_panels + (rb - head_blocks) * small_block;
     return std::pair<int64_t, int64_t>(
         ir0, std::min(n_ir, ir0 + (rb < head_blocks ? ir_per_block : small_block)));
   };

@@ -92,7 +92,9 @@ struct F32Avx512 {
   static constexpr int64_t kFusedAhead = 16, kFusedFar = 64;
   // Measured on Zen 4: ahead of the blocked path up to rows = 4 x columns (a feed-forward
   // up-projection's weight gradient), behind it at 32 (the LM head's).
-  static bool fused_suits(int64_t M, int64_t N, int64_t) { return M <= 4 * N; }
+  static bool fused_suits(int64_t M, int64_t N, int64_t) {
+    return M <= 4 * N;
+  }
 
   template <bool PackA, bool PackB>
   static void micro_fused_t(int64_t kc, const float* as, int64_t lda, float* ap, const float* bs,
@@ -105,8 +107,8 @@ struct F32Avx512 {
     const __mmask16 a_load = static_cast<__mmask16>((1u << m) - 1);
     const __mmask16 a_store = static_cast<__mmask16>((1u << MR) - 1);
     const __mmask16 b_lo = detail::columns_mask(n, 0), b_hi = detail::columns_mask(n, 1);
-    const auto steps = [=](detail::Tile& t, int64_t k0, int64_t k1, auto rows)
-                           __attribute__((always_inline)) {
+    const auto steps = [=](detail::Tile & t, int64_t k0, int64_t k1, auto rows)
+        __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
         if (k < next_rows) {
           const char* row = reinterpret_cast<const char*>(next_a + k * lda);
@@ -188,7 +190,9 @@ struct F32Avx512 {
   // 1536 x 512 x 4096 +1.6%, 512 x 1536 x 4096 +1.0%, 768 x 256 x 2048 +8.2%, 256 x 768 x 2048
   // +1.9%, each 5 or 6 of 6 alternations ahead; the LM head's 16384 x 512 x 4096 2.3% behind
   // the blocked path, where it stays).
-  static bool direct_suits(int64_t M, int64_t N, int64_t) { return M <= 4 * N; }
+  static bool direct_suits(int64_t M, int64_t N, int64_t) {
+    return M <= 4 * N;
+  }
 
   // C's R rows of V vectors fetched into the cache level of Hint (_MM_HINT_T0 or _T1), with the
   // line a row's last vector reaches where C's rows do not start lines.
@@ -203,8 +207,8 @@ struct F32Avx512 {
 
   // R rows and V vectors of 16 columns (n > 16 (V - 1)).
   template <int R, int V>
-  static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b,
-                             int64_t ldb, float* C, int64_t ldc, float beta, int n) {
+  static void micro_direct_t(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb,
+                             float* C, int64_t ldc, float beta, int n) {
     __m512 acc[R][V];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -250,8 +254,8 @@ struct F32Avx512 {
       for (int v = 0; v < V; ++v) {
         __m512 x = acc[r][v];
         if (beta != 0.0f) {  // beta 0 overwrites, never reading C
-          const __m512 c = whole ? _mm512_loadu_ps(row + 16 * v)
-                                 : _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
+          const __m512 c =
+              whole ? _mm512_loadu_ps(row + 16 * v) : _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
           x = _mm512_fmadd_ps(vbeta, c, x);
         }
         _mm512_mask_storeu_ps(row + 16 * v, mask[v], x);
@@ -275,21 +279,29 @@ struct F32Avx512 {
     };
     static_assert(kDirectMR == 8, "the cases below cover 1 to 8 rows");
     switch (m) {
-      case 1: return rows(std::integral_constant<int, 1>{});
-      case 2: return rows(std::integral_constant<int, 2>{});
-      case 3: return rows(std::integral_constant<int, 3>{});
-      case 4: return rows(std::integral_constant<int, 4>{});
-      case 5: return rows(std::integral_constant<int, 5>{});
-      case 6: return rows(std::integral_constant<int, 6>{});
-      case 7: return rows(std::integral_constant<int, 7>{});
-      default: return rows(std::integral_constant<int, 8>{});
+      case 1:
+        return rows(std::integral_constant<int, 1>{});
+      case 2:
+        return rows(std::integral_constant<int, 2>{});
+      case 3:
+        return rows(std::integral_constant<int, 3>{});
+      case 4:
+        return rows(std::integral_constant<int, 4>{});
+      case 5:
+        return rows(std::integral_constant<int, 5>{});
+      case 6:
+        return rows(std::integral_constant<int, 6>{});
+      case 7:
+        return rows(std::integral_constant<int, 7>{});
+      default:
+        return rows(std::integral_constant<int, 8>{});
     }
   }
 
-  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc,
-                    float beta, int m, int n) {
-    const auto steps = [a, b](detail::Tile& t, int64_t k0, int64_t k1, auto rows)
-                           __attribute__((always_inline)) {
+  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc, float beta,
+                    int m, int n) {
+    const auto steps = [ a, b ](detail::Tile & t, int64_t k0, int64_t k1, auto rows)
+        __attribute__((always_inline)) {
       for (int64_t k = k0; k < k1; ++k) {
         fma_step<decltype(rows)::value>(t, a + k * MR, _mm512_load_ps(b + k * NR),
                                         _mm512_load_ps(b + k * NR + 16));
@@ -306,8 +318,8 @@ void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K
   detail::gemm_blocked<F32Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
-std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb,
-                                                   int64_t M, int64_t N, int64_t K) {
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                                   int64_t K) {
   return detail::blocked_pack_floats<F32Avx512>(ta, tb, M, N, K);
 }
 

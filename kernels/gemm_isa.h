@@ -28,21 +28,20 @@ void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, 
                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                               uint16_t* C, int64_t ldc);
 int64_t gemm_bf16_avx512_block_k();
-void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                   const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
-                   float* C, int64_t ldc);
+void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                   int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // gemm_bf16_rounded on the AMX kernel; K <= gemm_bf16_amx_block_k().
 void gemm_bf16_rounded_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                            const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                            uint16_t* C, int64_t ldc);
 int64_t gemm_bf16_amx_block_k();
 // Floats the blocked kernels take of packing buffers 0 and 1 for an M x N x K product.
-std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb,
-                                                   int64_t M, int64_t N, int64_t K);
-std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb,
-                                                    int64_t M, int64_t N, int64_t K);
-std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb,
-                                                 int64_t M, int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                                   int64_t K);
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
+                                                    int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                                 int64_t K);
 // Whether the AVX-512 kernels take their fused path for an M x N x K product (FP32 C) on the
 // calling thread's OpenMP thread count, with gemm_fused() as it is now.
 bool gemm_f32_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);

@@ -14,8 +14,8 @@ constexpr int kChains = 16;
 // Runs `iterations` rounds of one `step` on each of kChains accumulators of type V (zeroed),
 // keeps the result alive so nothing is optimised away, and returns the flops done.
 template <typename V, typename Step>
-inline __attribute__((always_inline)) double run_chains(int64_t iterations,
-                                                        double flops_per_step, Step step) {
+inline __attribute__((always_inline)) double run_chains(int64_t iterations, double flops_per_step,
+                                                        Step step) {
   V acc[kChains];
   for (int i = 0; i < kChains; ++i) std::memset(&acc[i], 0, sizeof(V));
   for (int64_t it = 0; it < iterations; ++it) {

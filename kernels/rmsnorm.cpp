@@ -10,8 +10,12 @@ namespace cputrain::kernels {
 
 namespace {
 
-inline float value(float x) { return x; }
-inline float value(uint16_t x) { return bf16_to_fp32(x); }
+inline float value(float x) {
+  return x;
+}
+inline float value(uint16_t x) {
+  return bf16_to_fp32(x);
+}
 
 // sum of term(c) (a double) over c < C, as 8 partial sums (of c % 8, which the compiler keeps
 // in vector lanes instead of one chain of dependent adds) added in a fixed order.
@@ -25,8 +29,12 @@ inline double sum8(int64_t C, Term term) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-inline void put(float& out, float y) { out = y; }
-inline void put(uint16_t& out, float y) { out = fp32_to_bf16(y); }
+inline void put(float& out, float y) {
+  out = y;
+}
+inline void put(uint16_t& out, float y) {
+  out = fp32_to_bf16(y);
+}
 
 // Out FP32 or bf16 (rounded); inp16, where not null, receives the rounding of inp.
 template <class Out>

@@ -7,8 +7,12 @@
 namespace cputrain::kernels {
 namespace {
 
-inline void put(float& out, float y, bool accumulate) { out = accumulate ? out + y : y; }
-inline void put(uint16_t& out, float y, bool) { out = fp32_to_bf16(y); }
+inline void put(float& out, float y, bool accumulate) {
+  out = accumulate ? out + y : y;
+}
+inline void put(uint16_t& out, float y, bool) {
+  out = fp32_to_bf16(y);
+}
 
 // Rotates every pair of `in` (adjacent, or half-split) by the table's angle for its position,
 // or by minus that angle (the inverse, for backward) when Inverse; stores into or (FP32 only)

@@ -27,7 +27,9 @@ inline __attribute__((always_inline)) vf load(const float* p) {
 inline __attribute__((always_inline)) void store(float* p, vf v) {
   *reinterpret_cast<vf_unaligned*>(p) = v;
 }
-inline __attribute__((always_inline)) vf splat(float a) { return vf{} + a; }
+inline __attribute__((always_inline)) vf splat(float a) {
+  return vf{} + a;
+}
 
 // The first n (< kLanes) values at p, the other lanes `fill`.
 inline vf load_partial(const float* p, int n, float fill) {
@@ -106,7 +108,9 @@ inline __attribute__((always_inline)) vf sqrt(vf a) {
 #endif
 
 // a < b ? b : a per lane (a where either is NaN).
-inline __attribute__((always_inline)) vf max(vf a, vf b) { return max_of(b, a); }
+inline __attribute__((always_inline)) vf max(vf a, vf b) {
+  return max_of(b, a);
+}
 
 inline float hsum(vf v) {
   float s = 0.0f;
@@ -147,7 +151,9 @@ inline __attribute__((always_inline)) vf exp(vf x) {
   return p * (vf)scale;
 }
 
-inline float exp(float x) { return exp(splat(x))[0]; }
+inline float exp(float x) {
+  return exp(splat(x))[0];
+}
 
 }  // namespace
 }  // namespace cputrain::kernels::vec

@@ -13,7 +13,9 @@ void* aligned_allocate(size_t bytes) {
   return p;
 }
 
-void aligned_free(void* ptr, size_t) { std::free(ptr); }
+void aligned_free(void* ptr, size_t) {
+  std::free(ptr);
+}
 
 std::atomic<WorkspaceAllocate> allocate_fn{aligned_allocate};
 std::atomic<WorkspaceFree> free_fn{aligned_free};
@@ -25,6 +27,8 @@ void set_workspace_allocator(WorkspaceAllocator allocator) {
   free_fn.store(allocator.free);
 }
 
-WorkspaceAllocator workspace_allocator() { return {allocate_fn.load(), free_fn.load()}; }
+WorkspaceAllocator workspace_allocator() {
+  return {allocate_fn.load(), free_fn.load()};
+}
 
 }  // namespace cputrain::kernels

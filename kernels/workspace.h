@@ -7,7 +7,7 @@
 
 namespace cputrain::kernels {
 
-using WorkspaceAllocate = void* (*)(size_t bytes);                // 64-byte aligned; throws
+using WorkspaceAllocate = void* (*)(size_t bytes);  // 64-byte aligned; throws
 using WorkspaceFree = void (*)(void* ptr, size_t bytes);
 
 struct WorkspaceAllocator {

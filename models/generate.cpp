@@ -8,9 +8,10 @@
 
 namespace cputrain {
 
-int32_t sample_token(const float* logits, int64_t V, float temperature, int64_t top_k,
-                     float top_p, double uniform) {
-  if (temperature <= 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
+int32_t sample_token(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p,
+                     double uniform) {
+  if (temperature <= 0.0f)
+    return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
   std::vector<int32_t> order(static_cast<size_t>(V));
   std::iota(order.begin(), order.end(), 0);
   int64_t k = (top_k > 0 && top_k < V) ? top_k : V;
@@ -57,12 +58,13 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
   Tensor logits = restart(std::min<int64_t>(static_cast<int64_t>(tokens.size()), ctx));
   for (int64_t n = 0; n < options.max_new_tokens; ++n) {
     const double uniform = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-    const int32_t next = sample_token(logits.f32(), V, options.temperature, options.top_k,
-                                      options.top_p, uniform);
+    const int32_t next =
+        sample_token(logits.f32(), V, options.temperature, options.top_k, options.top_p, uniform);
     tokens.push_back(next);
     if (on_token) on_token(next);
     if (next == options.stop_token || n + 1 == options.max_new_tokens) break;
-    logits = cache.length < ctx ? model.decode({next}, cache) : restart(std::max<int64_t>(1, ctx / 2));
+    logits =
+        cache.length < ctx ? model.decode({next}, cache) : restart(std::max<int64_t>(1, ctx / 2));
   }
   return tokens;
 }

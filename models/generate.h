@@ -15,7 +15,7 @@ struct SampleOptions {
   int64_t top_k = 40;        // 0 keeps the whole vocabulary
   float top_p = 1.0f;        // nucleus: the fewest most likely tokens whose probability >= top_p
   uint64_t seed = 1;
-  int32_t stop_token = -1;   // generation ends after emitting it (-1: never)
+  int32_t stop_token = -1;  // generation ends after emitting it (-1: never)
 };
 
 // Extends `prompt` (non-empty) by up to max_new_tokens tokens with a KV cache (each token costs
@@ -30,7 +30,7 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
 // Picks a token from logits (V): softmax(logits / temperature) restricted to the top_k most
 // likely, then to the fewest of those whose probabilities (renormalised over them) sum to at
 // least top_p, drawn with `uniform` in [0, 1). Temperature 0 picks the most likely token.
-int32_t sample_token(const float* logits, int64_t V, float temperature, int64_t top_k,
-                     float top_p, double uniform);
+int32_t sample_token(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p,
+                     double uniform);
 
 }  // namespace cputrain

@@ -156,9 +156,9 @@ Variable LlamaModel::hidden(const Tensor& inputs) {
   for (const Block& b : blocks_) {
     if (checkpointing_) {
       // The region reruns in backward: it holds its own copy of attend.
-      x = checkpoint([this, &b, attend](const Variable& in) {
-        return block_forward(b, in, rope_table_, attend);
-      }, x);
+      x = checkpoint([this, &b, attend](
+                         const Variable& in) { return block_forward(b, in, rope_table_, attend); },
+                     x);
     } else {
       x = block_forward(b, x, rope_table_, attend);
     }

@@ -5,8 +5,8 @@
 namespace cputrain {
 namespace {
 
-Preset make(const char* name, int64_t vocab, int64_t d, int64_t layers, int64_t heads,
-            int64_t ffn, int64_t ctx, int64_t batch, int64_t accum) {
+Preset make(const char* name, int64_t vocab, int64_t d, int64_t layers, int64_t heads, int64_t ffn,
+            int64_t ctx, int64_t batch, int64_t accum) {
   Preset p;
   p.name = name;
   p.config.vocab = vocab;

@@ -16,17 +16,25 @@ namespace {
 
 const char* category_label(MemoryCategory c) {
   switch (c) {
-    case MemoryCategory::Weights: return "weights (FP32 master)";
-    case MemoryCategory::Bf16Weights: return "bf16 weight copies";
-    case MemoryCategory::Gradients: return "gradients (FP32)";
-    case MemoryCategory::OptimizerState: return "AdamW m and v";
-    case MemoryCategory::Activations: return "activations (peak)";
-    case MemoryCategory::Workspace: return "workspace (peak)";
+    case MemoryCategory::Weights:
+      return "weights (FP32 master)";
+    case MemoryCategory::Bf16Weights:
+      return "bf16 weight copies";
+    case MemoryCategory::Gradients:
+      return "gradients (FP32)";
+    case MemoryCategory::OptimizerState:
+      return "AdamW m and v";
+    case MemoryCategory::Activations:
+      return "activations (peak)";
+    case MemoryCategory::Workspace:
+      return "workspace (peak)";
   }
   return "";
 }
 
-std::string dtype_string(DType d) { return d == DType::BF16 ? "bf16" : "fp32"; }
+std::string dtype_string(DType d) {
+  return d == DType::BF16 ? "bf16" : "fp32";
+}
 
 // The token cache's size before the corpus is tokenized: about one token per 3.5 bytes of
 // text, 4 bytes each.
@@ -43,7 +51,8 @@ int64_t estimated_corpus_tokens(const std::string& corpus) {
 
 std::string format_bytes(int64_t bytes) {
   const double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024.0 * 1024.0) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0));
+  if (b >= 1024.0 * 1024.0 * 1024.0)
+    return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0));
   return fmt::format("{:.1f} MiB", b / (1024.0 * 1024.0));
 }
 
@@ -71,13 +80,15 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
                    format_bytes(b.step_peak_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "kept for the next step (block cache)",
                    format_bytes(b.cache_headroom_bytes));
-  t += fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
+  t +=
+      fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
                    format_bytes(b.runtime_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "total", format_bytes(b.total_bytes()));
   if (available > 0) {
     t += fmt::format("  {:<38} {:>12}  -> {}\n", "available (MemAvailable or --mem-limit)",
-                     format_bytes(available), b.total_bytes() <= available ? "fits" : "DOES NOT FIT");
+                     format_bytes(available),
+                     b.total_bytes() <= available ? "fits" : "DOES NOT FIT");
   }
   return t;
 }
@@ -103,9 +114,9 @@ std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t eva
     RunConfig r = c;
     r.train.batch = c.train.batch / 2;
     r.train.accum = c.train.accum * 2;
-    levers.push_back({fmt::format("--batch {} --accum {} (same tokens per step)", r.train.batch,
-                                  r.train.accum),
-                      r});
+    levers.push_back(
+        {fmt::format("--batch {} --accum {} (same tokens per step)", r.train.batch, r.train.accum),
+         r});
   }
   if (c.train.ctx > 1) {
     RunConfig r = c;
@@ -117,9 +128,9 @@ std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t eva
   for (const Lever& l : levers) {
     const MemoryBudget b =
         memory_budget(l.config.model, budget_options(l.config, corpus_tokens, eval_windows));
-    t += fmt::format("  {:<48} total {:>12}{}\n", l.what, format_bytes(b.total_bytes()),
-                     available > 0 ? (b.total_bytes() <= available ? "  fits" : "  does not fit")
-                                   : "");
+    t += fmt::format(
+        "  {:<48} total {:>12}{}\n", l.what, format_bytes(b.total_bytes()),
+        available > 0 ? (b.total_bytes() <= available ? "  fits" : "  does not fit") : "");
   }
   return t;
 }
@@ -184,9 +195,8 @@ int run_budget(const BudgetArgs& a) {
   std::printf("%s", fmt::format("memory budget: preset {} ({} parameters), {}, {} x {} sequences "
                                 "of {} tokens, checkpointing {}\n",
                                 config.preset, parameter_count(config.model),
-                                dtype_string(config.dtype), config.train.batch,
-                                config.train.accum, config.train.ctx,
-                                config.checkpoint ? "per layer" : "none")
+                                dtype_string(config.dtype), config.train.batch, config.train.accum,
+                                config.train.ctx, config.checkpoint ? "per layer" : "none")
                         .c_str());
   std::printf("%s", budget_table(b, available).c_str());
   const std::string levers = budget_levers(config, corpus_tokens, eval_windows, available);

@@ -14,7 +14,8 @@
 namespace cputrain {
 
 struct BudgetArgs {
-  TrainArgs train;  // preset, shape overrides, batch, accum, ctx, dtype, checkpoint, threads, corpus
+  TrainArgs
+      train;  // preset, shape overrides, batch, accum, ctx, dtype, checkpoint, threads, corpus
   bool json = false;
 };
 

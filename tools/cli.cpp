@@ -20,7 +20,8 @@ namespace cputrain {
 namespace {
 
 bool is_subcommand(const std::string& arg) {
-  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" || arg == "plot";
+  return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" ||
+         arg == "plot";
 }
 
 }  // namespace

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "engine/batch_sampler.h"
 #include "engine/checkpoint_file.h"
@@ -43,12 +43,14 @@ void add_eval_flags(CLI::App& app, EvalArgs& a) {
   app.add_option("--run", a.run, "Run directory written by `cputrain train`")->required();
   app.add_option("--corpus", a.corpus,
                  "Evaluate on every document of this corpus (default: the run's validation split)");
-  app.add_option("--weights", a.weights,
-                 "model.bin or a checkpoint (default: <run>/model.bin, else the newest checkpoint)");
+  app.add_option(
+      "--weights", a.weights,
+      "model.bin or a checkpoint (default: <run>/model.bin, else the newest checkpoint)");
   app.add_option("--windows", a.windows, "Windows of ctx tokens to evaluate (0: all)")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--batch", a.batch, "Windows per forward pass")->capture_default_str()
+  app.add_option("--batch", a.batch, "Windows per forward pass")
+      ->capture_default_str()
       ->check(positive());
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
   app.add_option("--gemm", a.gemm, "GEMM implementation (as for train)");
@@ -102,7 +104,8 @@ int run_eval(const EvalArgs& a) {
   const Stopwatch time;
   const double loss = evaluate_loss(
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, tokens, ctx,
-      a.batch, windows, [&](int64_t done, int64_t total) {
+      a.batch, windows,
+      [&](int64_t done, int64_t total) {
         status.set_status("evaluating " +
                           progress_line(done, total, 0, time.seconds(), "windows", ""));
       });

@@ -10,9 +10,9 @@ namespace cputrain {
 
 struct EvalArgs {
   std::string run;
-  std::string corpus;     // empty: the run's validation split
-  std::string weights;    // empty: <run>/model.bin, else the newest checkpoint
-  int64_t windows = 0;    // 0: every window
+  std::string corpus;   // empty: the run's validation split
+  std::string weights;  // empty: <run>/model.bin, else the newest checkpoint
+  int64_t windows = 0;  // 0: every window
   int64_t batch = 8;
   int threads = 0;
   std::string gemm;

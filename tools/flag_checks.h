@@ -15,8 +15,7 @@ inline CLI::Validator number_at_least(double minimum, bool strict, const std::st
         char* end = nullptr;
         errno = 0;
         const double v = std::strtod(input.c_str(), &end);
-        if (input.empty() || end != input.c_str() + input.size() || errno != 0 ||
-            !std::isfinite(v))
+        if (input.empty() || end != input.c_str() + input.size() || errno != 0 || !std::isfinite(v))
           return "'" + input + "' is not a number";
         if (strict ? !(v > minimum) : !(v >= minimum))
           return "must be " + what + " (got " + input + ")";
@@ -25,7 +24,11 @@ inline CLI::Validator number_at_least(double minimum, bool strict, const std::st
       what);
 }
 
-inline CLI::Validator positive() { return number_at_least(0.0, true, "positive"); }
-inline CLI::Validator non_negative() { return number_at_least(0.0, false, "zero or more"); }
+inline CLI::Validator positive() {
+  return number_at_least(0.0, true, "positive");
+}
+inline CLI::Validator non_negative() {
+  return number_at_least(0.0, false, "zero or more");
+}
 
 }  // namespace cputrain

@@ -1,3 +1,5 @@
 #include "tools/cli.h"
 
-int main(int argc, char** argv) { return cputrain::run_cli(argc, argv); }
+int main(int argc, char** argv) {
+  return cputrain::run_cli(argc, argv);
+}

@@ -64,9 +64,9 @@ Variant train_variant(const RunConfig& base, const std::string& name, DType dtyp
   TrainOptions options = base.train;
   options.batch = batch;
   options.accum = accum;
-  Trainer trainer(model.parameters(),
-                  [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
-                  options);
+  Trainer trainer(
+      model.parameters(),
+      [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, options);
   memory_reset_peaks();
   std::vector<double> ms;
   for (int64_t step = 1; step <= base.steps; ++step) {
@@ -82,7 +82,8 @@ Variant train_variant(const RunConfig& base, const std::string& name, DType dtyp
                base.steps, r.loss, r.grad_norm, r.ms);
   }
   // The first steps warm caches and grow buffers; time the rest.
-  v.median_ms = median(std::vector<double>(ms.begin() + std::min<size_t>(ms.size() - 1, 2), ms.end()));
+  v.median_ms =
+      median(std::vector<double>(ms.begin() + std::min<size_t>(ms.size() - 1, 2), ms.end()));
   v.activation_peak_bytes =
       memory_stats().peak_bytes[static_cast<int>(MemoryCategory::Activations)];
   return v;
@@ -115,7 +116,9 @@ std::string curves_csv(const std::vector<Variant>& variants) {
   return csv;
 }
 
-double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+double mib(int64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024.0);
+}
 
 }  // namespace
 
@@ -123,9 +126,11 @@ void add_parity_flags(CLI::App& app, ParityArgs& a) {
   TrainArgs& t = a.train;
   app.add_option("--preset", t.preset, "Model preset")->capture_default_str();
   app.add_option("--corpus", t.corpus, "Text file or folder of text files")->capture_default_str();
-  app.add_option("--out", t.out, "Directory for the data cache, parity.csv and parity.json "
-                                 "(default runs/parity-<preset>)");
-  app.add_option("--steps", t.steps, "Optimizer steps of each run")->capture_default_str()
+  app.add_option("--out", t.out,
+                 "Directory for the data cache, parity.csv and parity.json "
+                 "(default runs/parity-<preset>)");
+  app.add_option("--steps", t.steps, "Optimizer steps of each run")
+      ->capture_default_str()
       ->check(positive());
   app.add_option("--batch", t.batch, "Global batch in sequences (default: the preset's)")
       ->check(positive());
@@ -167,8 +172,8 @@ int run_parity(const ParityArgs& a) {
   const int64_t batch = config.train.batch;
   for (int64_t n : a.accum) {
     if (n < 2 || batch % n != 0)
-      throw UserError("--accum " + std::to_string(n) + ": must be at least 2 and divide the batch " +
-                      std::to_string(batch));
+      throw UserError("--accum " + std::to_string(n) +
+                      ": must be at least 2 and divide the batch " + std::to_string(batch));
   }
   select_gemm_backend(targs.gemm);
   const std::string out = targs.out.empty() ? "runs/parity-" + config.preset : targs.out;
@@ -193,10 +198,11 @@ int run_parity(const ParityArgs& a) {
     throw UserError("--corpus " + config.corpus + ": the training split has " +
                     std::to_string(tokens.size()) + " tokens, fewer than one window of --ctx " +
                     std::to_string(config.train.ctx) + " + 1");
-  log->info("parity: preset {} ({} parameters), {} steps of {} sequences of {} tokens, lr {:g}, "
-            "seed {}, {} threads",
-            config.preset, parameter_count(config.model), config.steps, batch, config.train.ctx,
-            config.train.lr.peak, config.train.seed, config.threads);
+  log->info(
+      "parity: preset {} ({} parameters), {} steps of {} sequences of {} tokens, lr {:g}, "
+      "seed {}, {} threads",
+      config.preset, parameter_count(config.model), config.steps, batch, config.train.ctx,
+      config.train.lr.peak, config.train.seed, config.threads);
   log->info("{}", describe_compute());
 
   std::vector<Variant> variants;
@@ -211,10 +217,10 @@ int run_parity(const ParityArgs& a) {
   const ParityCurve& bf16 = variants[1].curve;
   bool pass = true;
   nlohmann::json accum = nlohmann::json::array();
-  std::string table = fmt::format("{:<12} {:>13} {:>12} {:>13} {:>15} {:>15} {:>10} {:>15}  {}\n",
-                                  "run", "batch x accum", "final loss", "delta (nats)",
-                                  "max |step delta|", "grad-norm ratio", "ms/step",
-                                  "activations MiB", "tolerance");
+  std::string table =
+      fmt::format("{:<12} {:>13} {:>12} {:>13} {:>15} {:>15} {:>10} {:>15}  {}\n", "run",
+                  "batch x accum", "final loss", "delta (nats)", "max |step delta|",
+                  "grad-norm ratio", "ms/step", "activations MiB", "tolerance");
   for (size_t i = 0; i < variants.size(); ++i) {
     const Variant& v = variants[i];
     const ParityCurve& c = v.curve;
@@ -240,35 +246,36 @@ int run_parity(const ParityArgs& a) {
                          max_delta, ratio, v.median_ms, mib(v.activation_peak_bytes), verdict);
   }
 
-  const nlohmann::json summary = {
-      {"preset", config.preset},
-      {"steps", config.steps},
-      {"batch", batch},
-      {"ctx", config.train.ctx},
-      {"fp32_final_loss", fp32.loss.back()},
-      {"bf16_final_loss", bf16.loss.back()},
-      {"bf16_delta_nats", final_delta(bf16, fp32)},
-      {"bf16_max_step_delta_nats", max_step_delta(bf16, fp32)},
-      {"bf16_grad_norm_ratio", mean_grad_norm_ratio(bf16, fp32)},
-      {"fp32_activation_peak_bytes", variants[0].activation_peak_bytes},
-      {"bf16_activation_peak_bytes", variants[1].activation_peak_bytes},
-      {"fp32_median_ms", variants[0].median_ms},
-      {"bf16_median_ms", variants[1].median_ms},
-      {"accum", accum},
-      {"tol_bf16", a.tol_bf16},
-      {"tol_accum", a.tol_accum},
-      {"pass", pass}};
+  const nlohmann::json summary = {{"preset", config.preset},
+                                  {"steps", config.steps},
+                                  {"batch", batch},
+                                  {"ctx", config.train.ctx},
+                                  {"fp32_final_loss", fp32.loss.back()},
+                                  {"bf16_final_loss", bf16.loss.back()},
+                                  {"bf16_delta_nats", final_delta(bf16, fp32)},
+                                  {"bf16_max_step_delta_nats", max_step_delta(bf16, fp32)},
+                                  {"bf16_grad_norm_ratio", mean_grad_norm_ratio(bf16, fp32)},
+                                  {"fp32_activation_peak_bytes", variants[0].activation_peak_bytes},
+                                  {"bf16_activation_peak_bytes", variants[1].activation_peak_bytes},
+                                  {"fp32_median_ms", variants[0].median_ms},
+                                  {"bf16_median_ms", variants[1].median_ms},
+                                  {"accum", accum},
+                                  {"tol_bf16", a.tol_bf16},
+                                  {"tol_accum", a.tol_accum},
+                                  {"pass", pass}};
   write_file_atomic(out + "/parity.csv", curves_csv(variants));
   write_file_atomic(out + "/parity.json", summary.dump(2) + "\n");
 
-  log->info("final losses after {} steps (delta: against fp32 {} x 1; grad-norm ratio: mean over "
-            "steps of run / fp32; ms/step: median after 2 warm-up steps):\n{}",
-            config.steps, batch, table);
+  log->info(
+      "final losses after {} steps (delta: against fp32 {} x 1; grad-norm ratio: mean over "
+      "steps of run / fp32; ms/step: median after 2 warm-up steps):\n{}",
+      config.steps, batch, table);
   log->info("per-step losses: {}/parity.csv; summary: {}/parity.json", out, out);
   if (a.json) std::printf("%s\n", summary.dump(2).c_str());
   if (!pass) {
-    std::fprintf(stderr, "cputrain: parity: a loss difference exceeds its tolerance (see the "
-                         "table above)\n");
+    std::fprintf(stderr,
+                 "cputrain: parity: a loss difference exceeds its tolerance (see the "
+                 "table above)\n");
     return 3;
   }
   return 0;

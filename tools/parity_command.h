@@ -13,10 +13,10 @@
 namespace cputrain {
 
 struct ParityArgs {
-  TrainArgs train;                    // preset, corpus, out, steps, batch, ctx, lr, seed, ...
+  TrainArgs train;                      // preset, corpus, out, steps, batch, ctx, lr, seed, ...
   std::vector<int64_t> accum = {2, 4};  // the global batch split into batch/a x a, each a
-  double tol_bf16 = 0.02;             // nats, |final bf16 - final fp32|
-  double tol_accum = 1e-4;            // nats, |final split - final fp32|
+  double tol_bf16 = 0.02;               // nats, |final bf16 - final fp32|
+  double tol_accum = 1e-4;              // nats, |final split - final fp32|
   bool json = false;
 };
 

@@ -28,7 +28,9 @@ std::vector<double> ticks(double lo, double hi) {
   return t;
 }
 
-std::string label(double v) { return fmt::format("{:g}", std::abs(v) < 1e-12 ? 0.0 : v); }
+std::string label(double v) {
+  return fmt::format("{:g}", std::abs(v) < 1e-12 ? 0.0 : v);
+}
 
 }  // namespace
 
@@ -51,37 +53,45 @@ std::string svg_panel(const std::string& title, const std::string& x_label,
   auto px = [&](double x) { return pl + (x - x0) / (x1 - x0) * (pr - pl); };
   auto py = [&](double y) { return pb - (y - y0) / (y1 - y0) * (pb - pt); };
   std::string svg;
-  svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"15\" font-weight=\"bold\">{}</text>\n",
-                     pl, top + 18, title);
-  svg += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
-                     "fill=\"none\" stroke=\"#444\"/>\n", pl, pt, pr - pl, pb - pt);
+  svg += fmt::format(
+      "<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"15\" font-weight=\"bold\">{}</text>\n", pl,
+      top + 18, title);
+  svg += fmt::format(
+      "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
+      "fill=\"none\" stroke=\"#444\"/>\n",
+      pl, pt, pr - pl, pb - pt);
   for (double v : ticks(x0, x1)) {
-    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#ddd\"/>"
-                       "<text x=\"{0:.1f}\" y=\"{3:.1f}\" font-size=\"11\" text-anchor=\"middle\">{4}</text>\n",
-                       px(v), pt, pb, pb + 15, label(v));
+    svg += fmt::format(
+        "<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#ddd\"/>"
+        "<text x=\"{0:.1f}\" y=\"{3:.1f}\" font-size=\"11\" text-anchor=\"middle\">{4}</text>\n",
+        px(v), pt, pb, pb + 15, label(v));
   }
   for (double v : ticks(y0, y1)) {
-    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{2:.1f}\" y2=\"{1:.1f}\" stroke=\"#ddd\"/>"
-                       "<text x=\"{3:.1f}\" y=\"{4:.1f}\" font-size=\"11\" text-anchor=\"end\">{5}</text>\n",
-                       pl, py(v), pr, pl - 5, py(v) + 4, label(v));
+    svg += fmt::format(
+        "<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{2:.1f}\" y2=\"{1:.1f}\" stroke=\"#ddd\"/>"
+        "<text x=\"{3:.1f}\" y=\"{4:.1f}\" font-size=\"11\" text-anchor=\"end\">{5}</text>\n",
+        pl, py(v), pr, pl - 5, py(v) + 4, label(v));
   }
-  svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"middle\">{}</text>\n",
-                     (pl + pr) / 2, pb + 32, x_label);
+  svg += fmt::format(
+      "<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"middle\">{}</text>\n",
+      (pl + pr) / 2, pb + 32, x_label);
   double legend_x = pr;
   for (auto it = series.rbegin(); it != series.rend(); ++it) {
     const Series& s = *it;
     std::string points;
     for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i)
       points += fmt::format("{:.1f},{:.1f} ", px(s.x[i]), py(s.y[i]));
-    svg += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
-                       s.color, points);
+    svg +=
+        fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
+                    s.color, points);
     if (s.x.size() == 1)
       svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"{}\"/>\n", px(s.x[0]),
                          py(s.y[0]), s.color);
     legend_x -= 8.0 * static_cast<double>(s.name.size()) + 30;
-    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{2:.1f}\" y2=\"{1:.1f}\" stroke=\"{3}\" "
-                       "stroke-width=\"3\"/><text x=\"{4:.1f}\" y=\"{5:.1f}\" font-size=\"12\">{6}</text>\n",
-                       legend_x, top + 14, legend_x + 18, s.color, legend_x + 22, top + 18, s.name);
+    svg += fmt::format(
+        "<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{2:.1f}\" y2=\"{1:.1f}\" stroke=\"{3}\" "
+        "stroke-width=\"3\"/><text x=\"{4:.1f}\" y=\"{5:.1f}\" font-size=\"12\">{6}</text>\n",
+        legend_x, top + 14, legend_x + 18, s.color, legend_x + 22, top + 18, s.name);
   }
   return svg;
 }

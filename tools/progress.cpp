@@ -26,7 +26,9 @@ void ProgressSink::sink_it_(const spdlog::details::log_msg& msg) {
   std::fflush(stdout);
 }
 
-void ProgressSink::flush_() { std::fflush(stdout); }
+void ProgressSink::flush_() {
+  std::fflush(stdout);
+}
 
 std::string format_duration(double seconds) {
   const auto s = static_cast<int64_t>(std::max(0.0, std::round(seconds)));
@@ -45,7 +47,8 @@ std::string progress_line(int64_t done, int64_t total, int64_t done_at_start, do
   std::string left = "-";
   const int64_t since = done - done_at_start;
   if (since > 0 && elapsed_s > 0.0)
-    left = format_duration(elapsed_s / static_cast<double>(since) * static_cast<double>(total - done));
+    left =
+        format_duration(elapsed_s / static_cast<double>(since) * static_cast<double>(total - done));
   return fmt::format("[{}] {:3.0f}% {}/{} {}{}{} | {} left", bar, 100.0 * fraction, done, total,
                      unit, extra.empty() ? "" : " | ", extra, left);
 }

@@ -24,12 +24,12 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
       ->capture_default_str();
   app.add_option("--top-k", a.top_k, "Sample among the k most likely tokens (0: all)")
       ->capture_default_str();
-  app.add_option("--top-p", a.top_p,
-                 "Sample among the most likely tokens whose probabilities sum to at least p (1: all)")
+  app.add_option(
+         "--top-p", a.top_p,
+         "Sample among the most likely tokens whose probabilities sum to at least p (1: all)")
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
-      ->check(positive());
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
 }
 
 int run_sample(const SampleArgs& a) {
@@ -45,8 +45,9 @@ int run_sample(const SampleArgs& a) {
   const RunConfig config = read_run_config(a.run + "/config.json");
   const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
   if (tokenizer.vocab_size() != config.model.vocab)
-    throw UserError(a.run + "/tokenizer.model: vocabulary " + std::to_string(tokenizer.vocab_size()) +
-                    " does not match the model's " + std::to_string(config.model.vocab));
+    throw UserError(a.run + "/tokenizer.model: vocabulary " +
+                    std::to_string(tokenizer.vocab_size()) + " does not match the model's " +
+                    std::to_string(config.model.vocab));
   LlamaModel model(config.model);
   load_weights(a.run + "/model.bin", model.parameters());
 

@@ -50,10 +50,13 @@ int64_t default_steps(const std::string& preset) {
   return 2000;
 }
 
-double default_lr(const LlamaConfig& c) { return c.d_model <= 256 ? 1e-3 : (c.d_model <= 512 ? 6e-4 : 3e-4); }
+double default_lr(const LlamaConfig& c) {
+  return c.d_model <= 256 ? 1e-3 : (c.d_model <= 512 ? 6e-4 : 3e-4);
+}
 
 void require_positive(int64_t value, const char* flag) {
-  if (value <= 0) throw UserError(std::string(flag) + " must be positive (got " + std::to_string(value) + ")");
+  if (value <= 0)
+    throw UserError(std::string(flag) + " must be positive (got " + std::to_string(value) + ")");
 }
 
 }  // namespace
@@ -176,13 +179,16 @@ namespace {
 std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path,
                                             std::shared_ptr<ProgressSink> console) {
   auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_path, false);
-  auto logger = std::make_shared<spdlog::logger>("cputrain", spdlog::sinks_init_list{console, file});
+  auto logger =
+      std::make_shared<spdlog::logger>("cputrain", spdlog::sinks_init_list{console, file});
   logger->set_pattern("[%H:%M:%S] %v");
   logger->flush_on(spdlog::level::info);
   return logger;
 }
 
-double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
+double gib(int64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0);
+}
 
 // SIGINT and SIGTERM ask the loop to finish its step, save and stop; a second one is fatal.
 std::atomic<int> g_stop_signal{0};
@@ -240,15 +246,16 @@ class StopSignals {
   std::thread watcher_;
 };
 
-std::string save_training_checkpoint(const std::string& out, int64_t step, const ParameterSet& params,
-                                     const AdamW& adamw, uint64_t data_fingerprint,
-                                     const std::string& config_json, int64_t keep) {
+std::string save_training_checkpoint(const std::string& out, int64_t step,
+                                     const ParameterSet& params, const AdamW& adamw,
+                                     uint64_t data_fingerprint, const std::string& config_json,
+                                     int64_t keep) {
   std::error_code ec;
   fs::create_directories(checkpoint_dir(out), ec);
   if (ec) throw UserError(checkpoint_dir(out) + ": cannot create (" + ec.message() + ")");
   const std::string path = checkpoint_path(out, step);
-  save_checkpoint(path, params, adamw, CheckpointInfo{step, adamw.step_count(), data_fingerprint,
-                                                      config_json});
+  save_checkpoint(path, params, adamw,
+                  CheckpointInfo{step, adamw.step_count(), data_fingerprint, config_json});
   auto all = list_checkpoints(out);
   for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i].second, ec);
   return path;
@@ -318,17 +325,14 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_option("--corpus", a.corpus, "Text file or folder of text files")->capture_default_str();
   app.add_option("--out", a.out, "Run directory (default runs/<preset>)");
-  app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")
-      ->check(positive());
+  app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")->check(positive());
   app.add_option("--batch", a.batch, "Sequences per micro-batch (default: per preset)")
       ->check(positive());
   app.add_option("--accum", a.accum, "Micro-batches per optimizer step (default: per preset)")
       ->check(positive());
-  app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")
-      ->check(positive());
+  app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")->check(positive());
   add_model_flags(app, a);
-  app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)")
-      ->check(positive());
+  app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)")->check(positive());
   app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))")
       ->check(non_negative());
   app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay on matrices")
@@ -338,29 +342,32 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->capture_default_str()
       ->check(non_negative());
   app.add_option("--seed", a.seed, "Seed for init and batch sampling")->capture_default_str();
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
-      ->check(positive());
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
   app.add_flag("--pin-threads", a.pin_threads,
                "Bind each OpenMP thread to one CPU of those the process may use");
   app.add_flag("--profile", a.profile,
                "Time every op (forward and backward), the optimizer and the GEMMs over the steps "
                "after the first; print the table at the end and write <out>/profile.json");
-  app.add_option("--eval-every", a.eval_every, "Validation loss every N steps (default: steps / 10)")
+  app.add_option("--eval-every", a.eval_every,
+                 "Validation loss every N steps (default: steps / 10)")
       ->check(positive());
   app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
       ->capture_default_str()
       ->check(positive());
-  app.add_option("--sample-every", a.sample_every, "Print a sample every N steps (0: only at the end)")
+  app.add_option("--sample-every", a.sample_every,
+                 "Print a sample every N steps (0: only at the end)")
       ->capture_default_str()
       ->check(non_negative());
   app.add_option("--sample-tokens", a.sample_tokens, "Tokens per printed sample")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--log-every", a.log_every, "Log a line every N steps")->capture_default_str()
+  app.add_option("--log-every", a.log_every, "Log a line every N steps")
+      ->capture_default_str()
       ->check(positive());
-  app.add_option("--gemm", a.gemm,
-                 "GEMM implementation: amx, avx512, onednn, eigen or reference (default: the fastest "
-                 "this CPU runs; the CPUTRAIN_GEMM environment variable also sets it)");
+  app.add_option(
+      "--gemm", a.gemm,
+      "GEMM implementation: amx, avx512, onednn, eigen or reference (default: the fastest "
+      "this CPU runs; the CPUTRAIN_GEMM environment variable also sets it)");
   app.add_option("--dtype", a.dtype,
                  "Training precision: bf16 (bf16 GEMMs and saved activations, FP32 master weights) "
                  "or fp32 (default: bf16 where the GEMM has bf16 instructions, else fp32)")
@@ -453,10 +460,10 @@ int run_train(const TrainArgs& args) {
         phase_seen = phase;
         phase_time.restart();
       }
-      console->set_status(total > 0 ? phase + " " + progress_line(done, total, 0,
-                                                                  phase_time.seconds(),
-                                                                  "documents", "")
-                                    : phase + " ...");
+      console->set_status(
+          total > 0
+              ? phase + " " + progress_line(done, total, 0, phase_time.seconds(), "documents", "")
+              : phase + " ...");
     };
   }
   PreparedData data =
@@ -467,12 +474,15 @@ int run_train(const TrainArgs& args) {
   const auto val_tokens = data.dataset.val_tokens();
   if (static_cast<int64_t>(train_tokens.size()) < config.train.ctx + 1)
     throw UserError("--corpus " + config.corpus + ": the training split has " +
-                    std::to_string(train_tokens.size()) + " tokens, fewer than one window of --ctx " +
-                    std::to_string(config.train.ctx) + " + 1");
+                    std::to_string(train_tokens.size()) +
+                    " tokens, fewer than one window of --ctx " + std::to_string(config.train.ctx) +
+                    " + 1");
   const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
   if (!can_eval)
-    log->warn("the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
-              "validation loss", val_tokens.size(), config.train.ctx);
+    log->warn(
+        "the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
+        "validation loss",
+        val_tokens.size(), config.train.ctx);
   // The budget, before anything large is allocated: checkpointing where asked (or where it is
   // needed to fit), and a refusal, with the figures and the levers, where even that does not fit.
   const int64_t corpus_tokens = static_cast<int64_t>(train_tokens.size() + val_tokens.size());
@@ -500,7 +510,8 @@ int run_train(const TrainArgs& args) {
                     format_bytes(budget.total_bytes()) + ", exceeds the available " +
                     format_bytes(available) + " (table and levers above)");
   }
-  const int64_t eval_every = args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+  const int64_t eval_every =
+      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
 
   process_memory_reset_peak();  // from here on the peak RSS is training's
   log->info("resident before the model: {} (the budget's runtime estimate: {})",
@@ -545,9 +556,9 @@ int run_train(const TrainArgs& args) {
             config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
             config.checkpoint ? "per layer" : "none");
 
-  Trainer trainer(model.parameters(),
-                  [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
-                  config.train);
+  Trainer trainer(
+      model.parameters(),
+      [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
   int64_t first_step = 1;
   std::string last_checkpoint;
   if (resuming) {
@@ -594,8 +605,10 @@ int run_train(const TrainArgs& args) {
       for (double l : recent) mean += l;
       mean /= static_cast<double>(recent.size());
       if (r.loss > args.spike * mean)
-        bad_reason = fmt::format("loss {:.4f} is a spike (over {:g} x the mean {:.4f} of the last {} "
-                                 "steps)", r.loss, args.spike, mean, recent.size());
+        bad_reason = fmt::format(
+            "loss {:.4f} is a spike (over {:g} x the mean {:.4f} of the last {} "
+            "steps)",
+            r.loss, args.spike, mean, recent.size());
     }
     if (!bad_reason.empty()) return false;
     recent.push_back(r.loss);
@@ -646,19 +659,22 @@ int run_train(const TrainArgs& args) {
         profiled_seconds += r.ms / 1e3;
       }
       if (r.skipped && args.on_bad_step == "stop") {
-        throw UserError("step " + std::to_string(step) + ": " + bad_reason +
-                        "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
-                        "the last good checkpoint is " +
-                        (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
+        throw UserError(
+            "step " + std::to_string(step) + ": " + bad_reason +
+            "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
+            "the last good checkpoint is " +
+            (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
       }
-      if (r.skipped) log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
+      if (r.skipped)
+        log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
       const ProcessMemory mem = process_memory();
       const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
       const double peak_before = mfu_peak.gflops();
       if (mfu_peak.update(model_gflops))
-        log->info("peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s "
-                  "(was {:.0f})",
-                  step, model_gflops, mfu_peak.gflops(), peak_before);
+        log->info(
+            "peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s "
+            "(was {:.0f})",
+            step, model_gflops, mfu_peak.gflops(), peak_before);
       const std::optional<double> mfu = mfu_peak.mfu(model_gflops);
       const MemoryStats stats = memory_stats();
       nlohmann::json m = {{"step", step},
@@ -687,26 +703,28 @@ int run_train(const TrainArgs& args) {
       }
       metrics << m.dump() << "\n" << std::flush;
       if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
-        log->info("step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
-                  "{:.0f} ms | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%)",
-                  step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
-                  gib(mem.peak_rss_bytes), gib(budget.total_bytes()),
-                  100.0 * (static_cast<double>(mem.peak_rss_bytes) /
-                               static_cast<double>(budget.total_bytes()) - 1.0));
+        log->info(
+            "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
+            "{:.0f} ms | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%)",
+            step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
+            gib(mem.peak_rss_bytes), gib(budget.total_bytes()),
+            100.0 * (static_cast<double>(mem.peak_rss_bytes) /
+                         static_cast<double>(budget.total_bytes()) -
+                     1.0));
       }
       if (console->terminal()) {
         const std::string mfu_text = mfu ? fmt::format(" | MFU {:.0f}%", 100.0 * *mfu) : "";
-        console->set_status(progress_line(step, config.steps, first_step - 1, loop_time.seconds(),
-                                          "steps",
-                                          fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss,
-                                                      r.tokens_per_s, mfu_text)));
+        console->set_status(progress_line(
+            step, config.steps, first_step - 1, loop_time.seconds(), "steps",
+            fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss, r.tokens_per_s, mfu_text)));
       }
       if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
         log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
       const int stop = g_stop_signal.load();
       if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
-        last_checkpoint = save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
-                                                   data.dataset.fingerprint(), config_json, args.keep);
+        last_checkpoint =
+            save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
+                                     data.dataset.fingerprint(), config_json, args.keep);
       }
       if (stop != 0) {
         report_profile();

@@ -43,14 +43,14 @@ struct TrainArgs {
   int64_t sample_tokens = 80;
   int64_t log_every = 1;
   std::string gemm;
-  std::string dtype;  // "bf16", "fp32", or empty: choose_dtype's default
-  std::string resume;          // a run directory to continue from its latest checkpoint
-  int64_t save_every = -1;     // checkpoint every N steps; -1: steps / 10
-  int64_t keep = 3;            // checkpoints kept
+  std::string dtype;                 // "bf16", "fp32", or empty: choose_dtype's default
+  std::string resume;                // a run directory to continue from its latest checkpoint
+  int64_t save_every = -1;           // checkpoint every N steps; -1: steps / 10
+  int64_t keep = 3;                  // checkpoints kept
   double mem_limit_gib = 0.0;        // GiB the run may use; 0: MemAvailable at start
-  double spike = 0.0;                 // a loss above spike x the mean of the last 20 is bad; 0: off
-  std::string on_bad_step = "stop";   // a non-finite loss or gradient, or a spike: stop or skip
-  std::string checkpoint = "auto";  // "layer", "none", or "auto": layer when none would not fit
+  double spike = 0.0;                // a loss above spike x the mean of the last 20 is bad; 0: off
+  std::string on_bad_step = "stop";  // a non-finite loss or gradient, or a spike: stop or skip
+  std::string checkpoint = "auto";   // "layer", "none", or "auto": layer when none would not fit
 };
 
 void add_train_flags(CLI::App& app, TrainArgs& args);

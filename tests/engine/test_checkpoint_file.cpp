@@ -95,7 +95,8 @@ TEST_F(CheckpointFile, DamagedFilesAreRefusedWithoutTouchingTheModel) {
   for (int64_t i = 0; i < target.numel(); ++i) target.weights().f32()[i] = 7.0f;
   const std::vector<float> before = values(target.weights());
   for (int tenth = 0; tenth < 10; ++tenth) {
-    write(std::vector<char>(good.begin(), good.begin() + static_cast<long>(good.size() * tenth / 10)));
+    write(std::vector<char>(good.begin(),
+                            good.begin() + static_cast<long>(good.size() * tenth / 10)));
     EXPECT_THROW(load_checkpoint(path_, target, &adamw), UserError) << tenth * 10 << "%";
   }
   for (size_t i = 0; i < good.size(); i += 3) {
@@ -116,7 +117,8 @@ TEST_F(CheckpointFile, ForeignFilesAndOtherModelsAreRefused) {
     read_checkpoint_info(weights);
     FAIL() << "a weights file read as a checkpoint";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("not a cputrain checkpoint"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not a cputrain checkpoint"), std::string::npos)
+        << e.what();
   }
   ParameterSet bigger;
   bigger.add("w", Shape{40, 3}, true);

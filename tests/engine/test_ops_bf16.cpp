@@ -52,9 +52,9 @@ ModeRun run(const OpFn& op, const std::vector<Tensor>& inputs, const Tensor& r, 
   std::vector<Variable> leaves, vars;
   for (const Tensor& t : inputs) {
     leaves.emplace_back(t, true);
-    vars.push_back(add(leaves.back(), Variable(Tensor::zeros(t.shape(), DType::F32,
-                                                             MemoryCategory::Workspace),
-                                               false)));
+    vars.push_back(
+        add(leaves.back(),
+            Variable(Tensor::zeros(t.shape(), DType::F32, MemoryCategory::Workspace), false)));
   }
   const Variable out = op(vars);
   ModeRun result{values(out.value()), {}};
@@ -116,9 +116,10 @@ void expect_rounded_output_and_fp32_gradients(const OpFn& op, const std::vector<
 
 TEST(OpsBf16, LinearOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(1);
-  compare_modes([](const auto& v) { return linear(v[0], v[1]); },
-                {random_tensor(Shape{3, 17, 33}, rng, true), random_tensor(Shape{19, 33}, rng, true)},
-                Shape{3, 17, 19}, 1e-6, 1e-6);
+  compare_modes(
+      [](const auto& v) { return linear(v[0], v[1]); },
+      {random_tensor(Shape{3, 17, 33}, rng, true), random_tensor(Shape{19, 33}, rng, true)},
+      Shape{3, 17, 19}, 1e-6, 1e-6);
 }
 
 TEST(OpsBf16, RmsNormOnBf16ValuesMatchesFp32) {
@@ -180,12 +181,13 @@ TEST(OpsBf16, LmHeadCrossEntropyMatchesLinearThenCrossEntropy) {
   for (int i = 0; i < 18; ++i) targets.i32()[i] = (i * 11 + 4) % 37;
   Tensor r = Tensor::empty(Shape{1}, DType::F32, MemoryCategory::Workspace);
   r.f32()[0] = 0.5f;
-  const ModeRun want = run([&](const auto& v) { return cross_entropy(linear(v[0], v[1]), targets); },
-                           inputs, r, DType::BF16);
+  const ModeRun want =
+      run([&](const auto& v) { return cross_entropy(linear(v[0], v[1]), targets); }, inputs, r,
+          DType::BF16);
   for (int64_t chunk : {0, 1, 5, 18}) {
-    const ModeRun got = run(
-        [&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, chunk); }, inputs,
-        r, DType::BF16);
+    const ModeRun got =
+        run([&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, chunk); },
+            inputs, r, DType::BF16);
     expect_close(got.out, want.out, 1e-6, "loss");
     expect_close(got.grads[0], want.grads[0], 1e-5, "dx");
     expect_close(got.grads[1], want.grads[1], 1e-5, "dw");
@@ -223,7 +225,8 @@ TEST(OpsBf16, ArbitraryInputsStayWithinBf16RoundingOfFp32) {
   const double out_error = rel_l2(bf16.out, f32.out);
   EXPECT_LT(out_error, 0.02);
   EXPECT_GT(out_error, 0.0);  // the bf16 path did round
-  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_LT(rel_l2(bf16.grads[i], f32.grads[i]), 0.02) << i;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    EXPECT_LT(rel_l2(bf16.grads[i], f32.grads[i]), 0.02) << i;
 }
 
 // Activation bytes the tape of `op` holds once its inputs and output are dropped: what the op

@@ -63,8 +63,7 @@ void check_gradients(const OpFn& op, const std::vector<Tensor>& inputs, double t
       x.f32()[i] = saved;
       const double numeric = (up - down) / (2.0 * h);
       const double analytic = grad.f32()[i];
-      EXPECT_NEAR(analytic, numeric, tolerance * max_grad)
-          << "input " << which << " element " << i;
+      EXPECT_NEAR(analytic, numeric, tolerance * max_grad) << "input " << which << " element " << i;
     }
   }
 }
@@ -149,8 +148,7 @@ TEST(OpsGradient, AttentionOneHeadOnePosition) {
 TEST(OpsGradient, SwiGlu) {
   std::mt19937 rng(6);
   check_gradients([](const auto& v) { return swiglu(v[0], v[1]); },
-                  {random_tensor(Shape{3, 11}, rng, 2.0f), random_tensor(Shape{3, 11}, rng)},
-                  5e-3);
+                  {random_tensor(Shape{3, 11}, rng, 2.0f), random_tensor(Shape{3, 11}, rng)}, 5e-3);
 }
 
 TEST(OpsGradient, Add) {
@@ -268,7 +266,8 @@ TEST(Autograd, ActivationsAreFreedByBackward) {
   Variable w(random_tensor(Shape{8, 8}, rng), true);
   const int64_t before = memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)];
   {
-    Variable y = rmsnorm(linear(linear(x, w), w), Variable(random_tensor(Shape{8}, rng), false), 1e-5f);
+    Variable y =
+        rmsnorm(linear(linear(x, w), w), Variable(random_tensor(Shape{8}, rng), false), 1e-5f);
     EXPECT_GT(memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)], before);
     backward(y, random_tensor(Shape{4, 8}, rng));
   }

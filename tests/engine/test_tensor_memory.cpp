@@ -12,8 +12,12 @@
 namespace cputrain {
 namespace {
 
-int64_t live(MemoryCategory c) { return memory_stats().live_bytes[static_cast<int>(c)]; }
-int64_t peak(MemoryCategory c) { return memory_stats().peak_bytes[static_cast<int>(c)]; }
+int64_t live(MemoryCategory c) {
+  return memory_stats().live_bytes[static_cast<int>(c)];
+}
+int64_t peak(MemoryCategory c) {
+  return memory_stats().peak_bytes[static_cast<int>(c)];
+}
 
 TEST(Memory, TracksLiveAndPeakPerCategory) {
   memory_reset_peaks();

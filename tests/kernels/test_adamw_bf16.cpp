@@ -53,7 +53,9 @@ TEST(AdamW, ZeroDecayLeavesZeroGradientParameterInPlace) {
   EXPECT_EQ(p, (std::vector<float>{1.5f, -2.0f}));
 }
 
-float bits_to_float(uint32_t b) { return std::bit_cast<float>(b); }
+float bits_to_float(uint32_t b) {
+  return std::bit_cast<float>(b);
+}
 
 TEST(Bf16, RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_EQ(fp32_to_bf16(1.0f), 0x3f80);
@@ -65,8 +67,8 @@ TEST(Bf16, RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_EQ(fp32_to_bf16(std::numeric_limits<float>::infinity()), 0x7f80);
   EXPECT_EQ(fp32_to_bf16(-std::numeric_limits<float>::infinity()), 0xff80);
   EXPECT_EQ(fp32_to_bf16(std::numeric_limits<float>::max()), 0x7f80);  // overflows to inf
-  EXPECT_EQ(fp32_to_bf16(bits_to_float(0x00010000u)), 0x0001);        // denormal
-  EXPECT_EQ(fp32_to_bf16(bits_to_float(0x00018000u)), 0x0002);        // denormal tie, odd
+  EXPECT_EQ(fp32_to_bf16(bits_to_float(0x00010000u)), 0x0001);         // denormal
+  EXPECT_EQ(fp32_to_bf16(bits_to_float(0x00018000u)), 0x0002);         // denormal tie, odd
   const uint16_t nan = fp32_to_bf16(std::numeric_limits<float>::quiet_NaN());
   EXPECT_TRUE(std::isnan(bf16_to_fp32(nan)));
   const uint16_t low_nan = fp32_to_bf16(bits_to_float(0x7f800001u));  // payload only in low bits

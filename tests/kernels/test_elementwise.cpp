@@ -13,12 +13,12 @@
 #include "kernels/cpu_features.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_isa.h"
-#include "kernels/vec16.h"
 #include "kernels/embedding.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"
 #include "kernels/swiglu_isa.h"
+#include "kernels/vec16.h"
 #include "kernels/vector_add.h"
 
 namespace cputrain::kernels {
@@ -210,14 +210,14 @@ TEST(SwiGlu, ForwardAndBackwardMatchReference) {
   for (int64_t i = 0; i < n; ++i)
     ASSERT_NEAR(out[i], gate[i] / (1.0 + std::exp(-static_cast<double>(gate[i]))) * up[i], 1e-5);
   const std::vector<float> dg0 = random_floats(n, 15), du0 = random_floats(n, 16);
-  const auto want_dg = plus(
-      numerical_gradient([&](const std::vector<double>& g) { return ref(g, to_double(up)); },
-                         to_double(gate)),
-      dg0);
-  const auto want_du = plus(
-      numerical_gradient([&](const std::vector<double>& u) { return ref(to_double(gate), u); },
-                         to_double(up)),
-      du0);
+  const auto want_dg =
+      plus(numerical_gradient([&](const std::vector<double>& g) { return ref(g, to_double(up)); },
+                              to_double(gate)),
+           dg0);
+  const auto want_du =
+      plus(numerical_gradient([&](const std::vector<double>& u) { return ref(to_double(gate), u); },
+                              to_double(up)),
+           du0);
   std::vector<float> dg = dg0, du = du0;
   swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n, true);
   EXPECT_LT(max_error(dg, want_dg), 1e-5);
@@ -268,8 +268,8 @@ TEST(SwiGlu, Bf16ForwardRoundsWhatFp32ForwardWrites) {
   const float inf = std::numeric_limits<float>::infinity();
   const float denormal = std::numeric_limits<float>::denorm_min() * 3.0f;
   // 1 + 2^-8 is a tie between two bf16 values (rounds to even: 1); 1 + 3 * 2^-8 rounds up.
-  const float specials[] = {nan, inf, -inf, denormal, -denormal, 1.00390625f, 1.01171875f,
-                            -0.0f, 3.0e38f, -100.0f};
+  const float specials[] = {nan,         inf,         -inf,  denormal, -denormal,
+                            1.00390625f, 1.01171875f, -0.0f, 3.0e38f,  -100.0f};
   for (size_t i = 0; i < std::size(specials); ++i) {
     gate[n - 1 - i] = specials[i];
     up[n - 1 - 2 * i] = specials[i];
@@ -308,9 +308,10 @@ TEST(SwiGlu, IsaBuildsAgreeBitwise) {
     std::vector<uint16_t> out16, g16, u16;
   };
   auto run = [&](const SwigluKernels& k) {
-    Result r{std::vector<float>(n), std::vector<float>(n, 0.5f), std::vector<float>(n, -0.5f),
-             std::vector<float>(n, 0.5f), std::vector<float>(n, -0.5f), std::vector<uint16_t>(n),
-             std::vector<uint16_t>(n), std::vector<uint16_t>(n)};
+    Result r{std::vector<float>(n),        std::vector<float>(n, 0.5f),
+             std::vector<float>(n, -0.5f), std::vector<float>(n, 0.5f),
+             std::vector<float>(n, -0.5f), std::vector<uint16_t>(n),
+             std::vector<uint16_t>(n),     std::vector<uint16_t>(n)};
     k.forward(r.out.data(), gate.data(), up.data(), n);
     k.forward_bf16(r.out16.data(), r.g16.data(), r.u16.data(), gate.data(), up.data(), n);
     k.backward(r.dg.data(), r.du.data(), dout.data(), gate.data(), up.data(), n, true);
@@ -389,10 +390,10 @@ TEST(CrossEntropy, ForwardAndBackwardMatchReference) {
   std::vector<double> want(N);
   ref(to_double(logits), &want);
   const std::vector<float> d0 = random_floats(N * V, 19);
-  const auto want_d = plus(
-      numerical_gradient([&](const std::vector<double>& x) { return ref(x, nullptr); },
-                         to_double(logits)),
-      d0);
+  const auto want_d =
+      plus(numerical_gradient([&](const std::vector<double>& x) { return ref(x, nullptr); },
+                              to_double(logits)),
+           d0);
   std::vector<float> first;
   for (const CrossEntropyImpl& impl : cross_entropy_impls()) {
     std::vector<float> losses(N), lse(N);
@@ -627,9 +628,9 @@ TEST(VectorOps, AddAccumulateAndSumOfSquares) {
       EXPECT_EQ(got, first) << "depends on the thread count";
   }
   EXPECT_EQ(vector_sum_squares(a.data(), 0), 0.0);
-  EXPECT_EQ(vector_sum_squares(a.data(), 3),
-            static_cast<double>(a[0]) * a[0] + static_cast<double>(a[1]) * a[1] +
-                static_cast<double>(a[2]) * a[2]);
+  EXPECT_EQ(vector_sum_squares(a.data(), 3), static_cast<double>(a[0]) * a[0] +
+                                                 static_cast<double>(a[1]) * a[1] +
+                                                 static_cast<double>(a[2]) * a[2]);
 }
 
 }  // namespace

@@ -205,23 +205,25 @@ class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
 
 // FP32: within 2e-6 of sum |a||b| (float rounding of a K-term sum in blocks).
 TEST_P(GemmTest, Fp32MatchesNaiveProduct) {
-  check_all(false, 2e-6, [](const Case& c, const std::vector<float>& A, const std::vector<float>& B,
-                            std::vector<float>& C) {
-    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta, C.data(),
-             c.ldc());
-  });
+  check_all(false, 2e-6,
+            [](const Case& c, const std::vector<float>& A, const std::vector<float>& B,
+               std::vector<float>& C) {
+              gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta,
+                       C.data(), c.ldc());
+            });
 }
 
 // BF16 inputs, FP32 sums: within 1e-5 of sum |a||b| of an FP64 product of the same bf16 values.
 TEST_P(GemmTest, Bf16MatchesNaiveProductOfRoundedInputs) {
-  check_all(true, 1e-5, [](const Case& c, const std::vector<float>& A, const std::vector<float>& B,
-                           std::vector<float>& C) {
-    std::vector<uint16_t> a(A.size()), b(B.size());
-    fp32_to_bf16_array(a.data(), A.data(), static_cast<int64_t>(A.size()));
-    fp32_to_bf16_array(b.data(), B.data(), static_cast<int64_t>(B.size()));
-    gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta, C.data(),
-              c.ldc());
-  });
+  check_all(true, 1e-5,
+            [](const Case& c, const std::vector<float>& A, const std::vector<float>& B,
+               std::vector<float>& C) {
+              std::vector<uint16_t> a(A.size()), b(B.size());
+              fp32_to_bf16_array(a.data(), A.data(), static_cast<int64_t>(A.size()));
+              fp32_to_bf16_array(b.data(), B.data(), static_cast<int64_t>(B.size()));
+              gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta,
+                        C.data(), c.ldc());
+            });
 }
 
 TEST_P(GemmTest, EmptyInnerDimensionScalesC) {
@@ -304,11 +306,11 @@ TEST_P(GemmTest, ResultsDoNotDependOnThreadCount) {
     const std::vector<float> C = random_vector(c.M * c.ldc(), 9);
     std::vector<float> one = C, two = C;
     omp_set_num_threads(1);
-    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta,
-             one.data(), c.ldc());
+    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta, one.data(),
+             c.ldc());
     omp_set_num_threads(2);
-    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta,
-             two.data(), c.ldc());
+    gemm_f32(c.ta, c.tb, c.M, c.N, c.K, A.data(), c.lda(), B.data(), c.ldb(), c.beta, two.data(),
+             c.ldc());
     EXPECT_EQ(one, two) << describe(c);
   }
   // BF16, a down projection's weight gradient: the fused path there too.
@@ -345,8 +347,8 @@ struct WeightGradientOperands {
       gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, a16.data(), c.lda(), b16.data(), c.ldb(), c.beta,
                 out.data(), c.ldc());
     else
-      gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta,
-               out.data(), c.ldc());
+      gemm_f32(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(), c.beta, out.data(),
+               c.ldc());
   }
   // The case computed with the fused and direct paths on, then off (gemm_set_fused; left off).
   std::array<std::vector<float>, 2> on_and_off(bool bf16) const {
@@ -504,8 +506,8 @@ TEST(GemmPaths, Fp32WeightGradientsOffCacheLinesTakeTheFusedPath) {
     const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
     ASSERT_TRUE(ops.takes_direct()) << what;
     std::vector<float> want = ops.C;
-    gemm_f32_avx512(c.ta, c.tb, c.M, c.N, c.K, ops.a.data(), c.lda(), ops.b.data(), c.ldb(),
-                    c.beta, want.data(), c.ldc());
+    gemm_f32_avx512(c.ta, c.tb, c.M, c.N, c.K, ops.a.data(), c.lda(), ops.b.data(), c.ldb(), c.beta,
+                    want.data(), c.ldc());
     struct Off {
       const char* name;
       const float *A, *B;
@@ -622,8 +624,7 @@ TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,
                          ::testing::Combine(::testing::Values(GemmBackend::Reference,
                                                               GemmBackend::Eigen,
-                                                              GemmBackend::Avx512,
-                                                              GemmBackend::Amx,
+                                                              GemmBackend::Avx512, GemmBackend::Amx,
                                                               GemmBackend::Onednn),
                                             ::testing::Values(1, 2)),
                          [](const auto& info) {

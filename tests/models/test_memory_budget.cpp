@@ -31,7 +31,9 @@ struct Case {
   std::function<bool(const std::string&)> trainable;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class BudgetVsMeasured : public ::testing::TestWithParam<Case> {};
 
@@ -73,9 +75,9 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
     LlamaModel model(c, mo);
     model.init_weights(1);
     model.set_checkpointing(k.checkpoint);
-    Trainer trainer(model.parameters(),
-                    [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); },
-                    options);
+    Trainer trainer(
+        model.parameters(),
+        [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, options);
     const auto step = [&](int64_t n) {
       trainer.step(tokens, n);
       trainer.evaluate(tokens, bo.eval_windows);

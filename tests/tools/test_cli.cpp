@@ -51,8 +51,8 @@ class Cli : public ::testing::Test {
   // Runs cputrain with `args`, after environment assignments `env` ("NAME=value ...").
   Result run(const std::string& env, const std::string& args) const {
     const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    const std::string cmd = env + " " + std::string(CPUTRAIN_BINARY) + " " + args + " >" + out.string() +
-                            " 2>" + err.string() + " </dev/null";
+    const std::string cmd = env + " " + std::string(CPUTRAIN_BINARY) + " " + args + " >" +
+                            out.string() + " 2>" + err.string() + " </dev/null";
     const int status = std::system(cmd.c_str());
     Result r;
     r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -91,10 +91,10 @@ class Cli : public ::testing::Test {
   fs::path write_corpus(int documents) const {
     const fs::path corpus = dir_ / "corpus.txt";
     std::ofstream out(corpus);
-    const char* subjects[] = {"The cat", "A programmer", "My neighbour", "The old tree",
-                              "Every student", "The river"};
+    const char* subjects[] = {"The cat",      "A programmer",  "My neighbour",
+                              "The old tree", "Every student", "The river"};
     const char* verbs[] = {"likes", "watches", "remembers", "forgets", "builds", "paints"};
-    const char* objects[] = {"the morning sun.", "a quiet song.", "the long road home.",
+    const char* objects[] = {"the morning sun.",    "a quiet song.",     "the long road home.",
                              "small green apples.", "an honest answer.", "the last train."};
     for (int d = 0; d < documents; ++d) {
       for (int s = 0; s < 3; ++s)
@@ -119,16 +119,16 @@ TEST_F(Cli, UnknownPreset) {
 }
 
 TEST_F(Cli, NonPositiveBatchStepsCtx) {
-  const std::string base = "--preset tiny --corpus " + write_corpus(50).string() + " --out " +
-                           (dir_ / "run").string();
+  const std::string base =
+      "--preset tiny --corpus " + write_corpus(50).string() + " --out " + (dir_ / "run").string();
   expect_one_line_error(run(base + " --batch 0"), "--batch");
   expect_one_line_error(run(base + " --steps -3"), "--steps");
   expect_one_line_error(run(base + " --ctx 0"), "--ctx");
 }
 
 TEST_F(Cli, OutOfRangeAndUnknownFlags) {
-  const std::string base = "--preset tiny --corpus " + write_corpus(50).string() + " --out " +
-                           (dir_ / "run").string();
+  const std::string base =
+      "--preset tiny --corpus " + write_corpus(50).string() + " --out " + (dir_ / "run").string();
   expect_one_line_error(run(base + " --lr -1"), "--lr");
   expect_one_line_error(run(base + " --lr 0"), "--lr");
   expect_one_line_error(run(base + " --threads 0"), "--threads");
@@ -176,9 +176,10 @@ TEST_F(Cli, SampleFromMissingRun) {
 
 TEST_F(Cli, PinThreadsBindsAndSaysWhere) {
   const fs::path run_dir = dir_ / "run";
-  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 2 --threads 2 "
-                       "--pin-threads --sample-tokens 1 --corpus " + write_corpus(100).string() +
-                       " --out " + run_dir.string());
+  const Result r =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 2 --threads 2 "
+          "--pin-threads --sample-tokens 1 --corpus " +
+          write_corpus(100).string() + " --out " + run_dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const std::string log = read_all(run_dir / "train.log");
   const size_t at = log.find("threads pinned to CPUs ");
@@ -221,11 +222,13 @@ TEST_F(Cli, ProfileTimesTheOpsOfTheStepsAfterTheFirst) {
 
 TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
   const fs::path run_dir = dir_ / "run";
-  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 30 --eval-every 10 "
-                       "--sample-tokens 8 --corpus " + write_corpus(400).string() + " --out " +
-                       run_dir.string());
+  const Result r =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 30 --eval-every 10 "
+          "--sample-tokens 8 --corpus " +
+          write_corpus(400).string() + " --out " + run_dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  for (const char* f : {"config.json", "tokenizer.model", "metrics.jsonl", "model.bin", "train.log"})
+  for (const char* f :
+       {"config.json", "tokenizer.model", "metrics.jsonl", "model.bin", "train.log"})
     EXPECT_TRUE(fs::exists(run_dir / f)) << f;
 
   std::ifstream metrics(run_dir / "metrics.jsonl");
@@ -257,9 +260,10 @@ TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
 
 TEST_F(Cli, Bf16RunTrainsAndRecordsItsDtype) {
   const fs::path run_dir = dir_ / "run";
-  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 30 --dtype bf16 "
-                       "--sample-tokens 8 --corpus " + write_corpus(400).string() + " --out " +
-                       run_dir.string());
+  const Result r =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 30 --dtype bf16 "
+          "--sample-tokens 8 --corpus " +
+          write_corpus(400).string() + " --out " + run_dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   EXPECT_NE(r.out.find("dtype: bf16 (--dtype bf16)"), std::string::npos) << r.out;
   std::ifstream config(run_dir / "config.json");
@@ -275,8 +279,10 @@ TEST_F(Cli, Bf16RunTrainsAndRecordsItsDtype) {
 // Per-layer checkpointing recomputes the same ops on the same values: the same losses to the
 // last bit, step after step.
 TEST_F(Cli, CheckpointedRunHasTheSameLosses) {
-  const std::string base = "--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 8 --sample-tokens 1 "
-                           "--corpus " + write_corpus(200).string();
+  const std::string base =
+      "--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 8 --sample-tokens 1 "
+      "--corpus " +
+      write_corpus(200).string();
   auto losses = [&](const std::string& flags, const fs::path& out) {
     const Result r = run(base + " " + flags + " --out " + out.string());
     EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
@@ -314,7 +320,8 @@ TEST_F(Cli, BudgetJsonHasEveryCategoryAndTheLeversMove) {
   EXPECT_EQ(plain["total_bytes"].get<int64_t>(),
             plain["step_peak_bytes"].get<int64_t>() + plain["cache_headroom_bytes"].get<int64_t>() +
                 plain["corpus_bytes"].get<int64_t>() + plain["runtime_bytes"].get<int64_t>());
-  EXPECT_EQ(plain["optimizer_state_bytes"].get<int64_t>(), 2 * plain["weights_bytes"].get<int64_t>());
+  EXPECT_EQ(plain["optimizer_state_bytes"].get<int64_t>(),
+            2 * plain["weights_bytes"].get<int64_t>());
   EXPECT_EQ(plain["bf16_weights_bytes"].get<int64_t>(), 0);
   const nlohmann::json bf16 = budget("--dtype bf16 --checkpoint none");
   EXPECT_GT(bf16["bf16_weights_bytes"].get<int64_t>(), 0);
@@ -393,8 +400,10 @@ TEST_F(Cli, BudgetTakesTheShapeFlagsAndTheThreads) {
 // no model written. Between the budgets with and without checkpointing, auto checkpoints.
 TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
   const std::string corpus = write_corpus(200).string();
-  const std::string base = "--preset tiny --vocab 300 --batch 4 --steps 2 --sample-tokens 1 "
-                           "--dtype fp32 --corpus " + corpus;
+  const std::string base =
+      "--preset tiny --vocab 300 --batch 4 --steps 2 --sample-tokens 1 "
+      "--dtype fp32 --corpus " +
+      corpus;
   const Result refused = run(base + " --mem-limit 0.01 --out " + (dir_ / "small").string());
   expect_one_line_error(refused, "exceeds the available");
   EXPECT_NE(refused.out.find("levers:"), std::string::npos) << refused.out;
@@ -402,17 +411,20 @@ TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
   EXPECT_FALSE(fs::exists(dir_ / "small" / "model.bin"));
 
   auto total = [&](const std::string& checkpoint) {
-    const Result r = run("budget --preset tiny --vocab 300 --batch 4 --dtype fp32 --json "
-                         "--checkpoint " + checkpoint + " --corpus " + corpus);
+    const Result r =
+        run("budget --preset tiny --vocab 300 --batch 4 --dtype fp32 --json "
+            "--checkpoint " +
+            checkpoint + " --corpus " + corpus);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return static_cast<double>(nlohmann::json::parse(r.out)["total_bytes"].get<int64_t>());
   };
   const double between = (total("none") + total("layer")) / 2.0 / (1024.0 * 1024.0 * 1024.0);
   const fs::path run_dir = dir_ / "auto";
-  const Result r = run(base + " --mem-limit " + std::to_string(between) + " --out " +
-                       run_dir.string());
+  const Result r =
+      run(base + " --mem-limit " + std::to_string(between) + " --out " + run_dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  EXPECT_NE(r.out.find("checkpointing per layer: without it the budget"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("checkpointing per layer: without it the budget"), std::string::npos)
+      << r.out;
   std::ifstream config(run_dir / "config.json");
   EXPECT_EQ(nlohmann::json::parse(config)["train"]["checkpoint"], "layer");
   std::ifstream metrics(run_dir / "metrics.jsonl");
@@ -440,9 +452,10 @@ TEST_F(Cli, ResumeIsBitwiseTheRunThatNeverStopped) {
   const std::string corpus = write_corpus(200).string();
   for (const char* dtype : {"fp32", "bf16"}) {
     const fs::path straight = dir_ / (std::string("straight_") + dtype);
-    const Result a = run("--preset tiny --vocab 300 --batch 4 --steps 20 --save-every 10 --keep 5 "
-                         "--sample-tokens 1 --dtype " + std::string(dtype) + " --corpus " + corpus +
-                         " --out " + straight.string());
+    const Result a =
+        run("--preset tiny --vocab 300 --batch 4 --steps 20 --save-every 10 --keep 5 "
+            "--sample-tokens 1 --dtype " +
+            std::string(dtype) + " --corpus " + corpus + " --out " + straight.string());
     ASSERT_EQ(a.exit_code, 0) << a.err << a.out;
     ASSERT_TRUE(fs::exists(straight / "checkpoints" / "step-00000010.ckpt"));
     ASSERT_TRUE(fs::exists(straight / "checkpoints" / "step-00000020.ckpt"));
@@ -477,8 +490,10 @@ TEST_F(Cli, ResumeIsBitwiseTheRunThatNeverStopped) {
 // resuming completes a run whose losses equal an uninterrupted one's.
 TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   const std::string corpus = write_corpus(200).string();
-  const std::string flags = "--preset tiny --vocab 300 --batch 4 --steps 120 --save-every 1000 "
-                            "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " + corpus;
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --steps 120 --save-every 1000 "
+      "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " +
+      corpus;
   const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
   ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
   // Interrupt once a few steps are logged.
@@ -493,7 +508,8 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   const size_t done = losses_of(stopped).size();
   ASSERT_GE(done, 3u);
   ASSERT_LT(done, 120u) << "the run ended before the interrupt";
-  EXPECT_NE(read_all(dir_ / "stopped.log").find("interrupted (SIGINT) after step " + std::to_string(done)),
+  EXPECT_NE(read_all(dir_ / "stopped.log")
+                .find("interrupted (SIGINT) after step " + std::to_string(done)),
             std::string::npos)
       << read_all(dir_ / "stopped.log");
   char name[32];
@@ -511,9 +527,10 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
 // once by the signal's default action, without a checkpoint (steps of 128 sequences, long
 // enough for it to arrive first).
 TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
-  const std::string flags = "--preset tiny --vocab 300 --batch 128 --save-every 100000 "
-                            "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " +
-                            write_corpus(200).string();
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 128 --save-every 100000 "
+      "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " +
+      write_corpus(200).string();
   const fs::path prepared = dir_ / "prepared", twice = dir_ / "twice";
   ASSERT_EQ(run(flags + " --steps 1 --out " + prepared.string()).exit_code, 0);
   const pid_t pid =
@@ -539,9 +556,10 @@ TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
 // and refuses damaged input with one line.
 TEST_F(Cli, EvalMatchesTrainingsValidationLoss) {
   const fs::path run_dir = dir_ / "run";
-  const Result r = run("--preset tiny --vocab 300 --batch 4 --steps 10 --eval-windows 6 "
-                       "--sample-tokens 1 --dtype fp32 --corpus " + write_corpus(300).string() +
-                       " --out " + run_dir.string());
+  const Result r =
+      run("--preset tiny --vocab 300 --batch 4 --steps 10 --eval-windows 6 "
+          "--sample-tokens 1 --dtype fp32 --corpus " +
+          write_corpus(300).string() + " --out " + run_dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   std::ifstream metrics(run_dir / "metrics.jsonl");
   std::string line, last;
@@ -566,7 +584,8 @@ TEST_F(Cli, EvalMatchesTrainingsValidationLoss) {
 TEST_F(Cli, PlotWritesAnSvgOfTheRun) {
   const fs::path run_dir = dir_ / "run";
   ASSERT_EQ(run("--preset tiny --vocab 300 --batch 4 --steps 12 --eval-every 4 --sample-tokens 1 "
-                "--corpus " + write_corpus(200).string() + " --out " + run_dir.string())
+                "--corpus " +
+                write_corpus(200).string() + " --out " + run_dir.string())
                 .exit_code,
             0);
   const Result p = run("plot --run " + run_dir.string());
@@ -578,13 +597,16 @@ TEST_F(Cli, PlotWritesAnSvgOfTheRun) {
   for (const char* text : {"train loss", "validation loss", "tokens/s"})
     EXPECT_NE(svg.find(text), std::string::npos) << text;
   size_t polylines = 0;
-  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1))
+  for (size_t at = svg.find("<polyline"); at != std::string::npos;
+       at = svg.find("<polyline", at + 1))
     ++polylines;
   EXPECT_EQ(polylines, 3u);
   // 12 train points, 3 validation points.
   const size_t first = svg.find("points=\"");
   const size_t end = svg.find('"', first + 8);
-  EXPECT_EQ(std::count(svg.begin() + static_cast<long>(first), svg.begin() + static_cast<long>(end), ','), 3);
+  EXPECT_EQ(
+      std::count(svg.begin() + static_cast<long>(first), svg.begin() + static_cast<long>(end), ','),
+      3);
 
   expect_one_line_error(run("plot --run " + (dir_ / "none").string()), "--run");
   std::ofstream(run_dir / "metrics.jsonl", std::ios::app) << "{broken\n";
@@ -595,8 +617,10 @@ TEST_F(Cli, PlotWritesAnSvgOfTheRun) {
 // checkpoint; with --on-bad-step skip the run goes on. (--spike 0.5 makes every step after the
 // first a spike.)
 TEST_F(Cli, BadStepsStopOrAreSkipped) {
-  const std::string base = "--preset tiny --vocab 300 --batch 4 --steps 5 --save-every 1 "
-                           "--sample-tokens 1 --spike 0.5 --corpus " + write_corpus(200).string();
+  const std::string base =
+      "--preset tiny --vocab 300 --batch 4 --steps 5 --save-every 1 "
+      "--sample-tokens 1 --spike 0.5 --corpus " +
+      write_corpus(200).string();
   const Result stopped = run(base + " --out " + (dir_ / "stop").string());
   expect_one_line_error(stopped, "step 2: loss");
   EXPECT_NE(stopped.err.find("spike"), std::string::npos) << stopped.err;
@@ -613,12 +637,15 @@ TEST_F(Cli, BadStepsStopOrAreSkipped) {
   std::vector<bool> skipped;
   while (std::getline(metrics, line)) skipped.push_back(nlohmann::json::parse(line)["skipped"]);
   EXPECT_EQ(skipped, (std::vector<bool>{false, true, true, true, true}));
-  expect_one_line_error(run(base + " --on-bad-step ignore --out " + skip.string()), "--on-bad-step");
+  expect_one_line_error(run(base + " --on-bad-step ignore --out " + skip.string()),
+                        "--on-bad-step");
 }
 
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
-  const Result r = run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
-                       "--corpus " + write_corpus(100).string() + " --out " + (dir_ / "run").string());
+  const Result r =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --steps 1 --sample-tokens 1 "
+          "--corpus " +
+          write_corpus(100).string() + " --out " + (dir_ / "run").string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   EXPECT_NE(r.out.find("dtype: "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("GEMM has"), std::string::npos) << r.out;
@@ -626,11 +653,11 @@ TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {
 
 TEST_F(Cli, BadDtypeAndParityFlags) {
   const std::string corpus = write_corpus(50).string();
-  expect_one_line_error(run("--preset tiny --dtype fp16 --corpus " + corpus + " --out " +
-                            (dir_ / "run").string()),
-                        "--dtype");
-  const std::string parity = "parity --preset tiny --corpus " + corpus + " --out " +
-                             (dir_ / "parity").string();
+  expect_one_line_error(
+      run("--preset tiny --dtype fp16 --corpus " + corpus + " --out " + (dir_ / "run").string()),
+      "--dtype");
+  const std::string parity =
+      "parity --preset tiny --corpus " + corpus + " --out " + (dir_ / "parity").string();
   expect_one_line_error(run(parity + " --accum 3"), "--accum 3");
   expect_one_line_error(run(parity + " --accum 1"), "--accum 1");
   expect_one_line_error(run(parity + " --tol-bf16 -1"), "--tol-bf16");
@@ -640,9 +667,10 @@ TEST_F(Cli, BadDtypeAndParityFlags) {
 // The parity check on the tiny preset: bf16 tracks fp32, accumulation equals the single batch,
 // and a tolerance nobody can meet makes it fail.
 TEST_F(Cli, ParityOnTinyPreset) {
-  const std::string base = "parity --preset tiny --vocab 300 --ctx 32 --batch 8 --accum 2,4 "
-                           "--corpus " + write_corpus(400).string() + " --out " +
-                           (dir_ / "parity").string();
+  const std::string base =
+      "parity --preset tiny --vocab 300 --ctx 32 --batch 8 --accum 2,4 "
+      "--corpus " +
+      write_corpus(400).string() + " --out " + (dir_ / "parity").string();
   const Result r = run(base + " --steps 20 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const nlohmann::json j = nlohmann::json::parse(r.out);

@@ -24,7 +24,8 @@ TEST(Progress, LineShowsBarFractionAndTimeLeft) {
   const std::string line = progress_line(25, 100, 0, 50.0, "steps", "loss 2.000", 20);
   EXPECT_EQ(line, "[=====>              ]  25% 25/100 steps | loss 2.000 | 2m30s left");
   // Resumed at step 50: the rate counts only the steps done since.
-  EXPECT_NE(progress_line(60, 100, 50, 10.0, "steps", "", 10).find("| 40s left"), std::string::npos);
+  EXPECT_NE(progress_line(60, 100, 50, 10.0, "steps", "", 10).find("| 40s left"),
+            std::string::npos);
   // Nothing done yet: no estimate; all done: a full bar.
   EXPECT_NE(progress_line(0, 10, 0, 0.0, "steps", "", 10).find("| - left"), std::string::npos);
   EXPECT_EQ(progress_line(10, 10, 0, 5.0, "steps", "", 4), "[====] 100% 10/10 steps | 0s left");
