@@ -18,10 +18,13 @@
 namespace cputrain {
 namespace {
 
-// V*C embedding + V*C head + C final norm + per layer 4 C^2 attention, 3 C F MLP, 2 C norms.
-int64_t analytic_count(const LlamaConfig& c) {
-  return 2 * c.vocab * c.d_model + c.d_model +
-         c.n_layers * (4 * c.d_model * c.d_model + 3 * c.d_model * c.ffn + 2 * c.d_model);
+// The parameters the model declares, counted from their shapes.
+int64_t declared_count(const LlamaConfig& c) {
+  ParameterSet params;
+  LlamaModel::declare_parameters(c, params);
+  int64_t total = 0;
+  for (const ParameterInfo& info : params.infos()) total += info.shape.numel();
+  return total;
 }
 
 TEST(Presets, TableAndParameterCounts) {
@@ -29,11 +32,20 @@ TEST(Presets, TableAndParameterCounts) {
   EXPECT_EQ(names, (std::vector<std::string>{"tiny", "mini", "mega", "behemoth", "titan"}));
   for (const std::string& name : names) {
     const Preset p = *find_preset(name);
-    EXPECT_EQ(parameter_count(p.config), analytic_count(p.config)) << name;
+    EXPECT_EQ(parameter_count(p.config), declared_count(p.config)) << name;
     EXPECT_FALSE(validate(p.config).has_value()) << name;
     EXPECT_EQ(p.config.d_model % p.config.n_heads, 0) << name;
   }
   EXPECT_FALSE(find_preset("gigantic").has_value());
+  // The other shapes: grouped-query and multi-query, a head dim of its own, biases, tied.
+  LlamaConfig c = find_preset("mini")->config;
+  c.n_kv_heads = 2;
+  c.head_dim = 48;
+  c.qkv_bias = true;
+  EXPECT_EQ(parameter_count(c), declared_count(c));
+  c.n_kv_heads = 1;
+  c.tie_embeddings = true;
+  EXPECT_EQ(parameter_count(c), declared_count(c));
   // The sizes DESIGN.md quotes for a 16384 vocabulary.
   EXPECT_NEAR(parameter_count(find_preset("mega")->config) / 1e6, 99, 1);
   EXPECT_NEAR(parameter_count(find_preset("behemoth")->config) / 1e6, 444, 2);
