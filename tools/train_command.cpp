@@ -522,10 +522,13 @@ int run_train(const TrainArgs& args) {
   model.set_checkpointing(config.checkpoint);
   const std::string config_json = run_config_to_json(config);
   if (!resuming) write_file_atomic(out + "/config.json", config_json);
-  log->info("model {}: {} parameters (d_model {}, layers {}, heads {}, ffn {}, vocab {}, ctx {})",
-            config.preset, parameter_count(config.model), config.model.d_model,
-            config.model.n_layers, config.model.n_heads, config.model.ffn, config.model.vocab,
-            config.model.ctx);
+  const LlamaConfig& m = config.model;
+  log->info(
+      "model {}: {} parameters (d_model {}, layers {}, heads {}, kv heads {}, head dim {}, "
+      "ffn {}, vocab {}, ctx {}; RoPE {} pairs, theta {:g}{}{})",
+      config.preset, parameter_count(m), m.d_model, m.n_layers, m.n_heads, m.kv_heads(),
+      m.head_size(), m.ffn, m.vocab, m.ctx, rope_pairs_name(m.rope_pairs), m.rope_theta,
+      m.qkv_bias ? "; q/k/v biases" : "", m.tie_embeddings ? "; tied embeddings" : "");
   log->info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads",
             config.steps, config.train.batch, config.train.accum, config.train.ctx,
             config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
