@@ -26,6 +26,7 @@
 #include "benchmarks/gemm_shapes.h"
 #include "kernels/bf16.h"
 #include "kernels/gemm.h"
+#include "kernels/gemm_test_hooks.h"
 
 namespace cputrain::bench {
 namespace {

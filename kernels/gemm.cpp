@@ -26,46 +26,8 @@ using MutMap = Eigen::Map<RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
 constexpr GemmBackend kAllBackends[] = {GemmBackend::Reference, GemmBackend::Eigen,
                                         GemmBackend::Avx512, GemmBackend::Amx, GemmBackend::Onednn};
 
-// The AMX kernel against the AVX-512 BF16 kernel on a few shapes with tails in every
-// dimension, every transpose combination and both betas. Run once, where AMX is present.
-bool amx_self_test() {
-  const int64_t shapes[][3] = {{37, 45, 70}, {64, 64, 64}, {100, 33, 257}, {1, 1, 1}};
-  uint32_t state = 12345;
-  auto next = [&state] {
-    state = state * 1664525u + 1013904223u;
-    return static_cast<float>(state >> 8) / static_cast<float>(1u << 24) - 0.5f;
-  };
-  for (const auto& s : shapes) {
-    const int64_t M = s[0], N = s[1], K = s[2];
-    for (int t = 0; t < 8; ++t) {
-      const Transpose ta = t & 1 ? Transpose::Yes : Transpose::No;
-      const Transpose tb = t & 2 ? Transpose::Yes : Transpose::No;
-      const float beta = t & 4 ? 1.0f : 0.0f;
-      std::vector<uint16_t> a(M * K), b(K * N);
-      for (auto& x : a) x = fp32_to_bf16(next());
-      for (auto& x : b) x = fp32_to_bf16(next());
-      std::vector<float> c0(M * N);
-      for (auto& x : c0) x = next();
-      std::vector<float> want = c0, got = c0;
-      const int64_t lda = ta == Transpose::No ? K : M, ldb = tb == Transpose::No ? N : K;
-      gemm_bf16_avx512(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, beta, want.data(), N);
-      gemm_bf16_amx(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, beta, got.data(), N);
-      for (size_t i = 0; i < want.size(); ++i)
-        if (!(std::abs(got[i] - want[i]) <= 1e-4f * (1.0f + std::abs(want[i])))) {
-          std::fprintf(stderr,
-                       "cputrain: warning: the AMX GEMM disagrees with AVX-512 on %ldx%ldx%ld "
-                       "(ta %d, tb %d, beta %g); AMX is not used\n",
-                       static_cast<long>(M), static_cast<long>(N), static_cast<long>(K),
-                       ta == Transpose::Yes, tb == Transpose::Yes, static_cast<double>(beta));
-          return false;
-        }
-    }
-  }
-  return true;
-}
-
 bool amx_usable() {
-  static const bool usable = cpu_features().amx_bf16 && amx_self_test();
+  static const bool usable = cpu_features().amx_bf16 && gemm_bf16_amx_self_test();
   return usable;
 }
 

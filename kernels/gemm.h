@@ -76,21 +76,6 @@ std::string_view gemm_backend_name(GemmBackend backend);
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend);
 // The names of every backend this CPU can run, e.g. "reference, eigen, avx512, onednn".
 std::string gemm_available_backends();
-// Whether our blocked kernels take their fused or direct path for weight-gradient products (A
-// transposed, B not; kernels/gemm_driver.h) where it suits the shape: on by default; off, they
-// run the blocked path, with the same results bit for bit. For tests and comparisons.
-void gemm_set_fused(bool on);
-bool gemm_fused();
-// Whether FP32 weight gradients take the direct path where it suits the shape (on by default);
-// off, those take the fused path, with the same results bit for bit. For tests and comparisons;
-// gemm_set_fused(false) turns both off.
-void gemm_set_direct(bool on);
-bool gemm_direct();
-// K blocks of 512 the fused path takes as one (2 by default; kernels/gemm.cpp says why): any
-// count gives the same results bit for bit. For tests and comparisons (gemm_alternate
-// --fused-k-blocks); throws std::invalid_argument below 1 or above 16.
-void gemm_set_fused_k_blocks(int blocks);
-int gemm_fused_k_blocks();
 // Bytes held by GEMM buffers (kept between calls, one set per calling thread).
 size_t gemm_workspace_bytes();
 // Frees the calling thread's GEMM buffers; the next product allocates what it needs again.

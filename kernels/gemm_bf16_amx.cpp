@@ -10,10 +10,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/amx_tiles.h"
+#include "kernels/bf16.h"
 #include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_bf16_packing.h"
 #include "kernels/gemm_driver.h"
@@ -134,6 +138,42 @@ int64_t gemm_bf16_amx_block_k() {
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                                  int64_t K) {
   return detail::blocked_pack_floats<Bf16Amx>(ta, tb, M, N, K);
+}
+
+bool gemm_bf16_amx_self_test() {
+  const int64_t shapes[][3] = {{37, 45, 70}, {64, 64, 64}, {100, 33, 257}, {1, 1, 1}};
+  uint32_t state = 12345;
+  auto next = [&state] {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(state >> 8) / static_cast<float>(1u << 24) - 0.5f;
+  };
+  for (const auto& s : shapes) {
+    const int64_t M = s[0], N = s[1], K = s[2];
+    for (int t = 0; t < 8; ++t) {
+      const Transpose ta = t & 1 ? Transpose::Yes : Transpose::No;
+      const Transpose tb = t & 2 ? Transpose::Yes : Transpose::No;
+      const float beta = t & 4 ? 1.0f : 0.0f;
+      std::vector<uint16_t> a(M * K), b(K * N);
+      for (auto& x : a) x = fp32_to_bf16(next());
+      for (auto& x : b) x = fp32_to_bf16(next());
+      std::vector<float> c0(M * N);
+      for (auto& x : c0) x = next();
+      std::vector<float> want = c0, got = c0;
+      const int64_t lda = ta == Transpose::No ? K : M, ldb = tb == Transpose::No ? N : K;
+      gemm_bf16_avx512(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, beta, want.data(), N);
+      gemm_bf16_amx(ta, tb, M, N, K, a.data(), lda, b.data(), ldb, beta, got.data(), N);
+      for (size_t i = 0; i < want.size(); ++i)
+        if (!(std::abs(got[i] - want[i]) <= 1e-4f * (1.0f + std::abs(want[i])))) {
+          std::fprintf(stderr,
+                       "cputrain: warning: the AMX GEMM disagrees with AVX-512 on %ldx%ldx%ld "
+                       "(ta %d, tb %d, beta %g); AMX is not used\n",
+                       static_cast<long>(M), static_cast<long>(N), static_cast<long>(K),
+                       ta == Transpose::Yes, tb == Transpose::Yes, static_cast<double>(beta));
+          return false;
+        }
+    }
+  }
+  return true;
 }
 
 }  // namespace cputrain::kernels

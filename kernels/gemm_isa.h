@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/gemm.h"
+#include "kernels/gemm_test_hooks.h"
 
 namespace cputrain::kernels {
 
@@ -35,6 +36,10 @@ void gemm_bf16_rounded_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int
                            const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                            uint16_t* C, int64_t ldc);
 int64_t gemm_bf16_amx_block_k();
+// The AMX kernel against the AVX-512 BF16 kernel on a few shapes with tails in every dimension,
+// every transpose combination and both betas (a warning on stderr where they disagree). Only
+// where cpu_features().amx_bf16 is set; the GEMM runs it once, before it first selects AMX.
+bool gemm_bf16_amx_self_test();
 // Floats the blocked kernels take of packing buffers 0 and 1 for an M x N x K product.
 std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                                    int64_t K);
@@ -42,25 +47,6 @@ std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, 
                                                     int64_t N, int64_t K);
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                                  int64_t K);
-// Whether the AVX-512 kernels take their fused path for an M x N x K product (FP32 C) on the
-// calling thread's OpenMP thread count, with gemm_fused() as it is now.
-bool gemm_f32_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
-bool gemm_bf16_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
-// Whether the FP32 AVX-512 kernels take their direct path for an M x N x K product of
-// contiguous operands that start cache lines on the calling thread's OpenMP thread count, with
-// gemm_fused() and gemm_direct() as they are now.
-bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
-// The same for the operands A and B, lda and ldb apart (the direct path wants rows that are not
-// a multiple of 4 KiB apart and that start cache lines).
-bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                                  const float* A, int64_t lda, const float* B, int64_t ldb);
-// Rows of C the fused path has computed so far in this process on a thread other than the one
-// whose columns they are (the rows of its last K block it had not reached; gemm_driver.h).
-int64_t gemm_fused_rows_shared();
-// Rows of C the fused path has computed so far in this process from the shared copy of their
-// packed A, not packing it (where A is packed once for all threads; gemm_driver.h).
-int64_t gemm_fused_rows_a_shared();
-
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).

@@ -18,6 +18,7 @@
 #include "kernels/cpu_features.h"
 #include "kernels/gemm.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/gemm_test_hooks.h"
 
 namespace cputrain::kernels {
 namespace {
