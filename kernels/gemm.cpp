@@ -1,6 +1,9 @@
+// The GEMM's dispatch: the backend gemm_f32, gemm_bf16 and gemm_bf16_rounded run on (chosen once,
+// the fastest available or CPUTRAIN_GEMM; gemm_set_backend changes it), bf16 operands widened to
+// FP32 where the backend has no bf16 instructions, and the backends' names. The implementations
+// are in files of their own (gemm_isa.h); the buffers in gemm_buffers.cpp.
 #include "kernels/gemm.h"
 
-#include <Eigen/Core>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -19,10 +22,6 @@
 namespace cputrain::kernels {
 namespace {
 
-using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMap = Eigen::Map<const RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
-using MutMap = Eigen::Map<RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
-
 constexpr GemmBackend kAllBackends[] = {GemmBackend::Reference, GemmBackend::Eigen,
                                         GemmBackend::Avx512, GemmBackend::Amx, GemmBackend::Onednn};
 
@@ -36,114 +35,7 @@ std::atomic<GemmBackend>& backend_slot() {
   return slot;
 }
 
-std::atomic<size_t> workspace_bytes{0};
-
-// Double-precision triple loop over elements read through `load`.
-template <typename T, typename Load>
-void reference_product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const T* A,
-                       int64_t lda, const T* B, int64_t ldb, float beta, float* C, int64_t ldc,
-                       Load load) {
-  const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t j = 0; j < N; ++j) {
-      double sum = 0.0;
-      for (int64_t k = 0; k < K; ++k) {
-        const double a = load(at ? A[k * lda + i] : A[i * lda + k]);
-        const double b = load(bt ? B[j * ldb + k] : B[k * ldb + j]);
-        sum += a * b;
-      }
-      float& c = C[i * ldc + j];
-      c = beta == 0.0f ? static_cast<float>(sum)
-                       : static_cast<float>(sum + static_cast<double>(beta) * c);
-    }
-  }
-}
-
 }  // namespace
-
-namespace detail {
-
-std::atomic<int64_t> fused_rows_shared{0};
-std::atomic<int64_t> fused_rows_a_shared{0};
-
-namespace {
-
-// Each buffer remembers the allocator it came from, in case another is installed later.
-struct Buffer {
-  float* data = nullptr;
-  size_t bytes = 0;
-  WorkspaceFree release = nullptr;
-  void reset() {
-    if (data != nullptr) {
-      release(data, bytes);
-      workspace_bytes -= bytes;
-    }
-    data = nullptr;
-    bytes = 0;
-  }
-  ~Buffer() { reset(); }
-};
-
-Buffer* thread_buffers() {
-  thread_local Buffer buffers[4];
-  return buffers;
-}
-
-}  // namespace
-
-float* gemm_pack_buffer(size_t floats, int which) {
-  Buffer& b = thread_buffers()[which];
-  if (b.bytes < floats * sizeof(float)) {
-    b.reset();
-    const WorkspaceAllocator allocator = workspace_allocator();
-    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
-    b.data = static_cast<float*>(allocator.allocate(bytes));
-    b.bytes = bytes;
-    b.release = allocator.free;
-    workspace_bytes += bytes;
-  }
-  return b.data;
-}
-
-}  // namespace detail
-
-void gemm_f32_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
-                        int64_t lda, const float* B, int64_t ldb, float beta, float* C,
-                        int64_t ldc) {
-  reference_product(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
-                    [](float x) { return static_cast<double>(x); });
-}
-
-void gemm_bf16_reference(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
-                         float* C, int64_t ldc) {
-  reference_product(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
-                    [](uint16_t x) { return static_cast<double>(bf16_to_fp32(x)); });
-}
-
-void gemm_f32_eigen(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
-                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) return detail::scale_c(C, M, N, ldc, beta);
-  MutMap c(C, M, N, Eigen::OuterStride<>(ldc));
-  const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
-  // op(A) and op(B) as expressions over row-major maps of the stored matrices.
-  const ConstMap a(A, at ? K : M, at ? M : K, Eigen::OuterStride<>(lda));
-  const ConstMap b(B, bt ? N : K, bt ? K : N, Eigen::OuterStride<>(ldb));
-  auto run = [&](const auto& opa, const auto& opb) {
-    if (beta == 0.0f) {
-      c.noalias() = opa * opb;
-    } else {
-      if (beta != 1.0f) c *= beta;
-      c.noalias() += opa * opb;
-    }
-  };
-  if (!at && !bt) run(a, b);
-  if (!at && bt) run(a, b.transpose());
-  if (at && !bt) run(a.transpose(), b);
-  if (at && bt) run(a.transpose(), b.transpose());
-}
 
 void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -277,53 +169,6 @@ GemmBackend gemm_backend() {
   return backend_slot().load(std::memory_order_relaxed);
 }
 
-namespace {
-std::atomic<bool> fused_on{true};
-std::atomic<bool> direct_on{true};
-// Two: the rows of C a thread computes on the fused path do not stay in L2 from one K block to
-// the next (its packed B and the A read past them take it), so each K block reads and writes
-// them from L3 or memory; two blocks as one halve that. (On Zen 4, alternating call by call on
-// the mega weight gradients, FP32 and bf16: level with 1 in calm runs, 1.4-9% faster in spells
-// where another tenant loads the memory; 4 was up to 8.7% slower on 1536 x 512 x 4096, whose
-// B, then 2 MiB a thread, is read again for each of its 110 rows.)
-std::atomic<int> fused_k_blocks{2};
-}  // namespace
-
-void gemm_set_fused(bool on) {
-  fused_on.store(on);
-}
-
-bool gemm_fused() {
-  return fused_on.load(std::memory_order_relaxed);
-}
-
-void gemm_set_direct(bool on) {
-  direct_on.store(on);
-}
-
-bool gemm_direct() {
-  return direct_on.load(std::memory_order_relaxed);
-}
-
-void gemm_set_fused_k_blocks(int blocks) {
-  if (blocks < 1 || blocks > 16)
-    throw std::invalid_argument("gemm_set_fused_k_blocks: " + std::to_string(blocks) +
-                                " is not a count of K blocks from 1 to 16");
-  fused_k_blocks.store(blocks);
-}
-
-int gemm_fused_k_blocks() {
-  return fused_k_blocks.load(std::memory_order_relaxed);
-}
-
-int64_t gemm_fused_rows_shared() {
-  return detail::fused_rows_shared.load(std::memory_order_relaxed);
-}
-
-int64_t gemm_fused_rows_a_shared() {
-  return detail::fused_rows_a_shared.load(std::memory_order_relaxed);
-}
-
 std::string_view gemm_backend_name(GemmBackend backend) {
   switch (backend) {
     case GemmBackend::Reference:
@@ -358,38 +203,6 @@ std::string gemm_available_backends() {
     names += gemm_backend_name(b);
   }
   return names;
-}
-
-size_t gemm_workspace_bytes() {
-  return workspace_bytes.load();
-}
-
-void gemm_release_buffers() {
-  for (int i = 0; i < 4; ++i) detail::thread_buffers()[i].reset();
-}
-
-std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
-                                        int64_t K) {
-  std::array<size_t, 4> bytes{};
-  if (M <= 0 || N <= 0 || K <= 0) return bytes;
-  auto rounded = [](int64_t floats) {
-    return (static_cast<size_t>(floats) * sizeof(float) + 63) / 64 * 64;
-  };
-  const GemmBackend backend = gemm_backend();
-  std::array<int64_t, 2> packs{};
-  if (bf16 && backend != GemmBackend::Reference && !gemm_bf16_native(backend)) {
-    const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
-    bytes[2] = rounded((at ? K : M) * (at ? M : K));
-    bytes[3] = rounded((bt ? N : K) * (bt ? K : N));
-    bf16 = false;  // then the FP32 GEMM runs
-  }
-  if (bf16 && backend == GemmBackend::Amx) packs = gemm_bf16_amx_pack_floats(ta, tb, M, N, K);
-  if (bf16 && backend == GemmBackend::Avx512) packs = gemm_bf16_avx512_pack_floats(ta, tb, M, N, K);
-  if (!bf16 && (backend == GemmBackend::Avx512 || backend == GemmBackend::Amx))
-    packs = gemm_f32_avx512_pack_floats(ta, tb, M, N, K);
-  if (packs[0] > 0) bytes[0] = rounded(packs[0]);
-  if (packs[1] > 0) bytes[1] = rounded(packs[1]);
-  return bytes;
 }
 
 }  // namespace cputrain::kernels
