@@ -49,8 +49,7 @@ inline __attribute__((always_inline)) void transpose16x16(__m512 r[16]) {
 // Packs `rows` (<= 16) rows of `count` 4-byte elements, row r starting at src + r * row_bytes,
 // transposed: dst[k * dst_stride + r] for k < count and r < lanes (<= 16); lanes at or past
 // `rows` are written as zero. Each row is fetched 128 bytes ahead of its loads: the rows are
-// read side by side, more streams than the hardware prefetcher follows. (On Zen 4, alternating
-// call by call with 256 bytes: 0-1.8% faster on the mega shapes that pack through here.)
+// read side by side, more streams than the hardware prefetcher follows.
 inline void pack_transposed(void* dst_v, int64_t dst_stride, int lanes, const void* src_v,
                             int64_t row_bytes, int rows, int64_t count) {
   auto* dst = static_cast<float*>(dst_v);
@@ -139,7 +138,7 @@ constexpr int64_t kPrefetchCSteps = 32;
 
 // f(std::integral_constant<int, R>) for R, the rows a tile of m rows (1 <= m <= kTileRows)
 // computes: m rounded up to even. A tile's last rows cost their own rows, not a whole tile's
-// (M = 512 ends in 8 rows, which computed as 14 took 1.2% of a product).
+// (M = 512 ends in 8 rows).
 template <class F>
 inline __attribute__((always_inline)) void with_rows(int m, F f) {
   static_assert(kTileRows == 14, "with_rows covers the even row counts up to 14");

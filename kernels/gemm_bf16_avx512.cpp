@@ -36,8 +36,7 @@ struct Bf16Avx512 {
     const int64_t kp = (kc + 1) / 2;
     if (trans) {  // A stored (K, M): interleave rows k and k + 1
       // Rows that alias in L1 fetched fewer rows on, so that they are not evicted again before
-      // they are read (on Zen 4, the LM head's weight gradient 2% faster at 8 than at 32;
-      // other strides level).
+      // they are read.
       const int64_t ahead =
           detail::rows_alias_in_l1(lda * 2) ? kPrefetchRowsAliased : detail::kPrefetchRows;
       for (int64_t p = 0; p < kp; ++p) {
@@ -80,23 +79,17 @@ struct Bf16Avx512 {
   // used straight from the registers; A's stored kAAhead pairs before their broadcasts read
   // them back, which a store just made would hold up), each fetched into L1 kFusedAhead pairs
   // ahead and into L2 kFusedFar pairs ahead: rows a stride apart, a page or two each, are past
-  // what the hardware prefetcher follows. (The L2 fetch, as on FP32: on Zen 4, alternating
-  // builds run by run, 512 x 512 x 4096 and 512 x 1536 x 4096 1% ahead over 11 rounds,
-  // 256 x 256 x 2048 2%, 256 x 768 x 2048 level.)
+  // what the hardware prefetcher follows.
   static constexpr bool kFusedPacking = true;
   static constexpr int64_t kFusedAhead = 8, kAAhead = 16, kFusedFar = 32;
   // A packed once for all threads where a thread's B block overflows L2 (gemm_driver.h). Not on
-  // FP32, whose packing of A is a copy: 512 x 1536 x 4096 on the fused path 0.987 and 0.995
-  // with it, alternating call by call.
+  // FP32, whose packing of A is a copy, cheaper than sharing it.
   static constexpr bool kFusedSharedA = true;
   // Packing A's pairs inside the products costs shuffles the FP32 path has not, so here the
-  // fused path takes only the shapes it measured ahead on (Zen 4, alternating call by call with
-  // the blocked path): as many rows as columns or fewer (512 x 512 x 4096 1-6% ahead since a
-  // tile's last rows cost only their own, 512 x 1536 x 4096 and 256 x 768 x 2048 a little
-  // ahead), and small products, where the blocked path's barrier per K block is a large part of
-  // the time (256 x 256 x 2048: 10% ahead). Taller ones (1536 x 512 x 4096, 768 x 256 x 2048)
-  // ran level with the blocked path in the machine's usual state and 10-25% behind it while
-  // another tenant loaded the caches.
+  // fused path takes only the shapes it measured ahead on against the blocked path: as many rows
+  // as columns or fewer, and small products, where the blocked path's barrier per K block is a
+  // large part of the time. Taller ones are no faster on it, and slower while another tenant
+  // loads the caches.
   static bool fused_suits(int64_t M, int64_t N, int64_t K) {
     return M <= N || 2.0 * static_cast<double>(M) * static_cast<double>(N) * K < 5e8;
   }

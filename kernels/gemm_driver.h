@@ -116,9 +116,7 @@ bool operands_start_lines(const In* A, int64_t lda, const In* B, int64_t ldb) {
 }
 
 // kPackRows for a transposed A whose rows alias in L1: the rows being packed stay in L1 while
-// each of an item's micro-panels takes its columns of them (on Zen 4, alternating call by call,
-// the bf16 LM head's weight gradient, 16384 x 512 x 4096, 2.6-4.2% faster than at 16 rows, 2
-// rows 0.3-1.7% slower than 4; FP32 0.2-0.9% faster).
+// each of an item's micro-panels takes its columns of them.
 constexpr int64_t kPackRowsAliased = 4;
 
 // P::kWholePanelsA where P declares it, else false.
@@ -159,8 +157,7 @@ constexpr bool direct_path() {
 
 // B micro-panels of a thread's columns packed at a time on the fused path. A is read again for
 // each group, so groups are wide: 24 x 32 columns, 3 MiB of packed FP32 B at K blocks of 1024,
-// which is read from L2 and L3 well enough (on Zen 4, 512 x 1536 x 4096 with 8 or 12 panels
-// 0.6-1.4% slower, alternating call by call).
+// which is read from L2 and L3 well enough.
 constexpr int64_t kFusedPanels = 24;
 
 // The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
@@ -221,11 +218,9 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // rows or more, and neither operand's rows alias in L1 (gemm_fused() governs both,
   // gemm_direct() the direct path). Rows a multiple of 4 KiB apart fall in one set of L1 and
   // in a sixteenth of L2's, which hold fewer of them than a K block has: the rows fetched ahead
-  // are evicted before they are read (1024 x 1024 x 2048 ran 7.6% slower than on the fused
-  // path, 1024 x 2816 and 2816 x 1024 1-2%). Rows that do not start a cache line have some of
-  // A's values a K step broadcasts in two lines and each of B's vectors across two: on Zen 4,
-  // 512 x 1536 x 4096 with A's rows 16 bytes past a line 2.2% slower than on the fused path,
-  // with B's 4.0%, with both 8.2% (alternating call by call).
+  // are evicted before they are read. Rows that do not start a cache line have some of A's
+  // values a K step broadcasts in two lines and each of B's vectors across two. Both run slower
+  // on the direct path than on the fused one.
   const int64_t n_jr = (N + P::NR - 1) / P::NR;
   const bool weight_gradient = c_fp32 && a_transposed && !b_transposed && gemm_fused();
   if constexpr (direct_path<P>())
@@ -251,9 +246,8 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
   // A packed once for all threads where P asks for it, every thread has one group of columns
   // (so that all run through the K blocks in the same order) and a thread's B block is larger
   // than L2 (1 MiB on the cores we target): there A's rows, fetched ahead into L2, are evicted
-  // by B's before they are packed, and packing each once instead of on every thread pays (on
-  // Zen 4, alternating call by call, bf16 512 x 1536 x 4096 +5.0 to +5.9%; where B's block
-  // fits, 512 x 512 x 4096 0.95 to 1.00 and 256 x 768 x 2048 0.98 to 1.01, not taken).
+  // by B's before they are packed, and packing each once instead of on every thread pays. Where
+  // B's block fits, it does not, and it is not taken.
   plan.shared_a = fused_shared_a<P>() && plan.fused && plan.threads > 1 &&
                   plan.fused_panels * plan.threads >= n_jr &&
                   plan.kp_block * plan.fused_panels * P::NR * 4 > kSharedABBytes;
@@ -634,8 +628,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   }
   const int64_t n_ir = plan.n_ir, ir_per_block = plan.ir_per_block;
   // Row blocks of ir_per_block micro-panels, and at the end, the last threads x 2 blocks' worth
-  // in blocks of a quarter of that, so that the threads end closer together (on Zen 4, 0-1.6%
-  // faster on the mega shapes, alternating call by call).
+  // in blocks of a quarter of that, so that the threads end closer together.
   const int64_t small_block = std::max<int64_t>(1, ir_per_block / 4);
   const int64_t head_blocks =
       std::max<int64_t>(0, n_ir - 2 * plan.threads * ir_per_block) / ir_per_block;
@@ -693,11 +686,9 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
         // while it computes: a stretch of each of KC rows, read down a column, which the
         // hardware prefetcher would not follow. (A stored (M, K) is read along its rows, a few
         // at a time, and is left to pack_a's own fetches: fetched into L2 ahead as well, it
-        // took the place of packed B there and was 0-3% slower on Zen 4, alternating call by
-        // call; a transposed A's fetch ahead is worth 1.2-2.4% on 1536 x 512 x 4096 in bf16.
-        // Not where its rows alias in L1, and so in a few sets of L2 as well, which cannot hold
-        // an item's rows: there the fetch only evicts them again, and the LM head's weight
-        // gradient, 16384 x 512 x 4096, is 1.7-4.3% faster in bf16 without it, 0.6% in FP32.)
+        // takes the place of packed B there. Not where a transposed A's rows alias in L1, and
+        // so in a few sets of L2 as well, which cannot hold an item's rows: there the fetch only
+        // evicts them again.)
         const int64_t items_end = items_begin + row_blocks * col_groups;
         const auto a_rows = [&](int64_t item, int64_t steps) {
           const auto [p0, p1] = block_panels((item - items_begin) / col_groups);

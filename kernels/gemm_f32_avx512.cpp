@@ -85,13 +85,12 @@ struct F32Avx512 {
   // of each read at as + k * lda and bs + k * ldb where packed there and then, each fetched
   // into L1 kFusedAhead rows ahead and into L2 kFusedFar rows ahead: rows a stride apart, a page
   // or two each, are past what the hardware prefetcher follows, and a fetch into L1 from memory
-  // holds one of L1's few miss buffers all the way (the L2 fetch ahead of it: 2% on Zen 4 on
-  // 512 x 512 x 4096 and 512 x 1536 x 4096, alternating builds run by run; 32 rows as good,
-  // 128 less). Rows of the next A are fetched one a step, from the first.
+  // holds one of L1's few miss buffers all the way, so the L2 fetch runs ahead of it. Rows of
+  // the next A are fetched one a step, from the first.
   static constexpr bool kFusedPacking = true;
   static constexpr int64_t kFusedAhead = 16, kFusedFar = 64;
-  // Measured on Zen 4: ahead of the blocked path up to rows = 4 x columns (a feed-forward
-  // up-projection's weight gradient), behind it at 32 (the LM head's).
+  // Taken up to rows = 4 x columns (a feed-forward up-projection's weight gradient); the LM head's
+  // (32 x) stays on the blocked path, which is faster there.
   static bool fused_suits(int64_t M, int64_t N, int64_t) {
     return M <= 4 * N;
   }
@@ -159,37 +158,19 @@ struct F32Avx512 {
   // (direct_suits): A and B both read where they are stored, (K, M) and (K, N), by a
   // micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K step broadcasts 8 values
   // of A's row, within one cache line, and loads 3 of B's), each row fetched into L1
-  // kDirectNear rows ahead and into L2 kDirectFar rows ahead. Row blocks of 8 micro-panels.
-  // Measured on Zen 4, alternating call by call in one process (both slot orders):
-  // - against the fused path, with the 14 x 32 tile: 512 x 512 x 4096 3-5% faster,
-  //   256 x 256 x 2048 3%; 1536 x 512 x 4096 level to 4% slower, and 512 x 1536 x 4096, whose
-  //   B block did not fit L2 before the column groups below, 5% slower. Row blocks of 4, 6, 10
-  //   or 12 micro-panels, fetches 32 or 64 rows ahead into L2 and 4 or 10 into L1, or none of
-  //   B's into L1: each level or 1-4% slower. Fetching into L2 only on a K block's first reads
-  //   of a row (A's by a group's first micro-panel of columns, B's by a thread's first row
-  //   block): +0.7% (6 of 6 alternations) before C's rows were fetched into L2 (below); with
-  //   them, fetching on every read is ahead: 512 x 512 x 4096 +1.7% (6 of 6), 1536 x 512 x 4096
-  //   +0.5%, 512 x 1536 x 4096 +0.2%, mini's 256 x 256, 768 x 256 and 256 x 768 x 2048 -0.4
-  //   to +0.2%;
-  // - 8 x 48 against 14 x 32 (the 14 x 32 tile's A row spans two cache lines as often as not):
-  //   +1.8 to +2.4% on 512 x 512 x 4096, row blocks of 14 or 4 micro-panels +0.7 to +0.8%.
+  // kDirectNear rows ahead and into L2 kDirectFar rows ahead, on every read. Row blocks of 8
+  // micro-panels. The 8 x 48 tile reads one cache line of A's row a step, where a 14 x 32 tile's
+  // spans two as often as not. docs/tuning-log.md has the measurements behind these choices.
   static constexpr bool kDirect = true;
   static constexpr int64_t kDirectMR = 8, kDirectNR = 48;
   static constexpr int64_t kDirectRowPanels = 8, kDirectNear = 6, kDirectFar = 48;
-  // C's rows are fetched into L2 256 K steps before a tile's end (C is read and written once per
-  // K block, and a mega product's is several MiB): on Zen 4, alternating call by call (both slot
-  // orders), 512 x 1536 x 4096 +1.5 to +2.3% on one thread and +0.8% on two, the other mega and
-  // mini weight gradients 0 to +0.9%; 128 to 512 steps ahead alike, fetching into L1 with
-  // prefetchw no better.
+  // C's rows are fetched into L2 256 K steps before a tile's end: C is read and written once per
+  // K block, and a mega product's is several MiB.
   static constexpr int64_t kDirectCL2Steps = 256;
-  // Columns in groups of 6 micro-panels (288: B's rows of a group 576 KiB at KC): on
-  // 512 x 512 x 4096, against all 512 at once, +1.7% and +2.7% (8 of 8 alternations ahead);
-  // groups of 1, 2, 3, 4, 5 or 8 micro-panels +0.1 to +2.4% in the same series.
+  // Columns in groups of 6 micro-panels (288: B's rows of a group 576 KiB at KC, within L2).
   static constexpr int64_t kDirectGroupPanels = 6;
-  // Up to 4x as many rows as columns (with the column groups above, against the fused path:
-  // 1536 x 512 x 4096 +1.6%, 512 x 1536 x 4096 +1.0%, 768 x 256 x 2048 +8.2%, 256 x 768 x 2048
-  // +1.9%, each 5 or 6 of 6 alternations ahead; the LM head's 16384 x 512 x 4096 2.3% behind
-  // the blocked path, where it stays).
+  // Up to 4x as many rows as columns, where it is ahead of the fused path; the LM head's
+  // weight gradient (32 x) stays on the blocked path.
   static bool direct_suits(int64_t M, int64_t N, int64_t) {
     return M <= 4 * N;
   }
