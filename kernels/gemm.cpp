@@ -15,8 +15,8 @@
 
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
-#include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/gemm_plan.h"
 #include "kernels/workspace.h"
 
 namespace cputrain::kernels {

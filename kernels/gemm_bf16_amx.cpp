@@ -20,7 +20,7 @@
 #include "kernels/bf16.h"
 #include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_bf16_packing.h"
-#include "kernels/gemm_driver.h"
+#include "kernels/gemm_blocked.h"
 #include "kernels/gemm_isa.h"
 
 namespace cputrain::kernels {

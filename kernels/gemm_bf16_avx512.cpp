@@ -10,7 +10,7 @@
 #include "kernels/bf16_pairs_avx512.h"
 #include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_bf16_packing.h"
-#include "kernels/gemm_driver.h"
+#include "kernels/gemm_blocked.h"
 #include "kernels/gemm_isa.h"
 
 namespace cputrain::kernels {
@@ -74,7 +74,7 @@ struct Bf16Avx512 {
     }
   }
 
-  // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), the
+  // The fused path's micro-kernel (gemm_fused.h): A stored (K, M) and B stored (K, N), the
   // pair of rows 2p, 2p + 1 of each read from as and bs where packed there and then (B's pairs
   // used straight from the registers; A's stored kAAhead pairs before their broadcasts read
   // them back, which a store just made would hold up), each fetched into L1 kFusedAhead pairs
@@ -82,7 +82,7 @@ struct Bf16Avx512 {
   // what the hardware prefetcher follows.
   static constexpr bool kFusedPacking = true;
   static constexpr int64_t kFusedAhead = 8, kAAhead = 16, kFusedFar = 32;
-  // A packed once for all threads where a thread's B block overflows L2 (gemm_driver.h). Not on
+  // A packed once for all threads where a thread's B block overflows L2 (gemm_fused.h). Not on
   // FP32, whose packing of A is a copy, cheaper than sharing it.
   static constexpr bool kFusedSharedA = true;
   // Packing A's pairs inside the products costs shuffles the FP32 path has not, so here the

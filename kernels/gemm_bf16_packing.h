@@ -14,7 +14,7 @@
 namespace cputrain::kernels::detail {
 namespace {
 
-// Where stored rows are packed a few at a time (gemm_driver.h's kPackRows), the same columns
+// Where stored rows are packed a few at a time (gemm_plan.h's kPackRows), the same columns
 // of the rows kPrefetchRows on: fetched now, they have arrived when the driver gets there. (Rows
 // read side by side, at a stride, are more streams than the hardware prefetcher follows.)
 constexpr int64_t kPrefetchRows = 32;

@@ -5,8 +5,8 @@
 #include <atomic>
 #include <cstdint>
 
-#include "kernels/gemm_driver.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/gemm_plan.h"
 #include "kernels/workspace.h"
 
 namespace cputrain::kernels {

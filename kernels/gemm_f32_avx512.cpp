@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "kernels/gemm_avx512_tile.h"
-#include "kernels/gemm_driver.h"
+#include "kernels/gemm_blocked.h"
 #include "kernels/gemm_isa.h"
 
 namespace cputrain::kernels {
@@ -81,7 +81,7 @@ struct F32Avx512 {
     }
   }
 
-  // The fused path's micro-kernel (gemm_driver.h): A stored (K, M) and B stored (K, N), row k
+  // The fused path's micro-kernel (gemm_fused.h): A stored (K, M) and B stored (K, N), row k
   // of each read at as + k * lda and bs + k * ldb where packed there and then, each fetched
   // into L1 kFusedAhead rows ahead and into L2 kFusedFar rows ahead: rows a stride apart, a page
   // or two each, are past what the hardware prefetcher follows, and a fetch into L1 from memory
@@ -154,7 +154,7 @@ struct F32Avx512 {
     detail::micro_tile_blocks(kp, KC / KU, steps, C, ldc, beta, m, n);
   }
 
-  // The direct path (gemm_driver.h), for weight gradients with up to 4x as many rows as columns
+  // The direct path (gemm_direct.h), for weight gradients with up to 4x as many rows as columns
   // (direct_suits): A and B both read where they are stored, (K, M) and (K, N), by a
   // micro-kernel of its own, 8 rows x 48 columns (24 accumulators; a K step broadcasts 8 values
   // of A's row, within one cache line, and loads 3 of B's), each row fetched into L1

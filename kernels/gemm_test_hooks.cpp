@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/gemm_driver.h"
+#include "kernels/gemm_plan.h"
 
 namespace cputrain::kernels {
 

@@ -10,7 +10,7 @@
 namespace cputrain::kernels {
 
 // Whether our blocked kernels take their fused or direct path for weight-gradient products (A
-// transposed, B not; kernels/gemm_driver.h) where it suits the shape: on by default; off, they
+// transposed, B not; kernels/gemm_plan.h) where it suits the shape: on by default; off, they
 // run the blocked path, with the same results bit for bit. For tests and comparisons.
 void gemm_set_fused(bool on);
 bool gemm_fused();
@@ -37,10 +37,10 @@ bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t
 bool gemm_f32_avx512_takes_direct(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                                   const float* A, int64_t lda, const float* B, int64_t ldb);
 // Rows of C the fused path has computed so far in this process on a thread other than the one
-// whose columns they are (the rows of its last K block it had not reached; gemm_driver.h).
+// whose columns they are (the rows of its last K block it had not reached; gemm_fused.h).
 int64_t gemm_fused_rows_shared();
 // Rows of C the fused path has computed so far in this process from the shared copy of their
-// packed A, not packing it (where A is packed once for all threads; gemm_driver.h).
+// packed A, not packing it (where A is packed once for all threads; gemm_fused.h).
 int64_t gemm_fused_rows_a_shared();
 
 }  // namespace cputrain::kernels
