@@ -37,19 +37,22 @@ void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
   }
 }
 
-// Counts an allocation of n bytes (whole lines) under `category`; *block is a kept block of that
-// size where the cache has one (true), else the cache has made room for a new one (false).
+// A block of n bytes kept by the cache into *block (true); else, none being kept, room made in
+// the cache for a new one (false). Counts nothing.
 template <class Block, class Drop>
-bool ledger_allocate(Ledger<Block>& l, int64_t n, MemoryCategory category, Block* block,
-                     Drop drop) {
-  const bool reused = n >= BlockCache<Block>::kMinBytes &&
-                      l.cache.take(n, l.live_total.load(std::memory_order_relaxed),
-                                   l.peak_total.load(std::memory_order_relaxed), block, drop);
+bool ledger_take(Ledger<Block>& l, int64_t n, Block* block, Drop drop) {
+  return n >= BlockCache<Block>::kMinBytes &&
+         l.cache.take(n, l.live_total.load(std::memory_order_relaxed),
+                      l.peak_total.load(std::memory_order_relaxed), block, drop);
+}
+
+// Counts an allocation of n bytes (whole lines) under `category`.
+template <class Block>
+void ledger_count(Ledger<Block>& l, int64_t n, MemoryCategory category) {
   const int i = static_cast<int>(category);
   raise_peak(l.peak[i], l.live[i].fetch_add(n, std::memory_order_relaxed) + n);
   raise_peak(l.peak_total, l.live_total.fetch_add(n, std::memory_order_relaxed) + n);
   raise_peak(l.held_peak, l.live_total.load(std::memory_order_relaxed) + l.cache.cached());
-  return reused;
 }
 
 // Counts the free of n bytes; true where the cache keeps the block.
@@ -144,17 +147,16 @@ void* memory_allocate(size_t bytes, MemoryCategory category) {
   if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
     std::lock_guard lock(m->mutex);
     char block;
-    ledger_allocate(*m, n, category, &block, [](char, int64_t) {});
+    ledger_take(*m, n, &block, [](char, int64_t) {});
+    ledger_count(*m, n, category);
     return nullptr;
   }
   Ledger<void*>& l = process_ledger();
   std::lock_guard lock(l.mutex);
   void* ptr = nullptr;
-  if (!ledger_allocate(l, n, category, &ptr, free_block)) ptr = std::aligned_alloc(64, rounded);
-  if (ptr == nullptr) {
-    ledger_free(l, static_cast<void*>(nullptr), n, category);
-    throw std::bad_alloc();
-  }
+  if (!ledger_take(l, n, &ptr, free_block)) ptr = std::aligned_alloc(64, rounded);
+  if (ptr == nullptr) throw std::bad_alloc();
+  ledger_count(l, n, category);
   return ptr;
 }
 

@@ -117,6 +117,15 @@ void measure_gemm(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N, i
     if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
 }
 
+// The same for gemm_bf16_rounded (No, Yes), which goes through an FP32 scratch of M x N where it
+// cannot round in its registers (kernels/gemm.h).
+void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
+  Tensor scratch;
+  if (!kernels::gemm_bf16_rounded_direct(K))
+    scratch = Tensor::empty(Shape{M, N}, DType::F32, MemoryCategory::Workspace);
+  measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
+}
+
 double gemm_flops(int64_t M, int64_t N, int64_t K) {
   return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
 }
@@ -254,15 +263,11 @@ Variable linear_op(const Variable& x, const Variable& w, const Variable& b, bool
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
   if (rounded && !b.defined()) {
     Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K));
-    if (computing()) {
+    if (computing())
       kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K,
                                  y.bf16(), N);
-    } else if (kernels::gemm_bf16_rounded_direct(K)) {
-      measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
-    } else {  // through an FP32 scratch of the kernel's (kernels/gemm.h)
-      const Tensor scratch = Tensor::empty(y.shape(), DType::F32, MemoryCategory::Workspace);
-      measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
-    }
+    else
+      measure_gemm_rounded(M, N, K);
   } else if (rounded) {  // the sum with the bias is what is rounded
     const Tensor sum = Tensor::empty(y.shape(), DType::F32, MemoryCategory::Workspace);
     linear_product(xv, 0, wv, sum.f32(), M, N, K, kLinearGemms);

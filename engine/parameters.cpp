@@ -1,5 +1,6 @@
 #include "engine/parameters.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "engine/hash.h"

@@ -80,7 +80,6 @@ void LlamaModel::init_weights(uint64_t seed) {
   };
   const double std_matrix = 0.02;
   const double std_residual = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layers));
-  params_.weights().fill_zero();
   std::vector<float> w;
   for (size_t index = 0; index < params_.infos().size(); ++index) {
     const ParameterInfo& info = params_.infos()[index];
