@@ -11,7 +11,7 @@
 #include <string>
 
 #include "engine/block_cache.h"
-#include "kernels/gemm.h"
+#include "kernels/dispatch.h"
 #include "kernels/workspace.h"
 
 namespace cputrain {
@@ -212,7 +212,7 @@ void measure_buffer(int slot, size_t bytes, MemoryCategory category) {
 MeasureScope::MeasureScope() : state_(std::make_unique<State>()) {
   // The kernels' one-time set-up computes for real (the GEMM's choice of backend runs its
   // self-test): before measuring, not inside.
-  kernels::gemm_backend();
+  kernels::kernel_choices();
   MeasureLedger* expected = nullptr;
   if (!measure_ledger.compare_exchange_strong(expected, &state_->ledger))
     throw std::logic_error("MeasureScope: one is already alive");

@@ -10,8 +10,7 @@
 #include <vector>
 
 #include "kernels/attention_isa.h"
-#include "kernels/cpu_features.h"
-#include "kernels/gemm.h"
+#include "kernels/dispatch.h"
 
 namespace cputrain::kernels {
 
@@ -26,52 +25,61 @@ void check_heads(const char* fn, int64_t H, int64_t KVH) {
 }
 }  // namespace
 
+namespace {
+
+// The implementations, fastest first (kernels/dispatch.h).
+struct AttentionRow {
+  KernelRow row;
+  const AttentionKernels& (*entry)();
+};
+const AttentionRow kAttention[] = {
+    {{"amx", Isa::Amx}, attention_kernels_amx},
+    {{"avx512_bf16", Isa::Avx512Bf16}, attention_kernels_avx512_bf16},
+    {{"avx512", Isa::Avx512}, attention_kernels_avx512},
+    {{"avx2", Isa::Avx2}, attention_kernels_avx2},
+};
+
+const AttentionRow& chosen() {
+  static const AttentionRow& row = choose_kernel("attention", kAttention);
+  return row;
+}
+
+const AttentionKernels& kernels() {
+  static const AttentionKernels& k = chosen().entry();
+  return k;
+}
+
+}  // namespace
+
+std::string_view attention_kernel() {
+  return chosen().row.name;
+}
+
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
   check_heads("attention_forward", H, KVH);
-  if (cpu_features().avx512) return attention_forward_avx512(out, lse, q, k, v, B, T, H, KVH, D);
-  attention_forward_avx2(out, lse, q, k, v, B, T, H, KVH, D);
+  kernels().forward(out, lse, q, k, v, B, T, H, KVH, D);
 }
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate) {
   check_heads("attention_backward", H, KVH);
-  if (cpu_features().avx512)
-    return attention_backward_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D,
-                                     accumulate);
-  attention_backward_avx2(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate);
+  kernels().backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate);
 }
 
 bool attention_bf16_native() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("CPUTRAIN_ATTENTION");
-    if (env == nullptr || *env == '\0' || std::string_view(env) == "native") return true;
-    if (std::string_view(env) == "fp32") return false;
-    throw std::invalid_argument(std::string("CPUTRAIN_ATTENTION=") + env +
-                                ": not an attention path (native or fp32)");
-  }();
-  const GemmBackend gemm = gemm_backend();
-  return allowed && cpu_features().avx512_bf16 &&
-         (gemm == GemmBackend::Avx512 || gemm == GemmBackend::Amx);
+  return kernels().forward_bf16 != nullptr;
 }
-
-// The bf16 attention's products on AMX tiles where the GEMM runs on AMX (selectable only where
-// the CPU has AMX and the AMX GEMM passed its self-test); CPUTRAIN_GEMM=avx512 keeps both on
-// vdpbf16ps.
-namespace {
-bool attention_amx() {
-  return gemm_backend() == GemmBackend::Amx;
-}
-}  // namespace
 
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
                             int64_t D) {
   if (!attention_bf16_native())
-    throw std::logic_error("attention_forward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
+    throw std::logic_error("attention_forward_bf16: the " + std::string(attention_kernel()) +
+                           " attention has no bf16 instructions");
   check_heads("attention_forward_bf16", H, KVH);
-  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, KVH, D, attention_amx());
+  kernels().forward_bf16(out, lse, q, k, v, B, T, H, KVH, D);
 }
 
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
@@ -79,10 +87,10 @@ void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
                              const float* lse, int64_t B, int64_t T, int64_t H, int64_t KVH,
                              int64_t D, bool accumulate) {
   if (!attention_bf16_native())
-    throw std::logic_error("attention_backward_bf16: needs AVX-512 BF16 and the avx512/amx GEMM");
+    throw std::logic_error("attention_backward_bf16: the " + std::string(attention_kernel()) +
+                           " attention has no bf16 instructions");
   check_heads("attention_backward_bf16", H, KVH);
-  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
-                                 attention_amx());
+  kernels().backward_bf16(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate);
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values, int64_t n,

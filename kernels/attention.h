@@ -1,7 +1,7 @@
 // Causal multi-head scaled dot-product attention in 64 x 64 tiles with an online softmax, so no
 // (T, T) score matrix is ever stored; backward recomputes the probabilities from the saved
-// log-sum-exp (kernels/attention_tiled.h). Runs the AVX-512 build where the CPU has it, else
-// the AVX2 one.
+// log-sum-exp (kernels/attention_tiled.h). Runs the implementation attention_kernel() names:
+// amx, avx512_bf16, avx512 or avx2, the fastest this CPU has unless forced (kernels/dispatch.h).
 //
 // Grouped-query attention: H query heads share KVH key/value heads (H % KVH == 0, KVH == H is
 // plain multi-head, KVH == 1 multi-query); query head h reads key/value head h / (H / KVH), so
@@ -11,8 +11,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace cputrain::kernels {
+
+// The implementation the functions below run.
+std::string_view attention_kernel();
 
 // q, out (B, T, H, D); k, v (B, T, KVH, D); lse (B, H, T) receives log(sum_j exp(s_ij)) of the
 // scaled scores s_ij = q_i . k_j / sqrt(D) over j <= i (k of the query head's key/value head).
@@ -29,10 +33,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 // and bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, dout and the
 // score gradients are rounded to bf16 where they enter a product (dQ and dK multiply the score
 // gradients by K and Q less their means, see attention_bf16_avx512.cpp), scores and softmax
-// statistics stay FP32. Only where attention_bf16_native() is true: AVX-512 BF16, with the
-// GEMM on its avx512 or amx path (forcing a lower GEMM path forces this one too), and
-// CPUTRAIN_ATTENTION not set to fp32; elsewhere callers widen the inputs to FP32 and use the
-// functions above.
+// statistics stay FP32. Only where attention_bf16_native() is true: the amx implementation
+// (products on AMX tiles) or avx512_bf16 (vdpbf16ps); elsewhere (avx512 or avx2, chosen on a CPU
+// without AVX512_BF16 or forced with CPUTRAIN_ATTENTION or CPUTRAIN_ISA) callers widen the
+// inputs to FP32 and use the functions above.
 bool attention_bf16_native();
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,

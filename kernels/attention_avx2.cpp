@@ -18,4 +18,10 @@ void attention_backward_avx2(float* dq, float* dk, float* dv, const float* dout,
                                       accumulate);
 }
 
+const AttentionKernels& attention_kernels_avx2() {
+  static const AttentionKernels k{attention_forward_avx2, attention_backward_avx2, nullptr,
+                                  nullptr};
+  return k;
+}
+
 }  // namespace cputrain::kernels

@@ -18,4 +18,10 @@ void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dou
                                       accumulate);
 }
 
+const AttentionKernels& attention_kernels_avx512() {
+  static const AttentionKernels k{attention_forward_avx512, attention_backward_avx512, nullptr,
+                                  nullptr};
+  return k;
+}
+
 }  // namespace cputrain::kernels

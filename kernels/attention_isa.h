@@ -1,12 +1,31 @@
-// The attention implementations behind the dispatch in attention.cpp, one per ISA, each with
-// the contract of attention_forward / attention_backward in attention.h (H % KVH == 0). The
-// AVX-512 ones may only be called where cpu_features().avx512 is set, the bf16 ones where
-// avx512_bf16 is.
+// The attention implementations behind the dispatch in attention.cpp, one table per ISA, each
+// entry with the contract of its function in attention.h (H % KVH == 0). A table may only be
+// used where the CPU has its ISA (the AVX-512 functions where cpu_features().avx512 is set, the
+// bf16 ones where avx512_bf16 is, the AMX products where amx_bf16 is).
 #pragma once
 
 #include <cstdint>
 
 namespace cputrain::kernels {
+
+struct AttentionKernels {
+  void (*forward)(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
+                  int64_t T, int64_t H, int64_t KVH, int64_t D);
+  void (*backward)(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                   const float* k, const float* v, const float* out, const float* lse, int64_t B,
+                   int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate);
+  // Null where the ISA has no bf16 instructions (callers widen to FP32 and use the above).
+  void (*forward_bf16)(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
+                       const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D);
+  void (*backward_bf16)(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                        const uint16_t* k, const uint16_t* v, const uint16_t* out, const float* lse,
+                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate);
+};
+
+const AttentionKernels& attention_kernels_avx2();         // attention_avx2.cpp
+const AttentionKernels& attention_kernels_avx512();       // attention_avx512.cpp
+const AttentionKernels& attention_kernels_avx512_bf16();  // attention_bf16_avx512.cpp
+const AttentionKernels& attention_kernels_amx();          // attention_amx.cpp
 
 void attention_forward_avx2(float* out, float* lse, const float* q, const float* k, const float* v,
                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D);

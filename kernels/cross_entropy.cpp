@@ -1,18 +1,36 @@
 #include "kernels/cross_entropy.h"
 
-#include "kernels/cpu_features.h"
 #include "kernels/cross_entropy_isa.h"
+#include "kernels/dispatch.h"
 
 namespace cputrain::kernels {
 namespace {
 
+// The implementations, fastest first (kernels/dispatch.h).
+struct CrossEntropyRow {
+  KernelRow row;
+  const CrossEntropyKernels& (*entry)();
+};
+const CrossEntropyRow kCrossEntropy[] = {
+    {{"avx512", Isa::Avx512}, cross_entropy_kernels_avx512},
+    {{"avx2", Isa::Avx2}, cross_entropy_kernels_avx2},
+};
+
+const CrossEntropyRow& chosen() {
+  static const CrossEntropyRow& row = choose_kernel("cross_entropy", kCrossEntropy);
+  return row;
+}
+
 const CrossEntropyKernels& kernels() {
-  static const CrossEntropyKernels& k =
-      cpu_features().avx512 ? cross_entropy_kernels_avx512() : cross_entropy_kernels_avx2();
+  static const CrossEntropyKernels& k = chosen().entry();
   return k;
 }
 
 }  // namespace
+
+std::string_view cross_entropy_kernel() {
+  return chosen().row.name;
+}
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
                            int64_t N, int64_t V) {

@@ -2,8 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace cputrain::kernels {
+
+// The implementation the functions below run: "avx512" or "avx2" (kernels/dispatch.h).
+std::string_view cross_entropy_kernel();
 
 // logits (N, V); targets (N), each in [0, V). losses (N) receives -log softmax(logits)[target],
 // lse (N) receives log(sum exp(logits)) for backward.

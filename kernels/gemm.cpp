@@ -1,7 +1,8 @@
-// The GEMM's dispatch: the backend gemm_f32, gemm_bf16 and gemm_bf16_rounded run on (chosen once,
-// the fastest available or CPUTRAIN_GEMM; gemm_set_backend changes it), bf16 operands widened to
-// FP32 where the backend has no bf16 instructions, and the backends' names. The implementations
-// are in files of their own (gemm_isa.h); the buffers in gemm_buffers.cpp.
+// The GEMM's dispatch: a table of the backends (kernels/dispatch.h), the one gemm_f32, gemm_bf16
+// and gemm_bf16_rounded run on (chosen once, the fastest available or CPUTRAIN_GEMM;
+// gemm_set_backend changes it), bf16 operands widened to FP32 where the backend has no bf16
+// instructions, and the backends' names. The implementations are in files of their own
+// (gemm_isa.h); the buffers in gemm_buffers.cpp.
 #include "kernels/gemm.h"
 
 #include <atomic>
@@ -14,7 +15,7 @@
 #include <vector>
 
 #include "kernels/bf16.h"
-#include "kernels/cpu_features.h"
+#include "kernels/dispatch.h"
 #include "kernels/gemm_isa.h"
 #include "kernels/gemm_plan.h"
 #include "kernels/workspace.h"
@@ -22,34 +23,87 @@
 namespace cputrain::kernels {
 namespace {
 
-constexpr GemmBackend kAllBackends[] = {GemmBackend::Reference, GemmBackend::Eigen,
-                                        GemmBackend::Avx512, GemmBackend::Amx, GemmBackend::Onednn};
+using GemmF32 = void (*)(Transpose, Transpose, int64_t, int64_t, int64_t, const float*, int64_t,
+                         const float*, int64_t, float, float*, int64_t);
+using GemmBf16 = void (*)(Transpose, Transpose, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
+                          const uint16_t*, int64_t, float, float*, int64_t);
+using GemmRounded = void (*)(Transpose, Transpose, int64_t, int64_t, int64_t, const uint16_t*,
+                             int64_t, const uint16_t*, int64_t, uint16_t*, int64_t);
+using PackFloats = std::array<int64_t, 2> (*)(Transpose, Transpose, int64_t, int64_t, int64_t);
 
-bool amx_usable() {
-  static const bool usable = cpu_features().amx_bf16 && gemm_bf16_amx_self_test();
-  return usable;
+struct GemmKernels {
+  GemmBackend backend;
+  GemmF32 f32;
+  // The backend's own bf16 product, or null (gemm_bf16 widens the operands and runs f32).
+  GemmBf16 bf16;
+  // Whether `bf16` uses bf16 instructions on this CPU; where it returns false, gemm_bf16 widens.
+  // Null: `bf16` is always taken and is not bf16 instructions (the reference, in double).
+  bool (*bf16_instructions)();
+  // The bf16 product rounded to bf16 in the kernel, for K up to rounded_block_k(), or null.
+  GemmRounded rounded;
+  int64_t (*rounded_block_k)();
+  // Floats of packing buffers 0 and 1 the FP32 and the bf16 products take, or null: none.
+  PackFloats f32_pack, bf16_pack;
+};
+
+bool always() {
+  return true;
+}
+bool avx512_bf16_usable() {
+  return isa_usable(Isa::Avx512Bf16);
+}
+bool amx_passes_self_test() {
+  static const bool passed = gemm_bf16_amx_self_test();
+  return passed;
 }
 
-std::atomic<GemmBackend>& backend_slot() {
-  static std::atomic<GemmBackend> slot{gemm_default_backend()};
+// The backends, fastest first. The reference and oneDNN are taken only when forced.
+struct GemmRow {
+  KernelRow row;
+  GemmKernels entry;
+};
+const GemmRow kGemm[] = {
+    {{"amx", Isa::Amx, true, amx_passes_self_test},
+     {GemmBackend::Amx, gemm_f32_avx512, gemm_bf16_amx, always, gemm_bf16_rounded_amx,
+      gemm_bf16_amx_block_k, gemm_f32_avx512_pack_floats, gemm_bf16_amx_pack_floats}},
+    {{"avx512", Isa::Avx512},
+     {GemmBackend::Avx512, gemm_f32_avx512, gemm_bf16_avx512, avx512_bf16_usable,
+      gemm_bf16_rounded_avx512, gemm_bf16_avx512_block_k, gemm_f32_avx512_pack_floats,
+      gemm_bf16_avx512_pack_floats}},
+    {{"eigen", Isa::Avx2},
+     {GemmBackend::Eigen, gemm_f32_eigen, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}},
+    {{"onednn", Isa::Avx2, false},
+     {GemmBackend::Onednn, gemm_f32_onednn, gemm_bf16_onednn, onednn_bf16_supported, nullptr,
+      nullptr, nullptr, nullptr}},
+    {{"reference", Isa::Avx2, false},
+     {GemmBackend::Reference, gemm_f32_reference, gemm_bf16_reference, nullptr, nullptr, nullptr,
+      nullptr, nullptr}},
+};
+
+const GemmRow& row_of(GemmBackend backend) {
+  for (const GemmRow& r : kGemm)
+    if (r.entry.backend == backend) return r;
+  throw std::invalid_argument("not a GEMM backend");
+}
+
+std::atomic<const GemmKernels*>& selected_slot() {
+  static std::atomic<const GemmKernels*> slot{&row_of(gemm_default_backend()).entry};
   return slot;
+}
+
+const GemmKernels& selected() {
+  return *selected_slot().load(std::memory_order_relaxed);
+}
+
+bool native(const GemmKernels& k) {
+  return k.bf16 != nullptr && k.bf16_instructions != nullptr && k.bf16_instructions();
 }
 
 }  // namespace
 
 void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  switch (gemm_backend()) {
-    case GemmBackend::Reference:
-      return gemm_f32_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-    case GemmBackend::Eigen:
-      return gemm_f32_eigen(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-    case GemmBackend::Avx512:
-    case GemmBackend::Amx:
-      return gemm_f32_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-    case GemmBackend::Onednn:
-      return gemm_f32_onednn(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  }
+  selected().f32(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
 namespace {
@@ -71,30 +125,14 @@ const float* widen(const uint16_t* x, int64_t rows, int64_t cols, int64_t ld, in
 }  // namespace
 
 bool gemm_bf16_native(GemmBackend backend) {
-  switch (backend) {
-    case GemmBackend::Amx:
-      return amx_usable();
-    case GemmBackend::Avx512:
-      return cpu_features().avx512_bf16;
-    case GemmBackend::Onednn:
-      return onednn_bf16_supported();
-    default:
-      return false;
-  }
+  return native(row_of(backend).entry);
 }
 
 void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  const GemmBackend backend = gemm_backend();
-  if (backend == GemmBackend::Reference)
-    return gemm_bf16_reference(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  if (gemm_bf16_native(backend)) {
-    if (backend == GemmBackend::Amx)
-      return gemm_bf16_amx(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-    if (backend == GemmBackend::Avx512)
-      return gemm_bf16_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-    return gemm_bf16_onednn(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  }
+  const GemmKernels& k = selected();
+  if (k.bf16 != nullptr && (k.bf16_instructions == nullptr || k.bf16_instructions()))
+    return k.bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   // No bf16 instructions: widen both operands to FP32 and run the backend's FP32 GEMM. The
   // product of two bf16 values is exact in FP32, so this is the same arithmetic: bf16 inputs,
   // FP32 accumulation.
@@ -103,25 +141,20 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const float* a = widen(A, at ? K : M, at ? M : K, lda, 2);
   const float* b = widen(B, bt ? N : K, bt ? K : N, ldb, 3);
-  gemm_f32(ta, tb, M, N, K, a, at ? M : K, b, bt ? K : N, beta, C, ldc);
+  k.f32(ta, tb, M, N, K, a, at ? M : K, b, bt ? K : N, beta, C, ldc);
 }
 
 bool gemm_bf16_rounded_direct(int64_t K) {
-  const GemmBackend backend = gemm_backend();
-  if (backend == GemmBackend::Amx) return K <= gemm_bf16_amx_block_k();
-  return backend == GemmBackend::Avx512 && gemm_bf16_native(GemmBackend::Avx512) &&
-         K <= gemm_bf16_avx512_block_k();
+  const GemmKernels& k = selected();
+  return k.rounded != nullptr && native(k) && K <= k.rounded_block_k();
 }
 
 void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, uint16_t* C,
                        int64_t ldc) {
   if (M <= 0 || N <= 0) return;
-  if (gemm_bf16_rounded_direct(K)) {
-    if (gemm_backend() == GemmBackend::Amx)
-      return gemm_bf16_rounded_amx(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
-    return gemm_bf16_rounded_avx512(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
-  }
+  if (gemm_bf16_rounded_direct(K))
+    return selected().rounded(ta, tb, M, N, K, A, lda, B, ldb, C, ldc);
   const WorkspaceAllocator allocator = workspace_allocator();
   const size_t bytes = static_cast<size_t>(M * N) * sizeof(float);
   const auto release = [&](float* p) { allocator.free(p, bytes); };
@@ -132,29 +165,20 @@ void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
   for (int64_t i = 0; i < M; ++i) fp32_to_bf16_array(C + i * ldc, scratch.get() + i * N, N);
 }
 
+std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                        int64_t K) {
+  const GemmKernels& k = selected();
+  const PackFloats pack = bf16 ? k.bf16_pack : k.f32_pack;
+  if (pack == nullptr) return {};
+  return pack(ta, tb, M, N, K);
+}
+
 bool gemm_backend_available(GemmBackend backend) {
-  switch (backend) {
-    case GemmBackend::Avx512:
-      return cpu_features().avx512;
-    case GemmBackend::Amx:
-      return amx_usable();
-    default:
-      return true;
-  }
+  return kernel_row_usable(row_of(backend).row);
 }
 
 GemmBackend gemm_default_backend() {
-  const char* env = std::getenv("CPUTRAIN_GEMM");
-  if (env != nullptr && *env != '\0') {
-    GemmBackend backend;
-    if (!gemm_backend_from_name(env, &backend) || !gemm_backend_available(backend))
-      throw std::invalid_argument(std::string("CPUTRAIN_GEMM=") + env +
-                                  ": not a GEMM backend this CPU runs (" +
-                                  gemm_available_backends() + ")");
-    return backend;
-  }
-  if (amx_usable()) return GemmBackend::Amx;
-  return cpu_features().avx512 ? GemmBackend::Avx512 : GemmBackend::Eigen;
+  return choose_kernel("gemm", kGemm).entry.backend;
 }
 
 void gemm_set_backend(GemmBackend backend) {
@@ -162,33 +186,21 @@ void gemm_set_backend(GemmBackend backend) {
     throw std::invalid_argument(std::string("GEMM backend ") +
                                 std::string(gemm_backend_name(backend)) +
                                 " needs a CPU feature this machine lacks");
-  backend_slot().store(backend);
+  selected_slot().store(&row_of(backend).entry);
 }
 
 GemmBackend gemm_backend() {
-  return backend_slot().load(std::memory_order_relaxed);
+  return selected().backend;
 }
 
 std::string_view gemm_backend_name(GemmBackend backend) {
-  switch (backend) {
-    case GemmBackend::Reference:
-      return "reference";
-    case GemmBackend::Eigen:
-      return "eigen";
-    case GemmBackend::Avx512:
-      return "avx512";
-    case GemmBackend::Amx:
-      return "amx";
-    case GemmBackend::Onednn:
-      return "onednn";
-  }
-  return "unknown";
+  return row_of(backend).row.name;
 }
 
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend) {
-  for (GemmBackend b : kAllBackends) {
-    if (name == gemm_backend_name(b)) {
-      *backend = b;
+  for (const GemmRow& r : kGemm) {
+    if (name == r.row.name) {
+      *backend = r.entry.backend;
       return true;
     }
   }
@@ -196,13 +208,9 @@ bool gemm_backend_from_name(std::string_view name, GemmBackend* backend) {
 }
 
 std::string gemm_available_backends() {
-  std::string names;
-  for (GemmBackend b : kAllBackends) {
-    if (!gemm_backend_available(b)) continue;
-    if (!names.empty()) names += ", ";
-    names += gemm_backend_name(b);
-  }
-  return names;
+  KernelRow rows[std::size(kGemm)];
+  for (std::size_t i = 0; i < std::size(kGemm); ++i) rows[i] = kGemm[i].row;
+  return usable_kernel_rows(rows);
 }
 
 }  // namespace cputrain::kernels

@@ -74,18 +74,13 @@ std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, i
   auto rounded = [](int64_t floats) {
     return (static_cast<size_t>(floats) * sizeof(float) + 63) / 64 * 64;
   };
-  const GemmBackend backend = gemm_backend();
-  std::array<int64_t, 2> packs{};
-  if (bf16 && backend != GemmBackend::Reference && !gemm_bf16_native(backend)) {
+  if (bf16 && gemm_backend() != GemmBackend::Reference && !gemm_bf16_native(gemm_backend())) {
     const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
     bytes[2] = rounded((at ? K : M) * (at ? M : K));
     bytes[3] = rounded((bt ? N : K) * (bt ? K : N));
     bf16 = false;  // then the FP32 GEMM runs
   }
-  if (bf16 && backend == GemmBackend::Amx) packs = gemm_bf16_amx_pack_floats(ta, tb, M, N, K);
-  if (bf16 && backend == GemmBackend::Avx512) packs = gemm_bf16_avx512_pack_floats(ta, tb, M, N, K);
-  if (!bf16 && (backend == GemmBackend::Avx512 || backend == GemmBackend::Amx))
-    packs = gemm_f32_avx512_pack_floats(ta, tb, M, N, K);
+  const std::array<int64_t, 2> packs = gemm_pack_floats(bf16, ta, tb, M, N, K);
   if (packs[0] > 0) bytes[0] = rounded(packs[0]);
   if (packs[1] > 0) bytes[1] = rounded(packs[1]);
   return bytes;

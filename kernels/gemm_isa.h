@@ -1,6 +1,6 @@
 // The GEMM implementations behind the dispatch in gemm.cpp, one per ISA or library; each has
 // the contract of gemm_f32 / gemm_bf16 in gemm.h and may only be called where
-// gemm_backend_available says so.
+// gemm_backend_available says so. Their table, with the ISA each needs, is in gemm.cpp.
 #pragma once
 
 #include <array>
@@ -47,6 +47,10 @@ std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, 
                                                     int64_t N, int64_t K);
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                                  int64_t K);
+// Floats of packing buffers 0 and 1 the selected backend's FP32 product (bf16 false) or bf16
+// product with bf16 instructions takes for an M x N x K product (gemm.cpp).
+std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                        int64_t K);
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).

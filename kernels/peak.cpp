@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "kernels/cpu_features.h"
+#include "kernels/dispatch.h"
 #include "kernels/peak_chains.h"
 
 namespace cputrain::kernels {
@@ -18,6 +18,29 @@ double fma_f32_avx2_loop(int64_t iterations) {
 }
 
 namespace {
+
+// The loops each level measures: FP32 FMA, vdpbf16ps, AMX tdpbf16ps (null: none at that level).
+struct PeakLoops {
+  double (*f32)(int64_t);
+  double (*bf16)(int64_t);
+  double (*amx)(int64_t);
+};
+// The implementations, fastest first (kernels/dispatch.h).
+struct PeakRow {
+  KernelRow row;
+  PeakLoops entry;
+};
+const PeakRow kPeak[] = {
+    {{"amx", Isa::Amx}, {fma_f32_avx512_loop, dpbf16_avx512_loop, tdpbf16_amx_loop}},
+    {{"avx512_bf16", Isa::Avx512Bf16}, {fma_f32_avx512_loop, dpbf16_avx512_loop, nullptr}},
+    {{"avx512", Isa::Avx512}, {fma_f32_avx512_loop, nullptr, nullptr}},
+    {{"avx2", Isa::Avx2}, {fma_f32_avx2_loop, nullptr, nullptr}},
+};
+
+const PeakRow& chosen() {
+  static const PeakRow& row = choose_kernel("peak", kPeak);
+  return row;
+}
 
 // The best of several runs: interference from elsewhere only ever lowers a peak.
 template <typename Loop>
@@ -48,22 +71,23 @@ Peak higher_peak(const Peak& a, const Peak& b) {
   return p;
 }
 
+std::string_view peak_kernel() {
+  return chosen().row.name;
+}
+
 Peak measure_peak(int64_t iterations, int repetitions) {
   Peak p;
-  const auto& cpu = cpu_features();
+  const PeakLoops& loops = chosen().entry;
   const int all = omp_get_max_threads();
-  auto f32 = cpu.avx512 ? fma_f32_avx512_loop : cpu.avx2 ? fma_f32_avx2_loop : nullptr;
-  if (f32 != nullptr) {
-    p.f32_one_thread = best_rate(f32, 1, iterations, repetitions);
-    p.f32_all_threads = best_rate(f32, all, iterations, repetitions);
+  p.f32_one_thread = best_rate(loops.f32, 1, iterations, repetitions);
+  p.f32_all_threads = best_rate(loops.f32, all, iterations, repetitions);
+  if (loops.bf16 != nullptr) {
+    p.bf16_one_thread = best_rate(loops.bf16, 1, iterations, repetitions);
+    p.bf16_all_threads = best_rate(loops.bf16, all, iterations, repetitions);
   }
-  if (cpu.avx512_bf16) {
-    p.bf16_one_thread = best_rate(dpbf16_avx512_loop, 1, iterations, repetitions);
-    p.bf16_all_threads = best_rate(dpbf16_avx512_loop, all, iterations, repetitions);
-  }
-  if (cpu.amx_bf16) {
-    p.amx_one_thread = best_rate(tdpbf16_amx_loop, 1, iterations, repetitions);
-    p.amx_all_threads = best_rate(tdpbf16_amx_loop, all, iterations, repetitions);
+  if (loops.amx != nullptr) {
+    p.amx_one_thread = best_rate(loops.amx, 1, iterations, repetitions);
+    p.amx_all_threads = best_rate(loops.amx, all, iterations, repetitions);
   }
   return p;
 }

@@ -3,8 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace cputrain::kernels {
+
+// The level measure_peak measures at: amx, avx512_bf16, avx512 or avx2 (kernels/dispatch.h).
+std::string_view peak_kernel();
 
 // Each runs `iterations` rounds of 16 independent vector instructions and returns the flops
 // done. The AVX-512 ones only where the CPU has AVX-512 (and AVX512_BF16 for the second).
@@ -33,8 +37,8 @@ struct Peak {
 Peak higher_peak(const Peak& a, const Peak& b);
 
 // The best of `repetitions` timed runs of `iterations` rounds each, on 1 thread and on all
-// threads; zero for a rate this CPU cannot reach with vector instructions (bf16 without
-// AVX512_BF16, AMX without AMX). FP32 uses AVX-512 where the CPU has it, else AVX2. With the
+// threads, with the loops of peak_kernel(); zero for a rate that level has no instruction for
+// (bf16 below avx512_bf16, AMX below amx). FP32 uses AVX-512 from avx512 up, else AVX2. With the
 // defaults it takes a few seconds (benchmarks); training uses a short measurement.
 Peak measure_peak(int64_t iterations = 20'000'000, int repetitions = 5);
 

@@ -1,18 +1,36 @@
 #include "kernels/swiglu.h"
 
-#include "kernels/cpu_features.h"
+#include "kernels/dispatch.h"
 #include "kernels/swiglu_isa.h"
 
 namespace cputrain::kernels {
 namespace {
 
+// The implementations, fastest first (kernels/dispatch.h).
+struct SwigluRow {
+  KernelRow row;
+  const SwigluKernels& (*entry)();
+};
+const SwigluRow kSwiglu[] = {
+    {{"avx512", Isa::Avx512}, swiglu_kernels_avx512},
+    {{"avx2", Isa::Avx2}, swiglu_kernels_avx2},
+};
+
+const SwigluRow& chosen() {
+  static const SwigluRow& row = choose_kernel("swiglu", kSwiglu);
+  return row;
+}
+
 const SwigluKernels& kernels() {
-  static const SwigluKernels& k =
-      cpu_features().avx512 ? swiglu_kernels_avx512() : swiglu_kernels_avx2();
+  static const SwigluKernels& k = chosen().entry();
   return k;
 }
 
 }  // namespace
+
+std::string_view swiglu_kernel() {
+  return chosen().row.name;
+}
 
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
   kernels().forward(out, gate, up, n);

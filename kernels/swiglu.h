@@ -2,8 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace cputrain::kernels {
+
+// The implementation the functions below run: "avx512" or "avx2" (kernels/dispatch.h).
+std::string_view swiglu_kernel();
 
 // gate, up, out: n elements each.
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);

@@ -147,7 +147,7 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")->check(positive());
   add_model_flags(app, t);
   app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
-  app.add_option("--gemm", t.gemm, "GEMM implementation (its buffers count)");
+  add_kernel_flags(app, t.kernels);
   app.add_option("--dtype", t.dtype, "bf16 or fp32 (default: as train chooses)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
   t.checkpoint = "none";
@@ -161,7 +161,7 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
 
 int run_budget(const BudgetArgs& a) {
   RunConfig config = resolve_run_config(a.train);
-  select_gemm_backend(a.train.gemm);
+  select_kernels(a.train.kernels);
   std::string why;
   config.dtype = choose_dtype(a.train.dtype, &why);
   config.checkpoint = a.train.checkpoint == "layer";

@@ -53,14 +53,14 @@ void add_eval_flags(CLI::App& app, EvalArgs& a) {
       ->capture_default_str()
       ->check(positive());
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
-  app.add_option("--gemm", a.gemm, "GEMM implementation (as for train)");
+  add_kernel_flags(app, a.kernels);
   app.add_flag("--json", a.json, "Print {loss, perplexity, windows, tokens} as JSON");
 }
 
 int run_eval(const EvalArgs& a) {
   if (!fs::is_directory(a.run)) throw UserError("--run " + a.run + ": no such run directory");
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
-  select_gemm_backend(a.gemm);
+  select_kernels(a.kernels);
   const RunConfig config = read_run_config(a.run + "/config.json");
   const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
   if (tokenizer.vocab_size() != config.model.vocab)

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tools/train_command.h"
+
 namespace cputrain {
 
 struct EvalArgs {
@@ -15,7 +17,7 @@ struct EvalArgs {
   int64_t windows = 0;  // 0: every window
   int64_t batch = 8;
   int threads = 0;
-  std::string gemm;
+  KernelArgs kernels;
   bool json = false;
 };
 

@@ -148,7 +148,7 @@ void add_parity_flags(CLI::App& app, ParityArgs& a) {
       ->check(non_negative());
   app.add_option("--seed", t.seed, "Seed for init and batch sampling")->capture_default_str();
   app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
-  app.add_option("--gemm", t.gemm, "GEMM implementation (as for train)");
+  add_kernel_flags(app, t.kernels);
   app.add_option("--tol-bf16", a.tol_bf16,
                  "Largest accepted |bf16 - fp32| final loss difference, in nats")
       ->capture_default_str()
@@ -175,7 +175,7 @@ int run_parity(const ParityArgs& a) {
       throw UserError("--accum " + std::to_string(n) +
                       ": must be at least 2 and divide the batch " + std::to_string(batch));
   }
-  select_gemm_backend(targs.gemm);
+  select_kernels(targs.kernels);
   const std::string out = targs.out.empty() ? "runs/parity-" + config.preset : targs.out;
   prepare_run_dir(out);
   omp_set_num_threads(config.threads);

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command of the README: installs what is missing, checks that the sources are formatted
 # as .clang-format says, builds with warnings as errors, runs the whole GoogleTest suite through
-# ctest, then runs it again with each GEMM implementation forced (CPUTRAIN_GEMM), since every
-# path this CPU has must pass it.
+# ctest, then runs it again under each lower ISA level and with each GEMM that is only taken when
+# forced, since every path this CPU has must pass it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/install_deps.sh
@@ -12,14 +12,19 @@ echo "format: the sources match .clang-format"
 tools/build.sh -DCPUTRAIN_WERROR=ON
 cd build
 ctest --output-on-failure --timeout 900 "$@"
-backends=(onednn eigen reference)
-if grep -qw avx512f /proc/cpuinfo; then
-  backends=(avx512 "${backends[@]}")
-fi
-if grep -qw amx_bf16 /proc/cpuinfo; then
-  backends=(amx "${backends[@]}")
-fi
-for backend in "${backends[@]}"; do
+# Every lower ISA level as the ceiling runs each kernel family's builds for that level
+# (kernels/dispatch.h); oneDNN and the reference GEMM are taken only when forced.
+flags=$(grep -m1 '^flags' /proc/cpuinfo)
+levels=()
+has() { [[ " ${flags} " == *" $1 "* ]]; }
+if has avx512f; then levels+=(avx2); fi
+if has avx512_bf16; then levels+=(avx512); fi
+if has amx_bf16; then levels+=(avx512_bf16); fi
+for level in "${levels[@]}"; do
+  echo "== the suite again with CPUTRAIN_ISA=${level}"
+  CPUTRAIN_ISA=${level} ctest --output-on-failure --timeout 900 "$@"
+done
+for backend in onednn reference; do
   echo "== the suite again with CPUTRAIN_GEMM=${backend}"
   CPUTRAIN_GEMM=${backend} ctest --output-on-failure --timeout 900 "$@"
 done

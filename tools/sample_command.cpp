@@ -30,6 +30,7 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
+  add_kernel_flags(app, a.kernels);
 }
 
 int run_sample(const SampleArgs& a) {
@@ -41,7 +42,7 @@ int run_sample(const SampleArgs& a) {
   if (!std::filesystem::is_directory(a.run))
     throw UserError("--run " + a.run + ": no such run directory");
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
-  select_gemm_backend("");
+  select_kernels(a.kernels);
   const RunConfig config = read_run_config(a.run + "/config.json");
   const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
   if (tokenizer.vocab_size() != config.model.vocab)

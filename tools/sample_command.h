@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tools/train_command.h"
+
 namespace cputrain {
 
 struct SampleArgs {
@@ -16,6 +18,7 @@ struct SampleArgs {
   double top_p = 1.0;
   uint64_t seed = 1;
   int threads = 0;
+  KernelArgs kernels;
 };
 
 void add_sample_flags(CLI::App& app, SampleArgs& args);

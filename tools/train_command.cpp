@@ -7,14 +7,17 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "engine/atomic_file.h"
@@ -28,6 +31,7 @@
 #include "engine/weights_file.h"
 #include "kernels/attention.h"
 #include "kernels/cpu_features.h"
+#include "kernels/dispatch.h"
 #include "kernels/gemm.h"
 #include "kernels/peak.h"
 #include "models/generate.h"
@@ -169,9 +173,8 @@ int64_t memory_limit_bytes(double gib) {
 }
 
 std::string describe_compute() {
-  return fmt::format("cpu: {}; gemm: {} (available: {})", kernels::cpu_features_string(),
-                     kernels::gemm_backend_name(kernels::gemm_backend()),
-                     kernels::gemm_available_backends());
+  return fmt::format("cpu: {}; kernels: {} (gemm available: {})", kernels::cpu_features_string(),
+                     kernels::kernel_choices(), kernels::gemm_available_backends());
 }
 
 namespace {
@@ -245,6 +248,31 @@ class StopSignals {
   std::atomic<bool> quit_{false};
   std::thread watcher_;
 };
+
+// For tests that interrupt a run at a known step, whatever the machine's speed:
+// CPUTRAIN_TEST_HOLD_STEP=N holds the loop before step N until a stop signal has arrived (then
+// step N runs and the run stops after it); "N+" holds it for good, so that only a second signal
+// ends the run, in the middle of step N.
+struct TestHold {
+  int64_t step = -1;
+  bool forever = false;
+};
+TestHold test_hold() {
+  TestHold h;
+  const char* env = std::getenv("CPUTRAIN_TEST_HOLD_STEP");
+  if (env == nullptr || *env == '\0') return h;
+  char* end = nullptr;
+  h.step = std::strtoll(env, &end, 10);
+  h.forever = std::string_view(end) == "+";
+  if (end == env || h.step < 1 || (*end != '\0' && !h.forever))
+    throw UserError(std::string("CPUTRAIN_TEST_HOLD_STEP=") + env +
+                    ": must be a step, or a step and +");
+  return h;
+}
+void wait_for_stop_signal(bool forever) {
+  while (forever || g_stop_signal.load() == 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
 
 std::string save_training_checkpoint(const std::string& out, int64_t step,
                                      const ParameterSet& params, const AdamW& adamw,
@@ -364,10 +392,7 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--log-every", a.log_every, "Log a line every N steps")
       ->capture_default_str()
       ->check(positive());
-  app.add_option(
-      "--gemm", a.gemm,
-      "GEMM implementation: amx, avx512, onednn, eigen or reference (default: the fastest "
-      "this CPU runs; the CPUTRAIN_GEMM environment variable also sets it)");
+  add_kernel_flags(app, a.kernels);
   app.add_option("--dtype", a.dtype,
                  "Training precision: bf16 (bf16 GEMMs and saved activations, FP32 master weights) "
                  "or fp32 (default: bf16 where the GEMM has bf16 instructions, else fp32)")
@@ -403,19 +428,39 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->check(positive());
 }
 
-void select_gemm_backend(const std::string& flag) {
-  kernels::GemmBackend backend;
+void add_kernel_flags(CLI::App& app, KernelArgs& a) {
+  app.add_option("--gemm", a.gemm,
+                 "GEMM implementation: amx, avx512, eigen, onednn or reference (default: the "
+                 "fastest this CPU runs; as --kernel gemm=NAME or CPUTRAIN_GEMM=NAME)");
+  app.add_option("--kernel", a.kernel,
+                 "FAMILY=NAME: force one kernel family's implementation (families: " +
+                     kernels::kernel_families() + "; also CPUTRAIN_<FAMILY>=NAME); repeatable");
+  app.add_option("--isa", a.isa,
+                 "Highest instruction set any kernel may use: avx2, avx512, avx512_bf16 or amx "
+                 "(default: all this CPU has; also CPUTRAIN_ISA)");
+}
+
+void select_kernels(const KernelArgs& a) {
   try {
-    backend = kernels::gemm_backend();  // reads CPUTRAIN_GEMM on first use
-    kernels::attention_bf16_native();   // reads CPUTRAIN_ATTENTION on first use
+    if (!a.isa.empty()) {
+      kernels::Isa isa;
+      if (!kernels::isa_from_name(a.isa, &isa) || isa > kernels::cpu_isa())
+        throw UserError("--isa " + a.isa + ": not a level this CPU runs (avx2 up to " +
+                        std::string(kernels::isa_name(kernels::cpu_isa())) + ")");
+      kernels::set_isa_ceiling(isa);
+    }
+    for (const std::string& k : a.kernel) {
+      const size_t eq = k.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == k.size())
+        throw UserError("--kernel " + k +
+                        ": must be FAMILY=NAME (families: " + kernels::kernel_families() + ")");
+      kernels::force_kernel(k.substr(0, eq), k.substr(eq + 1));
+    }
+    if (!a.gemm.empty()) kernels::force_kernel("gemm", a.gemm, "--gemm " + a.gemm);
+    kernels::kernel_choices();
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
   }
-  if (flag.empty()) return;
-  if (!kernels::gemm_backend_from_name(flag, &backend) || !kernels::gemm_backend_available(backend))
-    throw UserError("--gemm " + flag + ": not an implementation this CPU runs (" +
-                    kernels::gemm_available_backends() + ")");
-  kernels::gemm_set_backend(backend);
 }
 
 int run_train(const TrainArgs& args) {
@@ -430,13 +475,13 @@ int run_train(const TrainArgs& args) {
     if (!fs::is_directory(out)) throw UserError("--resume " + out + ": no such run directory");
     config = read_run_config(out + "/config.json");
     config.threads = args.threads > 0 ? args.threads : omp_get_num_procs();
-    select_gemm_backend(args.gemm);
+    select_kernels(args.kernels);
     dtype_reason = "as the run began";
     if (list_checkpoints(out).empty())
       throw UserError("--resume " + out + ": no checkpoint in " + checkpoint_dir(out));
   } else {
     config = resolve_run_config(args);
-    select_gemm_backend(args.gemm);
+    select_kernels(args.kernels);
     config.dtype = choose_dtype(args.dtype, &dtype_reason);
     out = args.out.empty() ? "runs/" + config.preset : args.out;
   }
@@ -652,7 +697,9 @@ int run_train(const TrainArgs& args) {
                 sig == SIGINT ? "SIGINT" : "SIGTERM");
     });
     const Stopwatch loop_time;
+    const TestHold hold = test_hold();
     for (int64_t step = first_step; step <= config.steps; ++step) {
+      if (step == hold.step) wait_for_stop_signal(hold.forever);
       const bool profile_step = args.profile && (step > first_step || first_step == config.steps);
       profiler::set_enabled(profile_step);
       const StepResult r = trainer.step(train_tokens, step);

@@ -4,10 +4,22 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tools/run_config.h"
 
 namespace cputrain {
+
+// Which kernels run (kernels/dispatch.h): flags every command that computes takes.
+struct KernelArgs {
+  std::string gemm;                 // --gemm NAME: as --kernel gemm=NAME
+  std::vector<std::string> kernel;  // --kernel FAMILY=NAME, repeatable
+  std::string isa;                  // --isa LEVEL: the highest ISA level any kernel may use
+};
+void add_kernel_flags(CLI::App& app, KernelArgs& args);
+// Applies the flags and makes every kernel family choose now; a UserError naming the flag or
+// variable for a name this CPU cannot run, a malformed --kernel or a bad CPUTRAIN_* variable.
+void select_kernels(const KernelArgs& args);
 
 // Flags as given; -1 (or empty) means "take the preset's value".
 struct TrainArgs {
@@ -42,7 +54,7 @@ struct TrainArgs {
   int64_t sample_every = 0;
   int64_t sample_tokens = 80;
   int64_t log_every = 1;
-  std::string gemm;
+  KernelArgs kernels;
   std::string dtype;                 // "bf16", "fp32", or empty: choose_dtype's default
   std::string resume;                // a run directory to continue from its latest checkpoint
   int64_t save_every = -1;           // checkpoint every N steps; -1: steps / 10
@@ -54,9 +66,6 @@ struct TrainArgs {
 };
 
 void add_train_flags(CLI::App& app, TrainArgs& args);
-// Applies --gemm (empty: keep the default); a UserError for a name this CPU cannot run, or a bad
-// CPUTRAIN_GEMM or CPUTRAIN_ATTENTION.
-void select_gemm_backend(const std::string& flag);
 int run_train(const TrainArgs& args);
 
 // The presets' values with the flags' overrides, validated; a UserError naming the flag.
@@ -75,7 +84,8 @@ void prepare_run_dir(const std::string& dir);
 DType choose_dtype(const std::string& flag, std::string* why);
 // --mem-limit in bytes, or MemAvailable when it is 0.
 int64_t memory_limit_bytes(double mem_limit_gib);
-// "cpu: <features>; gemm: <path> (available: ...)" for the start-up log.
+// "cpu: <features>; kernels: gemm amx, attention amx, ... (gemm available: ...)" for the
+// start-up log.
 std::string describe_compute();
 
 }  // namespace cputrain

@@ -257,7 +257,7 @@ std::vector<double> from_bf16(const std::vector<uint16_t>& x) {
 // error up to 2^-9 each) and so is the output, so the tolerance is that of a few bf16 roundings,
 // not of FP32; lse comes from FP32 scores.
 TEST_P(AttentionTiles, Bf16MatchesReference) {
-  if (!attention_bf16_native()) GTEST_SKIP() << "no AVX-512 BF16 here, or a lower GEMM path forced";
+  if (!attention_bf16_native()) GTEST_SKIP() << "the attention chosen has no bf16 instructions";
   const Dims s = GetParam();
   const auto q = to_bf16(random_floats(s.n(), 11, -2.0f, 2.0f));
   const auto k = to_bf16(random_floats(s.kv_n(), 12, -2.0f, 2.0f));
@@ -320,7 +320,7 @@ TEST_P(AttentionTiles, Bf16MatchesReference) {
 // dK; by K and Q less their means (the kernel) 2.9e-3 and 1.9e-3, about what the rounding of dO
 // leaves in dV (2.3e-3).
 TEST(AttentionBf16, GradientsAccurateWhenKeysAndQueriesShareAComponent) {
-  if (!attention_bf16_native()) GTEST_SKIP() << "no AVX-512 BF16 here, or a lower GEMM path forced";
+  if (!attention_bf16_native()) GTEST_SKIP() << "the attention chosen has no bf16 instructions";
   const Dims s{1, 256, 4, 4, 64};
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -16,6 +16,7 @@
 
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
+#include "kernels/dispatch.h"
 #include "kernels/gemm.h"
 #include "kernels/gemm_isa.h"
 #include "kernels/gemm_test_hooks.h"
@@ -152,9 +153,9 @@ class GemmTest : public ::testing::TestWithParam<std::tuple<GemmBackend, int>> {
     saved_backend_ = gemm_backend();
     saved_threads_ = omp_get_max_threads();
     const GemmBackend backend = std::get<0>(GetParam());
-    if (backend == GemmBackend::Amx && !cpu_features().amx_bf16)
+    if (backend == GemmBackend::Amx && !isa_usable(Isa::Amx))
       GTEST_SKIP() << "AMX is absent on this CPU (" << cpu_features_string()
-                   << "): the AMX path is not tested here";
+                   << ") or above CPUTRAIN_ISA: the AMX path is not tested here";
     if (backend == GemmBackend::Amx && !gemm_backend_available(backend))
       GTEST_FAIL() << "this CPU has AMX but the AMX GEMM failed its self-test against AVX-512";
     if (!gemm_backend_available(backend))
@@ -455,7 +456,7 @@ TEST_P(GemmTest, DirectPathGivesTheBlockedPathsBits) {
 // Which FP32 weight gradients take the direct path, on one thread and two: mega's, with up to 4x
 // as many rows as columns, and not with gemm_set_direct(false) (the fused path then).
 TEST(GemmPaths, DirectPathTakesTheFp32WeightGradientsOfMega) {
-  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the direct path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
   const RestoreThreads restore;
   constexpr Transpose T = Transpose::Yes, N = Transpose::No;
@@ -485,7 +486,7 @@ TEST(GemmPaths, DirectPathTakesTheFp32WeightGradientsOfMega) {
 // Operands whose rows do not start cache lines (an odd pointer or stride) take the fused path
 // instead of the direct one, and give the same bits as the same values stored on lines.
 TEST(GemmPaths, Fp32WeightGradientsOffCacheLinesTakeTheFusedPath) {
-  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the direct path is the avx512 kernels'";
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the direct path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
   const RestoreThreads restore;
   const Case c{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f, true};
@@ -531,7 +532,7 @@ TEST(GemmPaths, Fp32WeightGradientsOffCacheLinesTakeTheFusedPath) {
 // The cases of every row count a tile can end with (cases()) reach the paths they are there for:
 // the weight gradient the fused path, the forward product the blocked one.
 TEST(GemmPaths, RowTailCasesReachTheFusedAndTheBlockedPath) {
-  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the fused path is the avx512 kernels'";
   ASSERT_TRUE(gemm_fused());
   const RestoreThreads restore;
   for (int threads : {1, 2}) {
@@ -564,7 +565,7 @@ struct OnAvx512Kernels {
 // of one thread's, and rows are taken (within some calls: it depends on timing, and on a loaded
 // machine the two threads may not overlap in a given call).
 TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
-  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the fused path is the avx512 kernels'";
   const OnAvx512Kernels on_avx512;
   gemm_set_direct(false);  // FP32 would take the direct path
   const WeightGradientOperands ops({Transpose::Yes, Transpose::No, 280, 9 * 32, 2048, 0, 1.0f}, 30);
@@ -594,7 +595,7 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
 // block's slots), rows ending short of a micro-panel, beta 1 and 0; and rows are read from the
 // shared slots.
 TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
-  if (!cpu_features().avx512_bf16) GTEST_SKIP() << "the fused path is the avx512 kernels'";
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the fused path is the avx512 kernels'";
   const OnAvx512Kernels on_avx512;
   struct Setting {
     int threads;
@@ -646,11 +647,11 @@ TEST(GemmBackendNames, RoundTripAndAvailability) {
   EXPECT_FALSE(gemm_backend_from_name("avx9000", &parsed));
   EXPECT_FALSE(gemm_backend_from_name("", &parsed));
   EXPECT_TRUE(gemm_backend_available(GemmBackend::Reference));
-  EXPECT_EQ(gemm_backend_available(GemmBackend::Avx512), cpu_features().avx512);
-  // Where the CPU has AMX, the AMX GEMM must pass its start-up self-test and, unless a backend
-  // is forced, be the default.
-  EXPECT_EQ(gemm_backend_available(GemmBackend::Amx), cpu_features().amx_bf16);
-  if (cpu_features().amx_bf16 && !std::getenv("CPUTRAIN_GEMM")) {
+  EXPECT_EQ(gemm_backend_available(GemmBackend::Avx512), isa_usable(Isa::Avx512));
+  // Where the CPU has AMX (and CPUTRAIN_ISA allows it), the AMX GEMM must pass its start-up
+  // self-test and, unless a backend is forced, be the default.
+  EXPECT_EQ(gemm_backend_available(GemmBackend::Amx), isa_usable(Isa::Amx));
+  if (isa_usable(Isa::Amx) && !std::getenv("CPUTRAIN_GEMM")) {
     EXPECT_EQ(gemm_default_backend(), GemmBackend::Amx);
   }
   EXPECT_TRUE(gemm_backend_available(gemm_default_backend()));

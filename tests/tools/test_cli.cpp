@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cpu_features.h"
+#include "kernels/dispatch.h"
 
 namespace fs = std::filesystem;
 
@@ -62,12 +63,15 @@ class Cli : public ::testing::Test {
   }
   Result run(const std::string& args) const { return run("", args); }
 
-  // Starts cputrain with `args` in the background, its output to `log`; returns its pid.
-  static pid_t start(const std::string& args, const fs::path& log) {
+  // Starts cputrain with `args` in the background, its output to `log`, with
+  // CPUTRAIN_TEST_HOLD_STEP=`hold` (the loop waits before that step for a stop signal, or for
+  // good with "N+"; tools/train_command.cpp); returns its pid.
+  static pid_t start(const std::string& args, const fs::path& log, const std::string& hold) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       std::freopen(log.c_str(), "w", stdout);
       std::freopen(log.c_str(), "a", stderr);
+      ::setenv("CPUTRAIN_TEST_HOLD_STEP", hold.c_str(), 1);
       const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args;
       ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
@@ -75,15 +79,32 @@ class Cli : public ::testing::Test {
     return pid;
   }
 
-  // start() with `args` --out `run_dir`, the tokenizer and tokens of the run in `prepared` copied
-  // there first so that it trains at once; returns once `steps` steps are logged.
+  // Waits until `done` holds, for as long as a loaded machine may take; false if it never did.
+  template <typename Done>
+  static bool wait_until(Done done) {
+    for (int i = 0; i < 600'000; ++i) {
+      if (done()) return true;
+      ::usleep(1000);
+    }
+    return false;
+  }
+
+  // start() with `args` --out `run_dir` and `hold`, the tokenizer and tokens of the run in
+  // `prepared` copied there first so that it trains at once; returns once `steps` steps are
+  // logged (-1, the process killed, if they never are).
   static pid_t start_prepared(const std::string& args, const fs::path& prepared,
-                              const fs::path& run_dir, const fs::path& log, size_t steps) {
+                              const fs::path& run_dir, const fs::path& log, size_t steps,
+                              const std::string& hold) {
     fs::create_directories(run_dir);
     for (const char* f : {"tokenizer.model", "tokens.bin"})
       fs::copy_file(prepared / f, run_dir / f);
-    const pid_t pid = start(args + " --out " + run_dir.string(), log);
-    for (int i = 0; pid > 0 && i < 3000 && losses_of(run_dir).size() < steps; ++i) ::usleep(10000);
+    const pid_t pid = start(args + " --out " + run_dir.string(), log, hold);
+    if (pid < 0) return -1;
+    if (!wait_until([&] { return losses_of(run_dir).size() >= steps; })) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      return -1;
+    }
     return pid;
   }
 
@@ -137,9 +158,30 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
   expect_one_line_error(run("CPUTRAIN_GEMM=avx9000", base), "CPUTRAIN_GEMM=avx9000");
   expect_one_line_error(run("CPUTRAIN_ATTENTION=bogus", base), "CPUTRAIN_ATTENTION=bogus");
+  expect_one_line_error(run("CPUTRAIN_ISA=avx9000", base), "CPUTRAIN_ISA=avx9000");
+  expect_one_line_error(run(base + " --kernel swiglu=avx9000"), "--kernel swiglu=avx9000");
+  expect_one_line_error(run(base + " --kernel avx2"), "--kernel avx2");
+  expect_one_line_error(run(base + " --kernel softmax=avx2"), "--kernel softmax=avx2");
+  expect_one_line_error(run(base + " --isa avx9000"), "--isa avx9000");
   expect_one_line_error(run(base + " --bogus"), "--bogus");
   expect_one_line_error(run(base + " --batch two"), "--batch");
   EXPECT_FALSE(fs::exists(dir_ / "run" / "model.bin"));
+}
+
+// --isa lowers every family's choice, --kernel and --gemm force one; the log names them all.
+TEST_F(Cli, KernelFlagsChooseEachFamilyAndTheLogSaysWhich) {
+  const std::string base = "--preset tiny --steps 1 --save-every 0 --sample-tokens 0 --corpus " +
+                           write_corpus(50).string() + " --out " + (dir_ / "run").string();
+  const Result capped = run(base + " --isa avx2 --gemm reference");
+  ASSERT_EQ(capped.exit_code, 0) << capped.err;
+  EXPECT_NE(capped.out.find("kernels: gemm reference, attention avx2, swiglu avx2, "
+                            "cross_entropy avx2, peak avx2"),
+            std::string::npos)
+      << capped.out;
+  fs::remove_all(dir_ / "run");
+  const Result forced = run("CPUTRAIN_SWIGLU=avx2", base + " --kernel cross_entropy=avx2");
+  ASSERT_EQ(forced.exit_code, 0) << forced.err;
+  EXPECT_NE(forced.out.find("swiglu avx2, cross_entropy avx2"), std::string::npos) << forced.out;
 }
 
 TEST_F(Cli, MissingAndEmptyCorpus) {
@@ -390,7 +432,7 @@ TEST_F(Cli, BudgetTakesTheShapeFlagsAndTheThreads) {
             512 * 64 * 4);
   EXPECT_EQ(plain["parameters"].get<int64_t>() - tied["parameters"].get<int64_t>(), 512 * 64);
   // Our blocked GEMM packs per thread (oneDNN, Eigen and the reference keep no buffers of ours).
-  if (!cputrain::kernels::cpu_features().avx512) return;
+  if (!cputrain::kernels::isa_usable(cputrain::kernels::Isa::Avx512)) return;
   const nlohmann::json one = budget("--preset mini --gemm avx512 --threads 1");
   const nlohmann::json two = budget("--preset mini --gemm avx512 --threads 2");
   EXPECT_LT(one["workspace_bytes"].get<int64_t>(), two["workspace_bytes"].get<int64_t>());
@@ -487,7 +529,8 @@ TEST_F(Cli, ResumeIsBitwiseTheRunThatNeverStopped) {
 }
 
 // SIGINT during training: the step finishes, a checkpoint is saved, the exit status is 130;
-// resuming completes a run whose losses equal an uninterrupted one's.
+// resuming completes a run whose losses equal an uninterrupted one's. The run is held before
+// step 4 until the signal arrives, so it stops after step 4 however fast the machine is.
 TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   const std::string corpus = write_corpus(200).string();
   const std::string flags =
@@ -496,25 +539,19 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
       corpus;
   const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
   ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
-  // Interrupt once a few steps are logged.
-  const pid_t pid = start_prepared(flags, straight, stopped, dir_ / "stopped.log", 3);
-  ASSERT_GE(pid, 0);
+  const pid_t pid = start_prepared(flags, straight, stopped, dir_ / "stopped.log", 3, "4");
+  ASSERT_GE(pid, 0) << read_all(dir_ / "stopped.log");
   ::kill(pid, SIGINT);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status)) << "killed by signal " << WTERMSIG(status) << "\n"
                                  << read_all(dir_ / "stopped.log");
   EXPECT_EQ(WEXITSTATUS(status), 130) << read_all(dir_ / "stopped.log");
-  const size_t done = losses_of(stopped).size();
-  ASSERT_GE(done, 3u);
-  ASSERT_LT(done, 120u) << "the run ended before the interrupt";
-  EXPECT_NE(read_all(dir_ / "stopped.log")
-                .find("interrupted (SIGINT) after step " + std::to_string(done)),
+  ASSERT_EQ(losses_of(stopped).size(), 4u);
+  EXPECT_NE(read_all(dir_ / "stopped.log").find("interrupted (SIGINT) after step 4"),
             std::string::npos)
       << read_all(dir_ / "stopped.log");
-  char name[32];
-  std::snprintf(name, sizeof(name), "step-%08zu.ckpt", done);
-  EXPECT_TRUE(fs::exists(stopped / "checkpoints" / name));
+  EXPECT_TRUE(fs::exists(stopped / "checkpoints" / "step-00000004.ckpt"));
   EXPECT_FALSE(fs::exists(stopped / "model.bin"));
 
   const Result r = run("--resume " + stopped.string() + " --sample-tokens 1");
@@ -524,23 +561,23 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
 }
 
 // A second SIGINT, sent once the first is acknowledged, before the step ends, ends the run at
-// once by the signal's default action, without a checkpoint (steps of 128 sequences, long
-// enough for it to arrive first).
+// once by the signal's default action, without a checkpoint (the run is held in step 3 for good,
+// so the second signal always arrives inside it).
 TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
   const std::string flags =
-      "--preset tiny --vocab 300 --batch 128 --save-every 100000 "
+      "--preset tiny --vocab 300 --batch 4 --save-every 100000 "
       "--eval-windows 2 --sample-tokens 1 --dtype fp32 --corpus " +
       write_corpus(200).string();
   const fs::path prepared = dir_ / "prepared", twice = dir_ / "twice";
   ASSERT_EQ(run(flags + " --steps 1 --out " + prepared.string()).exit_code, 0);
   const pid_t pid =
-      start_prepared(flags + " --steps 100000", prepared, twice, dir_ / "twice.log", 2);
-  ASSERT_GE(pid, 0);
+      start_prepared(flags + " --steps 100000", prepared, twice, dir_ / "twice.log", 2, "3+");
+  ASSERT_GE(pid, 0) << read_all(dir_ / "twice.log");
   ::kill(pid, SIGINT);
   const std::string acknowledged = "SIGINT: the run stops after this step";
-  for (int i = 0; i < 30000 && read_all(dir_ / "twice.log").find(acknowledged) == std::string::npos;
-       ++i)
-    ::usleep(1000);
+  ASSERT_TRUE(wait_until([&] {
+    return read_all(dir_ / "twice.log").find(acknowledged) != std::string::npos;
+  })) << read_all(dir_ / "twice.log");
   ::kill(pid, SIGINT);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -549,6 +586,7 @@ TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
   EXPECT_EQ(WTERMSIG(status), SIGINT);
   EXPECT_EQ(read_all(dir_ / "twice.log").find("interrupted (SIGINT)"), std::string::npos)
       << read_all(dir_ / "twice.log");
+  EXPECT_EQ(losses_of(twice).size(), 2u);
   EXPECT_FALSE(fs::exists(twice / "checkpoints"));
 }
 
