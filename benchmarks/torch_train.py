@@ -23,19 +23,21 @@ process and prints on its first line (stderr):
 - ATen kernels: ATEN_CPU_CAPABILITY=avx512 where the CPU has AVX-512 (PyTorch 1.13 otherwise
   picks its AVX2 kernels); the line prints the capability in use.
 - oneDNN (bf16 products under autocast): AMX where the CPU has it and a bf16 product and its
-  gradient on AMX complete correctly in a child process first; otherwise, and where oneDNN's
-  AMX kernels have died on SIGILL, at most AVX512_CORE_BF16. ONEDNN_MAX_CPU_ISA, if set, wins.
-- allocator: glibc malloc keeping freed memory (mmap threshold and trim threshold at 4 GiB, one
-  arena), so the attention scores (128 MiB per layer in mega) are not handed back to the kernel
-  and faulted in again every layer; --allocator system leaves glibc's defaults, jemalloc and
-  tcmalloc preload Debian's libjemalloc2 / libtcmalloc-minimal4 (also set to keep memory).
+  gradient on AMX complete correctly in a child process first; otherwise (no AMX, or a probe
+  that fails, as oneDNN 2.6's AMX kernels dying on SIGILL would) at most AVX512_CORE_BF16.
+  ONEDNN_MAX_CPU_ISA, if set, wins.
+- allocator: TCMalloc (Debian's libtcmalloc-minimal4, preloaded), which keeps the memory freed
+  (TCMALLOC_RELEASE_RATE=0) for later allocations. With glibc's defaults every block over 32 MiB
+  (the attention scores are 128 MiB per layer in mega) is a fresh mmap whose pages the kernel
+  faults in and zeroes, and the process spends about as long in the kernel as in PyTorch.
+  --allocator glibc keeps glibc and sets it to keep freed memory (more peak RSS, several steps
+  to settle), jemalloc preloads libjemalloc2 likewise, system leaves glibc as it is.
 Setting these takes environment variables read when the process starts, so the script re-runs
 itself once with them. Installed by `tools/install_deps.sh --torch`.
 """
 import argparse
 import ctypes
 import json
-import math
 import os
 import resource
 import statistics
@@ -102,7 +104,7 @@ def parse_args():
                     help=f"steps in all; the first {WARMUP} are warm-up, left out of the medians")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="default: all cores this process may run on")
-    ap.add_argument("--allocator", default="glibc", choices=ALLOCATORS)
+    ap.add_argument("--allocator", default="tcmalloc", choices=ALLOCATORS)
     ap.add_argument("--blas", default="openblas", choices=["openblas", "system"],
                     help="system: whichever libblas.so.3 update-alternatives points at")
     ap.add_argument("--checkpoint", action="store_true", help="per-layer activation checkpointing")
@@ -138,7 +140,7 @@ def configure(args):
             notes.append(f"no {OPENBLAS_DIR}/libblas.so.3 (tools/install_deps.sh --torch)")
     library, allocator_env = ALLOCATORS[args.allocator]
     if library and not os.path.exists(library):
-        notes.append(f"no {library}, glibc kept as configured for --allocator glibc")
+        notes.append(f"no {library} (tools/install_deps.sh --torch): glibc as --allocator glibc")
         library, allocator_env = ALLOCATORS["glibc"]
     if library:
         prepend(env, "LD_PRELOAD", library)
@@ -192,23 +194,25 @@ def configuration(args):
     blas = sorted(mapped("libblas.so", "libopenblas"), key=lambda p: "libblas.so" not in p)
     blas_text = " + ".join(blas) or "none mapped"
     openblas = [p for p in blas if os.path.basename(p).startswith("libopenblas")]
-    if openblas:
-        lib = ctypes.CDLL(openblas[0])
-        lib.openblas_get_config.restype = ctypes.c_char_p
-        blas_text += f" ({lib.openblas_get_config().decode()})"
-    capability = next((line.split(":", 1)[1].strip() for line in torch.__config__.show().splitlines()
-                       if "CPU capability usage" in line), "?")
+    try:
+        get_config = ctypes.CDLL(openblas[0]).openblas_get_config
+        get_config.restype = ctypes.c_char_p
+        blas_text += f" ({get_config().decode()})"
+    except (IndexError, OSError, AttributeError):
+        pass
+    capability = next((line.split(":", 1)[1].strip()
+                        for line in torch.__config__.show().splitlines()
+                        if "CPU capability usage" in line), "?")
     try:
         isa = ctypes.CDLL("libdnnl.so.2").dnnl_get_effective_cpu_isa()
         onednn = ONEDNN_ISAS.get(isa, hex(isa))
     except (OSError, AttributeError):
         onednn = "?"
-    library, allocator_env = ALLOCATORS[args.allocator]
+    allocator_env = ALLOCATORS[args.allocator][1]
     preloaded = mapped("libjemalloc", "libtcmalloc")
     allocator = " + ".join(preloaded) if preloaded else "glibc"
-    settings = [f"{n}={os.environ[n]}" for n in
-                sorted(set(allocator_env) | set(ALLOCATORS["glibc"][1]) | {"MALLOC_CONF", "GLIBC_TUNABLES"})
-                if n in os.environ]
+    names = set(allocator_env) | set(ALLOCATORS["glibc"][1]) | {"MALLOC_CONF", "GLIBC_TUNABLES"}
+    settings = [f"{n}={os.environ[n]}" for n in sorted(names) if n in os.environ]
     if settings:
         allocator += " " + " ".join(settings)
     notes = os.environ.get(CONFIGURED, "")
@@ -326,7 +330,8 @@ def main(args):
         after = resource.getrusage(resource.RUSAGE_SELF)
         times.append(elapsed)
         print(f"step {step} loss {losses[-1]:.4f} {elapsed * 1000:.0f} ms (CPU user "
-              f"{after.ru_utime - before.ru_utime:.1f} s, sys {after.ru_stime - before.ru_stime:.1f} s, "
+              f"{after.ru_utime - before.ru_utime:.1f} s, "
+              f"sys {after.ru_stime - before.ru_stime:.1f} s, "
               f"{after.ru_minflt - before.ru_minflt} page faults)"
               f"{' warm-up' if step < WARMUP and args.steps > WARMUP else ''}", file=sys.stderr)
     # with no more steps than the warm-up, the last step stands for them

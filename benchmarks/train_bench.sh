@@ -2,8 +2,9 @@
 # Training throughput, cputrain next to PyTorch, in one run on one machine. Each argument is
 # "<preset> <dtype>" (dtype fp32 or bf16); default: mini and mega in both. For each, cputrain
 # trains STEPS steps (default 6; batch, ctx as the preset, accumulation 1, no checkpointing) and
-# benchmarks/torch_train.py the same architecture with the same batch, ctx and vocabulary
-# (TORCH_STEPS timed steps, default 3, after one warm-up; TORCH=0 skips it). Prints one
+# benchmarks/torch_train.py the same architecture with the same batch, ctx and vocabulary, in
+# PyTorch's fastest configuration here, which it prints (TORCH_STEPS steps, default 6, the first
+# two warm-up; TORCH=0 skips it). Prints one
 # Markdown row per run: tokens/s and ms/step (medians of the steps after the first), MFU, peak
 # RSS, and ours / PyTorch. MFU = tokens/s x FLOPs per token over the peak of that dtype measured
 # here by bench_gemm first (bf16: AMX tdpbf16ps where the CPU has AMX, else vdpbf16ps); FLOPs per
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${STEPS:-6}
-torch_steps=${TORCH_STEPS:-3}
+torch_steps=${TORCH_STEPS:-6}
 dir=${CPUTRAIN_BENCH_DIR:-runs/train_bench}
 mkdir -p "$dir"
 format=markdown
@@ -90,5 +91,10 @@ else:
           f"| - | - | - | - | - | - |")
 EOF
 done
-[[ $format == json ]] && echo "]"
+if [[ $format == json ]]; then
+  echo "]"
+elif [[ "${TORCH:-1}" != 0 ]]; then
+  echo
+  echo "PyTorch configuration: $(head -1 "$dir/$(echo "$1" | tr ' ' '-').torch.log")"
+fi
 exit 0

@@ -8,7 +8,7 @@ packages=(g++ cmake make pkg-config libdnnl-dev libeigen3-dev libsentencepiece-d
           libspdlog-dev libgtest-dev libbenchmark-dev libcli11-dev
           nlohmann-json3-dev fortunes clang-format)
 if [[ "${1:-}" == "--torch" ]]; then
-  packages+=(python3 python3-torch libopenblas0)
+  packages+=(python3 python3-torch libopenblas0-openmp libtcmalloc-minimal4)
 fi
 if [[ "${1:-}" == "--fuzz" ]]; then
   packages+=(clang libclang-rt-14-dev)
