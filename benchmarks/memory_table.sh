@@ -15,7 +15,7 @@ echo "| preset | dtype | checkpoint | batch x ctx | budget | peak RSS | gap | ac
 echo "|---|---|---|---|---|---|---|---|---|---|---|"
 for row in "$@"; do
   read -r preset dtype checkpoint batch <<<"$row"
-  cmd="build/cputrain --preset $preset --dtype $dtype --checkpoint $checkpoint --batch $batch --accum 1 --steps $steps --eval-windows 1 --sample-tokens 1 --out $dir${EXTRA:+ $EXTRA}"
+  cmd="build/cputrain --preset $preset --dtype $dtype --checkpoint $checkpoint --batch $batch --accum 1 --steps $steps --eval-windows 1 --sample-tokens 1 --overwrite --out $dir${EXTRA:+ $EXTRA}"
   if ! $cmd >"$dir.log" 2>&1; then
     echo "| $preset | $dtype | $checkpoint | $batch | failed: $(tail -1 "$dir.log") | | | | | | \`$cmd\` |"
     continue

@@ -41,7 +41,7 @@ for row in "$@"; do
   read -r preset dtype <<<"$row"
   run="$dir"  # one directory: the tokenizer and token cache are made once
   build/cputrain --preset "$preset" --dtype "$dtype" --checkpoint none --accum 1 --steps "$steps" \
-    --eval-windows 1 --sample-tokens 1 --save-every 0 --out "$run" >"$run/$preset-$dtype.log" 2>&1 ||
+    --eval-windows 1 --sample-tokens 1 --save-every 0 --overwrite --out "$run" >"$run/$preset-$dtype.log" 2>&1 ||
     { echo "cputrain $preset $dtype failed: $(tail -1 "$run/$preset-$dtype.log")" >&2; continue; }
   torch_json="{}"
   if [[ "${TORCH:-1}" != 0 ]]; then

@@ -17,6 +17,7 @@
 #include "engine/trainer.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
+#include "tools/run_dir.h"
 
 namespace cputrain {
 namespace {
@@ -178,6 +179,15 @@ int run_parity(const ParityArgs& a) {
   select_kernels(targs.kernels);
   const std::string out = targs.out.empty() ? "runs/parity-" + config.preset : targs.out;
   prepare_run_dir(out);
+  const RunDirLock lock(out, "--out");
+  if (const DirSurvey survey = survey_dir(out);
+      survey.kind == DirKind::Run || survey.kind == DirKind::Other)
+    throw UserError(
+        "--out " + out + " holds " +
+        (survey.kind == DirKind::Run ? "a training run" : "files parity did not write") + " (" +
+        survey.evidence +
+        "), whose tokenizer and token cache parity would replace: choose another "
+        "directory");
   omp_set_num_threads(config.threads);
 
   spdlog::sink_ptr console;

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/install_deps.sh
 tools/build.sh
-exec build/cputrain --preset mini --out runs/mini "$@"
+exec build/cputrain --preset mini --out runs/mini --overwrite "$@"

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
@@ -42,6 +43,7 @@
 #include "tools/mfu_peak.h"
 #include "tools/progress.h"
 #include "tools/run_config.h"
+#include "tools/run_dir.h"
 
 namespace cputrain {
 namespace {
@@ -250,9 +252,9 @@ class StopSignals {
 };
 
 // For tests that interrupt a run at a known step, whatever the machine's speed:
-// CPUTRAIN_TEST_HOLD_STEP=N holds the loop before step N until a stop signal has arrived (then
-// step N runs and the run stops after it); "N+" holds it for good, so that only a second signal
-// ends the run, in the middle of step N.
+// CPUTRAIN_TEST_HOLD_STEP=N holds the loop before step N, saying so on stderr, until a stop signal
+// has arrived (then step N runs and the run stops after it); "N+" holds it for good, so that only
+// a second signal ends the run, in the middle of step N.
 struct TestHold {
   int64_t step = -1;
   bool forever = false;
@@ -269,7 +271,10 @@ TestHold test_hold() {
                     ": must be a step, or a step and +");
   return h;
 }
-void wait_for_stop_signal(bool forever) {
+void wait_for_stop_signal(int64_t step, bool forever) {
+  std::fprintf(stderr, "CPUTRAIN_TEST_HOLD_STEP: holding before step %lld\n",
+               static_cast<long long>(step));
+  std::fflush(stderr);
   while (forever || g_stop_signal.load() == 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
@@ -405,6 +410,9 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--resume", a.resume,
                  "Continue the run in this directory from its latest checkpoint, with its own "
                  "configuration (bitwise as if it had not stopped)");
+  app.add_flag("--overwrite", a.overwrite,
+               "Replace the run already in --out: it is moved to <out>/.replaced and deleted once "
+               "the new run has completed its first step");
   app.add_option("--save-every", a.save_every,
                  "Save a checkpoint every N steps (default: steps / 10; 0: only at the end); also "
                  "at the end and on SIGINT or SIGTERM")
@@ -486,6 +494,20 @@ int run_train(const TrainArgs& args) {
     out = args.out.empty() ? "runs/" + config.preset : args.out;
   }
   prepare_run_dir(out);
+  const RunDirLock lock(out, resuming ? "--resume" : "--out");
+  bool replacing = false;
+  if (!resuming) {
+    const DirSurvey survey = survey_dir(out);
+    if (survey.kind == DirKind::Run && !args.overwrite)
+      throw UserError("--out " + out + " already holds a run (" + survey.evidence +
+                      "): continue it with --resume " + out + ", or replace it with --overwrite");
+    if (survey.kind == DirKind::Parity || survey.kind == DirKind::Other)
+      throw UserError("--out " + out + " holds files that are not a training run (" +
+                      survey.evidence + "): choose a new or empty directory");
+    if (survey.kind == DirKind::Run) set_run_aside(out);
+    // Also a run set aside by an --overwrite that stopped before its first step.
+    replacing = args.overwrite && (survey.kind == DirKind::Run || has_replaced_run(out));
+  }
   omp_set_num_threads(config.threads);
   // On a terminal a progress line with the time left stays under the log.
   auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1);
@@ -699,7 +721,7 @@ int run_train(const TrainArgs& args) {
     const Stopwatch loop_time;
     const TestHold hold = test_hold();
     for (int64_t step = first_step; step <= config.steps; ++step) {
-      if (step == hold.step) wait_for_stop_signal(hold.forever);
+      if (step == hold.step) wait_for_stop_signal(step, hold.forever);
       const bool profile_step = args.profile && (step > first_step || first_step == config.steps);
       profiler::set_enabled(profile_step);
       const StepResult r = trainer.step(train_tokens, step);
@@ -752,6 +774,11 @@ int run_train(const TrainArgs& args) {
         val = fmt::format(" | val {:.4f}", v);
       }
       metrics << m.dump() << "\n" << std::flush;
+      if (replacing) {
+        replacing = false;
+        if (remove_replaced_run(out))
+          log->info("the run this one replaces (--overwrite) is deleted: this one has started");
+      }
       if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
         log->info(
             "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "

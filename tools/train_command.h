@@ -57,6 +57,7 @@ struct TrainArgs {
   KernelArgs kernels;
   std::string dtype;                 // "bf16", "fp32", or empty: choose_dtype's default
   std::string resume;                // a run directory to continue from its latest checkpoint
+  bool overwrite = false;            // replace a run already in --out
   int64_t save_every = -1;           // checkpoint every N steps; -1: steps / 10
   int64_t keep = 3;                  // checkpoints kept
   double mem_limit_gib = 0.0;        // GiB the run may use; 0: MemAvailable at start

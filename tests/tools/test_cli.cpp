@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -89,9 +90,9 @@ class Cli : public ::testing::Test {
     return false;
   }
 
-  // start() with `args` --out `run_dir` and `hold`, the tokenizer and tokens of the run in
-  // `prepared` copied there first so that it trains at once; returns once `steps` steps are
-  // logged (-1, the process killed, if they never are).
+  // start() with `args` --out `run_dir`, the tokenizer and tokens of the run in `prepared` copied
+  // there first so that it trains at once, held before step `steps` + 1 (`hold` is "steps + 1",
+  // or that and "+"); returns once it holds there (-1, the process killed, if it never does).
   static pid_t start_prepared(const std::string& args, const fs::path& prepared,
                               const fs::path& run_dir, const fs::path& log, size_t steps,
                               const std::string& hold) {
@@ -100,7 +101,8 @@ class Cli : public ::testing::Test {
       fs::copy_file(prepared / f, run_dir / f);
     const pid_t pid = start(args + " --out " + run_dir.string(), log, hold);
     if (pid < 0) return -1;
-    if (!wait_until([&] { return losses_of(run_dir).size() >= steps; })) {
+    const std::string held = "holding before step " + std::to_string(steps + 1);
+    if (!wait_until([&] { return read_all(log).find(held) != std::string::npos; })) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, nullptr, 0);
       return -1;
@@ -326,7 +328,7 @@ TEST_F(Cli, CheckpointedRunHasTheSameLosses) {
       "--corpus " +
       write_corpus(200).string();
   auto losses = [&](const std::string& flags, const fs::path& out) {
-    const Result r = run(base + " " + flags + " --out " + out.string());
+    const Result r = run(base + " " + flags + " --overwrite --out " + out.string());
     EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
     std::ifstream metrics(out / "metrics.jsonl");
     std::string line;
@@ -558,6 +560,82 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   EXPECT_EQ(losses_of(stopped), losses_of(straight));
   EXPECT_EQ(read_all(stopped / "model.bin"), read_all(straight / "model.bin"));
+}
+
+// A run directory that holds a run is refused, with one line saying how to continue or replace
+// it, and nothing in it changes; --overwrite replaces it, and only once the new run has started.
+TEST_F(Cli, ARunDirectoryIsNeverReplacedSilently) {
+  const std::string corpus = write_corpus(200).string();
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --sample-tokens 1 --dtype fp32 --corpus " + corpus;
+  const fs::path run_dir = dir_ / "run";
+  ASSERT_EQ(run(flags + " --steps 6 --save-every 3 --out " + run_dir.string()).exit_code, 0);
+  std::map<std::string, std::string> before;
+  for (const auto& e : fs::recursive_directory_iterator(run_dir))
+    if (e.is_regular_file() && e.path().filename() != ".lock")
+      before[e.path().string()] = read_all(e.path());
+  auto unchanged = [&] {
+    for (const auto& [path, bytes] : before)
+      if (read_all(path) != bytes) return ::testing::AssertionFailure() << path << " changed";
+    return ::testing::AssertionSuccess();
+  };
+  const Result again = run(flags + " --steps 4 --out " + run_dir.string());
+  expect_one_line_error(again, "--out " + run_dir.string() + " already holds a run");
+  EXPECT_NE(again.err.find("--resume " + run_dir.string()), std::string::npos) << again.err;
+  EXPECT_NE(again.err.find("--overwrite"), std::string::npos) << again.err;
+  EXPECT_TRUE(unchanged());
+  // Parity would replace the run's tokenizer and token cache: refused too.
+  expect_one_line_error(run("parity --preset tiny --vocab 300 --steps 2 --corpus " + corpus +
+                            " --out " + run_dir.string()),
+                        "holds a training run");
+  EXPECT_TRUE(unchanged());
+  // A replacement that fails before its first step leaves the old run whole, set aside.
+  const Result failed =
+      run(flags + " --ctx 100000 --steps 4 --overwrite --out " + run_dir.string());
+  EXPECT_NE(failed.exit_code, 0);
+  EXPECT_EQ(read_all(run_dir / ".replaced" / "metrics.jsonl"),
+            before[(run_dir / "metrics.jsonl").string()]);
+  // One that starts deletes it: the new run alone is left.
+  const Result replaced = run(flags + " --steps 4 --overwrite --out " + run_dir.string());
+  ASSERT_EQ(replaced.exit_code, 0) << replaced.err << replaced.out;
+  EXPECT_EQ(losses_of(run_dir).size(), 4u);
+  EXPECT_FALSE(fs::exists(run_dir / ".replaced"));
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints" / "step-00000006.ckpt"));
+  EXPECT_TRUE(fs::exists(run_dir / "checkpoints" / "step-00000004.ckpt"));
+  // A directory of other files is not a run directory, with or without --overwrite.
+  const fs::path notes = dir_ / "notes";
+  fs::create_directories(notes);
+  std::ofstream(notes / "todo.txt") << "keep me\n";
+  expect_one_line_error(run(flags + " --steps 2 --overwrite --out " + notes.string()),
+                        "not a training run");
+  EXPECT_EQ(read_all(notes / "todo.txt"), "keep me\n");
+}
+
+// While a run trains, a second process on its directory (a new run, a replacement, a resume)
+// exits at once with one line naming the first, and the run goes on untouched.
+TEST_F(Cli, ASecondProcessOnARunDirectoryIsRefused) {
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --save-every 1 --sample-tokens 1 --dtype fp32 "
+      "--corpus " +
+      write_corpus(200).string();
+  const fs::path prepared = dir_ / "prepared", busy = dir_ / "busy";
+  ASSERT_EQ(run(flags + " --steps 1 --out " + prepared.string()).exit_code, 0);
+  const pid_t pid =
+      start_prepared(flags + " --steps 1000", prepared, busy, dir_ / "busy.log", 2, "3+");
+  ASSERT_GE(pid, 0) << read_all(dir_ / "busy.log");
+  const std::string config = read_all(busy / "config.json");
+  for (const std::string& second :
+       {flags + " --steps 5 --out " + busy.string(),
+        flags + " --steps 5 --overwrite --out " + busy.string(), "--resume " + busy.string()}) {
+    const Result r = run(second);
+    expect_one_line_error(r, "in use by another cputrain process (pid " + std::to_string(pid));
+  }
+  EXPECT_EQ(read_all(busy / "config.json"), config);
+  EXPECT_EQ(losses_of(busy).size(), 2u);
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  // The lock goes with its process: what a new run hears now is that a run is there.
+  expect_one_line_error(run(flags + " --steps 5 --out " + busy.string()), "already holds a run");
 }
 
 // A second SIGINT, sent once the first is acknowledged, before the step ends, ends the run at

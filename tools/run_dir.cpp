@@ -1,0 +1,112 @@
+#include "tools/run_dir.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string_view>
+
+#include "engine/error.h"
+
+namespace fs = std::filesystem;
+
+namespace cputrain {
+namespace {
+
+constexpr const char* kLockFile = ".lock";
+constexpr const char* kReplaced = ".replaced";
+constexpr std::string_view kDataCache[] = {"tokenizer.model", "tokens.bin"};
+constexpr std::string_view kRunFiles[] = {"config.json", "metrics.jsonl", "model.bin",
+                                          "checkpoints"};
+// What a run that stopped before its configuration was written can leave: not a run yet.
+constexpr std::string_view kRunLeftovers[] = {"train.log", "profile.json", "plot.svg"};
+constexpr std::string_view kRunOwned[] = {"config.json", "metrics.jsonl", "model.bin",
+                                          "checkpoints", "train.log",     "profile.json",
+                                          "plot.svg"};
+constexpr std::string_view kParityFiles[] = {"parity.json", "parity.csv", "parity.log"};
+
+template <size_t N>
+bool among(std::string_view name, const std::string_view (&names)[N]) {
+  for (std::string_view n : names)
+    if (n == name) return true;
+  return false;
+}
+
+}  // namespace
+
+DirSurvey survey_dir(const std::string& dir) {
+  DirSurvey s;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return s;
+  std::string parity, other;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name == kLockFile || name == kReplaced || among(name, kDataCache) ||
+        among(name, kRunLeftovers))
+      continue;
+    if (among(name, kRunFiles)) return {DirKind::Run, e.path().string()};
+    if (among(name, kParityFiles)) {
+      if (parity.empty()) parity = e.path().string();
+    } else if (other.empty()) {
+      other = e.path().string();
+    }
+  }
+  if (!other.empty()) return {DirKind::Other, other};
+  if (!parity.empty()) return {DirKind::Parity, parity};
+  return s;
+}
+
+RunDirLock::RunDirLock(const std::string& dir, const std::string& flag) {
+  const std::string path = dir + "/" + kLockFile;
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw UserError(flag + " " + dir + ": cannot create " + path);
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    std::ifstream in(path);
+    std::string pid;
+    std::getline(in, pid);
+    ::close(fd_);
+    fd_ = -1;
+    throw UserError(flag + " " + dir + ": in use by another cputrain process" +
+                    (pid.empty() ? std::string() : " (pid " + pid + ")") +
+                    "; wait for it to end, or stop it");
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) < 0) {
+    // The lock holds without the pid; only the message of a second process is poorer.
+  }
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+std::string set_run_aside(const std::string& dir) {
+  const fs::path aside = fs::path(dir) / kReplaced;
+  std::error_code ec;
+  fs::remove_all(aside, ec);  // an older run set aside whose successor never started
+  fs::create_directories(aside, ec);
+  if (ec) throw UserError("--overwrite " + dir + ": cannot create " + aside.string());
+  for (std::string_view name : kRunOwned) {
+    const fs::path from = fs::path(dir) / name;
+    if (!fs::exists(from, ec)) continue;
+    fs::rename(from, aside / name, ec);
+    if (ec)
+      throw UserError("--overwrite " + dir + ": cannot move " + from.string() + " aside (" +
+                      ec.message() + ")");
+  }
+  return aside.string();
+}
+
+bool has_replaced_run(const std::string& dir) {
+  std::error_code ec;
+  return fs::exists(fs::path(dir) / kReplaced, ec);
+}
+
+bool remove_replaced_run(const std::string& dir) {
+  std::error_code ec;
+  return fs::remove_all(fs::path(dir) / kReplaced, ec) > 0;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,49 @@
+// Run directories: what one holds, one writing process at a time on it, and a run replaced only
+// once its successor has started.
+#pragma once
+
+#include <string>
+
+namespace cputrain {
+
+enum class DirKind {
+  Empty,   // missing, empty, or only the data cache (tokenizer.model, tokens.bin) and the log of
+           // a run that stopped before it began
+  Run,     // a training run: config.json, metrics.jsonl, model.bin or checkpoints/
+  Parity,  // the output of `cputrain parity`
+  Other,   // anything else
+};
+
+struct DirSurvey {
+  DirKind kind = DirKind::Empty;
+  std::string evidence;  // the path that decided the kind (empty for Empty)
+};
+
+// What `dir` holds. The lock file and a run set aside by replace_run do not count.
+DirSurvey survey_dir(const std::string& dir);
+
+// An exclusive lock on a run directory (flock on <dir>/.lock, which holds the owner's pid) for the
+// object's lifetime. A second process gets a UserError naming `flag`, the directory and the
+// process that holds it.
+class RunDirLock {
+ public:
+  RunDirLock(const std::string& dir, const std::string& flag);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// --overwrite: moves the training run in `dir` (its configuration, metrics, log, weights and
+// checkpoints) into <dir>/.replaced, where it stays until remove_replaced_run, called once the
+// new run has completed a step; a run that fails before that leaves the old one there, whole.
+// Returns the directory the old run went to.
+std::string set_run_aside(const std::string& dir);
+// Whether <dir>/.replaced holds a run set aside.
+bool has_replaced_run(const std::string& dir);
+// Deletes what set_run_aside moved; true if there was something.
+bool remove_replaced_run(const std::string& dir);
+
+}  // namespace cputrain
