@@ -147,7 +147,9 @@ void add_parity_flags(CLI::App& app, ParityArgs& a) {
   app.add_option("--lr", t.lr, "Peak learning rate (default: by model width)")->check(positive());
   app.add_option("--warmup", t.warmup, "Warm-up steps (default: min(100, steps / 10))")
       ->check(non_negative());
-  app.add_option("--seed", t.seed, "Seed for init and batch sampling")->capture_default_str();
+  app.add_option("--seed", t.seed, "Seed for init and batch sampling")
+      ->capture_default_str()
+      ->check(non_negative());
   app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
   add_kernel_flags(app, t.kernels);
   app.add_option("--tol-bf16", a.tol_bf16,
@@ -180,6 +182,7 @@ int run_parity(const ParityArgs& a) {
   const std::string out = targs.out.empty() ? "runs/parity-" + config.preset : targs.out;
   prepare_run_dir(out);
   const RunDirLock lock(out, "--out");
+  remove_stale_temporaries(out);
   if (const DirSurvey survey = survey_dir(out);
       survey.kind == DirKind::Run || survey.kind == DirKind::Other)
     throw UserError(

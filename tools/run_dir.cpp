@@ -82,6 +82,19 @@ RunDirLock::~RunDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the flock
 }
 
+std::vector<std::string> remove_stale_temporaries(const std::string& dir) {
+  std::vector<std::string> removed;
+  for (const fs::path& d : {fs::path(dir), fs::path(dir) / "checkpoints"}) {
+    std::error_code ec;
+    if (!fs::is_directory(d, ec)) continue;
+    for (const fs::directory_entry& e : fs::directory_iterator(d, ec)) {
+      if (!e.is_regular_file(ec) || e.path().extension() != ".tmp") continue;
+      if (fs::remove(e.path(), ec)) removed.push_back(e.path().string());
+    }
+  }
+  return removed;
+}
+
 std::string set_run_aside(const std::string& dir) {
   const fs::path aside = fs::path(dir) / kReplaced;
   std::error_code ec;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace cputrain {
 
@@ -35,6 +36,11 @@ class RunDirLock {
  private:
   int fd_ = -1;
 };
+
+// Deletes the temporary files (*.tmp, written and renamed into place by every save) in `dir` and
+// its checkpoints/; with the directory's lock held, any there were left by a process that died
+// while writing them. Returns their paths.
+std::vector<std::string> remove_stale_temporaries(const std::string& dir);
 
 // --overwrite: moves the training run in `dir` (its configuration, metrics, log, weights and
 // checkpoints) into <dir>/.replaced, where it stays until remove_replaced_run, called once the

@@ -28,7 +28,7 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
          "--top-p", a.top_p,
          "Sample among the most likely tokens whose probabilities sum to at least p (1: all)")
       ->capture_default_str();
-  app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
+  app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str()->check(non_negative());
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
   add_kernel_flags(app, a.kernels);
 }

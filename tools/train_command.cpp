@@ -97,7 +97,8 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   }
   RunConfig c;
   c.preset = a.preset;
-  c.corpus = a.corpus;
+  // Absolute, so that --resume works from any folder.
+  c.corpus = a.corpus.empty() ? a.corpus : fs::absolute(a.corpus).lexically_normal().string();
   c.model = preset->config;
   auto take = [](int64_t flag, int64_t preset_value, const char* name) {
     if (flag == -1) return preset_value;
@@ -374,7 +375,9 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--grad-clip", a.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--seed", a.seed, "Seed for init and batch sampling")->capture_default_str();
+  app.add_option("--seed", a.seed, "Seed for init and batch sampling")
+      ->capture_default_str()
+      ->check(non_negative());
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
   app.add_flag("--pin-threads", a.pin_threads,
                "Bind each OpenMP thread to one CPU of those the process may use");
@@ -495,6 +498,8 @@ int run_train(const TrainArgs& args) {
   }
   prepare_run_dir(out);
   const RunDirLock lock(out, resuming ? "--resume" : "--out");
+  // With the lock held, a temporary file here is one a process that died left behind.
+  const std::vector<std::string> stale = remove_stale_temporaries(out);
   bool replacing = false;
   if (!resuming) {
     const DirSurvey survey = survey_dir(out);
@@ -513,6 +518,8 @@ int run_train(const TrainArgs& args) {
   auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1);
   auto log = make_logger(out + "/train.log", console);
   spdlog::set_default_logger(log);
+  for (const std::string& path : stale)
+    log->info("removed {}, left by a process that stopped while writing it", path);
   // Whatever way the run ends, the progress line is gone before the last words.
   struct ClearStatus {
     ProgressSink& sink;

@@ -157,6 +157,7 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --threads 0"), "--threads");
   expect_one_line_error(run(base + " --steps -1"), "--steps");
   expect_one_line_error(run(base + " --grad-clip -0.5"), "--grad-clip");
+  expect_one_line_error(run(base + " --seed -1"), "--seed");
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
   expect_one_line_error(run("CPUTRAIN_GEMM=avx9000", base), "CPUTRAIN_GEMM=avx9000");
   expect_one_line_error(run("CPUTRAIN_ATTENTION=bogus", base), "CPUTRAIN_ATTENTION=bogus");
@@ -609,6 +610,32 @@ TEST_F(Cli, ARunDirectoryIsNeverReplacedSilently) {
   expect_one_line_error(run(flags + " --steps 2 --overwrite --out " + notes.string()),
                         "not a training run");
   EXPECT_EQ(read_all(notes / "todo.txt"), "keep me\n");
+}
+
+// The corpus is recorded as an absolute path, so a run started with a relative one resumes from
+// any folder; temporary files a killed save left behind are removed when the directory is next
+// opened, and the log says so.
+TEST_F(Cli, RunsResumeFromAnyFolderAndDropStaleTemporaries) {
+  write_corpus(200);
+  const fs::path run_dir = dir_ / "run";
+  const Result first = run("cd " + dir_.string() + " &&",
+                           "--preset tiny --vocab 300 --batch 4 --steps 4 --save-every 2 "
+                           "--sample-tokens 1 --dtype fp32 --corpus corpus.txt --out run");
+  ASSERT_EQ(first.exit_code, 0) << first.err << first.out;
+  std::ifstream config_file(run_dir / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(config_file)["corpus"], (dir_ / "corpus.txt").string());
+  fs::remove(run_dir / "checkpoints" / "step-00000004.ckpt");
+  const fs::path stale[] = {run_dir / "checkpoints" / "step-00000004.ckpt.tmp",
+                            run_dir / "model.bin.tmp"};
+  for (const fs::path& p : stale) std::ofstream(p) << "half a file";
+  const Result resumed = run("cd / &&", "--resume " + run_dir.string() + " --sample-tokens 1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err << resumed.out;
+  for (const fs::path& p : stale) {
+    EXPECT_FALSE(fs::exists(p)) << p;
+    EXPECT_NE(read_all(run_dir / "train.log").find("removed " + p.string()), std::string::npos)
+        << p;
+  }
+  EXPECT_EQ(losses_of(run_dir).size(), 4u);
 }
 
 // While a run trains, a second process on its directory (a new run, a replacement, a resume)
