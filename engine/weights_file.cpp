@@ -55,8 +55,8 @@ void load_weights(const std::string& path, const ParameterSet& params) {
   r.preamble(kMagic, kVersion, kMaxJson);
   const auto n_params = r.value<uint32_t>();
   if (n_params != params.infos().size())
-    throw UserError(path + ": holds " + std::to_string(n_params) + " parameters, the model has " +
-                    std::to_string(params.infos().size()));
+    throw UserError(path + ": holds " + std::to_string(n_params) +
+                    " parameter tensors, the model has " + std::to_string(params.infos().size()));
   for (const ParameterInfo& p : params.infos()) {
     const std::string name = r.string(4096);
     const auto ndim = r.value<uint32_t>();

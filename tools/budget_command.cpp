@@ -190,7 +190,7 @@ int run_budget(const BudgetArgs& a) {
     j["available_bytes"] = available;
     j["fits"] = b.total_bytes() <= available;
     std::printf("%s\n", j.dump(2).c_str());
-    return 0;
+    return b.total_bytes() <= available ? 0 : kDoesNotFit;
   }
   std::printf("%s", fmt::format("memory budget: preset {} ({} parameters), {}, {} x {} sequences "
                                 "of {} tokens, checkpointing {}\n",
@@ -201,7 +201,7 @@ int run_budget(const BudgetArgs& a) {
   std::printf("%s", budget_table(b, available).c_str());
   const std::string levers = budget_levers(config, corpus_tokens, eval_windows, available);
   if (!levers.empty()) std::printf("levers:\n%s", levers.c_str());
-  return 0;
+  return b.total_bytes() <= available ? 0 : kDoesNotFit;
 }
 
 }  // namespace cputrain

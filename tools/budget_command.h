@@ -20,6 +20,9 @@ struct BudgetArgs {
 };
 
 void add_budget_flags(CLI::App& app, BudgetArgs& args);
+// The exit status of `cputrain budget` when the budget does not fit the memory (0 when it does).
+inline constexpr int kDoesNotFit = 3;
+// Prints the budget; returns 0, or kDoesNotFit.
 int run_budget(const BudgetArgs& args);
 
 // eval_windows: validation windows per evaluation between steps (0: the run evaluates none).

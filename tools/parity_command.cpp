@@ -130,6 +130,7 @@ void add_parity_flags(CLI::App& app, ParityArgs& a) {
   app.add_option("--out", t.out,
                  "Directory for the data cache, parity.csv and parity.json "
                  "(default runs/parity-<preset>)");
+  t.steps = 100;
   app.add_option("--steps", t.steps, "Optimizer steps of each run")
       ->capture_default_str()
       ->check(positive());

@@ -809,6 +809,7 @@ int run_train(const TrainArgs& args) {
         last_checkpoint =
             save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
                                      data.dataset.fingerprint(), config_json, args.keep);
+        if (stop == 0) log->info("saved {}", last_checkpoint);
       }
       if (stop != 0) {
         report_profile();

@@ -441,6 +441,29 @@ TEST_F(Cli, BudgetTakesTheShapeFlagsAndTheThreads) {
   EXPECT_LT(one["workspace_bytes"].get<int64_t>(), two["workspace_bytes"].get<int64_t>());
 }
 
+// A budget that does not fit the memory is printed as one that does, and exits with 3, so that a
+// script can tell; one that fits exits with 0.
+TEST_F(Cli, BudgetThatDoesNotFitExitsWithItsOwnStatus) {
+  for (const char* json : {"", " --json"}) {
+    const Result fits = run(std::string("budget --preset tiny --mem-limit 4") + json);
+    EXPECT_EQ(fits.exit_code, 0) << fits.err;
+    const Result over = run(std::string("budget --preset tiny --mem-limit 0.01") + json);
+    EXPECT_EQ(over.exit_code, 3) << over.err;
+    EXPECT_NE(over.out.find(*json ? "\"fits\": false" : "does not fit"), std::string::npos)
+        << over.out;
+  }
+}
+
+TEST_F(Cli, ParityHelpShowsTheStepsItRuns) {
+  const Result help = run("parity --help");
+  ASSERT_EQ(help.exit_code, 0);
+  const size_t at = help.out.find("--steps");
+  ASSERT_NE(at, std::string::npos) << help.out;
+  const std::string line = help.out.substr(at, help.out.find('\n', at) - at);
+  EXPECT_NE(line.find("100"), std::string::npos) << line;
+  EXPECT_EQ(line.find("-1"), std::string::npos) << line;
+}
+
 // Over its memory limit training does not start: the table and the levers, one error line,
 // no model written. Between the budgets with and without checkpointing, auto checkpoints.
 TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
@@ -622,6 +645,10 @@ TEST_F(Cli, RunsResumeFromAnyFolderAndDropStaleTemporaries) {
                            "--preset tiny --vocab 300 --batch 4 --steps 4 --save-every 2 "
                            "--sample-tokens 1 --dtype fp32 --corpus corpus.txt --out run");
   ASSERT_EQ(first.exit_code, 0) << first.err << first.out;
+  // Routine saves are logged.
+  EXPECT_NE(read_all(run_dir / "train.log").find("saved run/checkpoints/step-00000002.ckpt"),
+            std::string::npos)
+      << read_all(run_dir / "train.log");
   std::ifstream config_file(run_dir / "config.json");
   EXPECT_EQ(nlohmann::json::parse(config_file)["corpus"], (dir_ / "corpus.txt").string());
   fs::remove(run_dir / "checkpoints" / "step-00000004.ckpt");
