@@ -1,6 +1,8 @@
 #include "tools/cli.h"
 
 #include <omp.h>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -78,6 +80,15 @@ int run_cli(int argc, char** argv) {
     if (plot->parsed()) return run_plot(plot_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
+    // A run that had opened its log ends with the error there too.
+    if (auto log = spdlog::get("cputrain")) {
+      for (const spdlog::sink_ptr& sink : log->sinks()) {
+        if (!std::dynamic_pointer_cast<spdlog::sinks::basic_file_sink_mt>(sink)) continue;
+        sink->log(spdlog::details::log_msg("cputrain", spdlog::level::err,
+                                           std::string("error: ") + e.what()));
+        sink->flush();
+      }
+    }
     return 1;
   }
   return 1;

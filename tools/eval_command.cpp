@@ -21,21 +21,13 @@
 #include "tools/flag_checks.h"
 #include "tools/progress.h"
 #include "tools/run_config.h"
+#include "tools/run_dir.h"
 #include "tools/train_command.h"
 
 namespace cputrain {
 namespace {
 
 namespace fs = std::filesystem;
-
-// model.bin, or else the newest checkpoint of the run.
-std::string default_weights(const std::string& run) {
-  if (fs::exists(run + "/model.bin")) return run + "/model.bin";
-  const auto all = list_checkpoints(run);
-  if (all.empty())
-    throw UserError("--run " + run + ": neither model.bin nor a checkpoint to evaluate");
-  return all.back().second;
-}
 
 }  // namespace
 
@@ -68,12 +60,7 @@ int run_eval(const EvalArgs& a) {
                     std::to_string(tokenizer.vocab_size()) + " does not match the model's " +
                     std::to_string(config.model.vocab));
   LlamaModel model(config.model);
-  const std::string weights = a.weights.empty() ? default_weights(a.run) : a.weights;
-  if (weights.ends_with(".ckpt")) {
-    load_checkpoint(weights, model.parameters(), nullptr);
-  } else {
-    load_weights(weights, model.parameters());
-  }
+  const std::string weights = load_run_weights(a.run, a.weights, model.parameters());
 
   std::vector<int32_t> owned;
   std::span<const int32_t> tokens;

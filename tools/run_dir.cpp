@@ -8,7 +8,10 @@
 #include <fstream>
 #include <string_view>
 
+#include "engine/checkpoint_file.h"
 #include "engine/error.h"
+#include "engine/parameters.h"
+#include "engine/weights_file.h"
 
 namespace fs = std::filesystem;
 
@@ -110,6 +113,25 @@ std::string set_run_aside(const std::string& dir) {
                       ec.message() + ")");
   }
   return aside.string();
+}
+
+std::string load_run_weights(const std::string& run, const std::string& weights,
+                             const ParameterSet& params) {
+  std::string path = weights;
+  if (path.empty()) {
+    const auto checkpoints = list_checkpoints(run);
+    if (fs::exists(run + "/model.bin"))
+      path = run + "/model.bin";
+    else if (!checkpoints.empty())
+      path = checkpoints.back().second;
+    else
+      throw UserError("--run " + run + ": neither model.bin nor a checkpoint to read");
+  }
+  if (path.ends_with(".ckpt"))
+    load_checkpoint(path, params, nullptr);
+  else
+    load_weights(path, params);
+  return path;
 }
 
 bool has_replaced_run(const std::string& dir) {

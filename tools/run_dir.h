@@ -7,6 +7,8 @@
 
 namespace cputrain {
 
+class ParameterSet;
+
 enum class DirKind {
   Empty,   // missing, empty, or only the data cache (tokenizer.model, tokens.bin) and the log of
            // a run that stopped before it began
@@ -47,6 +49,12 @@ std::vector<std::string> remove_stale_temporaries(const std::string& dir);
 // new run has completed a step; a run that fails before that leaves the old one there, whole.
 // Returns the directory the old run went to.
 std::string set_run_aside(const std::string& dir);
+// Loads the weights a command reads from a run into `params`: `weights` (--weights, model.bin or
+// a .ckpt) if given, else <run>/model.bin, else the run's newest checkpoint (a run stopped before
+// its end). Returns the path read; a UserError where there is none.
+std::string load_run_weights(const std::string& run, const std::string& weights,
+                             const ParameterSet& params);
+
 // Whether <dir>/.replaced holds a run set aside.
 bool has_replaced_run(const std::string& dir);
 // Deletes what set_run_aside moved; true if there was something.

@@ -12,6 +12,7 @@
 #include "models/llama.h"
 #include "tools/flag_checks.h"
 #include "tools/run_config.h"
+#include "tools/run_dir.h"
 #include "tools/train_command.h"
 
 namespace cputrain {
@@ -19,6 +20,9 @@ namespace cputrain {
 void add_sample_flags(CLI::App& app, SampleArgs& a) {
   app.add_option("--run", a.run, "Run directory written by `cputrain train`")->required();
   app.add_option("--prompt", a.prompt, "Text to continue (default: start of a document)");
+  app.add_option(
+      "--weights", a.weights,
+      "model.bin or a checkpoint (default: <run>/model.bin, else the newest checkpoint)");
   app.add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str();
   app.add_option("--temperature", a.temperature, "Softmax temperature (0: greedy)")
       ->capture_default_str();
@@ -50,7 +54,7 @@ int run_sample(const SampleArgs& a) {
                     std::to_string(tokenizer.vocab_size()) + " does not match the model's " +
                     std::to_string(config.model.vocab));
   LlamaModel model(config.model);
-  load_weights(a.run + "/model.bin", model.parameters());
+  load_run_weights(a.run, a.weights, model.parameters());
 
   std::vector<int32_t> prompt = {tokenizer.bos_id()};
   const std::vector<int32_t> encoded = tokenizer.encode(a.prompt);

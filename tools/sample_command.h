@@ -12,6 +12,7 @@ namespace cputrain {
 struct SampleArgs {
   std::string run;
   std::string prompt;
+  std::string weights;  // empty: <run>/model.bin, else the newest checkpoint
   int64_t max_tokens = 200;
   double temperature = 0.8;
   int64_t top_k = 40;

@@ -241,6 +241,11 @@ class StopSignals {
         first_(sig);
         continue;
       }
+      if (auto log = spdlog::default_logger()) {
+        log->warn("{} again: stopping at once, without a checkpoint of this step",
+                  sig == SIGINT ? "SIGINT" : "SIGTERM");
+        log->flush();
+      }
       std::signal(sig, SIG_DFL);
       pthread_sigmask(SIG_UNBLOCK, &signals_, nullptr);
       raise(sig);

@@ -203,6 +203,9 @@ TEST_F(Cli, CorpusShorterThanOneWindow) {
   expect_one_line_error(run("--preset tiny --vocab 300 --ctx 4096 --corpus " +
                             write_corpus(20).string() + " --out " + (dir_ / "run").string()),
                         "--ctx");
+  // The run's log ends with the error too.
+  EXPECT_NE(read_all(dir_ / "run" / "train.log").find("error: --corpus"), std::string::npos)
+      << read_all(dir_ / "run" / "train.log");
 }
 
 TEST_F(Cli, UnwritableOut) {
@@ -579,6 +582,16 @@ TEST_F(Cli, InterruptSavesAndResumeFinishesTheSameRun) {
       << read_all(dir_ / "stopped.log");
   EXPECT_TRUE(fs::exists(stopped / "checkpoints" / "step-00000004.ckpt"));
   EXPECT_FALSE(fs::exists(stopped / "model.bin"));
+  // A stopped run samples from its newest checkpoint, or from the one named.
+  for (const std::string& weights :
+       {std::string(), " --weights " + (stopped / "checkpoints" / "step-00000004.ckpt").string()}) {
+    const Result sampled =
+        run("sample --run " + stopped.string() + " --max-tokens 3 --temperature 0" + weights);
+    EXPECT_EQ(sampled.exit_code, 0) << sampled.err;
+  }
+  expect_one_line_error(
+      run("sample --run " + stopped.string() + " --weights " + (dir_ / "none.bin").string()),
+      "none.bin");
 
   const Result r = run("--resume " + stopped.string() + " --sample-tokens 1");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
@@ -717,6 +730,10 @@ TEST_F(Cli, SecondInterruptEndsTheRunAtOnce) {
                                    << read_all(dir_ / "twice.log");
   EXPECT_EQ(WTERMSIG(status), SIGINT);
   EXPECT_EQ(read_all(dir_ / "twice.log").find("interrupted (SIGINT)"), std::string::npos)
+      << read_all(dir_ / "twice.log");
+  EXPECT_NE(read_all(dir_ / "twice.log")
+                .find("SIGINT again: stopping at once, without a checkpoint of this step"),
+            std::string::npos)
       << read_all(dir_ / "twice.log");
   EXPECT_EQ(losses_of(twice).size(), 2u);
   EXPECT_FALSE(fs::exists(twice / "checkpoints"));
