@@ -141,12 +141,14 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   app.add_option("--corpus", t.corpus, "Corpus, for the size of its token cache")
       ->capture_default_str();
   app.add_option("--batch", t.batch, "Sequences per micro-batch (default: the preset's)")
-      ->check(positive());
+      ->check(positive_whole());
   app.add_option("--accum", t.accum, "Micro-batches per step (default: the preset's)")
-      ->check(positive());
-  app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")->check(positive());
+      ->check(positive_whole());
+  app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")
+      ->check(positive_whole());
   add_model_flags(app, t);
-  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
+  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")
+      ->check(threads_limit());
   add_kernel_flags(app, t.kernels);
   app.add_option("--dtype", t.dtype, "bf16 or fp32 (default: as train chooses)")
       ->check(CLI::IsMember({"bf16", "fp32"}));

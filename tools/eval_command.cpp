@@ -43,8 +43,9 @@ void add_eval_flags(CLI::App& app, EvalArgs& a) {
       ->check(non_negative());
   app.add_option("--batch", a.batch, "Windows per forward pass")
       ->capture_default_str()
-      ->check(positive());
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
+      ->check(positive_whole());
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
+      ->check(threads_limit());
   add_kernel_flags(app, a.kernels);
   app.add_flag("--json", a.json, "Print {loss, perplexity, windows, tokens} as JSON");
 }

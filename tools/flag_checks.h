@@ -1,6 +1,8 @@
 // CLI11 validators whose messages read as one plain line: "--lr: must be positive (got -1)".
 #pragma once
 
+#include <omp.h>
+
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cmath>
@@ -29,6 +31,44 @@ inline CLI::Validator positive() {
 }
 inline CLI::Validator non_negative() {
   return number_at_least(0.0, false, "zero or more");
+}
+
+// An integer flag: digits only ("1e9" and "2.5" are refused here, not by CLI11's conversion),
+// at least `minimum`.
+inline CLI::Validator whole_number_at_least(long long minimum, const std::string& what) {
+  return CLI::Validator(
+      [=](std::string& input) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long long v = std::strtoll(input.c_str(), &end, 10);
+        if (input.empty() || end != input.c_str() + input.size() || errno != 0)
+          return "'" + input + "' is not a whole number";
+        if (v < minimum) return "must be " + what + " (got " + input + ")";
+        return "";
+      },
+      what);
+}
+inline CLI::Validator positive_whole() {
+  return whole_number_at_least(1, "a positive whole number");
+}
+
+// --threads: at most the CPUs this process may run on (more only slows every step down, and
+// the budget counts no thread beyond them).
+inline CLI::Validator threads_limit() {
+  return CLI::Validator(
+      [](std::string& input) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long long v = std::strtoll(input.c_str(), &end, 10);
+        if (input.empty() || end != input.c_str() + input.size() || errno != 0 || v < 1)
+          return "must be a positive whole number (got " + input + ")";
+        const int cpus = omp_get_num_procs();
+        if (v > cpus)
+          return "more than the " + std::to_string(cpus) + " CPUs this process may run on (got " +
+                 input + ")";
+        return "";
+      },
+      "a positive whole number, at most the CPUs");
 }
 
 }  // namespace cputrain

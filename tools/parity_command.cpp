@@ -133,25 +133,27 @@ void add_parity_flags(CLI::App& app, ParityArgs& a) {
   t.steps = 100;
   app.add_option("--steps", t.steps, "Optimizer steps of each run")
       ->capture_default_str()
-      ->check(positive());
+      ->check(positive_whole());
   app.add_option("--batch", t.batch, "Global batch in sequences (default: the preset's)")
-      ->check(positive());
+      ->check(positive_whole());
   app.add_option("--accum", a.accum,
                  "Accumulation counts to compare against the single batch: each a runs "
                  "batch/a sequences x a micro-batches")
       ->capture_default_str()
       ->delimiter(',')
-      ->check(positive());
-  app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")->check(positive());
+      ->check(positive_whole());
+  app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")
+      ->check(positive_whole());
   app.add_option("--vocab", t.vocab, "Tokenizer vocabulary size (default: the preset's)")
-      ->check(positive());
+      ->check(positive_whole());
   app.add_option("--lr", t.lr, "Peak learning rate (default: by model width)")->check(positive());
   app.add_option("--warmup", t.warmup, "Warm-up steps (default: min(100, steps / 10))")
       ->check(non_negative());
   app.add_option("--seed", t.seed, "Seed for init and batch sampling")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")->check(positive());
+  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")
+      ->check(threads_limit());
   add_kernel_flags(app, t.kernels);
   app.add_option("--tol-bf16", a.tol_bf16,
                  "Largest accepted |bf16 - fp32| final loss difference, in nats")

@@ -33,7 +33,8 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
          "Sample among the most likely tokens whose probabilities sum to at least p (1: all)")
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str()->check(non_negative());
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
+      ->check(threads_limit());
   add_kernel_flags(app, a.kernels);
 }
 

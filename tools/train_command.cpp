@@ -338,17 +338,17 @@ std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t t
 
 void add_model_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--vocab", a.vocab, "Tokenizer vocabulary size (default: per preset)")
-      ->check(positive());
-  app.add_option("--d-model", a.d_model, "Model width")->check(positive());
-  app.add_option("--layers", a.layers, "Number of blocks")->check(positive());
-  app.add_option("--heads", a.heads, "Attention (query) heads")->check(positive());
+      ->check(positive_whole());
+  app.add_option("--d-model", a.d_model, "Model width")->check(positive_whole());
+  app.add_option("--layers", a.layers, "Number of blocks")->check(positive_whole());
+  app.add_option("--heads", a.heads, "Attention (query) heads")->check(positive_whole());
   app.add_option("--kv-heads", a.kv_heads,
                  "Key/value heads: fewer than --heads is grouped-query attention, 1 multi-query "
                  "(default: --heads)")
-      ->check(positive());
+      ->check(positive_whole());
   app.add_option("--head-dim", a.head_dim, "Width of one head (default: --d-model / --heads)")
-      ->check(positive());
-  app.add_option("--ffn", a.ffn, "SwiGLU hidden width")->check(positive());
+      ->check(positive_whole());
+  app.add_option("--ffn", a.ffn, "SwiGLU hidden width")->check(positive_whole());
   app.add_option("--rope-theta", a.rope_theta, "RoPE base (default 10000)")->check(positive());
   app.add_option("--rope-pairs", a.rope_pairs,
                  "Elements RoPE rotates together: adjacent (llama) or half-split (neox, Qwen2) "
@@ -364,12 +364,14 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_option("--corpus", a.corpus, "Text file or folder of text files")->capture_default_str();
   app.add_option("--out", a.out, "Run directory (default runs/<preset>)");
-  app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")->check(positive());
+  app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")
+      ->check(positive_whole());
   app.add_option("--batch", a.batch, "Sequences per micro-batch (default: per preset)")
-      ->check(positive());
+      ->check(positive_whole());
   app.add_option("--accum", a.accum, "Micro-batches per optimizer step (default: per preset)")
-      ->check(positive());
-  app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")->check(positive());
+      ->check(positive_whole());
+  app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")
+      ->check(positive_whole());
   add_model_flags(app, a);
   app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)")->check(positive());
   app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))")
@@ -383,7 +385,8 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--seed", a.seed, "Seed for init and batch sampling")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")->check(positive());
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
+      ->check(threads_limit());
   app.add_flag("--pin-threads", a.pin_threads,
                "Bind each OpenMP thread to one CPU of those the process may use");
   app.add_flag("--profile", a.profile,

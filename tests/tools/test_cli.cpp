@@ -158,6 +158,9 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --steps -1"), "--steps");
   expect_one_line_error(run(base + " --grad-clip -0.5"), "--grad-clip");
   expect_one_line_error(run(base + " --seed -1"), "--seed");
+  expect_one_line_error(run(base + " --vocab 1e9"), "not a whole number");
+  expect_one_line_error(run(base + " --threads 1000"), "CPUs this process may run on");
+  expect_one_line_error(run("budget --preset tiny --threads 1000"), "--threads");
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
   expect_one_line_error(run("CPUTRAIN_GEMM=avx9000", base), "CPUTRAIN_GEMM=avx9000");
   expect_one_line_error(run("CPUTRAIN_ATTENTION=bogus", base), "CPUTRAIN_ATTENTION=bogus");
