@@ -28,10 +28,7 @@ void check_heads(const char* fn, int64_t H, int64_t KVH) {
 namespace {
 
 // The implementations, fastest first (kernels/dispatch.h).
-struct AttentionRow {
-  KernelRow row;
-  const AttentionKernels& (*entry)();
-};
+using AttentionRow = KernelChoice<const AttentionKernels& (*)()>;
 const AttentionRow kAttention[] = {
     {{"amx", Isa::Amx}, attention_kernels_amx},
     {{"avx512_bf16", Isa::Avx512Bf16}, attention_kernels_avx512_bf16},

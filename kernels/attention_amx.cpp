@@ -35,23 +35,11 @@ void attention_product_amx(float* C, int64_t ldc, const uint32_t* A, int64_t lda
   }
 }
 
-namespace {
-void forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                  const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
-  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, KVH, D, true);
-}
-void backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
-                   const uint16_t* k, const uint16_t* v, const uint16_t* out, const float* lse,
-                   int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate) {
-  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
-                                 true);
-}
-}  // namespace
-
 // The bf16 attention with its products on AMX tiles; FP32 attention as on AVX-512.
 const AttentionKernels& attention_kernels_amx() {
-  static const AttentionKernels k{attention_forward_avx512, attention_backward_avx512, forward_bf16,
-                                  backward_bf16};
+  static const AttentionKernels k{attention_forward_avx512, attention_backward_avx512,
+                                  attention_forward_bf16_on<true>,
+                                  attention_backward_bf16_on<true>};
   return k;
 }
 

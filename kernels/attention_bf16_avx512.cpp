@@ -522,22 +522,10 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
   }
 }
 
-namespace {
-void forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                  const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
-  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, KVH, D, false);
-}
-void backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
-                   const uint16_t* k, const uint16_t* v, const uint16_t* out, const float* lse,
-                   int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate) {
-  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
-                                 false);
-}
-}  // namespace
-
 const AttentionKernels& attention_kernels_avx512_bf16() {
-  static const AttentionKernels k{attention_forward_avx512, attention_backward_avx512, forward_bf16,
-                                  backward_bf16};
+  static const AttentionKernels k{attention_forward_avx512, attention_backward_avx512,
+                                  attention_forward_bf16_on<false>,
+                                  attention_backward_bf16_on<false>};
   return k;
 }
 

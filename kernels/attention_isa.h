@@ -49,6 +49,22 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
                                     const uint16_t* out, const float* lse, int64_t B, int64_t T,
                                     int64_t H, int64_t KVH, int64_t D, bool accumulate, bool amx);
 
+// The bf16 entries of the avx512_bf16 (Amx false) and amx (Amx true) tables.
+template <bool Amx>
+void attention_forward_bf16_on(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
+                               const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                               int64_t D) {
+  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, KVH, D, Amx);
+}
+template <bool Amx>
+void attention_backward_bf16_on(float* dq, float* dk, float* dv, const float* dout,
+                                const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                const uint16_t* out, const float* lse, int64_t B, int64_t T,
+                                int64_t H, int64_t KVH, int64_t D, bool accumulate) {
+  attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
+                                 Amx);
+}
+
 // AMX (attention_amx.cpp): loads the tile configuration on the calling thread; then
 // C[0:M, 0:N] (+)= A B with A (M x pairs, row stride lda) and B (pairs x N, row stride ldb) as
 // bf16 pairs, M, N and pairs multiples of 16.

@@ -7,10 +7,7 @@ namespace cputrain::kernels {
 namespace {
 
 // The implementations, fastest first (kernels/dispatch.h).
-struct CrossEntropyRow {
-  KernelRow row;
-  const CrossEntropyKernels& (*entry)();
-};
+using CrossEntropyRow = KernelChoice<const CrossEntropyKernels& (*)()>;
 const CrossEntropyRow kCrossEntropy[] = {
     {{"avx512", Isa::Avx512}, cross_entropy_kernels_avx512},
     {{"avx2", Isa::Avx2}, cross_entropy_kernels_avx2},

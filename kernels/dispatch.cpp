@@ -25,14 +25,8 @@ constexpr std::string_view kFamilies[] = {"gemm", "attention", "swiglu", "cross_
 std::atomic<int>& ceiling_slot() {
   static std::atomic<int> slot{[] {
     const char* env = std::getenv("CPUTRAIN_ISA");
-    Isa isa = cpu_isa();
-    if (env != nullptr && *env != '\0') {
-      if (!isa_from_name(env, &isa) || isa > cpu_isa())
-        throw std::invalid_argument(std::string("CPUTRAIN_ISA=") + env +
-                                    ": not a level this CPU runs (avx2 up to " +
-                                    std::string(isa_name(cpu_isa())) + ")");
-    }
-    return static_cast<int>(isa);
+    if (env == nullptr || *env == '\0') return static_cast<int>(cpu_isa());
+    return static_cast<int>(isa_level(env, std::string("CPUTRAIN_ISA=") + env));
   }()};
   return slot;
 }
@@ -86,6 +80,14 @@ Isa cpu_isa() {
   if (f.avx512_bf16) return Isa::Avx512Bf16;
   if (f.avx512) return Isa::Avx512;
   return Isa::Avx2;
+}
+
+Isa isa_level(std::string_view name, std::string_view source) {
+  Isa isa;
+  if (!isa_from_name(name, &isa) || isa > cpu_isa())
+    throw std::invalid_argument(std::string(source) + ": not a level this CPU runs (avx2 up to " +
+                                std::string(isa_name(cpu_isa())) + ")");
+  return isa;
 }
 
 Isa isa_ceiling() {

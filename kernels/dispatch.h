@@ -9,6 +9,7 @@
 // an ISA is a file with the implementation and one row in its family's table.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <span>
 #include <string>
@@ -25,6 +26,9 @@ std::string_view isa_name(Isa isa);  // "avx2", "avx512", "avx512_bf16", "amx"
 bool isa_from_name(std::string_view name, Isa* isa);
 // The highest level this CPU and operating system run (cpu_features).
 Isa cpu_isa();
+// The level `name` names, at most cpu_isa(); else std::invalid_argument "<source>: not a level
+// this CPU runs (avx2 up to ...)", source being what the user wrote (CPUTRAIN_ISA=x, --isa x).
+Isa isa_level(std::string_view name, std::string_view source);
 // The highest level kernels may use: cpu_isa(), lowered by CPUTRAIN_ISA or set_isa_ceiling.
 // Throws std::invalid_argument for a CPUTRAIN_ISA that is not a level.
 Isa isa_ceiling();
@@ -50,13 +54,24 @@ bool kernel_row_usable(const KernelRow& row);
 std::size_t choose_kernel_row(std::string_view family, std::span<const KernelRow> rows);
 // The names of the rows this CPU runs, e.g. "amx, avx512, eigen, onednn, reference".
 std::string usable_kernel_rows(std::span<const KernelRow> rows);
-// The element of a table of {KernelRow row; entry} structs that `family` takes. A family calls it
-// once and keeps the result.
-template <typename Element, std::size_t N>
-const Element& choose_kernel(std::string_view family, const Element (&table)[N]) {
-  KernelRow rows[N];
+// A row of a family's table: the implementation and its entry (a table of functions).
+template <typename Entry>
+struct KernelChoice {
+  KernelRow row;
+  Entry entry;
+};
+// The rows of a table, for the functions above.
+template <typename Entry, std::size_t N>
+std::array<KernelRow, N> kernel_rows(const KernelChoice<Entry> (&table)[N]) {
+  std::array<KernelRow, N> rows;
   for (std::size_t i = 0; i < N; ++i) rows[i] = table[i].row;
-  return table[choose_kernel_row(family, rows)];
+  return rows;
+}
+// The row of `table` that `family` takes. A family calls it once and keeps the result.
+template <typename Entry, std::size_t N>
+const KernelChoice<Entry>& choose_kernel(std::string_view family,
+                                         const KernelChoice<Entry> (&table)[N]) {
+  return table[choose_kernel_row(family, kernel_rows(table))];
 }
 
 // Forces `family` to the row `name`, as CPUTRAIN_<FAMILY> does and before it, for a family that

@@ -58,10 +58,7 @@ bool amx_passes_self_test() {
 }
 
 // The backends, fastest first. The reference and oneDNN are taken only when forced.
-struct GemmRow {
-  KernelRow row;
-  GemmKernels entry;
-};
+using GemmRow = KernelChoice<GemmKernels>;
 const GemmRow kGemm[] = {
     {{"amx", Isa::Amx, true, amx_passes_self_test},
      {GemmBackend::Amx, gemm_f32_avx512, gemm_bf16_amx, always, gemm_bf16_rounded_amx,
@@ -208,9 +205,7 @@ bool gemm_backend_from_name(std::string_view name, GemmBackend* backend) {
 }
 
 std::string gemm_available_backends() {
-  KernelRow rows[std::size(kGemm)];
-  for (std::size_t i = 0; i < std::size(kGemm); ++i) rows[i] = kGemm[i].row;
-  return usable_kernel_rows(rows);
+  return usable_kernel_rows(kernel_rows(kGemm));
 }
 
 }  // namespace cputrain::kernels

@@ -26,10 +26,7 @@ struct PeakLoops {
   double (*amx)(int64_t);
 };
 // The implementations, fastest first (kernels/dispatch.h).
-struct PeakRow {
-  KernelRow row;
-  PeakLoops entry;
-};
+using PeakRow = KernelChoice<PeakLoops>;
 const PeakRow kPeak[] = {
     {{"amx", Isa::Amx}, {fma_f32_avx512_loop, dpbf16_avx512_loop, tdpbf16_amx_loop}},
     {{"avx512_bf16", Isa::Avx512Bf16}, {fma_f32_avx512_loop, dpbf16_avx512_loop, nullptr}},

@@ -7,10 +7,7 @@ namespace cputrain::kernels {
 namespace {
 
 // The implementations, fastest first (kernels/dispatch.h).
-struct SwigluRow {
-  KernelRow row;
-  const SwigluKernels& (*entry)();
-};
+using SwigluRow = KernelChoice<const SwigluKernels& (*)()>;
 const SwigluRow kSwiglu[] = {
     {{"avx512", Isa::Avx512}, swiglu_kernels_avx512},
     {{"avx2", Isa::Avx2}, swiglu_kernels_avx2},

@@ -33,34 +33,34 @@ inline CLI::Validator non_negative() {
   return number_at_least(0.0, false, "zero or more");
 }
 
-// An integer flag: digits only ("1e9" and "2.5" are refused here, not by CLI11's conversion),
-// at least `minimum`.
-inline CLI::Validator whole_number_at_least(long long minimum, const std::string& what) {
-  return CLI::Validator(
-      [=](std::string& input) -> std::string {
-        char* end = nullptr;
-        errno = 0;
-        const long long v = std::strtoll(input.c_str(), &end, 10);
-        if (input.empty() || end != input.c_str() + input.size() || errno != 0)
-          return "'" + input + "' is not a whole number";
-        if (v < minimum) return "must be " + what + " (got " + input + ")";
-        return "";
-      },
-      what);
-}
-inline CLI::Validator positive_whole() {
-  return whole_number_at_least(1, "a positive whole number");
+// Parses an integer flag: digits only ("1e9" and "2.5" are refused here, not by CLI11's
+// conversion). False for anything else.
+inline bool parse_whole(const std::string& input, long long* value) {
+  char* end = nullptr;
+  errno = 0;
+  *value = std::strtoll(input.c_str(), &end, 10);
+  return !input.empty() && end == input.c_str() + input.size() && errno == 0;
 }
 
-// --threads: at most the CPUs this process may run on (more only slows every step down, and
-// the budget counts no thread beyond them).
+// An integer flag of at least 1.
+inline CLI::Validator positive_whole() {
+  return CLI::Validator(
+      [](std::string& input) -> std::string {
+        long long v = 0;
+        if (!parse_whole(input, &v)) return "'" + input + "' is not a whole number";
+        if (v < 1) return "must be a positive whole number (got " + input + ")";
+        return "";
+      },
+      "a positive whole number");
+}
+
+// --threads: a positive whole number, at most the CPUs this process may run on (more only slows
+// every step down, and the budget counts no thread beyond them).
 inline CLI::Validator threads_limit() {
   return CLI::Validator(
       [](std::string& input) -> std::string {
-        char* end = nullptr;
-        errno = 0;
-        const long long v = std::strtoll(input.c_str(), &end, 10);
-        if (input.empty() || end != input.c_str() + input.size() || errno != 0 || v < 1)
+        long long v = 0;
+        if (!parse_whole(input, &v) || v < 1)
           return "must be a positive whole number (got " + input + ")";
         const int cpus = omp_get_num_procs();
         if (v > cpus)

@@ -25,9 +25,6 @@ constexpr std::string_view kRunFiles[] = {"config.json", "metrics.jsonl", "model
                                           "checkpoints"};
 // What a run that stopped before its configuration was written can leave: not a run yet.
 constexpr std::string_view kRunLeftovers[] = {"train.log", "profile.json", "plot.svg"};
-constexpr std::string_view kRunOwned[] = {"config.json", "metrics.jsonl", "model.bin",
-                                          "checkpoints", "train.log",     "profile.json",
-                                          "plot.svg"};
 constexpr std::string_view kParityFiles[] = {"parity.json", "parity.csv", "parity.log"};
 
 template <size_t N>
@@ -104,14 +101,16 @@ std::string set_run_aside(const std::string& dir) {
   fs::remove_all(aside, ec);  // an older run set aside whose successor never started
   fs::create_directories(aside, ec);
   if (ec) throw UserError("--overwrite " + dir + ": cannot create " + aside.string());
-  for (std::string_view name : kRunOwned) {
+  auto move_aside = [&](std::string_view name) {
     const fs::path from = fs::path(dir) / name;
-    if (!fs::exists(from, ec)) continue;
+    if (!fs::exists(from, ec)) return;
     fs::rename(from, aside / name, ec);
     if (ec)
       throw UserError("--overwrite " + dir + ": cannot move " + from.string() + " aside (" +
                       ec.message() + ")");
-  }
+  };
+  for (std::string_view name : kRunFiles) move_aside(name);
+  for (std::string_view name : kRunLeftovers) move_aside(name);
   return aside.string();
 }
 

@@ -461,13 +461,7 @@ void add_kernel_flags(CLI::App& app, KernelArgs& a) {
 
 void select_kernels(const KernelArgs& a) {
   try {
-    if (!a.isa.empty()) {
-      kernels::Isa isa;
-      if (!kernels::isa_from_name(a.isa, &isa) || isa > kernels::cpu_isa())
-        throw UserError("--isa " + a.isa + ": not a level this CPU runs (avx2 up to " +
-                        std::string(kernels::isa_name(kernels::cpu_isa())) + ")");
-      kernels::set_isa_ceiling(isa);
-    }
+    if (!a.isa.empty()) kernels::set_isa_ceiling(kernels::isa_level(a.isa, "--isa " + a.isa));
     for (const std::string& k : a.kernel) {
       const size_t eq = k.find('=');
       if (eq == std::string::npos || eq == 0 || eq + 1 == k.size())

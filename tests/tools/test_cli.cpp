@@ -48,7 +48,15 @@ class Cli : public ::testing::Test {
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override {
+    // A run a failed assertion left held or training: still our child, so not yet reaped.
+    for (pid_t pid : started_) {
+      if (::waitpid(pid, nullptr, WNOHANG) != 0) continue;  // reaped, or gone
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    fs::remove_all(dir_);
+  }
 
   // Runs cputrain with `args`, after environment assignments `env` ("NAME=value ...").
   Result run(const std::string& env, const std::string& args) const {
@@ -67,7 +75,7 @@ class Cli : public ::testing::Test {
   // Starts cputrain with `args` in the background, its output to `log`, with
   // CPUTRAIN_TEST_HOLD_STEP=`hold` (the loop waits before that step for a stop signal, or for
   // good with "N+"; tools/train_command.cpp); returns its pid.
-  static pid_t start(const std::string& args, const fs::path& log, const std::string& hold) {
+  pid_t start(const std::string& args, const fs::path& log, const std::string& hold) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       std::freopen(log.c_str(), "w", stdout);
@@ -77,6 +85,7 @@ class Cli : public ::testing::Test {
       ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
+    if (pid > 0) started_.push_back(pid);
     return pid;
   }
 
@@ -93,9 +102,8 @@ class Cli : public ::testing::Test {
   // start() with `args` --out `run_dir`, the tokenizer and tokens of the run in `prepared` copied
   // there first so that it trains at once, held before step `steps` + 1 (`hold` is "steps + 1",
   // or that and "+"); returns once it holds there (-1, the process killed, if it never does).
-  static pid_t start_prepared(const std::string& args, const fs::path& prepared,
-                              const fs::path& run_dir, const fs::path& log, size_t steps,
-                              const std::string& hold) {
+  pid_t start_prepared(const std::string& args, const fs::path& prepared, const fs::path& run_dir,
+                       const fs::path& log, size_t steps, const std::string& hold) {
     fs::create_directories(run_dir);
     for (const char* f : {"tokenizer.model", "tokens.bin"})
       fs::copy_file(prepared / f, run_dir / f);
@@ -135,6 +143,7 @@ class Cli : public ::testing::Test {
   }
 
   fs::path dir_;
+  std::vector<pid_t> started_;  // processes start() began
 };
 
 TEST_F(Cli, UnknownPreset) {
