@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <unordered_map>
@@ -85,11 +86,49 @@ std::unique_ptr<sentencepiece::SentencePieceProcessor> processor_from(const std:
   return processor;
 }
 
+// The length of the valid UTF-8 character at text[pos] (1 to 4), or 0 where the bytes there are
+// not one (a stray continuation byte, a truncated sequence, an overlong form, a surrogate, or a
+// code point above U+10FFFF).
+size_t utf8_length(std::string_view text, size_t pos) {
+  const auto at = [&](size_t i) { return static_cast<unsigned char>(text[pos + i]); };
+  const unsigned char c = at(0);
+  if (c < 0x80) return 1;
+  size_t n;
+  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+  if (c >= 0xC2 && c <= 0xDF) {
+    n = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    n = 3;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    n = 4;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (pos + n > text.size() || at(1) < lo || at(1) > hi) return 0;
+  for (size_t i = 2; i < n; ++i)
+    if ((at(i) & 0xC0) != 0x80) return 0;
+  return n;
+}
+
 }  // namespace
 
 Tokenizer::Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> processor,
                      std::string bytes)
-    : processor_(std::move(processor)), model_bytes_(std::move(bytes)) {}
+    : processor_(std::move(processor)), model_bytes_(std::move(bytes)) {
+  byte_of_.assign(static_cast<size_t>(processor_->GetPieceSize()), -1);
+  for (int b = 0; b < 256; ++b) {
+    char piece[8];
+    std::snprintf(piece, sizeof(piece), "<0x%02X>", b);
+    const int id = processor_->PieceToId(piece);
+    byte_id_[b] = id;
+    if (id > 0 && processor_->IsByte(id))
+      byte_of_[static_cast<size_t>(id)] = static_cast<int16_t>(b);
+  }
+}
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
@@ -98,6 +137,10 @@ void Tokenizer::check_vocab_size(int vocab_size) {
   if (vocab_size < kMinVocab)
     throw UserError("--vocab " + std::to_string(vocab_size) + ": must be at least " +
                     std::to_string(kMinVocab) + " (256 byte pieces, unk, bos, eos and merges)");
+  if (vocab_size > kMaxVocab)
+    throw UserError("--vocab " + std::to_string(vocab_size) +
+                    ": more pieces than cputrain trains (" + std::to_string(kMaxVocab) +
+                    " at most; real models use 32000 to 256000)");
 }
 
 Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_size,
@@ -148,21 +191,50 @@ Tokenizer Tokenizer::load(const std::string& model_path) {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  // SentencePiece turns a byte that is not part of valid UTF-8 into U+FFFD; such bytes are
+  // encoded here as their byte pieces instead, so every byte string round-trips.
+  std::vector<int32_t> out;
   std::vector<int> ids;
-  const auto status = processor_->Encode(text, &ids);
-  if (!status.ok()) throw std::runtime_error("tokenizer encode: " + status.ToString());
-  return std::vector<int32_t>(ids.begin(), ids.end());
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = pos;
+    for (size_t n; end < text.size() && (n = utf8_length(text, end)) > 0;) end += n;
+    if (end > pos) {
+      const auto status = processor_->Encode(text.substr(pos, end - pos), &ids);
+      if (!status.ok()) throw std::runtime_error("tokenizer encode: " + status.ToString());
+      out.insert(out.end(), ids.begin(), ids.end());
+    }
+    if (end < text.size()) out.push_back(byte_id_[static_cast<unsigned char>(text[end++])]);
+    pos = end;
+  }
+  return out;
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  // Byte pieces are their bytes, whatever they spell (SentencePiece would turn invalid UTF-8
+  // into U+FFFD); runs of other pieces go through SentencePiece.
   const int vocab = vocab_size();
-  std::vector<int> in;
-  in.reserve(ids.size());
-  for (int32_t id : ids)
-    if (id >= 0 && id < vocab) in.push_back(id);
   std::string text;
-  const auto status = processor_->Decode(in, &text);
-  if (!status.ok()) throw std::runtime_error("tokenizer decode: " + status.ToString());
+  std::vector<int> run;
+  auto flush = [&] {
+    if (run.empty()) return;
+    std::string piece;
+    const auto status = processor_->Decode(run, &piece);
+    if (!status.ok()) throw std::runtime_error("tokenizer decode: " + status.ToString());
+    text += piece;
+    run.clear();
+  };
+  for (int32_t id : ids) {
+    if (id < 0 || id >= vocab) continue;
+    const int16_t byte = byte_of_[static_cast<size_t>(id)];
+    if (byte < 0) {
+      run.push_back(id);
+      continue;
+    }
+    flush();
+    text.push_back(static_cast<char>(byte));
+  }
+  flush();
   return text;
 }
 

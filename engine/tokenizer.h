@@ -21,7 +21,9 @@ class Tokenizer {
   static constexpr int32_t kUnk = 0, kBos = 1, kEos = 2;
   // 256 byte pieces and the three above come first; BPE merges need room after them.
   static constexpr int kMinVocab = 300;
-  // Throws UserError naming --vocab unless vocab_size >= kMinVocab.
+  // Above this, training is slow and the embedding large for no gain.
+  static constexpr int kMaxVocab = 1 << 20;
+  // Throws UserError naming --vocab unless kMinVocab <= vocab_size <= kMaxVocab.
   static void check_vocab_size(int vocab_size);
 
   // Trains a BPE model of at most `vocab_size` pieces on `documents` (on a fixed sample of
@@ -37,6 +39,7 @@ class Tokenizer {
   Tokenizer& operator=(Tokenizer&&) noexcept;
   ~Tokenizer();
 
+  // Every byte string encodes, invalid UTF-8 included, and decode gives it back exactly.
   std::vector<int32_t> encode(std::string_view text) const;
   std::string decode(std::span<const int32_t> ids) const;
   std::string decode(const std::vector<int32_t>& ids) const {
@@ -52,6 +55,8 @@ class Tokenizer {
   Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> processor, std::string bytes);
   std::unique_ptr<sentencepiece::SentencePieceProcessor> processor_;
   std::string model_bytes_;
+  int byte_id_[256] = {};         // the id of each byte's piece
+  std::vector<int16_t> byte_of_;  // the byte an id's piece stands for, or -1
 };
 
 }  // namespace cputrain

@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(g++ cmake make pkg-config libdnnl-dev libeigen3-dev libsentencepiece-dev
           libspdlog-dev libgtest-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev fortunes clang-format)
+          nlohmann-json3-dev libxxhash-dev fortunes clang-format)
 if [[ "${1:-}" == "--torch" ]]; then
   packages+=(python3 python3-torch libopenblas0-openmp libtcmalloc-minimal4)
 fi

@@ -183,17 +183,7 @@ int run_parity(const ParityArgs& a) {
   }
   select_kernels(targs.kernels);
   const std::string out = targs.out.empty() ? "runs/parity-" + config.preset : targs.out;
-  prepare_run_dir(out);
-  const RunDirLock lock(out, "--out");
-  remove_stale_temporaries(out);
-  if (const DirSurvey survey = survey_dir(out);
-      survey.kind == DirKind::Run || survey.kind == DirKind::Other)
-    throw UserError(
-        "--out " + out + " holds " +
-        (survey.kind == DirKind::Run ? "a training run" : "files parity did not write") + " (" +
-        survey.evidence +
-        "), whose tokenizer and token cache parity would replace: choose another "
-        "directory");
+  const RunDirectory run = open_run_directory(out, RunDirUse::Parity);
   omp_set_num_threads(config.threads);
 
   spdlog::sink_ptr console;

@@ -20,8 +20,14 @@ void ProgressSink::set_status(const std::string& status) {
 void ProgressSink::sink_it_(const spdlog::details::log_msg& msg) {
   spdlog::memory_buf_t formatted;
   formatter_->format(msg, formatted);
-  if (terminal_ && !status_.empty()) std::fputs("\r\033[K", stdout);
-  std::fwrite(formatted.data(), 1, formatted.size(), stdout);
+  // Warnings and errors go to stderr, the rest to stdout.
+  std::FILE* stream = msg.level >= spdlog::level::warn ? stderr : stdout;
+  if (terminal_ && !status_.empty()) {
+    std::fputs("\r\033[K", stdout);
+    std::fflush(stdout);
+  }
+  std::fwrite(formatted.data(), 1, formatted.size(), stream);
+  std::fflush(stream);
   if (terminal_ && !status_.empty()) std::fputs(status_.c_str(), stdout);
   std::fflush(stdout);
 }

@@ -1,7 +1,7 @@
 // A status line under the log on a terminal: a bar, the fraction done, a rate and the time
-// left, redrawn in place. Log lines written through ProgressSink clear it first and redraw it
-// after, so the two never mix. When stdout is not a terminal the sink is a plain stdout sink and
-// the status line is never drawn.
+// left, redrawn in place. Log lines written through ProgressSink (warnings and errors to stderr,
+// the rest to stdout) clear it first and redraw it after, so the two never mix. When stdout is
+// not a terminal the status line is never drawn.
 #pragma once
 
 #include <spdlog/sinks/base_sink.h>

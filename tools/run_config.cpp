@@ -1,5 +1,6 @@
 #include "tools/run_config.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -53,12 +54,15 @@ std::string run_config_to_json(const RunConfig& c) {
         {"seed", c.train.seed},
         {"lr", c.train.lr.peak},
         {"warmup_steps", c.train.lr.warmup_steps},
+        {"lr_schedule_steps", c.train.lr.total_steps},
         {"min_lr_ratio", c.train.lr.min_ratio},
         {"beta1", shortest(c.train.adamw.beta1)},
         {"beta2", shortest(c.train.adamw.beta2)},
         {"eps", shortest(c.train.adamw.eps)},
         {"weight_decay", shortest(c.train.adamw.weight_decay)},
         {"grad_clip", shortest(c.train.adamw.grad_clip)},
+        {"save_every", c.save_every},
+        {"keep", c.keep},
         {"threads", c.threads},
         {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"},
         {"checkpoint", c.checkpoint ? "layer" : "none"}}},
@@ -102,7 +106,10 @@ RunConfig read_run_config(const std::string& path) {
     c.train.lr.peak = t.at("lr").get<double>();
     c.train.lr.warmup_steps = t.at("warmup_steps").get<int64_t>();
     c.train.lr.min_ratio = t.at("min_lr_ratio").get<double>();
-    c.train.lr.total_steps = c.steps;
+    // Runs made before a run could be extended decay over their steps.
+    c.train.lr.total_steps = t.value("lr_schedule_steps", c.steps);
+    c.save_every = t.value("save_every", std::max<int64_t>(1, c.steps / 10));
+    c.keep = t.value("keep", int64_t{3});
     c.train.adamw.beta1 = t.at("beta1").get<float>();
     c.train.adamw.beta2 = t.at("beta2").get<float>();
     c.train.adamw.eps = t.at("eps").get<float>();
@@ -122,7 +129,17 @@ RunConfig read_run_config(const std::string& path) {
   }
   if (const auto problem = validate(c.model))
     throw UserError(path + ": invalid model configuration: model." + problem->str());
+  if (c.steps <= 0 || c.train.lr.total_steps <= 0 || c.save_every < 0 || c.keep <= 0)
+    throw UserError(path + ": train.steps, lr_schedule_steps and keep must be positive");
   return c;
+}
+
+std::string run_identity(const std::string& config_json) {
+  json j = json::parse(config_json);
+  json& t = j["train"];
+  if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
+  for (const char* key : {"steps", "threads", "save_every", "keep"}) t.erase(key);
+  return json{j["model"], t, j["corpus"]}.dump();
 }
 
 }  // namespace cputrain

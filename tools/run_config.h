@@ -14,7 +14,9 @@ struct RunConfig {
   std::string corpus;
   LlamaConfig model;
   TrainOptions train;
-  int64_t steps = 0;
+  int64_t steps = 0;       // the step the run ends at (train.lr.total_steps: where its decay ends)
+  int64_t save_every = 0;  // a checkpoint every N steps (0: only at the end and on a signal)
+  int64_t keep = 3;        // checkpoints kept
   int threads = 0;
   DType dtype = DType::F32;  // F32 or BF16 (--dtype)
   bool checkpoint = false;   // per-layer gradient checkpointing (--checkpoint layer)
@@ -23,5 +25,8 @@ struct RunConfig {
 std::string run_config_to_json(const RunConfig& config);
 // UserError naming `path` when it is missing or malformed.
 RunConfig read_run_config(const std::string& path);
+// What makes two configurations the same run, as a comparable string: all but the step the run
+// ends at, the threads and the checkpoint saving, which a resumed run may change.
+std::string run_identity(const std::string& config_json);
 
 }  // namespace cputrain

@@ -98,7 +98,13 @@ std::vector<std::string> remove_stale_temporaries(const std::string& dir) {
 std::string set_run_aside(const std::string& dir) {
   const fs::path aside = fs::path(dir) / kReplaced;
   std::error_code ec;
-  fs::remove_all(aside, ec);  // an older run set aside whose successor never started
+  if (fs::exists(aside, ec)) {
+    // A run set aside already: what is in `dir` now is a successor that never completed a step,
+    // and the run to keep is the one aside.
+    for (std::string_view name : kRunFiles) fs::remove_all(fs::path(dir) / name, ec);
+    for (std::string_view name : kRunLeftovers) fs::remove_all(fs::path(dir) / name, ec);
+    return aside.string();
+  }
   fs::create_directories(aside, ec);
   if (ec) throw UserError("--overwrite " + dir + ": cannot create " + aside.string());
   auto move_aside = [&](std::string_view name) {
@@ -131,6 +137,69 @@ std::string load_run_weights(const std::string& run, const std::string& weights,
   else
     load_weights(path, params);
   return path;
+}
+
+void prepare_run_dir(const std::string& dir, const std::string& flag) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError(flag + " " + dir + ": cannot create directory (" + ec.message() + ")");
+  const std::string probe = dir + "/.write-test";
+  std::ofstream out(probe);
+  if (!out || !(out << "ok") || (out.close(), !out))
+    throw UserError(flag + " " + dir + ": directory is not writable");
+  fs::remove(probe, ec);
+}
+
+RunDirectory open_run_directory(const std::string& dir, RunDirUse use) {
+  const std::string flag = use == RunDirUse::Resume ? "--resume" : "--out";
+  RunDirectory d;
+  d.path = dir;
+  std::error_code ec;
+  if (use == RunDirUse::Resume && !fs::is_directory(dir, ec))
+    throw UserError("--resume " + dir + ": no such run directory");
+  d.created = !fs::exists(dir, ec);
+  prepare_run_dir(dir, flag);
+  d.lock = std::make_unique<RunDirLock>(dir, flag);
+  // With the lock held, a temporary file here is one a process that died left behind.
+  d.stale = remove_stale_temporaries(dir);
+  const DirSurvey survey = survey_dir(dir);
+  switch (use) {
+    case RunDirUse::NewRun:
+    case RunDirUse::Overwrite:
+      if (survey.kind == DirKind::Run && use == RunDirUse::NewRun)
+        throw UserError("--out " + dir + " already holds a run (" + survey.evidence +
+                        "): continue it with --resume " + dir + ", or replace it with --overwrite");
+      if (survey.kind == DirKind::Parity || survey.kind == DirKind::Other)
+        throw UserError("--out " + dir + " holds files that are not a training run (" +
+                        survey.evidence + "): choose a new or empty directory");
+      if (survey.kind == DirKind::Run) set_run_aside(dir);
+      // Also a run set aside by an --overwrite that stopped before its first step.
+      d.replacing = use == RunDirUse::Overwrite && has_replaced_run(dir);
+      break;
+    case RunDirUse::Resume:
+      if (survey.kind != DirKind::Run)
+        throw UserError("--resume " + dir + ": not a training run (no config.json)");
+      break;
+    case RunDirUse::Parity:
+      if (survey.kind == DirKind::Run || survey.kind == DirKind::Other)
+        throw UserError(
+            "--out " + dir + " holds " +
+            (survey.kind == DirKind::Run ? "a training run" : "files parity did not write") + " (" +
+            survey.evidence +
+            "), whose tokenizer and token cache parity would replace: choose another directory");
+      break;
+  }
+  return d;
+}
+
+void RunDirectory::discard_if_unused() const {
+  if (!created) return;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name != kLockFile && name != "train.log") return;
+  }
+  fs::remove_all(path, ec);
 }
 
 bool has_replaced_run(const std::string& dir) {

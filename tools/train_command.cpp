@@ -28,6 +28,7 @@
 #include "engine/memory.h"
 #include "engine/profiler.h"
 #include "engine/threads.h"
+#include "engine/tokenizer.h"
 #include "engine/trainer.h"
 #include "engine/weights_file.h"
 #include "kernels/attention.h"
@@ -44,6 +45,8 @@
 #include "tools/progress.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
+#include "tools/stop_signals.h"
+#include "tools/train_stages.h"
 
 namespace cputrain {
 namespace {
@@ -106,6 +109,7 @@ RunConfig resolve_run_config(const TrainArgs& a) {
     return flag;
   };
   c.model.vocab = take(a.vocab, c.model.vocab, "--vocab");
+  Tokenizer::check_vocab_size(static_cast<int>(std::min<int64_t>(c.model.vocab, INT32_MAX)));
   c.model.d_model = take(a.d_model, c.model.d_model, "--d-model");
   c.model.n_layers = take(a.layers, c.model.n_layers, "--layers");
   c.model.n_heads = take(a.heads, c.model.n_heads, "--heads");
@@ -137,19 +141,10 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   c.train.adamw.weight_decay = static_cast<float>(a.weight_decay);
   c.train.adamw.grad_clip = static_cast<float>(a.grad_clip);
   if (a.eval_windows <= 0) throw UserError("--eval-windows must be positive");
+  c.save_every = a.save_every >= 0 ? a.save_every : std::max<int64_t>(1, c.steps / 10);
+  c.keep = a.keep;
   c.threads = a.threads > 0 ? a.threads : omp_get_num_procs();
   return c;
-}
-
-void prepare_run_dir(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw UserError("--out " + dir + ": cannot create directory (" + ec.message() + ")");
-  const std::string probe = dir + "/.write-test";
-  std::ofstream out(probe);
-  if (!out || !(out << "ok") || (out.close(), !out))
-    throw UserError("--out " + dir + ": directory is not writable");
-  fs::remove(probe, ec);
 }
 
 DType choose_dtype(const std::string& flag, std::string* why) {
@@ -182,143 +177,8 @@ std::string describe_compute() {
 
 namespace {
 
-std::shared_ptr<spdlog::logger> make_logger(const std::string& log_path,
-                                            std::shared_ptr<ProgressSink> console) {
-  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_path, false);
-  auto logger =
-      std::make_shared<spdlog::logger>("cputrain", spdlog::sinks_init_list{console, file});
-  logger->set_pattern("[%H:%M:%S] %v");
-  logger->flush_on(spdlog::level::info);
-  return logger;
-}
-
 double gib(int64_t bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0);
-}
-
-// SIGINT and SIGTERM ask the loop to finish its step, save and stop; a second one is fatal.
-std::atomic<int> g_stop_signal{0};
-
-// Takes SIGINT and SIGTERM for its scope on a thread of its own, which calls `first` with the
-// first of them; both are blocked in every other thread (the caller's and OpenMP's team, and
-// threads started later, which inherit the mask), so that no handler runs on a thread in the
-// middle of a step. (With a handler, runs with the oneDNN GEMM interrupted on a loaded machine
-// aborted now and then on a corrupted heap, found in a free inside oneDNN's sgemm: 7 in 195,
-// and once in CI; with this, none in 300.) The default actions are back afterwards, however
-// the scope is left.
-class StopSignals {
- public:
-  explicit StopSignals(std::function<void(int)> first) : first_(std::move(first)) {
-    g_stop_signal = 0;
-    sigemptyset(&signals_);
-    sigaddset(&signals_, SIGINT);
-    sigaddset(&signals_, SIGTERM);
-    mask_everywhere(SIG_BLOCK);
-    watcher_ = std::thread([this] { watch(); });
-  }
-  ~StopSignals() {
-    quit_ = true;
-    watcher_.join();
-    mask_everywhere(SIG_UNBLOCK);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
- private:
-  void mask_everywhere(int how) const {
-    pthread_sigmask(how, &signals_, nullptr);
-#pragma omp parallel
-    pthread_sigmask(how, &signals_, nullptr);
-  }
-  // The first signal sets g_stop_signal; a second takes its default action.
-  void watch() const {
-    const timespec poll{0, 50'000'000};
-    while (!quit_) {
-      const int sig = sigtimedwait(&signals_, nullptr, &poll);
-      if (sig <= 0) continue;
-      if (g_stop_signal.load() == 0) {
-        g_stop_signal = sig;
-        first_(sig);
-        continue;
-      }
-      if (auto log = spdlog::default_logger()) {
-        log->warn("{} again: stopping at once, without a checkpoint of this step",
-                  sig == SIGINT ? "SIGINT" : "SIGTERM");
-        log->flush();
-      }
-      std::signal(sig, SIG_DFL);
-      pthread_sigmask(SIG_UNBLOCK, &signals_, nullptr);
-      raise(sig);
-    }
-  }
-  std::function<void(int)> first_;
-  sigset_t signals_;
-  std::atomic<bool> quit_{false};
-  std::thread watcher_;
-};
-
-// For tests that interrupt a run at a known step, whatever the machine's speed:
-// CPUTRAIN_TEST_HOLD_STEP=N holds the loop before step N, saying so on stderr, until a stop signal
-// has arrived (then step N runs and the run stops after it); "N+" holds it for good, so that only
-// a second signal ends the run, in the middle of step N.
-struct TestHold {
-  int64_t step = -1;
-  bool forever = false;
-};
-TestHold test_hold() {
-  TestHold h;
-  const char* env = std::getenv("CPUTRAIN_TEST_HOLD_STEP");
-  if (env == nullptr || *env == '\0') return h;
-  char* end = nullptr;
-  h.step = std::strtoll(env, &end, 10);
-  h.forever = std::string_view(end) == "+";
-  if (end == env || h.step < 1 || (*end != '\0' && !h.forever))
-    throw UserError(std::string("CPUTRAIN_TEST_HOLD_STEP=") + env +
-                    ": must be a step, or a step and +");
-  return h;
-}
-void wait_for_stop_signal(int64_t step, bool forever) {
-  std::fprintf(stderr, "CPUTRAIN_TEST_HOLD_STEP: holding before step %lld\n",
-               static_cast<long long>(step));
-  std::fflush(stderr);
-  while (forever || g_stop_signal.load() == 0)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-}
-
-std::string save_training_checkpoint(const std::string& out, int64_t step,
-                                     const ParameterSet& params, const AdamW& adamw,
-                                     uint64_t data_fingerprint, const std::string& config_json,
-                                     int64_t keep) {
-  std::error_code ec;
-  fs::create_directories(checkpoint_dir(out), ec);
-  if (ec) throw UserError(checkpoint_dir(out) + ": cannot create (" + ec.message() + ")");
-  const std::string path = checkpoint_path(out, step);
-  save_checkpoint(path, params, adamw,
-                  CheckpointInfo{step, adamw.step_count(), data_fingerprint, config_json});
-  auto all = list_checkpoints(out);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i].second, ec);
-  return path;
-}
-
-// The model and training options of a run's configuration, for comparing two of them.
-nlohmann::json run_identity(const std::string& config_json) {
-  nlohmann::json j = nlohmann::json::parse(config_json);
-  j["train"].erase("threads");
-  return {j["model"], j["train"], j["corpus"]};
-}
-
-// Keeps the lines of metrics.jsonl up to `step`.
-void truncate_metrics(const std::string& path, int64_t step) {
-  std::ifstream in(path);
-  std::string kept, line;
-  while (std::getline(in, line)) {
-    try {
-      if (nlohmann::json::parse(line).at("step").get<int64_t>() <= step) kept += line + "\n";
-    } catch (const std::exception&) {
-      // a line cut short by the interruption
-    }
-  }
-  write_file_atomic(path, kept);
 }
 
 std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t tokens,
@@ -420,7 +280,8 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->check(CLI::IsMember({"layer", "none", "auto"}));
   app.add_option("--resume", a.resume,
                  "Continue the run in this directory from its latest checkpoint, with its own "
-                 "configuration (bitwise as if it had not stopped)");
+                 "configuration (bitwise as if it had not stopped); --steps moves its end, and "
+                 "--save-every and --keep change its saving");
   app.add_flag("--overwrite", a.overwrite,
                "Replace the run already in --out: it is moved to <out>/.replaced and deleted once "
                "the new run has completed its first step");
@@ -445,6 +306,11 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
                  "GiB the run may use (default: the available memory at start); training refuses "
                  "to start when its budget exceeds it")
       ->check(positive());
+  app.parse_complete_callback([&app, &a] {
+    a.given.clear();
+    for (const CLI::Option* option : app.get_options())
+      if (option->count() > 0) a.given.push_back(option->get_name());
+  });
 }
 
 void add_kernel_flags(CLI::App& app, KernelArgs& a) {
@@ -476,51 +342,106 @@ void select_kernels(const KernelArgs& a) {
   }
 }
 
+namespace {
+
+// The flags that are a run's configuration. A resumed run keeps its own: giving one is refused.
+constexpr const char* kRunFlags[] = {
+    "--preset",     "--corpus",     "--out",      "--vocab",          "--d-model",
+    "--layers",     "--heads",      "--kv-heads", "--head-dim",       "--ffn",
+    "--rope-theta", "--rope-pairs", "--qkv-bias", "--tie-embeddings", "--batch",
+    "--accum",      "--ctx",        "--lr",       "--warmup",         "--weight-decay",
+    "--grad-clip",  "--seed",       "--dtype",    "--checkpoint",     "--overwrite"};
+
+bool given(const TrainArgs& a, std::string_view flag) {
+  return std::find(a.given.begin(), a.given.end(), flag) != a.given.end();
+}
+
+// --resume: the run's own configuration (DIR/config.json) and what a resumed run may change:
+// where it ends (--steps), how it saves (--save-every, --keep) and how it executes.
+RunConfig resume_config(const TrainArgs& a) {
+  const std::string& dir = a.resume;
+  if (!fs::is_directory(dir)) throw UserError("--resume " + dir + ": no such run directory");
+  std::string refused;
+  for (const char* flag : kRunFlags)
+    if (given(a, flag)) refused += (refused.empty() ? "" : ", ") + std::string(flag);
+  if (!refused.empty())
+    throw UserError("--resume " + dir + ": " + refused +
+                    " would change the run, which keeps the configuration it began with (" + dir +
+                    "/config.json); to change it, start a new run with --out");
+  RunConfig config = read_run_config(dir + "/config.json");
+  config.threads = a.threads > 0 ? a.threads : omp_get_num_procs();
+  if (given(a, "--steps")) config.steps = a.steps;
+  if (given(a, "--save-every")) config.save_every = a.save_every;
+  if (given(a, "--keep")) config.keep = a.keep;
+  return config;
+}
+
+// How a resumed run's end relates to where it stopped: a UserError where there is nothing left
+// to train; the rule for the learning rate logged where --steps extends the run.
+void check_resumed_steps(const RunConfig& config, const RunConfig& began, int64_t reached,
+                         const std::string& dir, spdlog::logger& log) {
+  if (config.steps < reached)
+    throw UserError("--steps " + std::to_string(config.steps) + ": the run in " + dir +
+                    " has already trained " + std::to_string(reached) + " steps");
+  if (config.steps == reached)
+    throw UserError("--resume " + dir + ": the run has trained all its " + std::to_string(reached) +
+                    " steps; give --steps above " + std::to_string(reached) +
+                    " to train it further");
+  if (config.steps != began.steps)
+    log.info(
+        "the run now ends at step {} (it was to end at {}); the learning rate keeps the schedule "
+        "it began with (warm-up {}, cosine decay to {:.3g} at step {}), the steps past that at "
+        "its final rate",
+        config.steps, began.steps, config.train.lr.warmup_steps,
+        config.train.lr.peak * config.train.lr.min_ratio, config.train.lr.total_steps);
+}
+
+int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
+             const std::string& dtype_reason, const TestHold& hold);
+
+}  // namespace
+
 int run_train(const TrainArgs& args) {
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   if (args.keep <= 0) throw UserError("--keep must be positive");
   const bool resuming = !args.resume.empty();
   RunConfig config;
-  std::string out, dtype_reason;
+  std::string dtype_reason = "as the run began";
   if (resuming) {
-    // The run's own configuration; only how it runs (threads, GEMM, logging) comes from flags.
-    out = args.resume;
-    if (!fs::is_directory(out)) throw UserError("--resume " + out + ": no such run directory");
-    config = read_run_config(out + "/config.json");
-    config.threads = args.threads > 0 ? args.threads : omp_get_num_procs();
+    config = resume_config(args);
     select_kernels(args.kernels);
-    dtype_reason = "as the run began";
-    if (list_checkpoints(out).empty())
-      throw UserError("--resume " + out + ": no checkpoint in " + checkpoint_dir(out));
   } else {
     config = resolve_run_config(args);
     select_kernels(args.kernels);
     config.dtype = choose_dtype(args.dtype, &dtype_reason);
-    out = args.out.empty() ? "runs/" + config.preset : args.out;
+    config.checkpoint = args.checkpoint == "layer";
   }
-  prepare_run_dir(out);
-  const RunDirLock lock(out, resuming ? "--resume" : "--out");
-  // With the lock held, a temporary file here is one a process that died left behind.
-  const std::vector<std::string> stale = remove_stale_temporaries(out);
-  bool replacing = false;
-  if (!resuming) {
-    const DirSurvey survey = survey_dir(out);
-    if (survey.kind == DirKind::Run && !args.overwrite)
-      throw UserError("--out " + out + " already holds a run (" + survey.evidence +
-                      "): continue it with --resume " + out + ", or replace it with --overwrite");
-    if (survey.kind == DirKind::Parity || survey.kind == DirKind::Other)
-      throw UserError("--out " + out + " holds files that are not a training run (" +
-                      survey.evidence + "): choose a new or empty directory");
-    if (survey.kind == DirKind::Run) set_run_aside(out);
-    // Also a run set aside by an --overwrite that stopped before its first step.
-    replacing = args.overwrite && (survey.kind == DirKind::Run || has_replaced_run(out));
+  const TestHold hold = test_hold();
+  const std::string out =
+      resuming ? args.resume : (args.out.empty() ? "runs/" + config.preset : args.out);
+  const RunDirectory run = open_run_directory(
+      out,
+      resuming ? RunDirUse::Resume : (args.overwrite ? RunDirUse::Overwrite : RunDirUse::NewRun));
+  try {
+    return train_in(run, config, args, dtype_reason, hold);
+  } catch (...) {
+    run.discard_if_unused();
+    throw;
   }
+}
+
+namespace {
+
+// The run in its opened directory: log, signals, data, memory, model, loop, final weights.
+int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
+             const std::string& dtype_reason, const TestHold& hold) {
+  const std::string& out = run.path;
+  const bool resuming = !args.resume.empty();
   omp_set_num_threads(config.threads);
   // On a terminal a progress line with the time left stays under the log.
   auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1);
-  auto log = make_logger(out + "/train.log", console);
-  spdlog::set_default_logger(log);
-  for (const std::string& path : stale)
+  auto log = open_run_log(out, console);
+  for (const std::string& path : run.stale)
     log->info("removed {}, left by a process that stopped while writing it", path);
   // Whatever way the run ends, the progress line is gone before the last words.
   struct ClearStatus {
@@ -528,66 +449,55 @@ int run_train(const TrainArgs& args) {
     ~ClearStatus() { sink.set_status(""); }
   } clear_status{*console};
 
-  DataProgress data_progress;
-  if (console->terminal()) {
-    data_progress = [&console, phase_seen = std::string(), phase_time = Stopwatch()](
-                        const std::string& phase, int64_t done, int64_t total) mutable {
-      if (phase != phase_seen) {
-        phase_seen = phase;
-        phase_time.restart();
-      }
-      console->set_status(
-          total > 0
-              ? phase + " " + progress_line(done, total, 0, phase_time.seconds(), "documents", "")
-              : phase + " ...");
-    };
+  // A stop signal while the data is prepared (a tokenizer trains in one library call) ends the
+  // process at once: nothing of the run exists yet to save. Later ones stop the loop after its
+  // step.
+  std::atomic<bool> preparing{true};
+  const StopSignals signals([&](int sig) {
+    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    if (preparing) {
+      log->warn("{} while preparing the data: stopped; nothing of the run is saved", name);
+      log->flush();
+      run.discard_if_unused();
+      std::_Exit(128 + sig);
+    }
+    log->warn("{}: the run stops after this step, with a checkpoint (again to stop at once)", name);
+  });
+
+  // What can be refused is refused before the data is prepared.
+  const std::string config_path = out + "/config.json";
+  const RunConfig began = resuming ? read_run_config(config_path) : config;
+  std::optional<ResumePoint> resume;
+  if (resuming) {
+    resume = find_resume_point(out, run_config_to_json(began), *log);
+    check_resumed_steps(config, began, resume->info.step, out, *log);
   }
-  PreparedData data =
-      prepare_data(config.corpus, static_cast<int>(config.model.vocab), out, data_progress);
-  console->set_status("");
-  config.model.vocab = data.tokenizer.vocab_size();
+  // MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
+  // (about 0.1 s). In bf16 the peak is the machine's best BF16 instruction (AMX where present),
+  // whichever GEMM runs.
+  const kernels::Peak peak = kernels::measure_peak(2'000'000, 3);
+  const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_best_all_threads() > 0;
+  const auto peak_of = [bf16_peak](const kernels::Peak& p) {
+    return bf16_peak ? p.bf16_best_all_threads() : p.f32_all_threads;
+  };
+  const double peak_gflops = peak_of(peak);
+  warn_of_slow_steps(config, peak_gflops, *log);
+  const int64_t available = memory_limit_bytes(args.mem_limit_gib);
+  check_memory_floor(config, resuming ? "none" : args.checkpoint, available, *log);
+
+  if (hold.step == 0) wait_for_stop_signal(0, hold.forever);
+  PreparedData data = prepare_run_data(
+      config, out, *console,
+      resume ? std::optional<uint64_t>(resume->info.data_fingerprint) : std::nullopt,
+      resuming ? config_path + ": corpus " + config.corpus : "--corpus " + config.corpus);
+  preparing = false;
   const auto train_tokens = data.dataset.train_tokens();
   const auto val_tokens = data.dataset.val_tokens();
-  if (static_cast<int64_t>(train_tokens.size()) < config.train.ctx + 1)
-    throw UserError("--corpus " + config.corpus + ": the training split has " +
-                    std::to_string(train_tokens.size()) +
-                    " tokens, fewer than one window of --ctx " + std::to_string(config.train.ctx) +
-                    " + 1");
   const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
-  if (!can_eval)
-    log->warn(
-        "the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
-        "validation loss",
-        val_tokens.size(), config.train.ctx);
-  // The budget, before anything large is allocated: checkpointing where asked (or where it is
-  // needed to fit), and a refusal, with the figures and the levers, where even that does not fit.
   const int64_t corpus_tokens = static_cast<int64_t>(train_tokens.size() + val_tokens.size());
-  const int64_t available = memory_limit_bytes(args.mem_limit_gib);
-  if (!resuming) config.checkpoint = args.checkpoint == "layer";
   const int64_t eval_windows = can_eval ? args.eval_windows : 0;
-  MemoryBudget budget =
-      memory_budget(config.model, budget_options(config, corpus_tokens, eval_windows));
-  if (!resuming && args.checkpoint == "auto" && available > 0 && budget.total_bytes() > available) {
-    RunConfig with = config;
-    with.checkpoint = true;
-    const MemoryBudget b =
-        memory_budget(with.model, budget_options(with, corpus_tokens, eval_windows));
-    log->info("checkpointing per layer: without it the budget, {}, exceeds the available {}",
-              format_bytes(budget.total_bytes()), format_bytes(available));
-    config.checkpoint = true;
-    budget = b;
-  }
-  log->info("memory budget ({}, batch {}, ctx {}, checkpointing {}):\n{}",
-            config.dtype == DType::BF16 ? "bf16" : "fp32", config.train.batch, config.train.ctx,
-            config.checkpoint ? "per layer" : "none", budget_table(budget, available));
-  if (available > 0 && budget.total_bytes() > available) {
-    log->error("levers:\n{}", budget_levers(config, corpus_tokens, eval_windows, available));
-    throw UserError("--preset " + config.preset + ": the memory budget, " +
-                    format_bytes(budget.total_bytes()) + ", exceeds the available " +
-                    format_bytes(available) + " (table and levers above)");
-  }
-  const int64_t eval_every =
-      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+  const MemoryBudget budget = plan_memory(config, resuming ? "none" : args.checkpoint,
+                                          corpus_tokens, eval_windows, available, *log);
 
   process_memory_reset_peak();  // from here on the peak RSS is training's
   log->info("resident before the model: {} (the budget's runtime estimate: {})",
@@ -597,7 +507,11 @@ int run_train(const TrainArgs& args) {
   model.set_compute_dtype(config.dtype);
   model.set_checkpointing(config.checkpoint);
   const std::string config_json = run_config_to_json(config);
-  if (!resuming) write_file_atomic(out + "/config.json", config_json);
+  // A resumed run records what it changed (its end, its saving) once it is sure to go on.
+  RunConfig as_began = config;
+  as_began.threads = began.threads;
+  if (!resuming || run_config_to_json(as_began) != run_config_to_json(began))
+    write_file_atomic(config_path, config_json);
   const LlamaConfig& m = config.model;
   log->info(
       "model {}: {} parameters (d_model {}, layers {}, heads {}, kv heads {}, head dim {}, "
@@ -614,16 +528,6 @@ int run_train(const TrainArgs& args) {
     for (int cpu : pin_threads()) cpus += (cpus.empty() ? "" : ",") + std::to_string(cpu);
     log->info("threads pinned to CPUs {}", cpus);
   }
-  // MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
-  // (about 0.1 s).
-  const kernels::Peak peak = kernels::measure_peak(2'000'000, 3);
-  // In bf16 the peak is the machine's best BF16 instruction (AMX where present), whichever GEMM
-  // runs.
-  const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_best_all_threads() > 0;
-  const auto peak_of = [bf16_peak](const kernels::Peak& p) {
-    return bf16_peak ? p.bf16_best_all_threads() : p.f32_all_threads;
-  };
-  const double peak_gflops = peak_of(peak);
   MfuPeak mfu_peak(peak_gflops, [&] { return peak_of(kernels::measure_peak(2'000'000, 10)); });
   const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
   if (peak_gflops > 0)
@@ -640,95 +544,30 @@ int run_train(const TrainArgs& args) {
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
   int64_t first_step = 1;
   std::string last_checkpoint;
-  if (resuming) {
-    // The newest checkpoint that reads back whole; a damaged one is skipped, not deleted.
-    CheckpointInfo info;
-    const auto all = list_checkpoints(out);
-    for (auto it = all.rbegin(); it != all.rend() && last_checkpoint.empty(); ++it) {
-      try {
-        info = read_checkpoint_info(it->second);
-        last_checkpoint = it->second;
-      } catch (const UserError& e) {
-        log->warn("skipping {}", e.what());
-      }
-    }
-    if (last_checkpoint.empty())
-      throw UserError("--resume " + out + ": no readable checkpoint in " + checkpoint_dir(out));
-    if (run_identity(info.config_json) != run_identity(config_json))
-      throw UserError(last_checkpoint + ": made by another configuration than " + out +
-                      "/config.json");
-    if (info.data_fingerprint != data.dataset.fingerprint())
-      throw UserError(last_checkpoint + ": made on other data than " + out +
-                      " holds now (the corpus, tokenizer or token cache changed)");
-    load_checkpoint(last_checkpoint, model.parameters(), &trainer.optimizer());
-    first_step = info.step + 1;
-    truncate_metrics(out + "/metrics.jsonl", info.step);
+  if (resume) {
+    load_checkpoint(resume->path, model.parameters(), &trainer.optimizer());
+    last_checkpoint = resume->path;
+    first_step = resume->info.step + 1;
+    truncate_metrics(out + "/metrics.jsonl", resume->info.step);
     log->info("resuming from {} at step {}", last_checkpoint, first_step);
   }
   std::ofstream metrics(out + "/metrics.jsonl", resuming ? std::ios::app : std::ios::trunc);
   if (!metrics) throw UserError(out + "/metrics.jsonl: cannot open for writing");
-  const int64_t save_every =
-      args.save_every >= 0 ? args.save_every : std::max<int64_t>(1, config.steps / 10);
+  const int64_t save_every = config.save_every;
+  const int64_t eval_every =
+      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+  bool replacing = run.replacing;
   // A bad step (non-finite loss or gradient norm, or a spike) is never applied; it stops the run
   // or, with --on-bad-step skip, is passed over.
-  std::vector<double> recent;  // losses of the last accepted steps
-  std::string bad_reason;
-  trainer.set_step_filter([&](const StepResult& r) {
-    bad_reason.clear();
-    if (!std::isfinite(r.loss)) {
-      bad_reason = fmt::format("loss is {}", r.loss);
-    } else if (!std::isfinite(r.grad_norm)) {
-      bad_reason = fmt::format("gradient norm is {}", r.grad_norm);
-    } else if (args.spike > 0.0 && !recent.empty()) {
-      double mean = 0.0;
-      for (double l : recent) mean += l;
-      mean /= static_cast<double>(recent.size());
-      if (r.loss > args.spike * mean)
-        bad_reason = fmt::format(
-            "loss {:.4f} is a spike (over {:g} x the mean {:.4f} of the last {} "
-            "steps)",
-            r.loss, args.spike, mean, recent.size());
-    }
-    if (!bad_reason.empty()) return false;
-    recent.push_back(r.loss);
-    if (recent.size() > 20) recent.erase(recent.begin());
-    return true;
-  });
+  BadStepFilter bad_steps(args.spike);
+  trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
   // --profile: every step but the first (page faults of first touch, block cache filling),
   // unless it is the only one.
   int64_t profiled_steps = 0;
   double profiled_seconds = 0.0;
-  auto report_profile = [&] {
-    if (profiled_steps == 0) return;
-    const auto entries = profiler::entries();
-    log->info(
-        "profile of the last {} steps ({:.0f} ms per step; each scope's own time, the "
-        "scopes inside it excluded):",
-        profiled_steps, 1e3 * profiled_seconds / static_cast<double>(profiled_steps));
-    for (const std::string& line : profiler::report(entries, profiled_steps, profiled_seconds))
-      log->info("  {}", line);
-    nlohmann::json j = {
-        {"steps", profiled_steps},
-        {"ms_per_step", 1e3 * profiled_seconds / static_cast<double>(profiled_steps)},
-        {"scopes", nlohmann::json::array()}};
-    const double per = 1.0 / static_cast<double>(profiled_steps);
-    for (const profiler::Entry& e : entries) {
-      j["scopes"].push_back({{"name", e.name},
-                             {"pass", std::string(profiler::pass_name(e.pass))},
-                             {"calls_per_step", static_cast<double>(e.calls) * per},
-                             {"ms_per_step", 1e3 * e.seconds * per},
-                             {"gflop_per_step", e.flops * per / 1e9}});
-    }
-    write_file_atomic(out + "/profile.json", j.dump(1) + "\n");
-    log->info("wrote {}/profile.json", out);
-  };
-  {  // signals: a stop request ends the loop after its step
-    const StopSignals signals([&](int sig) {
-      log->warn("{}: the run stops after this step, with a checkpoint (again to stop at once)",
-                sig == SIGINT ? "SIGINT" : "SIGTERM");
-    });
+  auto report_profile = [&] { write_profile(out, profiled_steps, profiled_seconds, *log); };
+  {
     const Stopwatch loop_time;
-    const TestHold hold = test_hold();
     for (int64_t step = first_step; step <= config.steps; ++step) {
       if (step == hold.step) wait_for_stop_signal(step, hold.forever);
       const bool profile_step = args.profile && (step > first_step || first_step == config.steps);
@@ -741,13 +580,13 @@ int run_train(const TrainArgs& args) {
       }
       if (r.skipped && args.on_bad_step == "stop") {
         throw UserError(
-            "step " + std::to_string(step) + ": " + bad_reason +
+            "step " + std::to_string(step) + ": " + bad_steps.reason() +
             "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
             "the last good checkpoint is " +
             (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
       }
       if (r.skipped)
-        log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_reason);
+        log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_steps.reason());
       const ProcessMemory mem = process_memory();
       const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
       const double peak_before = mfu_peak.gflops();
@@ -757,25 +596,7 @@ int run_train(const TrainArgs& args) {
             "(was {:.0f})",
             step, model_gflops, mfu_peak.gflops(), peak_before);
       const std::optional<double> mfu = mfu_peak.mfu(model_gflops);
-      const MemoryStats stats = memory_stats();
-      nlohmann::json m = {{"step", step},
-                          {"loss", r.loss},
-                          {"lr", r.lr},
-                          {"grad_norm", r.grad_norm},
-                          {"tokens_per_s", r.tokens_per_s},
-                          {"ms", r.ms},
-                          {"rss_bytes", mem.rss_bytes},
-                          {"peak_rss_bytes", mem.peak_rss_bytes},
-                          {"budget_bytes", budget.total_bytes()},
-                          {"skipped", r.skipped},
-                          {"model_gflops_per_s", model_gflops}};
-      if (mfu) m["mfu"] = *mfu;
-      for (int i = 0; i < kMemoryCategoryCount; ++i) {
-        const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));
-        m[name + "_bytes"] = stats.live_bytes[i];
-        m[name + "_peak_bytes"] = stats.peak_bytes[i];
-        m[name + "_budget_bytes"] = budget.peak_bytes[i];
-      }
+      nlohmann::json m = step_record(step, r, mem, budget, model_gflops, mfu);
       std::string val;
       if (can_eval && (step % eval_every == 0 || step == config.steps)) {
         const double v = trainer.evaluate(val_tokens, args.eval_windows);
@@ -806,11 +627,11 @@ int run_train(const TrainArgs& args) {
       }
       if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
         log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
-      const int stop = g_stop_signal.load();
+      const int stop = stop_signal();
       if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
         last_checkpoint =
             save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
-                                     data.dataset.fingerprint(), config_json, args.keep);
+                                     data.dataset.fingerprint(), config_json, config.keep);
         if (stop == 0) log->info("saved {}", last_checkpoint);
       }
       if (stop != 0) {
@@ -832,4 +653,5 @@ int run_train(const TrainArgs& args) {
   return 0;
 }
 
+}  // namespace
 }  // namespace cputrain

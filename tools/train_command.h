@@ -64,6 +64,7 @@ struct TrainArgs {
   double spike = 0.0;                // a loss above spike x the mean of the last 20 is bad; 0: off
   std::string on_bad_step = "stop";  // a non-finite loss or gradient, or a spike: stop or skip
   std::string checkpoint = "auto";   // "layer", "none", or "auto": layer when none would not fit
+  std::vector<std::string> given;    // the flags on the command line, as add_train_flags saw them
 };
 
 void add_train_flags(CLI::App& app, TrainArgs& args);
@@ -76,8 +77,6 @@ RunConfig resolve_run_config(const TrainArgs& args);
 std::string flag_message(const ConfigProblem& problem);
 // Registers the flags that shape the model (width, depth, heads, GQA, RoPE, biases, tying).
 void add_model_flags(CLI::App& app, TrainArgs& args);
-// Creates the run directory and proves it writable, before any work is done.
-void prepare_run_dir(const std::string& dir);
 
 // --dtype: "bf16" or "fp32" as given; empty chooses bf16 where the selected GEMM has bf16
 // instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -103,14 +104,100 @@ TEST(Corpus, ReadsTheDocumentsOfEveryFileInOrder) {
   EXPECT_THROW(read_documents((dir / "nothing").string()), UserError);
 }
 
-TEST(Corpus, FingerprintChangesWithContent) {
+// The corpus is its content: a copy with a new modification time, a `touch`, or the same files
+// in another folder keep the fingerprint; a changed byte changes it, with size and time kept.
+TEST(Corpus, FingerprintIsTheContent) {
   const fs::path dir = temp_dir("fingerprint");
-  write(dir / "a", "one\n");
-  const std::vector<std::string> files = list_corpus_files(dir.string());
-  const uint64_t before = corpus_fingerprint(files);
-  EXPECT_EQ(corpus_fingerprint(files), before);
-  write(dir / "a", "one more\n");
-  EXPECT_NE(corpus_fingerprint(files), before);
+  write(dir / "corpus" / "a", "one\n");
+  write(dir / "corpus" / "sub" / "b", "two\n");
+  const std::string corpus = (dir / "corpus").string();
+  const uint64_t before = corpus_fingerprint(corpus, list_corpus_files(corpus));
+  EXPECT_EQ(corpus_fingerprint(corpus, list_corpus_files(corpus)), before);
+  fs::last_write_time(dir / "corpus" / "a",
+                      fs::file_time_type::clock::now() + std::chrono::hours(1));
+  EXPECT_EQ(corpus_fingerprint(corpus, list_corpus_files(corpus)), before);
+  fs::copy(dir / "corpus", dir / "copy", fs::copy_options::recursive);
+  const std::string copy = (dir / "copy").string();
+  EXPECT_EQ(corpus_fingerprint(copy, list_corpus_files(copy)), before);
+  // One byte changed, the size and modification time put back.
+  const auto stamp = fs::last_write_time(dir / "corpus" / "a");
+  write(dir / "corpus" / "a", "One\n");
+  fs::last_write_time(dir / "corpus" / "a", stamp);
+  EXPECT_NE(corpus_fingerprint(corpus, list_corpus_files(corpus)), before);
+  // A file moved to another name is another corpus, though the bytes are the same.
+  fs::rename(dir / "copy" / "sub" / "b", dir / "copy" / "sub" / "c");
+  EXPECT_NE(corpus_fingerprint(copy, list_corpus_files(copy)), before);
+  // A one-file corpus is its bytes, whatever its name and folder.
+  write(dir / "x1", "same\n");
+  write(dir / "other" / "x2", "same\n");
+  const std::string x1 = (dir / "x1").string(), x2 = (dir / "other" / "x2").string();
+  EXPECT_EQ(corpus_fingerprint(x1, {x1}), corpus_fingerprint(x2, {x2}));
+}
+
+// Binary files (a NUL byte near their start) and the folders the caller names are passed over,
+// and said; a binary file or a folder of nothing else is refused in one line naming it.
+TEST(Corpus, PassesOverBinaryFilesAndChosenFolders) {
+  const fs::path dir = temp_dir("binary");
+  write(dir / "a.txt", "text\n");
+  write(dir / "model.bin", std::string("\x01\x00\x02", 3));
+  write(dir / "run" / "train.log", "[12:00:00] a log is text\n");
+  write(dir / "run" / "tokens.bin", std::string(16, '\0'));
+  const CorpusFiles found = find_corpus_files(
+      dir.string(), [&](const std::string& folder) { return fs::path(folder) == dir / "run"; });
+  EXPECT_EQ(found.text, std::vector<std::string>{(dir / "a.txt").string()});
+  EXPECT_EQ(found.binary, std::vector<std::string>{(dir / "model.bin").string()});
+  EXPECT_EQ(found.skipped, std::vector<std::string>{(dir / "run").string()});
+  try {
+    find_corpus_files((dir / "model.bin").string());
+    ADD_FAILURE() << "a binary file was taken as a corpus";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a text file"), std::string::npos) << e.what();
+  }
+  const fs::path binaries = temp_dir("binaries");
+  write(binaries / "x.bin", std::string("\0\0", 2));
+  try {
+    find_corpus_files(binaries.string(), nullptr, "run/config.json: corpus " + binaries.string());
+    ADD_FAILURE() << "a folder of binary files was taken as a corpus";
+  } catch (const UserError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find("run/config.json: corpus "), 0u) << what;
+    EXPECT_NE(what.find("no text files (1 binary files passed over, such as"), std::string::npos)
+        << what;
+  }
+}
+
+// A long document is cut at paragraph breaks, else line breaks, else between characters, every
+// byte kept; short ones pass as they are.
+TEST(Corpus, SplitsLongDocumentsAtParagraphs) {
+  std::string book;
+  for (int i = 0; i < 40; ++i) book += "Paragraph " + std::to_string(i) + " says a little.\n\n";
+  const std::vector<std::string> pieces = split_long_documents({"short\n", book}, 200);
+  ASSERT_GT(pieces.size(), 4u);
+  EXPECT_EQ(pieces[0], "short\n");
+  std::string joined;
+  for (size_t i = 1; i < pieces.size(); ++i) {
+    EXPECT_LE(pieces[i].size(), 200u);
+    if (i + 1 < pieces.size()) {
+      EXPECT_TRUE(pieces[i].ends_with("\n\n")) << pieces[i];
+      EXPECT_GE(pieces[i].size(), 100u);
+    }
+    joined += pieces[i];
+  }
+  EXPECT_EQ(joined, book);
+  // No break at all: cut between UTF-8 characters, never inside one.
+  std::string line;
+  while (line.size() < 1000) line += "é☃a";
+  std::string rejoined;
+  for (const std::string& p : split_long_documents({line}, 100)) {
+    EXPECT_LE(p.size(), 100u);
+    EXPECT_NE(static_cast<unsigned char>(p[0]) & 0xC0, 0x80) << "a piece starts mid-character";
+    rejoined += p;
+  }
+  EXPECT_EQ(rejoined, line);
+  // The piece size: a twentieth of the corpus, within [1 KiB, 64 KiB].
+  EXPECT_EQ(document_piece_bytes({std::string(100, 'x')}), 1024u);
+  EXPECT_EQ(document_piece_bytes({std::string(200000, 'x')}), 10000u);
+  EXPECT_EQ(document_piece_bytes({std::string(10000000, 'x')}), 65536u);
 }
 
 class TokenizerTest : public ::testing::Test {
@@ -155,8 +242,16 @@ TEST_F(TokenizerTest, RoundTripsAnyTextExactly) {
     EXPECT_EQ(t.decode(ids), text);
     EXPECT_EQ(t.decode(std::span<const int32_t>(ids)), text);
   }
-  // Invalid UTF-8 encodes without unknowns and without throwing.
-  for (int32_t id : t.encode("\x01\xff\xfe raw \xc3")) EXPECT_NE(id, Tokenizer::kUnk);
+  // Invalid UTF-8 (stray bytes, a cut sequence, an overlong form, a surrogate) encodes without
+  // unknowns, and decodes to exactly its bytes, as valid text around it does.
+  for (const std::string& text :
+       {std::string("\x01\xff\xfe raw \xc3"), std::string("caf\xc3 ok \xe2\x98 x"),
+        std::string("\xc0\xaf overlong, \xed\xa0\x80 surrogate, \xf4\x90\x80\x80 big"),
+        std::string("  \x80 The cat writes the moon.\xff\n")}) {
+    const std::vector<int32_t> ids = t.encode(text);
+    for (int32_t id : ids) EXPECT_NE(id, Tokenizer::kUnk);
+    EXPECT_EQ(t.decode(ids), text);
+  }
   // Frequent training text compresses well below one token per byte.
   const std::string common = "The cat writes the moon.\n";
   EXPECT_LT(t.encode(common).size(), common.size() / 2);
@@ -438,6 +533,69 @@ TEST(DataPipeline, ReusesPreparedDataAndRebuildsWhenInputsChange) {
   const fs::path fresh = dir / "fresh";
   fs::create_directories(fresh);
   EXPECT_THROW(prepare_data(corpus.string(), 100, fresh.string()), UserError);
+}
+
+// A resumed run's data: its tokenizer is kept whatever the vocabulary says, a corpus whose
+// content changed is refused before any file is written, and a touched or copied corpus is the
+// same corpus.
+TEST(DataPipeline, AResumedRunRefusesChangedContentWithoutWriting) {
+  const fs::path dir = temp_dir("expect");
+  const fs::path corpus = dir / "corpus.txt", run = dir / "run";
+  std::string text;
+  for (const std::string& d : synthetic_documents(200)) text += d + "%\n";
+  write(corpus, text);
+  fs::create_directories(run);
+  const PreparedData first = prepare_data(corpus.string(), 350, run.string());
+  const uint64_t fingerprint = first.dataset.fingerprint();
+  DataOptions resume;
+  resume.expect = fingerprint;
+  resume.name = "run/config.json: corpus " + corpus.string();
+  // Touched: the same content, the cache reused.
+  fs::last_write_time(corpus, fs::file_time_type::clock::now() + std::chrono::hours(2));
+  const PreparedData touched = prepare_data(corpus.string(), 999, run.string(), resume);
+  EXPECT_TRUE(touched.cache_reused);
+  EXPECT_EQ(touched.dataset.fingerprint(), fingerprint);
+  // Changed: refused, naming the corpus as the run recorded it; tokens.bin is as it was.
+  const std::string cache_before = read(run / "tokens.bin");
+  const auto cache_stamp = fs::last_write_time(run / "tokens.bin");
+  write(corpus, text + "A new document.\n");
+  try {
+    prepare_data(corpus.string(), 350, run.string(), resume);
+    ADD_FAILURE() << "a changed corpus was taken for a resumed run";
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()).find("run/config.json: corpus "), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not what the run was trained on"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(read(run / "tokens.bin") == cache_before);
+  EXPECT_EQ(fs::last_write_time(run / "tokens.bin"), cache_stamp);
+  // Without the run's tokenizer a resumed run cannot go on: refused, nothing written.
+  write(corpus, text);
+  fs::remove(run / "tokenizer.model");
+  EXPECT_THROW(prepare_data(corpus.string(), 350, run.string(), resume), UserError);
+  EXPECT_FALSE(fs::exists(run / "tokenizer.model"));
+}
+
+// One large file, the commonest corpus, still gets a validation split of about a tenth.
+TEST(DataPipeline, OneLargeFileHasAValidationSplit) {
+  const fs::path dir = temp_dir("onefile");
+  std::string book;
+  for (const std::string& d : synthetic_documents(2000)) book += d + "\n";
+  write(dir / "book.txt", book);
+  fs::create_directories(dir / "run");
+  const PreparedData data = prepare_data((dir / "book.txt").string(), 350, (dir / "run").string());
+  EXPECT_GE(data.documents, 20);
+  const double train = static_cast<double>(data.dataset.train_tokens().size());
+  const double val = static_cast<double>(data.dataset.val_tokens().size());
+  EXPECT_NEAR(val / (train + val), 0.1, 0.03);
+  std::string decoded;
+  for (auto split : {data.dataset.train_tokens(), data.dataset.val_tokens()}) {
+    std::vector<int32_t> ids;
+    for (int32_t id : split)
+      if (id != data.tokenizer.bos_id()) ids.push_back(id);
+    decoded += data.tokenizer.decode(ids);
+  }
+  EXPECT_EQ(decoded.size(), book.size());  // every byte in one split or the other
 }
 
 // The default corpus, when installed: prepared quickly at a realistic vocabulary, every

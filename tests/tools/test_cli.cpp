@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -168,6 +169,7 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --grad-clip -0.5"), "--grad-clip");
   expect_one_line_error(run(base + " --seed -1"), "--seed");
   expect_one_line_error(run(base + " --vocab 1e9"), "not a whole number");
+  expect_one_line_error(run(base + " --vocab 1000000000"), "more pieces than cputrain trains");
   expect_one_line_error(run(base + " --threads 1000"), "CPUs this process may run on");
   expect_one_line_error(run("budget --preset tiny --threads 1000"), "--threads");
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
@@ -487,11 +489,13 @@ TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
       "--preset tiny --vocab 300 --batch 4 --steps 2 --sample-tokens 1 "
       "--dtype fp32 --corpus " +
       corpus;
+  // Refused before the data is prepared, with the levers; the directory it made is gone.
   const Result refused = run(base + " --mem-limit 0.01 --out " + (dir_ / "small").string());
   expect_one_line_error(refused, "exceeds the available");
   EXPECT_NE(refused.out.find("levers:"), std::string::npos) << refused.out;
   EXPECT_NE(refused.out.find("--batch 2 --accum 2"), std::string::npos) << refused.out;
-  EXPECT_FALSE(fs::exists(dir_ / "small" / "model.bin"));
+  EXPECT_EQ(refused.out.find("training a tokenizer"), std::string::npos) << refused.out;
+  EXPECT_FALSE(fs::exists(dir_ / "small"));
 
   auto total = [&](const std::string& checkpoint) {
     const Result r =
@@ -558,7 +562,10 @@ TEST_F(Cli, ResumeIsBitwiseTheRunThatNeverStopped) {
     }
     const Result b = run("--resume " + resumed.string() + " --sample-tokens 1");
     ASSERT_EQ(b.exit_code, 0) << b.err << b.out;
-    EXPECT_NE(b.out.find("skipping"), std::string::npos) << b.out;
+    // The damaged checkpoint is a warning, once, on stderr.
+    EXPECT_EQ(b.out.find("skipping"), std::string::npos) << b.out;
+    EXPECT_NE(b.err.find("skipping"), std::string::npos) << b.err;
+    EXPECT_EQ(b.err.find("skipping"), b.err.rfind("skipping")) << b.err;
     EXPECT_NE(b.out.find("at step 11"), std::string::npos) << b.out;
     EXPECT_EQ(losses_of(resumed), losses_of(straight)) << dtype;
     EXPECT_EQ(read_all(resumed / "model.bin"), read_all(straight / "model.bin")) << dtype;
@@ -644,6 +651,23 @@ TEST_F(Cli, ARunDirectoryIsNeverReplacedSilently) {
   EXPECT_NE(failed.exit_code, 0);
   EXPECT_EQ(read_all(run_dir / ".replaced" / "metrics.jsonl"),
             before[(run_dir / "metrics.jsonl").string()]);
+  // So does one killed in its first step, after it wrote its configuration; the next
+  // replacement deletes that one's files and keeps the old run aside.
+  const pid_t killed =
+      start(flags + " --steps 4 --overwrite --out " + run_dir.string(), dir_ / "killed.log", "1+");
+  ASSERT_GT(killed, 0);
+  ASSERT_TRUE(wait_until([&] {
+    return read_all(dir_ / "killed.log").find("holding before step 1") != std::string::npos;
+  })) << read_all(dir_ / "killed.log");
+  ::kill(killed, SIGKILL);
+  ::waitpid(killed, nullptr, 0);
+  EXPECT_TRUE(fs::exists(run_dir / "config.json"));
+  const Result failed_again =
+      run(flags + " --ctx 100000 --steps 4 --overwrite --out " + run_dir.string());
+  EXPECT_NE(failed_again.exit_code, 0);
+  EXPECT_EQ(read_all(run_dir / ".replaced" / "metrics.jsonl"),
+            before[(run_dir / "metrics.jsonl").string()]);
+  EXPECT_FALSE(fs::exists(run_dir / "config.json"));
   // One that starts deletes it: the new run alone is left.
   const Result replaced = run(flags + " --steps 4 --overwrite --out " + run_dir.string());
   ASSERT_EQ(replaced.exit_code, 0) << replaced.err << replaced.out;
@@ -715,6 +739,210 @@ TEST_F(Cli, ASecondProcessOnARunDirectoryIsRefused) {
   ::waitpid(pid, nullptr, 0);
   // The lock goes with its process: what a new run hears now is that a run is there.
   expect_one_line_error(run(flags + " --steps 5 --out " + busy.string()), "already holds a run");
+}
+
+// A resumed run keeps its configuration: a flag that would change it is refused, naming it; a
+// finished run is not silently "resumed"; --steps extends it, the learning rate keeping its
+// schedule (the added steps at its final rate); its saving (--save-every, --keep) is kept in
+// config.json and survives the resume.
+TEST_F(Cli, ResumeRefusesChangesAndExtendsWithItsOwnSaving) {
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --sample-tokens 1 --dtype fp32 --lr 0.002 "
+      "--warmup 1 --corpus " +
+      write_corpus(200).string();
+  const fs::path run_dir = dir_ / "run";
+  ASSERT_EQ(run(flags + " --steps 6 --save-every 2 --keep 2 --out " + run_dir.string()).exit_code,
+            0);
+  const std::string config = read_all(run_dir / "config.json");
+  const std::string metrics = read_all(run_dir / "metrics.jsonl");
+  const std::string resume = "--resume " + run_dir.string() + " --sample-tokens 1";
+  expect_one_line_error(run(resume + " --lr 0.1 --batch 2"), "--batch, --lr would change the run");
+  expect_one_line_error(run(resume), "the run has trained all its 6 steps; give --steps above 6");
+  expect_one_line_error(run(resume + " --steps 4"), "has already trained 6 steps");
+  EXPECT_EQ(read_all(run_dir / "config.json"), config);
+  EXPECT_EQ(read_all(run_dir / "metrics.jsonl"), metrics);
+
+  const Result extended = run(resume + " --steps 10");
+  ASSERT_EQ(extended.exit_code, 0) << extended.err << extended.out;
+  EXPECT_NE(extended.out.find("the run now ends at step 10 (it was to end at 6); the learning "
+                              "rate keeps the schedule it began with"),
+            std::string::npos)
+      << extended.out;
+  std::ifstream config_file(run_dir / "config.json");
+  const nlohmann::json c = nlohmann::json::parse(config_file);
+  EXPECT_EQ(c["train"]["steps"], 10);
+  EXPECT_EQ(c["train"]["lr_schedule_steps"], 6);
+  EXPECT_EQ(c["train"]["save_every"], 2);
+  EXPECT_EQ(c["train"]["keep"], 2);
+  std::ifstream lines(run_dir / "metrics.jsonl");
+  std::string line;
+  std::vector<double> lr;
+  while (std::getline(lines, line)) lr.push_back(nlohmann::json::parse(line)["lr"]);
+  ASSERT_EQ(lr.size(), 10u);
+  for (size_t i = 6; i < 10; ++i) EXPECT_DOUBLE_EQ(lr[i], lr[5]) << "step " << i + 1;
+  EXPECT_NEAR(lr[5], 0.0002, 1e-12);
+  // --save-every 2 and --keep 2 held through the resume: the last two of steps 8 and 10.
+  std::vector<std::string> kept;
+  for (const auto& e : fs::directory_iterator(run_dir / "checkpoints"))
+    kept.push_back(e.path().filename().string());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"step-00000008.ckpt", "step-00000010.ckpt"}));
+  // Every checkpoint damaged: each said once, on stderr, then the one error.
+  for (const std::string& name : kept)
+    std::ofstream(run_dir / "checkpoints" / name, std::ios::trunc) << "damaged";
+  const Result damaged = run(resume + " --steps 12");
+  EXPECT_NE(damaged.exit_code, 0);
+  for (const std::string& name : kept) {
+    const std::string said = "skipping " + (run_dir / "checkpoints" / name).string();
+    EXPECT_NE(damaged.err.find(said), std::string::npos) << damaged.err;
+    EXPECT_EQ(damaged.err.find(said), damaged.err.rfind(said)) << damaged.err;
+  }
+  EXPECT_EQ(damaged.out.find("skipping"), std::string::npos) << damaged.out;
+  EXPECT_NE(damaged.err.find("cputrain: error: --resume " + run_dir.string() +
+                             ": no readable checkpoint in " + (run_dir / "checkpoints").string() +
+                             " (2 damaged)"),
+            std::string::npos)
+      << damaged.err;
+}
+
+// The corpus is its content: touched, it resumes; moved, the message names the run's
+// configuration; changed (same size and time), it is refused and the token cache is untouched.
+TEST_F(Cli, ACorpusIsItsContent) {
+  const fs::path corpus = write_corpus(200);
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --sample-tokens 1 --dtype fp32 --save-every 2 "
+      "--corpus " +
+      corpus.string();
+  const fs::path run_dir = dir_ / "run";
+  ASSERT_EQ(run(flags + " --steps 2 --out " + run_dir.string()).exit_code, 0);
+  const std::string resume = "--resume " + run_dir.string() + " --sample-tokens 1";
+  fs::last_write_time(corpus, fs::file_time_type::clock::now() + std::chrono::hours(1));
+  const Result touched = run(resume + " --steps 4");
+  ASSERT_EQ(touched.exit_code, 0) << touched.err << touched.out;
+  EXPECT_EQ(touched.out.find("tokenizing"), std::string::npos) << touched.out;
+
+  const std::string text = read_all(corpus);
+  fs::rename(corpus, dir_ / "elsewhere.txt");
+  expect_one_line_error(run(resume + " --steps 6"), (run_dir / "config.json").string() +
+                                                        ": corpus " + corpus.string() +
+                                                        ": no such file or folder");
+  fs::rename(dir_ / "elsewhere.txt", corpus);
+
+  const std::string cache = read_all(run_dir / "tokens.bin");
+  const auto stamp = fs::last_write_time(corpus);
+  std::string changed = text;
+  changed[changed.find("cat")] = 'b';  // "The bat"
+  std::ofstream(corpus, std::ios::binary | std::ios::trunc) << changed;
+  fs::last_write_time(corpus, stamp);
+  expect_one_line_error(run(resume + " --steps 6"), "not what the run was trained on");
+  EXPECT_EQ(read_all(run_dir / "tokens.bin"), cache);
+  EXPECT_EQ(losses_of(run_dir).size(), 4u);
+}
+
+// A run directory inside the corpus folder is passed over, this run's and others', and so are
+// binary files; a folder of nothing but binary files is refused in cputrain's own words.
+TEST_F(Cli, RunDirectoriesAndBinaryFilesInTheCorpusArePassedOver) {
+  const fs::path folder = dir_ / "texts";
+  fs::create_directories(folder);
+  fs::rename(write_corpus(200), folder / "fortunes.txt");
+  std::ofstream(folder / "picture.png", std::ios::binary) << std::string("\x89PNG\0\0\0", 7);
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --steps 2 --sample-tokens 1 --dtype fp32 --corpus " +
+      folder.string();
+  const Result first = run(flags + " --out " + (folder / "run1").string());
+  ASSERT_EQ(first.exit_code, 0) << first.err << first.out;
+  const Result second = run(flags + " --out " + (folder / "run2").string());
+  ASSERT_EQ(second.exit_code, 0) << second.err << second.out;
+  for (const Result* r : {&first, &second}) {
+    EXPECT_NE(r->out.find("tokenizing 200 documents"), std::string::npos) << r->out;
+    EXPECT_NE(
+        r->out.find("passed over 1 binary files (such as " + (folder / "picture.png").string()),
+        std::string::npos)
+        << r->out;
+  }
+  EXPECT_NE(second.out.find("passed over " + (folder / "run1").string() + ", a run directory"),
+            std::string::npos)
+      << second.out;
+  EXPECT_EQ(read_all(folder / "run1" / "tokens.bin").size(),
+            read_all(folder / "run2" / "tokens.bin").size());
+
+  const fs::path binaries = dir_ / "binaries";
+  fs::create_directories(binaries);
+  std::ofstream(binaries / "a.bin", std::ios::binary) << std::string("\0\1\2\3", 4);
+  const Result refused =
+      run("--preset tiny --corpus " + binaries.string() + " --out " + (dir_ / "run3").string());
+  expect_one_line_error(refused, "the folder holds no text files (1 binary files passed over");
+  EXPECT_EQ(refused.err.find("character_coverage"), std::string::npos) << refused.err;
+  EXPECT_FALSE(fs::exists(dir_ / "run3"));
+}
+
+// Said, not silent: a tokenizer smaller than --vocab asked, a step that would take minutes
+// (--ctx far beyond the preset), an invalid-UTF-8 prompt that is sampled from exactly.
+TEST_F(Cli, WhatARunCannotDoAsAskedIsSaid) {
+  const std::string corpus = write_corpus(200).string();
+  const fs::path run_dir = dir_ / "run";
+  const Result small =
+      run("--preset tiny --vocab 5000 --batch 4 --steps 1 --sample-tokens 1 "
+          "--corpus " +
+          corpus + " --out " + run_dir.string());
+  ASSERT_EQ(small.exit_code, 0) << small.err;
+  EXPECT_NE(small.err.find("fewer than the 5000 asked (--vocab): the model's vocabulary is"),
+            std::string::npos)
+      << small.err;
+  std::ifstream config(run_dir / "config.json");
+  EXPECT_LT(nlohmann::json::parse(config)["model"]["vocab"].get<int64_t>(), 5000);
+
+  const Result slow = run("--preset tiny --vocab 300 --ctx 100000 --corpus " + corpus + " --out " +
+                          (dir_ / "slow").string());
+  EXPECT_NE(slow.exit_code, 0);  // the corpus is shorter than one window
+  EXPECT_NE(slow.err.find("--ctx 100000: attention is 9"), std::string::npos) << slow.err;
+  EXPECT_NE(slow.err.find("needs at least"), std::string::npos) << slow.err;
+
+  // Bytes that are not UTF-8 reach the model as they are: the prompt is echoed exactly.
+  const Result sampled = run("sample --run " + run_dir.string() +
+                             " --max-tokens 1 --prompt \"$(printf 'caf\\303 \\377')\"");
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
+  EXPECT_EQ(sampled.out.rfind("caf\xc3 \xff", 0), 0u) << sampled.out;
+}
+
+// Ctrl-C while the data is prepared (a tokenizer trains in one library call) stops at once,
+// says so, and leaves no directory behind where the run made one.
+TEST_F(Cli, InterruptWhilePreparingTheDataStopsAtOnce) {
+  const fs::path run_dir = dir_ / "run", log = dir_ / "run.log";
+  const pid_t pid = start("--preset tiny --vocab 300 --corpus " + write_corpus(200).string() +
+                              " --out " + run_dir.string(),
+                          log, "0");
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(wait_until([&] {
+    return read_all(log).find("holding before step 0") != std::string::npos;
+  })) << read_all(log);
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << read_all(log);
+  EXPECT_EQ(WEXITSTATUS(status), 130);
+  EXPECT_NE(read_all(log).find("SIGINT while preparing the data: stopped"), std::string::npos)
+      << read_all(log);
+  EXPECT_FALSE(fs::exists(run_dir));
+}
+
+// One large file with no document separators still has a validation loss.
+TEST_F(Cli, OneLargeFileHasAValidationLoss) {
+  const fs::path book = dir_ / "book.txt";
+  std::string text;
+  for (int i = 0; i < 4000; ++i)
+    text += "Line " + std::to_string(i) + " of the book tells of " +
+            (i % 3 ? "the sea.\n" : "the hills.\n\n");
+  std::ofstream(book) << text;
+  const fs::path run_dir = dir_ / "run";
+  const Result r = run("--preset tiny --vocab 300 --batch 4 --steps 2 --sample-tokens 1 --corpus " +
+                       book.string() + " --out " + run_dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("no validation loss"), std::string::npos) << r.err;
+  std::ifstream metrics(run_dir / "metrics.jsonl");
+  std::string line, last;
+  while (std::getline(metrics, line)) last = line;
+  EXPECT_TRUE(nlohmann::json::parse(last).contains("val_loss")) << last;
 }
 
 // A second SIGINT, sent once the first is acknowledged, before the step ends, ends the run at
@@ -829,8 +1057,8 @@ TEST_F(Cli, BadStepsStopOrAreSkipped) {
   const fs::path skip = dir_ / "skip";
   const Result r = run(base + " --on-bad-step skip --out " + skip.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-  EXPECT_NE(r.out.find("step 2: loss"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("skipped"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("step 2: loss"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("skipped"), std::string::npos) << r.err;
   std::ifstream metrics(skip / "metrics.jsonl");
   std::string line;
   std::vector<bool> skipped;
