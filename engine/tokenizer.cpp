@@ -13,6 +13,7 @@
 #include "engine/atomic_file.h"
 #include "engine/error.h"
 #include "engine/hash.h"
+#include "engine/vocab_tokenizer.h"
 
 namespace cputrain {
 namespace {
@@ -129,6 +130,13 @@ Tokenizer::Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> proc
       byte_of_[static_cast<size_t>(id)] = static_cast<int16_t>(b);
   }
 }
+Tokenizer::Tokenizer(std::shared_ptr<const VocabTokenizer> vocab)
+    : vocab_(std::move(vocab)), bos_(vocab_->vocabulary().bos), eos_(vocab_->vocabulary().eos) {}
+
+Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary) {
+  return Tokenizer(std::make_shared<const VocabTokenizer>(std::move(vocabulary)));
+}
+
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
@@ -191,6 +199,7 @@ Tokenizer Tokenizer::load(const std::string& model_path) {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  if (vocab_) return vocab_->encode(text);
   // SentencePiece turns a byte that is not part of valid UTF-8 into U+FFFD; such bytes are
   // encoded here as their byte pieces instead, so every byte string round-trips.
   std::vector<int32_t> out;
@@ -211,6 +220,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  if (vocab_) return vocab_->decode(ids);
   // Byte pieces are their bytes, whatever they spell (SentencePiece would turn invalid UTF-8
   // into U+FFFD); runs of other pieces go through SentencePiece.
   const int vocab = vocab_size();
@@ -239,7 +249,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
 }
 
 int Tokenizer::vocab_size() const {
-  return processor_->GetPieceSize();
+  return vocab_ ? vocab_->vocab_size() : processor_->GetPieceSize();
 }
 
 }  // namespace cputrain

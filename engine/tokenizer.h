@@ -15,6 +15,11 @@ class SentencePieceProcessor;
 
 namespace cputrain {
 
+class VocabTokenizer;
+struct Vocabulary;
+
+// cputrain's own tokenizer (a SentencePiece model it trains), or the vocabulary a model file
+// carries (VocabTokenizer), behind one interface.
 class Tokenizer {
  public:
   // The ids every cputrain tokenizer reserves.
@@ -34,6 +39,8 @@ class Tokenizer {
                          const std::string& model_path);
   // Throws UserError if the file is missing or not a SentencePiece model.
   static Tokenizer load(const std::string& model_path);
+  // The tokenizer of a model file's vocabulary (engine/vocab_tokenizer.h).
+  static Tokenizer from_vocabulary(Vocabulary vocabulary);
 
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
@@ -46,14 +53,19 @@ class Tokenizer {
     return decode(std::span<const int32_t>(ids));
   }
   int vocab_size() const;
-  int32_t bos_id() const { return kBos; }
-  int32_t eos_id() const { return kEos; }
-  // The serialized model, as written to disk.
+  int32_t bos_id() const { return bos_; }
+  int32_t eos_id() const { return eos_; }
+  // The serialized model, as written to disk (empty for a model file's vocabulary).
   const std::string& model_bytes() const { return model_bytes_; }
+  // The model file's vocabulary, or nullptr for cputrain's own tokenizer.
+  const VocabTokenizer* vocabulary() const { return vocab_.get(); }
 
  private:
   Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> processor, std::string bytes);
+  explicit Tokenizer(std::shared_ptr<const VocabTokenizer> vocab);
   std::unique_ptr<sentencepiece::SentencePieceProcessor> processor_;
+  std::shared_ptr<const VocabTokenizer> vocab_;
+  int32_t bos_ = kBos, eos_ = kEos;
   std::string model_bytes_;
   int byte_id_[256] = {};         // the id of each byte's piece
   std::vector<int16_t> byte_of_;  // the byte an id's piece stands for, or -1

@@ -5,7 +5,7 @@
 # forced, since every path this CPU has must pass it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/install_deps.sh
+tools/install_deps.sh --llamacpp  # llama.cpp, the oracle of the interop tests
 find engine kernels models tools tests benchmarks fuzz \( -name '*.cpp' -o -name '*.h' \) -print0 |
   xargs -0 clang-format --dry-run --Werror
 echo "format: the sources match .clang-format"

@@ -11,6 +11,7 @@
 #include "models/generate.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
+#include "tools/model_source.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
 #include "tools/train_command.h"
@@ -18,7 +19,13 @@
 namespace cputrain {
 
 void add_sample_flags(CLI::App& app, SampleArgs& a) {
-  app.add_option("--run", a.run, "Run directory written by `cputrain train`")->required();
+  auto* run = app.add_option("--run", a.run, "Run directory written by `cputrain train`");
+  auto* model = app.add_option("--model", a.model, "A run directory or a GGUF file");
+  run->excludes(model);
+  model->excludes(run);
+  app.add_option("--ctx", a.ctx,
+                 "Context of a model file, where it declares a longer one (default: at most 4096)")
+      ->check(positive_whole());
   app.add_option("--prompt", a.prompt, "Text to continue (default: start of a document)");
   app.add_option(
       "--weights", a.weights,
@@ -44,19 +51,16 @@ int run_sample(const SampleArgs& a) {
   if (a.top_k < 0) throw UserError("--top-k must not be negative");
   if (!(a.top_p > 0.0 && a.top_p <= 1.0))
     throw UserError("--top-p " + std::to_string(a.top_p) + ": must be in (0, 1]");
-  if (!std::filesystem::is_directory(a.run))
-    throw UserError("--run " + a.run + ": no such run directory");
+  if (a.run.empty() && a.model.empty()) throw UserError("--run or --model is required");
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
-  const RunConfig config = read_run_config(a.run + "/config.json");
-  const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
-  if (tokenizer.vocab_size() != config.model.vocab)
-    throw UserError(a.run + "/tokenizer.model: vocabulary " +
-                    std::to_string(tokenizer.vocab_size()) + " does not match the model's " +
-                    std::to_string(config.model.vocab));
-  LlamaModel model(config.model);
-  load_run_weights(a.run, a.weights, model.parameters());
-
+  const bool from_run = !a.run.empty();
+  if (from_run && !std::filesystem::is_directory(a.run))
+    throw UserError("--run " + a.run + ": no such run directory");
+  LoadedModel loaded = load_model(from_run ? a.run : a.model, from_run ? "--run" : "--model",
+                                  a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx);
+  LlamaModel& model = *loaded.model;
+  const Tokenizer& tokenizer = *loaded.tokenizer;
   std::vector<int32_t> prompt = {tokenizer.bos_id()};
   const std::vector<int32_t> encoded = tokenizer.encode(a.prompt);
   prompt.insert(prompt.end(), encoded.begin(), encoded.end());
@@ -66,17 +70,24 @@ int run_sample(const SampleArgs& a) {
   options.top_k = a.top_k;
   options.top_p = static_cast<float>(a.top_p);
   options.seed = a.seed;
-  options.stop_token = tokenizer.bos_id();
+  // cputrain's own runs separate documents with BOS; model files end a text with EOS.
+  options.stop_token = tokenizer.vocabulary() ? tokenizer.eos_id() : tokenizer.bos_id();
 
   // Stream: decode everything generated so far and print what is new.
   std::vector<int32_t> generated = encoded;
-  std::string printed = tokenizer.decode(generated);
+  // A vocabulary with a dummy prefix puts a space before the text: not part of what is shown.
+  const auto text_of = [&](const std::vector<int32_t>& ids) {
+    std::string text = tokenizer.decode(ids);
+    if (loaded.strip_leading_space && !text.empty() && text[0] == ' ') text.erase(0, 1);
+    return text;
+  };
+  std::string printed = text_of(generated);
   std::fputs(printed.c_str(), stdout);
   std::fflush(stdout);
   generate(model, prompt, options, [&](int32_t token) {
     if (token == tokenizer.bos_id()) return;
     generated.push_back(token);
-    const std::string text = tokenizer.decode(generated);
+    const std::string text = text_of(generated);
     if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
       std::fputs(text.c_str() + printed.size(), stdout);
       std::fflush(stdout);

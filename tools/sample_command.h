@@ -1,4 +1,4 @@
-// `cputrain sample`: generate text from a run directory's saved model.
+// `cputrain sample`: generate text from a run directory's saved model or a model file.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -10,7 +10,9 @@
 namespace cputrain {
 
 struct SampleArgs {
-  std::string run;
+  std::string run;    // a run directory (--run), or
+  std::string model;  // a run directory or a GGUF file (--model)
+  int64_t ctx = 0;    // the context a model file is given (0: its own, at most 4096)
   std::string prompt;
   std::string weights;  // empty: <run>/model.bin, else the newest checkpoint
   int64_t max_tokens = 200;

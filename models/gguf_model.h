@@ -1,0 +1,33 @@
+// Models from GGUF files: the architectures cputrain computes (llama, qwen2), their
+// configuration from the file's metadata, and their weights converted into a model's parameters.
+#pragma once
+
+#include <string>
+
+#include "engine/gguf_file.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+
+class ParameterSet;
+
+// "llama, qwen2".
+std::string gguf_supported_architectures();
+
+// The configuration of the model in `file`. ctx is the file's context length, at most `max_ctx`
+// (a model trained at 128k need not be given a 128k cache to sample from). A UserError naming the
+// file for another architecture (naming it and the supported ones), a missing or inconsistent
+// hyperparameter, or a feature cputrain does not compute (RoPE scaling, partial rotary).
+LlamaConfig gguf_model_config(const GgufFile& file, int64_t max_ctx);
+
+// The GGUF name of a parameter of LlamaModel ("layers.0.attention.wq.weight" ->
+// "blk.0.attn_q.weight").
+std::string gguf_tensor_name(const std::string& parameter);
+
+// Converts every tensor of the file into the model's parameters (declared by LlamaModel for
+// `config`): dequantised to FP32, checked against the parameter's shape. A UserError naming the
+// file and tensor for a missing, misshapen or unsupported-type tensor, or one the model has no
+// place for.
+void load_gguf_weights(const GgufFile& file, const ParameterSet& params);
+
+}  // namespace cputrain

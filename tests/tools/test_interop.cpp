@@ -1,0 +1,233 @@
+// cputrain against llama.cpp, the oracle tools/install_deps.sh --llamacpp installs (libllama driven
+// by tests/oracle/llama_oracle.cpp): the same logits from the same GGUF file, and the published
+// greedy text of a real pretrained model (../shared/models/stories260K.gguf). Tests that need the
+// oracle or the shared model skip, saying which, where it is absent.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/tensor.h"
+#include "models/generate.h"
+#include "tools/model_source.h"
+
+namespace cputrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kOracle = CPUTRAIN_LLAMA_ORACLE;
+const fs::path kShared = CPUTRAIN_SHARED_MODELS;
+
+#define REQUIRE_ORACLE()                                                                   \
+  if (kOracle.empty())                                                                     \
+  GTEST_SKIP() << "llama.cpp is not installed (tools/install_deps.sh --llamacpp installs " \
+                  "it; tools/run_tests.sh does)"
+
+#define REQUIRE_SHARED(file) \
+  if (!fs::exists(kShared / (file))) GTEST_SKIP() << (kShared / (file)) << " is not there"
+
+std::string read_all(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("cputrain_interop_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// A folder removed when the object goes (for a static one, when the test binary exits).
+struct TempFolder {
+  fs::path path;
+  ~TempFolder() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+// BOS, then tokens drawn from the vocabulary.
+std::vector<int32_t> token_sequence(int64_t n, int64_t vocab, int32_t bos, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t = {bos};
+  while (static_cast<int64_t>(t.size()) < n) t.push_back(static_cast<int32_t>(rng() % vocab));
+  return t;
+}
+
+// llama.cpp's logits for every position, n x vocab.
+std::vector<float> oracle_logits(const fs::path& model, const std::vector<int32_t>& tokens,
+                                 const fs::path& dir) {
+  const fs::path out = dir / "oracle_logits.f32";
+  std::string cmd = kOracle + " logits " + model.string() + " " + out.string();
+  for (int32_t t : tokens) {
+    cmd += ' ';
+    cmd += std::to_string(t);
+  }
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::string bytes = read_all(out);
+  std::vector<float> v(bytes.size() / sizeof(float));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  return v;
+}
+
+// cputrain's logits for every position, n x vocab, in fp32.
+std::vector<float> our_logits(LoadedModel& m, const std::vector<int32_t>& tokens) {
+  const auto n = static_cast<int64_t>(tokens.size());
+  Tensor input = Tensor::empty(Shape{1, n}, DType::I32, MemoryCategory::Workspace);
+  std::copy(tokens.begin(), tokens.end(), input.i32());
+  const Tensor logits = m.model->logits(input);
+  return std::vector<float>(logits.f32(), logits.f32() + n * m.config.vocab);
+}
+
+double max_abs_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
+  std::printf("max |logit difference| %.3g\n", worst);
+  return worst;
+}
+
+TEST(LlamaCpp, Stories260kLogitsEqualLlamaCpps) {
+  REQUIRE_ORACLE();
+  REQUIRE_SHARED("stories260K.gguf");
+  const fs::path model = kShared / "stories260K.gguf";
+  LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx);
+  EXPECT_EQ(m.config.n_kv_heads, 4);  // grouped-query attention, as the file says
+  const std::vector<int32_t> tokens = token_sequence(200, m.config.vocab, m.tokenizer->bos_id(), 7);
+  const std::vector<float> ours = our_logits(m, tokens);
+  const TempFolder dir{temp_dir("stories")};
+  const std::vector<float> theirs = oracle_logits(model, tokens, dir.path);
+  ASSERT_EQ(theirs.size(), ours.size());
+  EXPECT_LT(max_abs_difference(ours, theirs), 1e-4);
+}
+
+// Random-weight models written with llama.cpp's gguf-py (tests/interop/make_gguf_models.py), once
+// per test binary.
+const fs::path& made_models() {
+  static const TempFolder dir{[] {
+    const fs::path d = temp_dir("models");
+    const std::string cmd = "/usr/bin/python3 " + std::string(CPUTRAIN_SOURCE_DIR) +
+                            "/tests/interop/make_gguf_models.py " + CPUTRAIN_GGUF_PY + " " +
+                            d.string();
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    return d;
+  }()};
+  return dir.path;
+}
+
+// A llama model with grouped-query attention, an untied head, theta 500000 and F16 matrices; a
+// qwen2 model with q/k/v biases, a tied head and theta 1e6: llama.cpp's logits, at every
+// position of 200 tokens.
+TEST(LlamaCpp, RandomLlamaAndQwen2LogitsEqualLlamaCpps) {
+  REQUIRE_ORACLE();
+  for (const char* name : {"llama_gqa.gguf", "qwen2_tied.gguf"}) {
+    const fs::path model = made_models() / name;
+    LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx);
+    const std::vector<int32_t> tokens =
+        token_sequence(200, m.config.vocab, m.tokenizer->bos_id(), 11);
+    const std::vector<float> ours = our_logits(m, tokens);
+    const std::vector<float> theirs = oracle_logits(model, tokens, made_models());
+    ASSERT_EQ(theirs.size(), ours.size()) << name;
+    EXPECT_LT(max_abs_difference(ours, theirs), 1e-4) << name;
+  }
+  LoadedModel qwen =
+      load_model((made_models() / "qwen2_tied.gguf").string(), "--model", "", kDefaultImportCtx);
+  EXPECT_TRUE(qwen.config.qkv_bias && qwen.config.tie_embeddings);
+  EXPECT_EQ(qwen.config.rope_pairs, RopePairs::HalfSplit);
+  EXPECT_EQ(qwen.config.rope_theta, 1e6);
+}
+
+// How two models' next-token distributions over a sequence agree: the fraction of positions with
+// the same argmax, and the mean negative log-likelihood of the next token under each.
+struct Agreement {
+  double argmax = 0.0;
+  double nll_ours = 0.0, nll_theirs = 0.0;
+};
+Agreement agreement(const std::vector<float>& ours, const std::vector<float>& theirs,
+                    const std::vector<int32_t>& tokens, int64_t vocab) {
+  Agreement a;
+  const size_t n = tokens.size() - 1;
+  auto nll = [&](const std::vector<float>& l, size_t i) {
+    const float* row = l.data() + i * static_cast<size_t>(vocab);
+    double max = row[0], sum = 0.0;
+    for (int64_t v = 1; v < vocab; ++v) max = std::max<double>(max, row[v]);
+    for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - max);
+    return max + std::log(sum) - row[tokens[i + 1]];
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const float* o = ours.data() + i * static_cast<size_t>(vocab);
+    const float* t = theirs.data() + i * static_cast<size_t>(vocab);
+    a.argmax += std::max_element(o, o + vocab) - o == std::max_element(t, t + vocab) - t;
+    a.nll_ours += nll(ours, i);
+    a.nll_theirs += nll(theirs, i);
+  }
+  a.argmax /= static_cast<double>(n);
+  a.nll_ours /= static_cast<double>(n);
+  a.nll_theirs /= static_cast<double>(n);
+  std::printf("argmax agreement %.4f, mean NLL %.5f (cputrain) %.5f (llama.cpp)\n", a.argmax,
+              a.nll_ours, a.nll_theirs);
+  return a;
+}
+
+// Files whose arithmetic llama.cpp does in lower precision (it rounds activations to bf16 for
+// BF16 matrices, and quantises them for Q8_0 and K-quant ones), read by cputrain to FP32: the
+// same next token at 99% of positions or more, and a mean NLL within 0.01 nats, over a text the
+// model samples. The quantised
+// files are llama.cpp's own quantiser's (llama_model_quantize) from the F16 llama model.
+TEST(LlamaCpp, Bf16AndQuantisedFilesAgreeWithLlamaCpp) {
+  REQUIRE_ORACLE();
+  const fs::path dir = made_models();
+  for (const char* type : {"q8_0", "q4_k_m"}) {
+    const std::string cmd = kOracle + " quantize " + (dir / "llama_gqa.gguf").string() + " " +
+                            (dir / ("llama_gqa_" + std::string(type) + ".gguf")).string() + " " +
+                            type;
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  }
+  for (const char* name :
+       {"qwen2_tied_bf16.gguf", "llama_gqa_q8_0.gguf", "llama_gqa_q4_k_m.gguf"}) {
+    const fs::path model = dir / name;
+    LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx);
+    // A text the model itself would write (sampled at temperature 1), so the NLL measures its
+    // confidence in likely text rather than its surprise at noise.
+    SampleOptions options;
+    options.max_new_tokens = 199;
+    options.temperature = 1.0f;
+    options.top_k = 0;
+    options.seed = 13;
+    const std::vector<int32_t> tokens = generate(*m.model, {m.tokenizer->bos_id()}, options);
+    ASSERT_EQ(tokens.size(), 200u);
+    const Agreement a =
+        agreement(our_logits(m, tokens), oracle_logits(model, tokens, dir), tokens, m.config.vocab);
+    EXPECT_GE(a.argmax, 0.99) << name;
+    EXPECT_NEAR(a.nll_ours, a.nll_theirs, 0.01) << name;
+  }
+}
+
+// `cputrain sample --temperature 0` from BOS is llama2.c's published greedy output, token for
+// token (256 of them, as run.c -n 256 gives).
+TEST(LlamaCpp, Stories260kGreedyTextIsThePublishedOne) {
+  REQUIRE_SHARED("stories260K.gguf");
+  const TempFolder folder{temp_dir("greedy")};
+  const fs::path& dir = folder.path;
+  const std::string cmd = std::string(CPUTRAIN_BINARY) + " sample --model " +
+                          (kShared / "stories260K.gguf").string() +
+                          " --temperature 0 --max-tokens 256 > " + (dir / "out.txt").string();
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  EXPECT_EQ(read_all(dir / "out.txt"), read_all(kShared / "stories260K.greedy.txt"));
+}
+
+}  // namespace
+}  // namespace cputrain

@@ -1,0 +1,66 @@
+#include "tools/model_source.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "engine/error.h"
+#include "engine/gguf_file.h"
+#include "engine/vocab_tokenizer.h"
+#include "models/gguf_model.h"
+#include "tools/run_config.h"
+#include "tools/run_dir.h"
+
+namespace cputrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool starts_with_gguf_magic(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  in.read(magic, 4);
+  return in.gcount() == 4 && std::string(magic, 4) == "GGUF";
+}
+
+}  // namespace
+
+LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
+                       int64_t max_ctx) {
+  LoadedModel m;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    if (!fs::exists(fs::path(path) / "config.json"))
+      throw UserError(flag + " " + path +
+                      ": a folder without config.json (neither a cputrain run nor a model folder)");
+    const RunConfig config = read_run_config(path + "/config.json");
+    m.config = config.model;
+    m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path + "/tokenizer.model"));
+    if (m.tokenizer->vocab_size() != m.config.vocab)
+      throw UserError(path + "/tokenizer.model: vocabulary " +
+                      std::to_string(m.tokenizer->vocab_size()) + " does not match the model's " +
+                      std::to_string(m.config.vocab));
+    m.model = std::make_unique<LlamaModel>(m.config);
+    m.source = load_run_weights(path, weights, m.model->parameters());
+    return m;
+  }
+  if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
+  if (!weights.empty())
+    throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
+                    path);
+  if (!starts_with_gguf_magic(path))
+    throw UserError(flag + " " + path + ": not a GGUF file, a model folder or a run directory");
+  const GgufFile file(path);
+  m.config = gguf_model_config(file, max_ctx);
+  Vocabulary vocabulary = gguf_vocabulary(file);
+  if (static_cast<int64_t>(vocabulary.tokens.size()) != m.config.vocab)
+    throw UserError(path + ": the tokenizer has " + std::to_string(vocabulary.tokens.size()) +
+                    " tokens, the embedding " + std::to_string(m.config.vocab) + " rows");
+  m.strip_leading_space = vocabulary.add_space_prefix;
+  m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(std::move(vocabulary)));
+  m.model = std::make_unique<LlamaModel>(m.config);
+  load_gguf_weights(file, m.model->parameters());
+  m.source = "GGUF " + file.string("general.architecture") + ", " + path;
+  return m;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,33 @@
+// Where a command reads a model from (--model PATH): a cputrain run directory, or a GGUF file.
+// The model, its tokenizer and where they came from, ready to compute.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "engine/tokenizer.h"
+#include "models/llama.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+
+struct LoadedModel {
+  LlamaConfig config;
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::string source;  // "GGUF llama, stories260K.gguf" or the run's weights file
+  // Whether decoding drops the leading space the tokenizer put before the text (SentencePiece
+  // vocabularies with a dummy prefix).
+  bool strip_leading_space = false;
+};
+
+// The context a model file is given where it declares a longer one and no --ctx says otherwise.
+constexpr int64_t kDefaultImportCtx = 4096;
+
+// `path` (named by `flag` in messages) as a run directory (its config.json, tokenizer.model and
+// `weights`, else model.bin, else the newest checkpoint) or a GGUF file. `max_ctx` caps a model
+// file's context. A UserError for anything else, naming the flag and path.
+LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
+                       int64_t max_ctx);
+
+}  // namespace cputrain
