@@ -1,10 +1,15 @@
 #include "engine/vocab_tokenizer.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <queue>
 
 #include "engine/error.h"
 #include "engine/gguf_file.h"
+#include "engine/utf8.h"
 
 namespace cputrain {
 namespace {
@@ -28,6 +33,51 @@ int byte_of_piece(const std::string& piece) {
   return -1;
 }
 
+// The pre-tokenizers' regular expressions, as the models' tokenizer.json files give them (case
+// folding of the contractions spelled out).
+struct PreTokenizer {
+  const char* name;
+  const char* pattern;
+  bool ignore_merges;
+};
+constexpr PreTokenizer kPreTokenizers[] = {
+    {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+     false},
+    {"llama-bpe",
+     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+     "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+     true},
+    {"qwen2",
+     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+     "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+     false},
+};
+
+// UTF-8 of a code point.
+std::string utf8_of(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xc0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+  } else {
+    s += static_cast<char>(0xe0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    s += static_cast<char>(0x80 | (cp & 0x3f));
+  }
+  return s;
+}
+
+// The code point of the valid UTF-8 character of n bytes at p.
+uint32_t code_point(const char* p, size_t n) {
+  const auto b = [&](size_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(p[i])); };
+  if (n == 1) return b(0);
+  if (n == 2) return ((b(0) & 0x1f) << 6) | (b(1) & 0x3f);
+  if (n == 3) return ((b(0) & 0x0f) << 12) | ((b(1) & 0x3f) << 6) | (b(2) & 0x3f);
+  return ((b(0) & 0x07) << 18) | ((b(1) & 0x3f) << 12) | ((b(2) & 0x3f) << 6) | (b(3) & 0x3f);
+}
+
 }  // namespace
 
 Vocabulary gguf_vocabulary(const GgufFile& file) {
@@ -36,9 +86,10 @@ Vocabulary gguf_vocabulary(const GgufFile& file) {
     throw UserError(path + ": no tokenizer (tokenizer.ggml.tokens)");
   Vocabulary v;
   v.model = file.string("tokenizer.ggml.model", "llama");
-  if (v.model != "llama")
+  if (v.model != "llama" && v.model != "gpt2")
     throw UserError(path + ": tokenizer " + v.model +
-                    ", which cputrain does not read yet (it reads llama)");
+                    ", which cputrain does not read (it reads llama and gpt2)");
+  if (v.model == "gpt2") v.merges = file.strings("tokenizer.ggml.merges");
   v.pre = file.string("tokenizer.ggml.pre", "");
   v.tokens = file.strings("tokenizer.ggml.tokens");
   const int64_t n = static_cast<int64_t>(v.tokens.size());
@@ -66,21 +117,73 @@ Vocabulary gguf_vocabulary(const GgufFile& file) {
   v.bos = id("tokenizer.ggml.bos_token_id", 1);
   v.eos = id("tokenizer.ggml.eos_token_id", 2);
   v.unk = id("tokenizer.ggml.unknown_token_id", 0);
-  v.add_bos = file.flag("tokenizer.ggml.add_bos_token", true);
+  const bool spm = v.model == "llama";
+  v.add_bos = file.flag("tokenizer.ggml.add_bos_token", spm || v.pre == "llama-bpe");
   v.add_eos = file.flag("tokenizer.ggml.add_eos_token", false);
-  v.add_space_prefix = file.flag("tokenizer.ggml.add_space_prefix", true);
+  v.add_space_prefix = file.flag("tokenizer.ggml.add_space_prefix", spm);
   v.chat_template = file.string("tokenizer.chat_template", "");
   return v;
 }
 
 VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)) {
+  bpe_ = v_.model == "gpt2";
   ids_.reserve(v_.tokens.size());
   for (size_t i = 0; i < v_.tokens.size(); ++i) ids_.emplace(v_.tokens[i], static_cast<int32_t>(i));
-  for (int b = 0; b < 256; ++b) {
-    char piece[8];
-    std::snprintf(piece, sizeof(piece), "<0x%02X>", b);
-    byte_ids_[b] = find(piece);
+  for (size_t i = 0; i < v_.tokens.size(); ++i) {
+    const int32_t t = type(static_cast<int32_t>(i));
+    if ((t == Vocabulary::kControl || t == Vocabulary::kUserDefined) && !v_.tokens[i].empty())
+      specials_.emplace_back(v_.tokens[i], static_cast<int32_t>(i));
   }
+  std::stable_sort(specials_.begin(), specials_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  if (!bpe_) {
+    for (int b = 0; b < 256; ++b) {
+      char piece[8];
+      std::snprintf(piece, sizeof(piece), "<0x%02X>", b);
+      byte_ids_[b] = find(piece);
+    }
+    return;
+  }
+  // GPT-2's byte-level alphabet: printable bytes stand for themselves, the other 68 for the code
+  // points from 256 up, in byte order.
+  uint32_t next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+    const uint32_t cp = printable ? static_cast<uint32_t>(b) : next++;
+    byte_chars_[b] = utf8_of(cp);
+    char_bytes_[cp] = static_cast<uint8_t>(b);
+    byte_ids_[b] = find(byte_chars_[b]);
+  }
+  merge_rank_.reserve(v_.merges.size());
+  for (size_t i = 0; i < v_.merges.size(); ++i)
+    merge_rank_.emplace(v_.merges[i], static_cast<int32_t>(i));
+  const std::string pre = v_.pre.empty() || v_.pre == "default" ? "gpt2" : v_.pre;
+  const PreTokenizer* chosen = nullptr;
+  for (const PreTokenizer& p : kPreTokenizers)
+    if (pre == p.name) chosen = &p;
+  if (!chosen)
+    throw UserError("pre-tokenizer " + pre + ", which cputrain does not know (it knows " +
+                    supported_pre_tokenizers() + ")");
+  ignore_merges_ = chosen->ignore_merges;
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  pcre2_code* re =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(chosen->pattern), PCRE2_ZERO_TERMINATED,
+                    PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+  if (!re) throw std::logic_error("the pre-tokenizer's pattern does not compile");
+  pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);  // where JIT is absent, matching interprets
+  regex_ = re;
+}
+
+VocabTokenizer::~VocabTokenizer() {
+  if (regex_) pcre2_code_free(static_cast<pcre2_code*>(regex_));
+}
+
+std::string VocabTokenizer::supported_pre_tokenizers() {
+  std::string names;
+  for (const PreTokenizer& p : kPreTokenizers)
+    names += (names.empty() ? "" : ", ") + std::string(p.name);
+  return names;
 }
 
 int32_t VocabTokenizer::find(std::string_view piece) const {
@@ -92,12 +195,43 @@ int32_t VocabTokenizer::type(int32_t id) const {
   return v_.types.empty() ? Vocabulary::kNormal : v_.types[static_cast<size_t>(id)];
 }
 
-std::vector<int32_t> VocabTokenizer::encode(std::string_view text) const {
+std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special) const {
   std::vector<int32_t> out;
-  if (text.empty()) return out;
+  // The text between special tokens (all of it, without `special`) goes through the model.
+  const auto plain = [&](std::string_view part, bool first) {
+    if (part.empty()) return;
+    if (bpe_)
+      encode_bpe(part, out);
+    else
+      encode_spm(part, first && v_.add_space_prefix, out);  // a dummy prefix at the start only
+  };
+  if (!special) {
+    plain(text, true);
+    return out;
+  }
+  size_t pos = 0, start = 0;
+  while (pos < text.size()) {
+    const auto hit = std::find_if(specials_.begin(), specials_.end(), [&](const auto& sp) {
+      return text.compare(pos, sp.first.size(), sp.first) == 0;
+    });
+    if (hit == specials_.end()) {
+      ++pos;
+      continue;
+    }
+    plain(text.substr(start, pos - start), start == 0);
+    out.push_back(hit->second);
+    pos += hit->first.size();
+    start = pos;
+  }
+  plain(text.substr(start), start == 0);
+  return out;
+}
+
+void VocabTokenizer::encode_spm(std::string_view text, bool prefix,
+                                std::vector<int32_t>& out) const {
   std::string s;
   s.reserve(text.size() + 8);
-  if (v_.add_space_prefix) s += kSpace;
+  if (prefix) s += kSpace;
   for (char c : text) {
     if (c == ' ')
       s += kSpace;
@@ -158,7 +292,86 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text) const {
     }
     for (unsigned char c : piece) out.push_back(byte_ids_[c] >= 0 ? byte_ids_[c] : v_.unk);
   }
-  return out;
+}
+
+void VocabTokenizer::encode_bpe(std::string_view text, std::vector<int32_t>& out) const {
+  // Bytes that are not valid UTF-8 are words of their own; the regular expression splits the
+  // valid runs, and text between its matches is a word too.
+  auto* re = static_cast<pcre2_code*>(regex_);
+  pcre2_match_data* match = pcre2_match_data_create_from_pattern(re, nullptr);
+  const auto split = [&](std::string_view run) {
+    PCRE2_SIZE at = 0, last = 0;
+    while (at < run.size()) {
+      const int rc = pcre2_match(re, reinterpret_cast<PCRE2_SPTR>(run.data()), run.size(), at,
+                                 PCRE2_NO_UTF_CHECK, match, nullptr);
+      if (rc < 0) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(match);
+      if (ov[1] == ov[0]) {  // an empty match: step over one character
+        at = ov[0] + std::max<size_t>(1, utf8_length(run, ov[0]));
+        continue;
+      }
+      if (ov[0] > last) encode_bpe_word(run.substr(last, ov[0] - last), out);
+      encode_bpe_word(run.substr(ov[0], ov[1] - ov[0]), out);
+      at = last = ov[1];
+    }
+    if (last < run.size()) encode_bpe_word(run.substr(last), out);
+  };
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = pos;
+    for (size_t n; end < text.size() && (n = utf8_length(text, end)) > 0;) end += n;
+    if (end > pos) split(text.substr(pos, end - pos));
+    if (end < text.size()) encode_bpe_word(text.substr(end++, 1), out);
+    pos = end;
+  }
+  pcre2_match_data_free(match);
+}
+
+void VocabTokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const {
+  std::string mapped;
+  for (unsigned char c : word) mapped += byte_chars_[c];
+  if (ignore_merges_) {
+    if (const int32_t id = find(mapped); id >= 0) {
+      out.push_back(id);
+      return;
+    }
+  }
+  // The symbols: one per mapped character at first.
+  std::vector<std::string> symbols;
+  for (size_t pos = 0; pos < mapped.size();) {
+    const size_t n = std::max<size_t>(1, utf8_length(mapped, pos));
+    symbols.emplace_back(mapped.substr(pos, n));
+    pos += n;
+  }
+  // Merge the pair of lowest rank (the leftmost among equals) until none is a merge.
+  while (symbols.size() > 1) {
+    int32_t best_rank = INT32_MAX;
+    size_t best = 0;
+    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+      const auto it = merge_rank_.find(symbols[i] + " " + symbols[i + 1]);
+      if (it != merge_rank_.end() && it->second < best_rank) {
+        best_rank = it->second;
+        best = i;
+      }
+    }
+    if (best_rank == INT32_MAX) break;
+    symbols[best] += symbols[best + 1];
+    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  }
+  for (const std::string& sym : symbols) {
+    if (const int32_t id = find(sym); id >= 0) {
+      out.push_back(id);
+      continue;
+    }
+    // Not a token: its bytes, each a token of GPT-2's alphabet.
+    for (size_t pos = 0; pos < sym.size();) {
+      const size_t n = std::max<size_t>(1, utf8_length(sym, pos));
+      const auto it = char_bytes_.find(code_point(sym.data() + pos, n));
+      const int32_t id = it == char_bytes_.end() ? -1 : byte_ids_[it->second];
+      out.push_back(id >= 0 ? id : v_.unk);
+      pos += n;
+    }
+  }
 }
 
 std::string VocabTokenizer::decode(std::span<const int32_t> ids) const {
@@ -179,6 +392,19 @@ std::string VocabTokenizer::decode(std::span<const int32_t> ids) const {
         text += piece;
         break;
       default:
+        if (bpe_) {
+          // GPT-2's printable characters back to the bytes they stand for.
+          for (size_t pos = 0; pos < piece.size();) {
+            const size_t n = std::max<size_t>(1, utf8_length(piece, pos));
+            const auto it = char_bytes_.find(code_point(piece.data() + pos, n));
+            if (it != char_bytes_.end())
+              text.push_back(static_cast<char>(it->second));
+            else
+              text.append(piece, pos, n);
+            pos += n;
+          }
+          break;
+        }
         for (size_t pos = 0; pos < piece.size();) {
           if (piece.compare(pos, kSpace.size(), kSpace) == 0) {
             text.push_back(' ');

@@ -1,8 +1,11 @@
 // A tokenizer given as a vocabulary, as GGUF files carry one (tokenizer.ggml.*): the pieces, their
-// scores and types, and the special ids and flags. The SentencePiece style ("llama"): text with a
-// leading space, spaces as U+2581, split into characters and merged pairwise, the pair whose merge
-// is a piece of highest score first (the leftmost among equals), with byte pieces for what no
-// piece covers; as llama.cpp encodes it.
+// scores and types, the merges, and the special ids and flags; as llama.cpp encodes it.
+// - SentencePiece style ("llama"): text with a leading space, spaces as U+2581, split into
+//   characters and merged pairwise, the pair whose merge is a piece of highest score first (the
+//   leftmost among equals), with byte pieces for what no piece covers.
+// - Byte-level BPE ("gpt2"): text split into words by the pre-tokenizer's regular expression
+//   (PCRE2; gpt2, llama-bpe for Llama 3, qwen2), each word's bytes written as GPT-2's printable
+//   characters and merged by the rank of the merges, the lowest first.
 #pragma once
 
 #include <cstdint>
@@ -40,22 +43,39 @@ Vocabulary gguf_vocabulary(const GgufFile& file);
 
 class VocabTokenizer {
  public:
+  // A UserError for a pre-tokenizer cputrain does not know.
   explicit VocabTokenizer(Vocabulary vocabulary);
+  ~VocabTokenizer();
+  VocabTokenizer(const VocabTokenizer&) = delete;
+  VocabTokenizer& operator=(const VocabTokenizer&) = delete;
 
-  // The ids of `text`, without BOS or EOS; special tokens in the text are text.
-  std::vector<int32_t> encode(std::string_view text) const;
+  // The ids of `text`, without BOS or EOS. With `special`, the texts of control and user-defined
+  // tokens (such as <|im_start|>) in it are those tokens; without, they are text like any other.
+  std::vector<int32_t> encode(std::string_view text, bool special = false) const;
   // The text of `ids`: byte pieces as their bytes, U+2581 as a space, control tokens as nothing.
   std::string decode(std::span<const int32_t> ids) const;
+  // "gpt2", "llama-bpe" and "qwen2".
+  static std::string supported_pre_tokenizers();
   const Vocabulary& vocabulary() const { return v_; }
   int vocab_size() const { return static_cast<int>(v_.tokens.size()); }
 
  private:
   int32_t find(std::string_view piece) const;
   int32_t type(int32_t id) const;
+  void encode_spm(std::string_view text, bool prefix, std::vector<int32_t>& out) const;
+  void encode_bpe(std::string_view text, std::vector<int32_t>& out) const;
+  void encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const;
 
   Vocabulary v_;
+  bool bpe_ = false;
+  bool ignore_merges_ = false;  // llama-bpe: a word that is a token is that token
   std::unordered_map<std::string, int32_t> ids_;
+  std::unordered_map<std::string, int32_t> merge_rank_;  // "left right" -> rank
   int32_t byte_ids_[256];
+  std::string byte_chars_[256];                       // GPT-2's printable character for each byte
+  std::unordered_map<uint32_t, uint8_t> char_bytes_;  // and back, by code point
+  std::vector<std::pair<std::string, int32_t>> specials_;  // longest first
+  void* regex_ = nullptr;                                  // the pre-tokenizer (pcre2_code)
 };
 
 }  // namespace cputrain

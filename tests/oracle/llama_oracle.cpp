@@ -3,7 +3,9 @@
 // tests compare cputrain with what it prints.
 //
 //   llama_oracle logits MODEL OUT TOKEN...    every position's logits, float32, n x vocab, to OUT
-//   llama_oracle tokenize MODEL TEXT_FILE     the token ids of the file's text (no BOS), one line
+//   llama_oracle tokenize MODEL TEXT_FILE [special]
+//                                             the token ids of the file's text (no BOS), one line;
+//                                             with "special", special tokens in it are parsed
 //   llama_oracle quantize IN OUT TYPE         llama_model_quantize to q8_0 or q4_k_m
 //   llama_oracle generate MODEL N THREADS     N greedy tokens after BOS; prints ids, then tokens/s
 //
@@ -86,7 +88,8 @@ int logits(int argc, char** argv) {
 }
 
 int tokenize(int argc, char** argv) {
-  if (argc != 4) fail("tokenize MODEL TEXT_FILE");
+  if (argc != 4 && argc != 5) fail("tokenize MODEL TEXT_FILE [special]");
+  const bool special = argc == 5 && std::string(argv[4]) == "special";
   llama_model_params params = llama_model_default_params();
   params.vocab_only = true;
   llama_model* model = llama_model_load_from_file(argv[2], params);
@@ -98,7 +101,7 @@ int tokenize(int argc, char** argv) {
   const llama_vocab* vocab = llama_model_get_vocab(model);
   std::vector<llama_token> ids(s.size() + 16);
   const int n = llama_tokenize(vocab, s.data(), static_cast<int32_t>(s.size()), ids.data(),
-                               static_cast<int32_t>(ids.size()), false, false);
+                               static_cast<int32_t>(ids.size()), false, special);
   if (n < 0) fail("llama_tokenize failed");
   for (int i = 0; i < n; ++i) std::printf("%s%d", i ? " " : "", ids[static_cast<size_t>(i)]);
   std::printf("\n");

@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/gguf_file.h"
 #include "engine/tensor.h"
+#include "engine/vocab_tokenizer.h"
 #include "models/generate.h"
 #include "tools/model_source.h"
 
@@ -213,6 +215,74 @@ TEST(LlamaCpp, Bf16AndQuantisedFilesAgreeWithLlamaCpp) {
         agreement(our_logits(m, tokens), oracle_logits(model, tokens, dir), tokens, m.config.vocab);
     EXPECT_GE(a.argmax, 0.99) << name;
     EXPECT_NEAR(a.nll_ours, a.nll_theirs, 0.01) << name;
+  }
+}
+
+// llama.cpp's tokenizer test vectors (models/ggml-vocab-NAME.gguf with .inp and .out): every
+// text encodes to the ids llama.cpp gives, without BOS, special tokens as text.
+void expect_test_vectors(const std::string& name) {
+  const fs::path base =
+      fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / ("ggml-vocab-" + name + ".gguf");
+  const GgufFile file(base.string());
+  const Tokenizer tokenizer = Tokenizer::from_vocabulary(gguf_vocabulary(file));
+  const std::string inputs = read_all(base.string() + ".inp");
+  std::ifstream outputs(base.string() + ".out");
+  const std::string separator = "\n__ggml_vocab_test__\n";
+  size_t pos = 0, tested = 0;
+  std::string expected_line;
+  while (pos < inputs.size() && std::getline(outputs, expected_line)) {
+    size_t end = inputs.find(separator, pos);
+    if (end == std::string::npos) end = inputs.size();
+    const std::string text = inputs.substr(pos, end - pos);
+    pos = end + separator.size();
+    std::vector<int32_t> expected;
+    std::istringstream ids(expected_line);
+    for (int32_t id; ids >> id;) expected.push_back(id);
+    EXPECT_EQ(tokenizer.encode(text), expected) << name << ": \"" << text << "\"";
+    EXPECT_EQ(
+        tokenizer.decode(tokenizer.encode(text)),
+        (tokenizer.vocabulary()->vocabulary().add_space_prefix && !text.empty() ? " " : "") + text)
+        << name;
+    ++tested;
+  }
+  EXPECT_GT(tested, 30u) << name;
+}
+
+TEST(LlamaCppVocab, LlamaSpmTestVectors) {
+  REQUIRE_ORACLE();
+  expect_test_vectors("llama-spm");
+}
+
+TEST(LlamaCppVocab, LlamaBpeTestVectors) {
+  REQUIRE_ORACLE();
+  expect_test_vectors("llama-bpe");
+}
+
+TEST(LlamaCppVocab, Qwen2TestVectors) {
+  REQUIRE_ORACLE();
+  expect_test_vectors("qwen2");
+}
+
+// A chat turn: with special tokens parsed, <|im_start|> and <|im_end|> are their own ids, as
+// llama.cpp gives them; without, they are text.
+TEST(LlamaCppVocab, SpecialTokensInAChatTurn) {
+  REQUIRE_ORACLE();
+  const fs::path vocab = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "ggml-vocab-qwen2.gguf";
+  const Tokenizer tokenizer = Tokenizer::from_vocabulary(gguf_vocabulary(GgufFile(vocab.string())));
+  const std::string turn = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";
+  const TempFolder dir{temp_dir("chat")};
+  std::ofstream(dir.path / "turn.txt", std::ios::binary) << turn;
+  for (bool special : {true, false}) {
+    const std::string cmd = kOracle + " tokenize " + vocab.string() + " " +
+                            (dir.path / "turn.txt").string() + (special ? " special" : "") + " > " +
+                            (dir.path / "ids.txt").string();
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::vector<int32_t> expected;
+    std::istringstream ids(read_all(dir.path / "ids.txt"));
+    for (int32_t id; ids >> id;) expected.push_back(id);
+    const std::vector<int32_t> ours = tokenizer.vocabulary()->encode(turn, special);
+    EXPECT_EQ(ours, expected) << (special ? "special" : "plain");
+    EXPECT_EQ(ours.size() < 16, special);  // parsed, each marker is one id
   }
 }
 
