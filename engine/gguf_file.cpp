@@ -5,10 +5,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 
+#include "engine/atomic_file.h"
 #include "engine/error.h"
 
 namespace cputrain {
@@ -169,6 +172,31 @@ float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t abs = x & 0x7fffffff;
+  if (abs >= 0x7f800000)
+    return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
+  if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // rounds above 65504
+  if (abs < 0x38800000) {  // a subnormal half (or zero): round abs / 2^-24 to an integer
+    float v;
+    std::memcpy(&v, &abs, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(std::ldexp(v, 24))));
+  }
+  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+  const uint32_t rounded = abs + 0xfff + ((abs >> 13) & 1);
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000) >> 13));
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((x + 0x7fff + ((x >> 16) & 1)) >> 16);
 }
 
 uint16_t load_u16(const uint8_t* p) {
@@ -505,6 +533,190 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
       }
       return;
   }
+}
+
+std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n) {
+  std::vector<uint8_t> out(ggml_bytes(type, n));
+  uint8_t* dst = out.data();
+  const auto store16 = [](uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); };
+  switch (type) {
+    case GgmlType::F32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case GgmlType::F16:
+      for (int64_t i = 0; i < n; ++i) store16(dst + 2 * i, float_to_half(src[i]));
+      break;
+    case GgmlType::BF16:
+      for (int64_t i = 0; i < n; ++i) store16(dst + 2 * i, float_to_bf16(src[i]));
+      break;
+    case GgmlType::Q8_0:
+      for (int64_t b = 0; b < n / 32; ++b, src += 32, dst += 34) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(src[i]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        store16(dst, float_to_half(d));
+        for (int i = 0; i < 32; ++i)
+          dst[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(src[i] * id)));
+      }
+      break;
+    default:
+      throw std::logic_error("ggml_from_float: cputrain writes F32, F16, BF16 and Q8_0");
+  }
+  return out;
+}
+
+void GgufWriter::set(const std::string& key, GgufValue value) {
+  for (Entry& e : metadata_)
+    if (e.key == key) {
+      e.value = std::move(value);
+      return;
+    }
+  metadata_.push_back({key, std::move(value)});
+}
+
+void GgufWriter::set_string(const std::string& key, const std::string& value) {
+  GgufValue v;
+  v.type = GgufType::String;
+  v.text = value;
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_u32(const std::string& key, uint32_t value) {
+  GgufValue v;
+  v.type = GgufType::U32;
+  v.number = value;
+  v.bits = value;
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_i32(const std::string& key, int32_t value) {
+  GgufValue v;
+  v.type = GgufType::I32;
+  v.number = value;
+  v.bits = static_cast<uint64_t>(static_cast<int64_t>(value));
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_f32(const std::string& key, float value) {
+  GgufValue v;
+  v.type = GgufType::F32;
+  v.number = value;
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_bool(const std::string& key, bool value) {
+  GgufValue v;
+  v.type = GgufType::Bool;
+  v.number = value ? 1.0 : 0.0;
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_strings(const std::string& key, const std::vector<std::string>& values) {
+  GgufValue v;
+  v.type = GgufType::Array;
+  v.element = GgufType::String;
+  v.strings = values;
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_f32s(const std::string& key, const std::vector<float>& values) {
+  GgufValue v;
+  v.type = GgufType::Array;
+  v.element = GgufType::F32;
+  v.numbers.assign(values.begin(), values.end());
+  set(key, std::move(v));
+}
+
+void GgufWriter::set_i32s(const std::string& key, const std::vector<int32_t>& values) {
+  GgufValue v;
+  v.type = GgufType::Array;
+  v.element = GgufType::I32;
+  v.numbers.assign(values.begin(), values.end());
+  set(key, std::move(v));
+}
+
+void GgufWriter::add_tensor(const std::string& name, const std::vector<int64_t>& dims,
+                            GgmlType type, std::vector<uint8_t> data) {
+  tensors_.push_back({name, dims, type, std::move(data)});
+}
+
+void GgufWriter::write(const std::string& path) const {
+  constexpr size_t kAlign = 32;
+  AtomicFileWriter out(path);
+  size_t written = 0;
+  const auto bytes = [&](const void* p, size_t n) {
+    out.write(p, n);
+    written += n;
+  };
+  const auto u32 = [&](uint32_t v) { bytes(&v, 4); };
+  const auto u64 = [&](uint64_t v) { bytes(&v, 8); };
+  const auto str = [&](const std::string& s) {
+    u64(s.size());
+    bytes(s.data(), s.size());
+  };
+  const auto scalar = [&](GgufType t, double x) {
+    switch (t) {
+      case GgufType::U32:
+        u32(static_cast<uint32_t>(x));
+        break;
+      case GgufType::I32: {
+        const auto v = static_cast<int32_t>(x);
+        bytes(&v, 4);
+        break;
+      }
+      case GgufType::F32: {
+        const auto v = static_cast<float>(x);
+        bytes(&v, 4);
+        break;
+      }
+      case GgufType::Bool: {
+        const uint8_t v = x != 0.0;
+        bytes(&v, 1);
+        break;
+      }
+      default:
+        throw std::logic_error("GgufWriter: an unwritten value type");
+    }
+  };
+  u32(kMagic);
+  u32(3);
+  u64(tensors_.size());
+  u64(metadata_.size());
+  for (const Entry& e : metadata_) {
+    str(e.key);
+    u32(static_cast<uint32_t>(e.value.type));
+    if (e.value.type == GgufType::String) {
+      str(e.value.text);
+    } else if (e.value.type == GgufType::Array) {
+      u32(static_cast<uint32_t>(e.value.element));
+      if (e.value.element == GgufType::String) {
+        u64(e.value.strings.size());
+        for (const std::string& s : e.value.strings) str(s);
+      } else {
+        u64(e.value.numbers.size());
+        for (double x : e.value.numbers) scalar(e.value.element, x);
+      }
+    } else {
+      scalar(e.value.type, e.value.number);
+    }
+  }
+  uint64_t offset = 0;
+  for (const Tensor& t : tensors_) {
+    str(t.name);
+    u32(static_cast<uint32_t>(t.dims.size()));
+    for (int64_t d : t.dims) u64(static_cast<uint64_t>(d));
+    u32(static_cast<uint32_t>(t.type));
+    u64(offset);
+    offset += (t.data.size() + kAlign - 1) / kAlign * kAlign;
+  }
+  const char zeros[kAlign] = {};
+  bytes(zeros, (kAlign - written % kAlign) % kAlign);
+  for (const Tensor& t : tensors_) {
+    bytes(t.data.data(), t.data.size());
+    bytes(zeros, (kAlign - t.data.size() % kAlign) % kAlign);
+  }
+  out.commit();
 }
 
 std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor) {

@@ -105,6 +105,44 @@ class GgufFile {
   std::map<std::string, size_t> by_name_;
 };
 
+// Writes a GGUF v3 file: the metadata in the order set, then the tensor directory and the
+// tensors, each aligned to 32 bytes; atomically (engine/atomic_file.h).
+class GgufWriter {
+ public:
+  void set_string(const std::string& key, const std::string& value);
+  void set_u32(const std::string& key, uint32_t value);
+  void set_i32(const std::string& key, int32_t value);
+  void set_f32(const std::string& key, float value);
+  void set_bool(const std::string& key, bool value);
+  void set_strings(const std::string& key, const std::vector<std::string>& values);
+  void set_f32s(const std::string& key, const std::vector<float>& values);
+  void set_i32s(const std::string& key, const std::vector<int32_t>& values);
+  // `dims` as ggml's ne (dims[0] a row's length); `data` the tensor's bytes in `type`.
+  void add_tensor(const std::string& name, const std::vector<int64_t>& dims, GgmlType type,
+                  std::vector<uint8_t> data);
+  void write(const std::string& path) const;
+
+ private:
+  struct Entry {
+    std::string key;
+    GgufValue value;
+  };
+  struct Tensor {
+    std::string name;
+    std::vector<int64_t> dims;
+    GgmlType type;
+    std::vector<uint8_t> data;
+  };
+  void set(const std::string& key, GgufValue value);
+  std::vector<Entry> metadata_;
+  std::vector<Tensor> tensors_;
+};
+
+// `n` FP32 values as type `type` (n a multiple of its block size): F32 as they are; F16 and BF16
+// rounded to nearest, ties to even; Q8_0 with each block's scale max|x| / 127, as llama.cpp's
+// quantiser writes it.
+std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n);
+
 // The FP32 values of a tensor of any supported type (dequantised); a UserError naming the file
 // and tensor for an unsupported type.
 std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor);

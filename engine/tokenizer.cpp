@@ -221,6 +221,29 @@ std::string Tokenizer::decode(std::span<const int32_t> ids) const {
   return text;
 }
 
+Vocabulary Tokenizer::to_vocabulary() const {
+  if (vocab_) return vocab_->vocabulary();
+  Vocabulary v;
+  v.model = "llama";
+  const int n = processor_->GetPieceSize();
+  for (int id = 0; id < n; ++id) {
+    v.tokens.push_back(processor_->IdToPiece(id));
+    v.scores.push_back(processor_->GetScore(id));
+    v.types.push_back(processor_->IsUnknown(id)   ? Vocabulary::kUnknown
+                      : processor_->IsControl(id) ? Vocabulary::kControl
+                      : processor_->IsByte(id)    ? Vocabulary::kByte
+                      : processor_->IsUnused(id)  ? Vocabulary::kUnused
+                                                  : Vocabulary::kNormal);
+  }
+  v.bos = kBos;
+  v.eos = kEos;
+  v.unk = kUnk;
+  v.add_bos = true;
+  v.add_eos = false;
+  v.add_space_prefix = false;
+  return v;
+}
+
 int Tokenizer::vocab_size() const {
   return vocab_ ? vocab_->vocab_size() : processor_->GetPieceSize();
 }

@@ -59,6 +59,10 @@ class Tokenizer {
   const std::string& model_bytes() const { return model_bytes_; }
   // The model file's vocabulary, or nullptr for cputrain's own tokenizer.
   const VocabTokenizer* vocabulary() const { return vocab_.get(); }
+  // The tokenizer as a vocabulary a model file carries: a model file's own, or cputrain's
+  // SentencePiece model as llama.cpp's SentencePiece style reads it (pieces, scores, types; no
+  // dummy prefix, which cputrain's tokenizers do not add).
+  Vocabulary to_vocabulary() const;
 
  private:
   Tokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> processor, std::string bytes);

@@ -115,4 +115,93 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
   }
 }
 
+namespace {
+
+// A half-split head's rows (j, j + D/2 rotate together) in llama.cpp's adjacent order (2j, 2j+1).
+std::vector<float> adjacent_rows(const std::vector<float>& values, int64_t heads, int64_t head_dim,
+                                 int64_t row) {
+  std::vector<float> out(values.size());
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = 0; j < half; ++j)
+      for (int64_t k = 0; k < 2; ++k) {
+        const int64_t from = h * head_dim + j + k * half, to = h * head_dim + 2 * j + k;
+        std::copy_n(values.begin() + from * row, row, out.begin() + to * row);
+      }
+  return out;
+}
+
+// llama.cpp's general.file_type for the matrices' type.
+uint32_t file_type(GgmlType type) {
+  switch (type) {
+    case GgmlType::F16:
+      return 1;
+    case GgmlType::Q8_0:
+      return 7;
+    case GgmlType::BF16:
+      return 32;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const ParameterSet& params,
+                    const Vocabulary& v, const GgufExport& options) {
+  const bool qwen2 = c.qkv_bias && c.rope_pairs == RopePairs::HalfSplit;
+  const bool reorder = !qwen2 && c.rope_pairs == RopePairs::HalfSplit;
+  const std::string arch = qwen2 ? "qwen2" : "llama";
+  GgmlType matrices = options.type;
+  if (matrices == GgmlType::Q8_0) {
+    for (const ParameterInfo& info : params.infos())
+      if (info.shape.ndim() == 2 && info.shape[1] % 32 != 0) matrices = GgmlType::F16;
+  }
+  GgufWriter w;
+  w.set_string("general.architecture", arch);
+  w.set_string("general.name", options.name);
+  w.set_u32("general.file_type", file_type(matrices));
+  w.set_u32(arch + ".context_length", static_cast<uint32_t>(c.ctx));
+  w.set_u32(arch + ".embedding_length", static_cast<uint32_t>(c.d_model));
+  w.set_u32(arch + ".block_count", static_cast<uint32_t>(c.n_layers));
+  w.set_u32(arch + ".feed_forward_length", static_cast<uint32_t>(c.ffn));
+  w.set_u32(arch + ".attention.head_count", static_cast<uint32_t>(c.n_heads));
+  w.set_u32(arch + ".attention.head_count_kv", static_cast<uint32_t>(c.kv_heads()));
+  w.set_u32(arch + ".attention.key_length", static_cast<uint32_t>(c.head_size()));
+  w.set_u32(arch + ".attention.value_length", static_cast<uint32_t>(c.head_size()));
+  w.set_f32(arch + ".attention.layer_norm_rms_epsilon", c.norm_eps);
+  w.set_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
+  w.set_u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.head_size()));
+  w.set_u32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab));
+  w.set_string("tokenizer.ggml.model", v.model);
+  if (!v.pre.empty()) w.set_string("tokenizer.ggml.pre", v.pre);
+  w.set_strings("tokenizer.ggml.tokens", v.tokens);
+  if (!v.scores.empty()) w.set_f32s("tokenizer.ggml.scores", v.scores);
+  if (!v.types.empty()) w.set_i32s("tokenizer.ggml.token_type", v.types);
+  if (!v.merges.empty()) w.set_strings("tokenizer.ggml.merges", v.merges);
+  if (v.bos >= 0) w.set_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(v.bos));
+  if (v.eos >= 0) w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(v.eos));
+  if (v.unk >= 0) w.set_u32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(v.unk));
+  w.set_bool("tokenizer.ggml.add_bos_token", v.add_bos);
+  w.set_bool("tokenizer.ggml.add_eos_token", v.add_eos);
+  w.set_bool("tokenizer.ggml.add_space_prefix", v.add_space_prefix);
+  if (!v.chat_template.empty()) w.set_string("tokenizer.chat_template", v.chat_template);
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    std::vector<float> values(static_cast<size_t>(info.shape.numel()));
+    params.read_values(static_cast<int>(i), values.data());
+    const std::string name = gguf_tensor_name(info.name);
+    const bool q = name.find("attn_q.") != std::string::npos;
+    if (reorder && (q || name.find("attn_k.") != std::string::npos))
+      values = adjacent_rows(values, q ? c.n_heads : c.kv_heads(), c.head_size(),
+                             info.shape.ndim() == 2 ? info.shape[1] : 1);
+    std::vector<int64_t> dims;
+    for (int d = info.shape.ndim() - 1; d >= 0; --d) dims.push_back(info.shape[d]);
+    const GgmlType type = info.shape.ndim() == 2 ? matrices : GgmlType::F32;
+    w.add_tensor(name, dims, type, ggml_from_float(type, values.data(), info.shape.numel()));
+  }
+  w.write(path);
+  return matrices;
+}
+
 }  // namespace cputrain

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/gguf_file.h"
+#include "engine/vocab_tokenizer.h"
 #include "models/llama_config.h"
 
 namespace cputrain {
@@ -29,5 +30,20 @@ std::string gguf_tensor_name(const std::string& parameter);
 // file and tensor for a missing, misshapen or unsupported-type tensor, or one the model has no
 // place for.
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params);
+
+// What `cputrain export` writes into a GGUF file.
+struct GgufExport {
+  GgmlType type = GgmlType::F32;  // of the matrices; norms and biases are always F32
+  std::string name;               // general.name
+};
+
+// Writes the model (`config`, its parameters) and its tokenizer as a GGUF file llama.cpp runs:
+// architecture qwen2 where the model has q/k/v biases and half-split RoPE, else llama (a
+// half-split model's q and k rows reordered into llama.cpp's adjacent pairs, which computes the
+// same attention); every hyperparameter llama.cpp reads; the tokenizer as
+// tokenizer.ggml.* (with its chat template, where it has one). Returns the matrices' type, which
+// is F16 where Q8_0 was asked for rows that are not whole blocks of 32.
+GgmlType write_gguf(const std::string& path, const LlamaConfig& config, const ParameterSet& params,
+                    const Vocabulary& vocabulary, const GgufExport& options);
 
 }  // namespace cputrain

@@ -13,6 +13,7 @@
 #include "engine/error.h"
 #include "tools/budget_command.h"
 #include "tools/eval_command.h"
+#include "tools/export_command.h"
 #include "tools/parity_command.h"
 #include "tools/plot_command.h"
 #include "tools/sample_command.h"
@@ -23,7 +24,7 @@ namespace {
 
 bool is_subcommand(const std::string& arg) {
   return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" ||
-         arg == "plot";
+         arg == "plot" || arg == "export";
 }
 
 }  // namespace
@@ -54,6 +55,10 @@ int run_cli(int argc, char** argv) {
   EvalArgs eval_args;
   CLI::App* eval = app.add_subcommand("eval", "Loss and perplexity of a trained run");
   add_eval_flags(*eval, eval_args);
+  ExportArgs export_args;
+  CLI::App* exporter =
+      app.add_subcommand("export", "Write a run or a model file as a GGUF file llama.cpp runs");
+  add_export_flags(*exporter, export_args);
   PlotArgs plot_args;
   CLI::App* plot = app.add_subcommand("plot", "Plot a run's losses and tokens/s as an SVG file");
   add_plot_flags(*plot, plot_args);
@@ -78,6 +83,7 @@ int run_cli(int argc, char** argv) {
     if (budget->parsed()) return run_budget(budget_args);
     if (eval->parsed()) return run_eval(eval_args);
     if (plot->parsed()) return run_plot(plot_args);
+    if (exporter->parsed()) return run_export(export_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     // A run that had opened its log ends with the error there too.

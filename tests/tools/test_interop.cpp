@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/gguf_file.h"
+#include "engine/parameters.h"
 #include "engine/tensor.h"
 #include "engine/vocab_tokenizer.h"
 #include "models/generate.h"
@@ -283,6 +284,93 @@ TEST(LlamaCppVocab, SpecialTokensInAChatTurn) {
     const std::vector<int32_t> ours = tokenizer.vocabulary()->encode(turn, special);
     EXPECT_EQ(ours, expected) << (special ? "special" : "plain");
     EXPECT_EQ(ours.size() < 16, special);  // parsed, each marker is one id
+  }
+}
+
+// Runs cputrain with `args`; its exit status.
+int cputrain(const std::string& args) {
+  const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >/dev/null";
+  return std::system(cmd.c_str());
+}
+
+// A corpus of a few hundred short documents.
+fs::path write_corpus(const fs::path& dir) {
+  std::ofstream out(dir / "corpus.txt");
+  const char* words[] = {"the cat", "a dog", "sat on", "the mat", "and ran", "far away", "at noon"};
+  for (int d = 0; d < 300; ++d) {
+    for (int w = 0; w < 8; ++w) out << words[(d * 3 + w * 5) % 7] << (w % 4 == 3 ? ".\n" : " ");
+    out << "%\n";
+  }
+  return dir / "corpus.txt";
+}
+
+// Runs trained here, exported: llama.cpp computes the same logits from the f32 file (the mini
+// preset; one with half-split RoPE, which export reorders into llama.cpp's adjacent pairs; one of
+// qwen2's shape, exported as qwen2) and tokenizes text to the same ids; export then import gives
+// the f32 weights bit for bit, and the bf16 ones as the weights rounded to bf16.
+TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("export")};
+  const fs::path& dir = folder.path;
+  const std::string corpus = write_corpus(dir).string();
+  const std::string text = "the cat sat on the mat and ran far away.\n the dog at noon";
+  const std::pair<const char*, const char*> runs[] = {
+      {"mini", "--preset mini"},
+      {"halfsplit", "--preset tiny --rope-pairs half-split --kv-heads 2"},
+      {"qwen2", "--preset tiny --qkv-bias --rope-pairs half-split --tie-embeddings"}};
+  for (const auto& [name, flags] : runs) {
+    const fs::path run = dir / name, gguf = dir / (std::string(name) + ".gguf");
+    ASSERT_EQ(
+        cputrain(std::string(flags) + " --vocab 400 --ctx 64 --batch 2 --steps 3 " +
+                 "--sample-tokens 1 --dtype fp32 --corpus " + corpus + " --out " + run.string()),
+        0)
+        << name;
+    ASSERT_EQ(cputrain("export --run " + run.string() + " --out " + gguf.string()), 0) << name;
+    LoadedModel ours = load_model(run.string(), "--run", "", kDefaultImportCtx);
+    std::vector<int32_t> tokens = {ours.tokenizer->bos_id()};
+    for (int32_t id : ours.tokenizer->encode(text)) tokens.push_back(id);
+    EXPECT_LT(max_abs_difference(our_logits(ours, tokens), oracle_logits(gguf, tokens, dir)), 1e-4)
+        << name;
+    // The same ids from llama.cpp's tokenizer of the exported file.
+    std::ofstream(dir / "text.txt", std::ios::binary) << text;
+    const std::string cmd = kOracle + " tokenize " + gguf.string() + " " +
+                            (dir / "text.txt").string() + " > " + (dir / "ids.txt").string();
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::vector<int32_t> ids;
+    std::istringstream in(read_all(dir / "ids.txt"));
+    for (int32_t id; in >> id;) ids.push_back(id);
+    EXPECT_EQ(ids, std::vector<int32_t>(tokens.begin() + 1, tokens.end())) << name;
+  }
+  // Export then import: f32 bit for bit, bf16 the weights rounded to bf16.
+  LoadedModel trained = load_model((dir / "mini").string(), "--run", "", kDefaultImportCtx);
+  const ParameterSet& p = trained.model->parameters();
+  for (const char* type : {"f32", "bf16"}) {
+    const fs::path gguf = dir / (std::string("mini_") + type + ".gguf");
+    ASSERT_EQ(cputrain("export --run " + (dir / "mini").string() + " --type " + type + " --out " +
+                       gguf.string()),
+              0);
+    LoadedModel back = load_model(gguf.string(), "--model", "", kDefaultImportCtx);
+    const ParameterSet& q = back.model->parameters();
+    ASSERT_EQ(p.infos().size(), q.infos().size());
+    size_t differ = 0;
+    for (size_t i = 0; i < p.infos().size(); ++i) {
+      const auto n = static_cast<size_t>(p.infos()[i].shape.numel());
+      std::vector<float> a(n), b(n);
+      p.read_values(static_cast<int>(i), a.data());
+      q.read_values(static_cast<int>(i), b.data());
+      const bool matrix = p.infos()[i].shape.ndim() == 2;
+      for (size_t j = 0; j < n; ++j) {
+        float want = a[j];
+        if (std::string(type) == "bf16" && matrix) {
+          uint32_t bits;
+          std::memcpy(&bits, &want, 4);
+          bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+          std::memcpy(&want, &bits, 4);
+        }
+        differ += std::memcmp(&want, &b[j], 4) != 0;
+      }
+    }
+    EXPECT_EQ(differ, 0u) << type;
   }
 }
 
