@@ -1,10 +1,5 @@
 #include "engine/gguf_file.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -307,92 +302,66 @@ int64_t GgufTensor::numel() const {
   return n;
 }
 
-GgufFile::GgufFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw UserError(path + ": cannot be read (" + std::strerror(errno) + ")");
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw UserError(path + ": not a regular file");
+GgufFile::GgufFile(const std::string& path) : path_(path), file_(path) {
+  const uint8_t* bytes = file_.data();
+  const size_t size_ = file_.size();
+  Cursor c(bytes, size_, path_);
+  if (size_ < 4 || c.value<uint32_t>("the magic") != kMagic)
+    throw UserError(path + ": not a GGUF file (it does not begin with \"GGUF\")");
+  version_ = c.value<uint32_t>("the version");
+  if (version_ != 2 && version_ != 3)
+    throw UserError(path + ": GGUF version " + std::to_string(version_) +
+                    ", which cputrain does not read (2 and 3)");
+  const uint64_t n_tensors = c.count("the tensor count", 8 + 4 + 8 + 4 + 8);
+  const uint64_t n_kv = c.count("the metadata count", 8 + 4 + 1);
+  for (uint64_t i = 0; i < n_kv; ++i) {
+    std::string key = c.string("a metadata key");
+    const uint32_t type = c.value<uint32_t>("a metadata type");
+    if (!known_type(type)) c.fail("metadata " + key + " of type " + std::to_string(type));
+    metadata_[key] = read_value(c, static_cast<GgufType>(type));
   }
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ > 0) {
-    map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map_ == MAP_FAILED) {
-      map_ = nullptr;
-      ::close(fd);
-      throw UserError(path + ": cannot be mapped (" + std::strerror(errno) + ")");
-    }
+  size_t alignment = 32;
+  if (const GgufValue* a = find("general.alignment")) {
+    const auto v = static_cast<uint64_t>(a->number);
+    if (v == 0 || (v & (v - 1)) != 0 || v > 65536)
+      c.fail("general.alignment " + std::to_string(v) + " is not a power of two");
+    alignment = v;
   }
-  ::close(fd);
-  const auto* bytes = static_cast<const uint8_t*>(map_);
-  try {
-    Cursor c(bytes, size_, path_);
-    if (size_ < 4 || c.value<uint32_t>("the magic") != kMagic)
-      throw UserError(path + ": not a GGUF file (it does not begin with \"GGUF\")");
-    version_ = c.value<uint32_t>("the version");
-    if (version_ != 2 && version_ != 3)
-      throw UserError(path + ": GGUF version " + std::to_string(version_) +
-                      ", which cputrain does not read (2 and 3)");
-    const uint64_t n_tensors = c.count("the tensor count", 8 + 4 + 8 + 4 + 8);
-    const uint64_t n_kv = c.count("the metadata count", 8 + 4 + 1);
-    for (uint64_t i = 0; i < n_kv; ++i) {
-      std::string key = c.string("a metadata key");
-      const uint32_t type = c.value<uint32_t>("a metadata type");
-      if (!known_type(type)) c.fail("metadata " + key + " of type " + std::to_string(type));
-      metadata_[key] = read_value(c, static_cast<GgufType>(type));
+  tensors_.reserve(n_tensors);
+  for (uint64_t i = 0; i < n_tensors; ++i) {
+    GgufTensor t;
+    t.name = c.string("a tensor name");
+    const uint32_t n_dims = c.value<uint32_t>("a tensor's dimension count");
+    if (n_dims == 0 || n_dims > kMaxDims)
+      c.fail("tensor " + t.name + " has " + std::to_string(n_dims) + " dimensions");
+    int64_t numel = 1;
+    for (uint32_t d = 0; d < n_dims; ++d) {
+      const uint64_t dim = c.value<uint64_t>("a tensor's dimension");
+      if (dim == 0 || dim > (uint64_t{1} << 40) ||
+          static_cast<uint64_t>(numel) > (uint64_t{1} << 40) / dim)
+        c.fail("tensor " + t.name + " has a dimension of " + std::to_string(dim));
+      t.dims.push_back(static_cast<int64_t>(dim));
+      numel *= static_cast<int64_t>(dim);
     }
-    size_t alignment = 32;
-    if (const GgufValue* a = find("general.alignment")) {
-      const auto v = static_cast<uint64_t>(a->number);
-      if (v == 0 || (v & (v - 1)) != 0 || v > 65536)
-        c.fail("general.alignment " + std::to_string(v) + " is not a power of two");
-      alignment = v;
-    }
-    tensors_.reserve(n_tensors);
-    for (uint64_t i = 0; i < n_tensors; ++i) {
-      GgufTensor t;
-      t.name = c.string("a tensor name");
-      const uint32_t n_dims = c.value<uint32_t>("a tensor's dimension count");
-      if (n_dims == 0 || n_dims > kMaxDims)
-        c.fail("tensor " + t.name + " has " + std::to_string(n_dims) + " dimensions");
-      int64_t numel = 1;
-      for (uint32_t d = 0; d < n_dims; ++d) {
-        const uint64_t dim = c.value<uint64_t>("a tensor's dimension");
-        if (dim == 0 || dim > (uint64_t{1} << 40) ||
-            static_cast<uint64_t>(numel) > (uint64_t{1} << 40) / dim)
-          c.fail("tensor " + t.name + " has a dimension of " + std::to_string(dim));
-        t.dims.push_back(static_cast<int64_t>(dim));
-        numel *= static_cast<int64_t>(dim);
-      }
-      t.type = c.value<uint32_t>("a tensor's type");
-      t.offset = c.value<uint64_t>("a tensor's offset");
-      if (t.offset % alignment != 0) c.fail("tensor " + t.name + " is not aligned");
-      if (by_name_.count(t.name)) c.fail("tensor " + t.name + " appears twice");
-      by_name_[t.name] = tensors_.size();
-      tensors_.push_back(std::move(t));
-    }
-    const size_t data_start = (c.pos() + alignment - 1) / alignment * alignment;
-    for (GgufTensor& t : tensors_) {
-      if (!ggml_type_supported(t.type)) continue;
-      const auto type = static_cast<GgmlType>(t.type);
-      if (t.dims[0] % ggml_block_size(type) != 0)
-        c.fail("tensor " + t.name + "'s rows of " + std::to_string(t.dims[0]) +
-               " are not whole blocks of " + ggml_type_name(t.type));
-      const size_t n = ggml_bytes(type, t.numel());
-      if (data_start > size_ || t.offset > size_ - data_start || n > size_ - data_start - t.offset)
-        throw UserError(path + ": truncated: tensor " + t.name + " runs past the end of the file");
-      t.data = {bytes + data_start + t.offset, n};
-    }
-  } catch (...) {
-    if (map_) ::munmap(map_, size_);
-    map_ = nullptr;
-    throw;
+    t.type = c.value<uint32_t>("a tensor's type");
+    t.offset = c.value<uint64_t>("a tensor's offset");
+    if (t.offset % alignment != 0) c.fail("tensor " + t.name + " is not aligned");
+    if (by_name_.count(t.name)) c.fail("tensor " + t.name + " appears twice");
+    by_name_[t.name] = tensors_.size();
+    tensors_.push_back(std::move(t));
   }
-}
-
-GgufFile::~GgufFile() {
-  if (map_) ::munmap(map_, size_);
+  const size_t data_start = (c.pos() + alignment - 1) / alignment * alignment;
+  for (GgufTensor& t : tensors_) {
+    if (!ggml_type_supported(t.type)) continue;
+    const auto type = static_cast<GgmlType>(t.type);
+    if (t.dims[0] % ggml_block_size(type) != 0)
+      c.fail("tensor " + t.name + "'s rows of " + std::to_string(t.dims[0]) +
+             " are not whole blocks of " + ggml_type_name(t.type));
+    const size_t n = ggml_bytes(type, t.numel());
+    if (data_start > size_ || t.offset > size_ - data_start || n > size_ - data_start - t.offset)
+      throw UserError(path + ": truncated: tensor " + t.name + " runs past the end of the file");
+    t.data = {bytes + data_start + t.offset, n};
+  }
 }
 
 const GgufValue* GgufFile::find(const std::string& key) const {
@@ -566,7 +535,7 @@ std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n)
   return out;
 }
 
-void GgufWriter::set(const std::string& key, GgufValue value) {
+void GgufWriter::set_value(const std::string& key, GgufValue value) {
   for (Entry& e : metadata_)
     if (e.key == key) {
       e.value = std::move(value);
@@ -579,7 +548,7 @@ void GgufWriter::set_string(const std::string& key, const std::string& value) {
   GgufValue v;
   v.type = GgufType::String;
   v.text = value;
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_u32(const std::string& key, uint32_t value) {
@@ -587,7 +556,7 @@ void GgufWriter::set_u32(const std::string& key, uint32_t value) {
   v.type = GgufType::U32;
   v.number = value;
   v.bits = value;
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_i32(const std::string& key, int32_t value) {
@@ -595,21 +564,21 @@ void GgufWriter::set_i32(const std::string& key, int32_t value) {
   v.type = GgufType::I32;
   v.number = value;
   v.bits = static_cast<uint64_t>(static_cast<int64_t>(value));
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_f32(const std::string& key, float value) {
   GgufValue v;
   v.type = GgufType::F32;
   v.number = value;
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_bool(const std::string& key, bool value) {
   GgufValue v;
   v.type = GgufType::Bool;
   v.number = value ? 1.0 : 0.0;
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_strings(const std::string& key, const std::vector<std::string>& values) {
@@ -617,7 +586,7 @@ void GgufWriter::set_strings(const std::string& key, const std::vector<std::stri
   v.type = GgufType::Array;
   v.element = GgufType::String;
   v.strings = values;
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_f32s(const std::string& key, const std::vector<float>& values) {
@@ -625,7 +594,7 @@ void GgufWriter::set_f32s(const std::string& key, const std::vector<float>& valu
   v.type = GgufType::Array;
   v.element = GgufType::F32;
   v.numbers.assign(values.begin(), values.end());
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::set_i32s(const std::string& key, const std::vector<int32_t>& values) {
@@ -633,7 +602,7 @@ void GgufWriter::set_i32s(const std::string& key, const std::vector<int32_t>& va
   v.type = GgufType::Array;
   v.element = GgufType::I32;
   v.numbers.assign(values.begin(), values.end());
-  set(key, std::move(v));
+  set_value(key, std::move(v));
 }
 
 void GgufWriter::add_tensor(const std::string& name, const std::vector<int64_t>& dims,
@@ -655,28 +624,45 @@ void GgufWriter::write(const std::string& path) const {
     u64(s.size());
     bytes(s.data(), s.size());
   };
-  const auto scalar = [&](GgufType t, double x) {
+  // One number of type t; 64-bit integers from their bits where given.
+  const auto scalar = [&](GgufType t, double x, uint64_t bits) {
+    const auto put = [&](auto v) { bytes(&v, sizeof(v)); };
     switch (t) {
+      case GgufType::U8:
+        put(static_cast<uint8_t>(x));
+        break;
+      case GgufType::I8:
+        put(static_cast<int8_t>(x));
+        break;
+      case GgufType::U16:
+        put(static_cast<uint16_t>(x));
+        break;
+      case GgufType::I16:
+        put(static_cast<int16_t>(x));
+        break;
       case GgufType::U32:
-        u32(static_cast<uint32_t>(x));
+        put(static_cast<uint32_t>(x));
         break;
-      case GgufType::I32: {
-        const auto v = static_cast<int32_t>(x);
-        bytes(&v, 4);
+      case GgufType::I32:
+        put(static_cast<int32_t>(x));
         break;
-      }
-      case GgufType::F32: {
-        const auto v = static_cast<float>(x);
-        bytes(&v, 4);
+      case GgufType::F32:
+        put(static_cast<float>(x));
         break;
-      }
-      case GgufType::Bool: {
-        const uint8_t v = x != 0.0;
-        bytes(&v, 1);
+      case GgufType::Bool:
+        put(static_cast<uint8_t>(x != 0.0));
         break;
-      }
+      case GgufType::U64:
+        put(bits);
+        break;
+      case GgufType::I64:
+        put(static_cast<int64_t>(bits));
+        break;
+      case GgufType::F64:
+        put(x);
+        break;
       default:
-        throw std::logic_error("GgufWriter: an unwritten value type");
+        throw std::logic_error("GgufWriter: a string or array where a number belongs");
     }
   };
   u32(kMagic);
@@ -695,10 +681,11 @@ void GgufWriter::write(const std::string& path) const {
         for (const std::string& s : e.value.strings) str(s);
       } else {
         u64(e.value.numbers.size());
-        for (double x : e.value.numbers) scalar(e.value.element, x);
+        for (double x : e.value.numbers)
+          scalar(e.value.element, x, static_cast<uint64_t>(static_cast<int64_t>(x)));
       }
     } else {
-      scalar(e.value.type, e.value.number);
+      scalar(e.value.type, e.value.number, e.value.bits);
     }
   }
   uint64_t offset = 0;

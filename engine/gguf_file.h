@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/mapped_file.h"
+
 namespace cputrain {
 
 // The tensor types of ggml that cputrain reads (and the names of those it does not).
@@ -72,9 +74,6 @@ class GgufFile {
   // Maps and parses the file; a UserError naming `path` for anything that is not a whole,
   // well-formed GGUF file.
   explicit GgufFile(const std::string& path);
-  ~GgufFile();
-  GgufFile(const GgufFile&) = delete;
-  GgufFile& operator=(const GgufFile&) = delete;
 
   const std::string& path() const { return path_; }
   uint32_t version() const { return version_; }
@@ -97,8 +96,7 @@ class GgufFile {
 
  private:
   std::string path_;
-  void* map_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
   uint32_t version_ = 0;
   std::map<std::string, GgufValue> metadata_;
   std::vector<GgufTensor> tensors_;
@@ -109,6 +107,8 @@ class GgufFile {
 // tensors, each aligned to 32 bytes; atomically (engine/atomic_file.h).
 class GgufWriter {
  public:
+  // Any value, as GgufFile reads them (a copy of another file's metadata).
+  void set_value(const std::string& key, GgufValue value);
   void set_string(const std::string& key, const std::string& value);
   void set_u32(const std::string& key, uint32_t value);
   void set_i32(const std::string& key, int32_t value);
@@ -133,7 +133,6 @@ class GgufWriter {
     GgmlType type;
     std::vector<uint8_t> data;
   };
-  void set(const std::string& key, GgufValue value);
   std::vector<Entry> metadata_;
   std::vector<Tensor> tensors_;
 };

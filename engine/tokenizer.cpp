@@ -240,7 +240,11 @@ Vocabulary Tokenizer::to_vocabulary() const {
   v.unk = kUnk;
   v.add_bos = true;
   v.add_eos = false;
-  v.add_space_prefix = false;
+  // cputrain's models add no dummy prefix; a SentencePiece model that does (Llama 2's) says so by
+  // encoding "a" as "\xe2\x96\x81a".
+  std::vector<std::string> pieces;
+  v.add_space_prefix = processor_->Encode("a", &pieces).ok() && !pieces.empty() &&
+                       pieces[0].starts_with("\xe2\x96\x81");
   return v;
 }
 

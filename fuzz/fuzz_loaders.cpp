@@ -1,8 +1,10 @@
 // libFuzzer target for every loader of a file a user may hand cputrain: training checkpoints,
-// weights files, tokenizer models and run configurations. The first input byte picks the loader
-// (and, for the checksummed formats, whether to make the trailing checksum valid so the parser
-// behind it is reached); the rest is the file. Any outcome but a UserError or success is a
-// finding: a crash, a sanitizer report, another exception, or a hang.
+// weights files, tokenizer models, run configurations, GGUF model files (read, their
+// configuration and vocabulary taken, text encoded and decoded, small models' weights loaded) and
+// safetensors files. The
+// first input byte picks the loader (and, for the checksummed formats, whether to make the trailing
+// checksum valid so the parser behind it is reached); the rest is the file. Any outcome but a
+// UserError or success is a finding: a crash, a sanitizer report, another exception, or a hang.
 //
 // CPUTRAIN_FUZZ_SEEDS=DIR fuzz_loaders writes valid files of each kind to DIR and exits.
 #include <unistd.h>
@@ -19,16 +21,21 @@
 #include "engine/adamw.h"
 #include "engine/checkpoint_file.h"
 #include "engine/error.h"
+#include "engine/gguf_file.h"
 #include "engine/hash.h"
+#include "engine/safetensors_file.h"
 #include "engine/tokenizer.h"
+#include "engine/vocab_tokenizer.h"
 #include "engine/weights_file.h"
+#include "models/gguf_model.h"
+#include "models/llama.h"
 #include "tools/run_config.h"
 
 namespace {
 
 using namespace cputrain;
 
-enum Kind : uint8_t { kCheckpoint, kWeights, kTokenizer, kConfig, kKinds };
+enum Kind : uint8_t { kCheckpoint, kWeights, kTokenizer, kConfig, kGguf, kSafetensors, kKinds };
 
 void make_params(ParameterSet& p) {
   p.add("w", Shape{4, 3}, true, true);
@@ -74,7 +81,32 @@ void write_seeds(const std::string& dir) {
   }
   seed(kTokenizer, false, base + ".model");
   seed(kConfig, false, base + ".json");
-  for (const char* ext : {".ckpt", ".bin", ".model", ".json"}) std::remove((base + ext).c_str());
+  // A GGUF model of the tiny shape, with cputrain's tokenizer as its vocabulary.
+  LlamaConfig tiny;
+  tiny.vocab = 300;
+  tiny.d_model = 32;
+  tiny.n_layers = 1;
+  tiny.n_heads = 2;
+  tiny.n_kv_heads = 1;
+  tiny.ffn = 64;
+  tiny.ctx = 16;
+  LlamaModel model(tiny);
+  model.init_weights(1);
+  write_gguf(base + ".gguf", tiny, model.parameters(),
+             Tokenizer::load(base + ".model").to_vocabulary(), GgufExport{GgmlType::Q8_0, "fuzz"});
+  seed(kGguf, false, base + ".gguf");
+  {  // a safetensors file of two tensors
+    const std::string header =
+        R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, )"
+        R"("b": {"dtype": "BF16", "shape": [4], "data_offsets": [16, 24]}})";
+    const uint64_t n = header.size();
+    std::ofstream out(base + ".safetensors", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << header << std::string(24, '\x3f');
+  }
+  seed(kSafetensors, false, base + ".safetensors");
+  for (const char* ext : {".ckpt", ".bin", ".model", ".json", ".gguf", ".safetensors"})
+    std::remove((base + ext).c_str());
 }
 
 }  // namespace
@@ -123,6 +155,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case kConfig:
         read_run_config(path);
         break;
+      case kSafetensors: {
+        const SafetensorsFile file(path);
+        for (const auto& [name, tensor] : file.tensors())
+          if (tensor.dtype == "F32" || tensor.dtype == "F16" || tensor.dtype == "BF16")
+            safetensors_values(path, name, tensor);
+        break;
+      }
+      case kGguf: {
+        const GgufFile file(path);
+        const Tokenizer t = Tokenizer::from_vocabulary(gguf_vocabulary(file));
+        t.decode(t.encode("fuzz \xff\xfe text"));
+        const LlamaConfig config = gguf_model_config(file, 64);
+        if (parameter_count(config) < 1'000'000 && config.n_layers <= 4) {
+          LlamaModel model(config);
+          load_gguf_weights(file, model.parameters());
+        }
+        break;
+      }
     }
   } catch (const UserError&) {
     // the expected refusal

@@ -95,12 +95,13 @@ struct Bf16Avx512 {
   }
 
   // Fetches the first `count` values of rows `row` and `row + ld` (their first and last lines).
-  template <_mm_hint Hint>
+  template <int Hint>
   static inline __attribute__((always_inline)) void prefetch_pair(const uint16_t* row, int64_t ld,
                                                                   int64_t count) {
     for (const uint16_t* r : {row, row + ld}) {
-      _mm_prefetch(reinterpret_cast<const char*>(r), Hint);
-      _mm_prefetch(reinterpret_cast<const char*>(r + count - 1), Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(r), static_cast<decltype(_MM_HINT_T0)>(Hint));
+      _mm_prefetch(reinterpret_cast<const char*>(r + count - 1),
+                   static_cast<decltype(_MM_HINT_T0)>(Hint));
     }
   }
 

@@ -181,8 +181,9 @@ struct F32Avx512 {
   static void fetch_c_rows(const float* C, int64_t ldc) {
     for (int r = 0; r < R; ++r) {
       const char* row = reinterpret_cast<const char*>(C + r * ldc);
-      for (int v = 0; v < V; ++v) _mm_prefetch(row + 64 * v, static_cast<_mm_hint>(Hint));
-      _mm_prefetch(row + 64 * V - 4, static_cast<_mm_hint>(Hint));
+      for (int v = 0; v < V; ++v)
+        _mm_prefetch(row + 64 * v, static_cast<decltype(_MM_HINT_T0)>(Hint));
+      _mm_prefetch(row + 64 * V - 4, static_cast<decltype(_MM_HINT_T0)>(Hint));
     }
   }
 

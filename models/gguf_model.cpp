@@ -5,25 +5,12 @@
 
 #include "engine/error.h"
 #include "engine/parameters.h"
+#include "models/tensor_names.h"
 
 namespace cputrain {
 namespace {
 
 // Our parameter name's parts, and llama.cpp's.
-constexpr std::pair<const char*, const char*> kBlockNames[] = {
-    {"attention_norm.weight", "attn_norm.weight"}, {"attention.wq.weight", "attn_q.weight"},
-    {"attention.wk.weight", "attn_k.weight"},      {"attention.wv.weight", "attn_v.weight"},
-    {"attention.wq.bias", "attn_q.bias"},          {"attention.wk.bias", "attn_k.bias"},
-    {"attention.wv.bias", "attn_v.bias"},          {"attention.wo.weight", "attn_output.weight"},
-    {"ffn_norm.weight", "ffn_norm.weight"},        {"feed_forward.w1.weight", "ffn_gate.weight"},
-    {"feed_forward.w3.weight", "ffn_up.weight"},   {"feed_forward.w2.weight", "ffn_down.weight"},
-};
-
-std::string shape_text(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
 
 }  // namespace
 
@@ -76,18 +63,7 @@ LlamaConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
 }
 
 std::string gguf_tensor_name(const std::string& parameter) {
-  if (parameter == "tok_embeddings.weight") return "token_embd.weight";
-  if (parameter == "norm.weight") return "output_norm.weight";
-  if (parameter == "output.weight") return "output.weight";
-  const std::string prefix = "layers.";
-  if (parameter.starts_with(prefix)) {
-    const size_t dot = parameter.find('.', prefix.size());
-    const std::string layer = parameter.substr(prefix.size(), dot - prefix.size());
-    const std::string rest = parameter.substr(dot + 1);
-    for (const auto& [ours, theirs] : kBlockNames)
-      if (rest == ours) return "blk." + layer + "." + theirs;
-  }
-  return parameter;
+  return tensor_name(parameter, TensorNaming::Gguf);
 }
 
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {

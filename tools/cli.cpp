@@ -14,6 +14,7 @@
 #include "tools/budget_command.h"
 #include "tools/eval_command.h"
 #include "tools/export_command.h"
+#include "tools/inspect_command.h"
 #include "tools/parity_command.h"
 #include "tools/plot_command.h"
 #include "tools/sample_command.h"
@@ -24,7 +25,7 @@ namespace {
 
 bool is_subcommand(const std::string& arg) {
   return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" ||
-         arg == "plot" || arg == "export";
+         arg == "plot" || arg == "export" || arg == "inspect" || arg == "tokenize";
 }
 
 }  // namespace
@@ -59,6 +60,15 @@ int run_cli(int argc, char** argv) {
   CLI::App* exporter =
       app.add_subcommand("export", "Write a run or a model file as a GGUF file llama.cpp runs");
   add_export_flags(*exporter, export_args);
+  InspectArgs inspect_args;
+  CLI::App* inspect = app.add_subcommand(
+      "inspect",
+      "What a model is: shapes, tensor types, tokenizer, chat template, training memory");
+  add_inspect_flags(*inspect, inspect_args);
+  TokenizeArgs tokenize_args;
+  CLI::App* tokenize =
+      app.add_subcommand("tokenize", "The token ids of a text under a model's tokenizer");
+  add_tokenize_flags(*tokenize, tokenize_args);
   PlotArgs plot_args;
   CLI::App* plot = app.add_subcommand("plot", "Plot a run's losses and tokens/s as an SVG file");
   add_plot_flags(*plot, plot_args);
@@ -84,6 +94,8 @@ int run_cli(int argc, char** argv) {
     if (eval->parsed()) return run_eval(eval_args);
     if (plot->parsed()) return run_plot(plot_args);
     if (exporter->parsed()) return run_export(export_args);
+    if (inspect->parsed()) return run_inspect(inspect_args);
+    if (tokenize->parsed()) return run_tokenize(tokenize_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     // A run that had opened its log ends with the error there too.

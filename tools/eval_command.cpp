@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 
 #include "engine/batch_sampler.h"
 #include "engine/checkpoint_file.h"
@@ -16,9 +18,11 @@
 #include "engine/token_dataset.h"
 #include "engine/tokenizer.h"
 #include "engine/trainer.h"
+#include "engine/vocab_tokenizer.h"
 #include "engine/weights_file.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
+#include "tools/model_source.h"
 #include "tools/progress.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
@@ -29,10 +33,100 @@ namespace {
 
 namespace fs = std::filesystem;
 
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UserError("--text " + path + ": cannot be read");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// --text: the file's tokens (BOS first where the tokenizer adds one) in consecutive windows of
+// `ctx`, each position after a window's first scored by the logits before it.
+int eval_text(const EvalArgs& a) {
+  const bool from_run = !a.run.empty();
+  LoadedModel m = load_model(from_run ? a.run : a.model, from_run ? "--run" : "--model", a.weights,
+                             a.ctx > 0 ? a.ctx : kDefaultImportCtx);
+  const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, m.config.ctx) : m.config.ctx;
+  std::vector<int32_t> tokens;
+  const bool add_bos =
+      !m.tokenizer->vocabulary() || m.tokenizer->vocabulary()->vocabulary().add_bos;
+  if (add_bos) tokens.push_back(m.tokenizer->bos_id());
+  for (int32_t id : m.tokenizer->encode(read_text(a.text))) tokens.push_back(id);
+  if (tokens.size() < 2)
+    throw UserError("--text " + a.text + ": " + std::to_string(tokens.size()) +
+                    " tokens, too few to score one");
+  const int64_t V = m.config.vocab;
+  std::vector<double> nll(tokens.size(), 0.0);  // nll[i]: of token i; 0 for each window's first
+  std::vector<bool> scored(tokens.size(), false);
+  for (size_t start = 0; start + 1 < tokens.size(); start += static_cast<size_t>(ctx)) {
+    const size_t n = std::min(tokens.size() - start, static_cast<size_t>(ctx));
+    if (n < 2) break;
+    Tensor input =
+        Tensor::empty(Shape{1, static_cast<int64_t>(n)}, DType::I32, MemoryCategory::Workspace);
+    std::copy_n(tokens.begin() + static_cast<std::ptrdiff_t>(start), n, input.i32());
+    const Tensor logits = m.model->logits(input);
+    for (size_t i = 0; i + 1 < n; ++i) {
+      const float* row = logits.f32() + i * static_cast<size_t>(V);
+      double max = row[0], sum = 0.0;
+      for (int64_t v = 1; v < V; ++v) max = std::max<double>(max, row[v]);
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - max);
+      const int32_t next = tokens[start + i + 1];
+      nll[start + i + 1] = max + std::log(sum) - row[next];
+      scored[start + i + 1] = true;
+    }
+  }
+  double total = 0.0;
+  int64_t count = 0;
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (scored[i]) {
+      total += nll[i];
+      ++count;
+    }
+  const double mean = total / static_cast<double>(count);
+  if (a.json) {
+    nlohmann::json j = {{"loss", mean},
+                        {"perplexity", std::exp(mean)},
+                        {"tokens", tokens.size()},
+                        {"scored", count},
+                        {"ctx", ctx},
+                        {"model", m.source}};
+    if (a.per_token) {
+      j["per_token"] = nlohmann::json::array();
+      for (size_t i = 0; i < tokens.size(); ++i)
+        j["per_token"].push_back(
+            {{"id", tokens[i]}, {"nll", scored[i] ? nlohmann::json(nll[i]) : nlohmann::json()}});
+    }
+    std::printf("%s\n", j.dump(a.per_token ? -1 : 2).c_str());
+    return 0;
+  }
+  if (a.per_token) {
+    std::printf("position\tid\tnll\n");
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (scored[i])
+        std::printf("%zu\t%d\t%.6f\n", i, tokens[i], nll[i]);
+      else
+        std::printf("%zu\t%d\t-\n", i, tokens[i]);
+    }
+  }
+  std::printf("%s: loss %.4f, perplexity %.3f over %lld tokens of %s (windows of %lld)\n",
+              m.source.c_str(), mean, std::exp(mean), static_cast<long long>(count), a.text.c_str(),
+              static_cast<long long>(ctx));
+  return 0;
+}
+
 }  // namespace
 
 void add_eval_flags(CLI::App& app, EvalArgs& a) {
-  app.add_option("--run", a.run, "Run directory written by `cputrain train`")->required();
+  auto* run = app.add_option("--run", a.run, "Run directory written by `cputrain train`");
+  auto* model = app.add_option("--model", a.model, "A run directory or a GGUF file (with --text)");
+  run->excludes(model);
+  model->excludes(run);
+  app.add_option("--text", a.text, "Perplexity of this text file (each token after BOS scored)");
+  app.add_option("--ctx", a.ctx, "Tokens per window with --text (default: the model's context)")
+      ->check(positive_whole());
+  app.add_flag("--per-token", a.per_token,
+               "With --text: each token's id and negative log-likelihood");
   app.add_option("--corpus", a.corpus,
                  "Evaluate on every document of this corpus (default: the run's validation split)");
   app.add_option(
@@ -51,9 +145,23 @@ void add_eval_flags(CLI::App& app, EvalArgs& a) {
 }
 
 int run_eval(const EvalArgs& a) {
-  if (!fs::is_directory(a.run)) throw UserError("--run " + a.run + ": no such run directory");
+  if (a.run.empty() && a.model.empty()) throw UserError("--run or --model is required");
+  if (!a.run.empty() && !fs::is_directory(a.run))
+    throw UserError("--run " + a.run + ": no such run directory");
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
+  if (!a.text.empty()) return eval_text(a);
+  if (a.per_token) throw UserError("--per-token: only with --text");
+  if (!a.corpus.empty() && !a.model.empty() && !fs::is_directory(a.model))
+    throw UserError("--corpus: only for a run directory; for " + a.model + " give --text FILE");
+  if (a.run.empty() && !fs::is_directory(a.model))
+    throw UserError("--model " + a.model + ": give --text FILE to evaluate a model file");
+  if (a.run.empty()) {
+    EvalArgs as_run = a;
+    as_run.run = a.model;
+    as_run.model.clear();
+    return run_eval(as_run);
+  }
   const RunConfig config = read_run_config(a.run + "/config.json");
   const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
   if (tokenizer.vocab_size() != config.model.vocab)

@@ -7,6 +7,7 @@
 #include "engine/gguf_file.h"
 #include "engine/vocab_tokenizer.h"
 #include "models/gguf_model.h"
+#include "models/hf_model.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
 
@@ -28,6 +29,23 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
                        int64_t max_ctx) {
   LoadedModel m;
   std::error_code ec;
+  if (fs::is_directory(path, ec) && is_hf_folder(path)) {
+    if (!weights.empty())
+      throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
+                      path);
+    m.config = hf_model_config(path, max_ctx);
+    m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
+    if (m.tokenizer->vocab_size() > m.config.vocab)
+      throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
+                      " tokens, config.json's vocab_size " + std::to_string(m.config.vocab));
+    const SafetensorsModel weights_files(path);
+    m.model = std::make_unique<LlamaModel>(m.config);
+    load_hf_weights(weights_files, m.model->parameters());
+    const Vocabulary v = m.tokenizer->to_vocabulary();
+    m.strip_leading_space = m.tokenizer->vocabulary() && v.add_space_prefix;
+    m.source = "Hugging Face folder " + path;
+    return m;
+  }
   if (fs::is_directory(path, ec)) {
     if (!fs::exists(fs::path(path) / "config.json"))
       throw UserError(flag + " " + path +
@@ -61,6 +79,16 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   load_gguf_weights(file, m.model->parameters());
   m.source = "GGUF " + file.string("general.architecture") + ", " + path;
   return m;
+}
+
+Tokenizer load_tokenizer(const std::string& path, const std::string& flag) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec) && is_hf_folder(path)) return hf_tokenizer(path);
+  if (fs::is_directory(path, ec)) return Tokenizer::load(path + "/tokenizer.model");
+  if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
+  if (!starts_with_gguf_magic(path))
+    throw UserError(flag + " " + path + ": not a GGUF file, a model folder or a run directory");
+  return Tokenizer::from_vocabulary(gguf_vocabulary(GgufFile(path)));
 }
 
 }  // namespace cputrain

@@ -1,4 +1,5 @@
-// Where a command reads a model from (--model PATH): a cputrain run directory, or a GGUF file.
+// Where a command reads a model from (--model PATH): a cputrain run directory, a GGUF file, or a
+// Hugging Face folder.
 // The model, its tokenizer and where they came from, ready to compute.
 #pragma once
 
@@ -25,9 +26,14 @@ struct LoadedModel {
 constexpr int64_t kDefaultImportCtx = 4096;
 
 // `path` (named by `flag` in messages) as a run directory (its config.json, tokenizer.model and
-// `weights`, else model.bin, else the newest checkpoint) or a GGUF file. `max_ctx` caps a model
+// `weights`, else model.bin, else the newest checkpoint), a Hugging Face folder (config.json
+// with a model_type, safetensors, tokenizer) or a GGUF file. `max_ctx` caps a model
 // file's context. A UserError for anything else, naming the flag and path.
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
                        int64_t max_ctx);
+
+// The tokenizer alone of `path`: a run directory's tokenizer.model, or a GGUF file's vocabulary
+// (a vocabulary-only file will do). A UserError naming the flag and path otherwise.
+Tokenizer load_tokenizer(const std::string& path, const std::string& flag);
 
 }  // namespace cputrain

@@ -7,7 +7,10 @@ Writes into OUT_DIR:
   heads), an untied output layer, RoPE theta 500000, F32 and F16 tensors;
 - qwen2_tied.gguf: architecture qwen2, q/k/v biases, the output tied to the embedding, RoPE
   theta 1e6, F32 tensors;
-- qwen2_tied_bf16.gguf: the same with BF16 matrices.
+- qwen2_tied_bf16.gguf: the same with BF16 matrices;
+- llama_gqa_hf/: llama_gqa.gguf's weights as a Hugging Face folder (config.json, model.safetensors
+  written by hand, tokenizer.json, tokenizer_config.json), q and k rows back in Hugging Face's
+  rotate-half order.
 Both have a SentencePiece-style vocabulary of 512 pieces (unk, bos, eos, 256 byte pieces and
 words), rows of 256 so that llama.cpp's quantiser writes K-quants for every matrix, and weights
 drawn so that the embedding dominates the residual stream: the next-token distribution is
@@ -43,6 +46,9 @@ def vocabulary():
     return tokens, scores, types
 
 
+HF_TENSORS = {}  # llama_gqa's tensors, for the Hugging Face folder
+
+
 def write(name, arch, theta, tied, biases, dtype):
     rng = np.random.default_rng(1 if arch == "llama" else 2)
     w = gguf.GGUFWriter(f"{OUT}/{name}", arch)
@@ -69,6 +75,8 @@ def write(name, arch, theta, tied, biases, dtype):
         a = (mean + std * rng.standard_normal(shape)).astype(np.float32)
         if len(shape) == 2 and dtype == "f16":
             a = a.astype(np.float16)
+        if name == "llama_gqa.gguf":
+            HF_TENSORS[tname] = a
         if len(shape) == 2 and dtype == "bf16":
             bits = (a.view(np.uint32) + 0x7FFF + ((a.view(np.uint32) >> 16) & 1)) >> 16
             w.add_tensor(tname, bits.astype(np.uint16), raw_shape=shape,
@@ -78,6 +86,8 @@ def write(name, arch, theta, tied, biases, dtype):
 
     embedding = (0.15 * rng.standard_normal((VOCAB, D))).astype(np.float32)
     w.add_tensor("token_embd.weight", embedding)
+    if name == "llama_gqa.gguf":
+        HF_TENSORS["token_embd.weight"] = embedding
     for i in range(LAYERS):
         b = f"blk.{i}."
         tensor(b + "attn_norm.weight", (D,), 0.05, 1.0)
@@ -99,6 +109,8 @@ def write(name, arch, theta, tied, biases, dtype):
         if dtype == "f16":
             head = head.astype(np.float16)
         w.add_tensor("output.weight", head)
+        if name == "llama_gqa.gguf":
+            HF_TENSORS["output.weight"] = head
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -108,3 +120,78 @@ def write(name, arch, theta, tied, biases, dtype):
 write("llama_gqa.gguf", "llama", 500000.0, tied=False, biases=False, dtype="f16")
 write("qwen2_tied.gguf", "qwen2", 1e6, tied=True, biases=True, dtype="f32")
 write("qwen2_tied_bf16.gguf", "qwen2", 1e6, tied=True, biases=True, dtype="bf16")
+
+
+def rotate_half_rows(a, heads):
+    """GGUF llama's adjacent pairs (2j, 2j+1) of each head back to rows (j, j + D/2)."""
+    rows, cols = a.shape
+    d = rows // heads
+    a = a.reshape(heads, d // 2, 2, cols)
+    return a.transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def write_safetensors(path, tensors):
+    import json
+    header, chunks, offset = {}, [], 0
+    for tname, a in tensors.items():
+        data = np.ascontiguousarray(a).tobytes()
+        dtype = {"float32": "F32", "float16": "F16"}[a.dtype.name]
+        header[tname] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for c in chunks:
+            f.write(c)
+
+
+def write_hf(folder):
+    import json
+    import os
+    os.makedirs(folder, exist_ok=True)
+    names = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    parts = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    tensors = {}
+    for gname, a in HF_TENSORS.items():
+        if gname in names:
+            tensors[names[gname]] = a
+            continue
+        _, layer, part, kind = gname.split(".")
+        if part == "attn_q":
+            a = rotate_half_rows(a, HEADS)
+        if part == "attn_k":
+            a = rotate_half_rows(a, KV_HEADS)
+        tensors[f"model.layers.{layer}.{parts[part]}.{kind}"] = a
+    write_safetensors(f"{folder}/model.safetensors", tensors)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
+              "hidden_size": D, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+              "num_key_value_heads": KV_HEADS, "intermediate_size": F, "rms_norm_eps": 1e-6,
+              "rope_theta": 500000.0, "max_position_embeddings": CTX, "tie_word_embeddings": False,
+              "hidden_act": "silu", "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    tokens, _, types = vocabulary()
+    tokenizer = {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": tokens[i], "special": True} for i in (0, 1, 2)],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": None,
+        "model": {"type": "BPE", "byte_fallback": True, "unk_token": "<unk>",
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": []},
+    }
+    with open(f"{folder}/tokenizer.json", "w") as f:
+        json.dump(tokenizer, f)
+    with open(f"{folder}/tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
+
+
+write_hf(f"{OUT}/llama_gqa_hf")

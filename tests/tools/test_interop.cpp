@@ -3,13 +3,17 @@
 // greedy text of a real pretrained model (../shared/models/stories260K.gguf). Tests that need the
 // oracle or the shared model skip, saying which, where it is absent.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -153,6 +157,22 @@ TEST(LlamaCpp, RandomLlamaAndQwen2LogitsEqualLlamaCpps) {
   EXPECT_EQ(qwen.config.rope_theta, 1e6);
 }
 
+// A Hugging Face folder of the same weights as llama_gqa.gguf (safetensors, rotate-half q and k
+// rows, tokenizer.json): llama.cpp's logits on the GGUF.
+TEST(LlamaCpp, AHuggingFaceFolderGivesItsGgufsLogits) {
+  REQUIRE_ORACLE();
+  const fs::path folder = made_models() / "llama_gqa_hf";
+  LoadedModel m = load_model(folder.string(), "--model", "", kDefaultImportCtx);
+  EXPECT_EQ(m.config.rope_pairs, RopePairs::HalfSplit);
+  EXPECT_EQ(m.config.n_kv_heads, 2);
+  EXPECT_EQ(m.tokenizer->bos_id(), 1);
+  const std::vector<int32_t> tokens = token_sequence(200, m.config.vocab, 1, 17);
+  EXPECT_LT(
+      max_abs_difference(our_logits(m, tokens),
+                         oracle_logits(made_models() / "llama_gqa.gguf", tokens, made_models())),
+      1e-4);
+}
+
 // How two models' next-token distributions over a sequence agree: the fraction of positions with
 // the same argmax, and the mean negative log-likelihood of the next token under each.
 struct Agreement {
@@ -247,6 +267,55 @@ void expect_test_vectors(const std::string& name) {
     ++tested;
   }
   EXPECT_GT(tested, 30u) << name;
+}
+
+// The same vocabulary as a Hugging Face folder's tokenizer.json (byte-level BPE, its
+// pre-tokenizer's regular expression as Hugging Face writes it, added tokens) gives the same ids.
+TEST(LlamaCppVocab, Qwen2TokenizerJsonGivesTheSameIds) {
+  REQUIRE_ORACLE();
+  const fs::path base = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "ggml-vocab-qwen2.gguf";
+  const Vocabulary v = gguf_vocabulary(GgufFile(base.string()));
+  nlohmann::json vocab = nlohmann::json::object(), added = nlohmann::json::array();
+  for (size_t i = 0; i < v.tokens.size(); ++i) {
+    if (v.types[i] == Vocabulary::kControl || v.types[i] == Vocabulary::kUserDefined)
+      added.push_back(
+          {{"id", i}, {"content", v.tokens[i]}, {"special", v.types[i] == Vocabulary::kControl}});
+    else
+      vocab[v.tokens[i]] = i;
+  }
+  const nlohmann::json tokenizer = {
+      {"added_tokens", added},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"},
+           {"pattern",
+            {{"Regex",
+              "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+              "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}}}},
+          {{"type", "ByteLevel"}, {"add_prefix_space", false}}}}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", v.merges}}}};
+  const TempFolder folder{temp_dir("tokenizer_json")};
+  std::ofstream(folder.path / "tokenizer.json") << tokenizer.dump();
+  std::ofstream(folder.path / "config.json") << R"({"model_type": "qwen2"})";
+  std::ofstream(folder.path / "tokenizer_config.json")
+      << R"({"eos_token": "<|endoftext|>", "bos_token": null})";
+  const Tokenizer hf = load_tokenizer(folder.path.string(), "--model");
+  const Tokenizer gguf = Tokenizer::from_vocabulary(v);
+  const std::string inputs = read_all(base.string() + ".inp");
+  size_t pos = 0, tested = 0;
+  const std::string separator = "\n__ggml_vocab_test__\n";
+  while (pos < inputs.size()) {
+    size_t end = inputs.find(separator, pos);
+    if (end == std::string::npos) end = inputs.size();
+    const std::string text = inputs.substr(pos, end - pos);
+    pos = end + separator.size();
+    EXPECT_EQ(hf.encode(text), gguf.encode(text)) << text;
+    ++tested;
+  }
+  EXPECT_GT(tested, 30u);
+  EXPECT_EQ(hf.vocabulary()->vocabulary().pre, "qwen2");
+  EXPECT_EQ(hf.eos_id(), gguf.eos_id());
 }
 
 TEST(LlamaCppVocab, LlamaSpmTestVectors) {
@@ -372,6 +441,209 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
     }
     EXPECT_EQ(differ, 0u) << type;
   }
+}
+
+struct Result {
+  int exit_code = -1;
+  std::string out, err;
+};
+Result run_cputrain(const std::string& args, const fs::path& dir) {
+  const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >" +
+                          (dir / "out.txt").string() + " 2>" + (dir / "err.txt").string();
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_all(dir / "out.txt"),
+          read_all(dir / "err.txt")};
+}
+
+// A copy of a GGUF file with its metadata and tensors edited: `metadata` may change a value or
+// return false to drop it; `tensor` may change a tensor's type and bytes or dims.
+void rewrite_gguf(const fs::path& from, const fs::path& to,
+                  const std::function<bool(const std::string&, GgufValue&)>& metadata,
+                  const std::function<void(const std::string&, std::vector<int64_t>&, uint32_t&,
+                                           std::vector<uint8_t>&)>& tensor) {
+  const GgufFile file(from.string());
+  GgufWriter w;
+  for (const auto& [key, value] : file.metadata()) {
+    GgufValue v = value;
+    if (!metadata || metadata(key, v)) w.set_value(key, v);
+  }
+  for (const GgufTensor& t : file.tensors()) {
+    std::vector<int64_t> dims = t.dims;
+    uint32_t type = t.type;
+    std::vector<uint8_t> data(t.data.begin(), t.data.end());
+    if (tensor) tensor(t.name, dims, type, data);
+    w.add_tensor(t.name, dims, static_cast<GgmlType>(type), std::move(data));
+  }
+  w.write(to.string());
+}
+
+// Bad model files: one line naming the file and what is wrong, a non-zero exit.
+TEST(ModelFiles, BadGgufFilesGetOneClearLine) {
+  REQUIRE_SHARED("stories260K.gguf");
+  const TempFolder folder{temp_dir("bad")};
+  const fs::path& dir = folder.path;
+  const fs::path good = kShared / "stories260K.gguf";
+  const std::string bytes = read_all(good);
+  const auto expect_refused = [&](const fs::path& file, const std::string& needle) {
+    const Result r = run_cputrain("sample --model " + file.string() + " --max-tokens 1", dir);
+    EXPECT_NE(r.exit_code, 0) << file;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  };
+  std::ofstream(dir / "truncated.gguf", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  expect_refused(dir / "truncated.gguf", "truncated: tensor");
+  std::string corrupt = bytes;
+  corrupt[0] = 'X';
+  std::ofstream(dir / "corrupt.gguf", std::ios::binary) << corrupt;
+  expect_refused(dir / "corrupt.gguf", "not a GGUF file");
+  std::string huge = bytes;
+  huge[8 + 7] = 0x40;  // the tensor count's top byte
+  std::ofstream(dir / "huge.gguf", std::ios::binary) << huge;
+  expect_refused(dir / "huge.gguf", "exceeds what the file holds");
+  rewrite_gguf(
+      good, dir / "arch.gguf",
+      [](const std::string& key, GgufValue& v) {
+        if (key == "general.architecture") v.text = "gemma2";
+        return true;
+      },
+      nullptr);
+  expect_refused(dir / "arch.gguf",
+                 "architecture gemma2, which cputrain does not compute (it computes llama, qwen2)");
+  rewrite_gguf(good, dir / "type.gguf", nullptr,
+               [](const std::string& name, std::vector<int64_t>& dims, uint32_t& type,
+                  std::vector<uint8_t>& data) {
+                 if (name != "blk.0.attn_q.weight") return;
+                 type = 2;  // Q4_0: blocks of 32 in 18 bytes
+                 data.assign(static_cast<size_t>(dims[0] * dims[1] / 32 * 18), 0);
+               });
+  expect_refused(dir / "type.gguf",
+                 "tensor blk.0.attn_q.weight is Q4_0, a type cputrain does not read");
+  rewrite_gguf(
+      good, dir / "shape.gguf",
+      [](const std::string& key, GgufValue& v) {
+        if (key == "llama.feed_forward_length") v.number = 100, v.bits = 100;
+        return true;
+      },
+      nullptr);
+  expect_refused(dir / "shape.gguf",
+                 "tensor blk.0.ffn_gate.weight has shape [64, 172] where the model's "
+                 "hyperparameters give [64, 100]");
+  rewrite_gguf(
+      good, dir / "notokenizer.gguf",
+      [](const std::string& key, GgufValue&) { return !key.starts_with("tokenizer."); }, nullptr);
+  expect_refused(dir / "notokenizer.gguf", "no tokenizer (tokenizer.ggml.tokens)");
+  expect_refused(dir / "missing.gguf", "no such file or folder");
+}
+
+// Bad Hugging Face folders: one line naming the file and what is wrong, a non-zero exit.
+TEST(ModelFiles, BadHuggingFaceFoldersGetOneClearLine) {
+  REQUIRE_ORACLE();  // gguf-py, which writes the folder, comes with it
+  const fs::path good = made_models() / "llama_gqa_hf";
+  const TempFolder folder{temp_dir("badhf")};
+  const fs::path& dir = folder.path;
+  const auto variant = [&](const std::string& name) {
+    const fs::path copy = dir / name;
+    fs::copy(good, copy, fs::copy_options::recursive);
+    return copy;
+  };
+  const auto expect_refused = [&](const fs::path& model, const std::string& needle) {
+    const Result r = run_cputrain("sample --model " + model.string() + " --max-tokens 1", dir);
+    EXPECT_NE(r.exit_code, 0) << model;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  };
+  const std::string weights = read_all(good / "model.safetensors");
+  const fs::path truncated = variant("truncated");
+  std::ofstream(truncated / "model.safetensors", std::ios::binary | std::ios::trunc)
+      << weights.substr(0, weights.size() - 1000);
+  expect_refused(truncated, "runs past the end of the file (truncated)");
+  const fs::path corrupt = variant("corrupt");
+  std::string damaged = weights;
+  damaged[9] = '!';  // inside the JSON header
+  std::ofstream(corrupt / "model.safetensors", std::ios::binary | std::ios::trunc) << damaged;
+  expect_refused(corrupt, "not a valid safetensors file: the header is not JSON");
+  const auto edit_config = [&](const fs::path& model, const std::string& key,
+                               const nlohmann::json& value) {
+    std::ifstream in(model / "config.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    j[key] = value;
+    std::ofstream(model / "config.json", std::ios::trunc) << j.dump();
+  };
+  const fs::path gemma = variant("gemma");
+  edit_config(gemma, "model_type", "gemma2");
+  expect_refused(
+      gemma,
+      "model_type gemma2, which cputrain does not compute (it computes llama, mistral, qwen2)");
+  const fs::path shape = variant("shape");
+  edit_config(shape, "intermediate_size", 384);
+  expect_refused(shape,
+                 "tensor model.layers.0.mlp.gate_proj.weight has shape [512, 256] where "
+                 "config.json gives [384, 256]");
+  const fs::path scaled = variant("scaled");
+  edit_config(scaled, "rope_scaling", {{"type", "linear"}, {"factor", 2.0}});
+  expect_refused(scaled, "rope_scaling");
+  const fs::path untokenized = variant("untokenized");
+  fs::remove(untokenized / "tokenizer.json");
+  expect_refused(untokenized, "no tokenizer (tokenizer.json or tokenizer.model)");
+  const fs::path sharded = variant("sharded");
+  fs::remove(sharded / "model.safetensors");
+  std::ofstream(sharded / "model.safetensors.index.json")
+      << R"({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}})";
+  expect_refused(sharded, "shard model-00001-of-00002.safetensors is missing");
+}
+
+// inspect names what the file holds; tokenize gives llama.cpp's ids; eval --per-token gives the
+// negative log-likelihoods llama.cpp's logits give.
+TEST(ModelFiles, InspectTokenizeAndEvalAModelFile) {
+  REQUIRE_ORACLE();
+  REQUIRE_SHARED("stories260K.gguf");
+  const TempFolder folder{temp_dir("commands")};
+  const fs::path& dir = folder.path;
+  const fs::path model = kShared / "stories260K.gguf";
+  const Result inspect = run_cputrain("inspect " + model.string() + " --json", dir);
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  const nlohmann::json j = nlohmann::json::parse(inspect.out);
+  EXPECT_EQ(j["architecture"], "llama");
+  EXPECT_EQ(j["config"]["n_kv_heads"], 4);
+  EXPECT_EQ(j["config"]["head_dim"], 8);
+  EXPECT_EQ(j["tensors"]["F32"]["count"], 48);
+  EXPECT_EQ(j["tokenizer"]["tokens"], 512);
+  EXPECT_EQ(j["tokenizer"]["add_space_prefix"], true);
+  EXPECT_GT(j["training_budget"]["total_bytes"].get<int64_t>(), 0);
+
+  const std::string text = "Once upon a time, there was a little dog named Max. He liked to run.";
+  std::ofstream(dir / "text.txt", std::ios::binary) << text;
+  const Result ids = run_cputrain(
+      "tokenize --no-bos --model " + model.string() + " --text " + (dir / "text.txt").string(),
+      dir);
+  ASSERT_EQ(ids.exit_code, 0) << ids.err;
+  const std::string cmd = kOracle + " tokenize " + model.string() + " " +
+                          (dir / "text.txt").string() + " > " + (dir / "oracle.txt").string();
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  EXPECT_EQ(ids.out, read_all(dir / "oracle.txt"));
+
+  const Result eval = run_cputrain("eval --model " + model.string() + " --text " +
+                                       (dir / "text.txt").string() + " --per-token --json",
+                                   dir);
+  ASSERT_EQ(eval.exit_code, 0) << eval.err;
+  const nlohmann::json e = nlohmann::json::parse(eval.out);
+  std::vector<int32_t> tokens;
+  for (const auto& t : e["per_token"]) tokens.push_back(t["id"].get<int32_t>());
+  ASSERT_GT(tokens.size(), 10u);
+  EXPECT_EQ(tokens[0], 1);  // BOS
+  const std::vector<float> logits = oracle_logits(model, tokens, dir);
+  const size_t V = 512;
+  double total = 0.0;
+  for (size_t i = 1; i < tokens.size(); ++i) {
+    const float* row = logits.data() + (i - 1) * V;
+    double max = row[0], sum = 0.0;
+    for (size_t v = 1; v < V; ++v) max = std::max<double>(max, row[v]);
+    for (size_t v = 0; v < V; ++v) sum += std::exp(row[v] - max);
+    const double nll = max + std::log(sum) - row[tokens[i]];
+    EXPECT_NEAR(e["per_token"][i]["nll"].get<double>(), nll, 1e-4) << i;
+    total += nll;
+  }
+  EXPECT_NEAR(e["loss"].get<double>(), total / static_cast<double>(tokens.size() - 1), 1e-5);
 }
 
 // `cputrain sample --temperature 0` from BOS is llama2.c's published greedy output, token for

@@ -1,0 +1,42 @@
+// Models from Hugging Face folders: config.json (model_type llama, mistral or qwen2), the weights
+// in model.safetensors or its shards, and the tokenizer (tokenizer.json, or tokenizer.model for
+// SentencePiece vocabularies), with tokenizer_config.json's special tokens and chat template.
+#pragma once
+
+#include <string>
+
+#include "engine/safetensors_file.h"
+#include "engine/vocab_tokenizer.h"
+#include "models/llama_config.h"
+
+namespace cputrain {
+
+class ParameterSet;
+class Tokenizer;
+
+// Whether `folder` holds a Hugging Face model (a config.json with a model_type).
+bool is_hf_folder(const std::string& folder);
+
+// The configuration of the model in `folder`: ctx its max_position_embeddings (its sliding
+// window where it has one), at most `max_ctx`; RoPE on half-split pairs (Hugging Face's
+// rotate_half). A UserError naming config.json for another model_type (naming the supported
+// ones), a missing or inconsistent value, or what cputrain does not compute (RoPE scaling, an
+// activation other than SiLU, MLP biases).
+LlamaConfig hf_model_config(const std::string& folder, int64_t max_ctx);
+
+// The Hugging Face name of a parameter of LlamaModel ("layers.0.attention.wq.weight" ->
+// "model.layers.0.self_attn.q_proj.weight").
+std::string hf_tensor_name(const std::string& parameter);
+
+// Converts the folder's tensors into the model's parameters, checking each shape; a UserError
+// naming the file and tensor for a missing, misshapen or unread-dtype one, or one the model has
+// no place for.
+void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params);
+
+// The folder's tokenizer: tokenizer.model where the vocabulary is SentencePiece-style and it is
+// there, else tokenizer.json (byte-level BPE with the gpt2, llama-bpe or qwen2 pre-tokenizer, or
+// SentencePiece-style BPE with byte fallback); special tokens, BOS and EOS from
+// tokenizer_config.json. A UserError naming the file for a missing or unread tokenizer.
+Tokenizer hf_tokenizer(const std::string& folder);
+
+}  // namespace cputrain

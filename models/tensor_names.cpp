@@ -1,0 +1,59 @@
+#include "models/tensor_names.h"
+
+namespace cputrain {
+namespace {
+
+struct Names {
+  const char* ours;
+  const char* gguf;
+  const char* hf;
+};
+
+constexpr Names kModelNames[] = {
+    {"tok_embeddings.weight", "token_embd.weight", "model.embed_tokens.weight"},
+    {"norm.weight", "output_norm.weight", "model.norm.weight"},
+    {"output.weight", "output.weight", "lm_head.weight"},
+};
+
+constexpr Names kBlockNames[] = {
+    {"attention_norm.weight", "attn_norm.weight", "input_layernorm.weight"},
+    {"attention.wq.weight", "attn_q.weight", "self_attn.q_proj.weight"},
+    {"attention.wk.weight", "attn_k.weight", "self_attn.k_proj.weight"},
+    {"attention.wv.weight", "attn_v.weight", "self_attn.v_proj.weight"},
+    {"attention.wq.bias", "attn_q.bias", "self_attn.q_proj.bias"},
+    {"attention.wk.bias", "attn_k.bias", "self_attn.k_proj.bias"},
+    {"attention.wv.bias", "attn_v.bias", "self_attn.v_proj.bias"},
+    {"attention.wo.weight", "attn_output.weight", "self_attn.o_proj.weight"},
+    {"ffn_norm.weight", "ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"feed_forward.w1.weight", "ffn_gate.weight", "mlp.gate_proj.weight"},
+    {"feed_forward.w3.weight", "ffn_up.weight", "mlp.up_proj.weight"},
+    {"feed_forward.w2.weight", "ffn_down.weight", "mlp.down_proj.weight"},
+};
+
+}  // namespace
+
+std::string tensor_name(const std::string& parameter, TensorNaming naming) {
+  const auto pick = [naming](const Names& n) {
+    return std::string(naming == TensorNaming::Gguf ? n.gguf : n.hf);
+  };
+  for (const Names& n : kModelNames)
+    if (parameter == n.ours) return pick(n);
+  const std::string prefix = "layers.";
+  if (parameter.starts_with(prefix)) {
+    const size_t dot = parameter.find('.', prefix.size());
+    const std::string layer = parameter.substr(prefix.size(), dot - prefix.size());
+    const std::string rest = parameter.substr(dot + 1);
+    for (const Names& n : kBlockNames)
+      if (rest == n.ours)
+        return (naming == TensorNaming::Gguf ? "blk." : "model.layers.") + layer + "." + pick(n);
+  }
+  return parameter;
+}
+
+std::string shape_text(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+}  // namespace cputrain
