@@ -120,6 +120,9 @@ struct Bf16Amx {
 
 void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                    int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  // One row (decoding) streams the matrix once with vdpbf16ps: tiles would only add packing.
+  if (M == 1 && ta == Transpose::No && tb == Transpose::Yes && K > 0)
+    return gemv_bf16_avx512(N, K, A, B, ldb, beta, C);
   call_generation.fetch_add(1, std::memory_order_relaxed);
   detail::gemm_blocked<Bf16Amx>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }

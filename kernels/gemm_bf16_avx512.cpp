@@ -177,6 +177,8 @@ struct Bf16Avx512 {
 void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                       const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                       float* C, int64_t ldc) {
+  if (M == 1 && ta == Transpose::No && tb == Transpose::Yes && K > 0)
+    return gemv_bf16_avx512(N, K, A, B, ldb, beta, C);
   detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 

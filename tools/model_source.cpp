@@ -23,10 +23,20 @@ bool starts_with_gguf_magic(const std::string& path) {
   return in.gcount() == 4 && std::string(magic, 4) == "GGUF";
 }
 
+// Every parameter frozen and held as bf16 alone where `bf16`; the default model otherwise.
+ModelOptions model_options(bool bf16) {
+  ModelOptions o;
+  if (bf16) {
+    o.compute_dtype = DType::BF16;
+    o.trainable = [](const std::string&) { return false; };
+  }
+  return o;
+}
+
 }  // namespace
 
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
-                       int64_t max_ctx) {
+                       int64_t max_ctx, bool bf16_when_exact) {
   LoadedModel m;
   std::error_code ec;
   if (fs::is_directory(path, ec) && is_hf_folder(path)) {
@@ -39,11 +49,17 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
                       " tokens, config.json's vocab_size " + std::to_string(m.config.vocab));
     const SafetensorsModel weights_files(path);
-    m.model = std::make_unique<LlamaModel>(m.config);
+    bool all_bf16 = true;
+    for (const std::string& name : weights_files.names()) {
+      const SafetensorsTensor* t = weights_files.find(name);
+      if (t->shape.size() == 2 && t->dtype != "BF16") all_bf16 = false;
+    }
+    m.bf16_weights = bf16_when_exact && all_bf16;
+    m.model = std::make_unique<LlamaModel>(m.config, model_options(m.bf16_weights));
     load_hf_weights(weights_files, m.model->parameters());
     const Vocabulary v = m.tokenizer->to_vocabulary();
     m.strip_leading_space = m.tokenizer->vocabulary() && v.add_space_prefix;
-    m.source = "Hugging Face folder " + path;
+    m.source = "Hugging Face folder " + path + (m.bf16_weights ? " (bf16 weights)" : "");
     return m;
   }
   if (fs::is_directory(path, ec)) {
@@ -75,9 +91,14 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
                     " tokens, the embedding " + std::to_string(m.config.vocab) + " rows");
   m.strip_leading_space = vocabulary.add_space_prefix;
   m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(std::move(vocabulary)));
-  m.model = std::make_unique<LlamaModel>(m.config);
+  bool all_bf16 = true;
+  for (const GgufTensor& t : file.tensors())
+    if (t.dims.size() == 2 && t.type != static_cast<uint32_t>(GgmlType::BF16)) all_bf16 = false;
+  m.bf16_weights = bf16_when_exact && all_bf16;
+  m.model = std::make_unique<LlamaModel>(m.config, model_options(m.bf16_weights));
   load_gguf_weights(file, m.model->parameters());
-  m.source = "GGUF " + file.string("general.architecture") + ", " + path;
+  m.source = "GGUF " + file.string("general.architecture") + ", " + path +
+             (m.bf16_weights ? " (bf16 weights)" : "");
   return m;
 }
 

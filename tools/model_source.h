@@ -20,6 +20,7 @@ struct LoadedModel {
   // Whether decoding drops the leading space the tokenizer put before the text (SentencePiece
   // vocabularies with a dummy prefix).
   bool strip_leading_space = false;
+  bool bf16_weights = false;  // held as bf16 alone (load_model's bf16_when_exact)
 };
 
 // The context a model file is given where it declares a longer one and no --ctx says otherwise.
@@ -29,8 +30,11 @@ constexpr int64_t kDefaultImportCtx = 4096;
 // `weights`, else model.bin, else the newest checkpoint), a Hugging Face folder (config.json
 // with a model_type, safetensors, tokenizer) or a GGUF file. `max_ctx` caps a model
 // file's context. A UserError for anything else, naming the flag and path.
+// With `bf16_when_exact`, a model file whose matrices are all BF16 is held as those bf16 values
+// alone (frozen, computed in bf16: half the memory and the memory traffic of FP32), since no
+// rounding is lost; any other is held in FP32.
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
-                       int64_t max_ctx);
+                       int64_t max_ctx, bool bf16_when_exact = false);
 
 // The tokenizer alone of `path`: a run directory's tokenizer.model, or a GGUF file's vocabulary
 // (a vocabulary-only file will do). A UserError naming the flag and path otherwise.

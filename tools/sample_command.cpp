@@ -12,6 +12,7 @@
 #include "models/llama.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
+#include "tools/progress.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
 #include "tools/train_command.h"
@@ -42,6 +43,8 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str()->check(non_negative());
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(threads_limit());
+  app.add_flag("--stats", a.stats,
+               "Print the load time, the time to the first token and the decode rate to stderr");
   add_kernel_flags(app, a.kernels);
 }
 
@@ -57,8 +60,10 @@ int run_sample(const SampleArgs& a) {
   const bool from_run = !a.run.empty();
   if (from_run && !std::filesystem::is_directory(a.run))
     throw UserError("--run " + a.run + ": no such run directory");
+  const Stopwatch load_time;
   LoadedModel loaded = load_model(from_run ? a.run : a.model, from_run ? "--run" : "--model",
-                                  a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx);
+                                  a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true);
+  const double load_seconds = load_time.seconds();
   LlamaModel& model = *loaded.model;
   const Tokenizer& tokenizer = *loaded.tokenizer;
   std::vector<int32_t> prompt = {tokenizer.bos_id()};
@@ -84,7 +89,11 @@ int run_sample(const SampleArgs& a) {
   std::string printed = text_of(generated);
   std::fputs(printed.c_str(), stdout);
   std::fflush(stdout);
+  const Stopwatch generate_time;
+  double first_token_seconds = 0.0;
+  int64_t tokens = 0;
   generate(model, prompt, options, [&](int32_t token) {
+    if (tokens++ == 0) first_token_seconds = generate_time.seconds();
     if (token == tokenizer.bos_id()) return;
     generated.push_back(token);
     const std::string text = text_of(generated);
@@ -95,6 +104,16 @@ int run_sample(const SampleArgs& a) {
     }
   });
   std::fputs("\n", stdout);
+  if (a.stats) {
+    const double decode_seconds = generate_time.seconds() - first_token_seconds;
+    std::fprintf(stderr,
+                 "loaded %s in %.2f s; prompt of %zu tokens and the first token in %.3f s; %lld "
+                 "more tokens at %.2f tokens/s (%d threads)\n",
+                 loaded.source.c_str(), load_seconds, prompt.size(), first_token_seconds,
+                 static_cast<long long>(tokens - 1),
+                 tokens > 1 ? static_cast<double>(tokens - 1) / decode_seconds : 0.0,
+                 omp_get_max_threads());
+  }
   return 0;
 }
 

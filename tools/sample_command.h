@@ -21,6 +21,7 @@ struct SampleArgs {
   double top_p = 1.0;
   uint64_t seed = 1;
   int threads = 0;
+  bool stats = false;  // load time and tokens/s on stderr
   KernelArgs kernels;
 };
 

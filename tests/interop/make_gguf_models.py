@@ -85,7 +85,13 @@ def write(name, arch, theta, tied, biases, dtype):
         w.add_tensor(tname, a)
 
     embedding = (0.15 * rng.standard_normal((VOCAB, D))).astype(np.float32)
-    w.add_tensor("token_embd.weight", embedding)
+    if dtype == "bf16":  # every matrix BF16, the embedding too
+        bits = embedding.view(np.uint32)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        w.add_tensor("token_embd.weight", bits, raw_shape=(VOCAB, D),
+                     raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        w.add_tensor("token_embd.weight", embedding)
     if name == "llama_gqa.gguf":
         HF_TENSORS["token_embd.weight"] = embedding
     for i in range(LAYERS):

@@ -7,7 +7,8 @@
 //                                             the token ids of the file's text (no BOS), one line;
 //                                             with "special", special tokens in it are parsed
 //   llama_oracle quantize IN OUT TYPE         llama_model_quantize to q8_0 or q4_k_m
-//   llama_oracle generate MODEL N THREADS     N greedy tokens after BOS; prints ids, then tokens/s
+//   llama_oracle generate MODEL N THREADS     N greedy tokens after BOS; prints the ids, then the
+//                                             load seconds and the tokens/s after the first
 //
 // Logits use an F32 KV cache and no flash attention, one batch holding the whole sequence.
 #include <ggml-backend.h>
@@ -126,14 +127,18 @@ int quantize(int argc, char** argv) {
 
 int generate(int argc, char** argv) {
   if (argc != 5) fail("generate MODEL N THREADS");
+  const auto loading = std::chrono::steady_clock::now();
   llama_model* model = load(argv[2]);
   const int n = std::atoi(argv[3]);
   llama_context* ctx = context(model, n + 8, std::atoi(argv[4]));
   const llama_vocab* vocab = llama_model_get_vocab(model);
   const int n_vocab = llama_vocab_n_tokens(vocab);
   llama_token token = llama_vocab_bos(vocab);
-  const auto start = std::chrono::steady_clock::now();
+  const double load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - loading).count();
+  auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < n; ++i) {
+    if (i == 1) start = std::chrono::steady_clock::now();  // the rate after the first token
     if (llama_decode(ctx, llama_batch_get_one(&token, 1)) != 0) fail("llama_decode failed");
     const float* l = llama_get_logits_ith(ctx, -1);
     llama_token best = 0;
@@ -144,7 +149,7 @@ int generate(int argc, char** argv) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("\n%.3f\n", n / seconds);
+  std::printf("\n%.3f %.3f\n", load_seconds, (n - 1) / seconds);
   llama_free(ctx);
   llama_model_free(model);
   return 0;

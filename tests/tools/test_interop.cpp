@@ -219,10 +219,16 @@ TEST(LlamaCpp, Bf16AndQuantisedFilesAgreeWithLlamaCpp) {
                             type;
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   }
-  for (const char* name :
-       {"qwen2_tied_bf16.gguf", "llama_gqa_q8_0.gguf", "llama_gqa_q4_k_m.gguf"}) {
+  // The BF16 file twice: converted to FP32, and held as bf16 and computed in bf16, as sample
+  // holds it.
+  const std::pair<const char*, bool> files[] = {{"qwen2_tied_bf16.gguf", false},
+                                                {"qwen2_tied_bf16.gguf", true},
+                                                {"llama_gqa_q8_0.gguf", false},
+                                                {"llama_gqa_q4_k_m.gguf", false}};
+  for (const auto& [name, bf16] : files) {
     const fs::path model = dir / name;
-    LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx);
+    LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx, bf16);
+    EXPECT_EQ(m.bf16_weights, bf16) << name;
     // A text the model itself would write (sampled at temperature 1), so the NLL measures its
     // confidence in likely text rather than its surprise at noise.
     SampleOptions options;
