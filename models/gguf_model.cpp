@@ -93,20 +93,6 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
 
 namespace {
 
-// A half-split head's rows (j, j + D/2 rotate together) in llama.cpp's adjacent order (2j, 2j+1).
-std::vector<float> adjacent_rows(const std::vector<float>& values, int64_t heads, int64_t head_dim,
-                                 int64_t row) {
-  std::vector<float> out(values.size());
-  const int64_t half = head_dim / 2;
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t j = 0; j < half; ++j)
-      for (int64_t k = 0; k < 2; ++k) {
-        const int64_t from = h * head_dim + j + k * half, to = h * head_dim + 2 * j + k;
-        std::copy_n(values.begin() + from * row, row, out.begin() + to * row);
-      }
-  return out;
-}
-
 // llama.cpp's general.file_type for the matrices' type.
 uint32_t file_type(GgmlType type) {
   switch (type) {
@@ -126,7 +112,6 @@ uint32_t file_type(GgmlType type) {
 GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const ParameterSet& params,
                     const Vocabulary& v, const GgufExport& options) {
   const bool qwen2 = c.qkv_bias && c.rope_pairs == RopePairs::HalfSplit;
-  const bool reorder = !qwen2 && c.rope_pairs == RopePairs::HalfSplit;
   const std::string arch = qwen2 ? "qwen2" : "llama";
   GgmlType matrices = options.type;
   if (matrices == GgmlType::Q8_0) {
@@ -164,13 +149,10 @@ GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const Paramet
   if (!v.chat_template.empty()) w.set_string("tokenizer.chat_template", v.chat_template);
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
-    std::vector<float> values(static_cast<size_t>(info.shape.numel()));
-    params.read_values(static_cast<int>(i), values.data());
     const std::string name = gguf_tensor_name(info.name);
-    const bool q = name.find("attn_q.") != std::string::npos;
-    if (reorder && (q || name.find("attn_k.") != std::string::npos))
-      values = adjacent_rows(values, q ? c.n_heads : c.kv_heads(), c.head_size(),
-                             info.shape.ndim() == 2 ? info.shape[1] : 1);
+    // llama.cpp's llama rotates adjacent pairs; qwen2 keeps Hugging Face's half-split rows.
+    const std::vector<float> values = parameter_values(
+        params, static_cast<int>(i), c, qwen2 ? RopePairs::HalfSplit : RopePairs::Adjacent);
     std::vector<int64_t> dims;
     for (int d = info.shape.ndim() - 1; d >= 0; --d) dims.push_back(info.shape[d]);
     const GgmlType type = info.shape.ndim() == 2 ? matrices : GgmlType::F32;

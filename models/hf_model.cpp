@@ -1,12 +1,19 @@
 #include "models/hf_model.h"
 
+#include <spdlog/fmt/fmt.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_map>
 
+#include "engine/atomic_file.h"
 #include "engine/error.h"
+#include "engine/gguf_file.h"
 #include "engine/parameters.h"
 #include "engine/tokenizer.h"
 #include "models/tensor_names.h"
@@ -250,6 +257,184 @@ Tokenizer hf_tokenizer(const std::string& folder) {
   if (config.contains("chat_template") && config["chat_template"].is_string())
     v.chat_template = config["chat_template"].get<std::string>();
   return Tokenizer::from_vocabulary(std::move(v));
+}
+
+namespace {
+
+// The merges of a SentencePiece-style vocabulary, for a BPE tokenizer.json: each piece of two
+// characters or more, by score, made from the split whose two halves are pieces and rank
+// best (the highest-scoring pair).
+std::vector<std::string> merges_of(const Vocabulary& v) {
+  std::unordered_map<std::string, float> score;
+  for (size_t i = 0; i < v.tokens.size(); ++i)
+    if (v.types.empty() || v.types[i] == Vocabulary::kNormal)
+      score.emplace(v.tokens[i], v.scores.empty() ? 0.0f : v.scores[i]);
+  std::vector<std::pair<float, std::string>> merges;
+  for (const auto& [piece, s] : score) {
+    float best = -std::numeric_limits<float>::infinity();
+    std::string chosen;
+    for (size_t cut = 1; cut < piece.size(); ++cut) {
+      if ((static_cast<unsigned char>(piece[cut]) & 0xC0) == 0x80) continue;  // mid-character
+      const auto l = score.find(piece.substr(0, cut)), r = score.find(piece.substr(cut));
+      if (l == score.end() || r == score.end()) continue;
+      if (l->second + r->second > best) {
+        best = l->second + r->second;
+        chosen = piece.substr(0, cut) + " " + piece.substr(cut);
+      }
+    }
+    if (!chosen.empty()) merges.emplace_back(s, chosen);
+  }
+  std::stable_sort(merges.begin(), merges.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> out;
+  for (auto& [s, m] : merges) out.push_back(std::move(m));
+  return out;
+}
+
+const char* hf_pattern(const std::string& pre) {
+  for (const auto& [name, regex] : kHfPreTokenizers)
+    if (pre == name) return regex;
+  return nullptr;
+}
+
+}  // namespace
+
+void write_hf_folder(const std::string& folder, const LlamaConfig& c, const ParameterSet& params,
+                     const Tokenizer& tokenizer, const std::string& dtype) {
+  const fs::path dir(folder);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError("--out " + folder + ": cannot create (" + ec.message() + ")");
+  const bool qwen2 = c.qkv_bias;
+  const Vocabulary v = tokenizer.to_vocabulary();
+  const auto token = [&](int32_t id) {
+    return id >= 0 && id < static_cast<int32_t>(v.tokens.size()) ? json(v.tokens[id]) : json();
+  };
+  json config = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                 {"model_type", qwen2 ? "qwen2" : "llama"},
+                 {"vocab_size", c.vocab},
+                 {"hidden_size", c.d_model},
+                 {"num_hidden_layers", c.n_layers},
+                 {"num_attention_heads", c.n_heads},
+                 {"num_key_value_heads", c.kv_heads()},
+                 {"head_dim", c.head_size()},
+                 {"intermediate_size", c.ffn},
+                 {"rms_norm_eps", std::strtod(fmt::format("{}", c.norm_eps).c_str(), nullptr)},
+                 {"rope_theta", c.rope_theta},
+                 {"rope_scaling", nullptr},
+                 {"max_position_embeddings", c.ctx},
+                 {"tie_word_embeddings", c.tie_embeddings},
+                 {"hidden_act", "silu"},
+                 {"torch_dtype", dtype == "F32"   ? "float32"
+                                 : dtype == "F16" ? "float16"
+                                                  : "bfloat16"},
+                 {"bos_token_id", v.bos >= 0 ? json(v.bos) : json()},
+                 {"eos_token_id", v.eos >= 0 ? json(v.eos) : json()}};
+  if (qwen2)
+    config["use_sliding_window"] = false;
+  else
+    config["attention_bias"] = false;
+  write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n");
+
+  // model.safetensors: the header, then each tensor's bytes in order.
+  const GgmlType type = dtype == "F32"   ? GgmlType::F32
+                        : dtype == "F16" ? GgmlType::F16
+                                         : GgmlType::BF16;
+  json header = json::object();
+  std::vector<std::vector<uint8_t>> blobs;
+  uint64_t offset = 0;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    const std::string name = hf_tensor_name(info.name);
+    const std::vector<float> values =
+        parameter_values(params, static_cast<int>(i), c, RopePairs::HalfSplit);
+    blobs.push_back(ggml_from_float(type, values.data(), info.shape.numel()));
+    std::vector<int64_t> shape;
+    for (int d = 0; d < info.shape.ndim(); ++d) shape.push_back(info.shape[d]);
+    header[name] = {{"dtype", dtype},
+                    {"shape", shape},
+                    {"data_offsets", {offset, offset + blobs.back().size()}}};
+    offset += blobs.back().size();
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  {
+    AtomicFileWriter out((dir / "model.safetensors").string());
+    const uint64_t n = text.size();
+    out.write(&n, 8);
+    out.write(text.data(), text.size());
+    for (const auto& b : blobs) out.write(b.data(), b.size());
+    out.commit();
+  }
+
+  json tconfig = {{"bos_token", token(v.bos)},  {"eos_token", token(v.eos)},
+                  {"unk_token", token(v.unk)},  {"add_bos_token", v.add_bos},
+                  {"add_eos_token", v.add_eos}, {"model_max_length", c.ctx}};
+  if (!v.chat_template.empty()) tconfig["chat_template"] = v.chat_template;
+  if (!tokenizer.vocabulary()) {
+    // cputrain's own tokenizer: its SentencePiece model, which Transformers' LlamaTokenizer reads.
+    write_file_atomic((dir / "tokenizer.model").string(), tokenizer.model_bytes());
+    tconfig["tokenizer_class"] = "LlamaTokenizer";
+    tconfig["legacy"] = false;
+    tconfig["add_prefix_space"] = v.add_space_prefix;
+  } else {
+    json vocab = json::object(), added = json::array();
+    for (size_t i = 0; i < v.tokens.size(); ++i) {
+      const int32_t t = v.types.empty() ? Vocabulary::kNormal : v.types[i];
+      if (t == Vocabulary::kControl || t == Vocabulary::kUserDefined)
+        added.push_back({{"id", i},
+                         {"content", v.tokens[i]},
+                         {"special", t == Vocabulary::kControl},
+                         {"single_word", false},
+                         {"lstrip", false},
+                         {"rstrip", false},
+                         {"normalized", false}});
+      vocab[v.tokens[i]] = i;
+    }
+    json model = {{"type", "BPE"}, {"vocab", vocab}};
+    json t = {{"version", "1.0"}, {"added_tokens", added}};
+    if (v.model == "gpt2") {
+      const char* pattern = hf_pattern(v.pre);
+      json byte_level = {{"type", "ByteLevel"},
+                         {"add_prefix_space", false},
+                         {"trim_offsets", false},
+                         {"use_regex", pattern == nullptr}};
+      t["pre_tokenizer"] = pattern == nullptr ? byte_level
+                                              : json{{"type", "Sequence"},
+                                                     {"pretokenizers",
+                                                      {{{"type", "Split"},
+                                                        {"pattern", {{"Regex", pattern}}},
+                                                        {"behavior", "Isolated"},
+                                                        {"invert", false}},
+                                                       byte_level}}};
+      t["decoder"] = {{"type", "ByteLevel"},
+                      {"add_prefix_space", false},
+                      {"trim_offsets", false},
+                      {"use_regex", true}};
+      model["merges"] = v.merges;
+      model["byte_fallback"] = false;
+    } else {
+      json normalizers = json::array();
+      if (v.add_space_prefix) normalizers.push_back({{"type", "Prepend"}, {"prepend", "\u2581"}});
+      normalizers.push_back(
+          {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}});
+      t["normalizer"] = {{"type", "Sequence"}, {"normalizers", normalizers}};
+      t["pre_tokenizer"] = nullptr;
+      t["decoder"] = {
+          {"type", "Sequence"},
+          {"decoders",
+           {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+            {{"type", "ByteFallback"}},
+            {{"type", "Fuse"}}}}};
+      model["merges"] = merges_of(v);
+      model["byte_fallback"] = true;
+      model["unk_token"] = token(v.unk);
+    }
+    t["model"] = model;
+    write_file_atomic((dir / "tokenizer.json").string(), t.dump() + "\n");
+  }
+  write_file_atomic((dir / "tokenizer_config.json").string(), tconfig.dump(2) + "\n");
 }
 
 }  // namespace cputrain

@@ -39,4 +39,15 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
 // tokenizer_config.json. A UserError naming the file for a missing or unread tokenizer.
 Tokenizer hf_tokenizer(const std::string& folder);
 
+// Writes the model (`config`, its parameters) and its tokenizer as a Hugging Face folder
+// Transformers loads: config.json (model_type qwen2 where the model has q/k/v biases, else
+// llama), model.safetensors with every tensor in `dtype` ("F32", "F16" or "BF16"; q and k rows
+// in rotate-half order, reordered from adjacent pairs where the model uses those), and the
+// tokenizer: cputrain's own SentencePiece model as tokenizer.model, a model file's vocabulary as
+// tokenizer.json; tokenizer_config.json with the special tokens and the chat template. `folder`
+// is created; files of the same names in it are replaced.
+void write_hf_folder(const std::string& folder, const LlamaConfig& config,
+                     const ParameterSet& params, const Tokenizer& tokenizer,
+                     const std::string& dtype);
+
 }  // namespace cputrain

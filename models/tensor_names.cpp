@@ -1,5 +1,9 @@
 #include "models/tensor_names.h"
 
+#include <algorithm>
+
+#include "engine/parameters.h"
+
 namespace cputrain {
 namespace {
 
@@ -48,6 +52,28 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming) {
         return (naming == TensorNaming::Gguf ? "blk." : "model.layers.") + layer + "." + pick(n);
   }
   return parameter;
+}
+
+std::vector<float> parameter_values(const ParameterSet& params, int index, const LlamaConfig& c,
+                                    RopePairs pairs) {
+  const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
+  std::vector<float> values(static_cast<size_t>(info.shape.numel()));
+  params.read_values(index, values.data());
+  const bool q = info.name.find(".wq.") != std::string::npos;
+  if (pairs == c.rope_pairs || (!q && info.name.find(".wk.") == std::string::npos)) return values;
+  // Row j + k * D/2 of a half-split head is row 2j + k of an adjacent one.
+  const int64_t heads = q ? c.n_heads : c.kv_heads(), d = c.head_size(), half = d / 2;
+  const int64_t row = info.shape.ndim() == 2 ? info.shape[1] : 1;
+  std::vector<float> out(values.size());
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = 0; j < half; ++j)
+      for (int64_t k = 0; k < 2; ++k) {
+        const int64_t split = h * d + j + k * half, adjacent = h * d + 2 * j + k;
+        const int64_t from = pairs == RopePairs::Adjacent ? split : adjacent;
+        const int64_t to = pairs == RopePairs::Adjacent ? adjacent : split;
+        std::copy_n(values.begin() + from * row, row, out.begin() + to * row);
+      }
+  return out;
 }
 
 std::string shape_text(const std::vector<int64_t>& dims) {

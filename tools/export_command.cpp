@@ -5,6 +5,7 @@
 
 #include "engine/error.h"
 #include "models/gguf_model.h"
+#include "models/hf_model.h"
 #include "tools/model_source.h"
 
 namespace cputrain {
@@ -17,7 +18,10 @@ void add_export_flags(CLI::App& app, ExportArgs& a) {
   app.add_option(
       "--weights", a.weights,
       "A run's model.bin or checkpoint (default: model.bin, else the newest checkpoint)");
-  app.add_option("--out", a.out, "The GGUF file to write")->required();
+  app.add_option("--out", a.out,
+                 "FILE.gguf: a GGUF file; any other name: a Hugging Face folder (config.json, "
+                 "model.safetensors, tokenizer files)")
+      ->required();
   app.add_option("--type", a.type,
                  "Type of the matrices: f32, f16, bf16 or q8_0 (norms and biases stay f32)")
       ->capture_default_str()
@@ -27,10 +31,18 @@ void add_export_flags(CLI::App& app, ExportArgs& a) {
 
 int run_export(const ExportArgs& a) {
   if (a.run.empty() && a.model.empty()) throw UserError("--run or --model is required");
-  if (!a.out.ends_with(".gguf"))
-    throw UserError("--out " + a.out + ": must end in .gguf (cputrain writes GGUF files)");
-  if (std::filesystem::exists(a.out) && !a.overwrite)
+  const bool gguf = a.out.ends_with(".gguf");
+  if (!gguf && a.type == "q8_0")
+    throw UserError(
+        "--type q8_0: only for a GGUF file (--out FILE.gguf); a Hugging Face folder "
+        "takes f32, f16 or bf16");
+  std::error_code ec;
+  const bool exists = std::filesystem::exists(a.out, ec);
+  if (exists && !a.overwrite &&
+      (gguf || !std::filesystem::is_directory(a.out, ec) || !std::filesystem::is_empty(a.out, ec)))
     throw UserError("--out " + a.out + ": exists; choose another name or give --overwrite");
+  if (exists && !gguf && !std::filesystem::is_directory(a.out, ec))
+    throw UserError("--out " + a.out + ": a file, where a Hugging Face folder is to be written");
   const bool from_run = !a.run.empty();
   const std::string source = from_run ? a.run : a.model;
   LoadedModel m = load_model(source, from_run ? "--run" : "--model", a.weights, INT64_MAX);
@@ -40,6 +52,13 @@ int run_export(const ExportArgs& a) {
                  : a.type == "q8_0" ? GgmlType::Q8_0
                                     : GgmlType::F32;
   options.name = std::filesystem::path(source).filename().string();
+  if (!gguf) {
+    const std::string dtype = a.type == "f16" ? "F16" : a.type == "bf16" ? "BF16" : "F32";
+    write_hf_folder(a.out, m.config, m.model->parameters(), *m.tokenizer, dtype);
+    std::printf("wrote %s: a Hugging Face folder of %s, %lld parameters, %s\n", a.out.c_str(),
+                m.source.c_str(), static_cast<long long>(parameter_count(m.config)), dtype.c_str());
+    return 0;
+  }
   const GgmlType written =
       write_gguf(a.out, m.config, m.model->parameters(), m.tokenizer->to_vocabulary(), options);
   if (written != options.type)

@@ -1,4 +1,5 @@
-// `cputrain export`: a run or a model file, written as a GGUF file llama.cpp runs.
+// `cputrain export`: a run or a model file, written as a GGUF file llama.cpp runs or a Hugging
+// Face folder Transformers loads.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -10,7 +11,7 @@ struct ExportArgs {
   std::string run;      // a run directory (--run), or
   std::string model;    // a run directory or a GGUF file (--model)
   std::string weights;  // a run's model.bin or checkpoint (default: model.bin, else the newest)
-  std::string out;      // FILE.gguf
+  std::string out;      // FILE.gguf, or a folder
   std::string type = "f32";
   bool overwrite = false;
 };

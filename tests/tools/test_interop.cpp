@@ -483,6 +483,12 @@ void rewrite_gguf(const fs::path& from, const fs::path& to,
   w.write(to.string());
 }
 
+void expect_one_line_refusal(const Result& r, const std::string& needle) {
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
 // Bad model files: one line naming the file and what is wrong, a non-zero exit.
 TEST(ModelFiles, BadGgufFilesGetOneClearLine) {
   REQUIRE_SHARED("stories260K.gguf");
@@ -650,6 +656,74 @@ TEST(ModelFiles, InspectTokenizeAndEvalAModelFile) {
     total += nll;
   }
   EXPECT_NEAR(e["loss"].get<double>(), total / static_cast<double>(tokens.size() - 1), 1e-5);
+}
+
+// Exported as Hugging Face folders and read back: runs trained here (adjacent RoPE pairs, reordered
+// into rotate-half rows; a qwen2-shaped one) and a GGUF model give the same logits and token ids
+// as before; a bf16 folder holds the weights rounded to bf16.
+TEST(ModelFiles, HuggingFaceExportReadsBackAsTheSameModel) {
+  REQUIRE_ORACLE();  // gguf-py writes the GGUF model
+  const TempFolder folder{temp_dir("hf_export")};
+  const fs::path& dir = folder.path;
+  const std::string corpus = write_corpus(dir).string();
+  const std::string text = "the cat sat on the mat and ran far away.\n the dog at noon";
+  for (const char* flags : {"--preset tiny --kv-heads 2",
+                            "--preset tiny --qkv-bias --rope-pairs half-split --tie-embeddings"}) {
+    const fs::path run = dir / "run", hf = dir / "hf";
+    fs::remove_all(run);
+    fs::remove_all(hf);
+    ASSERT_EQ(
+        cputrain(std::string(flags) + " --vocab 400 --ctx 64 --batch 2 --steps 3 " +
+                 "--sample-tokens 1 --dtype fp32 --corpus " + corpus + " --out " + run.string()),
+        0);
+    ASSERT_EQ(cputrain("export --run " + run.string() + " --out " + hf.string()), 0) << flags;
+    LoadedModel ours = load_model(run.string(), "--run", "", kDefaultImportCtx);
+    LoadedModel back = load_model(hf.string(), "--model", "", kDefaultImportCtx);
+    EXPECT_EQ(back.config.qkv_bias, ours.config.qkv_bias) << flags;
+    EXPECT_EQ(back.config.tie_embeddings, ours.config.tie_embeddings) << flags;
+    const std::vector<int32_t> ids = ours.tokenizer->encode(text);
+    EXPECT_EQ(back.tokenizer->encode(text), ids) << flags;
+    std::vector<int32_t> tokens = {ours.tokenizer->bos_id()};
+    tokens.insert(tokens.end(), ids.begin(), ids.end());
+    EXPECT_LT(max_abs_difference(our_logits(ours, tokens), our_logits(back, tokens)), 1e-5)
+        << flags;
+  }
+  // A GGUF model with a SentencePiece-style vocabulary: tokenizer.json with merges from its
+  // scores.
+  const fs::path gguf = made_models() / "llama_gqa.gguf", hf = dir / "from_gguf";
+  ASSERT_EQ(cputrain("export --model " + gguf.string() + " --type bf16 --out " + hf.string()), 0);
+  LoadedModel original = load_model(gguf.string(), "--model", "", kDefaultImportCtx);
+  LoadedModel back = load_model(hf.string(), "--model", "", kDefaultImportCtx);
+  const std::string words = "the cat sat on the mat and the dog ran far xyz";
+  EXPECT_EQ(back.tokenizer->encode(words), original.tokenizer->encode(words));
+  const ParameterSet& p = original.model->parameters();
+  const ParameterSet& q = back.model->parameters();
+  size_t differ = 0;
+  for (size_t i = 0; i < p.infos().size(); ++i) {
+    if (p.infos()[i].name.find("wq") != std::string::npos ||
+        p.infos()[i].name.find("wk") != std::string::npos)
+      continue;  // rows reordered
+    const auto n = static_cast<size_t>(p.infos()[i].shape.numel());
+    std::vector<float> a(n), b(n);
+    p.read_values(static_cast<int>(i), a.data());
+    q.read_values(static_cast<int>(i), b.data());
+    for (size_t j = 0; j < n; ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, &a[j], 4);
+      bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+      float want;
+      std::memcpy(&want, &bits, 4);
+      differ += want != b[j];
+    }
+  }
+  EXPECT_EQ(differ, 0u);
+  expect_one_line_refusal(
+      run_cputrain(
+          "export --model " + gguf.string() + " --type q8_0 --out " + (dir / "q8").string(), dir),
+      "--type q8_0: only for a GGUF file");
+  expect_one_line_refusal(
+      run_cputrain("export --model " + gguf.string() + " --out " + hf.string(), dir),
+      "exists; choose another name or give --overwrite");
 }
 
 // `cputrain sample --temperature 0` from BOS is llama2.c's published greedy output, token for
