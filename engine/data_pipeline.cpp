@@ -19,7 +19,7 @@ uint64_t data_fingerprint(uint64_t corpus_fingerprint, const Tokenizer& tokenize
 PreparedData prepare_data(const std::string& corpus, int vocab, const std::string& run_dir,
                           const DataOptions& options) {
   const bool resuming = options.expect.has_value();
-  if (!resuming) Tokenizer::check_vocab_size(vocab);
+  if (!resuming && !options.fixed_tokenizer) Tokenizer::check_vocab_size(vocab);
   const std::string name = options.name.empty() ? "--corpus " + corpus : options.name;
   CorpusFiles files = find_corpus_files(corpus, options.skip_folder, name);
   const uint64_t corpus_id = corpus_fingerprint(corpus, files.text);
@@ -30,13 +30,14 @@ PreparedData prepare_data(const std::string& corpus, int vocab, const std::strin
   // Leftovers that cannot be read are rebuilt, never trusted.
   std::optional<Tokenizer> tokenizer;
   std::optional<TokenDataset> cache;
-  if (fs::exists(model_path) || resuming) {
+  // A resumed run's tokens mean what its tokenizer made them mean, and a run begun from a model
+  // file keeps that model's tokenizer (tokenizer.gguf): no other will do.
+  const bool fixed = resuming || options.fixed_tokenizer || fs::exists(run_dir + "/tokenizer.gguf");
+  if (fs::exists(model_path) || fixed) {
     try {
-      tokenizer.emplace(Tokenizer::load(model_path));
+      tokenizer.emplace(Tokenizer::load_run(run_dir));
     } catch (const UserError& e) {
-      // A resumed run's tokens mean what its tokenizer made them mean: no other will do.
-      if (resuming)
-        throw UserError(std::string(e.what()) + "; the run cannot be resumed without it");
+      if (fixed) throw UserError(std::string(e.what()) + "; the run cannot go on without it");
       spdlog::warn("{}; training a new tokenizer", e.what());
     }
   }
@@ -53,7 +54,7 @@ PreparedData prepare_data(const std::string& corpus, int vocab, const std::strin
   }
   const bool cache_matches =
       tokenizer && cache && cache->fingerprint() == data_fingerprint(corpus_id, *tokenizer);
-  if (!resuming && tokenizer && tokenizer->vocab_size() != vocab &&
+  if (!fixed && tokenizer && tokenizer->vocab_size() != vocab &&
       !(tokenizer->vocab_size() < vocab && cache_matches))
     tokenizer.reset();
   if (tokenizer && cache_matches) {

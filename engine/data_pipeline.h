@@ -39,6 +39,9 @@ struct DataOptions {
   // then kept as it is, and a corpus that no longer gives that fingerprint is refused before any
   // file is written.
   std::optional<uint64_t> expect;
+  // The run's tokenizer is in run_dir already (saved there from a model file): it is loaded,
+  // never trained, whatever `vocab` says. So is tokenizer.gguf wherever it is there.
+  bool fixed_tokenizer = false;
   DataProgress progress;
 };
 

@@ -12,6 +12,7 @@
 
 #include "engine/atomic_file.h"
 #include "engine/error.h"
+#include "engine/gguf_file.h"
 #include "engine/hash.h"
 #include "engine/utf8.h"
 #include "engine/vocab_tokenizer.h"
@@ -108,6 +109,29 @@ Tokenizer::Tokenizer(std::shared_ptr<const VocabTokenizer> vocab)
 
 Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary) {
   return Tokenizer(std::make_shared<const VocabTokenizer>(std::move(vocabulary)));
+}
+
+Tokenizer Tokenizer::load_run(const std::string& dir) {
+  const std::string gguf = dir + "/tokenizer.gguf";
+  if (!std::ifstream(gguf).good()) return load(dir + "/tokenizer.model");
+  Tokenizer t = from_vocabulary(gguf_vocabulary(GgufFile(gguf)));
+  std::ifstream in(gguf, std::ios::binary);
+  t.model_bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return t;
+}
+
+std::string Tokenizer::save_to_run(const std::string& dir) const {
+  if (!vocab_) {
+    write_file_atomic(dir + "/tokenizer.model", model_bytes_);
+    return dir + "/tokenizer.model";
+  }
+  // The vocabulary as a GGUF file of metadata alone.
+  const Vocabulary& v = vocab_->vocabulary();
+  GgufWriter w;
+  w.set_string("general.architecture", "tokenizer");
+  set_gguf_vocabulary(w, v);
+  w.write(dir + "/tokenizer.gguf");
+  return dir + "/tokenizer.gguf";
 }
 
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;

@@ -41,6 +41,13 @@ class Tokenizer {
   static Tokenizer load(const std::string& model_path);
   // The tokenizer of a model file's vocabulary (engine/vocab_tokenizer.h).
   static Tokenizer from_vocabulary(Vocabulary vocabulary);
+  // A run directory's tokenizer: <dir>/tokenizer.gguf (a model file's vocabulary, saved by
+  // save_to_run) where it is there, else <dir>/tokenizer.model. model_bytes() is the file's bytes
+  // either way. A UserError naming the file where neither reads.
+  static Tokenizer load_run(const std::string& dir);
+  // The file load_run reads for this tokenizer in `dir` ("tokenizer.gguf" or "tokenizer.model"),
+  // written atomically; returns its path.
+  std::string save_to_run(const std::string& dir) const;
 
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
@@ -53,6 +60,8 @@ class Tokenizer {
     return decode(std::span<const int32_t>(ids));
   }
   int vocab_size() const;
+  // The token that begins a text: BOS, or EOS where a vocabulary has no BOS (Qwen2's
+  // <|endoftext|>, which also separates its documents).
   int32_t bos_id() const { return bos_; }
   int32_t eos_id() const { return eos_; }
   // The serialized model, as written to disk (empty for a model file's vocabulary).

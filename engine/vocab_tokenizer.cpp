@@ -114,15 +114,32 @@ Vocabulary gguf_vocabulary(const GgufFile& file) {
                       " is not a token id (there are " + std::to_string(n) + ")");
     return static_cast<int32_t>(i);
   };
-  v.bos = id("tokenizer.ggml.bos_token_id", 1);
-  v.eos = id("tokenizer.ggml.eos_token_id", 2);
-  v.unk = id("tokenizer.ggml.unknown_token_id", 0);
+  // SentencePiece-style vocabularies default to llama's unk, bos, eos at 0, 1, 2.
   const bool spm = v.model == "llama";
+  v.bos = id("tokenizer.ggml.bos_token_id", spm ? 1 : -1);
+  v.eos = id("tokenizer.ggml.eos_token_id", spm ? 2 : -1);
+  v.unk = id("tokenizer.ggml.unknown_token_id", spm ? 0 : -1);
   v.add_bos = file.flag("tokenizer.ggml.add_bos_token", spm || v.pre == "llama-bpe");
   v.add_eos = file.flag("tokenizer.ggml.add_eos_token", false);
   v.add_space_prefix = file.flag("tokenizer.ggml.add_space_prefix", spm);
   v.chat_template = file.string("tokenizer.chat_template", "");
   return v;
+}
+
+void set_gguf_vocabulary(GgufWriter& w, const Vocabulary& v) {
+  w.set_string("tokenizer.ggml.model", v.model);
+  if (!v.pre.empty()) w.set_string("tokenizer.ggml.pre", v.pre);
+  w.set_strings("tokenizer.ggml.tokens", v.tokens);
+  if (!v.scores.empty()) w.set_f32s("tokenizer.ggml.scores", v.scores);
+  if (!v.types.empty()) w.set_i32s("tokenizer.ggml.token_type", v.types);
+  if (!v.merges.empty()) w.set_strings("tokenizer.ggml.merges", v.merges);
+  if (v.bos >= 0) w.set_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(v.bos));
+  if (v.eos >= 0) w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(v.eos));
+  if (v.unk >= 0) w.set_u32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(v.unk));
+  w.set_bool("tokenizer.ggml.add_bos_token", v.add_bos);
+  w.set_bool("tokenizer.ggml.add_eos_token", v.add_eos);
+  w.set_bool("tokenizer.ggml.add_space_prefix", v.add_space_prefix);
+  if (!v.chat_template.empty()) w.set_string("tokenizer.chat_template", v.chat_template);
 }
 
 VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)) {

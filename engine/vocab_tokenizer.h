@@ -40,6 +40,9 @@ struct Vocabulary {
 // The vocabulary of a GGUF file; a UserError naming the file where it has none, or an
 // inconsistent one (lengths that differ, ids out of range), or a model cputrain does not read.
 Vocabulary gguf_vocabulary(const GgufFile& file);
+// Its inverse: the vocabulary as the tokenizer.ggml.* metadata gguf_vocabulary reads.
+class GgufWriter;
+void set_gguf_vocabulary(GgufWriter& writer, const Vocabulary& vocabulary);
 
 class VocabTokenizer {
  public:

@@ -134,19 +134,7 @@ GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const Paramet
   w.set_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
   w.set_u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.head_size()));
   w.set_u32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab));
-  w.set_string("tokenizer.ggml.model", v.model);
-  if (!v.pre.empty()) w.set_string("tokenizer.ggml.pre", v.pre);
-  w.set_strings("tokenizer.ggml.tokens", v.tokens);
-  if (!v.scores.empty()) w.set_f32s("tokenizer.ggml.scores", v.scores);
-  if (!v.types.empty()) w.set_i32s("tokenizer.ggml.token_type", v.types);
-  if (!v.merges.empty()) w.set_strings("tokenizer.ggml.merges", v.merges);
-  if (v.bos >= 0) w.set_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(v.bos));
-  if (v.eos >= 0) w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(v.eos));
-  if (v.unk >= 0) w.set_u32("tokenizer.ggml.unknown_token_id", static_cast<uint32_t>(v.unk));
-  w.set_bool("tokenizer.ggml.add_bos_token", v.add_bos);
-  w.set_bool("tokenizer.ggml.add_eos_token", v.add_eos);
-  w.set_bool("tokenizer.ggml.add_space_prefix", v.add_space_prefix);
-  if (!v.chat_template.empty()) w.set_string("tokenizer.chat_template", v.chat_template);
+  set_gguf_vocabulary(w, v);
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     const std::string name = gguf_tensor_name(info.name);

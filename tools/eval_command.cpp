@@ -163,7 +163,7 @@ int run_eval(const EvalArgs& a) {
     return run_eval(as_run);
   }
   const RunConfig config = read_run_config(a.run + "/config.json");
-  const Tokenizer tokenizer = Tokenizer::load(a.run + "/tokenizer.model");
+  const Tokenizer tokenizer = Tokenizer::load_run(a.run);
   if (tokenizer.vocab_size() != config.model.vocab)
     throw UserError(a.run + "/tokenizer.model: vocabulary " +
                     std::to_string(tokenizer.vocab_size()) + " does not match the model's " +

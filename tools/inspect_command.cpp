@@ -97,7 +97,7 @@ int run_inspect(const InspectArgs& a) {
     config = run.model;
     j["format"] = "cputrain run";
     j["architecture"] = "llama";
-    vocabulary = Tokenizer::load(a.path + "/tokenizer.model").to_vocabulary();
+    vocabulary = Tokenizer::load_run(a.path).to_vocabulary();
   } else {
     const Tokenizer probe = load_tokenizer(a.path, "inspect");  // a UserError for non-GGUF
     const GgufFile file(a.path);

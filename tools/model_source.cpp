@@ -1,5 +1,6 @@
 #include "tools/model_source.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -68,13 +69,16 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
                       ": a folder without config.json (neither a cputrain run nor a model folder)");
     const RunConfig config = read_run_config(path + "/config.json");
     m.config = config.model;
-    m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(path + "/tokenizer.model"));
+    m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load_run(path));
     if (m.tokenizer->vocab_size() != m.config.vocab)
       throw UserError(path + "/tokenizer.model: vocabulary " +
                       std::to_string(m.tokenizer->vocab_size()) + " does not match the model's " +
                       std::to_string(m.config.vocab));
     m.model = std::make_unique<LlamaModel>(m.config);
     m.source = load_run_weights(path, weights, m.model->parameters());
+    // A run begun from a model file keeps its tokenizer, dummy prefix and all.
+    m.strip_leading_space =
+        m.tokenizer->vocabulary() && m.tokenizer->vocabulary()->vocabulary().add_space_prefix;
     return m;
   }
   if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
@@ -102,10 +106,59 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   return m;
 }
 
+namespace {
+
+enum class SourceKind { Run, HuggingFace, Gguf };
+
+SourceKind source_kind(const std::string& path, const std::string& flag) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    if (is_hf_folder(path)) return SourceKind::HuggingFace;
+    if (fs::exists(fs::path(path) / "config.json")) return SourceKind::Run;
+    throw UserError(flag + " " + path +
+                    ": a folder without config.json (neither a cputrain run nor a model folder)");
+  }
+  if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
+  if (!starts_with_gguf_magic(path))
+    throw UserError(flag + " " + path + ": not a GGUF file, a model folder or a run directory");
+  return SourceKind::Gguf;
+}
+
+}  // namespace
+
+LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
+  switch (source_kind(path, flag)) {
+    case SourceKind::HuggingFace:
+      return hf_model_config(path, max_ctx);
+    case SourceKind::Run: {
+      LlamaConfig c = read_run_config(path + "/config.json").model;
+      c.ctx = std::min(c.ctx, max_ctx);
+      return c;
+    }
+    case SourceKind::Gguf:
+      break;
+  }
+  return gguf_model_config(GgufFile(path), max_ctx);
+}
+
+void load_model_weights(const std::string& path, const std::string& flag,
+                        const ParameterSet& params) {
+  switch (source_kind(path, flag)) {
+    case SourceKind::HuggingFace:
+      return load_hf_weights(SafetensorsModel(path), params);
+    case SourceKind::Run:
+      load_run_weights(path, "", params);
+      return;
+    case SourceKind::Gguf:
+      break;
+  }
+  load_gguf_weights(GgufFile(path), params);
+}
+
 Tokenizer load_tokenizer(const std::string& path, const std::string& flag) {
   std::error_code ec;
   if (fs::is_directory(path, ec) && is_hf_folder(path)) return hf_tokenizer(path);
-  if (fs::is_directory(path, ec)) return Tokenizer::load(path + "/tokenizer.model");
+  if (fs::is_directory(path, ec)) return Tokenizer::load_run(path);
   if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
   if (!starts_with_gguf_magic(path))
     throw UserError(flag + " " + path + ": not a GGUF file, a model folder or a run directory");

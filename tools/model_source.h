@@ -36,6 +36,13 @@ constexpr int64_t kDefaultImportCtx = 4096;
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
                        int64_t max_ctx, bool bf16_when_exact = false);
 
+// The configuration alone of the model at `path` (as load_model reads it), its context at most
+// `max_ctx`.
+LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx);
+// The weights of the model at `path` into `params` (a model of load_model_config's shape).
+void load_model_weights(const std::string& path, const std::string& flag,
+                        const ParameterSet& params);
+
 // The tokenizer alone of `path`: a run directory's tokenizer.model, or a GGUF file's vocabulary
 // (a vocabulary-only file will do). A UserError naming the flag and path otherwise.
 Tokenizer load_tokenizer(const std::string& path, const std::string& flag);

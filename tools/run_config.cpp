@@ -31,6 +31,7 @@ std::string run_config_to_json(const RunConfig& c) {
   const json j = {
       {"preset", c.preset},
       {"corpus", c.corpus},
+      {"init", c.init},
       {"model",
        {{"vocab", c.model.vocab},
         {"d_model", c.model.d_model},
@@ -78,6 +79,7 @@ RunConfig read_run_config(const std::string& path) {
     const json j = json::parse(in);
     c.preset = j.at("preset").get<std::string>();
     c.corpus = j.at("corpus").get<std::string>();
+    c.init = j.value("init", std::string());
     const json& m = j.at("model");
     c.model.vocab = m.at("vocab").get<int64_t>();
     c.model.d_model = m.at("d_model").get<int64_t>();
@@ -139,7 +141,7 @@ std::string run_identity(const std::string& config_json) {
   json& t = j["train"];
   if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
   for (const char* key : {"steps", "threads", "save_every", "keep"}) t.erase(key);
-  return json{j["model"], t, j["corpus"]}.dump();
+  return json{j["model"], t, j["corpus"], j.value("init", std::string())}.dump();
 }
 
 }  // namespace cputrain

@@ -12,6 +12,7 @@ namespace cputrain {
 struct RunConfig {
   std::string preset;
   std::string corpus;
+  std::string init;  // the model the run began from (--model), absolute; empty: random weights
   LlamaConfig model;
   TrainOptions train;
   int64_t steps = 0;       // the step the run ends at (train.lr.total_steps: where its decay ends)

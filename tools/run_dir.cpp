@@ -20,7 +20,7 @@ namespace {
 
 constexpr const char* kLockFile = ".lock";
 constexpr const char* kReplaced = ".replaced";
-constexpr std::string_view kDataCache[] = {"tokenizer.model", "tokens.bin"};
+constexpr std::string_view kDataCache[] = {"tokenizer.model", "tokenizer.gguf", "tokens.bin"};
 constexpr std::string_view kRunFiles[] = {"config.json", "metrics.jsonl", "model.bin",
                                           "checkpoints"};
 // What a run that stopped before its configuration was written can leave: not a run yet.

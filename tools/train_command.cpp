@@ -30,6 +30,7 @@
 #include "engine/threads.h"
 #include "engine/tokenizer.h"
 #include "engine/trainer.h"
+#include "engine/vocab_tokenizer.h"
 #include "engine/weights_file.h"
 #include "kernels/attention.h"
 #include "kernels/cpu_features.h"
@@ -42,6 +43,7 @@
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
 #include "tools/mfu_peak.h"
+#include "tools/model_source.h"
 #include "tools/progress.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
@@ -191,7 +193,12 @@ std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t t
   std::vector<int32_t> body;
   for (size_t i = 1; i < out.size(); ++i)
     if (out[i] != tokenizer.bos_id()) body.push_back(out[i]);
-  return tokenizer.decode(body);
+  std::string text = tokenizer.decode(body);
+  // A vocabulary with a dummy prefix puts a space before the text: not part of it.
+  if (tokenizer.vocabulary() && tokenizer.vocabulary()->vocabulary().add_space_prefix &&
+      text.starts_with(' '))
+    text.erase(0, 1);
+  return text;
 }
 
 }  // namespace
@@ -224,6 +231,9 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   app.add_option("--corpus", a.corpus, "Text file or folder of text files")->capture_default_str();
   app.add_option("--out", a.out, "Run directory (default runs/<preset>)");
+  app.add_option("--model", a.model,
+                 "Start from this model: a GGUF file, a Hugging Face folder or a run (its shape, "
+                 "tokenizer and weights; --ctx defaults to at most 512)");
   app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")
       ->check(positive_whole());
   app.add_option("--batch", a.batch, "Sequences per micro-batch (default: per preset)")
@@ -376,6 +386,26 @@ RunConfig resume_config(const TrainArgs& a) {
   return config;
 }
 
+// The flags that shape the model: with --model the shape is the model's.
+constexpr const char* kShapeFlags[] = {
+    "--vocab", "--d-model",    "--layers",     "--heads",    "--kv-heads",      "--head-dim",
+    "--ffn",   "--rope-theta", "--rope-pairs", "--qkv-bias", "--tie-embeddings"};
+
+// --model: the run takes the model's shape (its context at most --ctx, else 512) and records
+// where it began; its tokenizer and weights are taken when the run directory is open.
+void begin_from_model(RunConfig& config, const TrainArgs& a) {
+  std::string refused;
+  for (const char* flag : kShapeFlags)
+    if (given(a, flag)) refused += (refused.empty() ? "" : ", ") + std::string(flag);
+  if (!refused.empty())
+    throw UserError(refused + ": the model's shape comes from --model " + a.model);
+  config.model = load_model_config(a.model, "--model", a.ctx > 0 ? a.ctx : 512);
+  config.train.ctx = config.model.ctx;
+  config.init = fs::absolute(a.model).lexically_normal().string();
+  config.preset = fs::path(config.init).filename().string();
+  if (a.lr < 0) config.train.lr.peak = default_lr(config.model);
+}
+
 // How a resumed run's end relates to where it stopped: a UserError where there is nothing left
 // to train; the rule for the learning rate logged where --steps extends the run.
 void check_resumed_steps(const RunConfig& config, const RunConfig& began, int64_t reached,
@@ -415,6 +445,7 @@ int run_train(const TrainArgs& args) {
     select_kernels(args.kernels);
     config.dtype = choose_dtype(args.dtype, &dtype_reason);
     config.checkpoint = args.checkpoint == "layer";
+    if (!args.model.empty()) begin_from_model(config, args);
   }
   const TestHold hold = test_hold();
   const std::string out =
@@ -486,6 +517,10 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   check_memory_floor(config, resuming ? "none" : args.checkpoint, available, *log);
 
   if (hold.step == 0) wait_for_stop_signal(0, hold.forever);
+  // A run begun from a model keeps that model's tokenizer, saved beside its data.
+  if (!resuming && !config.init.empty())
+    log->info("tokenizer of {}: saved as {}", config.init,
+              load_tokenizer(config.init, "--model").save_to_run(out));
   PreparedData data = prepare_run_data(
       config, out, *console,
       resume ? std::optional<uint64_t>(resume->info.data_fingerprint) : std::nullopt,
@@ -504,6 +539,10 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
             format_bytes(process_memory().rss_bytes), format_bytes(budget.runtime_bytes));
   LlamaModel model(config.model);
   model.init_weights(config.train.seed);
+  if (!resuming && !config.init.empty()) {
+    load_model_weights(config.init, "--model", model.parameters());
+    log->info("weights from {}", config.init);
+  }
   model.set_compute_dtype(config.dtype);
   model.set_checkpointing(config.checkpoint);
   const std::string config_json = run_config_to_json(config);

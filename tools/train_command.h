@@ -26,6 +26,7 @@ struct TrainArgs {
   std::string preset = "mini";
   std::string corpus = "/usr/share/games/fortunes";
   std::string out;
+  std::string model;  // start from this model (a GGUF file, a Hugging Face folder or a run)
   int64_t steps = -1;
   int64_t batch = -1;
   int64_t accum = -1;

@@ -30,6 +30,8 @@ std::string fit_message(const RunConfig& config, int64_t bytes, int64_t availabl
 
 }  // namespace
 
+PreparedData check_splits(const RunConfig& config, PreparedData& data, const std::string& name);
+
 std::shared_ptr<spdlog::logger> open_run_log(const std::string& dir,
                                              std::shared_ptr<ProgressSink> console) {
   auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(dir + "/train.log", false);
@@ -70,6 +72,7 @@ PreparedData prepare_run_data(RunConfig& config, const std::string& dir, Progres
     };
   }
   const int asked = static_cast<int>(config.model.vocab);
+  options.fixed_tokenizer = !config.init.empty();
   PreparedData data = prepare_data(config.corpus, asked, dir, options);
   console.set_status("");
   for (const std::string& folder : data.files.skipped)
@@ -77,12 +80,25 @@ PreparedData prepare_run_data(RunConfig& config, const std::string& dir, Progres
   if (!data.files.binary.empty())
     log.info("corpus: passed over {} binary files (such as {})", data.files.binary.size(),
              data.files.binary.front());
+  if (options.fixed_tokenizer) {
+    // A model's embedding may have rows past its tokenizer's last id (padding), never fewer.
+    if (data.tokenizer.vocab_size() > config.model.vocab)
+      throw UserError(config.init + ": the tokenizer has " +
+                      std::to_string(data.tokenizer.vocab_size()) + " tokens, the model " +
+                      std::to_string(config.model.vocab));
+    return check_splits(config, data, name);
+  }
   config.model.vocab = data.tokenizer.vocab_size();
   if (!expect && data.tokenizer.vocab_size() < asked)
     log.warn(
         "the corpus gives {} tokenizer pieces, fewer than the {} asked (--vocab): the model's "
         "vocabulary is {}",
         data.tokenizer.vocab_size(), asked, data.tokenizer.vocab_size());
+  return check_splits(config, data, name);
+}
+
+PreparedData check_splits(const RunConfig& config, PreparedData& data, const std::string& name) {
+  spdlog::logger& log = *spdlog::default_logger();
   const auto train_tokens = data.dataset.train_tokens();
   if (static_cast<int64_t>(train_tokens.size()) < config.train.ctx + 1)
     throw UserError(name + ": the training split has " + std::to_string(train_tokens.size()) +
@@ -93,7 +109,7 @@ PreparedData prepare_run_data(RunConfig& config, const std::string& dir, Progres
         "the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
         "validation loss",
         data.dataset.val_tokens().size(), config.train.ctx);
-  return data;
+  return std::move(data);
 }
 
 void check_memory_floor(const RunConfig& config, const std::string& checkpoint_flag,

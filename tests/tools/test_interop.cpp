@@ -726,6 +726,45 @@ TEST(ModelFiles, HuggingFaceExportReadsBackAsTheSameModel) {
       "exists; choose another name or give --overwrite");
 }
 
+// train --model: a run begins from a pretrained model's shape, tokenizer and weights (its first
+// loss far below a random model's ln(512) = 6.24), keeps the tokenizer through resume, sample and
+// tokenize, and refuses shape flags.
+TEST(ModelFiles, TrainingBeginsFromAModelFile) {
+  REQUIRE_SHARED("stories260K.gguf");
+  const TempFolder folder{temp_dir("from_model")};
+  const fs::path& dir = folder.path;
+  const fs::path model = kShared / "stories260K.gguf", run = dir / "run";
+  const std::string corpus = write_corpus(dir).string();
+  const std::string flags = "--model " + model.string() +
+                            " --ctx 64 --batch 4 --sample-tokens 8 --dtype fp32 --corpus " + corpus;
+  expect_one_line_refusal(run_cputrain(flags + " --d-model 32 --out " + (dir / "x").string(), dir),
+                          "--d-model: the model's shape comes from --model");
+  ASSERT_EQ(cputrain(flags + " --steps 3 --out " + run.string()), 0);
+  EXPECT_TRUE(fs::exists(run / "tokenizer.gguf"));
+  std::ifstream config_file(run / "config.json");
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  EXPECT_EQ(config["init"], fs::absolute(model).lexically_normal().string());
+  EXPECT_EQ(config["model"]["n_kv_heads"], 4);
+  std::ifstream metrics(run / "metrics.jsonl");
+  std::string first;
+  ASSERT_TRUE(std::getline(metrics, first));
+  EXPECT_LT(nlohmann::json::parse(first)["loss"].get<double>(), 5.0) << first;
+  ASSERT_EQ(cputrain("--resume " + run.string() + " --steps 5 --sample-tokens 8"), 0);
+  // The run's tokenizer is the model's.
+  const std::string text = "Once upon a time, a little cat sat on the mat.";
+  std::ofstream(dir / "text.txt") << text;
+  const Result from_run = run_cputrain(
+      "tokenize --model " + run.string() + " --text " + (dir / "text.txt").string(), dir);
+  const Result from_model = run_cputrain(
+      "tokenize --model " + model.string() + " --text " + (dir / "text.txt").string(), dir);
+  ASSERT_EQ(from_run.exit_code, 0) << from_run.err;
+  EXPECT_EQ(from_run.out, from_model.out);
+  const Result sampled =
+      run_cputrain("sample --run " + run.string() + " --temperature 0 --max-tokens 8", dir);
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.err;
+  EXPECT_FALSE(sampled.out.starts_with(" ")) << sampled.out;  // no dummy-prefix space shown
+}
+
 // `cputrain sample --temperature 0` from BOS is llama2.c's published greedy output, token for
 // token (256 of them, as run.c -n 256 gives).
 TEST(LlamaCpp, Stories260kGreedyTextIsThePublishedOne) {
