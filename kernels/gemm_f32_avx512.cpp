@@ -8,6 +8,7 @@
 #include "kernels/gemm_avx512_tile.h"
 #include "kernels/gemm_blocked.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/gemv_rows.h"
 
 namespace cputrain::kernels {
 namespace {
@@ -297,7 +298,31 @@ struct F32Avx512 {
 
 void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  // One row (decoding) streams the matrix once: packing it would only add memory traffic.
+  if (M == 1 && ta == Transpose::No && tb == Transpose::Yes && K > 0)
+    return gemv_f32_avx512(N, K, A, B, ldb, beta, C);
   detail::gemm_blocked<F32Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+namespace {
+
+struct F32Ops {
+  using T = float;
+  static constexpr int64_t kStep = 16;
+  static __m512 step(__m512 acc, const T* x, const T* w) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
+  }
+  static __m512 tail(__m512 acc, const T* x, const T* w, int64_t n) {
+    const auto mask = static_cast<__mmask16>((1u << n) - 1);
+    return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x), _mm512_maskz_loadu_ps(mask, w), acc);
+  }
+};
+
+}  // namespace
+
+void gemv_f32_avx512(int64_t N, int64_t K, const float* x, const float* W, int64_t ldw, float beta,
+                     float* y) {
+  detail::gemv_rows<F32Ops>(N, K, x, W, ldw, beta, y);
 }
 
 std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,

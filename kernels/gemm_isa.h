@@ -29,6 +29,9 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
 // packing the matrix would only add to the memory traffic; needs AVX512_BF16.
 void gemv_bf16_avx512(int64_t N, int64_t K, const uint16_t* x, const uint16_t* W, int64_t ldw,
                       float beta, float* y);
+// The same in FP32 (AVX-512F).
+void gemv_f32_avx512(int64_t N, int64_t K, const float* x, const float* W, int64_t ldw, float beta,
+                     float* y);
 // gemm_bf16_rounded on the AVX-512 BF16 kernel; K <= gemm_bf16_avx512_block_k().
 void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
