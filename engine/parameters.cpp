@@ -1,6 +1,7 @@
 #include "engine/parameters.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "engine/hash.h"
@@ -119,6 +120,19 @@ void ParameterSet::write_values(int index, const float* values) const {
   if (p.offset >= 0) std::copy_n(values, n, weights_.f32() + p.offset);
   if (has_bf16_copies() && p.bf16_offset >= 0)
     kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset, values, n);
+}
+
+bool ParameterSet::bf16_only(int index) const {
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  return p.offset < 0 && has_bf16_copies() && p.bf16_offset >= 0;
+}
+
+void ParameterSet::write_bf16_values(int index, const void* values) const {
+  if (!bf16_only(index))
+    throw std::logic_error("write_bf16_values: the parameter has an FP32 master");
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  std::memcpy(bf16_weights_.bf16() + p.bf16_offset, values,
+              static_cast<size_t>(p.shape.numel()) * sizeof(uint16_t));
 }
 
 uint64_t ParameterSet::frozen_fingerprint() const {

@@ -58,6 +58,10 @@ class ParameterSet {
   // Sets the parameter's values: into its FP32 master (and its bf16 copy, where it has one), or
   // rounded into its bf16 copy where that is all it has.
   void write_values(int index, const float* values) const;
+  // Whether the parameter is held as bf16 alone (no FP32 master).
+  bool bf16_only(int index) const;
+  // Sets a parameter held as bf16 alone from bf16 values (any alignment), copied as they are.
+  void write_bf16_values(int index, const void* values) const;
 
   // Allocates (once) the bf16 copies of the parameters declared with bf16_copy, as
   // Bf16Weights, attaches each to its Variable (Variable::bf16_value) and fills them. AdamW

@@ -204,7 +204,7 @@ std::string VocabTokenizer::supported_pre_tokenizers() {
 }
 
 int32_t VocabTokenizer::find(std::string_view piece) const {
-  const auto it = ids_.find(std::string(piece));
+  const auto it = ids_.find(piece);
   return it == ids_.end() ? -1 : it->second;
 }
 
@@ -361,11 +361,13 @@ void VocabTokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>
     pos += n;
   }
   // Merge the pair of lowest rank (the leftmost among equals) until none is a merge.
+  std::string pair;  // "left right", reused
   while (symbols.size() > 1) {
     int32_t best_rank = INT32_MAX;
     size_t best = 0;
     for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      const auto it = merge_rank_.find(symbols[i] + " " + symbols[i + 1]);
+      pair.assign(symbols[i]).append(1, ' ').append(symbols[i + 1]);
+      const auto it = merge_rank_.find(pair);
       if (it != merge_rank_.end() && it->second < best_rank) {
         best_rank = it->second;
         best = i;
@@ -432,6 +434,8 @@ std::string VocabTokenizer::decode(std::span<const int32_t> ids) const {
         }
     }
   }
+  // The dummy prefix encode put before the text is not part of it, as SentencePiece decodes.
+  if (!bpe_ && v_.add_space_prefix && text.starts_with(' ')) text.erase(0, 1);
   return text;
 }
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -55,7 +56,8 @@ class VocabTokenizer {
   // The ids of `text`, without BOS or EOS. With `special`, the texts of control and user-defined
   // tokens (such as <|im_start|>) in it are those tokens; without, they are text like any other.
   std::vector<int32_t> encode(std::string_view text, bool special = false) const;
-  // The text of `ids`: byte pieces as their bytes, U+2581 as a space, control tokens as nothing.
+  // The text of `ids`, from the start of a text: byte pieces as their bytes, U+2581 as a space,
+  // control tokens as nothing, and without the space of the dummy prefix (decode(encode(t)) == t).
   std::string decode(std::span<const int32_t> ids) const;
   // "gpt2", "llama-bpe" and "qwen2".
   static std::string supported_pre_tokenizers();
@@ -72,8 +74,14 @@ class VocabTokenizer {
   Vocabulary v_;
   bool bpe_ = false;
   bool ignore_merges_ = false;  // llama-bpe: a word that is a token is that token
-  std::unordered_map<std::string, int32_t> ids_;
-  std::unordered_map<std::string, int32_t> merge_rank_;  // "left right" -> rank
+  // Looked up by string_view, without a string made for each look-up.
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using Table = std::unordered_map<std::string, int32_t, Hash, std::equal_to<>>;
+  Table ids_;
+  Table merge_rank_;  // "left right" -> rank
   int32_t byte_ids_[256];
   std::string byte_chars_[256];                       // GPT-2's printable character for each byte
   std::unordered_map<uint32_t, uint8_t> char_bytes_;  // and back, by code point

@@ -79,8 +79,13 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
     if (t->dims != expected)
       throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
                       " where the model's hyperparameters give " + shape_text(expected));
-    const std::vector<float> values = gguf_tensor_values(file, *t);
-    params.write_values(static_cast<int>(i), values.data());
+    // A BF16 tensor into a parameter held as bf16 alone is copied as it is.
+    if (t->type == static_cast<uint32_t>(GgmlType::BF16) && params.bf16_only(static_cast<int>(i))) {
+      params.write_bf16_values(static_cast<int>(i), t->data.data());
+    } else {
+      const std::vector<float> values = gguf_tensor_values(file, *t);
+      params.write_values(static_cast<int>(i), values.data());
+    }
     used.insert(name);
   }
   for (const GgufTensor& t : file.tensors()) {

@@ -131,8 +131,13 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
     if (t->shape != expected)
       throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
                       shape_text(t->shape) + " where config.json gives " + shape_text(expected));
-    const std::vector<float> values = safetensors_values(weights.file_of(name), name, *t);
-    params.write_values(static_cast<int>(i), values.data());
+    // A BF16 tensor into a parameter held as bf16 alone is copied as it is.
+    if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
+      params.write_bf16_values(static_cast<int>(i), t->data.data());
+    } else {
+      const std::vector<float> values = safetensors_values(weights.file_of(name), name, *t);
+      params.write_values(static_cast<int>(i), values.data());
+    }
     used.insert(name);
   }
   for (const std::string& name : weights.names()) {

@@ -44,9 +44,8 @@ std::string read_text(const std::string& path) {
 // --text: the file's tokens (BOS first where the tokenizer adds one) in consecutive windows of
 // `ctx`, each position after a window's first scored by the logits before it.
 int eval_text(const EvalArgs& a) {
-  const bool from_run = !a.run.empty();
-  LoadedModel m = load_model(from_run ? a.run : a.model, from_run ? "--run" : "--model", a.weights,
-                             a.ctx > 0 ? a.ctx : kDefaultImportCtx);
+  const auto [path, flag] = model_source(a.run, a.model);
+  LoadedModel m = load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx);
   const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, m.config.ctx) : m.config.ctx;
   std::vector<int32_t> tokens;
   const bool add_bos =
@@ -118,10 +117,7 @@ int eval_text(const EvalArgs& a) {
 }  // namespace
 
 void add_eval_flags(CLI::App& app, EvalArgs& a) {
-  auto* run = app.add_option("--run", a.run, "Run directory written by `cputrain train`");
-  auto* model = app.add_option("--model", a.model, "A run directory or a GGUF file (with --text)");
-  run->excludes(model);
-  model->excludes(run);
+  add_model_source_flags(app, a.run, a.model);
   app.add_option("--text", a.text, "Perplexity of this text file (each token after BOS scored)");
   app.add_option("--ctx", a.ctx, "Tokens per window with --text (default: the model's context)")
       ->check(positive_whole());
@@ -145,9 +141,7 @@ void add_eval_flags(CLI::App& app, EvalArgs& a) {
 }
 
 int run_eval(const EvalArgs& a) {
-  if (a.run.empty() && a.model.empty()) throw UserError("--run or --model is required");
-  if (!a.run.empty() && !fs::is_directory(a.run))
-    throw UserError("--run " + a.run + ": no such run directory");
+  model_source(a.run, a.model);  // one of them, and --run a directory
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
   if (!a.text.empty()) return eval_text(a);

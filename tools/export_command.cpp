@@ -11,10 +11,7 @@
 namespace cputrain {
 
 void add_export_flags(CLI::App& app, ExportArgs& a) {
-  auto* run = app.add_option("--run", a.run, "Run directory written by `cputrain train`");
-  auto* model = app.add_option("--model", a.model, "A run directory or a GGUF file");
-  run->excludes(model);
-  model->excludes(run);
+  add_model_source_flags(app, a.run, a.model);
   app.add_option(
       "--weights", a.weights,
       "A run's model.bin or checkpoint (default: model.bin, else the newest checkpoint)");
@@ -30,7 +27,7 @@ void add_export_flags(CLI::App& app, ExportArgs& a) {
 }
 
 int run_export(const ExportArgs& a) {
-  if (a.run.empty() && a.model.empty()) throw UserError("--run or --model is required");
+  const auto [source, flag] = model_source(a.run, a.model);
   const bool gguf = a.out.ends_with(".gguf");
   if (!gguf && a.type == "q8_0")
     throw UserError(
@@ -43,9 +40,7 @@ int run_export(const ExportArgs& a) {
     throw UserError("--out " + a.out + ": exists; choose another name or give --overwrite");
   if (exists && !gguf && !std::filesystem::is_directory(a.out, ec))
     throw UserError("--out " + a.out + ": a file, where a Hugging Face folder is to be written");
-  const bool from_run = !a.run.empty();
-  const std::string source = from_run ? a.run : a.model;
-  LoadedModel m = load_model(source, from_run ? "--run" : "--model", a.weights, INT64_MAX);
+  LoadedModel m = load_model(source, flag, a.weights, INT64_MAX);
   GgufExport options;
   options.type = a.type == "f16"    ? GgmlType::F16
                  : a.type == "bf16" ? GgmlType::BF16

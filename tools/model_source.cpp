@@ -6,6 +6,7 @@
 
 #include "engine/error.h"
 #include "engine/gguf_file.h"
+#include "engine/safetensors_file.h"
 #include "engine/vocab_tokenizer.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
@@ -34,80 +35,6 @@ ModelOptions model_options(bool bf16) {
   return o;
 }
 
-}  // namespace
-
-LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
-                       int64_t max_ctx, bool bf16_when_exact) {
-  LoadedModel m;
-  std::error_code ec;
-  if (fs::is_directory(path, ec) && is_hf_folder(path)) {
-    if (!weights.empty())
-      throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
-                      path);
-    m.config = hf_model_config(path, max_ctx);
-    m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
-    if (m.tokenizer->vocab_size() > m.config.vocab)
-      throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
-                      " tokens, config.json's vocab_size " + std::to_string(m.config.vocab));
-    const SafetensorsModel weights_files(path);
-    bool all_bf16 = true;
-    for (const std::string& name : weights_files.names()) {
-      const SafetensorsTensor* t = weights_files.find(name);
-      if (t->shape.size() == 2 && t->dtype != "BF16") all_bf16 = false;
-    }
-    m.bf16_weights = bf16_when_exact && all_bf16;
-    m.model = std::make_unique<LlamaModel>(m.config, model_options(m.bf16_weights));
-    load_hf_weights(weights_files, m.model->parameters());
-    const Vocabulary v = m.tokenizer->to_vocabulary();
-    m.strip_leading_space = m.tokenizer->vocabulary() && v.add_space_prefix;
-    m.source = "Hugging Face folder " + path + (m.bf16_weights ? " (bf16 weights)" : "");
-    return m;
-  }
-  if (fs::is_directory(path, ec)) {
-    if (!fs::exists(fs::path(path) / "config.json"))
-      throw UserError(flag + " " + path +
-                      ": a folder without config.json (neither a cputrain run nor a model folder)");
-    const RunConfig config = read_run_config(path + "/config.json");
-    m.config = config.model;
-    m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load_run(path));
-    if (m.tokenizer->vocab_size() != m.config.vocab)
-      throw UserError(path + "/tokenizer.model: vocabulary " +
-                      std::to_string(m.tokenizer->vocab_size()) + " does not match the model's " +
-                      std::to_string(m.config.vocab));
-    m.model = std::make_unique<LlamaModel>(m.config);
-    m.source = load_run_weights(path, weights, m.model->parameters());
-    // A run begun from a model file keeps its tokenizer, dummy prefix and all.
-    m.strip_leading_space =
-        m.tokenizer->vocabulary() && m.tokenizer->vocabulary()->vocabulary().add_space_prefix;
-    return m;
-  }
-  if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
-  if (!weights.empty())
-    throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
-                    path);
-  if (!starts_with_gguf_magic(path))
-    throw UserError(flag + " " + path + ": not a GGUF file, a model folder or a run directory");
-  const GgufFile file(path);
-  m.config = gguf_model_config(file, max_ctx);
-  Vocabulary vocabulary = gguf_vocabulary(file);
-  if (static_cast<int64_t>(vocabulary.tokens.size()) != m.config.vocab)
-    throw UserError(path + ": the tokenizer has " + std::to_string(vocabulary.tokens.size()) +
-                    " tokens, the embedding " + std::to_string(m.config.vocab) + " rows");
-  m.strip_leading_space = vocabulary.add_space_prefix;
-  m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(std::move(vocabulary)));
-  bool all_bf16 = true;
-  for (const GgufTensor& t : file.tensors())
-    if (t.dims.size() == 2 && t.type != static_cast<uint32_t>(GgmlType::BF16)) all_bf16 = false;
-  m.bf16_weights = bf16_when_exact && all_bf16;
-  m.model = std::make_unique<LlamaModel>(m.config, model_options(m.bf16_weights));
-  load_gguf_weights(file, m.model->parameters());
-  m.source = "GGUF " + file.string("general.architecture") + ", " + path +
-             (m.bf16_weights ? " (bf16 weights)" : "");
-  return m;
-}
-
-namespace {
-
 enum class SourceKind { Run, HuggingFace, Gguf };
 
 SourceKind source_kind(const std::string& path, const std::string& flag) {
@@ -125,6 +52,63 @@ SourceKind source_kind(const std::string& path, const std::string& flag) {
 }
 
 }  // namespace
+
+LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
+                       int64_t max_ctx, bool bf16_when_exact) {
+  const SourceKind kind = source_kind(path, flag);
+  if (kind != SourceKind::Run && !weights.empty())
+    throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
+                    path);
+  LoadedModel m;
+  // Each file is opened once: its configuration, tokenizer and weights come from the one copy.
+  std::unique_ptr<GgufFile> gguf;
+  std::unique_ptr<SafetensorsModel> safetensors;
+  bool all_bf16 = false;  // every matrix of the file is BF16
+  switch (kind) {
+    case SourceKind::Run:
+      m.config = read_run_config(path + "/config.json").model;
+      m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load_run(path));
+      break;
+    case SourceKind::HuggingFace:
+      m.config = hf_model_config(path, max_ctx);
+      m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
+      safetensors = std::make_unique<SafetensorsModel>(path);
+      all_bf16 = true;
+      for (const std::string& name : safetensors->names())
+        if (safetensors->find(name)->shape.size() == 2 && safetensors->find(name)->dtype != "BF16")
+          all_bf16 = false;
+      break;
+    case SourceKind::Gguf:
+      gguf = std::make_unique<GgufFile>(path);
+      m.config = gguf_model_config(*gguf, max_ctx);
+      m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(gguf_vocabulary(*gguf)));
+      all_bf16 = true;
+      for (const GgufTensor& t : gguf->tensors())
+        if (t.dims.size() == 2 && t.type != static_cast<uint32_t>(GgmlType::BF16)) all_bf16 = false;
+      break;
+  }
+  // An embedding may have rows past the tokenizer's last id (padding), never fewer.
+  if (m.tokenizer->vocab_size() > m.config.vocab)
+    throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
+                    " tokens, the model's embedding " + std::to_string(m.config.vocab) + " rows");
+  m.bf16_weights = bf16_when_exact && all_bf16;
+  m.model = std::make_unique<LlamaModel>(m.config, model_options(m.bf16_weights));
+  const std::string held = m.bf16_weights ? " (bf16 weights)" : "";
+  switch (kind) {
+    case SourceKind::Run:
+      m.source = load_run_weights(path, weights, m.model->parameters());
+      break;
+    case SourceKind::HuggingFace:
+      load_hf_weights(*safetensors, m.model->parameters());
+      m.source = "Hugging Face folder " + path + held;
+      break;
+    case SourceKind::Gguf:
+      load_gguf_weights(*gguf, m.model->parameters());
+      m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held;
+      break;
+  }
+  return m;
+}
 
 LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
   switch (source_kind(path, flag)) {
@@ -155,13 +139,33 @@ void load_model_weights(const std::string& path, const std::string& flag,
   load_gguf_weights(GgufFile(path), params);
 }
 
+void add_model_source_flags(CLI::App& app, std::string& run, std::string& model) {
+  auto* r = app.add_option("--run", run, "Run directory written by `cputrain train`");
+  auto* m =
+      app.add_option("--model", model, "A run directory, a GGUF file or a Hugging Face folder");
+  r->excludes(m);
+  m->excludes(r);
+}
+
+std::pair<std::string, std::string> model_source(const std::string& run, const std::string& model) {
+  if (run.empty() && model.empty()) throw UserError("--run or --model is required");
+  if (model.empty()) {
+    std::error_code ec;
+    if (!fs::is_directory(run, ec)) throw UserError("--run " + run + ": no such run directory");
+    return {run, "--run"};
+  }
+  return {model, "--model"};
+}
+
 Tokenizer load_tokenizer(const std::string& path, const std::string& flag) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec) && is_hf_folder(path)) return hf_tokenizer(path);
-  if (fs::is_directory(path, ec)) return Tokenizer::load_run(path);
-  if (!fs::exists(path, ec)) throw UserError(flag + " " + path + ": no such file or folder");
-  if (!starts_with_gguf_magic(path))
-    throw UserError(flag + " " + path + ": not a GGUF file, a model folder or a run directory");
+  switch (source_kind(path, flag)) {
+    case SourceKind::HuggingFace:
+      return hf_tokenizer(path);
+    case SourceKind::Run:
+      return Tokenizer::load_run(path);
+    case SourceKind::Gguf:
+      break;
+  }
   return Tokenizer::from_vocabulary(gguf_vocabulary(GgufFile(path)));
 }
 

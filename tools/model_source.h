@@ -3,8 +3,10 @@
 // The model, its tokenizer and where they came from, ready to compute.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "engine/tokenizer.h"
 #include "models/llama.h"
@@ -16,10 +18,7 @@ struct LoadedModel {
   LlamaConfig config;
   std::unique_ptr<LlamaModel> model;
   std::unique_ptr<Tokenizer> tokenizer;
-  std::string source;  // "GGUF llama, stories260K.gguf" or the run's weights file
-  // Whether decoding drops the leading space the tokenizer put before the text (SentencePiece
-  // vocabularies with a dummy prefix).
-  bool strip_leading_space = false;
+  std::string source;         // "GGUF llama, stories260K.gguf" or the run's weights file
   bool bf16_weights = false;  // held as bf16 alone (load_model's bf16_when_exact)
 };
 
@@ -42,6 +41,11 @@ LlamaConfig load_model_config(const std::string& path, const std::string& flag, 
 // The weights of the model at `path` into `params` (a model of load_model_config's shape).
 void load_model_weights(const std::string& path, const std::string& flag,
                         const ParameterSet& params);
+
+// --run DIR and --model PATH, one or the other: the flags of every command that reads a model.
+void add_model_source_flags(CLI::App& app, std::string& run, std::string& model);
+// The one given, as (path, flag); a UserError where neither is, or --run is not a directory.
+std::pair<std::string, std::string> model_source(const std::string& run, const std::string& model);
 
 // The tokenizer alone of `path`: a run directory's tokenizer.model, or a GGUF file's vocabulary
 // (a vocabulary-only file will do). A UserError naming the flag and path otherwise.

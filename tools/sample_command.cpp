@@ -20,10 +20,7 @@
 namespace cputrain {
 
 void add_sample_flags(CLI::App& app, SampleArgs& a) {
-  auto* run = app.add_option("--run", a.run, "Run directory written by `cputrain train`");
-  auto* model = app.add_option("--model", a.model, "A run directory or a GGUF file");
-  run->excludes(model);
-  model->excludes(run);
+  add_model_source_flags(app, a.run, a.model);
   app.add_option("--ctx", a.ctx,
                  "Context of a model file, where it declares a longer one (default: at most 4096)")
       ->check(positive_whole());
@@ -54,15 +51,12 @@ int run_sample(const SampleArgs& a) {
   if (a.top_k < 0) throw UserError("--top-k must not be negative");
   if (!(a.top_p > 0.0 && a.top_p <= 1.0))
     throw UserError("--top-p " + std::to_string(a.top_p) + ": must be in (0, 1]");
-  if (a.run.empty() && a.model.empty()) throw UserError("--run or --model is required");
+  const auto [path, flag] = model_source(a.run, a.model);
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
-  const bool from_run = !a.run.empty();
-  if (from_run && !std::filesystem::is_directory(a.run))
-    throw UserError("--run " + a.run + ": no such run directory");
   const Stopwatch load_time;
-  LoadedModel loaded = load_model(from_run ? a.run : a.model, from_run ? "--run" : "--model",
-                                  a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true);
+  LoadedModel loaded =
+      load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true);
   const double load_seconds = load_time.seconds();
   LlamaModel& model = *loaded.model;
   const Tokenizer& tokenizer = *loaded.tokenizer;
@@ -80,13 +74,7 @@ int run_sample(const SampleArgs& a) {
 
   // Stream: decode everything generated so far and print what is new.
   std::vector<int32_t> generated = encoded;
-  // A vocabulary with a dummy prefix puts a space before the text: not part of what is shown.
-  const auto text_of = [&](const std::vector<int32_t>& ids) {
-    std::string text = tokenizer.decode(ids);
-    if (loaded.strip_leading_space && !text.empty() && text[0] == ' ') text.erase(0, 1);
-    return text;
-  };
-  std::string printed = text_of(generated);
+  std::string printed = tokenizer.decode(generated);
   std::fputs(printed.c_str(), stdout);
   std::fflush(stdout);
   const Stopwatch generate_time;
@@ -96,7 +84,7 @@ int run_sample(const SampleArgs& a) {
     if (tokens++ == 0) first_token_seconds = generate_time.seconds();
     if (token == tokenizer.bos_id()) return;
     generated.push_back(token);
-    const std::string text = text_of(generated);
+    const std::string text = tokenizer.decode(generated);
     if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
       std::fputs(text.c_str() + printed.size(), stdout);
       std::fflush(stdout);

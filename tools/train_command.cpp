@@ -30,7 +30,6 @@
 #include "engine/threads.h"
 #include "engine/tokenizer.h"
 #include "engine/trainer.h"
-#include "engine/vocab_tokenizer.h"
 #include "engine/weights_file.h"
 #include "kernels/attention.h"
 #include "kernels/cpu_features.h"
@@ -193,12 +192,7 @@ std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t t
   std::vector<int32_t> body;
   for (size_t i = 1; i < out.size(); ++i)
     if (out[i] != tokenizer.bos_id()) body.push_back(out[i]);
-  std::string text = tokenizer.decode(body);
-  // A vocabulary with a dummy prefix puts a space before the text: not part of it.
-  if (tokenizer.vocabulary() && tokenizer.vocabulary()->vocabulary().add_space_prefix &&
-      text.starts_with(' '))
-    text.erase(0, 1);
-  return text;
+  return tokenizer.decode(body);
 }
 
 }  // namespace

@@ -28,9 +28,24 @@ std::string fit_message(const RunConfig& config, int64_t bytes, int64_t availabl
          ", exceeds the available " + format_bytes(available);
 }
 
-}  // namespace
+// The splits against one window of ctx: a UserError where training has less, a warning where
+// validation has.
+PreparedData check_splits(const RunConfig& config, PreparedData& data, const std::string& name) {
+  spdlog::logger& log = *spdlog::default_logger();
+  const auto train_tokens = data.dataset.train_tokens();
+  if (static_cast<int64_t>(train_tokens.size()) < config.train.ctx + 1)
+    throw UserError(name + ": the training split has " + std::to_string(train_tokens.size()) +
+                    " tokens, fewer than one window of --ctx " + std::to_string(config.train.ctx) +
+                    " + 1");
+  if (static_cast<int64_t>(data.dataset.val_tokens().size()) < config.train.ctx + 1)
+    log.warn(
+        "the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
+        "validation loss",
+        data.dataset.val_tokens().size(), config.train.ctx);
+  return std::move(data);
+}
 
-PreparedData check_splits(const RunConfig& config, PreparedData& data, const std::string& name);
+}  // namespace
 
 std::shared_ptr<spdlog::logger> open_run_log(const std::string& dir,
                                              std::shared_ptr<ProgressSink> console) {
@@ -95,21 +110,6 @@ PreparedData prepare_run_data(RunConfig& config, const std::string& dir, Progres
         "vocabulary is {}",
         data.tokenizer.vocab_size(), asked, data.tokenizer.vocab_size());
   return check_splits(config, data, name);
-}
-
-PreparedData check_splits(const RunConfig& config, PreparedData& data, const std::string& name) {
-  spdlog::logger& log = *spdlog::default_logger();
-  const auto train_tokens = data.dataset.train_tokens();
-  if (static_cast<int64_t>(train_tokens.size()) < config.train.ctx + 1)
-    throw UserError(name + ": the training split has " + std::to_string(train_tokens.size()) +
-                    " tokens, fewer than one window of --ctx " + std::to_string(config.train.ctx) +
-                    " + 1");
-  if (static_cast<int64_t>(data.dataset.val_tokens().size()) < config.train.ctx + 1)
-    log.warn(
-        "the validation split has {} tokens, fewer than one window of ctx {} + 1: no "
-        "validation loss",
-        data.dataset.val_tokens().size(), config.train.ctx);
-  return std::move(data);
 }
 
 void check_memory_floor(const RunConfig& config, const std::string& checkpoint_flag,
