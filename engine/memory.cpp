@@ -174,6 +174,18 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
   if (!ledger_free(l, ptr, n, category)) std::free(ptr);
 }
 
+void memory_count_mapped(size_t bytes, MemoryCategory category, bool count) {
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  if (count) {
+    ledger_count(l, n, category);
+  } else {
+    l.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
+    l.live_total.fetch_sub(n, std::memory_order_relaxed);
+  }
+}
+
 MemoryStats memory_stats() {
   return ledger_stats(process_ledger());
 }

@@ -38,6 +38,10 @@ struct MemoryStats {
 // allocation of the same size (engine/block_cache.h).
 void* memory_allocate(size_t bytes, MemoryCategory category);
 void memory_free(void* ptr, size_t bytes, MemoryCategory category);
+// Counts (or, with count false, stops counting) `bytes` under `category` that live in memory the
+// allocator did not give: a model file's tensors mapped in place. They are resident once read,
+// as any other weights are.
+void memory_count_mapped(size_t bytes, MemoryCategory category, bool count);
 MemoryStats memory_stats();
 // Sets every peak to the current live figure.
 void memory_reset_peaks();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "engine/hash.h"
 #include "kernels/bf16.h"
@@ -37,6 +38,17 @@ void ParameterSet::set_trainable(int index, bool trainable) {
   infos_.at(static_cast<size_t>(index)).trainable = trainable;
 }
 
+void ParameterSet::map_bf16(int index, const void* data, std::shared_ptr<const void> owner) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::map_bf16 after allocate");
+  if (!data || !owner) throw std::logic_error("ParameterSet::map_bf16 without data or owner");
+  ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  p.mapped = true;
+  mapped_data_.resize(infos_.size());
+  mapped_owners_.resize(infos_.size());
+  mapped_data_[static_cast<size_t>(index)] = data;
+  mapped_owners_[static_cast<size_t>(index)] = std::move(owner);
+}
+
 void ParameterSet::allocate(DType compute) {
   if (weights_.defined()) throw std::logic_error("ParameterSet::allocate twice");
   const bool bf16 = compute == DType::BF16;
@@ -44,6 +56,9 @@ void ParameterSet::allocate(DType compute) {
   trainable_numel_ = 0;
   for (ParameterInfo& p : infos_) {
     const bool bf16_only = bf16 && !p.trainable && p.bf16_copy;
+    if (p.mapped && !bf16_only)
+      throw std::logic_error("ParameterSet: " + p.name +
+                             " is mapped but not a frozen bf16 weight of a bf16 set");
     p.offset = bf16_only ? -1 : numel_;
     if (!bf16_only) numel_ += padded_f32(p.shape.numel());
     p.grad_offset = p.trainable ? trainable_numel_ : -1;
@@ -78,13 +93,19 @@ void ParameterSet::enable_bf16_copies() {
   if (has_bf16_copies()) return;
   int64_t offset = 0;
   for (ParameterInfo& p : infos_) {
-    if (!p.bf16_copy) continue;
+    if (!p.bf16_copy || p.mapped) continue;
     p.bf16_offset = offset;
     offset += padded_bf16(p.shape.numel());
   }
   bf16_weights_ = Tensor::zeros(Shape{offset}, DType::BF16, MemoryCategory::Bf16Weights);
   for (size_t i = 0; i < infos_.size(); ++i) {
     const ParameterInfo& p = infos_[i];
+    if (p.mapped) {
+      vars_[i] = Variable(Tensor::external(mapped_data_[i], p.shape, DType::BF16,
+                                           MemoryCategory::Bf16Weights, mapped_owners_[i]),
+                          false);
+      continue;
+    }
     if (p.bf16_offset < 0) continue;
     const Tensor copy = bf16_weights_.view(p.bf16_offset, p.shape);
     if (p.offset < 0)
@@ -110,13 +131,14 @@ void ParameterSet::read_values(int index, float* values) const {
   if (p.offset >= 0) {
     std::copy_n(weights_.f32() + p.offset, n, values);
   } else {
-    kernels::bf16_to_fp32_array(values, bf16_weights_.bf16() + p.bf16_offset, n);
+    kernels::bf16_to_fp32_array(values, vars_.at(static_cast<size_t>(index)).value().bf16(), n);
   }
 }
 
 void ParameterSet::write_values(int index, const float* values) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   const int64_t n = p.shape.numel();
+  if (p.mapped) throw std::logic_error("ParameterSet: " + p.name + " is mapped, read-only");
   if (p.offset >= 0) std::copy_n(values, n, weights_.f32() + p.offset);
   if (has_bf16_copies() && p.bf16_offset >= 0)
     kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset, values, n);
@@ -124,12 +146,12 @@ void ParameterSet::write_values(int index, const float* values) const {
 
 bool ParameterSet::bf16_only(int index) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
-  return p.offset < 0 && has_bf16_copies() && p.bf16_offset >= 0;
+  return p.offset < 0 && has_bf16_copies() && (p.bf16_offset >= 0 || p.mapped);
 }
 
 void ParameterSet::write_bf16_values(int index, const void* values) const {
-  if (!bf16_only(index))
-    throw std::logic_error("write_bf16_values: the parameter has an FP32 master");
+  if (!bf16_only(index) || mapped(index))
+    throw std::logic_error("write_bf16_values: the parameter has an FP32 master or is mapped");
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   std::memcpy(bf16_weights_.bf16() + p.bf16_offset, values,
               static_cast<size_t>(p.shape.numel()) * sizeof(uint16_t));
@@ -146,7 +168,8 @@ uint64_t ParameterSet::frozen_fingerprint() const {
     if (p.offset >= 0)
       h = fnv1a(weights_.f32() + p.offset, static_cast<size_t>(n) * 4, h);
     else
-      h = fnv1a(bf16_weights_.bf16() + p.bf16_offset, static_cast<size_t>(n) * 2, h);
+      h = fnv1a(vars_[static_cast<size_t>(&p - infos_.data())].value().bf16(),
+                static_cast<size_t>(n) * 2, h);
   }
   return any ? h : 0;
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@ struct ParameterInfo {
   bool bf16_copy = false;    // gets a bf16 copy in bf16 training (it feeds GEMMs)
   int64_t bf16_offset = -1;  // in elements, into bf16_weights(), once the copies exist
   bool trainable = true;
+  bool mapped = false;       // its bf16 values are read in place (map_bf16), not allocated
   int64_t grad_offset = -1;  // in elements into gradients() (and AdamW's m and v); -1: frozen
 };
 
@@ -33,6 +35,11 @@ class ParameterSet {
   int add(const std::string& name, const Shape& shape, bool decay, bool bf16_copy = false);
   // Marks a declared parameter frozen (or trainable again). Only before allocate().
   void set_trainable(int index, bool trainable);
+  // Before allocate: the parameter, frozen, with a bf16 copy, in a set allocated for bf16
+  // compute, takes as its value the bf16 values at `data` in place (row-major, as the parameter
+  // is shaped; any alignment), which `owner` keeps alive: a model file's tensor, mapped. Nothing
+  // is allocated for it, and its values cannot be written.
+  void map_bf16(int index, const void* data, std::shared_ptr<const void> owner);
   // Allocates the weights (zeroed) and the gradients of the trainable parameters (zeroed). With
   // compute BF16 the bf16 copies are made at once, and frozen parameters that have one get no
   // FP32 master.
@@ -58,8 +65,9 @@ class ParameterSet {
   // Sets the parameter's values: into its FP32 master (and its bf16 copy, where it has one), or
   // rounded into its bf16 copy where that is all it has.
   void write_values(int index, const float* values) const;
-  // Whether the parameter is held as bf16 alone (no FP32 master).
+  // Whether the parameter is held as bf16 alone (no FP32 master), mapped or not.
   bool bf16_only(int index) const;
+  bool mapped(int index) const { return infos_.at(static_cast<size_t>(index)).mapped; }
   // Sets a parameter held as bf16 alone from bf16 values (any alignment), copied as they are.
   void write_bf16_values(int index, const void* values) const;
 
@@ -87,6 +95,9 @@ class ParameterSet {
   Tensor weights_;
   Tensor gradients_;
   Tensor bf16_weights_;
+  // Where map_bf16 put each mapped parameter's values, and their owners (null elsewhere).
+  std::vector<const void*> mapped_data_;
+  std::vector<std::shared_ptr<const void>> mapped_owners_;
 };
 
 }  // namespace cputrain

@@ -3,6 +3,7 @@
 #include <cassert>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 namespace cputrain {
 
@@ -57,14 +58,35 @@ std::string Shape::str() const {
 Storage::Storage(size_t bytes, MemoryCategory category)
     : data_(memory_allocate(bytes, category)), bytes_(bytes), category_(category) {}
 
+Storage::Storage(void* data, size_t bytes, MemoryCategory category,
+                 std::shared_ptr<const void> owner)
+    : data_(data), bytes_(bytes), category_(category), owner_(std::move(owner)) {
+  memory_count_mapped(bytes_, category_, true);
+}
+
 Storage::~Storage() {
-  memory_free(data_, bytes_, category_);
+  if (owner_)
+    memory_count_mapped(bytes_, category_, false);
+  else
+    memory_free(data_, bytes_, category_);
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemoryCategory category) {
   Tensor t;
   t.storage_ =
       std::make_shared<Storage>(static_cast<size_t>(shape.numel()) * dtype_size(dtype), category);
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  return t;
+}
+
+Tensor Tensor::external(const void* data, const Shape& shape, DType dtype, MemoryCategory category,
+                        std::shared_ptr<const void> owner) {
+  if (!owner) throw std::logic_error("Tensor::external without an owner");
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>(const_cast<void*>(data),
+                                         static_cast<size_t>(shape.numel()) * dtype_size(dtype),
+                                         category, std::move(owner));
   t.shape_ = shape;
   t.dtype_ = dtype;
   return t;

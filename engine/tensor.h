@@ -35,6 +35,9 @@ class Shape {
 class Storage {
  public:
   Storage(size_t bytes, MemoryCategory category);
+  // `bytes` at `data`, memory that `owner` keeps alive (a mapped file): not allocated, but
+  // counted under `category` while the storage lives.
+  Storage(void* data, size_t bytes, MemoryCategory category, std::shared_ptr<const void> owner);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -46,6 +49,7 @@ class Storage {
   void* data_;
   size_t bytes_;
   MemoryCategory category_;
+  std::shared_ptr<const void> owner_;  // set where the memory is not the allocator's
 };
 
 class Tensor {
@@ -54,6 +58,10 @@ class Tensor {
   // Uninitialised contents.
   static Tensor empty(const Shape& shape, DType dtype, MemoryCategory category);
   static Tensor zeros(const Shape& shape, DType dtype, MemoryCategory category);
+  // The elements at `data`, which `owner` keeps alive (see Storage). Read-only in practice: a
+  // mapped file's pages are mapped without write permission.
+  static Tensor external(const void* data, const Shape& shape, DType dtype, MemoryCategory category,
+                         std::shared_ptr<const void> owner);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

@@ -79,8 +79,12 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
     if (t->dims != expected)
       throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
                       " where the model's hyperparameters give " + shape_text(expected));
-    // A BF16 tensor into a parameter held as bf16 alone is copied as it is.
-    if (t->type == static_cast<uint32_t>(GgmlType::BF16) && params.bf16_only(static_cast<int>(i))) {
+    // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
+    if (params.mapped(static_cast<int>(i))) {
+      if (t->type != static_cast<uint32_t>(GgmlType::BF16))
+        throw std::logic_error("load_gguf_weights: " + name + " mapped but not BF16");
+    } else if (t->type == static_cast<uint32_t>(GgmlType::BF16) &&
+               params.bf16_only(static_cast<int>(i))) {
       params.write_bf16_values(static_cast<int>(i), t->data.data());
     } else {
       const std::vector<float> values = gguf_tensor_values(file, *t);
@@ -94,6 +98,15 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
     throw UserError(file.path() + ": tensor " + t.name + " has no place in the " +
                     file.string("general.architecture") + " model cputrain computes");
   }
+}
+
+const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter) {
+  const GgufTensor* t = file.tensor(gguf_tensor_name(parameter.name));
+  if (!t || t->type != static_cast<uint32_t>(GgmlType::BF16)) return nullptr;
+  std::vector<int64_t> dims;
+  for (int d = parameter.shape.ndim() - 1; d >= 0; --d) dims.push_back(parameter.shape[d]);
+  if (t->dims != dims || t->data.size() != static_cast<size_t>(t->numel()) * 2) return nullptr;
+  return t->data.data();
 }
 
 namespace {

@@ -11,6 +11,7 @@
 namespace cputrain {
 
 class ParameterSet;
+struct ParameterInfo;
 
 // "llama, qwen2".
 std::string gguf_supported_architectures();
@@ -30,6 +31,11 @@ std::string gguf_tensor_name(const std::string& parameter);
 // file and tensor for a missing, misshapen or unsupported-type tensor, or one the model has no
 // place for.
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params);
+
+// The bf16 values in `file` of `parameter` (of LlamaModel), where they can be read in place: a
+// BF16 tensor of the parameter's shape. Null otherwise. (load_gguf_weights writes nothing into a
+// parameter mapped so, and checks it as any other.)
+const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter);
 
 // What `cputrain export` writes into a GGUF file.
 struct GgufExport {

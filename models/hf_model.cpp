@@ -119,6 +119,15 @@ std::string hf_tensor_name(const std::string& parameter) {
   return tensor_name(parameter, TensorNaming::HuggingFace);
 }
 
+const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter) {
+  const SafetensorsTensor* t = weights.find(hf_tensor_name(parameter.name));
+  if (!t || t->dtype != "BF16") return nullptr;
+  std::vector<int64_t> shape;
+  for (int d = 0; d < parameter.shape.ndim(); ++d) shape.push_back(parameter.shape[d]);
+  if (t->shape != shape || t->data.size() != static_cast<size_t>(t->numel()) * 2) return nullptr;
+  return t->data.data();
+}
+
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params) {
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
@@ -131,8 +140,11 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
     if (t->shape != expected)
       throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
                       shape_text(t->shape) + " where config.json gives " + shape_text(expected));
-    // A BF16 tensor into a parameter held as bf16 alone is copied as it is.
-    if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
+    // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
+    if (params.mapped(static_cast<int>(i))) {
+      if (t->dtype != "BF16")
+        throw std::logic_error("load_hf_weights: " + name + " mapped but not BF16");
+    } else if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
       params.write_bf16_values(static_cast<int>(i), t->data.data());
     } else {
       const std::vector<float> values = safetensors_values(weights.file_of(name), name, *t);

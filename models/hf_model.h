@@ -12,6 +12,7 @@
 namespace cputrain {
 
 class ParameterSet;
+struct ParameterInfo;
 class Tokenizer;
 
 // Whether `folder` holds a Hugging Face model (a config.json with a model_type).
@@ -32,6 +33,10 @@ std::string hf_tensor_name(const std::string& parameter);
 // naming the file and tensor for a missing, misshapen or unread-dtype one, or one the model has
 // no place for.
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params);
+
+// The bf16 values of `parameter` (of LlamaModel), where they can be read in place: a BF16
+// tensor of its shape. Null otherwise.
+const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter);
 
 // The folder's tokenizer: tokenizer.model where the vocabulary is SentencePiece-style and it is
 // there, else tokenizer.json (byte-level BPE with the gpt2, llama-bpe or qwen2 pre-tokenizer, or

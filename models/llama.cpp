@@ -61,6 +61,14 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options) :
   if (options.trainable)
     for (size_t i = 0; i < params_.infos().size(); ++i)
       params_.set_trainable(static_cast<int>(i), options.trainable(params_.infos()[i].name));
+  if (options.mapped_bf16 && options.compute_dtype == DType::BF16) {
+    for (size_t i = 0; i < params_.infos().size(); ++i) {
+      const ParameterInfo& p = params_.infos()[i];
+      if (p.trainable || !p.bf16_copy) continue;
+      if (const void* data = options.mapped_bf16(p))
+        params_.map_bf16(static_cast<int>(i), data, options.mapped_owner);
+    }
+  }
   params_.allocate(options.compute_dtype);
   compute_dtype_ = options.compute_dtype;
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "engine/parameters.h"
@@ -20,6 +21,11 @@ struct ModelOptions {
   DType compute_dtype = DType::F32;
   // Which parameters train, by name (LlamaModel::declare_parameters lists them); all where unset.
   std::function<bool(const std::string& name)> trainable;
+  // For a BF16 model, frozen GEMM weights read in place from a mapped model file
+  // (ParameterSet::map_bf16): the address of a parameter's bf16 values, or null to allocate it.
+  // `mapped_owner` keeps the file mapped.
+  std::function<const void*(const ParameterInfo& parameter)> mapped_bf16;
+  std::shared_ptr<const void> mapped_owner;
 };
 
 class LlamaModel {

@@ -61,8 +61,8 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
                     path);
   LoadedModel m;
   // Each file is opened once: its configuration, tokenizer and weights come from the one copy.
-  std::unique_ptr<GgufFile> gguf;
-  std::unique_ptr<SafetensorsModel> safetensors;
+  std::shared_ptr<GgufFile> gguf;
+  std::shared_ptr<SafetensorsModel> safetensors;
   bool all_bf16 = false;  // every matrix of the file is BF16
   switch (kind) {
     case SourceKind::Run:
@@ -72,14 +72,14 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
     case SourceKind::HuggingFace:
       m.config = hf_model_config(path, max_ctx);
       m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
-      safetensors = std::make_unique<SafetensorsModel>(path);
+      safetensors = std::make_shared<SafetensorsModel>(path);
       all_bf16 = true;
       for (const std::string& name : safetensors->names())
         if (safetensors->find(name)->shape.size() == 2 && safetensors->find(name)->dtype != "BF16")
           all_bf16 = false;
       break;
     case SourceKind::Gguf:
-      gguf = std::make_unique<GgufFile>(path);
+      gguf = std::make_shared<GgufFile>(path);
       m.config = gguf_model_config(*gguf, max_ctx);
       m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(gguf_vocabulary(*gguf)));
       all_bf16 = true;
@@ -92,8 +92,22 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
     throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
                     " tokens, the model's embedding " + std::to_string(m.config.vocab) + " rows");
   m.bf16_weights = bf16_when_exact && all_bf16;
-  m.model = std::make_unique<LlamaModel>(m.config, model_options(m.bf16_weights));
-  const std::string held = m.bf16_weights ? " (bf16 weights)" : "";
+  ModelOptions options = model_options(m.bf16_weights);
+  // Held as bf16 alone, the file's BF16 matrices are read in place: mapped, not copied.
+  if (m.bf16_weights && gguf) {
+    options.mapped_bf16 = [&](const ParameterInfo& p) { return gguf_bf16_in_place(*gguf, p); };
+    options.mapped_owner = gguf;
+  } else if (m.bf16_weights && safetensors) {
+    options.mapped_bf16 = [&](const ParameterInfo& p) { return hf_bf16_in_place(*safetensors, p); };
+    options.mapped_owner = safetensors;
+  }
+  m.model = std::make_unique<LlamaModel>(m.config, options);
+  bool mapped = false;
+  for (size_t i = 0; i < m.model->parameters().infos().size(); ++i)
+    mapped = mapped || m.model->parameters().mapped(static_cast<int>(i));
+  const std::string held = mapped           ? " (bf16 weights, read in place)"
+                           : m.bf16_weights ? " (bf16 weights)"
+                                            : "";
   switch (kind) {
     case SourceKind::Run:
       m.source = load_run_weights(path, weights, m.model->parameters());

@@ -229,6 +229,11 @@ TEST(LlamaCpp, Bf16AndQuantisedFilesAgreeWithLlamaCpp) {
     const fs::path model = dir / name;
     LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx, bf16);
     EXPECT_EQ(m.bf16_weights, bf16) << name;
+    // Held as bf16, the GEMM weights are the file's own bytes, mapped.
+    const ParameterSet& params = m.model->parameters();
+    for (size_t i = 0; i < params.infos().size(); ++i)
+      EXPECT_EQ(params.mapped(static_cast<int>(i)), bf16 && params.infos()[i].bf16_copy)
+          << name << " " << params.infos()[i].name;
     // A text the model itself would write (sampled at temperature 1), so the NLL measures its
     // confidence in likely text rather than its surprise at noise.
     SampleOptions options;
@@ -714,6 +719,19 @@ TEST(ModelFiles, HuggingFaceExportReadsBackAsTheSameModel) {
     }
   }
   EXPECT_EQ(differ, 0u);
+  // The bf16 folder held as bf16: its GEMM weights mapped from model.safetensors, the same values
+  // and logits as the folder read into FP32 masters.
+  LoadedModel in_place = load_model(hf.string(), "--model", "", kDefaultImportCtx, true);
+  ASSERT_TRUE(in_place.bf16_weights);
+  const ParameterSet& r = in_place.model->parameters();
+  for (size_t i = 0; i < r.infos().size(); ++i) {
+    EXPECT_EQ(r.mapped(static_cast<int>(i)), r.infos()[i].bf16_copy) << r.infos()[i].name;
+    const auto n = static_cast<size_t>(r.infos()[i].shape.numel());
+    std::vector<float> a(n), b(n);
+    q.read_values(static_cast<int>(i), a.data());
+    r.read_values(static_cast<int>(i), b.data());
+    EXPECT_EQ(a, b) << r.infos()[i].name;
+  }
   expect_one_line_refusal(
       run_cputrain(
           "export --model " + gguf.string() + " --type q8_0 --out " + (dir / "q8").string(), dir),
