@@ -34,23 +34,32 @@ int byte_of_piece(const std::string& piece) {
 }
 
 // The pre-tokenizers' regular expressions, as the models' tokenizer.json files give them (case
-// folding of the contractions spelled out).
+// folding of the contractions spelled out). Where there are two, the first splits the text and
+// the second splits each piece.
 struct PreTokenizer {
   const char* name;
-  const char* pattern;
+  const char* first;
+  const char* second;  // null where there is one expression
   bool ignore_merges;
 };
+constexpr const char* kGpt2Pattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+constexpr const char* kDigitsApartPattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)";
 constexpr PreTokenizer kPreTokenizers[] = {
-    {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
-     false},
+    {"gpt-2", kGpt2Pattern, nullptr, false},
     {"llama-bpe",
      "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
      "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-     true},
+     nullptr, true},
     {"qwen2",
      "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
      "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-     false},
+     nullptr, false},
+    // SmolLM and SmolLM2 (and Command R's vocabulary): each digit alone, then GPT-2's split
+    // without its last alternative.
+    {"smollm", "\\p{N}", kDigitsApartPattern, false},
+    {"command-r", "\\p{N}", kDigitsApartPattern, false},
 };
 
 // UTF-8 of a code point.
@@ -174,7 +183,7 @@ VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)
   merge_rank_.reserve(v_.merges.size());
   for (size_t i = 0; i < v_.merges.size(); ++i)
     merge_rank_.emplace(v_.merges[i], static_cast<int32_t>(i));
-  const std::string pre = v_.pre.empty() || v_.pre == "default" ? "gpt2" : v_.pre;
+  const std::string pre = v_.pre.empty() || v_.pre == "default" ? "gpt-2" : v_.pre;
   const PreTokenizer* chosen = nullptr;
   for (const PreTokenizer& p : kPreTokenizers)
     if (pre == p.name) chosen = &p;
@@ -182,18 +191,20 @@ VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)
     throw UserError("pre-tokenizer " + pre + ", which cputrain does not know (it knows " +
                     supported_pre_tokenizers() + ")");
   ignore_merges_ = chosen->ignore_merges;
-  int error = 0;
-  PCRE2_SIZE offset = 0;
-  pcre2_code* re =
-      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(chosen->pattern), PCRE2_ZERO_TERMINATED,
-                    PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
-  if (!re) throw std::logic_error("the pre-tokenizer's pattern does not compile");
-  pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);  // where JIT is absent, matching interprets
-  regex_ = re;
+  for (const char* pattern : {chosen->first, chosen->second}) {
+    if (!pattern) continue;
+    int error = 0;
+    PCRE2_SIZE offset = 0;
+    pcre2_code* re = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern), PCRE2_ZERO_TERMINATED,
+                                   PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+    if (!re) throw std::logic_error("a pre-tokenizer's pattern does not compile");
+    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE);  // where JIT is absent, matching interprets
+    regexes_.push_back(re);
+  }
 }
 
 VocabTokenizer::~VocabTokenizer() {
-  if (regex_) pcre2_code_free(static_cast<pcre2_code*>(regex_));
+  for (void* re : regexes_) pcre2_code_free(static_cast<pcre2_code*>(re));
 }
 
 std::string VocabTokenizer::supported_pre_tokenizers() {
@@ -312,36 +323,43 @@ void VocabTokenizer::encode_spm(std::string_view text, bool prefix,
 }
 
 void VocabTokenizer::encode_bpe(std::string_view text, std::vector<int32_t>& out) const {
-  // Bytes that are not valid UTF-8 are words of their own; the regular expression splits the
-  // valid runs, and text between its matches is a word too.
-  auto* re = static_cast<pcre2_code*>(regex_);
-  pcre2_match_data* match = pcre2_match_data_create_from_pattern(re, nullptr);
-  const auto split = [&](std::string_view run) {
+  // Bytes that are not valid UTF-8 are words of their own; the regular expressions split the
+  // valid runs (each piece of the first's split by the next), and text between matches is a
+  // piece too.
+  std::vector<pcre2_match_data*> matches;
+  for (void* re : regexes_)
+    matches.push_back(pcre2_match_data_create_from_pattern(static_cast<pcre2_code*>(re), nullptr));
+  const auto split = [&](const auto& self, std::string_view run, size_t level) -> void {
+    if (level == regexes_.size()) {
+      encode_bpe_word(run, out);
+      return;
+    }
+    auto* re = static_cast<pcre2_code*>(regexes_[level]);
     PCRE2_SIZE at = 0, last = 0;
     while (at < run.size()) {
       const int rc = pcre2_match(re, reinterpret_cast<PCRE2_SPTR>(run.data()), run.size(), at,
-                                 PCRE2_NO_UTF_CHECK, match, nullptr);
+                                 PCRE2_NO_UTF_CHECK, matches[level], nullptr);
       if (rc < 0) break;
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(match);
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(matches[level]);
       if (ov[1] == ov[0]) {  // an empty match: step over one character
         at = ov[0] + std::max<size_t>(1, utf8_length(run, ov[0]));
         continue;
       }
-      if (ov[0] > last) encode_bpe_word(run.substr(last, ov[0] - last), out);
-      encode_bpe_word(run.substr(ov[0], ov[1] - ov[0]), out);
+      if (ov[0] > last) self(self, run.substr(last, ov[0] - last), level + 1);
+      self(self, run.substr(ov[0], ov[1] - ov[0]), level + 1);
       at = last = ov[1];
     }
-    if (last < run.size()) encode_bpe_word(run.substr(last), out);
+    if (last < run.size()) self(self, run.substr(last), level + 1);
   };
   size_t pos = 0;
   while (pos < text.size()) {
     size_t end = pos;
     for (size_t n; end < text.size() && (n = utf8_length(text, end)) > 0;) end += n;
-    if (end > pos) split(text.substr(pos, end - pos));
+    if (end > pos) split(split, text.substr(pos, end - pos), 0);
     if (end < text.size()) encode_bpe_word(text.substr(end++, 1), out);
     pos = end;
   }
-  pcre2_match_data_free(match);
+  for (pcre2_match_data* m : matches) pcre2_match_data_free(m);
 }
 
 void VocabTokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const {

@@ -3,8 +3,8 @@
 // - SentencePiece style ("llama"): text with a leading space, spaces as U+2581, split into
 //   characters and merged pairwise, the pair whose merge is a piece of highest score first (the
 //   leftmost among equals), with byte pieces for what no piece covers.
-// - Byte-level BPE ("gpt2"): text split into words by the pre-tokenizer's regular expression
-//   (PCRE2; gpt2, llama-bpe for Llama 3, qwen2), each word's bytes written as GPT-2's printable
+// - Byte-level BPE ("gpt2"): text split into words by the pre-tokenizer's regular expressions
+//   (PCRE2; gpt-2, llama-bpe for Llama 3, qwen2, smollm for SmolLM2), each word's bytes written as GPT-2's printable
 //   characters and merged by the rank of the merges, the lowest first.
 #pragma once
 
@@ -59,7 +59,7 @@ class VocabTokenizer {
   // The text of `ids`, from the start of a text: byte pieces as their bytes, U+2581 as a space,
   // control tokens as nothing, and without the space of the dummy prefix (decode(encode(t)) == t).
   std::string decode(std::span<const int32_t> ids) const;
-  // "gpt2", "llama-bpe" and "qwen2".
+  // "gpt-2, llama-bpe, qwen2, smollm, command-r".
   static std::string supported_pre_tokenizers();
   const Vocabulary& vocabulary() const { return v_; }
   int vocab_size() const { return static_cast<int>(v_.tokens.size()); }
@@ -86,7 +86,7 @@ class VocabTokenizer {
   std::string byte_chars_[256];                       // GPT-2's printable character for each byte
   std::unordered_map<uint32_t, uint8_t> char_bytes_;  // and back, by code point
   std::vector<std::pair<std::string, int32_t>> specials_;  // longest first
-  void* regex_ = nullptr;                                  // the pre-tokenizer (pcre2_code)
+  std::vector<void*> regexes_;  // the pre-tokenizer's expressions, in order (pcre2_code)
 };
 
 }  // namespace cputrain

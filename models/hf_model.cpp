@@ -242,9 +242,18 @@ Tokenizer hf_tokenizer(const std::string& folder) {
         v.types[it->second] = Vocabulary::kUnknown;
       }
   } else {
-    std::vector<json> splits;
+    std::vector<json> splits, digits;
     collect(j.value("pre_tokenizer", json()), "Split", splits);
-    v.pre = "gpt2";
+    collect(j.value("pre_tokenizer", json()), "Digits", digits);
+    v.pre = "gpt-2";
+    if (!digits.empty()) {  // SmolLM's: each digit apart, then ByteLevel's GPT-2 split
+      if (!digits[0].value("individual_digits", false) || !splits.empty())
+        throw UserError(where +
+                        ": a pre-tokenizer cputrain does not know (Digits without "
+                        "individual_digits, or with a Split); it knows those of gpt-2, llama-bpe, "
+                        "qwen2 and smollm");
+      v.pre = "smollm";
+    }
     if (!splits.empty()) {
       const std::string pattern = splits[0].value("pattern", json::object()).value("Regex", "");
       v.pre.clear();
@@ -252,7 +261,7 @@ Tokenizer hf_tokenizer(const std::string& folder) {
         if (pattern == regex) v.pre = name;
       if (v.pre.empty())
         throw UserError(where + ": a pre-tokenizer pattern cputrain does not know (" + pattern +
-                        "); it knows those of gpt2, llama-bpe and qwen2");
+                        "); it knows those of gpt-2, llama-bpe, qwen2 and smollm");
     }
     v.add_space_prefix = false;
   }
@@ -417,14 +426,21 @@ void write_hf_folder(const std::string& folder, const LlamaConfig& c, const Para
                          {"add_prefix_space", false},
                          {"trim_offsets", false},
                          {"use_regex", pattern == nullptr}};
-      t["pre_tokenizer"] = pattern == nullptr ? byte_level
-                                              : json{{"type", "Sequence"},
-                                                     {"pretokenizers",
-                                                      {{{"type", "Split"},
-                                                        {"pattern", {{"Regex", pattern}}},
-                                                        {"behavior", "Isolated"},
-                                                        {"invert", false}},
-                                                       byte_level}}};
+      const bool digits_apart = v.pre == "smollm" || v.pre == "command-r";
+      if (pattern)
+        t["pre_tokenizer"] = {{"type", "Sequence"},
+                              {"pretokenizers",
+                               {{{"type", "Split"},
+                                 {"pattern", {{"Regex", pattern}}},
+                                 {"behavior", "Isolated"},
+                                 {"invert", false}},
+                                byte_level}}};
+      else if (digits_apart)
+        t["pre_tokenizer"] = {
+            {"type", "Sequence"},
+            {"pretokenizers", {{{"type", "Digits"}, {"individual_digits", true}}, byte_level}}};
+      else
+        t["pre_tokenizer"] = byte_level;
       t["decoder"] = {{"type", "ByteLevel"},
                       {"add_prefix_space", false},
                       {"trim_offsets", false},

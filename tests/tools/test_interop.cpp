@@ -278,10 +278,13 @@ void expect_test_vectors(const std::string& name) {
 }
 
 // The same vocabulary as a Hugging Face folder's tokenizer.json (byte-level BPE, its
-// pre-tokenizer's regular expression as Hugging Face writes it, added tokens) gives the same ids.
-TEST(LlamaCppVocab, Qwen2TokenizerJsonGivesTheSameIds) {
-  REQUIRE_ORACLE();
-  const fs::path base = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "ggml-vocab-qwen2.gguf";
+// pre-tokenizer as Hugging Face writes it, added tokens) gives the same ids over llama.cpp's test
+// texts: qwen2's (a Split by its regular expression) and Command R's (SmolLM's Digits, each digit
+// apart, then ByteLevel's own split).
+void expect_tokenizer_json_ids(const std::string& name, const nlohmann::json& pre_tokenizer,
+                               const std::string& pre) {
+  const fs::path base =
+      fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / ("ggml-vocab-" + name + ".gguf");
   const Vocabulary v = gguf_vocabulary(GgufFile(base.string()));
   nlohmann::json vocab = nlohmann::json::object(), added = nlohmann::json::array();
   for (size_t i = 0; i < v.tokens.size(); ++i) {
@@ -293,21 +296,14 @@ TEST(LlamaCppVocab, Qwen2TokenizerJsonGivesTheSameIds) {
   }
   const nlohmann::json tokenizer = {
       {"added_tokens", added},
-      {"pre_tokenizer",
-       {{"type", "Sequence"},
-        {"pretokenizers",
-         {{{"type", "Split"},
-           {"pattern",
-            {{"Regex",
-              "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
-              "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}}}},
-          {{"type", "ByteLevel"}, {"add_prefix_space", false}}}}}},
+      {"pre_tokenizer", pre_tokenizer},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", v.merges}}}};
   const TempFolder folder{temp_dir("tokenizer_json")};
   std::ofstream(folder.path / "tokenizer.json") << tokenizer.dump();
   std::ofstream(folder.path / "config.json") << R"({"model_type": "qwen2"})";
+  const std::string eos = v.tokens[static_cast<size_t>(v.eos)];
   std::ofstream(folder.path / "tokenizer_config.json")
-      << R"({"eos_token": "<|endoftext|>", "bos_token": null})";
+      << nlohmann::json{{"eos_token", eos}, {"bos_token", nullptr}}.dump();
   const Tokenizer hf = load_tokenizer(folder.path.string(), "--model");
   const Tokenizer gguf = Tokenizer::from_vocabulary(v);
   const std::string inputs = read_all(base.string() + ".inp");
@@ -318,12 +314,33 @@ TEST(LlamaCppVocab, Qwen2TokenizerJsonGivesTheSameIds) {
     if (end == std::string::npos) end = inputs.size();
     const std::string text = inputs.substr(pos, end - pos);
     pos = end + separator.size();
-    EXPECT_EQ(hf.encode(text), gguf.encode(text)) << text;
+    EXPECT_EQ(hf.encode(text), gguf.encode(text)) << name << ": " << text;
     ++tested;
   }
-  EXPECT_GT(tested, 30u);
-  EXPECT_EQ(hf.vocabulary()->vocabulary().pre, "qwen2");
-  EXPECT_EQ(hf.eos_id(), gguf.eos_id());
+  EXPECT_GT(tested, 30u) << name;
+  EXPECT_EQ(hf.vocabulary()->vocabulary().pre, pre);
+  EXPECT_EQ(hf.eos_id(), gguf.eos_id()) << name;
+}
+
+TEST(LlamaCppVocab, TokenizerJsonGivesTheSameIds) {
+  REQUIRE_ORACLE();
+  const nlohmann::json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}};
+  expect_tokenizer_json_ids(
+      "qwen2",
+      {{"type", "Sequence"},
+       {"pretokenizers",
+        {{{"type", "Split"},
+          {"pattern",
+           {{"Regex",
+             "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+             "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}}}},
+         byte_level}}},
+      "qwen2");
+  expect_tokenizer_json_ids(
+      "command-r",
+      {{"type", "Sequence"},
+       {"pretokenizers", {{{"type", "Digits"}, {"individual_digits", true}}, byte_level}}},
+      "smollm");
 }
 
 TEST(LlamaCppVocab, LlamaSpmTestVectors) {
@@ -339,6 +356,18 @@ TEST(LlamaCppVocab, LlamaBpeTestVectors) {
 TEST(LlamaCppVocab, Qwen2TestVectors) {
   REQUIRE_ORACLE();
   expect_test_vectors("qwen2");
+}
+
+TEST(LlamaCppVocab, Gpt2TestVectors) {
+  REQUIRE_ORACLE();
+  expect_test_vectors("gpt-2");
+}
+
+// Command R's vocabulary splits text as SmolLM's does (each digit apart, then GPT-2's split):
+// the two-expression pre-tokenizer of SmolLM2's files.
+TEST(LlamaCppVocab, DigitsApartTestVectors) {
+  REQUIRE_ORACLE();
+  expect_test_vectors("command-r");
 }
 
 // A chat turn: with special tokens parsed, <|im_start|> and <|im_end|> are their own ids, as
