@@ -503,34 +503,50 @@ Variable swiglu(const Variable& gate, const Variable& up) {
   return out;
 }
 
-Variable add(const Variable& a, const Variable& b) {
+Variable add(const Variable& a, const Variable& b, float b_scale) {
   require(a.shape() == b.shape(), "add: equal shapes");
   const int64_t n = a.value().numel();
   Scope scope("add", Pass::Forward);
   Tensor y = new_activation(a.shape());
-  if (computing()) kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
+  if (computing()) {
+    if (b_scale == 1.0f)
+      kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
+    else
+      kernels::vector_add_scaled(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), b_scale, n);
+  }
   const bool grad = needs_grad({&a, &b});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
+    record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n, b_scale] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // One side after the other (a and b may be the same): the first contribution is a copy,
       // or its rounding where that is all the side's producer reads.
       for (const GradRef* g : {&ga, &gb}) {
         if (!*g) continue;
+        const float s = g == &gb ? b_scale : 1.0f;
         const Tensor rounded = (*g)->rounded_for_overwrite();
         if (rounded.defined()) {
-          if (computing()) kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
+          if (s == 1.0f) {
+            if (computing()) kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
+          } else {
+            const Tensor scaled = Tensor::empty(dy.shape(), DType::F32, MemoryCategory::Workspace);
+            if (computing()) {
+              kernels::vector_scale(scaled.f32(), dy.f32(), s, n);
+              kernels::fp32_to_bf16_array(rounded.bf16(), scaled.f32(), n);
+            }
+          }
           continue;
         }
         float beta = 0.0f;
         float* d = (*g)->get_for_accumulate(&beta).f32();
         if (!computing()) continue;
         if (beta == 0.0f)
-          kernels::vector_copy(d, dy.f32(), n);
+          s == 1.0f ? kernels::vector_copy(d, dy.f32(), n)
+                    : kernels::vector_scale(d, dy.f32(), s, n);
         else
-          kernels::vector_accumulate(d, dy.f32(), n);
+          s == 1.0f ? kernels::vector_accumulate(d, dy.f32(), n)
+                    : kernels::vector_accumulate_scaled(d, dy.f32(), s, n);
       }
     });
   }

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <set>
+#include <stdexcept>
 
 #include "engine/error.h"
 #include "engine/parameters.h"
+#include "models/lora.h"
 #include "models/tensor_names.h"
 
 namespace cputrain {
@@ -70,6 +72,7 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
+    if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
     const std::string name = gguf_tensor_name(info.name);
     const GgufTensor* t = file.tensor(name);
     if (!t)
@@ -155,6 +158,8 @@ GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const Paramet
   set_gguf_vocabulary(w, v);
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
+    if (is_lora_parameter(info.name))
+      throw std::logic_error("write_gguf: a model with adapters (merge them first)");
     const std::string name = gguf_tensor_name(info.name);
     // llama.cpp's llama rotates adjacent pairs; qwen2 keeps Hugging Face's half-split rows.
     const std::vector<float> values = parameter_values(

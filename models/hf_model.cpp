@@ -9,6 +9,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "engine/atomic_file.h"
@@ -16,6 +17,7 @@
 #include "engine/gguf_file.h"
 #include "engine/parameters.h"
 #include "engine/tokenizer.h"
+#include "models/lora.h"
 #include "models/tensor_names.h"
 
 namespace cputrain {
@@ -132,6 +134,7 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
+    if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
     const std::string name = hf_tensor_name(info.name);
     const SafetensorsTensor* t = weights.find(name);
     if (!t) throw UserError("the model's safetensors have no tensor " + name);
@@ -371,6 +374,8 @@ void write_hf_folder(const std::string& folder, const LlamaConfig& c, const Para
   uint64_t offset = 0;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
+    if (is_lora_parameter(info.name))
+      throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
     const std::string name = hf_tensor_name(info.name);
     const std::vector<float> values =
         parameter_values(params, static_cast<int>(i), c, RopePairs::HalfSplit);

@@ -10,10 +10,12 @@
 #include "engine/ops.h"
 #include "kernels/attention.h"
 #include "kernels/rope.h"
+#include "models/lora.h"
 
 namespace cputrain {
 
-LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& params) {
+LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, const LoraConfig& lora,
+                                       ParameterSet& params) {
   const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
   const int64_t Q = config.q_dim(), KV = config.kv_dim();
   Layout layout;
@@ -37,6 +39,17 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& 
     b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
     b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
     b.w2 = params.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
+    if (lora.active()) {
+      const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2};
+      for (int j = 0; j < kProjectionCount; ++j) {
+        if (!lora.on(static_cast<Projection>(j))) continue;
+        const ParameterInfo& w = params.infos()[static_cast<size_t>(weights[j])];
+        const std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
+        const auto k = static_cast<size_t>(j);
+        b.lora_a[k] = params.add(base + "lora_a", Shape{lora.rank, w.shape[1]}, true, true);
+        b.lora_b[k] = params.add(base + "lora_b", Shape{w.shape[0], lora.rank}, true, true);
+      }
+    }
     layout.blocks.push_back(b);
   }
   layout.norm = params.add("norm.weight", Shape{C}, false);
@@ -45,22 +58,30 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, ParameterSet& 
   return layout;
 }
 
-void LlamaModel::declare_parameters(const LlamaConfig& config, ParameterSet& params) {
-  declare(config, params);
+void LlamaModel::declare_parameters(const LlamaConfig& config, ParameterSet& params,
+                                    const LoraConfig& lora) {
+  declare(config, lora, params);
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options) : config_(config) {
+LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
+    : config_(config), lora_(options.lora) {
   if (const auto problem = validate(config)) throw std::invalid_argument(problem->str());
   if (options.compute_dtype != DType::F32 && options.compute_dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
-  Layout layout = declare(config, params_);
+  if (lora_.rank < 0 || (lora_.active() && !(lora_.alpha > 0.0)))
+    throw std::invalid_argument("LoRA rank must be >= 0 and its alpha > 0");
+  Layout layout = declare(config, lora_, params_);
   tok_embeddings_ = layout.tok_embeddings;
   blocks_ = std::move(layout.blocks);
   norm_ = layout.norm;
   output_ = layout.output;
-  if (options.trainable)
-    for (size_t i = 0; i < params_.infos().size(); ++i)
-      params_.set_trainable(static_cast<int>(i), options.trainable(params_.infos()[i].name));
+  for (size_t i = 0; i < params_.infos().size(); ++i) {
+    const std::string& name = params_.infos()[i].name;
+    if (options.trainable)
+      params_.set_trainable(static_cast<int>(i), options.trainable(name));
+    else if (lora_.active())
+      params_.set_trainable(static_cast<int>(i), is_lora_parameter(name));
+  }
   if (options.mapped_bf16 && options.compute_dtype == DType::BF16) {
     for (size_t i = 0; i < params_.infos().size(); ++i) {
       const ParameterInfo& p = params_.infos()[i];
@@ -91,6 +112,7 @@ void LlamaModel::init_weights(uint64_t seed) {
   std::vector<float> w;
   for (size_t index = 0; index < params_.infos().size(); ++index) {
     const ParameterInfo& info = params_.infos()[index];
+    if (is_lora_parameter(info.name)) continue;  // init_adapters
     const int64_t n = info.shape.numel();
     w.assign(static_cast<size_t>(n), 0.0f);
     if (info.name.ends_with(".bias")) {
@@ -102,6 +124,23 @@ void LlamaModel::init_weights(uint64_t seed) {
                             info.name.ends_with("feed_forward.w2.weight");
       const double stddev = residual ? std_residual : std_matrix;
       for (float& x : w) x = static_cast<float>(stddev * normal());
+    }
+    params_.write_values(static_cast<int>(index), w.data());
+  }
+  if (lora_.active()) init_adapters(seed + 1);
+}
+
+void LlamaModel::init_adapters(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t index = 0; index < params_.infos().size(); ++index) {
+    const ParameterInfo& info = params_.infos()[index];
+    if (!is_lora_parameter(info.name)) continue;
+    std::vector<float> w(static_cast<size_t>(info.shape.numel()), 0.0f);
+    if (info.name.ends_with(".lora_a")) {
+      // Uniform on 53-bit draws, so the init is the same with any standard library.
+      const double bound = 1.0 / std::sqrt(static_cast<double>(info.shape[1]));
+      for (float& x : w)
+        x = static_cast<float>(bound * (2.0 * static_cast<double>(rng() >> 11) * 0x1.0p-53 - 1.0));
     }
     params_.write_values(static_cast<int>(index), w.data());
   }
@@ -124,6 +163,16 @@ Variable LlamaModel::bias(int index) const {
   return index >= 0 ? p(index) : Variable();
 }
 
+Variable LlamaModel::project(const Block& b, Projection which, int weight, int bias_index,
+                             const Variable& x, bool rounded) const {
+  const auto j = static_cast<size_t>(which);
+  if (b.lora_a[j] < 0)
+    return rounded ? linear_rounded(x, p(weight), bias(bias_index))
+                   : linear(x, p(weight), bias(bias_index));
+  const Variable update = linear(linear(x, p(b.lora_a[j])), p(b.lora_b[j]));
+  return add(linear(x, p(weight), bias(bias_index)), update, lora_.scale());
+}
+
 Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
                                    const Attend& attend) {
   const float eps = config_.norm_eps;
@@ -136,20 +185,21 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
     Variable q, k, v;
     {
       const Variable h = rmsnorm(x, p(b.attention_norm), eps);
-      q = rope(linear(h, p(b.wq), bias(b.bq)), rope_table, H, half_split);
-      k = rope(linear(h, p(b.wk), bias(b.bk)), rope_table, KVH, half_split);
-      v = linear_rounded(h, p(b.wv), bias(b.bv));  // attention reads only its rounding
+      q = rope(project(b, Projection::Q, b.wq, b.bq, h), rope_table, H, half_split);
+      k = rope(project(b, Projection::K, b.wk, b.bk, h), rope_table, KVH, half_split);
+      // Attention reads only v's rounding.
+      v = project(b, Projection::V, b.wv, b.bv, h, true);
     }
-    a = add(x, linear(attend(q, k, v), p(b.wo)));
+    a = add(x, project(b, Projection::O, b.wo, -1, attend(q, k, v)));
   }
   Variable f;
   {
     const Variable g = rmsnorm(a, p(b.ffn_norm), eps);
-    const Variable gate = linear(g, p(b.w1));
-    const Variable up = linear(g, p(b.w3));
+    const Variable gate = project(b, Projection::Gate, b.w1, -1, g);
+    const Variable up = project(b, Projection::Up, b.w3, -1, g);
     f = swiglu(gate, up);
   }
-  return add(a, linear(f, p(b.w2)));
+  return add(a, project(b, Projection::Down, b.w2, -1, f));
 }
 
 Variable LlamaModel::hidden(const Tensor& inputs) {

@@ -4,6 +4,7 @@
 // names follow Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -11,6 +12,7 @@
 
 #include "engine/parameters.h"
 #include "models/llama_config.h"
+#include "models/lora.h"
 
 namespace cputrain {
 
@@ -19,7 +21,10 @@ struct ModelOptions {
   // F32 or BF16 (set_compute_dtype). Known at construction, a BF16 model keeps its frozen GEMM
   // weights as bf16 alone (engine/parameters.h).
   DType compute_dtype = DType::F32;
-  // Which parameters train, by name (LlamaModel::declare_parameters lists them); all where unset.
+  // Adapters on the blocks' projections (models/lora.h), none by default.
+  LoraConfig lora;
+  // Which parameters train, by name (LlamaModel::declare_parameters lists them); where unset,
+  // all, or with adapters the adapters alone.
   std::function<bool(const std::string& name)> trainable;
   // For a BF16 model, frozen GEMM weights read in place from a mapped model file
   // (ParameterSet::map_bf16): the address of a parameter's bf16 values, or null to allocate it.
@@ -34,15 +39,21 @@ class LlamaModel {
 
   // Declares the model's parameters into `params` without allocating them: their names,
   // shapes, decay and bf16-copy flags, as the model holds them (the memory budget sizes them so).
-  static void declare_parameters(const LlamaConfig& config, ParameterSet& params);
+  // An adapter's follow its projection's: ".lora_a" (rank, in), ".lora_b" (out, rank).
+  static void declare_parameters(const LlamaConfig& config, ParameterSet& params,
+                                 const LoraConfig& lora = {});
 
   const LlamaConfig& config() const { return config_; }
   ParameterSet& parameters() { return params_; }
   const ParameterSet& parameters() const { return params_; }
 
   // Normal(0, 0.02) for matrices, 0.02 / sqrt(2 n_layers) for the output projections (wo, w2),
-  // ones for norm gains, zeros for biases; deterministic in seed.
+  // ones for norm gains, zeros for biases; deterministic in seed. Adapters as init_adapters.
   void init_weights(uint64_t seed);
+  // The adapters alone, as PEFT begins them: A uniform in +-1/sqrt(in) (Kaiming's uniform with
+  // a = sqrt(5)), B zero, so the model computes what its base does; deterministic in seed.
+  void init_adapters(uint64_t seed);
+  const LoraConfig& lora() const { return lora_; }
 
   // F32 (the default) or BF16: the precision of loss, logits and last_logits (autograd.h,
   // ComputeDTypeGuard). BF16 gives the GEMM weights bf16 copies, kept current by AdamW (frozen
@@ -79,6 +90,9 @@ class LlamaModel {
   struct Block {
     int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
     int bq = -1, bk = -1, bv = -1;  // the q, k, v biases; -1 without
+    // Each projection's adapter (by Projection), -1 without.
+    std::array<int, kProjectionCount> lora_a{-1, -1, -1, -1, -1, -1, -1};
+    std::array<int, kProjectionCount> lora_b{-1, -1, -1, -1, -1, -1, -1};
   };
   struct Layout {
     int tok_embeddings = 0;
@@ -86,7 +100,7 @@ class LlamaModel {
     int norm = 0;
     int output = 0;
   };
-  static Layout declare(const LlamaConfig& config, ParameterSet& params);
+  static Layout declare(const LlamaConfig& config, const LoraConfig& lora, ParameterSet& params);
   // (B, T, C) hidden states after the final norm.
   Variable hidden(const Tensor& inputs);
   // Attention of q, k, v (after RoPE): the whole-sequence op in training and evaluation, the
@@ -100,8 +114,13 @@ class LlamaModel {
   const Variable& p(int index) const { return params_.var(index); }
   // The parameter at index, or an undefined Variable for -1 (no bias).
   Variable bias(int index) const;
+  // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
+  // `rounded` as linear_rounded where it has none.
+  Variable project(const Block& block, Projection which, int weight, int bias_index,
+                   const Variable& x, bool rounded = false) const;
 
   LlamaConfig config_;
+  LoraConfig lora_;
   ParameterSet params_;
   int tok_embeddings_ = 0;
   std::vector<Block> blocks_;

@@ -37,6 +37,7 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     ModelOptions model_options;
     model_options.compute_dtype = o.dtype;
     model_options.trainable = o.trainable;
+    model_options.lora = o.lora;
     LlamaModel model(c, model_options);
     model.set_checkpointing(o.checkpoint);
     TrainOptions t;

@@ -16,6 +16,7 @@
 #include "engine/memory.h"
 #include "engine/tensor.h"
 #include "models/llama_config.h"
+#include "models/lora.h"
 
 namespace cputrain {
 
@@ -30,8 +31,11 @@ struct BudgetOptions {
   // Validation windows (of ctx tokens) per evaluation between steps (Trainer::evaluate, in
   // micro-batches of batch windows); 0: the run evaluates none.
   int64_t eval_windows = 0;
-  // Which parameters train, by name (ModelOptions::trainable); all where unset.
+  // Which parameters train, by name (ModelOptions::trainable); all where unset, or with
+  // adapters the adapters alone.
   std::function<bool(const std::string& name)> trainable;
+  // Adapters on the projections (ModelOptions::lora).
+  LoraConfig lora;
 };
 
 struct MemoryBudget {

@@ -157,6 +157,26 @@ TEST(OpsGradient, Add) {
                   {random_tensor(Shape{4, 5}, rng), random_tensor(Shape{4, 5}, rng)}, 1e-3);
 }
 
+TEST(OpsGradient, AddScaled) {
+  std::mt19937 rng(17);
+  check_gradients([](const auto& v) { return add(v[0], v[1], -2.5f); },
+                  {random_tensor(Shape{4, 5}, rng), random_tensor(Shape{4, 5}, rng)}, 1e-3);
+}
+
+// A LoRA projection: x W^T + b + s (x A^T) B^T, every input's gradient (in a frozen base only x
+// and the adapters train, but the op does not know that).
+TEST(OpsGradient, LowRankAdapterProjection) {
+  std::mt19937 rng(19);
+  check_gradients(
+      [](const auto& v) {
+        return add(linear(v[0], v[1], v[2]), linear(linear(v[0], v[3]), v[4]), 0.75f);
+      },
+      {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng),
+       random_tensor(Shape{5}, rng), random_tensor(Shape{2, 7}, rng),
+       random_tensor(Shape{5, 2}, rng)},
+      2e-3);
+}
+
 TEST(OpsGradient, CrossEntropy) {
   std::mt19937 rng(8);
   Tensor targets = Tensor::empty(Shape{6}, DType::I32, MemoryCategory::Workspace);

@@ -1,15 +1,16 @@
 #!/usr/bin/python3
 """Reference tensors for tests/models/test_llama_reference.cpp, from PyTorch.
 
-A self-contained fp32 PyTorch implementation of the cputrain decoder, for two configurations
-(CONFIGS: the tiny preset, and one with grouped-query attention, tied embeddings, q/k/v biases
-and half-split RoPE): from one seeded set of weights and one batch it records the logits, the
-loss, every parameter gradient, and the losses, gradient norms and weights of 10 AdamW steps with
-global norm clipping.
+A self-contained fp32 PyTorch implementation of the cputrain decoder, for three configurations
+(CONFIGS: the tiny preset; one with grouped-query attention, tied embeddings, q/k/v biases and
+half-split RoPE; that one again with a frozen base and LoRA adapters, y = W x + (alpha / rank)
+B A x, on all seven projections): from one seeded set of weights and one batch it records the
+logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
+weights of 10 AdamW steps with global norm clipping.
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_tiny_reference.ctrf and tests/data/llama_gqa_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -39,6 +40,8 @@ class Config:
     half_split: bool = False  # rotate (x[j], x[j + D/2]) instead of (x[2j], x[2j+1])
     theta: float = 10000.0
     eps: float = 1e-5
+    lora_rank: int = 0  # adapters on q, k, v, o, gate, up, down; the base frozen
+    lora_alpha: float = 0.0
 
 
 CONFIGS = [
@@ -49,7 +52,13 @@ CONFIGS = [
     # two, and H * D = 80 differs from the width 96).
     Config("llama_gqa_reference.ctrf", V=256, C=96, L=2, H=8, F=160, B=2, T=24, KVH=2, D=10,
            tied=True, bias=True, half_split=True, theta=1e6, eps=1e-6),
+    # The same with LoRA: rank 4, alpha 8 (scale 2).
+    Config("llama_lora_reference.ctrf", V=256, C=96, L=2, H=8, F=160, B=2, T=24, KVH=2, D=10,
+           tied=True, bias=True, half_split=True, theta=1e6, eps=1e-6, lora_rank=4,
+           lora_alpha=8.0),
 ]
+PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+               "feed_forward.w3", "feed_forward.w2"]
 LR, BETAS, ADAM_EPS, DECAY, CLIP, STEPS = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 10
 
 
@@ -77,6 +86,12 @@ def parameter_shapes(c):
             (p + "feed_forward.w3.weight", (c.F, c.C)),
             (p + "feed_forward.w2.weight", (c.C, c.F)),
         ]
+        if c.lora_rank:  # each projection's A (rank, in) and B (out, rank)
+            dims = dict(shapes)
+            for proj in PROJECTIONS:
+                out_dim, in_dim = dims[p + proj + ".weight"]
+                shapes += [(p + proj + ".lora_a", (c.lora_rank, in_dim)),
+                           (p + proj + ".lora_b", (out_dim, c.lora_rank))]
     shapes += [("norm.weight", (c.C,))]
     if not c.tied:
         shapes += [("output.weight", (c.V, c.C))]
@@ -92,11 +107,15 @@ def init_parameters(c, gen):
         elif len(shape) == 1:
             # Gains away from 1 so their gradients matter.
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".lora_a") or name.endswith(".lora_b"):
+            # B away from its zero start, so that A's gradient is not zero.
+            t = torch.randn(shape, generator=gen) * 0.05
         elif name.endswith("wo.weight") or name.endswith("w2.weight"):
             t = torch.randn(shape, generator=gen) * (0.02 / math.sqrt(2 * c.L))
         else:
             t = torch.randn(shape, generator=gen) * 0.02
-        params[name] = t.float().requires_grad_(True)
+        trainable = not c.lora_rank or ".lora_" in name
+        params[name] = t.float().requires_grad_(trainable)
     return params
 
 
@@ -136,7 +155,11 @@ def attention(c, q, k, v):
 
 def projection(c, p, name, h):
     y = h @ p[name + ".weight"].T
-    return y + p[name + ".bias"] if c.bias else y
+    if c.bias and name + ".bias" in p:
+        y = y + p[name + ".bias"]
+    if c.lora_rank:
+        y = y + (h @ p[name + ".lora_a"].T @ p[name + ".lora_b"].T) * (c.lora_alpha / c.lora_rank)
+    return y
 
 
 def forward(c, p, tokens, cos, sin):
@@ -148,11 +171,11 @@ def forward(c, p, tokens, cos, sin):
         q = rope(c, projection(c, p, n + "attention.wq", h).view(B, T, H, D), cos, sin)
         k = rope(c, projection(c, p, n + "attention.wk", h).view(B, T, KVH, D), cos, sin)
         v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
-        x = x + attention(c, q, k, v).reshape(B, T, H * D) @ p[n + "attention.wo.weight"].T
+        x = x + projection(c, p, n + "attention.wo", attention(c, q, k, v).reshape(B, T, H * D))
         g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
-        gate = g @ p[n + "feed_forward.w1.weight"].T
-        up = g @ p[n + "feed_forward.w3.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ p[n + "feed_forward.w2.weight"].T
+        gate = projection(c, p, n + "feed_forward.w1", g)
+        up = projection(c, p, n + "feed_forward.w3", g)
+        x = x + projection(c, p, n + "feed_forward.w2", torch.nn.functional.silu(gate) * up)
     x = rmsnorm(c, x, p["norm.weight"])
     return x @ p["tok_embeddings.weight" if c.tied else "output.weight"].T
 
@@ -197,8 +220,12 @@ def write_reference(c):
     config = [c.V, c.C, c.L, c.H, c.F, c.B, c.T]
     if c.file != CONFIGS[0].file:  # the tiny file keeps its original 7 fields
         config += [c.KVH, c.D, int(c.tied), int(c.bias), int(c.half_split)]
+        floats = [c.theta, c.eps]
+        if c.lora_rank:  # and the gqa file its 12
+            config += [c.lora_rank]
+            floats += [c.lora_alpha]
         out.add("config", torch.tensor(config, dtype=torch.int32))
-        out.add("config_f32", torch.tensor([c.theta, c.eps], dtype=torch.float32))
+        out.add("config_f32", torch.tensor(floats, dtype=torch.float32))
     else:
         out.add("config", torch.tensor(config, dtype=torch.int32))
     out.add("tokens", tokens)
@@ -211,20 +238,22 @@ def write_reference(c):
     loss.backward()
     out.add("logits", logits)
     out.add("loss", loss.reshape(1))
-    for name, t in params.items():
+    trained = {name: t for name, t in params.items() if t.requires_grad}
+    for name, t in trained.items():
         out.add("grad/" + name, t.grad)
 
-    matrices = [t for t in params.values() if t.dim() == 2]
-    vectors = [t for t in params.values() if t.dim() == 1]  # gains and biases: no decay
-    opt = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": DECAY}, {"params": vectors, "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=ADAM_EPS)
+    matrices = [t for t in trained.values() if t.dim() == 2]
+    vectors = [t for t in trained.values() if t.dim() == 1]  # gains and biases: no decay
+    groups = [{"params": matrices, "weight_decay": DECAY}]
+    if vectors:
+        groups.append({"params": vectors, "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=ADAM_EPS)
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=False)
         loss = loss_of(c, forward(c, params, tokens, cos, sin), targets)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(list(trained.values()), CLIP)
         opt.step()
         losses.append(loss.item())
         norms.append(norm.item())

@@ -1,11 +1,13 @@
-// The decoder's presets, parameter count, initialisation, gradient-accumulation equivalence and
-// sampling.
+// The decoder's presets, parameter count, initialisation, gradient-accumulation equivalence,
+// LoRA adapters and sampling.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <set>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "engine/adamw.h"
 #include "engine/memory.h"
@@ -342,6 +344,110 @@ TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Checkpointing, ::testing::Values(DType::F32, DType::BF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// LoRA on the tiny shape with GQA and biases, all seven projections, rank 4.
+LoraConfig lora_all(int64_t rank) {
+  LoraConfig lora;
+  lora.rank = rank;
+  lora.alpha = 2.0 * static_cast<double>(rank);
+  lora.targets.fill(true);
+  return lora;
+}
+
+LlamaConfig lora_shape() {
+  LlamaConfig c = find_preset("tiny")->config;
+  c.n_layers = 2;
+  c.n_kv_heads = 2;
+  c.qkv_bias = true;
+  return c;
+}
+
+// Copies the base's values into the same-named parameters of `to`.
+void copy_base(const LlamaModel& from, LlamaModel& to) {
+  const ParameterSet& f = from.parameters();
+  const ParameterSet& t = to.parameters();
+  for (size_t i = 0; i < f.infos().size(); ++i) {
+    std::vector<float> values(static_cast<size_t>(f.infos()[i].shape.numel()));
+    f.read_values(static_cast<int>(i), values.data());
+    t.write_values(t.find(f.infos()[i].name), values.data());
+  }
+}
+
+// Adapters as PEFT begins them (B zero) leave the model computing its base's logits, bit for bit,
+// in fp32 and in bf16 (where the base is held as bf16 alone, frozen, with no FP32 master and no
+// gradient); only the adapters are trainable.
+TEST(Lora, BegunAdaptersComputeTheBaseExactly) {
+  const LlamaConfig c = lora_shape();
+  const Tensor x = random_tokens(2, 16, c.vocab, 3);
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    ModelOptions base_options, lora_options;
+    base_options.compute_dtype = lora_options.compute_dtype = dtype;
+    base_options.trainable = [](const std::string&) { return false; };
+    lora_options.lora = lora_all(4);
+    LlamaModel base(c, base_options), adapted(c, lora_options);
+    {
+      LlamaModel fp32(c);
+      fp32.init_weights(5);
+      copy_base(fp32, base);
+      copy_base(fp32, adapted);
+    }
+    adapted.init_adapters(6);
+    const Tensor a = base.logits(x), b = adapted.logits(x);
+    for (int64_t i = 0; i < a.numel(); ++i)
+      ASSERT_EQ(a.f32()[i], b.f32()[i]) << dtype_name(dtype) << " logit " << i;
+    const ParameterSet& p = adapted.parameters();
+    int64_t adapters = 0;
+    for (size_t i = 0; i < p.infos().size(); ++i) {
+      const ParameterInfo& info = p.infos()[i];
+      EXPECT_EQ(info.trainable, is_lora_parameter(info.name)) << info.name;
+      if (is_lora_parameter(info.name)) adapters += (info.shape.numel() + 15) / 16 * 16;
+      if (dtype == DType::BF16 && info.bf16_copy && !info.trainable) {
+        EXPECT_TRUE(p.bf16_only(static_cast<int>(i))) << info.name;
+      }
+    }
+    EXPECT_EQ(p.trainable_numel(), adapters);
+  }
+}
+
+// With B away from zero: bf16 adapter gradients track fp32's, and per-layer checkpointing gives
+// them bit for bit.
+TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
+  const LlamaConfig c = lora_shape();
+  const Tensor x = random_tokens(2, 16, c.vocab, 7), y = random_tokens(2, 16, c.vocab, 8);
+  LlamaModel reference(c);
+  reference.init_weights(9);
+  std::vector<std::vector<float>> grads;
+  for (const auto& [dtype, checkpoint] :
+       {std::pair{DType::F32, false}, std::pair{DType::BF16, false},
+        std::pair{DType::BF16, true}}) {
+    ModelOptions o;
+    o.compute_dtype = dtype;
+    o.lora = lora_all(4);
+    LlamaModel m(c, o);
+    copy_base(reference, m);
+    m.init_adapters(10);
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 0.05f);
+    const ParameterSet& p = m.parameters();
+    for (size_t i = 0; i < p.infos().size(); ++i) {
+      if (!p.infos()[i].name.ends_with(".lora_b")) continue;
+      std::vector<float> b(static_cast<size_t>(p.infos()[i].shape.numel()));
+      for (float& v : b) v = normal(rng);
+      p.write_values(static_cast<int>(i), b.data());
+    }
+    m.set_checkpointing(checkpoint);
+    backward(m.loss(x, y));
+    grads.emplace_back(p.gradients().f32(), p.gradients().f32() + p.trainable_numel());
+  }
+  double diff = 0.0, scale = 0.0;
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(grads[0][i] - grads[1][i])));
+    scale = std::max(scale, static_cast<double>(std::abs(grads[0][i])));
+  }
+  EXPECT_GT(scale, 0.0);
+  EXPECT_LT(diff / scale, 0.05);
+  EXPECT_EQ(grads[1], grads[2]);
+}
 
 // The same 8 sequences as 8x1, 4x2, 2x4 and 1x8 (micro-batch x accumulation), each
 // micro-batch's loss scaled by 1/accum: the gradients of the whole batch, to FP32 rounding.

@@ -1,8 +1,9 @@
 // The decoder against PyTorch (tests/models/make_llama_reference.py), in the manner of llm.c's
 // test_gpt2.c: from the same weights and batch, the logits, the loss, every parameter gradient,
-// and the losses, gradient norms and weights of 10 AdamW steps. Two configurations: the tiny
-// preset, and one with grouped-query attention (8 query heads, 2 kv heads), tied embeddings,
-// q/k/v biases, half-split RoPE at theta 1e6, eps 1e-6 and a head dim of 10.
+// and the losses, gradient norms and weights of 10 AdamW steps. Three configurations: the tiny
+// preset; one with grouped-query attention (8 query heads, 2 kv heads), tied embeddings, q/k/v
+// biases, half-split RoPE at theta 1e6, eps 1e-6 and a head dim of 10; and that one with its
+// base frozen and LoRA adapters (rank 4, alpha 8) on all seven projections, which alone train.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,7 +34,7 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     ref_ = test::read_reference_file(std::string(CPUTRAIN_TEST_DATA_DIR) + "/" + GetParam());
     const std::vector<int32_t>& c = ref_.at("config").i32;
-    ASSERT_TRUE(c.size() == 7u || c.size() == 12u);
+    ASSERT_TRUE(c.size() == 7u || c.size() == 12u || c.size() == 13u);
     config_.vocab = c[0];
     config_.d_model = c[1];
     config_.n_layers = c[2];
@@ -42,16 +43,21 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
     config_.ctx = 64;
     B_ = c[5];
     T_ = c[6];
-    if (c.size() == 12u) {
+    if (c.size() >= 12u) {
       config_.n_kv_heads = c[7];
       config_.head_dim = c[8];
       config_.tie_embeddings = c[9] != 0;
       config_.qkv_bias = c[10] != 0;
       config_.rope_pairs = c[11] != 0 ? RopePairs::HalfSplit : RopePairs::Adjacent;
       const std::vector<float>& f = ref_.at("config_f32").f32;
-      ASSERT_EQ(f.size(), 2u);
+      ASSERT_EQ(f.size(), c.size() == 13u ? 3u : 2u);
       config_.rope_theta = f[0];
       config_.norm_eps = f[1];
+      if (c.size() == 13u) {
+        options_.lora.rank = c[12];
+        options_.lora.alpha = f[2];
+        options_.lora.targets.fill(true);
+      }
     }
     tokens_ = to_tensor(ref_.at("tokens"));
     targets_ = to_tensor(ref_.at("targets"));
@@ -85,21 +91,28 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
 
   std::map<std::string, ReferenceTensor> ref_;
   LlamaConfig config_;
+  ModelOptions options_;
   int64_t B_ = 0, T_ = 0;
   Tensor tokens_, targets_;
 };
 
 TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
-  LlamaModel model(config_);
-  int64_t total = 0;
+  LlamaModel model(config_, options_);
+  int64_t total = 0, adapters = 0;
   for (const ParameterInfo& info : model.parameters().infos()) {
     ASSERT_TRUE(ref_.count("init/" + info.name)) << info.name;
     const ReferenceTensor& r = ref_.at("init/" + info.name);
     ASSERT_EQ(static_cast<int>(r.shape.size()), info.shape.ndim()) << info.name;
     for (int i = 0; i < info.shape.ndim(); ++i) EXPECT_EQ(r.shape[i], info.shape[i]) << info.name;
-    total += info.shape.numel();
+    (is_lora_parameter(info.name) ? adapters : total) += info.shape.numel();
+    // With adapters, they alone train.
+    EXPECT_EQ(info.trainable, !options_.lora.active() || is_lora_parameter(info.name)) << info.name;
   }
   EXPECT_EQ(total, parameter_count(config_));
+  // Per layer, each projection (out, in) adds rank * (in + out).
+  const int64_t C = config_.d_model, Q = config_.q_dim(), KV = config_.kv_dim(), F = config_.ffn;
+  EXPECT_EQ(adapters,
+            options_.lora.rank * config_.n_layers * ((C + Q) * 2 + (C + KV) * 2 + (C + F) * 3));
   // Every tensor of the reference is a parameter of the model.
   for (const auto& [name, tensor] : ref_) {
     if (!name.starts_with("init/")) continue;
@@ -108,7 +121,7 @@ TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
 }
 
 TEST_P(LlamaReference, LogitsLossAndGradients) {
-  LlamaModel model(config_);
+  LlamaModel model(config_, options_);
   load_initial_weights(model);
   const Tensor logits = model.logits(tokens_);
   EXPECT_LT(relative_error(logits.f32(), ref_.at("logits").f32), kTensorTolerance);
@@ -119,14 +132,17 @@ TEST_P(LlamaReference, LogitsLossAndGradients) {
   backward(loss);
   const ParameterSet& p = model.parameters();
   for (const ParameterInfo& info : p.infos()) {
-    EXPECT_LT(relative_error(p.gradients().f32() + info.offset, ref_.at("grad/" + info.name).f32),
-              kTensorTolerance)
+    EXPECT_EQ(ref_.count("grad/" + info.name), info.trainable ? 1u : 0u) << info.name;
+    if (!info.trainable) continue;
+    EXPECT_LT(
+        relative_error(p.gradients().f32() + info.grad_offset, ref_.at("grad/" + info.name).f32),
+        kTensorTolerance)
         << info.name;
   }
 }
 
 TEST_P(LlamaReference, TenAdamWSteps) {
-  LlamaModel model(config_);
+  LlamaModel model(config_, options_);
   load_initial_weights(model);
   AdamWConfig adamw;  // betas 0.9/0.95, eps 1e-8, decay 0.1 on matrices, clip 1.0
   AdamW optimizer(model.parameters(), adamw);
@@ -152,7 +168,8 @@ TEST_P(LlamaReference, TenAdamWSteps) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Configurations, LlamaReference,
-                         ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf"),
+                         ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf",
+                                           "llama_lora_reference.ctrf"),
                          [](const auto& info) {
                            return info.param.substr(6, info.param.find("_reference") - 6);
                          });

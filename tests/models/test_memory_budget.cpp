@@ -1,6 +1,6 @@
 // The memory budget against the tracking allocator, to the byte: training steps of the tiny and
-// mini presets, fp32 and bf16, with and without checkpointing, and of GQA, tied, biased and
-// frozen configurations, each step followed by a validation pass as training makes them (three
+// mini presets, fp32 and bf16, with and without checkpointing, and of GQA, tied, biased, frozen
+// and LoRA configurations, each step followed by a validation pass as training makes them (three
 // micro-batches, the last of one window). Every category's peak must equal the budget's, the
 // steps after the second make no block afresh, and what the process holds for tensors, live and
 // kept by the block cache, equals the budget's step peak plus its cache headroom.
@@ -29,6 +29,7 @@ struct Case {
   DType dtype;
   bool checkpoint;
   std::function<bool(const std::string&)> trainable;
+  LoraConfig lora = {};
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -55,6 +56,7 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
   bo.eval_windows = 2 * options.batch + 1;
   bo.threads = omp_get_max_threads();
   bo.trainable = k.trainable;
+  bo.lora = k.lora;
   const MemoryBudget budget = memory_budget(c, bo);
 
   std::vector<int32_t> tokens(20000);
@@ -72,6 +74,7 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
     ModelOptions mo;
     mo.compute_dtype = k.dtype;
     mo.trainable = k.trainable;
+    mo.lora = k.lora;
     LlamaModel model(c, mo);
     model.init_weights(1);
     model.set_checkpointing(k.checkpoint);
@@ -137,6 +140,15 @@ std::vector<Case> cases() {
     all.push_back({"shaped_" + d + "_checkpoint", shaped(), dtype, true, nullptr});
     all.push_back({"shaped_" + d + "_frozen", shaped(), dtype, false, attention_projection});
     all.push_back({"mini_" + d + "_frozen", preset("mini"), dtype, true, attention_projection});
+    // LoRA, rank 8 on all seven projections (the base frozen) and rank 4 on some.
+    LoraConfig lora;
+    lora.rank = 8;
+    lora.alpha = 16;
+    lora.targets.fill(true);
+    all.push_back({"shaped_" + d + "_lora", shaped(), dtype, false, nullptr, lora});
+    lora.rank = 4;
+    lora.targets = parse_lora_targets("q,v,down", "--lora-targets");
+    all.push_back({"mini_" + d + "_lora_checkpoint", preset("mini"), dtype, true, nullptr, lora});
   }
   return all;
 }

@@ -1,0 +1,40 @@
+// Low-rank adapters (LoRA) on a decoder's projections: y = W x + (alpha / rank) B (A x), with
+// A (rank, in) and B (out, rank) trained and W frozen. Their parameters are the model's own
+// ("layers.3.attention.wq.lora_a"), so the optimizer, checkpoints and the memory budget see them
+// as any other.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace cputrain {
+
+// The projections of a block that can take an adapter, in Hugging Face's names.
+enum class Projection { Q, K, V, O, Gate, Up, Down };
+inline constexpr int kProjectionCount = 7;
+// "q", "k", "v", "o", "gate", "up", "down".
+std::string_view projection_name(Projection p);
+
+struct LoraConfig {
+  int64_t rank = 0;    // 0: no adapters
+  double alpha = 0.0;  // the update's scale is alpha / rank
+  std::array<bool, kProjectionCount> targets{};
+
+  bool active() const { return rank > 0; }
+  float scale() const { return static_cast<float>(alpha / static_cast<double>(rank)); }
+  bool on(Projection p) const { return rank > 0 && targets[static_cast<size_t>(p)]; }
+};
+
+// "q,k,v,o,gate,up,down" (any subset, any order; "all" for the seven) -> targets. A UserError
+// naming `flag` and the unknown name, listing the known ones.
+std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
+                                                      const std::string& flag);
+// The targets as parse_lora_targets reads them: "q,k,v,o,gate,up,down".
+std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets);
+
+// Whether a parameter name is an adapter's ("....lora_a" or "....lora_b").
+bool is_lora_parameter(std::string_view name);
+
+}  // namespace cputrain
