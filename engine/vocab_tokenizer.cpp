@@ -226,15 +226,16 @@ int32_t VocabTokenizer::type(int32_t id) const {
 std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special) const {
   std::vector<int32_t> out;
   // The text between special tokens (all of it, without `special`) goes through the model.
-  const auto plain = [&](std::string_view part, bool first) {
+  // A dummy prefix (SentencePiece style) begins the text, and each text after a special token.
+  const auto plain = [&](std::string_view part) {
     if (part.empty()) return;
     if (bpe_)
       encode_bpe(part, out);
     else
-      encode_spm(part, first && v_.add_space_prefix, out);  // a dummy prefix at the start only
+      encode_spm(part, v_.add_space_prefix, out);
   };
   if (!special) {
-    plain(text, true);
+    plain(text);
     return out;
   }
   size_t pos = 0, start = 0;
@@ -246,12 +247,12 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special)
       ++pos;
       continue;
     }
-    plain(text.substr(start, pos - start), start == 0);
+    plain(text.substr(start, pos - start));
     out.push_back(hit->second);
     pos += hit->first.size();
     start = pos;
   }
-  plain(text.substr(start), start == 0);
+  plain(text.substr(start));
   return out;
 }
 

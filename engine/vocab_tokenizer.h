@@ -4,8 +4,8 @@
 //   characters and merged pairwise, the pair whose merge is a piece of highest score first (the
 //   leftmost among equals), with byte pieces for what no piece covers.
 // - Byte-level BPE ("gpt2"): text split into words by the pre-tokenizer's regular expressions
-//   (PCRE2; gpt-2, llama-bpe for Llama 3, qwen2, smollm for SmolLM2), each word's bytes written as GPT-2's printable
-//   characters and merged by the rank of the merges, the lowest first.
+//   (PCRE2; gpt-2, llama-bpe for Llama 3, qwen2, smollm for SmolLM2), each word's bytes written as
+//   GPT-2's printable characters and merged by the rank of the merges, the lowest first.
 #pragma once
 
 #include <cstdint>
@@ -54,7 +54,9 @@ class VocabTokenizer {
   VocabTokenizer& operator=(const VocabTokenizer&) = delete;
 
   // The ids of `text`, without BOS or EOS. With `special`, the texts of control and user-defined
-  // tokens (such as <|im_start|>) in it are those tokens; without, they are text like any other.
+  // tokens (such as <|im_start|>) in it are those tokens, and in a SentencePiece-style vocabulary
+  // each text after one takes the dummy prefix as the text's start does; without, they are text
+  // like any other.
   std::vector<int32_t> encode(std::string_view text, bool special = false) const;
   // The text of `ids`, from the start of a text: byte pieces as their bytes, U+2581 as a space,
   // control tokens as nothing, and without the space of the dummy prefix (decode(encode(t)) == t).

@@ -372,24 +372,33 @@ TEST(LlamaCppVocab, DigitsApartTestVectors) {
 
 // A chat turn: with special tokens parsed, <|im_start|> and <|im_end|> are their own ids, as
 // llama.cpp gives them; without, they are text.
+// Chat turns: with special tokens parsed, the markers are their own ids, as llama.cpp gives them
+// (ChatML in Qwen2's byte-level vocabulary; Llama 2's [INST] turns with <s> and </s> in a
+// SentencePiece-style one, where each text after a special token takes the dummy prefix);
+// without, they are text.
 TEST(LlamaCppVocab, SpecialTokensInAChatTurn) {
   REQUIRE_ORACLE();
-  const fs::path vocab = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "ggml-vocab-qwen2.gguf";
-  const Tokenizer tokenizer = Tokenizer::from_vocabulary(gguf_vocabulary(GgufFile(vocab.string())));
-  const std::string turn = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";
+  const std::pair<const char*, const char*> cases[] = {
+      {"qwen2", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"},
+      {"llama-spm", "[INST] What is 2+2? [/INST] 4</s><s>[INST] And 3+3? [/INST]"}};
   const TempFolder dir{temp_dir("chat")};
-  std::ofstream(dir.path / "turn.txt", std::ios::binary) << turn;
-  for (bool special : {true, false}) {
-    const std::string cmd = kOracle + " tokenize " + vocab.string() + " " +
-                            (dir.path / "turn.txt").string() + (special ? " special" : "") + " > " +
-                            (dir.path / "ids.txt").string();
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    std::vector<int32_t> expected;
-    std::istringstream ids(read_all(dir.path / "ids.txt"));
-    for (int32_t id; ids >> id;) expected.push_back(id);
-    const std::vector<int32_t> ours = tokenizer.vocabulary()->encode(turn, special);
-    EXPECT_EQ(ours, expected) << (special ? "special" : "plain");
-    EXPECT_EQ(ours.size() < 16, special);  // parsed, each marker is one id
+  for (const auto& [name, turn] : cases) {
+    const fs::path vocab =
+        fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / ("ggml-vocab-" + std::string(name) + ".gguf");
+    const Tokenizer tokenizer =
+        Tokenizer::from_vocabulary(gguf_vocabulary(GgufFile(vocab.string())));
+    std::ofstream(dir.path / "turn.txt", std::ios::binary) << turn;
+    for (bool special : {true, false}) {
+      const std::string cmd = kOracle + " tokenize " + vocab.string() + " " +
+                              (dir.path / "turn.txt").string() + (special ? " special" : "") +
+                              " > " + (dir.path / "ids.txt").string();
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+      std::vector<int32_t> expected;
+      std::istringstream ids(read_all(dir.path / "ids.txt"));
+      for (int32_t id; ids >> id;) expected.push_back(id);
+      const std::vector<int32_t> ours = tokenizer.vocabulary()->encode(turn, special);
+      EXPECT_EQ(ours, expected) << name << (special ? " special" : " plain");
+    }
   }
 }
 
