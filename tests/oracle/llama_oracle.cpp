@@ -9,6 +9,12 @@
 //   llama_oracle quantize IN OUT TYPE         llama_model_quantize to q8_0 or q4_k_m
 //   llama_oracle generate MODEL N THREADS     N greedy tokens after BOS; prints the ids, then the
 //                                             load seconds and the tokens/s after the first
+//   llama_oracle chat TEMPLATE MESSAGES [prompt]
+//                                             llama_chat_apply_template's text, to stdout, of the
+//                                             messages (MESSAGES: role \x1f content records, each
+//                                             ending \x1e) with TEMPLATE, a file of a Jinja
+//                                             template's text or a built-in name; with "prompt",
+//                                             the assistant's turn begun
 //
 // Logits use an F32 KV cache and no flash attention, one batch holding the whole sequence.
 #include <ggml-backend.h>
@@ -155,10 +161,47 @@ int generate(int argc, char** argv) {
   return 0;
 }
 
+std::string read_file(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(std::string("cannot read ") + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+int chat(int argc, char** argv) {
+  if (argc != 4 && argc != 5) fail("chat TEMPLATE MESSAGES [prompt]");
+  std::ifstream probe(argv[2]);
+  const std::string tmpl = probe ? read_file(argv[2]) : std::string(argv[2]);
+  const std::string records = read_file(argv[3]);
+  std::vector<std::string> roles, contents;
+  for (size_t pos = 0; pos < records.size();) {
+    const size_t unit = records.find('\x1f', pos), end = records.find('\x1e', pos);
+    if (unit == std::string::npos || end == std::string::npos || unit > end)
+      fail("MESSAGES: role \\x1f content \\x1e records");
+    roles.push_back(records.substr(pos, unit - pos));
+    contents.push_back(records.substr(unit + 1, end - unit - 1));
+    pos = end + 1;
+  }
+  std::vector<llama_chat_message> chat;
+  for (size_t i = 0; i < roles.size(); ++i) chat.push_back({roles[i].c_str(), contents[i].c_str()});
+  const bool prompt = argc == 5 && std::string(argv[4]) == "prompt";
+  std::vector<char> buf(records.size() * 4 + 4096);
+  int32_t n = llama_chat_apply_template(tmpl.c_str(), chat.data(), chat.size(), prompt, buf.data(),
+                                        static_cast<int32_t>(buf.size()));
+  if (n > static_cast<int32_t>(buf.size())) {
+    buf.resize(static_cast<size_t>(n));
+    n = llama_chat_apply_template(tmpl.c_str(), chat.data(), chat.size(), prompt, buf.data(), n);
+  }
+  if (n < 0) fail("llama_chat_apply_template does not know the template");
+  std::fwrite(buf.data(), 1, static_cast<size_t>(n), stdout);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) fail("logits | tokenize | quantize | generate");
+  if (argc < 2) fail("logits | tokenize | quantize | generate | chat");
   llama_log_set(quiet, nullptr);
   ggml_backend_load_all_from_path(LLAMA_ORACLE_BACKENDS);
   llama_backend_init();
@@ -172,6 +215,8 @@ int main(int argc, char** argv) {
     rc = quantize(argc, argv);
   else if (mode == "generate")
     rc = generate(argc, argv);
+  else if (mode == "chat")
+    rc = chat(argc, argv);
   else
     fail("unknown mode " + mode);
   llama_backend_free();

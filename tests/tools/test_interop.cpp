@@ -19,10 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "engine/error.h"
 #include "engine/gguf_file.h"
 #include "engine/parameters.h"
 #include "engine/tensor.h"
 #include "engine/vocab_tokenizer.h"
+#include "models/chat_template.h"
 #include "models/generate.h"
 #include "tools/model_source.h"
 
@@ -400,6 +402,129 @@ TEST(LlamaCppVocab, SpecialTokensInAChatTurn) {
       EXPECT_EQ(ours, expected) << name << (special ? " special" : " plain");
     }
   }
+}
+
+// llama.cpp's rendering of `messages` with `tmpl` (a built-in name or a file of Jinja text).
+std::string oracle_chat(const std::string& tmpl, const std::vector<ChatMessage>& messages,
+                        bool prompt, const fs::path& dir) {
+  {
+    std::ofstream out(dir / "messages.bin", std::ios::binary);
+    for (const ChatMessage& m : messages) out << m.role << '\x1f' << m.content << '\x1e';
+  }
+  const std::string cmd = kOracle + " chat '" + tmpl + "' " + (dir / "messages.bin").string() +
+                          (prompt ? " prompt" : "") + " > " + (dir / "chat.txt").string();
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  return read_all(dir / "chat.txt");
+}
+
+// Chat templates against llama.cpp's llama_chat_apply_template: each family (and Llama 2's
+// variants) by name, and real models' templates recognised from their Jinja text, render the
+// same text, with and without the assistant's turn begun, with a system message or none, and
+// with whitespace around messages that some families strip. The replies are exactly the
+// assistant's contents and the marker that ends each.
+TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
+  REQUIRE_ORACLE();
+  const TempFolder dir{temp_dir("chat_templates")};
+  const std::vector<ChatMessage> with_system = {{"system", "You are terse."},
+                                                {"user", " What is 2+2?\n"},
+                                                {"assistant", "4"},
+                                                {"user", "And 3+3?"},
+                                                {"assistant", "  6 \n"}};
+  const std::vector<ChatMessage> without(with_system.begin() + 1, with_system.end());
+  const auto llama2 = [](bool system_block, bool bos, bool strip) {
+    ChatTemplate t;
+    t.family = ChatFamily::Llama2;
+    t.system_block = system_block;
+    t.bos_in_history = bos;
+    t.strip = strip;
+    return t;
+  };
+  const std::pair<std::string, ChatTemplate> named[] = {
+      {"chatml", chat_template_named("chatml", "--chat-template", "")},
+      {"llama3", chat_template_named("llama3", "--chat-template", "")},
+      {"llama2", llama2(false, false, false)},
+      {"llama2-sys", llama2(true, false, false)},
+      {"llama2-sys-bos", chat_template_named("llama2", "--chat-template", "")},
+      {"llama2-sys-strip", llama2(true, false, true)},
+      {"mistral-v3", chat_template_named("mistral", "--chat-template", "")},
+      {"zephyr", chat_template_named("zephyr", "--chat-template", "<|endoftext|>")}};
+  size_t compared = 0;
+  for (const auto& [name, tmpl] : named) {
+    for (const auto* messages : {&with_system, &without}) {
+      for (const bool prompt : {false, true}) {
+        EXPECT_EQ(render_chat_text(tmpl, *messages, prompt),
+                  oracle_chat(name, *messages, prompt, dir.path))
+            << name << (prompt ? ", prompt" : "") << (messages == &without ? ", no system" : "");
+        ++compared;
+      }
+    }
+    // The replies: each assistant content (as the family writes it) and its end marker.
+    std::string replies;
+    for (const ChatPiece& p : render_chat(tmpl, with_system, false))
+      if (p.reply) replies += p.text + "|";
+    EXPECT_NE(replies.find('4'), std::string::npos) << name;
+    EXPECT_EQ(replies.find("What"), std::string::npos) << name;
+    EXPECT_EQ(replies.find("terse"), std::string::npos) << name;
+  }
+  EXPECT_EQ(compared, 32u);
+  // Real templates: recognised from their text as llama.cpp recognises them.
+  const fs::path templates = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "templates";
+  const std::pair<const char*, ChatFamily> real[] = {
+      {"Qwen-Qwen2.5-7B-Instruct.jinja", ChatFamily::ChatMl},
+      {"HuggingFaceTB-SmolLM3-3B.jinja", ChatFamily::ChatMl},
+      {"meta-llama-Llama-3.1-8B-Instruct.jinja", ChatFamily::Llama3},
+      {"meta-llama-Llama-3.2-3B-Instruct.jinja", ChatFamily::Llama3}};
+  for (const auto& [file, family] : real) {
+    const std::string text = read_all(templates / file);
+    const std::optional<ChatTemplate> t = detect_chat_template(text, "</s>");
+    ASSERT_TRUE(t.has_value()) << file;
+    EXPECT_EQ(t->family, family) << file;
+    for (const bool prompt : {false, true})
+      EXPECT_EQ(render_chat_text(*t, with_system, prompt),
+                oracle_chat((templates / file).string(), with_system, prompt, dir.path))
+          << file;
+  }
+  // Llama 2's own template, and Mistral v0.1's (which llama.cpp renders as Llama 2's).
+  const std::pair<std::string, std::string> jinja[] = {
+      {"llama2-chat",
+       "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set "
+       "system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% "
+       "set system_message = false %}{% endif %}{% for message in loop_messages %}{% if "
+       "loop.index0 "
+       "== 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+       "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] "
+       "%}{% endif %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+       "content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' '  + "
+       "content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"},
+      {"mistral-instruct-v0.1",
+       "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' "
+       "+ message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ "
+       "message['content'] + eos_token + ' ' }}{% endif %}{% endfor %}"}};
+  for (const auto& [name, text] : jinja) {
+    std::ofstream(dir.path / (name + ".jinja")) << text;
+    const std::optional<ChatTemplate> t = detect_chat_template(text, "</s>");
+    ASSERT_TRUE(t.has_value()) << name;
+    EXPECT_EQ(t->family, ChatFamily::Llama2) << name;
+    EXPECT_EQ(render_chat_text(*t, without, false),
+              oracle_chat((dir.path / (name + ".jinja")).string(), without, false, dir.path))
+        << name;
+  }
+  // Zephyr's (a zephyr turn ends with the model's EOS), and what is none of the families.
+  const std::optional<ChatTemplate> zephyr = detect_chat_template(
+      "{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\\n' + "
+      "message['content'] + eos_token }}{% elif message['role'] == 'assistant' %}{{ "
+      "'<|assistant|>\\n' + message['content'] + eos_token }}{% endif %}{% endfor %}",
+      "</s>");
+  ASSERT_TRUE(zephyr.has_value());
+  EXPECT_EQ(zephyr->family, ChatFamily::Zephyr);
+  EXPECT_EQ(render_chat_text(*zephyr, without, true),
+            "<|user|>\n What is 2+2?\n</s>\n<|assistant|>\n4</s>\n<|user|>\nAnd 3+3?</s>\n"
+            "<|assistant|>\n  6 \n</s>\n<|assistant|>\n");
+  for (const char* other :
+       {"mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
+        "google-gemma-2-2b-it.jinja"})
+    EXPECT_FALSE(detect_chat_template(read_all(templates / other), "</s>").has_value()) << other;
+  EXPECT_THROW(chat_template_named("vicuna", "--chat-template", ""), UserError);
 }
 
 // Runs cputrain with `args`; its exit status.
