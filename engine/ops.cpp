@@ -362,43 +362,86 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   return out;
 }
 
-Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split) {
+Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
+              bool per_row) {
   const Shape& xs = x.shape();
   require(xs.ndim() == 3 && xs[2] % n_heads == 0 && (xs[2] / n_heads) % 2 == 0,
           "rope: x (B, T, C) with C = H * D, D even");
   const int64_t B = xs[0], T = xs[1], H = n_heads, D = xs[2] / n_heads;
-  require(table.numel() >= T * D, "rope: table shorter than T");
+  require(table.numel() >= (per_row ? B : 1) * T * D, "rope: table shorter than T");
+  // Each row with its own table, or all with the one.
+  const int64_t rows = per_row ? B : 1, each = per_row ? 1 : B, stride = T * H * D;
   Scope scope("rope", Pass::Forward);
   const bool grad = needs_grad({&x});
   // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
   Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
-  if (computing() && y.dtype() == DType::BF16)
-    kernels::rope_forward_bf16(y.bf16(), fp32_value(x).f32(), table.f32(), B, T, H, D, half_split);
-  else if (computing())
-    kernels::rope_forward(y.f32(), fp32_value(x).f32(), table.f32(), B, T, H, D, half_split);
+  for (int64_t r = 0; r < rows && computing(); ++r) {
+    const float* t = table.f32() + r * T * D;
+    if (y.dtype() == DType::BF16)
+      kernels::rope_forward_bf16(y.bf16() + r * stride, fp32_value(x).f32() + r * stride, t, each,
+                                 T, H, D, half_split);
+    else
+      kernels::rope_forward(y.f32() + r * stride, fp32_value(x).f32() + r * stride, t, each, T, H,
+                            D, half_split);
+  }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward(
-        "rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), B, T, H, D, half_split] {
-          if (!gy->tensor().defined()) return;
-          if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
-            const Tensor rounded = gx->rounded_for_overwrite();
-            if (rounded.defined() && !computing()) return;
-            if (rounded.defined())
-              return kernels::rope_backward_bf16(rounded.bf16(), gy->tensor().f32(), table.f32(), B,
-                                                 T, H, D, half_split);
-          }
-          const KernelGrads g = kernel_grads({{&gx, Shape{B, T, H * D}}});
-          if (computing())
-            kernels::rope_backward(g.grads[0].f32(), gy->tensor().f32(), table.f32(), B, T, H, D,
-                                   half_split, g.accumulate);
-        });
+    record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), rows, each, stride, T,
+                             H, D, half_split] {
+      if (!gy->tensor().defined()) return;
+      const float* dy = gy->tensor().f32();
+      if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
+        const Tensor rounded = gx->rounded_for_overwrite();
+        if (rounded.defined()) {
+          for (int64_t r = 0; r < rows && computing(); ++r)
+            kernels::rope_backward_bf16(rounded.bf16() + r * stride, dy + r * stride,
+                                        table.f32() + r * T * D, each, T, H, D, half_split);
+          return;
+        }
+      }
+      const KernelGrads g = kernel_grads({{&gx, Shape{rows * each, T, H * D}}});
+      for (int64_t r = 0; r < rows && computing(); ++r)
+        kernels::rope_backward(g.grads[0].f32() + r * stride, dy + r * stride,
+                               table.f32() + r * T * D, each, T, H, D, half_split, g.accumulate);
+    });
   }
   return out;
 }
 
+namespace {
+
+// The sequences attention runs on, one kernel call each: all B rows at once, or with packing
+// each sequence of each row as a batch of one. `lse` is where its statistics begin in the op's
+// (B, H, T) buffer, each sequence's (H, its length) in turn.
+struct AttentionPart {
+  int64_t row_offset;  // positions from the start of the batch
+  int64_t B, T;
+  int64_t lse_offset;
+};
+
+std::vector<AttentionPart> attention_parts(int64_t B, int64_t T, int64_t H,
+                                           const Packing* packing) {
+  if (!packing) return {{0, B, T, 0}};
+  require(static_cast<int64_t>(packing->lengths.size()) == B, "attention: packing of B rows");
+  std::vector<AttentionPart> parts;
+  int64_t lse = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t start = 0;
+    for (const int64_t n : packing->lengths[static_cast<size_t>(b)]) {
+      require(n > 0, "attention: packed sequences of at least one position");
+      parts.push_back({b * T + start, 1, n, lse});
+      start += n;
+      lse += H * n;
+    }
+    require(start == T, "attention: packed lengths summing to T");
+  }
+  return parts;
+}
+
+}  // namespace
+
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
-                   int64_t n_kv_heads) {
+                   int64_t n_kv_heads, std::shared_ptr<const Packing> packing) {
   const Shape& s = q.shape();
   const Shape& kvs = k.shape();
   require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && s.ndim() == 3 &&
@@ -406,9 +449,12 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
           "attention: q (B, T, H * D), H a multiple of the key/value heads");
   const int64_t B = s[0], T = s[1], H = n_heads, KVH = n_kv_heads, D = s[2] / n_heads;
   require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
+  const std::vector<AttentionPart> parts = attention_parts(B, T, H, packing.get());
   // Causal: query t meets t + 1 keys; each product is 2 D FLOPs per (query, key) pair.
-  const double pair_flops = 2.0 * static_cast<double>(B * H * D) * static_cast<double>(T) *
-                            static_cast<double>(T + 1) / 2.0;
+  double pair_flops = 0.0;
+  for (const AttentionPart& p : parts)
+    pair_flops += 2.0 * static_cast<double>(p.B * H * D) * static_cast<double>(p.T) *
+                  static_cast<double>(p.T + 1) / 2.0;
   Scope scope("attention", Pass::Forward, 2.0 * pair_flops);  // S = Q K^T, O = P V
   Tensor lse = new_activation(Shape{B, H, T});
   // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
@@ -418,21 +464,27 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
   const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
   Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
+  const int64_t QD = H * D, KD = KVH * D;
   if (native) {
-    if (computing())
-      kernels::attention_forward_bf16(y.bf16(), lse.f32(), qs.bf16(), ks.bf16(), vs.bf16(), B, T, H,
-                                      KVH, D);
+    for (const AttentionPart& p : parts)
+      if (computing())
+        kernels::attention_forward_bf16(
+            y.bf16() + p.row_offset * QD, lse.f32() + p.lse_offset, qs.bf16() + p.row_offset * QD,
+            ks.bf16() + p.row_offset * KD, vs.bf16() + p.row_offset * KD, p.B, p.T, H, KVH, D);
   } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
-    if (computing())
-      kernels::attention_forward(y.f32(), lse.f32(), qf.f32(), kf.f32(), vf.f32(), B, T, H, KVH, D);
+    for (const AttentionPart& p : parts)
+      if (computing())
+        kernels::attention_forward(y.f32() + p.row_offset * QD, lse.f32() + p.lse_offset,
+                                   qf.f32() + p.row_offset * QD, kf.f32() + p.row_offset * KD,
+                                   vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D);
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("attention", [qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(),
                                   gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), native,
-                                  pair_flops, B, T, H, KVH, D] {
+                                  pair_flops, parts, B, T, H, KVH, D, QD, KD] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
@@ -443,15 +495,23 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       const Tensor &dq = g.grads[0], &dk = g.grads[1], &dv = g.grads[2];
       if (native) {
         if (!computing()) return;
-        kernels::attention_backward_bf16(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qs.bf16(),
-                                         ks.bf16(), vs.bf16(), ys.bf16(), lse.f32(), B, T, H, KVH,
-                                         D, g.accumulate);
+        for (const AttentionPart& p : parts)
+          kernels::attention_backward_bf16(
+              dq.f32() + p.row_offset * QD, dk.f32() + p.row_offset * KD,
+              dv.f32() + p.row_offset * KD, dy.f32() + p.row_offset * QD,
+              qs.bf16() + p.row_offset * QD, ks.bf16() + p.row_offset * KD,
+              vs.bf16() + p.row_offset * KD, ys.bf16() + p.row_offset * QD,
+              lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate);
         return;
       }
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
-      if (computing())
-        kernels::attention_backward(dq.f32(), dk.f32(), dv.f32(), dy.f32(), qv.f32(), kv.f32(),
-                                    vv.f32(), yv.f32(), lse.f32(), B, T, H, KVH, D, g.accumulate);
+      for (const AttentionPart& p : parts)
+        if (computing())
+          kernels::attention_backward(dq.f32() + p.row_offset * QD, dk.f32() + p.row_offset * KD,
+                                      dv.f32() + p.row_offset * KD, dy.f32() + p.row_offset * QD,
+                                      qv.f32() + p.row_offset * QD, kv.f32() + p.row_offset * KD,
+                                      vv.f32() + p.row_offset * KD, yv.f32() + p.row_offset * QD,
+                                      lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate);
     });
   }
   return out;
@@ -594,7 +654,7 @@ int64_t lm_head_chunk_rows(int64_t V) {
 }
 
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
-                               int64_t chunk_rows) {
+                               int64_t chunk_rows, int64_t normalizer) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "lm_head_cross_entropy: x (..., K) and w (V, K)");
@@ -617,7 +677,21 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
   Tensor lse;
   if (!grad) lse = Tensor::empty(Shape{rows}, DType::F32, MemoryCategory::Workspace);
-  const float each = 1.0f / static_cast<float>(N);
+  // Rows without a target (below 0) are computed as if their target were 0, then given no loss
+  // and no gradient.
+  const int32_t* tg = targets.i32();
+  int64_t counted = 0;
+  if (computing())
+    for (int64_t i = 0; i < N; ++i) counted += tg[i] >= 0;
+  const bool ignoring = computing() && counted < N;
+  std::vector<int32_t> clamped;
+  if (ignoring) {
+    clamped.assign(tg, tg + N);
+    for (int32_t& t : clamped) t = std::max(t, 0);
+    tg = clamped.data();
+  }
+  const int64_t divisor = normalizer > 0 ? normalizer : std::max<int64_t>(counted, 1);
+  const float each = 1.0f / static_cast<float>(computing() ? divisor : N);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
@@ -626,21 +700,30 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     if (!computing()) {
       continue;
     } else if (!grad) {
-      kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, targets.i32() + r0, m,
-                                     V);
+      kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, tg + r0, m, V);
     } else if (bf16) {  // the gradient's rounding straight from each row, while it is in cache
       kernels::cross_entropy_forward_gradient_bf16(dl.bf16() + r0 * V, losses.f32() + r0, logits,
-                                                   targets.i32() + r0, each, m, V);
+                                                   tg + r0, each, m, V);
     } else {
-      kernels::cross_entropy_forward_gradient(logits, losses.f32() + r0, logits, targets.i32() + r0,
-                                              each, m, V);
+      kernels::cross_entropy_forward_gradient(logits, losses.f32() + r0, logits, tg + r0, each, m,
+                                              V);
+    }
+    if (!ignoring) continue;
+    for (int64_t i = r0; i < r0 + m; ++i) {
+      if (targets.i32()[i] >= 0) continue;
+      losses.f32()[i] = 0.0f;
+      if (!grad) continue;
+      if (bf16)
+        std::fill_n(dl.bf16() + i * V, V, uint16_t{0});
+      else
+        std::fill_n(dl.f32() + i * V, V, 0.0f);
     }
   }
   Tensor y = new_activation(Shape{1});
   if (computing()) {
     double sum = 0.0;
     for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
-    y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+    y.f32()[0] = static_cast<float>(sum / static_cast<double>(divisor));
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {

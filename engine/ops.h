@@ -3,6 +3,9 @@
 // Activations are (B, T, C) row-major; attention views (B, T, C) as (B, T, H, C / H).
 #pragma once
 
+#include <memory>
+#include <vector>
+
 #include "engine/autograd.h"
 
 namespace cputrain {
@@ -21,13 +24,22 @@ Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b 
 // x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
 Variable rmsnorm(const Variable& x, const Variable& w, float eps);
 // x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
-// pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h).
-Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split);
+// pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h). With
+// `per_row`, table holds B such tables of T rows, one per row of x (packed rows, whose
+// sequences each begin at position 0).
+Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
+              bool per_row = false);
+// Rows of a (B, T) batch that each hold several sequences one after another: per row, the
+// lengths of its sequences in order, summing to T.
+struct Packing {
+  std::vector<std::vector<int64_t>> lengths;
+};
 // q (B, T, H * D), k and v (B, T, KVH * D) -> causal softmax(q k^T / sqrt(D)) v per query head,
 // (B, T, H * D); query head h attends with key/value head h / (H / KVH) (grouped-query
-// attention; KVH = H is multi-head).
+// attention; KVH = H is multi-head). With `packing`, each query attends only within its own
+// sequence, as if that sequence were a row of its own.
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
-                   int64_t n_kv_heads);
+                   int64_t n_kv_heads, std::shared_ptr<const Packing> packing = nullptr);
 // silu(gate) * up, elementwise. In bf16 mode its value is its bf16 rounding only (what a GEMM
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.
@@ -44,8 +56,12 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets);
 // loss's gradient by them for an output gradient of 1, (softmax - one-hot) / rows, kept for
 // backward in the compute precision (bf16 in bf16 mode, as linear rounds its output gradient).
 // Backward scales it by the output gradient and runs linear's two products.
+// A target below 0 is no target: its row has no loss and no gradient, and the loss is the sum
+// over the others divided by `normalizer` (0: their count; a fine-tune that accumulates
+// micro-batches gives the count of the whole step's targets, so that every target weighs the
+// same).
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
-                               int64_t chunk_rows = 0);
+                               int64_t chunk_rows = 0, int64_t normalizer = 0);
 // Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
 // enough rows that packing the weight again for each chunk costs little next to the product.
 int64_t lm_head_chunk_rows(int64_t V);

@@ -195,6 +195,21 @@ Tokenizer Tokenizer::load(const std::string& model_path) {
   return Tokenizer(std::move(processor), std::move(bytes));
 }
 
+std::vector<int32_t> Tokenizer::encode_piece(std::string_view text, bool special,
+                                             bool begins) const {
+  if (vocab_) return vocab_->encode(text, special, begins);
+  return encode(text);
+}
+
+bool Tokenizer::is_special(int32_t id) const {
+  if (vocab_) return id >= 0 && id < vocab_->vocab_size() && vocab_->is_special(id);
+  return id == kBos || id == kEos;
+}
+
+bool Tokenizer::adds_bos() const {
+  return vocab_ ? vocab_->vocabulary().add_bos && bos_ >= 0 : true;
+}
+
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   if (vocab_) return vocab_->encode(text);
   // SentencePiece turns a byte that is not part of valid UTF-8 into U+FFFD; such bytes are

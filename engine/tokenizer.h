@@ -55,6 +55,15 @@ class Tokenizer {
 
   // Every byte string encodes, invalid UTF-8 included, and decode gives it back exactly.
   std::vector<int32_t> encode(std::string_view text) const;
+  // A piece of a longer text (a fine-tuning example as a chat template renders it): with
+  // `special`, the texts of special tokens in it are those tokens (cputrain's own tokenizer has
+  // none); `begins` says it begins the text or follows a special token, where a
+  // SentencePiece-style vocabulary puts its dummy prefix.
+  std::vector<int32_t> encode_piece(std::string_view text, bool special, bool begins) const;
+  // Whether `id` is a special token: a control or user-defined one, or cputrain's BOS and EOS.
+  bool is_special(int32_t id) const;
+  // Whether a text begins with BOS: the vocabulary's add-BOS flag; always for cputrain's own.
+  bool adds_bos() const;
   std::string decode(std::span<const int32_t> ids) const;
   std::string decode(const std::vector<int32_t>& ids) const {
     return decode(std::span<const int32_t>(ids));

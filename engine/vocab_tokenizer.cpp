@@ -223,16 +223,19 @@ int32_t VocabTokenizer::type(int32_t id) const {
   return v_.types.empty() ? Vocabulary::kNormal : v_.types[static_cast<size_t>(id)];
 }
 
-std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special) const {
+std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,
+                                            bool begins) const {
   std::vector<int32_t> out;
   // The text between special tokens (all of it, without `special`) goes through the model.
   // A dummy prefix (SentencePiece style) begins the text, and each text after a special token.
+  bool after_special = begins;
   const auto plain = [&](std::string_view part) {
     if (part.empty()) return;
     if (bpe_)
       encode_bpe(part, out);
     else
-      encode_spm(part, v_.add_space_prefix, out);
+      encode_spm(part, v_.add_space_prefix && after_special, out);
+    after_special = false;
   };
   if (!special) {
     plain(text);
@@ -249,6 +252,7 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special)
     }
     plain(text.substr(start, pos - start));
     out.push_back(hit->second);
+    after_special = true;
     pos += hit->first.size();
     start = pos;
   }

@@ -57,7 +57,15 @@ class VocabTokenizer {
   // tokens (such as <|im_start|>) in it are those tokens, and in a SentencePiece-style vocabulary
   // each text after one takes the dummy prefix as the text's start does; without, they are text
   // like any other.
-  std::vector<int32_t> encode(std::string_view text, bool special = false) const;
+  // With `begins` false the text continues one (after text, not a special token) and takes no
+  // dummy prefix at its start.
+  std::vector<int32_t> encode(std::string_view text, bool special = false,
+                              bool begins = true) const;
+  // Whether `id` is a control or user-defined token (one `special` parses).
+  bool is_special(int32_t id) const {
+    const int32_t t = type(id);
+    return t == Vocabulary::kControl || t == Vocabulary::kUserDefined;
+  }
   // The text of `ids`, from the start of a text: byte pieces as their bytes, U+2581 as a space,
   // control tokens as nothing, and without the space of the dummy prefix (decode(encode(t)) == t).
   std::string decode(std::span<const int32_t> ids) const;

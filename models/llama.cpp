@@ -174,7 +174,7 @@ Variable LlamaModel::project(const Block& b, Projection which, int weight, int b
 }
 
 Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
-                                   const Attend& attend) {
+                                   bool per_row, const Attend& attend) {
   const float eps = config_.norm_eps;
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
   const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
@@ -185,8 +185,8 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
     Variable q, k, v;
     {
       const Variable h = rmsnorm(x, p(b.attention_norm), eps);
-      q = rope(project(b, Projection::Q, b.wq, b.bq, h), rope_table, H, half_split);
-      k = rope(project(b, Projection::K, b.wk, b.bk, h), rope_table, KVH, half_split);
+      q = rope(project(b, Projection::Q, b.wq, b.bq, h), rope_table, H, half_split, per_row);
+      k = rope(project(b, Projection::K, b.wk, b.bk, h), rope_table, KVH, half_split, per_row);
       // Attention reads only v's rounding.
       v = project(b, Projection::V, b.wv, b.bv, h, true);
     }
@@ -202,22 +202,44 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
   return add(a, project(b, Projection::Down, b.w2, -1, f));
 }
 
-Variable LlamaModel::hidden(const Tensor& inputs) {
+Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
-  const Attend attend = [H, KVH](const Variable& q, const Variable& k, const Variable& v) {
-    return attention(q, k, v, H, KVH);
+  const Attend attend = [H, KVH, packing](const Variable& q, const Variable& k, const Variable& v) {
+    return attention(q, k, v, H, KVH, packing);
   };
+  // Packed rows: each row's RoPE table, every sequence's positions from 0.
+  Tensor table = rope_table_;
+  if (packing) {
+    const int64_t B = inputs.dim(0), T = inputs.dim(1), D = config_.head_size();
+    if (static_cast<int64_t>(packing->lengths.size()) != B)
+      throw std::invalid_argument("packing of another batch");
+    table = Tensor::empty(Shape{B, T, D / 2, 2}, DType::F32, MemoryCategory::Activations);
+    if (!table.measured()) {
+      for (int64_t b = 0; b < B; ++b) {
+        int64_t t = 0;
+        for (const int64_t n : packing->lengths[static_cast<size_t>(b)]) {
+          if (n <= 0 || t + n > T) throw std::invalid_argument("packed lengths beyond T");
+          std::copy_n(rope_table_.f32(), n * D, table.f32() + (b * T + t) * D);
+          t += n;
+        }
+        if (t != T) throw std::invalid_argument("packed lengths summing to T");
+      }
+    }
+  }
+  const bool per_row = packing != nullptr;
   Variable x = embedding(p(tok_embeddings_), inputs);
   for (const Block& b : blocks_) {
     if (checkpointing_) {
-      // The region reruns in backward: it holds its own copy of attend.
-      x = checkpoint([this, &b, attend](
-                         const Variable& in) { return block_forward(b, in, rope_table_, attend); },
-                     x);
+      // The region reruns in backward: it holds its own copies of attend and the table.
+      x = checkpoint(
+          [this, &b, attend, table, per_row](const Variable& in) {
+            return block_forward(b, in, table, per_row, attend);
+          },
+          x);
     } else {
-      x = block_forward(b, x, rope_table_, attend);
+      x = block_forward(b, x, table, per_row, attend);
     }
   }
   return rmsnorm(x, p(norm_), config_.norm_eps);
@@ -228,10 +250,23 @@ Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets) {
   return lm_head_cross_entropy(hidden(inputs), p(output_), targets);
 }
 
+Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets,
+                          std::shared_ptr<const Packing> packing, int64_t normalizer) {
+  ComputeDTypeGuard precision(compute_dtype_);
+  return lm_head_cross_entropy(hidden(inputs, std::move(packing)), p(output_), targets, 0,
+                               normalizer);
+}
+
 Tensor LlamaModel::logits(const Tensor& inputs) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
   return linear(hidden(inputs), p(output_)).value();
+}
+
+Tensor LlamaModel::logits(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
+  NoGradGuard no_grad;
+  ComputeDTypeGuard precision(compute_dtype_);
+  return linear(hidden(inputs, std::move(packing)), p(output_)).value();
 }
 
 Tensor LlamaModel::last_logits(const Tensor& inputs) {
@@ -285,7 +320,7 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
                                 cache.values[l].f32(), n, m, H, KVH, D);
       return Variable(att, false);
     };
-    x = block_forward(blocks_[l], x, table, attend);
+    x = block_forward(blocks_[l], x, table, false, attend);
   }
   cache.length = n + m;
   return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps).value(), 1, m);

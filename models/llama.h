@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/ops.h"
 #include "engine/parameters.h"
 #include "models/llama_config.h"
 #include "models/lora.h"
@@ -70,6 +71,12 @@ class LlamaModel {
   Variable loss(const Tensor& inputs, const Tensor& targets);
   // inputs (B, T) -> logits (B, T, V), without recording anything.
   Tensor logits(const Tensor& inputs);
+  // A fine-tuning batch: rows packed with several examples each (ops.h Packing; each example
+  // attends within itself and takes RoPE positions from 0), targets below 0 carry no loss, and
+  // the loss is the sum over the targets divided by `normalizer` (0: their count).
+  Variable loss(const Tensor& inputs, const Tensor& targets, std::shared_ptr<const Packing> packing,
+                int64_t normalizer = 0);
+  Tensor logits(const Tensor& inputs, std::shared_ptr<const Packing> packing);
   // inputs (B, T) -> logits of the last position only (B, V), without recording anything.
   Tensor last_logits(const Tensor& inputs);
 
@@ -101,14 +108,15 @@ class LlamaModel {
     int output = 0;
   };
   static Layout declare(const LlamaConfig& config, const LoraConfig& lora, ParameterSet& params);
-  // (B, T, C) hidden states after the final norm.
-  Variable hidden(const Tensor& inputs);
+  // (B, T, C) hidden states after the final norm; with `packing`, of packed rows.
+  Variable hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing = nullptr);
   // Attention of q, k, v (after RoPE): the whole-sequence op in training and evaluation, the
   // KV cache in decoding.
   using Attend = std::function<Variable(const Variable& q, const Variable& k, const Variable& v)>;
   // One block on x, whose positions take their RoPE angles from the rows of rope_table.
+  // With `per_row`, rope_table holds a table of T rows for each row of x (ops.h rope).
   Variable block_forward(const Block& block, const Variable& x, const Tensor& rope_table,
-                         const Attend& attend);
+                         bool per_row, const Attend& attend);
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
   Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
   const Variable& p(int index) const { return params_.var(index); }

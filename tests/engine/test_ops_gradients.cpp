@@ -118,6 +118,31 @@ TEST(OpsGradient, Rope) {
                     {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
 }
 
+// Each row with its own table (packed rows): row 0 from position 0, row 1 from position 2.
+TEST(OpsGradient, RopePerRow) {
+  std::mt19937 rng(23);
+  const int64_t T = 5, H = 2, D = 6;
+  Tensor full = Tensor::empty(Shape{T + 2, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(full.f32(), T + 2, D, 10000.0);
+  Tensor table = Tensor::empty(Shape{2, T, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  std::copy_n(full.f32(), T * D, table.f32());
+  std::copy_n(full.f32() + 2 * D, T * D, table.f32() + T * D);
+  check_gradients([&](const auto& v) { return rope(v[0], table, H, true, true); },
+                  {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+}
+
+// Packed rows: sequences of 3, 1 and 3 positions in row 0, one of 7 in row 1; grouped heads.
+TEST(OpsGradient, AttentionPacked) {
+  std::mt19937 rng(24);
+  const int64_t B = 2, T = 7, H = 4, KVH = 2, D = 4;
+  auto packing = std::make_shared<Packing>();
+  packing->lengths = {{3, 1, 3}, {7}};
+  check_gradients([packing](const auto& v) { return attention(v[0], v[1], v[2], H, KVH, packing); },
+                  {random_tensor(Shape{B, T, H * D}, rng), random_tensor(Shape{B, T, KVH * D}, rng),
+                   random_tensor(Shape{B, T, KVH * D}, rng)},
+                  5e-3);
+}
+
 TEST(OpsGradient, AttentionSeveralHeads) {
   std::mt19937 rng(4);
   const Shape s{2, 7, 12};  // B 2, T 7, H 3, D 4
@@ -193,6 +218,39 @@ TEST(OpsGradient, LmHeadCrossEntropyInChunks) {
   for (int i = 0; i < 5; ++i) targets.i32()[i] = (i * 5 + 2) % 13;
   check_gradients([&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, 2); },
                   {random_tensor(Shape{1, 5, 7}, rng), random_tensor(Shape{13, 7}, rng)}, 5e-3);
+}
+
+// Rows without a target (below 0) carry no loss and no gradient; the loss divides by the
+// targets there are, or by a given normalizer.
+TEST(OpsGradient, LmHeadCrossEntropyIgnoresRowsWithoutTargets) {
+  std::mt19937 rng(25);
+  Tensor targets = Tensor::empty(Shape{6}, DType::I32, MemoryCategory::Workspace);
+  const int32_t values[6] = {3, -1, 7, -1, -1, 11};
+  std::copy_n(values, 6, targets.i32());
+  for (const int64_t normalizer : {0, 10})
+    check_gradients(
+        [&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, 4, normalizer); },
+        {random_tensor(Shape{1, 6, 7}, rng), random_tensor(Shape{13, 7}, rng)}, 5e-3);
+  // The loss: the three rows' mean, or their sum over 10; the others' x rows get no gradient.
+  const Tensor x0 = random_tensor(Shape{1, 6, 7}, rng), w0 = random_tensor(Shape{13, 7}, rng);
+  Tensor kept = Tensor::empty(Shape{3}, DType::I32, MemoryCategory::Workspace);
+  const int32_t kept_values[3] = {3, 7, 11};
+  std::copy_n(kept_values, 3, kept.i32());
+  Tensor x3 = Tensor::empty(Shape{1, 3, 7}, DType::F32, MemoryCategory::Workspace);
+  for (int r = 0, k = 0; r < 6; ++r)
+    if (values[r] >= 0) std::copy_n(x0.f32() + r * 7, 7, x3.f32() + 7 * k++);
+  const float mean3 =
+      lm_head_cross_entropy(Variable(x3, false), Variable(w0, false), kept).value().f32()[0];
+  Variable x(x0, true), w(w0, false);
+  Variable loss = lm_head_cross_entropy(x, w, targets, 4, 10);
+  EXPECT_NEAR(loss.value().f32()[0], mean3 * 3.0f / 10.0f, 1e-6);
+  EXPECT_NEAR(lm_head_cross_entropy(Variable(x0, false), w, targets).value().f32()[0], mean3, 1e-6);
+  backward(loss);
+  for (int r = 0; r < 6; ++r)
+    for (int c = 0; c < 7; ++c)
+      if (values[r] < 0) {
+        EXPECT_EQ(x.grad().f32()[r * 7 + c], 0.0f) << r;
+      }
 }
 
 // It computes what linear then cross_entropy compute: the same loss, and gradients within

@@ -449,6 +449,80 @@ TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
   EXPECT_EQ(grads[1], grads[2]);
 }
 
+// Packed rows (fine-tuning): sequences of 5, 9 and 2 tokens in one row of 16, and one of 16 in
+// another, give each sequence the logits it has alone (RoPE from position 0, attention within
+// itself), in fp32 and bf16, with and without checkpointing; the loss over targets (some below
+// 0: none) divided by a normalizer has the gradients of the sequences' losses so weighted.
+TEST(Packing, PackedRowsComputeEachSequenceAlone) {
+  LlamaConfig c = lora_shape();
+  c.rope_pairs = RopePairs::HalfSplit;
+  const std::vector<std::vector<int64_t>> rows = {{5, 9, 2}, {16}};
+  const int64_t T = 16;
+  const Tensor x = random_tokens(2, T, c.vocab, 31), y = random_tokens(2, T, c.vocab, 32);
+  // Some targets are none, as a prompt's are.
+  for (const int64_t i : {0, 1, 2, 7, 20, 21}) y.i32()[i] = -1;
+  auto packing = std::make_shared<Packing>();
+  packing->lengths = rows;
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    LlamaModel m(c);
+    m.init_weights(33);
+    m.set_compute_dtype(dtype);
+    const Tensor packed = m.logits(x, packing);
+    const int64_t V = c.vocab;
+    double worst = 0.0;
+    for (size_t b = 0; b < rows.size(); ++b) {
+      int64_t start = 0;
+      for (const int64_t n : rows[b]) {
+        Tensor alone = Tensor::empty(Shape{1, n}, DType::I32, MemoryCategory::Workspace);
+        std::copy_n(x.i32() + static_cast<int64_t>(b) * T + start, n, alone.i32());
+        const Tensor l = m.logits(alone);
+        for (int64_t i = 0; i < n * V; ++i)
+          worst = std::max(
+              worst,
+              static_cast<double>(std::abs(
+                  l.f32()[i] - packed.f32()[(static_cast<int64_t>(b) * T + start) * V + i])));
+        start += n;
+      }
+    }
+    EXPECT_LT(worst, dtype == DType::F32 ? 1e-5 : 2e-2) << dtype_name(dtype);
+
+    // Gradients: the packed loss over 40 against each sequence's summed loss over 40.
+    const int64_t normalizer = 40;
+    std::vector<float> want;
+    {
+      m.parameters().zero_grad();
+      for (size_t b = 0; b < rows.size(); ++b) {
+        int64_t start = 0;
+        for (const int64_t n : rows[b]) {
+          Tensor in = Tensor::empty(Shape{1, n}, DType::I32, MemoryCategory::Workspace);
+          Tensor tg = Tensor::empty(Shape{1, n}, DType::I32, MemoryCategory::Workspace);
+          std::copy_n(x.i32() + static_cast<int64_t>(b) * T + start, n, in.i32());
+          std::copy_n(y.i32() + static_cast<int64_t>(b) * T + start, n, tg.i32());
+          backward(m.loss(in, tg, nullptr, normalizer));
+          start += n;
+        }
+      }
+      const ParameterSet& p = m.parameters();
+      want.assign(p.gradients().f32(), p.gradients().f32() + p.trainable_numel());
+    }
+    for (const bool checkpoint : {false, true}) {
+      m.set_checkpointing(checkpoint);
+      m.parameters().zero_grad();
+      backward(m.loss(x, y, packing, normalizer));
+      const ParameterSet& p = m.parameters();
+      double diff = 0.0, scale = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        diff = std::max(diff, static_cast<double>(std::abs(p.gradients().f32()[i] - want[i])));
+        scale = std::max(scale, static_cast<double>(std::abs(want[i])));
+      }
+      EXPECT_GT(scale, 0.0);
+      EXPECT_LT(diff / scale, dtype == DType::F32 ? 1e-4 : 5e-2)
+          << dtype_name(dtype) << (checkpoint ? " checkpointed" : "");
+    }
+    m.set_checkpointing(false);
+  }
+}
+
 // The same 8 sequences as 8x1, 4x2, 2x4 and 1x8 (micro-batch x accumulation), each
 // micro-batch's loss scaled by 1/accum: the gradients of the whole batch, to FP32 rounding.
 TEST(LlamaModel, GradientAccumulationEqualsTheFullBatch) {

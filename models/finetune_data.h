@@ -1,0 +1,59 @@
+// Fine-tuning data: JSON Lines of examples in the shapes people write them, rendered into token
+// ids with the tokens the loss falls on.
+//   {"text": ...}                                   all of it
+//   {"prompt": ..., "completion": ...}              the completion
+//   {"instruction": ..., "input": ..., "output": ...}  (Alpaca; input optional) the output
+//   {"messages": [{"role": ..., "content": ...}, ...]}  the assistant's replies
+// Chat is rendered with the chat template (models/chat_template.h); so is Alpaca where there is
+// one (instruction and input as the user's message), else Alpaca's own prompt. Text, completions
+// and outputs end with EOS, so the model learns to stop; a reply ends with its template's marker.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/chat_template.h"
+
+namespace cputrain {
+
+class Tokenizer;
+
+enum class ExampleShape { Text, PromptCompletion, Alpaca, Chat };
+inline constexpr int kExampleShapes = 4;
+// "text", "prompt/completion", "alpaca", "chat".
+const char* example_shape_name(ExampleShape shape);
+
+struct FinetuneExample {
+  std::vector<int32_t> tokens;  // BOS first where the tokenizer begins texts with it
+  std::vector<uint8_t> target;  // per token, 1 where predicting it counts (never the first)
+  int64_t line = 0;             // in the file, from 1
+};
+
+struct FinetuneDataOptions {
+  // The chat template (the model's or --chat-template); chat examples need one.
+  std::optional<ChatTemplate> chat;
+  bool train_on_prompt = false;  // every token after the first is a target
+  int64_t max_tokens = 0;        // longer examples are cut to this many (0: not cut)
+};
+
+struct FinetuneData {
+  std::vector<FinetuneExample> examples;
+  std::array<int64_t, kExampleShapes> shapes{};  // examples of each shape
+  int64_t truncated = 0;                         // examples cut to max_tokens
+  int64_t dropped = 0;                           // examples with no target left once cut
+  int64_t tokens = 0;
+  int64_t targets = 0;
+};
+
+// Reads `path`: one JSON object a line (blank lines pass). A UserError "PATH:LINE: what is wrong"
+// for a line that is not a JSON object, has none of the shapes' fields or a field of the wrong
+// type, an empty reply, a role other than system, user and assistant, a chat without an
+// assistant reply (unless train_on_prompt), or a chat where no template is known; and for a file
+// that cannot be read or holds no example.
+FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& tokenizer,
+                                 const FinetuneDataOptions& options);
+
+}  // namespace cputrain
