@@ -19,26 +19,36 @@ Trainer::Trainer(const ParameterSet& params, LossFn loss_fn, const TrainOptions&
                              MemoryCategory::Workspace)) {}
 
 StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
-  const auto start = std::chrono::steady_clock::now();
   const int64_t B = options_.batch;
+  return step_with(
+      step,
+      [&](int64_t micro) {
+        if (!measuring()) {
+          profiler::Scope scope("sample batch", profiler::Pass::Step);
+          sample_windows(tokens, options_.ctx, options_.seed, static_cast<uint64_t>(step),
+                         micro * B, B, inputs_.i32(), targets_.i32());
+        }
+        return loss_fn_(inputs_, targets_);
+      },
+      options_.accum, B * options_.accum * options_.ctx);
+}
+
+StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t)>& micro_loss,
+                              int64_t divisor, int64_t positions) {
+  const auto start = std::chrono::steady_clock::now();
   double loss_sum = 0.0;
   {
     profiler::Scope scope("zero gradients", profiler::Pass::Step);
     params_.zero_grad();
   }
   for (int64_t micro = 0; micro < options_.accum; ++micro) {
-    if (!measuring()) {
-      profiler::Scope scope("sample batch", profiler::Pass::Step);
-      sample_windows(tokens, options_.ctx, options_.seed, static_cast<uint64_t>(step), micro * B, B,
-                     inputs_.i32(), targets_.i32());
-    }
-    Variable loss = loss_fn_(inputs_, targets_);
+    Variable loss = micro_loss(micro);
     if (!measuring()) loss_sum += loss.value().f32()[0];
-    backward(loss, 1.0f / static_cast<float>(options_.accum));
+    backward(loss, 1.0f / static_cast<float>(divisor));
   }
   StepResult r;
   r.lr = learning_rate(options_.lr, step);
-  r.loss = loss_sum / static_cast<double>(options_.accum);
+  r.loss = loss_sum / static_cast<double>(divisor);
   {
     profiler::Scope scope("gradient norm", profiler::Pass::Step);
     r.grad_norm = gradient_norm(params_);
@@ -51,7 +61,7 @@ StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   }
   r.ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  r.tokens_per_s = static_cast<double>(B * options_.accum * options_.ctx) / (r.ms / 1000.0);
+  r.tokens_per_s = static_cast<double>(positions) / (r.ms / 1000.0);
   return r;
 }
 

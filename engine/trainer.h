@@ -47,6 +47,12 @@ class Trainer {
   // (seed, step, row), gradients summed with each micro-batch's loss scaled by 1 / accum, one
   // AdamW update at the scheduled rate.
   StepResult step(std::span<const int32_t> tokens, int64_t step);
+  // Step `step` over batches a caller makes (a fine-tune's packed rows): `micro_loss(micro)` for
+  // micro 0 .. accum - 1 gives each micro-batch's loss, whose gradient is summed divided by
+  // `divisor`; the step's loss is their sum over `divisor`. `positions` is what tokens_per_s
+  // counts.
+  StepResult step_with(int64_t step, const std::function<Variable(int64_t micro)>& micro_loss,
+                       int64_t divisor, int64_t positions);
 
   // Called once the step's loss and gradient norm are known and before the update; returning
   // false skips the update (a non-finite loss, a spike). No filter: every update is applied.

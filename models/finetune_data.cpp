@@ -1,7 +1,10 @@
 #include "models/finetune_data.h"
 
+#include <algorithm>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 
 #include "engine/error.h"
 #include "engine/tokenizer.h"
@@ -204,6 +207,66 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
                                             std::to_string(data.dropped) + " cut to nothing)"
                                       : std::string(" (the file is empty)")));
   return data;
+}
+
+std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx) {
+  std::vector<int32_t> order(examples.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  const auto positions = [&](int32_t i) {
+    return static_cast<int64_t>(examples[static_cast<size_t>(i)].tokens.size()) - 1;
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return positions(a) > positions(b); });
+  std::vector<PackedRow> rows;
+  std::multimap<int64_t, size_t> room;  // positions left -> row
+  for (const int32_t i : order) {
+    const int64_t n = positions(i);
+    if (n < 1 || n > ctx)
+      throw std::invalid_argument("pack_examples: an example of 2 .. ctx + 1 tokens");
+    auto it = room.lower_bound(n);  // the fullest row it fits in
+    size_t r;
+    if (it == room.end()) {
+      r = rows.size();
+      rows.emplace_back();
+    } else {
+      r = it->second;
+      room.erase(it);
+    }
+    rows[r].examples.push_back(i);
+    rows[r].positions += n;
+    if (rows[r].positions < ctx) room.emplace(ctx - rows[r].positions, r);
+  }
+  return rows;
+}
+
+int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
+                          const std::vector<FinetuneExample>& examples, int64_t ctx, int32_t pad,
+                          int32_t* inputs, int32_t* targets, Packing& packing) {
+  packing.lengths.assign(rows.size(), {});
+  int64_t counted = 0;
+  for (size_t b = 0; b < rows.size(); ++b) {
+    int32_t* in = inputs + static_cast<int64_t>(b) * ctx;
+    int32_t* tg = targets + static_cast<int64_t>(b) * ctx;
+    int64_t t = 0;
+    for (const int32_t i : rows[b]->examples) {
+      const FinetuneExample& e = examples[static_cast<size_t>(i)];
+      const int64_t n = static_cast<int64_t>(e.tokens.size()) - 1;
+      for (int64_t j = 0; j < n; ++j) {
+        in[t + j] = e.tokens[static_cast<size_t>(j)];
+        const bool target = e.target[static_cast<size_t>(j + 1)] != 0;
+        tg[t + j] = target ? e.tokens[static_cast<size_t>(j + 1)] : -1;
+        counted += target;
+      }
+      packing.lengths[b].push_back(n);
+      t += n;
+    }
+    if (t < ctx) {
+      std::fill(in + t, in + ctx, pad);
+      std::fill(tg + t, tg + ctx, -1);
+      packing.lengths[b].push_back(ctx - t);
+    }
+  }
+  return counted;
 }
 
 }  // namespace cputrain

@@ -12,9 +12,11 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "engine/ops.h"
 #include "models/chat_template.h"
 
 namespace cputrain {
@@ -55,5 +57,22 @@ struct FinetuneData {
 // that cannot be read or holds no example.
 FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& tokenizer,
                                  const FinetuneDataOptions& options);
+
+// Examples packed into rows of `ctx` positions, whole examples one after another: an example of
+// n tokens takes n - 1 positions (its inputs; its targets are the tokens after them). Best fit
+// over the examples longest first, so that little but some rows' tails is padding. Examples must
+// be of 2 .. ctx + 1 tokens.
+struct PackedRow {
+  std::vector<int32_t> examples;  // indices, in the row's order
+  int64_t positions = 0;          // taken, at most ctx
+};
+std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx);
+
+// Writes `rows` as a (rows.size(), ctx) batch: each example's inputs and targets (-1 where a
+// token is no target), then `pad` with no target to the row's end; `packing` gets each row's
+// sequence lengths (a padding tail is a sequence of its own). Returns the count of targets.
+int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
+                          const std::vector<FinetuneExample>& examples, int64_t ctx, int32_t pad,
+                          int32_t* inputs, int32_t* targets, Packing& packing);
 
 }  // namespace cputrain

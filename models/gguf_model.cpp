@@ -130,9 +130,110 @@ uint32_t file_type(GgmlType type) {
 
 }  // namespace
 
+namespace {
+
+// The architecture write_gguf writes a model of `c` as.
+bool as_qwen2(const LlamaConfig& c) {
+  return c.qkv_bias && c.rope_pairs == RopePairs::HalfSplit;
+}
+
+}  // namespace
+
+void write_lora_gguf(const std::string& path, const LlamaConfig& c, const ParameterSet& params,
+                     double alpha, const std::string& name) {
+  const bool qwen2 = as_qwen2(c);
+  GgufWriter w;
+  w.set_string("general.architecture", qwen2 ? "qwen2" : "llama");
+  w.set_string("general.type", "adapter");
+  w.set_string("general.name", name);
+  w.set_string("adapter.type", "lora");
+  w.set_f32("adapter.lora.alpha", static_cast<float>(alpha));
+  w.set_string("cputrain.base_fingerprint", fingerprint_text(base_fingerprint(c, params)));
+  bool any = false;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    if (!is_lora_parameter(info.name)) continue;
+    const std::vector<float> values = parameter_values(
+        params, static_cast<int>(i), c, qwen2 ? RopePairs::HalfSplit : RopePairs::Adjacent);
+    w.add_tensor(gguf_tensor_name(info.name), {info.shape[1], info.shape[0]}, GgmlType::F32,
+                 ggml_from_float(GgmlType::F32, values.data(), info.shape.numel()));
+    any = true;
+  }
+  if (!any) throw std::logic_error("write_lora_gguf: a model without adapters");
+  w.write(path);
+}
+
+LoraConfig lora_gguf_config(const GgufFile& file) {
+  if (file.string("general.type", "") != "adapter" || file.string("adapter.type", "") != "lora")
+    throw UserError(file.path() + ": not a LoRA adapter (general.type " +
+                    file.string("general.type", "model") + ")");
+  LoraConfig lora;
+  lora.alpha = file.number("adapter.lora.alpha", 0.0);
+  const char* gguf_names[kProjectionCount] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                              "ffn_gate", "ffn_up", "ffn_down"};
+  for (const GgufTensor& t : file.tensors()) {
+    if (!t.name.ends_with(".weight.lora_a") && !t.name.ends_with(".weight.lora_b"))
+      throw UserError(file.path() + ": tensor " + t.name + " is not a LoRA adapter's");
+    bool known = false;
+    for (int j = 0; j < kProjectionCount; ++j) {
+      if (t.name.find(std::string(".") + gguf_names[j] + ".weight.lora_") == std::string::npos)
+        continue;
+      lora.targets[static_cast<size_t>(j)] = true;
+      known = true;
+    }
+    if (!known)
+      throw UserError(file.path() + ": tensor " + t.name +
+                      " adapts a projection cputrain does not compute");
+    if (t.name.ends_with(".lora_a") && t.dims.size() == 2) {
+      if (lora.rank != 0 && lora.rank != t.dims[1])
+        throw UserError(file.path() + ": adapters of more than one rank");
+      lora.rank = t.dims[1];
+    }
+  }
+  if (lora.rank <= 0) throw UserError(file.path() + ": no adapter tensors");
+  if (!(lora.alpha > 0.0)) lora.alpha = static_cast<double>(lora.rank);  // llama.cpp's default
+  return lora;
+}
+
+void load_lora_gguf(const GgufFile& file, const LlamaConfig& c, const ParameterSet& params) {
+  const bool qwen2 = as_qwen2(c);
+  const std::string arch = file.string("general.architecture", "");
+  if (arch != (qwen2 ? "qwen2" : "llama"))
+    throw UserError(file.path() + ": an adapter for a " + arch + " model, not this " +
+                    (qwen2 ? "qwen2" : "llama") + " one");
+  // Shapes first, then the base's fingerprint, then the values.
+  std::vector<std::pair<size_t, const GgufTensor*>> adapters;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    if (!is_lora_parameter(info.name)) continue;
+    const std::string name = gguf_tensor_name(info.name);
+    const GgufTensor* t = file.tensor(name);
+    if (!t) throw UserError(file.path() + ": no tensor " + name);
+    const std::vector<int64_t> expected = {info.shape[1], info.shape[0]};
+    if (t->dims != expected)
+      throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
+                      " where this model takes " + shape_text(expected));
+    adapters.emplace_back(i, t);
+  }
+  if (adapters.size() != file.tensors().size())
+    throw UserError(file.path() + ": " + std::to_string(file.tensors().size()) +
+                    " tensors, of which this model takes " + std::to_string(adapters.size()));
+  const std::string want = fingerprint_text(base_fingerprint(c, params));
+  const std::string got = file.string("cputrain.base_fingerprint", want);
+  if (got != want)
+    throw UserError(file.path() + ": an adapter trained on another base model (fingerprint " + got +
+                    ", this model's " + want + ")");
+  for (const auto& [i, t] : adapters) {
+    std::vector<float> values = gguf_tensor_values(file, *t);
+    reorder_qk_rows(values, params.infos()[i], c,
+                    qwen2 ? RopePairs::HalfSplit : RopePairs::Adjacent, c.rope_pairs);
+    params.write_values(static_cast<int>(i), values.data());
+  }
+}
+
 GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const ParameterSet& params,
                     const Vocabulary& v, const GgufExport& options) {
-  const bool qwen2 = c.qkv_bias && c.rope_pairs == RopePairs::HalfSplit;
+  const bool qwen2 = as_qwen2(c);
   const std::string arch = qwen2 ? "qwen2" : "llama";
   GgmlType matrices = options.type;
   if (matrices == GgmlType::Q8_0) {

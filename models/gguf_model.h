@@ -7,6 +7,7 @@
 #include "engine/gguf_file.h"
 #include "engine/vocab_tokenizer.h"
 #include "models/llama_config.h"
+#include "models/lora.h"
 
 namespace cputrain {
 
@@ -51,5 +52,21 @@ struct GgufExport {
 // is F16 where Q8_0 was asked for rows that are not whole blocks of 32.
 GgmlType write_gguf(const std::string& path, const LlamaConfig& config, const ParameterSet& params,
                     const Vocabulary& vocabulary, const GgufExport& options);
+
+// The model's adapters (its .lora_a and .lora_b parameters, F32) as llama.cpp's LoRA adapter
+// file: general.type adapter, adapter.type lora, adapter.lora.alpha, the architecture the base's
+// GGUF has (as write_gguf chooses it, B's q and k rows in its pairing), and each tensor named
+// after its projection ("blk.0.attn_q.weight.lora_a"), for llama_adapter_lora_init.
+// It records the base's fingerprint (models/lora.h) as cputrain.base_fingerprint.
+void write_lora_gguf(const std::string& path, const LlamaConfig& config, const ParameterSet& params,
+                     double alpha, const std::string& name);
+
+// The adapters a LoRA adapter file holds: its rank, alpha and targets. A UserError naming the
+// file where it is no LoRA adapter or holds no adapter cputrain computes.
+LoraConfig lora_gguf_config(const GgufFile& file);
+// Reads the file's adapters into `params` (a model of `config` built with lora_gguf_config's
+// adapters). A UserError naming the file where its architecture, a tensor's shape or the base's
+// fingerprint is not the model's.
+void load_lora_gguf(const GgufFile& file, const LlamaConfig& config, const ParameterSet& params);
 
 }  // namespace cputrain

@@ -1,6 +1,12 @@
 #include "models/lora.h"
 
+#include <cstdio>
+#include <vector>
+
 #include "engine/error.h"
+#include "engine/hash.h"
+#include "engine/parameters.h"
+#include "kernels/bf16.h"
 
 namespace cputrain {
 
@@ -63,6 +69,32 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
 
 bool is_lora_parameter(std::string_view name) {
   return name.ends_with(".lora_a") || name.ends_with(".lora_b");
+}
+
+uint64_t base_fingerprint(const LlamaConfig& c, const ParameterSet& params) {
+  uint64_t h = kFnvOffset;
+  for (const int64_t v :
+       {c.vocab, c.d_model, c.n_layers, c.n_heads, c.kv_heads(), c.ffn, c.head_size()})
+    h = fnv1a_u64(static_cast<uint64_t>(v), h);
+  std::vector<float> values;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& p = params.infos()[i];
+    if (!p.name.ends_with("norm.weight")) continue;
+    values.resize(static_cast<size_t>(p.shape.numel()));
+    params.read_values(static_cast<int>(i), values.data());
+    h = fnv1a(p.name, h);
+    for (const float v : values) {
+      const uint16_t b = kernels::fp32_to_bf16(v);
+      h = fnv1a(&b, sizeof b, h);
+    }
+  }
+  return h;
+}
+
+std::string fingerprint_text(uint64_t fingerprint) {
+  char s[17];
+  std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(fingerprint));
+  return s;
 }
 
 }  // namespace cputrain

@@ -9,7 +9,11 @@
 #include <string>
 #include <string_view>
 
+#include "models/llama_config.h"
+
 namespace cputrain {
+
+class ParameterSet;
 
 // The projections of a block that can take an adapter, in Hugging Face's names.
 enum class Projection { Q, K, V, O, Gate, Up, Down };
@@ -36,5 +40,13 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
 
 // Whether a parameter name is an adapter's ("....lora_a" or "....lora_b").
 bool is_lora_parameter(std::string_view name);
+
+// What an adapter records of the base it was trained on, to refuse another: a hash of the
+// model's shape and of its norm gains rounded to bf16. Norm gains differ between models of one
+// shape (a base and its instruction-tuned sibling) but not between a model's files: GGUF keeps
+// them F32 in every quantisation, so an adapter trained on a BF16 file applies to its Q4_K_M.
+uint64_t base_fingerprint(const LlamaConfig& config, const ParameterSet& params);
+// 16 hex digits.
+std::string fingerprint_text(uint64_t fingerprint);
 
 }  // namespace cputrain

@@ -37,6 +37,15 @@ constexpr Names kBlockNames[] = {
 }  // namespace
 
 std::string tensor_name(const std::string& parameter, TensorNaming naming) {
+  // An adapter's: its projection's name and llama.cpp's suffix, or PEFT's module name.
+  for (const char* suffix : {".lora_a", ".lora_b"}) {
+    if (!parameter.ends_with(suffix)) continue;
+    const std::string weight =
+        tensor_name(parameter.substr(0, parameter.size() - 6) + "weight", naming);
+    if (naming == TensorNaming::Gguf) return weight + suffix;
+    return "base_model.model." + weight.substr(0, weight.size() - 6) +
+           (suffix[6] == 'a' ? "lora_A.weight" : "lora_B.weight");
+  }
   const auto pick = [naming](const Names& n) {
     return std::string(naming == TensorNaming::Gguf ? n.gguf : n.hf);
   };
@@ -59,8 +68,17 @@ std::vector<float> parameter_values(const ParameterSet& params, int index, const
   const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
   std::vector<float> values(static_cast<size_t>(info.shape.numel()));
   params.read_values(index, values.data());
+  reorder_qk_rows(values, info, c, c.rope_pairs, pairs);
+  return values;
+}
+
+void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, const LlamaConfig& c,
+                     RopePairs from, RopePairs to) {
   const bool q = info.name.find(".wq.") != std::string::npos;
-  if (pairs == c.rope_pairs || (!q && info.name.find(".wk.") == std::string::npos)) return values;
+  // An adapter's A has rank rows, not the projection's: only B's rows are reordered.
+  if (from == to || (!q && info.name.find(".wk.") == std::string::npos) ||
+      info.name.ends_with(".lora_a"))
+    return;
   // Row j + k * D/2 of a half-split head is row 2j + k of an adjacent one.
   const int64_t heads = q ? c.n_heads : c.kv_heads(), d = c.head_size(), half = d / 2;
   const int64_t row = info.shape.ndim() == 2 ? info.shape[1] : 1;
@@ -69,11 +87,11 @@ std::vector<float> parameter_values(const ParameterSet& params, int index, const
     for (int64_t j = 0; j < half; ++j)
       for (int64_t k = 0; k < 2; ++k) {
         const int64_t split = h * d + j + k * half, adjacent = h * d + 2 * j + k;
-        const int64_t from = pairs == RopePairs::Adjacent ? split : adjacent;
-        const int64_t to = pairs == RopePairs::Adjacent ? adjacent : split;
-        std::copy_n(values.begin() + from * row, row, out.begin() + to * row);
+        const int64_t src = to == RopePairs::Adjacent ? split : adjacent;
+        const int64_t dst = to == RopePairs::Adjacent ? adjacent : split;
+        std::copy_n(values.begin() + src * row, row, out.begin() + dst * row);
       }
-  return out;
+  values.swap(out);
 }
 
 std::string shape_text(const std::vector<int64_t>& dims) {

@@ -14,6 +14,7 @@
 #include "tools/budget_command.h"
 #include "tools/eval_command.h"
 #include "tools/export_command.h"
+#include "tools/finetune_command.h"
 #include "tools/inspect_command.h"
 #include "tools/parity_command.h"
 #include "tools/plot_command.h"
@@ -25,7 +26,8 @@ namespace {
 
 bool is_subcommand(const std::string& arg) {
   return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" ||
-         arg == "plot" || arg == "export" || arg == "inspect" || arg == "tokenize";
+         arg == "plot" || arg == "export" || arg == "inspect" || arg == "tokenize" ||
+         arg == "finetune";
 }
 
 }  // namespace
@@ -69,6 +71,10 @@ int run_cli(int argc, char** argv) {
   CLI::App* tokenize =
       app.add_subcommand("tokenize", "The token ids of a text under a model's tokenizer");
   add_tokenize_flags(*tokenize, tokenize_args);
+  FinetuneArgs finetune_args;
+  CLI::App* finetune = app.add_subcommand(
+      "finetune", "Fine-tune a model file on JSON Lines examples: LoRA adapters, or --full");
+  add_finetune_flags(*finetune, finetune_args);
   PlotArgs plot_args;
   CLI::App* plot = app.add_subcommand("plot", "Plot a run's losses and tokens/s as an SVG file");
   add_plot_flags(*plot, plot_args);
@@ -96,6 +102,7 @@ int run_cli(int argc, char** argv) {
     if (exporter->parsed()) return run_export(export_args);
     if (inspect->parsed()) return run_inspect(inspect_args);
     if (tokenize->parsed()) return run_tokenize(tokenize_args);
+    if (finetune->parsed()) return run_finetune(finetune_args);
   } catch (const UserError& e) {
     std::fprintf(stderr, "cputrain: error: %s\n", e.what());
     // A run that had opened its log ends with the error there too.

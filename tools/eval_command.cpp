@@ -45,7 +45,8 @@ std::string read_text(const std::string& path) {
 // `ctx`, each position after a window's first scored by the logits before it.
 int eval_text(const EvalArgs& a) {
   const auto [path, flag] = model_source(a.run, a.model);
-  LoadedModel m = load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx);
+  LoadedModel m =
+      load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, false, a.adapter);
   const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, m.config.ctx) : m.config.ctx;
   std::vector<int32_t> tokens;
   const bool add_bos =
@@ -118,6 +119,9 @@ int eval_text(const EvalArgs& a) {
 
 void add_eval_flags(CLI::App& app, EvalArgs& a) {
   add_model_source_flags(app, a.run, a.model);
+  app.add_option("--adapter", a.adapter,
+                 "A LoRA adapter (llama.cpp's GGUF, as cputrain finetune writes it) applied to "
+                 "the model");
   app.add_option("--text", a.text, "Perplexity of this text file (each token after BOS scored)");
   app.add_option("--ctx", a.ctx, "Tokens per window with --text (default: the model's context)")
       ->check(positive_whole());
@@ -146,6 +150,7 @@ int run_eval(const EvalArgs& a) {
   select_kernels(a.kernels);
   if (!a.text.empty()) return eval_text(a);
   if (a.per_token) throw UserError("--per-token: only with --text");
+  if (!a.adapter.empty()) throw UserError("--adapter: only with --text");
   if (!a.corpus.empty() && !a.model.empty() && !fs::is_directory(a.model))
     throw UserError("--corpus: only for a run directory; for " + a.model + " give --text FILE");
   if (a.run.empty() && !fs::is_directory(a.model))

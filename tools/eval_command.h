@@ -17,6 +17,7 @@ struct EvalArgs {
   int64_t ctx = 0;         // tokens per window with --text (0: the model's context, at most 4096)
   bool per_token = false;  // each token's id and negative log-likelihood
   std::string corpus;      // empty: the run's validation split
+  std::string adapter;     // a LoRA adapter file applied to the model (--adapter)
   std::string weights;     // empty: <run>/model.bin, else the newest checkpoint
   int64_t windows = 0;     // 0: every window
   int64_t batch = 8;

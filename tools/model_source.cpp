@@ -53,8 +53,25 @@ SourceKind source_kind(const std::string& path, const std::string& flag) {
 
 }  // namespace
 
+// load_model, with the options a training run builds the model with (null: as bf16_when_exact
+// says).
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
-                       int64_t max_ctx, bool bf16_when_exact) {
+                       int64_t max_ctx, bool bf16_when_exact, const ModelOptions* training,
+                       const std::string& adapter);
+
+LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
+                       int64_t max_ctx, bool bf16_when_exact, const std::string& adapter) {
+  return load_model(path, flag, weights, max_ctx, bf16_when_exact, nullptr, adapter);
+}
+
+LoadedModel load_model_to_train(const std::string& path, const std::string& flag, int64_t max_ctx,
+                                const ModelOptions& options) {
+  return load_model(path, flag, "", max_ctx, false, &options, "");
+}
+
+LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
+                       int64_t max_ctx, bool bf16_when_exact, const ModelOptions* training,
+                       const std::string& adapter) {
   const SourceKind kind = source_kind(path, flag);
   if (kind != SourceKind::Run && !weights.empty())
     throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
@@ -92,12 +109,20 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
     throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
                     " tokens, the model's embedding " + std::to_string(m.config.vocab) + " rows");
   m.bf16_weights = bf16_when_exact && all_bf16;
-  ModelOptions options = model_options(m.bf16_weights);
-  // Held as bf16 alone, the file's BF16 matrices are read in place: mapped, not copied.
-  if (m.bf16_weights && gguf) {
+  ModelOptions options = training ? *training : model_options(m.bf16_weights);
+  // --adapter: the model built with the file's adapters, which load after the base.
+  std::unique_ptr<GgufFile> adapter_file;
+  if (!adapter.empty()) {
+    adapter_file = std::make_unique<GgufFile>(adapter);
+    options.lora = lora_gguf_config(*adapter_file);
+  }
+  // Held as bf16 alone, the file's BF16 matrices are read in place: mapped, not copied. (In
+  // training, the frozen ones of a bf16 model.)
+  const bool map = m.bf16_weights || (training && training->compute_dtype == DType::BF16);
+  if (map && gguf) {
     options.mapped_bf16 = [&](const ParameterInfo& p) { return gguf_bf16_in_place(*gguf, p); };
     options.mapped_owner = gguf;
-  } else if (m.bf16_weights && safetensors) {
+  } else if (map && safetensors) {
     options.mapped_bf16 = [&](const ParameterInfo& p) { return hf_bf16_in_place(*safetensors, p); };
     options.mapped_owner = safetensors;
   }
@@ -105,7 +130,7 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   bool mapped = false;
   for (size_t i = 0; i < m.model->parameters().infos().size(); ++i)
     mapped = mapped || m.model->parameters().mapped(static_cast<int>(i));
-  const std::string held = mapped           ? " (bf16 weights, read in place)"
+  const std::string held = mapped           ? " (bf16 weights read in place)"
                            : m.bf16_weights ? " (bf16 weights)"
                                             : "";
   switch (kind) {
@@ -120,6 +145,11 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       load_gguf_weights(*gguf, m.model->parameters());
       m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held;
       break;
+  }
+  if (adapter_file) {
+    load_lora_gguf(*adapter_file, m.config, m.model->parameters());
+    m.source +=
+        ", with the LoRA adapter " + adapter + " (rank " + std::to_string(options.lora.rank) + ")";
   }
   return m;
 }

@@ -32,8 +32,15 @@ constexpr int64_t kDefaultImportCtx = 4096;
 // With `bf16_when_exact`, a model file whose matrices are all BF16 is held as those bf16 values
 // alone (frozen, computed in bf16: half the memory and the memory traffic of FP32), since no
 // rounding is lost; any other is held in FP32.
+// With `adapter`, a LoRA adapter file (llama.cpp's format) applied to the model.
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
-                       int64_t max_ctx, bool bf16_when_exact = false);
+                       int64_t max_ctx, bool bf16_when_exact = false,
+                       const std::string& adapter = "");
+// The same, built with `options` (a fine-tune's adapters, precision and frozen parameters) from
+// a GGUF file or a Hugging Face folder; the frozen weights of a bf16 model that the file holds as
+// BF16 are read in place, the others converted once.
+LoadedModel load_model_to_train(const std::string& path, const std::string& flag, int64_t max_ctx,
+                                const ModelOptions& options);
 
 // The configuration alone of the model at `path` (as load_model reads it), its context at most
 // `max_ctx`.

@@ -21,6 +21,9 @@ namespace cputrain {
 
 void add_sample_flags(CLI::App& app, SampleArgs& a) {
   add_model_source_flags(app, a.run, a.model);
+  app.add_option("--adapter", a.adapter,
+                 "A LoRA adapter (llama.cpp's GGUF, as cputrain finetune writes it) applied to "
+                 "the model");
   app.add_option("--ctx", a.ctx,
                  "Context of a model file, where it declares a longer one (default: at most 4096)")
       ->check(positive_whole());
@@ -56,7 +59,7 @@ int run_sample(const SampleArgs& a) {
   select_kernels(a.kernels);
   const Stopwatch load_time;
   LoadedModel loaded =
-      load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true);
+      load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true, a.adapter);
   const double load_seconds = load_time.seconds();
   LlamaModel& model = *loaded.model;
   const Tokenizer& tokenizer = *loaded.tokenizer;

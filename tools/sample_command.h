@@ -14,6 +14,7 @@ struct SampleArgs {
   std::string model;  // a run directory or a GGUF file (--model)
   int64_t ctx = 0;    // the context a model file is given (0: its own, at most 4096)
   std::string prompt;
+  std::string adapter;  // a LoRA adapter file applied to the model (--adapter)
   std::string weights;  // empty: <run>/model.bin, else the newest checkpoint
   int64_t max_tokens = 200;
   double temperature = 0.8;

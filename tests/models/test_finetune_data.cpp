@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -218,6 +219,64 @@ TEST(FinetuneData, BadLinesAreNamed) {
         << e.what();
   }
   EXPECT_THROW(read_finetune_jsonl("/nonexistent/data.jsonl", char_tokenizer(), {}), UserError);
+}
+
+// Packing: every example in exactly one row, no row over the context, rows filled nearly full;
+// the batch holds each example's inputs and its targets (-1 elsewhere) and padding after them.
+TEST(FinetuneData, PackingPlacesEveryExampleOnceAndFillsRows) {
+  std::vector<FinetuneExample> examples;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 200; ++i) {
+    FinetuneExample e;
+    const int n = 2 + static_cast<int>(rng() % 40);
+    for (int j = 0; j < n; ++j) {
+      e.tokens.push_back(1000 * i + j);
+      e.target.push_back(j > n / 2 ? 1 : 0);
+    }
+    examples.push_back(e);
+  }
+  const int64_t ctx = 64;
+  const std::vector<PackedRow> rows = pack_examples(examples, ctx);
+  std::vector<int> seen(examples.size(), 0);
+  int64_t positions = 0;
+  for (const PackedRow& r : rows) {
+    int64_t sum = 0;
+    for (const int32_t i : r.examples) {
+      ++seen[static_cast<size_t>(i)];
+      sum += static_cast<int64_t>(examples[static_cast<size_t>(i)].tokens.size()) - 1;
+    }
+    EXPECT_EQ(sum, r.positions);
+    EXPECT_LE(r.positions, ctx);
+    positions += r.positions;
+  }
+  for (const int n : seen) EXPECT_EQ(n, 1);
+  EXPECT_GT(static_cast<double>(positions) / static_cast<double>(rows.size() * ctx), 0.97);
+
+  std::vector<const PackedRow*> batch = {&rows[0], &rows.back()};
+  std::vector<int32_t> inputs(2 * ctx), targets(2 * ctx);
+  Packing packing;
+  const int64_t counted =
+      fill_packed_batch(batch, examples, ctx, -7, inputs.data(), targets.data(), packing);
+  int64_t want = 0;
+  for (size_t b = 0; b < 2; ++b) {
+    int64_t t = 0, sum = 0;
+    for (const int32_t i : batch[b]->examples) {
+      const FinetuneExample& e = examples[static_cast<size_t>(i)];
+      for (size_t j = 0; j + 1 < e.tokens.size(); ++j, ++t) {
+        EXPECT_EQ(inputs[b * ctx + static_cast<size_t>(t)], e.tokens[j]);
+        EXPECT_EQ(targets[b * ctx + static_cast<size_t>(t)],
+                  e.target[j + 1] ? e.tokens[j + 1] : -1);
+        want += e.target[j + 1];
+      }
+    }
+    for (; t < ctx; ++t) {
+      EXPECT_EQ(inputs[b * ctx + static_cast<size_t>(t)], -7);
+      EXPECT_EQ(targets[b * ctx + static_cast<size_t>(t)], -1);
+    }
+    for (const int64_t n : packing.lengths[b]) sum += n;
+    EXPECT_EQ(sum, ctx);
+  }
+  EXPECT_EQ(counted, want);
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 // --llamacpp installs), driven through its C API. Built only where that is installed; the interop
 // tests compare cputrain with what it prints.
 //
-//   llama_oracle logits MODEL OUT TOKEN...    every position's logits, float32, n x vocab, to OUT
+//   llama_oracle logits MODEL OUT [lora=ADAPTER] TOKEN...
+//                                             every position's logits, float32, n x vocab, to
+//                                             OUT; with a LoRA adapter file, at scale 1
 //   llama_oracle tokenize MODEL TEXT_FILE [special]
 //                                             the token ids of the file's text (no BOS), one line;
 //                                             with "special", special tokens in it are parsed
@@ -66,12 +68,23 @@ llama_context* context(llama_model* model, int n_ctx, int threads) {
 }
 
 int logits(int argc, char** argv) {
-  if (argc < 5) fail("logits MODEL OUT TOKEN...");
+  if (argc < 5) fail("logits MODEL OUT [lora=ADAPTER] TOKEN...");
   llama_model* model = load(argv[2]);
+  int first = 4;
+  llama_adapter_lora* adapter = nullptr;
+  if (std::string(argv[4]).starts_with("lora=")) {
+    adapter = llama_adapter_lora_init(model, argv[4] + 5);
+    if (adapter == nullptr) fail(std::string("cannot load the adapter ") + (argv[4] + 5));
+    ++first;
+  }
   std::vector<llama_token> tokens;
-  for (int i = 4; i < argc; ++i) tokens.push_back(std::atoi(argv[i]));
+  for (int i = first; i < argc; ++i) tokens.push_back(std::atoi(argv[i]));
   const int n = static_cast<int>(tokens.size());
   llama_context* ctx = context(model, n < 16 ? 16 : n, 2);
+  if (adapter) {
+    float scale = 1.0f;
+    if (llama_set_adapters_lora(ctx, &adapter, 1, &scale) != 0) fail("llama_set_adapters_lora");
+  }
   llama_batch batch = llama_batch_init(n, 0, 1);
   for (int i = 0; i < n; ++i) {
     batch.token[i] = tokens[static_cast<size_t>(i)];

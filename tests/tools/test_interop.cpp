@@ -958,3 +958,98 @@ TEST(LlamaCpp, Stories260kGreedyTextIsThePublishedOne) {
 
 }  // namespace
 }  // namespace cputrain
+
+namespace cputrain {
+namespace {
+
+// Prompt/completion pairs in plain ASCII, for any vocabulary.
+fs::path write_finetune_data(const fs::path& dir) {
+  const char* names[] = {"Lily", "Tom", "Sue", "Ben"};
+  const char* things[] = {"ball", "cat", "tree", "cake"};
+  std::ofstream out(dir / "data.jsonl");
+  for (int i = 0; i < 48; ++i) {
+    const std::string n = names[i % 4], t = things[(i / 4) % 4];
+    out << "{\"prompt\": \"" << n << " had a " << t << ". What did " << n
+        << " have?\", \"completion\": \" " << n << " had a " << t << ".\"}\n";
+  }
+  return dir / "data.jsonl";
+}
+
+// llama.cpp's logits of `tokens` with a LoRA adapter applied at scale 1.
+std::vector<float> oracle_lora_logits(const fs::path& model, const fs::path& adapter,
+                                      const std::vector<int32_t>& tokens, const fs::path& dir) {
+  const fs::path out = dir / "oracle_lora_logits.f32";
+  std::string cmd =
+      kOracle + " logits " + model.string() + " " + out.string() + " lora=" + adapter.string();
+  for (int32_t t : tokens) {
+    cmd += ' ';
+    cmd += std::to_string(t);
+  }
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::string bytes = read_all(out);
+  std::vector<float> v(bytes.size() / sizeof(float));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  return v;
+}
+
+// A few steps of `cputrain finetune` (LoRA on all seven projections, fp32) on stories260K (GQA,
+// adjacent RoPE pairs) and on a qwen2 model (biases, a tied head, half-split RoPE): llama.cpp
+// with the base GGUF and the adapter file computes what cputrain computes with the adapter,
+// within 1e-4, and both differ from the base. The adapter is refused on another architecture,
+// on other shapes, and on a base of the same shape with other weights (its fingerprint); a copy
+// of the base in another format takes it.
+TEST(LlamaCppLora, FineTunedAdapterGivesLlamaCppsLogits) {
+  REQUIRE_ORACLE();
+  REQUIRE_SHARED("stories260K.gguf");
+  const TempFolder folder{temp_dir("lora")};
+  const fs::path& dir = folder.path;
+  const fs::path data = write_finetune_data(dir);
+  const fs::path models[] = {kShared / "stories260K.gguf", made_models() / "qwen2_tied.gguf"};
+  for (const fs::path& base : models) {
+    const fs::path run = dir / ("ft_" + base.stem().string());
+    ASSERT_EQ(
+        cputrain("finetune --model " + base.string() + " --data " + data.string() + " --out " +
+                 run.string() + " --steps 4 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1"),
+        0)
+        << base;
+    const fs::path adapter = run / "adapter.gguf";
+    ASSERT_TRUE(fs::exists(adapter)) << adapter;
+    LoadedModel plain = load_model(base.string(), "--model", "", kDefaultImportCtx);
+    LoadedModel with =
+        load_model(base.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+    EXPECT_EQ(with.model->lora().rank, 16) << base;
+    const std::vector<int32_t> tokens =
+        token_sequence(48, plain.tokenizer->vocab_size(), plain.tokenizer->bos_id(), 5);
+    const std::vector<float> ours = our_logits(with, tokens);
+    const std::vector<float> theirs = oracle_lora_logits(base, adapter, tokens, dir);
+    ASSERT_EQ(ours.size(), theirs.size());
+    EXPECT_LT(max_abs_difference(ours, theirs), 1e-4) << base;
+    EXPECT_GT(max_abs_difference(ours, our_logits(plain, tokens)), 1e-3) << base;
+  }
+  // Refusals, each one line.
+  const fs::path stories_adapter = dir / "ft_stories260K" / "adapter.gguf";
+  const auto refused = [&](const fs::path& model, const std::string& needle) {
+    expect_one_line_refusal(run_cputrain("sample --model " + model.string() + " --adapter " +
+                                             stories_adapter.string() + " --max-tokens 1",
+                                         dir),
+                            needle);
+  };
+  refused(made_models() / "qwen2_tied.gguf", "an adapter for a llama model, not this qwen2 one");
+  refused(made_models() / "llama_gqa.gguf", "where this model takes");
+  ASSERT_EQ(cputrain("finetune --model " + (kShared / "stories260K.gguf").string() + " --data " +
+                     data.string() + " --out " + (dir / "full").string() +
+                     " --full --steps 2 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1"),
+            0);
+  refused(dir / "full" / "model.gguf", "an adapter trained on another base model");
+  ASSERT_EQ(cputrain("export --model " + (kShared / "stories260K.gguf").string() +
+                     " --type bf16 --out " + (dir / "copy.gguf").string()),
+            0);
+  EXPECT_EQ(run_cputrain("sample --model " + (dir / "copy.gguf").string() + " --adapter " +
+                             stories_adapter.string() + " --max-tokens 1",
+                         dir)
+                .exit_code,
+            0);
+}
+
+}  // namespace
+}  // namespace cputrain

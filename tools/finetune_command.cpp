@@ -1,0 +1,412 @@
+#include "tools/finetune_command.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "engine/atomic_file.h"
+#include "engine/autograd.h"
+#include "engine/error.h"
+#include "engine/memory.h"
+#include "engine/tokenizer.h"
+#include "engine/trainer.h"
+#include "engine/vocab_tokenizer.h"
+#include "kernels/cpu_features.h"
+#include "models/chat_template.h"
+#include "models/finetune_data.h"
+#include "models/gguf_model.h"
+#include "models/llama.h"
+#include "models/lora.h"
+#include "tools/flag_checks.h"
+#include "tools/model_source.h"
+#include "tools/run_dir.h"
+
+namespace cputrain {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// The rows of a step, in an order shuffled anew each epoch (seed, epoch): Fisher-Yates on
+// 64-bit draws, the same with any standard library.
+class RowOrder {
+ public:
+  RowOrder(size_t rows, uint64_t seed) : rows_(rows), seed_(seed) {}
+  // The row at position `i` of the endless sequence of epochs.
+  size_t at(int64_t i) {
+    const auto epoch = static_cast<uint64_t>(i / static_cast<int64_t>(rows_));
+    if (epoch != epoch_ || order_.empty()) {
+      order_.resize(rows_);
+      for (size_t r = 0; r < rows_; ++r) order_[r] = r;
+      std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + epoch);
+      for (size_t r = rows_ - 1; r > 0; --r) std::swap(order_[r], order_[rng() % (r + 1)]);
+      epoch_ = epoch;
+    }
+    return order_[static_cast<size_t>(i % static_cast<int64_t>(rows_))];
+  }
+
+ private:
+  size_t rows_;
+  uint64_t seed_;
+  uint64_t epoch_ = 0;
+  std::vector<size_t> order_;
+};
+
+// Mean negative log-likelihood over every target of `examples`, packed, without gradients.
+double validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples, int64_t ctx,
+                       int64_t batch, int32_t pad) {
+  NoGradGuard no_grad;
+  const std::vector<PackedRow> rows = pack_examples(examples, ctx);
+  int64_t total = 0;
+  for (const PackedRow& r : rows)
+    for (const int32_t i : r.examples)
+      for (size_t j = 1; j < examples[static_cast<size_t>(i)].target.size(); ++j)
+        total += examples[static_cast<size_t>(i)].target[j];
+  double sum = 0.0;
+  for (size_t first = 0; first < rows.size(); first += static_cast<size_t>(batch)) {
+    const size_t n = std::min(rows.size() - first, static_cast<size_t>(batch));
+    std::vector<const PackedRow*> part;
+    for (size_t r = first; r < first + n; ++r) part.push_back(&rows[r]);
+    Tensor in =
+        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
+    Tensor tg =
+        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
+    auto packing = std::make_shared<Packing>();
+    fill_packed_batch(part, examples, ctx, pad, in.i32(), tg.i32(), *packing);
+    // Each batch's sum over the targets: its loss with the whole set's count as divisor.
+    sum += model.loss(in, tg, packing, total).value().f32()[0];
+  }
+  return sum;
+}
+
+std::string gib(int64_t bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return s;
+}
+
+}  // namespace
+
+void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
+  app.add_option("--model", a.model, "The model to fine-tune: a GGUF file or a Hugging Face folder")
+      ->required();
+  app.add_option("--data", a.data,
+                 "JSON Lines of examples: {text}, {prompt, completion}, Alpaca's {instruction, "
+                 "input, output} or chat {messages}")
+      ->required();
+  app.add_option("--val", a.val, "JSON Lines held out for validation");
+  app.add_option("--val-fraction", a.val_fraction,
+                 "Hold out this fraction of --data for validation (without --val)")
+      ->check(CLI::Range(0.0, 0.5));
+  app.add_option("--out", a.out, "The run directory (created; it must not hold a run)")->required();
+  app.add_option("--lora-rank", a.lora_rank, "LoRA rank")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--lora-alpha", a.lora_alpha,
+                 "LoRA alpha; the update is scaled alpha / rank "
+                 "(default: twice the rank)")
+      ->check(positive());
+  app.add_option("--lora-targets", a.lora_targets,
+                 "Projections that get adapters: q,k,v,o,gate,up,down or all")
+      ->capture_default_str();
+  app.add_flag("--full", a.full, "Train every parameter instead of adapters");
+  app.add_option("--epochs", a.epochs, "Passes over the data (without --steps)")
+      ->capture_default_str()
+      ->check(positive());
+  app.add_option("--steps", a.steps, "Optimizer steps (default: from --epochs)")
+      ->check(positive_whole());
+  app.add_option("--batch", a.batch, "Packed rows per micro-batch")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--accum", a.accum, "Micro-batches per optimizer step")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--ctx", a.ctx,
+                 "Positions per row; longer examples are cut (at most the "
+                 "model's context)")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--lr", a.lr, "Peak learning rate (cosine to zero after warm-up)")
+      ->capture_default_str()
+      ->check(positive());
+  app.add_option("--warmup", a.warmup, "Warm-up, as a fraction of the steps")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay on matrices")
+      ->capture_default_str()
+      ->check(non_negative());
+  app.add_option("--dtype", a.dtype, "auto, bf16 or fp32 (auto: bf16 where the CPU has it)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
+  app.add_option("--checkpoint", a.checkpoint, "Gradient checkpointing: none or layer")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "layer"}));
+  app.add_option("--eval-every", a.eval_every,
+                 "Validation loss every N steps (always before the first and after the last)")
+      ->check(non_negative());
+  app.add_option("--chat-template", a.chat_template,
+                 "chatml, llama3, llama2, mistral or zephyr (default: the model's, recognised)");
+  app.add_flag("--train-on-prompt", a.train_on_prompt,
+               "The loss on every token, not only on completions and replies");
+  app.add_option("--seed", a.seed, "Seed of the adapters' initialisation and the row order")
+      ->capture_default_str();
+  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
+      ->check(threads_limit());
+  add_kernel_flags(app, a.kernels);
+}
+
+int run_finetune(const FinetuneArgs& a) {
+  omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
+  select_kernels(a.kernels);
+  if (fs::is_directory(a.model) && fs::exists(fs::path(a.model) / "metrics.jsonl"))
+    throw UserError("--model " + a.model +
+                    ": a cputrain run; export it (cputrain export --run DIR --out F.gguf) and "
+                    "fine-tune the file");
+  if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
+  if (a.full && (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down"))
+    throw UserError("--full trains every parameter: no --lora-alpha or --lora-targets");
+  const bool bf16 = a.dtype == "bf16" || (a.dtype == "auto" && kernels::cpu_features().avx512_bf16);
+  ModelOptions options;
+  options.compute_dtype = bf16 ? DType::BF16 : DType::F32;
+  if (!a.full) {
+    options.lora.rank = a.lora_rank;
+    options.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
+    options.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
+  }
+
+  RunDirectory dir = open_run_directory(a.out, RunDirUse::NewRun);
+  try {
+    const auto load_start = std::chrono::steady_clock::now();
+    LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
+    LlamaModel& model = *m.model;
+    if (!a.full) model.init_adapters(a.seed);
+    model.set_checkpointing(a.checkpoint == "layer");
+    const int64_t ctx = std::min(a.ctx, m.config.ctx);
+    const Tokenizer& tokenizer = *m.tokenizer;
+    std::printf(
+        "model: %s, %.2f s\n", m.source.c_str(),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+    int64_t trained = 0, total = 0;
+    for (const ParameterInfo& p : model.parameters().infos()) {
+      total += p.shape.numel();
+      if (p.trainable) trained += p.shape.numel();
+    }
+    if (a.full)
+      std::printf("training: every parameter (%lld), %s\n", static_cast<long long>(trained),
+                  bf16 ? "bf16" : "fp32");
+    else
+      std::printf(
+          "training: LoRA rank %lld, alpha %g on %s: %lld parameters (%.2f%% of %lld), "
+          "the base frozen%s, %s\n",
+          static_cast<long long>(options.lora.rank), options.lora.alpha,
+          lora_targets_text(options.lora.targets).c_str(), static_cast<long long>(trained),
+          100.0 * static_cast<double>(trained) / static_cast<double>(total),
+          static_cast<long long>(total), bf16 ? " in bf16" : "", bf16 ? "bf16" : "fp32");
+
+    // The chat template: --chat-template, else the model's, where it is a known family.
+    FinetuneDataOptions data_options;
+    data_options.train_on_prompt = a.train_on_prompt;
+    data_options.max_tokens = ctx + 1;
+    const Vocabulary* vocabulary =
+        tokenizer.vocabulary() ? &tokenizer.vocabulary()->vocabulary() : nullptr;
+    const std::string eos = vocabulary && vocabulary->eos >= 0
+                                ? vocabulary->tokens[static_cast<size_t>(vocabulary->eos)]
+                                : std::string("</s>");
+    if (!a.chat_template.empty()) {
+      data_options.chat = chat_template_named(a.chat_template, "--chat-template", eos);
+      std::printf("chat template: %s (--chat-template)\n", a.chat_template.c_str());
+    } else if (vocabulary && !vocabulary->chat_template.empty()) {
+      data_options.chat = detect_chat_template(vocabulary->chat_template, eos);
+      if (data_options.chat)
+        std::printf("chat template: %s (the model's)\n",
+                    std::string(chat_family_name(data_options.chat->family)).c_str());
+      else
+        std::printf(
+            "chat template: the model's is none cputrain recognises (%s); "
+            "--chat-template names one\n",
+            chat_family_names().c_str());
+    } else {
+      std::printf("chat template: none (the model has none; --chat-template names one)\n");
+    }
+
+    FinetuneData data = read_finetune_jsonl(a.data, tokenizer, data_options);
+    std::vector<FinetuneExample> val;
+    if (!a.val.empty()) {
+      val = read_finetune_jsonl(a.val, tokenizer, data_options).examples;
+    } else if (a.val_fraction > 0.0) {
+      // A seeded choice of examples, taken out of the training set.
+      std::vector<FinetuneExample>& all = data.examples;
+      std::mt19937_64 rng(a.seed + 17);
+      for (size_t r = all.size() - 1; r > 0; --r) std::swap(all[r], all[rng() % (r + 1)]);
+      const auto n = static_cast<size_t>(
+          std::max(1.0, std::round(a.val_fraction * static_cast<double>(all.size()))));
+      if (n >= all.size())
+        throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
+                        std::to_string(all.size()) + " examples leave none to train on");
+      val.assign(all.end() - static_cast<std::ptrdiff_t>(n), all.end());
+      all.resize(all.size() - n);
+    }
+    std::printf("data: %zu examples (", data.examples.size() + (a.val.empty() ? val.size() : 0));
+    bool first = true;
+    for (int s = 0; s < kExampleShapes; ++s) {
+      if (data.shapes[static_cast<size_t>(s)] == 0) continue;
+      std::printf("%s%lld %s", first ? "" : ", ",
+                  static_cast<long long>(data.shapes[static_cast<size_t>(s)]),
+                  example_shape_name(static_cast<ExampleShape>(s)));
+      first = false;
+    }
+    std::printf(
+        "), %lld tokens, %lld of them targets; %lld cut to %lld tokens, %lld dropped "
+        "with no target left\n",
+        static_cast<long long>(data.tokens), static_cast<long long>(data.targets),
+        static_cast<long long>(data.truncated), static_cast<long long>(ctx + 1),
+        static_cast<long long>(data.dropped));
+    if (data.truncated > 0)
+      std::fprintf(stderr, "warning: %lld examples are longer than --ctx %lld and were cut\n",
+                   static_cast<long long>(data.truncated), static_cast<long long>(ctx));
+
+    const std::vector<PackedRow> rows = pack_examples(data.examples, ctx);
+    int64_t used = 0;
+    for (const PackedRow& r : rows) used += r.positions;
+    const int64_t per_step = a.batch * a.accum;
+    const int64_t steps =
+        a.steps > 0
+            ? a.steps
+            : std::max<int64_t>(
+                  1, static_cast<int64_t>(std::ceil(a.epochs * static_cast<double>(rows.size()) /
+                                                    static_cast<double>(per_step))));
+    std::printf(
+        "packed: %zu rows of %lld positions, %.1f%% filled; %lld steps of %lld rows "
+        "(%.2f epochs); validation: %zu examples\n",
+        rows.size(), static_cast<long long>(ctx),
+        100.0 * static_cast<double>(used) / static_cast<double>(rows.size() * ctx),
+        static_cast<long long>(steps), static_cast<long long>(per_step),
+        static_cast<double>(steps * per_step) / static_cast<double>(rows.size()), val.size());
+
+    TrainOptions train;
+    train.batch = a.batch;
+    train.accum = a.accum;
+    train.ctx = ctx;
+    train.seed = a.seed;
+    train.lr.peak = a.lr;
+    train.lr.total_steps = steps;
+    train.lr.warmup_steps = static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
+    train.lr.min_ratio = 0.0;
+    train.adamw.weight_decay = static_cast<float>(a.weight_decay);
+    Trainer trainer(
+        model.parameters(),
+        [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
+
+    json config = {{"model", fs::absolute(a.model).string()},
+                   {"data", fs::absolute(a.data).string()},
+                   {"val", a.val.empty() ? "" : fs::absolute(a.val).string()},
+                   {"val_fraction", a.val_fraction},
+                   {"full", a.full},
+                   {"lora_rank", a.full ? 0 : options.lora.rank},
+                   {"lora_alpha", a.full ? 0.0 : options.lora.alpha},
+                   {"lora_targets", a.full ? "" : lora_targets_text(options.lora.targets)},
+                   {"steps", steps},
+                   {"batch", a.batch},
+                   {"accum", a.accum},
+                   {"ctx", ctx},
+                   {"lr", a.lr},
+                   {"warmup_steps", train.lr.warmup_steps},
+                   {"weight_decay", a.weight_decay},
+                   {"dtype", bf16 ? "bf16" : "fp32"},
+                   {"checkpoint", a.checkpoint},
+                   {"chat_template", data_options.chat
+                                         ? std::string(chat_family_name(data_options.chat->family))
+                                         : std::string()},
+                   {"train_on_prompt", a.train_on_prompt},
+                   {"seed", a.seed}};
+    write_file_atomic(a.out + "/config.json", config.dump(2) + "\n");
+    std::ofstream metrics(a.out + "/metrics.jsonl");
+
+    const int32_t pad = tokenizer.eos_id();
+    const auto validate = [&](int64_t step) {
+      if (val.empty()) return;
+      const auto start = std::chrono::steady_clock::now();
+      const double loss = validation_loss(model, val, ctx, a.batch, pad);
+      std::printf("step %lld | validation loss %.4f (%.1f s)\n", static_cast<long long>(step), loss,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      metrics << json{{"step", step}, {"val_loss", loss}}.dump() << "\n" << std::flush;
+    };
+    validate(0);
+
+    RowOrder order(rows.size(), a.seed);
+    Tensor inputs = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
+    Tensor targets = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
+    const auto run_start = std::chrono::steady_clock::now();
+    for (int64_t step = 1; step <= steps; ++step) {
+      // The step's rows and the count of their targets, every target weighing the same.
+      std::vector<const PackedRow*> step_rows;
+      for (int64_t i = 0; i < per_step; ++i)
+        step_rows.push_back(&rows[order.at((step - 1) * per_step + i)]);
+      int64_t normalizer = 0;
+      for (const PackedRow* r : step_rows)
+        for (const int32_t i : r->examples) {
+          const FinetuneExample& e = data.examples[static_cast<size_t>(i)];
+          for (size_t j = 1; j < e.target.size(); ++j) normalizer += e.target[j];
+        }
+      const StepResult r = trainer.step_with(
+          step,
+          [&](int64_t micro) {
+            auto packing = std::make_shared<Packing>();
+            fill_packed_batch(
+                std::span<const PackedRow* const>(step_rows).subspan(
+                    static_cast<size_t>(micro * a.batch), static_cast<size_t>(a.batch)),
+                data.examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
+            return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
+          },
+          1, per_step * ctx);
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      std::printf(
+          "step %lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s | "
+          "RSS %s\n",
+          static_cast<long long>(step), static_cast<long long>(steps), r.loss, r.lr, r.grad_norm,
+          r.tokens_per_s, gib(process_memory().rss_bytes).c_str());
+      std::fflush(stdout);
+      metrics << json{{"step", step},
+                      {"loss", r.loss},
+                      {"lr", r.lr},
+                      {"grad_norm", r.grad_norm},
+                      {"targets", normalizer},
+                      {"tokens_per_s", r.tokens_per_s},
+                      {"elapsed_s", elapsed}}
+                     .dump()
+              << "\n"
+              << std::flush;
+      if (a.eval_every > 0 && step % a.eval_every == 0 && step < steps) validate(step);
+    }
+    validate(steps);
+
+    // The result: the adapter as llama.cpp loads it, or the whole model.
+    const std::string name = fs::path(a.model).filename().string();
+    if (a.full) {
+      GgufExport e;
+      e.type = GgmlType::F32;
+      e.name = name + " fine-tuned";
+      write_gguf(a.out + "/model.gguf", m.config, model.parameters(), tokenizer.to_vocabulary(), e);
+      std::printf("wrote %s/model.gguf\n", a.out.c_str());
+    } else {
+      write_lora_gguf(a.out + "/adapter.gguf", m.config, model.parameters(), options.lora.alpha,
+                      name + " LoRA");
+      std::printf("wrote %s/adapter.gguf (llama.cpp: --model %s --lora %s/adapter.gguf)\n",
+                  a.out.c_str(), a.model.c_str(), a.out.c_str());
+    }
+  } catch (...) {
+    dir.discard_if_unused();
+    throw;
+  }
+  return 0;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,44 @@
+// `cputrain finetune`: LoRA (or full) fine-tuning of a model file on JSON Lines examples, packed
+// into rows, the loss on the replies; the adapter written as llama.cpp's LoRA GGUF.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "tools/train_command.h"
+
+namespace cputrain {
+
+struct FinetuneArgs {
+  std::string model;  // a GGUF file or a Hugging Face folder
+  std::string data;   // JSON Lines
+  std::string val;    // JSON Lines held out (--val), else --val-fraction of --data
+  double val_fraction = 0.0;
+  std::string out;
+  int64_t lora_rank = 16;
+  double lora_alpha = 0.0;  // 0: twice the rank
+  std::string lora_targets = "q,k,v,o,gate,up,down";
+  bool full = false;  // every parameter trains, no adapters
+  double epochs = 1.0;
+  int64_t steps = 0;  // 0: from --epochs
+  int64_t batch = 4;
+  int64_t accum = 4;
+  int64_t ctx = 512;
+  double lr = 2e-4;
+  double warmup = 0.03;  // of the steps
+  double weight_decay = 0.0;
+  std::string dtype = "auto";       // bf16 where the CPU has bf16 products, else fp32
+  std::string checkpoint = "none";  // or "layer"
+  int64_t eval_every = 0;           // 0: before and after training only
+  std::string chat_template;        // a family name; empty: the model's, recognised
+  bool train_on_prompt = false;
+  uint64_t seed = 1;
+  int threads = 0;
+  KernelArgs kernels;
+};
+
+void add_finetune_flags(CLI::App& app, FinetuneArgs& args);
+int run_finetune(const FinetuneArgs& args);
+
+}  // namespace cputrain
