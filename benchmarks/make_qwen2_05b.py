@@ -1,11 +1,14 @@
 #!/usr/bin/python3
-"""A GGUF of Qwen2-0.5B's shape with random BF16 weights, for the load and decode benchmarks.
+"""A GGUF of Qwen2-0.5B's shape with random BF16 weights, for the load, decode and fine-tuning
+benchmarks.
 
 Usage: make_qwen2_05b.py GGUF_PY_DIR OUT.gguf
 Shape: d_model 896, 24 layers, 14 query heads and 2 key/value heads of 64, ffn 4864, vocab 151936,
-q/k/v biases, tied embeddings, RoPE theta 1e6 (494M parameters, 0.99 GB). The vocabulary is
-byte-level BPE pieces of the right count (no merges): the benchmarks decode ids, not text.
+q/k/v biases, tied embeddings, RoPE theta 1e6 (494M parameters, 0.99 GB). The tokenizer is
+Qwen2's, from llama.cpp's models/ggml-vocab-qwen2.gguf (next to gguf-py), padded to 151936 as
+Qwen2's own files are.
 """
+import os
 import sys
 
 import numpy as np
@@ -31,13 +34,25 @@ w.add_head_count(HEADS)
 w.add_head_count_kv(KV)
 w.add_layer_norm_rms_eps(1e-6)
 w.add_rope_freq_base(1e6)
+vocab = gguf.GGUFReader(os.path.join(sys.argv[1], "..", "models", "ggml-vocab-qwen2.gguf"))
+
+
+def field(name):
+    f = vocab.fields[name]
+    return [bytes(f.parts[i]).decode() for i in f.data] if f.types[0] == gguf.GGUFValueType.ARRAY \
+        and f.types[-1] == gguf.GGUFValueType.STRING else [int(f.parts[i][0]) for i in f.data]
+
+
+tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+tokens += [f"[PAD{i}]" for i in range(len(tokens), VOCAB)]
+types += [gguf.TokenType.UNUSED] * (VOCAB - len(types))
 w.add_tokenizer_model("gpt2")
 w.add_tokenizer_pre("qwen2")
-w.add_token_list([f"t{i}" for i in range(VOCAB)])
-w.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
-w.add_token_merges(["t 1"])
-w.add_bos_token_id(VOCAB - 1)
-w.add_eos_token_id(VOCAB - 2)
+w.add_token_list(tokens)
+w.add_token_types(types)
+w.add_token_merges(field("tokenizer.ggml.merges"))
+w.add_eos_token_id(field("tokenizer.ggml.eos_token_id")[0])
+w.add_add_bos_token(False)
 
 
 def add(name, shape, std):

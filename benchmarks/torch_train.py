@@ -127,8 +127,8 @@ def prepend(env, name, value):
     env[name] = value + (":" + env[name] if env.get(name) else "")
 
 
-def configure(args):
-    """Re-runs this script with the environment of the fastest configuration, once."""
+def configure(args, script=None):
+    """Re-runs this script (or `script`) with the environment of the fastest configuration, once."""
     if os.environ.get(CONFIGURED):
         return
     env = dict(os.environ)
@@ -164,7 +164,8 @@ def configure(args):
                 notes.append(f"oneDNN's AMX bf16 probe failed ({status}), kept to {ONEDNN_CAP}")
     env[CONFIGURED] = "; ".join(notes) or "1"
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env)
+    os.execve(sys.executable, [sys.executable, script or os.path.abspath(__file__)] + sys.argv[1:],
+              env)
 
 
 if __name__ == "__main__":

@@ -316,6 +316,115 @@ Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b)
   return linear_op(x, w, b, true);
 }
 
+namespace {
+
+constexpr GemmNames kLoraGemms{"lora GEMMs Y+=s(XA')B'", "lora GEMMs dA dB dX", ""};
+
+// C (M x N) = op(A) op(B) + beta C, on bf16 or FP32 operands (both of one type), or the
+// allocations it makes while measuring. Row-major, leading dimensions the operands' widths.
+void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const Tensor& a,
+             const Tensor& b, float beta, float* c) {
+  const int64_t lda = ta == Transpose::No ? K : M, ldb = tb == Transpose::No ? N : K;
+  if (!computing())
+    measure_gemm(a.dtype() == DType::BF16, ta, tb, M, N, K);
+  else if (a.dtype() == DType::BF16)
+    kernels::gemm_bf16(ta, tb, M, N, K, a.bf16(), lda, b.bf16(), ldb, beta, c, N);
+  else
+    kernels::gemm_f32(ta, tb, M, N, K, a.f32(), lda, b.f32(), ldb, beta, c, N);
+}
+
+// s u in the compute precision: what the products take of a small FP32 (M x r) tensor.
+Tensor scaled_operand(const Tensor& u, float s, bool bf16, MemoryCategory category) {
+  Tensor out = Tensor::empty(u.shape(), bf16 ? DType::BF16 : DType::F32, category);
+  if (!computing()) return out;
+  const int64_t n = u.numel();
+  if (bf16) {
+    for (int64_t i = 0; i < n; ++i) out.bf16()[i] = kernels::fp32_to_bf16(s * u.f32()[i]);
+  } else {
+    kernels::vector_scale(out.f32(), u.f32(), s, n);
+  }
+  return out;
+}
+
+}  // namespace
+
+Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
+                     const Variable& bm, float scale) {
+  const Shape& xs = x.shape();
+  require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
+          "lora_linear: x (..., K) and w (N, K)");
+  const int64_t N = w.shape()[0], K = w.shape()[1], M = x.value().numel() / K;
+  const int64_t r = a.shape()[0];
+  require(a.value().ndim() == 2 && a.shape()[1] == K && bm.value().ndim() == 2 &&
+              bm.shape()[0] == N && bm.shape()[1] == r,
+          "lora_linear: a (r, K) and b (N, r)");
+  require(!b.defined() || (b.value().ndim() == 1 && b.shape()[0] == N), "lora_linear: bias (N)");
+  Scope scope("lora_linear", Pass::Forward);
+  const bool bf16 = bf16_mode();
+  Tensor y = new_activation(with_last_dim(xs, N));
+  const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
+  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  const Tensor av = bf16 ? a.bf16_value() : a.value();
+  const Tensor bv = bf16 ? bm.bf16_value() : bm.value();
+  linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+  if (b.defined() && computing()) kernels::bias_add(y.f32(), b.value().f32(), M, N);
+  // u = x A', then y += (s u) B': the update's one large product accumulates into y.
+  Tensor su;
+  {
+    Scope gemm(kLoraGemms.y, Pass::Forward, gemm_flops(M, r, K) + gemm_flops(M, N, r));
+    const Tensor u = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
+    product(Transpose::No, Transpose::Yes, M, r, K, xv, av, 0.0f, u.f32());
+    su = scaled_operand(u, scale, bf16, MemoryCategory::Activations);
+    product(Transpose::No, Transpose::Yes, M, N, r, su, bv, 1.0f, y.f32());
+  }
+  const bool grad = b.defined() ? needs_grad({&x, &w, &b, &a, &bm}) : needs_grad({&x, &w, &a, &bm});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    if (bf16) out.grad_ref()->set_read_rounded();
+    const GradRef gb = b.defined() ? b.grad_ref() : GradRef();
+    record_backward("lora_linear", [xv, wv, av, bv, su, gx = x.grad_ref(), gw = w.grad_ref(), gb,
+                                    ga = a.grad_ref(), gbm = bm.grad_ref(), gy = out.grad_ref(), M,
+                                    N, K, r, scale, bf16] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const Tensor dyv = bf16 && dy.dtype() != DType::BF16 ? to_bf16(dy) : dy;
+      if (gb) {
+        float beta = 0.0f;
+        float* db = gb->get_for_accumulate(&beta).f32();
+        if (computing() && dyv.dtype() == DType::BF16)
+          kernels::bias_backward(db, dyv.bf16(), M, N, beta != 0.0f);
+        else if (computing())
+          kernels::bias_backward(db, dyv.f32(), M, N, beta != 0.0f);
+      }
+      // The base's products: dX = dY W (and dW where W trains).
+      linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
+      Scope gemm(
+          kLoraGemms.dx, Pass::Backward,
+          gemm_flops(M, r, N) + gemm_flops(M, K, r) + gemm_flops(N, r, M) + gemm_flops(r, K, M));
+      // g = dY B (M x r); the update's gradients: dB = dY' (s u), dA = (s g)' X, dX += (s g) A.
+      const Tensor g = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
+      product(Transpose::No, Transpose::No, M, r, N, dyv, bv, 0.0f, g.f32());
+      const Tensor sg = scaled_operand(g, scale, bf16, MemoryCategory::Workspace);
+      if (gbm) {
+        float beta = 0.0f;
+        float* d = gbm->get_for_accumulate(&beta).f32();
+        product(Transpose::Yes, Transpose::No, N, r, M, dyv, su, beta, d);
+      }
+      if (ga) {
+        float beta = 0.0f;
+        float* d = ga->get_for_accumulate(&beta).f32();
+        product(Transpose::Yes, Transpose::No, r, K, M, sg, xv, beta, d);
+      }
+      if (gx) {
+        float beta = 0.0f;
+        float* d = gx->get_for_accumulate(&beta).f32();
+        product(Transpose::No, Transpose::No, M, K, r, sg, av, beta, d);
+      }
+    });
+  }
+  return out;
+}
+
 Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   const Shape& xs = x.shape();
   const int64_t C = xs[xs.ndim() - 1];
@@ -650,7 +759,7 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
 }
 
 int64_t lm_head_chunk_rows(int64_t V) {
-  return std::max<int64_t>(16, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
+  return std::max<int64_t>(512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
 }
 
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,

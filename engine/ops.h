@@ -21,6 +21,11 @@ Variable linear(const Variable& x, const Variable& w, const Variable& b = Variab
 // no bias), the same bits as linear's output rounded; ops on FP32 values refuse it. In fp32
 // mode, linear.
 Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b = Variable());
+// A projection with a low-rank adapter, x W^T + b + scale (x A^T) B^T, with a (r, K) and
+// bm (N, r): linear's product, and the update accumulated into it by one more (no elementwise
+// pass over the output). In bf16 mode the products take bf16 roundings, as linear's do.
+Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
+                     const Variable& bm, float scale);
 // x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
 Variable rmsnorm(const Variable& x, const Variable& w, float eps);
 // x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
@@ -63,7 +68,8 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets);
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
                                int64_t chunk_rows = 0, int64_t normalizer = 0);
 // Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
-// enough rows that packing the weight again for each chunk costs little next to the product.
+// and at least 512 rows, enough that packing the weight again for each chunk costs little next
+// to the product (a 150k vocabulary's weight is over 250 MB).
 int64_t lm_head_chunk_rows(int64_t V);
 
 }  // namespace cputrain

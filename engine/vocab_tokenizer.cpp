@@ -323,7 +323,7 @@ void VocabTokenizer::encode_spm(std::string_view text, bool prefix,
       out.push_back(id);
       continue;
     }
-    for (unsigned char c : piece) out.push_back(byte_ids_[c] >= 0 ? byte_ids_[c] : v_.unk);
+    for (unsigned char c : piece) out.push_back(byte_token(c));
   }
 }
 
@@ -409,11 +409,24 @@ void VocabTokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>
     for (size_t pos = 0; pos < sym.size();) {
       const size_t n = std::max<size_t>(1, utf8_length(sym, pos));
       const auto it = char_bytes_.find(code_point(sym.data() + pos, n));
-      const int32_t id = it == char_bytes_.end() ? -1 : byte_ids_[it->second];
-      out.push_back(id >= 0 ? id : v_.unk);
+      if (it == char_bytes_.end()) {
+        if (v_.unk < 0) throw UserError("the vocabulary has no token for \"" + sym + "\"");
+        out.push_back(v_.unk);
+      } else {
+        out.push_back(byte_token(it->second));
+      }
       pos += n;
     }
   }
+}
+
+int32_t VocabTokenizer::byte_token(uint8_t b) const {
+  if (byte_ids_[b] >= 0) return byte_ids_[b];
+  if (v_.unk >= 0) return v_.unk;
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "0x%02X", b);
+  throw UserError(std::string("the vocabulary has no token for the byte ") + hex +
+                  ", and no unknown token: the text cannot be encoded");
 }
 
 std::string VocabTokenizer::decode(std::span<const int32_t> ids) const {

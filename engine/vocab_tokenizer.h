@@ -77,6 +77,9 @@ class VocabTokenizer {
  private:
   int32_t find(std::string_view piece) const;
   int32_t type(int32_t id) const;
+  // The token of byte `b` where no piece covers it: its byte piece, else the unknown token; a
+  // UserError where the vocabulary has neither.
+  int32_t byte_token(uint8_t b) const;
   void encode_spm(std::string_view text, bool prefix, std::vector<int32_t>& out) const;
   void encode_bpe(std::string_view text, std::vector<int32_t>& out) const;
   void encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const;

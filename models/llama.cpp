@@ -169,8 +169,7 @@ Variable LlamaModel::project(const Block& b, Projection which, int weight, int b
   if (b.lora_a[j] < 0)
     return rounded ? linear_rounded(x, p(weight), bias(bias_index))
                    : linear(x, p(weight), bias(bias_index));
-  const Variable update = linear(linear(x, p(b.lora_a[j])), p(b.lora_b[j]));
-  return add(linear(x, p(weight), bias(bias_index)), update, lora_.scale());
+  return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(b.lora_b[j]), lora_.scale());
 }
 
 Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,

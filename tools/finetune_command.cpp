@@ -15,6 +15,7 @@
 #include "engine/autograd.h"
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "engine/profiler.h"
 #include "engine/tokenizer.h"
 #include "engine/trainer.h"
 #include "engine/vocab_tokenizer.h"
@@ -159,6 +160,8 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
       ->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(threads_limit());
+  app.add_flag("--profile", a.profile,
+               "Time every op over the steps after the first and print the table at the end");
   add_kernel_flags(app, a.kernels);
 }
 
@@ -344,7 +347,10 @@ int run_finetune(const FinetuneArgs& a) {
     Tensor inputs = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
     Tensor targets = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
     const auto run_start = std::chrono::steady_clock::now();
+    int64_t profiled_steps = 0;
+    double profiled_seconds = 0.0;
     for (int64_t step = 1; step <= steps; ++step) {
+      profiler::set_enabled(a.profile && (step > 1 || steps == 1));
       // The step's rows and the count of their targets, every target weighing the same.
       std::vector<const PackedRow*> step_rows;
       for (int64_t i = 0; i < per_step; ++i)
@@ -366,6 +372,11 @@ int run_finetune(const FinetuneArgs& a) {
             return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
           },
           1, per_step * ctx);
+      if (profiler::enabled()) {
+        ++profiled_steps;
+        profiled_seconds += r.ms / 1000.0;
+      }
+      profiler::set_enabled(false);
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
       std::printf(
@@ -387,6 +398,10 @@ int run_finetune(const FinetuneArgs& a) {
       if (a.eval_every > 0 && step % a.eval_every == 0 && step < steps) validate(step);
     }
     validate(steps);
+    if (a.profile)
+      for (const std::string& line :
+           profiler::report(profiler::entries(), profiled_steps, profiled_seconds))
+        std::printf("%s\n", line.c_str());
 
     // The result: the adapter as llama.cpp loads it, or the whole model.
     const std::string name = fs::path(a.model).filename().string();

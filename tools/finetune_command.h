@@ -34,6 +34,7 @@ struct FinetuneArgs {
   std::string chat_template;        // a family name; empty: the model's, recognised
   bool train_on_prompt = false;
   uint64_t seed = 1;
+  bool profile = false;  // time each op over the steps after the first; print the table
   int threads = 0;
   KernelArgs kernels;
 };

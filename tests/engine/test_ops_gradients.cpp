@@ -202,6 +202,27 @@ TEST(OpsGradient, LowRankAdapterProjection) {
       2e-3);
 }
 
+// The fused op: every input's gradient by finite differences, and the composed op's values.
+TEST(OpsGradient, LoraLinear) {
+  std::mt19937 rng(29);
+  const std::vector<Tensor> inputs = {random_tensor(Shape{2, 3, 7}, rng),
+                                      random_tensor(Shape{5, 7}, rng), random_tensor(Shape{5}, rng),
+                                      random_tensor(Shape{2, 7}, rng),
+                                      random_tensor(Shape{5, 2}, rng)};
+  check_gradients([](const auto& v) { return lora_linear(v[0], v[1], v[2], v[3], v[4], 0.75f); },
+                  inputs, 2e-3);
+  check_gradients(
+      [](const auto& v) { return lora_linear(v[0], v[1], Variable(), v[2], v[3], -1.5f); },
+      {inputs[0], inputs[1], inputs[3], inputs[4]}, 2e-3);
+  NoGradGuard no_grad;
+  const auto var = [&](size_t i) { return Variable(inputs[i], false); };
+  const Tensor fused = lora_linear(var(0), var(1), var(2), var(3), var(4), 0.75f).value();
+  const Tensor composed =
+      add(linear(var(0), var(1), var(2)), linear(linear(var(0), var(3)), var(4)), 0.75f).value();
+  for (int64_t i = 0; i < fused.numel(); ++i)
+    EXPECT_NEAR(fused.f32()[i], composed.f32()[i], 1e-5) << i;
+}
+
 TEST(OpsGradient, CrossEntropy) {
   std::mt19937 rng(8);
   Tensor targets = Tensor::empty(Shape{6}, DType::I32, MemoryCategory::Workspace);

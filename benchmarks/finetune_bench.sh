@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# LoRA fine-tuning of a 0.5B model next to PyTorch, in the same run: cputrain finetune on
+# build/qwen2_05b.gguf (Qwen2.5-0.5B's shape, random BF16 weights, benchmarks/make_qwen2_05b.py)
+# and benchmarks/finetune_torch.py (the same shape, a plain LoRA module, PyTorch's fastest
+# configuration), both LoRA rank 16 on the seven projections, bf16, batch 4 x 512 tokens, no
+# gradient checkpointing. Runs alternate, cputrain then PyTorch, RUNS times; each run's tokens/s
+# is the median of its steps after the first two, its memory the peak resident set; medians of
+# the runs printed.
+#   benchmarks/finetune_bench.sh            (RUNS=3 STEPS=6 THREADS=all cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${RUNS:-3}
+steps=${STEPS:-6}
+threads=${THREADS:-$(nproc)}
+llamacpp=${CPUTRAIN_LLAMACPP_DIR:-$HOME/.cache/cputrain/llamacpp}
+model=build/qwen2_05b.gguf
+data=build/finetune_bench.jsonl
+if [[ ! -f $model ]]; then
+  /usr/bin/python3 benchmarks/make_qwen2_05b.py "$llamacpp/src/gguf-py" "$model.tmp"
+  mv "$model.tmp" "$model"
+fi
+# Texts of common words, each longer than a row: every row one example, every position a target.
+/usr/bin/python3 - "$data" <<'EOF'
+import json, random, sys
+random.seed(2)
+words = ("the of and to in is was for on that with as by at from it an be this which or are were "
+         "his her they their had not but have one all has been when who will more no if out so "
+         "said what up its about into than them can only other new some could time these two may "
+         "then do first any my now such like our over man me even most made after also did many "
+         "before must through back years where much your way well down should because each just "
+         "those people").split()
+with open(sys.argv[1], "w") as f:
+    for _ in range(64):
+        f.write(json.dumps({"text": " ".join(random.choice(words) for _ in range(560))}) + "\n")
+EOF
+ours_rate=() ours_rss=() theirs_rate=() theirs_rss=()
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for ((i = 0; i < runs; i++)); do
+  rm -rf "$tmp/run"
+  /usr/bin/time -f '%M' -o "$tmp/rss" build/cputrain finetune --model "$model" --data "$data" \
+    --out "$tmp/run" --ctx 512 --batch 4 --accum 1 --steps "$steps" --lora-rank 16 \
+    --dtype bf16 --threads "$threads" >/dev/null 2>&1
+  ours_rate+=("$(/usr/bin/python3 -c "
+import json, statistics, sys
+rates = [json.loads(l)['tokens_per_s'] for l in open(sys.argv[1]) if 'tokens_per_s' in l]
+print(statistics.median(rates[2:] or rates))" "$tmp/run/metrics.jsonl")")
+  ours_rss+=("$(($(cat "$tmp/rss") * 1024))")
+  read -r rate rss < <(/usr/bin/python3 benchmarks/finetune_torch.py --steps "$steps" \
+    --threads "$threads" --json 2>/dev/null | /usr/bin/python3 -c "
+import json, sys
+r = json.load(sys.stdin)
+print(r['tokens_per_s'], r['peak_rss_bytes'])")
+  theirs_rate+=("$rate")
+  theirs_rss+=("$rss")
+done
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR + 1) / 2)]}'; }
+gib() { awk -v b="$1" 'BEGIN {printf "%.2f", b / 2^30}'; }
+ours=$(median "${ours_rate[@]}") theirs=$(median "${theirs_rate[@]}")
+ours_mem=$(median "${ours_rss[@]}") theirs_mem=$(median "${theirs_rss[@]}")
+printf 'qwen2 0.5B shape, LoRA r16 on q,k,v,o,gate,up,down, bf16, batch 4 x 512, %s threads, ' "$threads"
+printf 'median of %s runs\n' "$runs"
+printf '%-10s %12s %14s\n' "" "tokens/s" "peak RSS GiB"
+printf '%-10s %12.0f %14s\n' cputrain "$ours" "$(gib "$ours_mem")"
+printf '%-10s %12.0f %14s\n' pytorch "$theirs" "$(gib "$theirs_mem")"
+awk -v a="$ours" -v b="$theirs" -v m="$ours_mem" -v n="$theirs_mem" \
+  'BEGIN {printf "cputrain: %.2fx the tokens/s, %.2fx the memory\n", a / b, m / n}'
