@@ -328,6 +328,79 @@ const char* hf_pattern(const std::string& pre) {
 
 }  // namespace
 
+namespace {
+
+struct SafetensorsEntry {
+  std::string name;
+  Shape shape;
+  std::string dtype;
+  std::vector<uint8_t> bytes;
+};
+
+// A safetensors file of `entries`, in order, written atomically.
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries) {
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const SafetensorsEntry& e : entries) {
+    std::vector<int64_t> shape;
+    for (int d = 0; d < e.shape.ndim(); ++d) shape.push_back(e.shape[d]);
+    header[e.name] = {
+        {"dtype", e.dtype}, {"shape", shape}, {"data_offsets", {offset, offset + e.bytes.size()}}};
+    offset += e.bytes.size();
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  AtomicFileWriter out(path);
+  const uint64_t n = text.size();
+  out.write(&n, 8);
+  out.write(text.data(), text.size());
+  for (const SafetensorsEntry& e : entries) out.write(e.bytes.data(), e.bytes.size());
+  out.commit();
+}
+
+}  // namespace
+
+void write_peft_adapter(const std::string& folder, const LlamaConfig& c, const ParameterSet& params,
+                        const LoraConfig& lora, const std::string& base) {
+  const fs::path dir(folder);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError(folder + ": cannot create (" + ec.message() + ")");
+  std::vector<SafetensorsEntry> entries;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    if (!is_lora_parameter(info.name)) continue;
+    // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are.
+    const std::vector<float> values =
+        parameter_values(params, static_cast<int>(i), c, RopePairs::HalfSplit);
+    entries.push_back({tensor_name(info.name, TensorNaming::HuggingFace), info.shape, "F32",
+                       ggml_from_float(GgmlType::F32, values.data(), info.shape.numel())});
+  }
+  if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
+  write_safetensors((dir / "adapter_model.safetensors").string(), entries);
+  const char* modules[kProjectionCount] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                           "gate_proj", "up_proj", "down_proj"};
+  json targets = json::array();
+  for (int j = 0; j < kProjectionCount; ++j)
+    if (lora.on(static_cast<Projection>(j))) targets.push_back(modules[j]);
+  const json config = {{"peft_type", "LORA"},
+                       {"task_type", "CAUSAL_LM"},
+                       {"base_model_name_or_path", base},
+                       {"r", lora.rank},
+                       {"lora_alpha", lora.alpha},
+                       {"lora_dropout", 0.0},
+                       {"target_modules", targets},
+                       {"bias", "none"},
+                       {"fan_in_fan_out", false},
+                       {"inference_mode", true},
+                       {"init_lora_weights", true},
+                       {"modules_to_save", nullptr},
+                       {"use_rslora", false},
+                       {"use_dora", false}};
+  write_file_atomic((dir / "adapter_config.json").string(), config.dump(2) + "\n");
+}
+
 void write_hf_folder(const std::string& folder, const LlamaConfig& c, const ParameterSet& params,
                      const Tokenizer& tokenizer, const std::string& dtype) {
   const fs::path dir(folder);
@@ -369,35 +442,17 @@ void write_hf_folder(const std::string& folder, const LlamaConfig& c, const Para
   const GgmlType type = dtype == "F32"   ? GgmlType::F32
                         : dtype == "F16" ? GgmlType::F16
                                          : GgmlType::BF16;
-  json header = json::object();
-  std::vector<std::vector<uint8_t>> blobs;
-  uint64_t offset = 0;
+  std::vector<SafetensorsEntry> entries;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name))
       throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
-    const std::string name = hf_tensor_name(info.name);
     const std::vector<float> values =
         parameter_values(params, static_cast<int>(i), c, RopePairs::HalfSplit);
-    blobs.push_back(ggml_from_float(type, values.data(), info.shape.numel()));
-    std::vector<int64_t> shape;
-    for (int d = 0; d < info.shape.ndim(); ++d) shape.push_back(info.shape[d]);
-    header[name] = {{"dtype", dtype},
-                    {"shape", shape},
-                    {"data_offsets", {offset, offset + blobs.back().size()}}};
-    offset += blobs.back().size();
+    entries.push_back({hf_tensor_name(info.name), info.shape, dtype,
+                       ggml_from_float(type, values.data(), info.shape.numel())});
   }
-  header["__metadata__"] = {{"format", "pt"}};
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  {
-    AtomicFileWriter out((dir / "model.safetensors").string());
-    const uint64_t n = text.size();
-    out.write(&n, 8);
-    out.write(text.data(), text.size());
-    for (const auto& b : blobs) out.write(b.data(), b.size());
-    out.commit();
-  }
+  write_safetensors((dir / "model.safetensors").string(), entries);
 
   json tconfig = {{"bos_token", token(v.bos)},  {"eos_token", token(v.eos)},
                   {"unk_token", token(v.unk)},  {"add_bos_token", v.add_bos},

@@ -8,6 +8,7 @@
 #include "engine/safetensors_file.h"
 #include "engine/vocab_tokenizer.h"
 #include "models/llama_config.h"
+#include "models/lora.h"
 
 namespace cputrain {
 
@@ -54,5 +55,12 @@ Tokenizer hf_tokenizer(const std::string& folder);
 void write_hf_folder(const std::string& folder, const LlamaConfig& config,
                      const ParameterSet& params, const Tokenizer& tokenizer,
                      const std::string& dtype);
+
+// The model's adapters as PEFT saves them: adapter_model.safetensors (F32, PEFT's module names,
+// B's q and k rows in rotate-half order) and adapter_config.json (LORA, r, lora_alpha, the
+// target modules, `base` as base_model_name_or_path). `folder` is created.
+void write_peft_adapter(const std::string& folder, const LlamaConfig& config,
+                        const ParameterSet& params, const LoraConfig& lora,
+                        const std::string& base);
 
 }  // namespace cputrain

@@ -1,6 +1,7 @@
 #include "models/lora.h"
 
 #include <cstdio>
+#include <stdexcept>
 #include <vector>
 
 #include "engine/error.h"
@@ -89,6 +90,36 @@ uint64_t base_fingerprint(const LlamaConfig& c, const ParameterSet& params) {
     }
   }
   return h;
+}
+
+void merge_lora(const ParameterSet& adapted, const LoraConfig& lora, const ParameterSet& merged) {
+  for (size_t i = 0; i < merged.infos().size(); ++i) {
+    const ParameterInfo& info = merged.infos()[i];
+    const int from = adapted.find(info.name);
+    if (from < 0) throw std::logic_error("merge_lora: no parameter " + info.name);
+    std::vector<float> w(static_cast<size_t>(info.shape.numel()));
+    adapted.read_values(from, w.data());
+    const std::string base = info.name.substr(0, info.name.size() - std::string("weight").size());
+    const int a = info.name.ends_with(".weight") ? adapted.find(base + "lora_a") : -1;
+    if (a >= 0) {
+      const int b = adapted.find(base + "lora_b");
+      const int64_t N = info.shape[0], K = info.shape[1], r = lora.rank;
+      std::vector<float> av(static_cast<size_t>(r * K)), bv(static_cast<size_t>(N * r));
+      adapted.read_values(a, av.data());
+      adapted.read_values(b, bv.data());
+      const double s = lora.alpha / static_cast<double>(r);
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          double sum = 0.0;
+          for (int64_t j = 0; j < r; ++j)
+            sum += static_cast<double>(bv[static_cast<size_t>(n * r + j)]) *
+                   av[static_cast<size_t>(j * K + k)];
+          w[static_cast<size_t>(n * K + k)] += static_cast<float>(s * sum);
+        }
+    }
+    merged.write_values(static_cast<int>(i), w.data());
+  }
 }
 
 std::string fingerprint_text(uint64_t fingerprint) {

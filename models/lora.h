@@ -49,4 +49,9 @@ uint64_t base_fingerprint(const LlamaConfig& config, const ParameterSet& params)
 // 16 hex digits.
 std::string fingerprint_text(uint64_t fingerprint);
 
+// The adapters merged into their projections: every parameter of `merged` (a model of the same
+// shape without adapters) gets the value of its namesake in `adapted`, a projection with an
+// adapter W + (alpha / rank) B A.
+void merge_lora(const ParameterSet& adapted, const LoraConfig& lora, const ParameterSet& merged);
+
 }  // namespace cputrain

@@ -2,10 +2,13 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 
 #include "engine/error.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
+#include "models/llama.h"
+#include "models/lora.h"
 #include "tools/model_source.h"
 
 namespace cputrain {
@@ -23,11 +26,17 @@ void add_export_flags(CLI::App& app, ExportArgs& a) {
                  "Type of the matrices: f32, f16, bf16 or q8_0 (norms and biases stay f32)")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
+  app.add_option("--adapter", a.adapter,
+                 "A LoRA adapter file (llama.cpp's GGUF, as cputrain finetune writes it)");
+  app.add_flag("--merge", a.merge, "Write the model with --adapter merged into its weights");
   app.add_flag("--overwrite", a.overwrite, "Replace --out if it exists");
 }
 
 int run_export(const ExportArgs& a) {
   const auto [source, flag] = model_source(a.run, a.model);
+  if (!a.adapter.empty() && !a.merge)
+    throw UserError("--adapter " + a.adapter + ": give --merge to write the model with it merged");
+  if (a.merge && a.adapter.empty()) throw UserError("--merge: give the adapter (--adapter FILE)");
   const bool gguf = a.out.ends_with(".gguf");
   if (!gguf && a.type == "q8_0")
     throw UserError(
@@ -40,7 +49,13 @@ int run_export(const ExportArgs& a) {
     throw UserError("--out " + a.out + ": exists; choose another name or give --overwrite");
   if (exists && !gguf && !std::filesystem::is_directory(a.out, ec))
     throw UserError("--out " + a.out + ": a file, where a Hugging Face folder is to be written");
-  LoadedModel m = load_model(source, flag, a.weights, INT64_MAX);
+  LoadedModel m = load_model(source, flag, a.weights, INT64_MAX, false, a.adapter);
+  if (m.model->lora().active()) {
+    // The base with the adapter merged: a model of the same shape without adapters.
+    auto merged = std::make_unique<LlamaModel>(m.config);
+    merge_lora(m.model->parameters(), m.model->lora(), merged->parameters());
+    m.model = std::move(merged);
+  }
   GgufExport options;
   options.type = a.type == "f16"    ? GgmlType::F16
                  : a.type == "bf16" ? GgmlType::BF16

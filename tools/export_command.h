@@ -12,6 +12,8 @@ struct ExportArgs {
   std::string model;    // a run directory or a GGUF file (--model)
   std::string weights;  // a run's model.bin or checkpoint (default: model.bin, else the newest)
   std::string out;      // FILE.gguf, or a folder
+  std::string adapter;  // a LoRA adapter file (--adapter), merged into the model (--merge)
+  bool merge = false;
   std::string type = "f32";
   bool overwrite = false;
 };

@@ -23,6 +23,7 @@
 #include "models/chat_template.h"
 #include "models/finetune_data.h"
 #include "models/gguf_model.h"
+#include "models/hf_model.h"
 #include "models/llama.h"
 #include "models/lora.h"
 #include "tools/flag_checks.h"
@@ -414,8 +415,12 @@ int run_finetune(const FinetuneArgs& a) {
     } else {
       write_lora_gguf(a.out + "/adapter.gguf", m.config, model.parameters(), options.lora.alpha,
                       name + " LoRA");
-      std::printf("wrote %s/adapter.gguf (llama.cpp: --model %s --lora %s/adapter.gguf)\n",
-                  a.out.c_str(), a.model.c_str(), a.out.c_str());
+      write_peft_adapter(a.out + "/peft", m.config, model.parameters(), options.lora,
+                         fs::absolute(a.model).string());
+      std::printf(
+          "wrote %s/adapter.gguf (llama.cpp: --model %s --lora %s/adapter.gguf) and "
+          "%s/peft (PEFT's adapter_config.json and adapter_model.safetensors)\n",
+          a.out.c_str(), a.model.c_str(), a.out.c_str(), a.out.c_str());
     }
   } catch (...) {
     dir.discard_if_unused();

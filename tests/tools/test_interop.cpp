@@ -22,10 +22,13 @@
 #include "engine/error.h"
 #include "engine/gguf_file.h"
 #include "engine/parameters.h"
+#include "engine/safetensors_file.h"
 #include "engine/tensor.h"
 #include "engine/vocab_tokenizer.h"
 #include "models/chat_template.h"
 #include "models/generate.h"
+#include "models/lora.h"
+#include "models/tensor_names.h"
 #include "tools/model_source.h"
 
 namespace cputrain {
@@ -1025,6 +1028,30 @@ TEST(LlamaCppLora, FineTunedAdapterGivesLlamaCppsLogits) {
     ASSERT_EQ(ours.size(), theirs.size());
     EXPECT_LT(max_abs_difference(ours, theirs), 1e-4) << base;
     EXPECT_GT(max_abs_difference(ours, our_logits(plain, tokens)), 1e-3) << base;
+    // Merged into the base (export --merge): llama.cpp computes the same from the one file.
+    const fs::path merged = run / "merged.gguf";
+    ASSERT_EQ(cputrain("export --model " + base.string() + " --adapter " + adapter.string() +
+                       " --merge --out " + merged.string()),
+              0);
+    EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, tokens, dir)), 1e-4) << base;
+    // PEFT's files: the same adapters under Hugging Face's module names, B's q rows in
+    // rotate-half order.
+    const nlohmann::json config =
+        nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"));
+    EXPECT_EQ(config["peft_type"], "LORA");
+    EXPECT_EQ(config["r"], 16);
+    EXPECT_EQ(config["lora_alpha"], 32.0);
+    EXPECT_EQ(config["target_modules"].size(), 7u);
+    const SafetensorsFile peft((run / "peft" / "adapter_model.safetensors").string());
+    const ParameterSet& p = with.model->parameters();
+    const int qb = p.find("layers.0.attention.wq.lora_b");
+    const std::string qb_name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+    ASSERT_EQ(peft.tensors().count(qb_name), 1u);
+    EXPECT_EQ(safetensors_values(peft.path(), qb_name, peft.tensors().at(qb_name)),
+              parameter_values(p, qb, with.config, RopePairs::HalfSplit));
+    int64_t adapters = 0;
+    for (const ParameterInfo& info : p.infos()) adapters += is_lora_parameter(info.name);
+    EXPECT_EQ(static_cast<int64_t>(peft.tensors().size()), adapters);
   }
   // Refusals, each one line.
   const fs::path stories_adapter = dir / "ft_stories260K" / "adapter.gguf";
