@@ -7,7 +7,10 @@
 #include <stdexcept>
 
 #include "engine/error.h"
+#include "engine/memory.h"
 #include "engine/tokenizer.h"
+#include "engine/trainer.h"
+#include "models/llama.h"
 
 namespace cputrain {
 namespace {
@@ -267,6 +270,67 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
     }
   }
   return counted;
+}
+
+StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
+                         std::span<const PackedRow* const> rows,
+                         const std::vector<FinetuneExample>& examples, int32_t pad,
+                         const Tensor& inputs, const Tensor& targets) {
+  const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
+  int64_t normalizer = 0;
+  for (const PackedRow* r : rows)
+    for (const int32_t i : r->examples) {
+      const FinetuneExample& e = examples[static_cast<size_t>(i)];
+      for (size_t j = 1; j < e.target.size(); ++j) normalizer += e.target[j];
+    }
+  return trainer.step_with(
+      step,
+      [&](int64_t micro) {
+        auto packing = std::make_shared<Packing>();
+        if (measuring()) {
+          packing->lengths.assign(static_cast<size_t>(B), {ctx});
+        } else {
+          fill_packed_batch(rows.subspan(static_cast<size_t>(micro * B), static_cast<size_t>(B)),
+                            examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
+        }
+        return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
+      },
+      1, B * accum * ctx);
+}
+
+double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
+                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows) {
+  NoGradGuard no_grad;
+  std::vector<PackedRow> rows;
+  if (measuring()) {
+    rows.resize(static_cast<size_t>(measure_rows));
+  } else {
+    rows = pack_examples(examples, ctx);
+  }
+  int64_t total = 0;
+  for (const PackedRow& r : rows)
+    for (const int32_t i : r.examples)
+      for (size_t j = 1; j < examples[static_cast<size_t>(i)].target.size(); ++j)
+        total += examples[static_cast<size_t>(i)].target[j];
+  double sum = 0.0;
+  for (size_t first = 0; first < rows.size(); first += static_cast<size_t>(batch)) {
+    const size_t n = std::min(rows.size() - first, static_cast<size_t>(batch));
+    std::vector<const PackedRow*> part;
+    for (size_t r = first; r < first + n; ++r) part.push_back(&rows[r]);
+    Tensor in =
+        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
+    Tensor tg =
+        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
+    auto packing = std::make_shared<Packing>();
+    if (measuring())
+      packing->lengths.assign(n, {ctx});
+    else
+      fill_packed_batch(part, examples, ctx, pad, in.i32(), tg.i32(), *packing);
+    // Each batch's sum over the targets: its loss with the whole set's count as divisor.
+    const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
+    if (!measuring()) sum += loss.value().f32()[0];
+  }
+  return sum;
 }
 
 }  // namespace cputrain

@@ -75,4 +75,23 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
                           const std::vector<FinetuneExample>& examples, int64_t ctx, int32_t pad,
                           int32_t* inputs, int32_t* targets, Packing& packing);
 
+class LlamaModel;
+class Trainer;
+struct StepResult;
+
+// One fine-tuning step (Trainer::step_with) over `rows`: accum micro-batches of batch rows, each
+// written into `inputs` and `targets` ((batch, ctx) i32, the caller's) and packed, the loss of
+// each divided by the count of the step's targets. While measuring (the memory budget) `rows`
+// may be empty: each row is then one sequence of ctx positions, as packing makes no allocation
+// that depends on the lengths.
+StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
+                         std::span<const PackedRow* const> rows,
+                         const std::vector<FinetuneExample>& examples, int32_t pad,
+                         const Tensor& inputs, const Tensor& targets);
+
+// The mean loss over every target of `examples`, packed into rows of ctx, batch rows at a time,
+// without gradients. While measuring, `measure_rows` rows of one sequence each.
+double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
+                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows = 0);
+
 }  // namespace cputrain

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/trainer.h"
+#include "models/finetune_data.h"
 #include "models/llama.h"
 
 namespace cputrain {
@@ -48,12 +49,24 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, t);
+    // A fine-tune's batch buffers, made after the trainer as `cputrain finetune` makes them.
+    Tensor inputs, targets;
+    if (o.packed) {
+      inputs = Tensor::empty(Shape{o.batch, o.ctx}, DType::I32, MemoryCategory::Workspace);
+      targets = Tensor::empty(Shape{o.batch, o.ctx}, DType::I32, MemoryCategory::Workspace);
+    }
     // The validation split's windows (evaluate reads only their count while measuring).
     const std::vector<int32_t> eval_tokens(
         static_cast<size_t>(std::max<int64_t>(0, o.eval_windows) * o.ctx + 1));
     // Steps repeat the same allocations; the block cache settles within a few, so the third is
     // what every later step holds. Where the run evaluates, a validation pass follows each step.
     const auto step = [&](int64_t n) {
+      if (o.packed) {
+        finetune_step(trainer, model, n, {}, {}, 0, inputs, targets);
+        if (o.eval_windows > 0)
+          packed_validation_loss(model, {}, o.ctx, o.batch, 0, o.eval_windows);
+        return;
+      }
       trainer.step({}, n);
       if (o.eval_windows > 0) trainer.evaluate(eval_tokens, o.eval_windows);
     };

@@ -36,6 +36,9 @@ struct BudgetOptions {
   std::function<bool(const std::string& name)> trainable;
   // Adapters on the projections (ModelOptions::lora).
   LoraConfig lora;
+  // A fine-tune's steps (finetune_step: packed rows, the caller's batch buffers) and validation
+  // (packed_validation_loss over eval_windows rows), instead of a corpus's windows.
+  bool packed = false;
 };
 
 struct MemoryBudget {

@@ -26,6 +26,7 @@
 #include "models/hf_model.h"
 #include "models/llama.h"
 #include "models/lora.h"
+#include "models/memory_budget.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
 #include "tools/run_dir.h"
@@ -60,33 +61,6 @@ class RowOrder {
   uint64_t epoch_ = 0;
   std::vector<size_t> order_;
 };
-
-// Mean negative log-likelihood over every target of `examples`, packed, without gradients.
-double validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples, int64_t ctx,
-                       int64_t batch, int32_t pad) {
-  NoGradGuard no_grad;
-  const std::vector<PackedRow> rows = pack_examples(examples, ctx);
-  int64_t total = 0;
-  for (const PackedRow& r : rows)
-    for (const int32_t i : r.examples)
-      for (size_t j = 1; j < examples[static_cast<size_t>(i)].target.size(); ++j)
-        total += examples[static_cast<size_t>(i)].target[j];
-  double sum = 0.0;
-  for (size_t first = 0; first < rows.size(); first += static_cast<size_t>(batch)) {
-    const size_t n = std::min(rows.size() - first, static_cast<size_t>(batch));
-    std::vector<const PackedRow*> part;
-    for (size_t r = first; r < first + n; ++r) part.push_back(&rows[r]);
-    Tensor in =
-        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
-    Tensor tg =
-        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
-    auto packing = std::make_shared<Packing>();
-    fill_packed_batch(part, examples, ctx, pad, in.i32(), tg.i32(), *packing);
-    // Each batch's sum over the targets: its loss with the whole set's count as divisor.
-    sum += model.loss(in, tg, packing, total).value().f32()[0];
-  }
-  return sum;
-}
 
 std::string gib(int64_t bytes) {
   char s[32];
@@ -294,6 +268,40 @@ int run_finetune(const FinetuneArgs& a) {
         static_cast<long long>(steps), static_cast<long long>(per_step),
         static_cast<double>(steps * per_step) / static_cast<double>(rows.size()), val.size());
 
+    // The memory budget of this fine-tune, measured from the code that runs it; refused where it
+    // does not fit.
+    BudgetOptions bo;
+    bo.dtype = options.compute_dtype;
+    bo.batch = a.batch;
+    bo.ctx = ctx;
+    bo.accum = a.accum;
+    bo.checkpoint = a.checkpoint == "layer";
+    bo.threads = omp_get_max_threads();
+    bo.lora = options.lora;
+    bo.packed = true;
+    bo.eval_windows = val.empty() ? 0 : static_cast<int64_t>(pack_examples(val, ctx).size());
+    MemoryBudget budget = memory_budget(m.config, bo);
+    const int64_t budget_bytes = budget.total_bytes();
+    const int64_t available = available_memory_bytes() + process_memory().rss_bytes;
+    std::printf(
+        "memory budget: %s (weights %s, adapters' gradients and AdamW %s, activations %s, "
+        "workspace %s); %s available\n",
+        gib(budget_bytes).c_str(),
+        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Weights)] +
+            budget.peak_bytes[static_cast<int>(MemoryCategory::Bf16Weights)])
+            .c_str(),
+        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Gradients)] +
+            budget.peak_bytes[static_cast<int>(MemoryCategory::OptimizerState)])
+            .c_str(),
+        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Activations)]).c_str(),
+        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)]).c_str(),
+        gib(available).c_str());
+    if (available > 0 && budget_bytes > available)
+      throw UserError("the fine-tune needs " + gib(budget_bytes) + " and " + gib(available) +
+                      " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
+                      (bo.checkpoint ? "" : ", give --checkpoint layer") +
+                      (a.full ? "" : ", or lower --lora-rank"));
+
     TrainOptions train;
     train.batch = a.batch;
     train.accum = a.accum;
@@ -307,6 +315,10 @@ int run_finetune(const FinetuneArgs& a) {
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
+    // The batch buffers, after the trainer, as the memory budget makes them.
+    const Tensor inputs = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
+    const Tensor targets =
+        Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
 
     json config = {{"model", fs::absolute(a.model).string()},
                    {"data", fs::absolute(a.data).string()},
@@ -337,7 +349,7 @@ int run_finetune(const FinetuneArgs& a) {
     const auto validate = [&](int64_t step) {
       if (val.empty()) return;
       const auto start = std::chrono::steady_clock::now();
-      const double loss = validation_loss(model, val, ctx, a.batch, pad);
+      const double loss = packed_validation_loss(model, val, ctx, a.batch, pad);
       std::printf("step %lld | validation loss %.4f (%.1f s)\n", static_cast<long long>(step), loss,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       metrics << json{{"step", step}, {"val_loss", loss}}.dump() << "\n" << std::flush;
@@ -345,34 +357,20 @@ int run_finetune(const FinetuneArgs& a) {
     validate(0);
 
     RowOrder order(rows.size(), a.seed);
-    Tensor inputs = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
-    Tensor targets = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
     const auto run_start = std::chrono::steady_clock::now();
     int64_t profiled_steps = 0;
     double profiled_seconds = 0.0;
     for (int64_t step = 1; step <= steps; ++step) {
       profiler::set_enabled(a.profile && (step > 1 || steps == 1));
-      // The step's rows and the count of their targets, every target weighing the same.
       std::vector<const PackedRow*> step_rows;
       for (int64_t i = 0; i < per_step; ++i)
         step_rows.push_back(&rows[order.at((step - 1) * per_step + i)]);
-      int64_t normalizer = 0;
-      for (const PackedRow* r : step_rows)
-        for (const int32_t i : r->examples) {
-          const FinetuneExample& e = data.examples[static_cast<size_t>(i)];
-          for (size_t j = 1; j < e.target.size(); ++j) normalizer += e.target[j];
-        }
-      const StepResult r = trainer.step_with(
-          step,
-          [&](int64_t micro) {
-            auto packing = std::make_shared<Packing>();
-            fill_packed_batch(
-                std::span<const PackedRow* const>(step_rows).subspan(
-                    static_cast<size_t>(micro * a.batch), static_cast<size_t>(a.batch)),
-                data.examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
-            return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
-          },
-          1, per_step * ctx);
+      const StepResult r =
+          finetune_step(trainer, model, step, step_rows, data.examples, pad, inputs, targets);
+      int64_t targets_in_step = 0;
+      for (const PackedRow* row : step_rows)
+        for (const int32_t i : row->examples)
+          for (const uint8_t t : data.examples[static_cast<size_t>(i)].target) targets_in_step += t;
       if (profiler::enabled()) {
         ++profiled_steps;
         profiled_seconds += r.ms / 1000.0;
@@ -382,15 +380,15 @@ int run_finetune(const FinetuneArgs& a) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
       std::printf(
           "step %lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s | "
-          "RSS %s\n",
+          "RSS %s (budget %s)\n",
           static_cast<long long>(step), static_cast<long long>(steps), r.loss, r.lr, r.grad_norm,
-          r.tokens_per_s, gib(process_memory().rss_bytes).c_str());
+          r.tokens_per_s, gib(process_memory().rss_bytes).c_str(), gib(budget_bytes).c_str());
       std::fflush(stdout);
       metrics << json{{"step", step},
                       {"loss", r.loss},
                       {"lr", r.lr},
                       {"grad_norm", r.grad_norm},
-                      {"targets", normalizer},
+                      {"targets", targets_in_step},
                       {"tokens_per_s", r.tokens_per_s},
                       {"elapsed_s", elapsed}}
                      .dump()

@@ -17,6 +17,7 @@
 #include "engine/memory.h"
 #include "engine/trainer.h"
 #include "kernels/gemm.h"
+#include "models/finetune_data.h"
 #include "models/llama.h"
 #include "models/memory_budget.h"
 
@@ -103,6 +104,85 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
   EXPECT_EQ(fourth.fresh_blocks, after.fresh_blocks) << "blocks made afresh";
   EXPECT_EQ(fourth.held_peak_bytes - before.live_total_bytes,
             budget.step_peak_bytes + budget.cache_headroom_bytes);
+}
+
+// A fine-tune (finetune_step on packed rows of examples, LoRA, a validation pass after each step)
+// against memory_budget's packed measurement: every category's peak to the byte.
+TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
+  LlamaConfig c = find_preset("tiny")->config;
+  c.n_kv_heads = 2;
+  c.qkv_bias = true;
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    const int64_t batch = 2, accum = 2, ctx = 64;
+    std::vector<FinetuneExample> examples, val;
+    std::mt19937 rng(5);
+    for (int i = 0; i < 40; ++i) {
+      FinetuneExample e;
+      const int n = 2 + static_cast<int>(rng() % 50);
+      for (int j = 0; j < n; ++j) {
+        e.tokens.push_back(static_cast<int32_t>(rng() % c.vocab));
+        e.target.push_back(j > 0 && j % 3 != 0);
+      }
+      (i < 32 ? examples : val).push_back(e);
+    }
+    const std::vector<PackedRow> rows = pack_examples(examples, ctx);
+    ASSERT_GE(static_cast<int64_t>(rows.size()), batch * accum);
+    LoraConfig lora;
+    lora.rank = 4;
+    lora.alpha = 8;
+    lora.targets.fill(true);
+    BudgetOptions bo;
+    bo.dtype = dtype;
+    bo.batch = batch;
+    bo.ctx = ctx;
+    bo.accum = accum;
+    bo.threads = omp_get_max_threads();
+    bo.lora = lora;
+    bo.packed = true;
+    bo.eval_windows = static_cast<int64_t>(pack_examples(val, ctx).size());
+    const MemoryBudget budget = memory_budget(c, bo);
+
+    kernels::gemm_release_buffers();
+    memory_release_cached();
+    memory_reset_peaks();
+    const MemoryStats before = memory_stats();
+    MemoryStats after;
+    {
+      ModelOptions mo;
+      mo.compute_dtype = dtype;
+      mo.lora = lora;
+      LlamaModel model(c, mo);
+      model.init_weights(1);
+      TrainOptions options;
+      options.batch = batch;
+      options.accum = accum;
+      options.ctx = ctx;
+      options.lr.total_steps = 4;
+      Trainer trainer(
+          model.parameters(),
+          [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, options);
+      const Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+      const Tensor targets =
+          Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+      const auto step = [&](int64_t n) {
+        std::vector<const PackedRow*> step_rows;
+        for (int64_t i = 0; i < batch * accum; ++i)
+          step_rows.push_back(
+              &rows[static_cast<size_t>(((n - 1) * batch * accum + i)) % rows.size()]);
+        finetune_step(trainer, model, n, step_rows, examples, 0, inputs, targets);
+        packed_validation_loss(model, val, ctx, batch, 0);
+      };
+      step(1);
+      memory_reset_peaks();
+      step(2);
+      after = memory_stats();
+    }
+    for (int i = 0; i < kMemoryCategoryCount; ++i)
+      EXPECT_EQ(after.peak_bytes[i] - before.live_bytes[i], budget.peak_bytes[i])
+          << dtype_name(dtype) << " " << memory_category_name(static_cast<MemoryCategory>(i));
+    EXPECT_EQ(after.peak_total_bytes - before.live_total_bytes, budget.step_peak_bytes)
+        << dtype_name(dtype);
+  }
 }
 
 LlamaConfig preset(const char* name) {
