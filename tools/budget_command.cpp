@@ -1,15 +1,20 @@
 #include "tools/budget_command.h"
 
+#include <omp.h>
 #include <spdlog/fmt/fmt.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "engine/corpus.h"
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "models/lora.h"
+#include "models/memory_budget.h"
 #include "tools/flag_checks.h"
+#include "tools/model_source.h"
 
 namespace cputrain {
 namespace {
@@ -159,9 +164,111 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   app.add_option("--mem-limit", t.mem_limit_gib, "GiB to fit in (default: the available memory)")
       ->check(positive());
   app.add_flag("--json", a.json, "Print a JSON object of bytes per category and total_bytes");
+  app.add_option("--model", a.model,
+                 "A fine-tune of this GGUF file or Hugging Face folder (as cputrain finetune runs "
+                 "it) instead of a preset");
+  app.add_option("--lora-rank", a.lora_rank, "With --model: LoRA of this rank (0: every parameter)")
+      ->check(non_negative());
+  app.add_option("--lora-alpha", a.lora_alpha, "With --model: LoRA alpha (default: twice the rank)")
+      ->check(positive());
+  app.add_option("--lora-targets", a.lora_targets, "With --model: the projections with adapters")
+      ->capture_default_str();
+  app.add_option("--val-rows", a.val_rows,
+                 "With --model: rows of validation examples evaluated between steps")
+      ->check(non_negative());
 }
 
+namespace {
+
+// `cputrain budget --model`: a fine-tune's budget, and the levers where it does not fit.
+int fine_tune_budget(const BudgetArgs& a) {
+  const TrainArgs& t = a.train;
+  if (!t.preset.empty() && t.preset != TrainArgs().preset)
+    throw UserError("--preset and --model: give one");
+  const int64_t ctx = t.ctx > 0 ? t.ctx : 512;
+  const LlamaConfig model = load_model_config(a.model, "--model", ctx);
+  select_kernels(t.kernels);
+  std::string why;
+  BudgetOptions o;
+  o.dtype = choose_dtype(t.dtype, &why);
+  o.batch = t.batch > 0 ? t.batch : 4;
+  o.accum = t.accum > 0 ? t.accum : 4;
+  o.ctx = std::min(ctx, model.ctx);
+  o.checkpoint = t.checkpoint == "layer";
+  o.threads = t.threads > 0 ? t.threads : omp_get_num_procs();
+  o.packed = true;
+  o.eval_windows = a.val_rows;
+  if (a.lora_rank > 0) {
+    o.lora.rank = a.lora_rank;
+    o.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
+    o.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
+  }
+  const MemoryBudget b = memory_budget(model, o);
+  const int64_t available = memory_limit_bytes(t.mem_limit_gib);
+  const bool fits = b.total_bytes() <= available;
+  if (a.json) {
+    nlohmann::json j = {{"model", a.model},
+                        {"dtype", dtype_string(o.dtype)},
+                        {"lora_rank", o.lora.rank},
+                        {"batch", o.batch},
+                        {"accum", o.accum},
+                        {"ctx", o.ctx},
+                        {"checkpoint", o.checkpoint ? "layer" : "none"},
+                        {"parameters", parameter_count(model)}};
+    for (int i = 0; i < kMemoryCategoryCount; ++i)
+      j[std::string(memory_category_name(static_cast<MemoryCategory>(i))) + "_bytes"] =
+          b.peak_bytes[i];
+    j["step_peak_bytes"] = b.step_peak_bytes;
+    j["cache_headroom_bytes"] = b.cache_headroom_bytes;
+    j["runtime_bytes"] = b.runtime_bytes;
+    j["total_bytes"] = b.total_bytes();
+    j["available_bytes"] = available;
+    j["fits"] = fits;
+    std::printf("%s\n", j.dump(2).c_str());
+    return fits ? 0 : kDoesNotFit;
+  }
+  std::printf("%s", fmt::format("memory budget: fine-tuning {} ({} parameters), {}, {}, {} x {} "
+                                "packed rows of {} positions, checkpointing {}\n",
+                                a.model, parameter_count(model),
+                                o.lora.rank > 0 ? fmt::format("LoRA rank {}", o.lora.rank)
+                                                : std::string("every parameter"),
+                                dtype_string(o.dtype), o.batch, o.accum, o.ctx,
+                                o.checkpoint ? "per layer" : "none")
+                        .c_str());
+  std::printf("%s", budget_table(b, available).c_str());
+  // The levers not in use: each alone, with its total.
+  std::string levers;
+  const auto lever = [&](const std::string& what, BudgetOptions changed) {
+    const int64_t total = memory_budget(model, changed).total_bytes();
+    levers += fmt::format("  {:<38} {:>12}{}\n", what, format_bytes(total),
+                          total <= available ? "  fits" : "");
+  };
+  if (!o.checkpoint) {
+    BudgetOptions c = o;
+    c.checkpoint = true;
+    lever("--checkpoint layer", c);
+  }
+  if (o.batch > 1) {
+    BudgetOptions c = o;
+    c.batch = o.batch / 2;
+    c.accum = o.accum * 2;
+    lever(fmt::format("--batch {} --accum {}", c.batch, c.accum), c);
+  }
+  if (o.ctx > 64) {
+    BudgetOptions c = o;
+    c.ctx = o.ctx / 2;
+    lever(fmt::format("--ctx {}", c.ctx), c);
+  }
+  if (!levers.empty()) std::printf("levers:\n%s", levers.c_str());
+  return fits ? 0 : kDoesNotFit;
+}
+
+}  // namespace
+
 int run_budget(const BudgetArgs& a) {
+  if (!a.model.empty()) return fine_tune_budget(a);
+  if (a.lora_rank > 0 || a.val_rows > 0)
+    throw UserError("--lora-rank and --val-rows: a fine-tune's, with --model");
   RunConfig config = resolve_run_config(a.train);
   select_kernels(a.train.kernels);
   std::string why;

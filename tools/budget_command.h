@@ -17,6 +17,13 @@ struct BudgetArgs {
   TrainArgs
       train;  // preset, shape overrides, batch, accum, ctx, dtype, checkpoint, threads, corpus
   bool json = false;
+  // A fine-tune of a model file (--model): LoRA of --lora-rank (0: --full, every parameter),
+  // packed rows of --ctx (default 512), --batch 4 x --accum 4, as `cputrain finetune` runs it.
+  std::string model;
+  int64_t lora_rank = 0;
+  double lora_alpha = 0.0;
+  std::string lora_targets = "q,k,v,o,gate,up,down";
+  int64_t val_rows = 0;  // validation rows of --ctx evaluated between steps
 };
 
 void add_budget_flags(CLI::App& app, BudgetArgs& args);
