@@ -10,10 +10,13 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "engine/atomic_file.h"
 #include "engine/autograd.h"
+#include "engine/checkpoint_file.h"
 #include "engine/error.h"
+#include "engine/hash.h"
 #include "engine/memory.h"
 #include "engine/profiler.h"
 #include "engine/tokenizer.h"
@@ -127,6 +130,12 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--eval-every", a.eval_every,
                  "Validation loss every N steps (always before the first and after the last)")
       ->check(non_negative());
+  app.add_option("--save-every", a.save_every,
+                 "A checkpoint (adapters and AdamW's state) every N steps, and at the end")
+      ->check(non_negative());
+  app.add_flag("--resume", a.resume,
+               "Continue the fine-tune in --out from its newest checkpoint, bit for bit as if it "
+               "had not stopped (give the same flags)");
   app.add_option("--chat-template", a.chat_template,
                  "chatml, llama3, llama2, mistral or zephyr (default: the model's, recognised)");
   app.add_flag("--train-on-prompt", a.train_on_prompt,
@@ -159,7 +168,7 @@ int run_finetune(const FinetuneArgs& a) {
     options.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
   }
 
-  RunDirectory dir = open_run_directory(a.out, RunDirUse::NewRun);
+  RunDirectory dir = open_run_directory(a.out, a.resume ? RunDirUse::Resume : RunDirUse::NewRun);
   try {
     const auto load_start = std::chrono::steady_clock::now();
     LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
@@ -342,8 +351,60 @@ int run_finetune(const FinetuneArgs& a) {
                                          : std::string()},
                    {"train_on_prompt", a.train_on_prompt},
                    {"seed", a.seed}};
-    write_file_atomic(a.out + "/config.json", config.dump(2) + "\n");
-    std::ofstream metrics(a.out + "/metrics.jsonl");
+    // The data's fingerprint: every example's tokens and targets, training and validation.
+    uint64_t data_fingerprint = kFnvOffset;
+    for (const auto* set : {&data.examples, &val})
+      for (const FinetuneExample& e : *set) {
+        data_fingerprint =
+            fnv1a(e.tokens.data(), e.tokens.size() * sizeof(int32_t), data_fingerprint);
+        data_fingerprint = fnv1a(e.target.data(), e.target.size(), data_fingerprint);
+      }
+    const std::string config_text = config.dump(2) + "\n";
+    int64_t first_step = 1;
+    if (a.resume) {
+      // The same configuration, the newest checkpoint, the same data: then every later step is
+      // the one the run would have made.
+      std::ifstream in(a.out + "/config.json");
+      std::stringstream stored;
+      stored << in.rdbuf();
+      if (stored.str() != config_text)
+        throw UserError("--resume " + a.out +
+                        ": its config.json is another fine-tune's; give the "
+                        "flags it was started with");
+      const auto all = list_checkpoints(a.out);
+      if (all.empty())
+        throw UserError("--resume " + a.out + ": no checkpoint in " + checkpoint_dir(a.out));
+      const CheckpointInfo info =
+          load_checkpoint(all.back().second, model.parameters(), &trainer.optimizer());
+      if (info.data_fingerprint != data_fingerprint)
+        throw UserError(all.back().second + ": trained on other data than " + a.data);
+      first_step = info.step + 1;
+      std::printf("resumed from %s (step %lld of %lld)\n", all.back().second.c_str(),
+                  static_cast<long long>(info.step), static_cast<long long>(steps));
+      // metrics.jsonl keeps what the checkpoint had reached.
+      std::ifstream old(a.out + "/metrics.jsonl");
+      std::string kept;
+      for (std::string line; std::getline(old, line);)
+        if (json::parse(line).value("step", int64_t{0}) <= info.step) kept += line + "\n";
+      write_file_atomic(a.out + "/metrics.jsonl", kept);
+    } else {
+      write_file_atomic(a.out + "/config.json", config_text);
+      write_file_atomic(a.out + "/metrics.jsonl", "");
+    }
+    std::ofstream metrics(a.out + "/metrics.jsonl", std::ios::app);
+    const auto save = [&](int64_t step) {
+      std::error_code ec;
+      fs::create_directories(checkpoint_dir(a.out), ec);
+      if (ec) throw UserError(checkpoint_dir(a.out) + ": cannot create (" + ec.message() + ")");
+      CheckpointInfo info;
+      info.step = step;
+      info.adamw_step = trainer.optimizer().step_count();
+      info.data_fingerprint = data_fingerprint;
+      info.config_json = config_text;
+      save_checkpoint(checkpoint_path(a.out, step), model.parameters(), trainer.optimizer(), info);
+      std::printf("step %lld | saved %s\n", static_cast<long long>(step),
+                  checkpoint_path(a.out, step).c_str());
+    };
 
     const int32_t pad = tokenizer.eos_id();
     const auto validate = [&](int64_t step) {
@@ -354,13 +415,13 @@ int run_finetune(const FinetuneArgs& a) {
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       metrics << json{{"step", step}, {"val_loss", loss}}.dump() << "\n" << std::flush;
     };
-    validate(0);
+    if (first_step == 1) validate(0);
 
     RowOrder order(rows.size(), a.seed);
     const auto run_start = std::chrono::steady_clock::now();
     int64_t profiled_steps = 0;
     double profiled_seconds = 0.0;
-    for (int64_t step = 1; step <= steps; ++step) {
+    for (int64_t step = first_step; step <= steps; ++step) {
       profiler::set_enabled(a.profile && (step > 1 || steps == 1));
       std::vector<const PackedRow*> step_rows;
       for (int64_t i = 0; i < per_step; ++i)
@@ -395,6 +456,7 @@ int run_finetune(const FinetuneArgs& a) {
               << "\n"
               << std::flush;
       if (a.eval_every > 0 && step % a.eval_every == 0 && step < steps) validate(step);
+      if ((a.save_every > 0 && step % a.save_every == 0) || step == steps) save(step);
     }
     validate(steps);
     if (a.profile)

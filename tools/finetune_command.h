@@ -31,6 +31,8 @@ struct FinetuneArgs {
   std::string dtype = "auto";       // bf16 where the CPU has bf16 products, else fp32
   std::string checkpoint = "none";  // or "layer"
   int64_t eval_every = 0;           // 0: before and after training only
+  int64_t save_every = 0;           // a checkpoint every N steps (0: at the end only)
+  bool resume = false;              // continue the fine-tune in --out from its newest checkpoint
   std::string chat_template;        // a family name; empty: the model's, recognised
   bool train_on_prompt = false;
   uint64_t seed = 1;

@@ -1114,6 +1114,48 @@ TEST(FineTune, Stories260KLearnsHeldOutCompletions) {
   EXPECT_NE(r.out.find("What did Ben have? Ben had a cake"), std::string::npos) << r.out;
 }
 
+// A fine-tune stopped after its step-3 checkpoint and resumed ends with the same adapter, byte
+// for byte, and the same losses as the run that never stopped; a resume with other flags or
+// other data is refused.
+TEST(FineTune, ResumeIsBitwiseTheRunThatNeverStopped) {
+  REQUIRE_SHARED("stories260K.gguf");
+  const TempFolder folder{temp_dir("ft_resume")};
+  const fs::path& dir = folder.path;
+  const fs::path data = write_finetune_data(dir);
+  const std::string flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
+                            " --data " + data.string() +
+                            " --val-fraction 0.25 --ctx 128 --batch 2 --accum 2 --steps 6 "
+                            "--save-every 3 --lr 3e-3 --out ";
+  ASSERT_EQ(cputrain(flags + (dir / "a").string()), 0);
+  fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
+  fs::remove(dir / "b" / "checkpoints" / "step-00000006.ckpt");
+  fs::remove(dir / "b" / "adapter.gguf");
+  fs::remove_all(dir / "b" / "peft");
+  ASSERT_EQ(cputrain(flags + (dir / "b").string() + " --resume"), 0);
+  EXPECT_EQ(read_all(dir / "a" / "adapter.gguf"), read_all(dir / "b" / "adapter.gguf"));
+  const auto losses = [&](const fs::path& run) {
+    std::vector<double> l;
+    std::ifstream in(run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      l.push_back(j.contains("loss") ? j["loss"].get<double>() : j["val_loss"].get<double>());
+    }
+    return l;
+  };
+  EXPECT_EQ(losses(dir / "a"), losses(dir / "b"));
+  expect_one_line_refusal(run_cputrain(flags + (dir / "b").string() + " --resume --seed 9", dir),
+                          "its config.json is another fine-tune's");
+  std::ofstream(dir / "other.jsonl") << "{\"prompt\": \"a\", \"completion\": \" b\"}\n"
+                                     << "{\"prompt\": \"c\", \"completion\": \" d\"}\n";
+  const std::string other_flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
+                                  " --data " + (dir / "other.jsonl").string() +
+                                  " --ctx 128 --steps 2 --out " + (dir / "c").string();
+  ASSERT_EQ(cputrain(other_flags), 0);
+  std::ofstream(dir / "other.jsonl", std::ios::app)
+      << "{\"prompt\": \"e\", \"completion\": \" f\"}\n";
+  expect_one_line_refusal(run_cputrain(other_flags + " --resume", dir), "trained on other data");
+}
+
 // Bad input to finetune: one line naming the file and line, flag or value, a non-zero exit.
 TEST(FineTune, BadInputGetsOneLine) {
   REQUIRE_SHARED("stories260K.gguf");
