@@ -1,9 +1,11 @@
 #include "engine/ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
 
+#include "engine/hash.h"
 #include "engine/profiler.h"
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
@@ -346,10 +348,40 @@ Tensor scaled_operand(const Tensor& u, float s, bool bf16, MemoryCategory catego
   return out;
 }
 
+// Dropout's mask for element i: kept where a hash of (seed, i) is at or above p of its range.
+inline bool dropout_keeps(uint64_t seed, int64_t i, uint32_t threshold) {
+  return static_cast<uint32_t>(splitmix64(seed + static_cast<uint64_t>(i)) >> 32) >= threshold;
+}
+
+uint32_t dropout_threshold(float p) {
+  return static_cast<uint32_t>(std::min(4294967295.0, static_cast<double>(p) * 4294967296.0));
+}
+
+// x with dropout applied (the update's input), in x's precision.
+Tensor dropped_out(const Tensor& x, float p, uint64_t seed) {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), MemoryCategory::Workspace);
+  if (!computing()) return out;
+  const uint32_t threshold = dropout_threshold(p);
+  const float keep = 1.0f / (1.0f - p);
+  const int64_t n = x.numel();
+  if (x.dtype() == DType::BF16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      out.bf16()[i] = dropout_keeps(seed, i, threshold)
+                          ? kernels::fp32_to_bf16(kernels::bf16_to_fp32(x.bf16()[i]) * keep)
+                          : uint16_t{0};
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      out.f32()[i] = dropout_keeps(seed, i, threshold) ? x.f32()[i] * keep : 0.0f;
+  }
+  return out;
+}
+
 }  // namespace
 
 Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
-                     const Variable& bm, float scale) {
+                     const Variable& bm, float scale, float dropout, uint64_t dropout_seed) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "lora_linear: x (..., K) and w (N, K)");
@@ -373,7 +405,8 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
   {
     Scope gemm(kLoraGemms.y, Pass::Forward, gemm_flops(M, r, K) + gemm_flops(M, N, r));
     const Tensor u = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
-    product(Transpose::No, Transpose::Yes, M, r, K, xv, av, 0.0f, u.f32());
+    const Tensor xd = dropout > 0.0f ? dropped_out(xv, dropout, dropout_seed) : xv;
+    product(Transpose::No, Transpose::Yes, M, r, K, xd, av, 0.0f, u.f32());
     su = scaled_operand(u, scale, bf16, MemoryCategory::Activations);
     product(Transpose::No, Transpose::Yes, M, N, r, su, bv, 1.0f, y.f32());
   }
@@ -384,7 +417,7 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
     const GradRef gb = b.defined() ? b.grad_ref() : GradRef();
     record_backward("lora_linear", [xv, wv, av, bv, su, gx = x.grad_ref(), gw = w.grad_ref(), gb,
                                     ga = a.grad_ref(), gbm = bm.grad_ref(), gy = out.grad_ref(), M,
-                                    N, K, r, scale, bf16] {
+                                    N, K, r, scale, bf16, dropout, dropout_seed] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const Tensor dyv = bf16 && dy.dtype() != DType::BF16 ? to_bf16(dy) : dy;
@@ -413,9 +446,27 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
       if (ga) {
         float beta = 0.0f;
         float* d = ga->get_for_accumulate(&beta).f32();
-        product(Transpose::Yes, Transpose::No, r, K, M, sg, xv, beta, d);
+        // With dropout, the update's input drawn again from the seed.
+        const Tensor xd = dropout > 0.0f ? dropped_out(xv, dropout, dropout_seed) : xv;
+        product(Transpose::Yes, Transpose::No, r, K, M, sg, xd, beta, d);
       }
-      if (gx) {
+      if (gx && dropout > 0.0f) {
+        // dX += ((s g) A) masked and scaled as the forward's input was.
+        const Tensor t = Tensor::empty(Shape{M, K}, DType::F32, MemoryCategory::Workspace);
+        product(Transpose::No, Transpose::No, M, K, r, sg, av, 0.0f, t.f32());
+        float beta = 0.0f;
+        float* d = gx->get_for_accumulate(&beta).f32();
+        if (computing()) {
+          const uint32_t threshold = dropout_threshold(dropout);
+          const float keep = 1.0f / (1.0f - dropout);
+          const int64_t n = M * K;
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < n; ++i) {
+            const float v = dropout_keeps(dropout_seed, i, threshold) ? t.f32()[i] * keep : 0.0f;
+            d[i] = beta != 0.0f ? d[i] + v : v;
+          }
+        }
+      } else if (gx) {
         float beta = 0.0f;
         float* d = gx->get_for_accumulate(&beta).f32();
         product(Transpose::No, Transpose::No, M, K, r, sg, av, beta, d);

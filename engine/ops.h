@@ -24,8 +24,12 @@ Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b 
 // A projection with a low-rank adapter, x W^T + b + scale (x A^T) B^T, with a (r, K) and
 // bm (N, r): linear's product, and the update accumulated into it by one more (no elementwise
 // pass over the output). In bf16 mode the products take bf16 roundings, as linear's do.
+// With dropout p > 0 (PEFT's lora_dropout) the update takes x with each element zeroed with
+// probability p and the others scaled by 1 / (1 - p): the mask a hash of (dropout_seed, element)
+// draws, so the backward draws it again rather than keeping it.
 Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
-                     const Variable& bm, float scale);
+                     const Variable& bm, float scale, float dropout = 0.0f,
+                     uint64_t dropout_seed = 0);
 // x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
 Variable rmsnorm(const Variable& x, const Variable& w, float eps);
 // x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;

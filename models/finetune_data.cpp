@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "engine/error.h"
+#include "engine/hash.h"
 #include "engine/memory.h"
 #include "engine/tokenizer.h"
 #include "engine/trainer.h"
@@ -286,6 +287,9 @@ StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
   return trainer.step_with(
       step,
       [&](int64_t micro) {
+        model.set_dropout_seed(splitmix64(
+            trainer.options().seed ^
+            splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(micro))));
         auto packing = std::make_shared<Packing>();
         if (measuring()) {
           packing->lengths.assign(static_cast<size_t>(B), {ctx});

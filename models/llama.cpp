@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "engine/hash.h"
 #include "engine/ops.h"
 #include "kernels/attention.h"
 #include "kernels/rope.h"
@@ -68,8 +69,9 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
   if (const auto problem = validate(config)) throw std::invalid_argument(problem->str());
   if (options.compute_dtype != DType::F32 && options.compute_dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
-  if (lora_.rank < 0 || (lora_.active() && !(lora_.alpha > 0.0)))
-    throw std::invalid_argument("LoRA rank must be >= 0 and its alpha > 0");
+  if (lora_.rank < 0 || (lora_.active() && !(lora_.alpha > 0.0)) || lora_.dropout < 0.0 ||
+      lora_.dropout >= 1.0)
+    throw std::invalid_argument("LoRA rank must be >= 0, its alpha > 0 and its dropout in [0, 1)");
   Layout layout = declare(config, lora_, params_);
   tok_embeddings_ = layout.tok_embeddings;
   blocks_ = std::move(layout.blocks);
@@ -169,7 +171,12 @@ Variable LlamaModel::project(const Block& b, Projection which, int weight, int b
   if (b.lora_a[j] < 0)
     return rounded ? linear_rounded(x, p(weight), bias(bias_index))
                    : linear(x, p(weight), bias(bias_index));
-  return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(b.lora_b[j]), lora_.scale());
+  // Dropout in training only, a mask of its own for each layer and projection.
+  const bool dropout = lora_.dropout > 0.0 && grad_enabled();
+  const auto layer = static_cast<uint64_t>(&b - blocks_.data());
+  const uint64_t seed = splitmix64(dropout_seed_ ^ splitmix64(layer * kProjectionCount + j + 1));
+  return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(b.lora_b[j]), lora_.scale(),
+                     dropout ? static_cast<float>(lora_.dropout) : 0.0f, seed);
 }
 
 Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,

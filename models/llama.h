@@ -55,6 +55,10 @@ class LlamaModel {
   // a = sqrt(5)), B zero, so the model computes what its base does; deterministic in seed.
   void init_adapters(uint64_t seed);
   const LoraConfig& lora() const { return lora_; }
+  // The seed of the adapters' dropout masks for the next forward pass (each layer and projection
+  // draws its own from it); a fine-tune sets it per step and micro-batch, so a resumed run draws
+  // the masks the uninterrupted one did.
+  void set_dropout_seed(uint64_t seed) { dropout_seed_ = seed; }
 
   // F32 (the default) or BF16: the precision of loss, logits and last_logits (autograd.h,
   // ComputeDTypeGuard). BF16 gives the GEMM weights bf16 copies, kept current by AdamW (frozen
@@ -129,6 +133,7 @@ class LlamaModel {
 
   LlamaConfig config_;
   LoraConfig lora_;
+  uint64_t dropout_seed_ = 0;
   ParameterSet params_;
   int tok_embeddings_ = 0;
   std::vector<Block> blocks_;

@@ -25,6 +25,7 @@ struct LoraConfig {
   int64_t rank = 0;    // 0: no adapters
   double alpha = 0.0;  // the update's scale is alpha / rank
   std::array<bool, kProjectionCount> targets{};
+  double dropout = 0.0;  // PEFT's lora_dropout on the update's input, in training only
 
   bool active() const { return rank > 0; }
   float scale() const { return static_cast<float>(alpha / static_cast<double>(rank)); }

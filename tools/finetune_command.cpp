@@ -95,6 +95,10 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--lora-targets", a.lora_targets,
                  "Projections that get adapters: q,k,v,o,gate,up,down or all")
       ->capture_default_str();
+  app.add_option("--lora-dropout", a.lora_dropout,
+                 "Dropout on the adapters' input in training (PEFT's lora_dropout)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 0.9));
   app.add_flag("--full", a.full, "Train every parameter instead of adapters");
   app.add_option("--epochs", a.epochs, "Passes over the data (without --steps)")
       ->capture_default_str()
@@ -157,8 +161,10 @@ int run_finetune(const FinetuneArgs& a) {
                     ": a cputrain run; export it (cputrain export --run DIR --out F.gguf) and "
                     "fine-tune the file");
   if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
-  if (a.full && (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down"))
-    throw UserError("--full trains every parameter: no --lora-alpha or --lora-targets");
+  if (a.full &&
+      (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down" || a.lora_dropout > 0.0))
+    throw UserError(
+        "--full trains every parameter: no --lora-alpha, --lora-targets or --lora-dropout");
   const bool bf16 = a.dtype == "bf16" || (a.dtype == "auto" && kernels::cpu_features().avx512_bf16);
   ModelOptions options;
   options.compute_dtype = bf16 ? DType::BF16 : DType::F32;
@@ -166,6 +172,7 @@ int run_finetune(const FinetuneArgs& a) {
     options.lora.rank = a.lora_rank;
     options.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
     options.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
+    options.lora.dropout = a.lora_dropout;
   }
 
   RunDirectory dir = open_run_directory(a.out, a.resume ? RunDirUse::Resume : RunDirUse::NewRun);
@@ -337,6 +344,7 @@ int run_finetune(const FinetuneArgs& a) {
                    {"lora_rank", a.full ? 0 : options.lora.rank},
                    {"lora_alpha", a.full ? 0.0 : options.lora.alpha},
                    {"lora_targets", a.full ? "" : lora_targets_text(options.lora.targets)},
+                   {"lora_dropout", a.full ? 0.0 : a.lora_dropout},
                    {"steps", steps},
                    {"batch", a.batch},
                    {"accum", a.accum},

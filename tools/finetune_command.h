@@ -19,6 +19,7 @@ struct FinetuneArgs {
   int64_t lora_rank = 16;
   double lora_alpha = 0.0;  // 0: twice the rank
   std::string lora_targets = "q,k,v,o,gate,up,down";
+  double lora_dropout = 0.0;
   bool full = false;  // every parameter trains, no adapters
   double epochs = 1.0;
   int64_t steps = 0;  // 0: from --epochs

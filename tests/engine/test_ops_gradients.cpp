@@ -223,6 +223,43 @@ TEST(OpsGradient, LoraLinear) {
     EXPECT_NEAR(fused.f32()[i], composed.f32()[i], 1e-5) << i;
 }
 
+// Dropout on the update's input: gradients by finite differences under one mask (a function of
+// the seed); with W 0, A and B identities, the output is s x masked: about p of it zero, the
+// rest x / (1 - p) s; the same seed the same mask, another seed another.
+TEST(OpsGradient, LoraLinearDropout) {
+  std::mt19937 rng(31);
+  check_gradients(
+      [](const auto& v) { return lora_linear(v[0], v[1], v[2], v[3], v[4], 0.75f, 0.3f, 7); },
+      {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng),
+       random_tensor(Shape{5}, rng), random_tensor(Shape{2, 7}, rng),
+       random_tensor(Shape{5, 2}, rng)},
+      2e-3);
+  NoGradGuard no_grad;
+  const int64_t M = 400, K = 8;
+  const Tensor x = random_tensor(Shape{M, K}, rng);
+  Tensor w = Tensor::zeros(Shape{K, K}, DType::F32, MemoryCategory::Workspace);
+  Tensor eye = Tensor::zeros(Shape{K, K}, DType::F32, MemoryCategory::Workspace);
+  for (int64_t i = 0; i < K; ++i) eye.f32()[i * K + i] = 1.0f;
+  const auto run = [&](uint64_t seed) {
+    return lora_linear(Variable(x, false), Variable(w, false), Variable(), Variable(eye, false),
+                       Variable(eye, false), 2.0f, 0.25f, seed)
+        .value();
+  };
+  const Tensor a = run(11), b = run(11), c = run(12);
+  int64_t zeros = 0, differ = 0;
+  for (int64_t i = 0; i < M * K; ++i) {
+    EXPECT_EQ(a.f32()[i], b.f32()[i]);
+    differ += a.f32()[i] != c.f32()[i];
+    if (a.f32()[i] == 0.0f) {
+      ++zeros;
+    } else {
+      EXPECT_NEAR(a.f32()[i], x.f32()[i] * 2.0f / 0.75f, 1e-5);
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(zeros) / (M * K), 0.25, 0.03);
+  EXPECT_GT(differ, M * K / 4);
+}
+
 TEST(OpsGradient, CrossEntropy) {
   std::mt19937 rng(8);
   Tensor targets = Tensor::empty(Shape{6}, DType::I32, MemoryCategory::Workspace);

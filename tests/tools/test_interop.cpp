@@ -1114,9 +1114,9 @@ TEST(FineTune, Stories260KLearnsHeldOutCompletions) {
   EXPECT_NE(r.out.find("What did Ben have? Ben had a cake"), std::string::npos) << r.out;
 }
 
-// A fine-tune stopped after its step-3 checkpoint and resumed ends with the same adapter, byte
-// for byte, and the same losses as the run that never stopped; a resume with other flags or
-// other data is refused.
+// A fine-tune (with LoRA dropout, whose masks the step draws) stopped after its step-3 checkpoint
+// and resumed ends with the same adapter, byte for byte, and the same losses as the run that
+// never stopped; a resume with other flags or other data is refused.
 TEST(FineTune, ResumeIsBitwiseTheRunThatNeverStopped) {
   REQUIRE_SHARED("stories260K.gguf");
   const TempFolder folder{temp_dir("ft_resume")};
@@ -1125,7 +1125,7 @@ TEST(FineTune, ResumeIsBitwiseTheRunThatNeverStopped) {
   const std::string flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
                             " --data " + data.string() +
                             " --val-fraction 0.25 --ctx 128 --batch 2 --accum 2 --steps 6 "
-                            "--save-every 3 --lr 3e-3 --out ";
+                            "--save-every 3 --lr 3e-3 --lora-dropout 0.1 --out ";
   ASSERT_EQ(cputrain(flags + (dir / "a").string()), 0);
   fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
   fs::remove(dir / "b" / "checkpoints" / "step-00000006.ckpt");
