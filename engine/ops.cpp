@@ -181,6 +181,17 @@ void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& 
   }
 }
 
+// Adds dy's column sums (M x N, FP32 or bf16) into a bias's gradient, or writes them where it is
+// still empty.
+void bias_gradient(const GradRef& gb, const Tensor& dy, int64_t M, int64_t N) {
+  float beta = 0.0f;
+  float* db = gb->get_for_accumulate(&beta).f32();
+  if (computing() && dy.dtype() == DType::BF16)
+    kernels::bias_backward(db, dy.bf16(), M, N, beta != 0.0f);
+  else if (computing())
+    kernels::bias_backward(db, dy.f32(), M, N, beta != 0.0f);
+}
+
 // The gradients one backward kernel writes (a null cell: scratch), and whether it adds onto
 // them. It overwrites, so nothing needs zero-filling, where every cell is still empty and no two
 // are the same (swiglu(x, x)); else the empty ones are zero-filled and it accumulates.
@@ -294,14 +305,8 @@ Variable linear_op(const Variable& x, const Variable& w, const Variable& b, bool
       if (!dy.defined()) return;
       const bool round = bf16 && dy.dtype() != DType::BF16;
       const Tensor dyv = round ? to_bf16(dy) : dy;
-      if (gb) {  // from the values the products take: dy's rounding in bf16 mode
-        float beta = 0.0f;
-        float* db = gb->get_for_accumulate(&beta).f32();
-        if (computing() && dyv.dtype() == DType::BF16)
-          kernels::bias_backward(db, dyv.bf16(), M, N, beta != 0.0f);
-        else if (computing())
-          kernels::bias_backward(db, dyv.f32(), M, N, beta != 0.0f);
-      }
+      // The bias's gradient from the values the products take: dy's rounding in bf16 mode.
+      if (gb) bias_gradient(gb, dyv, M, N);
       linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
     });
   }
@@ -421,14 +426,7 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const Tensor dyv = bf16 && dy.dtype() != DType::BF16 ? to_bf16(dy) : dy;
-      if (gb) {
-        float beta = 0.0f;
-        float* db = gb->get_for_accumulate(&beta).f32();
-        if (computing() && dyv.dtype() == DType::BF16)
-          kernels::bias_backward(db, dyv.bf16(), M, N, beta != 0.0f);
-        else if (computing())
-          kernels::bias_backward(db, dyv.f32(), M, N, beta != 0.0f);
-      }
+      if (gb) bias_gradient(gb, dyv, M, N);
       // The base's products: dX = dY W (and dW where W trains).
       linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
       Scope gemm(
@@ -723,50 +721,34 @@ Variable swiglu(const Variable& gate, const Variable& up) {
   return out;
 }
 
-Variable add(const Variable& a, const Variable& b, float b_scale) {
+Variable add(const Variable& a, const Variable& b) {
   require(a.shape() == b.shape(), "add: equal shapes");
   const int64_t n = a.value().numel();
   Scope scope("add", Pass::Forward);
   Tensor y = new_activation(a.shape());
-  if (computing()) {
-    if (b_scale == 1.0f)
-      kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
-    else
-      kernels::vector_add_scaled(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), b_scale, n);
-  }
+  if (computing()) kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
   const bool grad = needs_grad({&a, &b});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n, b_scale] {
+    record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // One side after the other (a and b may be the same): the first contribution is a copy,
       // or its rounding where that is all the side's producer reads.
       for (const GradRef* g : {&ga, &gb}) {
         if (!*g) continue;
-        const float s = g == &gb ? b_scale : 1.0f;
         const Tensor rounded = (*g)->rounded_for_overwrite();
         if (rounded.defined()) {
-          if (s == 1.0f) {
-            if (computing()) kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
-          } else {
-            const Tensor scaled = Tensor::empty(dy.shape(), DType::F32, MemoryCategory::Workspace);
-            if (computing()) {
-              kernels::vector_scale(scaled.f32(), dy.f32(), s, n);
-              kernels::fp32_to_bf16_array(rounded.bf16(), scaled.f32(), n);
-            }
-          }
+          if (computing()) kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
           continue;
         }
         float beta = 0.0f;
         float* d = (*g)->get_for_accumulate(&beta).f32();
         if (!computing()) continue;
         if (beta == 0.0f)
-          s == 1.0f ? kernels::vector_copy(d, dy.f32(), n)
-                    : kernels::vector_scale(d, dy.f32(), s, n);
+          kernels::vector_copy(d, dy.f32(), n);
         else
-          s == 1.0f ? kernels::vector_accumulate(d, dy.f32(), n)
-                    : kernels::vector_accumulate_scaled(d, dy.f32(), s, n);
+          kernels::vector_accumulate(d, dy.f32(), n);
       }
     });
   }

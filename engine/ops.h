@@ -53,8 +53,8 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.
 Variable swiglu(const Variable& gate, const Variable& up);
-// a + b_scale * b, equal shapes.
-Variable add(const Variable& a, const Variable& b, float b_scale = 1.0f);
+// a + b, equal shapes.
+Variable add(const Variable& a, const Variable& b);
 // What attention computes on for x, in FP32: x's value, or in bf16 mode its bf16 rounding
 // widened (the value the ops save and share).
 Tensor attention_input(const Variable& x);

@@ -15,16 +15,6 @@ void vector_accumulate(float* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
-void vector_add_scaled(float* out, const float* a, const float* b, float s, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + s * b[i];
-}
-
-void vector_accumulate_scaled(float* dst, const float* src, float s, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) dst[i] += s * src[i];
-}
-
 void vector_scale(float* dst, const float* src, float s, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) dst[i] = s * src[i];

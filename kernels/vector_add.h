@@ -7,12 +7,8 @@ namespace cputrain::kernels {
 
 // out = a + b (out may alias a or b).
 void vector_add(float* out, const float* a, const float* b, int64_t n);
-// out = a + s * b (out may alias a or b).
-void vector_add_scaled(float* out, const float* a, const float* b, float s, int64_t n);
 // dst += src.
 void vector_accumulate(float* dst, const float* src, int64_t n);
-// dst += s * src.
-void vector_accumulate_scaled(float* dst, const float* src, float s, int64_t n);
 // dst = s * src.
 void vector_scale(float* dst, const float* src, float s, int64_t n);
 // dst = src.
