@@ -43,10 +43,8 @@ void ParameterSet::map_bf16(int index, const void* data, std::shared_ptr<const v
   if (!data || !owner) throw std::logic_error("ParameterSet::map_bf16 without data or owner");
   ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   p.mapped = true;
-  mapped_data_.resize(infos_.size());
-  mapped_owners_.resize(infos_.size());
-  mapped_data_[static_cast<size_t>(index)] = data;
-  mapped_owners_[static_cast<size_t>(index)] = std::move(owner);
+  mapped_.resize(infos_.size());
+  mapped_[static_cast<size_t>(index)] = {data, std::move(owner)};
 }
 
 void ParameterSet::allocate(DType compute) {
@@ -101,8 +99,8 @@ void ParameterSet::enable_bf16_copies() {
   for (size_t i = 0; i < infos_.size(); ++i) {
     const ParameterInfo& p = infos_[i];
     if (p.mapped) {
-      vars_[i] = Variable(Tensor::external(mapped_data_[i], p.shape, DType::BF16,
-                                           MemoryCategory::Bf16Weights, mapped_owners_[i]),
+      vars_[i] = Variable(Tensor::external(mapped_[i].first, p.shape, DType::BF16,
+                                           MemoryCategory::Bf16Weights, mapped_[i].second),
                           false);
       continue;
     }
@@ -113,6 +111,7 @@ void ParameterSet::enable_bf16_copies() {
     else
       vars_[i].set_bf16_copy(copy);
   }
+  mapped_.clear();
   sync_bf16_copies();
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/autograd.h"
@@ -95,9 +96,9 @@ class ParameterSet {
   Tensor weights_;
   Tensor gradients_;
   Tensor bf16_weights_;
-  // Where map_bf16 put each mapped parameter's values, and their owners (null elsewhere).
-  std::vector<const void*> mapped_data_;
-  std::vector<std::shared_ptr<const void>> mapped_owners_;
+  // Until the bf16 copies are made: where map_bf16 put each mapped parameter's values, and their
+  // owner (null elsewhere). Their tensors keep the owners after.
+  std::vector<std::pair<const void*, std::shared_ptr<const void>>> mapped_;
 };
 
 }  // namespace cputrain

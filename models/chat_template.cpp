@@ -82,7 +82,8 @@ ChatTemplate chat_template_named(const std::string& name, const std::string& fla
     if (name != kNames[i]) continue;
     ChatTemplate t;
     t.family = static_cast<ChatFamily>(i);
-    if (t.family == ChatFamily::Llama2) t.bos_in_history = true;  // Llama 2's own template
+    // llama2 by name: with <<SYS>> and BOS before each later [INST] (llama.cpp's llama2-sys-bos).
+    if (t.family == ChatFamily::Llama2) t.bos_in_history = true;
     if (t.family == ChatFamily::Zephyr && !eos.empty()) t.end = eos;
     return t;
   }

@@ -273,17 +273,21 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
   return counted;
 }
 
+int64_t count_targets(std::span<const PackedRow* const> rows,
+                      const std::vector<FinetuneExample>& examples) {
+  int64_t n = 0;
+  for (const PackedRow* r : rows)
+    for (const int32_t i : r->examples)
+      for (const uint8_t t : examples[static_cast<size_t>(i)].target) n += t;
+  return n;
+}
+
 StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
                          const Tensor& inputs, const Tensor& targets) {
   const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
-  int64_t normalizer = 0;
-  for (const PackedRow* r : rows)
-    for (const int32_t i : r->examples) {
-      const FinetuneExample& e = examples[static_cast<size_t>(i)];
-      for (size_t j = 1; j < e.target.size(); ++j) normalizer += e.target[j];
-    }
+  const int64_t normalizer = count_targets(rows, examples);
   return trainer.step_with(
       step,
       [&](int64_t micro) {
@@ -311,25 +315,22 @@ double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExamp
   } else {
     rows = pack_examples(examples, ctx);
   }
-  int64_t total = 0;
-  for (const PackedRow& r : rows)
-    for (const int32_t i : r.examples)
-      for (size_t j = 1; j < examples[static_cast<size_t>(i)].target.size(); ++j)
-        total += examples[static_cast<size_t>(i)].target[j];
+  std::vector<const PackedRow*> all;
+  for (const PackedRow& r : rows) all.push_back(&r);
+  const int64_t total = count_targets(all, examples);
+  const Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+  const Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
   double sum = 0.0;
-  for (size_t first = 0; first < rows.size(); first += static_cast<size_t>(batch)) {
-    const size_t n = std::min(rows.size() - first, static_cast<size_t>(batch));
-    std::vector<const PackedRow*> part;
-    for (size_t r = first; r < first + n; ++r) part.push_back(&rows[r]);
-    Tensor in =
-        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
-    Tensor tg =
-        Tensor::empty(Shape{static_cast<int64_t>(n), ctx}, DType::I32, MemoryCategory::Workspace);
+  for (size_t first = 0; first < all.size(); first += static_cast<size_t>(batch)) {
+    const size_t n = std::min(all.size() - first, static_cast<size_t>(batch));
+    const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
+    const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
     auto packing = std::make_shared<Packing>();
     if (measuring())
       packing->lengths.assign(n, {ctx});
     else
-      fill_packed_batch(part, examples, ctx, pad, in.i32(), tg.i32(), *packing);
+      fill_packed_batch(std::span<const PackedRow* const>(all).subspan(first, n), examples, ctx,
+                        pad, in.i32(), tg.i32(), *packing);
     // Each batch's sum over the targets: its loss with the whole set's count as divisor.
     const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
     if (!measuring()) sum += loss.value().f32()[0];

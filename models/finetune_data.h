@@ -75,6 +75,10 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
                           const std::vector<FinetuneExample>& examples, int64_t ctx, int32_t pad,
                           int32_t* inputs, int32_t* targets, Packing& packing);
 
+// The targets of the examples in `rows` (every token marked a target but an example's first).
+int64_t count_targets(std::span<const PackedRow* const> rows,
+                      const std::vector<FinetuneExample>& examples);
+
 class LlamaModel;
 class Trainer;
 struct StepResult;

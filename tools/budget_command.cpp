@@ -52,6 +52,21 @@ int64_t estimated_corpus_tokens(const std::string& corpus) {
   return static_cast<int64_t>(static_cast<double>(bytes) / 3.5);
 }
 
+// `cputrain budget --json`'s byte counts: each category's peak, the step peak, the rest of the
+// total, what is available and whether it fits.
+void add_budget_bytes(nlohmann::json& j, const MemoryBudget& b, int64_t available) {
+  for (int i = 0; i < kMemoryCategoryCount; ++i)
+    j[std::string(memory_category_name(static_cast<MemoryCategory>(i))) + "_bytes"] =
+        b.peak_bytes[i];
+  j["step_peak_bytes"] = b.step_peak_bytes;
+  j["cache_headroom_bytes"] = b.cache_headroom_bytes;
+  j["corpus_bytes"] = b.corpus_bytes;
+  j["runtime_bytes"] = b.runtime_bytes;
+  j["total_bytes"] = b.total_bytes();
+  j["available_bytes"] = available;
+  j["fits"] = b.total_bytes() <= available;
+}
+
 }  // namespace
 
 std::string format_bytes(int64_t bytes) {
@@ -215,15 +230,7 @@ int fine_tune_budget(const BudgetArgs& a) {
                         {"ctx", o.ctx},
                         {"checkpoint", o.checkpoint ? "layer" : "none"},
                         {"parameters", parameter_count(model)}};
-    for (int i = 0; i < kMemoryCategoryCount; ++i)
-      j[std::string(memory_category_name(static_cast<MemoryCategory>(i))) + "_bytes"] =
-          b.peak_bytes[i];
-    j["step_peak_bytes"] = b.step_peak_bytes;
-    j["cache_headroom_bytes"] = b.cache_headroom_bytes;
-    j["runtime_bytes"] = b.runtime_bytes;
-    j["total_bytes"] = b.total_bytes();
-    j["available_bytes"] = available;
-    j["fits"] = fits;
+    add_budget_bytes(j, b, available);
     std::printf("%s\n", j.dump(2).c_str());
     return fits ? 0 : kDoesNotFit;
   }
@@ -288,16 +295,7 @@ int run_budget(const BudgetArgs& a) {
                         {"ctx", config.train.ctx},
                         {"checkpoint", config.checkpoint ? "layer" : "none"},
                         {"parameters", parameter_count(config.model)}};
-    for (int i = 0; i < kMemoryCategoryCount; ++i)
-      j[std::string(memory_category_name(static_cast<MemoryCategory>(i))) + "_bytes"] =
-          b.peak_bytes[i];
-    j["step_peak_bytes"] = b.step_peak_bytes;
-    j["cache_headroom_bytes"] = b.cache_headroom_bytes;
-    j["corpus_bytes"] = b.corpus_bytes;
-    j["runtime_bytes"] = b.runtime_bytes;
-    j["total_bytes"] = b.total_bytes();
-    j["available_bytes"] = available;
-    j["fits"] = b.total_bytes() <= available;
+    add_budget_bytes(j, b, available);
     std::printf("%s\n", j.dump(2).c_str());
     return b.total_bytes() <= available ? 0 : kDoesNotFit;
   }

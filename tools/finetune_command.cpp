@@ -30,6 +30,7 @@
 #include "models/llama.h"
 #include "models/lora.h"
 #include "models/memory_budget.h"
+#include "tools/budget_command.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
 #include "tools/run_dir.h"
@@ -40,8 +41,14 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-// The rows of a step, in an order shuffled anew each epoch (seed, epoch): Fisher-Yates on
-// 64-bit draws, the same with any standard library.
+// Fisher-Yates on 64-bit draws of `seed`: the same order with any standard library.
+template <class T>
+void seeded_shuffle(std::vector<T>& v, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t r = v.size(); r > 1; --r) std::swap(v[r - 1], v[rng() % r]);
+}
+
+// The rows of a step, in an order shuffled anew each epoch (seed, epoch).
 class RowOrder {
  public:
   RowOrder(size_t rows, uint64_t seed) : rows_(rows), seed_(seed) {}
@@ -51,8 +58,7 @@ class RowOrder {
     if (epoch != epoch_ || order_.empty()) {
       order_.resize(rows_);
       for (size_t r = 0; r < rows_; ++r) order_[r] = r;
-      std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + epoch);
-      for (size_t r = rows_ - 1; r > 0; --r) std::swap(order_[r], order_[rng() % (r + 1)]);
+      seeded_shuffle(order_, seed_ * 0x9E3779B97F4A7C15ull + epoch);
       epoch_ = epoch;
     }
     return order_[static_cast<size_t>(i % static_cast<int64_t>(rows_))];
@@ -64,12 +70,6 @@ class RowOrder {
   uint64_t epoch_ = 0;
   std::vector<size_t> order_;
 };
-
-std::string gib(int64_t bytes) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
-  return s;
-}
 
 }  // namespace
 
@@ -237,8 +237,7 @@ int run_finetune(const FinetuneArgs& a) {
     } else if (a.val_fraction > 0.0) {
       // A seeded choice of examples, taken out of the training set.
       std::vector<FinetuneExample>& all = data.examples;
-      std::mt19937_64 rng(a.seed + 17);
-      for (size_t r = all.size() - 1; r > 0; --r) std::swap(all[r], all[rng() % (r + 1)]);
+      seeded_shuffle(all, a.seed + 17);
       const auto n = static_cast<size_t>(
           std::max(1.0, std::round(a.val_fraction * static_cast<double>(all.size()))));
       if (n >= all.size())
@@ -302,18 +301,19 @@ int run_finetune(const FinetuneArgs& a) {
     std::printf(
         "memory budget: %s (weights %s, adapters' gradients and AdamW %s, activations %s, "
         "workspace %s); %s available\n",
-        gib(budget_bytes).c_str(),
-        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Weights)] +
-            budget.peak_bytes[static_cast<int>(MemoryCategory::Bf16Weights)])
+        format_bytes(budget_bytes).c_str(),
+        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Weights)] +
+                     budget.peak_bytes[static_cast<int>(MemoryCategory::Bf16Weights)])
             .c_str(),
-        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Gradients)] +
-            budget.peak_bytes[static_cast<int>(MemoryCategory::OptimizerState)])
+        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Gradients)] +
+                     budget.peak_bytes[static_cast<int>(MemoryCategory::OptimizerState)])
             .c_str(),
-        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Activations)]).c_str(),
-        gib(budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)]).c_str(),
-        gib(available).c_str());
+        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Activations)]).c_str(),
+        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)]).c_str(),
+        format_bytes(available).c_str());
     if (available > 0 && budget_bytes > available)
-      throw UserError("the fine-tune needs " + gib(budget_bytes) + " and " + gib(available) +
+      throw UserError("the fine-tune needs " + format_bytes(budget_bytes) + " and " +
+                      format_bytes(available) +
                       " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
                       (bo.checkpoint ? "" : ", give --checkpoint layer") +
                       (a.full ? "" : ", or lower --lora-rank"));
@@ -436,10 +436,7 @@ int run_finetune(const FinetuneArgs& a) {
         step_rows.push_back(&rows[order.at((step - 1) * per_step + i)]);
       const StepResult r =
           finetune_step(trainer, model, step, step_rows, data.examples, pad, inputs, targets);
-      int64_t targets_in_step = 0;
-      for (const PackedRow* row : step_rows)
-        for (const int32_t i : row->examples)
-          for (const uint8_t t : data.examples[static_cast<size_t>(i)].target) targets_in_step += t;
+      const int64_t targets_in_step = count_targets(step_rows, data.examples);
       if (profiler::enabled()) {
         ++profiled_steps;
         profiled_seconds += r.ms / 1000.0;
@@ -451,7 +448,8 @@ int run_finetune(const FinetuneArgs& a) {
           "step %lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s | "
           "RSS %s (budget %s)\n",
           static_cast<long long>(step), static_cast<long long>(steps), r.loss, r.lr, r.grad_norm,
-          r.tokens_per_s, gib(process_memory().rss_bytes).c_str(), gib(budget_bytes).c_str());
+          r.tokens_per_s, format_bytes(process_memory().rss_bytes).c_str(),
+          format_bytes(budget_bytes).c_str());
       std::fflush(stdout);
       metrics << json{{"step", step},
                       {"loss", r.loss},

@@ -78,11 +78,13 @@ std::vector<int32_t> token_sequence(int64_t n, int64_t vocab, int32_t bos, uint3
   return t;
 }
 
-// llama.cpp's logits for every position, n x vocab.
+// llama.cpp's logits for every position, n x vocab; with a LoRA adapter file applied at scale 1
+// where `adapter` is given.
 std::vector<float> oracle_logits(const fs::path& model, const std::vector<int32_t>& tokens,
-                                 const fs::path& dir) {
+                                 const fs::path& dir, const fs::path& adapter = {}) {
   const fs::path out = dir / "oracle_logits.f32";
   std::string cmd = kOracle + " logits " + model.string() + " " + out.string();
+  if (!adapter.empty()) cmd += " lora=" + adapter.string();
   for (int32_t t : tokens) {
     cmd += ' ';
     cmd += std::to_string(t);
@@ -978,23 +980,6 @@ fs::path write_finetune_data(const fs::path& dir) {
   return dir / "data.jsonl";
 }
 
-// llama.cpp's logits of `tokens` with a LoRA adapter applied at scale 1.
-std::vector<float> oracle_lora_logits(const fs::path& model, const fs::path& adapter,
-                                      const std::vector<int32_t>& tokens, const fs::path& dir) {
-  const fs::path out = dir / "oracle_lora_logits.f32";
-  std::string cmd =
-      kOracle + " logits " + model.string() + " " + out.string() + " lora=" + adapter.string();
-  for (int32_t t : tokens) {
-    cmd += ' ';
-    cmd += std::to_string(t);
-  }
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  const std::string bytes = read_all(out);
-  std::vector<float> v(bytes.size() / sizeof(float));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
-  return v;
-}
-
 // A few steps of `cputrain finetune` (LoRA on all seven projections, fp32) on stories260K (GQA,
 // adjacent RoPE pairs) and on a qwen2 model (biases, a tied head, half-split RoPE): llama.cpp
 // with the base GGUF and the adapter file computes what cputrain computes with the adapter,
@@ -1024,7 +1009,7 @@ TEST(LlamaCppLora, FineTunedAdapterGivesLlamaCppsLogits) {
     const std::vector<int32_t> tokens =
         token_sequence(48, plain.tokenizer->vocab_size(), plain.tokenizer->bos_id(), 5);
     const std::vector<float> ours = our_logits(with, tokens);
-    const std::vector<float> theirs = oracle_lora_logits(base, adapter, tokens, dir);
+    const std::vector<float> theirs = oracle_logits(base, tokens, dir, adapter);
     ASSERT_EQ(ours.size(), theirs.size());
     EXPECT_LT(max_abs_difference(ours, theirs), 1e-4) << base;
     EXPECT_GT(max_abs_difference(ours, our_logits(plain, tokens)), 1e-3) << base;
