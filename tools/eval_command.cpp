@@ -49,9 +49,7 @@ int eval_text(const EvalArgs& a) {
       load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, false, a.adapter);
   const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, m.config.ctx) : m.config.ctx;
   std::vector<int32_t> tokens;
-  const bool add_bos =
-      !m.tokenizer->vocabulary() || m.tokenizer->vocabulary()->vocabulary().add_bos;
-  if (add_bos) tokens.push_back(m.tokenizer->bos_id());
+  if (m.tokenizer->adds_bos()) tokens.push_back(m.tokenizer->bos_id());
   for (int32_t id : m.tokenizer->encode(read_text(a.text))) tokens.push_back(id);
   if (tokens.size() < 2)
     throw UserError("--text " + a.text + ": " + std::to_string(tokens.size()) +
