@@ -389,7 +389,7 @@ void write_peft_adapter(const std::string& folder, const LlamaConfig& c, const P
                        {"base_model_name_or_path", base},
                        {"r", lora.rank},
                        {"lora_alpha", lora.alpha},
-                       {"lora_dropout", 0.0},
+                       {"lora_dropout", lora.dropout},
                        {"target_modules", targets},
                        {"bias", "none"},
                        {"fan_in_fan_out", false},

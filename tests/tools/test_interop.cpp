@@ -1026,6 +1026,7 @@ TEST(LlamaCppLora, FineTunedAdapterGivesLlamaCppsLogits) {
     EXPECT_EQ(config["peft_type"], "LORA");
     EXPECT_EQ(config["r"], 16);
     EXPECT_EQ(config["lora_alpha"], 32.0);
+    EXPECT_EQ(config["lora_dropout"], 0.0);
     EXPECT_EQ(config["target_modules"].size(), 7u);
     const SafetensorsFile peft((run / "peft" / "adapter_model.safetensors").string());
     const ParameterSet& p = with.model->parameters();
@@ -1118,6 +1119,11 @@ TEST(FineTune, ResumeIsBitwiseTheRunThatNeverStopped) {
   fs::remove_all(dir / "b" / "peft");
   ASSERT_EQ(cputrain(flags + (dir / "b").string() + " --resume"), 0);
   EXPECT_EQ(read_all(dir / "a" / "adapter.gguf"), read_all(dir / "b" / "adapter.gguf"));
+  // PEFT's config records the dropout trained with.
+  EXPECT_DOUBLE_EQ(
+      nlohmann::json::parse(read_all(dir / "a" / "peft" / "adapter_config.json"))["lora_dropout"]
+          .get<double>(),
+      0.1);
   const auto losses = [&](const fs::path& run) {
     std::vector<double> l;
     std::ifstream in(run / "metrics.jsonl");
