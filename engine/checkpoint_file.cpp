@@ -48,10 +48,13 @@ CheckpointInfo read_header(FileReader& r, uint64_t* n) {
 }
 
 // The trainable parameters' weights laid out as their gradients are (ParameterInfo::
-// grad_offset): where nothing is frozen, the weights buffer itself.
+// grad_offset): where nothing is frozen or offloaded, the weights buffer itself.
 bool all_trainable(const ParameterSet& params) {
-  return params.numel() == params.trainable_numel();
+  return params.numel() == params.trainable_numel() && !params.offloaded();
 }
+
+// Elements of m or v moved through RAM at a time where they are offloaded.
+constexpr int64_t kStateChunk = int64_t{1} << 20;
 
 }  // namespace
 
@@ -72,15 +75,33 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
   if (all_trainable(params)) {
     w.bytes(params.weights().f32(), n * 4);
   } else {
-    std::vector<float> trainable(n, 0.0f);
-    for (const ParameterInfo& p : params.infos())
-      if (p.trainable)
-        std::copy_n(params.weights().f32() + p.offset, p.shape.numel(),
-                    trainable.data() + p.grad_offset);
-    w.bytes(trainable.data(), n * 4);
+    // One parameter at a time (from RAM or its state file), the padding between them zeros.
+    std::vector<float> values;
+    const std::vector<float> zeros(16, 0.0f);
+    uint64_t at = 0;
+    for (size_t i = 0; i < params.infos().size(); ++i) {
+      const ParameterInfo& p = params.infos()[i];
+      if (!p.trainable) continue;
+      w.bytes(zeros.data(), (static_cast<uint64_t>(p.grad_offset) - at) * 4);
+      values.resize(static_cast<size_t>(p.shape.numel()));
+      params.read_values(static_cast<int>(i), values.data());
+      w.bytes(values.data(), values.size() * 4);
+      at = static_cast<uint64_t>(p.grad_offset) + values.size();
+    }
+    w.bytes(zeros.data(), (n - at) * 4);
   }
-  w.bytes(adamw.m().f32(), n * 4);
-  w.bytes(adamw.v().f32(), n * 4);
+  for (const bool second : {false, true}) {
+    if (adamw.m().defined()) {
+      w.bytes((second ? adamw.v() : adamw.m()).f32(), n * 4);
+      continue;
+    }
+    std::vector<float> chunk(static_cast<size_t>(std::min<uint64_t>(n, kStateChunk)));
+    for (uint64_t at = 0; at < n; at += chunk.size()) {
+      const uint64_t k = std::min<uint64_t>(chunk.size(), n - at);
+      adamw.read_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk.data());
+      w.bytes(chunk.data(), k * 4);
+    }
+  }
   w.checksum();
   out.commit();
 }
@@ -105,16 +126,33 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
   if (all_trainable(params)) {
     r.bytes(params.weights().f32(), n * 4);
   } else {
-    std::vector<float> trainable(n);
-    r.bytes(trainable.data(), n * 4);
-    for (const ParameterInfo& p : params.infos())
-      if (p.trainable)
-        std::copy_n(trainable.data() + p.grad_offset, p.shape.numel(),
-                    params.weights().f32() + p.offset);
+    // One parameter at a time (into RAM or its state file), the padding passed over.
+    std::vector<float> values, padding(16);
+    uint64_t at = 0;
+    for (size_t i = 0; i < params.infos().size(); ++i) {
+      const ParameterInfo& p = params.infos()[i];
+      if (!p.trainable) continue;
+      r.bytes(padding.data(), (static_cast<uint64_t>(p.grad_offset) - at) * 4);
+      values.resize(static_cast<size_t>(p.shape.numel()));
+      r.bytes(values.data(), values.size() * 4);
+      params.write_values(static_cast<int>(i), values.data());
+      at = static_cast<uint64_t>(p.grad_offset) + values.size();
+    }
+    r.bytes(padding.data(), (n - at) * 4);
   }
   if (adamw != nullptr) {
-    r.bytes(adamw->m().f32(), n * 4);
-    r.bytes(adamw->v().f32(), n * 4);
+    for (const bool second : {false, true}) {
+      if (adamw->m().defined()) {
+        r.bytes((second ? adamw->v() : adamw->m()).f32(), n * 4);
+        continue;
+      }
+      std::vector<float> chunk(static_cast<size_t>(std::min<uint64_t>(n, kStateChunk)));
+      for (uint64_t at = 0; at < n; at += chunk.size()) {
+        const uint64_t k = std::min<uint64_t>(chunk.size(), n - at);
+        r.bytes(chunk.data(), k * 4);
+        adamw->write_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk.data());
+      }
+    }
     adamw->set_step_count(info.adamw_step);
   }
   params.sync_bf16_copies();

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "engine/hash.h"
+#include "engine/offload.h"
 #include "kernels/bf16.h"
 
 namespace cputrain {
@@ -38,6 +39,17 @@ void ParameterSet::set_trainable(int index, bool trainable) {
   infos_.at(static_cast<size_t>(index)).trainable = trainable;
 }
 
+void ParameterSet::set_master_read(int index) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::set_master_read after allocate");
+  infos_.at(static_cast<size_t>(index)).master_read = true;
+}
+
+void ParameterSet::set_offload(std::shared_ptr<const OffloadDir> dir) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::set_offload after allocate");
+  offload_ = true;
+  offload_dir_ = std::move(dir);
+}
+
 void ParameterSet::map_bf16(int index, const void* data, std::shared_ptr<const void> owner) {
   if (weights_.defined()) throw std::logic_error("ParameterSet::map_bf16 after allocate");
   if (!data || !owner) throw std::logic_error("ParameterSet::map_bf16 without data or owner");
@@ -52,17 +64,25 @@ void ParameterSet::allocate(DType compute) {
   const bool bf16 = compute == DType::BF16;
   numel_ = 0;
   trainable_numel_ = 0;
+  offloaded_numel_ = 0;
   for (ParameterInfo& p : infos_) {
     const bool bf16_only = bf16 && !p.trainable && p.bf16_copy;
     if (p.mapped && !bf16_only)
       throw std::logic_error("ParameterSet: " + p.name +
                              " is mapped but not a frozen bf16 weight of a bf16 set");
-    p.offset = bf16_only ? -1 : numel_;
-    if (!bf16_only) numel_ += padded_f32(p.shape.numel());
+    const bool offloaded = offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
+    p.offset = bf16_only || offloaded ? -1 : numel_;
+    if (p.offset >= 0) numel_ += padded_f32(p.shape.numel());
+    p.file_offset = offloaded ? offloaded_numel_ : -1;
+    if (offloaded) offloaded_numel_ += padded_f32(p.shape.numel());
     p.grad_offset = p.trainable ? trainable_numel_ : -1;
     if (p.trainable) trainable_numel_ += padded_f32(p.shape.numel());
   }
   weights_ = Tensor::zeros(Shape{numel_}, DType::F32, MemoryCategory::Weights);
+  if (offloaded_numel_ > 0 && !weights_.measured()) {
+    if (!offload_dir_) throw std::logic_error("ParameterSet: offloaded without a folder");
+    master_file_ = offload_dir_->file("masters.f32", offloaded_numel_);
+  }
   if (trainable_numel_ > 0)
     gradients_ = Tensor::zeros(Shape{trainable_numel_}, DType::F32, MemoryCategory::Gradients);
   vars_.clear();
@@ -106,10 +126,14 @@ void ParameterSet::enable_bf16_copies() {
     }
     if (p.bf16_offset < 0) continue;
     const Tensor copy = bf16_weights_.view(p.bf16_offset, p.shape);
-    if (p.offset < 0)
+    if (p.file_offset >= 0) {  // computing takes the copy; the master is in the state file
+      vars_[i] = Variable(copy, true);
+      vars_[i].grad_ref()->bind(gradients_.view(p.grad_offset, p.shape));
+    } else if (p.offset < 0) {
       vars_[i] = Variable(copy, false);  // a frozen weight that lives as bf16 alone
-    else
+    } else {
       vars_[i].set_bf16_copy(copy);
+    }
   }
   mapped_.clear();
   sync_bf16_copies();
@@ -129,6 +153,8 @@ void ParameterSet::read_values(int index, float* values) const {
   const int64_t n = p.shape.numel();
   if (p.offset >= 0) {
     std::copy_n(weights_.f32() + p.offset, n, values);
+  } else if (p.file_offset >= 0) {
+    master_file_->read(p.file_offset, n, values);
   } else {
     kernels::bf16_to_fp32_array(values, vars_.at(static_cast<size_t>(index)).value().bf16(), n);
   }
@@ -139,13 +165,14 @@ void ParameterSet::write_values(int index, const float* values) const {
   const int64_t n = p.shape.numel();
   if (p.mapped) throw std::logic_error("ParameterSet: " + p.name + " is mapped, read-only");
   if (p.offset >= 0) std::copy_n(values, n, weights_.f32() + p.offset);
+  if (p.file_offset >= 0) master_file_->write(p.file_offset, n, values);
   if (has_bf16_copies() && p.bf16_offset >= 0)
     kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset, values, n);
 }
 
 bool ParameterSet::bf16_only(int index) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
-  return p.offset < 0 && has_bf16_copies() && (p.bf16_offset >= 0 || p.mapped);
+  return p.offset < 0 && p.file_offset < 0 && has_bf16_copies() && (p.bf16_offset >= 0 || p.mapped);
 }
 
 void ParameterSet::write_bf16_values(int index, const void* values) const {

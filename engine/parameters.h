@@ -28,7 +28,12 @@ struct ParameterInfo {
   bool trainable = true;
   bool mapped = false;       // its bf16 values are read in place (map_bf16), not allocated
   int64_t grad_offset = -1;  // in elements into gradients() (and AdamW's m and v); -1: frozen
+  bool master_read = false;  // computing reads its FP32 master (an embedding table): in RAM
+  int64_t file_offset = -1;  // in elements into the masters' state file; -1: not offloaded
 };
+
+class OffloadDir;
+class StateFile;
 
 class ParameterSet {
  public:
@@ -41,6 +46,14 @@ class ParameterSet {
   // is shaped; any alignment), which `owner` keeps alive: a model file's tensor, mapped. Nothing
   // is allocated for it, and its values cannot be written.
   void map_bf16(int index, const void* data, std::shared_ptr<const void> owner);
+  // Before allocate: computing reads the parameter's FP32 master, so offloading keeps it in RAM.
+  void set_master_read(int index);
+  // Before allocate (--offload): in a set allocated for bf16 compute, the FP32 master of each
+  // trainable parameter that has a bf16 copy, and whose master computing does not read, lives in
+  // the state file masters.f32 in `dir` instead of RAM: computing takes the bf16 copy, AdamW
+  // streams the master with its m and v (which it keeps in `dir` too), and read_values and
+  // write_values reach it there. While measuring, `dir` may be null: no file is made.
+  void set_offload(std::shared_ptr<const OffloadDir> dir);
   // Allocates the weights (zeroed) and the gradients of the trainable parameters (zeroed). With
   // compute BF16 the bf16 copies are made at once, and frozen parameters that have one get no
   // FP32 master.
@@ -68,6 +81,16 @@ class ParameterSet {
   void write_values(int index, const float* values) const;
   // Whether the parameter is held as bf16 alone (no FP32 master), mapped or not.
   bool bf16_only(int index) const;
+  // Whether the set offloads (set_offload); whether the parameter's master is in the state file.
+  bool offloaded() const { return offload_; }
+  bool master_offloaded(int index) const {
+    return infos_.at(static_cast<size_t>(index)).file_offset >= 0;
+  }
+  // Elements of the masters' state file, padding included.
+  int64_t offloaded_numel() const { return offloaded_numel_; }
+  const std::shared_ptr<const OffloadDir>& offload_dir() const { return offload_dir_; }
+  // The masters' state file; null where nothing is offloaded or while measuring.
+  const StateFile* master_file() const { return master_file_.get(); }
   bool mapped(int index) const { return infos_.at(static_cast<size_t>(index)).mapped; }
   // Sets a parameter held as bf16 alone from bf16 values (any alignment), copied as they are.
   void write_bf16_values(int index, const void* values) const;
@@ -96,6 +119,10 @@ class ParameterSet {
   Tensor weights_;
   Tensor gradients_;
   Tensor bf16_weights_;
+  bool offload_ = false;
+  std::shared_ptr<const OffloadDir> offload_dir_;
+  std::shared_ptr<StateFile> master_file_;
+  int64_t offloaded_numel_ = 0;
   // Until the bf16 copies are made: where map_bf16 put each mapped parameter's values, and their
   // owner (null elsewhere). Their tensors keep the owners after.
   std::vector<std::pair<const void*, std::shared_ptr<const void>>> mapped_;

@@ -32,6 +32,10 @@ struct ModelOptions {
   // `mapped_owner` keeps the file mapped.
   std::function<const void*(const ParameterInfo& parameter)> mapped_bf16;
   std::shared_ptr<const void> mapped_owner;
+  // --offload: the FP32 masters of a bf16 model's trained matrices, and AdamW's m and v, in state
+  // files in `offload_dir` (ParameterSet::set_offload); while measuring the folder may be null.
+  bool offload = false;
+  std::shared_ptr<const OffloadDir> offload_dir;
 };
 
 class LlamaModel {

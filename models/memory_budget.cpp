@@ -32,6 +32,7 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   const Threads threads(o.threads);
   MeasureScope measure;
   MemoryStats stats;
+  int64_t disk_bytes = 0;
   {
     // What training builds, in the order it builds it: the model (its parameters and RoPE
     // table), the trainer (AdamW's state and the token buffers).
@@ -39,7 +40,11 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     model_options.compute_dtype = o.dtype;
     model_options.trainable = o.trainable;
     model_options.lora = o.lora;
+    model_options.offload = o.offload;
     LlamaModel model(c, model_options);
+    if (o.offload)
+      disk_bytes =
+          (model.parameters().offloaded_numel() + 2 * model.parameters().trainable_numel()) * 4;
     model.set_checkpointing(o.checkpoint);
     TrainOptions t;
     t.batch = o.batch;
@@ -82,6 +87,7 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   b.cache_headroom_bytes = std::max<int64_t>(0, stats.held_peak_bytes - stats.peak_total_bytes);
   b.corpus_bytes = o.corpus_tokens * 4;
   b.runtime_bytes = kRuntimeBytes;
+  b.disk_bytes = disk_bytes;
   return b;
 }
 

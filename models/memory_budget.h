@@ -39,6 +39,9 @@ struct BudgetOptions {
   // A fine-tune's steps (finetune_step: packed rows, the caller's batch buffers) and validation
   // (packed_validation_loss over eval_windows rows), instead of a corpus's windows.
   bool packed = false;
+  // --offload: the FP32 masters the bf16 copies stand for, and AdamW's m and v, in state files
+  // (ParameterSet::set_offload); RAM holds the optimizer's staging chunks instead.
+  bool offload = false;
 };
 
 struct MemoryBudget {
@@ -55,6 +58,9 @@ struct MemoryBudget {
   // The process before any tensor: code, libraries, the tokenizer, thread stacks, allocator
   // overhead. An estimate (kRuntimeBytes), or a measurement passed in by the caller.
   int64_t runtime_bytes = 0;
+  // On disk, not in RAM: the state files of --offload (their pages pass through the page cache,
+  // which the kernel gives back under pressure and does not count as the process's).
+  int64_t disk_bytes = 0;
   int64_t total_bytes() const {
     return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes;
   }

@@ -63,6 +63,7 @@ void add_budget_bytes(nlohmann::json& j, const MemoryBudget& b, int64_t availabl
   j["corpus_bytes"] = b.corpus_bytes;
   j["runtime_bytes"] = b.runtime_bytes;
   j["total_bytes"] = b.total_bytes();
+  j["disk_bytes"] = b.disk_bytes;
   j["available_bytes"] = available;
   j["fits"] = b.total_bytes() <= available;
 }
@@ -86,6 +87,7 @@ BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens, int64_t 
   o.threads = c.threads;
   o.corpus_tokens = corpus_tokens;
   o.eval_windows = eval_windows;
+  o.offload = !c.offload.empty();
   return o;
 }
 
@@ -94,7 +96,11 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
   for (int i = 0; i < kMemoryCategoryCount; ++i) {
     const auto c = static_cast<MemoryCategory>(i);
     if (b.peak_bytes[i] == 0) continue;
-    t += fmt::format("  {:<38} {:>12}\n", category_label(c), format_bytes(b.peak_bytes[i]));
+    t += fmt::format("  {:<38} {:>12}\n",
+                     c == MemoryCategory::OptimizerState && b.disk_bytes > 0
+                         ? "AdamW staging (--offload)"
+                         : category_label(c),
+                     format_bytes(b.peak_bytes[i]));
   }
   t += fmt::format("  {:<38} {:>12}\n", "step peak (all of the above at once)",
                    format_bytes(b.step_peak_bytes));
@@ -105,6 +111,9 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
   t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
                    format_bytes(b.runtime_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "total", format_bytes(b.total_bytes()));
+  if (b.disk_bytes > 0)
+    t += fmt::format("  {:<38} {:>12}\n", "on disk (--offload: masters, m and v)",
+                     format_bytes(b.disk_bytes));
   if (available > 0) {
     t += fmt::format("  {:<38} {:>12}  -> {}\n", "available (MemAvailable or --mem-limit)",
                      format_bytes(available),
@@ -137,6 +146,11 @@ std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t eva
     levers.push_back(
         {fmt::format("--batch {} --accum {} (same tokens per step)", r.train.batch, r.train.accum),
          r});
+  }
+  if (c.offload.empty()) {
+    RunConfig r = c;
+    r.offload = "DIR";
+    levers.push_back({"--offload DIR", r});
   }
   if (c.train.ctx > 1) {
     RunConfig r = c;
@@ -178,6 +192,9 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
       ->check(CLI::IsMember({"layer", "none"}));
   app.add_option("--mem-limit", t.mem_limit_gib, "GiB to fit in (default: the available memory)")
       ->check(positive());
+  app.add_option("--offload", t.offload,
+                 "With the FP32 masters (bf16) and AdamW's m and v in files in this folder, as "
+                 "train --offload holds them (nothing is written)");
   app.add_flag("--json", a.json, "Print a JSON object of bytes per category and total_bytes");
   app.add_option("--model", a.model,
                  "A fine-tune of this GGUF file or Hugging Face folder (as cputrain finetune runs "
@@ -294,6 +311,7 @@ int run_budget(const BudgetArgs& a) {
                         {"accum", config.train.accum},
                         {"ctx", config.train.ctx},
                         {"checkpoint", config.checkpoint ? "layer" : "none"},
+                        {"offload", !config.offload.empty()},
                         {"parameters", parameter_count(config.model)}};
     add_budget_bytes(j, b, available);
     std::printf("%s\n", j.dump(2).c_str());

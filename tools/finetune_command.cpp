@@ -18,6 +18,7 @@
 #include "engine/error.h"
 #include "engine/hash.h"
 #include "engine/memory.h"
+#include "engine/offload.h"
 #include "engine/profiler.h"
 #include "engine/tokenizer.h"
 #include "engine/trainer.h"
@@ -74,7 +75,8 @@ class RowOrder {
 }  // namespace
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
-  app.add_option("--model", a.model, "The model to fine-tune: a GGUF file or a Hugging Face folder")
+  app.add_option("--model", a.model,
+                 "The model to fine-tune: a GGUF file, a Hugging Face folder or a cputrain run")
       ->required();
   app.add_option("--data", a.data,
                  "JSON Lines of examples: {text}, {prompt, completion}, Alpaca's {instruction, "
@@ -148,6 +150,9 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
       ->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(threads_limit());
+  app.add_option("--offload", a.offload,
+                 "Keep the trained FP32 masters (bf16) and AdamW's m and v in files in this "
+                 "folder, streamed through RAM in the optimizer step (for --full)");
   app.add_flag("--profile", a.profile,
                "Time every op over the steps after the first and print the table at the end");
   add_kernel_flags(app, a.kernels);
@@ -156,10 +161,6 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
 int run_finetune(const FinetuneArgs& a) {
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
-  if (fs::is_directory(a.model) && fs::exists(fs::path(a.model) / "metrics.jsonl"))
-    throw UserError("--model " + a.model +
-                    ": a cputrain run; export it (cputrain export --run DIR --out F.gguf) and "
-                    "fine-tune the file");
   if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
   if (a.full &&
       (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down" || a.lora_dropout > 0.0))
@@ -173,6 +174,10 @@ int run_finetune(const FinetuneArgs& a) {
     options.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
     options.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
     options.lora.dropout = a.lora_dropout;
+  }
+  if (!a.offload.empty()) {
+    options.offload = true;
+    options.offload_dir = std::make_shared<OffloadDir>(a.offload);
   }
 
   RunDirectory dir = open_run_directory(a.out, a.resume ? RunDirUse::Resume : RunDirUse::NewRun);
@@ -294,6 +299,7 @@ int run_finetune(const FinetuneArgs& a) {
     bo.threads = omp_get_max_threads();
     bo.lora = options.lora;
     bo.packed = true;
+    bo.offload = options.offload;
     bo.eval_windows = val.empty() ? 0 : static_cast<int64_t>(pack_examples(val, ctx).size());
     MemoryBudget budget = memory_budget(m.config, bo);
     const int64_t budget_bytes = budget.total_bytes();
@@ -311,6 +317,9 @@ int run_finetune(const FinetuneArgs& a) {
         format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Activations)]).c_str(),
         format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)]).c_str(),
         format_bytes(available).c_str());
+    if (budget.disk_bytes > 0)
+      std::printf("offloaded to %s: %s on disk (masters, AdamW's m and v)\n", a.offload.c_str(),
+                  format_bytes(budget.disk_bytes).c_str());
     if (available > 0 && budget_bytes > available)
       throw UserError("the fine-tune needs " + format_bytes(budget_bytes) + " and " +
                       format_bytes(available) +
@@ -483,10 +492,17 @@ int run_finetune(const FinetuneArgs& a) {
                       name + " LoRA");
       write_peft_adapter(a.out + "/peft", m.config, model.parameters(), options.lora,
                          fs::absolute(a.model).string());
+      // llama.cpp takes the base as a GGUF file: a run's is written by export.
+      const bool gguf_base = !fs::is_directory(a.model);
+      const std::string base = gguf_base ? a.model : "BASE.gguf";
       std::printf(
-          "wrote %s/adapter.gguf (llama.cpp: --model %s --lora %s/adapter.gguf) and "
+          "wrote %s/adapter.gguf (llama.cpp: --model %s --lora %s/adapter.gguf%s) and "
           "%s/peft (PEFT's adapter_config.json and adapter_model.safetensors)\n",
-          a.out.c_str(), a.model.c_str(), a.out.c_str(), a.out.c_str());
+          a.out.c_str(), base.c_str(), a.out.c_str(),
+          gguf_base ? ""
+                    : (", BASE.gguf from cputrain export --model " + a.model + " --out BASE.gguf")
+                          .c_str(),
+          a.out.c_str());
     }
   } catch (...) {
     dir.discard_if_unused();

@@ -39,6 +39,7 @@ struct FinetuneArgs {
   uint64_t seed = 1;
   bool profile = false;  // time each op over the steps after the first; print the table
   int threads = 0;
+  std::string offload;  // --offload DIR: the trained masters (bf16) and AdamW's m and v in files
   KernelArgs kernels;
 };
 

@@ -44,13 +44,14 @@ def first_sentence(body, max_chars):
     if not paragraphs:
         return None
     text = " ".join(paragraphs[0].split())
+    text = re.sub(r"^1\.\s+", "", text)                # the first of numbered senses
     text = re.sub(r"^<[^>]*>\s*", "", text)          # the category tag
     text = re.sub(r"\{([^}]*)\}", r"\1", text)        # cross-references
     if text.startswith(("(", "[")) or len(text) < 20:
         return None
     end = re.search(r"(?<![A-Z])\.(\s|$)", text)
     sentence = text[:end.start() + 1] if end else text
-    return sentence if len(sentence) <= max_chars else None
+    return sentence if 20 <= len(sentence) <= max_chars else None
 
 
 def main():

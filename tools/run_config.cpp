@@ -64,6 +64,7 @@ std::string run_config_to_json(const RunConfig& c) {
         {"grad_clip", shortest(c.train.adamw.grad_clip)},
         {"save_every", c.save_every},
         {"keep", c.keep},
+        {"offload", c.offload},
         {"threads", c.threads},
         {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"},
         {"checkpoint", c.checkpoint ? "layer" : "none"}}},
@@ -112,6 +113,7 @@ RunConfig read_run_config(const std::string& path) {
     c.train.lr.total_steps = t.value("lr_schedule_steps", c.steps);
     c.save_every = t.value("save_every", std::max<int64_t>(1, c.steps / 10));
     c.keep = t.value("keep", int64_t{3});
+    c.offload = t.value("offload", std::string());
     c.train.adamw.beta1 = t.at("beta1").get<float>();
     c.train.adamw.beta2 = t.at("beta2").get<float>();
     c.train.adamw.eps = t.at("eps").get<float>();
@@ -140,7 +142,7 @@ std::string run_identity(const std::string& config_json) {
   json j = json::parse(config_json);
   json& t = j["train"];
   if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
-  for (const char* key : {"steps", "threads", "save_every", "keep"}) t.erase(key);
+  for (const char* key : {"steps", "threads", "save_every", "keep", "offload"}) t.erase(key);
   return json{j["model"], t, j["corpus"], j.value("init", std::string())}.dump();
 }
 

@@ -21,6 +21,9 @@ struct RunConfig {
   int threads = 0;
   DType dtype = DType::F32;  // F32 or BF16 (--dtype)
   bool checkpoint = false;   // per-layer gradient checkpointing (--checkpoint layer)
+  // --offload: the folder of the state files (masters, AdamW's m and v); empty: all in RAM. Where
+  // the state is held, not what the run computes: a resumed run may change it.
+  std::string offload;
 };
 
 std::string run_config_to_json(const RunConfig& config);

@@ -1,9 +1,5 @@
 #include "tools/run_dir.h"
 
-#include <fcntl.h>
-#include <sys/file.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <string_view>
@@ -12,13 +8,13 @@
 #include "engine/error.h"
 #include "engine/parameters.h"
 #include "engine/weights_file.h"
+#include "models/lora.h"
 
 namespace fs = std::filesystem;
 
 namespace cputrain {
 namespace {
 
-constexpr const char* kLockFile = ".lock";
 constexpr const char* kReplaced = ".replaced";
 constexpr std::string_view kDataCache[] = {"tokenizer.model", "tokenizer.gguf", "tokens.bin"};
 constexpr std::string_view kRunFiles[] = {"config.json", "metrics.jsonl", "model.bin",
@@ -43,7 +39,7 @@ DirSurvey survey_dir(const std::string& dir) {
   std::string parity, other;
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name == kLockFile || name == kReplaced || among(name, kDataCache) ||
+    if (name == kDirLockFile || name == kReplaced || among(name, kDataCache) ||
         among(name, kRunLeftovers))
       continue;
     if (among(name, kRunFiles)) return {DirKind::Run, e.path().string()};
@@ -56,30 +52,6 @@ DirSurvey survey_dir(const std::string& dir) {
   if (!other.empty()) return {DirKind::Other, other};
   if (!parity.empty()) return {DirKind::Parity, parity};
   return s;
-}
-
-RunDirLock::RunDirLock(const std::string& dir, const std::string& flag) {
-  const std::string path = dir + "/" + kLockFile;
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) throw UserError(flag + " " + dir + ": cannot create " + path);
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    std::ifstream in(path);
-    std::string pid;
-    std::getline(in, pid);
-    ::close(fd_);
-    fd_ = -1;
-    throw UserError(flag + " " + dir + ": in use by another cputrain process" +
-                    (pid.empty() ? std::string() : " (pid " + pid + ")") +
-                    "; wait for it to end, or stop it");
-  }
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) < 0) {
-    // The lock holds without the pid; only the message of a second process is poorer.
-  }
-}
-
-RunDirLock::~RunDirLock() {
-  if (fd_ >= 0) ::close(fd_);  // releases the flock
 }
 
 std::vector<std::string> remove_stale_temporaries(const std::string& dir) {
@@ -132,10 +104,38 @@ std::string load_run_weights(const std::string& run, const std::string& weights,
     else
       throw UserError("--run " + run + ": neither model.bin nor a checkpoint to read");
   }
-  if (path.ends_with(".ckpt"))
-    load_checkpoint(path, params, nullptr);
-  else
-    load_weights(path, params);
+  const auto load = [&path](const ParameterSet& into) {
+    if (path.ends_with(".ckpt"))
+      load_checkpoint(path, into, nullptr);
+    else
+      load_weights(path, into);
+  };
+  bool as_trained = true;  // every parameter the run's own, trainable, with an FP32 master
+  for (size_t i = 0; i < params.infos().size(); ++i)
+    as_trained = as_trained && params.infos()[i].trainable &&
+                 !is_lora_parameter(params.infos()[i].name) && params.infos()[i].offset >= 0;
+  if (as_trained) {
+    load(params);
+    return path;
+  }
+  // A fine-tune's set (adapters, a frozen base, maybe bf16 alone): the run's parameters read into
+  // a set shaped as the run trained them, then copied over by name; adapters are not the run's.
+  ParameterSet base;
+  std::vector<int> into;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& p = params.infos()[i];
+    if (is_lora_parameter(p.name)) continue;
+    base.add(p.name, p.shape, p.decay);
+    into.push_back(static_cast<int>(i));
+  }
+  base.allocate();
+  load(base);
+  std::vector<float> values;
+  for (size_t j = 0; j < into.size(); ++j) {
+    values.resize(static_cast<size_t>(base.infos()[j].shape.numel()));
+    base.read_values(static_cast<int>(j), values.data());
+    params.write_values(into[j], values.data());
+  }
   return path;
 }
 
@@ -197,7 +197,7 @@ void RunDirectory::discard_if_unused() const {
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(path, ec)) {
     const std::string name = e.path().filename().string();
-    if (name != kLockFile && name != "train.log") return;
+    if (name != kDirLockFile && name != "train.log") return;
   }
   fs::remove_all(path, ec);
 }

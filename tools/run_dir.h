@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/dir_lock.h"
+
 namespace cputrain {
 
 class ParameterSet;
@@ -26,19 +28,8 @@ struct DirSurvey {
 // What `dir` holds. The lock file and a run set aside by replace_run do not count.
 DirSurvey survey_dir(const std::string& dir);
 
-// An exclusive lock on a run directory (flock on <dir>/.lock, which holds the owner's pid) for the
-// object's lifetime. A second process gets a UserError naming `flag`, the directory and the
-// process that holds it.
-class RunDirLock {
- public:
-  RunDirLock(const std::string& dir, const std::string& flag);
-  ~RunDirLock();
-  RunDirLock(const RunDirLock&) = delete;
-  RunDirLock& operator=(const RunDirLock&) = delete;
-
- private:
-  int fd_ = -1;
-};
+// The lock a run directory is held with.
+using RunDirLock = DirLock;
 
 // Deletes the temporary files (*.tmp, written and renamed into place by every save) in `dir` and
 // its checkpoints/; with the directory's lock held, any there were left by a process that died

@@ -26,6 +26,7 @@
 #include "engine/data_pipeline.h"
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "engine/offload.h"
 #include "engine/profiler.h"
 #include "engine/threads.h"
 #include "engine/tokenizer.h"
@@ -92,6 +93,16 @@ std::string flag_message(const ConfigProblem& problem) {
   return p.str();
 }
 
+namespace {
+
+// --offload DIR as config.json records it: absolute; "none" (or nothing) holds the state in RAM.
+std::string offload_folder(const std::string& flag) {
+  if (flag.empty() || flag == "none") return "";
+  return fs::absolute(flag).lexically_normal().string();
+}
+
+}  // namespace
+
 RunConfig resolve_run_config(const TrainArgs& a) {
   const auto preset = find_preset(a.preset);
   if (!preset) {
@@ -144,6 +155,7 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   if (a.eval_windows <= 0) throw UserError("--eval-windows must be positive");
   c.save_every = a.save_every >= 0 ? a.save_every : std::max<int64_t>(1, c.steps / 10);
   c.keep = a.keep;
+  c.offload = offload_folder(a.offload);
   c.threads = a.threads > 0 ? a.threads : omp_get_num_procs();
   return c;
 }
@@ -310,6 +322,10 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
                  "GiB the run may use (default: the available memory at start); training refuses "
                  "to start when its budget exceeds it")
       ->check(positive());
+  app.add_option("--offload", a.offload,
+                 "Keep the FP32 master weights (bf16) and AdamW's m and v in files in this folder, "
+                 "streamed through RAM in the optimizer step: bitwise the same run in less RAM "
+                 "(with --resume: another folder, or none to hold them in RAM again)");
   app.parse_complete_callback([&app, &a] {
     a.given.clear();
     for (const CLI::Option* option : app.get_options())
@@ -377,6 +393,7 @@ RunConfig resume_config(const TrainArgs& a) {
   if (given(a, "--steps")) config.steps = a.steps;
   if (given(a, "--save-every")) config.save_every = a.save_every;
   if (given(a, "--keep")) config.keep = a.keep;
+  if (given(a, "--offload")) config.offload = offload_folder(a.offload);
   return config;
 }
 
@@ -531,7 +548,18 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   process_memory_reset_peak();  // from here on the peak RSS is training's
   log->info("resident before the model: {} (the budget's runtime estimate: {})",
             format_bytes(process_memory().rss_bytes), format_bytes(budget.runtime_bytes));
-  LlamaModel model(config.model);
+  // --offload: the state files' folder, held for the run.
+  ModelOptions model_options;
+  model_options.compute_dtype = config.dtype;
+  if (!config.offload.empty()) {
+    model_options.offload = true;
+    model_options.offload_dir = std::make_shared<OffloadDir>(config.offload);
+  }
+  LlamaModel model(config.model, model_options);
+  if (model_options.offload)
+    log->info("offloaded to {}: {} of FP32 masters, {} of AdamW's m and v", config.offload,
+              format_bytes(model.parameters().offloaded_numel() * 4),
+              format_bytes(model.parameters().trainable_numel() * 8));
   model.init_weights(config.train.seed);
   if (!resuming && !config.init.empty()) {
     load_model_weights(config.init, "--model", model.parameters());

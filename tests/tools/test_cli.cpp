@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -320,6 +321,66 @@ TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
   EXPECT_GT(s.out.size(), 8u);
 }
 
+// A run is a base to fine-tune: finetune --model RUN learns prompt/completion pairs of its corpus
+// (the held-out loss falls), and its adapter applies to the run in eval, sample and a merged
+// export, which computes what the run with the adapter computes.
+TEST_F(Cli, ARunIsABaseToFineTune) {
+  const fs::path run_dir = dir_ / "base";
+  ASSERT_EQ(run("--preset tiny --vocab 300 --batch 8 --steps 150 --dtype fp32 "
+                "--sample-tokens 1 --corpus " +
+                write_corpus(400).string() + " --out " + run_dir.string())
+                .exit_code,
+            0);
+  const fs::path data = dir_ / "pairs.jsonl";
+  {
+    std::ofstream out(data);
+    const char* subjects[] = {"The cat", "A programmer", "My neighbour", "The river"};
+    const char* answers[] = {" paints small green apples.", " forgets the last train.",
+                             " builds an honest answer.", " watches a quiet song."};
+    for (int i = 0; i < 32; ++i)
+      out << "{\"prompt\": \"" << subjects[i % 4] << "\", \"completion\": \"" << answers[i % 4]
+          << "\"}\n";
+  }
+  const fs::path ft = dir_ / "ft";
+  const Result r =
+      run("finetune --model " + run_dir.string() + " --data " + data.string() +
+          " --val-fraction 0.25 --ctx 64 --batch 4 --accum 1 --steps 60 --lr 1e-2 --dtype "
+          "fp32 --out " +
+          ft.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("cputrain export --model " + run_dir.string()), std::string::npos) << r.out;
+  std::vector<double> val;
+  std::ifstream metrics(ft / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) val.push_back(j["val_loss"].get<double>());
+  }
+  ASSERT_GE(val.size(), 2u);
+  EXPECT_LT(val.back(), 0.75 * val.front());
+  const std::string adapter = " --adapter " + (ft / "adapter.gguf").string();
+  const auto sample = [&](const std::string& with) {
+    const Result s = run("sample --run " + run_dir.string() + with +
+                         " --prompt 'The cat' --temperature 0 --max-tokens 24");
+    EXPECT_EQ(s.exit_code, 0) << s.err;
+    return s.out;
+  };
+  EXPECT_NE(sample(adapter).find("The cat paints small green apples."), std::string::npos);
+  EXPECT_EQ(sample("").find("The cat paints small green apples."), std::string::npos);
+  const fs::path merged = dir_ / "merged.gguf";
+  ASSERT_EQ(run("export --run " + run_dir.string() + adapter + " --merge --out " + merged.string())
+                .exit_code,
+            0);
+  std::ofstream(dir_ / "text.txt") << "The cat paints small green apples.";
+  const auto loss = [&](const std::string& source) {
+    const Result e = run("eval " + source + " --text " + (dir_ / "text.txt").string() + " --json");
+    EXPECT_EQ(e.exit_code, 0) << e.err;
+    return nlohmann::json::parse(e.out)["loss"].get<double>();
+  };
+  const double with_adapter = loss("--run " + run_dir.string() + adapter);
+  EXPECT_NEAR(loss("--model " + merged.string()), with_adapter, 1e-4);
+  EXPECT_LT(with_adapter, loss("--run " + run_dir.string()));
+}
+
 TEST_F(Cli, Bf16RunTrainsAndRecordsItsDtype) {
   const fs::path run_dir = dir_ / "run";
   const Result r =
@@ -574,6 +635,64 @@ TEST_F(Cli, ResumeIsBitwiseTheRunThatNeverStopped) {
   fs::create_directories(dir_ / "empty_run");
   std::ofstream(dir_ / "empty_run" / "config.json") << "{}";
   expect_one_line_error(run("--resume " + (dir_ / "empty_run").string()), "config.json");
+}
+
+// --offload: the masters and AdamW's state in files, bitwise the run in RAM (losses, final
+// weights); a run stopped after step 5 resumes offloaded, or in RAM with --offload none, into the
+// same run; the state files are gone once a run ends; the budget puts them on disk.
+// A weights file's tensors: what lies between its magic, version and configuration and its
+// checksum.
+std::string tensors_of(const fs::path& weights) {
+  const std::string all = read_all(weights);
+  uint64_t json = 0;
+  std::memcpy(&json, all.data() + 12, sizeof(json));
+  return all.substr(20 + json, all.size() - 20 - json - 8);
+}
+
+TEST_F(Cli, OffloadedRunIsBitwiseTheRunInRamAndResumesEitherWay) {
+  const std::string corpus = write_corpus(200).string();
+  const std::string flags =
+      "--preset tiny --vocab 300 --batch 4 --accum 2 --steps 10 "
+      "--save-every 5 --keep 5 --sample-tokens 1 --dtype bf16 --corpus " +
+      corpus;
+  const fs::path straight = dir_ / "in_ram", offloaded = dir_ / "offloaded";
+  const fs::path state = dir_ / "state";
+  ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
+  const Result r = run(flags + " --offload " + state.string() + " --out " + offloaded.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("offloaded to " + state.string()), std::string::npos) << r.out;
+  EXPECT_EQ(losses_of(offloaded), losses_of(straight));
+  EXPECT_EQ(tensors_of(offloaded / "model.bin"), tensors_of(straight / "model.bin"));
+  for (const char* f : {"masters.f32", "adamw_m.f32", "adamw_v.f32"})
+    EXPECT_FALSE(fs::exists(state / f)) << f;
+  for (const std::string& offload : {std::string(), std::string(" --offload none")}) {
+    const fs::path resumed = dir_ / ("resumed" + std::to_string(offload.size()));
+    fs::create_directories(resumed / "checkpoints");
+    for (const char* f : {"config.json", "tokenizer.model", "tokens.bin"})
+      fs::copy_file(offloaded / f, resumed / f);
+    fs::copy_file(offloaded / "checkpoints" / "step-00000005.ckpt",
+                  resumed / "checkpoints" / "step-00000005.ckpt");
+    {
+      std::ifstream in(offloaded / "metrics.jsonl");
+      std::ofstream out(resumed / "metrics.jsonl");
+      std::string line;
+      for (int i = 0; i < 5 && std::getline(in, line); ++i) out << line << "\n";
+    }
+    const Result b = run("--resume " + resumed.string() + " --sample-tokens 1" + offload);
+    ASSERT_EQ(b.exit_code, 0) << b.err << b.out;
+    EXPECT_EQ(b.out.find("offloaded to") == std::string::npos, !offload.empty()) << b.out;
+    EXPECT_EQ(losses_of(resumed), losses_of(straight)) << offload;
+    EXPECT_EQ(tensors_of(resumed / "model.bin"), tensors_of(straight / "model.bin")) << offload;
+  }
+  const Result budget = run("budget --preset tiny --vocab 300 --dtype bf16 --json --offload " +
+                            state.string() + " --corpus " + corpus);
+  ASSERT_EQ(budget.exit_code, 0) << budget.err;
+  const nlohmann::json j = nlohmann::json::parse(budget.out);
+  EXPECT_GT(j["disk_bytes"].get<int64_t>(), 0);
+  const Result in_ram =
+      run("budget --preset tiny --vocab 300 --dtype bf16 --json --corpus " + corpus);
+  EXPECT_LT(j["total_bytes"].get<int64_t>(),
+            nlohmann::json::parse(in_ram.out)["total_bytes"].get<int64_t>());
 }
 
 // SIGINT during training: the step finishes, a checkpoint is saved, the exit status is 130;
