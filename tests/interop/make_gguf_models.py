@@ -5,6 +5,8 @@ Usage: make_gguf_models.py GGUF_PY_DIR OUT_DIR
 Writes into OUT_DIR:
 - llama_gqa.gguf: architecture llama, grouped-query attention (8 query heads, 2 key/value
   heads), an untied output layer, RoPE theta 500000, F32 and F16 tensors;
+- llama_gqa_f32.gguf: the same values, its F16 matrices widened to F32 (llama.cpp rounds the
+  activations of an F16 product to F16 on most CPUs: the tight comparison is on this file);
 - qwen2_tied.gguf: architecture qwen2, q/k/v biases, the output tied to the embedding, RoPE
   theta 1e6, F32 tensors;
 - qwen2_tied_bf16.gguf: the same with BF16 matrices;
@@ -49,7 +51,7 @@ def vocabulary():
 HF_TENSORS = {}  # llama_gqa's tensors, for the Hugging Face folder
 
 
-def write(name, arch, theta, tied, biases, dtype):
+def write(name, arch, theta, tied, biases, dtype, widen=False):
     rng = np.random.default_rng(1 if arch == "llama" else 2)
     w = gguf.GGUFWriter(f"{OUT}/{name}", arch)
     w.add_context_length(CTX)
@@ -75,6 +77,8 @@ def write(name, arch, theta, tied, biases, dtype):
         a = (mean + std * rng.standard_normal(shape)).astype(np.float32)
         if len(shape) == 2 and dtype == "f16":
             a = a.astype(np.float16)
+            if widen:
+                a = a.astype(np.float32)
         if name == "llama_gqa.gguf":
             HF_TENSORS[tname] = a
         if len(shape) == 2 and dtype == "bf16":
@@ -114,6 +118,8 @@ def write(name, arch, theta, tied, biases, dtype):
         head = embedding + (0.1 * rng.standard_normal((VOCAB, D))).astype(np.float32)
         if dtype == "f16":
             head = head.astype(np.float16)
+            if widen:
+                head = head.astype(np.float32)
         w.add_tensor("output.weight", head)
         if name == "llama_gqa.gguf":
             HF_TENSORS["output.weight"] = head
@@ -124,6 +130,7 @@ def write(name, arch, theta, tied, biases, dtype):
 
 
 write("llama_gqa.gguf", "llama", 500000.0, tied=False, biases=False, dtype="f16")
+write("llama_gqa_f32.gguf", "llama", 500000.0, tied=False, biases=False, dtype="f16", widen=True)
 write("qwen2_tied.gguf", "qwen2", 1e6, tied=True, biases=True, dtype="f32")
 write("qwen2_tied_bf16.gguf", "qwen2", 1e6, tied=True, biases=True, dtype="bf16")
 
