@@ -53,6 +53,21 @@ bool all_trainable(const ParameterSet& params) {
   return params.numel() == params.trainable_numel() && !params.offloaded();
 }
 
+// The trainable parameters in the checkpoint's layout (their gradients'): `each(index,
+// padding)` for every one, with the padding elements before it, then `tail(padding)` with those
+// after the last, up to n.
+template <typename Each, typename Tail>
+void in_layout(const ParameterSet& params, uint64_t n, Each each, Tail tail) {
+  uint64_t at = 0;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& p = params.infos()[i];
+    if (!p.trainable) continue;
+    each(static_cast<int>(i), static_cast<uint64_t>(p.grad_offset) - at);
+    at = static_cast<uint64_t>(p.grad_offset + p.shape.numel());
+  }
+  tail(n - at);
+}
+
 // Elements of m or v moved through RAM at a time where they are offloaded.
 constexpr int64_t kStateChunk = int64_t{1} << 20;
 
@@ -78,17 +93,15 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
     // One parameter at a time (from RAM or its state file), the padding between them zeros.
     std::vector<float> values;
     const std::vector<float> zeros(16, 0.0f);
-    uint64_t at = 0;
-    for (size_t i = 0; i < params.infos().size(); ++i) {
-      const ParameterInfo& p = params.infos()[i];
-      if (!p.trainable) continue;
-      w.bytes(zeros.data(), (static_cast<uint64_t>(p.grad_offset) - at) * 4);
-      values.resize(static_cast<size_t>(p.shape.numel()));
-      params.read_values(static_cast<int>(i), values.data());
-      w.bytes(values.data(), values.size() * 4);
-      at = static_cast<uint64_t>(p.grad_offset) + values.size();
-    }
-    w.bytes(zeros.data(), (n - at) * 4);
+    in_layout(
+        params, n,
+        [&](int i, uint64_t padding) {
+          w.bytes(zeros.data(), padding * 4);
+          values.resize(static_cast<size_t>(params.infos()[static_cast<size_t>(i)].shape.numel()));
+          params.read_values(i, values.data());
+          w.bytes(values.data(), values.size() * 4);
+        },
+        [&](uint64_t padding) { w.bytes(zeros.data(), padding * 4); });
   }
   for (const bool second : {false, true}) {
     if (adamw.m().defined()) {
@@ -127,18 +140,16 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
     r.bytes(params.weights().f32(), n * 4);
   } else {
     // One parameter at a time (into RAM or its state file), the padding passed over.
-    std::vector<float> values, padding(16);
-    uint64_t at = 0;
-    for (size_t i = 0; i < params.infos().size(); ++i) {
-      const ParameterInfo& p = params.infos()[i];
-      if (!p.trainable) continue;
-      r.bytes(padding.data(), (static_cast<uint64_t>(p.grad_offset) - at) * 4);
-      values.resize(static_cast<size_t>(p.shape.numel()));
-      r.bytes(values.data(), values.size() * 4);
-      params.write_values(static_cast<int>(i), values.data());
-      at = static_cast<uint64_t>(p.grad_offset) + values.size();
-    }
-    r.bytes(padding.data(), (n - at) * 4);
+    std::vector<float> values, skipped(16);
+    in_layout(
+        params, n,
+        [&](int i, uint64_t padding) {
+          r.bytes(skipped.data(), padding * 4);
+          values.resize(static_cast<size_t>(params.infos()[static_cast<size_t>(i)].shape.numel()));
+          r.bytes(values.data(), values.size() * 4);
+          params.write_values(i, values.data());
+        },
+        [&](uint64_t padding) { r.bytes(skipped.data(), padding * 4); });
   }
   if (adamw != nullptr) {
     for (const bool second : {false, true}) {

@@ -381,6 +381,30 @@ TEST_F(Cli, ARunIsABaseToFineTune) {
   EXPECT_LT(with_adapter, loss("--run " + run_dir.string()));
 }
 
+// A full fine-tune with --offload is bitwise the one in RAM: the same losses and model.gguf.
+TEST_F(Cli, OffloadedFullFineTuneIsBitwiseTheOneInRam) {
+  const fs::path base = dir_ / "base";
+  ASSERT_EQ(run("--preset tiny --vocab 300 --batch 8 --steps 20 --sample-tokens 1 --corpus " +
+                write_corpus(200).string() + " --out " + base.string())
+                .exit_code,
+            0);
+  const fs::path data = dir_ / "pairs.jsonl";
+  std::ofstream(data)
+      << "{\"prompt\": \"The cat\", \"completion\": \" paints small green apples.\"}\n"
+      << "{\"prompt\": \"The river\", \"completion\": \" forgets the last train.\"}\n";
+  const std::string flags = "finetune --full --dtype bf16 --model " + base.string() + " --data " +
+                            data.string() + " --ctx 64 --batch 1 --accum 2 --steps 6 --lr 1e-3";
+  const Result in_ram = run(flags + " --out " + (dir_ / "ram").string());
+  ASSERT_EQ(in_ram.exit_code, 0) << in_ram.err;
+  const Result offloaded =
+      run(flags + " --offload " + (dir_ / "state").string() + " --out " + (dir_ / "off").string());
+  ASSERT_EQ(offloaded.exit_code, 0) << offloaded.err;
+  EXPECT_NE(offloaded.out.find("on disk"), std::string::npos) << offloaded.out;
+  EXPECT_EQ(losses_of(dir_ / "off"), losses_of(dir_ / "ram"));
+  EXPECT_EQ(read_all(dir_ / "off" / "model.gguf"), read_all(dir_ / "ram" / "model.gguf"));
+  EXPECT_FALSE(fs::exists(dir_ / "state" / "adamw_m.f32"));
+}
+
 TEST_F(Cli, Bf16RunTrainsAndRecordsItsDtype) {
   const fs::path run_dir = dir_ / "run";
   const Result r =
