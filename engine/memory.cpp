@@ -245,7 +245,10 @@ void MeasureScope::reset_peaks() {
 }
 
 ProcessMemory process_memory() {
-  return {read_proc_kb("/proc/self/status", "VmRSS"), read_proc_kb("/proc/self/status", "VmHWM")};
+  const char* status = "/proc/self/status";
+  return {read_proc_kb(status, "VmRSS"), read_proc_kb(status, "VmHWM"),
+          read_proc_kb(status, "RssAnon"),
+          read_proc_kb(status, "RssFile") + read_proc_kb(status, "RssShmem")};
 }
 
 void memory_release_cached() {

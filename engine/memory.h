@@ -79,6 +79,11 @@ void measure_buffer(int slot, size_t bytes, MemoryCategory category);
 struct ProcessMemory {
   int64_t rss_bytes = 0;
   int64_t peak_rss_bytes = 0;
+  // The resident set's two parts: anonymous memory (the heap, tensors, stacks), and pages of
+  // mapped files (code, libraries, a model file read in place), which the kernel can drop and
+  // read again.
+  int64_t rss_anon_bytes = 0;
+  int64_t rss_file_bytes = 0;
 };
 ProcessMemory process_memory();
 // Returns freed heap memory to the system (malloc_trim) and restarts the peak RSS from the

@@ -61,8 +61,12 @@ struct MemoryBudget {
   // On disk, not in RAM: the state files of --offload (their pages pass through the page cache,
   // which the kernel gives back under pressure and does not count as the process's).
   int64_t disk_bytes = 0;
+  // Of the bf16 weights above, those a fine-tune reads in place from its model file (set by the
+  // caller, who knows the file): the file's pages, resident as the steps read them and dropped
+  // and read again under pressure, so apart from the total a memory limit covers.
+  int64_t mapped_bytes = 0;
   int64_t total_bytes() const {
-    return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes;
+    return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes - mapped_bytes;
   }
 };
 

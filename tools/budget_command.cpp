@@ -64,6 +64,7 @@ void add_budget_bytes(nlohmann::json& j, const MemoryBudget& b, int64_t availabl
   j["runtime_bytes"] = b.runtime_bytes;
   j["total_bytes"] = b.total_bytes();
   j["disk_bytes"] = b.disk_bytes;
+  j["mapped_bytes"] = b.mapped_bytes;
   j["available_bytes"] = available;
   j["fits"] = b.total_bytes() <= available;
 }
@@ -110,6 +111,9 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
       fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
                    format_bytes(b.runtime_bytes));
+  if (b.mapped_bytes > 0)
+    t += fmt::format("  {:<38} {:>12}\n", "less the base read in place (its file)",
+                     "-" + format_bytes(b.mapped_bytes));
   t += fmt::format("  {:<38} {:>12}\n", "total", format_bytes(b.total_bytes()));
   if (b.disk_bytes > 0)
     t += fmt::format("  {:<38} {:>12}\n", "on disk (--offload: masters, m and v)",
@@ -235,7 +239,15 @@ int fine_tune_budget(const BudgetArgs& a) {
     o.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
     o.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
   }
-  const MemoryBudget b = memory_budget(model, o);
+  // A bf16 LoRA reads the base's BF16 matrices in place: apart from what must fit.
+  const int64_t mapped =
+      o.dtype == DType::BF16 ? bytes_read_in_place(a.model, "--model", model, o.lora) : 0;
+  const auto budget = [&](const BudgetOptions& options) {
+    MemoryBudget b = memory_budget(model, options);
+    b.mapped_bytes = mapped;
+    return b;
+  };
+  const MemoryBudget b = budget(o);
   const int64_t available = memory_limit_bytes(t.mem_limit_gib);
   const bool fits = b.total_bytes() <= available;
   if (a.json) {
@@ -263,7 +275,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   // The levers not in use: each alone, with its total.
   std::string levers;
   const auto lever = [&](const std::string& what, BudgetOptions changed) {
-    const int64_t total = memory_budget(model, changed).total_bytes();
+    const int64_t total = budget(changed).total_bytes();
     levers += fmt::format("  {:<38} {:>12}{}\n", what, format_bytes(total),
                           total <= available ? "  fits" : "");
   };

@@ -150,6 +150,10 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
       ->capture_default_str();
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(threads_limit());
+  app.add_option("--mem-limit", a.mem_limit_gib,
+                 "GiB the fine-tune may use (default: the available memory); a base read in place "
+                 "from its file is apart: its pages are the page cache's")
+      ->check(positive());
   app.add_option("--offload", a.offload,
                  "Keep the trained FP32 masters (bf16) and AdamW's m and v in files in this "
                  "folder, streamed through RAM in the optimizer step (for --full)");
@@ -302,21 +306,34 @@ int run_finetune(const FinetuneArgs& a) {
     bo.offload = options.offload;
     bo.eval_windows = val.empty() ? 0 : static_cast<int64_t>(pack_examples(val, ctx).size());
     MemoryBudget budget = memory_budget(m.config, bo);
+    // A base read in place is the model file's pages: resident as the steps read them, dropped
+    // and read again under pressure, so the limit covers the rest.
+    for (size_t i = 0; i < model.parameters().infos().size(); ++i)
+      if (model.parameters().mapped(static_cast<int>(i)))
+        budget.mapped_bytes += model.parameters().infos()[i].shape.numel() * 2;
+    const int64_t mapped_bytes = budget.mapped_bytes;
     const int64_t budget_bytes = budget.total_bytes();
-    const int64_t available = available_memory_bytes() + process_memory().rss_bytes;
+    const int64_t available = a.mem_limit_gib > 0.0
+                                  ? static_cast<int64_t>(a.mem_limit_gib * 1024.0 * 1024.0 * 1024.0)
+                                  : available_memory_bytes() + process_memory().rss_bytes;
     std::printf(
         "memory budget: %s (weights %s, adapters' gradients and AdamW %s, activations %s, "
-        "workspace %s); %s available\n",
+        "workspace %s); %s available%s\n",
         format_bytes(budget_bytes).c_str(),
         format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Weights)] +
-                     budget.peak_bytes[static_cast<int>(MemoryCategory::Bf16Weights)])
+                     budget.peak_bytes[static_cast<int>(MemoryCategory::Bf16Weights)] -
+                     mapped_bytes)
             .c_str(),
         format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Gradients)] +
                      budget.peak_bytes[static_cast<int>(MemoryCategory::OptimizerState)])
             .c_str(),
         format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Activations)]).c_str(),
         format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)]).c_str(),
-        format_bytes(available).c_str());
+        format_bytes(available).c_str(),
+        mapped_bytes > 0 ? ("; besides it, " + format_bytes(mapped_bytes) +
+                            " of base weights read in place from the model file (page cache)")
+                               .c_str()
+                         : "");
     if (budget.disk_bytes > 0)
       std::printf("offloaded to %s: %s on disk (masters, AdamW's m and v)\n", a.offload.c_str(),
                   format_bytes(budget.disk_bytes).c_str());
@@ -453,12 +470,18 @@ int run_finetune(const FinetuneArgs& a) {
       profiler::set_enabled(false);
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      // With the base read in place, the budget stands for the anonymous part of the RSS; the
+      // mapped files' pages (the base, the code) are shown beside it.
+      const ProcessMemory mem = process_memory();
+      const int64_t resident = mapped_bytes > 0 ? mem.rss_anon_bytes : mem.rss_bytes;
       std::printf(
           "step %lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s | "
-          "RSS %s (budget %s)\n",
+          "RSS %s (budget %s)%s\n",
           static_cast<long long>(step), static_cast<long long>(steps), r.loss, r.lr, r.grad_norm,
-          r.tokens_per_s, format_bytes(process_memory().rss_bytes).c_str(),
-          format_bytes(budget_bytes).c_str());
+          r.tokens_per_s, format_bytes(resident).c_str(), format_bytes(budget_bytes).c_str(),
+          mapped_bytes > 0
+              ? (" + " + format_bytes(mem.rss_file_bytes) + " of mapped files (base, code)").c_str()
+              : "");
       std::fflush(stdout);
       metrics << json{{"step", step},
                       {"loss", r.loss},
@@ -466,6 +489,11 @@ int run_finetune(const FinetuneArgs& a) {
                       {"grad_norm", r.grad_norm},
                       {"targets", targets_in_step},
                       {"tokens_per_s", r.tokens_per_s},
+                      {"rss_bytes", mem.rss_bytes},
+                      {"rss_anon_bytes", mem.rss_anon_bytes},
+                      {"rss_file_bytes", mem.rss_file_bytes},
+                      {"budget_bytes", budget_bytes},
+                      {"mapped_bytes", mapped_bytes},
                       {"elapsed_s", elapsed}}
                      .dump()
               << "\n"

@@ -39,7 +39,8 @@ struct FinetuneArgs {
   uint64_t seed = 1;
   bool profile = false;  // time each op over the steps after the first; print the table
   int threads = 0;
-  std::string offload;  // --offload DIR: the trained masters (bf16) and AdamW's m and v in files
+  std::string offload;         // --offload DIR: the trained masters (bf16), AdamW's m and v
+  double mem_limit_gib = 0.0;  // GiB the fine-tune may hold besides a base read in place
   KernelArgs kernels;
 };
 

@@ -154,6 +154,27 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   return m;
 }
 
+int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
+                            const LlamaConfig& config, const LoraConfig& lora) {
+  const SourceKind kind = source_kind(path, flag);
+  if (kind == SourceKind::Run || !lora.active()) return 0;
+  std::unique_ptr<GgufFile> gguf;
+  std::unique_ptr<SafetensorsModel> safetensors;
+  if (kind == SourceKind::Gguf)
+    gguf = std::make_unique<GgufFile>(path);
+  else
+    safetensors = std::make_unique<SafetensorsModel>(path);
+  ParameterSet params;
+  LlamaModel::declare_parameters(config, params, lora);
+  int64_t bytes = 0;
+  for (const ParameterInfo& p : params.infos()) {
+    if (is_lora_parameter(p.name) || !p.bf16_copy) continue;
+    const void* data = gguf ? gguf_bf16_in_place(*gguf, p) : hf_bf16_in_place(*safetensors, p);
+    if (data) bytes += p.shape.numel() * 2;
+  }
+  return bytes;
+}
+
 LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace:

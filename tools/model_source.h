@@ -42,6 +42,12 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
 LoadedModel load_model_to_train(const std::string& path, const std::string& flag, int64_t max_ctx,
                                 const ModelOptions& options);
 
+// Bytes of the frozen weights a bf16 fine-tune of the model at `path` (adapters `lora`; every
+// parameter trains without) reads in place from its file, as load_model_to_train maps them: the
+// BF16 matrices laid out as the model holds them. 0 for a run directory.
+int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
+                            const LlamaConfig& config, const LoraConfig& lora);
+
 // The configuration alone of the model at `path` (as load_model reads it), its context at most
 // `max_ctx`.
 LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx);

@@ -1159,6 +1159,51 @@ TEST(FineTune, ResumeIsBitwiseTheRunThatNeverStopped) {
   expect_one_line_refusal(run_cputrain(other_flags + " --resume", dir), "trained on other data");
 }
 
+// A BF16 base is read in place from its file: the budget and --mem-limit cover the rest, and
+// each step records the RSS's anonymous part and its mapped files' pages apart. A limit above
+// the rest but below the rest and the base fine-tunes; one below the rest is refused.
+TEST(FineTune, ABaseReadInPlaceIsApartFromTheMemoryLimit) {
+  REQUIRE_ORACLE();  // the made models need llama.cpp's gguf-py
+  const TempFolder folder{temp_dir("ft_mapped")};
+  const fs::path& dir = folder.path;
+  const fs::path data = write_finetune_data(dir);
+  const std::string flags = "finetune --model " +
+                            (made_models() / "qwen2_tied_bf16.gguf").string() + " --data " +
+                            data.string() + " --ctx 64 --batch 2 --steps 2 --dtype bf16";
+  ASSERT_EQ(cputrain(flags + " --out " + (dir / "a").string()), 0);
+  std::ifstream in(dir / "a" / "metrics.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  const nlohmann::json step = nlohmann::json::parse(line);
+  const auto budget = step["budget_bytes"].get<int64_t>();
+  const auto mapped = step["mapped_bytes"].get<int64_t>();
+  EXPECT_GT(mapped, 0);
+  EXPECT_GT(step["rss_file_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(step["rss_anon_bytes"].get<int64_t>(), 0);
+  EXPECT_LT(step["rss_anon_bytes"].get<int64_t>(), step["rss_bytes"].get<int64_t>());
+  const auto gib = [](double bytes) { return std::to_string(bytes / (1024.0 * 1024.0 * 1024.0)); };
+  const Result fits =
+      run_cputrain(flags + " --mem-limit " +
+                       gib(static_cast<double>(budget) + 0.5 * static_cast<double>(mapped)) +
+                       " --out " + (dir / "b").string(),
+                   dir);
+  EXPECT_EQ(fits.exit_code, 0) << fits.err;
+  // cputrain budget --model knows the same: what the base gives in place, and the rest.
+  const Result b =
+      run_cputrain("budget --model " + (made_models() / "qwen2_tied_bf16.gguf").string() +
+                       " --lora-rank 16 --batch 2 --accum 4 --ctx 64 --dtype bf16 --json",
+                   dir);
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  const nlohmann::json j = nlohmann::json::parse(b.out);
+  EXPECT_EQ(j["mapped_bytes"].get<int64_t>(), mapped);
+  EXPECT_EQ(j["total_bytes"].get<int64_t>(), budget);
+  expect_one_line_refusal(
+      run_cputrain(flags + " --mem-limit " + gib(0.9 * static_cast<double>(budget)) + " --out " +
+                       (dir / "c").string(),
+                   dir),
+      "the fine-tune needs");
+}
+
 // Bad input to finetune: one line naming the file and line, flag or value, a non-zero exit.
 TEST(FineTune, BadInputGetsOneLine) {
   REQUIRE_SHARED("stories260K.gguf");
