@@ -80,7 +80,7 @@ float AdamW::step(float lr, double norm) {
     scale = coef < 1.0f ? coef : 1.0f;
   }
   if (params_.offloaded()) {
-    if (!staging_.measured()) step_offloaded(lr, scale);
+    if (io_) step_offloaded(lr, scale);  // none while measuring or where nothing trains
     return static_cast<float>(norm);
   }
   if (m_.measured()) return static_cast<float>(norm);

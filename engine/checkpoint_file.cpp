@@ -68,8 +68,16 @@ void in_layout(const ParameterSet& params, uint64_t n, Each each, Tail tail) {
   tail(n - at);
 }
 
-// Elements of m or v moved through RAM at a time where they are offloaded.
-constexpr int64_t kStateChunk = int64_t{1} << 20;
+// AdamW's m, then v, through one buffer (offloaded, they are never whole in RAM):
+// `each(second, at, count, buffer)` for each chunk of their n elements.
+template <typename Each>
+void in_state_chunks(uint64_t n, Each each) {
+  constexpr uint64_t kChunk = uint64_t{1} << 20;
+  std::vector<float> chunk(static_cast<size_t>(std::min(n, kChunk)));
+  for (const bool second : {false, true})
+    for (uint64_t at = 0; at < n; at += chunk.size())
+      each(second, at, std::min<uint64_t>(chunk.size(), n - at), chunk.data());
+}
 
 }  // namespace
 
@@ -103,18 +111,10 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
         },
         [&](uint64_t padding) { w.bytes(zeros.data(), padding * 4); });
   }
-  for (const bool second : {false, true}) {
-    if (adamw.m().defined()) {
-      w.bytes((second ? adamw.v() : adamw.m()).f32(), n * 4);
-      continue;
-    }
-    std::vector<float> chunk(static_cast<size_t>(std::min<uint64_t>(n, kStateChunk)));
-    for (uint64_t at = 0; at < n; at += chunk.size()) {
-      const uint64_t k = std::min<uint64_t>(chunk.size(), n - at);
-      adamw.read_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk.data());
-      w.bytes(chunk.data(), k * 4);
-    }
-  }
+  in_state_chunks(n, [&](bool second, uint64_t at, uint64_t k, float* chunk) {
+    adamw.read_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk);
+    w.bytes(chunk, k * 4);
+  });
   w.checksum();
   out.commit();
 }
@@ -152,18 +152,10 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
         [&](uint64_t padding) { r.bytes(skipped.data(), padding * 4); });
   }
   if (adamw != nullptr) {
-    for (const bool second : {false, true}) {
-      if (adamw->m().defined()) {
-        r.bytes((second ? adamw->v() : adamw->m()).f32(), n * 4);
-        continue;
-      }
-      std::vector<float> chunk(static_cast<size_t>(std::min<uint64_t>(n, kStateChunk)));
-      for (uint64_t at = 0; at < n; at += chunk.size()) {
-        const uint64_t k = std::min<uint64_t>(chunk.size(), n - at);
-        r.bytes(chunk.data(), k * 4);
-        adamw->write_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk.data());
-      }
-    }
+    in_state_chunks(n, [&](bool second, uint64_t at, uint64_t k, float* chunk) {
+      r.bytes(chunk, k * 4);
+      adamw->write_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk);
+    });
     adamw->set_step_count(info.adamw_step);
   }
   params.sync_bf16_copies();

@@ -20,8 +20,7 @@ std::string reason(int error) {
 
 }  // namespace
 
-StateFile::StateFile(std::string path, int64_t elements)
-    : path_(std::move(path)), elements_(elements) {
+StateFile::StateFile(std::string path, int64_t elements) : path_(std::move(path)) {
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd_ < 0) throw UserError(path_ + ": cannot create (" + reason(errno) + ")");
   const auto bytes = static_cast<off_t>(elements * 4);

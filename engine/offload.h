@@ -31,12 +31,9 @@ class StateFile {
 
   void read(int64_t offset, int64_t n, float* dst) const;
   void write(int64_t offset, int64_t n, const float* src) const;
-  const std::string& path() const { return path_; }
-  int64_t elements() const { return elements_; }
 
  private:
   std::string path_;
-  int64_t elements_ = 0;
   int fd_ = -1;
 };
 
@@ -54,7 +51,6 @@ class OffloadDir {
 
   // A state file DIR/name of `elements` FP32 elements.
   std::unique_ptr<StateFile> file(const std::string& name, int64_t elements) const;
-  const std::string& path() const { return path_; }
 
  private:
   std::string path_;

@@ -557,9 +557,8 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   }
   LlamaModel model(config.model, model_options);
   if (model_options.offload)
-    log->info("offloaded to {}: {} of FP32 masters, {} of AdamW's m and v", config.offload,
-              format_bytes(model.parameters().offloaded_numel() * 4),
-              format_bytes(model.parameters().trainable_numel() * 8));
+    log->info("offloaded to {}: {} on disk (masters, AdamW's m and v)", config.offload,
+              format_bytes(budget.disk_bytes));
   model.init_weights(config.train.seed);
   if (!resuming && !config.init.empty()) {
     load_model_weights(config.init, "--model", model.parameters());

@@ -217,6 +217,23 @@ TEST(OffloadMemory, MastersAndOptimizerStateLeaveRam) {
   fs::remove_all(dir);
 }
 
+// A set with nothing to train offloads nothing: no state file is made and a step moves nothing.
+TEST(OffloadMemory, NothingTrainedNothingStreamed) {
+  const fs::path dir = temp_dir("frozen");
+  {
+    ParameterSet params;
+    const int w = params.add("w", Shape{4, 16}, true, true);
+    params.set_trainable(w, false);
+    params.set_offload(std::make_shared<OffloadDir>(dir.string()));
+    params.allocate(DType::BF16);
+    AdamW adamw(params, AdamWConfig{});
+    EXPECT_EQ(adamw.step(0.01f), 0.0f);
+    EXPECT_FALSE(fs::exists(dir / "adamw_m.f32"));
+    EXPECT_FALSE(fs::exists(dir / "masters.f32"));
+  }
+  fs::remove_all(dir);
+}
+
 TEST(OffloadDir, ASecondRunOnTheFolderIsRefused) {
   const fs::path dir = temp_dir("lock");
   OffloadDir first(dir.string());
