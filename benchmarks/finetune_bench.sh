@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # LoRA fine-tuning of a 0.5B model next to PyTorch, in the same run: cputrain finetune on
-# build/qwen2_05b.gguf (Qwen2.5-0.5B's shape, random BF16 weights, benchmarks/make_qwen2_05b.py)
+# build/qwen2_05b.gguf (Qwen2.5-0.5B's shape, random BF16 weights, benchmarks/make_qwen2.py)
 # and benchmarks/finetune_torch.py (the same shape, a plain LoRA module, PyTorch's fastest
 # configuration), both LoRA rank 16 on the seven projections, bf16, batch 4 x 512 tokens, no
 # gradient checkpointing. Runs alternate, cputrain then PyTorch, RUNS times; each run's tokens/s
@@ -16,7 +16,7 @@ llamacpp=${CPUTRAIN_LLAMACPP_DIR:-$HOME/.cache/cputrain/llamacpp}
 model=build/qwen2_05b.gguf
 data=build/finetune_bench.jsonl
 if [[ ! -f $model ]]; then
-  /usr/bin/python3 benchmarks/make_qwen2_05b.py "$llamacpp/src/gguf-py" "$model.tmp"
+  /usr/bin/python3 benchmarks/make_qwen2.py "$llamacpp/src/gguf-py" "$model.tmp" 0.5b
   mv "$model.tmp" "$model"
 fi
 # Texts of common words, each longer than a row: every row one example, every position a target.

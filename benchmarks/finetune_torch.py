@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """LoRA fine-tuning of a Qwen2.5-0.5B-shaped model in PyTorch, next to `cputrain finetune`.
 
-The shape of benchmarks/make_qwen2_05b.py: d_model 896, 24 layers, 14 query heads and 2
+The shape of benchmarks/make_qwen2.py: d_model 896, 24 layers, 14 query heads and 2
 key/value heads of 64, ffn 4864, vocab 151936, q/k/v biases, a tied head, half-split RoPE at theta
 1e6, RMSNorm eps 1e-6. The base is random, frozen and held in bf16; LoRA adapters of rank r
 (alpha 2r) on q, k, v, o, gate, up and down are plain modules (A and B FP32 parameters, A as PEFT

@@ -36,4 +36,31 @@ MappedFile::~MappedFile() {
   if (map_) ::munmap(map_, size_);
 }
 
+namespace {
+
+// madvise over the whole pages that hold [data, data + bytes); its result.
+int advise_pages(const void* data, size_t bytes, int advice) {
+  if (data == nullptr || bytes == 0) return 0;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) & ~(page - 1);
+  const size_t length = reinterpret_cast<uintptr_t>(data) + bytes - begin;
+  return ::madvise(reinterpret_cast<void*>(begin), length, advice);
+}
+
+}  // namespace
+
+void release_mapped(const void* data, size_t bytes) {
+#ifndef MADV_COLD
+  constexpr int MADV_COLD = 20;  // Linux 5.4's, where the headers are older
+#endif
+  advise_pages(data, bytes, MADV_COLD);
+}
+
+void populate_mapped(const void* data, size_t bytes) {
+#ifndef MADV_POPULATE_READ
+  constexpr int MADV_POPULATE_READ = 22;  // Linux 5.14's, where the headers are older
+#endif
+  if (advise_pages(data, bytes, MADV_POPULATE_READ) != 0) advise_pages(data, bytes, MADV_WILLNEED);
+}
+
 }  // namespace cputrain

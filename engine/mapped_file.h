@@ -26,4 +26,17 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// Marks the pages of a file mapping that hold [data, data + bytes) as the first to give back
+// when memory runs short (MADV_COLD): they stay in memory and mapped while there is room. For
+// weights read in passes, released once a pass is done with them, so that the page cache keeps
+// what is read ahead rather than what was read last.
+void release_mapped(const void* data, size_t bytes);
+
+// Brings the pages of a read-only file mapping that hold [data, data + bytes) into memory and
+// maps them (MADV_POPULATE_READ; on kernels before 5.14, MADV_WILLNEED starts their reading),
+// so that what reads them next does not wait on the disk. Blocks until they are in: run it on a
+// thread of its own to read ahead. Failure is harmless (the pages are then read when touched)
+// and not reported.
+void populate_mapped(const void* data, size_t bytes);
+
 }  // namespace cputrain

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "engine/hash.h"
+#include "engine/mapped_file.h"
+#include "engine/offload.h"
 #include "engine/ops.h"
 #include "kernels/attention.h"
 #include "kernels/rope.h"
@@ -96,6 +98,12 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
   }
   params_.allocate(options.compute_dtype);
   compute_dtype_ = options.compute_dtype;
+  for (size_t i = 0; i < params_.infos().size(); ++i) {
+    if (params_.mapped(static_cast<int>(i)) && !p(static_cast<int>(i)).value().measured()) {
+      read_ahead_queue_ = std::make_shared<IoQueue>();
+      break;
+    }
+  }
 
   const int64_t D = config.head_size();
   rope_table_ = Tensor::empty(Shape{config.ctx, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
@@ -237,8 +245,14 @@ Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing>
     }
   }
   const bool per_row = packing != nullptr;
+  read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), inputs);
-  for (const Block& b : blocks_) {
+  const bool recording = read_ahead_queue_ && grad_enabled();
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
+    // The backward pass reaches this just after the block's own backward.
+    if (recording) record_backward("read_ahead", [this, i] { read_ahead(i, true); });
+    read_ahead(i + 1);  // the next block's weights (the head's after the last) while this runs
     if (checkpointing_) {
       // The region reruns in backward: it holds its own copies of attend and the table.
       x = checkpoint(
@@ -249,6 +263,10 @@ Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing>
     } else {
       x = block_forward(b, x, table, per_row, attend);
     }
+    read_ahead(i, true);
+    // The backward pass reaches this just before the block's own backward: the block before's
+    // weights are read meanwhile.
+    if (i > 0 && recording) record_backward("read_ahead", [this, i] { read_ahead(i - 1); });
   }
   return rmsnorm(x, p(norm_), config_.norm_eps);
 }
@@ -303,6 +321,26 @@ LlamaModel::KvCache LlamaModel::new_kv_cache() const {
   return cache;
 }
 
+void LlamaModel::read_ahead(size_t index, bool release) const {
+  if (!read_ahead_queue_ || index > blocks_.size()) return;
+  std::vector<Tensor> weights;
+  const auto add = [&](int parameter) {
+    if (parameter >= 0 && params_.mapped(parameter)) weights.push_back(p(parameter).value());
+  };
+  if (index == blocks_.size()) {
+    add(output_);
+  } else {
+    const Block& b = blocks_[index];
+    for (const int parameter : {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2}) add(parameter);
+  }
+  if (weights.empty()) return;
+  // The tensors keep the mapping alive until the job has run.
+  read_ahead_queue_->submit([weights = std::move(weights), release] {
+    for (const Tensor& w : weights)
+      release ? release_mapped(w.raw(), w.bytes()) : populate_mapped(w.raw(), w.bytes());
+  });
+}
+
 Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   const auto m = static_cast<int64_t>(tokens.size());
   const int64_t n = cache.length, H = config_.n_heads, KVH = config_.kv_heads();
@@ -316,8 +354,10 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   // RoPE angles of positions n .. n + m - 1.
   Tensor table = Tensor::empty(Shape{m, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
   std::copy_n(rope_table_.f32() + n * D, m * D, table.f32());
+  read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), input);
   for (size_t l = 0; l < blocks_.size(); ++l) {
+    read_ahead(l + 1);
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
     const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v) {
@@ -329,6 +369,7 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
       return Variable(att, false);
     };
     x = block_forward(blocks_[l], x, table, false, attend);
+    read_ahead(l, true);
   }
   cache.length = n + m;
   return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps).value(), 1, m);

@@ -17,6 +17,8 @@
 
 namespace cputrain {
 
+class IoQueue;
+
 // How a model is built, beside its shape.
 struct ModelOptions {
   // F32 or BF16 (set_compute_dtype). Known at construction, a BF16 model keeps its frozen GEMM
@@ -128,6 +130,13 @@ class LlamaModel {
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
   Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
   const Variable& p(int index) const { return params_.var(index); }
+  // Where the base is read in place from its mapped file: starts bringing the pages of block
+  // `index`'s weights (of the LM head's for index == the block count) into memory on the
+  // read-ahead thread (populate_mapped), while the caller computes with the block before
+  // (forward) or after (backward); with `release`, marks them as the first to give back once a
+  // pass is done with them (release_mapped). Nothing for an index past the head, or where no
+  // parameter is mapped.
+  void read_ahead(size_t index, bool release = false) const;
   // The parameter at index, or an undefined Variable for -1 (no bias).
   Variable bias(int index) const;
   // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
@@ -146,6 +155,8 @@ class LlamaModel {
   Tensor rope_table_;  // (ctx, D/2, 2)
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;
+  // The thread that reads mapped weights ahead (read_ahead); null where none is mapped.
+  std::shared_ptr<IoQueue> read_ahead_queue_;
 };
 
 }  // namespace cputrain
