@@ -79,7 +79,8 @@ for path in sys.argv[1:]:
 disk=$(basename "$(df --output=source build | tail -1)")
 # Bytes read and written by the build tree's disk so far.
 disk_bytes() { awk -v d="$disk" '$3 == d {print $6 * 512, $10 * 512}' /proc/diskstats; }
-# run NAME limited|free: one run; prints tokens/s, the largest anonymous and file RSS, the budget.
+# run NAME limited|free: one run; prints tokens/s, the largest RSS, anonymous RSS and file RSS
+# (peak_rss_bytes where the run records it, else the largest rss_bytes of its steps), the budget.
 run() {
   local out=$tmp/$1
   rm -rf "$out"
@@ -97,6 +98,7 @@ run() {
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if 'tokens_per_s' in l]
 print('%.1f' % statistics.median(r['tokens_per_s'] for r in rows[1:]),
+      max(r.get('peak_rss_bytes', r['rss_bytes']) for r in rows),
       max(r['rss_anon_bytes'] for r in rows), max(r['rss_file_bytes'] for r in rows),
       rows[-1]['budget_bytes'])" "$out/metrics.jsonl"
 }
@@ -105,18 +107,18 @@ gb() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", (b - a) / 1e9}'; }
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR + 1) / 2)]}'; }
 ram=() lim=() ratio=()
 for ((i = 0; i < runs; i++)); do
-  read -r rate anon file budget < <(run ram free)
+  read -r rate rss anon file budget < <(run ram free)
   ram+=("$rate")
-  echo "in RAM:     $rate tokens/s; RSS anonymous $(gib "$anon") GiB (budget $(gib "$budget")), files $(gib "$file") GiB"
+  echo "in RAM:     $rate tokens/s; RSS $(gib "$rss") GiB: anonymous $(gib "$anon") (budget $(gib "$budget")), files $(gib "$file")"
   drop_cache "${streamed[@]}"
   read -r read0 write0 < <(disk_bytes)
-  read -r rate anon file budget < <(run limited limited)
+  read -r rate rss anon file budget < <(run limited limited)
   read -r read1 write1 < <(disk_bytes)
   lim+=("$rate")
   ratio+=("$(awk -v a="$rate" -v b="${ram[-1]}" 'BEGIN {printf "%.2f", a / b}')")
   peak=$(cat "$cg/$peak_file" 2>/dev/null || echo 0)
   cache=$(awk -v k="$cache_key" '$1 == k {print $2}' "$cg/memory.stat")
-  echo "beyond RAM: $rate tokens/s (${ratio[-1]}); RSS anonymous $(gib "$anon") GiB (budget $(gib "$budget")), files $(gib "$file") GiB; cgroup peak $(gib "$peak") of $limit GiB, page cache $(gib "$cache") GiB at the end; disk read $(gb "$read0" "$read1") GB, wrote $(gb "$write0" "$write1") GB"
+  echo "beyond RAM: $rate tokens/s (${ratio[-1]}); RSS $(gib "$rss") GiB: anonymous $(gib "$anon") (budget $(gib "$budget")), files $(gib "$file"); cgroup peak $(gib "$peak") of $limit GiB, page cache $(gib "$cache") GiB at the end; disk read $(gb "$read0" "$read1") GB, wrote $(gb "$write0" "$write1") GB"
 done
 echo "$what, per-layer checkpointing, median of $runs pairs"
 echo "in RAM:     $(median "${ram[@]}") tokens/s (${ram[*]})"

@@ -4,9 +4,9 @@
 # and whether it fits in 16, 32 and 64 GiB. One sequence of CTX (default 2048) tokens a
 # micro-batch, per-layer checkpointing. The disk column is what --offload keeps in files; the
 # bandwidth column is what hides the files' traffic (24 bytes a parameter a step: masters, m and
-# v read and written) behind a step of TOKENS (default 16384) tokens at PEAK (default 1000)
-# GFLOP/s, 6 FLOPs a parameter a token: 24 P / (6 P TOKENS / PEAK) = 4 PEAK / TOKENS, whatever
-# the size.
+# v read and written) behind a step of TOKENS (default 16384) tokens, and of CTX tokens (one
+# micro-batch of one sequence), at PEAK (default 1000) GFLOP/s, 6 FLOPs a parameter a token:
+# 24 P / (6 P TOKENS / PEAK) = 4 PEAK / TOKENS, whatever the size.
 #   benchmarks/offload_table.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +30,9 @@ budget() {
 field() { python3 -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 gib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 2^30}'; }
 fits() { awk -v b="$1" 'BEGIN {printf "%s %s %s", (b <= 16 * 2^30 ? "yes" : "no"), (b <= 32 * 2^30 ? "yes" : "no"), (b <= 64 * 2^30 ? "yes" : "no")}'; }
-echo "| shape | parameters | in RAM | fits 16 / 32 / 64 GiB | --offload: in RAM | fits 16 / 32 / 64 GiB | on disk |"
-echo "|---|---|---|---|---|---|---|"
+bandwidth() { awk -v p="$peak" -v t="$1" 'BEGIN {printf "%.0f", 4 * p * 1e9 / t / 1e6}'; }
+echo "| shape | parameters | in RAM | fits 16 / 32 / 64 GiB | --offload: in RAM | fits 16 / 32 / 64 GiB | on disk | disk MB/s, $tokens / $ctx tokens a step |"
+echo "|---|---|---|---|---|---|---|---|"
 for s in "${shapes[@]}"; do
   name=${s%%|*}
   flags=${s#*|}
@@ -41,10 +42,8 @@ for s in "${shapes[@]}"; do
   ram=$(field total_bytes <<<"$plain")
   oram=$(field total_bytes <<<"$off")
   disk=$(field disk_bytes <<<"$off")
-  printf '| %s | %s | %s GiB | %s | %s GiB | %s | %s GiB |\n' "$name" \
+  printf '| %s | %s | %s GiB | %s | %s GiB | %s | %s GiB | %s / %s |\n' "$name" \
     "$(awk -v p="$params" 'BEGIN {printf "%.2fB", p / 1e9}')" "$(gib "$ram")" \
     "$(fits "$ram" | sed 's/ / \/ /g')" "$(gib "$oram")" "$(fits "$oram" | sed 's/ / \/ /g')" \
-    "$(gib "$disk")"
+    "$(gib "$disk")" "$(bandwidth "$tokens")" "$(bandwidth "$ctx")"
 done
-awk -v p="$peak" -v t="$tokens" \
-  'BEGIN {printf "\ndisk bandwidth that hides the state files behind compute: 4 x %g GFLOP/s / %d tokens = %.0f MB/s\n", p, t, 4 * p * 1e9 / t / 1e6}'

@@ -246,6 +246,8 @@ nlohmann::json step_record(int64_t step, const StepResult& r, const ProcessMemor
                       {"ms", r.ms},
                       {"rss_bytes", mem.rss_bytes},
                       {"peak_rss_bytes", mem.peak_rss_bytes},
+                      {"rss_anon_bytes", mem.rss_anon_bytes},
+                      {"rss_file_bytes", mem.rss_file_bytes},
                       {"budget_bytes", budget.total_bytes()},
                       {"skipped", r.skipped},
                       {"model_gflops_per_s", model_gflops}};

@@ -299,9 +299,13 @@ TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
   std::vector<nlohmann::json> rows;
   while (std::getline(metrics, line)) rows.push_back(nlohmann::json::parse(line));
   ASSERT_EQ(rows.size(), 30u);
-  for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "ms",
-                          "model_gflops_per_s", "activations_peak_bytes", "peak_rss_bytes"})
+  for (const char* key :
+       {"step", "loss", "lr", "grad_norm", "tokens_per_s", "ms", "model_gflops_per_s",
+        "activations_peak_bytes", "peak_rss_bytes", "rss_anon_bytes", "rss_file_bytes"})
     EXPECT_TRUE(rows[0].contains(key)) << key;
+  EXPECT_GT(rows[0]["rss_anon_bytes"].get<int64_t>(), 0);
+  EXPECT_LE(rows[0]["rss_anon_bytes"].get<int64_t>() + rows[0]["rss_file_bytes"].get<int64_t>(),
+            rows[0]["rss_bytes"].get<int64_t>());
   // MFU wherever the peak can be measured (any CPU with AVX2 or AVX-512): a fraction of it.
   const auto& cpu = cputrain::kernels::cpu_features();
   ASSERT_EQ(rows[0].contains("mfu"), cpu.avx2 || cpu.avx512);
