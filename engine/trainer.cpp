@@ -20,17 +20,19 @@ Trainer::Trainer(const ParameterSet& params, LossFn loss_fn, const TrainOptions&
 
 StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   const int64_t B = options_.batch;
+  const int64_t ranks = options_.comm ? options_.comm->size() : 1;
+  const int64_t rank = options_.comm ? options_.comm->rank() : 0;
   return step_with(
       step,
       [&](int64_t micro) {
         if (!measuring()) {
           profiler::Scope scope("sample batch", profiler::Pass::Step);
           sample_windows(tokens, options_.ctx, options_.seed, static_cast<uint64_t>(step),
-                         micro * B, B, inputs_.i32(), targets_.i32());
+                         (micro * ranks + rank) * B, B, inputs_.i32(), targets_.i32());
         }
         return loss_fn_(inputs_, targets_);
       },
-      options_.accum, B * options_.accum * options_.ctx);
+      options_.accum * ranks, B * options_.accum * options_.ctx * ranks);
 }
 
 StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t)>& micro_loss,
@@ -45,6 +47,12 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
     Variable loss = micro_loss(micro);
     if (!measuring()) loss_sum += loss.value().f32()[0];
     backward(loss, 1.0f / static_cast<float>(divisor));
+  }
+  if (options_.comm && options_.comm->size() > 1 && !measuring()) {
+    profiler::Scope scope("all-reduce gradients", profiler::Pass::Step);
+    if (params_.gradients().defined())
+      options_.comm->all_reduce_sum(params_.gradients().f32(), params_.gradients().numel());
+    options_.comm->all_reduce_sum(&loss_sum, 1);
   }
   StepResult r;
   r.lr = learning_rate(options_.lr, step);

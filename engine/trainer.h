@@ -7,6 +7,7 @@
 #include <span>
 
 #include "engine/adamw.h"
+#include "engine/communicator.h"
 #include "engine/lr_schedule.h"
 #include "engine/parameters.h"
 
@@ -19,6 +20,10 @@ struct TrainOptions {
   uint64_t seed = 1;
   LrSchedule lr;
   AdamWConfig adamw;
+  // Data parallelism: this process is one rank of `comm` (engine/communicator.h). `batch` is
+  // each rank's rows a micro-batch; the step's gradients and loss are summed over the ranks
+  // before the update, which every rank applies alike. Null: this process alone.
+  const Communicator* comm = nullptr;
 };
 
 struct StepResult {
@@ -45,12 +50,15 @@ class Trainer {
 
   // Step `step` (1-based): accum micro-batches of windows sampled from `tokens` by
   // (seed, step, row), gradients summed with each micro-batch's loss scaled by 1 / accum, one
-  // AdamW update at the scheduled rate.
+  // AdamW update at the scheduled rate. Over N ranks, micro-batch m of rank r takes the rows
+  // m B N + r B .. + B - 1: the N ranks see the sequences one process sees at batch B N, and
+  // each loss is scaled by 1 / (accum N).
   StepResult step(std::span<const int32_t> tokens, int64_t step);
   // Step `step` over batches a caller makes (a fine-tune's packed rows): `micro_loss(micro)` for
   // micro 0 .. accum - 1 gives each micro-batch's loss, whose gradient is summed divided by
   // `divisor`; the step's loss is their sum over `divisor`. `positions` is what tokens_per_s
-  // counts.
+  // counts. Over several ranks, `divisor` and `positions` are the whole job's, and the losses
+  // and gradients are summed over the ranks.
   StepResult step_with(int64_t step, const std::function<Variable(int64_t micro)>& micro_loss,
                        int64_t divisor, int64_t positions);
 

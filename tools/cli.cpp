@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/communicator.h"
 #include "engine/error.h"
 #include "tools/budget_command.h"
 #include "tools/eval_command.h"
@@ -93,6 +94,10 @@ int run_cli(int argc, char** argv) {
     return 2;
   }
   try {
+    // The commands run as one process: ranks of one job would each write the same run.
+    if (const int ranks = Communicator::launched_ranks(); ranks > 1)
+      throw UserError("started as " + std::to_string(ranks) +
+                      " ranks by an MPI launcher; cputrain commands run as one process (-np 1)");
     if (train->parsed()) return run_train(train_args);
     if (sample->parsed()) return run_sample(sample_args);
     if (parity->parsed()) return run_parity(parity_args);

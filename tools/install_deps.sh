@@ -7,7 +7,8 @@ set -euo pipefail
 
 packages=(g++ cmake make pkg-config libdnnl-dev libeigen3-dev libsentencepiece-dev
           libspdlog-dev libgtest-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev libxxhash-dev libpcre2-dev fortunes clang-format)
+          nlohmann-json3-dev libxxhash-dev libpcre2-dev libopenmpi-dev openmpi-bin fortunes
+          clang-format)
 llamacpp=0
 for arg in "$@"; do
   case "$arg" in

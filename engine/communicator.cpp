@@ -1,0 +1,113 @@
+#include "engine/communicator.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+
+#ifdef CPUTRAIN_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace cputrain {
+
+namespace {
+
+#ifdef CPUTRAIN_HAVE_MPI
+// Whether an MPI launcher started this process (Open MPI's mpirun, or a PMI launcher).
+bool launched_by_mpi() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"})
+    if (std::getenv(name) != nullptr) return true;
+  return false;
+}
+#endif
+
+int env_int(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? std::atoi(value) : 0;
+}
+
+// Collectives take int counts: larger buffers go in pieces of 2^30 elements.
+constexpr int64_t kPiece = int64_t{1} << 30;
+
+}  // namespace
+
+bool Communicator::built_with_mpi() {
+#ifdef CPUTRAIN_HAVE_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+int Communicator::launched_ranks() {
+  return std::max({1, env_int("OMPI_COMM_WORLD_SIZE"), env_int("PMI_SIZE")});
+}
+
+const Communicator& Communicator::solo() {
+  static const Communicator alone(0, 1);
+  return alone;
+}
+
+const Communicator& Communicator::world() {
+#ifdef CPUTRAIN_HAVE_MPI
+  static const Communicator* const world = [] {
+    if (!launched_by_mpi()) return &solo();
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    std::atexit([] {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized) MPI_Finalize();
+    });
+    int rank = 0, size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    static const Communicator mpi(rank, size);
+    return &mpi;
+  }();
+  return *world;
+#else
+  return solo();
+#endif
+}
+
+void Communicator::all_reduce_sum(float* data, int64_t n) const {
+  sum(data, n, false);
+}
+
+void Communicator::all_reduce_sum(double* data, int64_t n) const {
+  sum(data, n, true);
+}
+
+void Communicator::sum(void* data, int64_t n, bool doubles) const {
+  if (size_ == 1) return;
+#ifdef CPUTRAIN_HAVE_MPI
+  const size_t bytes = doubles ? sizeof(double) : sizeof(float);
+  for (int64_t i = 0; i < n; i += kPiece)
+    MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(data) + static_cast<size_t>(i) * bytes,
+                  static_cast<int>(std::min(kPiece, n - i)), doubles ? MPI_DOUBLE : MPI_FLOAT,
+                  MPI_SUM, MPI_COMM_WORLD);
+#else
+  (void)data, (void)n, (void)doubles;
+#endif
+}
+
+void Communicator::broadcast(void* data, int64_t bytes, int root) const {
+  if (size_ == 1) return;
+#ifdef CPUTRAIN_HAVE_MPI
+  for (int64_t i = 0; i < bytes; i += kPiece)
+    MPI_Bcast(static_cast<char*>(data) + i, static_cast<int>(std::min(kPiece, bytes - i)), MPI_BYTE,
+              root, MPI_COMM_WORLD);
+#else
+  (void)data, (void)bytes, (void)root;
+#endif
+}
+
+void Communicator::barrier() const {
+  if (size_ == 1) return;
+#ifdef CPUTRAIN_HAVE_MPI
+  MPI_Barrier(MPI_COMM_WORLD);
+#endif
+}
+
+}  // namespace cputrain

@@ -1,0 +1,44 @@
+// The processes of a data-parallel job. Under an MPI launcher (`mpirun -np N cputrain ...`, with
+// cputrain built against MPI) the world is MPI's: N ranks, each computing its share of the
+// global batch. Anywhere else, or in a build without MPI, the world is this process alone, and
+// nothing changes. Collectives are called from the main thread only.
+#pragma once
+
+#include <cstdint>
+
+namespace cputrain {
+
+class Communicator {
+ public:
+  // The job's processes. MPI is initialised on the first call where the process was started by
+  // an MPI launcher, and finalised at exit.
+  static const Communicator& world();
+  // This process alone (rank 0 of 1), whatever the world is.
+  static const Communicator& solo();
+  // Whether this build can run across processes (it was built against MPI).
+  static bool built_with_mpi();
+  // The ranks an MPI launcher started this job with (its environment says), 1 without one,
+  // whether or not this build can join them.
+  static int launched_ranks();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Sums `n` elements over the ranks in place: every rank gets the same sum. For a given size
+  // the order of the additions is the same from run to run (two ranks: a + b on both).
+  void all_reduce_sum(float* data, int64_t n) const;
+  void all_reduce_sum(double* data, int64_t n) const;
+  // `data` on every rank becomes rank `root`'s.
+  void broadcast(void* data, int64_t bytes, int root) const;
+  void barrier() const;
+
+ private:
+  // Of more than one rank: MPI's world.
+  Communicator(int rank, int size) : rank_(rank), size_(size) {}
+  // all_reduce_sum of floats, or of doubles.
+  void sum(void* data, int64_t n, bool doubles) const;
+  int rank_;
+  int size_;
+};
+
+}  // namespace cputrain
