@@ -57,10 +57,10 @@ class OffloadDir {
   std::unique_ptr<DirLock> lock_;
 };
 
-// One worker thread running jobs (reads and writes of state files) in the order they are
-// submitted, so that the caller computes on one chunk while the next is read and the one before
-// is written. A job's exception is rethrown by the next wait, once every job submitted has been
-// passed over (none runs after a failure).
+// One worker thread running jobs (reads and writes of state files; reading mapped weights ahead)
+// in the order they are submitted, so that the caller computes on one chunk while the next is
+// read and the one before is written. A job's exception is rethrown by the next wait, once every
+// job submitted has been passed over (none runs after a failure).
 class IoQueue {
  public:
   IoQueue();

@@ -98,12 +98,6 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
   }
   params_.allocate(options.compute_dtype);
   compute_dtype_ = options.compute_dtype;
-  for (size_t i = 0; i < params_.infos().size(); ++i) {
-    if (params_.mapped(static_cast<int>(i)) && !p(static_cast<int>(i)).value().measured()) {
-      read_ahead_queue_ = std::make_shared<IoQueue>();
-      break;
-    }
-  }
 
   const int64_t D = config.head_size();
   rope_table_ = Tensor::empty(Shape{config.ctx, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
@@ -321,6 +315,17 @@ LlamaModel::KvCache LlamaModel::new_kv_cache() const {
   return cache;
 }
 
+void LlamaModel::set_read_ahead(bool on) {
+  read_ahead_queue_.reset();
+  if (!on) return;
+  for (size_t i = 0; i < params_.infos().size(); ++i) {
+    if (params_.mapped(static_cast<int>(i)) && !p(static_cast<int>(i)).value().measured()) {
+      read_ahead_queue_ = std::make_shared<IoQueue>();
+      return;
+    }
+  }
+}
+
 void LlamaModel::read_ahead(size_t index, bool release) const {
   if (!read_ahead_queue_ || index > blocks_.size()) return;
   std::vector<Tensor> weights;
@@ -354,10 +359,8 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   // RoPE angles of positions n .. n + m - 1.
   Tensor table = Tensor::empty(Shape{m, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
   std::copy_n(rope_table_.f32() + n * D, m * D, table.f32());
-  read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), input);
   for (size_t l = 0; l < blocks_.size(); ++l) {
-    read_ahead(l + 1);
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
     const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v) {
@@ -369,7 +372,6 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
       return Variable(att, false);
     };
     x = block_forward(blocks_[l], x, table, false, attend);
-    read_ahead(l, true);
   }
   cache.length = n + m;
   return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps).value(), 1, m);

@@ -76,6 +76,12 @@ class LlamaModel {
   // time. Gradients are bitwise the same as without.
   void set_checkpointing(bool on) { checkpointing_ = on; }
   bool checkpointing() const { return checkpointing_; }
+  // For a base read in place from its mapped file (ModelOptions::mapped_bf16) that is larger
+  // than the memory left to it: a thread reads each block's weights ahead of the forward and
+  // backward passes, and the passes mark the blocks they are done with as the first pages to give
+  // back (read_ahead). Not worth its cost where the file's pages stay in memory anyway (it walks
+  // every mapped page twice a pass); nothing where no parameter is mapped. Off by default.
+  void set_read_ahead(bool on);
 
   // inputs, targets (B, T) i32, T <= ctx -> mean cross-entropy, recorded for backward.
   Variable loss(const Tensor& inputs, const Tensor& targets);
@@ -155,7 +161,7 @@ class LlamaModel {
   Tensor rope_table_;  // (ctx, D/2, 2)
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;
-  // The thread that reads mapped weights ahead (read_ahead); null where none is mapped.
+  // The thread that reads mapped weights ahead (set_read_ahead); null when off.
   std::shared_ptr<IoQueue> read_ahead_queue_;
 };
 

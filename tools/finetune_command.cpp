@@ -343,6 +343,13 @@ int run_finetune(const FinetuneArgs& a) {
                       " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
                       (bo.checkpoint ? "" : ", give --checkpoint layer") +
                       (a.full ? "" : ", or lower --lora-rank"));
+    // A base that does not fit beside the budget is read from the disk every pass: its blocks
+    // are read ahead of the compute.
+    if (mapped_bytes > 0 && available > 0 && budget_bytes + mapped_bytes > available) {
+      model.set_read_ahead(true);
+      std::printf("the base does not fit beside the budget in %s: each block is read ahead\n",
+                  format_bytes(available).c_str());
+    }
 
     TrainOptions train;
     train.batch = a.batch;

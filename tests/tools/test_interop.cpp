@@ -1170,7 +1170,18 @@ TEST(FineTune, ABaseReadInPlaceIsApartFromTheMemoryLimit) {
   const std::string flags = "finetune --model " +
                             (made_models() / "qwen2_tied_bf16.gguf").string() + " --data " +
                             data.string() + " --ctx 64 --batch 2 --steps 2 --dtype bf16";
-  ASSERT_EQ(cputrain(flags + " --out " + (dir / "a").string()), 0);
+  const Result in_ram = run_cputrain(flags + " --out " + (dir / "a").string(), dir);
+  ASSERT_EQ(in_ram.exit_code, 0) << in_ram.err;
+  EXPECT_EQ(in_ram.out.find("read ahead"), std::string::npos) << in_ram.out;
+  const auto losses = [&](const char* run) {
+    std::ifstream in(dir / run / "metrics.jsonl");
+    std::vector<double> l;
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("step")) l.push_back(j["loss"].get<double>());
+    }
+    return l;
+  };
   std::ifstream in(dir / "a" / "metrics.jsonl");
   std::string line;
   ASSERT_TRUE(std::getline(in, line));
@@ -1188,6 +1199,11 @@ TEST(FineTune, ABaseReadInPlaceIsApartFromTheMemoryLimit) {
                        " --out " + (dir / "b").string(),
                    dir);
   EXPECT_EQ(fits.exit_code, 0) << fits.err;
+  // The base does not fit beside the budget there: it is read ahead, and the steps compute the
+  // same, bit for bit.
+  EXPECT_NE(fits.out.find("each block is read ahead"), std::string::npos) << fits.out;
+  EXPECT_EQ(losses("b"), losses("a"));
+  EXPECT_EQ(losses("a").size(), 2u);
   // cputrain budget --model knows the same: what the base gives in place, and the rest.
   const Result b =
       run_cputrain("budget --model " + (made_models() / "qwen2_tied_bf16.gguf").string() +
