@@ -43,6 +43,16 @@ int Communicator::launched_ranks() {
   return std::max({1, env_int("OMPI_COMM_WORLD_SIZE"), env_int("PMI_SIZE")});
 }
 
+int Communicator::launched_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
+    if (std::getenv(name) != nullptr) return env_int(name);
+  return 0;
+}
+
+int Communicator::launched_local_ranks() {
+  return std::max({1, env_int("OMPI_COMM_WORLD_LOCAL_SIZE"), env_int("MPI_LOCALNRANKS")});
+}
+
 const Communicator& Communicator::solo() {
   static const Communicator alone(0, 1);
   return alone;
@@ -107,6 +117,15 @@ void Communicator::barrier() const {
   if (size_ == 1) return;
 #ifdef CPUTRAIN_HAVE_MPI
   MPI_Barrier(MPI_COMM_WORLD);
+#endif
+}
+
+void Communicator::abort(int code) const {
+  if (size_ == 1) return;
+#ifdef CPUTRAIN_HAVE_MPI
+  MPI_Abort(MPI_COMM_WORLD, code);
+#else
+  (void)code;
 #endif
 }
 

@@ -20,6 +20,11 @@ class Communicator {
   // The ranks an MPI launcher started this job with (its environment says), 1 without one,
   // whether or not this build can join them.
   static int launched_ranks();
+  // This process's rank as the launcher's environment gives it (0 without one), known before
+  // MPI is initialised.
+  static int launched_rank();
+  // The ranks of the job on this machine (1 without a launcher): they share its memory.
+  static int launched_local_ranks();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -31,6 +36,9 @@ class Communicator {
   // `data` on every rank becomes rank `root`'s.
   void broadcast(void* data, int64_t bytes, int root) const;
   void barrier() const;
+  // Ends every rank of the job at once, with `code` as the launcher's exit status: for an error
+  // after which the others would wait for this rank forever. Returns only for a single process.
+  void abort(int code) const;
 
  private:
   // Of more than one rank: MPI's world.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <vector>
 
 #include "engine/batch_sampler.h"
 #include "engine/profiler.h"
@@ -48,11 +49,16 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
     if (!measuring()) loss_sum += loss.value().f32()[0];
     backward(loss, 1.0f / static_cast<float>(divisor));
   }
+  double comm_ms = 0.0;
   if (options_.comm && options_.comm->size() > 1 && !measuring()) {
     profiler::Scope scope("all-reduce gradients", profiler::Pass::Step);
+    const auto reduce_start = std::chrono::steady_clock::now();
     if (params_.gradients().defined())
       options_.comm->all_reduce_sum(params_.gradients().f32(), params_.gradients().numel());
     options_.comm->all_reduce_sum(&loss_sum, 1);
+    comm_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - reduce_start)
+            .count();
   }
   StepResult r;
   r.lr = learning_rate(options_.lr, step);
@@ -70,31 +76,44 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
   r.ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(positions) / (r.ms / 1000.0);
+  r.comm_ms = comm_ms;
   return r;
 }
 
 double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>& loss_fn,
                      std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows,
-                     const std::function<void(int64_t, int64_t)>& progress) {
+                     const std::function<void(int64_t, int64_t)>& progress,
+                     const Communicator* comm) {
   NoGradGuard no_grad;
+  const int64_t ranks = comm ? comm->size() : 1;
+  const int64_t rank = comm ? comm->rank() : 0;
   windows = std::min(windows, eval_window_count(tokens, ctx));
   Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
   Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
-  double sum = 0.0;
-  for (int64_t first = 0; first < windows; first += batch) {
+  // Each batch's sum, in its own slot: over the ranks each slot has one addend, so the mean is
+  // summed in batch order whatever the ranks.
+  std::vector<double> sums(static_cast<size_t>((windows + batch - 1) / batch), 0.0);
+  for (int64_t first = rank * batch; first < windows; first += batch * ranks) {
     const int64_t rows = std::min(batch, windows - first);
     Tensor in = inputs.view(0, Shape{rows, ctx});
     Tensor tgt = targets.view(0, Shape{rows, ctx});
     if (!measuring()) eval_windows(tokens, ctx, first, rows, in.i32(), tgt.i32());
     const Variable loss = loss_fn(in, tgt);
-    if (!measuring()) sum += static_cast<double>(loss.value().f32()[0]) * static_cast<double>(rows);
-    if (progress) progress(first + rows, windows);
+    if (!measuring())
+      sums[static_cast<size_t>(first / batch)] =
+          static_cast<double>(loss.value().f32()[0]) * static_cast<double>(rows);
+    if (progress) progress(std::min(windows, first + rows * ranks), windows);
   }
+  if (ranks > 1 && !measuring())
+    comm->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  double sum = 0.0;
+  for (const double s : sums) sum += s;
   return windows > 0 ? sum / static_cast<double>(windows) : 0.0;
 }
 
 double Trainer::evaluate(std::span<const int32_t> tokens, int64_t windows) const {
-  return evaluate_loss(loss_fn_, tokens, options_.ctx, options_.batch, windows);
+  return evaluate_loss(loss_fn_, tokens, options_.ctx, options_.batch, windows, nullptr,
+                       options_.comm);
 }
 
 }  // namespace cputrain

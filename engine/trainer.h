@@ -32,15 +32,19 @@ struct StepResult {
   double grad_norm = 0.0;  // before clipping
   double ms = 0.0;
   double tokens_per_s = 0.0;
+  double comm_ms = 0.0;  // of ms, spent summing the gradients over the ranks
   bool skipped = false;  // the step filter refused the update: the weights are as before
 };
 
 // Mean loss of loss_fn over the first `windows` consecutive evaluation windows of `tokens`
 // (fewer if the stream is shorter), in batches of `batch`, without recording gradients.
 // `progress`, when set, is called after each batch with the windows done and their total.
+// Over the ranks of `comm`, rank r evaluates batches r, r + N, ...; every rank gets the mean,
+// the same value as one process.
 double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>& loss_fn,
                      std::span<const int32_t> tokens, int64_t ctx, int64_t batch, int64_t windows,
-                     const std::function<void(int64_t, int64_t)>& progress = nullptr);
+                     const std::function<void(int64_t, int64_t)>& progress = nullptr,
+                     const Communicator* comm = nullptr);
 
 class Trainer {
  public:
@@ -69,7 +73,8 @@ class Trainer {
   }
 
   // Mean loss over the first `windows` consecutive evaluation windows of `tokens` (fewer if
-  // the split is shorter), without recording gradients.
+  // the split is shorter), without recording gradients; shared among the ranks, which all call
+  // it.
   double evaluate(std::span<const int32_t> tokens, int64_t windows) const;
 
   const AdamW& optimizer() const { return optimizer_; }

@@ -287,23 +287,26 @@ StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
                          const Tensor& inputs, const Tensor& targets) {
   const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
+  const Communicator* comm = trainer.options().comm;
+  const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
   const int64_t normalizer = count_targets(rows, examples);
   return trainer.step_with(
       step,
       [&](int64_t micro) {
+        const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
         model.set_dropout_seed(splitmix64(
             trainer.options().seed ^
-            splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(micro))));
+            splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot))));
         auto packing = std::make_shared<Packing>();
         if (measuring()) {
           packing->lengths.assign(static_cast<size_t>(B), {ctx});
         } else {
-          fill_packed_batch(rows.subspan(static_cast<size_t>(micro * B), static_cast<size_t>(B)),
+          fill_packed_batch(rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B)),
                             examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
         }
         return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
       },
-      1, B * accum * ctx);
+      1, B * accum * ctx * ranks);
 }
 
 double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,

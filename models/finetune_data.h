@@ -87,7 +87,9 @@ struct StepResult;
 // written into `inputs` and `targets` ((batch, ctx) i32, the caller's) and packed, the loss of
 // each divided by the count of the step's targets. While measuring (the memory budget) `rows`
 // may be empty: each row is then one sequence of ctx positions, as packing makes no allocation
-// that depends on the lengths.
+// that depends on the lengths. Over the ranks of the trainer's communicator, `rows` are the whole
+// job's step (batch x accum x N) and micro-batch m of rank r takes its rows (m N + r) batch
+// onwards, as Trainer::step takes windows; the divisor is the count of the whole step's targets.
 StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,

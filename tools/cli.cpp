@@ -17,6 +17,7 @@
 #include "tools/export_command.h"
 #include "tools/finetune_command.h"
 #include "tools/inspect_command.h"
+#include "tools/job.h"
 #include "tools/parity_command.h"
 #include "tools/plot_command.h"
 #include "tools/sample_command.h"
@@ -90,14 +91,35 @@ int run_cli(int argc, char** argv) {
     // One line naming the flag, like every other input error.
     std::string message = e.what();
     std::replace(message.begin(), message.end(), '\n', ' ');
-    std::fprintf(stderr, "cputrain: error: %s (see cputrain --help)\n", message.c_str());
+    // Every rank of a job parses the same flags: rank 0 says what is wrong.
+    if (Communicator::launched_rank() == 0)
+      std::fprintf(stderr, "cputrain: error: %s (see cputrain --help)\n", message.c_str());
     return 2;
   }
+  // Under an MPI launcher, train and finetune run as the ranks of one job; the other commands,
+  // which would each write the same files, run as one process.
+  const int launched = Communicator::launched_ranks();
+  const bool job_command = train->parsed() || finetune->parsed();
+  std::string rank_prefix;
   try {
-    // The commands run as one process: ranks of one job would each write the same run.
-    if (const int ranks = Communicator::launched_ranks(); ranks > 1)
-      throw UserError("started as " + std::to_string(ranks) +
-                      " ranks by an MPI launcher; cputrain commands run as one process (-np 1)");
+    if (launched > 1 && (!job_command || !Communicator::built_with_mpi())) {
+      if (Communicator::launched_rank() != 0) return 1;  // rank 0 says why
+      if (!job_command)
+        throw UserError("started as " + std::to_string(launched) +
+                        " ranks by an MPI launcher: only train and finetune run as several "
+                        "ranks, the other commands as one process (-np 1)");
+      if (!Communicator::built_with_mpi())
+        throw UserError("started as " + std::to_string(launched) +
+                        " ranks by an MPI launcher, but this cputrain was built without MPI "
+                        "(install libopenmpi-dev and build again with -DCPUTRAIN_MPI=ON)");
+    }
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "cputrain: error: %s\n", e.what());
+    return 1;
+  }
+  if (launched > 1 && Communicator::world().rank() > 0)
+    rank_prefix = "rank " + std::to_string(Communicator::world().rank()) + ": ";
+  try {
     if (train->parsed()) return run_train(train_args);
     if (sample->parsed()) return run_sample(sample_args);
     if (parity->parsed()) return run_parity(parity_args);
@@ -108,8 +130,10 @@ int run_cli(int argc, char** argv) {
     if (inspect->parsed()) return run_inspect(inspect_args);
     if (tokenize->parsed()) return run_tokenize(tokenize_args);
     if (finetune->parsed()) return run_finetune(finetune_args);
+  } catch (const QuietExit& e) {
+    return e.code;
   } catch (const UserError& e) {
-    std::fprintf(stderr, "cputrain: error: %s\n", e.what());
+    std::fprintf(stderr, "cputrain: error: %s%s\n", rank_prefix.c_str(), e.what());
     // A run that had opened its log ends with the error there too.
     if (auto log = spdlog::get("cputrain")) {
       for (const spdlog::sink_ptr& sink : log->sinks()) {
@@ -118,6 +142,11 @@ int run_cli(int argc, char** argv) {
                                            std::string("error: ") + e.what()));
         sink->flush();
       }
+    }
+    // The other ranks of a running job would wait for this one forever: the job ends.
+    if (job_running()) {
+      std::fflush(stderr);
+      Communicator::world().abort(1);
     }
     return 1;
   }

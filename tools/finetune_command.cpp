@@ -33,6 +33,7 @@
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
+#include "tools/job.h"
 #include "tools/model_source.h"
 #include "tools/run_dir.h"
 
@@ -151,8 +152,9 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
       ->check(threads_limit());
   app.add_option("--mem-limit", a.mem_limit_gib,
-                 "GiB the fine-tune may use (default: the available memory); a base read in place "
-                 "from its file is apart: its pages are the page cache's")
+                 "GiB the fine-tune (each rank of a job) may use (default: the available memory, "
+                 "shared among a job's ranks on this machine); a base read in place from its "
+                 "file is apart: its pages are the page cache's")
       ->check(positive());
   app.add_option("--offload", a.offload,
                  "Keep the trained FP32 masters (bf16) and AdamW's m and v in files in this "
@@ -162,7 +164,28 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   add_kernel_flags(app, a.kernels);
 }
 
+namespace {
+int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start);
+}  // namespace
+
 int run_finetune(const FinetuneArgs& a) {
+  // Of a data-parallel job every rank reads the model and the data; rank 0 alone prints and
+  // writes the run directory.
+  const Communicator& comm = Communicator::world();
+  if (comm.rank() > 0 && std::freopen("/dev/null", "w", stdout) == nullptr)
+    throw UserError("/dev/null: cannot open for writing");
+  JobStart start(comm);
+  try {
+    return finetune(a, comm, start);
+  } catch (...) {
+    if (start.failed()) throw QuietExit{1};
+    throw;
+  }
+}
+
+namespace {
+
+int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
   if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
@@ -184,7 +207,13 @@ int run_finetune(const FinetuneArgs& a) {
     options.offload_dir = std::make_shared<OffloadDir>(a.offload);
   }
 
-  RunDirectory dir = open_run_directory(a.out, a.resume ? RunDirUse::Resume : RunDirUse::NewRun);
+  const bool lead = comm.rank() == 0;
+  if (comm.size() > 1 && options.offload)
+    throw UserError("--offload " + a.offload + ": a data-parallel job of " +
+                    std::to_string(comm.size()) + " ranks holds its state in RAM");
+  RunDirectory dir =
+      lead ? open_run_directory(a.out, a.resume ? RunDirUse::Resume : RunDirUse::NewRun)
+           : RunDirectory{};
   try {
     const auto load_start = std::chrono::steady_clock::now();
     LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
@@ -277,7 +306,7 @@ int run_finetune(const FinetuneArgs& a) {
     const std::vector<PackedRow> rows = pack_examples(data.examples, ctx);
     int64_t used = 0;
     for (const PackedRow& r : rows) used += r.positions;
-    const int64_t per_step = a.batch * a.accum;
+    const int64_t per_step = a.batch * a.accum * comm.size();
     const int64_t steps =
         a.steps > 0
             ? a.steps
@@ -313,9 +342,10 @@ int run_finetune(const FinetuneArgs& a) {
         budget.mapped_bytes += model.parameters().infos()[i].shape.numel() * 2;
     const int64_t mapped_bytes = budget.mapped_bytes;
     const int64_t budget_bytes = budget.total_bytes();
-    const int64_t available = a.mem_limit_gib > 0.0
-                                  ? static_cast<int64_t>(a.mem_limit_gib * 1024.0 * 1024.0 * 1024.0)
-                                  : available_memory_bytes() + process_memory().rss_bytes;
+    const int64_t available =
+        a.mem_limit_gib > 0.0 ? static_cast<int64_t>(a.mem_limit_gib * 1024.0 * 1024.0 * 1024.0)
+                              : available_memory_bytes() / Communicator::launched_local_ranks() +
+                                    process_memory().rss_bytes;
     std::printf(
         "memory budget: %s (weights %s, adapters' gradients and AdamW %s, activations %s, "
         "workspace %s); %s available%s\n",
@@ -361,6 +391,7 @@ int run_finetune(const FinetuneArgs& a) {
     train.lr.warmup_steps = static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
     train.lr.min_ratio = 0.0;
     train.adamw.weight_decay = static_cast<float>(a.weight_decay);
+    train.comm = &comm;
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
@@ -402,7 +433,7 @@ int run_finetune(const FinetuneArgs& a) {
       }
     const std::string config_text = config.dump(2) + "\n";
     int64_t first_step = 1;
-    if (a.resume) {
+    if (a.resume && lead) {
       // The same configuration, the newest checkpoint, the same data: then every later step is
       // the one the run would have made.
       std::ifstream in(a.out + "/config.json");
@@ -428,11 +459,20 @@ int run_finetune(const FinetuneArgs& a) {
       for (std::string line; std::getline(old, line);)
         if (json::parse(line).value("step", int64_t{0}) <= info.step) kept += line + "\n";
       write_file_atomic(a.out + "/metrics.jsonl", kept);
-    } else {
+    } else if (lead) {
       write_file_atomic(a.out + "/config.json", config_text);
       write_file_atomic(a.out + "/metrics.jsonl", "");
     }
-    std::ofstream metrics(a.out + "/metrics.jsonl", std::ios::app);
+    std::ofstream metrics;
+    if (lead) metrics.open(a.out + "/metrics.jsonl", std::ios::app);
+    if (comm.size() > 1) {
+      // Every rank starts from rank 0's adapters (or weights) and, resumed, its optimizer state.
+      start.ready();
+      first_step = share_value(comm, first_step);
+      broadcast_training_state(comm, model.parameters(), trainer.optimizer());
+      std::printf("data parallel: %d ranks, each of %lld x %lld rows a step\n", comm.size(),
+                  static_cast<long long>(a.batch), static_cast<long long>(a.accum));
+    }
     const auto save = [&](int64_t step) {
       std::error_code ec;
       fs::create_directories(checkpoint_dir(a.out), ec);
@@ -449,7 +489,7 @@ int run_finetune(const FinetuneArgs& a) {
 
     const int32_t pad = tokenizer.eos_id();
     const auto validate = [&](int64_t step) {
-      if (val.empty()) return;
+      if (val.empty() || !lead) return;
       const auto start = std::chrono::steady_clock::now();
       const double loss = packed_validation_loss(model, val, ctx, a.batch, pad);
       std::printf("step %lld | validation loss %.4f (%.1f s)\n", static_cast<long long>(step), loss,
@@ -481,33 +521,44 @@ int run_finetune(const FinetuneArgs& a) {
       // mapped files' pages (the base, the code) are shown beside it.
       const ProcessMemory mem = process_memory();
       const int64_t resident = mapped_bytes > 0 ? mem.rss_anon_bytes : mem.rss_bytes;
+      // Every rank's step (the job stops together on a bad one, as rank 0 decides alike).
+      const std::vector<RankStep> ranks =
+          gather_step(comm, {r.ms, r.comm_ms, resident, mem.peak_rss_bytes, 0});
+      int64_t largest = 0;
+      for (const RankStep& rs : ranks) largest = std::max(largest, rs.rss_bytes);
       std::printf(
           "step %lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s | "
-          "RSS %s (budget %s)%s\n",
+          "RSS %s (budget %s)%s%s\n",
           static_cast<long long>(step), static_cast<long long>(steps), r.loss, r.lr, r.grad_norm,
-          r.tokens_per_s, format_bytes(resident).c_str(), format_bytes(budget_bytes).c_str(),
+          r.tokens_per_s, format_bytes(largest).c_str(), format_bytes(budget_bytes).c_str(),
           mapped_bytes > 0
               ? (" + " + format_bytes(mem.rss_file_bytes) + " of mapped files (base, code)").c_str()
-              : "");
+              : "",
+          comm.size() > 1 ? (" | the largest of " + std::to_string(comm.size()) + " ranks; " +
+                             std::to_string(static_cast<int64_t>(r.comm_ms)) + " ms reducing")
+                                .c_str()
+                          : "");
       std::fflush(stdout);
-      metrics << json{{"step", step},
-                      {"loss", r.loss},
-                      {"lr", r.lr},
-                      {"grad_norm", r.grad_norm},
-                      {"targets", targets_in_step},
-                      {"tokens_per_s", r.tokens_per_s},
-                      {"rss_bytes", mem.rss_bytes},
-                      {"rss_anon_bytes", mem.rss_anon_bytes},
-                      {"rss_file_bytes", mem.rss_file_bytes},
-                      {"budget_bytes", budget_bytes},
-                      {"mapped_bytes", mapped_bytes},
-                      {"elapsed_s", elapsed}}
-                     .dump()
-              << "\n"
-              << std::flush;
+      json record{{"step", step},
+                  {"loss", r.loss},
+                  {"lr", r.lr},
+                  {"grad_norm", r.grad_norm},
+                  {"targets", targets_in_step},
+                  {"tokens_per_s", r.tokens_per_s},
+                  {"rss_bytes", mem.rss_bytes},
+                  {"rss_anon_bytes", mem.rss_anon_bytes},
+                  {"rss_file_bytes", mem.rss_file_bytes},
+                  {"budget_bytes", budget_bytes},
+                  {"mapped_bytes", mapped_bytes},
+                  {"elapsed_s", elapsed}};
+      if (comm.size() > 1)
+        record["ranks"] = rank_records(ranks, a.batch * a.accum * ctx * comm.size());
+      if (lead) metrics << record.dump() << "\n" << std::flush;
       if (a.eval_every > 0 && step % a.eval_every == 0 && step < steps) validate(step);
-      if ((a.save_every > 0 && step % a.save_every == 0) || step == steps) save(step);
+      if (lead && ((a.save_every > 0 && step % a.save_every == 0) || step == steps)) save(step);
     }
+    job_ended();
+    if (!lead) return 0;
     validate(steps);
     if (a.profile)
       for (const std::string& line :
@@ -545,5 +596,7 @@ int run_finetune(const FinetuneArgs& a) {
   }
   return 0;
 }
+
+}  // namespace
 
 }  // namespace cputrain

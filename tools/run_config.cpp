@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "engine/error.h"
 
@@ -75,9 +76,15 @@ std::string run_config_to_json(const RunConfig& c) {
 RunConfig read_run_config(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw UserError(path + ": cannot open run configuration");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_run_config(text.str(), path);
+}
+
+RunConfig parse_run_config(const std::string& text, const std::string& path) {
   RunConfig c;
   try {
-    const json j = json::parse(in);
+    const json j = json::parse(text);
     c.preset = j.at("preset").get<std::string>();
     c.corpus = j.at("corpus").get<std::string>();
     c.init = j.value("init", std::string());

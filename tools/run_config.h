@@ -29,6 +29,8 @@ struct RunConfig {
 std::string run_config_to_json(const RunConfig& config);
 // UserError naming `path` when it is missing or malformed.
 RunConfig read_run_config(const std::string& path);
+// The same from config.json's text; errors name `path`.
+RunConfig parse_run_config(const std::string& text, const std::string& path);
 // What makes two configurations the same run, as a comparable string: all but the step the run
 // ends at, the threads and the checkpoint saving, which a resumed run may change.
 std::string run_identity(const std::string& config_json);

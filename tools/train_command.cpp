@@ -42,6 +42,7 @@
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
+#include "tools/job.h"
 #include "tools/mfu_peak.h"
 #include "tools/model_source.h"
 #include "tools/progress.h"
@@ -180,7 +181,7 @@ DType choose_dtype(const std::string& flag, std::string* why) {
 
 int64_t memory_limit_bytes(double gib) {
   if (gib > 0.0) return static_cast<int64_t>(gib * 1024.0 * 1024.0 * 1024.0);
-  return available_memory_bytes();
+  return available_memory_bytes() / Communicator::launched_local_ranks();
 }
 
 std::string describe_compute() {
@@ -319,8 +320,9 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
       ->capture_default_str()
       ->check(CLI::IsMember({"stop", "skip"}));
   app.add_option("--mem-limit", a.mem_limit_gib,
-                 "GiB the run may use (default: the available memory at start); training refuses "
-                 "to start when its budget exceeds it")
+                 "GiB the run (each rank of a job) may use (default: the available memory at "
+                 "start, shared among a job's ranks on this machine); training refuses to start "
+                 "when its budget exceeds it")
       ->check(positive());
   app.add_option("--offload", a.offload,
                  "Keep the FP32 master weights (bf16) and AdamW's m and v in files in this folder, "
@@ -438,11 +440,28 @@ void check_resumed_steps(const RunConfig& config, const RunConfig& began, int64_
 }
 
 int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
-             const std::string& dtype_reason, const TestHold& hold);
+             const std::string& dtype_reason, const TestHold& hold, JobStart& start);
+int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& start);
+int lead_train(const TrainArgs& args, JobStart& start);
 
 }  // namespace
 
 int run_train(const TrainArgs& args) {
+  // Of a data-parallel job, rank 0 runs the command and the others follow it.
+  const Communicator& comm = Communicator::world();
+  JobStart start(comm);
+  if (comm.rank() > 0) return follow_train(args, comm, start);
+  try {
+    return lead_train(args, start);
+  } catch (...) {
+    start.failed();
+    throw;
+  }
+}
+
+namespace {
+
+int lead_train(const TrainArgs& args, JobStart& start) {
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   if (args.keep <= 0) throw UserError("--keep must be positive");
   const bool resuming = !args.resume.empty();
@@ -458,6 +477,10 @@ int run_train(const TrainArgs& args) {
     config.checkpoint = args.checkpoint == "layer";
     if (!args.model.empty()) begin_from_model(config, args);
   }
+  if (Communicator::world().size() > 1 && !config.offload.empty())
+    throw UserError("--offload " + config.offload + ": a data-parallel job of " +
+                    std::to_string(Communicator::world().size()) +
+                    " ranks holds its state in RAM (give --offload none)");
   const TestHold hold = test_hold();
   const std::string out =
       resuming ? args.resume : (args.out.empty() ? "runs/" + config.preset : args.out);
@@ -465,18 +488,17 @@ int run_train(const TrainArgs& args) {
       out,
       resuming ? RunDirUse::Resume : (args.overwrite ? RunDirUse::Overwrite : RunDirUse::NewRun));
   try {
-    return train_in(run, config, args, dtype_reason, hold);
+    return train_in(run, config, args, dtype_reason, hold, start);
   } catch (...) {
     run.discard_if_unused();
     throw;
   }
 }
 
-namespace {
-
 // The run in its opened directory: log, signals, data, memory, model, loop, final weights.
 int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
-             const std::string& dtype_reason, const TestHold& hold) {
+             const std::string& dtype_reason, const TestHold& hold, JobStart& start) {
+  const Communicator& comm = Communicator::world();
   const std::string& out = run.path;
   const bool resuming = !args.resume.empty();
   omp_set_num_threads(config.threads);
@@ -599,6 +621,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
             config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
             config.checkpoint ? "per layer" : "none");
 
+  config.train.comm = &comm;
   Trainer trainer(
       model.parameters(),
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
@@ -613,6 +636,21 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   }
   std::ofstream metrics(out + "/metrics.jsonl", resuming ? std::ios::app : std::ios::trunc);
   if (!metrics) throw UserError(out + "/metrics.jsonl: cannot open for writing");
+  if (comm.size() > 1) {
+    // The other ranks start from what this one has: the configuration, the data, the weights
+    // and, resumed, the optimizer's state (follow_train takes them in this order).
+    start.ready();
+    std::string text = config_json;
+    broadcast_text(comm, text);
+    share_value(comm, first_step);
+    share_tokens(comm, train_tokens);
+    share_tokens(comm, val_tokens);
+    broadcast_training_state(comm, model.parameters(), trainer.optimizer());
+    log->info(
+        "data parallel: {} ranks, each of {} x {} sequences a step (the job's batch is {} x {})",
+        comm.size(), config.train.batch, config.train.accum, config.train.batch * comm.size(),
+        config.train.accum);
+  }
   const int64_t save_every = config.save_every;
   const int64_t eval_every =
       args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
@@ -638,7 +676,18 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
         ++profiled_steps;
         profiled_seconds += r.ms / 1e3;
       }
+      const ProcessMemory mem = process_memory();
+      // Every rank's step, and a stop signal any of them received (the job stops together).
+      const std::vector<RankStep> ranks =
+          gather_step(comm, {r.ms, r.comm_ms, mem.rss_bytes, mem.peak_rss_bytes, stop_signal()});
+      int64_t peak_rss = 0;
+      int stop = 0;
+      for (const RankStep& rs : ranks) {
+        peak_rss = std::max(peak_rss, rs.peak_rss);
+        if (stop == 0) stop = rs.stop_signal;
+      }
       if (r.skipped && args.on_bad_step == "stop") {
+        job_ended();  // every rank stops here
         throw UserError(
             "step " + std::to_string(step) + ": " + bad_steps.reason() +
             "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
@@ -647,8 +696,9 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       }
       if (r.skipped)
         log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_steps.reason());
-      const ProcessMemory mem = process_memory();
-      const double model_gflops = flops_per_token * r.tokens_per_s / 1e9;
+      // A rank's share: the peak MFU is measured against is one rank's.
+      const double model_gflops =
+          flops_per_token * r.tokens_per_s / static_cast<double>(comm.size()) / 1e9;
       const double peak_before = mfu_peak.gflops();
       if (mfu_peak.update(model_gflops))
         log->info(
@@ -657,6 +707,9 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
             step, model_gflops, mfu_peak.gflops(), peak_before);
       const std::optional<double> mfu = mfu_peak.mfu(model_gflops);
       nlohmann::json m = step_record(step, r, mem, budget, model_gflops, mfu);
+      if (comm.size() > 1)
+        m["ranks"] = rank_records(
+            ranks, config.train.batch * config.train.accum * config.train.ctx * comm.size());
       std::string val;
       if (can_eval && (step % eval_every == 0 || step == config.steps)) {
         const double v = trainer.evaluate(val_tokens, args.eval_windows);
@@ -672,12 +725,14 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
         log->info(
             "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
-            "{:.0f} ms | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%)",
+            "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}",
             step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
-            gib(mem.peak_rss_bytes), gib(budget.total_bytes()),
-            100.0 * (static_cast<double>(mem.peak_rss_bytes) /
-                         static_cast<double>(budget.total_bytes()) -
-                     1.0));
+            comm.size() > 1 ? fmt::format(" ({:.0f} reducing)", r.comm_ms) : std::string(),
+            gib(peak_rss), gib(budget.total_bytes()),
+            100.0 *
+                (static_cast<double>(peak_rss) / static_cast<double>(budget.total_bytes()) - 1.0),
+            comm.size() > 1 ? fmt::format(" (the largest of {} ranks)", comm.size())
+                            : std::string());
       }
       if (console->terminal()) {
         const std::string mfu_text = mfu ? fmt::format(" | MFU {:.0f}%", 100.0 * *mfu) : "";
@@ -687,7 +742,6 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       }
       if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
         log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
-      const int stop = stop_signal();
       if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
         last_checkpoint =
             save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
@@ -695,6 +749,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
         if (stop == 0) log->info("saved {}", last_checkpoint);
       }
       if (stop != 0) {
+        job_ended();
         report_profile();
         log->warn("{} after step {}: saved {}; continue with: cputrain train --resume {}",
                   stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
@@ -703,6 +758,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       }
     }
   }
+  job_ended();
   console->set_status("");
   report_profile();
   const std::string weights_path = out + "/model.bin";
@@ -710,6 +766,65 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   log->info("saved {}", weights_path);
   for (uint64_t i = 1; i <= 3; ++i)
     log->info("sample {}: {}", i, sample_text(model, data.tokenizer, args.sample_tokens, i));
+  return 0;
+}
+
+// A rank other than 0 of a data-parallel job: it trains the model rank 0 describes on the data
+// rank 0 sends, in step with it, and writes nothing; rank 0 logs, evaluates with it, and saves.
+int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& start) {
+  try {
+    select_kernels(args.kernels);
+  } catch (...) {
+    if (start.failed()) throw QuietExit{1};
+    throw;
+  }
+  start.ready();
+  std::string text;
+  broadcast_text(comm, text);
+  RunConfig config = parse_run_config(text, "rank 0's configuration");
+  omp_set_num_threads(args.threads > 0 ? args.threads : omp_get_num_procs());
+  if (args.pin_threads) pin_threads();
+  const int64_t first_step = share_value(comm, 0);
+  const std::vector<int32_t> train_tokens = share_tokens(comm, {});
+  const std::vector<int32_t> val_tokens = share_tokens(comm, {});
+  ModelOptions model_options;
+  model_options.compute_dtype = config.dtype;
+  LlamaModel model(config.model, model_options);
+  model.set_compute_dtype(config.dtype);
+  model.set_checkpointing(config.checkpoint);
+  config.train.comm = &comm;
+  Trainer trainer(
+      model.parameters(),
+      [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
+  broadcast_training_state(comm, model.parameters(), trainer.optimizer());
+  // A stop signal here stops the job after its step, as one to rank 0 does.
+  const StopSignals signals([](int) {});
+  BadStepFilter bad_steps(args.spike);
+  trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
+  const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
+  const int64_t eval_every =
+      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+  for (int64_t step = first_step; step <= config.steps; ++step) {
+    profiler::set_enabled(args.profile && (step > first_step || first_step == config.steps));
+    const StepResult r = trainer.step(train_tokens, step);
+    profiler::set_enabled(false);
+    const ProcessMemory mem = process_memory();
+    int stop = 0;
+    for (const RankStep& rs :
+         gather_step(comm, {r.ms, r.comm_ms, mem.rss_bytes, mem.peak_rss_bytes, stop_signal()}))
+      if (stop == 0) stop = rs.stop_signal;
+    if (r.skipped && args.on_bad_step == "stop") {
+      job_ended();
+      throw QuietExit{1};  // rank 0 says why
+    }
+    if (can_eval && (step % eval_every == 0 || step == config.steps))
+      trainer.evaluate(val_tokens, args.eval_windows);
+    if (stop != 0) {
+      job_ended();
+      return 128 + stop;
+    }
+  }
+  job_ended();
   return 0;
 }
 

@@ -84,7 +84,8 @@ void add_model_flags(CLI::App& app, TrainArgs& args);
 // instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the
 // reason in *why. A UserError for anything else.
 DType choose_dtype(const std::string& flag, std::string* why);
-// --mem-limit in bytes, or MemAvailable when it is 0.
+// --mem-limit in bytes (each rank's), or when it is 0 MemAvailable shared among the job's ranks on
+// this machine.
 int64_t memory_limit_bytes(double mem_limit_gib);
 // "cpu: <features>; kernels: gemm amx, attention amx, ... (gemm available: ...)" for the
 // start-up log.

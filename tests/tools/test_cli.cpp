@@ -1275,4 +1275,150 @@ TEST_F(Cli, ParityOnTinyPreset) {
   EXPECT_NE(strict.err.find("exceeds its tolerance"), std::string::npos) << strict.err;
 }
 
+// Data parallelism through the command line: `mpirun -np 2 cputrain train|finetune`, one thread a
+// rank (CPUTRAIN_MPIEXEC: the build's mpirun; empty where it was built without MPI).
+class DataParallelCli : public Cli {
+ protected:
+  void SetUp() override {
+    if (std::string(CPUTRAIN_MPIEXEC).empty()) GTEST_SKIP() << "built without MPI";
+    Cli::SetUp();
+  }
+  Result ranks(int n, const std::string& args) const {
+    return run("OMP_NUM_THREADS=1 " + std::string(CPUTRAIN_MPIEXEC) +
+                   " --allow-run-as-root --oversubscribe -np " + std::to_string(n),
+               args + " --threads 1");
+  }
+  static std::vector<nlohmann::json> records(const fs::path& run_dir) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(run_dir / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  }
+  static void expect_close(const std::vector<nlohmann::json>& a,
+                           const std::vector<nlohmann::json>& b, const char* key) {
+    ASSERT_EQ(a.size(), b.size());
+    int compared = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_EQ(a[i].contains(key), b[i].contains(key)) << "line " << i;
+      if (!a[i].contains(key)) continue;
+      const double x = a[i][key].get<double>(), y = b[i][key].get<double>();
+      EXPECT_LE(std::abs(x - y), 1e-6 * std::abs(x)) << key << " at line " << i;
+      ++compared;
+    }
+    EXPECT_GT(compared, 0) << key;
+  }
+};
+
+// Two ranks at batch 2 train the model one process trains at batch 4 over the same sequences:
+// losses and validation losses within 1e-6; a second run at two ranks is the first, bit for
+// bit; rank 0 alone writes the run, with each rank's step in metrics.jsonl.
+TEST_F(DataParallelCli, TwoRanksTrainAsOneProcessAtTwiceTheBatch) {
+  const std::string common =
+      "--preset tiny --steps 10 --accum 2 --dtype fp32 --sample-tokens 4 "
+      "--eval-every 5 --corpus " +
+      write_corpus(200).string();
+  const Result one =
+      run("OMP_NUM_THREADS=1", common + " --batch 4 --threads 1 --out " + (dir_ / "one").string());
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const Result two = ranks(2, common + " --batch 2 --out " + (dir_ / "two").string());
+  ASSERT_EQ(two.exit_code, 0) << two.err << two.out;
+  EXPECT_NE(two.out.find("data parallel: 2 ranks"), std::string::npos) << two.out;
+  EXPECT_EQ(std::count(two.out.begin(), two.out.end(), '\n'),
+            std::count(one.out.begin(), one.out.end(), '\n') + 1)
+      << "rank 0 alone logs\n"
+      << two.out;
+  const auto a = records(dir_ / "one"), b = records(dir_ / "two");
+  expect_close(a, b, "loss");
+  expect_close(a, b, "val_loss");
+  ASSERT_FALSE(b.empty());
+  ASSERT_TRUE(b.back().contains("ranks"));
+  ASSERT_EQ(b.back()["ranks"].size(), 2u);
+  for (const auto& r : b.back()["ranks"]) {
+    EXPECT_GT(r["tokens_per_s"].get<double>(), 0.0);
+    EXPECT_GT(r["peak_rss_bytes"].get<double>(), 0.0);
+  }
+  const Result again = ranks(2, common + " --batch 2 --out " + (dir_ / "again").string());
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(losses_of(dir_ / "two"), losses_of(dir_ / "again"));
+  EXPECT_EQ(read_all(dir_ / "two" / "model.bin"), read_all(dir_ / "again" / "model.bin"));
+}
+
+// A two-rank run resumed from its checkpoint at step 4 makes the steps after it, and the final
+// weights, of the run that never stopped, bit for bit, in bf16.
+TEST_F(DataParallelCli, TwoRanksResumeBitwise) {
+  const fs::path straight = dir_ / "straight", resumed = dir_ / "resumed";
+  ASSERT_EQ(ranks(2,
+                  "--preset tiny --accum 2 --batch 2 --dtype bf16 --sample-tokens 4 --steps 8 "
+                  "--save-every 4 --corpus " +
+                      write_corpus(200).string() + " --out " + straight.string())
+                .exit_code,
+            0);
+  // The run as it was at step 4: its checkpoint there, nothing of the steps after it.
+  fs::copy(straight, resumed, fs::copy_options::recursive);
+  fs::remove(resumed / "model.bin");
+  fs::remove(resumed / "checkpoints" / "step-00000008.ckpt");
+  const Result rest = ranks(2, "--resume " + resumed.string() + " --sample-tokens 4");
+  ASSERT_EQ(rest.exit_code, 0) << rest.err << rest.out;
+  EXPECT_NE(rest.out.find("at step 5"), std::string::npos) << rest.out;
+  const std::vector<double> a = losses_of(straight), b = losses_of(resumed);
+  ASSERT_EQ(a.size(), 8u);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(read_all(straight / "model.bin"), read_all(resumed / "model.bin"));
+}
+
+// A fine-tune at two ranks of batch 2 is one process at batch 4: LoRA on a tiny run.
+TEST_F(DataParallelCli, TwoRanksFineTuneAsOneProcessAtTwiceTheBatch) {
+  const fs::path base = dir_ / "base";
+  ASSERT_EQ(run("--preset tiny --vocab 300 --batch 8 --steps 20 --dtype fp32 --sample-tokens 1 "
+                "--corpus " +
+                write_corpus(200).string() + " --out " + base.string())
+                .exit_code,
+            0);
+  const fs::path data = dir_ / "pairs.jsonl";
+  {
+    std::ofstream out(data);
+    for (int i = 0; i < 24; ++i)
+      out << "{\"prompt\": \"The cat " << i << "\", \"completion\": \" paints " << (i * 7) % 11
+          << " green apples.\"}\n";
+  }
+  const std::string common = "finetune --model " + base.string() + " --data " + data.string() +
+                             " --val-fraction 0.25 --ctx 32 --accum 2 --steps 6 --lr 1e-2 "
+                             "--dtype fp32";
+  const Result one =
+      run("OMP_NUM_THREADS=1", common + " --batch 4 --threads 1 --out " + (dir_ / "one").string());
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const Result two = ranks(2, common + " --batch 2 --out " + (dir_ / "two").string());
+  ASSERT_EQ(two.exit_code, 0) << two.err << two.out;
+  EXPECT_NE(two.out.find("data parallel: 2 ranks"), std::string::npos) << two.out;
+  const auto a = records(dir_ / "one"), b = records(dir_ / "two");
+  expect_close(a, b, "loss");
+  expect_close(a, b, "val_loss");
+  EXPECT_TRUE(fs::exists(dir_ / "two" / "adapter.gguf"));
+}
+
+// Bad input under two ranks is said once, by rank 0, and nothing starts; the commands that are
+// not training refuse several ranks in one line.
+TEST_F(DataParallelCli, BadInputIsSaidOnce) {
+  const auto errors = [](const Result& r) {
+    size_t n = 0;
+    for (size_t at = r.err.find("cputrain: error:"); at != std::string::npos;
+         at = r.err.find("cputrain: error:", at + 1))
+      ++n;
+    return n;
+  };
+  const Result preset = ranks(2, "--preset nope --out " + (dir_ / "run").string());
+  EXPECT_NE(preset.exit_code, 0);
+  EXPECT_EQ(errors(preset), 1u) << preset.err;
+  EXPECT_NE(preset.err.find("--preset nope: unknown preset"), std::string::npos) << preset.err;
+  EXPECT_FALSE(fs::exists(dir_ / "run"));
+  const Result flag = ranks(2, "--steps -3 --out " + (dir_ / "run").string());
+  EXPECT_NE(flag.exit_code, 0);
+  EXPECT_EQ(errors(flag), 1u) << flag.err;
+  const Result budget = ranks(2, "budget --preset tiny");
+  EXPECT_NE(budget.exit_code, 0);
+  EXPECT_EQ(errors(budget), 1u) << budget.err;
+  EXPECT_NE(budget.err.find("only train and finetune run as several ranks"), std::string::npos)
+      << budget.err;
+}
+
 }  // namespace
