@@ -1,12 +1,16 @@
 #include "engine/adamw.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
+#include "engine/communicator.h"
 #include "engine/offload.h"
 #include "kernels/adamw.h"
+#include "kernels/bf16.h"
 #include "kernels/vector_add.h"
 
 namespace cputrain {
@@ -21,11 +25,25 @@ int64_t padded16(int64_t n) {
 
 }  // namespace
 
-AdamW::AdamW(const ParameterSet& params, const AdamWConfig& config)
+std::vector<int64_t> shard_bounds(int64_t n, int ranks) {
+  std::vector<int64_t> b(static_cast<size_t>(ranks) + 1, n);
+  for (int r = 0; r < ranks; ++r) b[static_cast<size_t>(r)] = n / 16 * r / ranks * 16;
+  return b;
+}
+
+AdamW::AdamW(const ParameterSet& params, const AdamWConfig& config, const Communicator* comm)
     : params_(params), config_(config) {
+  if (comm && comm->size() > 1) {
+    if (params.offloaded()) throw std::logic_error("AdamW: a sharded state is not offloaded");
+    comm_ = comm;
+    shards_ = shard_bounds(params.trainable_numel(), comm->size());
+  }
   if (!params.offloaded()) {
-    m_ = Tensor::zeros(Shape{params.trainable_numel()}, DType::F32, MemoryCategory::OptimizerState);
-    v_ = Tensor::zeros(Shape{params.trainable_numel()}, DType::F32, MemoryCategory::OptimizerState);
+    const int64_t n = shards_.empty() ? params.trainable_numel()
+                                      : shards_[static_cast<size_t>(comm->rank()) + 1] -
+                                            shards_[static_cast<size_t>(comm->rank())];
+    m_ = Tensor::zeros(Shape{n}, DType::F32, MemoryCategory::OptimizerState);
+    v_ = Tensor::zeros(Shape{n}, DType::F32, MemoryCategory::OptimizerState);
     return;
   }
   int64_t largest = 0;
@@ -52,7 +70,7 @@ double gradient_norm(const ParameterSet& params) {
 }
 
 float AdamW::step(float lr) {
-  return step(lr, gradient_norm(params_));
+  return step(lr, gradient_norm());
 }
 
 void AdamW::update(const ParameterInfo& p, int64_t start, int64_t n, float* weights, float* m,
@@ -84,12 +102,72 @@ float AdamW::step(float lr, double norm) {
     return static_cast<float>(norm);
   }
   if (m_.measured()) return static_cast<float>(norm);
+  const int64_t first = shards_.empty() ? 0 : shards_[static_cast<size_t>(comm_->rank())];
   for (const ParameterInfo& p : params_.infos()) {
     if (!p.trainable) continue;
-    update(p, 0, p.shape.numel(), params_.weights().f32() + p.offset, m_.f32() + p.grad_offset,
-           v_.f32() + p.grad_offset, lr, scale);
+    const auto [begin, end] = shard_of(p);
+    if (begin >= end) continue;
+    const int64_t at = p.grad_offset + begin - first;  // into this rank's m and v
+    update(p, begin, end - begin, params_.weights().f32() + p.offset + begin, m_.f32() + at,
+           v_.f32() + at, lr, scale);
   }
+  if (!shards_.empty()) gather_masters();
   return static_cast<float>(norm);
+}
+
+std::pair<int64_t, int64_t> AdamW::shard_of(const ParameterInfo& p) const {
+  const int64_t n = p.shape.numel();
+  if (shards_.empty()) return {0, n};
+  const size_t r = static_cast<size_t>(comm_->rank());
+  return {std::clamp<int64_t>(shards_[r] - p.grad_offset, 0, n),
+          std::clamp<int64_t>(shards_[r + 1] - p.grad_offset, 0, n)};
+}
+
+void AdamW::gather_masters() const {
+  // The gradients are spent: their buffer carries the masters, laid out as the gradients, each
+  // rank's shard in place, to every rank.
+  float* g = params_.gradients().f32();
+  for (const ParameterInfo& p : params_.infos()) {
+    if (!p.trainable) continue;
+    const auto [begin, end] = shard_of(p);
+    if (begin < end)
+      std::memcpy(g + p.grad_offset + begin, params_.weights().f32() + p.offset + begin,
+                  static_cast<size_t>(end - begin) * 4);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  comm_->all_gather(g, shards_);
+  gather_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  for (const ParameterInfo& p : params_.infos()) {
+    if (!p.trainable) continue;
+    const auto [begin, end] = shard_of(p);
+    const int64_t n = p.shape.numel();
+    // The rest of the parameter: before this rank's shard, and after it.
+    for (const auto& [from, to] :
+         {std::pair{int64_t{0}, begin < end ? begin : n}, std::pair{begin < end ? end : n, n}}) {
+      if (from >= to) continue;
+      std::memcpy(params_.weights().f32() + p.offset + from, g + p.grad_offset + from,
+                  static_cast<size_t>(to - from) * 4);
+      if (params_.has_bf16_copies() && p.bf16_offset >= 0)
+        kernels::fp32_to_bf16_array(params_.bf16_weights().bf16() + p.bf16_offset + from,
+                                    params_.weights().f32() + p.offset + from, to - from);
+    }
+  }
+}
+
+double AdamW::gradient_norm() const {
+  if (shards_.empty()) return cputrain::gradient_norm(params_);
+  if (params_.gradients().measured()) return 0.0;
+  double sum = 0.0;
+  for (const ParameterInfo& p : params_.infos()) {
+    if (!p.trainable) continue;
+    const auto [begin, end] = shard_of(p);
+    if (begin < end)
+      sum += kernels::vector_sum_squares(params_.gradients().f32() + p.grad_offset + begin,
+                                         end - begin);
+  }
+  comm_->all_reduce_sum(&sum, 1);
+  return std::sqrt(sum);
 }
 
 void AdamW::step_offloaded(float lr, float scale) {
@@ -137,13 +215,40 @@ void AdamW::step_offloaded(float lr, float scale) {
 }
 
 void AdamW::read_state(bool second, int64_t offset, int64_t n, float* dst) const {
+  if (!shards_.empty()) {
+    const int me = comm_->rank();
+    const float* mine = (second ? v_ : m_).f32();
+    for (int r = 0; r < comm_->size(); ++r) {
+      const int64_t a = std::max(offset, shards_[static_cast<size_t>(r)]);
+      const int64_t b = std::min(offset + n, shards_[static_cast<size_t>(r) + 1]);
+      if (a >= b) continue;
+      const int64_t bytes = (b - a) * 4;
+      const float* from = mine + (a - shards_[static_cast<size_t>(me)]);
+      if (r == me && me == 0)
+        std::memcpy(dst + (a - offset), from, static_cast<size_t>(bytes));
+      else if (r == me)
+        comm_->send(from, bytes, 0);
+      else if (me == 0)
+        comm_->receive(dst + (a - offset), bytes, r);
+    }
+    return;
+  }
   if (m_file_)
     (second ? v_file_ : m_file_)->read(offset, n, dst);
   else
     std::memcpy(dst, (second ? v_ : m_).f32() + offset, static_cast<size_t>(n) * 4);
 }
 
-void AdamW::write_state(bool second, int64_t offset, int64_t n, const float* src) {
+void AdamW::write_state(bool second, int64_t offset, int64_t n, float* src) {
+  if (!shards_.empty()) {
+    comm_->broadcast(src, n * 4, 0);
+    const size_t me = static_cast<size_t>(comm_->rank());
+    const int64_t a = std::max(offset, shards_[me]), b = std::min(offset + n, shards_[me + 1]);
+    if (a < b)
+      std::memcpy((second ? v_ : m_).f32() + (a - shards_[me]), src + (a - offset),
+                  static_cast<size_t>(b - a) * 4);
+    return;
+  }
   if (m_file_)
     (second ? v_file_ : m_file_)->write(offset, n, src);
   else

@@ -11,6 +11,8 @@
 #pragma once
 
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "engine/parameters.h"
 
@@ -28,10 +30,21 @@ struct AdamWConfig {
 };
 
 class IoQueue;
+class Communicator;
+
+// ZeRO-1's shards of n elements over `ranks`: rank r holds [bounds[r], bounds[r + 1]), each bound
+// but the last a multiple of 16 (parameters start at one in the gradients' layout, and AdamW's
+// runs of 16 lanes split them there anyway).
+std::vector<int64_t> shard_bounds(int64_t n, int ranks);
 
 class AdamW {
  public:
-  AdamW(const ParameterSet& params, const AdamWConfig& config);
+  // Over the ranks of `comm` (more than one), the state is sharded (ZeRO-1): this rank keeps m
+  // and v of its shard of the gradients' layout alone (shard_bounds), and step() updates the
+  // masters of that shard from gradients summed there (GradientReducer), then gathers every
+  // rank's updated masters, so that each rank ends the step with all of them and their bf16
+  // copies. The gradient norm is the whole one, summed over the shards.
+  AdamW(const ParameterSet& params, const AdamWConfig& config, const Communicator* comm = nullptr);
   ~AdamW();
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
@@ -41,12 +54,22 @@ class AdamW {
   // The same with the global gradient norm already computed (gradient_norm).
   float step(float lr, double norm);
   int64_t step_count() const { return step_; }
-  // m and v in RAM (undefined where offloaded).
+  // m and v in RAM (undefined where offloaded; this rank's shard where sharded).
   const Tensor& m() const { return m_; }
   const Tensor& v() const { return v_; }
   // n elements of m (second false) or v (second true) from `offset`, wherever they are.
+  // Sharded, each is a collective every rank calls alike: read_state gathers them on rank 0
+  // (`dst` is unused elsewhere), and write_state gives each rank its part of rank 0's `src`
+  // (which it overwrites on the others).
   void read_state(bool second, int64_t offset, int64_t n, float* dst) const;
-  void write_state(bool second, int64_t offset, int64_t n, const float* src);
+  void write_state(bool second, int64_t offset, int64_t n, float* src);
+  // Sharded: the bounds of every rank's shard (shard_bounds); empty otherwise.
+  const std::vector<int64_t>& shards() const { return shards_; }
+  // The global L2 norm of the gradients: of the whole buffer, or sharded of each rank's shard
+  // (where the summed gradients are) added over the ranks.
+  double gradient_norm() const;
+  // Sharded: the milliseconds the last step spent gathering the ranks' updated masters.
+  double gather_ms() const { return gather_ms_; }
   // Elements of m (and of v), padding included.
   int64_t state_numel() const { return params_.trainable_numel(); }
   // For restoring a saved state.
@@ -57,6 +80,10 @@ class AdamW {
   void update(const ParameterInfo& p, int64_t start, int64_t n, float* weights, float* m, float* v,
               float lr, float scale) const;
   void step_offloaded(float lr, float scale);
+  // This rank's shard of parameter p: [begin, end) of its elements; empty where it has none.
+  std::pair<int64_t, int64_t> shard_of(const ParameterInfo& p) const;
+  // Sharded: every rank's updated masters to every rank, with their bf16 copies.
+  void gather_masters() const;
 
   const ParameterSet& params_;
   AdamWConfig config_;
@@ -68,6 +95,10 @@ class AdamW {
   Tensor staging_;
   int64_t chunk_ = 0;
   std::unique_ptr<IoQueue> io_;
+  // Sharded: the communicator and the shards' bounds.
+  const Communicator* comm_ = nullptr;
+  std::vector<int64_t> shards_;
+  mutable double gather_ms_ = 0.0;
 };
 
 // Global L2 norm of the gradients of the set's trainable parameters.

@@ -119,6 +119,16 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
   out.commit();
 }
 
+void share_checkpoint_state(AdamW& adamw, bool saving) {
+  in_state_chunks(static_cast<uint64_t>(adamw.state_numel()), [&](bool second, uint64_t at,
+                                                                  uint64_t k, float* chunk) {
+    if (saving)
+      adamw.read_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk);
+    else
+      adamw.write_state(second, static_cast<int64_t>(at), static_cast<int64_t>(k), chunk);
+  });
+}
+
 CheckpointInfo read_checkpoint_info(const std::string& path) {
   FileReader r(path, "checkpoint");
   uint64_t n = 0;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #ifdef CPUTRAIN_HAVE_MPI
 #include <mpi.h>
@@ -63,7 +65,7 @@ const Communicator& Communicator::world() {
   static const Communicator* const world = [] {
     if (!launched_by_mpi()) return &solo();
     int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     std::atexit([] {
       int finalized = 0;
       MPI_Finalized(&finalized);
@@ -72,7 +74,7 @@ const Communicator& Communicator::world() {
     int rank = 0, size = 1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    static const Communicator mpi(rank, size);
+    static const Communicator mpi(rank, size, provided >= MPI_THREAD_SERIALIZED);
     return &mpi;
   }();
   return *world;
@@ -99,6 +101,75 @@ void Communicator::sum(void* data, int64_t n, bool doubles) const {
                   MPI_SUM, MPI_COMM_WORLD);
 #else
   (void)data, (void)n, (void)doubles;
+#endif
+}
+
+namespace {
+
+void require_mpi(const char* what) {
+#ifndef CPUTRAIN_HAVE_MPI
+  throw std::logic_error(std::string("Communicator::") + what + " of several ranks without MPI");
+#else
+  (void)what;
+#endif
+}
+
+}  // namespace
+
+void Communicator::reduce_scatter_sum(const float* send, float* recv,
+                                      const std::vector<int>& counts) const {
+  if (size_ == 1) {
+    std::copy_n(send, counts.at(0), recv);
+    return;
+  }
+  require_mpi("reduce_scatter_sum");
+#ifdef CPUTRAIN_HAVE_MPI
+  MPI_Reduce_scatter(send, recv, counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+#endif
+}
+
+void Communicator::all_gather(float* data, const std::vector<int64_t>& bounds) const {
+  if (size_ == 1) return;
+  require_mpi("all_gather");
+#ifdef CPUTRAIN_HAVE_MPI
+  if (bounds.back() < kPiece) {
+    std::vector<int> counts(static_cast<size_t>(size_)), d(static_cast<size_t>(size_));
+    for (size_t r = 0; r < counts.size(); ++r) {
+      d[r] = static_cast<int>(bounds[r]);
+      counts[r] = static_cast<int>(bounds[r + 1] - bounds[r]);
+    }
+    MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), d.data(), MPI_FLOAT,
+                   MPI_COMM_WORLD);
+    return;
+  }
+  // Beyond an int's offsets: each rank's part from it, in pieces.
+  for (int r = 0; r < size_; ++r)
+    broadcast(data + bounds[static_cast<size_t>(r)],
+              (bounds[static_cast<size_t>(r) + 1] - bounds[static_cast<size_t>(r)]) * 4, r);
+#else
+  (void)data, (void)bounds;
+#endif
+}
+
+void Communicator::send(const void* data, int64_t bytes, int to) const {
+  require_mpi("send");
+#ifdef CPUTRAIN_HAVE_MPI
+  for (int64_t i = 0; i < bytes; i += kPiece)
+    MPI_Send(static_cast<const char*>(data) + i, static_cast<int>(std::min(kPiece, bytes - i)),
+             MPI_BYTE, to, 0, MPI_COMM_WORLD);
+#else
+  (void)data, (void)bytes, (void)to;
+#endif
+}
+
+void Communicator::receive(void* data, int64_t bytes, int from) const {
+  require_mpi("receive");
+#ifdef CPUTRAIN_HAVE_MPI
+  for (int64_t i = 0; i < bytes; i += kPiece)
+    MPI_Recv(static_cast<char*>(data) + i, static_cast<int>(std::min(kPiece, bytes - i)), MPI_BYTE,
+             from, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+#else
+  (void)data, (void)bytes, (void)from;
 #endif
 }
 

@@ -1,10 +1,11 @@
 // The processes of a data-parallel job. Under an MPI launcher (`mpirun -np N cputrain ...`, with
 // cputrain built against MPI) the world is MPI's: N ranks, each computing its share of the
 // global batch. Anywhere else, or in a build without MPI, the world is this process alone, and
-// nothing changes. Collectives are called from the main thread only.
+// nothing changes. Collectives are called by one thread at a time.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace cputrain {
 
@@ -15,6 +16,9 @@ class Communicator {
   static const Communicator& world();
   // This process alone (rank 0 of 1), whatever the world is.
   static const Communicator& solo();
+  // Rank 0 of `ranks` in shape alone, for measuring one rank's memory (the budget): its
+  // collectives must not be called.
+  static Communicator shape_of(int ranks) { return Communicator(0, ranks); }
   // Whether this build can run across processes (it was built against MPI).
   static bool built_with_mpi();
   // The ranks an MPI launcher started this job with (its environment says), 1 without one,
@@ -28,11 +32,24 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Whether collectives may be called from a thread other than the main one, one thread at a
+  // time (MPI_THREAD_SERIALIZED): then gradients are reduced on a thread of their own while the
+  // backward pass goes on.
+  bool serialized_threads() const { return serialized_; }
 
   // Sums `n` elements over the ranks in place: every rank gets the same sum. For a given size
   // the order of the additions is the same from run to run (two ranks: a + b on both).
   void all_reduce_sum(float* data, int64_t n) const;
   void all_reduce_sum(double* data, int64_t n) const;
+  // Sums `send` (the sum of counts[r] elements) over the ranks; rank r receives its part,
+  // counts[0] + .. + counts[r - 1] onwards, in `recv` (counts[r] elements). One order of
+  // additions per size, as all_reduce_sum.
+  void reduce_scatter_sum(const float* send, float* recv, const std::vector<int>& counts) const;
+  // Rank r's part of `data`, [bounds[r], bounds[r + 1]), reaches every rank.
+  void all_gather(float* data, const std::vector<int64_t>& bounds) const;
+  // Point to point: `bytes` to rank `to`, or from rank `from`.
+  void send(const void* data, int64_t bytes, int to) const;
+  void receive(void* data, int64_t bytes, int from) const;
   // `data` on every rank becomes rank `root`'s.
   void broadcast(void* data, int64_t bytes, int root) const;
   void barrier() const;
@@ -42,11 +59,13 @@ class Communicator {
 
  private:
   // Of more than one rank: MPI's world.
-  Communicator(int rank, int size) : rank_(rank), size_(size) {}
+  Communicator(int rank, int size, bool serialized = false)
+      : rank_(rank), size_(size), serialized_(serialized) {}
   // all_reduce_sum of floats, or of doubles.
   void sum(void* data, int64_t n, bool doubles) const;
   int rank_;
   int size_;
+  bool serialized_;
 };
 
 }  // namespace cputrain

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -106,6 +107,18 @@ class ParameterSet {
   // Rounds the current FP32 masters into the copies; nothing without them.
   void sync_bf16_copies() const;
 
+  // Backward passes say where the gradients have become final: a model calls
+  // gradients_final_from(offset) when every gradient from `offset` (into gradients()) to the
+  // end has its whole value for the pass, its blocks' backward done from the top down. A
+  // watcher (a data-parallel trainer, which reduces them over the ranks meanwhile) hears of it;
+  // null: nobody.
+  void set_gradient_watcher(std::function<void(int64_t)> watcher) const {
+    watcher_ = std::move(watcher);
+  }
+  void gradients_final_from(int64_t offset) const {
+    if (watcher_) watcher_(offset);
+  }
+
   // FNV-1a of the frozen parameters' names and values as stored (FP32 or bf16 bytes): what a
   // checkpoint of the trainable ones records, so that it is resumed on the same frozen base
   // only. 0 where nothing is frozen.
@@ -126,6 +139,7 @@ class ParameterSet {
   // Until the bf16 copies are made: where map_bf16 put each mapped parameter's values, and their
   // owner (null elsewhere). Their tensors keep the owners after.
   std::vector<std::pair<const void*, std::shared_ptr<const void>>> mapped_;
+  mutable std::function<void(int64_t)> watcher_;
 };
 
 }  // namespace cputrain

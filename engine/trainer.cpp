@@ -13,11 +13,16 @@ Trainer::Trainer(const ParameterSet& params, LossFn loss_fn, const TrainOptions&
     : params_(params),
       loss_fn_(std::move(loss_fn)),
       options_(options),
-      optimizer_(params, options.adamw),
+      optimizer_(params, options.adamw, options.shard_optimizer ? options.comm : nullptr),
       inputs_(
           Tensor::empty(Shape{options.batch, options.ctx}, DType::I32, MemoryCategory::Workspace)),
-      targets_(Tensor::empty(Shape{options.batch, options.ctx}, DType::I32,
-                             MemoryCategory::Workspace)) {}
+      targets_(
+          Tensor::empty(Shape{options.batch, options.ctx}, DType::I32, MemoryCategory::Workspace)) {
+  if (options.comm && options.comm->size() > 1 && params.gradients().defined())
+    reducer_ = std::make_unique<GradientReducer>(
+        *options.comm, params.gradients().measured() ? nullptr : params.gradients().f32(),
+        params.gradients().numel(), options.reduce_bucket, optimizer_.shards());
+}
 
 StepResult Trainer::step(std::span<const int32_t> tokens, int64_t step) {
   const int64_t B = options_.batch;
@@ -44,28 +49,38 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
     profiler::Scope scope("zero gradients", profiler::Pass::Step);
     params_.zero_grad();
   }
+  // Over several ranks the last micro-batch's backward pass sums the gradients as it makes them
+  // final, bucket by bucket; the micro-batches before it only accumulate.
+  const bool reduce = reducer_ && !measuring();
   for (int64_t micro = 0; micro < options_.accum; ++micro) {
     Variable loss = micro_loss(micro);
     if (!measuring()) loss_sum += loss.value().f32()[0];
+    const bool last = micro == options_.accum - 1;
+    if (reduce && last) {
+      reducer_->begin();
+      params_.set_gradient_watcher([this](int64_t offset) { reducer_->final_from(offset); });
+    }
+    struct Unwatch {
+      const ParameterSet& params;
+      ~Unwatch() { params.set_gradient_watcher(nullptr); }
+    } unwatch{params_};
     backward(loss, 1.0f / static_cast<float>(divisor));
   }
-  double comm_ms = 0.0;
+  double comm_ms = 0.0, reducing_ms = 0.0;
   if (options_.comm && options_.comm->size() > 1 && !measuring()) {
-    profiler::Scope scope("all-reduce gradients", profiler::Pass::Step);
-    const auto reduce_start = std::chrono::steady_clock::now();
-    if (params_.gradients().defined())
-      options_.comm->all_reduce_sum(params_.gradients().f32(), params_.gradients().numel());
+    profiler::Scope scope("gradients' sum, unhidden", profiler::Pass::Step);
+    if (reducer_) {
+      comm_ms = reducer_->finish();
+      reducing_ms = reducer_->reducing_ms();
+    }
     options_.comm->all_reduce_sum(&loss_sum, 1);
-    comm_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - reduce_start)
-            .count();
   }
   StepResult r;
   r.lr = learning_rate(options_.lr, step);
   r.loss = loss_sum / static_cast<double>(divisor);
   {
     profiler::Scope scope("gradient norm", profiler::Pass::Step);
-    r.grad_norm = gradient_norm(params_);
+    r.grad_norm = optimizer_.gradient_norm();
   }
   if (filter_ && !filter_(r)) {
     r.skipped = true;
@@ -77,6 +92,8 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   r.tokens_per_s = static_cast<double>(positions) / (r.ms / 1000.0);
   r.comm_ms = comm_ms;
+  r.reducing_ms = reducing_ms;
+  r.gather_ms = r.skipped ? 0.0 : optimizer_.gather_ms();
   return r;
 }
 

@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 
 #include "engine/adamw.h"
 #include "engine/communicator.h"
+#include "engine/gradient_reducer.h"
 #include "engine/lr_schedule.h"
 #include "engine/parameters.h"
 
@@ -24,6 +26,12 @@ struct TrainOptions {
   // each rank's rows a micro-batch; the step's gradients and loss are summed over the ranks
   // before the update, which every rank applies alike. Null: this process alone.
   const Communicator* comm = nullptr;
+  // Elements of the gradients summed over the ranks by one collective call (a bucket,
+  // engine/gradient_reducer.h): 4 Mi (16 MiB) by default.
+  int64_t reduce_bucket = int64_t{1} << 22;
+  // Over several ranks: AdamW's state sharded (ZeRO-1; engine/adamw.h), else every rank holds
+  // and updates the whole of it.
+  bool shard_optimizer = true;
 };
 
 struct StepResult {
@@ -32,8 +40,10 @@ struct StepResult {
   double grad_norm = 0.0;  // before clipping
   double ms = 0.0;
   double tokens_per_s = 0.0;
-  double comm_ms = 0.0;  // of ms, spent summing the gradients over the ranks
-  bool skipped = false;  // the step filter refused the update: the weights are as before
+  double comm_ms = 0.0;      // of ms, spent waiting for the gradients' sum over the ranks
+  double reducing_ms = 0.0;  // the sum's own time, most of it behind the backward pass
+  double gather_ms = 0.0;    // of ms, gathering the ranks' updated weights (AdamW sharded)
+  bool skipped = false;      // the step filter refused the update: the weights are as before
 };
 
 // Mean loss of loss_fn over the first `windows` consecutive evaluation windows of `tokens`
@@ -87,8 +97,9 @@ class Trainer {
   TrainOptions options_;
   AdamW optimizer_;
   std::function<bool(const StepResult&)> filter_;
-  Tensor inputs_;   // (batch, ctx) i32
-  Tensor targets_;  // (batch, ctx) i32
+  std::unique_ptr<GradientReducer> reducer_;  // over several ranks
+  Tensor inputs_;                             // (batch, ctx) i32
+  Tensor targets_;                            // (batch, ctx) i32
 };
 
 }  // namespace cputrain

@@ -99,6 +99,34 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
   params_.allocate(options.compute_dtype);
   compute_dtype_ = options.compute_dtype;
 
+  // Backward reaches the head, then the blocks from the top: after block i's, the gradients of
+  // blocks i and above and of the head are final, the tied embedding's not until the end. Where
+  // those are the gradient buffer's tail, its start is where the gradients are final.
+  const auto block_params = [](const Block& b) {
+    std::vector<int> v = {
+        b.attention_norm, b.wq, b.wk, b.wv, b.wo, b.ffn_norm, b.w1, b.w3, b.w2, b.bq, b.bk, b.bv};
+    v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
+    v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
+    return v;
+  };
+  std::vector<bool> done(params_.infos().size(), false);
+  final_from_.assign(blocks_.size() + 1, -1);
+  for (size_t stage = blocks_.size() + 1; stage-- > 0;) {
+    const std::vector<int> now =
+        stage == blocks_.size() ? std::vector<int>{norm_, output_ == tok_embeddings_ ? -1 : output_}
+                                : block_params(blocks_[stage]);
+    for (const int index : now)
+      if (index >= 0) done[static_cast<size_t>(index)] = true;
+    int64_t from = params_.trainable_numel();
+    for (size_t i = 0; i < done.size(); ++i)
+      if (done[i] && params_.infos()[i].grad_offset >= 0)
+        from = std::min(from, params_.infos()[i].grad_offset);
+    bool tail = true;
+    for (size_t i = 0; i < done.size(); ++i)
+      if (!done[i] && params_.infos()[i].grad_offset >= from) tail = false;
+    if (tail) final_from_[stage] = from;
+  }
+
   const int64_t D = config.head_size();
   rope_table_ = Tensor::empty(Shape{config.ctx, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
   if (!rope_table_.measured())
@@ -242,9 +270,15 @@ Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing>
   read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), inputs);
   const bool recording = read_ahead_queue_ && grad_enabled();
+  const auto final_from = [this](size_t stage) {
+    if (grad_enabled() && final_from_[stage] >= 0)
+      record_backward("gradients final",
+                      [this, stage] { params_.gradients_final_from(final_from_[stage]); });
+  };
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const Block& b = blocks_[i];
     // The backward pass reaches this just after the block's own backward.
+    final_from(i);
     if (recording) record_backward("read_ahead", [this, i] { read_ahead(i, true); });
     read_ahead(i + 1);  // the next block's weights (the head's after the last) while this runs
     if (checkpointing_) {
@@ -262,6 +296,7 @@ Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing>
     // weights are read meanwhile.
     if (i > 0 && recording) record_backward("read_ahead", [this, i] { read_ahead(i - 1); });
   }
+  final_from(blocks_.size());  // reached after the head's backward
   return rmsnorm(x, p(norm_), config_.norm_eps);
 }
 

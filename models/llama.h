@@ -163,6 +163,10 @@ class LlamaModel {
   bool checkpointing_ = false;
   // The thread that reads mapped weights ahead (set_read_ahead); null when off.
   std::shared_ptr<IoQueue> read_ahead_queue_;
+  // final_from_[i]: once block i's backward is done (i == the block count: the head's), every
+  // gradient from this offset on is final (ParameterSet::gradients_final_from); -1 where the
+  // layout puts another's gradient in that range.
+  std::vector<int64_t> final_from_;
 };
 
 }  // namespace cputrain

@@ -51,6 +51,8 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     t.ctx = o.ctx;
     t.accum = o.accum;
     t.lr.total_steps = 3;
+    const Communicator ranks = Communicator::shape_of(o.ranks);
+    if (o.ranks > 1) t.comm = &ranks;
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, t);

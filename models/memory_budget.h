@@ -42,6 +42,9 @@ struct BudgetOptions {
   // --offload: the FP32 masters the bf16 copies stand for, and AdamW's m and v, in state files
   // (ParameterSet::set_offload); RAM holds the optimizer's staging chunks instead.
   bool offload = false;
+  // The ranks of a data-parallel job (`mpirun -np N`): the budget is one rank's, with AdamW's
+  // state sharded (ZeRO-1) and the gradients' receiving buffer (engine/gradient_reducer.h).
+  int ranks = 1;
 };
 
 struct MemoryBudget {

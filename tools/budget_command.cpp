@@ -89,6 +89,7 @@ BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens, int64_t 
   o.corpus_tokens = corpus_tokens;
   o.eval_windows = eval_windows;
   o.offload = !c.offload.empty();
+  o.ranks = c.ranks;
   return o;
 }
 
@@ -151,7 +152,7 @@ std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t eva
         {fmt::format("--batch {} --accum {} (same tokens per step)", r.train.batch, r.train.accum),
          r});
   }
-  if (c.offload.empty()) {
+  if (c.offload.empty() && c.ranks == 1) {  // a job of several ranks holds its state in RAM
     RunConfig r = c;
     r.offload = "DIR";
     levers.push_back({"--offload DIR", r});
@@ -187,6 +188,11 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   add_model_flags(app, t);
   app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")
       ->check(threads_limit());
+  app.add_option("--ranks", a.ranks,
+                 "Each rank's budget in a data-parallel job of this many ranks (mpirun -np N), "
+                 "AdamW's state sharded among them")
+      ->capture_default_str()
+      ->check(positive_whole());
   add_kernel_flags(app, t.kernels);
   app.add_option("--dtype", t.dtype, "bf16 or fp32 (default: as train chooses)")
       ->check(CLI::IsMember({"bf16", "fp32"}));
@@ -234,6 +240,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   o.threads = t.threads > 0 ? t.threads : omp_get_num_procs();
   o.packed = true;
   o.eval_windows = a.val_rows;
+  o.ranks = a.ranks;
   if (a.lora_rank > 0) {
     o.lora.rank = a.lora_rank;
     o.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
@@ -310,6 +317,10 @@ int run_budget(const BudgetArgs& a) {
   std::string why;
   config.dtype = choose_dtype(a.train.dtype, &why);
   config.checkpoint = a.train.checkpoint == "layer";
+  config.ranks = a.ranks;
+  if (a.ranks > 1 && !config.offload.empty())
+    throw UserError("--offload " + a.train.offload + ": a job of " + std::to_string(a.ranks) +
+                    " ranks holds its state in RAM");
   const int64_t corpus_tokens = estimated_corpus_tokens(config.corpus);
   // Training evaluates between steps (--eval-windows, its default here).
   const int64_t eval_windows = a.train.eval_windows;
@@ -324,6 +335,7 @@ int run_budget(const BudgetArgs& a) {
                         {"ctx", config.train.ctx},
                         {"checkpoint", config.checkpoint ? "layer" : "none"},
                         {"offload", !config.offload.empty()},
+                        {"ranks", config.ranks},
                         {"parameters", parameter_count(config.model)}};
     add_budget_bytes(j, b, available);
     std::printf("%s\n", j.dump(2).c_str());

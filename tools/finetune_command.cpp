@@ -333,6 +333,7 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
     bo.lora = options.lora;
     bo.packed = true;
     bo.offload = options.offload;
+    bo.ranks = comm.size();
     bo.eval_windows = val.empty() ? 0 : static_cast<int64_t>(pack_examples(val, ctx).size());
     MemoryBudget budget = memory_budget(m.config, bo);
     // A base read in place is the model file's pages: resident as the steps read them, dropped
@@ -423,6 +424,8 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
                                          : std::string()},
                    {"train_on_prompt", a.train_on_prompt},
                    {"seed", a.seed}};
+    // A job's batch is each rank's: the ranks are part of the run.
+    if (comm.size() > 1) config["ranks"] = comm.size();
     // The data's fingerprint: every example's tokens and targets, training and validation.
     uint64_t data_fingerprint = kFnvOffset;
     for (const auto* set : {&data.examples, &val})
@@ -433,12 +436,25 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
       }
     const std::string config_text = config.dump(2) + "\n";
     int64_t first_step = 1;
+    std::string resume_from;  // the checkpoint rank 0 resumes from
     if (a.resume && lead) {
       // The same configuration, the newest checkpoint, the same data: then every later step is
       // the one the run would have made.
       std::ifstream in(a.out + "/config.json");
       std::stringstream stored;
       stored << in.rdbuf();
+      int stored_ranks = 1;
+      try {
+        stored_ranks = json::parse(stored.str()).value("ranks", 1);
+      } catch (const json::exception&) {
+        // a damaged config.json: refused below as another fine-tune's
+      }
+      if (stored_ranks != comm.size())
+        throw UserError("--resume " + a.out + ": the fine-tune runs as " +
+                        std::to_string(stored_ranks) + " rank" + (stored_ranks == 1 ? "" : "s") +
+                        " (its batch is each rank's), and this job has " +
+                        std::to_string(comm.size()) + ": resume it with mpirun -np " +
+                        std::to_string(stored_ranks));
       if (stored.str() != config_text)
         throw UserError("--resume " + a.out +
                         ": its config.json is another fine-tune's; give the "
@@ -446,8 +462,8 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
       const auto all = list_checkpoints(a.out);
       if (all.empty())
         throw UserError("--resume " + a.out + ": no checkpoint in " + checkpoint_dir(a.out));
-      const CheckpointInfo info =
-          load_checkpoint(all.back().second, model.parameters(), &trainer.optimizer());
+      resume_from = all.back().second;
+      const CheckpointInfo info = read_checkpoint_info(resume_from);
       if (info.data_fingerprint != data_fingerprint)
         throw UserError(all.back().second + ": trained on other data than " + a.data);
       first_step = info.step + 1;
@@ -465,10 +481,18 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
     }
     std::ofstream metrics;
     if (lead) metrics.open(a.out + "/metrics.jsonl", std::ios::app);
+    // Every rank starts from rank 0's adapters (or weights) and, resumed, its optimizer state
+    // (sharded: each rank takes its shard as rank 0 reads the file).
     if (comm.size() > 1) {
-      // Every rank starts from rank 0's adapters (or weights) and, resumed, its optimizer state.
       start.ready();
       first_step = share_value(comm, first_step);
+    }
+    const bool sharded = !trainer.optimizer().shards().empty();
+    if (!resume_from.empty())
+      load_checkpoint(resume_from, model.parameters(), &trainer.optimizer());
+    else if (first_step > 1 && sharded)
+      share_checkpoint_state(trainer.optimizer(), false);
+    if (comm.size() > 1) {
       broadcast_training_state(comm, model.parameters(), trainer.optimizer());
       std::printf("data parallel: %d ranks, each of %lld x %lld rows a step\n", comm.size(),
                   static_cast<long long>(a.batch), static_cast<long long>(a.accum));
@@ -522,8 +546,8 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
       const ProcessMemory mem = process_memory();
       const int64_t resident = mapped_bytes > 0 ? mem.rss_anon_bytes : mem.rss_bytes;
       // Every rank's step (the job stops together on a bad one, as rank 0 decides alike).
-      const std::vector<RankStep> ranks =
-          gather_step(comm, {r.ms, r.comm_ms, resident, mem.peak_rss_bytes, 0});
+      const std::vector<RankStep> ranks = gather_step(
+          comm, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms, resident, mem.peak_rss_bytes, 0});
       int64_t largest = 0;
       for (const RankStep& rs : ranks) largest = std::max(largest, rs.rss_bytes);
       std::printf(
@@ -534,10 +558,14 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
           mapped_bytes > 0
               ? (" + " + format_bytes(mem.rss_file_bytes) + " of mapped files (base, code)").c_str()
               : "",
-          comm.size() > 1 ? (" | the largest of " + std::to_string(comm.size()) + " ranks; " +
-                             std::to_string(static_cast<int64_t>(r.comm_ms)) + " ms reducing")
-                                .c_str()
-                          : "");
+          comm.size() > 1
+              ? (" | the largest of " + std::to_string(comm.size()) + " ranks; " +
+                 "summing gradients " + std::to_string(static_cast<int64_t>(r.reducing_ms)) +
+                 " ms, " + std::to_string(static_cast<int64_t>(r.comm_ms)) +
+                 " of it after the backward pass; gathering weights " +
+                 std::to_string(static_cast<int64_t>(r.gather_ms)) + " ms")
+                    .c_str()
+              : "");
       std::fflush(stdout);
       json record{{"step", step},
                   {"loss", r.loss},
@@ -555,7 +583,12 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
         record["ranks"] = rank_records(ranks, a.batch * a.accum * ctx * comm.size());
       if (lead) metrics << record.dump() << "\n" << std::flush;
       if (a.eval_every > 0 && step % a.eval_every == 0 && step < steps) validate(step);
-      if (lead && ((a.save_every > 0 && step % a.save_every == 0) || step == steps)) save(step);
+      if ((a.save_every > 0 && step % a.save_every == 0) || step == steps) {
+        if (lead)
+          save(step);
+        else if (sharded)
+          share_checkpoint_state(trainer.optimizer(), true);
+      }
     }
     job_ended();
     if (!lead) return 0;

@@ -87,14 +87,16 @@ void broadcast_training_state(const Communicator& comm, const ParameterSet& para
     if (p.bf16_offset >= 0 && !params.bf16_weights().measured())
       comm.broadcast(params.bf16_weights().bf16() + p.bf16_offset, n * 2, 0);
   }
-  for (const Tensor* t : {&optimizer.m(), &optimizer.v()})
-    if (t->defined() && !t->measured())
-      comm.broadcast(t->raw(), static_cast<int64_t>(t->bytes()), 0);
+  // A sharded state is each rank's own, taken from a checkpoint by share_checkpoint_state.
+  if (optimizer.shards().empty())
+    for (const Tensor* t : {&optimizer.m(), &optimizer.v()})
+      if (t->defined() && !t->measured())
+        comm.broadcast(t->raw(), static_cast<int64_t>(t->bytes()), 0);
   optimizer.set_step_count(share_value(comm, optimizer.step_count()));
 }
 
 std::vector<RankStep> gather_step(const Communicator& comm, const RankStep& mine) {
-  constexpr int kFields = 5;
+  constexpr int kFields = 7;
   std::vector<double> all(static_cast<size_t>(comm.size() * kFields), 0.0);
   double* slot = all.data() + comm.rank() * kFields;
   slot[0] = mine.ms;
@@ -102,11 +104,18 @@ std::vector<RankStep> gather_step(const Communicator& comm, const RankStep& mine
   slot[2] = static_cast<double>(mine.rss_bytes);
   slot[3] = static_cast<double>(mine.peak_rss);
   slot[4] = mine.stop_signal;
+  slot[5] = mine.reducing_ms;
+  slot[6] = mine.gather_ms;
   comm.all_reduce_sum(all.data(), static_cast<int64_t>(all.size()));
   std::vector<RankStep> out(static_cast<size_t>(comm.size()));
   for (size_t r = 0; r < out.size(); ++r) {
     const double* s = all.data() + r * kFields;
-    out[r] = {s[0], s[1], static_cast<int64_t>(s[2]), static_cast<int64_t>(s[3]),
+    out[r] = {s[0],
+              s[1],
+              s[5],
+              s[6],
+              static_cast<int64_t>(s[2]),
+              static_cast<int64_t>(s[3]),
               static_cast<int>(s[4])};
   }
   return out;
@@ -118,6 +127,8 @@ nlohmann::json rank_records(const std::vector<RankStep>& ranks, int64_t position
   for (const RankStep& r : ranks)
     out.push_back({{"ms", r.ms},
                    {"comm_ms", r.comm_ms},
+                   {"reducing_ms", r.reducing_ms},
+                   {"gather_ms", r.gather_ms},
                    {"tokens_per_s", r.ms > 0.0 ? share / (r.ms / 1000.0) : 0.0},
                    {"rss_bytes", r.rss_bytes},
                    {"peak_rss_bytes", r.peak_rss}});

@@ -56,19 +56,21 @@ void broadcast_text(const Communicator& comm, std::string& text);
 std::vector<int32_t> share_tokens(const Communicator& comm, std::span<const int32_t> tokens);
 // Rank 0's `value` on every rank.
 int64_t share_value(const Communicator& comm, int64_t value);
-// Every rank's parameters (FP32 masters and bf16 copies, where held in RAM) and optimizer
-// state (m, v, step count) become rank 0's: a job starts from rank 0's init, model or resumed
-// checkpoint.
+// Every rank's trainable parameters (FP32 masters and bf16 copies) and optimizer state (m, v
+// unless sharded, the step count) become rank 0's: a job starts from rank 0's init, model or
+// resumed checkpoint.
 void broadcast_training_state(const Communicator& comm, const ParameterSet& params,
                               AdamW& optimizer);
 
 // What each rank made of a step, gathered on every rank.
 struct RankStep {
-  double ms = 0.0;        // the step's time on this rank
-  double comm_ms = 0.0;   // of it, waiting for the gradients' reduction
-  int64_t rss_bytes = 0;  // resident now
-  int64_t peak_rss = 0;   // peak resident
-  int stop_signal = 0;    // a stop signal this rank received (0: none)
+  double ms = 0.0;           // the step's time on this rank
+  double comm_ms = 0.0;      // of it, waiting for the gradients' sum after the backward pass
+  double reducing_ms = 0.0;  // the sum's own time, most of it during the backward pass
+  double gather_ms = 0.0;    // of it, gathering the updated weights
+  int64_t rss_bytes = 0;     // resident now
+  int64_t peak_rss = 0;      // peak resident
+  int stop_signal = 0;       // a stop signal this rank received (0: none)
 };
 std::vector<RankStep> gather_step(const Communicator& comm, const RankStep& mine);
 // metrics.jsonl's "ranks" of a step that moved `positions` over the job: each rank's time, time

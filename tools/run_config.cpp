@@ -67,6 +67,7 @@ std::string run_config_to_json(const RunConfig& c) {
         {"keep", c.keep},
         {"offload", c.offload},
         {"threads", c.threads},
+        {"ranks", c.ranks},
         {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"},
         {"checkpoint", c.checkpoint ? "layer" : "none"}}},
   };
@@ -127,6 +128,7 @@ RunConfig parse_run_config(const std::string& text, const std::string& path) {
     c.train.adamw.weight_decay = t.at("weight_decay").get<float>();
     c.train.adamw.grad_clip = t.at("grad_clip").get<float>();
     c.threads = t.at("threads").get<int>();
+    c.ranks = t.value("ranks", 1);
     const std::string dtype = t.value("dtype", std::string("fp32"));
     if (dtype != "fp32" && dtype != "bf16")
       throw UserError(path + ": train.dtype must be fp32 or bf16 (got " + dtype + ")");
@@ -149,6 +151,7 @@ std::string run_identity(const std::string& config_json) {
   json j = json::parse(config_json);
   json& t = j["train"];
   if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
+  if (!t.contains("ranks")) t["ranks"] = 1;
   for (const char* key : {"steps", "threads", "save_every", "keep", "offload"}) t.erase(key);
   return json{j["model"], t, j["corpus"], j.value("init", std::string())}.dump();
 }

@@ -19,6 +19,7 @@ struct RunConfig {
   int64_t save_every = 0;  // a checkpoint every N steps (0: only at the end and on a signal)
   int64_t keep = 3;        // checkpoints kept
   int threads = 0;
+  int ranks = 1;             // of the data-parallel job (mpirun -np N) it trains as
   DType dtype = DType::F32;  // F32 or BF16 (--dtype)
   bool checkpoint = false;   // per-layer gradient checkpointing (--checkpoint layer)
   // --offload: the folder of the state files (masters, AdamW's m and v); empty: all in RAM. Where

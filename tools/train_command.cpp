@@ -477,6 +477,14 @@ int lead_train(const TrainArgs& args, JobStart& start) {
     config.checkpoint = args.checkpoint == "layer";
     if (!args.model.empty()) begin_from_model(config, args);
   }
+  const int ranks = Communicator::world().size();
+  if (resuming && config.ranks != ranks)
+    throw UserError("--resume " + args.resume + ": the run trains as " +
+                    std::to_string(config.ranks) + " rank" + (config.ranks == 1 ? "" : "s") +
+                    " (its batch is each rank's), and this job has " + std::to_string(ranks) +
+                    ": resume it with mpirun -np " + std::to_string(config.ranks) +
+                    (config.ranks == 1 ? " or without mpirun" : ""));
+  config.ranks = ranks;
   if (Communicator::world().size() > 1 && !config.offload.empty())
     throw UserError("--offload " + config.offload + ": a data-parallel job of " +
                     std::to_string(Communicator::world().size()) +
@@ -628,7 +636,6 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   int64_t first_step = 1;
   std::string last_checkpoint;
   if (resume) {
-    load_checkpoint(resume->path, model.parameters(), &trainer.optimizer());
     last_checkpoint = resume->path;
     first_step = resume->info.step + 1;
     truncate_metrics(out + "/metrics.jsonl", resume->info.step);
@@ -645,6 +652,10 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
     share_value(comm, first_step);
     share_tokens(comm, train_tokens);
     share_tokens(comm, val_tokens);
+  }
+  // Of a job with its optimizer sharded, every rank takes its shard as this one reads the file.
+  if (resume) load_checkpoint(resume->path, model.parameters(), &trainer.optimizer());
+  if (comm.size() > 1) {
     broadcast_training_state(comm, model.parameters(), trainer.optimizer());
     log->info(
         "data parallel: {} ranks, each of {} x {} sequences a step (the job's batch is {} x {})",
@@ -679,7 +690,8 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       const ProcessMemory mem = process_memory();
       // Every rank's step, and a stop signal any of them received (the job stops together).
       const std::vector<RankStep> ranks =
-          gather_step(comm, {r.ms, r.comm_ms, mem.rss_bytes, mem.peak_rss_bytes, stop_signal()});
+          gather_step(comm, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms, mem.rss_bytes,
+                             mem.peak_rss_bytes, stop_signal()});
       int64_t peak_rss = 0;
       int stop = 0;
       for (const RankStep& rs : ranks) {
@@ -727,7 +739,11 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
             "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
             "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}",
             step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
-            comm.size() > 1 ? fmt::format(" ({:.0f} reducing)", r.comm_ms) : std::string(),
+            comm.size() > 1
+                ? fmt::format(" (summing gradients {:.0f}, {:.0f} of it after the backward "
+                              "pass; gathering weights {:.0f})",
+                              r.reducing_ms, r.comm_ms, r.gather_ms)
+                : std::string(),
             gib(peak_rss), gib(budget.total_bytes()),
             100.0 *
                 (static_cast<double>(peak_rss) / static_cast<double>(budget.total_bytes()) - 1.0),
@@ -796,6 +812,8 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   Trainer trainer(
       model.parameters(),
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
+  const bool sharded = !trainer.optimizer().shards().empty();
+  if (first_step > 1 && sharded) share_checkpoint_state(trainer.optimizer(), false);
   broadcast_training_state(comm, model.parameters(), trainer.optimizer());
   // A stop signal here stops the job after its step, as one to rank 0 does.
   const StopSignals signals([](int) {});
@@ -810,8 +828,8 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
     profiler::set_enabled(false);
     const ProcessMemory mem = process_memory();
     int stop = 0;
-    for (const RankStep& rs :
-         gather_step(comm, {r.ms, r.comm_ms, mem.rss_bytes, mem.peak_rss_bytes, stop_signal()}))
+    for (const RankStep& rs : gather_step(comm, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms,
+                                                 mem.rss_bytes, mem.peak_rss_bytes, stop_signal()}))
       if (stop == 0) stop = rs.stop_signal;
     if (r.skipped && args.on_bad_step == "stop") {
       job_ended();
@@ -819,6 +837,10 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
     }
     if (can_eval && (step % eval_every == 0 || step == config.steps))
       trainer.evaluate(val_tokens, args.eval_windows);
+    // Rank 0 saves a checkpoint now: the shards of m and v go to it.
+    if (sharded && ((config.save_every > 0 && step % config.save_every == 0) ||
+                    step == config.steps || stop != 0))
+      share_checkpoint_state(trainer.optimizer(), true);
     if (stop != 0) {
       job_ended();
       return 128 + stop;

@@ -409,6 +409,56 @@ TEST(Lora, BegunAdaptersComputeTheBaseExactly) {
   }
 }
 
+// The backward pass says where the gradients have become final, from the head down, for the
+// data-parallel trainer to sum them meanwhile: at every call, each gradient from the offset on
+// already has the value it ends the pass with; the offsets fall; after block 0 every gradient
+// but the embedding's (tied: also the head's) is final. Plain, tied, LoRA and checkpointed.
+TEST(LlamaModel, BackwardSaysWhereGradientsAreFinal) {
+  struct Case {
+    const char* name;
+    bool tied, lora, checkpoint;
+  };
+  for (const Case& k :
+       {Case{"plain", false, false, false}, Case{"tied", true, false, false},
+        Case{"lora", false, true, false}, Case{"checkpointed", false, false, true}}) {
+    LlamaConfig c = lora_shape();
+    c.n_layers = 3;
+    c.tie_embeddings = k.tied;
+    ModelOptions o;
+    if (k.lora) o.lora = lora_all(4);
+    LlamaModel model(c, o);
+    model.init_weights(4);
+    if (k.lora) model.init_adapters(5);
+    model.set_checkpointing(k.checkpoint);
+    const ParameterSet& p = model.parameters();
+    const Tensor x = random_tokens(2, 16, c.vocab, 1), y = random_tokens(2, 16, c.vocab, 2);
+    std::vector<std::pair<int64_t, std::vector<float>>> seen;
+    p.zero_grad();
+    p.set_gradient_watcher([&](int64_t offset) {
+      const float* g = p.gradients().f32();
+      seen.emplace_back(offset, std::vector<float>(g + offset, g + p.trainable_numel()));
+    });
+    backward(model.loss(x, y));
+    p.set_gradient_watcher(nullptr);
+    ASSERT_EQ(seen.size(), static_cast<size_t>(c.n_layers + 1)) << k.name;
+    const float* final_grads = p.gradients().f32();
+    for (size_t call = 0; call < seen.size(); ++call) {
+      const auto& [offset, values] = seen[call];
+      if (call > 0) {
+        EXPECT_LT(offset, seen[call - 1].first) << k.name << " call " << call;
+      }
+      for (size_t i = 0; i < values.size(); ++i)
+        ASSERT_EQ(values[i], final_grads[offset + static_cast<int64_t>(i)])
+            << k.name << " call " << call << " element " << offset + static_cast<int64_t>(i);
+    }
+    // What block 0 leaves is the embedding's gradient alone (none where it is frozen).
+    const ParameterInfo& embedding =
+        p.infos()[static_cast<size_t>(p.find("tok_embeddings.weight"))];
+    const int64_t below = embedding.trainable ? (embedding.shape.numel() + 15) / 16 * 16 : 0;
+    EXPECT_EQ(seen.back().first, below) << k.name;
+  }
+}
+
 // With B away from zero: bf16 adapter gradients track fp32's, and per-layer checkpointing gives
 // them bit for bit.
 TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {

@@ -7,7 +7,10 @@
 #include <cstring>
 #include <vector>
 
+#include "engine/adamw.h"
 #include "engine/communicator.h"
+#include "engine/gradient_reducer.h"
+#include "engine/memory.h"
 #include "engine/trainer.h"
 #include "models/llama.h"
 #include "models/llama_config.h"
@@ -21,8 +24,9 @@ struct Trained {
 };
 
 // 10 steps of the tiny preset (fp32, 2 micro-batches a step of `batch` rows each) on a
-// patterned stream, as a rank of `comm`.
-Trained train(const Communicator& comm, int64_t batch) {
+// patterned stream, as a rank of `comm`, its gradients summed in buckets of `bucket` elements.
+Trained train(const Communicator& comm, int64_t batch, int64_t bucket = int64_t{1} << 22,
+              bool shard = true) {
   LlamaConfig config = find_preset("tiny")->config;
   config.ctx = 32;
   LlamaModel model(config);
@@ -39,6 +43,8 @@ Trained train(const Communicator& comm, int64_t batch) {
   options.lr.warmup_steps = 2;
   options.lr.total_steps = 10;
   options.comm = &comm;
+  options.reduce_bucket = bucket;
+  options.shard_optimizer = shard;
   Trainer trainer(
       model.parameters(), [&model](const Tensor& x, const Tensor& y) { return model.loss(x, y); },
       options);
@@ -84,6 +90,106 @@ TEST(DataParallel, RanksHoldTheSameWeightsAndRunsRepeat) {
   world().broadcast(losses.data(), static_cast<int64_t>(losses.size() * sizeof(double)), 0);
   EXPECT_EQ(losses, first.losses) << "rank " << world().rank();
   EXPECT_EQ(std::memcmp(weights.data(), first.weights.data(), weights.size() * 4), 0)
+      << "rank " << world().rank();
+}
+
+// Buckets of 1000 elements, most of them summed while the backward pass goes on below them,
+// give the step one sum of the whole buffer gives: the same losses and weights, bit for bit
+// (two ranks: each element is a + b however the buffer is cut).
+TEST(DataParallel, BucketsSummedDuringTheBackwardPassAreOneSum) {
+  if (world().size() != 2) GTEST_SKIP() << "bitwise for two ranks";
+  const Trained whole = train(world(), 2);
+  const Trained buckets = train(world(), 2, 1000);
+  EXPECT_EQ(whole.losses, buckets.losses);
+  EXPECT_EQ(std::memcmp(whole.weights.data(), buckets.weights.data(), whole.weights.size() * 4), 0);
+}
+
+// The reducer starts a bucket once the gradients are final from its start, in order from the
+// buffer's end, and finish() sums the rest: every element is the sum over the ranks.
+TEST(DataParallel, GradientReducerStartsBucketsAsTheyBecomeFinal) {
+  const int n = world().size(), r = world().rank();
+  std::vector<float> g(10'500);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 97) + static_cast<float>(r);
+  GradientReducer reducer(world(), g.data(), static_cast<int64_t>(g.size()), 1000);
+  EXPECT_EQ(reducer.buckets(), 11);
+  reducer.begin();
+  reducer.final_from(10'500);
+  EXPECT_EQ(reducer.started(), 0);
+  reducer.final_from(7'501);  // buckets [9500, 10500) and [8500, 9500) are final; [7500, 8500) not
+  EXPECT_EQ(reducer.started(), world().serialized_threads() ? 2 : 0);
+  reducer.final_from(500);
+  EXPECT_EQ(reducer.started(), world().serialized_threads() ? 10 : 0);
+  EXPECT_GE(reducer.finish(), 0.0);
+  EXPECT_EQ(reducer.started(), 11);
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_EQ(g[i], static_cast<float>(n) * static_cast<float>(i % 97) +
+                        static_cast<float>(n * (n - 1) / 2))
+        << i;
+  EXPECT_GE(reducer.reducing_ms(), 0.0);
+}
+
+// Sharded, a bucket's sum reaches the ranks whose shards it covers: each rank ends with the sum
+// over the ranks in its shard and its own values elsewhere.
+TEST(DataParallel, ShardedReducerSumsEachShardIntoItsRank) {
+  const int n = world().size(), r = world().rank();
+  std::vector<float> g(10'512);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 89) + static_cast<float>(r);
+  const std::vector<int64_t> shards = shard_bounds(static_cast<int64_t>(g.size()), n);
+  GradientReducer reducer(world(), g.data(), static_cast<int64_t>(g.size()), 1000, shards);
+  reducer.begin();
+  reducer.final_from(3000);
+  reducer.finish();
+  for (size_t i = 0; i < g.size(); ++i) {
+    const bool mine = static_cast<int64_t>(i) >= shards[static_cast<size_t>(r)] &&
+                      static_cast<int64_t>(i) < shards[static_cast<size_t>(r) + 1];
+    ASSERT_EQ(g[i], mine ? static_cast<float>(n) * static_cast<float>(i % 89) +
+                               static_cast<float>(n * (n - 1) / 2)
+                         : static_cast<float>(i % 89) + static_cast<float>(r))
+        << i;
+  }
+}
+
+// ZeRO-1: each rank's AdamW holds m and v of its shard alone: the allocator counts half the
+// optimizer state of one process on each of two ranks (to 16 elements), the ranks' shards
+// adding up to the whole; without sharding each rank holds the whole.
+TEST(DataParallel, ShardedOptimizerStateIsOneNthOnEachRank) {
+  const int n = world().size();
+  LlamaConfig config = find_preset("tiny")->config;
+  config.ctx = 32;
+  LlamaModel model(config);
+  const auto optimizer_bytes = [&](const Communicator& comm, bool shard) {
+    const int64_t before =
+        memory_stats().live_bytes[static_cast<size_t>(MemoryCategory::OptimizerState)];
+    TrainOptions options;
+    options.ctx = config.ctx;
+    options.comm = &comm;
+    options.shard_optimizer = shard;
+    Trainer trainer(
+        model.parameters(), [&model](const Tensor& x, const Tensor& y) { return model.loss(x, y); },
+        options);
+    return memory_stats().live_bytes[static_cast<size_t>(MemoryCategory::OptimizerState)] - before;
+  };
+  const int64_t one = optimizer_bytes(Communicator::solo(), true);
+  const int64_t mine = optimizer_bytes(world(), true);
+  EXPECT_EQ(one, 2 * 4 * model.parameters().trainable_numel());
+  EXPECT_NEAR(static_cast<double>(mine), static_cast<double>(one) / n, 2 * 4 * 16);
+  double all = static_cast<double>(mine);
+  world().all_reduce_sum(&all, 1);
+  EXPECT_EQ(all, static_cast<double>(one));
+  EXPECT_EQ(optimizer_bytes(world(), false), one);
+}
+
+// Sharded and not, the ranks make the same steps: the losses within 1e-6 (the gradient norm is
+// summed in another order), and the weights of every rank alike, bit for bit.
+TEST(DataParallel, ShardedStepsAreTheUnshardedOnes) {
+  const Trained sharded = train(world(), 2);
+  const Trained whole = train(world(), 2, int64_t{1} << 22, false);
+  for (size_t s = 0; s < whole.losses.size(); ++s)
+    EXPECT_NEAR(sharded.losses[s], whole.losses[s], 1e-6 * std::abs(whole.losses[s]))
+        << "step " << s + 1;
+  std::vector<float> weights = sharded.weights;
+  world().broadcast(weights.data(), static_cast<int64_t>(weights.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(weights.data(), sharded.weights.data(), weights.size() * 4), 0)
       << "rank " << world().rank();
 }
 
