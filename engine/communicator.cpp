@@ -1,9 +1,17 @@
 #include "engine/communicator.h"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifdef CPUTRAIN_HAVE_MPI
@@ -27,6 +35,27 @@ int env_int(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr ? std::atoi(value) : 0;
 }
+
+// A collective in progress: since when (steady clock, ns; 0: none) and what it is.
+std::atomic<int64_t> waiting_since{0};
+std::atomic<const char*> waiting_in{""};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Marks the scope of a collective call for the watchdog (Communicator::set_timeout).
+struct Waiting {
+  explicit Waiting(const char* what) {
+    waiting_in = what;
+    waiting_since = now_ns();
+  }
+  ~Waiting() { waiting_since = 0; }
+  Waiting(const Waiting&) = delete;
+  Waiting& operator=(const Waiting&) = delete;
+};
 
 // Collectives take int counts: larger buffers go in pieces of 2^30 elements.
 constexpr int64_t kPiece = int64_t{1} << 30;
@@ -93,6 +122,7 @@ void Communicator::all_reduce_sum(double* data, int64_t n) const {
 
 void Communicator::sum(void* data, int64_t n, bool doubles) const {
   if (size_ == 1) return;
+  const Waiting waiting("summing");
 #ifdef CPUTRAIN_HAVE_MPI
   const size_t bytes = doubles ? sizeof(double) : sizeof(float);
   for (int64_t i = 0; i < n; i += kPiece)
@@ -123,6 +153,7 @@ void Communicator::reduce_scatter_sum(const float* send, float* recv,
     return;
   }
   require_mpi("reduce_scatter_sum");
+  const Waiting waiting("summing gradients");
 #ifdef CPUTRAIN_HAVE_MPI
   MPI_Reduce_scatter(send, recv, counts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
 #endif
@@ -131,6 +162,7 @@ void Communicator::reduce_scatter_sum(const float* send, float* recv,
 void Communicator::all_gather(float* data, const std::vector<int64_t>& bounds) const {
   if (size_ == 1) return;
   require_mpi("all_gather");
+  const Waiting waiting("gathering weights");
 #ifdef CPUTRAIN_HAVE_MPI
   if (bounds.back() < kPiece) {
     std::vector<int> counts(static_cast<size_t>(size_)), d(static_cast<size_t>(size_));
@@ -153,6 +185,7 @@ void Communicator::all_gather(float* data, const std::vector<int64_t>& bounds) c
 
 void Communicator::send(const void* data, int64_t bytes, int to) const {
   require_mpi("send");
+  const Waiting waiting("sending");
 #ifdef CPUTRAIN_HAVE_MPI
   for (int64_t i = 0; i < bytes; i += kPiece)
     MPI_Send(static_cast<const char*>(data) + i, static_cast<int>(std::min(kPiece, bytes - i)),
@@ -164,6 +197,7 @@ void Communicator::send(const void* data, int64_t bytes, int to) const {
 
 void Communicator::receive(void* data, int64_t bytes, int from) const {
   require_mpi("receive");
+  const Waiting waiting("receiving");
 #ifdef CPUTRAIN_HAVE_MPI
   for (int64_t i = 0; i < bytes; i += kPiece)
     MPI_Recv(static_cast<char*>(data) + i, static_cast<int>(std::min(kPiece, bytes - i)), MPI_BYTE,
@@ -175,6 +209,7 @@ void Communicator::receive(void* data, int64_t bytes, int from) const {
 
 void Communicator::broadcast(void* data, int64_t bytes, int root) const {
   if (size_ == 1) return;
+  const Waiting waiting("broadcasting");
 #ifdef CPUTRAIN_HAVE_MPI
   for (int64_t i = 0; i < bytes; i += kPiece)
     MPI_Bcast(static_cast<char*>(data) + i, static_cast<int>(std::min(kPiece, bytes - i)), MPI_BYTE,
@@ -186,9 +221,36 @@ void Communicator::broadcast(void* data, int64_t bytes, int root) const {
 
 void Communicator::barrier() const {
   if (size_ == 1) return;
+  const Waiting waiting("a barrier");
 #ifdef CPUTRAIN_HAVE_MPI
   MPI_Barrier(MPI_COMM_WORLD);
 #endif
+}
+
+void Communicator::set_timeout(double seconds) const {
+  if (size_ == 1 || seconds <= 0.0) return;
+  static std::once_flag started;
+  std::call_once(started, [this, seconds] {
+    std::thread([rank = rank_, seconds] {
+      // Signals are for the threads that handle them (tools/stop_signals.h).
+      sigset_t all;
+      sigfillset(&all);
+      pthread_sigmask(SIG_BLOCK, &all, nullptr);
+      const auto limit = static_cast<int64_t>(seconds * 1e9);
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        const int64_t since = waiting_since;
+        if (since == 0 || now_ns() - since < limit) continue;
+        std::fprintf(stderr,
+                     "cputrain: error: rank %d: no answer from the other ranks for %.0f s (in %s): "
+                     "one of them has stopped, hangs or cannot be reached; this rank ends, and "
+                     "with it the job (--rank-timeout sets the wait)\n",
+                     rank, seconds, waiting_in.load());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    }).detach();
+  });
 }
 
 void Communicator::abort(int code) const {

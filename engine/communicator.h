@@ -53,6 +53,11 @@ class Communicator {
   // `data` on every rank becomes rank `root`'s.
   void broadcast(void* data, int64_t bytes, int root) const;
   void barrier() const;
+  // From now on a collective that waits longer than `seconds` for the other ranks ends this
+  // process with one line naming the rank and what it waited in, and the launcher ends the job:
+  // a rank that has stopped or hangs, or a lost machine. 0: wait forever. Called once the ranks
+  // have started together (before, rank 0 may prepare data for as long as that takes).
+  void set_timeout(double seconds) const;
   // Ends every rank of the job at once, with `code` as the launcher's exit status: for an error
   // after which the others would wait for this rank forever. Returns only for a single process.
   void abort(int code) const;

@@ -89,6 +89,13 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
   b.cache_headroom_bytes = std::max<int64_t>(0, stats.held_peak_bytes - stats.peak_total_bytes);
   b.corpus_bytes = o.corpus_tokens * 4;
   b.runtime_bytes = kRuntimeBytes;
+  // Of a job's rank, what MPI holds outside the allocator: its libraries and shared-memory
+  // segments, and the buffers it sums a bucket of gradients through (two buckets' worth).
+  if (o.ranks > 1)
+    b.runtime_bytes +=
+        kMpiRuntimeBytes +
+        2 * std::min(4 * TrainOptions{}.reduce_bucket,
+                     stats.peak_bytes[static_cast<size_t>(MemoryCategory::Gradients)]);
   b.disk_bytes = disk_bytes;
   return b;
 }

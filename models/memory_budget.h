@@ -59,7 +59,8 @@ struct MemoryBudget {
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;
   // The process before any tensor: code, libraries, the tokenizer, thread stacks, allocator
-  // overhead. An estimate (kRuntimeBytes), or a measurement passed in by the caller.
+  // overhead, and of a job's rank MPI's. An estimate (kRuntimeBytes, kMpiRuntimeBytes), or a
+  // measurement passed in by the caller.
   int64_t runtime_bytes = 0;
   // On disk, not in RAM: the state files of --offload (their pages pass through the page cache,
   // which the kernel gives back under pressure and does not count as the process's).
@@ -77,6 +78,10 @@ struct MemoryBudget {
 // Debian 12 builds: about 15-19 MiB resident before the model is built (libraries, the
 // tokenizer), about 22 MiB once the OpenMP team and the GEMM libraries have run.
 inline constexpr int64_t kRuntimeBytes = 24ll << 20;
+// Besides, a rank of a data-parallel job holds Open MPI's libraries and shared-memory segments
+// (Debian 12's Open MPI 4.1, ranks on one machine: 7-14 MiB) and, while it sums a bucket of
+// gradients (engine/gradient_reducer.h), two buckets' worth of MPI's own buffers.
+inline constexpr int64_t kMpiRuntimeBytes = 10ll << 20;
 
 // The budget on the GEMM backend selected now (its packing and widening buffers count) and with
 // options.threads OpenMP threads (their buffers depend on it). Not while measuring already.

@@ -156,6 +156,11 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
                  "shared among a job's ranks on this machine); a base read in place from its "
                  "file is apart: its pages are the page cache's")
       ->check(positive());
+  app.add_option("--rank-timeout", a.rank_timeout,
+                 "Of a job of several ranks (mpirun): seconds a rank waits for the others in a "
+                 "step before it ends the job, saying so (0: forever)")
+      ->capture_default_str()
+      ->check(non_negative());
   app.add_option("--offload", a.offload,
                  "Keep the trained FP32 masters (bf16) and AdamW's m and v in files in this "
                  "folder, streamed through RAM in the optimizer step (for --full)");
@@ -485,6 +490,7 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
     // (sharded: each rank takes its shard as rank 0 reads the file).
     if (comm.size() > 1) {
       start.ready();
+      comm.set_timeout(a.rank_timeout);
       first_step = share_value(comm, first_step);
     }
     const bool sharded = !trainer.optimizer().shards().empty();

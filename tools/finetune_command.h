@@ -41,6 +41,7 @@ struct FinetuneArgs {
   int threads = 0;
   std::string offload;         // --offload DIR: the trained masters (bf16), AdamW's m and v
   double mem_limit_gib = 0.0;  // GiB the fine-tune may hold besides a base read in place
+  double rank_timeout = 600;   // a job's rank waits this long for the others, then ends the job
   KernelArgs kernels;
 };
 

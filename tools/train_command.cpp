@@ -324,6 +324,11 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
                  "start, shared among a job's ranks on this machine); training refuses to start "
                  "when its budget exceeds it")
       ->check(positive());
+  app.add_option("--rank-timeout", a.rank_timeout,
+                 "Of a job of several ranks (mpirun): seconds a rank waits for the others in a "
+                 "step before it ends the job, saying so (0: forever)")
+      ->capture_default_str()
+      ->check(non_negative());
   app.add_option("--offload", a.offload,
                  "Keep the FP32 master weights (bf16) and AdamW's m and v in files in this folder, "
                  "streamed through RAM in the optimizer step: bitwise the same run in less RAM "
@@ -647,6 +652,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
     // The other ranks start from what this one has: the configuration, the data, the weights
     // and, resumed, the optimizer's state (follow_train takes them in this order).
     start.ready();
+    comm.set_timeout(args.rank_timeout);
     std::string text = config_json;
     broadcast_text(comm, text);
     share_value(comm, first_step);
@@ -795,6 +801,7 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
     throw;
   }
   start.ready();
+  comm.set_timeout(args.rank_timeout);
   std::string text;
   broadcast_text(comm, text);
   RunConfig config = parse_run_config(text, "rank 0's configuration");

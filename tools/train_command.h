@@ -62,6 +62,7 @@ struct TrainArgs {
   int64_t save_every = -1;           // checkpoint every N steps; -1: steps / 10
   int64_t keep = 3;                  // checkpoints kept
   double mem_limit_gib = 0.0;        // GiB the run may use; 0: MemAvailable at start
+  double rank_timeout = 600;         // a job's rank waits this long for the others (0: forever)
   std::string offload;               // --offload DIR: masters and AdamW's state in files there
   double spike = 0.0;                // a loss above spike x the mean of the last 20 is bad; 0: off
   std::string on_bad_step = "stop";  // a non-finite loss or gradient, or a spike: stop or skip

@@ -1422,3 +1422,69 @@ TEST_F(DataParallelCli, BadInputIsSaidOnce) {
 }
 
 }  // namespace
+
+namespace {
+
+// The pid of rank `rank` of the job whose command line holds `marker`; -1 where there is none.
+pid_t rank_pid(const std::string& marker, int rank) {
+  for (const fs::directory_entry& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string cmdline = read_all(e.path() / "cmdline"), environ = read_all(e.path() / "environ");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    std::replace(environ.begin(), environ.end(), '\0', '\n');
+    if (cmdline.find(CPUTRAIN_BINARY) != 0 || cmdline.find(marker) == std::string::npos) continue;
+    if (("\n" + environ).find("\nOMPI_COMM_WORLD_RANK=" + std::to_string(rank) + "\n") !=
+        std::string::npos)
+      return static_cast<pid_t>(std::stol(name));
+  }
+  return -1;
+}
+
+}  // namespace
+
+// A rank that stops answering (stopped: it hangs) or dies (killed) ends the job within a bounded
+// time, with a line saying what happened, rather than leaving the other waiting forever.
+TEST_F(DataParallelCli, AStoppedOrKilledRankEndsTheJob) {
+  const std::string corpus = write_corpus(200).string();
+  for (const int sig : {SIGSTOP, SIGKILL}) {
+    const fs::path out = dir_ / (sig == SIGSTOP ? "stopped" : "killed");
+    const fs::path log = dir_ / (out.filename().string() + ".log");
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      std::freopen(log.c_str(), "w", stdout);
+      std::freopen(log.c_str(), "a", stderr);
+      ::setenv("OMP_NUM_THREADS", "1", 1);
+      const std::string cmd = std::string(CPUTRAIN_MPIEXEC) +
+                              " --allow-run-as-root --oversubscribe -np 2 " + CPUTRAIN_BINARY +
+                              " --preset tiny --steps 1000000 --threads 1 --save-every 0 "
+                              "--rank-timeout 2 --corpus " +
+                              corpus + " --out " + out.string();
+      ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ASSERT_GT(pid, 0);
+    started_.push_back(pid);
+    ASSERT_TRUE(wait_until([&] {
+      const std::string metrics = read_all(out / "metrics.jsonl");
+      return std::count(metrics.begin(), metrics.end(), '\n') >= 3;
+    })) << read_all(log);
+    const pid_t rank1 = rank_pid(out.string(), 1);
+    ASSERT_GT(rank1, 0);
+    const auto sent = std::chrono::steady_clock::now();
+    ASSERT_EQ(::kill(rank1, sig), 0);
+    int status = 0;
+    ASSERT_TRUE(wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }))
+        << read_all(log);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count();
+    EXPECT_LT(seconds, 60.0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << read_all(log);
+    const std::string said = read_all(log);
+    if (sig == SIGSTOP)
+      EXPECT_NE(said.find("rank 0: no answer from the other ranks for 2 s"), std::string::npos)
+          << said;
+    else
+      EXPECT_NE(said.find("exited on signal 9"), std::string::npos) << said;
+  }
+}
