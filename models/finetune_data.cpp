@@ -310,8 +310,11 @@ StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
 }
 
 double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
-                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows) {
+                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows,
+                              const Communicator* comm) {
   NoGradGuard no_grad;
+  const size_t ranks = comm ? static_cast<size_t>(comm->size()) : 1;
+  const size_t rank = comm ? static_cast<size_t>(comm->rank()) : 0;
   std::vector<PackedRow> rows;
   if (measuring()) {
     rows.resize(static_cast<size_t>(measure_rows));
@@ -323,9 +326,12 @@ double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExamp
   const int64_t total = count_targets(all, examples);
   const Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
   const Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
-  double sum = 0.0;
-  for (size_t first = 0; first < all.size(); first += static_cast<size_t>(batch)) {
-    const size_t n = std::min(all.size() - first, static_cast<size_t>(batch));
+  const auto B = static_cast<size_t>(batch);
+  // Each batch's sum in its own slot: over the ranks each slot has one addend, and the total
+  // is summed in batch order whatever the ranks.
+  std::vector<double> sums((all.size() + B - 1) / B, 0.0);
+  for (size_t first = rank * B; first < all.size(); first += B * ranks) {
+    const size_t n = std::min(all.size() - first, B);
     const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
     const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
     auto packing = std::make_shared<Packing>();
@@ -336,8 +342,12 @@ double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExamp
                         pad, in.i32(), tg.i32(), *packing);
     // Each batch's sum over the targets: its loss with the whole set's count as divisor.
     const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
-    if (!measuring()) sum += loss.value().f32()[0];
+    if (!measuring()) sums[first / B] = loss.value().f32()[0];
   }
+  if (ranks > 1 && !measuring())
+    comm->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  double sum = 0.0;
+  for (const double s : sums) sum += s;
   return sum;
 }
 

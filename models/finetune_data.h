@@ -79,6 +79,7 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
 int64_t count_targets(std::span<const PackedRow* const> rows,
                       const std::vector<FinetuneExample>& examples);
 
+class Communicator;
 class LlamaModel;
 class Trainer;
 struct StepResult;
@@ -96,8 +97,10 @@ StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
                          const Tensor& inputs, const Tensor& targets);
 
 // The mean loss over every target of `examples`, packed into rows of ctx, batch rows at a time,
-// without gradients. While measuring, `measure_rows` rows of one sequence each.
+// without gradients. While measuring, `measure_rows` rows of one sequence each. Over the ranks of
+// `comm`, rank r evaluates batches r, r + N, ...; every rank gets the loss one process gets.
 double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
-                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows = 0);
+                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows = 0,
+                              const Communicator* comm = nullptr);
 
 }  // namespace cputrain

@@ -518,13 +518,14 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
     };
 
     const int32_t pad = tokenizer.eos_id();
+    // Every rank validates its share of the batches.
     const auto validate = [&](int64_t step) {
-      if (val.empty() || !lead) return;
+      if (val.empty()) return;
       const auto start = std::chrono::steady_clock::now();
-      const double loss = packed_validation_loss(model, val, ctx, a.batch, pad);
+      const double loss = packed_validation_loss(model, val, ctx, a.batch, pad, 0, &comm);
       std::printf("step %lld | validation loss %.4f (%.1f s)\n", static_cast<long long>(step), loss,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      metrics << json{{"step", step}, {"val_loss", loss}}.dump() << "\n" << std::flush;
+      if (lead) metrics << json{{"step", step}, {"val_loss", loss}}.dump() << "\n" << std::flush;
     };
     if (first_step == 1) validate(0);
 
@@ -596,9 +597,9 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
           share_checkpoint_state(trainer.optimizer(), true);
       }
     }
+    validate(steps);
     job_ended();
     if (!lead) return 0;
-    validate(steps);
     if (a.profile)
       for (const std::string& line :
            profiler::report(profiler::entries(), profiled_steps, profiled_seconds))

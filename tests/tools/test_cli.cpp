@@ -1387,13 +1387,39 @@ TEST_F(DataParallelCli, TwoRanksFineTuneAsOneProcessAtTwiceTheBatch) {
   const Result one =
       run("OMP_NUM_THREADS=1", common + " --batch 4 --threads 1 --out " + (dir_ / "one").string());
   ASSERT_EQ(one.exit_code, 0) << one.err;
-  const Result two = ranks(2, common + " --batch 2 --out " + (dir_ / "two").string());
+  const Result two =
+      ranks(2, common + " --batch 2 --save-every 3 --out " + (dir_ / "two").string());
   ASSERT_EQ(two.exit_code, 0) << two.err << two.out;
   EXPECT_NE(two.out.find("data parallel: 2 ranks"), std::string::npos) << two.out;
   const auto a = records(dir_ / "one"), b = records(dir_ / "two");
   expect_close(a, b, "loss");
   expect_close(a, b, "val_loss");
-  EXPECT_TRUE(fs::exists(dir_ / "two" / "adapter.gguf"));
+  ASSERT_TRUE(fs::exists(dir_ / "two" / "adapter.gguf"));
+  // Resumed at 2 ranks from its checkpoint at step 3 (the sharded state given back to each
+  // rank): the steps after it and the adapter of the run that never stopped, bit for bit.
+  const fs::path resumed = dir_ / "resumed";
+  fs::copy(dir_ / "two", resumed, fs::copy_options::recursive);
+  fs::remove(resumed / "checkpoints" / "step-00000006.ckpt");
+  fs::remove(resumed / "adapter.gguf");
+  const Result rest =
+      ranks(2, common + " --batch 2 --save-every 3 --resume --out " + resumed.string());
+  ASSERT_EQ(rest.exit_code, 0) << rest.err << rest.out;
+  const auto losses = [](const std::vector<nlohmann::json>& lines) {
+    std::vector<double> v;
+    for (const nlohmann::json& j : lines)
+      if (j.contains("loss")) v.push_back(j["loss"].get<double>());
+    return v;
+  };
+  EXPECT_EQ(losses(records(dir_ / "two")).size(), 6u);
+  EXPECT_EQ(losses(records(dir_ / "two")), losses(records(resumed)));
+  EXPECT_EQ(read_all(dir_ / "two" / "adapter.gguf"), read_all(resumed / "adapter.gguf"));
+  // At another count of ranks it is refused in one line.
+  const Result other = run("OMP_NUM_THREADS=1", common +
+                                                    " --batch 2 --save-every 3 --threads 1 "
+                                                    "--resume --out " +
+                                                    resumed.string());
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.err.find("runs as 2 ranks"), std::string::npos) << other.err;
 }
 
 // Bad input under two ranks is said once, by rank 0, and nothing starts; the commands that are
