@@ -94,7 +94,15 @@ const Communicator& Communicator::world() {
   static const Communicator* const world = [] {
     if (!launched_by_mpi()) return &solo();
     int provided = 0;
+    // The threads MPI starts inherit SIGINT and SIGTERM blocked: they are for the thread that
+    // takes them (tools/stop_signals.h), not the default action on whichever thread gets them.
+    sigset_t stop, before;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop, &before);
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    pthread_sigmask(SIG_SETMASK, &before, nullptr);
     std::atexit([] {
       int finalized = 0;
       MPI_Finalized(&finalized);

@@ -516,7 +516,10 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   const bool resuming = !args.resume.empty();
   omp_set_num_threads(config.threads);
   // On a terminal a progress line with the time left stays under the log.
-  auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1);
+  // (Not under an MPI launcher, whose pseudo-terminal is a terminal to the ranks wherever
+  // mpirun's own output goes.)
+  auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1 &&
+                                                Communicator::launched_ranks() == 1);
   auto log = open_run_log(out, console);
   for (const std::string& path : run.stale)
     log->info("removed {}, left by a process that stopped while writing it", path);

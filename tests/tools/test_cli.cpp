@@ -1514,3 +1514,45 @@ TEST_F(DataParallelCli, AStoppedOrKilledRankEndsTheJob) {
       EXPECT_NE(said.find("exited on signal 9"), std::string::npos) << said;
   }
 }
+
+// A stop signal to rank 0 stops the whole job after the step, with a checkpoint of the sharded
+// state, and the run resumed at 2 ranks is the one that never stopped, bit for bit.
+TEST_F(DataParallelCli, AnInterruptedJobSavesAndResumesAsTheRunThatNeverStopped) {
+  const std::string common =
+      "--preset tiny --steps 8 --batch 2 --accum 2 --save-every 0 --sample-tokens 4 --corpus " +
+      write_corpus(200).string();
+  const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
+  ASSERT_EQ(ranks(2, common + " --out " + straight.string()).exit_code, 0);
+  const fs::path log = dir_ / "stopped.log";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    std::freopen(log.c_str(), "w", stdout);
+    std::freopen(log.c_str(), "a", stderr);
+    ::setenv("OMP_NUM_THREADS", "1", 1);
+    ::setenv("CPUTRAIN_TEST_HOLD_STEP", "5", 1);
+    const std::string cmd = std::string(CPUTRAIN_MPIEXEC) +
+                            " --allow-run-as-root --oversubscribe -np 2 " + CPUTRAIN_BINARY + " " +
+                            common + " --threads 1 --out " + stopped.string();
+    ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  started_.push_back(pid);
+  ASSERT_TRUE(wait_until([&] {
+    return read_all(log).find("holding before step 5") != std::string::npos;
+  })) << read_all(log);
+  const pid_t rank0 = rank_pid(stopped.string(), 0);
+  ASSERT_GT(rank0, 0);
+  ASSERT_EQ(::kill(rank0, SIGINT), 0);
+  int status = 0;
+  ASSERT_TRUE(wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; })) << read_all(log);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
+  EXPECT_NE(read_all(log).find("interrupted (SIGINT) after step 5"), std::string::npos)
+      << read_all(log);
+  EXPECT_TRUE(fs::exists(stopped / "checkpoints" / "step-00000005.ckpt"));
+  EXPECT_FALSE(fs::exists(stopped / "model.bin"));
+  const Result rest = ranks(2, "--resume " + stopped.string() + " --sample-tokens 4");
+  ASSERT_EQ(rest.exit_code, 0) << rest.err << rest.out;
+  EXPECT_EQ(losses_of(straight), losses_of(stopped));
+  EXPECT_EQ(read_all(straight / "model.bin"), read_all(stopped / "model.bin"));
+}
