@@ -805,6 +805,9 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   }
   start.ready();
   comm.set_timeout(args.rank_timeout);
+  // A stop signal here stops the job after its step, as one to rank 0 does (taken before the
+  // trainer's threads start, so that they inherit it blocked).
+  const StopSignals signals([](int) {});
   std::string text;
   broadcast_text(comm, text);
   RunConfig config = parse_run_config(text, "rank 0's configuration");
@@ -825,8 +828,6 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   const bool sharded = !trainer.optimizer().shards().empty();
   if (first_step > 1 && sharded) share_checkpoint_state(trainer.optimizer(), false);
   broadcast_training_state(comm, model.parameters(), trainer.optimizer());
-  // A stop signal here stops the job after its step, as one to rank 0 does.
-  const StopSignals signals([](int) {});
   BadStepFilter bad_steps(args.spike);
   trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
   const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
