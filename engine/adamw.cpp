@@ -25,18 +25,14 @@ int64_t padded16(int64_t n) {
 
 }  // namespace
 
-std::vector<int64_t> shard_bounds(int64_t n, int ranks) {
-  std::vector<int64_t> b(static_cast<size_t>(ranks) + 1, n);
-  for (int r = 0; r < ranks; ++r) b[static_cast<size_t>(r)] = n / 16 * r / ranks * 16;
-  return b;
-}
-
 AdamW::AdamW(const ParameterSet& params, const AdamWConfig& config, const Communicator* comm)
     : params_(params), config_(config) {
   if (comm && comm->size() > 1) {
     if (params.offloaded()) throw std::logic_error("AdamW: a sharded state is not offloaded");
     comm_ = comm;
     shards_ = shard_bounds(params.trainable_numel(), comm->size());
+  } else if (params.masters_sharded()) {
+    throw std::logic_error("AdamW: a set whose masters are sharded needs a sharded AdamW");
   }
   if (!params.offloaded()) {
     const int64_t n = shards_.empty() ? params.trainable_numel()
@@ -108,8 +104,8 @@ float AdamW::step(float lr, double norm) {
     const auto [begin, end] = shard_of(p);
     if (begin >= end) continue;
     const int64_t at = p.grad_offset + begin - first;  // into this rank's m and v
-    update(p, begin, end - begin, params_.weights().f32() + p.offset + begin, m_.f32() + at,
-           v_.f32() + at, lr, scale);
+    update(p, begin, end - begin, params_.master(p, begin), m_.f32() + at, v_.f32() + at, lr,
+           scale);
   }
   if (!shards_.empty()) gather_masters();
   return static_cast<float>(norm);
@@ -131,7 +127,7 @@ void AdamW::gather_masters() const {
     if (!p.trainable) continue;
     const auto [begin, end] = shard_of(p);
     if (begin < end)
-      std::memcpy(g + p.grad_offset + begin, params_.weights().f32() + p.offset + begin,
+      std::memcpy(g + p.grad_offset + begin, params_.master(p, begin),
                   static_cast<size_t>(end - begin) * 4);
   }
   const auto start = std::chrono::steady_clock::now();
@@ -146,11 +142,13 @@ void AdamW::gather_masters() const {
     for (const auto& [from, to] :
          {std::pair{int64_t{0}, begin < end ? begin : n}, std::pair{begin < end ? end : n, n}}) {
       if (from >= to) continue;
-      std::memcpy(params_.weights().f32() + p.offset + from, g + p.grad_offset + from,
-                  static_cast<size_t>(to - from) * 4);
+      // A master held for its shard alone keeps none of the rest: its copy is all.
+      if (!p.master_sharded)
+        std::memcpy(params_.weights().f32() + p.offset + from, g + p.grad_offset + from,
+                    static_cast<size_t>(to - from) * 4);
       if (params_.has_bf16_copies() && p.bf16_offset >= 0)
         kernels::fp32_to_bf16_array(params_.bf16_weights().bf16() + p.bf16_offset + from,
-                                    params_.weights().f32() + p.offset + from, to - from);
+                                    g + p.grad_offset + from, to - from);
     }
   }
 }

@@ -32,18 +32,14 @@ struct AdamWConfig {
 class IoQueue;
 class Communicator;
 
-// ZeRO-1's shards of n elements over `ranks`: rank r holds [bounds[r], bounds[r + 1]), each bound
-// but the last a multiple of 16 (parameters start at one in the gradients' layout, and AdamW's
-// runs of 16 lanes split them there anyway).
-std::vector<int64_t> shard_bounds(int64_t n, int ranks);
-
 class AdamW {
  public:
   // Over the ranks of `comm` (more than one), the state is sharded (ZeRO-1): this rank keeps m
   // and v of its shard of the gradients' layout alone (shard_bounds), and step() updates the
   // masters of that shard from gradients summed there (GradientReducer), then gathers every
-  // rank's updated masters, so that each rank ends the step with all of them and their bf16
-  // copies. The gradient norm is the whole one, summed over the shards.
+  // rank's updated masters, so that each rank ends the step with the bf16 copies of all and the
+  // FP32 masters of all but those the set holds for its shard alone (ParameterSet::set_shard).
+  // The gradient norm is the whole one, summed over the shards.
   AdamW(const ParameterSet& params, const AdamWConfig& config, const Communicator* comm = nullptr);
   ~AdamW();
   AdamW(const AdamW&) = delete;

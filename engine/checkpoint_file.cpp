@@ -119,7 +119,8 @@ void save_checkpoint(const std::string& path, const ParameterSet& params, const 
   out.commit();
 }
 
-void share_checkpoint_state(AdamW& adamw, bool saving) {
+void share_checkpoint_state(const ParameterSet& params, AdamW& adamw, bool saving) {
+  params.serve_sharded_masters(saving);
   in_state_chunks(static_cast<uint64_t>(adamw.state_numel()), [&](bool second, uint64_t at,
                                                                   uint64_t k, float* chunk) {
     if (saving)
@@ -157,7 +158,7 @@ CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& para
           r.bytes(skipped.data(), padding * 4);
           values.resize(static_cast<size_t>(params.infos()[static_cast<size_t>(i)].shape.numel()));
           r.bytes(values.data(), values.size() * 4);
-          params.write_values(i, values.data());
+          params.share_values(i, values.data());
         },
         [&](uint64_t padding) { r.bytes(skipped.data(), padding * 4); });
   }

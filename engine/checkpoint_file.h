@@ -44,9 +44,9 @@ CheckpointInfo read_checkpoint_info(const std::string& path);
 CheckpointInfo load_checkpoint(const std::string& path, const ParameterSet& params, AdamW* adamw);
 
 // On a rank other than 0 of a job whose AdamW is sharded (engine/adamw.h): its part in rank 0's
-// save_checkpoint (saving: its shard of m and v sent to rank 0) or load_checkpoint (its shard
-// taken from what rank 0 reads), called at the same time as rank 0's.
-void share_checkpoint_state(AdamW& adamw, bool saving);
+// save_checkpoint (saving: its shard of the sharded masters, m and v sent to rank 0) or
+// load_checkpoint (its shard taken from what rank 0 reads), called at the same time as rank 0's.
+void share_checkpoint_state(const ParameterSet& params, AdamW& adamw, bool saving);
 
 // A run directory's checkpoints: <run>/checkpoints/step-NNNNNNNN.ckpt.
 std::string checkpoint_dir(const std::string& run_dir);

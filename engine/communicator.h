@@ -16,9 +16,9 @@ class Communicator {
   static const Communicator& world();
   // This process alone (rank 0 of 1), whatever the world is.
   static const Communicator& solo();
-  // Rank 0 of `ranks` in shape alone, for measuring one rank's memory (the budget): its
+  // Rank `rank` of `ranks` in shape alone, for measuring one rank's memory (the budget): its
   // collectives must not be called.
-  static Communicator shape_of(int ranks) { return Communicator(0, ranks); }
+  static Communicator shape_of(int rank, int ranks) { return Communicator(rank, ranks); }
   // Whether this build can run across processes (it was built against MPI).
   static bool built_with_mpi();
   // The ranks an MPI launcher started this job with (its environment says), 1 without one,

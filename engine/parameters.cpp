@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "engine/communicator.h"
 #include "engine/hash.h"
 #include "engine/offload.h"
 #include "kernels/bf16.h"
@@ -59,6 +60,29 @@ void ParameterSet::map_bf16(int index, const void* data, std::shared_ptr<const v
   mapped_[static_cast<size_t>(index)] = {data, std::move(owner)};
 }
 
+namespace {
+
+// Parameter p's elements [begin, end) held by rank r's shard.
+std::pair<int64_t, int64_t> part_of(const ParameterInfo& p, const std::vector<int64_t>& shards,
+                                    size_t r) {
+  const int64_t n = p.shape.numel();
+  return {std::clamp<int64_t>(shards[r] - p.grad_offset, 0, n),
+          std::clamp<int64_t>(shards[r + 1] - p.grad_offset, 0, n)};
+}
+
+}  // namespace
+
+std::vector<int64_t> shard_bounds(int64_t n, int ranks) {
+  std::vector<int64_t> b(static_cast<size_t>(ranks) + 1, n);
+  for (int r = 0; r < ranks; ++r) b[static_cast<size_t>(r)] = n / 16 * r / ranks * 16;
+  return b;
+}
+
+void ParameterSet::set_shard(const Communicator* comm) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::set_shard after allocate");
+  comm_ = comm && comm->size() > 1 ? comm : nullptr;
+}
+
 void ParameterSet::allocate(DType compute) {
   if (weights_.defined()) throw std::logic_error("ParameterSet::allocate twice");
   const bool bf16 = compute == DType::BF16;
@@ -71,7 +95,9 @@ void ParameterSet::allocate(DType compute) {
       throw std::logic_error("ParameterSet: " + p.name +
                              " is mapped but not a frozen bf16 weight of a bf16 set");
     const bool offloaded = offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
-    p.offset = bf16_only || offloaded ? -1 : numel_;
+    p.master_sharded = comm_ && !offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
+    if (p.master_sharded) sharded_numel_ += p.shape.numel();
+    p.offset = bf16_only || offloaded || p.master_sharded ? -1 : numel_;
     if (p.offset >= 0) numel_ += padded_f32(p.shape.numel());
     p.file_offset = offloaded ? offloaded_numel_ : -1;
     if (offloaded) offloaded_numel_ += padded_f32(p.shape.numel());
@@ -85,6 +111,21 @@ void ParameterSet::allocate(DType compute) {
   }
   if (trainable_numel_ > 0)
     gradients_ = Tensor::zeros(Shape{trainable_numel_}, DType::F32, MemoryCategory::Gradients);
+  if (comm_) {
+    shards_ = shard_bounds(trainable_numel_, comm_->size());
+    // This rank's part of each sharded master, one after another.
+    const auto r = static_cast<size_t>(comm_->rank());
+    int64_t held = 0;
+    for (ParameterInfo& p : infos_) {
+      if (!p.master_sharded) continue;
+      const auto [begin, end] = part_of(p, shards_, r);
+      if (begin >= end) continue;
+      p.shard_offset = held - begin;
+      held += padded_f32(end - begin);
+    }
+    if (sharded_numel_ > 0)
+      shard_masters_ = Tensor::zeros(Shape{held}, DType::F32, MemoryCategory::Weights);
+  }
   vars_.clear();
   for (const ParameterInfo& p : infos_) {
     if (p.offset < 0) {  // its value comes with the bf16 copies, below
@@ -126,7 +167,8 @@ void ParameterSet::enable_bf16_copies() {
     }
     if (p.bf16_offset < 0) continue;
     const Tensor copy = bf16_weights_.view(p.bf16_offset, p.shape);
-    if (p.file_offset >= 0) {  // computing takes the copy; the master is in the state file
+    if (p.file_offset >= 0 || p.master_sharded) {
+      // computing takes the copy; the master is in the state file, or sharded
       vars_[i] = Variable(copy, true);
       vars_[i].grad_ref()->bind(gradients_.view(p.grad_offset, p.shape));
     } else if (p.offset < 0) {
@@ -148,9 +190,30 @@ void ParameterSet::sync_bf16_copies() const {
   }
 }
 
+float* ParameterSet::master(const ParameterInfo& p, int64_t begin) const {
+  if (!p.master_sharded) return weights_.f32() + p.offset + begin;
+  return shard_masters_.f32() + p.shard_offset + begin;
+}
+
 void ParameterSet::read_values(int index, float* values) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   const int64_t n = p.shape.numel();
+  if (p.master_sharded) {
+    if (weights_.measured()) return;
+    const int me = comm_->rank();
+    for (int r = 0; r < comm_->size(); ++r) {
+      const auto [begin, end] = part_of(p, shards_, static_cast<size_t>(r));
+      if (begin >= end) continue;
+      const int64_t bytes = (end - begin) * 4;
+      if (r == me && me == 0)
+        std::copy_n(master(p, begin), end - begin, values + begin);
+      else if (r == me)
+        comm_->send(master(p, begin), bytes, 0);
+      else if (me == 0)
+        comm_->receive(values + begin, bytes, r);
+    }
+    return;
+  }
   if (p.offset >= 0) {
     std::copy_n(weights_.f32() + p.offset, n, values);
   } else if (p.file_offset >= 0) {
@@ -160,10 +223,48 @@ void ParameterSet::read_values(int index, float* values) const {
   }
 }
 
+void ParameterSet::share_values(int index, const float* values) const {
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  if (!p.master_sharded) {
+    write_values(index, values);
+    return;
+  }
+  if (weights_.measured()) return;
+  // In chunks through a buffer of the chunk's size: no rank holds the whole but rank 0.
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  const int64_t n = p.shape.numel();
+  std::vector<float> chunk(static_cast<size_t>(std::min(n, kChunk)));
+  const auto [mine_begin, mine_end] = part_of(p, shards_, static_cast<size_t>(comm_->rank()));
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t k = std::min(kChunk, n - at);
+    if (comm_->rank() == 0) std::copy_n(values + at, k, chunk.data());
+    comm_->broadcast(chunk.data(), k * 4, 0);
+    const int64_t a = std::max(at, mine_begin), b = std::min(at + k, mine_end);
+    if (a < b) std::copy_n(chunk.data() + (a - at), b - a, master(p, a));
+    if (has_bf16_copies() && p.bf16_offset >= 0)
+      kernels::fp32_to_bf16_array(bf16_weights_.bf16() + p.bf16_offset + at, chunk.data(), k);
+  }
+}
+
+void ParameterSet::serve_sharded_masters(bool gathering) const {
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    if (!infos_[i].master_sharded) continue;
+    if (gathering)
+      read_values(static_cast<int>(i), nullptr);
+    else
+      share_values(static_cast<int>(i), nullptr);
+  }
+}
+
 void ParameterSet::write_values(int index, const float* values) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   const int64_t n = p.shape.numel();
   if (p.mapped) throw std::logic_error("ParameterSet: " + p.name + " is mapped, read-only");
+  if (p.master_sharded) {
+    const auto [begin, end] = part_of(p, shards_, static_cast<size_t>(comm_->rank()));
+    if (begin < end && !weights_.measured())
+      std::copy_n(values + begin, end - begin, master(p, begin));
+  }
   if (p.offset >= 0) std::copy_n(values, n, weights_.f32() + p.offset);
   if (p.file_offset >= 0) master_file_->write(p.file_offset, n, values);
   if (has_bf16_copies() && p.bf16_offset >= 0)
@@ -172,7 +273,8 @@ void ParameterSet::write_values(int index, const float* values) const {
 
 bool ParameterSet::bf16_only(int index) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
-  return p.offset < 0 && p.file_offset < 0 && has_bf16_copies() && (p.bf16_offset >= 0 || p.mapped);
+  return p.offset < 0 && p.file_offset < 0 && !p.master_sharded && has_bf16_copies() &&
+         (p.bf16_offset >= 0 || p.mapped);
 }
 
 void ParameterSet::write_bf16_values(int index, const void* values) const {

@@ -27,14 +27,22 @@ struct ParameterInfo {
   bool bf16_copy = false;    // gets a bf16 copy in bf16 training (it feeds GEMMs)
   int64_t bf16_offset = -1;  // in elements, into bf16_weights(), once the copies exist
   bool trainable = true;
-  bool mapped = false;       // its bf16 values are read in place (map_bf16), not allocated
-  int64_t grad_offset = -1;  // in elements into gradients() (and AdamW's m and v); -1: frozen
-  bool master_read = false;  // computing reads its FP32 master (an embedding table): in RAM
-  int64_t file_offset = -1;  // in elements into the masters' state file; -1: not offloaded
+  bool mapped = false;          // its bf16 values are read in place (map_bf16), not allocated
+  int64_t grad_offset = -1;     // in elements into gradients() (and AdamW's m and v); -1: frozen
+  bool master_read = false;     // computing reads its FP32 master (an embedding table): in RAM
+  bool master_sharded = false;  // its FP32 master is held for this rank's shard alone (set_shard)
+  int64_t shard_offset = 0;     // of element 0 (whether held or not) in this rank's held masters
+  int64_t file_offset = -1;     // in elements into the masters' state file; -1: not offloaded
 };
 
+class Communicator;
 class OffloadDir;
 class StateFile;
+
+// ZeRO-1's shards of n elements (of the gradients' layout) over `ranks`: rank r holds
+// [bounds[r], bounds[r + 1]), each bound but the last a multiple of 16 (parameters start at one,
+// and AdamW's runs of 16 lanes split them there anyway).
+std::vector<int64_t> shard_bounds(int64_t n, int ranks);
 
 class ParameterSet {
  public:
@@ -55,6 +63,14 @@ class ParameterSet {
   // streams the master with its m and v (which it keeps in `dir` too), and read_values and
   // write_values reach it there. While measuring, `dir` may be null: no file is made.
   void set_offload(std::shared_ptr<const OffloadDir> dir);
+  // Before allocate (ZeRO-1, a rank of a data-parallel job of more than one): in a set allocated
+  // for bf16 compute, the FP32 master of each trainable parameter that has a bf16 copy, and whose
+  // master computing does not read, is held for this rank's shard of the gradients' layout alone
+  // (shard_bounds over the ranks); computing takes the bf16 copy, and AdamW (sharded alike)
+  // updates the shard. Then read_values of such a parameter is a collective every rank calls
+  // alike, and share_values gives every rank its part of rank 0's values. While measuring,
+  // `comm` may be a Communicator::shape_of.
+  void set_shard(const Communicator* comm);
   // Allocates the weights (zeroed) and the gradients of the trainable parameters (zeroed). With
   // compute BF16 the bf16 copies are made at once, and frozen parameters that have one get no
   // FP32 master.
@@ -75,8 +91,20 @@ class ParameterSet {
   }
 
   // The parameter's values, as FP32 (n = its element count), from its master or, where it has
-  // none, its bf16 copy widened.
+  // none, its bf16 copy widened. Of a sharded master a collective: rank 0 receives the whole
+  // (the other ranks send their parts and may pass null).
   void read_values(int index, float* values) const;
+  // write_values, but of a sharded master a collective: rank 0's values (the others pass null)
+  // reach every rank's part and bf16 copy.
+  void share_values(int index, const float* values) const;
+  // On a rank other than 0: its part in rank 0's read_values (gathering) or share_values of
+  // every parameter whose master is sharded, in their order, as rank 0's save_checkpoint,
+  // save_weights (gathering) and load_checkpoint make them.
+  void serve_sharded_masters(bool gathering) const;
+  // Whether some master is sharded (set_shard); where element `begin` of parameter p's master is
+  // (of a sharded one, within this rank's shard).
+  bool masters_sharded() const { return !shards_.empty() && sharded_numel_ > 0; }
+  float* master(const ParameterInfo& p, int64_t begin) const;
   // Sets the parameter's values: into its FP32 master (and its bf16 copy, where it has one), or
   // rounded into its bf16 copy where that is all it has.
   void write_values(int index, const float* values) const;
@@ -140,6 +168,12 @@ class ParameterSet {
   // owner (null elsewhere). Their tensors keep the owners after.
   std::vector<std::pair<const void*, std::shared_ptr<const void>>> mapped_;
   mutable std::function<void(int64_t)> watcher_;
+  // set_shard: the communicator, the shards' bounds, this rank's parts of the sharded masters
+  // (one after another), and how many elements of sharded masters there are.
+  const Communicator* comm_ = nullptr;
+  std::vector<int64_t> shards_;
+  Tensor shard_masters_;
+  int64_t sharded_numel_ = 0;
 };
 
 }  // namespace cputrain

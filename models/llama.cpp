@@ -88,6 +88,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
   }
   params_.set_master_read(tok_embeddings_);  // the embedding looks up its FP32 rows
   if (options.offload) params_.set_offload(options.offload_dir);
+  params_.set_shard(options.shard);
   if (options.mapped_bf16 && options.compute_dtype == DType::BF16) {
     for (size_t i = 0; i < params_.infos().size(); ++i) {
       const ParameterInfo& p = params_.infos()[i];

@@ -17,6 +17,7 @@
 
 namespace cputrain {
 
+class Communicator;
 class IoQueue;
 
 // How a model is built, beside its shape.
@@ -38,6 +39,9 @@ struct ModelOptions {
   // files in `offload_dir` (ParameterSet::set_offload); while measuring the folder may be null.
   bool offload = false;
   std::shared_ptr<const OffloadDir> offload_dir;
+  // A rank of a data-parallel job whose trainer shards AdamW (ZeRO-1): in bf16, the GEMM weights'
+  // FP32 masters are held for this rank's shard alone (ParameterSet::set_shard).
+  const Communicator* shard = nullptr;
 };
 
 class LlamaModel {

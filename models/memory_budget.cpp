@@ -41,6 +41,11 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     model_options.trainable = o.trainable;
     model_options.lora = o.lora;
     model_options.offload = o.offload;
+    // A trainer's rank holds the masters of its shard (a fine-tune's, all of them). The last
+    // rank's: every rank holds the embedding's master whole, and it lies in rank 0's shard, so
+    // the last holds the most.
+    const Communicator ranks = Communicator::shape_of(o.ranks - 1, o.ranks);
+    if (o.ranks > 1 && !o.packed) model_options.shard = &ranks;
     LlamaModel model(c, model_options);
     if (o.offload)
       disk_bytes =
@@ -51,7 +56,6 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     t.ctx = o.ctx;
     t.accum = o.accum;
     t.lr.total_steps = 3;
-    const Communicator ranks = Communicator::shape_of(o.ranks);
     if (o.ranks > 1) t.comm = &ranks;
     Trainer trainer(
         model.parameters(),

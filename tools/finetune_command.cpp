@@ -497,7 +497,7 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
     if (!resume_from.empty())
       load_checkpoint(resume_from, model.parameters(), &trainer.optimizer());
     else if (first_step > 1 && sharded)
-      share_checkpoint_state(trainer.optimizer(), false);
+      share_checkpoint_state(model.parameters(), trainer.optimizer(), false);
     if (comm.size() > 1) {
       broadcast_training_state(comm, model.parameters(), trainer.optimizer());
       std::printf("data parallel: %d ranks, each of %lld x %lld rows a step\n", comm.size(),
@@ -594,7 +594,7 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
         if (lead)
           save(step);
         else if (sharded)
-          share_checkpoint_state(trainer.optimizer(), true);
+          share_checkpoint_state(model.parameters(), trainer.optimizer(), true);
       }
     }
     validate(steps);

@@ -589,6 +589,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   // --offload: the state files' folder, held for the run.
   ModelOptions model_options;
   model_options.compute_dtype = config.dtype;
+  if (comm.size() > 1) model_options.shard = &comm;
   if (!config.offload.empty()) {
     model_options.offload = true;
     model_options.offload_dir = std::make_shared<OffloadDir>(config.offload);
@@ -783,11 +784,11 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       }
     }
   }
-  job_ended();
   console->set_status("");
   report_profile();
   const std::string weights_path = out + "/model.bin";
-  save_weights(weights_path, model.parameters(), config_json);
+  save_weights(weights_path, model.parameters(), config_json);  // with the ranks' shards
+  job_ended();
   log->info("saved {}", weights_path);
   for (uint64_t i = 1; i <= 3; ++i)
     log->info("sample {}: {}", i, sample_text(model, data.tokenizer, args.sample_tokens, i));
@@ -818,7 +819,14 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   const std::vector<int32_t> val_tokens = share_tokens(comm, {});
   ModelOptions model_options;
   model_options.compute_dtype = config.dtype;
+  model_options.shard = &comm;
   LlamaModel model(config.model, model_options);
+  // Each rank's masters of its shard: the init every rank computes alike, or the model file,
+  // which each rank reads (rank 0's weights reach the others below, but of the masters it holds
+  // its shard alone).
+  model.init_weights(config.train.seed);
+  if (first_step == 1 && !config.init.empty())
+    load_model_weights(config.init, "--model", model.parameters());
   model.set_compute_dtype(config.dtype);
   model.set_checkpointing(config.checkpoint);
   config.train.comm = &comm;
@@ -826,7 +834,8 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
       model.parameters(),
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
   const bool sharded = !trainer.optimizer().shards().empty();
-  if (first_step > 1 && sharded) share_checkpoint_state(trainer.optimizer(), false);
+  if (first_step > 1 && sharded)
+    share_checkpoint_state(model.parameters(), trainer.optimizer(), false);
   broadcast_training_state(comm, model.parameters(), trainer.optimizer());
   BadStepFilter bad_steps(args.spike);
   trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
@@ -851,12 +860,13 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
     // Rank 0 saves a checkpoint now: the shards of m and v go to it.
     if (sharded && ((config.save_every > 0 && step % config.save_every == 0) ||
                     step == config.steps || stop != 0))
-      share_checkpoint_state(trainer.optimizer(), true);
+      share_checkpoint_state(model.parameters(), trainer.optimizer(), true);
     if (stop != 0) {
       job_ended();
       return 128 + stop;
     }
   }
+  model.parameters().serve_sharded_masters(true);  // rank 0 saves model.bin
   job_ended();
   return 0;
 }

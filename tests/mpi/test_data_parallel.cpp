@@ -193,6 +193,75 @@ TEST(DataParallel, ShardedStepsAreTheUnshardedOnes) {
       << "rank " << world().rank();
 }
 
+// ZeRO-1's masters: in bf16 each rank holds the FP32 masters of its shard of the GEMM weights
+// alone (the allocator counts them so), and the steps are the ones with every master whole, bit
+// for bit: the same losses, the same bf16 copies, and the masters read back whole on rank 0.
+TEST(DataParallel, ShardedMastersMakeTheSameSteps) {
+  const int n = world().size();
+  LlamaConfig config = find_preset("tiny")->config;
+  config.ctx = 32;
+  std::vector<int32_t> tokens(4096);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<int32_t>((i * 7 + i / 13) % static_cast<size_t>(config.vocab));
+  struct Run {
+    std::vector<double> losses;
+    std::vector<uint16_t> copies;
+    std::vector<float> masters;  // rank 0: every trainable parameter's, read back whole
+    int64_t weights_bytes = 0;
+  };
+  const auto run = [&](bool shard) {
+    const int64_t before = memory_stats().live_bytes[static_cast<size_t>(MemoryCategory::Weights)];
+    ModelOptions o;
+    o.compute_dtype = DType::BF16;
+    if (shard) o.shard = &world();
+    LlamaModel model(config, o);
+    Run out;
+    out.weights_bytes =
+        memory_stats().live_bytes[static_cast<size_t>(MemoryCategory::Weights)] - before;
+    model.init_weights(7);
+    TrainOptions options;
+    options.batch = 2;
+    options.accum = 2;
+    options.ctx = config.ctx;
+    options.lr.peak = 3e-3;
+    options.lr.total_steps = 6;
+    options.comm = &world();
+    Trainer trainer(
+        model.parameters(), [&model](const Tensor& x, const Tensor& y) { return model.loss(x, y); },
+        options);
+    for (int64_t step = 1; step <= 6; ++step) out.losses.push_back(trainer.step(tokens, step).loss);
+    const ParameterSet& p = model.parameters();
+    out.copies.assign(p.bf16_weights().bf16(), p.bf16_weights().bf16() + p.bf16_weights().numel());
+    for (size_t i = 0; i < p.infos().size(); ++i) {
+      std::vector<float> values(static_cast<size_t>(p.infos()[i].shape.numel()));
+      p.read_values(static_cast<int>(i), values.data());
+      out.masters.insert(out.masters.end(), values.begin(), values.end());
+    }
+    return out;
+  };
+  const Run whole = run(false), sharded = run(true);
+  EXPECT_EQ(whole.losses, sharded.losses);
+  EXPECT_EQ(whole.copies, sharded.copies);
+  if (world().rank() == 0) {
+    EXPECT_EQ(whole.masters, sharded.masters);
+  }
+  // The masters left whole are the embedding's (its rows are looked up in FP32) and the norms';
+  // of the others each element is held by one rank alone: the ranks' parts add up to them (to
+  // the padding of each part), and no rank holds them all.
+  LlamaModel probe(config);
+  int64_t sharded_bytes = 0;
+  for (const ParameterInfo& info : probe.parameters().infos())
+    if (info.bf16_copy && !info.master_read)
+      sharded_bytes += (info.shape.numel() + 15) / 16 * 16 * 4;
+  const int64_t mine = sharded.weights_bytes - (whole.weights_bytes - sharded_bytes);
+  EXPECT_GT(mine, 0);
+  EXPECT_LT(mine, sharded_bytes);
+  double all = static_cast<double>(mine);
+  world().all_reduce_sum(&all, 1);
+  EXPECT_NEAR(all, static_cast<double>(sharded_bytes), 64.0 * n)
+      << "whole " << whole.weights_bytes << ", sharded " << sharded.weights_bytes;
+}
+
 TEST(DataParallel, AllReduceSumsOverRanks) {
   const int n = world().size(), r = world().rank();
   std::vector<float> f(1000);
