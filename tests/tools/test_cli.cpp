@@ -80,7 +80,9 @@ class Cli : public ::testing::Test {
   pid_t start(const std::string& args, const fs::path& log, const std::string& hold) {
     const pid_t pid = ::fork();
     if (pid == 0) {
-      std::freopen(log.c_str(), "w", stdout);
+      // Both appending: the one without O_APPEND would write over the other's lines.
+      std::fclose(std::fopen(log.c_str(), "w"));
+      std::freopen(log.c_str(), "a", stdout);
       std::freopen(log.c_str(), "a", stderr);
       ::setenv("CPUTRAIN_TEST_HOLD_STEP", hold.c_str(), 1);
       const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args;
@@ -1478,7 +1480,9 @@ TEST_F(DataParallelCli, AStoppedOrKilledRankEndsTheJob) {
     const fs::path log = dir_ / (out.filename().string() + ".log");
     const pid_t pid = ::fork();
     if (pid == 0) {
-      std::freopen(log.c_str(), "w", stdout);
+      // Both appending: the one without O_APPEND would write over the other's lines.
+      std::fclose(std::fopen(log.c_str(), "w"));
+      std::freopen(log.c_str(), "a", stdout);
       std::freopen(log.c_str(), "a", stderr);
       ::setenv("OMP_NUM_THREADS", "1", 1);
       const std::string cmd = std::string(CPUTRAIN_MPIEXEC) +
@@ -1519,14 +1523,17 @@ TEST_F(DataParallelCli, AStoppedOrKilledRankEndsTheJob) {
 // state, and the run resumed at 2 ranks is the one that never stopped, bit for bit.
 TEST_F(DataParallelCli, AnInterruptedJobSavesAndResumesAsTheRunThatNeverStopped) {
   const std::string common =
-      "--preset tiny --steps 8 --batch 2 --accum 2 --save-every 0 --sample-tokens 4 --corpus " +
+      "--preset tiny --steps 8 --batch 2 --accum 2 --save-every 0 --sample-tokens 4 "
+      "--rank-timeout 120 --corpus " +
       write_corpus(200).string();
   const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
   ASSERT_EQ(ranks(2, common + " --out " + straight.string()).exit_code, 0);
   const fs::path log = dir_ / "stopped.log";
   const pid_t pid = ::fork();
   if (pid == 0) {
-    std::freopen(log.c_str(), "w", stdout);
+    // Both appending: the one without O_APPEND would write over the other's lines.
+    std::fclose(std::fopen(log.c_str(), "w"));
+    std::freopen(log.c_str(), "a", stdout);
     std::freopen(log.c_str(), "a", stderr);
     ::setenv("OMP_NUM_THREADS", "1", 1);
     ::setenv("CPUTRAIN_TEST_HOLD_STEP", "5", 1);
