@@ -94,6 +94,9 @@ const Communicator& Communicator::world() {
   static const Communicator* const world = [] {
     if (!launched_by_mpi()) return &solo();
     int provided = 0;
+    // A rank's thread waiting in a collective shares its core with the rank's compute: Open MPI
+    // yields it while it polls rather than spinning (unless the environment says otherwise).
+    setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
     // The threads MPI starts inherit SIGINT and SIGTERM blocked: they are for the thread that
     // takes them (tools/stop_signals.h), not the default action on whichever thread gets them.
     sigset_t stop, before;
