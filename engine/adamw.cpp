@@ -214,21 +214,10 @@ void AdamW::step_offloaded(float lr, float scale) {
 
 void AdamW::read_state(bool second, int64_t offset, int64_t n, float* dst) const {
   if (!shards_.empty()) {
-    const int me = comm_->rank();
     const float* mine = (second ? v_ : m_).f32();
-    for (int r = 0; r < comm_->size(); ++r) {
-      const int64_t a = std::max(offset, shards_[static_cast<size_t>(r)]);
-      const int64_t b = std::min(offset + n, shards_[static_cast<size_t>(r) + 1]);
-      if (a >= b) continue;
-      const int64_t bytes = (b - a) * 4;
-      const float* from = mine + (a - shards_[static_cast<size_t>(me)]);
-      if (r == me && me == 0)
-        std::memcpy(dst + (a - offset), from, static_cast<size_t>(bytes));
-      else if (r == me)
-        comm_->send(from, bytes, 0);
-      else if (me == 0)
-        comm_->receive(dst + (a - offset), bytes, r);
-    }
+    const int64_t first = shards_[static_cast<size_t>(comm_->rank())];
+    comm_->gather_to_root(
+        offset, n, shards_, [mine, first](int64_t at) { return mine + (at - first); }, dst);
     return;
   }
   if (m_file_)

@@ -157,6 +157,13 @@ void require_mpi(const char* what) {
 
 }  // namespace
 
+double Communicator::sum_slots(std::vector<double>& slots) const {
+  all_reduce_sum(slots.data(), static_cast<int64_t>(slots.size()));
+  double total = 0.0;
+  for (const double s : slots) total += s;
+  return total;
+}
+
 void Communicator::reduce_scatter_sum(const float* send, float* recv,
                                       const std::vector<int>& counts) const {
   if (size_ == 1) {
@@ -192,6 +199,22 @@ void Communicator::all_gather(float* data, const std::vector<int64_t>& bounds) c
 #else
   (void)data, (void)bounds;
 #endif
+}
+
+void Communicator::gather_to_root(int64_t first, int64_t n, const std::vector<int64_t>& bounds,
+                                  const std::function<const float*(int64_t)>& mine,
+                                  float* dst) const {
+  for (int r = 0; r < size_; ++r) {
+    const int64_t a = std::max(first, bounds[static_cast<size_t>(r)]);
+    const int64_t b = std::min(first + n, bounds[static_cast<size_t>(r) + 1]);
+    if (a >= b) continue;
+    if (r == rank_ && rank_ == 0)
+      std::copy_n(mine(a), b - a, dst + (a - first));
+    else if (r == rank_)
+      send(mine(a), (b - a) * 4, 0);
+    else if (rank_ == 0)
+      receive(dst + (a - first), (b - a) * 4, r);
+  }
 }
 
 void Communicator::send(const void* data, int64_t bytes, int to) const {

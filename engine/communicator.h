@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace cputrain {
@@ -41,12 +42,21 @@ class Communicator {
   // the order of the additions is the same from run to run (two ranks: a + b on both).
   void all_reduce_sum(float* data, int64_t n) const;
   void all_reduce_sum(double* data, int64_t n) const;
+  // Slots each holding one rank's addend (zero on the other ranks), such as the losses of the
+  // batches each rank evaluated: their total, added in slot order, which is what one process
+  // adding them all gets, bit for bit, on every rank.
+  double sum_slots(std::vector<double>& slots) const;
   // Sums `send` (the sum of counts[r] elements) over the ranks; rank r receives its part,
   // counts[0] + .. + counts[r - 1] onwards, in `recv` (counts[r] elements). One order of
   // additions per size, as all_reduce_sum.
   void reduce_scatter_sum(const float* send, float* recv, const std::vector<int>& counts) const;
   // Rank r's part of `data`, [bounds[r], bounds[r + 1]), reaches every rank.
   void all_gather(float* data, const std::vector<int64_t>& bounds) const;
+  // Of an array sharded by `bounds` (rank r holds elements [bounds[r], bounds[r + 1])), elements
+  // [first, first + n) to rank 0, in `dst` (n elements; the other ranks may pass null), each
+  // rank sending its part; `mine(at)` is where this rank holds element `at` of its part.
+  void gather_to_root(int64_t first, int64_t n, const std::vector<int64_t>& bounds,
+                      const std::function<const float*(int64_t at)>& mine, float* dst) const;
   // Point to point: `bytes` to rank `to`, or from rank `from`.
   void send(const void* data, int64_t bytes, int to) const;
   void receive(void* data, int64_t bytes, int from) const;

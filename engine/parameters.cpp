@@ -195,40 +195,14 @@ float* ParameterSet::master(const ParameterInfo& p, int64_t begin) const {
   return shard_masters_.f32() + p.shard_offset + begin;
 }
 
-void ParameterSet::read_values(int index, float* values) const {
-  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
-  const int64_t n = p.shape.numel();
-  if (p.master_sharded) {
-    if (weights_.measured()) return;
-    const int me = comm_->rank();
-    for (int r = 0; r < comm_->size(); ++r) {
-      const auto [begin, end] = part_of(p, shards_, static_cast<size_t>(r));
-      if (begin >= end) continue;
-      const int64_t bytes = (end - begin) * 4;
-      if (r == me && me == 0)
-        std::copy_n(master(p, begin), end - begin, values + begin);
-      else if (r == me)
-        comm_->send(master(p, begin), bytes, 0);
-      else if (me == 0)
-        comm_->receive(values + begin, bytes, r);
-    }
-    return;
-  }
-  if (p.offset >= 0) {
-    std::copy_n(weights_.f32() + p.offset, n, values);
-  } else if (p.file_offset >= 0) {
-    master_file_->read(p.file_offset, n, values);
-  } else {
-    kernels::bf16_to_fp32_array(values, vars_.at(static_cast<size_t>(index)).value().bf16(), n);
-  }
+void ParameterSet::gather_master(const ParameterInfo& p, float* values) const {
+  if (weights_.measured()) return;
+  comm_->gather_to_root(
+      p.grad_offset, p.shape.numel(), shards_,
+      [this, &p](int64_t at) { return master(p, at - p.grad_offset); }, values);
 }
 
-void ParameterSet::share_values(int index, const float* values) const {
-  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
-  if (!p.master_sharded) {
-    write_values(index, values);
-    return;
-  }
+void ParameterSet::share_master(const ParameterInfo& p, const float* values) const {
   if (weights_.measured()) return;
   // In chunks through a buffer of the chunk's size: no rank holds the whole but rank 0.
   constexpr int64_t kChunk = int64_t{1} << 20;
@@ -246,13 +220,35 @@ void ParameterSet::share_values(int index, const float* values) const {
   }
 }
 
+void ParameterSet::read_values(int index, float* values) const {
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  const int64_t n = p.shape.numel();
+  if (p.master_sharded) {
+    gather_master(p, values);
+  } else if (p.offset >= 0) {
+    std::copy_n(weights_.f32() + p.offset, n, values);
+  } else if (p.file_offset >= 0) {
+    master_file_->read(p.file_offset, n, values);
+  } else {
+    kernels::bf16_to_fp32_array(values, vars_.at(static_cast<size_t>(index)).value().bf16(), n);
+  }
+}
+
+void ParameterSet::share_values(int index, const float* values) const {
+  const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
+  if (p.master_sharded)
+    share_master(p, values);
+  else
+    write_values(index, values);
+}
+
 void ParameterSet::serve_sharded_masters(bool gathering) const {
-  for (size_t i = 0; i < infos_.size(); ++i) {
-    if (!infos_[i].master_sharded) continue;
+  for (const ParameterInfo& p : infos_) {
+    if (!p.master_sharded) continue;
     if (gathering)
-      read_values(static_cast<int>(i), nullptr);
+      gather_master(p, nullptr);
     else
-      share_values(static_cast<int>(i), nullptr);
+      share_master(p, nullptr);
   }
 }
 

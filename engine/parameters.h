@@ -174,6 +174,10 @@ class ParameterSet {
   std::vector<int64_t> shards_;
   Tensor shard_masters_;
   int64_t sharded_numel_ = 0;
+  // Of a sharded master: read_values' collective (rank 0 receives the whole), and share_values'
+  // (rank 0's values reach every rank's part).
+  void gather_master(const ParameterInfo& p, float* values) const;
+  void share_master(const ParameterInfo& p, const float* values) const;
 };
 
 }  // namespace cputrain

@@ -121,10 +121,7 @@ double evaluate_loss(const std::function<Variable(const Tensor&, const Tensor&)>
           static_cast<double>(loss.value().f32()[0]) * static_cast<double>(rows);
     if (progress) progress(std::min(windows, first + rows * ranks), windows);
   }
-  if (ranks > 1 && !measuring())
-    comm->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
-  double sum = 0.0;
-  for (const double s : sums) sum += s;
+  const double sum = (ranks > 1 && !measuring() ? *comm : Communicator::solo()).sum_slots(sums);
   return windows > 0 ? sum / static_cast<double>(windows) : 0.0;
 }
 

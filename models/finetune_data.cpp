@@ -344,11 +344,7 @@ double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExamp
     const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
     if (!measuring()) sums[first / B] = loss.value().f32()[0];
   }
-  if (ranks > 1 && !measuring())
-    comm->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
-  double sum = 0.0;
-  for (const double s : sums) sum += s;
-  return sum;
+  return (ranks > 1 && !measuring() ? *comm : Communicator::solo()).sum_slots(sums);
 }
 
 }  // namespace cputrain

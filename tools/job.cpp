@@ -30,21 +30,19 @@ std::pair<int64_t, bool> JobStart::meet(bool failed) {
 
 void JobStart::ready() {
   if (met_) return;
-  const auto [failures, rank0_failed] = meet(false);
+  const int64_t failures = meet(false).first;
   if (failures == 0) {
     running = comm_.size() > 1;
     return;
   }
   if (comm_.rank() != 0) throw QuietExit{1};
-  (void)rank0_failed;
   throw UserError(std::to_string(failures) + " of the job's " + std::to_string(comm_.size()) +
                   " ranks could not start (their errors are above)");
 }
 
 bool JobStart::failed() {
   if (met_) return false;
-  const auto [failures, rank0_failed] = meet(true);
-  (void)failures;
+  const bool rank0_failed = meet(true).second;  // every rank meets the others
   return comm_.rank() != 0 && rank0_failed;
 }
 

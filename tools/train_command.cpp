@@ -444,6 +444,18 @@ void check_resumed_steps(const RunConfig& config, const RunConfig& began, int64_
         config.train.lr.peak * config.train.lr.min_ratio, config.train.lr.total_steps);
 }
 
+// The steps after which a run evaluates and saves a checkpoint: every rank of a job decides
+// alike, since each takes part in both.
+bool evaluates_after(const TrainArgs& args, const RunConfig& config, int64_t step) {
+  const int64_t every =
+      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+  return step % every == 0 || step == config.steps;
+}
+bool saves_after(const RunConfig& config, int64_t step, int stop) {
+  return (config.save_every > 0 && step % config.save_every == 0) || step == config.steps ||
+         stop != 0;
+}
+
 int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
              const std::string& dtype_reason, const TestHold& hold, JobStart& start);
 int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& start);
@@ -672,9 +684,6 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
         comm.size(), config.train.batch, config.train.accum, config.train.batch * comm.size(),
         config.train.accum);
   }
-  const int64_t save_every = config.save_every;
-  const int64_t eval_every =
-      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
   bool replacing = run.replacing;
   // A bad step (non-finite loss or gradient norm, or a spike) is never applied; it stops the run
   // or, with --on-bad-step skip, is passed over.
@@ -733,7 +742,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
         m["ranks"] = rank_records(
             ranks, config.train.batch * config.train.accum * config.train.ctx * comm.size());
       std::string val;
-      if (can_eval && (step % eval_every == 0 || step == config.steps)) {
+      if (can_eval && evaluates_after(args, config, step)) {
         const double v = trainer.evaluate(val_tokens, args.eval_windows);
         m["val_loss"] = v;
         val = fmt::format(" | val {:.4f}", v);
@@ -768,7 +777,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       }
       if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
         log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
-      if ((save_every > 0 && step % save_every == 0) || step == config.steps || stop != 0) {
+      if (saves_after(config, step, stop)) {
         last_checkpoint =
             save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
                                      data.dataset.fingerprint(), config_json, config.keep);
@@ -840,8 +849,6 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   BadStepFilter bad_steps(args.spike);
   trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
   const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
-  const int64_t eval_every =
-      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
   for (int64_t step = first_step; step <= config.steps; ++step) {
     profiler::set_enabled(args.profile && (step > first_step || first_step == config.steps));
     const StepResult r = trainer.step(train_tokens, step);
@@ -855,11 +862,10 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
       job_ended();
       throw QuietExit{1};  // rank 0 says why
     }
-    if (can_eval && (step % eval_every == 0 || step == config.steps))
+    if (can_eval && evaluates_after(args, config, step))
       trainer.evaluate(val_tokens, args.eval_windows);
     // Rank 0 saves a checkpoint now: the shards of m and v go to it.
-    if (sharded && ((config.save_every > 0 && step % config.save_every == 0) ||
-                    step == config.steps || stop != 0))
+    if (sharded && saves_after(config, step, stop))
       share_checkpoint_state(model.parameters(), trainer.optimizer(), true);
     if (stop != 0) {
       job_ended();

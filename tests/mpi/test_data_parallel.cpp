@@ -23,6 +23,14 @@ struct Trained {
   std::vector<float> weights;
 };
 
+// A stream of 4096 tokens in a pattern the model can learn.
+std::vector<int32_t> patterned_tokens(int64_t vocab) {
+  std::vector<int32_t> tokens(4096);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<int32_t>((i * 7 + i / 13) % static_cast<size_t>(vocab));
+  return tokens;
+}
+
 // 10 steps of the tiny preset (fp32, 2 micro-batches a step of `batch` rows each) on a
 // patterned stream, as a rank of `comm`, its gradients summed in buckets of `bucket` elements.
 Trained train(const Communicator& comm, int64_t batch, int64_t bucket = int64_t{1} << 22,
@@ -31,9 +39,7 @@ Trained train(const Communicator& comm, int64_t batch, int64_t bucket = int64_t{
   config.ctx = 32;
   LlamaModel model(config);
   model.init_weights(7);
-  std::vector<int32_t> tokens(4096);
-  for (size_t i = 0; i < tokens.size(); ++i)
-    tokens[i] = static_cast<int32_t>((i * 7 + i / 13) % static_cast<size_t>(config.vocab));
+  const std::vector<int32_t> tokens = patterned_tokens(config.vocab);
   TrainOptions options;
   options.batch = batch;
   options.accum = 2;
@@ -200,9 +206,7 @@ TEST(DataParallel, ShardedMastersMakeTheSameSteps) {
   const int n = world().size();
   LlamaConfig config = find_preset("tiny")->config;
   config.ctx = 32;
-  std::vector<int32_t> tokens(4096);
-  for (size_t i = 0; i < tokens.size(); ++i)
-    tokens[i] = static_cast<int32_t>((i * 7 + i / 13) % static_cast<size_t>(config.vocab));
+  const std::vector<int32_t> tokens = patterned_tokens(config.vocab);
   struct Run {
     std::vector<double> losses;
     std::vector<uint16_t> copies;

@@ -75,17 +75,19 @@ class Cli : public ::testing::Test {
   Result run(const std::string& args) const { return run("", args); }
 
   // Starts cputrain with `args` in the background, its output to `log`, with
-  // CPUTRAIN_TEST_HOLD_STEP=`hold` (the loop waits before that step for a stop signal, or for
-  // good with "N+"; tools/train_command.cpp); returns its pid.
-  pid_t start(const std::string& args, const fs::path& log, const std::string& hold) {
+  // CPUTRAIN_TEST_HOLD_STEP=`hold` where it is given (the loop waits before that step for a stop
+  // signal, or for good with "N+"; tools/train_command.cpp), by `launcher` where it is given (a
+  // command line that runs the binary after it, such as mpirun's); returns its pid.
+  pid_t start(const std::string& args, const fs::path& log, const std::string& hold,
+              const std::string& launcher = "") {
     const pid_t pid = ::fork();
     if (pid == 0) {
       // Both appending: the one without O_APPEND would write over the other's lines.
       std::fclose(std::fopen(log.c_str(), "w"));
       std::freopen(log.c_str(), "a", stdout);
       std::freopen(log.c_str(), "a", stderr);
-      ::setenv("CPUTRAIN_TEST_HOLD_STEP", hold.c_str(), 1);
-      const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args;
+      if (!hold.empty()) ::setenv("CPUTRAIN_TEST_HOLD_STEP", hold.c_str(), 1);
+      const std::string cmd = launcher + std::string(CPUTRAIN_BINARY) + " " + args;
       ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
@@ -1285,10 +1287,13 @@ class DataParallelCli : public Cli {
     if (std::string(CPUTRAIN_MPIEXEC).empty()) GTEST_SKIP() << "built without MPI";
     Cli::SetUp();
   }
+  // mpirun starting n ranks of one thread each, before the binary.
+  static std::string launcher(int n) {
+    return "env OMP_NUM_THREADS=1 " + std::string(CPUTRAIN_MPIEXEC) +
+           " --allow-run-as-root --oversubscribe -np " + std::to_string(n) + " ";
+  }
   Result ranks(int n, const std::string& args) const {
-    return run("OMP_NUM_THREADS=1 " + std::string(CPUTRAIN_MPIEXEC) +
-                   " --allow-run-as-root --oversubscribe -np " + std::to_string(n),
-               args + " --threads 1");
+    return run(launcher(n), args + " --threads 1");
   }
   static std::vector<nlohmann::json> records(const fs::path& run_dir) {
     std::vector<nlohmann::json> out;
@@ -1478,23 +1483,12 @@ TEST_F(DataParallelCli, AStoppedOrKilledRankEndsTheJob) {
   for (const int sig : {SIGSTOP, SIGKILL}) {
     const fs::path out = dir_ / (sig == SIGSTOP ? "stopped" : "killed");
     const fs::path log = dir_ / (out.filename().string() + ".log");
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      // Both appending: the one without O_APPEND would write over the other's lines.
-      std::fclose(std::fopen(log.c_str(), "w"));
-      std::freopen(log.c_str(), "a", stdout);
-      std::freopen(log.c_str(), "a", stderr);
-      ::setenv("OMP_NUM_THREADS", "1", 1);
-      const std::string cmd = std::string(CPUTRAIN_MPIEXEC) +
-                              " --allow-run-as-root --oversubscribe -np 2 " + CPUTRAIN_BINARY +
-                              " --preset tiny --steps 1000000 --threads 1 --save-every 0 "
-                              "--rank-timeout 2 --corpus " +
-                              corpus + " --out " + out.string();
-      ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
+    const pid_t pid = start(
+        "--preset tiny --steps 1000000 --threads 1 --save-every 0 "
+        "--rank-timeout 2 --corpus " +
+            corpus + " --out " + out.string(),
+        log, "", launcher(2));
     ASSERT_GT(pid, 0);
-    started_.push_back(pid);
     ASSERT_TRUE(wait_until([&] {
       const std::string metrics = read_all(out / "metrics.jsonl");
       return std::count(metrics.begin(), metrics.end(), '\n') >= 3;
@@ -1529,22 +1523,8 @@ TEST_F(DataParallelCli, AnInterruptedJobSavesAndResumesAsTheRunThatNeverStopped)
   const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
   ASSERT_EQ(ranks(2, common + " --out " + straight.string()).exit_code, 0);
   const fs::path log = dir_ / "stopped.log";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    // Both appending: the one without O_APPEND would write over the other's lines.
-    std::fclose(std::fopen(log.c_str(), "w"));
-    std::freopen(log.c_str(), "a", stdout);
-    std::freopen(log.c_str(), "a", stderr);
-    ::setenv("OMP_NUM_THREADS", "1", 1);
-    ::setenv("CPUTRAIN_TEST_HOLD_STEP", "5", 1);
-    const std::string cmd = std::string(CPUTRAIN_MPIEXEC) +
-                            " --allow-run-as-root --oversubscribe -np 2 " + CPUTRAIN_BINARY + " " +
-                            common + " --threads 1 --out " + stopped.string();
-    ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
+  const pid_t pid = start(common + " --threads 1 --out " + stopped.string(), log, "5", launcher(2));
   ASSERT_GT(pid, 0);
-  started_.push_back(pid);
   ASSERT_TRUE(wait_until([&] {
     return read_all(log).find("holding before step 5") != std::string::npos;
   })) << read_all(log);
