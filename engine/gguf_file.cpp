@@ -399,6 +399,9 @@ int64_t GgufFile::integer(const std::string& key) const {
   if (!v) throw UserError(path_ + ": no metadata " + key);
   if (!is_number(v->type) || v->type == GgufType::F32 || v->type == GgufType::F64)
     throw UserError(path_ + ": metadata " + key + " is not an integer");
+  if (v->type == GgufType::U64 && v->bits > static_cast<uint64_t>(INT64_MAX))
+    throw UserError(path_ + ": metadata " + key + " " + std::to_string(v->bits) +
+                    " is more than cputrain reads (2^63 - 1)");
   return static_cast<int64_t>(v->bits);
 }
 
@@ -706,10 +709,14 @@ void GgufWriter::write(const std::string& path) const {
   out.commit();
 }
 
-std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor) {
+void check_tensor_type(const GgufFile& file, const GgufTensor& tensor) {
   if (!ggml_type_supported(tensor.type))
     throw UserError(file.path() + ": tensor " + tensor.name + " is " + ggml_type_name(tensor.type) +
                     ", a type cputrain does not read (F32, F16, BF16, Q8_0, Q4_K, Q6_K)");
+}
+
+std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor) {
+  check_tensor_type(file, tensor);
   std::vector<float> values(static_cast<size_t>(tensor.numel()));
   ggml_to_float(static_cast<GgmlType>(tensor.type), tensor.data.data(), values.data(),
                 tensor.numel());

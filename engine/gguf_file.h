@@ -142,6 +142,8 @@ class GgufWriter {
 // quantiser writes it.
 std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n);
 
+// A UserError naming the file and tensor where cputrain does not convert the tensor's type.
+void check_tensor_type(const GgufFile& file, const GgufTensor& tensor);
 // The FP32 values of a tensor of any supported type (dequantised); a UserError naming the file
 // and tensor for an unsupported type.
 std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor);

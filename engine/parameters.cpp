@@ -1,11 +1,13 @@
 #include "engine/parameters.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
 
 #include "engine/communicator.h"
+#include "engine/error.h"
 #include "engine/hash.h"
 #include "engine/offload.h"
 #include "kernels/bf16.h"
@@ -302,6 +304,58 @@ int ParameterSet::find(const std::string& name) const {
   for (size_t i = 0; i < infos_.size(); ++i)
     if (infos_[i].name == name) return static_cast<int>(i);
   return -1;
+}
+
+namespace {
+
+// The first of n values that is a NaN or an infinity (by its bits: all-ones exponent), or -1.
+int64_t first_non_finite_f32(const float* values, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, values + i, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return i;
+  }
+  return -1;
+}
+
+int64_t first_non_finite_bf16(const uint16_t* values, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if ((values[i] & 0x7f80u) == 0x7f80u) return i;
+  return -1;
+}
+
+}  // namespace
+
+void check_finite(const ParameterSet& params, const std::string& source,
+                  const std::function<bool(const std::string& name)>& which) {
+  std::vector<float> copy;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& p = params.infos()[i];
+    if (which && !which(p.name)) continue;
+    const int64_t n = p.shape.numel();
+    int64_t bad = -1;
+    float value = 0.0f;
+    if (p.master_sharded) {
+      continue;  // a rank holds a part of it; the rank holding the rest checks that
+    } else if (p.offset >= 0) {
+      const float* values = params.weights().f32() + p.offset;
+      bad = first_non_finite_f32(values, n);
+      if (bad >= 0) value = values[bad];
+    } else if (p.file_offset >= 0) {
+      copy.resize(static_cast<size_t>(n));
+      params.read_values(static_cast<int>(i), copy.data());
+      bad = first_non_finite_f32(copy.data(), n);
+      if (bad >= 0) value = copy[static_cast<size_t>(bad)];
+    } else {
+      const uint16_t* values = params.var(static_cast<int>(i)).value().bf16();
+      bad = first_non_finite_bf16(values, n);
+      if (bad >= 0) value = kernels::bf16_to_fp32(values[bad]);
+    }
+    if (bad < 0) continue;
+    const std::string what = std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";
+    throw UserError(source + ": " + p.name + " holds " + what + " (element " + std::to_string(bad) +
+                    "), and cputrain computes with finite weights only");
+  }
 }
 
 }  // namespace cputrain

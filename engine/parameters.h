@@ -180,4 +180,11 @@ class ParameterSet {
   void share_master(const ParameterInfo& p, const float* values) const;
 };
 
+// A UserError naming `source` and the parameter where a parameter accepted by `which` (every
+// one where null) holds a NaN or an infinity: "SOURCE: layers.0.attention.wq.weight holds nan
+// (element 3), and cputrain computes with finite weights only". Reads the values where they are
+// held (FP32 masters, bf16 copies, mapped files); copies only an offloaded or sharded master.
+void check_finite(const ParameterSet& params, const std::string& source,
+                  const std::function<bool(const std::string& name)>& which = nullptr);
+
 }  // namespace cputrain

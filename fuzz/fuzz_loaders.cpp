@@ -1,12 +1,15 @@
 // libFuzzer target for every loader of a file a user may hand cputrain: training checkpoints,
 // weights files, tokenizer models, run configurations, GGUF model files (read, their
 // configuration and vocabulary taken, text encoded and decoded, small models' weights loaded) and
-// safetensors files. The
+// safetensors files, and Hugging Face configurations (config.json beside a tiny model's
+// safetensors: its configuration taken, its weights checked and, for small models, loaded). The
 // first input byte picks the loader (and, for the checksummed formats, whether to make the trailing
 // checksum valid so the parser behind it is reached); the rest is the file. Any outcome but a
 // UserError or success is a finding: a crash, a sanitizer report, another exception, or a hang.
 //
-// CPUTRAIN_FUZZ_SEEDS=DIR fuzz_loaders writes valid files of each kind to DIR and exits.
+// CPUTRAIN_FUZZ_SEEDS=DIR fuzz_loaders writes valid files of each kind to DIR, and damaged model
+// files (a GGUF file and a config.json with each count set to 0, 1, 2^31, 2^63 - 1 and -1), and
+// exits.
 #include <unistd.h>
 
 #include <cstdint>
@@ -15,6 +18,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -28,6 +33,7 @@
 #include "engine/vocab_tokenizer.h"
 #include "engine/weights_file.h"
 #include "models/gguf_model.h"
+#include "models/hf_model.h"
 #include "models/llama.h"
 #include "tools/run_config.h"
 
@@ -35,7 +41,16 @@ namespace {
 
 using namespace cputrain;
 
-enum Kind : uint8_t { kCheckpoint, kWeights, kTokenizer, kConfig, kGguf, kSafetensors, kKinds };
+enum Kind : uint8_t {
+  kCheckpoint,
+  kWeights,
+  kTokenizer,
+  kConfig,
+  kGguf,
+  kSafetensors,
+  kHfConfig,
+  kKinds
+};
 
 void make_params(ParameterSet& p) {
   p.add("w", Shape{4, 3}, true, true);
@@ -47,6 +62,59 @@ const std::string& scratch_path() {
   static const std::string path =
       std::filesystem::temp_directory_path() / ("cputrain_fuzz_" + std::to_string(::getpid()));
   return path;
+}
+
+// The tiny model of the GGUF and Hugging Face seeds: 1 block of width 32, 2 heads, 1 key/value
+// head, MLP 64, 300 tokens.
+LlamaConfig tiny_config() {
+  LlamaConfig tiny;
+  tiny.vocab = 300;
+  tiny.d_model = 32;
+  tiny.n_layers = 1;
+  tiny.n_heads = 2;
+  tiny.n_kv_heads = 1;
+  tiny.ffn = 64;
+  tiny.ctx = 16;
+  return tiny;
+}
+
+// A Hugging Face folder of the tiny model (config.json, model.safetensors, tokenizer files),
+// made once: a kHfConfig input replaces its config.json.
+const std::string& hf_folder() {
+  static const std::string folder = [] {
+    const std::string dir = scratch_path() + "_hf";
+    std::atexit([] { std::filesystem::remove_all(scratch_path() + "_hf"); });
+    LlamaModel model(tiny_config());
+    model.init_weights(1);
+    Vocabulary v;
+    for (int i = 0; i < 300; ++i) v.tokens.push_back("t" + std::to_string(i));
+    write_hf_folder(dir, tiny_config(), model.parameters(),
+                    Tokenizer::from_vocabulary(std::move(v)), "F32");
+    return dir;
+  }();
+  return folder;
+}
+
+// The counts a damaged model file holds.
+constexpr int64_t kDamagedCounts[] = {0, 1, int64_t{1} << 31, std::numeric_limits<int64_t>::max(),
+                                      -1};
+
+// The GGUF file at `from` with metadata `key` set to `value` (added where absent): u32 where it
+// fits, u64 above, i64 below 0.
+void write_damaged_gguf(const std::string& from, const std::string& to, const std::string& key,
+                        int64_t value) {
+  GgufValue count;
+  count.type = value < 0 ? GgufType::I64 : value <= 0xffffffffLL ? GgufType::U32 : GgufType::U64;
+  count.number = static_cast<double>(value);
+  count.bits = static_cast<uint64_t>(value);
+  const GgufFile file(from);
+  GgufWriter w;
+  for (const auto& [k, v] : file.metadata()) w.set_value(k, k == key ? count : v);
+  if (!file.find(key)) w.set_value(key, count);
+  for (const GgufTensor& t : file.tensors())
+    w.add_tensor(t.name, t.dims, static_cast<GgmlType>(t.type),
+                 std::vector<uint8_t>(t.data.begin(), t.data.end()));
+  w.write(to);
 }
 
 void write_seeds(const std::string& dir) {
@@ -82,19 +150,51 @@ void write_seeds(const std::string& dir) {
   seed(kTokenizer, false, base + ".model");
   seed(kConfig, false, base + ".json");
   // A GGUF model of the tiny shape, with cputrain's tokenizer as its vocabulary.
-  LlamaConfig tiny;
-  tiny.vocab = 300;
-  tiny.d_model = 32;
-  tiny.n_layers = 1;
-  tiny.n_heads = 2;
-  tiny.n_kv_heads = 1;
-  tiny.ffn = 64;
-  tiny.ctx = 16;
+  const LlamaConfig tiny = tiny_config();
   LlamaModel model(tiny);
   model.init_weights(1);
   write_gguf(base + ".gguf", tiny, model.parameters(),
              Tokenizer::load(base + ".model").to_vocabulary(), GgufExport{GgmlType::Q8_0, "fuzz"});
   seed(kGguf, false, base + ".gguf");
+  // Damaged model files: each count of the GGUF file and of config.json at each damaged value.
+  const char* gguf_keys[] = {"llama.block_count",
+                             "llama.embedding_length",
+                             "llama.feed_forward_length",
+                             "llama.attention.head_count",
+                             "llama.attention.head_count_kv",
+                             "llama.attention.key_length",
+                             "llama.attention.value_length",
+                             "llama.context_length",
+                             "llama.rope.dimension_count",
+                             "llama.vocab_size"};
+  const char* hf_keys[] = {
+      "vocab_size",          "hidden_size",       "num_hidden_layers",       "num_attention_heads",
+      "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim",
+      "sliding_window"};
+  std::ifstream config_in(hf_folder() + "/config.json");
+  const nlohmann::json hf_config = nlohmann::json::parse(config_in);
+  std::ofstream(base + ".hf.json") << hf_config.dump(2);
+  seed(kHfConfig, false, base + ".hf.json");
+  int damaged = 0;
+  const auto damaged_seed = [&](Kind kind, const std::string& file) {
+    std::ifstream in(file, std::ios::binary);
+    std::ofstream out(dir + "/damaged" + std::to_string(damaged++), std::ios::binary);
+    out.put(static_cast<char>(kind));
+    out << in.rdbuf();
+  };
+  for (const int64_t value : kDamagedCounts) {
+    for (const char* key : gguf_keys) {
+      write_damaged_gguf(base + ".gguf", base + ".damaged.gguf", key, value);
+      damaged_seed(kGguf, base + ".damaged.gguf");
+    }
+    for (const char* key : hf_keys) {
+      nlohmann::json j = hf_config;
+      j[key] = value;
+      if (std::string(key) == "sliding_window") j["use_sliding_window"] = true;
+      std::ofstream(base + ".hf.json", std::ios::trunc) << j.dump(2);
+      damaged_seed(kHfConfig, base + ".hf.json");
+    }
+  }
   {  // a safetensors file of two tensors
     const std::string header =
         R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, )"
@@ -105,7 +205,8 @@ void write_seeds(const std::string& dir) {
     out << header << std::string(24, '\x3f');
   }
   seed(kSafetensors, false, base + ".safetensors");
-  for (const char* ext : {".ckpt", ".bin", ".model", ".json", ".gguf", ".safetensors"})
+  for (const char* ext :
+       {".ckpt", ".bin", ".model", ".json", ".gguf", ".safetensors", ".damaged.gguf", ".hf.json"})
     std::remove((base + ext).c_str());
 }
 
@@ -167,9 +268,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const Tokenizer t = Tokenizer::from_vocabulary(gguf_vocabulary(file));
         t.decode(t.encode("fuzz \xff\xfe text"));
         const LlamaConfig config = gguf_model_config(file, 64);
+        check_gguf_weights(file, config);
         if (parameter_count(config) < 1'000'000 && config.n_layers <= 4) {
           LlamaModel model(config);
           load_gguf_weights(file, model.parameters());
+        }
+        break;
+      }
+      case kHfConfig: {
+        const std::string& folder = hf_folder();
+        std::ofstream(folder + "/config.json", std::ios::binary | std::ios::trunc)
+            .write(file.data(), static_cast<std::streamsize>(file.size()));
+        const SafetensorsModel weights(folder);
+        const LlamaConfig config = hf_model_config(folder, weights, 64);
+        check_hf_weights(weights, config);
+        if (parameter_count(config) < 1'000'000 && config.n_layers <= 4) {
+          LlamaModel model(config);
+          load_hf_weights(weights, model.parameters());
         }
         break;
       }

@@ -6,6 +6,8 @@
 
 #include "engine/error.h"
 #include "engine/parameters.h"
+#include "models/file_hyperparameters.h"
+#include "models/llama.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
 
@@ -27,37 +29,53 @@ LlamaConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
                     ", which cputrain does not compute (it computes " +
                     gguf_supported_architectures() + ")");
   const std::string& p = arch;
-  LlamaConfig c;
-  c.d_model = file.integer(p + ".embedding_length");
-  c.n_layers = file.integer(p + ".block_count");
-  c.ffn = file.integer(p + ".feed_forward_length");
-  c.n_heads = file.integer(p + ".attention.head_count");
-  c.n_kv_heads = file.integer(p + ".attention.head_count_kv", c.n_heads);
-  c.head_dim =
-      file.integer(p + ".attention.key_length", c.d_model / std::max<int64_t>(1, c.n_heads));
-  if (file.integer(p + ".attention.value_length", c.head_dim) != c.head_dim)
-    throw UserError(file.path() + ": " + p +
-                    ".attention.value_length differs from key_length, "
-                    "which cputrain does not compute");
-  c.norm_eps = static_cast<float>(file.number(p + ".attention.layer_norm_rms_epsilon", 1e-5));
-  c.rope_theta = file.number(p + ".rope.freq_base", 10000.0);
-  c.ctx = std::min(file.integer(p + ".context_length"), max_ctx);
-  c.rope_pairs = arch == "qwen2" ? RopePairs::HalfSplit : RopePairs::Adjacent;
-  if (file.integer(p + ".rope.dimension_count", c.head_dim) != c.head_dim)
-    throw UserError(file.path() + ": " + p + ".rope.dimension_count " +
-                    std::to_string(file.integer(p + ".rope.dimension_count")) +
-                    " rotates part of each head, which cputrain does not compute");
+  const auto given = [&](const std::string& key) {
+    return FileHyperparameter{
+        key, file.find(key) ? std::optional<int64_t>(file.integer(key)) : std::nullopt};
+  };
+  FileHyperparameters hp;
+  hp.where = file.path();
+  hp.naming = TensorNaming::Gguf;
+  hp.vocab = given(p + ".vocab_size");
+  hp.d_model = given(p + ".embedding_length");
+  hp.n_layers = given(p + ".block_count");
+  hp.n_heads = given(p + ".attention.head_count");
+  hp.n_kv_heads = given(p + ".attention.head_count_kv");
+  hp.head_dim = given(p + ".attention.key_length");
+  hp.ffn = given(p + ".feed_forward_length");
+  hp.ctx = given(p + ".context_length");
+  hp.rope_dim = given(p + ".rope.dimension_count");
+  for (const FileHyperparameter* required :
+       {&hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn, &hp.ctx})
+    if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
   const std::string scaling = file.string(p + ".rope.scaling.type", "none");
   if (scaling != "none" || file.tensor("rope_freqs.weight"))
     throw UserError(file.path() + ": RoPE scaling (" +
                     (scaling != "none" ? scaling : std::string("rope_freqs.weight")) +
                     "), which cputrain does not compute");
-  const GgufTensor* embedding = file.tensor("token_embd.weight");
-  if (!embedding || embedding->dims.size() != 2)
-    throw UserError(file.path() + ": no token_embd.weight of two dimensions");
-  c.vocab = embedding->dims[1];
+  LlamaConfig c;
+  c.norm_eps = static_cast<float>(file.number(p + ".attention.layer_norm_rms_epsilon", 1e-5));
+  c.rope_theta = file.number(p + ".rope.freq_base", 10000.0);
+  c.rope_pairs = arch == "qwen2" ? RopePairs::HalfSplit : RopePairs::Adjacent;
   c.tie_embeddings = file.tensor("output.weight") == nullptr;
   c.qkv_bias = file.tensor("blk.0.attn_q.bias") != nullptr;
+  std::vector<std::string> names;
+  names.reserve(file.tensors().size());
+  for (const GgufTensor& t : file.tensors()) names.push_back(t.name);
+  check_file_hyperparameters(
+      hp, names,
+      [&](const std::string& name) -> std::optional<std::vector<int64_t>> {
+        const GgufTensor* t = file.tensor(name);
+        if (!t) return std::nullopt;
+        return std::vector<int64_t>(t->dims.rbegin(), t->dims.rend());
+      },
+      c);
+  c.head_dim = c.head_size();
+  if (file.integer(p + ".attention.value_length", c.head_dim) != c.head_dim)
+    throw UserError(file.path() + ": " + p +
+                    ".attention.value_length differs from key_length, "
+                    "which cputrain does not compute");
+  c.ctx = std::min(c.ctx, max_ctx);
   if (const auto problem = validate(c))
     throw UserError(file.path() +
                     ": the model's hyperparameters do not fit together: " + problem->str());
@@ -68,20 +86,50 @@ std::string gguf_tensor_name(const std::string& parameter) {
   return tensor_name(parameter, TensorNaming::Gguf);
 }
 
+namespace {
+
+// The file's tensor of parameter `info` (of LlamaModel), of its shape and of a type cputrain
+// converts; a UserError naming the file and tensor otherwise.
+const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info) {
+  const std::string name = gguf_tensor_name(info.name);
+  const GgufTensor* t = file.tensor(name);
+  if (!t) throw UserError(file.path() + ": no tensor " + name + " (the model's " + info.name + ")");
+  std::vector<int64_t> expected;
+  for (int d = info.shape.ndim() - 1; d >= 0; --d) expected.push_back(info.shape[d]);
+  if (t->dims != expected)
+    throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
+                    " where the model's hyperparameters give " + shape_text(expected));
+  check_tensor_type(file, *t);
+  return *t;
+}
+
+// Every tensor of the file is one of `used`'s (a tied model's may hold the head as well, a copy
+// of the embedding); a UserError naming the first that is not.
+void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& used) {
+  for (const GgufTensor& t : file.tensors()) {
+    if (used.count(t.name) || t.name == "output.weight") continue;
+    throw UserError(file.path() + ": tensor " + t.name + " has no place in the " +
+                    file.string("general.architecture") + " model cputrain computes");
+  }
+}
+
+}  // namespace
+
+void check_gguf_weights(const GgufFile& file, const LlamaConfig& config) {
+  ParameterSet declared;
+  LlamaModel::declare_parameters(config, declared);
+  std::set<std::string> used;
+  for (const ParameterInfo& info : declared.infos()) used.insert(gguf_tensor_of(file, info).name);
+  check_no_other_tensors(file, used);
+}
+
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
-    const std::string name = gguf_tensor_name(info.name);
-    const GgufTensor* t = file.tensor(name);
-    if (!t)
-      throw UserError(file.path() + ": no tensor " + name + " (the model's " + info.name + ")");
-    std::vector<int64_t> expected;
-    for (int d = info.shape.ndim() - 1; d >= 0; --d) expected.push_back(info.shape[d]);
-    if (t->dims != expected)
-      throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
-                      " where the model's hyperparameters give " + shape_text(expected));
+    const GgufTensor* t = &gguf_tensor_of(file, info);
+    const std::string& name = t->name;
     // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
     if (params.mapped(static_cast<int>(i))) {
       if (t->type != static_cast<uint32_t>(GgmlType::BF16))
@@ -95,12 +143,7 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
     }
     used.insert(name);
   }
-  for (const GgufTensor& t : file.tensors()) {
-    // A tied model's file may hold the head as well, a copy of the embedding.
-    if (used.count(t.name) || t.name == "output.weight") continue;
-    throw UserError(file.path() + ": tensor " + t.name + " has no place in the " +
-                    file.string("general.architecture") + " model cputrain computes");
-  }
+  check_no_other_tensors(file, used);
 }
 
 const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter) {

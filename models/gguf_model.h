@@ -27,6 +27,12 @@ LlamaConfig gguf_model_config(const GgufFile& file, int64_t max_ctx);
 // "blk.0.attn_q.weight").
 std::string gguf_tensor_name(const std::string& parameter);
 
+// Checks, before anything is allocated for the model, what load_gguf_weights checks: every
+// parameter of a model of `config` (no adapters) has its tensor in the file, of its shape and of a
+// type cputrain converts, and every tensor of the file has its place. A UserError naming the file
+// and tensor otherwise.
+void check_gguf_weights(const GgufFile& file, const LlamaConfig& config);
+
 // Converts every tensor of the file into the model's parameters (declared by LlamaModel for
 // `config`): dequantised to FP32, checked against the parameter's shape. A UserError naming the
 // file and tensor for a missing, misshapen or unsupported-type tensor, or one the model has no

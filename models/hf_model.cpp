@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <unordered_map>
@@ -17,6 +18,8 @@
 #include "engine/gguf_file.h"
 #include "engine/parameters.h"
 #include "engine/tokenizer.h"
+#include "models/file_hyperparameters.h"
+#include "models/llama.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
 
@@ -73,45 +76,135 @@ bool is_hf_folder(const std::string& folder) {
   return j.is_object() && j.contains("model_type");
 }
 
+namespace {
+
+// What a JSON value is, for a message: "a string", "a fraction", ...
+std::string json_kind(const json& v) {
+  if (v.is_string()) return "a string";
+  if (v.is_boolean()) return "true or false";
+  if (v.is_number_float()) return "a fraction";
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  return "null";
+}
+
+// A value of config.json as a message shows it: its JSON, shortened.
+std::string json_shown(const json& v) {
+  std::string s = v.dump();
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+// The typed values of config.json: a UserError naming the file and key for a value of another
+// type; absent (or null) where the key is not there.
+class ConfigValues {
+ public:
+  ConfigValues(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
+
+  const json* find(const std::string& key) const {
+    const auto it = j_.find(key);
+    return it == j_.end() || it->is_null() ? nullptr : &*it;
+  }
+  std::optional<int64_t> whole(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) return std::nullopt;
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      throw UserError(where_ + ": " + key + " " + v->dump() + " is more than cputrain reads");
+    if (!v->is_number_integer()) wrong(key, *v, "a whole number");
+    return v->get<int64_t>();
+  }
+  double number(const std::string& key, double fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) wrong(key, *v, "a number");
+    return v->get<double>();
+  }
+  bool flag(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) wrong(key, *v, "true or false");
+    return v->get<bool>();
+  }
+  std::string text(const std::string& key, const std::string& fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_string()) wrong(key, *v, "a string");
+    return v->get<std::string>();
+  }
+
+ private:
+  [[noreturn]] void wrong(const std::string& key, const json& v, const std::string& want) const {
+    throw UserError(where_ + ": " + key + " " + json_shown(v) + " is " + json_kind(v) + ", not " +
+                    want);
+  }
+  const json& j_;
+  std::string where_;
+};
+
+}  // namespace
+
 LlamaConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
+  return hf_model_config(folder, SafetensorsModel(folder), max_ctx);
+}
+
+LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
+                            int64_t max_ctx) {
   const fs::path path = fs::path(folder) / "config.json";
   const json j = read_json(path);
   const std::string where = path.string();
-  const std::string type = j.value("model_type", "");
+  if (!j.is_object()) throw UserError(where + ": not a JSON object");
+  const ConfigValues values(j, where);
+  const std::string type = values.text("model_type", "");
   if (type != "llama" && type != "mistral" && type != "qwen2")
     throw UserError(where + ": model_type " + type +
                     ", which cputrain does not compute (it computes llama, mistral, qwen2)");
+  if (const json* scaling = values.find("rope_scaling"))
+    throw UserError(where + ": rope_scaling " + json_shown(*scaling) +
+                    ", which cputrain does not compute");
+  const std::string act = values.text("hidden_act", "silu");
+  if (act != "silu")
+    throw UserError(where + ": hidden_act " + act +
+                    ", which cputrain does not compute (it computes silu)");
+  if (values.flag("mlp_bias", false))
+    throw UserError(where + ": mlp_bias, which cputrain does not compute");
+  FileHyperparameters hp;
+  hp.where = where;
+  hp.naming = TensorNaming::HuggingFace;
+  for (const auto& [field, key] : {std::pair{&hp.vocab, "vocab_size"},
+                                   {&hp.d_model, "hidden_size"},
+                                   {&hp.n_layers, "num_hidden_layers"},
+                                   {&hp.n_heads, "num_attention_heads"},
+                                   {&hp.n_kv_heads, "num_key_value_heads"},
+                                   {&hp.head_dim, "head_dim"},
+                                   {&hp.ffn, "intermediate_size"},
+                                   {&hp.ctx, "max_position_embeddings"}})
+    *field = FileHyperparameter{key, values.whole(key)};
+  for (const FileHyperparameter* required :
+       {&hp.vocab, &hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn})
+    if (!required->value) throw UserError(where + ": no " + required->key);
+  if (!hp.ctx.value) hp.ctx.value = 2048;
   LlamaConfig c;
-  try {
-    c.vocab = j.at("vocab_size").get<int64_t>();
-    c.d_model = j.at("hidden_size").get<int64_t>();
-    c.n_layers = j.at("num_hidden_layers").get<int64_t>();
-    c.n_heads = j.at("num_attention_heads").get<int64_t>();
-    c.n_kv_heads = j.value("num_key_value_heads", c.n_heads);
-    c.ffn = j.at("intermediate_size").get<int64_t>();
-    c.norm_eps = j.value("rms_norm_eps", 1e-6f);
-    c.rope_theta = j.value("rope_theta", 10000.0);
-    c.ctx = j.value("max_position_embeddings", int64_t{2048});
-    if (j.contains("head_dim") && !j["head_dim"].is_null())
-      c.head_dim = j["head_dim"].get<int64_t>();
-    c.tie_embeddings = j.value("tie_word_embeddings", false);
-    c.qkv_bias = type == "qwen2" || j.value("attention_bias", false);
-    if (j.contains("sliding_window") && j["sliding_window"].is_number_integer() &&
-        j.value("use_sliding_window", type == "mistral"))
-      c.ctx = std::min(c.ctx, j["sliding_window"].get<int64_t>());
-    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
-      throw UserError(where + ": rope_scaling " + j["rope_scaling"].dump() +
-                      ", which cputrain does not compute");
-    if (j.value("hidden_act", "silu") != "silu")
-      throw UserError(where + ": hidden_act " + j.value("hidden_act", "") +
-                      ", which cputrain does not compute (it computes silu)");
-    if (j.value("mlp_bias", false))
-      throw UserError(where + ": mlp_bias, which cputrain does not compute");
-  } catch (const json::exception& e) {
-    throw UserError(where + ": " + e.what());
-  }
-  c.ctx = std::min(c.ctx, max_ctx);
+  c.norm_eps = static_cast<float>(values.number("rms_norm_eps", 1e-6));
+  c.rope_theta = values.number("rope_theta", 10000.0);
+  c.tie_embeddings = values.flag("tie_word_embeddings", false);
+  c.qkv_bias = type == "qwen2" || values.flag("attention_bias", false);
   c.rope_pairs = RopePairs::HalfSplit;
+  check_file_hyperparameters(
+      hp, weights.names(),
+      [&](const std::string& name) -> std::optional<std::vector<int64_t>> {
+        const SafetensorsTensor* t = weights.find(name);
+        if (!t) return std::nullopt;
+        return t->shape;
+      },
+      c);
+  if (values.flag("use_sliding_window", type == "mistral"))
+    if (const std::optional<int64_t> window = values.whole("sliding_window")) {
+      if (*window <= 0)
+        throw UserError(where + ": sliding_window " + std::to_string(*window) +
+                        " must be positive");
+      c.ctx = std::min(c.ctx, *window);
+    }
+  c.ctx = std::min(c.ctx, max_ctx);
   if (const auto problem = validate(c))
     throw UserError(where + ": the model's hyperparameters do not fit together: " + problem->str());
   return c;
@@ -130,19 +223,56 @@ const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInf
   return t->data.data();
 }
 
+namespace {
+
+// The folder's tensor of parameter `info` (of LlamaModel), of its shape and of a dtype cputrain
+// reads; a UserError naming the file and tensor otherwise.
+const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const ParameterInfo& info) {
+  const std::string name = hf_tensor_name(info.name);
+  const SafetensorsTensor* t = weights.find(name);
+  if (!t) throw UserError("the model's safetensors have no tensor " + name);
+  std::vector<int64_t> expected;
+  for (int d = 0; d < info.shape.ndim(); ++d) expected.push_back(info.shape[d]);
+  if (t->shape != expected)
+    throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
+                    shape_text(t->shape) + " where config.json gives " + shape_text(expected));
+  if (t->dtype != "F32" && t->dtype != "F16" && t->dtype != "BF16")
+    throw UserError(weights.file_of(name) + ": tensor " + name + " is " + t->dtype +
+                    ", a dtype cputrain does not read (F32, F16, BF16)");
+  return *t;
+}
+
+// Every tensor of the folder is one of `used`'s (a tied model's folder may hold the head as well;
+// rotary tables are derived, not weights); a UserError naming the first that is not.
+void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std::string>& used) {
+  for (const std::string& name : weights.names()) {
+    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq"))
+      continue;
+    throw UserError(weights.file_of(name) + ": tensor " + name +
+                    " has no place in the model cputrain computes");
+  }
+}
+
+}  // namespace
+
+void check_hf_weights(const SafetensorsModel& weights, const LlamaConfig& config) {
+  ParameterSet declared;
+  LlamaModel::declare_parameters(config, declared);
+  std::set<std::string> used;
+  for (const ParameterInfo& info : declared.infos()) {
+    hf_tensor_of(weights, info);
+    used.insert(hf_tensor_name(info.name));
+  }
+  check_no_other_tensors(weights, used);
+}
+
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params) {
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
     const std::string name = hf_tensor_name(info.name);
-    const SafetensorsTensor* t = weights.find(name);
-    if (!t) throw UserError("the model's safetensors have no tensor " + name);
-    std::vector<int64_t> expected;
-    for (int d = 0; d < info.shape.ndim(); ++d) expected.push_back(info.shape[d]);
-    if (t->shape != expected)
-      throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
-                      shape_text(t->shape) + " where config.json gives " + shape_text(expected));
+    const SafetensorsTensor* t = &hf_tensor_of(weights, info);
     // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
     if (params.mapped(static_cast<int>(i))) {
       if (t->dtype != "BF16")
@@ -155,13 +285,7 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
     }
     used.insert(name);
   }
-  for (const std::string& name : weights.names()) {
-    // A tied model's folder may hold the head as well; rotary tables are derived, not weights.
-    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq"))
-      continue;
-    throw UserError(weights.file_of(name) + ": tensor " + name +
-                    " has no place in the model cputrain computes");
-  }
+  check_no_other_tensors(weights, used);
 }
 
 Tokenizer hf_tokenizer(const std::string& folder) {
@@ -191,19 +315,28 @@ Tokenizer hf_tokenizer(const std::string& folder) {
   Vocabulary v;
   v.model = spm ? "llama" : "gpt2";
   try {
-    int64_t size = 0;
-    for (const auto& [token, id] : model.at("vocab").items())
-      size = std::max(size, id.get<int64_t>() + 1);
-    for (const json& t : j.value("added_tokens", json::array()))
-      size = std::max(size, t.at("id").get<int64_t>() + 1);
-    v.tokens.assign(static_cast<size_t>(size), "");
-    v.types.assign(static_cast<size_t>(size), Vocabulary::kUnused);
+    // Ids may leave gaps, never more than the tokens listed, many times over, could fill.
+    const json added = j.value("added_tokens", json::array());
+    const auto listed = static_cast<int64_t>(model.at("vocab").size() + added.size());
+    const int64_t most = std::max<int64_t>(1024, 4 * listed);
+    const auto id_of = [&](const json& id) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= most)
+        throw UserError(where + ": token id " + json_shown(id) + " is not one of 0 to " +
+                        std::to_string(most - 1) + " (" + std::to_string(listed) +
+                        " tokens are listed)");
+      return static_cast<size_t>(id.get<int64_t>());
+    };
+    size_t size = 0;
+    for (const auto& [token, id] : model.at("vocab").items()) size = std::max(size, id_of(id) + 1);
+    for (const json& t : added) size = std::max(size, id_of(t.at("id")) + 1);
+    v.tokens.assign(size, "");
+    v.types.assign(size, Vocabulary::kUnused);
     for (const auto& [token, id] : model.at("vocab").items()) {
-      v.tokens[id.get<size_t>()] = token;
-      v.types[id.get<size_t>()] = Vocabulary::kNormal;
+      v.tokens[id_of(id)] = token;
+      v.types[id_of(id)] = Vocabulary::kNormal;
     }
-    for (const json& t : j.value("added_tokens", json::array())) {
-      const auto id = t.at("id").get<size_t>();
+    for (const json& t : added) {
+      const size_t id = id_of(t.at("id"));
       v.tokens[id] = t.at("content").get<std::string>();
       v.types[id] = t.value("special", false) ? Vocabulary::kControl : Vocabulary::kUserDefined;
     }

@@ -24,7 +24,19 @@ bool is_hf_folder(const std::string& folder);
 // rotate_half). A UserError naming config.json for another model_type (naming the supported
 // ones), a missing or inconsistent value, or what cputrain does not compute (RoPE scaling, an
 // activation other than SiLU, MLP biases).
+// Every count of config.json is checked against the folder's tensors
+// (models/file_hyperparameters.h) before anything is made from it, and a value of the wrong JSON
+// type is a UserError naming its key.
 LlamaConfig hf_model_config(const std::string& folder, int64_t max_ctx);
+// The same, with the folder's tensors already opened.
+LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
+                            int64_t max_ctx);
+
+// Checks, before anything is allocated for the model, what load_hf_weights checks: every
+// parameter of a model of `config` (no adapters) has its tensor in the folder, of its shape and of
+// a dtype cputrain reads, and every tensor has its place. A UserError naming the file and tensor
+// otherwise.
+void check_hf_weights(const SafetensorsModel& weights, const LlamaConfig& config);
 
 // The Hugging Face name of a parameter of LlamaModel ("layers.0.attention.wq.weight" ->
 // "model.layers.0.self_attn.q_proj.weight").

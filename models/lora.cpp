@@ -1,5 +1,6 @@
 #include "models/lora.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <stdexcept>
 #include <vector>
@@ -66,6 +67,41 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
     text += kNames[i];
   }
   return text;
+}
+
+int64_t projection_width(const LlamaConfig& c, Projection p) {
+  switch (p) {
+    case Projection::Q:
+    case Projection::O:
+      return std::min(c.d_model, c.q_dim());
+    case Projection::K:
+    case Projection::V:
+      return std::min(c.d_model, c.kv_dim());
+    case Projection::Gate:
+    case Projection::Up:
+    case Projection::Down:
+      return std::min(c.d_model, c.ffn);
+  }
+  return 0;
+}
+
+void check_lora_rank(const LlamaConfig& c, const LoraConfig& lora, const std::string& flag) {
+  if (!lora.active()) return;
+  int narrowest = -1;
+  for (int j = 0; j < kProjectionCount; ++j) {
+    const auto p = static_cast<Projection>(j);
+    if (lora.on(p) &&
+        (narrowest < 0 ||
+         projection_width(c, p) < projection_width(c, static_cast<Projection>(narrowest))))
+      narrowest = j;
+  }
+  if (narrowest < 0) return;
+  const auto p = static_cast<Projection>(narrowest);
+  const int64_t width = projection_width(c, p);
+  if (lora.rank > width)
+    throw UserError(flag + " " + std::to_string(lora.rank) + ": above the width of the " +
+                    std::string(projection_name(p)) + " projection (" + std::to_string(width) +
+                    "); at most " + std::to_string(width));
 }
 
 bool is_lora_parameter(std::string_view name) {

@@ -39,6 +39,15 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
 // The targets as parse_lora_targets reads them: "q,k,v,o,gate,up,down".
 std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets);
 
+// The width of projection `p` of a model of `config`: the smaller of its input and output sizes,
+// the most rank an adapter on it can use.
+int64_t projection_width(const LlamaConfig& config, Projection p);
+// A UserError where `lora`'s rank is above the width of one of the projections it adapts, naming
+// `flag` (as the user typed it), the rank and the narrowest such projection:
+// "--lora-rank 100000: above the width of the q projection (64); at most 64". Nothing without
+// adapters.
+void check_lora_rank(const LlamaConfig& config, const LoraConfig& lora, const std::string& flag);
+
 // Whether a parameter name is an adapter's ("....lora_a" or "....lora_b").
 bool is_lora_parameter(std::string_view name);
 

@@ -47,6 +47,7 @@ int eval_text(const EvalArgs& a) {
   const auto [path, flag] = model_source(a.run, a.model);
   LoadedModel m =
       load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, false, a.adapter);
+  check_finite_weights(m, path, flag, a.adapter);
   const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, m.config.ctx) : m.config.ctx;
   std::vector<int32_t> tokens;
   if (m.tokenizer->adds_bos()) tokens.push_back(m.tokenizer->bos_id());

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "engine/error.h"
+#include "engine/parameters.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/llama.h"
@@ -49,13 +50,18 @@ int run_export(const ExportArgs& a) {
     throw UserError("--out " + a.out + ": exists; choose another name or give --overwrite");
   if (exists && !gguf && !std::filesystem::is_directory(a.out, ec))
     throw UserError("--out " + a.out + ": a file, where a Hugging Face folder is to be written");
-  LoadedModel m = load_model(source, flag, a.weights, INT64_MAX, false, a.adapter);
+  // The model is built with a context of its own (its RoPE table holds ctx rows) and written with
+  // the one its file declares.
+  LoadedModel m = load_model(source, flag, a.weights, kDefaultImportCtx, false, a.adapter);
+  check_finite_weights(m, source, flag, a.adapter);
   if (m.model->lora().active()) {
     // The base with the adapter merged: a model of the same shape without adapters.
     auto merged = std::make_unique<LlamaModel>(m.config);
     merge_lora(m.model->parameters(), m.model->lora(), merged->parameters());
+    check_finite(merged->parameters(), "--merge " + a.adapter + " into " + source);
     m.model = std::move(merged);
   }
+  m.config.ctx = m.declared_ctx;
   GgufExport options;
   options.type = a.type == "f16"    ? GgmlType::F16
                  : a.type == "bf16" ? GgmlType::BF16

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Fuzzes every file loader (checkpoint, weights, tokenizer model, run configuration) with
-# libFuzzer and AddressSanitizer: builds fuzz/fuzz_loaders with clang into build-fuzz/, writes
-# valid seed files, and runs for SECONDS (default 300). A finding stops the run with a report
+# Fuzzes every file loader (checkpoint, weights, tokenizer model, run configuration, GGUF and
+# safetensors files, Hugging Face configurations) with libFuzzer and AddressSanitizer: builds
+# fuzz/fuzz_loaders with clang into build-fuzz/, writes valid seed files and damaged model files
+# (each count of a GGUF file and of config.json at 0, 1, 2^31, 2^63 - 1 and -1), and runs for
+# SECONDS (default 300). A finding stops the run with a report
 # and a crash-* file to reproduce it (build-fuzz/fuzz_loaders crash-...).
 #   tools/fuzz.sh [SECONDS]
 set -euo pipefail

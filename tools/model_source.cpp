@@ -10,6 +10,7 @@
 #include "engine/vocab_tokenizer.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
+#include "models/lora.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
 
@@ -87,9 +88,10 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load_run(path));
       break;
     case SourceKind::HuggingFace:
-      m.config = hf_model_config(path, max_ctx);
-      m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
       safetensors = std::make_shared<SafetensorsModel>(path);
+      m.config = hf_model_config(path, *safetensors, INT64_MAX);
+      check_hf_weights(*safetensors, m.config);
+      m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
       all_bf16 = true;
       for (const std::string& name : safetensors->names())
         if (safetensors->find(name)->shape.size() == 2 && safetensors->find(name)->dtype != "BF16")
@@ -97,13 +99,17 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       break;
     case SourceKind::Gguf:
       gguf = std::make_shared<GgufFile>(path);
-      m.config = gguf_model_config(*gguf, max_ctx);
+      m.config = gguf_model_config(*gguf, INT64_MAX);
+      check_gguf_weights(*gguf, m.config);
       m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(gguf_vocabulary(*gguf)));
       all_bf16 = true;
       for (const GgufTensor& t : gguf->tensors())
         if (t.dims.size() == 2 && t.type != static_cast<uint32_t>(GgmlType::BF16)) all_bf16 = false;
       break;
   }
+  // A model file's context is capped (a run's is what it trained with).
+  m.declared_ctx = m.config.ctx;
+  if (kind != SourceKind::Run) m.config.ctx = std::min(m.config.ctx, max_ctx);
   // An embedding may have rows past the tokenizer's last id (padding), never fewer.
   if (m.tokenizer->vocab_size() > m.config.vocab)
     throw UserError(path + ": the tokenizer has " + std::to_string(m.tokenizer->vocab_size()) +
@@ -115,6 +121,7 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   if (!adapter.empty()) {
     adapter_file = std::make_unique<GgufFile>(adapter);
     options.lora = lora_gguf_config(*adapter_file);
+    check_lora_rank(m.config, options.lora, "--adapter " + adapter + ": rank");
   }
   // Held as bf16 alone, the file's BF16 matrices are read in place: mapped, not copied. (In
   // training, the frozen ones of a bf16 model.)
@@ -175,10 +182,23 @@ int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
   return bytes;
 }
 
+void check_finite_weights(const LoadedModel& m, const std::string& path, const std::string& flag,
+                          const std::string& adapter) {
+  check_finite(m.model->parameters(), flag + " " + path,
+               [](const std::string& name) { return !is_lora_parameter(name); });
+  if (!adapter.empty())
+    check_finite(m.model->parameters(), "--adapter " + adapter,
+                 [](const std::string& name) { return is_lora_parameter(name); });
+}
+
 LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
   switch (source_kind(path, flag)) {
-    case SourceKind::HuggingFace:
-      return hf_model_config(path, max_ctx);
+    case SourceKind::HuggingFace: {
+      const SafetensorsModel weights(path);
+      const LlamaConfig c = hf_model_config(path, weights, max_ctx);
+      check_hf_weights(weights, c);
+      return c;
+    }
     case SourceKind::Run: {
       LlamaConfig c = read_run_config(path + "/config.json").model;
       c.ctx = std::min(c.ctx, max_ctx);
@@ -187,7 +207,10 @@ LlamaConfig load_model_config(const std::string& path, const std::string& flag, 
     case SourceKind::Gguf:
       break;
   }
-  return gguf_model_config(GgufFile(path), max_ctx);
+  const GgufFile file(path);
+  const LlamaConfig c = gguf_model_config(file, max_ctx);
+  check_gguf_weights(file, c);
+  return c;
 }
 
 void load_model_weights(const std::string& path, const std::string& flag,

@@ -20,6 +20,9 @@ struct LoadedModel {
   std::unique_ptr<Tokenizer> tokenizer;
   std::string source;         // "GGUF llama, stories260K.gguf" or the run's weights file
   bool bf16_weights = false;  // held as bf16 alone (load_model's bf16_when_exact)
+  // The context the model file declares, before load_model's max_ctx capped config.ctx (what an
+  // export writes).
+  int64_t declared_ctx = 0;
 };
 
 // The context a model file is given where it declares a longer one and no --ctx says otherwise.
@@ -47,6 +50,12 @@ LoadedModel load_model_to_train(const std::string& path, const std::string& flag
 // BF16 matrices laid out as the model holds them. 0 for a run directory.
 int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
                             const LlamaConfig& config, const LoraConfig& lora);
+
+// A UserError where the loaded model holds a NaN or an infinity, naming `flag` and `path` (or
+// the adapter file, for an adapter's parameter) and the parameter: what sample, eval and export
+// refuse to compute with or write.
+void check_finite_weights(const LoadedModel& m, const std::string& path, const std::string& flag,
+                          const std::string& adapter = "");
 
 // The configuration alone of the model at `path` (as load_model reads it), its context at most
 // `max_ctx`.

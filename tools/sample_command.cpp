@@ -60,6 +60,7 @@ int run_sample(const SampleArgs& a) {
   const Stopwatch load_time;
   LoadedModel loaded =
       load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true, a.adapter);
+  check_finite_weights(loaded, path, flag, a.adapter);
   const double load_seconds = load_time.seconds();
   LlamaModel& model = *loaded.model;
   const Tokenizer& tokenizer = *loaded.tokenizer;

@@ -1,0 +1,176 @@
+#include "models/file_hyperparameters.h"
+
+#include <algorithm>
+#include <cctype>
+#include <set>
+
+#include "engine/error.h"
+#include "engine/parameters.h"
+#include "models/llama.h"
+
+namespace cputrain {
+namespace {
+
+std::string text(int64_t v) {
+  return std::to_string(v);
+}
+
+class Checker {
+ public:
+  Checker(const FileHyperparameters& hp, const FileTensorShape& shape_of)
+      : hp_(hp), shape_of_(shape_of) {}
+
+  [[noreturn]] void fail(const FileHyperparameter& h, int64_t value,
+                         const std::string& problem) const {
+    throw UserError(hp_.where + ": " + h.key + " " + text(value) + " " + problem);
+  }
+  [[noreturn]] void fail(const FileHyperparameter& h, const std::string& problem) const {
+    fail(h, *h.value, problem);
+  }
+
+  // A count the file gives: positive.
+  int64_t positive(const FileHyperparameter& h) const {
+    if (!h.value) throw UserError(hp_.where + ": no " + h.key);
+    if (*h.value <= 0) fail(h, "must be positive");
+    return *h.value;
+  }
+
+  // The file's name of parameter `ours`.
+  std::string name(const std::string& ours) const { return tensor_name(ours, hp_.naming); }
+
+  // The shape of parameter `ours`'s tensor, a matrix.
+  std::vector<int64_t> matrix(const std::string& ours) const {
+    const std::optional<std::vector<int64_t>> s = shape_of_(name(ours));
+    if (!s || s->size() != 2)
+      throw UserError(hp_.where + ": no tensor " + name(ours) + " of two dimensions");
+    return *s;
+  }
+
+  // "[64, 172]", in the file's order (GGUF lists a row's length first).
+  std::string shape(std::vector<int64_t> dims) const {
+    if (hp_.naming == TensorNaming::Gguf) std::reverse(dims.begin(), dims.end());
+    return shape_text(dims);
+  }
+  std::string tensor_differs(const std::string& ours, const std::vector<int64_t>& has,
+                             const std::vector<int64_t>& given) const {
+    return "tensor " + name(ours) + " has shape " + shape(has) + " where " +
+           (hp_.naming == TensorNaming::Gguf ? "the model's hyperparameters give"
+                                             : "config.json gives") +
+           " " + shape(given);
+  }
+  // `h` differs from the dimension of `ours` that it sets (`given` is that tensor's shape from
+  // the hyperparameters).
+  [[noreturn]] void differs(const FileHyperparameter& h, int64_t value, const std::string& ours,
+                            const std::vector<int64_t>& has,
+                            const std::vector<int64_t>& given) const {
+    fail(h, value, "differs from the file's tensors: " + tensor_differs(ours, has, given));
+  }
+
+  const FileHyperparameters& hp() const { return hp_; }
+
+ private:
+  const FileHyperparameters& hp_;
+  const FileTensorShape& shape_of_;
+};
+
+// The blocks the file holds: the distinct N of its tensors named "blk.N." (GGUF) or
+// "model.layers.N." (Hugging Face).
+int64_t blocks_held(const std::vector<std::string>& names, TensorNaming naming) {
+  const std::string prefix = naming == TensorNaming::Gguf ? "blk." : "model.layers.";
+  std::set<std::string> blocks;
+  for (const std::string& n : names) {
+    if (!n.starts_with(prefix)) continue;
+    size_t end = prefix.size();
+    while (end < n.size() && std::isdigit(static_cast<unsigned char>(n[end]))) ++end;
+    if (end > prefix.size() && end < n.size() && n[end] == '.')
+      blocks.insert(n.substr(prefix.size(), end - prefix.size()));
+  }
+  return static_cast<int64_t>(blocks.size());
+}
+
+}  // namespace
+
+void check_file_hyperparameters(const FileHyperparameters& hp,
+                                const std::vector<std::string>& names,
+                                const FileTensorShape& shape_of, LlamaConfig& c) {
+  const Checker check(hp, shape_of);
+  // The embedding (vocab, d_model) sets the width and the vocabulary.
+  const std::string embedding = "tok_embeddings.weight";
+  const std::vector<int64_t> e = check.matrix(embedding);
+  c.d_model = check.positive(hp.d_model);
+  if (c.d_model != e[1]) check.differs(hp.d_model, c.d_model, embedding, e, {e[0], c.d_model});
+  c.vocab = e[0];
+  if (hp.vocab.value && check.positive(hp.vocab) != c.vocab)
+    check.differs(hp.vocab, *hp.vocab.value, embedding, e, {*hp.vocab.value, e[1]});
+
+  c.n_layers = check.positive(hp.n_layers);
+  const int64_t blocks = blocks_held(names, hp.naming);
+  if (c.n_layers != blocks)
+    check.fail(hp.n_layers, "differs from the blocks the file holds (" + text(blocks) + ")");
+
+  // Heads: they divide the q projection's rows, each of the head dimension; the key/value heads
+  // divide the heads and make the k projection's rows.
+  const std::string wq = "layers.0.attention.wq.weight", wk = "layers.0.attention.wk.weight";
+  const std::vector<int64_t> q = check.matrix(wq), k = check.matrix(wk);
+  c.n_heads = check.positive(hp.n_heads);
+  if (q[0] % c.n_heads != 0)
+    check.fail(hp.n_heads,
+               "does not divide the " + text(q[0]) + " rows of tensor " + check.name(wq));
+  int64_t head = 0;
+  if (hp.head_dim.value) {
+    head = check.positive(hp.head_dim);
+    if (head != q[0] / c.n_heads)
+      check.fail(hp.head_dim, "times " + hp.n_heads.key + " " + text(c.n_heads) +
+                                  " differs from the " + text(q[0]) + " rows of tensor " +
+                                  check.name(wq));
+    c.head_dim = head;
+  } else {
+    if (c.d_model % c.n_heads != 0)
+      check.fail(hp.n_heads, "does not divide " + hp.d_model.key + " " + text(c.d_model) +
+                                 " (and no " + hp.head_dim.key + " gives the head dimension)");
+    head = c.d_model / c.n_heads;
+    if (head * c.n_heads != q[0])
+      check.fail(hp.n_heads, "heads of " + text(head) + " (" + hp.d_model.key + " " +
+                                 text(c.d_model) + " / " + text(c.n_heads) + ") differ from the " +
+                                 text(q[0]) + " rows of tensor " + check.name(wq));
+  }
+  c.n_kv_heads = hp.n_kv_heads.value ? check.positive(hp.n_kv_heads) : c.n_heads;
+  if (c.n_kv_heads > c.n_heads || c.n_heads % c.n_kv_heads != 0)
+    check.fail(hp.n_kv_heads, c.n_kv_heads,
+               "does not divide " + hp.n_heads.key + " " + text(c.n_heads));
+  if (c.n_kv_heads * head != k[0])
+    check.fail(hp.n_kv_heads, c.n_kv_heads,
+               "heads of " + text(head) + " differ from the " + text(k[0]) + " rows of tensor " +
+                   check.name(wk));
+  if (hp.rope_dim.value) {
+    const int64_t rope = check.positive(hp.rope_dim);
+    if (rope > head) check.fail(hp.rope_dim, "is more than the head dimension " + text(head));
+    if (rope < head)
+      check.fail(hp.rope_dim, "rotates part of each head (of " + text(head) +
+                                  "), which cputrain does not compute");
+  }
+
+  const std::string w1 = "layers.0.feed_forward.w1.weight";
+  const std::vector<int64_t> gate = check.matrix(w1);
+  c.ffn = check.positive(hp.ffn);
+  if (c.ffn != gate[0]) check.differs(hp.ffn, c.ffn, w1, gate, {c.ffn, gate[1]});
+
+  c.ctx = check.positive(hp.ctx);
+  if (c.ctx > kMaxFileContext)
+    check.fail(hp.ctx, "is more than cputrain computes (at most " + text(kMaxFileContext) + ")");
+
+  // Every tensor of the model, now that the counts are bounded by the file.
+  ParameterSet declared;
+  LlamaModel::declare_parameters(c, declared);
+  for (const ParameterInfo& info : declared.infos()) {
+    const std::string n = check.name(info.name);
+    const std::optional<std::vector<int64_t>> has = shape_of(n);
+    if (!has) throw UserError(hp.where + ": no tensor " + n + " (the model's " + info.name + ")");
+    std::vector<int64_t> given;
+    for (int d = 0; d < info.shape.ndim(); ++d) given.push_back(info.shape[d]);
+    if (*has != given)
+      throw UserError(hp.where + ": " + check.tensor_differs(info.name, *has, given));
+  }
+}
+
+}  // namespace cputrain
