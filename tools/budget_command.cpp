@@ -186,25 +186,16 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   app.add_option("--ctx", t.ctx, "Tokens per sequence (default: the preset's)")
       ->check(positive_whole());
   add_model_flags(app, t);
-  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")
-      ->check(threads_limit());
+  add_threads_flag(app, t.threads);
   app.add_option("--ranks", a.ranks,
                  "Each rank's budget in a data-parallel job of this many ranks (mpirun -np N), "
                  "AdamW's state sharded among them")
       ->capture_default_str()
       ->check(positive_whole());
   add_kernel_flags(app, t.kernels);
-  app.add_option("--dtype", t.dtype, "bf16 or fp32 (default: as train chooses)")
-      ->check(CLI::IsMember({"bf16", "fp32"}));
-  t.checkpoint = "none";
-  app.add_option("--checkpoint", t.checkpoint, "layer or none")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"layer", "none"}));
-  app.add_option("--mem-limit", t.mem_limit_gib, "GiB to fit in (default: the available memory)")
-      ->check(positive());
-  app.add_option("--offload", t.offload,
-                 "With the FP32 masters (bf16) and AdamW's m and v in files in this folder, as "
-                 "train --offload holds them (nothing is written)");
+  add_dtype_flag(app, t.dtype);
+  add_checkpoint_flag(app, t.checkpoint, {"none", "layer"});
+  add_memory_flags(app, t.mem_limit_gib, t.offload);
   app.add_flag("--json", a.json, "Print a JSON object of bytes per category and total_bytes");
   app.add_option("--model", a.model,
                  "A fine-tune of this GGUF file or Hugging Face folder (as cputrain finetune runs "
@@ -245,6 +236,7 @@ int fine_tune_budget(const BudgetArgs& a) {
     o.lora.rank = a.lora_rank;
     o.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
     o.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
+    check_lora_rank(model, o.lora, "--lora-rank");
   }
   // A bf16 LoRA reads the base's BF16 matrices in place: apart from what must fit.
   const int64_t mapped =

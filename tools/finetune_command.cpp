@@ -1,9 +1,14 @@
 #include "tools/finetune_command.h"
 
 #include <omp.h>
+#include <spdlog/sinks/null_sink.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <string_view>
 
 #include "engine/atomic_file.h"
 #include "engine/autograd.h"
@@ -35,7 +41,11 @@
 #include "tools/flag_checks.h"
 #include "tools/job.h"
 #include "tools/model_source.h"
+#include "tools/progress.h"
+#include "tools/run/loop.h"
 #include "tools/run_dir.h"
+#include "tools/stop_signals.h"
+#include "tools/train_stages.h"
 
 namespace cputrain {
 namespace {
@@ -77,23 +87,29 @@ class RowOrder {
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--model", a.model,
-                 "The model to fine-tune: a GGUF file, a Hugging Face folder or a cputrain run")
-      ->required();
+                 "The model to fine-tune: a GGUF file, a Hugging Face folder or a cputrain run");
   app.add_option("--data", a.data,
                  "JSON Lines of examples: {text}, {prompt, completion}, Alpaca's {instruction, "
-                 "input, output} or chat {messages}")
-      ->required();
+                 "input, output} or chat {messages}");
   app.add_option("--val", a.val, "JSON Lines held out for validation");
   app.add_option("--val-fraction", a.val_fraction,
                  "Hold out this fraction of --data for validation (without --val)")
       ->check(CLI::Range(0.0, 0.5));
-  app.add_option("--out", a.out, "The run directory (created; it must not hold a run)")->required();
+  RunFlagHelp help;
+  help.out = "The run directory (created; it must not hold a run unless --overwrite)";
+  help.steps = "default: from --epochs";
+  help.batch = "Packed rows per micro-batch";
+  help.ctx = "Positions per row; longer examples are cut (at most the model's context)";
+  help.lr = " (cosine to zero after warm-up)";
+  help.eval_every = "0: before the first step and after the last only";
+  help.save_every = "default: 0";
+  help.checkpoint = {"none", "layer"};
+  add_run_flags(app, a, help);
   app.add_option("--lora-rank", a.lora_rank, "LoRA rank")
       ->capture_default_str()
       ->check(positive_whole());
   app.add_option("--lora-alpha", a.lora_alpha,
-                 "LoRA alpha; the update is scaled alpha / rank "
-                 "(default: twice the rank)")
+                 "LoRA alpha; the update is scaled alpha / rank (default: twice the rank)")
       ->check(positive());
   app.add_option("--lora-targets", a.lora_targets,
                  "Projections that get adapters: q,k,v,o,gate,up,down or all")
@@ -106,71 +122,349 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--epochs", a.epochs, "Passes over the data (without --steps)")
       ->capture_default_str()
       ->check(positive());
-  app.add_option("--steps", a.steps, "Optimizer steps (default: from --epochs)")
-      ->check(positive_whole());
-  app.add_option("--batch", a.batch, "Packed rows per micro-batch")
-      ->capture_default_str()
-      ->check(positive_whole());
-  app.add_option("--accum", a.accum, "Micro-batches per optimizer step")
-      ->capture_default_str()
-      ->check(positive_whole());
-  app.add_option("--ctx", a.ctx,
-                 "Positions per row; longer examples are cut (at most the "
-                 "model's context)")
-      ->capture_default_str()
-      ->check(positive_whole());
-  app.add_option("--lr", a.lr, "Peak learning rate (cosine to zero after warm-up)")
-      ->capture_default_str()
-      ->check(positive());
   app.add_option("--warmup", a.warmup, "Warm-up, as a fraction of the steps")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay on matrices")
-      ->capture_default_str()
-      ->check(non_negative());
-  app.add_option("--dtype", a.dtype, "auto, bf16 or fp32 (auto: bf16 where the CPU has it)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
-  app.add_option("--checkpoint", a.checkpoint, "Gradient checkpointing: none or layer")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"none", "layer"}));
-  app.add_option("--eval-every", a.eval_every,
-                 "Validation loss every N steps (always before the first and after the last)")
-      ->check(non_negative());
-  app.add_option("--save-every", a.save_every,
-                 "A checkpoint (adapters and AdamW's state) every N steps, and at the end")
-      ->check(non_negative());
-  app.add_flag("--resume", a.resume,
-               "Continue the fine-tune in --out from its newest checkpoint, bit for bit as if it "
-               "had not stopped (give the same flags)");
   app.add_option("--chat-template", a.chat_template,
                  "chatml, llama3, llama2, mistral or zephyr (default: the model's, recognised)");
   app.add_flag("--train-on-prompt", a.train_on_prompt,
                "The loss on every token, not only on completions and replies");
-  app.add_option("--seed", a.seed, "Seed of the adapters' initialisation and the row order")
-      ->capture_default_str();
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
-      ->check(threads_limit());
-  app.add_option("--mem-limit", a.mem_limit_gib,
-                 "GiB the fine-tune (each rank of a job) may use (default: the available memory, "
-                 "shared among a job's ranks on this machine); a base read in place from its "
-                 "file is apart: its pages are the page cache's")
-      ->check(positive());
-  app.add_option("--rank-timeout", a.rank_timeout,
-                 "Of a job of several ranks (mpirun): seconds a rank waits for the others in a "
-                 "step before it ends the job, saying so (0: forever)")
-      ->capture_default_str()
-      ->check(non_negative());
-  app.add_option("--offload", a.offload,
-                 "Keep the trained FP32 masters (bf16) and AdamW's m and v in files in this "
-                 "folder, streamed through RAM in the optimizer step (for --full)");
-  app.add_flag("--profile", a.profile,
-               "Time every op over the steps after the first and print the table at the end");
-  add_kernel_flags(app, a.kernels);
 }
 
 namespace {
-int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start);
+
+// The keys of a fine-tune's config.json, each with the flag that sets it.
+constexpr std::pair<const char*, const char*> kRunKeys[] = {
+    {"model", "--model"},
+    {"data", "--data"},
+    {"val", "--val"},
+    {"val_fraction", "--val-fraction"},
+    {"full", "--full"},
+    {"lora_rank", "--lora-rank"},
+    {"lora_alpha", "--lora-alpha"},
+    {"lora_targets", "--lora-targets"},
+    {"lora_dropout", "--lora-dropout"},
+    {"steps", "--steps"},
+    {"batch", "--batch"},
+    {"accum", "--accum"},
+    {"ctx", "--ctx"},
+    {"lr", "--lr"},
+    {"warmup_steps", "--warmup"},
+    {"weight_decay", "--weight-decay"},
+    {"dtype", "--dtype"},
+    {"checkpoint", "--checkpoint"},
+    {"chat_template", "--chat-template"},
+    {"train_on_prompt", "--train-on-prompt"},
+    {"seed", "--seed"}};
+
+// A fine-tune's config.json, parsed; a UserError naming it where it is missing, malformed or a
+// training run's.
+json read_finetune_config(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  if (!fs::is_directory(dir)) throw UserError("--resume " + dir + ": no such run directory");
+  std::ifstream in(path);
+  if (!in) throw UserError("--resume " + dir + ": no config.json (not a fine-tune's run)");
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::exception&) {
+    throw UserError(path + ": not valid JSON");
+  }
+  if (!j.is_object() || !j.contains("data") || !j.contains("model"))
+    throw UserError("--resume " + dir + ": " + path +
+                    (j.is_object() && j.contains("preset")
+                         ? " is a training run's: continue it with cputrain train --resume " + dir
+                         : " is not a fine-tune's configuration"));
+  return j;
+}
+
+// --resume: the flags the run began with, from its config.json, where the command line gives
+// none. What the command line gives is compared with the run once resolved (check_resumed).
+FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
+  FinetuneArgs r = a;
+  try {
+    const auto take = [&](const char* flag, auto& field, const char* key) {
+      using T = std::decay_t<decltype(field)>;
+      if (!a.was_given(flag) && run.contains(key)) field = run.at(key).get<T>();
+    };
+    take("--model", r.model, "model");
+    take("--data", r.data, "data");
+    take("--val", r.val, "val");
+    take("--val-fraction", r.val_fraction, "val_fraction");
+    take("--full", r.full, "full");
+    if (!r.full) {
+      take("--lora-rank", r.lora_rank, "lora_rank");
+      take("--lora-alpha", r.lora_alpha, "lora_alpha");
+      take("--lora-targets", r.lora_targets, "lora_targets");
+      take("--lora-dropout", r.lora_dropout, "lora_dropout");
+    }
+    take("--steps", r.steps, "steps");
+    take("--batch", r.batch, "batch");
+    take("--accum", r.accum, "accum");
+    take("--ctx", r.ctx, "ctx");
+    take("--lr", r.lr, "lr");
+    take("--weight-decay", r.weight_decay, "weight_decay");
+    take("--dtype", r.dtype, "dtype");
+    take("--checkpoint", r.checkpoint, "checkpoint");
+    take("--train-on-prompt", r.train_on_prompt, "train_on_prompt");
+    take("--seed", r.seed, "seed");
+    if (!a.was_given("--chat-template"))
+      r.chat_template = run.value("chat_template_flag", run.value("chat_template", std::string()));
+    if (!a.was_given("--warmup") && r.steps > 0)
+      r.warmup = run.value("warmup", static_cast<double>(run.value("warmup_steps", int64_t{0})) /
+                                         static_cast<double>(r.steps));
+  } catch (const json::exception&) {
+    throw UserError(a.run_dir() + "/config.json: malformed fine-tune configuration");
+  }
+  return r;
+}
+
+// A resumed fine-tune's configuration, resolved from the flags given and the model and data, is
+// the one it began with: a UserError naming what differs.
+void check_resumed(const std::string& dir, const json& run, const json& now) {
+  std::string changed;
+  for (const auto& [key, flag] : kRunKeys) {
+    if (!run.contains(key) || !now.contains(key) || run[key] == now[key]) continue;
+    changed += std::string(changed.empty() ? "" : ", ") + flag + " " + now[key].dump() +
+               " (the run's: " + run[key].dump() + ")";
+  }
+  if (!changed.empty())
+    throw UserError("--resume " + dir + ": " + changed +
+                    " would change the fine-tune, which keeps the configuration it began with (" +
+                    dir + "/config.json); to change it, start a new run with --out");
+}
+
+// The model to fine-tune as the flags ask: adapters or every parameter, the precision, offload.
+ModelOptions model_options(const FinetuneArgs& a, std::string* dtype_reason) {
+  if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
+  if (a.full &&
+      (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down" || a.lora_dropout > 0.0))
+    throw UserError(
+        "--full trains every parameter: no --lora-alpha, --lora-targets or --lora-dropout");
+  ModelOptions options;
+  options.compute_dtype = choose_dtype(a.dtype == "auto" ? "" : a.dtype, dtype_reason);
+  if (!a.full) {
+    options.lora.rank = a.lora_rank;
+    options.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
+    options.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
+    options.lora.dropout = a.lora_dropout;
+  }
+  if (!a.offload.empty()) {
+    options.offload = true;
+    options.offload_dir = std::make_shared<OffloadDir>(a.offload);
+  }
+  return options;
+}
+
+// The examples to train and validate on, tokenized with the chat template chosen.
+struct Examples {
+  FinetuneData data;
+  std::vector<FinetuneExample> val;
+  std::string chat_template;  // the family rendered with ("" none)
+  uint64_t fingerprint = 0;   // every example's tokens and targets, training and validation
+};
+
+// The chat template: --chat-template, else the model's, where it is a known family.
+std::optional<ChatTemplate> choose_chat_template(const FinetuneArgs& a, const Tokenizer& tokenizer,
+                                                 spdlog::logger& log) {
+  const Vocabulary* vocabulary =
+      tokenizer.vocabulary() ? &tokenizer.vocabulary()->vocabulary() : nullptr;
+  const std::string eos = vocabulary && vocabulary->eos >= 0
+                              ? vocabulary->tokens[static_cast<size_t>(vocabulary->eos)]
+                              : std::string("</s>");
+  if (!a.chat_template.empty()) {
+    log.info("chat template: {} (--chat-template)", a.chat_template);
+    return chat_template_named(a.chat_template, "--chat-template", eos);
+  }
+  if (!vocabulary || vocabulary->chat_template.empty()) {
+    log.info("chat template: none (the model has none; --chat-template names one)");
+    return std::nullopt;
+  }
+  std::optional<ChatTemplate> chat = detect_chat_template(vocabulary->chat_template, eos);
+  if (chat)
+    log.info("chat template: {} (the model's)", std::string(chat_family_name(chat->family)));
+  else
+    log.info(
+        "chat template: the model's is none cputrain recognises ({}); --chat-template names one",
+        chat_family_names());
+  return chat;
+}
+
+Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
+                       spdlog::logger& log) {
+  FinetuneDataOptions options;
+  options.train_on_prompt = a.train_on_prompt;
+  options.max_tokens = ctx + 1;
+  options.chat = choose_chat_template(a, tokenizer, log);
+  Examples e;
+  e.chat_template = options.chat ? std::string(chat_family_name(options.chat->family)) : "";
+  e.data = read_finetune_jsonl(a.data, tokenizer, options);
+  FinetuneData& data = e.data;
+  if (!a.val.empty()) {
+    e.val = read_finetune_jsonl(a.val, tokenizer, options).examples;
+  } else if (a.val_fraction > 0.0) {
+    // A seeded choice of examples, taken out of the training set.
+    std::vector<FinetuneExample>& all = data.examples;
+    seeded_shuffle(all, a.seed + 17);
+    const auto n = static_cast<size_t>(
+        std::max(1.0, std::round(a.val_fraction * static_cast<double>(all.size()))));
+    if (n >= all.size())
+      throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
+                      std::to_string(all.size()) + " examples leave none to train on");
+    e.val.assign(all.end() - static_cast<std::ptrdiff_t>(n), all.end());
+    all.resize(all.size() - n);
+  }
+  std::string shapes;
+  for (int s = 0; s < kExampleShapes; ++s) {
+    if (data.shapes[static_cast<size_t>(s)] == 0) continue;
+    shapes +=
+        fmt::format("{}{} {}", shapes.empty() ? "" : ", ", data.shapes[static_cast<size_t>(s)],
+                    example_shape_name(static_cast<ExampleShape>(s)));
+  }
+  log.info(
+      "data: {} examples ({}), {} tokens, {} of them targets; {} cut to {} tokens, {} dropped with "
+      "no target left",
+      data.examples.size() + (a.val.empty() ? e.val.size() : 0), shapes, data.tokens, data.targets,
+      data.truncated, ctx + 1, data.dropped);
+  if (data.truncated > 0)
+    log.warn("{} examples are longer than --ctx {} and were cut", data.truncated, ctx);
+  e.fingerprint = kFnvOffset;
+  for (const auto* set : {&data.examples, &e.val})
+    for (const FinetuneExample& x : *set) {
+      e.fingerprint = fnv1a(x.tokens.data(), x.tokens.size() * sizeof(int32_t), e.fingerprint);
+      e.fingerprint = fnv1a(x.target.data(), x.target.size(), e.fingerprint);
+    }
+  return e;
+}
+
+// config.json of a fine-tune: what makes it the run it is.
+json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const Examples& e,
+                     int64_t ctx, int64_t steps, int64_t warmup_steps, int ranks) {
+  json config = {{"command", "finetune"},
+                 {"model", fs::absolute(a.model).string()},
+                 {"data", fs::absolute(a.data).string()},
+                 {"val", a.val.empty() ? "" : fs::absolute(a.val).string()},
+                 {"val_fraction", a.val_fraction},
+                 {"full", a.full},
+                 {"lora_rank", a.full ? 0 : options.lora.rank},
+                 {"lora_alpha", a.full ? 0.0 : options.lora.alpha},
+                 {"lora_targets", a.full ? "" : lora_targets_text(options.lora.targets)},
+                 {"lora_dropout", a.full ? 0.0 : a.lora_dropout},
+                 {"steps", steps},
+                 {"batch", a.batch},
+                 {"accum", a.accum},
+                 {"ctx", ctx},
+                 {"lr", a.lr},
+                 {"warmup", a.warmup},
+                 {"warmup_steps", warmup_steps},
+                 {"weight_decay", a.weight_decay},
+                 {"dtype", options.compute_dtype == DType::BF16 ? "bf16" : "fp32"},
+                 {"checkpoint", a.checkpoint},
+                 {"chat_template", e.chat_template},
+                 {"chat_template_flag", a.chat_template},
+                 {"train_on_prompt", a.train_on_prompt},
+                 {"seed", a.seed}};
+  // A job's batch is each rank's: the ranks are part of the run.
+  if (ranks > 1) config["ranks"] = ranks;
+  return config;
+}
+
+// Packed rows of the training examples, a step's rows in an order shuffled anew each epoch;
+// validation over every target of the held-out examples.
+class PackedRows final : public BatchSource {
+ public:
+  PackedRows(LlamaModel& model, const Examples& examples, int64_t ctx, int64_t batch,
+             int64_t per_step, uint64_t seed, int32_t pad, const Communicator& comm)
+      : model_(model),
+        examples_(examples),
+        rows_(pack_examples(examples.data.examples, ctx)),
+        order_(rows_.size(), seed),
+        ctx_(ctx),
+        batch_(batch),
+        per_step_(per_step),
+        pad_(pad),
+        comm_(comm),
+        // The batch buffers, after the trainer, as the memory budget makes them.
+        inputs_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)),
+        targets_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)) {}
+  // The rows, and the fraction of their positions that examples fill.
+  size_t rows() const { return rows_.size(); }
+  double filled() const {
+    int64_t used = 0;
+    for (const PackedRow& r : rows_) used += r.positions;
+    return static_cast<double>(used) /
+           static_cast<double>(static_cast<int64_t>(rows_.size()) * ctx_);
+  }
+  StepResult step(Trainer& trainer, int64_t step) override {
+    step_rows_.clear();
+    for (int64_t i = 0; i < per_step_; ++i)
+      step_rows_.push_back(&rows_[order_.at((step - 1) * per_step_ + i)]);
+    return finetune_step(trainer, model_, step, step_rows_, examples_.data.examples, pad_, inputs_,
+                         targets_);
+  }
+  bool validates() const override { return !examples_.val.empty(); }
+  double validate(Trainer&) override {
+    return packed_validation_loss(model_, examples_.val, ctx_, batch_, pad_, 0, &comm_);
+  }
+  void describe(int64_t, json& line) const override {
+    line["targets"] = count_targets(step_rows_, examples_.data.examples);
+  }
+
+ private:
+  LlamaModel& model_;
+  const Examples& examples_;
+  std::vector<PackedRow> rows_;
+  RowOrder order_;
+  int64_t ctx_, batch_, per_step_;
+  int32_t pad_;
+  const Communicator& comm_;
+  Tensor inputs_, targets_;
+  std::vector<const PackedRow*> step_rows_;
+};
+
+// The result: the adapter as llama.cpp loads it and PEFT's folder, or the whole model.
+class AdapterFiles final : public RunOutput {
+ public:
+  AdapterFiles(const FinetuneArgs& a, const LoadedModel& m, const ModelOptions& options,
+               spdlog::logger& log)
+      : a_(a), m_(m), options_(options), log_(log) {}
+  void write(bool lead) override {
+    if (!lead) return;
+    const std::string name = fs::path(a_.model).filename().string();
+    const ParameterSet& params = m_.model->parameters();
+    if (a_.full) {
+      GgufExport e;
+      e.type = GgmlType::F32;
+      e.name = name + " fine-tuned";
+      write_gguf(a_.out + "/model.gguf", m_.config, params, m_.tokenizer->to_vocabulary(), e);
+      log_.info("wrote {}/model.gguf", a_.out);
+      return;
+    }
+    write_lora_gguf(a_.out + "/adapter.gguf", m_.config, params, options_.lora.alpha,
+                    name + " LoRA");
+    write_peft_adapter(a_.out + "/peft", m_.config, params, options_.lora,
+                       fs::absolute(a_.model).string());
+    // llama.cpp takes the base as a GGUF file: a run's is written by export.
+    const bool gguf_base = !fs::is_directory(a_.model);
+    log_.info(
+        "wrote {0}/adapter.gguf (llama.cpp: --model {1} --lora {0}/adapter.gguf{2}) and {0}/peft "
+        "(PEFT's adapter_config.json and adapter_model.safetensors)",
+        a_.out, gguf_base ? a_.model : "BASE.gguf",
+        gguf_base ? ""
+                  : ", BASE.gguf from cputrain export --model " + a_.model + " --out BASE.gguf");
+  }
+
+ private:
+  const FinetuneArgs& a_;
+  const LoadedModel& m_;
+  const ModelOptions& options_;
+  spdlog::logger& log_;
+};
+
+int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start);
+
 }  // namespace
 
 int run_finetune(const FinetuneArgs& a) {
@@ -190,202 +484,187 @@ int run_finetune(const FinetuneArgs& a) {
 
 namespace {
 
-int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
-  omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
-  select_kernels(a.kernels);
-  if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
-  if (a.full &&
-      (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down" || a.lora_dropout > 0.0))
-    throw UserError(
-        "--full trains every parameter: no --lora-alpha, --lora-targets or --lora-dropout");
-  const bool bf16 = a.dtype == "bf16" || (a.dtype == "auto" && kernels::cpu_features().avx512_bf16);
-  ModelOptions options;
-  options.compute_dtype = bf16 ? DType::BF16 : DType::F32;
-  if (!a.full) {
-    options.lora.rank = a.lora_rank;
-    options.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
-    options.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
-    options.lora.dropout = a.lora_dropout;
+// What the fine-tune's memory needs, logged; a UserError where it does not fit.
+MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
+                                  const ModelOptions& options, const Examples& e, int64_t ctx,
+                                  const Communicator& comm, spdlog::logger& log) {
+  BudgetOptions bo;
+  bo.dtype = options.compute_dtype;
+  bo.batch = a.batch;
+  bo.ctx = ctx;
+  bo.accum = a.accum;
+  bo.checkpoint = a.checkpoint == "layer";
+  bo.threads = omp_get_max_threads();
+  bo.lora = options.lora;
+  bo.packed = true;
+  bo.offload = options.offload;
+  bo.ranks = comm.size();
+  bo.eval_windows = e.val.empty() ? 0 : static_cast<int64_t>(pack_examples(e.val, ctx).size());
+  MemoryBudget budget = memory_budget(m.config, bo);
+  // A base read in place is the model file's pages: resident as the steps read them, dropped
+  // and read again under pressure, so the limit covers the rest.
+  const ParameterSet& params = m.model->parameters();
+  for (size_t i = 0; i < params.infos().size(); ++i)
+    if (params.mapped(static_cast<int>(i)))
+      budget.mapped_bytes += params.infos()[i].shape.numel() * 2;
+  const int64_t mapped = budget.mapped_bytes;
+  const int64_t total = budget.total_bytes();
+  const int64_t available = memory_limit_bytes(a.mem_limit_gib);
+  const auto peak = [&budget](MemoryCategory c) { return budget.peak_bytes[static_cast<int>(c)]; };
+  log.info(
+      "memory budget: {} (weights {}, adapters' gradients and AdamW {}, activations {}, workspace "
+      "{}); {} available{}",
+      format_bytes(total),
+      format_bytes(peak(MemoryCategory::Weights) + peak(MemoryCategory::Bf16Weights) - mapped),
+      format_bytes(peak(MemoryCategory::Gradients) + peak(MemoryCategory::OptimizerState)),
+      format_bytes(peak(MemoryCategory::Activations)),
+      format_bytes(peak(MemoryCategory::Workspace)), format_bytes(available),
+      mapped > 0 ? "; besides it, " + format_bytes(mapped) +
+                       " of base weights read in place from the model file (page cache)"
+                 : std::string());
+  if (budget.disk_bytes > 0)
+    log.info("offloaded to {}: {} on disk (masters, AdamW's m and v)", a.offload,
+             format_bytes(budget.disk_bytes));
+  if (available > 0 && total > available)
+    throw UserError("the fine-tune needs " + format_bytes(total) + " and " +
+                    format_bytes(available) +
+                    " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
+                    (bo.checkpoint ? "" : ", give --checkpoint layer") +
+                    (a.full ? "" : ", or lower --lora-rank"));
+  // A base that does not fit beside the budget is read from the disk every pass: its blocks
+  // are read ahead of the compute.
+  if (mapped > 0 && available > 0 && total + mapped > available) {
+    m.model->set_read_ahead(true);
+    log.info("the base does not fit beside the budget in {}: each block is read ahead",
+             format_bytes(available));
   }
-  if (!a.offload.empty()) {
-    options.offload = true;
-    options.offload_dir = std::make_shared<OffloadDir>(a.offload);
-  }
+  return budget;
+}
 
+// The model loaded with its adapters, described in the log.
+LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& options,
+                                const std::string& dtype_reason, spdlog::logger& log) {
+  const Stopwatch load_time;
+  // An adapter wider than a projection is refused before anything is allocated.
+  if (!a.full)
+    check_lora_rank(load_model_config(a.model, "--model", a.ctx), options.lora, "--lora-rank");
+  LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
+  if (!a.full) m.model->init_adapters(a.seed);
+  m.model->set_checkpointing(a.checkpoint == "layer");
+  log.info("model: {}, {:.2f} s", m.source, load_time.seconds());
+  int64_t trained = 0, total = 0;
+  for (const ParameterInfo& p : m.model->parameters().infos()) {
+    total += p.shape.numel();
+    if (p.trainable) trained += p.shape.numel();
+  }
+  const bool bf16 = options.compute_dtype == DType::BF16;
+  if (a.full)
+    log.info("training: every parameter ({}), {} ({})", trained, bf16 ? "bf16" : "fp32",
+             dtype_reason);
+  else
+    log.info(
+        "training: LoRA rank {}, alpha {:g} on {}: {} parameters ({:.2f}% of {}), the base "
+        "frozen{}, {} ({})",
+        options.lora.rank, options.lora.alpha, lora_targets_text(options.lora.targets), trained,
+        100.0 * static_cast<double>(trained) / static_cast<double>(total), total,
+        bf16 ? " in bf16" : "", bf16 ? "bf16" : "fp32", dtype_reason);
+  return m;
+}
+
+// Rank 0's resume point (after the configuration is checked), shared with the job's ranks;
+// the steps before it are done.
+int64_t resume_from(const FinetuneArgs& a, const json& run, const std::string& config_text,
+                    uint64_t fingerprint, int64_t steps, const Communicator& comm,
+                    spdlog::logger& log, std::string* checkpoint) {
+  const std::string& dir = a.out;
+  const int ranks = run.value("ranks", 1);
+  if (ranks != comm.size())
+    throw UserError("--resume " + dir + ": the fine-tune runs as " + std::to_string(ranks) +
+                    " rank" + (ranks == 1 ? "" : "s") +
+                    " (its batch is each rank's), and this job has " + std::to_string(comm.size()) +
+                    ": resume it with mpirun -np " + std::to_string(ranks) +
+                    (ranks == 1 ? " or without mpirun" : ""));
+  const ResumePoint point = find_resume_point(dir, config_text, log);
+  if (point.info.data_fingerprint != fingerprint)
+    throw UserError(point.path + ": trained on other data than " + a.data);
+  if (point.info.step >= steps)
+    throw UserError("--resume " + dir + ": the fine-tune has trained all its " +
+                    std::to_string(steps) + " steps");
+  *checkpoint = point.path;
+  log.info("resumed from {} (step {} of {})", point.path, point.info.step, steps);
+  return point.info.step + 1;
+}
+
+int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start) {
   const bool lead = comm.rank() == 0;
-  if (comm.size() > 1 && options.offload)
-    throw UserError("--offload " + a.offload + ": a data-parallel job of " +
-                    std::to_string(comm.size()) + " ranks holds its state in RAM");
-  RunDirectory dir =
-      lead ? open_run_directory(a.out, a.resume ? RunDirUse::Resume : RunDirUse::NewRun)
-           : RunDirectory{};
+  const bool resuming = a.resuming();
+  a.out = a.run_dir();
+  if (a.out.empty())
+    throw UserError(resuming ? "--resume: give the run directory to continue (--resume RUN)"
+                             : "--out: give the run directory to write (or --resume RUN)");
+  select_kernels(a.kernels);
+  // The run's own flags: every rank reads them from the run directory.
+  const json run = resuming ? read_finetune_config(a.out) : json();
+  if (resuming) a = resumed_args(a, run);
+  for (const auto& [value, flag] : {std::pair{&a.model, "--model"}, std::pair{&a.data, "--data"}})
+    if (value->empty())
+      throw UserError(std::string(flag) + " is required (or --resume RUN, which has its own)");
+  omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
+  const RunDirectory dir = lead ? open_run_directory(a.out, resuming      ? RunDirUse::Resume
+                                                            : a.overwrite ? RunDirUse::Overwrite
+                                                                          : RunDirUse::NewRun)
+                                : RunDirectory{};
   try {
-    const auto load_start = std::chrono::steady_clock::now();
-    LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
+    // Rank 0 logs to the console and train.log; the others keep quiet.
+    LoopIo io;
+    io.console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1 &&
+                                                Communicator::launched_ranks() == 1);
+    io.log = lead ? open_run_log(a.out, io.console)
+                  : std::make_shared<spdlog::logger>(
+                        "cputrain-rank", std::make_shared<spdlog::sinks::null_sink_mt>());
+    spdlog::logger& log = *io.log;
+    struct ClearStatus {
+      ProgressSink& sink;
+      ~ClearStatus() { sink.set_status(""); }
+    } clear_status{*io.console};
+    // A stop signal while the model and data are read ends the process at once: nothing of the
+    // run exists yet to save. Later ones stop the loop after its step.
+    std::atomic<bool> preparing{true};
+    const StopSignals signals([&](int sig) {
+      if (!lead) return;
+      const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+      if (preparing) {
+        log.warn("{} while reading the model and data: stopped; nothing of the run is saved", name);
+        log.flush();
+        dir.discard_if_unused();
+        std::_Exit(128 + sig);
+      }
+      log.warn("{}: the run stops after this step, with a checkpoint (again to stop at once)",
+               name);
+    });
+    const TestHold hold = lead ? test_hold() : TestHold{};
+    if (comm.size() > 1 && !a.offload.empty())
+      throw UserError("--offload " + a.offload + ": a data-parallel job of " +
+                      std::to_string(comm.size()) + " ranks holds its state in RAM");
+    std::string dtype_reason;
+    const ModelOptions options = model_options(a, &dtype_reason);
+    if (hold.step == 0) wait_for_stop_signal(0, hold.forever);
+    LoadedModel m = load_finetune_model(a, options, dtype_reason, log);
     LlamaModel& model = *m.model;
-    if (!a.full) model.init_adapters(a.seed);
-    model.set_checkpointing(a.checkpoint == "layer");
     const int64_t ctx = std::min(a.ctx, m.config.ctx);
-    const Tokenizer& tokenizer = *m.tokenizer;
-    std::printf(
-        "model: %s, %.2f s\n", m.source.c_str(),
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
-    int64_t trained = 0, total = 0;
-    for (const ParameterInfo& p : model.parameters().infos()) {
-      total += p.shape.numel();
-      if (p.trainable) trained += p.shape.numel();
-    }
-    if (a.full)
-      std::printf("training: every parameter (%lld), %s\n", static_cast<long long>(trained),
-                  bf16 ? "bf16" : "fp32");
-    else
-      std::printf(
-          "training: LoRA rank %lld, alpha %g on %s: %lld parameters (%.2f%% of %lld), "
-          "the base frozen%s, %s\n",
-          static_cast<long long>(options.lora.rank), options.lora.alpha,
-          lora_targets_text(options.lora.targets).c_str(), static_cast<long long>(trained),
-          100.0 * static_cast<double>(trained) / static_cast<double>(total),
-          static_cast<long long>(total), bf16 ? " in bf16" : "", bf16 ? "bf16" : "fp32");
+    const Examples examples = read_examples(a, *m.tokenizer, ctx, log);
+    preparing = false;
 
-    // The chat template: --chat-template, else the model's, where it is a known family.
-    FinetuneDataOptions data_options;
-    data_options.train_on_prompt = a.train_on_prompt;
-    data_options.max_tokens = ctx + 1;
-    const Vocabulary* vocabulary =
-        tokenizer.vocabulary() ? &tokenizer.vocabulary()->vocabulary() : nullptr;
-    const std::string eos = vocabulary && vocabulary->eos >= 0
-                                ? vocabulary->tokens[static_cast<size_t>(vocabulary->eos)]
-                                : std::string("</s>");
-    if (!a.chat_template.empty()) {
-      data_options.chat = chat_template_named(a.chat_template, "--chat-template", eos);
-      std::printf("chat template: %s (--chat-template)\n", a.chat_template.c_str());
-    } else if (vocabulary && !vocabulary->chat_template.empty()) {
-      data_options.chat = detect_chat_template(vocabulary->chat_template, eos);
-      if (data_options.chat)
-        std::printf("chat template: %s (the model's)\n",
-                    std::string(chat_family_name(data_options.chat->family)).c_str());
-      else
-        std::printf(
-            "chat template: the model's is none cputrain recognises (%s); "
-            "--chat-template names one\n",
-            chat_family_names().c_str());
-    } else {
-      std::printf("chat template: none (the model has none; --chat-template names one)\n");
-    }
-
-    FinetuneData data = read_finetune_jsonl(a.data, tokenizer, data_options);
-    std::vector<FinetuneExample> val;
-    if (!a.val.empty()) {
-      val = read_finetune_jsonl(a.val, tokenizer, data_options).examples;
-    } else if (a.val_fraction > 0.0) {
-      // A seeded choice of examples, taken out of the training set.
-      std::vector<FinetuneExample>& all = data.examples;
-      seeded_shuffle(all, a.seed + 17);
-      const auto n = static_cast<size_t>(
-          std::max(1.0, std::round(a.val_fraction * static_cast<double>(all.size()))));
-      if (n >= all.size())
-        throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
-                        std::to_string(all.size()) + " examples leave none to train on");
-      val.assign(all.end() - static_cast<std::ptrdiff_t>(n), all.end());
-      all.resize(all.size() - n);
-    }
-    std::printf("data: %zu examples (", data.examples.size() + (a.val.empty() ? val.size() : 0));
-    bool first = true;
-    for (int s = 0; s < kExampleShapes; ++s) {
-      if (data.shapes[static_cast<size_t>(s)] == 0) continue;
-      std::printf("%s%lld %s", first ? "" : ", ",
-                  static_cast<long long>(data.shapes[static_cast<size_t>(s)]),
-                  example_shape_name(static_cast<ExampleShape>(s)));
-      first = false;
-    }
-    std::printf(
-        "), %lld tokens, %lld of them targets; %lld cut to %lld tokens, %lld dropped "
-        "with no target left\n",
-        static_cast<long long>(data.tokens), static_cast<long long>(data.targets),
-        static_cast<long long>(data.truncated), static_cast<long long>(ctx + 1),
-        static_cast<long long>(data.dropped));
-    if (data.truncated > 0)
-      std::fprintf(stderr, "warning: %lld examples are longer than --ctx %lld and were cut\n",
-                   static_cast<long long>(data.truncated), static_cast<long long>(ctx));
-
-    const std::vector<PackedRow> rows = pack_examples(data.examples, ctx);
-    int64_t used = 0;
-    for (const PackedRow& r : rows) used += r.positions;
     const int64_t per_step = a.batch * a.accum * comm.size();
+    const size_t rows = pack_examples(examples.data.examples, ctx).size();
     const int64_t steps =
-        a.steps > 0
-            ? a.steps
-            : std::max<int64_t>(
-                  1, static_cast<int64_t>(std::ceil(a.epochs * static_cast<double>(rows.size()) /
-                                                    static_cast<double>(per_step))));
-    std::printf(
-        "packed: %zu rows of %lld positions, %.1f%% filled; %lld steps of %lld rows "
-        "(%.2f epochs); validation: %zu examples\n",
-        rows.size(), static_cast<long long>(ctx),
-        100.0 * static_cast<double>(used) / static_cast<double>(rows.size() * ctx),
-        static_cast<long long>(steps), static_cast<long long>(per_step),
-        static_cast<double>(steps * per_step) / static_cast<double>(rows.size()), val.size());
-
-    // The memory budget of this fine-tune, measured from the code that runs it; refused where it
-    // does not fit.
-    BudgetOptions bo;
-    bo.dtype = options.compute_dtype;
-    bo.batch = a.batch;
-    bo.ctx = ctx;
-    bo.accum = a.accum;
-    bo.checkpoint = a.checkpoint == "layer";
-    bo.threads = omp_get_max_threads();
-    bo.lora = options.lora;
-    bo.packed = true;
-    bo.offload = options.offload;
-    bo.ranks = comm.size();
-    bo.eval_windows = val.empty() ? 0 : static_cast<int64_t>(pack_examples(val, ctx).size());
-    MemoryBudget budget = memory_budget(m.config, bo);
-    // A base read in place is the model file's pages: resident as the steps read them, dropped
-    // and read again under pressure, so the limit covers the rest.
-    for (size_t i = 0; i < model.parameters().infos().size(); ++i)
-      if (model.parameters().mapped(static_cast<int>(i)))
-        budget.mapped_bytes += model.parameters().infos()[i].shape.numel() * 2;
-    const int64_t mapped_bytes = budget.mapped_bytes;
-    const int64_t budget_bytes = budget.total_bytes();
-    const int64_t available =
-        a.mem_limit_gib > 0.0 ? static_cast<int64_t>(a.mem_limit_gib * 1024.0 * 1024.0 * 1024.0)
-                              : available_memory_bytes() / Communicator::launched_local_ranks() +
-                                    process_memory().rss_bytes;
-    std::printf(
-        "memory budget: %s (weights %s, adapters' gradients and AdamW %s, activations %s, "
-        "workspace %s); %s available%s\n",
-        format_bytes(budget_bytes).c_str(),
-        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Weights)] +
-                     budget.peak_bytes[static_cast<int>(MemoryCategory::Bf16Weights)] -
-                     mapped_bytes)
-            .c_str(),
-        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Gradients)] +
-                     budget.peak_bytes[static_cast<int>(MemoryCategory::OptimizerState)])
-            .c_str(),
-        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Activations)]).c_str(),
-        format_bytes(budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)]).c_str(),
-        format_bytes(available).c_str(),
-        mapped_bytes > 0 ? ("; besides it, " + format_bytes(mapped_bytes) +
-                            " of base weights read in place from the model file (page cache)")
-                               .c_str()
-                         : "");
-    if (budget.disk_bytes > 0)
-      std::printf("offloaded to %s: %s on disk (masters, AdamW's m and v)\n", a.offload.c_str(),
-                  format_bytes(budget.disk_bytes).c_str());
-    if (available > 0 && budget_bytes > available)
-      throw UserError("the fine-tune needs " + format_bytes(budget_bytes) + " and " +
-                      format_bytes(available) +
-                      " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
-                      (bo.checkpoint ? "" : ", give --checkpoint layer") +
-                      (a.full ? "" : ", or lower --lora-rank"));
-    // A base that does not fit beside the budget is read from the disk every pass: its blocks
-    // are read ahead of the compute.
-    if (mapped_bytes > 0 && available > 0 && budget_bytes + mapped_bytes > available) {
-      model.set_read_ahead(true);
-      std::printf("the base does not fit beside the budget in %s: each block is read ahead\n",
-                  format_bytes(available).c_str());
-    }
+        a.steps > 0 ? a.steps
+                    : std::max<int64_t>(
+                          1, static_cast<int64_t>(std::ceil(a.epochs * static_cast<double>(rows) /
+                                                            static_cast<double>(per_step))));
+    const auto warmup_steps =
+        static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
+    const MemoryBudget budget = plan_finetune_memory(a, m, options, examples, ctx, comm, log);
 
     TrainOptions train;
     train.batch = a.batch;
@@ -394,98 +673,33 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
     train.seed = a.seed;
     train.lr.peak = a.lr;
     train.lr.total_steps = steps;
-    train.lr.warmup_steps = static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
+    train.lr.warmup_steps = warmup_steps;
     train.lr.min_ratio = 0.0;
     train.adamw.weight_decay = static_cast<float>(a.weight_decay);
     train.comm = &comm;
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
-    // The batch buffers, after the trainer, as the memory budget makes them.
-    const Tensor inputs = Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
-    const Tensor targets =
-        Tensor::empty(Shape{a.batch, ctx}, DType::I32, MemoryCategory::Workspace);
+    PackedRows batches(model, examples, ctx, a.batch, per_step, a.seed, m.tokenizer->eos_id(),
+                       comm);
+    log.info(
+        "packed: {} rows of {} positions, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
+        "validation: {} examples",
+        rows, ctx, 100.0 * batches.filled(), steps, per_step,
+        static_cast<double>(steps * per_step) / static_cast<double>(rows), examples.val.size());
 
-    json config = {{"model", fs::absolute(a.model).string()},
-                   {"data", fs::absolute(a.data).string()},
-                   {"val", a.val.empty() ? "" : fs::absolute(a.val).string()},
-                   {"val_fraction", a.val_fraction},
-                   {"full", a.full},
-                   {"lora_rank", a.full ? 0 : options.lora.rank},
-                   {"lora_alpha", a.full ? 0.0 : options.lora.alpha},
-                   {"lora_targets", a.full ? "" : lora_targets_text(options.lora.targets)},
-                   {"lora_dropout", a.full ? 0.0 : a.lora_dropout},
-                   {"steps", steps},
-                   {"batch", a.batch},
-                   {"accum", a.accum},
-                   {"ctx", ctx},
-                   {"lr", a.lr},
-                   {"warmup_steps", train.lr.warmup_steps},
-                   {"weight_decay", a.weight_decay},
-                   {"dtype", bf16 ? "bf16" : "fp32"},
-                   {"checkpoint", a.checkpoint},
-                   {"chat_template", data_options.chat
-                                         ? std::string(chat_family_name(data_options.chat->family))
-                                         : std::string()},
-                   {"train_on_prompt", a.train_on_prompt},
-                   {"seed", a.seed}};
-    // A job's batch is each rank's: the ranks are part of the run.
-    if (comm.size() > 1) config["ranks"] = comm.size();
-    // The data's fingerprint: every example's tokens and targets, training and validation.
-    uint64_t data_fingerprint = kFnvOffset;
-    for (const auto* set : {&data.examples, &val})
-      for (const FinetuneExample& e : *set) {
-        data_fingerprint =
-            fnv1a(e.tokens.data(), e.tokens.size() * sizeof(int32_t), data_fingerprint);
-        data_fingerprint = fnv1a(e.target.data(), e.target.size(), data_fingerprint);
-      }
-    const std::string config_text = config.dump(2) + "\n";
+    const json config =
+        finetune_config(a, options, examples, ctx, steps, warmup_steps, comm.size());
+    if (resuming) check_resumed(a.out, run, config);
+    // A resumed run keeps the text it began with, which its checkpoints record.
+    const std::string config_text = resuming ? run.dump(2) + "\n" : config.dump(2) + "\n";
     int64_t first_step = 1;
-    std::string resume_from;  // the checkpoint rank 0 resumes from
-    if (a.resume && lead) {
-      // The same configuration, the newest checkpoint, the same data: then every later step is
-      // the one the run would have made.
-      std::ifstream in(a.out + "/config.json");
-      std::stringstream stored;
-      stored << in.rdbuf();
-      int stored_ranks = 1;
-      try {
-        stored_ranks = json::parse(stored.str()).value("ranks", 1);
-      } catch (const json::exception&) {
-        // a damaged config.json: refused below as another fine-tune's
-      }
-      if (stored_ranks != comm.size())
-        throw UserError("--resume " + a.out + ": the fine-tune runs as " +
-                        std::to_string(stored_ranks) + " rank" + (stored_ranks == 1 ? "" : "s") +
-                        " (its batch is each rank's), and this job has " +
-                        std::to_string(comm.size()) + ": resume it with mpirun -np " +
-                        std::to_string(stored_ranks));
-      if (stored.str() != config_text)
-        throw UserError("--resume " + a.out +
-                        ": its config.json is another fine-tune's; give the "
-                        "flags it was started with");
-      const auto all = list_checkpoints(a.out);
-      if (all.empty())
-        throw UserError("--resume " + a.out + ": no checkpoint in " + checkpoint_dir(a.out));
-      resume_from = all.back().second;
-      const CheckpointInfo info = read_checkpoint_info(resume_from);
-      if (info.data_fingerprint != data_fingerprint)
-        throw UserError(all.back().second + ": trained on other data than " + a.data);
-      first_step = info.step + 1;
-      std::printf("resumed from %s (step %lld of %lld)\n", all.back().second.c_str(),
-                  static_cast<long long>(info.step), static_cast<long long>(steps));
-      // metrics.jsonl keeps what the checkpoint had reached.
-      std::ifstream old(a.out + "/metrics.jsonl");
-      std::string kept;
-      for (std::string line; std::getline(old, line);)
-        if (json::parse(line).value("step", int64_t{0}) <= info.step) kept += line + "\n";
-      write_file_atomic(a.out + "/metrics.jsonl", kept);
-    } else if (lead) {
+    std::string checkpoint;
+    if (lead && resuming)
+      first_step =
+          resume_from(a, run, config_text, examples.fingerprint, steps, comm, log, &checkpoint);
+    else if (lead)
       write_file_atomic(a.out + "/config.json", config_text);
-      write_file_atomic(a.out + "/metrics.jsonl", "");
-    }
-    std::ofstream metrics;
-    if (lead) metrics.open(a.out + "/metrics.jsonl", std::ios::app);
     // Every rank starts from rank 0's adapters (or weights) and, resumed, its optimizer state
     // (sharded: each rank takes its shard as rank 0 reads the file).
     if (comm.size() > 1) {
@@ -493,148 +707,42 @@ int finetune(const FinetuneArgs& a, const Communicator& comm, JobStart& start) {
       comm.set_timeout(a.rank_timeout);
       first_step = share_value(comm, first_step);
     }
-    const bool sharded = !trainer.optimizer().shards().empty();
-    if (!resume_from.empty())
-      load_checkpoint(resume_from, model.parameters(), &trainer.optimizer());
-    else if (first_step > 1 && sharded)
+    if (!checkpoint.empty())
+      load_checkpoint(checkpoint, model.parameters(), &trainer.optimizer());
+    else if (first_step > 1 && !trainer.optimizer().shards().empty())
       share_checkpoint_state(model.parameters(), trainer.optimizer(), false);
     if (comm.size() > 1) {
       broadcast_training_state(comm, model.parameters(), trainer.optimizer());
-      std::printf("data parallel: %d ranks, each of %lld x %lld rows a step\n", comm.size(),
-                  static_cast<long long>(a.batch), static_cast<long long>(a.accum));
+      log.info("data parallel: {} ranks, each of {} x {} rows a step", comm.size(), a.batch,
+               a.accum);
     }
-    const auto save = [&](int64_t step) {
-      std::error_code ec;
-      fs::create_directories(checkpoint_dir(a.out), ec);
-      if (ec) throw UserError(checkpoint_dir(a.out) + ": cannot create (" + ec.message() + ")");
-      CheckpointInfo info;
-      info.step = step;
-      info.adamw_step = trainer.optimizer().step_count();
-      info.data_fingerprint = data_fingerprint;
-      info.config_json = config_text;
-      save_checkpoint(checkpoint_path(a.out, step), model.parameters(), trainer.optimizer(), info);
-      std::printf("step %lld | saved %s\n", static_cast<long long>(step),
-                  checkpoint_path(a.out, step).c_str());
-    };
 
-    const int32_t pad = tokenizer.eos_id();
-    // Every rank validates its share of the batches.
-    const auto validate = [&](int64_t step) {
-      if (val.empty()) return;
-      const auto start = std::chrono::steady_clock::now();
-      const double loss = packed_validation_loss(model, val, ctx, a.batch, pad, 0, &comm);
-      std::printf("step %lld | validation loss %.4f (%.1f s)\n", static_cast<long long>(step), loss,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      if (lead) metrics << json{{"step", step}, {"val_loss", loss}}.dump() << "\n" << std::flush;
-    };
-    if (first_step == 1) validate(0);
-
-    RowOrder order(rows.size(), a.seed);
-    const auto run_start = std::chrono::steady_clock::now();
-    int64_t profiled_steps = 0;
-    double profiled_seconds = 0.0;
-    for (int64_t step = first_step; step <= steps; ++step) {
-      profiler::set_enabled(a.profile && (step > 1 || steps == 1));
-      std::vector<const PackedRow*> step_rows;
-      for (int64_t i = 0; i < per_step; ++i)
-        step_rows.push_back(&rows[order.at((step - 1) * per_step + i)]);
-      const StepResult r =
-          finetune_step(trainer, model, step, step_rows, data.examples, pad, inputs, targets);
-      const int64_t targets_in_step = count_targets(step_rows, data.examples);
-      if (profiler::enabled()) {
-        ++profiled_steps;
-        profiled_seconds += r.ms / 1000.0;
-      }
-      profiler::set_enabled(false);
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-      // With the base read in place, the budget stands for the anonymous part of the RSS; the
-      // mapped files' pages (the base, the code) are shown beside it.
-      const ProcessMemory mem = process_memory();
-      const int64_t resident = mapped_bytes > 0 ? mem.rss_anon_bytes : mem.rss_bytes;
-      // Every rank's step (the job stops together on a bad one, as rank 0 decides alike).
-      const std::vector<RankStep> ranks = gather_step(
-          comm, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms, resident, mem.peak_rss_bytes, 0});
-      int64_t largest = 0;
-      for (const RankStep& rs : ranks) largest = std::max(largest, rs.rss_bytes);
-      std::printf(
-          "step %lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s | "
-          "RSS %s (budget %s)%s%s\n",
-          static_cast<long long>(step), static_cast<long long>(steps), r.loss, r.lr, r.grad_norm,
-          r.tokens_per_s, format_bytes(largest).c_str(), format_bytes(budget_bytes).c_str(),
-          mapped_bytes > 0
-              ? (" + " + format_bytes(mem.rss_file_bytes) + " of mapped files (base, code)").c_str()
-              : "",
-          comm.size() > 1
-              ? (" | the largest of " + std::to_string(comm.size()) + " ranks; " +
-                 "summing gradients " + std::to_string(static_cast<int64_t>(r.reducing_ms)) +
-                 " ms, " + std::to_string(static_cast<int64_t>(r.comm_ms)) +
-                 " of it after the backward pass; gathering weights " +
-                 std::to_string(static_cast<int64_t>(r.gather_ms)) + " ms")
-                    .c_str()
-              : "");
-      std::fflush(stdout);
-      json record{{"step", step},
-                  {"loss", r.loss},
-                  {"lr", r.lr},
-                  {"grad_norm", r.grad_norm},
-                  {"targets", targets_in_step},
-                  {"tokens_per_s", r.tokens_per_s},
-                  {"rss_bytes", mem.rss_bytes},
-                  {"rss_anon_bytes", mem.rss_anon_bytes},
-                  {"rss_file_bytes", mem.rss_file_bytes},
-                  {"budget_bytes", budget_bytes},
-                  {"mapped_bytes", mapped_bytes},
-                  {"elapsed_s", elapsed}};
-      if (comm.size() > 1)
-        record["ranks"] = rank_records(ranks, a.batch * a.accum * ctx * comm.size());
-      if (lead) metrics << record.dump() << "\n" << std::flush;
-      if (a.eval_every > 0 && step % a.eval_every == 0 && step < steps) validate(step);
-      if ((a.save_every > 0 && step % a.save_every == 0) || step == steps) {
-        if (lead)
-          save(step);
-        else if (sharded)
-          share_checkpoint_state(model.parameters(), trainer.optimizer(), true);
-      }
-    }
-    validate(steps);
-    job_ended();
-    if (!lead) return 0;
-    if (a.profile)
-      for (const std::string& line :
-           profiler::report(profiler::entries(), profiled_steps, profiled_seconds))
-        std::printf("%s\n", line.c_str());
-
-    // The result: the adapter as llama.cpp loads it, or the whole model.
-    const std::string name = fs::path(a.model).filename().string();
-    if (a.full) {
-      GgufExport e;
-      e.type = GgmlType::F32;
-      e.name = name + " fine-tuned";
-      write_gguf(a.out + "/model.gguf", m.config, model.parameters(), tokenizer.to_vocabulary(), e);
-      std::printf("wrote %s/model.gguf\n", a.out.c_str());
-    } else {
-      write_lora_gguf(a.out + "/adapter.gguf", m.config, model.parameters(), options.lora.alpha,
-                      name + " LoRA");
-      write_peft_adapter(a.out + "/peft", m.config, model.parameters(), options.lora,
-                         fs::absolute(a.model).string());
-      // llama.cpp takes the base as a GGUF file: a run's is written by export.
-      const bool gguf_base = !fs::is_directory(a.model);
-      const std::string base = gguf_base ? a.model : "BASE.gguf";
-      std::printf(
-          "wrote %s/adapter.gguf (llama.cpp: --model %s --lora %s/adapter.gguf%s) and "
-          "%s/peft (PEFT's adapter_config.json and adapter_model.safetensors)\n",
-          a.out.c_str(), base.c_str(), a.out.c_str(),
-          gguf_base ? ""
-                    : (", BASE.gguf from cputrain export --model " + a.model + " --out BASE.gguf")
-                          .c_str(),
-          a.out.c_str());
-    }
+    LoopPlan plan;
+    plan.dir = a.out;
+    plan.command = "finetune";
+    plan.first_step = first_step;
+    plan.steps = steps;
+    plan.save_every = a.save_every;
+    plan.keep = a.keep;
+    plan.eval_every = a.eval_every;
+    plan.validate_first = true;
+    plan.log_every = a.log_every;
+    plan.spike = a.spike;
+    plan.on_bad_step = a.on_bad_step;
+    plan.profile = a.profile;
+    plan.hold = hold;
+    plan.config_json = config_text;
+    plan.data_fingerprint = examples.fingerprint;
+    plan.budget = budget;
+    plan.last_checkpoint = checkpoint;
+    plan.replacing = dir.replacing;
+    plan.positions = a.batch * a.accum * ctx * comm.size();
+    AdapterFiles output(a, m, options, log);
+    return run_loop(plan, trainer, model.parameters(), batches, output, comm, io);
   } catch (...) {
     dir.discard_if_unused();
     throw;
   }
-  return 0;
 }
 
 }  // namespace

@@ -152,8 +152,7 @@ void add_parity_flags(CLI::App& app, ParityArgs& a) {
   app.add_option("--seed", t.seed, "Seed for init and batch sampling")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--threads", t.threads, "OpenMP threads (default: all cores)")
-      ->check(threads_limit());
+  add_threads_flag(app, t.threads);
   add_kernel_flags(app, t.kernels);
   app.add_option("--tol-bf16", a.tol_bf16,
                  "Largest accepted |bf16 - fp32| final loss difference, in nats")

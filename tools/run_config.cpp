@@ -149,6 +149,8 @@ RunConfig parse_run_config(const std::string& text, const std::string& path) {
 
 std::string run_identity(const std::string& config_json) {
   json j = json::parse(config_json);
+  // A fine-tune's configuration is the same throughout: all of it is its identity.
+  if (j.value("command", std::string()) == "finetune" || !j.contains("train")) return j.dump();
   json& t = j["train"];
   if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
   if (!t.contains("ranks")) t["ranks"] = 1;

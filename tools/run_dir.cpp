@@ -18,7 +18,8 @@ namespace {
 constexpr const char* kReplaced = ".replaced";
 constexpr std::string_view kDataCache[] = {"tokenizer.model", "tokenizer.gguf", "tokens.bin"};
 constexpr std::string_view kRunFiles[] = {"config.json", "metrics.jsonl", "model.bin",
-                                          "checkpoints"};
+                                          "checkpoints", "adapter.gguf",  "peft",
+                                          "model.gguf"};
 // What a run that stopped before its configuration was written can leave: not a run yet.
 constexpr std::string_view kRunLeftovers[] = {"train.log", "profile.json", "plot.svg"};
 constexpr std::string_view kParityFiles[] = {"parity.json", "parity.csv", "parity.log"};

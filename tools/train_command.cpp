@@ -46,6 +46,7 @@
 #include "tools/mfu_peak.h"
 #include "tools/model_source.h"
 #include "tools/progress.h"
+#include "tools/run/loop.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
 #include "tools/stop_signals.h"
@@ -161,39 +162,12 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   return c;
 }
 
-DType choose_dtype(const std::string& flag, std::string* why) {
-  if (flag == "bf16" || flag == "fp32") {
-    *why = "--dtype " + flag;
-    return flag == "bf16" ? DType::BF16 : DType::F32;
-  }
-  if (!flag.empty()) throw UserError("--dtype " + flag + ": must be bf16 or fp32");
-  const kernels::GemmBackend backend = kernels::gemm_backend();
-  const std::string name(kernels::gemm_backend_name(backend));
-  if (kernels::gemm_bf16_native(backend)) {
-    *why = "the " + name + " GEMM has bf16 instructions on this CPU";
-    return DType::BF16;
-  }
-  *why = "the " + name +
-         " GEMM has no bf16 instructions on this CPU, where bf16 would be emulated and slower "
-         "than fp32 (--dtype bf16 forces it)";
-  return DType::F32;
-}
-
-int64_t memory_limit_bytes(double gib) {
-  if (gib > 0.0) return static_cast<int64_t>(gib * 1024.0 * 1024.0 * 1024.0);
-  return available_memory_bytes() / Communicator::launched_local_ranks();
-}
-
 std::string describe_compute() {
   return fmt::format("cpu: {}; kernels: {} (gemm available: {})", kernels::cpu_features_string(),
                      kernels::kernel_choices(), kernels::gemm_available_backends());
 }
 
 namespace {
-
-double gib(int64_t bytes) {
-  return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0);
-}
 
 std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t tokens,
                         uint64_t seed) {
@@ -237,41 +211,28 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--preset", a.preset, "Model preset: tiny, mini, mega, behemoth, titan")
       ->capture_default_str();
   app.add_option("--corpus", a.corpus, "Text file or folder of text files")->capture_default_str();
-  app.add_option("--out", a.out, "Run directory (default runs/<preset>)");
   app.add_option("--model", a.model,
                  "Start from this model: a GGUF file, a Hugging Face folder or a run (its shape, "
                  "tokenizer and weights; --ctx defaults to at most 512)");
-  app.add_option("--steps", a.steps, "Optimizer steps (default: per preset)")
-      ->check(positive_whole());
-  app.add_option("--batch", a.batch, "Sequences per micro-batch (default: per preset)")
-      ->check(positive_whole());
-  app.add_option("--accum", a.accum, "Micro-batches per optimizer step (default: per preset)")
-      ->check(positive_whole());
-  app.add_option("--ctx", a.ctx, "Tokens per sequence (default: per preset)")
-      ->check(positive_whole());
+  RunFlagHelp help;
+  help.out = "Run directory (default runs/<preset>)";
+  help.steps = "default: per preset";
+  help.batch = "Sequences per micro-batch (default: per preset)";
+  help.accum = " (default: per preset)";
+  help.ctx = "Tokens per sequence (default: per preset)";
+  help.lr = " (default: by model width)";
+  help.eval_every = "default: steps / 10";
+  help.save_every = "default: steps / 10";
+  help.checkpoint = {"auto", "layer", "none"};
+  add_run_flags(app, a, help);
   add_model_flags(app, a);
-  app.add_option("--lr", a.lr, "Peak learning rate (default: by model width)")->check(positive());
   app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))")
-      ->check(non_negative());
-  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay on matrices")
-      ->capture_default_str()
       ->check(non_negative());
   app.add_option("--grad-clip", a.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--seed", a.seed, "Seed for init and batch sampling")
-      ->capture_default_str()
-      ->check(non_negative());
-  app.add_option("--threads", a.threads, "OpenMP threads (default: all cores)")
-      ->check(threads_limit());
   app.add_flag("--pin-threads", a.pin_threads,
                "Bind each OpenMP thread to one CPU of those the process may use");
-  app.add_flag("--profile", a.profile,
-               "Time every op (forward and backward), the optimizer and the GEMMs over the steps "
-               "after the first; print the table at the end and write <out>/profile.json");
-  app.add_option("--eval-every", a.eval_every,
-                 "Validation loss every N steps (default: steps / 10)")
-      ->check(positive());
   app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
       ->capture_default_str()
       ->check(positive());
@@ -282,91 +243,6 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--sample-tokens", a.sample_tokens, "Tokens per printed sample")
       ->capture_default_str()
       ->check(non_negative());
-  app.add_option("--log-every", a.log_every, "Log a line every N steps")
-      ->capture_default_str()
-      ->check(positive());
-  add_kernel_flags(app, a.kernels);
-  app.add_option("--dtype", a.dtype,
-                 "Training precision: bf16 (bf16 GEMMs and saved activations, FP32 master weights) "
-                 "or fp32 (default: bf16 where the GEMM has bf16 instructions, else fp32)")
-      ->check(CLI::IsMember({"bf16", "fp32"}));
-  app.add_option("--checkpoint", a.checkpoint,
-                 "Gradient checkpointing: layer (keep only each block's input, recompute the block "
-                 "in backward), none, or auto (layer when the budget without it does not fit)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"layer", "none", "auto"}));
-  app.add_option("--resume", a.resume,
-                 "Continue the run in this directory from its latest checkpoint, with its own "
-                 "configuration (bitwise as if it had not stopped); --steps moves its end, and "
-                 "--save-every and --keep change its saving");
-  app.add_flag("--overwrite", a.overwrite,
-               "Replace the run already in --out: it is moved to <out>/.replaced and deleted once "
-               "the new run has completed its first step");
-  app.add_option("--save-every", a.save_every,
-                 "Save a checkpoint every N steps (default: steps / 10; 0: only at the end); also "
-                 "at the end and on SIGINT or SIGTERM")
-      ->check(non_negative());
-  app.add_option("--keep", a.keep, "Checkpoints kept in <out>/checkpoints")
-      ->capture_default_str()
-      ->check(positive());
-  app.add_option("--spike", a.spike,
-                 "Treat a loss above this many times the mean of the last 20 steps as a bad step "
-                 "(0: off)")
-      ->capture_default_str()
-      ->check(non_negative());
-  app.add_option("--on-bad-step", a.on_bad_step,
-                 "On a non-finite loss or gradient norm, or a spike: stop (naming the last good "
-                 "checkpoint) or skip the update and go on")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"stop", "skip"}));
-  app.add_option("--mem-limit", a.mem_limit_gib,
-                 "GiB the run (each rank of a job) may use (default: the available memory at "
-                 "start, shared among a job's ranks on this machine); training refuses to start "
-                 "when its budget exceeds it")
-      ->check(positive());
-  app.add_option("--rank-timeout", a.rank_timeout,
-                 "Of a job of several ranks (mpirun): seconds a rank waits for the others in a "
-                 "step before it ends the job, saying so (0: forever)")
-      ->capture_default_str()
-      ->check(non_negative());
-  app.add_option("--offload", a.offload,
-                 "Keep the FP32 master weights (bf16) and AdamW's m and v in files in this folder, "
-                 "streamed through RAM in the optimizer step: bitwise the same run in less RAM "
-                 "(with --resume: another folder, or none to hold them in RAM again)");
-  app.parse_complete_callback([&app, &a] {
-    a.given.clear();
-    for (const CLI::Option* option : app.get_options())
-      if (option->count() > 0) a.given.push_back(option->get_name());
-  });
-}
-
-void add_kernel_flags(CLI::App& app, KernelArgs& a) {
-  app.add_option("--gemm", a.gemm,
-                 "GEMM implementation: amx, avx512, eigen, onednn or reference (default: the "
-                 "fastest this CPU runs; as --kernel gemm=NAME or CPUTRAIN_GEMM=NAME)");
-  app.add_option("--kernel", a.kernel,
-                 "FAMILY=NAME: force one kernel family's implementation (families: " +
-                     kernels::kernel_families() + "; also CPUTRAIN_<FAMILY>=NAME); repeatable");
-  app.add_option("--isa", a.isa,
-                 "Highest instruction set any kernel may use: avx2, avx512, avx512_bf16 or amx "
-                 "(default: all this CPU has; also CPUTRAIN_ISA)");
-}
-
-void select_kernels(const KernelArgs& a) {
-  try {
-    if (!a.isa.empty()) kernels::set_isa_ceiling(kernels::isa_level(a.isa, "--isa " + a.isa));
-    for (const std::string& k : a.kernel) {
-      const size_t eq = k.find('=');
-      if (eq == std::string::npos || eq == 0 || eq + 1 == k.size())
-        throw UserError("--kernel " + k +
-                        ": must be FAMILY=NAME (families: " + kernels::kernel_families() + ")");
-      kernels::force_kernel(k.substr(0, eq), k.substr(eq + 1));
-    }
-    if (!a.gemm.empty()) kernels::force_kernel("gemm", a.gemm, "--gemm " + a.gemm);
-    kernels::kernel_choices();
-  } catch (const std::invalid_argument& e) {
-    throw UserError(e.what());
-  }
 }
 
 namespace {
@@ -379,28 +255,26 @@ constexpr const char* kRunFlags[] = {
     "--accum",      "--ctx",        "--lr",       "--warmup",         "--weight-decay",
     "--grad-clip",  "--seed",       "--dtype",    "--checkpoint",     "--overwrite"};
 
-bool given(const TrainArgs& a, std::string_view flag) {
-  return std::find(a.given.begin(), a.given.end(), flag) != a.given.end();
-}
-
 // --resume: the run's own configuration (DIR/config.json) and what a resumed run may change:
 // where it ends (--steps), how it saves (--save-every, --keep) and how it executes.
 RunConfig resume_config(const TrainArgs& a) {
-  const std::string& dir = a.resume;
+  const std::string dir = a.run_dir();
+  if (dir.empty()) throw UserError("--resume: give the run directory to continue (--resume RUN)");
   if (!fs::is_directory(dir)) throw UserError("--resume " + dir + ": no such run directory");
   std::string refused;
   for (const char* flag : kRunFlags)
-    if (given(a, flag)) refused += (refused.empty() ? "" : ", ") + std::string(flag);
+    if (a.was_given(flag) && !(std::string_view(flag) == "--out" && a.resume.empty()))
+      refused += (refused.empty() ? "" : ", ") + std::string(flag);
   if (!refused.empty())
     throw UserError("--resume " + dir + ": " + refused +
                     " would change the run, which keeps the configuration it began with (" + dir +
                     "/config.json); to change it, start a new run with --out");
   RunConfig config = read_run_config(dir + "/config.json");
   config.threads = a.threads > 0 ? a.threads : omp_get_num_procs();
-  if (given(a, "--steps")) config.steps = a.steps;
-  if (given(a, "--save-every")) config.save_every = a.save_every;
-  if (given(a, "--keep")) config.keep = a.keep;
-  if (given(a, "--offload")) config.offload = offload_folder(a.offload);
+  if (a.was_given("--steps")) config.steps = a.steps;
+  if (a.was_given("--save-every")) config.save_every = a.save_every;
+  if (a.was_given("--keep")) config.keep = a.keep;
+  if (a.was_given("--offload")) config.offload = offload_folder(a.offload);
   return config;
 }
 
@@ -414,7 +288,7 @@ constexpr const char* kShapeFlags[] = {
 void begin_from_model(RunConfig& config, const TrainArgs& a) {
   std::string refused;
   for (const char* flag : kShapeFlags)
-    if (given(a, flag)) refused += (refused.empty() ? "" : ", ") + std::string(flag);
+    if (a.was_given(flag)) refused += (refused.empty() ? "" : ", ") + std::string(flag);
   if (!refused.empty())
     throw UserError(refused + ": the model's shape comes from --model " + a.model);
   config.model = load_model_config(a.model, "--model", a.ctx > 0 ? a.ctx : 512);
@@ -444,17 +318,60 @@ void check_resumed_steps(const RunConfig& config, const RunConfig& began, int64_
         config.train.lr.peak * config.train.lr.min_ratio, config.train.lr.total_steps);
 }
 
-// The steps after which a run evaluates and saves a checkpoint: every rank of a job decides
-// alike, since each takes part in both.
-bool evaluates_after(const TrainArgs& args, const RunConfig& config, int64_t step) {
-  const int64_t every =
-      args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
-  return step % every == 0 || step == config.steps;
+// The loop's cadences and limits, which every rank of a job takes alike from the flags and the
+// run's configuration.
+LoopPlan loop_plan(const TrainArgs& args, const RunConfig& config, int64_t first_step) {
+  LoopPlan plan;
+  plan.command = "train";
+  plan.first_step = first_step;
+  plan.steps = config.steps;
+  plan.save_every = config.save_every;
+  plan.keep = config.keep;
+  plan.eval_every = args.eval_every > 0 ? args.eval_every : std::max<int64_t>(1, config.steps / 10);
+  plan.log_every = args.log_every;
+  plan.spike = args.spike;
+  plan.on_bad_step = args.on_bad_step;
+  plan.profile = args.profile;
+  plan.sample_every = args.sample_every;
+  plan.positions =
+      config.train.batch * config.train.accum * config.train.ctx * Communicator::world().size();
+  return plan;
 }
-bool saves_after(const RunConfig& config, int64_t step, int stop) {
-  return (config.save_every > 0 && step % config.save_every == 0) || step == config.steps ||
-         stop != 0;
-}
+
+// Windows of ctx + 1 tokens of the corpus, sampled by (seed, step, row); validation on the first
+// windows of the held-out split, where it has one.
+class TokenWindows final : public BatchSource {
+ public:
+  TokenWindows(std::span<const int32_t> train, std::span<const int32_t> val, int64_t ctx,
+               int64_t eval_windows)
+      : train_(train), val_(val), ctx_(ctx), eval_windows_(eval_windows) {}
+  StepResult step(Trainer& trainer, int64_t step) override { return trainer.step(train_, step); }
+  bool validates() const override { return static_cast<int64_t>(val_.size()) >= ctx_ + 1; }
+  double validate(Trainer& trainer) override { return trainer.evaluate(val_, eval_windows_); }
+
+ private:
+  std::span<const int32_t> train_, val_;
+  int64_t ctx_, eval_windows_;
+};
+
+// model.bin, with the run's configuration; of a job with sharded masters every rank gives its
+// shard.
+class ModelFile final : public RunOutput {
+ public:
+  ModelFile(std::string path, const ParameterSet& params, std::string config_json)
+      : path_(std::move(path)), params_(params), config_json_(std::move(config_json)) {}
+  void write(bool lead) override {
+    if (lead)
+      save_weights(path_, params_, config_json_);
+    else
+      params_.serve_sharded_masters(true);
+  }
+
+ private:
+  std::string path_;
+  const ParameterSet& params_;
+  std::string config_json_;
+};
 
 int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
              const std::string& dtype_reason, const TestHold& hold, JobStart& start);
@@ -481,7 +398,7 @@ namespace {
 int lead_train(const TrainArgs& args, JobStart& start) {
   if (args.log_every <= 0) throw UserError("--log-every must be positive");
   if (args.keep <= 0) throw UserError("--keep must be positive");
-  const bool resuming = !args.resume.empty();
+  const bool resuming = args.resuming();
   RunConfig config;
   std::string dtype_reason = "as the run began";
   if (resuming) {
@@ -496,7 +413,7 @@ int lead_train(const TrainArgs& args, JobStart& start) {
   }
   const int ranks = Communicator::world().size();
   if (resuming && config.ranks != ranks)
-    throw UserError("--resume " + args.resume + ": the run trains as " +
+    throw UserError("--resume " + args.run_dir() + ": the run trains as " +
                     std::to_string(config.ranks) + " rank" + (config.ranks == 1 ? "" : "s") +
                     " (its batch is each rank's), and this job has " + std::to_string(ranks) +
                     ": resume it with mpirun -np " + std::to_string(config.ranks) +
@@ -508,7 +425,7 @@ int lead_train(const TrainArgs& args, JobStart& start) {
                     " ranks holds its state in RAM (give --offload none)");
   const TestHold hold = test_hold();
   const std::string out =
-      resuming ? args.resume : (args.out.empty() ? "runs/" + config.preset : args.out);
+      resuming ? args.run_dir() : (args.out.empty() ? "runs/" + config.preset : args.out);
   const RunDirectory run = open_run_directory(
       out,
       resuming ? RunDirUse::Resume : (args.overwrite ? RunDirUse::Overwrite : RunDirUse::NewRun));
@@ -525,7 +442,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
              const std::string& dtype_reason, const TestHold& hold, JobStart& start) {
   const Communicator& comm = Communicator::world();
   const std::string& out = run.path;
-  const bool resuming = !args.resume.empty();
+  const bool resuming = args.resuming();
   omp_set_num_threads(config.threads);
   // On a terminal a progress line with the time left stays under the log.
   // (Not under an MPI launcher, whose pseudo-terminal is a terminal to the ranks wherever
@@ -639,7 +556,6 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
     for (int cpu : pin_threads()) cpus += (cpus.empty() ? "" : ",") + std::to_string(cpu);
     log->info("threads pinned to CPUs {}", cpus);
   }
-  MfuPeak mfu_peak(peak_gflops, [&] { return peak_of(kernels::measure_peak(2'000'000, 10)); });
   const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
   if (peak_gflops > 0)
     log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}{}; training FLOPs per token: {:.3g}",
@@ -655,15 +571,10 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
       model.parameters(),
       [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
   int64_t first_step = 1;
-  std::string last_checkpoint;
   if (resume) {
-    last_checkpoint = resume->path;
     first_step = resume->info.step + 1;
-    truncate_metrics(out + "/metrics.jsonl", resume->info.step);
-    log->info("resuming from {} at step {}", last_checkpoint, first_step);
+    log->info("resuming from {} at step {}", resume->path, first_step);
   }
-  std::ofstream metrics(out + "/metrics.jsonl", resuming ? std::ios::app : std::ios::trunc);
-  if (!metrics) throw UserError(out + "/metrics.jsonl: cannot open for writing");
   if (comm.size() > 1) {
     // The other ranks start from what this one has: the configuration, the data, the weights
     // and, resumed, the optimizer's state (follow_train takes them in this order).
@@ -684,120 +595,26 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
         comm.size(), config.train.batch, config.train.accum, config.train.batch * comm.size(),
         config.train.accum);
   }
-  bool replacing = run.replacing;
-  // A bad step (non-finite loss or gradient norm, or a spike) is never applied; it stops the run
-  // or, with --on-bad-step skip, is passed over.
-  BadStepFilter bad_steps(args.spike);
-  trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
-  // --profile: every step but the first (page faults of first touch, block cache filling),
-  // unless it is the only one.
-  int64_t profiled_steps = 0;
-  double profiled_seconds = 0.0;
-  auto report_profile = [&] { write_profile(out, profiled_steps, profiled_seconds, *log); };
-  {
-    const Stopwatch loop_time;
-    for (int64_t step = first_step; step <= config.steps; ++step) {
-      if (step == hold.step) wait_for_stop_signal(step, hold.forever);
-      const bool profile_step = args.profile && (step > first_step || first_step == config.steps);
-      profiler::set_enabled(profile_step);
-      const StepResult r = trainer.step(train_tokens, step);
-      profiler::set_enabled(false);
-      if (profile_step) {
-        ++profiled_steps;
-        profiled_seconds += r.ms / 1e3;
-      }
-      const ProcessMemory mem = process_memory();
-      // Every rank's step, and a stop signal any of them received (the job stops together).
-      const std::vector<RankStep> ranks =
-          gather_step(comm, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms, mem.rss_bytes,
-                             mem.peak_rss_bytes, stop_signal()});
-      int64_t peak_rss = 0;
-      int stop = 0;
-      for (const RankStep& rs : ranks) {
-        peak_rss = std::max(peak_rss, rs.peak_rss);
-        if (stop == 0) stop = rs.stop_signal;
-      }
-      if (r.skipped && args.on_bad_step == "stop") {
-        job_ended();  // every rank stops here
-        throw UserError(
-            "step " + std::to_string(step) + ": " + bad_steps.reason() +
-            "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); "
-            "the last good checkpoint is " +
-            (last_checkpoint.empty() ? std::string("none") : last_checkpoint));
-      }
-      if (r.skipped)
-        log->warn("step {}: {}; skipped (the weights are as before it)", step, bad_steps.reason());
-      // A rank's share: the peak MFU is measured against is one rank's.
-      const double model_gflops =
-          flops_per_token * r.tokens_per_s / static_cast<double>(comm.size()) / 1e9;
-      const double peak_before = mfu_peak.gflops();
-      if (mfu_peak.update(model_gflops))
-        log->info(
-            "peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s "
-            "(was {:.0f})",
-            step, model_gflops, mfu_peak.gflops(), peak_before);
-      const std::optional<double> mfu = mfu_peak.mfu(model_gflops);
-      nlohmann::json m = step_record(step, r, mem, budget, model_gflops, mfu);
-      if (comm.size() > 1)
-        m["ranks"] = rank_records(
-            ranks, config.train.batch * config.train.accum * config.train.ctx * comm.size());
-      std::string val;
-      if (can_eval && evaluates_after(args, config, step)) {
-        const double v = trainer.evaluate(val_tokens, args.eval_windows);
-        m["val_loss"] = v;
-        val = fmt::format(" | val {:.4f}", v);
-      }
-      metrics << m.dump() << "\n" << std::flush;
-      if (replacing) {
-        replacing = false;
-        if (remove_replaced_run(out))
-          log->info("the run this one replaces (--overwrite) is deleted: this one has started");
-      }
-      if (step % args.log_every == 0 || step == config.steps || !val.empty()) {
-        log->info(
-            "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
-            "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}",
-            step, config.steps, r.loss, val, r.lr, r.grad_norm, r.tokens_per_s, r.ms,
-            comm.size() > 1
-                ? fmt::format(" (summing gradients {:.0f}, {:.0f} of it after the backward "
-                              "pass; gathering weights {:.0f})",
-                              r.reducing_ms, r.comm_ms, r.gather_ms)
-                : std::string(),
-            gib(peak_rss), gib(budget.total_bytes()),
-            100.0 *
-                (static_cast<double>(peak_rss) / static_cast<double>(budget.total_bytes()) - 1.0),
-            comm.size() > 1 ? fmt::format(" (the largest of {} ranks)", comm.size())
-                            : std::string());
-      }
-      if (console->terminal()) {
-        const std::string mfu_text = mfu ? fmt::format(" | MFU {:.0f}%", 100.0 * *mfu) : "";
-        console->set_status(progress_line(
-            step, config.steps, first_step - 1, loop_time.seconds(), "steps",
-            fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss, r.tokens_per_s, mfu_text)));
-      }
-      if (args.sample_every > 0 && step % args.sample_every == 0 && step != config.steps)
-        log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
-      if (saves_after(config, step, stop)) {
-        last_checkpoint =
-            save_training_checkpoint(out, step, model.parameters(), trainer.optimizer(),
-                                     data.dataset.fingerprint(), config_json, config.keep);
-        if (stop == 0) log->info("saved {}", last_checkpoint);
-      }
-      if (stop != 0) {
-        job_ended();
-        report_profile();
-        log->warn("{} after step {}: saved {}; continue with: cputrain train --resume {}",
-                  stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
-                  last_checkpoint, out);
-        return 128 + stop;
-      }
-    }
-  }
-  console->set_status("");
-  report_profile();
+  LoopPlan plan = loop_plan(args, config, first_step);
+  plan.dir = out;
+  plan.hold = hold;
+  plan.config_json = config_json;
+  plan.data_fingerprint = data.dataset.fingerprint();
+  plan.budget = budget;
+  plan.last_checkpoint = resume ? resume->path : "";
+  plan.replacing = run.replacing;
+  plan.flops_per_token = flops_per_token;
+  plan.peak_gflops = peak_gflops;
+  plan.measure_peak = [&] { return peak_of(kernels::measure_peak(2'000'000, 10)); };
+  plan.sample = [&](int64_t step) {
+    log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
+  };
+  TokenWindows windows(train_tokens, val_tokens, config.train.ctx, args.eval_windows);
   const std::string weights_path = out + "/model.bin";
-  save_weights(weights_path, model.parameters(), config_json);  // with the ranks' shards
-  job_ended();
+  ModelFile model_file(weights_path, model.parameters(), config_json);
+  const int status =
+      run_loop(plan, trainer, model.parameters(), windows, model_file, comm, {log, console});
+  if (status != 0) return status;
   log->info("saved {}", weights_path);
   for (uint64_t i = 1; i <= 3; ++i)
     log->info("sample {}: {}", i, sample_text(model, data.tokenizer, args.sample_tokens, i));
@@ -846,35 +663,10 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   if (first_step > 1 && sharded)
     share_checkpoint_state(model.parameters(), trainer.optimizer(), false);
   broadcast_training_state(comm, model.parameters(), trainer.optimizer());
-  BadStepFilter bad_steps(args.spike);
-  trainer.set_step_filter([&bad_steps](const StepResult& r) { return bad_steps.accept(r); });
-  const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
-  for (int64_t step = first_step; step <= config.steps; ++step) {
-    profiler::set_enabled(args.profile && (step > first_step || first_step == config.steps));
-    const StepResult r = trainer.step(train_tokens, step);
-    profiler::set_enabled(false);
-    const ProcessMemory mem = process_memory();
-    int stop = 0;
-    for (const RankStep& rs : gather_step(comm, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms,
-                                                 mem.rss_bytes, mem.peak_rss_bytes, stop_signal()}))
-      if (stop == 0) stop = rs.stop_signal;
-    if (r.skipped && args.on_bad_step == "stop") {
-      job_ended();
-      throw QuietExit{1};  // rank 0 says why
-    }
-    if (can_eval && evaluates_after(args, config, step))
-      trainer.evaluate(val_tokens, args.eval_windows);
-    // Rank 0 saves a checkpoint now: the shards of m and v go to it.
-    if (sharded && saves_after(config, step, stop))
-      share_checkpoint_state(model.parameters(), trainer.optimizer(), true);
-    if (stop != 0) {
-      job_ended();
-      return 128 + stop;
-    }
-  }
-  model.parameters().serve_sharded_masters(true);  // rank 0 saves model.bin
-  job_ended();
-  return 0;
+  TokenWindows windows(train_tokens, val_tokens, config.train.ctx, args.eval_windows);
+  ModelFile model_file("", model.parameters(), "");
+  return run_loop(loop_plan(args, config, first_step), trainer, model.parameters(), windows,
+                  model_file, comm, {});
 }
 
 }  // namespace

@@ -181,7 +181,11 @@ void warn_of_slow_steps(const RunConfig& config, double peak_gflops, spdlog::log
 ResumePoint find_resume_point(const std::string& dir, const std::string& config_json,
                               spdlog::logger& log) {
   const auto all = list_checkpoints(dir);
-  if (all.empty()) throw UserError("--resume " + dir + ": no checkpoint in " + checkpoint_dir(dir));
+  if (all.empty())
+    throw UserError("--resume " + dir + ": no checkpoint in " + checkpoint_dir(dir) +
+                    " (it stopped before its first): start it again with the flags it began with "
+                    "and --out " +
+                    dir + " --overwrite");
   ResumePoint point;
   for (auto it = all.rbegin(); it != all.rend() && point.path.empty(); ++it) {
     try {

@@ -1082,83 +1082,6 @@ TEST(LlamaCppLora, FineTunedAdapterGivesLlamaCppsLogits) {
 namespace cputrain {
 namespace {
 
-// A fine-tune of stories260K on prompt/completion pairs learns them: the held-out loss on the
-// completions falls by more than half in 30 steps (metrics.jsonl), and the adapter makes the model
-// answer as the data does.
-TEST(FineTune, Stories260KLearnsHeldOutCompletions) {
-  REQUIRE_SHARED("stories260K.gguf");
-  const TempFolder folder{temp_dir("ft_learn")};
-  const fs::path& dir = folder.path;
-  const fs::path data = write_finetune_data(dir);
-  const fs::path model = kShared / "stories260K.gguf";
-  ASSERT_EQ(cputrain("finetune --model " + model.string() + " --data " + data.string() +
-                     " --val-fraction 0.25 --out " + (dir / "run").string() +
-                     " --ctx 128 --batch 4 --accum 1 --steps 30 --lr 3e-3 --eval-every 10"),
-            0);
-  std::vector<double> val;
-  std::ifstream metrics(dir / "run" / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("val_loss")) val.push_back(j["val_loss"].get<double>());
-  }
-  ASSERT_EQ(val.size(), 4u);  // before, at 10 and 20, after
-  EXPECT_LT(val.back(), 0.5 * val.front());
-  const Result r = run_cputrain("sample --model " + model.string() + " --adapter " +
-                                    (dir / "run" / "adapter.gguf").string() +
-                                    " --prompt 'Ben had a cake. What did Ben have?' "
-                                    "--temperature 0 --max-tokens 8",
-                                dir);
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("What did Ben have? Ben had a cake"), std::string::npos) << r.out;
-}
-
-// A fine-tune (with LoRA dropout, whose masks the step draws) stopped after its step-3 checkpoint
-// and resumed ends with the same adapter, byte for byte, and the same losses as the run that
-// never stopped; a resume with other flags or other data is refused.
-TEST(FineTune, ResumeIsBitwiseTheRunThatNeverStopped) {
-  REQUIRE_SHARED("stories260K.gguf");
-  const TempFolder folder{temp_dir("ft_resume")};
-  const fs::path& dir = folder.path;
-  const fs::path data = write_finetune_data(dir);
-  const std::string flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
-                            " --data " + data.string() +
-                            " --val-fraction 0.25 --ctx 128 --batch 2 --accum 2 --steps 6 "
-                            "--save-every 3 --lr 3e-3 --lora-dropout 0.1 --out ";
-  ASSERT_EQ(cputrain(flags + (dir / "a").string()), 0);
-  fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
-  fs::remove(dir / "b" / "checkpoints" / "step-00000006.ckpt");
-  fs::remove(dir / "b" / "adapter.gguf");
-  fs::remove_all(dir / "b" / "peft");
-  ASSERT_EQ(cputrain(flags + (dir / "b").string() + " --resume"), 0);
-  EXPECT_EQ(read_all(dir / "a" / "adapter.gguf"), read_all(dir / "b" / "adapter.gguf"));
-  // PEFT's config records the dropout trained with.
-  EXPECT_DOUBLE_EQ(
-      nlohmann::json::parse(read_all(dir / "a" / "peft" / "adapter_config.json"))["lora_dropout"]
-          .get<double>(),
-      0.1);
-  const auto losses = [&](const fs::path& run) {
-    std::vector<double> l;
-    std::ifstream in(run / "metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      const nlohmann::json j = nlohmann::json::parse(line);
-      l.push_back(j.contains("loss") ? j["loss"].get<double>() : j["val_loss"].get<double>());
-    }
-    return l;
-  };
-  EXPECT_EQ(losses(dir / "a"), losses(dir / "b"));
-  expect_one_line_refusal(run_cputrain(flags + (dir / "b").string() + " --resume --seed 9", dir),
-                          "its config.json is another fine-tune's");
-  std::ofstream(dir / "other.jsonl") << "{\"prompt\": \"a\", \"completion\": \" b\"}\n"
-                                     << "{\"prompt\": \"c\", \"completion\": \" d\"}\n";
-  const std::string other_flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
-                                  " --data " + (dir / "other.jsonl").string() +
-                                  " --ctx 128 --steps 2 --out " + (dir / "c").string();
-  ASSERT_EQ(cputrain(other_flags), 0);
-  std::ofstream(dir / "other.jsonl", std::ios::app)
-      << "{\"prompt\": \"e\", \"completion\": \" f\"}\n";
-  expect_one_line_refusal(run_cputrain(other_flags + " --resume", dir), "trained on other data");
-}
-
 // A BF16 base is read in place from its file: the budget and --mem-limit cover the rest, and
 // each step records the RSS's anonymous part and its mapped files' pages apart. A limit above
 // the rest but below the rest and the base fine-tunes; one below the rest is refused.
@@ -1218,49 +1141,6 @@ TEST(FineTune, ABaseReadInPlaceIsApartFromTheMemoryLimit) {
                        (dir / "c").string(),
                    dir),
       "the fine-tune needs");
-}
-
-// Bad input to finetune: one line naming the file and line, flag or value, a non-zero exit.
-TEST(FineTune, BadInputGetsOneLine) {
-  REQUIRE_SHARED("stories260K.gguf");
-  const TempFolder folder{temp_dir("ft_bad")};
-  const fs::path& dir = folder.path;
-  const fs::path data = write_finetune_data(dir);
-  const std::string model = (kShared / "stories260K.gguf").string();
-  const auto finetune = [&](const std::string& data_file, const std::string& flags) {
-    fs::remove_all(dir / "out");
-    return run_cputrain("finetune --model " + model + " --data " + data_file + " --out " +
-                            (dir / "out").string() + " --steps 1 --ctx 64 " + flags,
-                        dir);
-  };
-  std::ofstream(dir / "broken.jsonl") << "{\"text\": \"fine\"}\n{\"text\": \"no end}\n";
-  expect_one_line_refusal(finetune((dir / "broken.jsonl").string(), ""),
-                          "broken.jsonl:2: not valid JSON");
-  std::ofstream(dir / "chat.jsonl")
-      << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
-         "\"content\": \"yo\"}]}\n";
-  expect_one_line_refusal(finetune((dir / "chat.jsonl").string(), ""),
-                          "chat.jsonl:1: a chat example, and the model has no chat template");
-  std::ofstream(dir / "empty_reply.jsonl")
-      << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
-         "\"content\": \" \"}]}\n";
-  expect_one_line_refusal(finetune((dir / "empty_reply.jsonl").string(), "--chat-template chatml"),
-                          "empty_reply.jsonl:1: message 2 is an empty assistant reply");
-  std::ofstream(dir / "role.jsonl")
-      << "{\"messages\": [{\"role\": \"bot\", \"content\": \"hi\"}]}\n";
-  expect_one_line_refusal(finetune((dir / "role.jsonl").string(), "--chat-template chatml"),
-                          "role.jsonl:1: message 1 has the role \"bot\"");
-  std::ofstream(dir / "field.jsonl") << "{\"question\": \"q\", \"answer\": \"a\"}\n";
-  expect_one_line_refusal(finetune((dir / "field.jsonl").string(), ""),
-                          "field.jsonl:1: no field of a known shape");
-  expect_one_line_refusal(finetune(data.string(), "--lora-targets q,attn"),
-                          "--lora-targets q,attn: no projection called attn");
-  expect_one_line_refusal(finetune(data.string(), "--chat-template vicuna"),
-                          "--chat-template vicuna: no such chat template");
-  expect_one_line_refusal(finetune(data.string(), "--val " + data.string() + " --val-fraction 0.1"),
-                          "--val and --val-fraction: give one");
-  expect_one_line_refusal(finetune((dir / "missing.jsonl").string(), ""),
-                          "missing.jsonl: cannot be read");
 }
 
 }  // namespace

@@ -1,0 +1,329 @@
+// `cputrain finetune` as a run like train's: interrupted by a stop signal it saves a checkpoint
+// after its step and says how to continue, `finetune --resume RUN` finishes it bit for bit, a
+// damaged newest checkpoint is passed over, a resumed run keeps its configuration, bad steps stop
+// it, and its budget and dtype are `cputrain budget --model`'s.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tools/cli_fixture.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using namespace cputrain::testing;
+
+const fs::path kShared = CPUTRAIN_SHARED_MODELS;
+
+class FinetuneCli : public Cli {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(kShared / "stories260K.gguf"))
+      GTEST_SKIP() << (kShared / "stories260K.gguf") << " is not there";
+    Cli::SetUp();
+  }
+  // Prompts and completions about who had what, for stories260K.
+  fs::path write_data() const {
+    const char* names[] = {"Lily", "Tom", "Sue", "Ben"};
+    const char* things[] = {"ball", "cat", "tree", "cake"};
+    const fs::path path = dir_ / "data.jsonl";
+    std::ofstream out(path);
+    for (int i = 0; i < 48; ++i) {
+      const std::string n = names[i % 4], t = things[(i / 4) % 4];
+      out << "{\"prompt\": \"" << n << " had a " << t << ". What did " << n
+          << " have?\", \"completion\": \" " << n << " had a " << t << ".\"}\n";
+    }
+    return path;
+  }
+  // The flags of a short LoRA fine-tune of stories260K (with dropout, whose masks the steps
+  // draw), before --out.
+  std::string flags(const std::string& lr = "3e-3") const {
+    return "finetune --model " + (kShared / "stories260K.gguf").string() + " --data " +
+           write_data().string() +
+           " --val-fraction 0.25 --ctx 128 --batch 2 --accum 2 --steps 6 --lr " + lr +
+           " --lora-dropout 0.1";
+  }
+  int run_status(const std::string& args) const { return run(args).exit_code; }
+  // Waits for the process `pid` started by start(); its status.
+  static int wait_for(pid_t pid) {
+    int status = 0;
+    EXPECT_TRUE(wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }));
+    return status;
+  }
+};
+
+// SIGINT, SIGTERM, and SIGINT to a fine-tune started with SIGINT ignored (as `&` in a script
+// starts it): each stops the run after its step with a checkpoint, says how to continue, and
+// what it says finishes the run with the adapter of the run that never stopped, byte for byte.
+TEST_F(FinetuneCli, AStopSignalSavesAndTheAdviceFinishesTheSameAdapter) {
+  const std::string flags = this->flags() + " --save-every 0";
+  const fs::path straight = dir_ / "straight";
+  const Result done = run(flags + " --out " + straight.string());
+  ASSERT_EQ(done.exit_code, 0) << done.err << done.out;
+  ASSERT_TRUE(fs::exists(straight / "train.log"));
+  for (const auto& [sig, ignored] :
+       {std::pair{SIGINT, false}, std::pair{SIGTERM, false}, std::pair{SIGINT, true}}) {
+    const std::string name = std::string(sig == SIGINT ? "int" : "term") + (ignored ? "_ign" : "");
+    const fs::path stopped = dir_ / name, log = dir_ / (name + ".log");
+    const pid_t pid = start(flags + " --out " + stopped.string(), log, "4", "", ignored);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(wait_until([&] {
+      return read_all(log).find("holding before step 4") != std::string::npos;
+    })) << read_all(log);
+    ASSERT_EQ(::kill(pid, sig), 0);
+    const int status = wait_for(pid);
+    ASSERT_TRUE(WIFEXITED(status)) << name << "\n" << read_all(log);
+    EXPECT_EQ(WEXITSTATUS(status), 128 + sig) << name;
+    const std::string said = read_all(log);
+    const std::string advice = "continue with: cputrain finetune --resume " + stopped.string();
+    EXPECT_NE(said.find(sig == SIGINT ? "interrupted (SIGINT) after step 4"
+                                      : "terminated (SIGTERM) after step 4"),
+              std::string::npos)
+        << said;
+    ASSERT_NE(said.find(advice), std::string::npos) << said;
+    EXPECT_TRUE(fs::exists(stopped / "checkpoints" / "step-00000004.ckpt")) << name;
+    EXPECT_FALSE(fs::exists(stopped / "adapter.gguf")) << name;
+    const Result rest = run(said.substr(said.find(advice) + 24, advice.size() - 24));
+    ASSERT_EQ(rest.exit_code, 0) << name << "\n" << rest.err << rest.out;
+    EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf")) << name;
+    EXPECT_EQ(losses_of(stopped), losses_of(straight)) << name;
+    EXPECT_NE(read_all(stopped / "train.log").find("resumed from"), std::string::npos) << name;
+  }
+}
+
+// The newest checkpoint damaged: the one before it is taken, with a warning, and the run ends as
+// the one that never stopped. The run keeps --keep checkpoints.
+TEST_F(FinetuneCli, ADamagedNewestCheckpointIsPassedOver) {
+  const std::string flags = this->flags() + " --save-every 1 --keep 3";
+  const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
+  ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
+  fs::copy(straight, stopped, fs::copy_options::recursive);
+  std::vector<std::string> kept;
+  for (const auto& e : fs::directory_iterator(straight / "checkpoints"))
+    kept.push_back(e.path().filename().string());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"step-00000004.ckpt", "step-00000005.ckpt",
+                                            "step-00000006.ckpt"}));
+  // As if it had stopped after step 5 with its checkpoint of step 5 cut short.
+  fs::remove(stopped / "checkpoints" / "step-00000006.ckpt");
+  fs::remove(stopped / "adapter.gguf");
+  fs::remove_all(stopped / "peft");
+  fs::resize_file(stopped / "checkpoints" / "step-00000005.ckpt", 100);
+  const Result r = run("finetune --resume " + stopped.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.err.find("skipping"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("resumed from " + (stopped / "checkpoints" / "step-00000004.ckpt").string()),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
+  EXPECT_EQ(losses_of(stopped), losses_of(straight));
+}
+
+// A resumed fine-tune keeps its configuration: a flag that would change it is named with the
+// run's value; the old spelling (--out RUN --resume, the same flags) still continues it; a run
+// that stopped before its first checkpoint says to start again with --overwrite, which works.
+TEST_F(FinetuneCli, AResumeKeepsTheRunAndSaysWhatDiffers) {
+  const std::string flags = this->flags() + " --save-every 3";
+  const fs::path a = dir_ / "a", b = dir_ / "b";
+  ASSERT_EQ(run(flags + " --out " + a.string()).exit_code, 0);
+  fs::copy(a, b, fs::copy_options::recursive);
+  fs::remove(b / "checkpoints" / "step-00000006.ckpt");
+  fs::remove(b / "adapter.gguf");
+  expect_one_line_error(run("finetune --resume " + b.string() + " --seed 9 --lr 0.01"),
+                        "--lr 0.01 (the run's: 0.003), --seed 9 (the run's: 1) would change");
+  const Result old_spelling = run(flags + " --out " + b.string() + " --resume");
+  ASSERT_EQ(old_spelling.exit_code, 0) << old_spelling.err;
+  EXPECT_EQ(read_all(a / "adapter.gguf"), read_all(b / "adapter.gguf"));
+  expect_one_line_error(run("finetune --resume " + a.string()), "has trained all its 6 steps");
+  expect_one_line_error(run(flags + " --out " + a.string()),
+                        "continue it with --resume " + a.string() + ", or replace it");
+  // A run killed before its first checkpoint.
+  fs::remove_all(a / "checkpoints");
+  fs::remove(a / "adapter.gguf");
+  const Result none = run("finetune --resume " + a.string());
+  expect_one_line_error(none, "and --out " + a.string() + " --overwrite");
+  ASSERT_EQ(run(flags + " --out " + a.string() + " --overwrite").exit_code, 0);
+  EXPECT_EQ(read_all(a / "adapter.gguf"), read_all(b / "adapter.gguf"));
+  expect_one_line_error(run("finetune --resume " + (dir_ / "none").string()),
+                        "no such run directory");
+}
+
+// A step whose loss or gradient is not finite is never applied: the fine-tune stops, naming the
+// step and the last good checkpoint, and writes no adapter.
+TEST_F(FinetuneCli, ANonFiniteStepStopsTheFineTune) {
+  const fs::path out = dir_ / "out";
+  const Result r = run(flags("1e30") + " --out " + out.string());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("not applied, training stopped"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(out / "adapter.gguf"));
+  EXPECT_FALSE(fs::exists(out / "peft"));
+}
+
+// budget --model and finetune --model agree on the budget and the dtype for the same flags.
+TEST_F(FinetuneCli, BudgetAndFineTuneAgree) {
+  const std::string model = (kShared / "stories260K.gguf").string();
+  const Result b =
+      run("budget --model " + model + " --lora-rank 8 --batch 2 --accum 2 --ctx 128 --json");
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  const nlohmann::json budget = nlohmann::json::parse(b.out);
+  const fs::path out = dir_ / "out";
+  const Result f =
+      run("finetune --model " + model + " --data " + write_data().string() +
+          " --lora-rank 8 --batch 2 --accum 2 --ctx 128 --steps 1 --out " + out.string());
+  ASSERT_EQ(f.exit_code, 0) << f.err;
+  std::ifstream in(out / "metrics.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  EXPECT_EQ(nlohmann::json::parse(line)["budget_bytes"].get<int64_t>(),
+            budget["total_bytes"].get<int64_t>());
+  const nlohmann::json config = nlohmann::json::parse(read_all(out / "config.json"));
+  EXPECT_EQ(config["dtype"], budget["dtype"]);
+}
+
+// Rank 0 of a 2-rank fine-tune interrupted: the job saves after its step, and `finetune --resume`
+// at 2 ranks finishes it with the adapter of the job that never stopped.
+TEST_F(FinetuneCli, AnInterruptedJobOfTwoRanksResumesBitwise) {
+  if (std::string(CPUTRAIN_MPIEXEC).empty()) GTEST_SKIP() << "built without MPI";
+  const std::string launcher = "env OMP_NUM_THREADS=1 " + std::string(CPUTRAIN_MPIEXEC) +
+                               " --allow-run-as-root --oversubscribe -np 2 ";
+  const std::string flags = this->flags() + " --rank-timeout 120 --threads 1";
+  const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
+  const Result done = run(launcher, flags + " --out " + straight.string());
+  ASSERT_EQ(done.exit_code, 0) << done.err << done.out;
+  const fs::path log = dir_ / "stopped.log";
+  const pid_t pid = start(flags + " --out " + stopped.string(), log, "3", launcher);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(wait_until([&] {
+    return read_all(log).find("holding before step 3") != std::string::npos;
+  })) << read_all(log);
+  const pid_t rank0 = rank_pid(stopped.string(), 0);
+  ASSERT_GT(rank0, 0);
+  ASSERT_EQ(::kill(rank0, SIGINT), 0);
+  const int status = wait_for(pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << read_all(log);
+  EXPECT_NE(read_all(log).find("interrupted (SIGINT) after step 3"), std::string::npos)
+      << read_all(log);
+  EXPECT_TRUE(fs::exists(stopped / "checkpoints" / "step-00000003.ckpt"));
+  const Result rest = run(launcher, "finetune --threads 1 --resume " + stopped.string());
+  ASSERT_EQ(rest.exit_code, 0) << rest.err << rest.out;
+  EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
+  EXPECT_EQ(losses_of(stopped), losses_of(straight));
+}
+
+// A fine-tune of stories260K on prompt/completion pairs learns them: the held-out loss on the
+// completions falls by more than half in 30 steps (metrics.jsonl), and the adapter makes the model
+// answer as the data does.
+TEST_F(FinetuneCli, Stories260KLearnsHeldOutCompletions) {
+  const fs::path& dir = dir_;
+  const fs::path data = write_data();
+  const fs::path model = kShared / "stories260K.gguf";
+  ASSERT_EQ(run_status("finetune --model " + model.string() + " --data " + data.string() +
+                       " --val-fraction 0.25 --out " + (dir / "run").string() +
+                       " --ctx 128 --batch 4 --accum 1 --steps 30 --lr 3e-3 --eval-every 10"),
+            0);
+  std::vector<double> val;
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) val.push_back(j["val_loss"].get<double>());
+  }
+  ASSERT_EQ(val.size(), 4u);  // before, at 10 and 20, after
+  EXPECT_LT(val.back(), 0.5 * val.front());
+  const Result r = run("sample --model " + model.string() + " --adapter " +
+                       (dir / "run" / "adapter.gguf").string() +
+                       " --prompt 'Ben had a cake. What did Ben have?' "
+                       "--temperature 0 --max-tokens 8");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("What did Ben have? Ben had a cake"), std::string::npos) << r.out;
+}
+
+// A fine-tune (with LoRA dropout, whose masks the step draws) stopped after its step-3 checkpoint
+// and resumed ends with the same adapter, byte for byte, and the same losses as the run that
+// never stopped; a resume with other flags or other data is refused.
+TEST_F(FinetuneCli, ResumeIsBitwiseTheRunThatNeverStopped) {
+  const fs::path& dir = dir_;
+  const fs::path data = write_data();
+  const std::string flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
+                            " --data " + data.string() +
+                            " --val-fraction 0.25 --ctx 128 --batch 2 --accum 2 --steps 6 "
+                            "--save-every 3 --lr 3e-3 --lora-dropout 0.1 --out ";
+  ASSERT_EQ(run_status(flags + (dir / "a").string()), 0);
+  fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
+  fs::remove(dir / "b" / "checkpoints" / "step-00000006.ckpt");
+  fs::remove(dir / "b" / "adapter.gguf");
+  fs::remove_all(dir / "b" / "peft");
+  ASSERT_EQ(run_status(flags + (dir / "b").string() + " --resume"), 0);
+  EXPECT_EQ(read_all(dir / "a" / "adapter.gguf"), read_all(dir / "b" / "adapter.gguf"));
+  // PEFT's config records the dropout trained with.
+  EXPECT_DOUBLE_EQ(
+      nlohmann::json::parse(read_all(dir / "a" / "peft" / "adapter_config.json"))["lora_dropout"]
+          .get<double>(),
+      0.1);
+  const auto losses = [&](const fs::path& run) {
+    std::vector<double> l;
+    std::ifstream in(run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      l.push_back(j.contains("loss") ? j["loss"].get<double>() : j["val_loss"].get<double>());
+    }
+    return l;
+  };
+  EXPECT_EQ(losses(dir / "a"), losses(dir / "b"));
+  expect_one_line_error(run(flags + (dir / "b").string() + " --resume --seed 9"),
+                        "--seed 9 (the run's: 1) would change the fine-tune");
+  std::ofstream(dir / "other.jsonl") << "{\"prompt\": \"a\", \"completion\": \" b\"}\n"
+                                     << "{\"prompt\": \"c\", \"completion\": \" d\"}\n";
+  const std::string other_flags = "finetune --model " + (kShared / "stories260K.gguf").string() +
+                                  " --data " + (dir / "other.jsonl").string() +
+                                  " --ctx 128 --steps 2 --out " + (dir / "c").string();
+  ASSERT_EQ(run_status(other_flags), 0);
+  std::ofstream(dir / "other.jsonl", std::ios::app)
+      << "{\"prompt\": \"e\", \"completion\": \" f\"}\n";
+  expect_one_line_error(run(other_flags + " --resume"), "trained on other data");
+}
+
+// Bad input to finetune: one line naming the file and line, flag or value, a non-zero exit.
+TEST_F(FinetuneCli, BadInputGetsOneLine) {
+  const fs::path& dir = dir_;
+  const fs::path data = write_data();
+  const std::string model = (kShared / "stories260K.gguf").string();
+  const auto finetune = [&](const std::string& data_file, const std::string& flags) {
+    fs::remove_all(dir / "out");
+    return run("finetune --model " + model + " --data " + data_file + " --out " +
+               (dir / "out").string() + " --steps 1 --ctx 64 " + flags);
+  };
+  std::ofstream(dir / "broken.jsonl") << "{\"text\": \"fine\"}\n{\"text\": \"no end}\n";
+  expect_one_line_error(finetune((dir / "broken.jsonl").string(), ""),
+                        "broken.jsonl:2: not valid JSON");
+  std::ofstream(dir / "chat.jsonl")
+      << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+         "\"content\": \"yo\"}]}\n";
+  expect_one_line_error(finetune((dir / "chat.jsonl").string(), ""),
+                        "chat.jsonl:1: a chat example, and the model has no chat template");
+  std::ofstream(dir / "empty_reply.jsonl")
+      << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+         "\"content\": \" \"}]}\n";
+  expect_one_line_error(finetune((dir / "empty_reply.jsonl").string(), "--chat-template chatml"),
+                        "empty_reply.jsonl:1: message 2 is an empty assistant reply");
+  std::ofstream(dir / "role.jsonl")
+      << "{\"messages\": [{\"role\": \"bot\", \"content\": \"hi\"}]}\n";
+  expect_one_line_error(finetune((dir / "role.jsonl").string(), "--chat-template chatml"),
+                        "role.jsonl:1: message 1 has the role \"bot\"");
+  std::ofstream(dir / "field.jsonl") << "{\"question\": \"q\", \"answer\": \"a\"}\n";
+  expect_one_line_error(finetune((dir / "field.jsonl").string(), ""),
+                        "field.jsonl:1: no field of a known shape");
+  expect_one_line_error(finetune(data.string(), "--lora-targets q,attn"),
+                        "--lora-targets q,attn: no projection called attn");
+  expect_one_line_error(finetune(data.string(), "--chat-template vicuna"),
+                        "--chat-template vicuna: no such chat template");
+  expect_one_line_error(finetune(data.string(), "--val " + data.string() + " --val-fraction 0.1"),
+                        "--val and --val-fraction: give one");
+  expect_one_line_error(finetune((dir / "missing.jsonl").string(), ""),
+                        "missing.jsonl: cannot be read");
+}
+
+}  // namespace

@@ -1,0 +1,230 @@
+#include "tools/run/loop.h"
+
+#include <csignal>
+#include <fstream>
+#include <optional>
+
+#include "engine/checkpoint_file.h"
+#include "engine/error.h"
+#include "engine/memory.h"
+#include "engine/profiler.h"
+#include "tools/budget_command.h"
+#include "tools/job.h"
+#include "tools/mfu_peak.h"
+#include "tools/run_dir.h"
+#include "tools/train_stages.h"
+
+namespace cputrain {
+namespace {
+
+double gib(int64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0);
+}
+
+// What every rank decides alike after a step.
+bool evaluates_after(const LoopPlan& plan, int64_t step) {
+  const int64_t every = plan.eval_every > 0 ? plan.eval_every : plan.steps;
+  return step % every == 0 || step == plan.steps;
+}
+bool saves_after(const LoopPlan& plan, int64_t step, int stop) {
+  return (plan.save_every > 0 && step % plan.save_every == 0) || step == plan.steps || stop != 0;
+}
+
+// The state of the steps run so far, and what rank 0 writes of them.
+class Steps {
+ public:
+  Steps(const LoopPlan& plan, Trainer& trainer, const ParameterSet& params, BatchSource& source,
+        const Communicator& comm, const LoopIo& io)
+      : plan_(plan),
+        trainer_(trainer),
+        params_(params),
+        source_(source),
+        comm_(comm),
+        io_(io),
+        lead_(comm.rank() == 0),
+        bad_steps_(plan.spike),
+        mfu_peak_(plan.peak_gflops, plan.measure_peak),
+        last_checkpoint_(plan.last_checkpoint),
+        replacing_(plan.replacing) {
+    trainer_.set_step_filter([this](const StepResult& r) { return bad_steps_.accept(r); });
+    if (!lead_) return;
+    const std::string path = plan.dir + "/metrics.jsonl";
+    // A resumed run's metrics keep what its checkpoint had reached.
+    if (plan.first_step > 1) truncate_metrics(path, plan.first_step - 1);
+    metrics_.open(path, plan.first_step > 1 ? std::ios::app : std::ios::trunc);
+    if (!metrics_) throw UserError(path + ": cannot open for writing");
+  }
+
+  void validate_first() {
+    if (!plan_.validate_first || plan_.first_step != 1 || !source_.validates()) return;
+    const double v = source_.validate(trainer_);
+    if (!lead_) return;
+    io_.log->info("step {:>5}/{} | val {:.4f} (before the first step)", 0, plan_.steps, v);
+    metrics_ << nlohmann::json{{"step", 0}, {"val_loss", v}}.dump() << "\n" << std::flush;
+  }
+
+  // Runs `step`; returns the stop signal any rank received during it (0: none).
+  int run(int64_t step) {
+    if (step == plan_.hold.step) wait_for_stop_signal(step, plan_.hold.forever);
+    const bool profile_step =
+        plan_.profile && (step > plan_.first_step || plan_.first_step == plan_.steps);
+    profiler::set_enabled(profile_step);
+    const StepResult r = source_.step(trainer_, step);
+    profiler::set_enabled(false);
+    if (profile_step) {
+      ++profiled_steps_;
+      profiled_seconds_ += r.ms / 1e3;
+    }
+    // With the base read in place, the budget stands for the anonymous part of the RSS.
+    const ProcessMemory mem = process_memory();
+    const bool mapped = plan_.budget.mapped_bytes > 0;
+    const int64_t resident = mapped ? mem.rss_anon_bytes : mem.rss_bytes;
+    const int64_t budgeted = mapped ? mem.rss_anon_bytes : mem.peak_rss_bytes;
+    // Every rank's step, and a stop signal any of them received: the job stops together.
+    const std::vector<RankStep> ranks = gather_step(
+        comm_, {r.ms, r.comm_ms, r.reducing_ms, r.gather_ms, resident, budgeted, stop_signal()});
+    int64_t largest = 0;
+    int stop = 0;
+    for (const RankStep& rs : ranks) {
+      largest = std::max(largest, rs.peak_rss);
+      if (stop == 0) stop = rs.stop_signal;
+    }
+    if (r.skipped && plan_.on_bad_step == "stop") {
+      job_ended();                     // every rank stops here
+      if (!lead_) throw QuietExit{1};  // rank 0 says why
+      throw UserError(
+          "step " + std::to_string(step) + ": " + bad_steps_.reason() +
+          "; not applied, training stopped (try a lower --lr, or --on-bad-step skip); the last "
+          "good checkpoint is " +
+          (last_checkpoint_.empty() ? std::string("none") : last_checkpoint_));
+    }
+    std::optional<double> val;
+    if (source_.validates() && evaluates_after(plan_, step)) val = source_.validate(trainer_);
+    if (lead_) record(step, r, mem, ranks, largest, val);
+    if (plan_.sample && plan_.sample_every > 0 && step % plan_.sample_every == 0 &&
+        step != plan_.steps)
+      plan_.sample(step);
+    if (saves_after(plan_, step, stop)) save(step, stop);
+    return stop;
+  }
+
+  // After the last step, or a stop.
+  void report_profile() const {
+    if (lead_) write_profile(plan_.dir, profiled_steps_, profiled_seconds_, *io_.log);
+  }
+  const std::string& last_checkpoint() const { return last_checkpoint_; }
+
+ private:
+  // Rank 0: the step's metrics.jsonl line, log line and progress line.
+  void record(int64_t step, const StepResult& r, const ProcessMemory& mem,
+              const std::vector<RankStep>& ranks, int64_t largest, std::optional<double> val) {
+    spdlog::logger& log = *io_.log;
+    if (r.skipped)
+      log.warn("step {}: {}; skipped (the weights are as before it)", step, bad_steps_.reason());
+    // A rank's share: the peak MFU is measured against is one rank's.
+    const double model_gflops =
+        plan_.flops_per_token * r.tokens_per_s / static_cast<double>(comm_.size()) / 1e9;
+    const double peak_before = mfu_peak_.gflops();
+    if (plan_.flops_per_token > 0 && mfu_peak_.update(model_gflops))
+      log.info(
+          "peak measured again after step {} ran at {:.0f} GFLOP/s: {:.0f} GFLOP/s (was {:.0f})",
+          step, model_gflops, mfu_peak_.gflops(), peak_before);
+    const std::optional<double> mfu =
+        plan_.flops_per_token > 0 ? mfu_peak_.mfu(model_gflops) : std::nullopt;
+    nlohmann::json m = step_record(step, r, mem, plan_.budget, model_gflops, mfu);
+    m["mapped_bytes"] = plan_.budget.mapped_bytes;
+    m["elapsed_s"] = loop_time_.seconds();
+    source_.describe(step, m);
+    if (comm_.size() > 1) m["ranks"] = rank_records(ranks, plan_.positions);
+    if (val) m["val_loss"] = *val;
+    metrics_ << m.dump() << "\n" << std::flush;
+    if (replacing_) {
+      replacing_ = false;
+      if (remove_replaced_run(plan_.dir))
+        log.info("the run this one replaces (--overwrite) is deleted: this one has started");
+    }
+    if (step % plan_.log_every == 0 || step == plan_.steps || val) {
+      const int64_t budget = plan_.budget.total_bytes();
+      log.info(
+          "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
+          "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}{}",
+          step, plan_.steps, r.loss, val ? fmt::format(" | val {:.4f}", *val) : std::string(), r.lr,
+          r.grad_norm, r.tokens_per_s, r.ms,
+          comm_.size() > 1 ? fmt::format(" (summing gradients {:.0f}, {:.0f} of it after the "
+                                         "backward pass; gathering weights {:.0f})",
+                                         r.reducing_ms, r.comm_ms, r.gather_ms)
+                           : std::string(),
+          gib(largest), gib(budget),
+          100.0 * (static_cast<double>(largest) / static_cast<double>(budget) - 1.0),
+          plan_.budget.mapped_bytes > 0
+              ? fmt::format(" + {:.2f} GiB of mapped files (base, code)", gib(mem.rss_file_bytes))
+              : std::string(),
+          comm_.size() > 1 ? fmt::format(" (the largest of {} ranks)", comm_.size())
+                           : std::string());
+    }
+    if (io_.console->terminal()) {
+      const std::string mfu_text = mfu ? fmt::format(" | MFU {:.0f}%", 100.0 * *mfu) : "";
+      io_.console->set_status(progress_line(
+          step, plan_.steps, plan_.first_step - 1, loop_time_.seconds(), "steps",
+          fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss, r.tokens_per_s, mfu_text)));
+    }
+  }
+
+  void save(int64_t step, int stop) {
+    if (!lead_) {
+      // Rank 0 saves now: the shards of a sharded AdamW go to it.
+      if (!trainer_.optimizer().shards().empty())
+        share_checkpoint_state(params_, trainer_.optimizer(), true);
+      return;
+    }
+    last_checkpoint_ =
+        save_training_checkpoint(plan_.dir, step, params_, trainer_.optimizer(),
+                                 plan_.data_fingerprint, plan_.config_json, plan_.keep);
+    if (stop == 0) io_.log->info("saved {}", last_checkpoint_);
+  }
+
+  const LoopPlan& plan_;
+  Trainer& trainer_;
+  const ParameterSet& params_;
+  BatchSource& source_;
+  const Communicator& comm_;
+  const LoopIo& io_;
+  const bool lead_;
+  BadStepFilter bad_steps_;
+  MfuPeak mfu_peak_;
+  std::string last_checkpoint_;
+  bool replacing_;
+  std::ofstream metrics_;
+  Stopwatch loop_time_;
+  int64_t profiled_steps_ = 0;
+  double profiled_seconds_ = 0.0;
+};
+
+}  // namespace
+
+int run_loop(const LoopPlan& plan, Trainer& trainer, const ParameterSet& params,
+             BatchSource& source, RunOutput& output, const Communicator& comm, const LoopIo& io) {
+  const bool lead = comm.rank() == 0;
+  Steps steps(plan, trainer, params, source, comm, io);
+  steps.validate_first();
+  for (int64_t step = plan.first_step; step <= plan.steps; ++step) {
+    const int stop = steps.run(step);
+    if (stop == 0) continue;
+    job_ended();
+    steps.report_profile();
+    if (lead) {
+      io.console->set_status("");
+      io.log->warn("{} after step {}: saved {}; continue with: cputrain {} --resume {}",
+                   stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
+                   steps.last_checkpoint(), plan.command, plan.dir);
+    }
+    return 128 + stop;
+  }
+  if (lead) io.console->set_status("");
+  steps.report_profile();
+  output.write(lead);
+  job_ended();
+  return 0;
+}
+
+}  // namespace cputrain
