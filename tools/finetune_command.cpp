@@ -43,6 +43,7 @@
 #include "tools/model_source.h"
 #include "tools/progress.h"
 #include "tools/run/loop.h"
+#include "tools/run/session.h"
 #include "tools/run_dir.h"
 #include "tools/stop_signals.h"
 #include "tools/train_stages.h"
@@ -95,16 +96,7 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--val-fraction", a.val_fraction,
                  "Hold out this fraction of --data for validation (without --val)")
       ->check(CLI::Range(0.0, 0.5));
-  RunFlagHelp help;
-  help.out = "The run directory (created; it must not hold a run unless --overwrite)";
-  help.steps = "default: from --epochs";
-  help.batch = "Packed rows per micro-batch";
-  help.ctx = "Positions per row; longer examples are cut (at most the model's context)";
-  help.lr = " (cosine to zero after warm-up)";
-  help.eval_every = "0: before the first step and after the last only";
-  help.save_every = "default: 0";
-  help.checkpoint = {"none", "layer"};
-  add_run_flags(app, a, help);
+  add_run_flags(app, a, RunCommand::Finetune);
   app.add_option("--lora-rank", a.lora_rank, "LoRA rank")
       ->capture_default_str()
       ->check(positive_whole());
@@ -463,7 +455,7 @@ class AdapterFiles final : public RunOutput {
   spdlog::logger& log_;
 };
 
-int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start);
+int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& start);
 
 }  // namespace
 
@@ -595,53 +587,86 @@ int64_t resume_from(const FinetuneArgs& a, const json& run, const std::string& c
   return point.info.step + 1;
 }
 
-int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start) {
-  const bool lead = comm.rank() == 0;
+// The flags of the fine-tune to run: as given, or a resumed run's own (`run`, its config.json)
+// where the command line gives none; its directory in a.out.
+FinetuneArgs resolve_args(FinetuneArgs a, json* run) {
   const bool resuming = a.resuming();
   a.out = a.run_dir();
   if (a.out.empty())
     throw UserError(resuming ? "--resume: give the run directory to continue (--resume RUN)"
                              : "--out: give the run directory to write (or --resume RUN)");
-  select_kernels(a.kernels);
-  // The run's own flags: every rank reads them from the run directory.
-  const json run = resuming ? read_finetune_config(a.out) : json();
-  if (resuming) a = resumed_args(a, run);
+  // Every rank of a job reads the run's flags from its directory.
+  if (resuming) {
+    *run = read_finetune_config(a.out);
+    a = resumed_args(a, *run);
+  }
   for (const auto& [value, flag] : {std::pair{&a.model, "--model"}, std::pair{&a.data, "--data"}})
     if (value->empty())
       throw UserError(std::string(flag) + " is required (or --resume RUN, which has its own)");
+  return a;
+}
+
+// The step a job starts at, the same on every rank: rank 0's resume point, whose state every
+// rank takes (sharded: each its shard, as rank 0 reads the file); all start from rank 0's
+// adapters (or weights). `checkpoint`: what rank 0 resumes from.
+int64_t start_job(const FinetuneArgs& a, const json& run, const std::string& config_text,
+                  uint64_t fingerprint, int64_t steps, const ParameterSet& params, Trainer& trainer,
+                  JobStart& start, spdlog::logger& log, std::string* checkpoint) {
+  const Communicator& comm = *trainer.options().comm;
+  int64_t first_step = 1;
+  if (comm.rank() == 0 && a.resuming())
+    first_step = resume_from(a, run, config_text, fingerprint, steps, comm, log, checkpoint);
+  else if (comm.rank() == 0)
+    write_file_atomic(a.out + "/config.json", config_text);
+  if (comm.size() > 1) {
+    start.ready();
+    comm.set_timeout(a.rank_timeout);
+    first_step = share_value(comm, first_step);
+  }
+  if (!checkpoint->empty())
+    load_checkpoint(*checkpoint, params, &trainer.optimizer());
+  else if (first_step > 1 && !trainer.optimizer().shards().empty())
+    share_checkpoint_state(params, trainer.optimizer(), false);
+  if (comm.size() > 1) {
+    broadcast_training_state(comm, params, trainer.optimizer());
+    log.info("data parallel: {} ranks, each of {} x {} rows a step", comm.size(), a.batch, a.accum);
+  }
+  return first_step;
+}
+
+// The loop's plan of a fine-tune: validation before the first step and after the last (and every
+// --eval-every), checkpoints every --save-every.
+LoopPlan finetune_plan(const FinetuneArgs& a, int64_t steps, int64_t ctx,
+                       const Communicator& comm) {
+  LoopPlan plan;
+  plan.dir = a.out;
+  plan.command = "finetune";
+  plan.steps = steps;
+  plan.save_every = a.save_every;
+  plan.keep = a.keep;
+  plan.eval_every = a.eval_every;
+  plan.validate_first = true;
+  plan.log_every = a.log_every;
+  plan.spike = a.spike;
+  plan.on_bad_step = a.on_bad_step;
+  plan.profile = a.profile;
+  plan.positions = a.batch * a.accum * ctx * comm.size();
+  return plan;
+}
+
+int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& start) {
+  const bool lead = comm.rank() == 0;
+  select_kernels(given.kernels);
+  json run;
+  const FinetuneArgs a = resolve_args(given, &run);
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
-  const RunDirectory dir = lead ? open_run_directory(a.out, resuming      ? RunDirUse::Resume
+  const RunDirectory dir = lead ? open_run_directory(a.out, a.resuming()  ? RunDirUse::Resume
                                                             : a.overwrite ? RunDirUse::Overwrite
                                                                           : RunDirUse::NewRun)
                                 : RunDirectory{};
   try {
-    // Rank 0 logs to the console and train.log; the others keep quiet.
-    LoopIo io;
-    io.console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1 &&
-                                                Communicator::launched_ranks() == 1);
-    io.log = lead ? open_run_log(a.out, io.console)
-                  : std::make_shared<spdlog::logger>(
-                        "cputrain-rank", std::make_shared<spdlog::sinks::null_sink_mt>());
-    spdlog::logger& log = *io.log;
-    struct ClearStatus {
-      ProgressSink& sink;
-      ~ClearStatus() { sink.set_status(""); }
-    } clear_status{*io.console};
-    // A stop signal while the model and data are read ends the process at once: nothing of the
-    // run exists yet to save. Later ones stop the loop after its step.
-    std::atomic<bool> preparing{true};
-    const StopSignals signals([&](int sig) {
-      if (!lead) return;
-      const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-      if (preparing) {
-        log.warn("{} while reading the model and data: stopped; nothing of the run is saved", name);
-        log.flush();
-        dir.discard_if_unused();
-        std::_Exit(128 + sig);
-      }
-      log.warn("{}: the run stops after this step, with a checkpoint (again to stop at once)",
-               name);
-    });
+    RunSession session(dir, lead, "reading the model and data");
+    spdlog::logger& log = session.log();
     const TestHold hold = lead ? test_hold() : TestHold{};
     if (comm.size() > 1 && !a.offload.empty())
       throw UserError("--offload " + a.offload + ": a data-parallel job of " +
@@ -653,7 +678,7 @@ int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start) {
     LlamaModel& model = *m.model;
     const int64_t ctx = std::min(a.ctx, m.config.ctx);
     const Examples examples = read_examples(a, *m.tokenizer, ctx, log);
-    preparing = false;
+    session.prepared();
 
     const int64_t per_step = a.batch * a.accum * comm.size();
     const size_t rows = pack_examples(examples.data.examples, ctx).size();
@@ -671,10 +696,7 @@ int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start) {
     train.accum = a.accum;
     train.ctx = ctx;
     train.seed = a.seed;
-    train.lr.peak = a.lr;
-    train.lr.total_steps = steps;
-    train.lr.warmup_steps = warmup_steps;
-    train.lr.min_ratio = 0.0;
+    train.lr = {a.lr, warmup_steps, steps, 0.0};
     train.adamw.weight_decay = static_cast<float>(a.weight_decay);
     train.comm = &comm;
     Trainer trainer(
@@ -690,55 +712,19 @@ int finetune(FinetuneArgs a, const Communicator& comm, JobStart& start) {
 
     const json config =
         finetune_config(a, options, examples, ctx, steps, warmup_steps, comm.size());
-    if (resuming) check_resumed(a.out, run, config);
+    if (a.resuming()) check_resumed(a.out, run, config);
     // A resumed run keeps the text it began with, which its checkpoints record.
-    const std::string config_text = resuming ? run.dump(2) + "\n" : config.dump(2) + "\n";
-    int64_t first_step = 1;
-    std::string checkpoint;
-    if (lead && resuming)
-      first_step =
-          resume_from(a, run, config_text, examples.fingerprint, steps, comm, log, &checkpoint);
-    else if (lead)
-      write_file_atomic(a.out + "/config.json", config_text);
-    // Every rank starts from rank 0's adapters (or weights) and, resumed, its optimizer state
-    // (sharded: each rank takes its shard as rank 0 reads the file).
-    if (comm.size() > 1) {
-      start.ready();
-      comm.set_timeout(a.rank_timeout);
-      first_step = share_value(comm, first_step);
-    }
-    if (!checkpoint.empty())
-      load_checkpoint(checkpoint, model.parameters(), &trainer.optimizer());
-    else if (first_step > 1 && !trainer.optimizer().shards().empty())
-      share_checkpoint_state(model.parameters(), trainer.optimizer(), false);
-    if (comm.size() > 1) {
-      broadcast_training_state(comm, model.parameters(), trainer.optimizer());
-      log.info("data parallel: {} ranks, each of {} x {} rows a step", comm.size(), a.batch,
-               a.accum);
-    }
-
-    LoopPlan plan;
-    plan.dir = a.out;
-    plan.command = "finetune";
-    plan.first_step = first_step;
-    plan.steps = steps;
-    plan.save_every = a.save_every;
-    plan.keep = a.keep;
-    plan.eval_every = a.eval_every;
-    plan.validate_first = true;
-    plan.log_every = a.log_every;
-    plan.spike = a.spike;
-    plan.on_bad_step = a.on_bad_step;
-    plan.profile = a.profile;
+    const std::string config_text = (a.resuming() ? run : config).dump(2) + "\n";
+    LoopPlan plan = finetune_plan(a, steps, ctx, comm);
+    plan.first_step = start_job(a, run, config_text, examples.fingerprint, steps,
+                                model.parameters(), trainer, start, log, &plan.last_checkpoint);
     plan.hold = hold;
     plan.config_json = config_text;
     plan.data_fingerprint = examples.fingerprint;
     plan.budget = budget;
-    plan.last_checkpoint = checkpoint;
     plan.replacing = dir.replacing;
-    plan.positions = a.batch * a.accum * ctx * comm.size();
     AdapterFiles output(a, m, options, log);
-    return run_loop(plan, trainer, model.parameters(), batches, output, comm, io);
+    return run_loop(plan, trainer, model.parameters(), batches, output, comm, session.io());
   } catch (...) {
     dir.discard_if_unused();
     throw;

@@ -47,6 +47,7 @@
 #include "tools/model_source.h"
 #include "tools/progress.h"
 #include "tools/run/loop.h"
+#include "tools/run/session.h"
 #include "tools/run_config.h"
 #include "tools/run_dir.h"
 #include "tools/stop_signals.h"
@@ -214,17 +215,7 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--model", a.model,
                  "Start from this model: a GGUF file, a Hugging Face folder or a run (its shape, "
                  "tokenizer and weights; --ctx defaults to at most 512)");
-  RunFlagHelp help;
-  help.out = "Run directory (default runs/<preset>)";
-  help.steps = "default: per preset";
-  help.batch = "Sequences per micro-batch (default: per preset)";
-  help.accum = " (default: per preset)";
-  help.ctx = "Tokens per sequence (default: per preset)";
-  help.lr = " (default: by model width)";
-  help.eval_every = "default: steps / 10";
-  help.save_every = "default: steps / 10";
-  help.checkpoint = {"auto", "layer", "none"};
-  add_run_flags(app, a, help);
+  add_run_flags(app, a, RunCommand::Train);
   add_model_flags(app, a);
   app.add_option("--warmup", a.warmup, "Warm-up steps (default: min(100, steps / 10))")
       ->check(non_negative());
@@ -437,6 +428,83 @@ int lead_train(const TrainArgs& args, JobStart& start) {
   }
 }
 
+// MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
+// (about 0.1 s). In bf16 the peak is the machine's best BF16 instruction (AMX where present),
+// whichever GEMM runs.
+struct TrainingPeak {
+  explicit TrainingPeak(DType dtype)
+      : peak(kernels::measure_peak(2'000'000, 3)),
+        bf16(dtype == DType::BF16 && peak.bf16_best_all_threads() > 0),
+        gflops(of(peak)) {}
+  double of(const kernels::Peak& p) const {
+    return bf16 ? p.bf16_best_all_threads() : p.f32_all_threads;
+  }
+  // A longer measurement, for a step that ran close to the first.
+  double measure_again() const { return of(kernels::measure_peak(2'000'000, 10)); }
+  kernels::Peak peak;
+  bool bf16;
+  double gflops;
+};
+
+// The model as the run's configuration says, its state offloaded where it asks, initialised
+// from the seed or, for a run that begins from one, the model file.
+std::unique_ptr<LlamaModel> build_model(const RunConfig& config, const MemoryBudget& budget,
+                                        bool resuming, spdlog::logger& log) {
+  const Communicator& comm = Communicator::world();
+  process_memory_reset_peak();  // from here on the peak RSS is training's
+  log.info("resident before the model: {} (the budget's runtime estimate: {})",
+           format_bytes(process_memory().rss_bytes), format_bytes(budget.runtime_bytes));
+  // --offload: the state files' folder, held for the run.
+  ModelOptions options;
+  options.compute_dtype = config.dtype;
+  if (comm.size() > 1) options.shard = &comm;
+  if (!config.offload.empty()) {
+    options.offload = true;
+    options.offload_dir = std::make_shared<OffloadDir>(config.offload);
+  }
+  auto model = std::make_unique<LlamaModel>(config.model, options);
+  if (options.offload)
+    log.info("offloaded to {}: {} on disk (masters, AdamW's m and v)", config.offload,
+             format_bytes(budget.disk_bytes));
+  model->init_weights(config.train.seed);
+  if (!resuming && !config.init.empty()) {
+    load_model_weights(config.init, "--model", model->parameters());
+    log.info("weights from {}", config.init);
+  }
+  model->set_compute_dtype(config.dtype);
+  model->set_checkpointing(config.checkpoint);
+  return model;
+}
+
+// The log's account of what the run trains, how and on what.
+void describe_run(const RunConfig& config, const TrainArgs& args, const TrainingPeak& peak,
+                  double flops_per_token, const std::string& dtype_reason, spdlog::logger& log) {
+  const LlamaConfig& m = config.model;
+  log.info(
+      "model {}: {} parameters (d_model {}, layers {}, heads {}, kv heads {}, head dim {}, "
+      "ffn {}, vocab {}, ctx {}; RoPE {} pairs, theta {:g}{}{})",
+      config.preset, parameter_count(m), m.d_model, m.n_layers, m.n_heads, m.kv_heads(),
+      m.head_size(), m.ffn, m.vocab, m.ctx, rope_pairs_name(m.rope_pairs), m.rope_theta,
+      m.qkv_bias ? "; q/k/v biases" : "", m.tie_embeddings ? "; tied embeddings" : "");
+  log.info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads",
+           config.steps, config.train.batch, config.train.accum, config.train.ctx,
+           config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
+  log.info("{}", describe_compute());
+  if (args.pin_threads) {
+    std::string cpus;
+    for (int cpu : pin_threads()) cpus += (cpus.empty() ? "" : ",") + std::to_string(cpu);
+    log.info("threads pinned to CPUs {}", cpus);
+  }
+  if (peak.gflops > 0)
+    log.info("peak (measured, {} threads): {:.0f} GFLOP/s {}{}; training FLOPs per token: {:.3g}",
+             config.threads, peak.gflops, peak.bf16 ? "bf16 " : "fp32 (FMA)",
+             peak.bf16 ? std::string("(") + peak.peak.bf16_best_instruction() + ")" : std::string(),
+             flops_per_token);
+  log.info("dtype: {} ({}); gradient checkpointing: {}",
+           config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
+           config.checkpoint ? "per layer" : "none");
+}
+
 // The run in its opened directory: log, signals, data, memory, model, loop, final weights.
 int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
              const std::string& dtype_reason, const TestHold& hold, JobStart& start) {
@@ -444,137 +512,57 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   const std::string& out = run.path;
   const bool resuming = args.resuming();
   omp_set_num_threads(config.threads);
-  // On a terminal a progress line with the time left stays under the log.
-  // (Not under an MPI launcher, whose pseudo-terminal is a terminal to the ranks wherever
-  // mpirun's own output goes.)
-  auto console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1 &&
-                                                Communicator::launched_ranks() == 1);
-  auto log = open_run_log(out, console);
-  for (const std::string& path : run.stale)
-    log->info("removed {}, left by a process that stopped while writing it", path);
-  // Whatever way the run ends, the progress line is gone before the last words.
-  struct ClearStatus {
-    ProgressSink& sink;
-    ~ClearStatus() { sink.set_status(""); }
-  } clear_status{*console};
-
-  // A stop signal while the data is prepared (a tokenizer trains in one library call) ends the
-  // process at once: nothing of the run exists yet to save. Later ones stop the loop after its
-  // step.
-  std::atomic<bool> preparing{true};
-  const StopSignals signals([&](int sig) {
-    const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
-    if (preparing) {
-      log->warn("{} while preparing the data: stopped; nothing of the run is saved", name);
-      log->flush();
-      run.discard_if_unused();
-      std::_Exit(128 + sig);
-    }
-    log->warn("{}: the run stops after this step, with a checkpoint (again to stop at once)", name);
-  });
+  // A tokenizer trains in one library call: a stop signal then ends the process.
+  RunSession session(run, true, "preparing the data");
+  spdlog::logger& log = session.log();
 
   // What can be refused is refused before the data is prepared.
   const std::string config_path = out + "/config.json";
   const RunConfig began = resuming ? read_run_config(config_path) : config;
   std::optional<ResumePoint> resume;
   if (resuming) {
-    resume = find_resume_point(out, run_config_to_json(began), *log);
-    check_resumed_steps(config, began, resume->info.step, out, *log);
+    resume = find_resume_point(out, run_config_to_json(began), log);
+    check_resumed_steps(config, began, resume->info.step, out, log);
   }
-  // MFU: the model's FLOPs per second over this machine's peak for the dtype, measured here
-  // (about 0.1 s). In bf16 the peak is the machine's best BF16 instruction (AMX where present),
-  // whichever GEMM runs.
-  const kernels::Peak peak = kernels::measure_peak(2'000'000, 3);
-  const bool bf16_peak = config.dtype == DType::BF16 && peak.bf16_best_all_threads() > 0;
-  const auto peak_of = [bf16_peak](const kernels::Peak& p) {
-    return bf16_peak ? p.bf16_best_all_threads() : p.f32_all_threads;
-  };
-  const double peak_gflops = peak_of(peak);
-  warn_of_slow_steps(config, peak_gflops, *log);
+  const TrainingPeak peak(config.dtype);
+  warn_of_slow_steps(config, peak.gflops, log);
   const int64_t available = memory_limit_bytes(args.mem_limit_gib);
-  check_memory_floor(config, resuming ? "none" : args.checkpoint, available, *log);
+  check_memory_floor(config, resuming ? "none" : args.checkpoint, available, log);
 
   if (hold.step == 0) wait_for_stop_signal(0, hold.forever);
   // A run begun from a model keeps that model's tokenizer, saved beside its data.
   if (!resuming && !config.init.empty())
-    log->info("tokenizer of {}: saved as {}", config.init,
-              load_tokenizer(config.init, "--model").save_to_run(out));
+    log.info("tokenizer of {}: saved as {}", config.init,
+             load_tokenizer(config.init, "--model").save_to_run(out));
   PreparedData data = prepare_run_data(
-      config, out, *console,
+      config, out, session.console(),
       resume ? std::optional<uint64_t>(resume->info.data_fingerprint) : std::nullopt,
       resuming ? config_path + ": corpus " + config.corpus : "--corpus " + config.corpus);
-  preparing = false;
+  session.prepared();
   const auto train_tokens = data.dataset.train_tokens();
   const auto val_tokens = data.dataset.val_tokens();
-  const bool can_eval = static_cast<int64_t>(val_tokens.size()) >= config.train.ctx + 1;
-  const int64_t corpus_tokens = static_cast<int64_t>(train_tokens.size() + val_tokens.size());
-  const int64_t eval_windows = can_eval ? args.eval_windows : 0;
-  const MemoryBudget budget = plan_memory(config, resuming ? "none" : args.checkpoint,
-                                          corpus_tokens, eval_windows, available, *log);
+  TokenWindows windows(train_tokens, val_tokens, config.train.ctx, args.eval_windows);
+  const MemoryBudget budget =
+      plan_memory(config, resuming ? "none" : args.checkpoint,
+                  static_cast<int64_t>(train_tokens.size() + val_tokens.size()),
+                  windows.validates() ? args.eval_windows : 0, available, log);
 
-  process_memory_reset_peak();  // from here on the peak RSS is training's
-  log->info("resident before the model: {} (the budget's runtime estimate: {})",
-            format_bytes(process_memory().rss_bytes), format_bytes(budget.runtime_bytes));
-  // --offload: the state files' folder, held for the run.
-  ModelOptions model_options;
-  model_options.compute_dtype = config.dtype;
-  if (comm.size() > 1) model_options.shard = &comm;
-  if (!config.offload.empty()) {
-    model_options.offload = true;
-    model_options.offload_dir = std::make_shared<OffloadDir>(config.offload);
-  }
-  LlamaModel model(config.model, model_options);
-  if (model_options.offload)
-    log->info("offloaded to {}: {} on disk (masters, AdamW's m and v)", config.offload,
-              format_bytes(budget.disk_bytes));
-  model.init_weights(config.train.seed);
-  if (!resuming && !config.init.empty()) {
-    load_model_weights(config.init, "--model", model.parameters());
-    log->info("weights from {}", config.init);
-  }
-  model.set_compute_dtype(config.dtype);
-  model.set_checkpointing(config.checkpoint);
+  const std::unique_ptr<LlamaModel> model = build_model(config, budget, resuming, log);
   const std::string config_json = run_config_to_json(config);
   // A resumed run records what it changed (its end, its saving) once it is sure to go on.
   RunConfig as_began = config;
   as_began.threads = began.threads;
   if (!resuming || run_config_to_json(as_began) != run_config_to_json(began))
     write_file_atomic(config_path, config_json);
-  const LlamaConfig& m = config.model;
-  log->info(
-      "model {}: {} parameters (d_model {}, layers {}, heads {}, kv heads {}, head dim {}, "
-      "ffn {}, vocab {}, ctx {}; RoPE {} pairs, theta {:g}{}{})",
-      config.preset, parameter_count(m), m.d_model, m.n_layers, m.n_heads, m.kv_heads(),
-      m.head_size(), m.ffn, m.vocab, m.ctx, rope_pairs_name(m.rope_pairs), m.rope_theta,
-      m.qkv_bias ? "; q/k/v biases" : "", m.tie_embeddings ? "; tied embeddings" : "");
-  log->info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads",
-            config.steps, config.train.batch, config.train.accum, config.train.ctx,
-            config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
-  log->info("{}", describe_compute());
-  if (args.pin_threads) {
-    std::string cpus;
-    for (int cpu : pin_threads()) cpus += (cpus.empty() ? "" : ",") + std::to_string(cpu);
-    log->info("threads pinned to CPUs {}", cpus);
-  }
   const double flops_per_token = training_flops_per_token(config.model, config.train.ctx);
-  if (peak_gflops > 0)
-    log->info("peak (measured, {} threads): {:.0f} GFLOP/s {}{}; training FLOPs per token: {:.3g}",
-              config.threads, peak_gflops, bf16_peak ? "bf16 " : "fp32 (FMA)",
-              bf16_peak ? std::string("(") + peak.bf16_best_instruction() + ")" : std::string(),
-              flops_per_token);
-  log->info("dtype: {} ({}); gradient checkpointing: {}",
-            config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
-            config.checkpoint ? "per layer" : "none");
+  describe_run(config, args, peak, flops_per_token, dtype_reason, log);
 
   config.train.comm = &comm;
   Trainer trainer(
-      model.parameters(),
-      [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, config.train);
-  int64_t first_step = 1;
-  if (resume) {
-    first_step = resume->info.step + 1;
-    log->info("resuming from {} at step {}", resume->path, first_step);
-  }
+      model->parameters(),
+      [&model](const Tensor& in, const Tensor& tgt) { return model->loss(in, tgt); }, config.train);
+  const int64_t first_step = resume ? resume->info.step + 1 : 1;
+  if (resume) log.info("resuming from {} at step {}", resume->path, first_step);
   if (comm.size() > 1) {
     // The other ranks start from what this one has: the configuration, the data, the weights
     // and, resumed, the optimizer's state (follow_train takes them in this order).
@@ -587,10 +575,10 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
     share_tokens(comm, val_tokens);
   }
   // Of a job with its optimizer sharded, every rank takes its shard as this one reads the file.
-  if (resume) load_checkpoint(resume->path, model.parameters(), &trainer.optimizer());
+  if (resume) load_checkpoint(resume->path, model->parameters(), &trainer.optimizer());
   if (comm.size() > 1) {
-    broadcast_training_state(comm, model.parameters(), trainer.optimizer());
-    log->info(
+    broadcast_training_state(comm, model->parameters(), trainer.optimizer());
+    log.info(
         "data parallel: {} ranks, each of {} x {} sequences a step (the job's batch is {} x {})",
         comm.size(), config.train.batch, config.train.accum, config.train.batch * comm.size(),
         config.train.accum);
@@ -604,20 +592,18 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   plan.last_checkpoint = resume ? resume->path : "";
   plan.replacing = run.replacing;
   plan.flops_per_token = flops_per_token;
-  plan.peak_gflops = peak_gflops;
-  plan.measure_peak = [&] { return peak_of(kernels::measure_peak(2'000'000, 10)); };
+  plan.peak_gflops = peak.gflops;
+  plan.measure_peak = [&peak] { return peak.measure_again(); };
   plan.sample = [&](int64_t step) {
-    log->info("sample: {}", sample_text(model, data.tokenizer, args.sample_tokens, step));
+    log.info("sample: {}", sample_text(*model, data.tokenizer, args.sample_tokens, step));
   };
-  TokenWindows windows(train_tokens, val_tokens, config.train.ctx, args.eval_windows);
-  const std::string weights_path = out + "/model.bin";
-  ModelFile model_file(weights_path, model.parameters(), config_json);
+  ModelFile model_file(out + "/model.bin", model->parameters(), config_json);
   const int status =
-      run_loop(plan, trainer, model.parameters(), windows, model_file, comm, {log, console});
+      run_loop(plan, trainer, model->parameters(), windows, model_file, comm, session.io());
   if (status != 0) return status;
-  log->info("saved {}", weights_path);
+  log.info("saved {}/model.bin", out);
   for (uint64_t i = 1; i <= 3; ++i)
-    log->info("sample {}: {}", i, sample_text(model, data.tokenizer, args.sample_tokens, i));
+    log.info("sample {}: {}", i, sample_text(*model, data.tokenizer, args.sample_tokens, i));
   return 0;
 }
 

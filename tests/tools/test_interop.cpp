@@ -29,6 +29,7 @@
 #include "models/generate.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
+#include "tools/cli_test_util.h"
 #include "tools/model_source.h"
 
 namespace cputrain {
@@ -643,27 +644,7 @@ Result run_cputrain(const std::string& args, const fs::path& dir) {
           read_all(dir / "err.txt")};
 }
 
-// A copy of a GGUF file with its metadata and tensors edited: `metadata` may change a value or
-// return false to drop it; `tensor` may change a tensor's type and bytes or dims.
-void rewrite_gguf(const fs::path& from, const fs::path& to,
-                  const std::function<bool(const std::string&, GgufValue&)>& metadata,
-                  const std::function<void(const std::string&, std::vector<int64_t>&, uint32_t&,
-                                           std::vector<uint8_t>&)>& tensor) {
-  const GgufFile file(from.string());
-  GgufWriter w;
-  for (const auto& [key, value] : file.metadata()) {
-    GgufValue v = value;
-    if (!metadata || metadata(key, v)) w.set_value(key, v);
-  }
-  for (const GgufTensor& t : file.tensors()) {
-    std::vector<int64_t> dims = t.dims;
-    uint32_t type = t.type;
-    std::vector<uint8_t> data(t.data.begin(), t.data.end());
-    if (tensor) tensor(t.name, dims, type, data);
-    w.add_tensor(t.name, dims, static_cast<GgmlType>(type), std::move(data));
-  }
-  w.write(to.string());
-}
+using cli_test::rewrite_gguf;
 
 void expect_one_line_refusal(const Result& r, const std::string& needle) {
   EXPECT_NE(r.exit_code, 0);

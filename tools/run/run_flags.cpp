@@ -121,7 +121,48 @@ void add_memory_flags(CLI::App& app, double& mem_limit_gib, std::string& offload
                  "RAM (with --resume: another folder, or none to hold them in RAM again)");
 }
 
-void add_run_flags(CLI::App& app, RunFlags& f, const RunFlagHelp& help) {
+namespace {
+
+// How a command's defaults read in the help of the flags it shares.
+struct RunFlagHelp {
+  const char* out;                      // what --out is, and its default
+  const char* steps;                    // how the steps default
+  const char* batch;                    // what --batch counts, and its default
+  const char* accum;                    // --accum's default
+  const char* ctx;                      // what --ctx counts, and its default
+  const char* lr;                       // how --lr defaults
+  const char* eval_every;               // when a run validates without --eval-every
+  const char* save_every;               // when a run saves without --save-every
+  std::vector<std::string> checkpoint;  // the --checkpoint choices, the default first
+};
+
+const RunFlagHelp& help_of(RunCommand command) {
+  static const RunFlagHelp train{"Run directory (default runs/<preset>)",
+                                 "default: per preset",
+                                 "Sequences per micro-batch (default: per preset)",
+                                 " (default: per preset)",
+                                 "Tokens per sequence (default: per preset)",
+                                 " (default: by model width)",
+                                 "default: steps / 10",
+                                 "default: steps / 10",
+                                 {"auto", "layer", "none"}};
+  static const RunFlagHelp finetune{
+      "The run directory (created; it must not hold a run unless --overwrite)",
+      "default: from --epochs",
+      "Packed rows per micro-batch",
+      "",
+      "Positions per row; longer examples are cut (at most the model's context)",
+      " (cosine to zero after warm-up)",
+      "0: before the first step and after the last only",
+      "default: 0",
+      {"none", "layer"}};
+  return command == RunCommand::Train ? train : finetune;
+}
+
+}  // namespace
+
+void add_run_flags(CLI::App& app, RunFlags& f, RunCommand command) {
+  const RunFlagHelp& help = help_of(command);
   app.add_option("--out", f.out, help.out);
   app.add_option("--resume", f.resume,
                  "Continue the run in this directory (or in --out) from its newest checkpoint "
@@ -135,15 +176,18 @@ void add_run_flags(CLI::App& app, RunFlags& f, const RunFlagHelp& help) {
     if (shown) o->capture_default_str();
     return o;
   };
-  with_default(app.add_option("--steps", f.steps, "Optimizer steps (" + help.steps + ")"), false)
+  with_default(
+      app.add_option("--steps", f.steps, std::string("Optimizer steps (") + help.steps + ")"),
+      false)
       ->check(positive_whole());
   with_default(app.add_option("--batch", f.batch, help.batch), f.batch > 0)
       ->check(positive_whole());
-  with_default(app.add_option("--accum", f.accum, "Micro-batches per optimizer step" + help.accum),
+  with_default(app.add_option("--accum", f.accum,
+                              std::string("Micro-batches per optimizer step") + help.accum),
                f.accum > 0)
       ->check(positive_whole());
   with_default(app.add_option("--ctx", f.ctx, help.ctx), f.ctx > 0)->check(positive_whole());
-  with_default(app.add_option("--lr", f.lr, "Peak learning rate" + help.lr), f.lr > 0)
+  with_default(app.add_option("--lr", f.lr, std::string("Peak learning rate") + help.lr), f.lr > 0)
       ->check(positive());
   app.add_option("--weight-decay", f.weight_decay, "AdamW weight decay on matrices")
       ->capture_default_str()
@@ -156,11 +200,11 @@ void add_run_flags(CLI::App& app, RunFlags& f, const RunFlagHelp& help) {
                "Time every op (forward and backward), the optimizer and the GEMMs over the steps "
                "after the first; print the table at the end and write <out>/profile.json");
   app.add_option("--eval-every", f.eval_every,
-                 "Validation loss every N steps (" + help.eval_every + ")")
+                 std::string("Validation loss every N steps (") + help.eval_every + ")")
       ->check(non_negative());
   app.add_option("--save-every", f.save_every,
-                 "Save a checkpoint every N steps (" + help.save_every +
-                     "; 0: only at the end); also at the end and on SIGINT or SIGTERM")
+                 std::string("Save a checkpoint every N steps (0: only at the end; ") +
+                     help.save_every + "); also at the end and on SIGINT or SIGTERM")
       ->check(non_negative());
   app.add_option("--keep", f.keep, "Checkpoints kept in <out>/checkpoints")
       ->capture_default_str()

@@ -69,21 +69,11 @@ struct RunFlags {
   std::string run_dir() const;
 };
 
-// How a command's defaults read in the help of the flags it shares.
-struct RunFlagHelp {
-  std::string out;                      // what --out is, and its default
-  std::string steps;                    // how the steps default
-  std::string batch;                    // what --batch counts, and its default
-  std::string accum;                    // --accum's default
-  std::string ctx;                      // what --ctx counts, and its default
-  std::string lr;                       // how --lr defaults
-  std::string eval_every;               // when a run validates without --eval-every
-  std::string save_every;               // when a run saves without --save-every
-  std::vector<std::string> checkpoint;  // the --checkpoint choices, the default first
-};
+// The commands that train: their defaults differ, and so does how the help reads them.
+enum class RunCommand { Train, Finetune };
 
 // Declares the shared flags on `app`, bound to `flags`, and records the flags given.
-void add_run_flags(CLI::App& app, RunFlags& flags, const RunFlagHelp& help);
+void add_run_flags(CLI::App& app, RunFlags& flags, RunCommand command);
 // The ones budget and parity share: --threads and the kernel flags; --dtype, --checkpoint.
 void add_threads_flag(CLI::App& app, int& threads);
 void add_dtype_flag(CLI::App& app, std::string& dtype);
