@@ -37,7 +37,12 @@ int run_export(const ExportArgs& a) {
   const auto [source, flag] = model_source(a.run, a.model);
   if (!a.adapter.empty() && !a.merge)
     throw UserError("--adapter " + a.adapter + ": give --merge to write the model with it merged");
-  if (a.merge && a.adapter.empty()) throw UserError("--merge: give the adapter (--adapter FILE)");
+  if (a.merge && a.adapter.empty() && !is_lora_finetune(source))
+    throw UserError("--merge: give the adapter (--adapter FILE)");
+  if (!a.merge && is_lora_finetune(source))
+    throw UserError(flag + " " + source +
+                    " is a LoRA fine-tune: give --merge to write its base with the adapter merged "
+                    "(the adapter alone is its adapter.gguf, and PEFT's its peft/)");
   const bool gguf = a.out.ends_with(".gguf");
   if (!gguf && a.type == "q8_0")
     throw UserError(
@@ -58,7 +63,9 @@ int run_export(const ExportArgs& a) {
     // The base with the adapter merged: a model of the same shape without adapters.
     auto merged = std::make_unique<LlamaModel>(m.config);
     merge_lora(m.model->parameters(), m.model->lora(), merged->parameters());
-    check_finite(merged->parameters(), "--merge " + a.adapter + " into " + source);
+    check_finite(
+        merged->parameters(),
+        "--merge " + (a.adapter.empty() ? "the adapter of " : a.adapter + " into ") + source);
     m.model = std::move(merged);
   }
   m.config.ctx = m.declared_ctx;

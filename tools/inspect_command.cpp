@@ -16,6 +16,7 @@
 #include "engine/vocab_tokenizer.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
+#include "models/lora.h"
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/model_source.h"
@@ -73,6 +74,34 @@ void add_inspect_flags(CLI::App& app, InspectArgs& a) {
   app.add_flag("--json", a.json, "Print it all as JSON");
 }
 
+namespace {
+
+// A LoRA adapter file: what it adapts, and how to apply it.
+int inspect_adapter(const InspectArgs& a, const GgufFile& file) {
+  const LoraConfig lora = lora_gguf_config(file);
+  const json j = {{"format", "GGUF v" + std::to_string(file.version())},
+                  {"type", "LoRA adapter"},
+                  {"architecture", file.string("general.architecture", "")},
+                  {"name", file.string("general.name", "")},
+                  {"rank", lora.rank},
+                  {"alpha", lora.alpha},
+                  {"targets", lora_targets_text(lora.targets)},
+                  {"tensors", file.tensors().size()}};
+  if (a.json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf(
+      "%s: a LoRA adapter (GGUF v%u) for %s models: rank %lld, alpha %g on %s, %zu tensors\n"
+      "  apply it with --adapter (sample, eval, export --merge) or llama.cpp's --lora\n",
+      a.path.c_str(), file.version(), file.string("general.architecture", "").c_str(),
+      static_cast<long long>(lora.rank), lora.alpha, lora_targets_text(lora.targets).c_str(),
+      file.tensors().size());
+  return 0;
+}
+
+}  // namespace
+
 int run_inspect(const InspectArgs& a) {
   json j;
   LlamaConfig config;
@@ -92,6 +121,12 @@ int run_inspect(const InspectArgs& a) {
     }
     j["tensors"] = json::object();
     for (const auto& [type, n] : types) j["tensors"][type] = {{"count", n}, {"bytes", bytes[type]}};
+  } else if (const auto finetune = describe_finetune_run(a.path)) {
+    config = load_model_config(a.path, "inspect", INT64_MAX);
+    vocabulary = load_tokenizer(a.path, "inspect").to_vocabulary();
+    j["format"] = "cputrain fine-tune";
+    j["architecture"] = config.qkv_bias ? "qwen2" : "llama";
+    j["name"] = *finetune;
   } else if (fs::is_directory(a.path, ec)) {
     const RunConfig run = read_run_config(a.path + "/config.json");
     config = run.model;
@@ -99,6 +134,10 @@ int run_inspect(const InspectArgs& a) {
     j["architecture"] = "llama";
     vocabulary = Tokenizer::load_run(a.path).to_vocabulary();
   } else {
+    if (starts_with_gguf_magic(a.path)) {
+      const GgufFile adapter(a.path);
+      if (adapter.string("general.type", "") == "adapter") return inspect_adapter(a, adapter);
+    }
     const Tokenizer probe = load_tokenizer(a.path, "inspect");  // a UserError for non-GGUF
     const GgufFile file(a.path);
     config = gguf_model_config(file, INT64_MAX);

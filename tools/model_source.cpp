@@ -1,9 +1,14 @@
 #include "tools/model_source.h"
 
+#include <spdlog/fmt/fmt.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
 
+#include "engine/checkpoint_file.h"
 #include "engine/error.h"
 #include "engine/gguf_file.h"
 #include "engine/safetensors_file.h"
@@ -15,7 +20,6 @@
 #include "tools/run_dir.h"
 
 namespace cputrain {
-namespace {
 
 namespace fs = std::filesystem;
 
@@ -25,6 +29,8 @@ bool starts_with_gguf_magic(const std::string& path) {
   in.read(magic, 4);
   return in.gcount() == 4 && std::string(magic, 4) == "GGUF";
 }
+
+namespace {
 
 // Every parameter frozen and held as bf16 alone where `bf16`; the default model otherwise.
 ModelOptions model_options(bool bf16) {
@@ -52,6 +58,47 @@ SourceKind source_kind(const std::string& path, const std::string& flag) {
   return SourceKind::Gguf;
 }
 
+// What a fine-tune's run directory gives as a model: its base, and its result (the adapter or,
+// of --full, the whole model).
+struct FinetuneRun {
+  std::string base;  // the model it fine-tuned
+  bool full = false;
+  LoraConfig lora;  // of a LoRA fine-tune
+  DType dtype = DType::F32;
+  std::string result;  // adapter.gguf or model.gguf where written, else empty
+};
+
+std::optional<FinetuneRun> finetune_run(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return std::nullopt;
+  std::ifstream in(fs::path(path) / "config.json");
+  if (!in) return std::nullopt;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;  // read_run_config names the damage
+  }
+  if (!j.is_object() || j.value("command", std::string()) != "finetune") return std::nullopt;
+  FinetuneRun r;
+  try {
+    r.base = j.at("model").get<std::string>();
+    r.full = j.at("full").get<bool>();
+    r.dtype = j.at("dtype").get<std::string>() == "bf16" ? DType::BF16 : DType::F32;
+    if (!r.full) {
+      r.lora.rank = j.at("lora_rank").get<int64_t>();
+      r.lora.alpha = j.at("lora_alpha").get<double>();
+      r.lora.targets = parse_lora_targets(j.at("lora_targets").get<std::string>(),
+                                          path + "/config.json: lora_targets");
+    }
+  } catch (const nlohmann::json::exception&) {
+    throw UserError(path + "/config.json: malformed fine-tune configuration");
+  }
+  const fs::path result = fs::path(path) / (r.full ? "model.gguf" : "adapter.gguf");
+  if (fs::exists(result, ec)) r.result = result.string();
+  return r;
+}
+
 }  // namespace
 
 // load_model, with the options a training run builds the model with (null: as bf16_when_exact
@@ -70,9 +117,54 @@ LoadedModel load_model_to_train(const std::string& path, const std::string& flag
   return load_model(path, flag, "", max_ctx, false, &options, "");
 }
 
+namespace {
+
+// A fine-tune's run as load_model reads it: the base with the adapter the run wrote, or with the
+// adapters of its checkpoint (`weights`, else the newest) for a run that stopped; of --full, the
+// model it wrote, or its checkpoint's weights.
+LoadedModel load_finetune_run(const FinetuneRun& run, const std::string& path,
+                              const std::string& flag, const std::string& weights, int64_t max_ctx,
+                              bool bf16_when_exact, const ModelOptions* training,
+                              const std::string& adapter) {
+  if (!adapter.empty())
+    throw UserError("--adapter " + adapter + ": " + flag + " " + path +
+                    " is a fine-tune, whose adapter is its own");
+  if (training && !run.full)
+    throw UserError(flag + " " + path +
+                    " is a LoRA fine-tune: write its base with the adapter merged (cputrain export "
+                    "--run " +
+                    path + " --merge --out MODEL.gguf) and give that");
+  LoadedModel m;
+  if (weights.empty() && !run.result.empty()) {
+    m = run.full ? load_model(run.result, flag, "", max_ctx, bf16_when_exact, training, "")
+                 : load_model(run.base, flag, "", max_ctx, bf16_when_exact, training, run.result);
+  } else {
+    const auto checkpoints = list_checkpoints(path);
+    if (weights.empty() && checkpoints.empty())
+      throw UserError(flag + " " + path + ": a fine-tune with neither " +
+                      (run.full ? "model.gguf" : "adapter.gguf") + " nor a checkpoint to read");
+    const std::string checkpoint = weights.empty() ? checkpoints.back().second : weights;
+    // Built as the fine-tune trained it, so the checkpoint's parameters fit.
+    ModelOptions options = training ? *training : ModelOptions{};
+    options.compute_dtype = run.dtype;
+    options.lora = run.lora;
+    m = load_model(run.base, flag, "", max_ctx, false, &options, "");
+    load_checkpoint(checkpoint, m.model->parameters(), nullptr);
+    m.source +=
+        ", with the " + std::string(run.full ? "weights" : "adapters") + " of " + checkpoint;
+  }
+  m.source = "the fine-tune " + path + ": " + m.source;
+  return m;
+}
+
+}  // namespace
+
 LoadedModel load_model(const std::string& path, const std::string& flag, const std::string& weights,
                        int64_t max_ctx, bool bf16_when_exact, const ModelOptions* training,
                        const std::string& adapter) {
+  if (const auto run = finetune_run(path))
+    return load_finetune_run(*run, path, flag, weights, max_ctx, bf16_when_exact, training,
+                             adapter);
   const SourceKind kind = source_kind(path, flag);
   if (kind != SourceKind::Run && !weights.empty())
     throw UserError("--weights " + weights + ": only for a run directory, not " + flag + " " +
@@ -191,7 +283,28 @@ void check_finite_weights(const LoadedModel& m, const std::string& path, const s
                  [](const std::string& name) { return is_lora_parameter(name); });
 }
 
+bool is_lora_finetune(const std::string& path) {
+  const auto run = finetune_run(path);
+  return run && !run->full;
+}
+
+std::optional<std::string> describe_finetune_run(const std::string& path) {
+  const auto run = finetune_run(path);
+  if (!run) return std::nullopt;
+  std::string what = run->full ? "a fine-tune of every parameter"
+                               : "a LoRA fine-tune (rank " + std::to_string(run->lora.rank) +
+                                     ", alpha " + fmt::format("{:g}", run->lora.alpha) + " on " +
+                                     lora_targets_text(run->lora.targets) + ")";
+  const auto checkpoints = list_checkpoints(path);
+  return what + " of " + run->base + ": " +
+         (!run->result.empty()   ? run->result
+          : !checkpoints.empty() ? "stopped at " + checkpoints.back().second
+                                 : std::string("nothing trained yet"));
+}
+
 LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
+  // A fine-tune has its base's shape.
+  if (const auto run = finetune_run(path)) return load_model_config(run->base, flag, max_ctx);
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace: {
       const SafetensorsModel weights(path);
@@ -215,6 +328,21 @@ LlamaConfig load_model_config(const std::string& path, const std::string& flag, 
 
 void load_model_weights(const std::string& path, const std::string& flag,
                         const ParameterSet& params) {
+  // A fine-tune's weights: its base with the adapter merged, or what --full trained.
+  if (finetune_run(path)) {
+    const LoadedModel m = load_model(path, flag, "", INT64_MAX, false, nullptr, "");
+    if (m.model->lora().active()) {
+      merge_lora(m.model->parameters(), m.model->lora(), params);
+      return;
+    }
+    std::vector<float> values;
+    for (size_t i = 0; i < params.infos().size(); ++i) {
+      values.resize(static_cast<size_t>(params.infos()[i].shape.numel()));
+      m.model->parameters().read_values(static_cast<int>(i), values.data());
+      params.write_values(static_cast<int>(i), values.data());
+    }
+    return;
+  }
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace:
       return load_hf_weights(SafetensorsModel(path), params);
@@ -246,6 +374,7 @@ std::pair<std::string, std::string> model_source(const std::string& run, const s
 }
 
 Tokenizer load_tokenizer(const std::string& path, const std::string& flag) {
+  if (const auto run = finetune_run(path)) return load_tokenizer(run->base, flag);
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace:
       return hf_tokenizer(path);

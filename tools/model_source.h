@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -56,6 +57,17 @@ int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
 // refuse to compute with or write.
 void check_finite_weights(const LoadedModel& m, const std::string& path, const std::string& flag,
                           const std::string& adapter = "");
+
+// Whether the file at `path` begins as a GGUF file does.
+bool starts_with_gguf_magic(const std::string& path);
+
+// Whether `path` is the run directory of a LoRA fine-tune (`cputrain finetune`): load_model reads
+// it as its base with its adapter (adapter.gguf, or a checkpoint's adapters); a fine-tune of
+// every parameter reads as the model it trained (model.gguf, or a checkpoint's weights).
+bool is_lora_finetune(const std::string& path);
+// Of a fine-tune's run directory, a line saying what it holds ("a LoRA fine-tune (rank 16, alpha
+// 32 on q,k,v,o,gate,up,down) of BASE: adapter.gguf"); nothing for any other path.
+std::optional<std::string> describe_finetune_run(const std::string& path);
 
 // The configuration alone of the model at `path` (as load_model reads it), its context at most
 // `max_ctx`.

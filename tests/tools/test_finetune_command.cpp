@@ -48,6 +48,7 @@ class FinetuneCli : public Cli {
            " --lora-dropout 0.1";
   }
   int run_status(const std::string& args) const { return run(args).exit_code; }
+  Result run_cli(const std::string& args) const { return run(args); }
   // Waits for the process `pid` started by start(); its status.
   static int wait_for(pid_t pid) {
     int status = 0;
@@ -324,6 +325,56 @@ TEST_F(FinetuneCli, BadInputGetsOneLine) {
                         "--val and --val-fraction: give one");
   expect_one_line_error(finetune((dir / "missing.jsonl").string(), ""),
                         "missing.jsonl: cannot be read");
+}
+
+// A fine-tune's run directory is a run like any other: inspect describes it (and its adapter
+// file), sample and eval read it as its base with its adapter (or, stopped, its checkpoint's
+// adapters) and compute what the base with the adapter file computes, export --merge writes it,
+// and what cannot be done with it is said in one line.
+TEST_F(FinetuneCli, AFineTunesRunIsARunLikeAnyOther) {
+  const fs::path run = dir_ / "run", text = dir_ / "text.txt";
+  const std::string base = (kShared / "stories260K.gguf").string();
+  ASSERT_EQ(run_status(flags() + " --save-every 3 --out " + run.string()), 0);
+  std::ofstream(text) << "Lily had a ball. What did Lily have? Lily had a ball.";
+  const Result about = run_cli("inspect " + run.string());
+  ASSERT_EQ(about.exit_code, 0) << about.err;
+  EXPECT_NE(about.out.find("a LoRA fine-tune (rank 16, alpha 32"), std::string::npos) << about.out;
+  const Result adapter = run_cli("inspect " + (run / "adapter.gguf").string());
+  ASSERT_EQ(adapter.exit_code, 0) << adapter.err;
+  EXPECT_NE(adapter.out.find("a LoRA adapter (GGUF v3) for llama models: rank 16"),
+            std::string::npos)
+      << adapter.out;
+  const std::string prompt =
+      " --prompt 'Ben had a cake. What did Ben have?' --temperature 0 "
+      "--max-tokens 8";
+  const Result with_file =
+      run_cli("sample --model " + base + " --adapter " + (run / "adapter.gguf").string() + prompt);
+  const Result with_run = run_cli("sample --run " + run.string() + prompt);
+  ASSERT_EQ(with_run.exit_code, 0) << with_run.err;
+  EXPECT_EQ(with_run.out, with_file.out);
+  const Result eval_file = run_cli("eval --model " + base + " --adapter " +
+                                   (run / "adapter.gguf").string() + " --text " + text.string());
+  const Result eval_run = run_cli("eval --run " + run.string() + " --text " + text.string());
+  ASSERT_EQ(eval_run.exit_code, 0) << eval_run.err;
+  EXPECT_EQ(eval_run.out.substr(eval_run.out.find("loss")),
+            eval_file.out.substr(eval_file.out.find("loss")));
+  expect_one_line_error(
+      run_cli("export --run " + run.string() + " --out " + (dir_ / "x.gguf").string()),
+      "is a LoRA fine-tune: give --merge");
+  const fs::path merged = dir_ / "merged.gguf";
+  ASSERT_EQ(run_status("export --run " + run.string() + " --merge --out " + merged.string()), 0);
+  const Result eval_merged =
+      run_cli("eval --model " + merged.string() + " --text " + text.string());
+  EXPECT_EQ(eval_merged.out.substr(eval_merged.out.find("loss")),
+            eval_file.out.substr(eval_file.out.find("loss")));
+  expect_one_line_error(run_cli("finetune --model " + run.string() + " --data " +
+                                write_data().string() + " --out " + (dir_ / "again").string()),
+                        "is a LoRA fine-tune: write its base with the adapter merged");
+  // Stopped before it wrote its adapter: its newest checkpoint's adapters (those of step 6).
+  fs::remove(run / "adapter.gguf");
+  const Result stopped = run_cli("sample --run " + run.string() + prompt);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.err;
+  EXPECT_EQ(stopped.out, with_file.out);
 }
 
 }  // namespace
