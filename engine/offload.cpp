@@ -31,8 +31,9 @@ StateFile::StateFile(std::string path, int64_t elements) : path_(std::move(path)
       fd_ = -1;
       std::error_code ec;
       std::filesystem::remove(path_, ec);
-      throw UserError(path_ + ": cannot reserve " + std::to_string(bytes >> 20) + " MiB (" +
-                      reason(e) + ")");
+      const std::string size = bytes >= (off_t{1} << 20) ? std::to_string(bytes >> 20) + " MiB"
+                                                         : std::to_string(bytes) + " bytes";
+      throw UserError(path_ + ": cannot reserve " + size + " (" + reason(e) + ")");
     }
   }
 }

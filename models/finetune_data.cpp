@@ -1,6 +1,7 @@
 #include "models/finetune_data.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -98,6 +99,8 @@ const char* example_shape_name(ExampleShape shape) {
 
 FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& tokenizer,
                                  const FinetuneDataOptions& options) {
+  if (std::filesystem::is_directory(path))
+    throw UserError(path + ": a folder, where a JSON Lines file of examples is expected");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UserError(path + ": cannot be read");
   FinetuneData data;

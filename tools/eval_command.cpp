@@ -34,6 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string read_text(const std::string& path) {
+  if (fs::is_directory(path)) throw UserError("--text " + path + ": a folder, not a text file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UserError("--text " + path + ": cannot be read");
   std::stringstream s;

@@ -231,6 +231,8 @@ int run_tokenize(const TokenizeArgs& a) {
   if (a.text.empty()) {
     text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   } else {
+    if (fs::is_directory(a.text))
+      throw UserError("--text " + a.text + ": a folder, not a text file");
     std::ifstream in(a.text, std::ios::binary);
     if (!in) throw UserError("--text " + a.text + ": cannot be read");
     std::stringstream s;

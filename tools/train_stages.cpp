@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 
 std::string fit_message(const RunConfig& config, int64_t bytes, int64_t available,
                         const std::string& what) {
-  return "--preset " + config.preset + ": the memory budget" + what + ", " + format_bytes(bytes) +
+  return "the memory budget of " + config.preset + what + ", " + format_bytes(bytes) +
          ", exceeds the available " + format_bytes(available);
 }
 

@@ -325,6 +325,14 @@ TEST_F(FinetuneCli, BadInputGetsOneLine) {
                         "--val and --val-fraction: give one");
   expect_one_line_error(finetune((dir / "missing.jsonl").string(), ""),
                         "missing.jsonl: cannot be read");
+  expect_one_line_error(finetune(dir.string(), ""),
+                        "a folder, where a JSON Lines file of examples is expected");
+  expect_one_line_error(finetune(data.string(), "--lora-rank 100000"),
+                        "--lora-rank 100000: above the width");
+  expect_one_line_error(run("budget --model " + model + " --lora-rank 100000"),
+                        "--lora-rank 100000: above the width");
+  expect_one_line_error(run("tokenize --model " + model + " --text " + dir.string()),
+                        "a folder, not a text file");
 }
 
 // A fine-tune's run directory is a run like any other: inspect describes it (and its adapter
