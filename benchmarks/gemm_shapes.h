@@ -17,8 +17,9 @@
 
 namespace cputrain::bench {
 
-// n values starting a 64-byte cache line, as the engine allocates its tensors (engine/memory.cpp):
-// the operands of a training step's products start lines, and so do those of the benchmarks.
+// n values starting a 64-byte cache line, as the engine allocates its tensors
+// (engine/core/memory.cpp): the operands of a training step's products start lines, and so do those
+// of the benchmarks.
 template <class T>
 struct Aligned {
   explicit Aligned(size_t n)

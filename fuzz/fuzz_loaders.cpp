@@ -23,19 +23,19 @@
 #include <string>
 #include <vector>
 
-#include "engine/adamw.h"
-#include "engine/checkpoint_file.h"
-#include "engine/error.h"
-#include "engine/gguf_file.h"
-#include "engine/hash.h"
-#include "engine/safetensors_file.h"
-#include "engine/tokenizer.h"
-#include "engine/vocab_tokenizer.h"
-#include "engine/weights_file.h"
+#include "engine/core/error.h"
+#include "engine/core/hash.h"
+#include "engine/io/gguf_file.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/adamw.h"
+#include "engine/train/checkpoint_file.h"
+#include "engine/train/weights_file.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/llama.h"
-#include "tools/run_config.h"
+#include "tools/run/run_config.h"
 
 namespace {
 

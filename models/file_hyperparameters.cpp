@@ -4,8 +4,8 @@
 #include <cctype>
 #include <set>
 
-#include "engine/error.h"
-#include "engine/parameters.h"
+#include "engine/core/error.h"
+#include "engine/train/parameters.h"
 #include "models/llama.h"
 
 namespace cputrain {

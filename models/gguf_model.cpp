@@ -4,8 +4,8 @@
 #include <set>
 #include <stdexcept>
 
-#include "engine/error.h"
-#include "engine/parameters.h"
+#include "engine/core/error.h"
+#include "engine/train/parameters.h"
 #include "models/file_hyperparameters.h"
 #include "models/llama.h"
 #include "models/lora.h"

@@ -4,8 +4,8 @@
 
 #include <string>
 
-#include "engine/gguf_file.h"
-#include "engine/vocab_tokenizer.h"
+#include "engine/io/gguf_file.h"
+#include "engine/text/vocab_tokenizer.h"
 #include "models/llama_config.h"
 #include "models/lora.h"
 

@@ -13,11 +13,11 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "engine/atomic_file.h"
-#include "engine/error.h"
-#include "engine/gguf_file.h"
-#include "engine/parameters.h"
-#include "engine/tokenizer.h"
+#include "engine/core/error.h"
+#include "engine/io/atomic_file.h"
+#include "engine/io/gguf_file.h"
+#include "engine/text/tokenizer.h"
+#include "engine/train/parameters.h"
 #include "models/file_hyperparameters.h"
 #include "models/llama.h"
 #include "models/lora.h"

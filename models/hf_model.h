@@ -5,8 +5,8 @@
 
 #include <string>
 
-#include "engine/safetensors_file.h"
-#include "engine/vocab_tokenizer.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/text/vocab_tokenizer.h"
 #include "models/llama_config.h"
 #include "models/lora.h"
 

@@ -7,10 +7,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "engine/hash.h"
-#include "engine/mapped_file.h"
-#include "engine/offload.h"
-#include "engine/ops.h"
+#include "engine/core/hash.h"
+#include "engine/core/ops.h"
+#include "engine/io/mapped_file.h"
+#include "engine/io/offload.h"
 #include "kernels/attention.h"
 #include "kernels/rope.h"
 #include "models/lora.h"

@@ -10,8 +10,8 @@
 #include <memory>
 #include <string>
 
-#include "engine/ops.h"
-#include "engine/parameters.h"
+#include "engine/core/ops.h"
+#include "engine/train/parameters.h"
 #include "models/llama_config.h"
 #include "models/lora.h"
 
@@ -23,7 +23,7 @@ class IoQueue;
 // How a model is built, beside its shape.
 struct ModelOptions {
   // F32 or BF16 (set_compute_dtype). Known at construction, a BF16 model keeps its frozen GEMM
-  // weights as bf16 alone (engine/parameters.h).
+  // weights as bf16 alone (engine/train/parameters.h).
   DType compute_dtype = DType::F32;
   // Adapters on the blocks' projections (models/lora.h), none by default.
   LoraConfig lora;

@@ -5,9 +5,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "engine/error.h"
-#include "engine/hash.h"
-#include "engine/parameters.h"
+#include "engine/core/error.h"
+#include "engine/core/hash.h"
+#include "engine/train/parameters.h"
 #include "kernels/bf16.h"
 
 namespace cputrain {

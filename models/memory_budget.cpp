@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "engine/trainer.h"
-#include "models/finetune_data.h"
+#include "engine/train/trainer.h"
+#include "models/finetune_step.h"
 #include "models/llama.h"
 
 namespace cputrain {

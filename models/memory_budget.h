@@ -1,7 +1,7 @@
-// The memory budget of training a LlamaModel: bytes per memory category (engine/memory.h) from
+// The memory budget of training a LlamaModel: bytes per memory category (engine/core/memory.h) from
 // the configuration and the run's options, without allocating anything. It is measured from the
 // real code: the model and trainer are built and three training steps (each followed by the
-// validation pass training makes between steps) run while measuring (engine/memory.h), where
+// validation pass training makes between steps) run while measuring (engine/core/memory.h), where
 // every tensor records its size and category but gets no storage and no kernel runs. So what
 // an op saves for backward, the gradients of activations, transient conversions, GEMM buffers
 // and the block cache are counted as the allocator counts them in training, op by op, with no
@@ -13,8 +13,8 @@
 #include <functional>
 #include <string>
 
-#include "engine/memory.h"
-#include "engine/tensor.h"
+#include "engine/core/memory.h"
+#include "engine/core/tensor.h"
 #include "models/llama_config.h"
 #include "models/lora.h"
 
@@ -43,7 +43,7 @@ struct BudgetOptions {
   // (ParameterSet::set_offload); RAM holds the optimizer's staging chunks instead.
   bool offload = false;
   // The ranks of a data-parallel job (`mpirun -np N`): the budget is one rank's, with AdamW's
-  // state sharded (ZeRO-1) and the gradients' receiving buffer (engine/gradient_reducer.h).
+  // state sharded (ZeRO-1) and the gradients' receiving buffer (engine/dist/gradient_reducer.h).
   int ranks = 1;
 };
 
@@ -54,7 +54,7 @@ struct MemoryBudget {
   // activations peak at the end of the forward pass, the workspace during the backward pass).
   int64_t step_peak_bytes = 0;
   // Freed tensors the allocator's block cache keeps beyond the step peak (at most the largest
-  // tensor a step frees; engine/memory.cpp), in the third step measured.
+  // tensor a step frees; engine/core/memory.cpp), in the third step measured.
   int64_t cache_headroom_bytes = 0;
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;
@@ -80,7 +80,7 @@ struct MemoryBudget {
 inline constexpr int64_t kRuntimeBytes = 24ll << 20;
 // Besides, a rank of a data-parallel job holds Open MPI's libraries and shared-memory segments
 // (Debian 12's Open MPI 4.1, ranks on one machine: 7-14 MiB) and, while it sums a bucket of
-// gradients (engine/gradient_reducer.h), two buckets' worth of MPI's own buffers.
+// gradients (engine/dist/gradient_reducer.h), two buckets' worth of MPI's own buffers.
 inline constexpr int64_t kMpiRuntimeBytes = 10ll << 20;
 
 // The budget on the GEMM backend selected now (its packing and widening buffers count) and with

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "engine/parameters.h"
+#include "engine/train/parameters.h"
 
 namespace cputrain {
 namespace {

@@ -8,9 +8,9 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "engine/corpus.h"
-#include "engine/error.h"
-#include "engine/memory.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/data/corpus.h"
 #include "models/lora.h"
 #include "models/memory_budget.h"
 #include "tools/flag_checks.h"

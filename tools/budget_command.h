@@ -8,7 +8,7 @@
 #include <string>
 
 #include "models/memory_budget.h"
-#include "tools/run_config.h"
+#include "tools/run/run_config.h"
 #include "tools/train_command.h"
 
 namespace cputrain {

@@ -10,16 +10,16 @@
 #include <string>
 #include <vector>
 
-#include "engine/communicator.h"
-#include "engine/error.h"
+#include "engine/core/error.h"
+#include "engine/dist/communicator.h"
 #include "tools/budget_command.h"
 #include "tools/eval_command.h"
 #include "tools/export_command.h"
 #include "tools/finetune_command.h"
 #include "tools/inspect_command.h"
-#include "tools/job.h"
 #include "tools/parity_command.h"
 #include "tools/plot_command.h"
+#include "tools/run/job.h"
 #include "tools/sample_command.h"
 #include "tools/train_command.h"
 

@@ -11,21 +11,21 @@
 #include <optional>
 #include <sstream>
 
-#include "engine/batch_sampler.h"
-#include "engine/checkpoint_file.h"
-#include "engine/corpus.h"
-#include "engine/error.h"
-#include "engine/token_dataset.h"
-#include "engine/tokenizer.h"
-#include "engine/trainer.h"
-#include "engine/vocab_tokenizer.h"
-#include "engine/weights_file.h"
+#include "engine/core/error.h"
+#include "engine/data/batch_sampler.h"
+#include "engine/data/corpus.h"
+#include "engine/data/token_dataset.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/checkpoint_file.h"
+#include "engine/train/trainer.h"
+#include "engine/train/weights_file.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
-#include "tools/progress.h"
-#include "tools/run_config.h"
-#include "tools/run_dir.h"
+#include "tools/run/progress.h"
+#include "tools/run/run_config.h"
+#include "tools/run/run_dir.h"
 #include "tools/train_command.h"
 
 namespace cputrain {

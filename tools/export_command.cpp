@@ -4,8 +4,8 @@
 #include <filesystem>
 #include <memory>
 
-#include "engine/error.h"
-#include "engine/parameters.h"
+#include "engine/core/error.h"
+#include "engine/train/parameters.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/llama.h"
@@ -50,6 +50,8 @@ int run_export(const ExportArgs& a) {
         "takes f32, f16 or bf16");
   std::error_code ec;
   const bool exists = std::filesystem::exists(a.out, ec);
+  const bool was_empty =
+      exists && std::filesystem::is_directory(a.out, ec) && std::filesystem::is_empty(a.out, ec);
   if (exists && !a.overwrite &&
       (gguf || !std::filesystem::is_directory(a.out, ec) || !std::filesystem::is_empty(a.out, ec)))
     throw UserError("--out " + a.out + ": exists; choose another name or give --overwrite");
@@ -77,7 +79,20 @@ int run_export(const ExportArgs& a) {
   options.name = std::filesystem::path(source).filename().string();
   if (!gguf) {
     const std::string dtype = a.type == "f16" ? "F16" : a.type == "bf16" ? "BF16" : "F32";
-    write_hf_folder(a.out, m.config, m.model->parameters(), *m.tokenizer, dtype);
+    try {
+      write_hf_folder(a.out, m.config, m.model->parameters(), *m.tokenizer, dtype);
+    } catch (...) {
+      // A folder this export began (or found empty) holds no model until it is whole: what it
+      // wrote is removed. (One it writes over keeps what it held, each file replaced whole or
+      // not at all.)
+      if (!exists) {
+        std::filesystem::remove_all(a.out, ec);
+      } else if (was_empty) {
+        for (const auto& entry : std::filesystem::directory_iterator(a.out, ec))
+          std::filesystem::remove_all(entry.path(), ec);
+      }
+      throw;
+    }
     std::printf("wrote %s: a Hugging Face folder of %s, %lld parameters, %s\n", a.out.c_str(),
                 m.source.c_str(), static_cast<long long>(parameter_count(m.config)), dtype.c_str());
     return 0;

@@ -18,20 +18,20 @@
 #include <sstream>
 #include <string_view>
 
-#include "engine/atomic_file.h"
-#include "engine/autograd.h"
-#include "engine/checkpoint_file.h"
-#include "engine/error.h"
-#include "engine/hash.h"
-#include "engine/memory.h"
-#include "engine/offload.h"
-#include "engine/profiler.h"
-#include "engine/tokenizer.h"
-#include "engine/trainer.h"
-#include "engine/vocab_tokenizer.h"
+#include "engine/core/autograd.h"
+#include "engine/core/error.h"
+#include "engine/core/hash.h"
+#include "engine/core/memory.h"
+#include "engine/core/profiler.h"
+#include "engine/io/atomic_file.h"
+#include "engine/io/offload.h"
+#include "engine/text/chat_template.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/checkpoint_file.h"
+#include "engine/train/trainer.h"
 #include "kernels/cpu_features.h"
-#include "models/chat_template.h"
-#include "models/finetune_data.h"
+#include "models/finetune_step.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/llama.h"
@@ -39,14 +39,14 @@
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
-#include "tools/job.h"
 #include "tools/model_source.h"
-#include "tools/progress.h"
+#include "tools/run/job.h"
 #include "tools/run/loop.h"
+#include "tools/run/progress.h"
+#include "tools/run/run_dir.h"
 #include "tools/run/session.h"
-#include "tools/run_dir.h"
-#include "tools/stop_signals.h"
-#include "tools/train_stages.h"
+#include "tools/run/stop_signals.h"
+#include "tools/run/train_stages.h"
 
 namespace cputrain {
 namespace {
@@ -289,6 +289,8 @@ Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_
   FinetuneDataOptions options;
   options.train_on_prompt = a.train_on_prompt;
   options.max_tokens = ctx + 1;
+  // A line's text, its JSON and its tokens are held at once: an eighth of the memory limit.
+  options.max_line_bytes = memory_limit_bytes(a.mem_limit_gib) / 8;
   options.chat = choose_chat_template(a, tokenizer, log);
   Examples e;
   e.chat_template = options.chat ? std::string(chat_family_name(options.chat->family)) : "";

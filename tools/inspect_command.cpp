@@ -9,18 +9,18 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "engine/error.h"
-#include "engine/gguf_file.h"
-#include "engine/memory.h"
-#include "engine/safetensors_file.h"
-#include "engine/vocab_tokenizer.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/io/gguf_file.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/text/vocab_tokenizer.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/lora.h"
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/model_source.h"
-#include "tools/run_config.h"
+#include "tools/run/run_config.h"
 #include "tools/train_command.h"
 
 namespace cputrain {

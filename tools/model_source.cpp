@@ -8,16 +8,16 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "engine/checkpoint_file.h"
-#include "engine/error.h"
-#include "engine/gguf_file.h"
-#include "engine/safetensors_file.h"
-#include "engine/vocab_tokenizer.h"
+#include "engine/core/error.h"
+#include "engine/io/gguf_file.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/checkpoint_file.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/lora.h"
-#include "tools/run_config.h"
-#include "tools/run_dir.h"
+#include "tools/run/run_config.h"
+#include "tools/run/run_dir.h"
 
 namespace cputrain {
 

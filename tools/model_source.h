@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 #include "models/llama.h"
 #include "models/llama_config.h"
 

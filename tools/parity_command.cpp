@@ -10,14 +10,14 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "engine/atomic_file.h"
-#include "engine/data_pipeline.h"
-#include "engine/error.h"
-#include "engine/memory.h"
-#include "engine/trainer.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/data/data_pipeline.h"
+#include "engine/io/atomic_file.h"
+#include "engine/train/trainer.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
-#include "tools/run_dir.h"
+#include "tools/run/run_dir.h"
 
 namespace cputrain {
 namespace {

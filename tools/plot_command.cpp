@@ -10,8 +10,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "engine/atomic_file.h"
-#include "engine/error.h"
+#include "engine/core/error.h"
+#include "engine/io/atomic_file.h"
 
 namespace cputrain {
 namespace {

@@ -5,16 +5,16 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "engine/error.h"
-#include "engine/tokenizer.h"
-#include "engine/weights_file.h"
+#include "engine/core/error.h"
+#include "engine/text/tokenizer.h"
+#include "engine/train/weights_file.h"
 #include "models/generate.h"
 #include "models/llama.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
-#include "tools/progress.h"
-#include "tools/run_config.h"
-#include "tools/run_dir.h"
+#include "tools/run/progress.h"
+#include "tools/run/run_config.h"
+#include "tools/run/run_dir.h"
 #include "tools/train_command.h"
 
 namespace cputrain {

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "tools/run/run_config.h"
 #include "tools/run/run_flags.h"
-#include "tools/run_config.h"
 
 namespace cputrain {
 

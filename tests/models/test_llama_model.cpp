@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "engine/adamw.h"
-#include "engine/memory.h"
-#include "engine/profiler.h"
+#include "engine/core/memory.h"
+#include "engine/core/profiler.h"
+#include "engine/train/adamw.h"
 #include "kernels/attention.h"
 #include "models/generate.h"
 #include "models/llama.h"

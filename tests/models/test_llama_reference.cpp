@@ -10,7 +10,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/adamw.h"
+#include "engine/train/adamw.h"
 #include "models/llama.h"
 #include "reference_file.h"
 

@@ -14,10 +14,10 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/memory.h"
-#include "engine/trainer.h"
+#include "engine/core/memory.h"
+#include "engine/train/trainer.h"
 #include "kernels/gemm.h"
-#include "models/finetune_data.h"
+#include "models/finetune_step.h"
 #include "models/llama.h"
 #include "models/memory_budget.h"
 

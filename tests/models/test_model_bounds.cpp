@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/error.h"
-#include "engine/gguf_file.h"
-#include "engine/memory.h"
-#include "engine/parameters.h"
-#include "engine/safetensors_file.h"
-#include "engine/tokenizer.h"
-#include "engine/vocab_tokenizer.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/io/gguf_file.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/parameters.h"
 #include "models/file_hyperparameters.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"

@@ -14,12 +14,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/adamw.h"
-#include "engine/checkpoint_file.h"
-#include "engine/error.h"
-#include "engine/memory.h"
-#include "engine/offload.h"
-#include "engine/trainer.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/io/offload.h"
+#include "engine/train/adamw.h"
+#include "engine/train/checkpoint_file.h"
+#include "engine/train/trainer.h"
 #include "models/llama.h"
 #include "models/llama_config.h"
 

@@ -7,11 +7,11 @@
 #include <cstring>
 #include <vector>
 
-#include "engine/adamw.h"
-#include "engine/communicator.h"
-#include "engine/gradient_reducer.h"
-#include "engine/memory.h"
-#include "engine/trainer.h"
+#include "engine/core/memory.h"
+#include "engine/dist/communicator.h"
+#include "engine/dist/gradient_reducer.h"
+#include "engine/train/adamw.h"
+#include "engine/train/trainer.h"
 #include "models/llama.h"
 #include "models/llama_config.h"
 

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/gguf_file.h"
+#include "engine/io/gguf_file.h"
 
 namespace cputrain::cli_test {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/gguf_file.h"
+#include "engine/io/gguf_file.h"
 #include "tests/tools/cli_test_util.h"
 
 namespace cputrain {

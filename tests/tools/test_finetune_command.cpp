@@ -325,6 +325,14 @@ TEST_F(FinetuneCli, BadInputGetsOneLine) {
                         "--val and --val-fraction: give one");
   expect_one_line_error(finetune((dir / "missing.jsonl").string(), ""),
                         "missing.jsonl: cannot be read");
+  {
+    // One line of 24 MiB: more than --mem-limit 0.1 lets an example hold, refused before it is
+    // read whole.
+    std::ofstream huge(dir / "huge.jsonl");
+    huge << "{\"text\": \"" << std::string(24 << 20, 'a') << "\"}\n";
+  }
+  expect_one_line_error(finetune((dir / "huge.jsonl").string(), "--mem-limit 0.1"),
+                        "huge.jsonl:1: a line longer than 12 MiB");
   expect_one_line_error(finetune(dir.string(), ""),
                         "a folder, where a JSON Lines file of examples is expected");
   expect_one_line_error(finetune(data.string(), "--lora-rank 100000"),
@@ -383,6 +391,26 @@ TEST_F(FinetuneCli, AFineTunesRunIsARunLikeAnyOther) {
   const Result stopped = run_cli("sample --run " + run.string() + prompt);
   ASSERT_EQ(stopped.exit_code, 0) << stopped.err;
   EXPECT_EQ(stopped.out, with_file.out);
+}
+
+// An export that cannot be completed (here a file size limit, as a full disk does) leaves no
+// half-written Hugging Face folder behind.
+TEST_F(FinetuneCli, AnExportThatFailsLeavesNoFolder) {
+  const fs::path out = dir_ / "hf";
+  const Result r =
+      run("ulimit -f 16; trap '' XFSZ;",
+          "export --model " + (kShared / "stories260K.gguf").string() + " --out " + out.string());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+  fs::create_directories(out);
+  EXPECT_NE(
+      run("ulimit -f 16; trap '' XFSZ;",
+          "export --model " + (kShared / "stories260K.gguf").string() + " --out " + out.string())
+          .exit_code,
+      0);
+  EXPECT_TRUE(fs::is_directory(out));
+  EXPECT_TRUE(fs::is_empty(out));
 }
 
 }  // namespace

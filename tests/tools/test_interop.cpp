@@ -19,13 +19,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/error.h"
-#include "engine/gguf_file.h"
-#include "engine/parameters.h"
-#include "engine/safetensors_file.h"
-#include "engine/tensor.h"
-#include "engine/vocab_tokenizer.h"
-#include "models/chat_template.h"
+#include "engine/core/error.h"
+#include "engine/core/tensor.h"
+#include "engine/io/gguf_file.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/text/chat_template.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/parameters.h"
 #include "models/generate.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"

@@ -4,15 +4,15 @@
 #include <fstream>
 #include <optional>
 
-#include "engine/checkpoint_file.h"
-#include "engine/error.h"
-#include "engine/memory.h"
-#include "engine/profiler.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/core/profiler.h"
+#include "engine/train/checkpoint_file.h"
 #include "tools/budget_command.h"
-#include "tools/job.h"
-#include "tools/mfu_peak.h"
-#include "tools/run_dir.h"
-#include "tools/train_stages.h"
+#include "tools/run/job.h"
+#include "tools/run/mfu_peak.h"
+#include "tools/run/run_dir.h"
+#include "tools/run/train_stages.h"
 
 namespace cputrain {
 namespace {

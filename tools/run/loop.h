@@ -13,11 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "engine/communicator.h"
-#include "engine/trainer.h"
+#include "engine/dist/communicator.h"
+#include "engine/train/trainer.h"
 #include "models/memory_budget.h"
-#include "tools/progress.h"
-#include "tools/stop_signals.h"
+#include "tools/run/progress.h"
+#include "tools/run/stop_signals.h"
 
 namespace cputrain {
 

@@ -4,9 +4,9 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "engine/communicator.h"
-#include "engine/error.h"
-#include "engine/memory.h"
+#include "engine/core/error.h"
+#include "engine/core/memory.h"
+#include "engine/dist/communicator.h"
 #include "kernels/dispatch.h"
 #include "kernels/gemm.h"
 #include "tools/flag_checks.h"

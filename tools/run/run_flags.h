@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/tensor.h"
+#include "engine/core/tensor.h"
 
 namespace cputrain {
 

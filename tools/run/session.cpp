@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "engine/communicator.h"
-#include "tools/train_stages.h"
+#include "engine/dist/communicator.h"
+#include "tools/run/train_stages.h"
 
 namespace cputrain {
 

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "tools/run/loop.h"
-#include "tools/run_dir.h"
-#include "tools/stop_signals.h"
+#include "tools/run/run_dir.h"
+#include "tools/run/stop_signals.h"
 
 namespace cputrain {
 

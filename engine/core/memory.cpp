@@ -1,0 +1,289 @@
+#include "engine/core/memory.h"
+
+#include <malloc.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "engine/core/block_cache.h"
+#include "kernels/dispatch.h"
+#include "kernels/workspace.h"
+
+namespace cputrain {
+namespace {
+
+// Live and peak bytes per category and in all, and the cache of freed blocks
+// (engine/core/block_cache.h) with its lock: the process's ledger over real blocks, a measuring
+// ledger (MeasureScope) over sizes alone.
+template <class Block>
+struct Ledger {
+  std::array<std::atomic<int64_t>, kMemoryCategoryCount> live{};
+  std::array<std::atomic<int64_t>, kMemoryCategoryCount> peak{};
+  std::atomic<int64_t> live_total{0};
+  std::atomic<int64_t> peak_total{0};
+  std::atomic<int64_t> held_peak{0};  // the most live + cached bytes
+  std::mutex mutex;
+  BlockCache<Block> cache;
+};
+
+void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+// A block of n bytes kept by the cache into *block (true); else, none being kept, room made in
+// the cache for a new one (false). Counts nothing.
+template <class Block, class Drop>
+bool ledger_take(Ledger<Block>& l, int64_t n, Block* block, Drop drop) {
+  return n >= BlockCache<Block>::kMinBytes &&
+         l.cache.take(n, l.live_total.load(std::memory_order_relaxed),
+                      l.peak_total.load(std::memory_order_relaxed), block, drop);
+}
+
+// Counts an allocation of n bytes (whole lines) under `category`.
+template <class Block>
+void ledger_count(Ledger<Block>& l, int64_t n, MemoryCategory category) {
+  const int i = static_cast<int>(category);
+  raise_peak(l.peak[i], l.live[i].fetch_add(n, std::memory_order_relaxed) + n);
+  raise_peak(l.peak_total, l.live_total.fetch_add(n, std::memory_order_relaxed) + n);
+  raise_peak(l.held_peak, l.live_total.load(std::memory_order_relaxed) + l.cache.cached());
+}
+
+// Counts the free of n bytes; true where the cache keeps the block.
+template <class Block>
+bool ledger_free(Ledger<Block>& l, Block block, int64_t n, MemoryCategory category) {
+  l.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
+  const int64_t live = l.live_total.fetch_sub(n, std::memory_order_relaxed) - n;
+  const bool kept = n >= BlockCache<Block>::kMinBytes &&
+                    l.cache.put(block, n, live, l.peak_total.load(std::memory_order_relaxed));
+  raise_peak(l.held_peak, live + l.cache.cached());
+  return kept;
+}
+
+template <class Block>
+MemoryStats ledger_stats(Ledger<Block>& l) {
+  MemoryStats s;
+  for (int i = 0; i < kMemoryCategoryCount; ++i) {
+    s.live_bytes[i] = l.live[i].load(std::memory_order_relaxed);
+    s.peak_bytes[i] = l.peak[i].load(std::memory_order_relaxed);
+  }
+  s.live_total_bytes = l.live_total.load(std::memory_order_relaxed);
+  s.peak_total_bytes = l.peak_total.load(std::memory_order_relaxed);
+  s.held_peak_bytes = l.held_peak.load(std::memory_order_relaxed);
+  std::lock_guard lock(l.mutex);
+  s.fresh_blocks = l.cache.fresh();
+  return s;
+}
+
+template <class Block>
+void ledger_reset_peaks(Ledger<Block>& l) {
+  for (int i = 0; i < kMemoryCategoryCount; ++i) l.peak[i].store(l.live[i].load());
+  l.peak_total.store(l.live_total.load());
+  std::lock_guard lock(l.mutex);
+  l.held_peak.store(l.live_total.load() + l.cache.cached());
+}
+
+Ledger<void*>& process_ledger() {
+  static Ledger<void*> l;
+  return l;
+}
+
+// The ledger of the MeasureScope alive, or null. A kept block of a measured run is nothing but
+// its size.
+using MeasureLedger = Ledger<char>;
+std::atomic<MeasureLedger*> measure_ledger{nullptr};
+
+// Reads "Key:   123 kB" from a /proc file, in bytes.
+int64_t read_proc_kb(const char* path, const std::string& key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.compare(0, key.size(), key) == 0 && line.size() > key.size() &&
+        line[key.size()] == ':') {
+      return std::strtoll(line.c_str() + key.size() + 1, nullptr, 10) * 1024;
+    }
+  }
+  return 0;
+}
+
+void free_block(void* ptr, int64_t) {
+  std::free(ptr);
+}
+
+}  // namespace
+
+std::string_view memory_category_name(MemoryCategory category) {
+  switch (category) {
+    case MemoryCategory::Weights:
+      return "weights";
+    case MemoryCategory::Bf16Weights:
+      return "bf16_weights";
+    case MemoryCategory::Gradients:
+      return "gradients";
+    case MemoryCategory::OptimizerState:
+      return "optimizer_state";
+    case MemoryCategory::Activations:
+      return "activations";
+    case MemoryCategory::Workspace:
+      return "workspace";
+  }
+  return "unknown";
+}
+
+// What an allocation of `bytes` takes: whole 64-byte lines, at least one. Counted as such.
+static size_t allocated_size(size_t bytes) {
+  return bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
+}
+
+void* memory_allocate(size_t bytes, MemoryCategory category) {
+  const size_t rounded = allocated_size(bytes);
+  const auto n = static_cast<int64_t>(rounded);
+  if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
+    std::lock_guard lock(m->mutex);
+    char block;
+    ledger_take(*m, n, &block, [](char, int64_t) {});
+    ledger_count(*m, n, category);
+    return nullptr;
+  }
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  void* ptr = nullptr;
+  if (!ledger_take(l, n, &ptr, free_block)) ptr = std::aligned_alloc(64, rounded);
+  if (ptr == nullptr) throw std::bad_alloc();
+  ledger_count(l, n, category);
+  return ptr;
+}
+
+void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  if (ptr == nullptr) {  // a measured allocation (or none)
+    if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
+      std::lock_guard lock(m->mutex);
+      ledger_free(*m, char{}, n, category);
+    }
+    return;
+  }
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  if (!ledger_free(l, ptr, n, category)) std::free(ptr);
+}
+
+void memory_count_mapped(size_t bytes, MemoryCategory category, bool count) {
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  if (count) {
+    ledger_count(l, n, category);
+  } else {
+    l.live[static_cast<int>(category)].fetch_sub(n, std::memory_order_relaxed);
+    l.live_total.fetch_sub(n, std::memory_order_relaxed);
+  }
+}
+
+MemoryStats memory_stats() {
+  return ledger_stats(process_ledger());
+}
+
+void memory_reset_peaks() {
+  ledger_reset_peaks(process_ledger());
+}
+
+bool measuring() {
+  return measure_ledger.load(std::memory_order_relaxed) != nullptr;
+}
+
+struct MeasureScope::State {
+  MeasureLedger ledger;
+  std::array<int64_t, kMeasureBuffers> buffers{};  // bytes held in each buffer slot
+  std::array<MemoryCategory, kMeasureBuffers> buffer_categories{};
+};
+
+namespace {
+std::atomic<MeasureScope::State*> measure_state{nullptr};
+}  // namespace
+
+void measure_buffer(int slot, size_t bytes, MemoryCategory category) {
+  MeasureScope::State* m = measure_state.load(std::memory_order_relaxed);
+  if (m == nullptr || slot < 0 || slot >= kMeasureBuffers)
+    throw std::logic_error("measure_buffer: a slot of a live MeasureScope");
+  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  int64_t& held = m->buffers[slot];
+  if (held >= n) return;
+  if (held > 0) memory_free(nullptr, static_cast<size_t>(held), m->buffer_categories[slot]);
+  memory_allocate(static_cast<size_t>(n), category);
+  held = n;
+  m->buffer_categories[slot] = category;
+}
+
+MeasureScope::MeasureScope() : state_(std::make_unique<State>()) {
+  // The kernels' one-time set-up computes for real (the GEMM's choice of backend runs its
+  // self-test): before measuring, not inside.
+  kernels::kernel_choices();
+  MeasureLedger* expected = nullptr;
+  if (!measure_ledger.compare_exchange_strong(expected, &state_->ledger))
+    throw std::logic_error("MeasureScope: one is already alive");
+  measure_state.store(state_.get());
+}
+
+MeasureScope::~MeasureScope() {
+  measure_state.store(nullptr);
+  measure_ledger.store(nullptr);
+}
+
+MemoryStats MeasureScope::stats() const {
+  return ledger_stats(state_->ledger);
+}
+
+void MeasureScope::reset_peaks() {
+  ledger_reset_peaks(state_->ledger);
+}
+
+ProcessMemory process_memory() {
+  const char* status = "/proc/self/status";
+  return {read_proc_kb(status, "VmRSS"), read_proc_kb(status, "VmHWM"),
+          read_proc_kb(status, "RssAnon"),
+          read_proc_kb(status, "RssFile") + read_proc_kb(status, "RssShmem")};
+}
+
+void memory_release_cached() {
+  Ledger<void*>& l = process_ledger();
+  std::lock_guard lock(l.mutex);
+  l.cache.clear(free_block);
+}
+
+bool process_memory_reset_peak() {
+  memory_release_cached();
+  ::malloc_trim(0);
+  std::ofstream out("/proc/self/clear_refs");
+  return static_cast<bool>(out << "5" << std::flush);
+}
+
+int64_t available_memory_bytes() {
+  return read_proc_kb("/proc/meminfo", "MemAvailable");
+}
+
+namespace {
+
+// Kernel scratch (GEMM packing buffers) is counted as workspace like any other allocation.
+// Tensors of 1 MiB and more are mapped and unmapped on their own, so a block that leaves the
+// cache returns its pages at once and the resident set follows live + cached tensors. (glibc's
+// default threshold rises after the first large free, after which freed tensors would stay in
+// the heap as residue.)
+const bool large_allocations_mapped = [] { return ::mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1; }();
+
+const bool kernel_workspace_accounted = [] {
+  kernels::set_workspace_allocator(
+      {[](size_t bytes) { return memory_allocate(bytes, MemoryCategory::Workspace); },
+       [](void* ptr, size_t bytes) { memory_free(ptr, bytes, MemoryCategory::Workspace); }});
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace cputrain

@@ -1,0 +1,898 @@
+#include "engine/core/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "engine/core/hash.h"
+#include "engine/core/profiler.h"
+#include "kernels/attention.h"
+#include "kernels/bf16.h"
+#include "kernels/bias.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/embedding.h"
+#include "kernels/gemm.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
+#include "kernels/vector_add.h"
+
+namespace cputrain {
+namespace {
+
+using kernels::Transpose;
+using profiler::Pass;
+using profiler::Scope;
+
+Tensor new_activation(const Shape& shape, DType dtype = DType::F32) {
+  return Tensor::empty(shape, dtype, MemoryCategory::Activations);
+}
+
+// Shape of x with its last dimension replaced by n.
+Shape with_last_dim(const Shape& x, int64_t n) {
+  switch (x.ndim()) {
+    case 1:
+      return Shape{n};
+    case 2:
+      return Shape{x[0], n};
+    case 3:
+      return Shape{x[0], x[1], n};
+    default:
+      return Shape{x[0], x[1], x[2], n};
+  }
+}
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+bool bf16_mode() {
+  return compute_dtype() == DType::BF16;
+}
+
+// Whether kernels run: not while measuring (engine/core/memory.h), where tensors have no elements
+// and an op makes only its allocations.
+bool computing() {
+  return !measuring();
+}
+
+// The FP32 value of an op's input. In bf16 mode an output only GEMMs consume may hold its bf16
+// rounding alone (swiglu's); an op that computes on FP32 values cannot take it.
+const Tensor& fp32_value(const Variable& x) {
+  require(x.value().dtype() == DType::F32, "an op on FP32 values given a bf16-only activation");
+  return x.value();
+}
+
+// What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
+// rounding (shared with every other op that saves the same input).
+Tensor saved(const Variable& x) {
+  return bf16_mode() ? x.bf16_value() : x.value();
+}
+
+// In bf16 mode, where an op that reads x's FP32 value also saves x for its backward: the tensor
+// its pass writes x's rounding into, which x keeps as its bf16 value (what saved(x) returns);
+// undefined where there is nothing to write (no backward, a leaf, or x already rounded).
+Tensor rounding_in_pass(const Variable& x, bool grad) {
+  if (!grad || !x.is_op_output() || x.has_bf16_value()) return Tensor();
+  Tensor rounding = new_activation(x.shape(), DType::BF16);
+  x.cache_bf16_value(rounding);
+  return rounding;
+}
+
+uint16_t* bf16_or_null(const Tensor& t) {
+  return t.defined() ? t.bf16() : nullptr;
+}
+
+// A saved tensor as FP32, for kernels that compute in FP32: itself, or a workspace copy.
+Tensor as_f32(const Tensor& t) {
+  if (t.dtype() == DType::F32) return t;
+  Tensor f = Tensor::empty(t.shape(), DType::F32, MemoryCategory::Workspace);
+  Scope scope("to fp32", Pass::Enclosing);
+  if (computing()) kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
+  return f;
+}
+
+Tensor to_bf16(const Tensor& t) {
+  Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
+  Scope scope("to bf16", Pass::Enclosing);
+  if (computing()) kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
+  return b;
+}
+
+// The profiler's names of a layer's three GEMMs.
+struct GemmNames {
+  const char* y;   // Y = X W^T
+  const char* dx;  // dX = dY W
+  const char* dw;  // dW += dY^T X
+};
+constexpr GemmNames kLinearGemms{"linear GEMM Y=XW'", "linear GEMM dX=dY W", "linear GEMM dW=dY'X"};
+constexpr GemmNames kLmHeadGemms{"lm_head GEMM Y=XW'", "lm_head GEMM dX=dY W",
+                                 "lm_head GEMM dW=dY'X"};
+
+// While measuring, the allocations a GEMM of these sizes makes without computing it: its buffers
+// grow to what the product needs (kernels::gemm_buffer_bytes), in the order it takes them (the
+// widenings of bf16 operands first, then the packed panels of B and of A).
+void measure_gemm(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
+  const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+  for (const int buffer : {2, 3, 0, 1})
+    if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
+}
+
+// The same for gemm_bf16_rounded (No, Yes), which goes through an FP32 scratch of M x N where it
+// cannot round in its registers (kernels/gemm.h).
+void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
+  Tensor scratch;
+  if (!kernels::gemm_bf16_rounded_direct(K))
+    scratch = Tensor::empty(Shape{M, N}, DType::F32, MemoryCategory::Workspace);
+  measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
+}
+
+double gemm_flops(int64_t M, int64_t N, int64_t K) {
+  return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+}
+
+// out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:
+// x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv).
+void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,
+                    int64_t N, int64_t K, const GemmNames& names) {
+  Scope scope(names.y, Pass::Forward, gemm_flops(M, N, K));
+  if (!computing()) {
+    measure_gemm(xv.dtype() == DType::BF16, Transpose::No, Transpose::Yes, M, N, K);
+  } else if (xv.dtype() == DType::BF16) {
+    kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K, wv.bf16(),
+                       K, 0.0f, out, N);
+  } else {
+    kernels::gemm_f32(Transpose::No, Transpose::Yes, M, N, K, xv.f32() + row0 * K, K, wv.f32(), K,
+                      0.0f, out, N);
+  }
+}
+
+// A linear layer's backward from its output gradient dy (M, N), bf16 or FP32 as xv and wv:
+// gx (M, K) += dy w and gw (N, K) += dy^T x, each where its gradient is wanted.
+void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& wv,
+                              const GradRef& gx, const GradRef& gw, int64_t M, int64_t N, int64_t K,
+                              const GemmNames& names) {
+  // The first contribution to a gradient overwrites it (beta 0) instead of adding to zeros.
+  float bx = 1.0f, bw = 1.0f;
+  float* dx = gx ? gx->get_for_accumulate(&bx).f32() : nullptr;
+  float* dw = gw ? gw->get_for_accumulate(&bw).f32() : nullptr;
+  const bool bf16 = dy.dtype() == DType::BF16;
+  if (gx) {
+    Scope scope(names.dx, Pass::Backward, gemm_flops(M, K, N));
+    if (!computing())
+      measure_gemm(bf16, Transpose::No, Transpose::No, M, K, N);
+    else if (bf16)
+      kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K, bx, dx,
+                         K);
+    else
+      kernels::gemm_f32(Transpose::No, Transpose::No, M, K, N, dy.f32(), N, wv.f32(), K, bx, dx, K);
+  }
+  if (gw) {
+    Scope scope(names.dw, Pass::Backward, gemm_flops(N, K, M));
+    if (!computing())
+      measure_gemm(bf16, Transpose::Yes, Transpose::No, N, K, M);
+    else if (bf16)
+      kernels::gemm_bf16(Transpose::Yes, Transpose::No, N, K, M, dy.bf16(), N, xv.bf16(), K, bw, dw,
+                         K);
+    else
+      kernels::gemm_f32(Transpose::Yes, Transpose::No, N, K, M, dy.f32(), N, xv.f32(), K, bw, dw,
+                        K);
+  }
+}
+
+// Adds dy's column sums (M x N, FP32 or bf16) into a bias's gradient, or writes them where it is
+// still empty.
+void bias_gradient(const GradRef& gb, const Tensor& dy, int64_t M, int64_t N) {
+  float beta = 0.0f;
+  float* db = gb->get_for_accumulate(&beta).f32();
+  if (computing() && dy.dtype() == DType::BF16)
+    kernels::bias_backward(db, dy.bf16(), M, N, beta != 0.0f);
+  else if (computing())
+    kernels::bias_backward(db, dy.f32(), M, N, beta != 0.0f);
+}
+
+// The gradients one backward kernel writes (a null cell: scratch), and whether it adds onto
+// them. It overwrites, so nothing needs zero-filling, where every cell is still empty and no two
+// are the same (swiglu(x, x)); else the empty ones are zero-filled and it accumulates.
+struct KernelGrads {
+  std::vector<Tensor> grads;
+  bool accumulate = false;
+};
+struct GradSlot {
+  const GradRef* cell;
+  Shape shape;  // of the scratch where the cell is null
+};
+KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
+  KernelGrads k;
+  for (auto a = slots.begin(); a != slots.end(); ++a) {
+    if (*a->cell && (*a->cell)->tensor().defined()) k.accumulate = true;
+    for (auto b = slots.begin(); b != a; ++b)
+      if (*a->cell && *a->cell == *b->cell) k.accumulate = true;
+  }
+  for (const GradSlot& slot : slots) {
+    const GradRef& cell = *slot.cell;
+    float beta = 0.0f;
+    if (!cell)
+      k.grads.push_back(k.accumulate
+                            ? Tensor::zeros(slot.shape, DType::F32, MemoryCategory::Workspace)
+                            : Tensor::empty(slot.shape, DType::F32, MemoryCategory::Workspace));
+    else
+      k.grads.push_back(k.accumulate ? cell->get_or_zeros() : cell->get_for_accumulate(&beta));
+  }
+  return k;
+}
+
+}  // namespace
+
+Tensor attention_input(const Variable& x) {
+  return as_f32(saved(x));
+}
+
+Variable embedding(const Variable& table, const Tensor& tokens) {
+  require(table.value().ndim() == 2 && tokens.ndim() == 2 && tokens.dtype() == DType::I32,
+          "embedding: table (V, C) and tokens (B, T) i32");
+  const int64_t C = table.shape()[1];
+  const int64_t N = tokens.numel();
+  Scope scope("embedding", Pass::Forward);
+  Tensor y = new_activation(Shape{tokens.dim(0), tokens.dim(1), C});
+  // A frozen table may live as bf16 alone (ParameterSet): widened row by row.
+  if (computing() && table.value().dtype() == DType::BF16)
+    kernels::embedding_forward_bf16(y.f32(), tokens.i32(), table.value().bf16(), N, C);
+  else if (computing())
+    kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C);
+  const bool grad = needs_grad({&table});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("embedding", [tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C] {
+      if (!gy->tensor().defined()) return;
+      const Tensor& gtable = gt->get_or_zeros();
+      if (computing())
+        kernels::embedding_backward(gtable.f32(), gy->tensor().f32(), tokens.i32(), N, C);
+    });
+  }
+  return out;
+}
+
+namespace {
+
+// linear and linear_rounded, with a bias where b is defined; rounded: in bf16 mode the output
+// is written as its bf16 rounding alone.
+Variable linear_op(const Variable& x, const Variable& w, const Variable& b, bool rounded) {
+  const Shape& xs = x.shape();
+  require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
+          "linear: x (..., K) and w (N, K)");
+  const int64_t N = w.shape()[0];
+  const int64_t K = w.shape()[1];
+  const int64_t M = x.value().numel() / K;
+  require(!b.defined() || (b.value().ndim() == 1 && b.shape()[0] == N), "linear: bias (N)");
+  Scope scope("linear", Pass::Forward);
+  const bool bf16 = bf16_mode();
+  rounded = rounded && bf16;
+  Tensor y = new_activation(with_last_dim(xs, N), rounded ? DType::BF16 : DType::F32);
+  // In bf16 mode both operands are bf16 roundings: x's is shared with the other ops that take
+  // x, w's is the parameter's copy.
+  const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
+  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  if (rounded && !b.defined()) {
+    Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K));
+    if (computing())
+      kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K,
+                                 y.bf16(), N);
+    else
+      measure_gemm_rounded(M, N, K);
+  } else if (rounded) {  // the sum with the bias is what is rounded
+    const Tensor sum = Tensor::empty(y.shape(), DType::F32, MemoryCategory::Workspace);
+    linear_product(xv, 0, wv, sum.f32(), M, N, K, kLinearGemms);
+    if (computing()) kernels::bias_add_rounded(y.bf16(), sum.f32(), b.value().f32(), M, N);
+  } else {
+    linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+    if (b.defined() && computing()) kernels::bias_add(y.f32(), b.value().f32(), M, N);
+  }
+  const bool grad = b.defined() ? needs_grad({&x, &w, &b}) : needs_grad({&x, &w});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    // In bf16 mode the backward takes only the rounding of its output's gradient: an op whose
+    // backward is that gradient's only contribution may write the rounding alone.
+    if (bf16) out.grad_ref()->set_read_rounded();
+    // The gradient of x needs w and that of w needs x: save only what is used.
+    Tensor xs_saved = w.requires_grad() ? xv : Tensor();
+    Tensor ws_saved = x.requires_grad() ? wv : Tensor();
+    const GradRef gb = b.defined() ? b.grad_ref() : GradRef();
+    record_backward("linear", [xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+                               gb, gy = out.grad_ref(), M, N, K, bf16] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const bool round = bf16 && dy.dtype() != DType::BF16;
+      const Tensor dyv = round ? to_bf16(dy) : dy;
+      // The bias's gradient from the values the products take: dy's rounding in bf16 mode.
+      if (gb) bias_gradient(gb, dyv, M, N);
+      linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+Variable linear(const Variable& x, const Variable& w, const Variable& b) {
+  return linear_op(x, w, b, false);
+}
+
+Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b) {
+  return linear_op(x, w, b, true);
+}
+
+namespace {
+
+constexpr GemmNames kLoraGemms{"lora GEMMs Y+=s(XA')B'", "lora GEMMs dA dB dX", ""};
+
+// C (M x N) = op(A) op(B) + beta C, on bf16 or FP32 operands (both of one type), or the
+// allocations it makes while measuring. Row-major, leading dimensions the operands' widths.
+void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const Tensor& a,
+             const Tensor& b, float beta, float* c) {
+  const int64_t lda = ta == Transpose::No ? K : M, ldb = tb == Transpose::No ? N : K;
+  if (!computing())
+    measure_gemm(a.dtype() == DType::BF16, ta, tb, M, N, K);
+  else if (a.dtype() == DType::BF16)
+    kernels::gemm_bf16(ta, tb, M, N, K, a.bf16(), lda, b.bf16(), ldb, beta, c, N);
+  else
+    kernels::gemm_f32(ta, tb, M, N, K, a.f32(), lda, b.f32(), ldb, beta, c, N);
+}
+
+// s u in the compute precision: what the products take of a small FP32 (M x r) tensor.
+Tensor scaled_operand(const Tensor& u, float s, bool bf16, MemoryCategory category) {
+  Tensor out = Tensor::empty(u.shape(), bf16 ? DType::BF16 : DType::F32, category);
+  if (!computing()) return out;
+  const int64_t n = u.numel();
+  if (bf16) {
+    for (int64_t i = 0; i < n; ++i) out.bf16()[i] = kernels::fp32_to_bf16(s * u.f32()[i]);
+  } else {
+    kernels::vector_scale(out.f32(), u.f32(), s, n);
+  }
+  return out;
+}
+
+// Dropout's mask for element i: kept where a hash of (seed, i) is at or above p of its range.
+inline bool dropout_keeps(uint64_t seed, int64_t i, uint32_t threshold) {
+  return static_cast<uint32_t>(splitmix64(seed + static_cast<uint64_t>(i)) >> 32) >= threshold;
+}
+
+uint32_t dropout_threshold(float p) {
+  return static_cast<uint32_t>(std::min(4294967295.0, static_cast<double>(p) * 4294967296.0));
+}
+
+// x with dropout applied (the update's input), in x's precision.
+Tensor dropped_out(const Tensor& x, float p, uint64_t seed) {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), MemoryCategory::Workspace);
+  if (!computing()) return out;
+  const uint32_t threshold = dropout_threshold(p);
+  const float keep = 1.0f / (1.0f - p);
+  const int64_t n = x.numel();
+  if (x.dtype() == DType::BF16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      out.bf16()[i] = dropout_keeps(seed, i, threshold)
+                          ? kernels::fp32_to_bf16(kernels::bf16_to_fp32(x.bf16()[i]) * keep)
+                          : uint16_t{0};
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      out.f32()[i] = dropout_keeps(seed, i, threshold) ? x.f32()[i] * keep : 0.0f;
+  }
+  return out;
+}
+
+}  // namespace
+
+Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
+                     const Variable& bm, float scale, float dropout, uint64_t dropout_seed) {
+  const Shape& xs = x.shape();
+  require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
+          "lora_linear: x (..., K) and w (N, K)");
+  const int64_t N = w.shape()[0], K = w.shape()[1], M = x.value().numel() / K;
+  const int64_t r = a.shape()[0];
+  require(a.value().ndim() == 2 && a.shape()[1] == K && bm.value().ndim() == 2 &&
+              bm.shape()[0] == N && bm.shape()[1] == r,
+          "lora_linear: a (r, K) and b (N, r)");
+  require(!b.defined() || (b.value().ndim() == 1 && b.shape()[0] == N), "lora_linear: bias (N)");
+  Scope scope("lora_linear", Pass::Forward);
+  const bool bf16 = bf16_mode();
+  Tensor y = new_activation(with_last_dim(xs, N));
+  const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
+  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  const Tensor av = bf16 ? a.bf16_value() : a.value();
+  const Tensor bv = bf16 ? bm.bf16_value() : bm.value();
+  linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+  if (b.defined() && computing()) kernels::bias_add(y.f32(), b.value().f32(), M, N);
+  // u = x A', then y += (s u) B': the update's one large product accumulates into y.
+  Tensor su;
+  {
+    Scope gemm(kLoraGemms.y, Pass::Forward, gemm_flops(M, r, K) + gemm_flops(M, N, r));
+    const Tensor u = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
+    const Tensor xd = dropout > 0.0f ? dropped_out(xv, dropout, dropout_seed) : xv;
+    product(Transpose::No, Transpose::Yes, M, r, K, xd, av, 0.0f, u.f32());
+    su = scaled_operand(u, scale, bf16, MemoryCategory::Activations);
+    product(Transpose::No, Transpose::Yes, M, N, r, su, bv, 1.0f, y.f32());
+  }
+  const bool grad = b.defined() ? needs_grad({&x, &w, &b, &a, &bm}) : needs_grad({&x, &w, &a, &bm});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    if (bf16) out.grad_ref()->set_read_rounded();
+    const GradRef gb = b.defined() ? b.grad_ref() : GradRef();
+    record_backward("lora_linear", [xv, wv, av, bv, su, gx = x.grad_ref(), gw = w.grad_ref(), gb,
+                                    ga = a.grad_ref(), gbm = bm.grad_ref(), gy = out.grad_ref(), M,
+                                    N, K, r, scale, bf16, dropout, dropout_seed] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const Tensor dyv = bf16 && dy.dtype() != DType::BF16 ? to_bf16(dy) : dy;
+      if (gb) bias_gradient(gb, dyv, M, N);
+      // The base's products: dX = dY W (and dW where W trains).
+      linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
+      Scope gemm(
+          kLoraGemms.dx, Pass::Backward,
+          gemm_flops(M, r, N) + gemm_flops(M, K, r) + gemm_flops(N, r, M) + gemm_flops(r, K, M));
+      // g = dY B (M x r); the update's gradients: dB = dY' (s u), dA = (s g)' X, dX += (s g) A.
+      const Tensor g = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
+      product(Transpose::No, Transpose::No, M, r, N, dyv, bv, 0.0f, g.f32());
+      const Tensor sg = scaled_operand(g, scale, bf16, MemoryCategory::Workspace);
+      if (gbm) {
+        float beta = 0.0f;
+        float* d = gbm->get_for_accumulate(&beta).f32();
+        product(Transpose::Yes, Transpose::No, N, r, M, dyv, su, beta, d);
+      }
+      if (ga) {
+        float beta = 0.0f;
+        float* d = ga->get_for_accumulate(&beta).f32();
+        // With dropout, the update's input drawn again from the seed.
+        const Tensor xd = dropout > 0.0f ? dropped_out(xv, dropout, dropout_seed) : xv;
+        product(Transpose::Yes, Transpose::No, r, K, M, sg, xd, beta, d);
+      }
+      if (gx && dropout > 0.0f) {
+        // dX += ((s g) A) masked and scaled as the forward's input was.
+        const Tensor t = Tensor::empty(Shape{M, K}, DType::F32, MemoryCategory::Workspace);
+        product(Transpose::No, Transpose::No, M, K, r, sg, av, 0.0f, t.f32());
+        float beta = 0.0f;
+        float* d = gx->get_for_accumulate(&beta).f32();
+        if (computing()) {
+          const uint32_t threshold = dropout_threshold(dropout);
+          const float keep = 1.0f / (1.0f - dropout);
+          const int64_t n = M * K;
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < n; ++i) {
+            const float v = dropout_keeps(dropout_seed, i, threshold) ? t.f32()[i] * keep : 0.0f;
+            d[i] = beta != 0.0f ? d[i] + v : v;
+          }
+        }
+      } else if (gx) {
+        float beta = 0.0f;
+        float* d = gx->get_for_accumulate(&beta).f32();
+        product(Transpose::No, Transpose::No, M, K, r, sg, av, beta, d);
+      }
+    });
+  }
+  return out;
+}
+
+Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
+  const Shape& xs = x.shape();
+  const int64_t C = xs[xs.ndim() - 1];
+  require(w.value().ndim() == 1 && w.shape()[0] == C, "rmsnorm: x (..., C) and w (C)");
+  const int64_t N = x.value().numel() / C;
+  Scope scope("rmsnorm", Pass::Forward);
+  const bool grad = needs_grad({&x, &w});
+  Tensor y;
+  Tensor rstd = new_activation(Shape{N});
+  if (bf16_mode()) {
+    // The output is only ever a GEMM input: only its bf16 rounding is written, in the pass that
+    // also rounds x for the backward.
+    y = new_activation(xs, DType::BF16);
+    const Tensor x16 = rounding_in_pass(x, grad);
+    if (computing())
+      kernels::rmsnorm_forward_bf16(y.bf16(), bf16_or_null(x16), rstd.f32(), fp32_value(x).f32(),
+                                    w.value().f32(), N, C, eps);
+  } else {
+    y = new_activation(xs);
+    if (computing())
+      kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
+                               eps);
+  }
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("rmsnorm", [xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(),
+                                gw = w.grad_ref(), gy = out.grad_ref(), N, C] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      // The kernel produces both gradients; a side nobody needs goes to scratch.
+      const KernelGrads gxs = kernel_grads({{&gx, Shape{N, C}}});
+      const Tensor& dx = gxs.grads[0];
+      Tensor dw =
+          gw ? gw->get_or_zeros() : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
+      if (!computing()) return;
+      if (xs.dtype() == DType::BF16)
+        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(), N,
+                                  C, gxs.accumulate);
+      else
+        kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.f32(), wv.f32(), rstd.f32(), N,
+                                  C, gxs.accumulate);
+    });
+  }
+  return out;
+}
+
+Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
+              bool per_row) {
+  const Shape& xs = x.shape();
+  require(xs.ndim() == 3 && xs[2] % n_heads == 0 && (xs[2] / n_heads) % 2 == 0,
+          "rope: x (B, T, C) with C = H * D, D even");
+  const int64_t B = xs[0], T = xs[1], H = n_heads, D = xs[2] / n_heads;
+  require(table.numel() >= (per_row ? B : 1) * T * D, "rope: table shorter than T");
+  // Each row with its own table, or all with the one.
+  const int64_t rows = per_row ? B : 1, each = per_row ? 1 : B, stride = T * H * D;
+  Scope scope("rope", Pass::Forward);
+  const bool grad = needs_grad({&x});
+  // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
+  Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
+  for (int64_t r = 0; r < rows && computing(); ++r) {
+    const float* t = table.f32() + r * T * D;
+    if (y.dtype() == DType::BF16)
+      kernels::rope_forward_bf16(y.bf16() + r * stride, fp32_value(x).f32() + r * stride, t, each,
+                                 T, H, D, half_split);
+    else
+      kernels::rope_forward(y.f32() + r * stride, fp32_value(x).f32() + r * stride, t, each, T, H,
+                            D, half_split);
+  }
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), rows, each, stride, T,
+                             H, D, half_split] {
+      if (!gy->tensor().defined()) return;
+      const float* dy = gy->tensor().f32();
+      if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
+        const Tensor rounded = gx->rounded_for_overwrite();
+        if (rounded.defined()) {
+          for (int64_t r = 0; r < rows && computing(); ++r)
+            kernels::rope_backward_bf16(rounded.bf16() + r * stride, dy + r * stride,
+                                        table.f32() + r * T * D, each, T, H, D, half_split);
+          return;
+        }
+      }
+      const KernelGrads g = kernel_grads({{&gx, Shape{rows * each, T, H * D}}});
+      for (int64_t r = 0; r < rows && computing(); ++r)
+        kernels::rope_backward(g.grads[0].f32() + r * stride, dy + r * stride,
+                               table.f32() + r * T * D, each, T, H, D, half_split, g.accumulate);
+    });
+  }
+  return out;
+}
+
+namespace {
+
+// The sequences attention runs on, one kernel call each: all B rows at once, or with packing
+// each sequence of each row as a batch of one. `lse` is where its statistics begin in the op's
+// (B, H, T) buffer, each sequence's (H, its length) in turn.
+struct AttentionPart {
+  int64_t row_offset;  // positions from the start of the batch
+  int64_t B, T;
+  int64_t lse_offset;
+};
+
+std::vector<AttentionPart> attention_parts(int64_t B, int64_t T, int64_t H,
+                                           const Packing* packing) {
+  if (!packing) return {{0, B, T, 0}};
+  require(static_cast<int64_t>(packing->lengths.size()) == B, "attention: packing of B rows");
+  std::vector<AttentionPart> parts;
+  int64_t lse = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t start = 0;
+    for (const int64_t n : packing->lengths[static_cast<size_t>(b)]) {
+      require(n > 0, "attention: packed sequences of at least one position");
+      parts.push_back({b * T + start, 1, n, lse});
+      start += n;
+      lse += H * n;
+    }
+    require(start == T, "attention: packed lengths summing to T");
+  }
+  return parts;
+}
+
+}  // namespace
+
+Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
+                   int64_t n_kv_heads, std::shared_ptr<const Packing> packing) {
+  const Shape& s = q.shape();
+  const Shape& kvs = k.shape();
+  require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && s.ndim() == 3 &&
+              s[2] % n_heads == 0,
+          "attention: q (B, T, H * D), H a multiple of the key/value heads");
+  const int64_t B = s[0], T = s[1], H = n_heads, KVH = n_kv_heads, D = s[2] / n_heads;
+  require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
+  const std::vector<AttentionPart> parts = attention_parts(B, T, H, packing.get());
+  // Causal: query t meets t + 1 keys; each product is 2 D FLOPs per (query, key) pair.
+  double pair_flops = 0.0;
+  for (const AttentionPart& p : parts)
+    pair_flops += 2.0 * static_cast<double>(p.B * H * D) * static_cast<double>(p.T) *
+                  static_cast<double>(p.T + 1) / 2.0;
+  Scope scope("attention", Pass::Forward, 2.0 * pair_flops);  // S = Q K^T, O = P V
+  Tensor lse = new_activation(Shape{B, H, T});
+  // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
+  // will see, with bf16 products where the CPU has them (else widened to FP32); the softmax
+  // statistics stay FP32. With bf16 products it writes only the bf16 rounding of its output:
+  // all the output projection and the backward take of it.
+  const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
+  const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
+  Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
+  const int64_t QD = H * D, KD = KVH * D;
+  if (native) {
+    for (const AttentionPart& p : parts)
+      if (computing())
+        kernels::attention_forward_bf16(
+            y.bf16() + p.row_offset * QD, lse.f32() + p.lse_offset, qs.bf16() + p.row_offset * QD,
+            ks.bf16() + p.row_offset * KD, vs.bf16() + p.row_offset * KD, p.B, p.T, H, KVH, D);
+  } else {
+    const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
+    for (const AttentionPart& p : parts)
+      if (computing())
+        kernels::attention_forward(y.f32() + p.row_offset * QD, lse.f32() + p.lse_offset,
+                                   qf.f32() + p.row_offset * QD, kf.f32() + p.row_offset * KD,
+                                   vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D);
+  }
+  const bool grad = needs_grad({&q, &k, &v});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("attention", [qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(),
+                                  gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), native,
+                                  pair_flops, parts, B, T, H, KVH, D, QD, KD] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+      profiler::add_flops(5.0 * pair_flops);
+      const Shape kv_shape{B, T, KVH * D};
+      const KernelGrads g =
+          kernel_grads({{&gq, Shape{B, T, H * D}}, {&gk, kv_shape}, {&gv, kv_shape}});
+      const Tensor &dq = g.grads[0], &dk = g.grads[1], &dv = g.grads[2];
+      if (native) {
+        if (!computing()) return;
+        for (const AttentionPart& p : parts)
+          kernels::attention_backward_bf16(
+              dq.f32() + p.row_offset * QD, dk.f32() + p.row_offset * KD,
+              dv.f32() + p.row_offset * KD, dy.f32() + p.row_offset * QD,
+              qs.bf16() + p.row_offset * QD, ks.bf16() + p.row_offset * KD,
+              vs.bf16() + p.row_offset * KD, ys.bf16() + p.row_offset * QD,
+              lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate);
+        return;
+      }
+      const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);
+      for (const AttentionPart& p : parts)
+        if (computing())
+          kernels::attention_backward(dq.f32() + p.row_offset * QD, dk.f32() + p.row_offset * KD,
+                                      dv.f32() + p.row_offset * KD, dy.f32() + p.row_offset * QD,
+                                      qv.f32() + p.row_offset * QD, kv.f32() + p.row_offset * KD,
+                                      vv.f32() + p.row_offset * KD, yv.f32() + p.row_offset * QD,
+                                      lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate);
+    });
+  }
+  return out;
+}
+
+Variable swiglu(const Variable& gate, const Variable& up) {
+  require(gate.shape() == up.shape(), "swiglu: gate and up of equal shape");
+  const int64_t n = gate.value().numel();
+  Scope scope("swiglu", Pass::Forward);
+  const bool grad = needs_grad({&gate, &up});
+  Tensor y;
+  if (bf16_mode()) {
+    // The output is only ever a GEMM input (the down projection's), which takes its bf16
+    // rounding: only that is written, in the pass that also rounds gate and up for the backward.
+    y = new_activation(gate.shape(), DType::BF16);
+    const Tensor gate16 = rounding_in_pass(gate, grad), up16 = rounding_in_pass(up, grad);
+    if (computing())
+      kernels::swiglu_forward_bf16(y.bf16(), bf16_or_null(gate16), bf16_or_null(up16),
+                                   fp32_value(gate).f32(), fp32_value(up).f32(), n);
+  } else {
+    y = new_activation(gate.shape());
+    if (computing())
+      kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), fp32_value(up).f32(), n);
+  }
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("swiglu", [gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
+                               gu = up.grad_ref(), gy = out.grad_ref(), n] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      // Both gradients written as their roundings, where that is all gate's and up's producers
+      // read (linear layers in bf16 mode) and this is their only contribution.
+      if (gg && gu && gs.dtype() == DType::BF16 && gg->rounded_ok() && gu->rounded_ok()) {
+        const Tensor dg16 = gg->rounded_for_overwrite(), du16 = gu->rounded_for_overwrite();
+        if (!computing()) return;
+        return kernels::swiglu_backward_rounded(dg16.bf16(), du16.bf16(), dy.f32(), gs.bf16(),
+                                                us.bf16(), n);
+      }
+      const KernelGrads g = kernel_grads({{&gg, Shape{n}}, {&gu, Shape{n}}});
+      const Tensor &dg = g.grads[0], &du = g.grads[1];
+      if (!computing()) return;
+      if (gs.dtype() == DType::BF16)
+        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.bf16(), us.bf16(), n,
+                                 g.accumulate);
+      else
+        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.f32(), us.f32(), n, g.accumulate);
+    });
+  }
+  return out;
+}
+
+Variable add(const Variable& a, const Variable& b) {
+  require(a.shape() == b.shape(), "add: equal shapes");
+  const int64_t n = a.value().numel();
+  Scope scope("add", Pass::Forward);
+  Tensor y = new_activation(a.shape());
+  if (computing()) kernels::vector_add(y.f32(), fp32_value(a).f32(), fp32_value(b).f32(), n);
+  const bool grad = needs_grad({&a, &b});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("add", [ga = a.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), n] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      // One side after the other (a and b may be the same): the first contribution is a copy,
+      // or its rounding where that is all the side's producer reads.
+      for (const GradRef* g : {&ga, &gb}) {
+        if (!*g) continue;
+        const Tensor rounded = (*g)->rounded_for_overwrite();
+        if (rounded.defined()) {
+          if (computing()) kernels::fp32_to_bf16_array(rounded.bf16(), dy.f32(), n);
+          continue;
+        }
+        float beta = 0.0f;
+        float* d = (*g)->get_for_accumulate(&beta).f32();
+        if (!computing()) continue;
+        if (beta == 0.0f)
+          kernels::vector_copy(d, dy.f32(), n);
+        else
+          kernels::vector_accumulate(d, dy.f32(), n);
+      }
+    });
+  }
+  return out;
+}
+
+Variable cross_entropy(const Variable& logits, const Tensor& targets) {
+  const Shape& ls = logits.shape();
+  const int64_t V = ls[ls.ndim() - 1];
+  const int64_t N = logits.value().numel() / V;
+  require(targets.dtype() == DType::I32 && targets.numel() == N,
+          "cross_entropy: one i32 target per row of logits");
+  Scope scope("cross_entropy", Pass::Forward);
+  Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
+  Tensor lse = new_activation(Shape{N});
+  Tensor y = new_activation(Shape{1});
+  if (computing()) {
+    kernels::cross_entropy_forward(losses.f32(), lse.f32(), fp32_value(logits).f32(), targets.i32(),
+                                   N, V);
+    double sum = 0.0;
+    for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
+    y.f32()[0] = static_cast<float>(sum / static_cast<double>(N));
+  }
+  const bool grad = needs_grad({&logits});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("cross_entropy", [lv = logits.value(), lse, targets, gl = logits.grad_ref(),
+                                      gy = out.grad_ref(), N, V] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      Tensor dlosses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
+      const Tensor& dlogits = gl->get_or_zeros();
+      if (!computing()) return;
+      const float each = dy.f32()[0] / static_cast<float>(N);
+      for (int64_t i = 0; i < N; ++i) dlosses.f32()[i] = each;
+      kernels::cross_entropy_backward(dlogits.f32(), lv.f32(), lse.f32(), targets.i32(),
+                                      dlosses.f32(), N, V);
+    });
+  }
+  return out;
+}
+
+int64_t lm_head_chunk_rows(int64_t V) {
+  return std::max<int64_t>(512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
+}
+
+Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
+                               int64_t chunk_rows, int64_t normalizer) {
+  const Shape& xs = x.shape();
+  require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
+          "lm_head_cross_entropy: x (..., K) and w (V, K)");
+  const int64_t V = w.shape()[0], K = w.shape()[1];
+  const int64_t N = x.value().numel() / K;
+  require(targets.dtype() == DType::I32 && targets.numel() == N,
+          "lm_head_cross_entropy: one i32 target per row of x");
+  const int64_t rows = std::min(N, chunk_rows > 0 ? chunk_rows : lm_head_chunk_rows(V));
+  Scope scope("lm_head + cross_entropy", Pass::Forward);
+  const bool bf16 = bf16_mode();
+  const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
+  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  const bool grad = needs_grad({&x, &w});
+  // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.
+  Tensor dl;
+  if (grad)
+    dl = Tensor::empty(Shape{N, V}, bf16 ? DType::BF16 : DType::F32, MemoryCategory::Activations);
+  Tensor chunk;
+  if (!grad || bf16) chunk = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
+  Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
+  Tensor lse;
+  if (!grad) lse = Tensor::empty(Shape{rows}, DType::F32, MemoryCategory::Workspace);
+  // Rows without a target (below 0) are computed as if their target were 0, then given no loss
+  // and no gradient.
+  const int32_t* tg = targets.i32();
+  int64_t counted = 0;
+  if (computing())
+    for (int64_t i = 0; i < N; ++i) counted += tg[i] >= 0;
+  const bool ignoring = computing() && counted < N;
+  std::vector<int32_t> clamped;
+  if (ignoring) {
+    clamped.assign(tg, tg + N);
+    for (int32_t& t : clamped) t = std::max(t, 0);
+    tg = clamped.data();
+  }
+  const int64_t divisor = normalizer > 0 ? normalizer : std::max<int64_t>(counted, 1);
+  const float each = 1.0f / static_cast<float>(computing() ? divisor : N);
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t m = std::min(rows, N - r0);
+    float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
+    linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
+    Scope ce("cross_entropy", Pass::Forward);
+    if (!computing()) {
+      continue;
+    } else if (!grad) {
+      kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, tg + r0, m, V);
+    } else if (bf16) {  // the gradient's rounding straight from each row, while it is in cache
+      kernels::cross_entropy_forward_gradient_bf16(dl.bf16() + r0 * V, losses.f32() + r0, logits,
+                                                   tg + r0, each, m, V);
+    } else {
+      kernels::cross_entropy_forward_gradient(logits, losses.f32() + r0, logits, tg + r0, each, m,
+                                              V);
+    }
+    if (!ignoring) continue;
+    for (int64_t i = r0; i < r0 + m; ++i) {
+      if (targets.i32()[i] >= 0) continue;
+      losses.f32()[i] = 0.0f;
+      if (!grad) continue;
+      if (bf16)
+        std::fill_n(dl.bf16() + i * V, V, uint16_t{0});
+      else
+        std::fill_n(dl.f32() + i * V, V, 0.0f);
+    }
+  }
+  Tensor y = new_activation(Shape{1});
+  if (computing()) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
+    y.f32()[0] = static_cast<float>(sum / static_cast<double>(divisor));
+  }
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    Tensor xs_saved = w.requires_grad() ? xv : Tensor();
+    Tensor ws_saved = x.requires_grad() ? wv : Tensor();
+    auto backward = [dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
+                     gy = out.grad_ref(), N, V, K, bf16] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const float scale = computing() ? dy.f32()[0] : 1.0f;
+      if (scale != 1.0f) {  // in place: the tape runs once
+        if (bf16) {
+          uint16_t* d = dl.bf16();
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < N * V; ++i)
+            d[i] = kernels::fp32_to_bf16(scale * kernels::bf16_to_fp32(d[i]));
+        } else {
+          float* d = dl.f32();
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
+        }
+      }
+      linear_backward_products(dl, xv, wv, gx, gw, N, V, K, kLmHeadGemms);
+    };
+    record_backward("lm_head + cross_entropy", std::move(backward));
+  }
+  return out;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,79 @@
+// Differentiable ops on Variables. Each computes its forward with a kernel from kernels/ and,
+// when a gradient is needed, records its backward right there (see autograd.h).
+// Activations are (B, T, C) row-major; attention views (B, T, C) as (B, T, H, C / H).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/core/autograd.h"
+
+namespace cputrain {
+
+// table (V, C), tokens (B, T) i32 -> (B, T, C).
+Variable embedding(const Variable& table, const Tensor& tokens);
+// x (..., K), w (N, K), b (N) or undefined -> x w^T + b (..., N). In bf16 mode the products take
+// the bf16 roundings of x and w, and b's gradient sums the rounding of the output's gradient,
+// as the weight's does.
+Variable linear(const Variable& x, const Variable& w, const Variable& b = Variable());
+// linear, for an output only GEMMs and attention read: in bf16 mode its value is its bf16
+// rounding alone (rounded in the GEMM's registers where gemm_bf16_rounded_direct and there is
+// no bias), the same bits as linear's output rounded; ops on FP32 values refuse it. In fp32
+// mode, linear.
+Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b = Variable());
+// A projection with a low-rank adapter, x W^T + b + scale (x A^T) B^T, with a (r, K) and
+// bm (N, r): linear's product, and the update accumulated into it by one more (no elementwise
+// pass over the output). In bf16 mode the products take bf16 roundings, as linear's do.
+// With dropout p > 0 (PEFT's lora_dropout) the update takes x with each element zeroed with
+// probability p and the others scaled by 1 / (1 - p): the mask a hash of (dropout_seed, element)
+// draws, so the backward draws it again rather than keeping it.
+Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
+                     const Variable& bm, float scale, float dropout = 0.0f,
+                     uint64_t dropout_seed = 0);
+// x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
+Variable rmsnorm(const Variable& x, const Variable& w, float eps);
+// x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
+// pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h). With
+// `per_row`, table holds B such tables of T rows, one per row of x (packed rows, whose
+// sequences each begin at position 0).
+Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
+              bool per_row = false);
+// Rows of a (B, T) batch that each hold several sequences one after another: per row, the
+// lengths of its sequences in order, summing to T.
+struct Packing {
+  std::vector<std::vector<int64_t>> lengths;
+};
+// q (B, T, H * D), k and v (B, T, KVH * D) -> causal softmax(q k^T / sqrt(D)) v per query head,
+// (B, T, H * D); query head h attends with key/value head h / (H / KVH) (grouped-query
+// attention; KVH = H is multi-head). With `packing`, each query attends only within its own
+// sequence, as if that sequence were a row of its own.
+Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
+                   int64_t n_kv_heads, std::shared_ptr<const Packing> packing = nullptr);
+// silu(gate) * up, elementwise. In bf16 mode its value is its bf16 rounding only (what a GEMM
+// takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
+// same pass.
+Variable swiglu(const Variable& gate, const Variable& up);
+// a + b, equal shapes.
+Variable add(const Variable& a, const Variable& b);
+// What attention computes on for x, in FP32: x's value, or in bf16 mode its bf16 rounding
+// widened (the value the ops save and share).
+Tensor attention_input(const Variable& x);
+// logits (..., V), targets i32 with numel = rows of logits -> mean cross-entropy, shape (1).
+Variable cross_entropy(const Variable& logits, const Tensor& targets);
+// cross_entropy(linear(x, w), targets) without the FP32 logits ever existing whole: chunk_rows
+// rows at a time (0: lm_head_chunk_rows) it computes their logits and loss and, with grad, the
+// loss's gradient by them for an output gradient of 1, (softmax - one-hot) / rows, kept for
+// backward in the compute precision (bf16 in bf16 mode, as linear rounds its output gradient).
+// Backward scales it by the output gradient and runs linear's two products.
+// A target below 0 is no target: its row has no loss and no gradient, and the loss is the sum
+// over the others divided by `normalizer` (0: their count; a fine-tune that accumulates
+// micro-batches gives the count of the whole step's targets, so that every target weighs the
+// same).
+Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
+                               int64_t chunk_rows = 0, int64_t normalizer = 0);
+// Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
+// and at least 512 rows, enough that packing the weight again for each chunk costs little next
+// to the product (a 150k vocabulary's weight is over 250 MB).
+int64_t lm_head_chunk_rows(int64_t V);
+
+}  // namespace cputrain

@@ -1,0 +1,147 @@
+#include "engine/core/tensor.h"
+
+#include <cassert>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+namespace cputrain {
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return 4;
+    case DType::BF16:
+      return 2;
+    case DType::I32:
+      return 4;
+  }
+  return 0;
+}
+
+std::string_view dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::I32:
+      return "i32";
+  }
+  return "unknown";
+}
+
+Shape::Shape(std::initializer_list<int64_t> dims) {
+  if (dims.size() > kMaxDims) throw std::invalid_argument("Shape: more than 4 dimensions");
+  for (int64_t d : dims) dims_[ndim_++] = d;
+}
+
+int64_t Shape::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < ndim_; ++i) n *= dims_[i];
+  return n;
+}
+
+bool Shape::operator==(const Shape& other) const {
+  if (ndim_ != other.ndim_) return false;
+  for (int i = 0; i < ndim_; ++i)
+    if (dims_[i] != other.dims_[i]) return false;
+  return true;
+}
+
+std::string Shape::str() const {
+  std::string s = "(";
+  for (int i = 0; i < ndim_; ++i) s += (i ? ", " : "") + std::to_string(dims_[i]);
+  return s + ")";
+}
+
+Storage::Storage(size_t bytes, MemoryCategory category)
+    : data_(memory_allocate(bytes, category)), bytes_(bytes), category_(category) {}
+
+Storage::Storage(void* data, size_t bytes, MemoryCategory category,
+                 std::shared_ptr<const void> owner)
+    : data_(data), bytes_(bytes), category_(category), owner_(std::move(owner)) {
+  memory_count_mapped(bytes_, category_, true);
+}
+
+Storage::~Storage() {
+  if (owner_)
+    memory_count_mapped(bytes_, category_, false);
+  else
+    memory_free(data_, bytes_, category_);
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, MemoryCategory category) {
+  Tensor t;
+  t.storage_ =
+      std::make_shared<Storage>(static_cast<size_t>(shape.numel()) * dtype_size(dtype), category);
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  return t;
+}
+
+Tensor Tensor::external(const void* data, const Shape& shape, DType dtype, MemoryCategory category,
+                        std::shared_ptr<const void> owner) {
+  if (!owner) throw std::logic_error("Tensor::external without an owner");
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>(const_cast<void*>(data),
+                                         static_cast<size_t>(shape.numel()) * dtype_size(dtype),
+                                         category, std::move(owner));
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, MemoryCategory category) {
+  Tensor t = empty(shape, dtype, category);
+  t.fill_zero();
+  return t;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  if (shape.numel() != numel())
+    throw std::invalid_argument("reshape " + shape_.str() + " to " + shape.str());
+  Tensor t = *this;
+  t.shape_ = shape;
+  return t;
+}
+
+Tensor Tensor::view(int64_t offset, const Shape& shape) const {
+  if (offset < 0 || offset + shape.numel() > numel())
+    throw std::invalid_argument("view out of range of " + shape_.str());
+  Tensor t = *this;
+  t.offset_ = offset_ + offset;
+  t.shape_ = shape;
+  return t;
+}
+
+void* Tensor::raw() const {
+  return static_cast<char*>(storage_->data()) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
+}
+
+float* Tensor::f32() const {
+  assert(dtype_ == DType::F32);
+  return static_cast<float*>(raw());
+}
+
+uint16_t* Tensor::bf16() const {
+  assert(dtype_ == DType::BF16);
+  return static_cast<uint16_t*>(raw());
+}
+
+int32_t* Tensor::i32() const {
+  assert(dtype_ == DType::I32);
+  return static_cast<int32_t*>(raw());
+}
+
+void Tensor::fill_zero() const {
+  if (!measured()) std::memset(raw(), 0, bytes());
+}
+
+void Tensor::copy_from(const Tensor& other) const {
+  if (other.dtype_ != dtype_ || other.numel() != numel())
+    throw std::invalid_argument("copy_from: " + other.shape_.str() + " to " + shape_.str());
+  if (!measured()) std::memcpy(raw(), other.raw(), bytes());
+}
+
+}  // namespace cputrain

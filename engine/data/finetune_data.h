@@ -1,0 +1,85 @@
+// Fine-tuning data: JSON Lines of examples in the shapes people write them, rendered into token
+// ids with the tokens the loss falls on.
+//   {"text": ...}                                   all of it
+//   {"prompt": ..., "completion": ...}              the completion
+//   {"instruction": ..., "input": ..., "output": ...}  (Alpaca; input optional) the output
+//   {"messages": [{"role": ..., "content": ...}, ...]}  the assistant's replies
+// Chat is rendered with the chat template (engine/text/chat_template.h); so is Alpaca where there
+// is one (instruction and input as the user's message), else Alpaca's own prompt. Text, completions
+// and outputs end with EOS, so the model learns to stop; a reply ends with its template's marker.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/core/ops.h"
+#include "engine/text/chat_template.h"
+
+namespace cputrain {
+
+class Tokenizer;
+
+enum class ExampleShape { Text, PromptCompletion, Alpaca, Chat };
+inline constexpr int kExampleShapes = 4;
+// "text", "prompt/completion", "alpaca", "chat".
+const char* example_shape_name(ExampleShape shape);
+
+struct FinetuneExample {
+  std::vector<int32_t> tokens;  // BOS first where the tokenizer begins texts with it
+  std::vector<uint8_t> target;  // per token, 1 where predicting it counts (never the first)
+  int64_t line = 0;             // in the file, from 1
+};
+
+struct FinetuneDataOptions {
+  // The chat template (the model's or --chat-template); chat examples need one.
+  std::optional<ChatTemplate> chat;
+  bool train_on_prompt = false;  // every token after the first is a target
+  int64_t max_tokens = 0;        // longer examples are cut to this many (0: not cut)
+  // A line longer than this is refused before it is read whole (0: any): what the memory limit
+  // lets one example's text, JSON and tokens hold at once.
+  int64_t max_line_bytes = 0;
+};
+
+struct FinetuneData {
+  std::vector<FinetuneExample> examples;
+  std::array<int64_t, kExampleShapes> shapes{};  // examples of each shape
+  int64_t truncated = 0;                         // examples cut to max_tokens
+  int64_t dropped = 0;                           // examples with no target left once cut
+  int64_t tokens = 0;
+  int64_t targets = 0;
+};
+
+// Reads `path`: one JSON object a line (blank lines pass). A UserError "PATH:LINE: what is wrong"
+// for a line that is not a JSON object, has none of the shapes' fields or a field of the wrong
+// type, an empty reply, a role other than system, user and assistant, a chat without an
+// assistant reply (unless train_on_prompt), or a chat where no template is known; and for a file
+// that cannot be read or holds no example.
+FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& tokenizer,
+                                 const FinetuneDataOptions& options);
+
+// Examples packed into rows of `ctx` positions, whole examples one after another: an example of
+// n tokens takes n - 1 positions (its inputs; its targets are the tokens after them). Best fit
+// over the examples longest first, so that little but some rows' tails is padding. Examples must
+// be of 2 .. ctx + 1 tokens.
+struct PackedRow {
+  std::vector<int32_t> examples;  // indices, in the row's order
+  int64_t positions = 0;          // taken, at most ctx
+};
+std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx);
+
+// Writes `rows` as a (rows.size(), ctx) batch: each example's inputs and targets (-1 where a
+// token is no target), then `pad` with no target to the row's end; `packing` gets each row's
+// sequence lengths (a padding tail is a sequence of its own). Returns the count of targets.
+int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
+                          const std::vector<FinetuneExample>& examples, int64_t ctx, int32_t pad,
+                          int32_t* inputs, int32_t* targets, Packing& packing);
+
+// The targets of the examples in `rows` (every token marked a target but an example's first).
+int64_t count_targets(std::span<const PackedRow* const> rows,
+                      const std::vector<FinetuneExample>& examples);
+
+}  // namespace cputrain

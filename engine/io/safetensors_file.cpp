@@ -1,0 +1,148 @@
+#include "engine/io/safetensors_file.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "engine/core/error.h"
+#include "engine/io/gguf_file.h"
+
+namespace cputrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+size_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2")
+    return 1;
+  return 0;
+}
+
+}  // namespace
+
+int64_t SafetensorsTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), file_(path) {
+  const uint8_t* bytes = file_.data();
+  const size_t size_ = file_.size();
+  const auto bad = [&](const std::string& what) {
+    return UserError(path + ": not a valid safetensors file: " + what);
+  };
+  if (size_ < 8) throw bad("truncated in the header length");
+  uint64_t header = 0;
+  std::memcpy(&header, bytes, 8);
+  if (header > size_ - 8 || header > (uint64_t{100} << 20))
+    throw bad("a header of " + std::to_string(header) + " bytes, more than the file holds");
+  const size_t data_start = 8 + header;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(bytes + 8, bytes + data_start);
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(std::string("the header is not JSON (") + e.what() + ")");
+  }
+  if (!j.is_object()) throw bad("the header is not a JSON object");
+  for (const auto& [name, entry] : j.items()) {
+    if (name == "__metadata__") continue;
+    SafetensorsTensor t;
+    try {
+      t.dtype = entry.at("dtype").get<std::string>();
+      int64_t numel = 1;
+      for (const auto& d : entry.at("shape")) {
+        const int64_t dim = d.get<int64_t>();
+        if (dim < 0 || dim > (int64_t{1} << 40) || (dim > 0 && numel > (int64_t{1} << 40) / dim))
+          throw bad("tensor " + name + " has a dimension of " + std::to_string(dim));
+        t.shape.push_back(dim);
+        numel *= dim;
+      }
+      const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > size_ - data_start)
+        throw bad("tensor " + name + "'s data runs past the end of the file (truncated)");
+      const size_t element = dtype_bytes(t.dtype);
+      if (element == 0) throw bad("tensor " + name + " has an unknown dtype " + t.dtype);
+      if (offsets[1] - offsets[0] != static_cast<uint64_t>(numel) * element)
+        throw bad("tensor " + name + " holds " + std::to_string(offsets[1] - offsets[0]) +
+                  " bytes for its shape's " +
+                  std::to_string(numel * static_cast<int64_t>(element)));
+      t.data = {bytes + data_start + offsets[0], offsets[1] - offsets[0]};
+    } catch (const nlohmann::json::exception& e) {
+      throw bad("tensor " + name + ": " + e.what());
+    }
+    tensors_.emplace(name, std::move(t));
+  }
+}
+
+SafetensorsModel::SafetensorsModel(const std::string& folder) {
+  const fs::path dir(folder);
+  std::vector<std::string> shards;
+  if (fs::exists(dir / "model.safetensors.index.json")) {
+    std::ifstream in(dir / "model.safetensors.index.json");
+    std::set<std::string> unique;
+    try {
+      const nlohmann::json j = nlohmann::json::parse(in);
+      for (const auto& [name, file] : j.at("weight_map").items())
+        unique.insert(file.get<std::string>());
+    } catch (const nlohmann::json::exception& e) {
+      throw UserError((dir / "model.safetensors.index.json").string() + ": malformed (" + e.what() +
+                      ")");
+    }
+    for (const std::string& file : unique) {
+      if (file.find('/') != std::string::npos || !fs::exists(dir / file))
+        throw UserError((dir / "model.safetensors.index.json").string() + ": shard " + file +
+                        " is missing from " + folder);
+      shards.push_back((dir / file).string());
+    }
+  } else if (fs::exists(dir / "model.safetensors")) {
+    shards.push_back((dir / "model.safetensors").string());
+  } else {
+    throw UserError(folder + ": neither model.safetensors nor model.safetensors.index.json");
+  }
+  for (const std::string& shard : shards) {
+    files_.push_back(std::make_unique<SafetensorsFile>(shard));
+    for (const auto& [name, tensor] : files_.back()->tensors()) {
+      if (index_.count(name))
+        throw UserError(shard + ": tensor " + name + " is also in " + file_of(name));
+      index_[name] = {&tensor, files_.size() - 1};
+    }
+  }
+}
+
+const SafetensorsTensor* SafetensorsModel::find(const std::string& name) const {
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : it->second.first;
+}
+
+const std::string& SafetensorsModel::file_of(const std::string& name) const {
+  return files_[index_.at(name).second]->path();
+}
+
+std::vector<std::string> SafetensorsModel::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : index_) out.push_back(name);
+  return out;
+}
+
+std::vector<float> safetensors_values(const std::string& file, const std::string& name,
+                                      const SafetensorsTensor& t) {
+  std::vector<float> values(static_cast<size_t>(t.numel()));
+  if (t.dtype == "F32")
+    ggml_to_float(GgmlType::F32, t.data.data(), values.data(), t.numel());
+  else if (t.dtype == "F16")
+    ggml_to_float(GgmlType::F16, t.data.data(), values.data(), t.numel());
+  else if (t.dtype == "BF16")
+    ggml_to_float(GgmlType::BF16, t.data.data(), values.data(), t.numel());
+  else
+    throw UserError(file + ": tensor " + name + " is " + t.dtype +
+                    ", a dtype cputrain does not read (F32, F16, BF16)");
+  return values;
+}
+
+}  // namespace cputrain

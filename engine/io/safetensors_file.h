@@ -1,0 +1,60 @@
+// safetensors, Hugging Face's weights file: an 8-byte header length, a JSON header naming each
+// tensor's dtype, shape and byte range, then the data, mapped read-only. A model may be sharded
+// over several files, listed by model.safetensors.index.json. Every length, offset and shape is
+// checked against the file, so a truncated or corrupt one is a UserError naming it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/io/mapped_file.h"
+
+namespace cputrain {
+
+struct SafetensorsTensor {
+  std::string dtype;           // "F32", "F16", "BF16", ...
+  std::vector<int64_t> shape;  // row-major, the last dimension varies fastest
+  std::span<const uint8_t> data;
+  int64_t numel() const;
+};
+
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, SafetensorsTensor>& tensors() const { return tensors_; }
+
+ private:
+  std::string path_;
+  MappedFile file_;
+  std::map<std::string, SafetensorsTensor> tensors_;
+};
+
+// The tensors of a Hugging Face folder: model.safetensors, or the shards
+// model.safetensors.index.json lists. A UserError naming the folder where there is neither, a
+// shard is missing, or a tensor appears twice.
+class SafetensorsModel {
+ public:
+  explicit SafetensorsModel(const std::string& folder);
+  // nullptr where absent.
+  const SafetensorsTensor* find(const std::string& name) const;
+  // The file that holds `name` (for messages).
+  const std::string& file_of(const std::string& name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, std::pair<const SafetensorsTensor*, size_t>> index_;
+};
+
+// The FP32 values of an F32, F16 or BF16 tensor; a UserError naming the file and tensor for any
+// other dtype.
+std::vector<float> safetensors_values(const std::string& file, const std::string& name,
+                                      const SafetensorsTensor& tensor);
+
+}  // namespace cputrain

@@ -1,0 +1,78 @@
+#include "models/finetune_step.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "engine/core/hash.h"
+#include "engine/core/memory.h"
+#include "engine/train/trainer.h"
+#include "models/llama.h"
+
+namespace cputrain {
+
+StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
+                         std::span<const PackedRow* const> rows,
+                         const std::vector<FinetuneExample>& examples, int32_t pad,
+                         const Tensor& inputs, const Tensor& targets) {
+  const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
+  const Communicator* comm = trainer.options().comm;
+  const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  const int64_t normalizer = count_targets(rows, examples);
+  return trainer.step_with(
+      step,
+      [&](int64_t micro) {
+        const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
+        model.set_dropout_seed(splitmix64(
+            trainer.options().seed ^
+            splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot))));
+        auto packing = std::make_shared<Packing>();
+        if (measuring()) {
+          packing->lengths.assign(static_cast<size_t>(B), {ctx});
+        } else {
+          fill_packed_batch(rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B)),
+                            examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
+        }
+        return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
+      },
+      1, B * accum * ctx * ranks);
+}
+
+double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
+                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows,
+                              const Communicator* comm) {
+  NoGradGuard no_grad;
+  const size_t ranks = comm ? static_cast<size_t>(comm->size()) : 1;
+  const size_t rank = comm ? static_cast<size_t>(comm->rank()) : 0;
+  std::vector<PackedRow> rows;
+  if (measuring()) {
+    rows.resize(static_cast<size_t>(measure_rows));
+  } else {
+    rows = pack_examples(examples, ctx);
+  }
+  std::vector<const PackedRow*> all;
+  for (const PackedRow& r : rows) all.push_back(&r);
+  const int64_t total = count_targets(all, examples);
+  const Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+  const Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+  const auto B = static_cast<size_t>(batch);
+  // Each batch's sum in its own slot: over the ranks each slot has one addend, and the total
+  // is summed in batch order whatever the ranks.
+  std::vector<double> sums((all.size() + B - 1) / B, 0.0);
+  for (size_t first = rank * B; first < all.size(); first += B * ranks) {
+    const size_t n = std::min(all.size() - first, B);
+    const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
+    const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
+    auto packing = std::make_shared<Packing>();
+    if (measuring())
+      packing->lengths.assign(n, {ctx});
+    else
+      fill_packed_batch(std::span<const PackedRow* const>(all).subspan(first, n), examples, ctx,
+                        pad, in.i32(), tg.i32(), *packing);
+    // Each batch's sum over the targets: its loss with the whole set's count as divisor.
+    const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
+    if (!measuring()) sums[first / B] = loss.value().f32()[0];
+  }
+  return (ranks > 1 && !measuring() ? *comm : Communicator::solo()).sum_slots(sums);
+}
+
+}  // namespace cputrain

@@ -1,0 +1,37 @@
+// Fine-tuning steps over LlamaModel: the packed rows of engine/data/finetune_data.h through the
+// trainer's step, and their validation loss.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "engine/data/finetune_data.h"
+
+namespace cputrain {
+
+class Communicator;
+class LlamaModel;
+class Trainer;
+struct StepResult;
+
+// One fine-tuning step (Trainer::step_with) over `rows`: accum micro-batches of batch rows, each
+// written into `inputs` and `targets` ((batch, ctx) i32, the caller's) and packed, the loss of
+// each divided by the count of the step's targets. While measuring (the memory budget) `rows`
+// may be empty: each row is then one sequence of ctx positions, as packing makes no allocation
+// that depends on the lengths. Over the ranks of the trainer's communicator, `rows` are the whole
+// job's step (batch x accum x N) and micro-batch m of rank r takes its rows (m N + r) batch
+// onwards, as Trainer::step takes windows; the divisor is the count of the whole step's targets.
+StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
+                         std::span<const PackedRow* const> rows,
+                         const std::vector<FinetuneExample>& examples, int32_t pad,
+                         const Tensor& inputs, const Tensor& targets);
+
+// The mean loss over every target of `examples`, packed into rows of ctx, batch rows at a time,
+// without gradients. While measuring, `measure_rows` rows of one sequence each. Over the ranks of
+// `comm`, rank r evaluates batches r, r + N, ...; every rank gets the loss one process gets.
+double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
+                              int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows = 0,
+                              const Communicator* comm = nullptr);
+
+}  // namespace cputrain

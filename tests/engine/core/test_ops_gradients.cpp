@@ -1,0 +1,436 @@
+// Finite-difference checks of every differentiable op: for a random projection R of the
+// output, d(sum(op(inputs) * R)) / d(input) from backward() must match central differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "engine/core/ops.h"
+#include "kernels/rope.h"
+
+namespace cputrain {
+namespace {
+
+using OpFn = std::function<Variable(const std::vector<Variable>&)>;
+
+Tensor random_tensor(const Shape& shape, std::mt19937& rng, float scale = 1.0f) {
+  Tensor t = Tensor::empty(shape, DType::F32, MemoryCategory::Workspace);
+  std::normal_distribution<float> dist(0.0f, scale);
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = dist(rng);
+  return t;
+}
+
+double projected(const OpFn& op, const std::vector<Tensor>& inputs, const Tensor& r) {
+  NoGradGuard no_grad;
+  std::vector<Variable> vars;
+  for (const Tensor& t : inputs) vars.emplace_back(t, false);
+  const Tensor out = op(vars).value();
+  double sum = 0.0;
+  for (int64_t i = 0; i < out.numel(); ++i)
+    sum += static_cast<double>(out.f32()[i]) * static_cast<double>(r.f32()[i]);
+  return sum;
+}
+
+// Compares the analytic gradient of every input against central differences with step h, on
+// up to `samples` elements per input. The error is measured relative to the largest gradient
+// magnitude of that input, so tiny components are not judged on noise alone.
+void check_gradients(const OpFn& op, const std::vector<Tensor>& inputs, double tolerance,
+                     float h = 1e-2f, int samples = 48) {
+  std::mt19937 rng(7);
+  std::vector<Variable> vars;
+  for (const Tensor& t : inputs) vars.emplace_back(t, true);
+  const Variable out = op(vars);
+  const Tensor r = random_tensor(out.shape(), rng);
+  backward(out, r);
+  for (size_t which = 0; which < inputs.size(); ++which) {
+    const Tensor& x = inputs[which];
+    const Tensor& grad = vars[which].grad();
+    ASSERT_TRUE(grad.defined()) << "input " << which << " received no gradient";
+    double max_grad = 1e-6;
+    for (int64_t i = 0; i < x.numel(); ++i)
+      max_grad = std::max(max_grad, std::abs(static_cast<double>(grad.f32()[i])));
+    std::uniform_int_distribution<int64_t> pick(0, x.numel() - 1);
+    for (int s = 0; s < samples; ++s) {
+      const int64_t i = s < x.numel() ? (x.numel() <= samples ? s : pick(rng)) : -1;
+      if (i < 0) break;
+      const float saved = x.f32()[i];
+      x.f32()[i] = saved + h;
+      const double up = projected(op, inputs, r);
+      x.f32()[i] = saved - h;
+      const double down = projected(op, inputs, r);
+      x.f32()[i] = saved;
+      const double numeric = (up - down) / (2.0 * h);
+      const double analytic = grad.f32()[i];
+      EXPECT_NEAR(analytic, numeric, tolerance * max_grad) << "input " << which << " element " << i;
+    }
+  }
+}
+
+// A gradient's first contribution may overwrite it (beta 0, uninitialised memory); later ones
+// add (beta 1); get_or_zeros after that returns the same tensor.
+TEST(GradCell, FirstContributionOverwritesThenAccumulates) {
+  GradCell cell(Shape{3});
+  float beta = -1.0f;
+  const Tensor first = cell.get_for_accumulate(&beta);
+  EXPECT_EQ(beta, 0.0f);
+  for (int i = 0; i < 3; ++i) first.f32()[i] = static_cast<float>(i);
+  const Tensor second = cell.get_for_accumulate(&beta);
+  EXPECT_EQ(beta, 1.0f);
+  EXPECT_EQ(second.f32(), first.f32());
+  EXPECT_EQ(cell.get_or_zeros().f32(), first.f32());
+  EXPECT_EQ(cell.get_or_zeros().f32()[2], 2.0f);
+}
+
+TEST(OpsGradient, Linear) {
+  std::mt19937 rng(1);
+  // x (2, 3, 7) and w (5, 7): odd sizes on every axis.
+  check_gradients([](const auto& v) { return linear(v[0], v[1]); },
+                  {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng)}, 2e-3);
+}
+
+TEST(OpsGradient, LinearWithBias) {
+  std::mt19937 rng(11);
+  for (const bool rounded : {false, true})
+    check_gradients(
+        [rounded](const auto& v) {
+          return rounded ? linear_rounded(v[0], v[1], v[2]) : linear(v[0], v[1], v[2]);
+        },
+        {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng),
+         random_tensor(Shape{5}, rng)},
+        2e-3);
+}
+
+TEST(OpsGradient, RmsNorm) {
+  std::mt19937 rng(2);
+  check_gradients([](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f); },
+                  {random_tensor(Shape{3, 5, 9}, rng), random_tensor(Shape{9}, rng)}, 5e-3);
+}
+
+TEST(OpsGradient, Rope) {
+  std::mt19937 rng(3);
+  const int64_t T = 5, H = 2, D = 6;
+  Tensor table = Tensor::empty(Shape{T, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(table.f32(), T, D, 10000.0);
+  for (const bool half_split : {false, true})
+    check_gradients([&](const auto& v) { return rope(v[0], table, H, half_split); },
+                    {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+}
+
+// Each row with its own table (packed rows): row 0 from position 0, row 1 from position 2.
+TEST(OpsGradient, RopePerRow) {
+  std::mt19937 rng(23);
+  const int64_t T = 5, H = 2, D = 6;
+  Tensor full = Tensor::empty(Shape{T + 2, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(full.f32(), T + 2, D, 10000.0);
+  Tensor table = Tensor::empty(Shape{2, T, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  std::copy_n(full.f32(), T * D, table.f32());
+  std::copy_n(full.f32() + 2 * D, T * D, table.f32() + T * D);
+  check_gradients([&](const auto& v) { return rope(v[0], table, H, true, true); },
+                  {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+}
+
+// Packed rows: sequences of 3, 1 and 3 positions in row 0, one of 7 in row 1; grouped heads.
+TEST(OpsGradient, AttentionPacked) {
+  std::mt19937 rng(24);
+  const int64_t B = 2, T = 7, H = 4, KVH = 2, D = 4;
+  auto packing = std::make_shared<Packing>();
+  packing->lengths = {{3, 1, 3}, {7}};
+  check_gradients([packing](const auto& v) { return attention(v[0], v[1], v[2], H, KVH, packing); },
+                  {random_tensor(Shape{B, T, H * D}, rng), random_tensor(Shape{B, T, KVH * D}, rng),
+                   random_tensor(Shape{B, T, KVH * D}, rng)},
+                  5e-3);
+}
+
+TEST(OpsGradient, AttentionSeveralHeads) {
+  std::mt19937 rng(4);
+  const Shape s{2, 7, 12};  // B 2, T 7, H 3, D 4
+  check_gradients([](const auto& v) { return attention(v[0], v[1], v[2], 3, 3); },
+                  {random_tensor(s, rng), random_tensor(s, rng), random_tensor(s, rng)}, 5e-3);
+}
+
+// Grouped-query: 4 query heads on 2 and on 1 key/value heads, whose gradients sum over the
+// query heads that share them.
+TEST(OpsGradient, AttentionGroupedQueryHeads) {
+  std::mt19937 rng(14);
+  const int64_t B = 2, T = 6, H = 4, D = 4;
+  for (const int64_t KVH : {2, 1})
+    check_gradients(
+        [KVH](const auto& v) { return attention(v[0], v[1], v[2], H, KVH); },
+        {random_tensor(Shape{B, T, H * D}, rng), random_tensor(Shape{B, T, KVH * D}, rng),
+         random_tensor(Shape{B, T, KVH * D}, rng)},
+        5e-3);
+}
+
+TEST(OpsGradient, AttentionOneHeadOnePosition) {
+  std::mt19937 rng(5);
+  const Shape s{1, 1, 8};
+  check_gradients([](const auto& v) { return attention(v[0], v[1], v[2], 1, 1); },
+                  {random_tensor(s, rng), random_tensor(s, rng), random_tensor(s, rng)}, 5e-3);
+}
+
+TEST(OpsGradient, SwiGlu) {
+  std::mt19937 rng(6);
+  check_gradients([](const auto& v) { return swiglu(v[0], v[1]); },
+                  {random_tensor(Shape{3, 11}, rng, 2.0f), random_tensor(Shape{3, 11}, rng)}, 5e-3);
+}
+
+TEST(OpsGradient, Add) {
+  std::mt19937 rng(7);
+  check_gradients([](const auto& v) { return add(v[0], v[1]); },
+                  {random_tensor(Shape{4, 5}, rng), random_tensor(Shape{4, 5}, rng)}, 1e-3);
+}
+
+// The fused op: every input's gradient by finite differences, and the composed op's values.
+TEST(OpsGradient, LoraLinear) {
+  std::mt19937 rng(29);
+  const std::vector<Tensor> inputs = {random_tensor(Shape{2, 3, 7}, rng),
+                                      random_tensor(Shape{5, 7}, rng), random_tensor(Shape{5}, rng),
+                                      random_tensor(Shape{2, 7}, rng),
+                                      random_tensor(Shape{5, 2}, rng)};
+  check_gradients([](const auto& v) { return lora_linear(v[0], v[1], v[2], v[3], v[4], 0.75f); },
+                  inputs, 2e-3);
+  check_gradients(
+      [](const auto& v) { return lora_linear(v[0], v[1], Variable(), v[2], v[3], -1.5f); },
+      {inputs[0], inputs[1], inputs[3], inputs[4]}, 2e-3);
+  // The values: x W' + b + 0.75 (x A') B', from linear's products.
+  NoGradGuard no_grad;
+  const auto var = [&](size_t i) { return Variable(inputs[i], false); };
+  const Tensor fused = lora_linear(var(0), var(1), var(2), var(3), var(4), 0.75f).value();
+  const Tensor base = linear(var(0), var(1), var(2)).value();
+  const Tensor update = linear(linear(var(0), var(3)), var(4)).value();
+  for (int64_t i = 0; i < fused.numel(); ++i)
+    EXPECT_NEAR(fused.f32()[i], base.f32()[i] + 0.75f * update.f32()[i], 1e-5) << i;
+}
+
+// Dropout on the update's input: gradients by finite differences under one mask (a function of
+// the seed); with W 0, A and B identities, the output is s x masked: about p of it zero, the
+// rest x / (1 - p) s; the same seed the same mask, another seed another.
+TEST(OpsGradient, LoraLinearDropout) {
+  std::mt19937 rng(31);
+  check_gradients(
+      [](const auto& v) { return lora_linear(v[0], v[1], v[2], v[3], v[4], 0.75f, 0.3f, 7); },
+      {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{5, 7}, rng),
+       random_tensor(Shape{5}, rng), random_tensor(Shape{2, 7}, rng),
+       random_tensor(Shape{5, 2}, rng)},
+      2e-3);
+  NoGradGuard no_grad;
+  const int64_t M = 400, K = 8;
+  const Tensor x = random_tensor(Shape{M, K}, rng);
+  Tensor w = Tensor::zeros(Shape{K, K}, DType::F32, MemoryCategory::Workspace);
+  Tensor eye = Tensor::zeros(Shape{K, K}, DType::F32, MemoryCategory::Workspace);
+  for (int64_t i = 0; i < K; ++i) eye.f32()[i * K + i] = 1.0f;
+  const auto run = [&](uint64_t seed) {
+    return lora_linear(Variable(x, false), Variable(w, false), Variable(), Variable(eye, false),
+                       Variable(eye, false), 2.0f, 0.25f, seed)
+        .value();
+  };
+  const Tensor a = run(11), b = run(11), c = run(12);
+  int64_t zeros = 0, differ = 0;
+  for (int64_t i = 0; i < M * K; ++i) {
+    EXPECT_EQ(a.f32()[i], b.f32()[i]);
+    differ += a.f32()[i] != c.f32()[i];
+    if (a.f32()[i] == 0.0f) {
+      ++zeros;
+    } else {
+      EXPECT_NEAR(a.f32()[i], x.f32()[i] * 2.0f / 0.75f, 1e-5);
+    }
+  }
+  EXPECT_NEAR(static_cast<double>(zeros) / (M * K), 0.25, 0.03);
+  EXPECT_GT(differ, M * K / 4);
+}
+
+TEST(OpsGradient, CrossEntropy) {
+  std::mt19937 rng(8);
+  Tensor targets = Tensor::empty(Shape{6}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 6; ++i) targets.i32()[i] = (i * 7 + 3) % 13;
+  check_gradients([&](const auto& v) { return cross_entropy(v[0], targets); },
+                  {random_tensor(Shape{2, 3, 13}, rng, 2.0f)}, 5e-3);
+}
+
+// The fused LM head and loss in chunks of 2 rows over 5 rows (a short last chunk), with an
+// output gradient that is not 1.
+TEST(OpsGradient, LmHeadCrossEntropyInChunks) {
+  std::mt19937 rng(12);
+  Tensor targets = Tensor::empty(Shape{5}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 5; ++i) targets.i32()[i] = (i * 5 + 2) % 13;
+  check_gradients([&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, 2); },
+                  {random_tensor(Shape{1, 5, 7}, rng), random_tensor(Shape{13, 7}, rng)}, 5e-3);
+}
+
+// Rows without a target (below 0) carry no loss and no gradient; the loss divides by the
+// targets there are, or by a given normalizer.
+TEST(OpsGradient, LmHeadCrossEntropyIgnoresRowsWithoutTargets) {
+  std::mt19937 rng(25);
+  Tensor targets = Tensor::empty(Shape{6}, DType::I32, MemoryCategory::Workspace);
+  const int32_t values[6] = {3, -1, 7, -1, -1, 11};
+  std::copy_n(values, 6, targets.i32());
+  for (const int64_t normalizer : {0, 10})
+    check_gradients(
+        [&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, 4, normalizer); },
+        {random_tensor(Shape{1, 6, 7}, rng), random_tensor(Shape{13, 7}, rng)}, 5e-3);
+  // The loss: the three rows' mean, or their sum over 10; the others' x rows get no gradient.
+  const Tensor x0 = random_tensor(Shape{1, 6, 7}, rng), w0 = random_tensor(Shape{13, 7}, rng);
+  Tensor kept = Tensor::empty(Shape{3}, DType::I32, MemoryCategory::Workspace);
+  const int32_t kept_values[3] = {3, 7, 11};
+  std::copy_n(kept_values, 3, kept.i32());
+  Tensor x3 = Tensor::empty(Shape{1, 3, 7}, DType::F32, MemoryCategory::Workspace);
+  for (int r = 0, k = 0; r < 6; ++r)
+    if (values[r] >= 0) std::copy_n(x0.f32() + r * 7, 7, x3.f32() + 7 * k++);
+  const float mean3 =
+      lm_head_cross_entropy(Variable(x3, false), Variable(w0, false), kept).value().f32()[0];
+  Variable x(x0, true), w(w0, false);
+  Variable loss = lm_head_cross_entropy(x, w, targets, 4, 10);
+  EXPECT_NEAR(loss.value().f32()[0], mean3 * 3.0f / 10.0f, 1e-6);
+  EXPECT_NEAR(lm_head_cross_entropy(Variable(x0, false), w, targets).value().f32()[0], mean3, 1e-6);
+  backward(loss);
+  for (int r = 0; r < 6; ++r)
+    for (int c = 0; c < 7; ++c)
+      if (values[r] < 0) {
+        EXPECT_EQ(x.grad().f32()[r * 7 + c], 0.0f) << r;
+      }
+}
+
+// It computes what linear then cross_entropy compute: the same loss, and gradients within
+// rounding, for any chunk size and output gradient.
+TEST(OpsGradient, LmHeadCrossEntropyMatchesLinearThenCrossEntropy) {
+  std::mt19937 rng(13);
+  const Tensor x0 = random_tensor(Shape{2, 9, 16}, rng), w0 = random_tensor(Shape{37, 16}, rng);
+  Tensor targets = Tensor::empty(Shape{18}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 18; ++i) targets.i32()[i] = (i * 11 + 4) % 37;
+  auto run = [&](int64_t chunk, float dy, std::vector<float>* grads) {
+    Variable x(x0, true), w(w0, true);
+    const Variable loss = chunk < 0 ? cross_entropy(linear(x, w), targets)
+                                    : lm_head_cross_entropy(x, w, targets, chunk);
+    backward(loss, dy);
+    grads->assign(x.grad().f32(), x.grad().f32() + x.grad().numel());
+    grads->insert(grads->end(), w.grad().f32(), w.grad().f32() + w.grad().numel());
+    return loss.value().f32()[0];
+  };
+  for (float dy : {1.0f, 0.3f}) {
+    std::vector<float> want, got;
+    const float want_loss = run(-1, dy, &want);
+    for (int64_t chunk : {0, 1, 4, 18, 100}) {
+      const float loss = run(chunk, dy, &got);
+      EXPECT_NEAR(loss, want_loss, 1e-6f * std::abs(want_loss)) << chunk;
+      double max_diff = 0.0, max_ref = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        max_diff = std::max(max_diff, std::abs(static_cast<double>(got[i]) - want[i]));
+        max_ref = std::max(max_ref, std::abs(static_cast<double>(want[i])));
+      }
+      EXPECT_GT(max_ref, 0.0);
+      EXPECT_LT(max_diff / max_ref, 1e-5) << "chunk " << chunk << " dy " << dy;
+    }
+  }
+}
+
+TEST(OpsGradient, Embedding) {
+  std::mt19937 rng(9);
+  Tensor tokens = Tensor::empty(Shape{2, 5}, DType::I32, MemoryCategory::Workspace);
+  // Token 3 repeats, so the scatter-add of the backward is exercised.
+  const int32_t ids[] = {3, 1, 3, 0, 6, 3, 2, 6, 5, 1};
+  for (int i = 0; i < 10; ++i) tokens.i32()[i] = ids[i];
+  check_gradients([&](const auto& v) { return embedding(v[0], tokens); },
+                  {random_tensor(Shape{7, 4}, rng)}, 1e-3);
+}
+
+// A small composition through every op, as a block of the model uses them, so gradients that
+// flow through shared inputs (x feeds q, k, v and the residual) are summed correctly.
+TEST(OpsGradient, ComposedBlock) {
+  std::mt19937 rng(10);
+  const int64_t B = 2, T = 5, H = 2, D = 4, C = H * D, F = 6;
+  Tensor table = Tensor::empty(Shape{T, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(table.f32(), T, D, 10000.0);
+  auto block = [&](const std::vector<Variable>& v) {
+    const Variable& x = v[0];
+    Variable h = rmsnorm(x, v[1], 1e-5f);
+    Variable q = rope(linear(h, v[2]), table, H, false);
+    Variable k = rope(linear(h, v[3]), table, H, false);
+    Variable a = add(x, linear(attention(q, k, linear(h, v[4]), H, H), v[5]));
+    Variable g = rmsnorm(a, v[6], 1e-5f);
+    return add(a, linear(swiglu(linear(g, v[7]), linear(g, v[8])), v[9]));
+  };
+  check_gradients(block,
+                  {random_tensor(Shape{B, T, C}, rng), random_tensor(Shape{C}, rng),
+                   random_tensor(Shape{C, C}, rng, 0.5f), random_tensor(Shape{C, C}, rng, 0.5f),
+                   random_tensor(Shape{C, C}, rng, 0.5f), random_tensor(Shape{C, C}, rng, 0.5f),
+                   random_tensor(Shape{C}, rng), random_tensor(Shape{F, C}, rng, 0.5f),
+                   random_tensor(Shape{F, C}, rng, 0.5f), random_tensor(Shape{C, F}, rng, 0.5f)},
+                  1e-2, 5e-3f);
+}
+
+TEST(Autograd, TapeIsEmptiedAndNoGradRecordsNothing) {
+  std::mt19937 rng(11);
+  Variable x(random_tensor(Shape{3, 4}, rng), true);
+  Variable w(random_tensor(Shape{2, 4}, rng), true);
+  {
+    NoGradGuard no_grad;
+    Variable y = linear(x, w);
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_EQ(tape_size(), 0u);
+  }
+  Variable y = linear(x, w);
+  EXPECT_EQ(tape_size(), 1u);
+  backward(y, random_tensor(Shape{3, 2}, rng));
+  EXPECT_EQ(tape_size(), 0u);
+  EXPECT_TRUE(x.grad().defined());
+}
+
+TEST(Autograd, ActivationsAreFreedByBackward) {
+  std::mt19937 rng(12);
+  Variable x(random_tensor(Shape{4, 8}, rng), true);
+  Variable w(random_tensor(Shape{8, 8}, rng), true);
+  const int64_t before = memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)];
+  {
+    Variable y =
+        rmsnorm(linear(linear(x, w), w), Variable(random_tensor(Shape{8}, rng), false), 1e-5f);
+    EXPECT_GT(memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)], before);
+    backward(y, random_tensor(Shape{4, 8}, rng));
+  }
+  EXPECT_EQ(memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)], before);
+}
+
+// A checkpoint region inside a larger graph: its input is also used outside it (so its
+// gradient accumulates from both), and a weight is used only inside it.
+TEST(OpsGradient, CheckpointRegion) {
+  std::mt19937 rng(11);
+  check_gradients(
+      [](const auto& v) {
+        const Variable w = v[1], gain = v[2];
+        Variable inner = checkpoint(
+            [w, gain](const Variable& in) {
+              return swiglu(linear(in, w), rmsnorm(in, gain, 1e-5f));
+            },
+            v[0]);
+        return add(inner, v[0]);
+      },
+      {random_tensor(Shape{2, 5, 6}, rng), random_tensor(Shape{6, 6}, rng),
+       random_tensor(Shape{6}, rng)},
+      2e-3);
+}
+
+TEST(Autograd, CheckpointKeepsOnlyItsInputUntilBackward) {
+  std::mt19937 rng(12);
+  const Tensor xt = random_tensor(Shape{4, 8, 16}, rng), wt = random_tensor(Shape{16, 16}, rng);
+  Variable w(wt, true);
+  const auto live = [] {
+    return memory_stats().live_bytes[static_cast<int>(MemoryCategory::Activations)];
+  };
+  const int64_t before = live();
+  {
+    Variable x(xt, true);
+    Variable y = checkpoint(
+        [w](const Variable& in) { return linear(swiglu(linear(in, w), linear(in, w)), w); }, x);
+    EXPECT_EQ(tape_size(), 1u);
+    EXPECT_EQ(live() - before, y.value().bytes());  // x is a leaf, not an activation
+    backward(y, random_tensor(y.shape(), rng));
+    EXPECT_EQ(tape_size(), 0u);
+    EXPECT_TRUE(x.grad().defined());
+    EXPECT_TRUE(w.grad().defined());
+  }
+  EXPECT_EQ(live(), before);
+}
+
+}  // namespace
+}  // namespace cputrain

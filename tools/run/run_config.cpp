@@ -1,0 +1,161 @@
+#include "tools/run/run_config.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/core/error.h"
+
+namespace cputrain {
+
+using nlohmann::json;
+
+namespace {
+
+// A float as the shortest decimal that reads back as the same float (0.9f is written 0.9, not
+// 0.8999999761581421).
+double shortest(float f) {
+  char buf[32];
+  for (int digits = 6; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) break;
+  }
+  return std::strtod(buf, nullptr);
+}
+
+}  // namespace
+
+std::string run_config_to_json(const RunConfig& c) {
+  const json j = {
+      {"preset", c.preset},
+      {"corpus", c.corpus},
+      {"init", c.init},
+      {"model",
+       {{"vocab", c.model.vocab},
+        {"d_model", c.model.d_model},
+        {"n_layers", c.model.n_layers},
+        {"n_heads", c.model.n_heads},
+        {"n_kv_heads", c.model.kv_heads()},
+        {"head_dim", c.model.head_size()},
+        {"ffn", c.model.ffn},
+        {"ctx", c.model.ctx},
+        {"norm_eps", shortest(c.model.norm_eps)},
+        {"rope_theta", c.model.rope_theta},
+        {"rope_pairs", rope_pairs_name(c.model.rope_pairs)},
+        {"qkv_bias", c.model.qkv_bias},
+        {"tie_embeddings", c.model.tie_embeddings},
+        {"parameters", parameter_count(c.model)}}},
+      {"train",
+       {{"steps", c.steps},
+        {"batch", c.train.batch},
+        {"accum", c.train.accum},
+        {"ctx", c.train.ctx},
+        {"seed", c.train.seed},
+        {"lr", c.train.lr.peak},
+        {"warmup_steps", c.train.lr.warmup_steps},
+        {"lr_schedule_steps", c.train.lr.total_steps},
+        {"min_lr_ratio", c.train.lr.min_ratio},
+        {"beta1", shortest(c.train.adamw.beta1)},
+        {"beta2", shortest(c.train.adamw.beta2)},
+        {"eps", shortest(c.train.adamw.eps)},
+        {"weight_decay", shortest(c.train.adamw.weight_decay)},
+        {"grad_clip", shortest(c.train.adamw.grad_clip)},
+        {"save_every", c.save_every},
+        {"keep", c.keep},
+        {"offload", c.offload},
+        {"threads", c.threads},
+        {"ranks", c.ranks},
+        {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"},
+        {"checkpoint", c.checkpoint ? "layer" : "none"}}},
+  };
+  return j.dump(2) + "\n";
+}
+
+RunConfig read_run_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UserError(path + ": cannot open run configuration");
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_run_config(text.str(), path);
+}
+
+RunConfig parse_run_config(const std::string& text, const std::string& path) {
+  RunConfig c;
+  try {
+    const json j = json::parse(text);
+    c.preset = j.at("preset").get<std::string>();
+    c.corpus = j.at("corpus").get<std::string>();
+    c.init = j.value("init", std::string());
+    const json& m = j.at("model");
+    c.model.vocab = m.at("vocab").get<int64_t>();
+    c.model.d_model = m.at("d_model").get<int64_t>();
+    c.model.n_layers = m.at("n_layers").get<int64_t>();
+    c.model.n_heads = m.at("n_heads").get<int64_t>();
+    c.model.ffn = m.at("ffn").get<int64_t>();
+    c.model.ctx = m.at("ctx").get<int64_t>();
+    c.model.norm_eps = m.at("norm_eps").get<float>();
+    c.model.rope_theta = m.at("rope_theta").get<double>();
+    // Runs made before these fields existed are plain multi-head, adjacent pairs, untied.
+    c.model.n_kv_heads = m.value("n_kv_heads", c.model.n_heads);
+    c.model.head_dim = m.value("head_dim", int64_t{0});
+    const std::string pairs = m.value("rope_pairs", std::string("adjacent"));
+    if (pairs != "adjacent" && pairs != "half-split")
+      throw UserError(path + ": model.rope_pairs must be adjacent or half-split (got " + pairs +
+                      ")");
+    c.model.rope_pairs = pairs == "adjacent" ? RopePairs::Adjacent : RopePairs::HalfSplit;
+    c.model.qkv_bias = m.value("qkv_bias", false);
+    c.model.tie_embeddings = m.value("tie_embeddings", false);
+    const json& t = j.at("train");
+    c.steps = t.at("steps").get<int64_t>();
+    c.train.batch = t.at("batch").get<int64_t>();
+    c.train.accum = t.at("accum").get<int64_t>();
+    c.train.ctx = t.at("ctx").get<int64_t>();
+    c.train.seed = t.at("seed").get<uint64_t>();
+    c.train.lr.peak = t.at("lr").get<double>();
+    c.train.lr.warmup_steps = t.at("warmup_steps").get<int64_t>();
+    c.train.lr.min_ratio = t.at("min_lr_ratio").get<double>();
+    // Runs made before a run could be extended decay over their steps.
+    c.train.lr.total_steps = t.value("lr_schedule_steps", c.steps);
+    c.save_every = t.value("save_every", std::max<int64_t>(1, c.steps / 10));
+    c.keep = t.value("keep", int64_t{3});
+    c.offload = t.value("offload", std::string());
+    c.train.adamw.beta1 = t.at("beta1").get<float>();
+    c.train.adamw.beta2 = t.at("beta2").get<float>();
+    c.train.adamw.eps = t.at("eps").get<float>();
+    c.train.adamw.weight_decay = t.at("weight_decay").get<float>();
+    c.train.adamw.grad_clip = t.at("grad_clip").get<float>();
+    c.threads = t.at("threads").get<int>();
+    c.ranks = t.value("ranks", 1);
+    const std::string dtype = t.value("dtype", std::string("fp32"));
+    if (dtype != "fp32" && dtype != "bf16")
+      throw UserError(path + ": train.dtype must be fp32 or bf16 (got " + dtype + ")");
+    c.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
+    const std::string checkpoint = t.value("checkpoint", std::string("none"));
+    if (checkpoint != "none" && checkpoint != "layer")
+      throw UserError(path + ": train.checkpoint must be layer or none (got " + checkpoint + ")");
+    c.checkpoint = checkpoint == "layer";
+  } catch (const json::exception& e) {
+    throw UserError(path + ": malformed run configuration (" + e.what() + ")");
+  }
+  if (const auto problem = validate(c.model))
+    throw UserError(path + ": invalid model configuration: model." + problem->str());
+  if (c.steps <= 0 || c.train.lr.total_steps <= 0 || c.save_every < 0 || c.keep <= 0)
+    throw UserError(path + ": train.steps, lr_schedule_steps and keep must be positive");
+  return c;
+}
+
+std::string run_identity(const std::string& config_json) {
+  json j = json::parse(config_json);
+  // A fine-tune's configuration is the same throughout: all of it is its identity.
+  if (j.value("command", std::string()) == "finetune" || !j.contains("train")) return j.dump();
+  json& t = j["train"];
+  if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
+  if (!t.contains("ranks")) t["ranks"] = 1;
+  for (const char* key : {"steps", "threads", "save_every", "keep", "offload"}) t.erase(key);
+  return json{j["model"], t, j["corpus"], j.value("init", std::string())}.dump();
+}
+
+}  // namespace cputrain
