@@ -291,6 +291,8 @@ Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_
   options.max_tokens = ctx + 1;
   // A line's text, its JSON and its tokens are held at once: an eighth of the memory limit.
   options.max_line_bytes = memory_limit_bytes(a.mem_limit_gib) / 8;
+  // The examples stay for the run, beside its budget: at most a quarter of the limit.
+  options.max_data_bytes = memory_limit_bytes(a.mem_limit_gib) / 4;
   options.chat = choose_chat_template(a, tokenizer, log);
   Examples e;
   e.chat_template = options.chat ? std::string(chat_family_name(options.chat->family)) : "";

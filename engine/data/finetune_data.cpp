@@ -130,6 +130,7 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UserError(path + ": cannot be read");
   FinetuneData data;
+  int64_t held = 0;  // bytes of the examples' tokens and targets
   std::string line;
   for (int64_t number = 1;
        read_line(in, line, options.max_line_bytes, path + ":" + std::to_string(number)); ++number) {
@@ -231,6 +232,13 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
       ++data.dropped;
       continue;
     }
+    held += static_cast<int64_t>(e.tokens.size() * (sizeof(int32_t) + sizeof(uint8_t)) +
+                                 sizeof(FinetuneExample));
+    if (options.max_data_bytes > 0 && held > options.max_data_bytes)
+      throw UserError(where + ": the examples up to here hold " + std::to_string(held >> 20) +
+                      " MiB of tokens, more than the memory limit lets the data hold (" +
+                      std::to_string(options.max_data_bytes >> 20) +
+                      " MiB; --mem-limit): give fewer examples, or a lower --ctx");
     ++data.shapes[static_cast<size_t>(shape)];
     data.tokens += static_cast<int64_t>(e.tokens.size());
     data.targets += targets;

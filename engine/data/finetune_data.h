@@ -42,6 +42,9 @@ struct FinetuneDataOptions {
   // A line longer than this is refused before it is read whole (0: any): what the memory limit
   // lets one example's text, JSON and tokens hold at once.
   int64_t max_line_bytes = 0;
+  // The examples' tokens and targets may hold at most this many bytes (0: any): a file whose
+  // examples hold more is refused as soon as they do.
+  int64_t max_data_bytes = 0;
 };
 
 struct FinetuneData {

@@ -333,6 +333,15 @@ TEST_F(FinetuneCli, BadInputGetsOneLine) {
   }
   expect_one_line_error(finetune((dir / "huge.jsonl").string(), "--mem-limit 0.1"),
                         "huge.jsonl:1: a line longer than 12 MiB");
+  {
+    // Examples that together hold more tokens than --mem-limit 0.005 lets the data hold.
+    std::ofstream many(dir / "many.jsonl");
+    std::string text;
+    for (int w = 0; w < 140; ++w) text += "ab ";
+    for (int i = 0; i < 4000; ++i) many << "{\"text\": \"" << text << "\"}\n";
+  }
+  expect_one_line_error(finetune((dir / "many.jsonl").string(), "--mem-limit 0.005"),
+                        "more than the memory limit lets the data hold");
   expect_one_line_error(finetune(dir.string(), ""),
                         "a folder, where a JSON Lines file of examples is expected");
   expect_one_line_error(finetune(data.string(), "--lora-rank 100000"),
