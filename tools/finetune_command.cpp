@@ -1,14 +1,9 @@
 #include "tools/finetune_command.h"
 
 #include <omp.h>
-#include <spdlog/sinks/null_sink.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -45,7 +40,6 @@
 #include "tools/run/progress.h"
 #include "tools/run/run_dir.h"
 #include "tools/run/session.h"
-#include "tools/run/stop_signals.h"
 #include "tools/run/train_stages.h"
 
 namespace cputrain {
@@ -285,14 +279,14 @@ std::optional<ChatTemplate> choose_chat_template(const FinetuneArgs& a, const To
 }
 
 Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
-                       spdlog::logger& log) {
+                       int64_t available, spdlog::logger& log) {
   FinetuneDataOptions options;
   options.train_on_prompt = a.train_on_prompt;
   options.max_tokens = ctx + 1;
   // A line's text, its JSON and its tokens are held at once: an eighth of the memory limit.
-  options.max_line_bytes = memory_limit_bytes(a.mem_limit_gib) / 8;
+  options.max_line_bytes = available / 8;
   // The examples stay for the run, beside its budget: at most a quarter of the limit.
-  options.max_data_bytes = memory_limit_bytes(a.mem_limit_gib) / 4;
+  options.max_data_bytes = available / 4;
   options.chat = choose_chat_template(a, tokenizer, log);
   Examples e;
   e.chat_template = options.chat ? std::string(chat_family_name(options.chat->family)) : "";
@@ -371,11 +365,11 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
 // validation over every target of the held-out examples.
 class PackedRows final : public BatchSource {
  public:
-  PackedRows(LlamaModel& model, const Examples& examples, int64_t ctx, int64_t batch,
-             int64_t per_step, uint64_t seed, int32_t pad, const Communicator& comm)
+  PackedRows(LlamaModel& model, const Examples& examples, std::vector<PackedRow> rows, int64_t ctx,
+             int64_t batch, int64_t per_step, uint64_t seed, int32_t pad, const Communicator& comm)
       : model_(model),
         examples_(examples),
-        rows_(pack_examples(examples.data.examples, ctx)),
+        rows_(std::move(rows)),
         order_(rows_.size(), seed),
         ctx_(ctx),
         batch_(batch),
@@ -483,7 +477,8 @@ namespace {
 // What the fine-tune's memory needs, logged; a UserError where it does not fit.
 MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
                                   const ModelOptions& options, const Examples& e, int64_t ctx,
-                                  const Communicator& comm, spdlog::logger& log) {
+                                  int64_t available, const Communicator& comm,
+                                  spdlog::logger& log) {
   BudgetOptions bo;
   bo.dtype = options.compute_dtype;
   bo.batch = a.batch;
@@ -505,7 +500,6 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
       budget.mapped_bytes += params.infos()[i].shape.numel() * 2;
   const int64_t mapped = budget.mapped_bytes;
   const int64_t total = budget.total_bytes();
-  const int64_t available = memory_limit_bytes(a.mem_limit_gib);
   const auto peak = [&budget](MemoryCategory c) { return budget.peak_bytes[static_cast<int>(c)]; };
   log.info(
       "memory budget: {} (weights {}, adapters' gradients and AdamW {}, activations {}, workspace "
@@ -681,11 +675,14 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     LoadedModel m = load_finetune_model(a, options, dtype_reason, log);
     LlamaModel& model = *m.model;
     const int64_t ctx = std::min(a.ctx, m.config.ctx);
-    const Examples examples = read_examples(a, *m.tokenizer, ctx, log);
+    // The memory available, read once: the data and the budget are held to the same figure.
+    const int64_t available = memory_limit_bytes(a.mem_limit_gib);
+    const Examples examples = read_examples(a, *m.tokenizer, ctx, available, log);
     session.prepared();
 
     const int64_t per_step = a.batch * a.accum * comm.size();
-    const size_t rows = pack_examples(examples.data.examples, ctx).size();
+    std::vector<PackedRow> packed = pack_examples(examples.data.examples, ctx);
+    const size_t rows = packed.size();
     const int64_t steps =
         a.steps > 0 ? a.steps
                     : std::max<int64_t>(
@@ -693,7 +690,8 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
                                                             static_cast<double>(per_step))));
     const auto warmup_steps =
         static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
-    const MemoryBudget budget = plan_finetune_memory(a, m, options, examples, ctx, comm, log);
+    const MemoryBudget budget =
+        plan_finetune_memory(a, m, options, examples, ctx, available, comm, log);
 
     TrainOptions train;
     train.batch = a.batch;
@@ -706,8 +704,8 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
-    PackedRows batches(model, examples, ctx, a.batch, per_step, a.seed, m.tokenizer->eos_id(),
-                       comm);
+    PackedRows batches(model, examples, std::move(packed), ctx, a.batch, per_step, a.seed,
+                       m.tokenizer->eos_id(), comm);
     log.info(
         "packed: {} rows of {} positions, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
         "validation: {} examples",
