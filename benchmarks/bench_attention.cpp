@@ -21,7 +21,7 @@
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
 #include "kernels/peak.h"
-#include "models/llama_config.h"
+#include "models/model_config.h"
 
 namespace cputrain::bench {
 namespace {

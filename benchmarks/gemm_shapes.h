@@ -13,7 +13,7 @@
 
 #include "kernels/bf16.h"
 #include "kernels/gemm.h"
-#include "models/llama_config.h"
+#include "models/model_config.h"
 
 namespace cputrain::bench {
 
@@ -79,7 +79,7 @@ inline std::vector<Shape> training_shapes(const std::vector<std::string>& preset
   std::vector<Shape> shapes;
   for (const std::string& name : presets) {
     const Preset p = *find_preset(name);
-    const LlamaConfig& c = p.config;
+    const ModelConfig& c = p.config;
     const int64_t T = p.batch * c.ctx;
     add_layer(shapes, name, "attn", T, c.d_model, c.d_model);  // wq, wk, wv, wo
     add_layer(shapes, name, "ffn_up", T, c.d_model, c.ffn);    // w1, w3

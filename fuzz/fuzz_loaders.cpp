@@ -32,9 +32,9 @@
 #include "engine/train/adamw.h"
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/weights_file.h"
+#include "models/decoder.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
-#include "models/llama.h"
 #include "tools/run/run_config.h"
 
 namespace {
@@ -66,8 +66,8 @@ const std::string& scratch_path() {
 
 // The tiny model of the GGUF and Hugging Face seeds: 1 block of width 32, 2 heads, 1 key/value
 // head, MLP 64, 300 tokens.
-LlamaConfig tiny_config() {
-  LlamaConfig tiny;
+ModelConfig tiny_config() {
+  ModelConfig tiny;
   tiny.vocab = 300;
   tiny.d_model = 32;
   tiny.n_layers = 1;
@@ -84,7 +84,7 @@ const std::string& hf_folder() {
   static const std::string folder = [] {
     const std::string dir = scratch_path() + "_hf";
     std::atexit([] { std::filesystem::remove_all(scratch_path() + "_hf"); });
-    LlamaModel model(tiny_config());
+    DecoderModel model(tiny_config());
     model.init_weights(1);
     Vocabulary v;
     for (int i = 0; i < 300; ++i) v.tokens.push_back("t" + std::to_string(i));
@@ -150,8 +150,8 @@ void write_seeds(const std::string& dir) {
   seed(kTokenizer, false, base + ".model");
   seed(kConfig, false, base + ".json");
   // A GGUF model of the tiny shape, with cputrain's tokenizer as its vocabulary.
-  const LlamaConfig tiny = tiny_config();
-  LlamaModel model(tiny);
+  const ModelConfig tiny = tiny_config();
+  DecoderModel model(tiny);
   model.init_weights(1);
   write_gguf(base + ".gguf", tiny, model.parameters(),
              Tokenizer::load(base + ".model").to_vocabulary(), GgufExport{GgmlType::Q8_0, "fuzz"});
@@ -267,11 +267,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const GgufFile file(path);
         const Tokenizer t = Tokenizer::from_vocabulary(gguf_vocabulary(file));
         t.decode(t.encode("fuzz \xff\xfe text"));
-        const LlamaConfig config = gguf_model_config(file, 64);
+        const ModelConfig config = gguf_model_config(file, 64);
         check_gguf_weights(file, config);
         if (parameter_count(config) < 1'000'000 && config.n_layers <= 4) {
-          LlamaModel model(config);
-          load_gguf_weights(file, model.parameters());
+          DecoderModel model(config);
+          load_gguf_weights(file, model.parameters(), config);
         }
         break;
       }
@@ -280,11 +280,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::ofstream(folder + "/config.json", std::ios::binary | std::ios::trunc)
             .write(file.data(), static_cast<std::streamsize>(file.size()));
         const SafetensorsModel weights(folder);
-        const LlamaConfig config = hf_model_config(folder, weights, 64);
+        const ModelConfig config = hf_model_config(folder, weights, 64);
         check_hf_weights(weights, config);
         if (parameter_count(config) < 1'000'000 && config.n_layers <= 4) {
-          LlamaModel model(config);
-          load_hf_weights(weights, model.parameters());
+          DecoderModel model(config);
+          load_hf_weights(weights, model.parameters(), config);
         }
         break;
       }

@@ -6,7 +6,8 @@
 
 #include "engine/core/error.h"
 #include "engine/train/parameters.h"
-#include "models/llama.h"
+#include "models/architecture.h"
+#include "models/decoder.h"
 
 namespace cputrain {
 namespace {
@@ -88,31 +89,25 @@ int64_t blocks_held(const std::vector<std::string>& names, TensorNaming naming) 
   return static_cast<int64_t>(blocks.size());
 }
 
-}  // namespace
+// The dimensions RoPE rotates: all of each head's, or where the architecture has partial rotary
+// its first rope_dim (even).
+void check_rope_dim(const Checker& check, const FileHyperparameters& hp, const Architecture& arch,
+                    int64_t head, ModelConfig& c) {
+  if (!hp.rope_dim.value) return;
+  const int64_t rope = check.positive(hp.rope_dim);
+  if (rope > head) check.fail(hp.rope_dim, "is more than the head dimension " + text(head));
+  if (rope < head && !arch.partial_rotary)
+    check.fail(hp.rope_dim, "rotates part of each head (of " + text(head) + "), which cputrain " +
+                                "does not compute for " + std::string(arch.name));
+  if (rope % 2 != 0) check.fail(hp.rope_dim, "is odd: RoPE rotates pairs");
+  if (rope < head) c.rope_dim = rope;
+}
 
-void check_file_hyperparameters(const FileHyperparameters& hp,
-                                const std::vector<std::string>& names,
-                                const FileTensorShape& shape_of, LlamaConfig& c) {
-  const Checker check(hp, shape_of);
-  // The embedding (vocab, d_model) sets the width and the vocabulary.
-  const std::string embedding = "tok_embeddings.weight";
-  const std::vector<int64_t> e = check.matrix(embedding);
-  c.d_model = check.positive(hp.d_model);
-  if (c.d_model != e[1]) check.differs(hp.d_model, c.d_model, embedding, e, {e[0], c.d_model});
-  c.vocab = e[0];
-  if (hp.vocab.value && check.positive(hp.vocab) != c.vocab)
-    check.differs(hp.vocab, *hp.vocab.value, embedding, e, {*hp.vocab.value, e[1]});
-
-  c.n_layers = check.positive(hp.n_layers);
-  const int64_t blocks = blocks_held(names, hp.naming);
-  if (c.n_layers != blocks)
-    check.fail(hp.n_layers, "differs from the blocks the file holds (" + text(blocks) + ")");
-
-  // Heads: they divide the q projection's rows, each of the head dimension; the key/value heads
-  // divide the heads and make the k projection's rows.
-  const std::string wq = "layers.0.attention.wq.weight", wk = "layers.0.attention.wk.weight";
+// The heads of separate q and k projections (`wq`, `wk`): the head dimension, the heads and the
+// key/value heads from their rows.
+void check_heads(const Checker& check, const FileHyperparameters& hp, const std::string& wq,
+                 const std::string& wk, const Architecture& arch, ModelConfig& c) {
   const std::vector<int64_t> q = check.matrix(wq), k = check.matrix(wk);
-  c.n_heads = check.positive(hp.n_heads);
   if (q[0] % c.n_heads != 0)
     check.fail(hp.n_heads,
                "does not divide the " + text(q[0]) + " rows of tensor " + check.name(wq));
@@ -142,18 +137,68 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     check.fail(hp.n_kv_heads, c.n_kv_heads,
                "heads of " + text(head) + " differ from the " + text(k[0]) + " rows of tensor " +
                    check.name(wk));
-  if (hp.rope_dim.value) {
-    const int64_t rope = check.positive(hp.rope_dim);
-    if (rope > head) check.fail(hp.rope_dim, "is more than the head dimension " + text(head));
-    if (rope < head)
-      check.fail(hp.rope_dim, "rotates part of each head (of " + text(head) +
-                                  "), which cputrain does not compute");
+  check_rope_dim(check, hp, arch, head, c);
+}
+
+}  // namespace
+
+void check_file_hyperparameters(const FileHyperparameters& hp,
+                                const std::vector<std::string>& names,
+                                const FileTensorShape& shape_of, ModelConfig& c) {
+  const Checker check(hp, shape_of);
+  // The embedding (vocab, d_model) sets the width and the vocabulary.
+  const std::string embedding = "tok_embeddings.weight";
+  const std::vector<int64_t> e = check.matrix(embedding);
+  c.d_model = check.positive(hp.d_model);
+  if (c.d_model != e[1]) check.differs(hp.d_model, c.d_model, embedding, e, {e[0], c.d_model});
+  c.vocab = e[0];
+  if (hp.vocab.value && check.positive(hp.vocab) != c.vocab)
+    check.differs(hp.vocab, *hp.vocab.value, embedding, e, {*hp.vocab.value, e[1]});
+
+  c.n_layers = check.positive(hp.n_layers);
+  const int64_t blocks = blocks_held(names, hp.naming);
+  if (c.n_layers != blocks)
+    check.fail(hp.n_layers, "differs from the blocks the file holds (" + text(blocks) + ")");
+
+  // Heads: they divide the q projection's rows, each of the head dimension; the key/value heads
+  // divide the heads and make the k projection's rows. Where q, k and v are one tensor, its rows
+  // are the three's.
+  const Architecture& arch = architecture_of(c);
+  const std::string wq = "layers.0.attention.wq.weight", wk = "layers.0.attention.wk.weight";
+  c.n_heads = check.positive(hp.n_heads);
+  if (arch.fused_qkv) {
+    const std::string wqkv = "layers.0.attention.wqkv.weight";
+    const std::vector<int64_t> qkv = check.matrix(wqkv);
+    int64_t head = 0;
+    if (hp.head_dim.value) {
+      head = check.positive(hp.head_dim);
+    } else {
+      if (c.d_model % c.n_heads != 0)
+        check.fail(hp.n_heads, "does not divide " + hp.d_model.key + " " + text(c.d_model) +
+                                   " (and no " + hp.head_dim.key + " gives the head dimension)");
+      head = c.d_model / c.n_heads;
+    }
+    c.n_kv_heads = hp.n_kv_heads.value ? check.positive(hp.n_kv_heads) : c.n_heads;
+    if (c.n_kv_heads > c.n_heads || c.n_heads % c.n_kv_heads != 0)
+      check.fail(hp.n_kv_heads, c.n_kv_heads,
+                 "does not divide " + hp.n_heads.key + " " + text(c.n_heads));
+    if ((c.n_heads + 2 * c.n_kv_heads) * head != qkv[0])
+      check.fail(hp.n_heads, "and " + text(c.n_kv_heads) + " key/value heads of " + text(head) +
+                                 " differ from the " + text(qkv[0]) + " rows of tensor " +
+                                 check.name(wqkv));
+    if (hp.head_dim.value) c.head_dim = head;
+    check_rope_dim(check, hp, arch, head, c);
+  } else {
+    check_heads(check, hp, wq, wk, arch, c);
   }
 
-  const std::string w1 = "layers.0.feed_forward.w1.weight";
+  // The gate projection's rows, or half the fused gate and up tensor's.
+  const std::string w1 =
+      arch.fused_gate_up ? "layers.0.feed_forward.w13.weight" : "layers.0.feed_forward.w1.weight";
   const std::vector<int64_t> gate = check.matrix(w1);
+  const int64_t parts = arch.fused_gate_up ? 2 : 1;
   c.ffn = check.positive(hp.ffn);
-  if (c.ffn != gate[0]) check.differs(hp.ffn, c.ffn, w1, gate, {c.ffn, gate[1]});
+  if (c.ffn * parts != gate[0]) check.differs(hp.ffn, c.ffn, w1, gate, {parts * c.ffn, gate[1]});
 
   c.ctx = check.positive(hp.ctx);
   if (c.ctx > kMaxFileContext)
@@ -161,15 +206,18 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
 
   // Every tensor of the model, now that the counts are bounded by the file.
   ParameterSet declared;
-  LlamaModel::declare_parameters(c, declared);
-  for (const ParameterInfo& info : declared.infos()) {
-    const std::string n = check.name(info.name);
-    const std::optional<std::vector<int64_t>> has = shape_of(n);
-    if (!has) throw UserError(hp.where + ": no tensor " + n + " (the model's " + info.name + ")");
-    std::vector<int64_t> given;
-    for (int d = 0; d < info.shape.ndim(); ++d) given.push_back(info.shape[d]);
-    if (*has != given)
-      throw UserError(hp.where + ": " + check.tensor_differs(info.name, *has, given));
+  DecoderModel::declare_parameters(c, declared);
+  for (const FileTensor& t :
+       file_tensors(declared, c, hp.naming, [](const ParameterInfo&) { return true; })) {
+    const std::string& ours = declared.infos()[static_cast<size_t>(t.parts[0])].name;
+    const std::optional<std::vector<int64_t>> has = shape_of(t.name);
+    if (!has) throw UserError(hp.where + ": no tensor " + t.name + " (the model's " + ours + ")");
+    if (*has != t.shape)
+      throw UserError(hp.where + ": tensor " + t.name + " has shape " + check.shape(*has) +
+                      " where " +
+                      (hp.naming == TensorNaming::Gguf ? "the model's hyperparameters give"
+                                                       : "config.json gives") +
+                      " " + check.shape(t.shape));
   }
 }
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "models/llama_config.h"
+#include "models/model_config.h"
 #include "models/tensor_names.h"
 
 namespace cputrain {
@@ -41,7 +41,7 @@ struct FileHyperparameters {
   FileHyperparameter rope_dim;    // optional: the head dimension
 };
 
-// The shape of the file's tensor `name` (in the file's naming) as LlamaModel holds it (a matrix
+// The shape of the file's tensor `name` (in the file's naming) as DecoderModel holds it (a matrix
 // [out, in]); nullopt where the file has no such tensor.
 using FileTensorShape = std::function<std::optional<std::vector<int64_t>>(const std::string&)>;
 
@@ -53,6 +53,6 @@ using FileTensorShape = std::function<std::optional<std::vector<int64_t>>(const 
 // that the file's size does not bound.
 void check_file_hyperparameters(const FileHyperparameters& hp,
                                 const std::vector<std::string>& names,
-                                const FileTensorShape& shape_of, LlamaConfig& config);
+                                const FileTensorShape& shape_of, ModelConfig& config);
 
 }  // namespace cputrain

@@ -6,11 +6,11 @@
 #include "engine/core/hash.h"
 #include "engine/core/memory.h"
 #include "engine/train/trainer.h"
-#include "models/llama.h"
+#include "models/decoder.h"
 
 namespace cputrain {
 
-StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
+StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
                          const Tensor& inputs, const Tensor& targets) {
@@ -37,7 +37,7 @@ StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
       1, B * accum * ctx * ranks);
 }
 
-double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
+double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExample>& examples,
                               int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows,
                               const Communicator* comm) {
   NoGradGuard no_grad;

@@ -1,4 +1,4 @@
-// Fine-tuning steps over LlamaModel: the packed rows of engine/data/finetune_data.h through the
+// Fine-tuning steps over DecoderModel: the packed rows of engine/data/finetune_data.h through the
 // trainer's step, and their validation loss.
 #pragma once
 
@@ -11,7 +11,7 @@
 namespace cputrain {
 
 class Communicator;
-class LlamaModel;
+class DecoderModel;
 class Trainer;
 struct StepResult;
 
@@ -22,7 +22,7 @@ struct StepResult;
 // that depends on the lengths. Over the ranks of the trainer's communicator, `rows` are the whole
 // job's step (batch x accum x N) and micro-batch m of rank r takes its rows (m N + r) batch
 // onwards, as Trainer::step takes windows; the divisor is the count of the whole step's targets.
-StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
+StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
                          const Tensor& inputs, const Tensor& targets);
@@ -30,7 +30,7 @@ StepResult finetune_step(Trainer& trainer, LlamaModel& model, int64_t step,
 // The mean loss over every target of `examples`, packed into rows of ctx, batch rows at a time,
 // without gradients. While measuring, `measure_rows` rows of one sequence each. Over the ranks of
 // `comm`, rank r evaluates batches r, r + N, ...; every rank gets the loss one process gets.
-double packed_validation_loss(LlamaModel& model, const std::vector<FinetuneExample>& examples,
+double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExample>& examples,
                               int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows = 0,
                               const Communicator* comm = nullptr);
 

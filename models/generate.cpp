@@ -40,7 +40,7 @@ int32_t sample_token(const float* logits, int64_t V, float temperature, int64_t 
   return order[k - 1];
 }
 
-std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+std::vector<int32_t> generate(DecoderModel& model, const std::vector<int32_t>& prompt,
                               const SampleOptions& options,
                               const std::function<void(int32_t)>& on_token) {
   if (prompt.empty()) throw std::invalid_argument("generate: empty prompt");
@@ -49,7 +49,7 @@ std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& pro
   std::mt19937_64 rng(options.seed);
   std::vector<int32_t> tokens = prompt;
   if (options.max_new_tokens <= 0) return tokens;
-  LlamaModel::KvCache cache = model.new_kv_cache();
+  DecoderModel::KvCache cache = model.new_kv_cache();
   // Fills the cache afresh with the last `keep` tokens.
   auto restart = [&](int64_t keep) {
     cache.length = 0;

@@ -1,11 +1,11 @@
-// Autoregressive sampling from a LlamaModel.
+// Autoregressive sampling from a DecoderModel.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/decoder.h"
 
 namespace cputrain {
 
@@ -23,7 +23,7 @@ struct SampleOptions {
 // token since; when it reaches ctx tokens it restarts from the last ctx / 2, so the model always
 // sees between ctx / 2 and ctx tokens. on_token, when set, is called with each new token as it
 // is chosen.
-std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+std::vector<int32_t> generate(DecoderModel& model, const std::vector<int32_t>& prompt,
                               const SampleOptions& options,
                               const std::function<void(int32_t)>& on_token = nullptr);
 

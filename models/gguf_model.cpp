@@ -3,32 +3,67 @@
 #include <algorithm>
 #include <set>
 #include <stdexcept>
+#include <tuple>
 
 #include "engine/core/error.h"
 #include "engine/train/parameters.h"
+#include "models/architecture.h"
+#include "models/decoder.h"
 #include "models/file_hyperparameters.h"
-#include "models/llama.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
 
 namespace cputrain {
 namespace {
 
-// Our parameter name's parts, and llama.cpp's.
+// The keys "<arch>.<key>" llama.cpp reads for the architectures of models/architecture.h, all of
+// which cputrain reads; a key of the architecture not listed is refused, not passed over.
+constexpr const char* kGgufKeys[] = {"vocab_size",
+                                     "embedding_length",
+                                     "block_count",
+                                     "attention.head_count",
+                                     "attention.head_count_kv",
+                                     "attention.key_length",
+                                     "attention.value_length",
+                                     "feed_forward_length",
+                                     "context_length",
+                                     "rope.dimension_count",
+                                     "attention.layer_norm_rms_epsilon",
+                                     "rope.freq_base",
+                                     "rope.scaling.type"};
+
+// Keys whose value in the file changes nothing: a mixture of experts with none, a scaling of 1,
+// notes of the context a scaled model was trained at.
+bool inert_key(const std::string& key, const GgufValue& value) {
+  if (key == "expert_count" || key == "expert_used_count") return value.number == 0.0;
+  if (key == "rope.scaling.factor" || key == "rope.scaling.attn_factor") return value.number == 1.0;
+  return key == "rope.scaling.original_context_length" || key == "rope.scaling.finetuned";
+}
 
 }  // namespace
 
 std::string gguf_supported_architectures() {
-  return "llama, qwen2";
+  return architecture_names();
 }
 
-LlamaConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
-  const std::string arch = file.string("general.architecture");
-  if (arch != "llama" && arch != "qwen2")
-    throw UserError(file.path() + ": architecture " + arch +
+ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
+  const std::string name = file.string("general.architecture");
+  const Architecture* arch = find_architecture(name);
+  if (!arch)
+    throw UserError(file.path() + ": architecture " + name +
                     ", which cputrain does not compute (it computes " +
                     gguf_supported_architectures() + ")");
-  const std::string& p = arch;
+  const std::string p = name + ".";
+  for (const auto& [key, value] : file.metadata()) {
+    if (!key.starts_with(p)) continue;
+    const std::string rest = key.substr(p.size());
+    if (std::find_if(std::begin(kGgufKeys), std::end(kGgufKeys),
+                     [&](const char* k) { return rest == k; }) == std::end(kGgufKeys) &&
+        std::find(arch->gguf_keys.begin(), arch->gguf_keys.end(), rest) == arch->gguf_keys.end() &&
+        !inert_key(rest, value))
+      throw UserError(file.path() + ": metadata " + key + ", which cputrain does not read for " +
+                      name + " (nothing in a model file is passed over)");
+  }
   const auto given = [&](const std::string& key) {
     return FileHyperparameter{
         key, file.find(key) ? std::optional<int64_t>(file.integer(key)) : std::nullopt};
@@ -36,45 +71,88 @@ LlamaConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   FileHyperparameters hp;
   hp.where = file.path();
   hp.naming = TensorNaming::Gguf;
-  hp.vocab = given(p + ".vocab_size");
-  hp.d_model = given(p + ".embedding_length");
-  hp.n_layers = given(p + ".block_count");
-  hp.n_heads = given(p + ".attention.head_count");
-  hp.n_kv_heads = given(p + ".attention.head_count_kv");
-  hp.head_dim = given(p + ".attention.key_length");
-  hp.ffn = given(p + ".feed_forward_length");
-  hp.ctx = given(p + ".context_length");
-  hp.rope_dim = given(p + ".rope.dimension_count");
+  hp.vocab = given(p + "vocab_size");
+  hp.d_model = given(p + "embedding_length");
+  hp.n_layers = given(p + "block_count");
+  hp.n_heads = given(p + "attention.head_count");
+  hp.n_kv_heads = given(p + "attention.head_count_kv");
+  hp.head_dim = given(p + "attention.key_length");
+  hp.ffn = given(p + "feed_forward_length");
+  hp.ctx = given(p + "context_length");
+  hp.rope_dim = given(p + "rope.dimension_count");
   for (const FileHyperparameter* required :
        {&hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn, &hp.ctx})
     if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
-  const std::string scaling = file.string(p + ".rope.scaling.type", "none");
-  if (scaling != "none" || file.tensor("rope_freqs.weight"))
-    throw UserError(file.path() + ": RoPE scaling (" +
-                    (scaling != "none" ? scaling : std::string("rope_freqs.weight")) +
-                    "), which cputrain does not compute");
-  LlamaConfig c;
-  c.norm_eps = static_cast<float>(file.number(p + ".attention.layer_norm_rms_epsilon", 1e-5));
-  c.rope_theta = file.number(p + ".rope.freq_base", 10000.0);
-  c.rope_pairs = arch == "qwen2" ? RopePairs::HalfSplit : RopePairs::Adjacent;
+  // llama.cpp's default type, linear, scales nothing without a factor (refused above unless 1).
+  const std::string scaling = file.string(p + "rope.scaling.type", "none");
+  if (scaling != "none" && scaling != "linear")
+    throw UserError(file.path() + ": " + p + "rope.scaling.type " + scaling +
+                    ", which cputrain does not compute for " + name + " (it computes " +
+                    rope_scaling_names(*arch) + ")");
+  ModelConfig c;
+  c.architecture = name;
+  c.norm_eps = static_cast<float>(file.number(p + "attention.layer_norm_rms_epsilon", 1e-5));
+  c.rope_theta = file.number(p + "rope.freq_base", 10000.0);
+  c.rope_pairs = arch->gguf_rope_pairs;
   c.tie_embeddings = file.tensor("output.weight") == nullptr;
-  c.qkv_bias = file.tensor("blk.0.attn_q.bias") != nullptr;
+  c.qkv_bias = arch->qkv_bias == Presence::Always ||
+               (arch->qkv_bias == Presence::Optional && file.tensor("blk.0.attn_q.bias"));
+  c.qk_norm = arch->qk_norm;
   std::vector<std::string> names;
   names.reserve(file.tensors().size());
   for (const GgufTensor& t : file.tensors()) names.push_back(t.name);
   check_file_hyperparameters(
       hp, names,
-      [&](const std::string& name) -> std::optional<std::vector<int64_t>> {
-        const GgufTensor* t = file.tensor(name);
+      [&](const std::string& tensor) -> std::optional<std::vector<int64_t>> {
+        const GgufTensor* t = file.tensor(tensor);
         if (!t) return std::nullopt;
         return std::vector<int64_t>(t->dims.rbegin(), t->dims.rend());
       },
       c);
   c.head_dim = c.head_size();
-  if (file.integer(p + ".attention.value_length", c.head_dim) != c.head_dim)
+  if (file.integer(p + "attention.value_length", c.head_dim) != c.head_dim)
     throw UserError(file.path() + ": " + p +
-                    ".attention.value_length differs from key_length, "
+                    "attention.value_length differs from key_length, "
                     "which cputrain does not compute");
+  c.no_rope_layers = step_no_rope_layers(*arch, c.n_layers);
+  // RoPE scaling as factors of each frequency: rope_freqs (Llama 3.1/3.2's), or Phi-3's longrope
+  // short and long ones.
+  const auto factors = [&](const char* tensor, const char* type) -> std::vector<float> {
+    const GgufTensor* t = file.tensor(tensor);
+    if (!t) return {};
+    if (std::find(arch->rope_scalings.begin(), arch->rope_scalings.end(), type) ==
+        arch->rope_scalings.end())
+      throw UserError(file.path() + ": tensor " + tensor + ", RoPE scaling (" + type +
+                      ") which cputrain does not compute for " + name + " (it computes " +
+                      rope_scaling_names(*arch) + ")");
+    if (t->dims != std::vector<int64_t>{c.rope_dims() / 2})
+      throw UserError(file.path() + ": tensor " + tensor + " has shape " + shape_text(t->dims) +
+                      " where the rotated dimensions give [" + std::to_string(c.rope_dims() / 2) +
+                      "]");
+    check_tensor_type(file, *t);
+    return gguf_tensor_values(file, *t);
+  };
+  if (std::vector<float> f = factors("rope_freqs.weight", "llama3"); !f.empty())
+    c.rope_scaling = rope_scaling_of_factors(std::move(f), c);
+  std::vector<float> long_factors = factors("rope_factors_long.weight", "longrope");
+  std::vector<float> short_factors = factors("rope_factors_short.weight", "longrope");
+  if (!long_factors.empty() || !short_factors.empty()) {
+    if (long_factors.empty() || short_factors.empty())
+      throw UserError(file.path() + ": " +
+                      (long_factors.empty() ? "rope_factors_short.weight without "
+                                              "rope_factors_long.weight"
+                                            : "rope_factors_long.weight without "
+                                              "rope_factors_short.weight"));
+    c.rope_scaling.type = "longrope";
+    c.rope_scaling.freq_factors = std::move(short_factors);
+    c.rope_scaling.long_factors = std::move(long_factors);
+    c.rope_scaling.attn_factor = file.number(p + "rope.scaling.attn_factor", 1.0);
+    c.rope_scaling.original_ctx = file.integer(p + "rope.scaling.original_context_length", c.ctx);
+  }
+  // Phi-3's sliding window, which llama.cpp passes over: the context within it, where both
+  // compute the same.
+  if (const int64_t window = file.integer(p + "attention.sliding_window", 0); window > 0)
+    c.ctx = std::min(c.ctx, window);
   c.ctx = std::min(c.ctx, max_ctx);
   if (const auto problem = validate(c))
     throw UserError(file.path() +
@@ -88,18 +166,23 @@ std::string gguf_tensor_name(const std::string& parameter) {
 
 namespace {
 
-// The file's tensor of parameter `info` (of LlamaModel), of its shape and of a type cputrain
-// converts; a UserError naming the file and tensor otherwise.
-const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info) {
-  const std::string name = gguf_tensor_name(info.name);
+// The file's tensor holding parameter `info` (of a DecoderModel of `config`), of its shape (its
+// parts' together, for a fused tensor) and of a type cputrain converts; a UserError naming the
+// file and tensor otherwise. `part` receives where in it the parameter's rows are.
+const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info,
+                                 const ModelConfig& config, TensorPart* part = nullptr) {
+  const TensorPart where = tensor_part(info, config, TensorNaming::Gguf);
+  const std::string& name = where.name;
   const GgufTensor* t = file.tensor(name);
   if (!t) throw UserError(file.path() + ": no tensor " + name + " (the model's " + info.name + ")");
   std::vector<int64_t> expected;
   for (int d = info.shape.ndim() - 1; d >= 0; --d) expected.push_back(info.shape[d]);
+  expected.back() = where.tensor_rows;
   if (t->dims != expected)
     throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
                     " where the model's hyperparameters give " + shape_text(expected));
   check_tensor_type(file, *t);
+  if (part) *part = where;
   return *t;
 }
 
@@ -107,7 +190,10 @@ const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info
 // of the embedding); a UserError naming the first that is not.
 void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& used) {
   for (const GgufTensor& t : file.tensors()) {
-    if (used.count(t.name) || t.name == "output.weight") continue;
+    // RoPE factors are read into the configuration (gguf_model_config).
+    if (used.count(t.name) || t.name == "output.weight" || t.name == "rope_freqs.weight" ||
+        t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
+      continue;
     throw UserError(file.path() + ": tensor " + t.name + " has no place in the " +
                     file.string("general.architecture") + " model cputrain computes");
   }
@@ -115,44 +201,52 @@ void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& u
 
 }  // namespace
 
-void check_gguf_weights(const GgufFile& file, const LlamaConfig& config) {
+void check_gguf_weights(const GgufFile& file, const ModelConfig& config) {
   ParameterSet declared;
-  LlamaModel::declare_parameters(config, declared);
+  DecoderModel::declare_parameters(config, declared);
   std::set<std::string> used;
-  for (const ParameterInfo& info : declared.infos()) used.insert(gguf_tensor_of(file, info).name);
+  for (const ParameterInfo& info : declared.infos())
+    used.insert(gguf_tensor_of(file, info, config).name);
   check_no_other_tensors(file, used);
 }
 
-void load_gguf_weights(const GgufFile& file, const ParameterSet& params) {
+void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
+                       const ModelConfig& config) {
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
-    const GgufTensor* t = &gguf_tensor_of(file, info);
+    TensorPart part;
+    const GgufTensor* t = &gguf_tensor_of(file, info, config, &part);
     const std::string& name = t->name;
+    const int64_t row = info.shape.numel() / info.shape[0];
     // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
     if (params.mapped(static_cast<int>(i))) {
       if (t->type != static_cast<uint32_t>(GgmlType::BF16))
         throw std::logic_error("load_gguf_weights: " + name + " mapped but not BF16");
     } else if (t->type == static_cast<uint32_t>(GgmlType::BF16) &&
                params.bf16_only(static_cast<int>(i))) {
-      params.write_bf16_values(static_cast<int>(i), t->data.data());
+      params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
       const std::vector<float> values = gguf_tensor_values(file, *t);
-      params.write_values(static_cast<int>(i), values.data());
+      params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
     }
     used.insert(name);
   }
   check_no_other_tensors(file, used);
 }
 
-const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter) {
-  const GgufTensor* t = file.tensor(gguf_tensor_name(parameter.name));
+const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter,
+                               const ModelConfig& config) {
+  const TensorPart part = tensor_part(parameter, config, TensorNaming::Gguf);
+  const GgufTensor* t = file.tensor(part.name);
   if (!t || t->type != static_cast<uint32_t>(GgmlType::BF16)) return nullptr;
   std::vector<int64_t> dims;
   for (int d = parameter.shape.ndim() - 1; d >= 0; --d) dims.push_back(parameter.shape[d]);
+  dims.back() = part.tensor_rows;
   if (t->dims != dims || t->data.size() != static_cast<size_t>(t->numel()) * 2) return nullptr;
-  return t->data.data();
+  const int64_t row = parameter.shape.numel() / parameter.shape[0];
+  return t->data.data() + part.first_row * row * 2;
 }
 
 namespace {
@@ -173,36 +267,25 @@ uint32_t file_type(GgmlType type) {
 
 }  // namespace
 
-namespace {
-
-// The architecture write_gguf writes a model of `c` as.
-bool as_qwen2(const LlamaConfig& c) {
-  return c.qkv_bias && c.rope_pairs == RopePairs::HalfSplit;
-}
-
-}  // namespace
-
-void write_lora_gguf(const std::string& path, const LlamaConfig& c, const ParameterSet& params,
+void write_lora_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                      double alpha, const std::string& name) {
-  const bool qwen2 = as_qwen2(c);
+  const Architecture& arch = architecture_of(c);
   GgufWriter w;
-  w.set_string("general.architecture", qwen2 ? "qwen2" : "llama");
+  w.set_string("general.architecture", std::string(arch.name));
   w.set_string("general.type", "adapter");
   w.set_string("general.name", name);
   w.set_string("adapter.type", "lora");
   w.set_f32("adapter.lora.alpha", static_cast<float>(alpha));
   w.set_string("cputrain.base_fingerprint", fingerprint_text(base_fingerprint(c, params)));
-  bool any = false;
-  for (size_t i = 0; i < params.infos().size(); ++i) {
-    const ParameterInfo& info = params.infos()[i];
-    if (!is_lora_parameter(info.name)) continue;
-    const std::vector<float> values = parameter_values(
-        params, static_cast<int>(i), c, qwen2 ? RopePairs::HalfSplit : RopePairs::Adjacent);
-    w.add_tensor(gguf_tensor_name(info.name), {info.shape[1], info.shape[0]}, GgmlType::F32,
-                 ggml_from_float(GgmlType::F32, values.data(), info.shape.numel()));
-    any = true;
+  const std::vector<FileTensor> tensors =
+      file_tensors(params, c, TensorNaming::Gguf,
+                   [](const ParameterInfo& info) { return is_lora_parameter(info.name); });
+  for (const FileTensor& t : tensors) {
+    const std::vector<float> values = file_tensor_values(params, t, c, arch.gguf_rope_pairs);
+    w.add_tensor(t.name, {t.shape[1], t.shape[0]}, GgmlType::F32,
+                 ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1]));
   }
-  if (!any) throw std::logic_error("write_lora_gguf: a model without adapters");
+  if (tensors.empty()) throw std::logic_error("write_lora_gguf: a model without adapters");
   w.write(path);
 }
 
@@ -212,17 +295,28 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
                     file.string("general.type", "model") + ")");
   LoraConfig lora;
   lora.alpha = file.number("adapter.lora.alpha", 0.0);
-  const char* gguf_names[kProjectionCount] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
-                                              "ffn_gate", "ffn_up", "ffn_down"};
+  // Each tensor name's projections: a fused tensor's are its parts'.
+  const Architecture* arch = find_architecture(file.string("general.architecture", ""));
+  const bool fused_qkv = arch && arch->fused_qkv, fused_gate_up = arch && arch->fused_gate_up;
+  using P = Projection;
+  const std::pair<const char*, std::vector<P>> gguf_names[] = {
+      {"attn_q", {P::Q}},
+      {"attn_k", {P::K}},
+      {"attn_v", {P::V}},
+      {"attn_qkv", fused_qkv ? std::vector<P>{P::Q, P::K, P::V} : std::vector<P>{}},
+      {"attn_output", {P::O}},
+      {"ffn_gate", {P::Gate}},
+      {"ffn_up", fused_gate_up ? std::vector<P>{P::Gate, P::Up} : std::vector<P>{P::Up}},
+      {"ffn_down", {P::Down}}};
   for (const GgufTensor& t : file.tensors()) {
     if (!t.name.ends_with(".weight.lora_a") && !t.name.ends_with(".weight.lora_b"))
       throw UserError(file.path() + ": tensor " + t.name + " is not a LoRA adapter's");
     bool known = false;
-    for (int j = 0; j < kProjectionCount; ++j) {
-      if (t.name.find(std::string(".") + gguf_names[j] + ".weight.lora_") == std::string::npos)
+    for (const auto& [gguf_name, projections] : gguf_names) {
+      if (t.name.find(std::string(".") + gguf_name + ".weight.lora_") == std::string::npos)
         continue;
-      lora.targets[static_cast<size_t>(j)] = true;
-      known = true;
+      for (const P p : projections) lora.targets[static_cast<size_t>(p)] = true;
+      known = !projections.empty();
     }
     if (!known)
       throw UserError(file.path() + ": tensor " + t.name +
@@ -238,46 +332,55 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
   return lora;
 }
 
-void load_lora_gguf(const GgufFile& file, const LlamaConfig& c, const ParameterSet& params) {
-  const bool qwen2 = as_qwen2(c);
-  const std::string arch = file.string("general.architecture", "");
-  if (arch != (qwen2 ? "qwen2" : "llama"))
-    throw UserError(file.path() + ": an adapter for a " + arch + " model, not this " +
-                    (qwen2 ? "qwen2" : "llama") + " one");
+void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterSet& params) {
+  const Architecture& arch = architecture_of(c);
+  const std::string of = file.string("general.architecture", "");
+  if (of != arch.name)
+    throw UserError(file.path() + ": an adapter for a " + of + " model, not this " +
+                    std::string(arch.name) + " one");
   // Shapes first, then the base's fingerprint, then the values.
-  std::vector<std::pair<size_t, const GgufTensor*>> adapters;
+  std::vector<std::tuple<size_t, const GgufTensor*, TensorPart>> adapters;
+  std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (!is_lora_parameter(info.name)) continue;
-    const std::string name = gguf_tensor_name(info.name);
-    const GgufTensor* t = file.tensor(name);
-    if (!t) throw UserError(file.path() + ": no tensor " + name);
-    const std::vector<int64_t> expected = {info.shape[1], info.shape[0]};
+    const TensorPart part = tensor_part(info, c, TensorNaming::Gguf);
+    const GgufTensor* t = file.tensor(part.name);
+    if (!t) throw UserError(file.path() + ": no tensor " + part.name);
+    const std::vector<int64_t> expected = {info.shape[1], part.tensor_rows};
     if (t->dims != expected)
-      throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
+      throw UserError(file.path() + ": tensor " + part.name + " has shape " + shape_text(t->dims) +
                       " where this model takes " + shape_text(expected));
-    adapters.emplace_back(i, t);
+    adapters.emplace_back(i, t, part);
+    used.insert(part.name);
   }
-  if (adapters.size() != file.tensors().size())
+  if (used.size() != file.tensors().size())
     throw UserError(file.path() + ": " + std::to_string(file.tensors().size()) +
-                    " tensors, of which this model takes " + std::to_string(adapters.size()));
+                    " tensors, of which this model takes " + std::to_string(used.size()));
   const std::string want = fingerprint_text(base_fingerprint(c, params));
   const std::string got = file.string("cputrain.base_fingerprint", want);
   if (got != want)
     throw UserError(file.path() + ": an adapter trained on another base model (fingerprint " + got +
                     ", this model's " + want + ")");
-  for (const auto& [i, t] : adapters) {
-    std::vector<float> values = gguf_tensor_values(file, *t);
-    reorder_qk_rows(values, params.infos()[i], c,
-                    qwen2 ? RopePairs::HalfSplit : RopePairs::Adjacent, c.rope_pairs);
+  for (const auto& [i, t, part] : adapters) {
+    const ParameterInfo& info = params.infos()[i];
+    const std::vector<float> all = gguf_tensor_values(file, *t);
+    const int64_t row = info.shape[1];
+    std::vector<float> values(all.begin() + part.first_row * row,
+                              all.begin() + (part.first_row + part.rows) * row);
+    reorder_qk_rows(values, info, c, arch.gguf_rope_pairs, c.rope_pairs);
     params.write_values(static_cast<int>(i), values.data());
   }
 }
 
-GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const ParameterSet& params,
+GgmlType write_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                     const Vocabulary& v, const GgufExport& options) {
-  const bool qwen2 = as_qwen2(c);
-  const std::string arch = qwen2 ? "qwen2" : "llama";
+  const Architecture& description = architecture_of(c);
+  const std::string arch(description.name);
+  if (c.no_rope_layers != step_no_rope_layers(description, c.n_layers))
+    throw UserError("a " + arch + " model whose layers without RoPE are not llama.cpp's (every " +
+                    std::to_string(description.no_rope_layer_step) +
+                    "th): GGUF has no key for them");
   GgmlType matrices = options.type;
   if (matrices == GgmlType::Q8_0) {
     for (const ParameterInfo& info : params.infos())
@@ -297,21 +400,33 @@ GgmlType write_gguf(const std::string& path, const LlamaConfig& c, const Paramet
   w.set_u32(arch + ".attention.value_length", static_cast<uint32_t>(c.head_size()));
   w.set_f32(arch + ".attention.layer_norm_rms_epsilon", c.norm_eps);
   w.set_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
-  w.set_u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.head_size()));
+  w.set_u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.rope_dims()));
   w.set_u32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab));
   set_gguf_vocabulary(w, v);
-  for (size_t i = 0; i < params.infos().size(); ++i) {
-    const ParameterInfo& info = params.infos()[i];
+  const int64_t pairs = c.rope_dims() / 2;
+  const auto factors = [&](const char* name, const std::vector<float>& f) {
+    w.add_tensor(name, {pairs}, GgmlType::F32, ggml_from_float(GgmlType::F32, f.data(), pairs));
+  };
+  if (c.rope_scaling.type == "longrope") {
+    w.set_f32(arch + ".rope.scaling.attn_factor", static_cast<float>(c.rope_scaling.attn_factor));
+    w.set_u32(arch + ".rope.scaling.original_context_length",
+              static_cast<uint32_t>(c.rope_scaling.original_ctx));
+    factors("rope_factors_long.weight", c.rope_scaling.long_factors);
+    factors("rope_factors_short.weight", c.rope_scaling.freq_factors);
+  } else if (c.rope_scaling.active()) {
+    factors("rope_freqs.weight", c.rope_scaling.freq_factors);
+  }
+  for (const ParameterInfo& info : params.infos())
     if (is_lora_parameter(info.name))
       throw std::logic_error("write_gguf: a model with adapters (merge them first)");
-    const std::string name = gguf_tensor_name(info.name);
-    // llama.cpp's llama rotates adjacent pairs; qwen2 keeps Hugging Face's half-split rows.
-    const std::vector<float> values = parameter_values(
-        params, static_cast<int>(i), c, qwen2 ? RopePairs::HalfSplit : RopePairs::Adjacent);
-    std::vector<int64_t> dims;
-    for (int d = info.shape.ndim() - 1; d >= 0; --d) dims.push_back(info.shape[d]);
-    const GgmlType type = info.shape.ndim() == 2 ? matrices : GgmlType::F32;
-    w.add_tensor(name, dims, type, ggml_from_float(type, values.data(), info.shape.numel()));
+  for (const FileTensor& t :
+       file_tensors(params, c, TensorNaming::Gguf, [](const ParameterInfo&) { return true; })) {
+    // q and k rows in the pairing llama.cpp applies to the architecture.
+    const std::vector<float> values = file_tensor_values(params, t, c, description.gguf_rope_pairs);
+    const std::vector<int64_t> dims(t.shape.rbegin(), t.shape.rend());
+    const GgmlType type = t.shape.size() == 2 ? matrices : GgmlType::F32;
+    w.add_tensor(t.name, dims, type,
+                 ggml_from_float(type, values.data(), static_cast<int64_t>(values.size())));
   }
   w.write(path);
   return matrices;

@@ -3,6 +3,7 @@
 #include <spdlog/fmt/fmt.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -18,8 +19,9 @@
 #include "engine/io/gguf_file.h"
 #include "engine/text/tokenizer.h"
 #include "engine/train/parameters.h"
+#include "models/architecture.h"
+#include "models/decoder.h"
 #include "models/file_hyperparameters.h"
-#include "models/llama.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
 
@@ -143,11 +145,118 @@ class ConfigValues {
 
 }  // namespace
 
-LlamaConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
+namespace {
+
+// A list of `n` positive numbers in config.json's rope_scaling.
+std::vector<float> hf_factors(const json* list, int64_t n, const std::string& what) {
+  std::vector<float> out;
+  if (list && list->is_array() && static_cast<int64_t>(list->size()) == n)
+    for (const json& v : *list)
+      if (v.is_number() && v.get<double>() > 0.0) out.push_back(v.get<float>());
+  if (static_cast<int64_t>(out.size()) != n)
+    throw UserError(what + " is not a list of " + std::to_string(n) +
+                    " positive numbers (half the rotated dimensions)");
+  return out;
+}
+
+// config.json's rope_scaling of a model of `c` (theta, rotated dimensions and declared context
+// known): Llama 3's, with its four numbers, or Phi-3's longrope ("su" in older files), with its
+// short and long factors and the scale of the rotation (attention_factor, or Hugging Face's
+// sqrt(1 + ln(ctx / original) / ln(original))). A UserError naming the file for another type,
+// one the architecture does not apply, a key it does not read, or a missing or unusable number.
+RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const Architecture& arch,
+                            const ModelConfig& c, const std::string& where) {
+  if (!scaling.is_object())
+    throw UserError(where + ": rope_scaling " + json_shown(scaling) + " is not an object");
+  const ConfigValues values(scaling, where + ": rope_scaling");
+  std::string type = values.text("rope_type", values.text("type", ""));
+  if (type == "su") type = "longrope";
+  if (std::find(arch.rope_scalings.begin(), arch.rope_scalings.end(), type) ==
+      arch.rope_scalings.end())
+    throw UserError(where + ": rope_scaling type " + type +
+                    ", which cputrain does not compute for " + std::string(arch.name) +
+                    " (it computes " + rope_scaling_names(arch) + ")");
+  const std::vector<std::string_view> keys =
+      type == "llama3"
+          ? std::vector<std::string_view>{"rope_type",        "type",
+                                          "factor",           "low_freq_factor",
+                                          "high_freq_factor", "original_max_position_embeddings"}
+          : std::vector<std::string_view>{"rope_type",        "type",
+                                          "long_factor",      "short_factor",
+                                          "attention_factor", "original_max_position_embeddings"};
+  for (const auto& [key, value] : scaling.items())
+    if (std::find(keys.begin(), keys.end(), key) == keys.end())
+      throw UserError(where + ": rope_scaling." + key + " " + json_shown(value) +
+                      ", which cputrain does not read for " + type + " scaling");
+  RopeScaling r;
+  r.type = type;
+  r.original_ctx = values.whole("original_max_position_embeddings")
+                       .value_or(top.whole("original_max_position_embeddings").value_or(0));
+  if (type == "longrope") {
+    const int64_t n = c.rope_dims() / 2;
+    r.freq_factors =
+        hf_factors(values.find("short_factor"), n, where + ": rope_scaling.short_factor");
+    r.long_factors =
+        hf_factors(values.find("long_factor"), n, where + ": rope_scaling.long_factor");
+    if (r.original_ctx <= 0)
+      throw UserError(where +
+                      ": longrope scaling needs a positive "
+                      "original_max_position_embeddings");
+    const double scale = static_cast<double>(c.ctx) / static_cast<double>(r.original_ctx);
+    r.attn_factor = values.number(
+        "attention_factor",
+        scale > 1.0
+            ? std::sqrt(1.0 + std::log(scale) / std::log(static_cast<double>(r.original_ctx)))
+            : 1.0);
+    return r;
+  }
+  r.factor = values.number("factor", 0.0);
+  r.low_freq_factor = values.number("low_freq_factor", 0.0);
+  r.high_freq_factor = values.number("high_freq_factor", 0.0);
+  if (!(r.factor >= 1.0) || !(r.low_freq_factor > 0.0) ||
+      !(r.high_freq_factor > r.low_freq_factor) || r.original_ctx <= 0 ||
+      !std::isfinite(r.factor) || !std::isfinite(r.high_freq_factor))
+    throw UserError(where +
+                    ": rope_scaling of type llama3 needs factor >= 1, 0 < low_freq_factor "
+                    "< high_freq_factor and a positive original_max_position_embeddings");
+  r.freq_factors = llama3_freq_factors(c.rope_theta, c.rope_dims(), r.factor, r.low_freq_factor,
+                                       r.high_freq_factor, r.original_ctx);
+  return r;
+}
+
+// The layers without RoPE: SmolLM3's no_rope_layers (1 where a layer applies RoPE), or its
+// no_rope_layer_interval, or the architecture's step; none for the others.
+std::vector<int64_t> hf_no_rope_layers(const ConfigValues& values, const Architecture& arch,
+                                       int64_t layers, const std::string& where) {
+  std::vector<int64_t> out;
+  if (arch.no_rope_layer_step == 0) return out;
+  if (const json* list = values.find("no_rope_layers")) {
+    if (!list->is_array() || static_cast<int64_t>(list->size()) != layers)
+      throw UserError(where + ": no_rope_layers " + json_shown(*list) + " is not a list of " +
+                      std::to_string(layers) + " 0s and 1s");
+    for (int64_t i = 0; i < layers; ++i) {
+      const json& v = (*list)[static_cast<size_t>(i)];
+      if (v != 0 && v != 1)
+        throw UserError(where + ": no_rope_layers holds " + json_shown(v) + ", not 0 or 1");
+      if (v == 0) out.push_back(i);
+    }
+    return out;
+  }
+  const int64_t step = values.whole("no_rope_layer_interval").value_or(arch.no_rope_layer_step);
+  if (step <= 0)
+    throw UserError(where + ": no_rope_layer_interval " + std::to_string(step) +
+                    " must be positive");
+  for (int64_t i = step - 1; i < layers; i += step) out.push_back(i);
+  return out;
+}
+
+}  // namespace
+
+ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
   return hf_model_config(folder, SafetensorsModel(folder), max_ctx);
 }
 
-LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
+ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
                             int64_t max_ctx) {
   const fs::path path = fs::path(folder) / "config.json";
   const json j = read_json(path);
@@ -155,18 +264,30 @@ LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (!j.is_object()) throw UserError(where + ": not a JSON object");
   const ConfigValues values(j, where);
   const std::string type = values.text("model_type", "");
-  if (type != "llama" && type != "mistral" && type != "qwen2")
+  const Architecture* arch = find_hf_architecture(type);
+  if (!arch)
     throw UserError(where + ": model_type " + type +
-                    ", which cputrain does not compute (it computes llama, mistral, qwen2)");
-  if (const json* scaling = values.find("rope_scaling"))
-    throw UserError(where + ": rope_scaling " + json_shown(*scaling) +
-                    ", which cputrain does not compute");
+                    ", which cputrain does not compute (it computes " + hf_model_type_names() +
+                    ")");
+  for (const auto& [key, value] : j.items())
+    if (!hf_key_known(*arch, key))
+      throw UserError(where + ": " + key + " " + json_shown(value) +
+                      ", which cputrain does not read for model_type " + type +
+                      " (nothing in config.json is passed over)");
   const std::string act = values.text("hidden_act", "silu");
   if (act != "silu")
     throw UserError(where + ": hidden_act " + act +
                     ", which cputrain does not compute (it computes silu)");
   if (values.flag("mlp_bias", false))
     throw UserError(where + ": mlp_bias, which cputrain does not compute");
+  if (values.number("attention_dropout", 0.0) != 0.0)
+    throw UserError(where + ": attention_dropout " + json_shown(*values.find("attention_dropout")) +
+                    ", which cputrain does not compute (it computes 0)");
+  if (const json* layer_types = values.find("layer_types"))
+    for (const json& t : *layer_types)
+      if (t != "full_attention")
+        throw UserError(where + ": layer_types holds " + json_shown(t) +
+                        ", which cputrain does not compute (it computes full_attention)");
   FileHyperparameters hp;
   hp.where = where;
   hp.naming = TensorNaming::HuggingFace;
@@ -183,11 +304,16 @@ LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
        {&hp.vocab, &hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn})
     if (!required->value) throw UserError(where + ": no " + required->key);
   if (!hp.ctx.value) hp.ctx.value = 2048;
-  LlamaConfig c;
+  ModelConfig c;
+  c.architecture = std::string(arch->name);
   c.norm_eps = static_cast<float>(values.number("rms_norm_eps", 1e-6));
   c.rope_theta = values.number("rope_theta", 10000.0);
   c.tie_embeddings = values.flag("tie_word_embeddings", false);
-  c.qkv_bias = type == "qwen2" || values.flag("attention_bias", false);
+  // Hugging Face's attention_bias also gives o_proj a bias, which no architecture here has: its
+  // tensor is refused as having no place.
+  c.qkv_bias = arch->qkv_bias == Presence::Always ||
+               (arch->qkv_bias == Presence::Optional && values.flag("attention_bias", false));
+  c.qk_norm = arch->qk_norm;
   c.rope_pairs = RopePairs::HalfSplit;
   check_file_hyperparameters(
       hp, weights.names(),
@@ -197,7 +323,29 @@ LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
         return t->shape;
       },
       c);
-  if (values.flag("use_sliding_window", type == "mistral"))
+  // Partial rotary (Phi-4-mini): RoPE on the first partial_rotary_factor of each head.
+  const double partial = values.number("partial_rotary_factor", 1.0);
+  if (partial != 1.0) {
+    const auto rope = static_cast<int64_t>(static_cast<double>(c.head_size()) * partial);
+    if (!arch->partial_rotary)
+      throw UserError(where + ": partial_rotary_factor " +
+                      json_shown(*values.find("partial_rotary_factor")) +
+                      ", which cputrain does not compute for " + type);
+    if (!(partial > 0.0 && partial < 1.0) || rope <= 0 || rope % 2 != 0)
+      throw UserError(where + ": partial_rotary_factor " +
+                      json_shown(*values.find("partial_rotary_factor")) +
+                      " does not give an even number of the head's " +
+                      std::to_string(c.head_size()) + " dimensions");
+    c.rope_dim = rope;
+  }
+  for (const char* dropout : {"resid_pdrop", "embd_pdrop"})
+    if (values.number(dropout, 0.0) != 0.0)
+      throw UserError(where + ": " + dropout + " " + json_shown(*values.find(dropout)) +
+                      ", which cputrain does not compute (it computes 0)");
+  if (const json* scaling = values.find("rope_scaling"))
+    c.rope_scaling = hf_rope_scaling(*scaling, values, *arch, c, where);
+  c.no_rope_layers = hf_no_rope_layers(values, *arch, c.n_layers, where);
+  if (values.flag("use_sliding_window", type == "mistral" || type == "phi3"))
     if (const std::optional<int64_t> window = values.whole("sliding_window")) {
       if (*window <= 0)
         throw UserError(where + ": sliding_window " + std::to_string(*window) +
@@ -214,31 +362,40 @@ std::string hf_tensor_name(const std::string& parameter) {
   return tensor_name(parameter, TensorNaming::HuggingFace);
 }
 
-const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter) {
-  const SafetensorsTensor* t = weights.find(hf_tensor_name(parameter.name));
+const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
+                             const ModelConfig& config) {
+  const TensorPart part = tensor_part(parameter, config, TensorNaming::HuggingFace);
+  const SafetensorsTensor* t = weights.find(part.name);
   if (!t || t->dtype != "BF16") return nullptr;
   std::vector<int64_t> shape;
   for (int d = 0; d < parameter.shape.ndim(); ++d) shape.push_back(parameter.shape[d]);
+  shape[0] = part.tensor_rows;
   if (t->shape != shape || t->data.size() != static_cast<size_t>(t->numel()) * 2) return nullptr;
-  return t->data.data();
+  const int64_t row = parameter.shape.numel() / parameter.shape[0];
+  return t->data.data() + part.first_row * row * 2;
 }
 
 namespace {
 
-// The folder's tensor of parameter `info` (of LlamaModel), of its shape and of a dtype cputrain
-// reads; a UserError naming the file and tensor otherwise.
-const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const ParameterInfo& info) {
-  const std::string name = hf_tensor_name(info.name);
+// The folder's tensor holding parameter `info` (of a DecoderModel of `config`), of its shape (its
+// parts' together, for a fused tensor) and of a dtype cputrain reads; a UserError naming the file
+// and tensor otherwise. `part` receives where in it the parameter's rows are.
+const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const ParameterInfo& info,
+                                      const ModelConfig& config, TensorPart* part = nullptr) {
+  const TensorPart where = tensor_part(info, config, TensorNaming::HuggingFace);
+  const std::string& name = where.name;
   const SafetensorsTensor* t = weights.find(name);
   if (!t) throw UserError("the model's safetensors have no tensor " + name);
   std::vector<int64_t> expected;
   for (int d = 0; d < info.shape.ndim(); ++d) expected.push_back(info.shape[d]);
+  expected[0] = where.tensor_rows;
   if (t->shape != expected)
     throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
                     shape_text(t->shape) + " where config.json gives " + shape_text(expected));
   if (t->dtype != "F32" && t->dtype != "F16" && t->dtype != "BF16")
     throw UserError(weights.file_of(name) + ": tensor " + name + " is " + t->dtype +
                     ", a dtype cputrain does not read (F32, F16, BF16)");
+  if (part) *part = where;
   return *t;
 }
 
@@ -255,33 +412,37 @@ void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std:
 
 }  // namespace
 
-void check_hf_weights(const SafetensorsModel& weights, const LlamaConfig& config) {
+void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config) {
   ParameterSet declared;
-  LlamaModel::declare_parameters(config, declared);
+  DecoderModel::declare_parameters(config, declared);
   std::set<std::string> used;
   for (const ParameterInfo& info : declared.infos()) {
-    hf_tensor_of(weights, info);
-    used.insert(hf_tensor_name(info.name));
+    TensorPart part;
+    hf_tensor_of(weights, info, config, &part);
+    used.insert(part.name);
   }
   check_no_other_tensors(weights, used);
 }
 
-void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params) {
+void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
+                     const ModelConfig& config) {
   std::set<std::string> used;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
-    const std::string name = hf_tensor_name(info.name);
-    const SafetensorsTensor* t = &hf_tensor_of(weights, info);
+    TensorPart part;
+    const SafetensorsTensor* t = &hf_tensor_of(weights, info, config, &part);
+    const std::string& name = part.name;
+    const int64_t row = info.shape.numel() / info.shape[0];
     // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
     if (params.mapped(static_cast<int>(i))) {
       if (t->dtype != "BF16")
         throw std::logic_error("load_hf_weights: " + name + " mapped but not BF16");
     } else if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
-      params.write_bf16_values(static_cast<int>(i), t->data.data());
+      params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
       const std::vector<float> values = safetensors_values(weights.file_of(name), name, *t);
-      params.write_values(static_cast<int>(i), values.data());
+      params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
     }
     used.insert(name);
   }
@@ -494,29 +655,40 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
 
 }  // namespace
 
-void write_peft_adapter(const std::string& folder, const LlamaConfig& c, const ParameterSet& params,
+void write_peft_adapter(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
                         const LoraConfig& lora, const std::string& base) {
   const fs::path dir(folder);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw UserError(folder + ": cannot create (" + ec.message() + ")");
   std::vector<SafetensorsEntry> entries;
-  for (size_t i = 0; i < params.infos().size(); ++i) {
-    const ParameterInfo& info = params.infos()[i];
-    if (!is_lora_parameter(info.name)) continue;
-    // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are.
-    const std::vector<float> values =
-        parameter_values(params, static_cast<int>(i), c, RopePairs::HalfSplit);
-    entries.push_back({tensor_name(info.name, TensorNaming::HuggingFace), info.shape, "F32",
-                       ggml_from_float(GgmlType::F32, values.data(), info.shape.numel())});
+  // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are; a fused
+  // projection's parts' B rows one after another.
+  for (const FileTensor& t :
+       file_tensors(params, c, TensorNaming::HuggingFace,
+                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
+    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit);
+    entries.push_back({t.name, Shape{t.shape[0], t.shape[1]}, "F32",
+                       ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1])});
   }
   if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
   write_safetensors((dir / "adapter_model.safetensors").string(), entries);
+  // The modules, by the architecture's names (Phi-3's fused qkv_proj and gate_up_proj).
+  const Architecture& arch = architecture_of(c);
   const char* modules[kProjectionCount] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                            "gate_proj", "up_proj", "down_proj"};
   json targets = json::array();
-  for (int j = 0; j < kProjectionCount; ++j)
-    if (lora.on(static_cast<Projection>(j))) targets.push_back(modules[j]);
+  for (int j = 0; j < kProjectionCount; ++j) {
+    const auto p = static_cast<Projection>(j);
+    if (!lora.on(p)) continue;
+    const bool qkv = p == Projection::Q || p == Projection::K || p == Projection::V;
+    const bool gate_up = p == Projection::Gate || p == Projection::Up;
+    std::string module = modules[j];
+    if (arch.fused_qkv && qkv) module = "qkv_proj";
+    if (arch.fused_gate_up && gate_up) module = "gate_up_proj";
+    if (std::find(targets.begin(), targets.end(), module) == targets.end())
+      targets.push_back(module);
+  }
   const json config = {{"peft_type", "LORA"},
                        {"task_type", "CAUSAL_LM"},
                        {"base_model_name_or_path", base},
@@ -534,19 +706,27 @@ void write_peft_adapter(const std::string& folder, const LlamaConfig& c, const P
   write_file_atomic((dir / "adapter_config.json").string(), config.dump(2) + "\n");
 }
 
-void write_hf_folder(const std::string& folder, const LlamaConfig& c, const ParameterSet& params,
+void write_hf_folder(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
                      const Tokenizer& tokenizer, const std::string& dtype) {
   const fs::path dir(folder);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw UserError("--out " + folder + ": cannot create (" + ec.message() + ")");
-  const bool qwen2 = c.qkv_bias;
+  const Architecture& arch = architecture_of(c);
+  if (c.qkv_bias && arch.qkv_bias != Presence::Always)
+    throw UserError("a " + std::string(arch.name) + " model with q/k/v biases: Hugging Face's " +
+                    std::string(arch.hf_class) +
+                    " has none (train it with --arch qwen2, or export it as GGUF)");
+  if (c.rope_scaling.type == "factors")
+    throw UserError(
+        "RoPE frequency factors that are not Llama 3's scaling: config.json has no "
+        "rope_scaling for them (export the model as GGUF)");
   const Vocabulary v = tokenizer.to_vocabulary();
   const auto token = [&](int32_t id) {
     return id >= 0 && id < static_cast<int32_t>(v.tokens.size()) ? json(v.tokens[id]) : json();
   };
-  json config = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
-                 {"model_type", qwen2 ? "qwen2" : "llama"},
+  json config = {{"architectures", {std::string(arch.hf_class)}},
+                 {"model_type", std::string(arch.hf_model_types.front())},
                  {"vocab_size", c.vocab},
                  {"hidden_size", c.d_model},
                  {"num_hidden_layers", c.n_layers},
@@ -560,15 +740,34 @@ void write_hf_folder(const std::string& folder, const LlamaConfig& c, const Para
                  {"max_position_embeddings", c.ctx},
                  {"tie_word_embeddings", c.tie_embeddings},
                  {"hidden_act", "silu"},
+                 {"attention_bias", false},
                  {"torch_dtype", dtype == "F32"   ? "float32"
                                  : dtype == "F16" ? "float16"
                                                   : "bfloat16"},
                  {"bos_token_id", v.bos >= 0 ? json(v.bos) : json()},
                  {"eos_token_id", v.eos >= 0 ? json(v.eos) : json()}};
-  if (qwen2)
-    config["use_sliding_window"] = false;
-  else
-    config["attention_bias"] = false;
+  if (arch.qkv_bias == Presence::Always) config.erase("attention_bias");  // implied by the type
+  if (arch.name != "llama") config["use_sliding_window"] = false;
+  if (c.rope_dim > 0)
+    config["partial_rotary_factor"] =
+        static_cast<double>(c.rope_dim) / static_cast<double>(c.head_size());
+  if (c.rope_scaling.type == "longrope") {
+    config["original_max_position_embeddings"] = c.rope_scaling.original_ctx;
+    config["rope_scaling"] = {{"type", "longrope"},
+                              {"short_factor", c.rope_scaling.freq_factors},
+                              {"long_factor", c.rope_scaling.long_factors},
+                              {"attention_factor", c.rope_scaling.attn_factor}};
+  } else if (c.rope_scaling.active())
+    config["rope_scaling"] = {{"rope_type", c.rope_scaling.type},
+                              {"factor", c.rope_scaling.factor},
+                              {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                              {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                              {"original_max_position_embeddings", c.rope_scaling.original_ctx}};
+  if (arch.no_rope_layer_step > 0) {
+    json layers = json::array();
+    for (int64_t i = 0; i < c.n_layers; ++i) layers.push_back(c.rope_in_layer(i) ? 1 : 0);
+    config["no_rope_layers"] = layers;
+  }
   write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n");
 
   // model.safetensors: the header, then each tensor's bytes in order.
@@ -576,14 +775,15 @@ void write_hf_folder(const std::string& folder, const LlamaConfig& c, const Para
                         : dtype == "F16" ? GgmlType::F16
                                          : GgmlType::BF16;
   std::vector<SafetensorsEntry> entries;
-  for (size_t i = 0; i < params.infos().size(); ++i) {
-    const ParameterInfo& info = params.infos()[i];
+  for (const ParameterInfo& info : params.infos())
     if (is_lora_parameter(info.name))
       throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
-    const std::vector<float> values =
-        parameter_values(params, static_cast<int>(i), c, RopePairs::HalfSplit);
-    entries.push_back({hf_tensor_name(info.name), info.shape, dtype,
-                       ggml_from_float(type, values.data(), info.shape.numel())});
+  for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
+                                          [](const ParameterInfo&) { return true; })) {
+    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit);
+    Shape shape = t.shape.size() == 1 ? Shape{t.shape[0]} : Shape{t.shape[0], t.shape[1]};
+    entries.push_back({t.name, shape, dtype,
+                       ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
   }
   write_safetensors((dir / "model.safetensors").string(), entries);
 

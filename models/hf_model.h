@@ -1,14 +1,14 @@
-// Models from Hugging Face folders: config.json (model_type llama, mistral or qwen2), the weights
-// in model.safetensors or its shards, and the tokenizer (tokenizer.json, or tokenizer.model for
-// SentencePiece vocabularies), with tokenizer_config.json's special tokens and chat template.
+// Models from Hugging Face folders: config.json (a model_type of models/architecture.h), the
+// weights in model.safetensors or its shards, and the tokenizer (tokenizer.json, or tokenizer.model
+// for SentencePiece vocabularies), with tokenizer_config.json's special tokens and chat template.
 #pragma once
 
 #include <string>
 
 #include "engine/io/safetensors_file.h"
 #include "engine/text/vocab_tokenizer.h"
-#include "models/llama_config.h"
 #include "models/lora.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -22,34 +22,37 @@ bool is_hf_folder(const std::string& folder);
 // The configuration of the model in `folder`: ctx its max_position_embeddings (its sliding
 // window where it has one), at most `max_ctx`; RoPE on half-split pairs (Hugging Face's
 // rotate_half). A UserError naming config.json for another model_type (naming the supported
-// ones), a missing or inconsistent value, or what cputrain does not compute (RoPE scaling, an
-// activation other than SiLU, MLP biases).
+// ones), a key the architecture does not read, a missing or inconsistent value, or what cputrain
+// does not compute (a RoPE scaling type other than the architecture's, an activation other than
+// SiLU, MLP biases, attention dropout).
 // Every count of config.json is checked against the folder's tensors
 // (models/file_hyperparameters.h) before anything is made from it, and a value of the wrong JSON
 // type is a UserError naming its key.
-LlamaConfig hf_model_config(const std::string& folder, int64_t max_ctx);
+ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx);
 // The same, with the folder's tensors already opened.
-LlamaConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
+ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
                             int64_t max_ctx);
 
 // Checks, before anything is allocated for the model, what load_hf_weights checks: every
 // parameter of a model of `config` (no adapters) has its tensor in the folder, of its shape and of
 // a dtype cputrain reads, and every tensor has its place. A UserError naming the file and tensor
 // otherwise.
-void check_hf_weights(const SafetensorsModel& weights, const LlamaConfig& config);
+void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config);
 
-// The Hugging Face name of a parameter of LlamaModel ("layers.0.attention.wq.weight" ->
+// The Hugging Face name of a parameter of DecoderModel ("layers.0.attention.wq.weight" ->
 // "model.layers.0.self_attn.q_proj.weight").
 std::string hf_tensor_name(const std::string& parameter);
 
 // Converts the folder's tensors into the model's parameters, checking each shape; a UserError
 // naming the file and tensor for a missing, misshapen or unread-dtype one, or one the model has
 // no place for.
-void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params);
+void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
+                     const ModelConfig& config);
 
-// The bf16 values of `parameter` (of LlamaModel), where they can be read in place: a BF16
+// The bf16 values of `parameter` (of DecoderModel), where they can be read in place: a BF16
 // tensor of its shape. Null otherwise.
-const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter);
+const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
+                             const ModelConfig& config);
 
 // The folder's tokenizer: tokenizer.model where the vocabulary is SentencePiece-style and it is
 // there, else tokenizer.json (byte-level BPE with the gpt2, llama-bpe or qwen2 pre-tokenizer, or
@@ -58,20 +61,20 @@ const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInf
 Tokenizer hf_tokenizer(const std::string& folder);
 
 // Writes the model (`config`, its parameters) and its tokenizer as a Hugging Face folder
-// Transformers loads: config.json (model_type qwen2 where the model has q/k/v biases, else
-// llama), model.safetensors with every tensor in `dtype` ("F32", "F16" or "BF16"; q and k rows
-// in rotate-half order, reordered from adjacent pairs where the model uses those), and the
-// tokenizer: cputrain's own SentencePiece model as tokenizer.model, a model file's vocabulary as
-// tokenizer.json; tokenizer_config.json with the special tokens and the chat template. `folder`
-// is created; files of the same names in it are replaced.
-void write_hf_folder(const std::string& folder, const LlamaConfig& config,
+// Transformers loads: config.json (the model_type and class of the config's architecture, its
+// RoPE scaling and layers without RoPE), model.safetensors with every tensor in `dtype` ("F32",
+// "F16" or "BF16"; q and k rows in rotate-half order, reordered from adjacent pairs where the model
+// uses those), and the tokenizer: cputrain's own SentencePiece model as tokenizer.model, a model
+// file's vocabulary as tokenizer.json; tokenizer_config.json with the special tokens and the chat
+// template. `folder` is created; files of the same names in it are replaced.
+void write_hf_folder(const std::string& folder, const ModelConfig& config,
                      const ParameterSet& params, const Tokenizer& tokenizer,
                      const std::string& dtype);
 
 // The model's adapters as PEFT saves them: adapter_model.safetensors (F32, PEFT's module names,
 // B's q and k rows in rotate-half order) and adapter_config.json (LORA, r, lora_alpha, the
 // target modules, `base` as base_model_name_or_path). `folder` is created.
-void write_peft_adapter(const std::string& folder, const LlamaConfig& config,
+void write_peft_adapter(const std::string& folder, const ModelConfig& config,
                         const ParameterSet& params, const LoraConfig& lora,
                         const std::string& base);
 

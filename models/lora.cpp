@@ -9,6 +9,7 @@
 #include "engine/core/hash.h"
 #include "engine/train/parameters.h"
 #include "kernels/bf16.h"
+#include "models/architecture.h"
 
 namespace cputrain {
 
@@ -69,7 +70,7 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
   return text;
 }
 
-int64_t projection_width(const LlamaConfig& c, Projection p) {
+int64_t projection_width(const ModelConfig& c, Projection p) {
   switch (p) {
     case Projection::Q:
     case Projection::O:
@@ -85,7 +86,7 @@ int64_t projection_width(const LlamaConfig& c, Projection p) {
   return 0;
 }
 
-void check_lora_rank(const LlamaConfig& c, const LoraConfig& lora, const std::string& flag) {
+void check_lora_rank(const ModelConfig& c, const LoraConfig& lora, const std::string& flag) {
   if (!lora.active()) return;
   int narrowest = -1;
   for (int j = 0; j < kProjectionCount; ++j) {
@@ -108,7 +109,7 @@ bool is_lora_parameter(std::string_view name) {
   return name.ends_with(".lora_a") || name.ends_with(".lora_b");
 }
 
-uint64_t base_fingerprint(const LlamaConfig& c, const ParameterSet& params) {
+uint64_t base_fingerprint(const ModelConfig& c, const ParameterSet& params) {
   uint64_t h = kFnvOffset;
   for (const int64_t v :
        {c.vocab, c.d_model, c.n_layers, c.n_heads, c.kv_heads(), c.ffn, c.head_size()})
@@ -128,7 +129,40 @@ uint64_t base_fingerprint(const LlamaConfig& c, const ParameterSet& params) {
   return h;
 }
 
-void merge_lora(const ParameterSet& adapted, const LoraConfig& lora, const ParameterSet& merged) {
+std::string fused_lora_a(const ModelConfig& c, const std::string& lora_a) {
+  const Architecture& arch = architecture_of(c);
+  const std::pair<const char*, const char*> fused[] = {{".attention.wq.", ".attention.wqkv."},
+                                                       {".attention.wk.", ".attention.wqkv."},
+                                                       {".attention.wv.", ".attention.wqkv."},
+                                                       {".feed_forward.w1.", ".feed_forward.w13."},
+                                                       {".feed_forward.w3.", ".feed_forward.w13."}};
+  for (const auto& [part, whole] : fused) {
+    const bool qkv = std::string_view(whole) == ".attention.wqkv.";
+    const size_t at = lora_a.find(part);
+    if (at == std::string::npos || !(qkv ? arch.fused_qkv : arch.fused_gate_up)) continue;
+    return lora_a.substr(0, at) + whole + lora_a.substr(at + std::string_view(part).size());
+  }
+  return lora_a;
+}
+
+void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std::string& flag) {
+  if (!lora.active()) return;
+  const Architecture& arch = architecture_of(c);
+  const auto check = [&](bool fused, std::initializer_list<Projection> parts, const char* names,
+                         const char* module) {
+    if (!fused) return;
+    int on = 0;
+    for (const Projection p : parts) on += lora.on(p);
+    if (on == 0 || on == static_cast<int>(parts.size())) return;
+    throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
+                    "'s " + names + " are one projection, " + module + ": adapt all or none");
+  };
+  check(arch.fused_qkv, {Projection::Q, Projection::K, Projection::V}, "q, k and v", "qkv_proj");
+  check(arch.fused_gate_up, {Projection::Gate, Projection::Up}, "gate and up", "gate_up_proj");
+}
+
+void merge_lora(const ModelConfig& config, const ParameterSet& adapted, const LoraConfig& lora,
+                const ParameterSet& merged) {
   for (size_t i = 0; i < merged.infos().size(); ++i) {
     const ParameterInfo& info = merged.infos()[i];
     const int from = adapted.find(info.name);
@@ -136,9 +170,9 @@ void merge_lora(const ParameterSet& adapted, const LoraConfig& lora, const Param
     std::vector<float> w(static_cast<size_t>(info.shape.numel()));
     adapted.read_values(from, w.data());
     const std::string base = info.name.substr(0, info.name.size() - std::string("weight").size());
-    const int a = info.name.ends_with(".weight") ? adapted.find(base + "lora_a") : -1;
-    if (a >= 0) {
-      const int b = adapted.find(base + "lora_b");
+    const int b = info.name.ends_with(".weight") ? adapted.find(base + "lora_b") : -1;
+    if (b >= 0) {
+      const int a = adapted.find(fused_lora_a(config, base + "lora_a"));
       const int64_t N = info.shape[0], K = info.shape[1], r = lora.rank;
       std::vector<float> av(static_cast<size_t>(r * K)), bv(static_cast<size_t>(N * r));
       adapted.read_values(a, av.data());

@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "models/llama_config.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -41,12 +41,21 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
 
 // The width of projection `p` of a model of `config`: the smaller of its input and output sizes,
 // the most rank an adapter on it can use.
-int64_t projection_width(const LlamaConfig& config, Projection p);
+int64_t projection_width(const ModelConfig& config, Projection p);
 // A UserError where `lora`'s rank is above the width of one of the projections it adapts, naming
 // `flag` (as the user typed it), the rank and the narrowest such projection:
 // "--lora-rank 100000: above the width of the q projection (64); at most 64". Nothing without
 // adapters.
-void check_lora_rank(const LlamaConfig& config, const LoraConfig& lora, const std::string& flag);
+void check_lora_rank(const ModelConfig& config, const LoraConfig& lora, const std::string& flag);
+
+// The A an adapter of `lora_a` ("layers.0.attention.wq.lora_a") uses in a model of `config`:
+// itself, or where its architecture fuses the projection with others (q, k, v; gate, up) the
+// fused projection's, which its parts share ("layers.0.attention.wqkv.lora_a").
+std::string fused_lora_a(const ModelConfig& config, const std::string& lora_a);
+// A UserError naming `flag` where `lora` adapts some parts of a fused projection of the
+// architecture but not the others ("--lora-targets q: phi3's q, k and v are one projection,
+// qkv_proj: adapt all three or none"). Nothing otherwise.
+void check_lora_targets(const ModelConfig& config, const LoraConfig& lora, const std::string& flag);
 
 // Whether a parameter name is an adapter's ("....lora_a" or "....lora_b").
 bool is_lora_parameter(std::string_view name);
@@ -55,13 +64,14 @@ bool is_lora_parameter(std::string_view name);
 // model's shape and of its norm gains rounded to bf16. Norm gains differ between models of one
 // shape (a base and its instruction-tuned sibling) but not between a model's files: GGUF keeps
 // them F32 in every quantisation, so an adapter trained on a BF16 file applies to its Q4_K_M.
-uint64_t base_fingerprint(const LlamaConfig& config, const ParameterSet& params);
+uint64_t base_fingerprint(const ModelConfig& config, const ParameterSet& params);
 // 16 hex digits.
 std::string fingerprint_text(uint64_t fingerprint);
 
 // The adapters merged into their projections: every parameter of `merged` (a model of the same
 // shape without adapters) gets the value of its namesake in `adapted`, a projection with an
 // adapter W + (alpha / rank) B A.
-void merge_lora(const ParameterSet& adapted, const LoraConfig& lora, const ParameterSet& merged);
+void merge_lora(const ModelConfig& config, const ParameterSet& adapted, const LoraConfig& lora,
+                const ParameterSet& merged);
 
 }  // namespace cputrain

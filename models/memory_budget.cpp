@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "engine/train/trainer.h"
+#include "models/decoder.h"
 #include "models/finetune_step.h"
-#include "models/llama.h"
 
 namespace cputrain {
 namespace {
@@ -28,7 +28,7 @@ class Threads {
 
 }  // namespace
 
-MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
+MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
   const Threads threads(o.threads);
   MeasureScope measure;
   MemoryStats stats;
@@ -46,7 +46,7 @@ MemoryBudget memory_budget(const LlamaConfig& c, const BudgetOptions& o) {
     // the last holds the most.
     const Communicator ranks = Communicator::shape_of(o.ranks - 1, o.ranks);
     if (o.ranks > 1 && !o.packed) model_options.shard = &ranks;
-    LlamaModel model(c, model_options);
+    DecoderModel model(c, model_options);
     if (o.offload)
       disk_bytes =
           (model.parameters().offloaded_numel() + 2 * model.parameters().trainable_numel()) * 4;

@@ -1,6 +1,6 @@
-// The memory budget of training a LlamaModel: bytes per memory category (engine/core/memory.h) from
-// the configuration and the run's options, without allocating anything. It is measured from the
-// real code: the model and trainer are built and three training steps (each followed by the
+// The memory budget of training a DecoderModel: bytes per memory category (engine/core/memory.h)
+// from the configuration and the run's options, without allocating anything. It is measured from
+// the real code: the model and trainer are built and three training steps (each followed by the
 // validation pass training makes between steps) run while measuring (engine/core/memory.h), where
 // every tensor records its size and category but gets no storage and no kernel runs. So what
 // an op saves for backward, the gradients of activations, transient conversions, GEMM buffers
@@ -15,8 +15,8 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/tensor.h"
-#include "models/llama_config.h"
 #include "models/lora.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -85,6 +85,6 @@ inline constexpr int64_t kMpiRuntimeBytes = 10ll << 20;
 
 // The budget on the GEMM backend selected now (its packing and widening buffers count) and with
 // options.threads OpenMP threads (their buffers depend on it). Not while measuring already.
-MemoryBudget memory_budget(const LlamaConfig& config, const BudgetOptions& options);
+MemoryBudget memory_budget(const ModelConfig& config, const BudgetOptions& options);
 
 }  // namespace cputrain

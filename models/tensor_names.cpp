@@ -1,8 +1,12 @@
 #include "models/tensor_names.h"
 
 #include <algorithm>
+#include <map>
+#include <string_view>
+#include <tuple>
 
 #include "engine/train/parameters.h"
+#include "models/architecture.h"
 
 namespace cputrain {
 namespace {
@@ -27,7 +31,12 @@ constexpr Names kBlockNames[] = {
     {"attention.wq.bias", "attn_q.bias", "self_attn.q_proj.bias"},
     {"attention.wk.bias", "attn_k.bias", "self_attn.k_proj.bias"},
     {"attention.wv.bias", "attn_v.bias", "self_attn.v_proj.bias"},
+    {"attention.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"},
+    {"attention.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"},
     {"attention.wo.weight", "attn_output.weight", "self_attn.o_proj.weight"},
+    // Fused tensors (Architecture::fused_qkv, fused_gate_up): q, k, v; gate, up.
+    {"attention.wqkv.weight", "attn_qkv.weight", "self_attn.qkv_proj.weight"},
+    {"feed_forward.w13.weight", "ffn_up.weight", "mlp.gate_up_proj.weight"},
     {"ffn_norm.weight", "ffn_norm.weight", "post_attention_layernorm.weight"},
     {"feed_forward.w1.weight", "ffn_gate.weight", "mlp.gate_proj.weight"},
     {"feed_forward.w3.weight", "ffn_up.weight", "mlp.up_proj.weight"},
@@ -63,7 +72,7 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming) {
   return parameter;
 }
 
-std::vector<float> parameter_values(const ParameterSet& params, int index, const LlamaConfig& c,
+std::vector<float> parameter_values(const ParameterSet& params, int index, const ModelConfig& c,
                                     RopePairs pairs) {
   const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
   std::vector<float> values(static_cast<size_t>(info.shape.numel()));
@@ -72,15 +81,17 @@ std::vector<float> parameter_values(const ParameterSet& params, int index, const
   return values;
 }
 
-void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, const LlamaConfig& c,
+void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, const ModelConfig& c,
                      RopePairs from, RopePairs to) {
   const bool q = info.name.find(".wq.") != std::string::npos;
+  // A per-head norm's gains are one head's elements.
+  const bool norm = info.name.ends_with(".q_norm.weight") || info.name.ends_with(".k_norm.weight");
   // An adapter's A has rank rows, not the projection's: only B's rows are reordered.
-  if (from == to || (!q && info.name.find(".wk.") == std::string::npos) ||
+  if (from == to || (!q && !norm && info.name.find(".wk.") == std::string::npos) ||
       info.name.ends_with(".lora_a"))
     return;
   // Row j + k * D/2 of a half-split head is row 2j + k of an adjacent one.
-  const int64_t heads = q ? c.n_heads : c.kv_heads(), d = c.head_size(), half = d / 2;
+  const int64_t heads = norm ? 1 : q ? c.n_heads : c.kv_heads(), d = c.head_size(), half = d / 2;
   const int64_t row = info.shape.ndim() == 2 ? info.shape[1] : 1;
   std::vector<float> out(values.size());
   for (int64_t h = 0; h < heads; ++h)
@@ -92,6 +103,69 @@ void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, cons
         std::copy_n(values.begin() + src * row, row, out.begin() + dst * row);
       }
   values.swap(out);
+}
+
+TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNaming naming) {
+  const Architecture& arch = architecture_of(c);
+  TensorPart part{tensor_name(info.name, naming), 0, info.shape[0], info.shape[0]};
+  if (!info.name.starts_with("layers.")) return part;
+  const size_t dot = info.name.find('.', 7);
+  const std::string layer = info.name.substr(0, dot + 1), rest = info.name.substr(dot + 1);
+  const bool adapter = rest.ends_with(".lora_b");
+  if (!adapter && !rest.ends_with(".weight")) return part;
+  const std::string suffix = adapter ? "lora_b" : "weight";
+  // (parameter, fused tensor, first row, the fused tensor's rows)
+  const int64_t Q = c.q_dim(), KV = c.kv_dim(), F = c.ffn;
+  const std::tuple<const char*, const char*, int64_t, int64_t> fused[] = {
+      {"attention.wq.", "attention.wqkv.", 0, Q + 2 * KV},
+      {"attention.wk.", "attention.wqkv.", Q, Q + 2 * KV},
+      {"attention.wv.", "attention.wqkv.", Q + KV, Q + 2 * KV},
+      {"feed_forward.w1.", "feed_forward.w13.", 0, 2 * F},
+      {"feed_forward.w3.", "feed_forward.w13.", F, 2 * F}};
+  for (const auto& [ours, whole, first, rows] : fused) {
+    const bool qkv = std::string_view(whole) == "attention.wqkv.";
+    if ((qkv ? !arch.fused_qkv : !arch.fused_gate_up) || rest != std::string(ours) + suffix)
+      continue;
+    return {tensor_name(layer + whole + suffix, naming), first, info.shape[0], rows};
+  }
+  return part;
+}
+
+std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConfig& c,
+                                     TensorNaming naming,
+                                     const std::function<bool(const ParameterInfo&)>& which) {
+  std::vector<FileTensor> out;
+  std::map<std::string, size_t> at;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    if (!which(info)) continue;
+    const TensorPart part = tensor_part(info, c, naming);
+    auto [it, added] = at.emplace(part.name, out.size());
+    if (added) {
+      FileTensor t{part.name, {}, {}};
+      for (int d = 0; d < info.shape.ndim(); ++d) t.shape.push_back(info.shape[d]);
+      t.shape[0] = part.tensor_rows;
+      out.push_back(std::move(t));
+    }
+    out[it->second].parts.push_back(static_cast<int>(i));
+  }
+  // Parts in row order.
+  for (FileTensor& t : out)
+    std::sort(t.parts.begin(), t.parts.end(), [&](int a, int b) {
+      return tensor_part(params.infos()[static_cast<size_t>(a)], c, naming).first_row <
+             tensor_part(params.infos()[static_cast<size_t>(b)], c, naming).first_row;
+    });
+  return out;
+}
+
+std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& t,
+                                      const ModelConfig& c, RopePairs pairs) {
+  std::vector<float> values;
+  for (const int index : t.parts) {
+    const std::vector<float> part = parameter_values(params, index, c, pairs);
+    values.insert(values.end(), part.begin(), part.end());
+  }
+  return values;
 }
 
 std::string shape_text(const std::vector<int64_t>& dims) {

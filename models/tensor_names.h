@@ -1,12 +1,13 @@
-// How other formats name and lay out LlamaModel's parameters: llama.cpp's GGUF names and Hugging
+// How other formats name and lay out DecoderModel's parameters: llama.cpp's GGUF names and Hugging
 // Face's, the order of q and k rows each format's RoPE expects, and a shape as messages print it.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
-#include "models/llama_config.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -28,12 +29,40 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming);
 // D/2). A model computing with one pairing and the other's rows reordered computes the same
 // attention.
 std::vector<float> parameter_values(const ParameterSet& params, int index,
-                                    const LlamaConfig& config, RopePairs pairs);
+                                    const ModelConfig& config, RopePairs pairs);
 
 // The same reordering of values already read: `values` of parameter `info`, from the pairing
 // `from` to `to`.
 void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info,
-                     const LlamaConfig& config, RopePairs from, RopePairs to);
+                     const ModelConfig& config, RopePairs from, RopePairs to);
+
+// Where a parameter of a model of `config` is in a file of `naming`: the tensor (`name`) and the
+// rows of it that are the parameter's. A fused tensor of the architecture (models/architecture.h)
+// holds several parameters one after another: q, k, v (and their adapters' B) in attn_qkv, gate
+// and up in ffn_up; any other tensor is one parameter's whole.
+struct TensorPart {
+  std::string name;
+  int64_t first_row = 0;
+  int64_t rows = 0;         // the parameter's (its shape[0])
+  int64_t tensor_rows = 0;  // the tensor's: its parts' together
+};
+TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& config, TensorNaming naming);
+
+// The tensors of a file of `naming` holding the parameters of `params` (a model of `config`)
+// that `which` takes: each once, in the order of its first parameter, with the indices of its
+// parameters in row order.
+struct FileTensor {
+  std::string name;
+  std::vector<int64_t> shape;  // [rows, ...] as the model holds a matrix
+  std::vector<int> parts;
+};
+std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConfig& config,
+                                     TensorNaming naming,
+                                     const std::function<bool(const ParameterInfo&)>& which);
+// A file tensor's values: its parameters' (q and k rows in `pairs`, parameter_values) one after
+// another.
+std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& tensor,
+                                      const ModelConfig& config, RopePairs pairs);
 
 // "[64, 172]".
 std::string shape_text(const std::vector<int64_t>& dims);

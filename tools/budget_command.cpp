@@ -219,7 +219,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   if (!t.preset.empty() && t.preset != TrainArgs().preset)
     throw UserError("--preset and --model: give one");
   const int64_t ctx = t.ctx > 0 ? t.ctx : 512;
-  const LlamaConfig model = load_model_config(a.model, "--model", ctx);
+  const ModelConfig model = load_model_config(a.model, "--model", ctx);
   select_kernels(t.kernels);
   std::string why;
   BudgetOptions o;
@@ -236,6 +236,7 @@ int fine_tune_budget(const BudgetArgs& a) {
     o.lora.rank = a.lora_rank;
     o.lora.alpha = a.lora_alpha > 0.0 ? a.lora_alpha : 2.0 * static_cast<double>(a.lora_rank);
     o.lora.targets = parse_lora_targets(a.lora_targets, "--lora-targets");
+    check_lora_targets(model, o.lora, "--lora-targets");
     check_lora_rank(model, o.lora, "--lora-rank");
   }
   // A bf16 LoRA reads the base's BF16 matrices in place: apart from what must fit.

@@ -20,7 +20,7 @@
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/trainer.h"
 #include "engine/train/weights_file.h"
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
 #include "tools/run/progress.h"
@@ -167,7 +167,7 @@ int run_eval(const EvalArgs& a) {
     throw UserError(a.run + "/tokenizer.model: vocabulary " +
                     std::to_string(tokenizer.vocab_size()) + " does not match the model's " +
                     std::to_string(config.model.vocab));
-  LlamaModel model(config.model);
+  DecoderModel model(config.model);
   const std::string weights = load_run_weights(a.run, a.weights, model.parameters());
 
   std::vector<int32_t> owned;

@@ -6,9 +6,9 @@
 
 #include "engine/core/error.h"
 #include "engine/train/parameters.h"
+#include "models/decoder.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
-#include "models/llama.h"
 #include "models/lora.h"
 #include "tools/model_source.h"
 
@@ -63,8 +63,8 @@ int run_export(const ExportArgs& a) {
   check_finite_weights(m, source, flag, a.adapter);
   if (m.model->lora().active()) {
     // The base with the adapter merged: a model of the same shape without adapters.
-    auto merged = std::make_unique<LlamaModel>(m.config);
-    merge_lora(m.model->parameters(), m.model->lora(), merged->parameters());
+    auto merged = std::make_unique<DecoderModel>(m.config);
+    merge_lora(m.config, m.model->parameters(), m.model->lora(), merged->parameters());
     check_finite(
         merged->parameters(),
         "--merge " + (a.adapter.empty() ? "the adapter of " : a.adapter + " into ") + source);

@@ -26,10 +26,10 @@
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/trainer.h"
 #include "kernels/cpu_features.h"
+#include "models/decoder.h"
 #include "models/finetune_step.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
-#include "models/llama.h"
 #include "models/lora.h"
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
@@ -365,8 +365,9 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
 // validation over every target of the held-out examples.
 class PackedRows final : public BatchSource {
  public:
-  PackedRows(LlamaModel& model, const Examples& examples, std::vector<PackedRow> rows, int64_t ctx,
-             int64_t batch, int64_t per_step, uint64_t seed, int32_t pad, const Communicator& comm)
+  PackedRows(DecoderModel& model, const Examples& examples, std::vector<PackedRow> rows,
+             int64_t ctx, int64_t batch, int64_t per_step, uint64_t seed, int32_t pad,
+             const Communicator& comm)
       : model_(model),
         examples_(examples),
         rows_(std::move(rows)),
@@ -403,7 +404,7 @@ class PackedRows final : public BatchSource {
   }
 
  private:
-  LlamaModel& model_;
+  DecoderModel& model_;
   const Examples& examples_;
   std::vector<PackedRow> rows_;
   RowOrder order_;
@@ -536,8 +537,11 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
                                 const std::string& dtype_reason, spdlog::logger& log) {
   const Stopwatch load_time;
   // An adapter wider than a projection is refused before anything is allocated.
-  if (!a.full)
-    check_lora_rank(load_model_config(a.model, "--model", a.ctx), options.lora, "--lora-rank");
+  if (!a.full) {
+    const ModelConfig config = load_model_config(a.model, "--model", a.ctx);
+    check_lora_targets(config, options.lora, "--lora-targets");
+    check_lora_rank(config, options.lora, "--lora-rank");
+  }
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
   if (!a.full) m.model->init_adapters(a.seed);
   m.model->set_checkpointing(a.checkpoint == "layer");
@@ -673,7 +677,7 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     const ModelOptions options = model_options(a, &dtype_reason);
     if (hold.step == 0) wait_for_stop_signal(0, hold.forever);
     LoadedModel m = load_finetune_model(a, options, dtype_reason, log);
-    LlamaModel& model = *m.model;
+    DecoderModel& model = *m.model;
     const int64_t ctx = std::min(a.ctx, m.config.ctx);
     // The memory available, read once: the data and the budget are held to the same figure.
     const int64_t available = memory_limit_bytes(a.mem_limit_gib);

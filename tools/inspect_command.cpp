@@ -14,6 +14,8 @@
 #include "engine/io/gguf_file.h"
 #include "engine/io/safetensors_file.h"
 #include "engine/text/vocab_tokenizer.h"
+#include "models/architecture.h"
+#include "models/config_json.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/lora.h"
@@ -32,23 +34,6 @@ using nlohmann::json;
 // The training budget inspect shows: 8 sequences of up to 512 tokens, the dtype train would
 // choose, no checkpointing.
 constexpr int64_t kInspectBatch = 8, kInspectCtx = 512;
-
-json config_json(const LlamaConfig& c) {
-  return {{"vocab", c.vocab},
-          {"d_model", c.d_model},
-          {"n_layers", c.n_layers},
-          {"n_heads", c.n_heads},
-          {"n_kv_heads", c.kv_heads()},
-          {"head_dim", c.head_size()},
-          {"ffn", c.ffn},
-          {"ctx", c.ctx},
-          {"norm_eps", c.norm_eps},
-          {"rope_theta", c.rope_theta},
-          {"rope_pairs", std::string(rope_pairs_name(c.rope_pairs))},
-          {"qkv_bias", c.qkv_bias},
-          {"tie_embeddings", c.tie_embeddings},
-          {"parameters", parameter_count(c)}};
-}
 
 json vocabulary_json(const Vocabulary& v) {
   const auto token = [&](int32_t id) {
@@ -104,14 +89,13 @@ int inspect_adapter(const InspectArgs& a, const GgufFile& file) {
 
 int run_inspect(const InspectArgs& a) {
   json j;
-  LlamaConfig config;
+  ModelConfig config;
   Vocabulary vocabulary;
   std::error_code ec;
   if (fs::is_directory(a.path, ec) && is_hf_folder(a.path)) {
     config = hf_model_config(a.path, INT64_MAX);
     vocabulary = hf_tokenizer(a.path).to_vocabulary();
     j["format"] = "Hugging Face folder";
-    j["architecture"] = config.qkv_bias ? "qwen2" : "llama";
     const SafetensorsModel weights(a.path);
     std::map<std::string, int64_t> types, bytes;
     for (const std::string& name : weights.names()) {
@@ -125,13 +109,11 @@ int run_inspect(const InspectArgs& a) {
     config = load_model_config(a.path, "inspect", INT64_MAX);
     vocabulary = load_tokenizer(a.path, "inspect").to_vocabulary();
     j["format"] = "cputrain fine-tune";
-    j["architecture"] = config.qkv_bias ? "qwen2" : "llama";
     j["name"] = *finetune;
   } else if (fs::is_directory(a.path, ec)) {
     const RunConfig run = read_run_config(a.path + "/config.json");
     config = run.model;
     j["format"] = "cputrain run";
-    j["architecture"] = "llama";
     vocabulary = Tokenizer::load_run(a.path).to_vocabulary();
   } else {
     if (starts_with_gguf_magic(a.path)) {
@@ -143,7 +125,6 @@ int run_inspect(const InspectArgs& a) {
     config = gguf_model_config(file, INT64_MAX);
     vocabulary = probe.to_vocabulary();
     j["format"] = "GGUF v" + std::to_string(file.version());
-    j["architecture"] = file.string("general.architecture");
     j["name"] = file.string("general.name", "");
     std::map<std::string, int64_t> types, bytes;
     for (const GgufTensor& t : file.tensors()) {
@@ -153,7 +134,9 @@ int run_inspect(const InspectArgs& a) {
     j["tensors"] = json::object();
     for (const auto& [type, n] : types) j["tensors"][type] = {{"count", n}, {"bytes", bytes[type]}};
   }
-  j["config"] = config_json(config);
+  j["config"] = model_config_json(config);
+  j["architecture"] = config.architecture;
+  j["parts"] = std::string(architecture_of(config).summary);
   j["tokenizer"] = vocabulary_json(vocabulary);
   RunConfig plan;
   plan.model = config;
@@ -180,17 +163,16 @@ int run_inspect(const InspectArgs& a) {
               j.contains("name") && !j["name"].get<std::string>().empty()
                   ? (" (" + j["name"].get<std::string>() + ")").c_str()
                   : "");
-  const LlamaConfig& c = config;
+  const ModelConfig& c = config;
   std::printf(
       "  %lld parameters: d_model %lld, layers %lld, heads %lld, kv heads %lld, head dim %lld, "
-      "ffn %lld, vocab %lld, ctx %lld\n  RoPE %s pairs, theta %g; RMSNorm eps %g%s%s\n",
+      "ffn %lld, vocab %lld, ctx %lld\n  %s\n  %s: %s\n",
       static_cast<long long>(parameter_count(c)), static_cast<long long>(c.d_model),
       static_cast<long long>(c.n_layers), static_cast<long long>(c.n_heads),
       static_cast<long long>(c.kv_heads()), static_cast<long long>(c.head_size()),
       static_cast<long long>(c.ffn), static_cast<long long>(c.vocab), static_cast<long long>(c.ctx),
-      std::string(rope_pairs_name(c.rope_pairs)).c_str(), c.rope_theta,
-      static_cast<double>(c.norm_eps), c.qkv_bias ? "; q/k/v biases" : "",
-      c.tie_embeddings ? "; tied embeddings" : "");
+      describe_parts(c).c_str(), c.architecture.c_str(),
+      std::string(architecture_of(c).summary).c_str());
   if (j.contains("tensors")) {
     std::printf("  tensors:");
     for (const auto& [type, v] : j["tensors"].items())

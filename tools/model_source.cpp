@@ -219,13 +219,17 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   // training, the frozen ones of a bf16 model.)
   const bool map = m.bf16_weights || (training && training->compute_dtype == DType::BF16);
   if (map && gguf) {
-    options.mapped_bf16 = [&](const ParameterInfo& p) { return gguf_bf16_in_place(*gguf, p); };
+    options.mapped_bf16 = [&](const ParameterInfo& p) {
+      return gguf_bf16_in_place(*gguf, p, m.config);
+    };
     options.mapped_owner = gguf;
   } else if (map && safetensors) {
-    options.mapped_bf16 = [&](const ParameterInfo& p) { return hf_bf16_in_place(*safetensors, p); };
+    options.mapped_bf16 = [&](const ParameterInfo& p) {
+      return hf_bf16_in_place(*safetensors, p, m.config);
+    };
     options.mapped_owner = safetensors;
   }
-  m.model = std::make_unique<LlamaModel>(m.config, options);
+  m.model = std::make_unique<DecoderModel>(m.config, options);
   bool mapped = false;
   for (size_t i = 0; i < m.model->parameters().infos().size(); ++i)
     mapped = mapped || m.model->parameters().mapped(static_cast<int>(i));
@@ -237,11 +241,11 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       m.source = load_run_weights(path, weights, m.model->parameters());
       break;
     case SourceKind::HuggingFace:
-      load_hf_weights(*safetensors, m.model->parameters());
+      load_hf_weights(*safetensors, m.model->parameters(), m.config);
       m.source = "Hugging Face folder " + path + held;
       break;
     case SourceKind::Gguf:
-      load_gguf_weights(*gguf, m.model->parameters());
+      load_gguf_weights(*gguf, m.model->parameters(), m.config);
       m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held;
       break;
   }
@@ -254,7 +258,7 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
 }
 
 int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
-                            const LlamaConfig& config, const LoraConfig& lora) {
+                            const ModelConfig& config, const LoraConfig& lora) {
   const SourceKind kind = source_kind(path, flag);
   if (kind == SourceKind::Run || !lora.active()) return 0;
   std::unique_ptr<GgufFile> gguf;
@@ -264,11 +268,12 @@ int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
   else
     safetensors = std::make_unique<SafetensorsModel>(path);
   ParameterSet params;
-  LlamaModel::declare_parameters(config, params, lora);
+  DecoderModel::declare_parameters(config, params, lora);
   int64_t bytes = 0;
   for (const ParameterInfo& p : params.infos()) {
     if (is_lora_parameter(p.name) || !p.bf16_copy) continue;
-    const void* data = gguf ? gguf_bf16_in_place(*gguf, p) : hf_bf16_in_place(*safetensors, p);
+    const void* data =
+        gguf ? gguf_bf16_in_place(*gguf, p, config) : hf_bf16_in_place(*safetensors, p, config);
     if (data) bytes += p.shape.numel() * 2;
   }
   return bytes;
@@ -302,18 +307,18 @@ std::optional<std::string> describe_finetune_run(const std::string& path) {
                                  : std::string("nothing trained yet"));
 }
 
-LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
+ModelConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx) {
   // A fine-tune has its base's shape.
   if (const auto run = finetune_run(path)) return load_model_config(run->base, flag, max_ctx);
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace: {
       const SafetensorsModel weights(path);
-      const LlamaConfig c = hf_model_config(path, weights, max_ctx);
+      const ModelConfig c = hf_model_config(path, weights, max_ctx);
       check_hf_weights(weights, c);
       return c;
     }
     case SourceKind::Run: {
-      LlamaConfig c = read_run_config(path + "/config.json").model;
+      ModelConfig c = read_run_config(path + "/config.json").model;
       c.ctx = std::min(c.ctx, max_ctx);
       return c;
     }
@@ -321,7 +326,7 @@ LlamaConfig load_model_config(const std::string& path, const std::string& flag, 
       break;
   }
   const GgufFile file(path);
-  const LlamaConfig c = gguf_model_config(file, max_ctx);
+  const ModelConfig c = gguf_model_config(file, max_ctx);
   check_gguf_weights(file, c);
   return c;
 }
@@ -332,7 +337,7 @@ void load_model_weights(const std::string& path, const std::string& flag,
   if (finetune_run(path)) {
     const LoadedModel m = load_model(path, flag, "", INT64_MAX, false, nullptr, "");
     if (m.model->lora().active()) {
-      merge_lora(m.model->parameters(), m.model->lora(), params);
+      merge_lora(m.config, m.model->parameters(), m.model->lora(), params);
       return;
     }
     std::vector<float> values;
@@ -344,15 +349,18 @@ void load_model_weights(const std::string& path, const std::string& flag,
     return;
   }
   switch (source_kind(path, flag)) {
-    case SourceKind::HuggingFace:
-      return load_hf_weights(SafetensorsModel(path), params);
+    case SourceKind::HuggingFace: {
+      const SafetensorsModel weights(path);
+      return load_hf_weights(weights, params, hf_model_config(path, weights, INT64_MAX));
+    }
     case SourceKind::Run:
       load_run_weights(path, "", params);
       return;
     case SourceKind::Gguf:
       break;
   }
-  load_gguf_weights(GgufFile(path), params);
+  const GgufFile file(path);
+  load_gguf_weights(file, params, gguf_model_config(file, INT64_MAX));
 }
 
 void add_model_source_flags(CLI::App& app, std::string& run, std::string& model) {

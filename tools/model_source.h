@@ -10,14 +10,14 @@
 #include <utility>
 
 #include "engine/text/tokenizer.h"
-#include "models/llama.h"
-#include "models/llama_config.h"
+#include "models/decoder.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
 struct LoadedModel {
-  LlamaConfig config;
-  std::unique_ptr<LlamaModel> model;
+  ModelConfig config;
+  std::unique_ptr<DecoderModel> model;
   std::unique_ptr<Tokenizer> tokenizer;
   std::string source;         // "GGUF llama, stories260K.gguf" or the run's weights file
   bool bf16_weights = false;  // held as bf16 alone (load_model's bf16_when_exact)
@@ -50,7 +50,7 @@ LoadedModel load_model_to_train(const std::string& path, const std::string& flag
 // parameter trains without) reads in place from its file, as load_model_to_train maps them: the
 // BF16 matrices laid out as the model holds them. 0 for a run directory.
 int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
-                            const LlamaConfig& config, const LoraConfig& lora);
+                            const ModelConfig& config, const LoraConfig& lora);
 
 // A UserError where the loaded model holds a NaN or an infinity, naming `flag` and `path` (or
 // the adapter file, for an adapter's parameter) and the parameter: what sample, eval and export
@@ -71,7 +71,7 @@ std::optional<std::string> describe_finetune_run(const std::string& path);
 
 // The configuration alone of the model at `path` (as load_model reads it), its context at most
 // `max_ctx`.
-LlamaConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx);
+ModelConfig load_model_config(const std::string& path, const std::string& flag, int64_t max_ctx);
 // The weights of the model at `path` into `params` (a model of load_model_config's shape).
 void load_model_weights(const std::string& path, const std::string& flag,
                         const ParameterSet& params);

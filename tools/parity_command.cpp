@@ -15,7 +15,7 @@
 #include "engine/data/data_pipeline.h"
 #include "engine/io/atomic_file.h"
 #include "engine/train/trainer.h"
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "tools/flag_checks.h"
 #include "tools/run/run_dir.h"
 
@@ -59,7 +59,7 @@ Variant train_variant(const RunConfig& base, const std::string& name, DType dtyp
   v.curve.dtype = dtype;
   v.curve.batch = batch;
   v.curve.accum = accum;
-  LlamaModel model(base.model);
+  DecoderModel model(base.model);
   model.init_weights(base.train.seed);
   model.set_compute_dtype(dtype);
   TrainOptions options = base.train;

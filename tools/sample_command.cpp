@@ -8,8 +8,8 @@
 #include "engine/core/error.h"
 #include "engine/text/tokenizer.h"
 #include "engine/train/weights_file.h"
+#include "models/decoder.h"
 #include "models/generate.h"
-#include "models/llama.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
 #include "tools/run/progress.h"
@@ -62,7 +62,7 @@ int run_sample(const SampleArgs& a) {
       load_model(path, flag, a.weights, a.ctx > 0 ? a.ctx : kDefaultImportCtx, true, a.adapter);
   check_finite_weights(loaded, path, flag, a.adapter);
   const double load_seconds = load_time.seconds();
-  LlamaModel& model = *loaded.model;
+  DecoderModel& model = *loaded.model;
   const Tokenizer& tokenizer = *loaded.tokenizer;
   std::vector<int32_t> prompt = {tokenizer.bos_id()};
   const std::vector<int32_t> encoded = tokenizer.encode(a.prompt);

@@ -37,8 +37,10 @@
 #include "kernels/dispatch.h"
 #include "kernels/gemm.h"
 #include "kernels/peak.h"
+#include "models/architecture.h"
+#include "models/config_json.h"
+#include "models/decoder.h"
 #include "models/generate.h"
-#include "models/llama.h"
 #include "models/memory_budget.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
@@ -64,7 +66,7 @@ int64_t default_steps(const std::string& preset) {
   return 2000;
 }
 
-double default_lr(const LlamaConfig& c) {
+double default_lr(const ModelConfig& c) {
   return c.d_model <= 256 ? 1e-3 : (c.d_model <= 512 ? 6e-4 : 3e-4);
 }
 
@@ -133,13 +135,22 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   c.model.n_kv_heads = a.kv_heads == -1 ? c.model.n_heads : take(a.kv_heads, 0, "--kv-heads");
   c.model.head_dim = a.head_dim == -1 ? 0 : take(a.head_dim, 0, "--head-dim");
   if (a.rope_theta != -1.0) c.model.rope_theta = a.rope_theta;
+  const Architecture* arch = find_architecture(a.arch);
+  if (!arch)
+    throw UserError("--arch " + a.arch + ": not an architecture cputrain computes (" +
+                    architecture_names() + ")");
+  c.model = with_architecture(c.model, *arch);
   if (a.rope_pairs == "half-split")
     c.model.rope_pairs = RopePairs::HalfSplit;
   else if (a.rope_pairs == "adjacent")
     c.model.rope_pairs = RopePairs::Adjacent;
   else if (!a.rope_pairs.empty())
     throw UserError("--rope-pairs " + a.rope_pairs + ": not a pairing (adjacent or half-split)");
-  c.model.qkv_bias = a.qkv_bias;
+  if (a.qkv_bias) {
+    if (arch->qkv_bias == Presence::Never)
+      throw UserError("--qkv-bias: a " + a.arch + " model has no q/k/v biases");
+    c.model.qkv_bias = true;
+  }
   c.model.tie_embeddings = a.tie_embeddings;
   if (const auto problem = validate(c.model)) throw UserError(flag_message(*problem));
   c.steps = take(a.steps, default_steps(a.preset), "--steps");
@@ -170,7 +181,7 @@ std::string describe_compute() {
 
 namespace {
 
-std::string sample_text(LlamaModel& model, const Tokenizer& tokenizer, int64_t tokens,
+std::string sample_text(DecoderModel& model, const Tokenizer& tokenizer, int64_t tokens,
                         uint64_t seed) {
   SampleOptions options;
   options.max_new_tokens = tokens;
@@ -199,9 +210,12 @@ void add_model_flags(CLI::App& app, TrainArgs& a) {
       ->check(positive_whole());
   app.add_option("--ffn", a.ffn, "SwiGLU hidden width")->check(positive_whole());
   app.add_option("--rope-theta", a.rope_theta, "RoPE base (default 10000)")->check(positive());
+  app.add_option("--arch", a.arch,
+                 "The architecture, whose parts the model has (" + architecture_names() +
+                     "; default llama; `cputrain inspect` describes a model's)");
   app.add_option("--rope-pairs", a.rope_pairs,
                  "Elements RoPE rotates together: adjacent (llama) or half-split (neox, Qwen2) "
-                 "(default adjacent)")
+                 "(default: the architecture's in llama.cpp)")
       ->check(CLI::IsMember({"adjacent", "half-split"}));
   app.add_flag("--qkv-bias", a.qkv_bias, "Biases on the q, k and v projections (as Qwen2)");
   app.add_flag("--tie-embeddings", a.tie_embeddings,
@@ -448,8 +462,8 @@ struct TrainingPeak {
 
 // The model as the run's configuration says, its state offloaded where it asks, initialised
 // from the seed or, for a run that begins from one, the model file.
-std::unique_ptr<LlamaModel> build_model(const RunConfig& config, const MemoryBudget& budget,
-                                        bool resuming, spdlog::logger& log) {
+std::unique_ptr<DecoderModel> build_model(const RunConfig& config, const MemoryBudget& budget,
+                                          bool resuming, spdlog::logger& log) {
   const Communicator& comm = Communicator::world();
   process_memory_reset_peak();  // from here on the peak RSS is training's
   log.info("resident before the model: {} (the budget's runtime estimate: {})",
@@ -462,7 +476,7 @@ std::unique_ptr<LlamaModel> build_model(const RunConfig& config, const MemoryBud
     options.offload = true;
     options.offload_dir = std::make_shared<OffloadDir>(config.offload);
   }
-  auto model = std::make_unique<LlamaModel>(config.model, options);
+  auto model = std::make_unique<DecoderModel>(config.model, options);
   if (options.offload)
     log.info("offloaded to {}: {} on disk (masters, AdamW's m and v)", config.offload,
              format_bytes(budget.disk_bytes));
@@ -479,13 +493,12 @@ std::unique_ptr<LlamaModel> build_model(const RunConfig& config, const MemoryBud
 // The log's account of what the run trains, how and on what.
 void describe_run(const RunConfig& config, const TrainArgs& args, const TrainingPeak& peak,
                   double flops_per_token, const std::string& dtype_reason, spdlog::logger& log) {
-  const LlamaConfig& m = config.model;
+  const ModelConfig& m = config.model;
   log.info(
-      "model {}: {} parameters (d_model {}, layers {}, heads {}, kv heads {}, head dim {}, "
-      "ffn {}, vocab {}, ctx {}; RoPE {} pairs, theta {:g}{}{})",
-      config.preset, parameter_count(m), m.d_model, m.n_layers, m.n_heads, m.kv_heads(),
-      m.head_size(), m.ffn, m.vocab, m.ctx, rope_pairs_name(m.rope_pairs), m.rope_theta,
-      m.qkv_bias ? "; q/k/v biases" : "", m.tie_embeddings ? "; tied embeddings" : "");
+      "model {} ({}): {} parameters (d_model {}, layers {}, heads {}, kv heads {}, head dim {}, "
+      "ffn {}, vocab {}, ctx {}; {})",
+      config.preset, m.architecture, parameter_count(m), m.d_model, m.n_layers, m.n_heads,
+      m.kv_heads(), m.head_size(), m.ffn, m.vocab, m.ctx, describe_parts(m));
   log.info("training {} steps of {} x {} sequences of {} tokens, lr {:g}, warm-up {}, {} threads",
            config.steps, config.train.batch, config.train.accum, config.train.ctx,
            config.train.lr.peak, config.train.lr.warmup_steps, config.threads);
@@ -547,7 +560,7 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
                   static_cast<int64_t>(train_tokens.size() + val_tokens.size()),
                   windows.validates() ? args.eval_windows : 0, available, log);
 
-  const std::unique_ptr<LlamaModel> model = build_model(config, budget, resuming, log);
+  const std::unique_ptr<DecoderModel> model = build_model(config, budget, resuming, log);
   const std::string config_json = run_config_to_json(config);
   // A resumed run records what it changed (its end, its saving) once it is sure to go on.
   RunConfig as_began = config;
@@ -632,7 +645,7 @@ int follow_train(const TrainArgs& args, const Communicator& comm, JobStart& star
   ModelOptions model_options;
   model_options.compute_dtype = config.dtype;
   model_options.shard = &comm;
-  LlamaModel model(config.model, model_options);
+  DecoderModel model(config.model, model_options);
   // Each rank's masters of its shard: the init every rank computes alike, or the model file,
   // which each rank reads (rank 0's weights reach the others below, but of the masters it holds
   // its shard alone).

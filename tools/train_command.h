@@ -27,7 +27,8 @@ struct TrainArgs : RunFlags {
   int64_t kv_heads = -1;        // -1: as many as --heads
   int64_t head_dim = -1;        // -1: d_model / heads
   double rope_theta = -1.0;     // -1: the preset's (10000)
-  std::string rope_pairs;       // "adjacent", "half-split", or empty: the preset's
+  std::string arch = "llama";   // an architecture of models/architecture.h: its parts
+  std::string rope_pairs;       // "adjacent", "half-split", or empty: the architecture's
   bool qkv_bias = false;        // biases on the q, k and v projections
   bool tie_embeddings = false;  // the LM head is the embedding matrix
   int64_t ffn = -1;

@@ -474,16 +474,21 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
   return out;
 }
 
-Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
+namespace {
+
+// rmsnorm over each group of C = w's size of x's last dimension; in bf16 mode with
+// `gemm_input` the output is its bf16 rounding alone, else FP32.
+Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, bool gemm_input) {
   const Shape& xs = x.shape();
-  const int64_t C = xs[xs.ndim() - 1];
-  require(w.value().ndim() == 1 && w.shape()[0] == C, "rmsnorm: x (..., C) and w (C)");
+  require(w.value().ndim() == 1 && w.shape()[0] > 0 && xs[xs.ndim() - 1] % w.shape()[0] == 0,
+          "rmsnorm: x (..., H * C) and w (C)");
+  const int64_t C = w.shape()[0];
   const int64_t N = x.value().numel() / C;
   Scope scope("rmsnorm", Pass::Forward);
   const bool grad = needs_grad({&x, &w});
   Tensor y;
   Tensor rstd = new_activation(Shape{N});
-  if (bf16_mode()) {
+  if (bf16_mode() && gemm_input) {
     // The output is only ever a GEMM input: only its bf16 rounding is written, in the pass that
     // also rounds x for the backward.
     y = new_activation(xs, DType::BF16);
@@ -520,13 +525,27 @@ Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
   return out;
 }
 
+}  // namespace
+
+Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
+  require(w.value().ndim() == 1 && w.shape()[0] == x.shape()[x.shape().ndim() - 1],
+          "rmsnorm: x (..., C) and w (C)");
+  return rmsnorm_groups(x, w, eps, true);
+}
+
+Variable head_rmsnorm(const Variable& x, const Variable& w, float eps) {
+  return rmsnorm_groups(x, w, eps, false);
+}
+
 Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
-              bool per_row) {
+              bool per_row, int64_t rot_dims) {
   const Shape& xs = x.shape();
   require(xs.ndim() == 3 && xs[2] % n_heads == 0 && (xs[2] / n_heads) % 2 == 0,
           "rope: x (B, T, C) with C = H * D, D even");
   const int64_t B = xs[0], T = xs[1], H = n_heads, D = xs[2] / n_heads;
-  require(table.numel() >= (per_row ? B : 1) * T * D, "rope: table shorter than T");
+  const int64_t R = rot_dims > 0 ? rot_dims : D;
+  require(R <= D && R % 2 == 0, "rope: rotated dimensions even and at most D");
+  require(table.numel() >= (per_row ? B : 1) * T * R, "rope: table shorter than T");
   // Each row with its own table, or all with the one.
   const int64_t rows = per_row ? B : 1, each = per_row ? 1 : B, stride = T * H * D;
   Scope scope("rope", Pass::Forward);
@@ -534,18 +553,18 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half
   // In bf16 mode attention takes only the bf16 rounding of q and k: only that is written.
   Tensor y = new_activation(xs, bf16_mode() ? DType::BF16 : DType::F32);
   for (int64_t r = 0; r < rows && computing(); ++r) {
-    const float* t = table.f32() + r * T * D;
+    const float* t = table.f32() + r * T * R;
     if (y.dtype() == DType::BF16)
       kernels::rope_forward_bf16(y.bf16() + r * stride, fp32_value(x).f32() + r * stride, t, each,
-                                 T, H, D, half_split);
+                                 T, H, D, half_split, R);
     else
       kernels::rope_forward(y.f32() + r * stride, fp32_value(x).f32() + r * stride, t, each, T, H,
-                            D, half_split);
+                            D, half_split, R);
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("rope", [table, gx = x.grad_ref(), gy = out.grad_ref(), rows, each, stride, T,
-                             H, D, half_split] {
+                             H, D, R, half_split] {
       if (!gy->tensor().defined()) return;
       const float* dy = gy->tensor().f32();
       if (gx) {  // x's gradient written as its rounding, where that is all x's producer reads
@@ -553,14 +572,14 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half
         if (rounded.defined()) {
           for (int64_t r = 0; r < rows && computing(); ++r)
             kernels::rope_backward_bf16(rounded.bf16() + r * stride, dy + r * stride,
-                                        table.f32() + r * T * D, each, T, H, D, half_split);
+                                        table.f32() + r * T * R, each, T, H, D, half_split, R);
           return;
         }
       }
       const KernelGrads g = kernel_grads({{&gx, Shape{rows * each, T, H * D}}});
       for (int64_t r = 0; r < rows && computing(); ++r)
         kernels::rope_backward(g.grads[0].f32() + r * stride, dy + r * stride,
-                               table.f32() + r * T * D, each, T, H, D, half_split, g.accumulate);
+                               table.f32() + r * T * R, each, T, H, D, half_split, g.accumulate, R);
     });
   }
   return out;

@@ -32,12 +32,16 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
                      uint64_t dropout_seed = 0);
 // x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
 Variable rmsnorm(const Variable& x, const Variable& w, float eps);
+// x (..., H * D), w (D) -> each of the H heads of D normalised as rmsnorm does, FP32 in either
+// compute mode (Qwen3's norms of q and k, whose output RoPE takes).
+Variable head_rmsnorm(const Variable& x, const Variable& w, float eps);
 // x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
 // pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h). With
 // `per_row`, table holds B such tables of T rows, one per row of x (packed rows, whose
-// sequences each begin at position 0).
+// sequences each begin at position 0). With rot_dims R < D, only each head's first R elements
+// rotate (pairs within them; the table's rows hold R/2 angles) and the rest pass (partial rotary).
 Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
-              bool per_row = false);
+              bool per_row = false, int64_t rot_dims = 0);
 // Rows of a (B, T) batch that each hold several sequences one after another: per row, the
 // lengths of its sequences in order, summing to T.
 struct Packing {

@@ -5,7 +5,7 @@
 namespace cputrain {
 namespace {
 
-constexpr std::string_view kNames[] = {"chatml", "llama3", "llama2", "mistral", "zephyr"};
+constexpr std::string_view kNames[] = {"chatml", "llama3", "llama2", "mistral", "zephyr", "phi3"};
 
 std::string trimmed(const std::string& s) {
   const char* space = " \t\n\r\f\v";
@@ -65,6 +65,10 @@ std::optional<ChatTemplate> detect_chat_template(std::string_view jinja, const s
     t.system_block = has("<<SYS>>");
     t.strip = has("content.strip()");
     t.bos_in_history = !t.strip && has("bos_token + '[INST]");
+    return t;
+  }
+  if (has("<|assistant|>") && has("<|end|>")) {
+    t.family = ChatFamily::Phi3;
     return t;
   }
   if (has("<|user|>") && !has("<|end|>") &&
@@ -163,11 +167,12 @@ std::vector<ChatPiece> render_chat(const ChatTemplate& t, std::span<const ChatMe
       break;
     }
     case ChatFamily::Zephyr:
+    case ChatFamily::Phi3:
       for (const ChatMessage& m : messages) {
         const bool reply = m.role == "assistant";
         marker("<|" + m.role + "|>\n");
         put(out, m.content, false, reply);
-        put(out, t.end, true, reply);
+        put(out, t.family == ChatFamily::Phi3 ? "<|end|>" : t.end, true, reply);
         marker("\n");
       }
       if (generation_prompt) marker("<|assistant|>\n");

@@ -16,7 +16,7 @@
 
 namespace cputrain {
 
-enum class ChatFamily { ChatMl, Llama3, Llama2, Mistral, Zephyr };
+enum class ChatFamily { ChatMl, Llama3, Llama2, Mistral, Zephyr, Phi3 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::ChatMl;
@@ -29,7 +29,7 @@ struct ChatTemplate {
   std::string end = "<|endoftext|>";
 };
 
-// "chatml", "llama3", "llama2", "mistral", "zephyr".
+// "chatml", "llama3", "llama2", "mistral", "zephyr", "phi3".
 std::string_view chat_family_name(ChatFamily family);
 std::string chat_family_names();
 

@@ -1,16 +1,18 @@
 #!/usr/bin/python3
 """Reference tensors for tests/models/test_llama_reference.cpp, from PyTorch.
 
-A self-contained fp32 PyTorch implementation of the cputrain decoder, for three configurations
+A self-contained fp32 PyTorch implementation of the cputrain decoder, for four configurations
 (CONFIGS: the tiny preset; one with grouped-query attention, tied embeddings, q/k/v biases and
 half-split RoPE; that one again with a frozen base and LoRA adapters, y = W x + (alpha / rank)
-B A x, on all seven projections): from one seeded set of weights and one batch it records the
+B A x, on all seven projections; one with the parts of the newer families, per-head q/k norms,
+Llama 3's RoPE scaling and a layer without RoPE; one with Phi-3's, adapters on its fused
+projections, partial rotary and longrope scaling): from one seeded set of weights and one batch it records the
 logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping.
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_{tiny,gqa,lora}_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -42,6 +44,17 @@ class Config:
     eps: float = 1e-5
     lora_rank: int = 0  # adapters on q, k, v, o, gate, up, down; the base frozen
     lora_alpha: float = 0.0
+    qk_norm: bool = False  # RMSNorm of each head of q and k before RoPE (Qwen3)
+    # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original context).
+    scaling: tuple = None
+    no_rope: tuple = ()  # layers without RoPE (SmolLM3)
+    # Phi-3: adapters on the fused qkv and gate_up projections (one A for each, whose B rows are
+    # q's, k's and v's; gate's and up's), RoPE on the first rope_dim of each head, and longrope:
+    # (original context, ctx the model runs at) choosing the long factors beyond the original,
+    # and the rotation scaled by sqrt(1 + ln(ctx / original) / ln(original)).
+    fused: bool = False
+    rope_dim: int = 0
+    longrope: tuple = None
 
 
 CONFIGS = [
@@ -56,6 +69,18 @@ CONFIGS = [
     Config("llama_lora_reference.ctrf", V=256, C=96, L=2, H=8, F=160, B=2, T=24, KVH=2, D=10,
            tied=True, bias=True, half_split=True, theta=1e6, eps=1e-6, lora_rank=4,
            lora_alpha=8.0),
+    # The parts of the newer families together: per-head q/k norms (Qwen3), Llama 3's RoPE
+    # scaling with a short original context, so that every branch of its factors is taken at
+    # this head dim, and a layer without RoPE (SmolLM3); 3 query heads over 1 kv head of 16.
+    Config("llama_parts_reference.ctrf", V=256, C=64, L=3, H=3, F=128, B=2, T=24, KVH=1, D=16,
+           half_split=True, theta=10000.0, eps=1e-6, qk_norm=True, scaling=(8.0, 1.0, 4.0, 128),
+           no_rope=(1,)),
+    # Phi-3's parts with LoRA on all projections (rank 4, alpha 8): fused qkv and gate_up adapters,
+    # RoPE on 12 of each head's 16 dimensions, longrope with an original context of 32 below the
+    # 64 the model runs at.
+    Config("llama_phi3_reference.ctrf", V=256, C=64, L=2, H=4, F=96, B=2, T=24, KVH=2, D=16,
+           half_split=True, theta=10000.0, eps=1e-5, lora_rank=4, lora_alpha=8.0, fused=True,
+           rope_dim=12, longrope=(32, 64)),
 ]
 PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                "feed_forward.w3", "feed_forward.w2"]
@@ -73,6 +98,8 @@ def parameter_shapes(c):
             (p + "attention.wk.weight", (KV, c.C)),
             (p + "attention.wv.weight", (KV, c.C)),
         ]
+        if c.qk_norm:
+            shapes += [(p + "attention.q_norm.weight", (c.D,)), (p + "attention.k_norm.weight", (c.D,))]
         if c.bias:
             shapes += [
                 (p + "attention.wq.bias", (Q,)),
@@ -90,12 +117,33 @@ def parameter_shapes(c):
             dims = dict(shapes)
             for proj in PROJECTIONS:
                 out_dim, in_dim = dims[p + proj + ".weight"]
-                shapes += [(p + proj + ".lora_a", (c.lora_rank, in_dim)),
-                           (p + proj + ".lora_b", (out_dim, c.lora_rank))]
+                a = fused_a(c, p + proj + ".lora_a")
+                if a not in dict(shapes):
+                    shapes += [(a, (c.lora_rank, in_dim))]
+                shapes += [(p + proj + ".lora_b", (out_dim, c.lora_rank))]
     shapes += [("norm.weight", (c.C,))]
     if not c.tied:
         shapes += [("output.weight", (c.V, c.C))]
     return shapes
+
+
+def fused_a(c, name):
+    """The A an adapter uses: with fused projections, q, k, v share the qkv one, gate and up the
+    gate_up one."""
+    if not c.fused:
+        return name
+    for part, whole in ((".attention.wq.", ".attention.wqkv."), (".attention.wk.", ".attention.wqkv."),
+                        (".attention.wv.", ".attention.wqkv."), (".feed_forward.w1.", ".feed_forward.w13."),
+                        (".feed_forward.w3.", ".feed_forward.w13.")):
+        name = name.replace(part, whole)
+    return name
+
+
+def longrope_factors(c):
+    """Short and long divisors of the rotated frequencies, drawn from a fixed seed."""
+    g = torch.Generator().manual_seed(77)
+    n = c.rope_dim // 2
+    return 1.0 + 0.5 * torch.rand(n, generator=g), 1.0 + 8.0 * torch.rand(n, generator=g)
 
 
 def init_parameters(c, gen):
@@ -119,12 +167,42 @@ def init_parameters(c, gen):
     return params
 
 
+def llama3_factors(c):
+    """Each frequency's divisor under Llama 3's scaling, from Hugging Face's formula: inv_freq
+    kept below original / high, divided by factor above original / low, blended between."""
+    factor, low, high, original = c.scaling
+    out = []
+    for j in range(c.D // 2):
+        inv_freq = c.theta ** (-2.0 * j / c.D)
+        wavelength = 2 * math.pi / inv_freq
+        if wavelength < original / high:
+            scaled = inv_freq
+        elif wavelength > original / low:
+            scaled = inv_freq / factor
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out.append(inv_freq / scaled)
+    # Held as float32 divisors, as GGUF's rope_freqs.weight holds them.
+    return torch.tensor(out, dtype=torch.float32).double()
+
+
 def rope_table(c):
-    # Angles in float64, rounded to float32, as the C++ table is.
+    # Angles in float64, rounded to float32, as the C++ table is; R the rotated dimensions.
+    R = c.rope_dim or c.D
     pos = torch.arange(c.T, dtype=torch.float64)[:, None]
-    j = torch.arange(c.D // 2, dtype=torch.float64)[None, :]
-    angle = pos * c.theta ** (-2.0 * j / c.D)
-    return torch.cos(angle).float(), torch.sin(angle).float()
+    j = torch.arange(R // 2, dtype=torch.float64)[None, :]
+    freq = c.theta ** (-2.0 * j / R)
+    scale = 1.0
+    if c.scaling:
+        freq = freq / llama3_factors(c)[None, :]
+    if c.longrope:
+        original, ctx = c.longrope
+        short, long = longrope_factors(c)
+        freq = freq / (long if ctx > original else short).float().double()[None, :]
+        scale = math.sqrt(1 + math.log(ctx / original) / math.log(original))
+    angle = pos * freq
+    return (scale * torch.cos(angle)).float(), (scale * torch.sin(angle)).float()
 
 
 def rmsnorm(c, x, w):
@@ -132,8 +210,13 @@ def rmsnorm(c, x, w):
 
 
 def rope(c, x, cos, sin):
-    # x (B, T, H, D): rotate each pair of position t by its angle.
+    # x (B, T, H, D): rotate each pair of position t by its angle; with rope_dim only the first
+    # rope_dim of each head, the rest passing.
     cs, sn = cos[None, :, None, :], sin[None, :, None, :]
+    if c.rope_dim:
+        R = c.rope_dim
+        x0, x1, rest = x[..., : R // 2], x[..., R // 2: R], x[..., R:]
+        return torch.cat((x0 * cs - x1 * sn, x0 * sn + x1 * cs, rest), dim=-1)
     if c.half_split:  # pairs (x[j], x[j + D/2]), Hugging Face's rotate_half
         x0, x1 = x[..., : c.D // 2], x[..., c.D // 2:]
         return torch.cat((x0 * cs - x1 * sn, x0 * sn + x1 * cs), dim=-1)
@@ -158,7 +241,8 @@ def projection(c, p, name, h):
     if c.bias and name + ".bias" in p:
         y = y + p[name + ".bias"]
     if c.lora_rank:
-        y = y + (h @ p[name + ".lora_a"].T @ p[name + ".lora_b"].T) * (c.lora_alpha / c.lora_rank)
+        a = p[fused_a(c, name + ".lora_a")]
+        y = y + (h @ a.T @ p[name + ".lora_b"].T) * (c.lora_alpha / c.lora_rank)
     return y
 
 
@@ -168,8 +252,13 @@ def forward(c, p, tokens, cos, sin):
     for i in range(c.L):
         n = f"layers.{i}."
         h = rmsnorm(c, x, p[n + "attention_norm.weight"])
-        q = rope(c, projection(c, p, n + "attention.wq", h).view(B, T, H, D), cos, sin)
-        k = rope(c, projection(c, p, n + "attention.wk", h).view(B, T, KVH, D), cos, sin)
+        q = projection(c, p, n + "attention.wq", h).view(B, T, H, D)
+        k = projection(c, p, n + "attention.wk", h).view(B, T, KVH, D)
+        if c.qk_norm:  # over each head's D elements
+            q = rmsnorm(c, q, p[n + "attention.q_norm.weight"])
+            k = rmsnorm(c, k, p[n + "attention.k_norm.weight"])
+        if i not in c.no_rope:
+            q, k = rope(c, q, cos, sin), rope(c, k, cos, sin)
         v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
         x = x + projection(c, p, n + "attention.wo", attention(c, q, k, v).reshape(B, T, H * D))
         g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
@@ -226,6 +315,20 @@ def write_reference(c):
             floats += [c.lora_alpha]
         out.add("config", torch.tensor(config, dtype=torch.int32))
         out.add("config_f32", torch.tensor(floats, dtype=torch.float32))
+        if c.fused:
+            # rope_dim, the original context and the ctx the model runs at; the factors.
+            original, ctx = c.longrope
+            out.add("phi3", torch.tensor([c.rope_dim, original, ctx], dtype=torch.int32))
+            short, long = longrope_factors(c)
+            out.add("short_factors", short)
+            out.add("long_factors", long)
+        if c.qk_norm or c.scaling or c.no_rope:
+            # qk_norm, then a 0/1 per layer (1: without RoPE); the scaling's four numbers.
+            out.add("parts", torch.tensor([int(c.qk_norm)] + [int(i in c.no_rope)
+                                                              for i in range(c.L)],
+                                          dtype=torch.int32))
+            out.add("parts_f32", torch.tensor(list(c.scaling or (0, 0, 0, 0)),
+                                              dtype=torch.float32))
     else:
         out.add("config", torch.tensor(config, dtype=torch.int32))
     out.add("tokens", tokens)
@@ -270,8 +373,11 @@ def write_reference(c):
 
 
 def main():
+    import sys
+    only = sys.argv[1:]  # file names; all where none are given
     for c in CONFIGS:
-        write_reference(c)
+        if not only or c.file in only:
+            write_reference(c)
 
 
 if __name__ == "__main__":

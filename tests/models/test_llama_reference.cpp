@@ -3,7 +3,10 @@
 // and the losses, gradient norms and weights of 10 AdamW steps. Three configurations: the tiny
 // preset; one with grouped-query attention (8 query heads, 2 kv heads), tied embeddings, q/k/v
 // biases, half-split RoPE at theta 1e6, eps 1e-6 and a head dim of 10; and that one with its
-// base frozen and LoRA adapters (rank 4, alpha 8) on all seven projections, which alone train.
+// base frozen and LoRA adapters (rank 4, alpha 8) on all seven projections, which alone train;
+// and one with the parts of the newer families: per-head q/k norms, Llama 3's RoPE scaling and a
+// layer without RoPE; and one with Phi-3's: adapters on its fused projections (one A for q, k and
+// v, one for gate and up), RoPE on part of each head, longrope scaling.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,7 +14,7 @@
 #include <string>
 
 #include "engine/train/adamw.h"
-#include "models/llama.h"
+#include "models/decoder.h"
 #include "reference_file.h"
 
 namespace cputrain {
@@ -59,6 +62,35 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
         options_.lora.targets.fill(true);
       }
     }
+    if (ref_.count("parts")) {  // qk_norm, a 0/1 per layer without RoPE; Llama 3's scaling
+      const std::vector<int32_t>& parts = ref_.at("parts").i32;
+      const std::vector<float>& scaling = ref_.at("parts_f32").f32;
+      ASSERT_EQ(static_cast<int64_t>(parts.size()), 1 + config_.n_layers);
+      ASSERT_EQ(scaling.size(), 4u);
+      config_.qk_norm = parts[0] != 0;
+      for (int64_t i = 0; i < config_.n_layers; ++i)
+        if (parts[static_cast<size_t>(1 + i)] != 0) config_.no_rope_layers.push_back(i);
+      if (scaling[0] > 0.0f) {
+        config_.rope_scaling.type = "llama3";
+        config_.rope_scaling.freq_factors =
+            llama3_freq_factors(config_.rope_theta, config_.head_size(), scaling[0], scaling[1],
+                                scaling[2], static_cast<int64_t>(scaling[3]));
+      }
+    }
+    if (ref_.count("phi3")) {  // rope_dim, original ctx, ctx; longrope's factors
+      const std::vector<int32_t>& phi3 = ref_.at("phi3").i32;
+      ASSERT_EQ(phi3.size(), 3u);
+      config_.architecture = "phi3";  // fused q, k, v and gate, up: their adapters share an A
+      config_.rope_dim = phi3[0];
+      config_.ctx = phi3[2];
+      RopeScaling& r = config_.rope_scaling;
+      r.type = "longrope";
+      r.original_ctx = phi3[1];
+      r.freq_factors = ref_.at("short_factors").f32;
+      r.long_factors = ref_.at("long_factors").f32;
+      r.attn_factor = std::sqrt(1.0 + std::log(static_cast<double>(phi3[2]) / phi3[1]) /
+                                          std::log(static_cast<double>(phi3[1])));
+    }
     tokens_ = to_tensor(ref_.at("tokens"));
     targets_ = to_tensor(ref_.at("targets"));
   }
@@ -70,7 +102,7 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
     return t;
   }
 
-  void load_initial_weights(LlamaModel& model) const {
+  void load_initial_weights(DecoderModel& model) const {
     const ParameterSet& p = model.parameters();
     for (const ParameterInfo& info : p.infos()) {
       const ReferenceTensor& r = ref_.at("init/" + info.name);
@@ -90,14 +122,14 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
   }
 
   std::map<std::string, ReferenceTensor> ref_;
-  LlamaConfig config_;
+  ModelConfig config_;
   ModelOptions options_;
   int64_t B_ = 0, T_ = 0;
   Tensor tokens_, targets_;
 };
 
 TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
-  LlamaModel model(config_, options_);
+  DecoderModel model(config_, options_);
   int64_t total = 0, adapters = 0;
   for (const ParameterInfo& info : model.parameters().infos()) {
     ASSERT_TRUE(ref_.count("init/" + info.name)) << info.name;
@@ -109,10 +141,12 @@ TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
     EXPECT_EQ(info.trainable, !options_.lora.active() || is_lora_parameter(info.name)) << info.name;
   }
   EXPECT_EQ(total, parameter_count(config_));
-  // Per layer, each projection (out, in) adds rank * (in + out).
+  // Per layer, each projection (out, in) adds rank * (in + out), but fused ones (q, k, v; gate,
+  // up) share an A of rank * in.
   const int64_t C = config_.d_model, Q = config_.q_dim(), KV = config_.kv_dim(), F = config_.ffn;
-  EXPECT_EQ(adapters,
-            options_.lora.rank * config_.n_layers * ((C + Q) * 2 + (C + KV) * 2 + (C + F) * 3));
+  const bool fused = config_.architecture == "phi3";
+  const int64_t a_in = fused ? C + Q + C + F : 5 * C + Q + F, b_out = Q + 2 * KV + 2 * C + 2 * F;
+  EXPECT_EQ(adapters, options_.lora.rank * config_.n_layers * (a_in + b_out));
   // Every tensor of the reference is a parameter of the model.
   for (const auto& [name, tensor] : ref_) {
     if (!name.starts_with("init/")) continue;
@@ -121,7 +155,7 @@ TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
 }
 
 TEST_P(LlamaReference, LogitsLossAndGradients) {
-  LlamaModel model(config_, options_);
+  DecoderModel model(config_, options_);
   load_initial_weights(model);
   const Tensor logits = model.logits(tokens_);
   EXPECT_LT(relative_error(logits.f32(), ref_.at("logits").f32), kTensorTolerance);
@@ -142,7 +176,7 @@ TEST_P(LlamaReference, LogitsLossAndGradients) {
 }
 
 TEST_P(LlamaReference, TenAdamWSteps) {
-  LlamaModel model(config_, options_);
+  DecoderModel model(config_, options_);
   load_initial_weights(model);
   AdamWConfig adamw;  // betas 0.9/0.95, eps 1e-8, decay 0.1 on matrices, clip 1.0
   AdamW optimizer(model.parameters(), adamw);
@@ -169,7 +203,9 @@ TEST_P(LlamaReference, TenAdamWSteps) {
 
 INSTANTIATE_TEST_SUITE_P(Configurations, LlamaReference,
                          ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf",
-                                           "llama_lora_reference.ctrf"),
+                                           "llama_lora_reference.ctrf",
+                                           "llama_parts_reference.ctrf",
+                                           "llama_phi3_reference.ctrf"),
                          [](const auto& info) {
                            return info.param.substr(6, info.param.find("_reference") - 6);
                          });

@@ -17,8 +17,8 @@
 #include "engine/core/memory.h"
 #include "engine/train/trainer.h"
 #include "kernels/gemm.h"
+#include "models/decoder.h"
 #include "models/finetune_step.h"
-#include "models/llama.h"
 #include "models/memory_budget.h"
 
 namespace cputrain {
@@ -26,7 +26,7 @@ namespace {
 
 struct Case {
   std::string name;
-  LlamaConfig config;
+  ModelConfig config;
   DType dtype;
   bool checkpoint;
   std::function<bool(const std::string&)> trainable;
@@ -41,7 +41,7 @@ class BudgetVsMeasured : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
   const Case& k = GetParam();
-  const LlamaConfig& c = k.config;
+  const ModelConfig& c = k.config;
   // Small batches keep the test quick; the measurement does not depend on their size.
   TrainOptions options;
   options.batch = c.d_model <= 64 ? 2 : 1;
@@ -76,7 +76,7 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
     mo.compute_dtype = k.dtype;
     mo.trainable = k.trainable;
     mo.lora = k.lora;
-    LlamaModel model(c, mo);
+    DecoderModel model(c, mo);
     model.init_weights(1);
     model.set_checkpointing(k.checkpoint);
     Trainer trainer(
@@ -110,7 +110,7 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
 // validation pass after each step)
 // against memory_budget's packed measurement: every category's peak to the byte.
 TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
-  LlamaConfig c = find_preset("tiny")->config;
+  ModelConfig c = find_preset("tiny")->config;
   c.n_kv_heads = 2;
   c.qkv_bias = true;
   for (const DType dtype : {DType::F32, DType::BF16}) {
@@ -153,7 +153,7 @@ TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
       ModelOptions mo;
       mo.compute_dtype = dtype;
       mo.lora = lora;
-      LlamaModel model(c, mo);
+      DecoderModel model(c, mo);
       model.init_weights(1);
       TrainOptions options;
       options.batch = batch;
@@ -187,14 +187,14 @@ TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
   }
 }
 
-LlamaConfig preset(const char* name) {
+ModelConfig preset(const char* name) {
   return find_preset(name)->config;
 }
 
 // The tiny preset's width with another attention: GQA with a head dim of 24 (q_dim 96), tied
 // embeddings, q/k/v biases, half-split RoPE.
-LlamaConfig shaped() {
-  LlamaConfig c = preset("tiny");
+ModelConfig shaped() {
+  ModelConfig c = preset("tiny");
   c.n_kv_heads = 2;
   c.head_dim = 24;
   c.tie_embeddings = true;

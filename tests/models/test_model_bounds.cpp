@@ -21,10 +21,10 @@
 #include "engine/text/tokenizer.h"
 #include "engine/text/vocab_tokenizer.h"
 #include "engine/train/parameters.h"
+#include "models/decoder.h"
 #include "models/file_hyperparameters.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
-#include "models/llama.h"
 #include "models/lora.h"
 
 namespace cputrain {
@@ -49,8 +49,8 @@ struct TempFolder {
 };
 
 // 2 blocks of width 16, 4 heads of 4, 2 key/value heads, MLP 24, 32 tokens.
-LlamaConfig small_config() {
-  LlamaConfig c;
+ModelConfig small_config() {
+  ModelConfig c;
   c.vocab = 32;
   c.d_model = 16;
   c.n_layers = 2;
@@ -133,7 +133,7 @@ void expect_refused_without_allocating(Read read, const std::vector<std::string>
 class ModelBounds : public ::testing::Test {
  protected:
   void SetUp() override {
-    LlamaModel model(small_config());
+    DecoderModel model(small_config());
     model.init_weights(7);
     write_gguf((dir_.path / "good.gguf").string(), small_config(), model.parameters(),
                small_vocabulary(), GgufExport{});
@@ -145,12 +145,12 @@ class ModelBounds : public ::testing::Test {
 
 TEST_F(ModelBounds, TheUndamagedFilesAreRead) {
   const GgufFile file((dir_.path / "good.gguf").string());
-  const LlamaConfig g = gguf_model_config(file, 1024);
+  const ModelConfig g = gguf_model_config(file, 1024);
   EXPECT_EQ(g.n_layers, 2);
   EXPECT_EQ(g.kv_heads(), 2);
   EXPECT_NO_THROW(check_gguf_weights(file, g));
   const SafetensorsModel weights((dir_.path / "hf").string());
-  const LlamaConfig h = hf_model_config((dir_.path / "hf").string(), weights, 1024);
+  const ModelConfig h = hf_model_config((dir_.path / "hf").string(), weights, 1024);
   EXPECT_EQ(h.ffn, 24);
   EXPECT_EQ(h.head_size(), 4);
   EXPECT_NO_THROW(check_hf_weights(weights, h));
@@ -249,7 +249,7 @@ TEST_F(ModelBounds, EveryDamagedHuggingFaceCountNamesItsKey) {
 }
 
 TEST(LoraRank, AboveTheNarrowestProjectionIsRefused) {
-  const LlamaConfig c = small_config();  // q 16 x 16, k and v 8 x 16, MLP 24 x 16
+  const ModelConfig c = small_config();  // q 16 x 16, k and v 8 x 16, MLP 24 x 16
   LoraConfig lora;
   lora.rank = 100000;
   lora.targets[static_cast<size_t>(Projection::Q)] = true;

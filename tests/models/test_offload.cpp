@@ -20,8 +20,8 @@
 #include "engine/train/adamw.h"
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/trainer.h"
-#include "models/llama.h"
-#include "models/llama_config.h"
+#include "models/decoder.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 namespace {
@@ -30,8 +30,8 @@ namespace fs = std::filesystem;
 
 // GQA, q/k/v biases and a tied head: an embedding whose master computing reads (kept in RAM),
 // biases and norm gains (no bf16 copy: in RAM), and matrices (offloaded).
-LlamaConfig config() {
-  LlamaConfig c = find_preset("tiny")->config;
+ModelConfig config() {
+  ModelConfig c = find_preset("tiny")->config;
   c.n_kv_heads = 2;
   c.qkv_bias = true;
   c.tie_embeddings = true;
@@ -72,7 +72,7 @@ fs::path temp_dir(const std::string& name) {
 // A model and its trainer, the state offloaded into `dir` where it is not empty.
 struct TrainingRun {
   std::shared_ptr<OffloadDir> dir;
-  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<DecoderModel> model;
   std::unique_ptr<Trainer> trainer;
 
   TrainingRun(DType dtype, const std::string& offload) {
@@ -83,7 +83,7 @@ struct TrainingRun {
       o.offload = true;
       o.offload_dir = dir;
     }
-    model = std::make_unique<LlamaModel>(config(), o);
+    model = std::make_unique<DecoderModel>(config(), o);
     model->init_weights(7);
     trainer = std::make_unique<Trainer>(
         model->parameters(),

@@ -12,8 +12,8 @@
 #include "engine/dist/gradient_reducer.h"
 #include "engine/train/adamw.h"
 #include "engine/train/trainer.h"
-#include "models/llama.h"
-#include "models/llama_config.h"
+#include "models/decoder.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 namespace {
@@ -35,9 +35,9 @@ std::vector<int32_t> patterned_tokens(int64_t vocab) {
 // patterned stream, as a rank of `comm`, its gradients summed in buckets of `bucket` elements.
 Trained train(const Communicator& comm, int64_t batch, int64_t bucket = int64_t{1} << 22,
               bool shard = true) {
-  LlamaConfig config = find_preset("tiny")->config;
+  ModelConfig config = find_preset("tiny")->config;
   config.ctx = 32;
-  LlamaModel model(config);
+  DecoderModel model(config);
   model.init_weights(7);
   const std::vector<int32_t> tokens = patterned_tokens(config.vocab);
   TrainOptions options;
@@ -160,9 +160,9 @@ TEST(DataParallel, ShardedReducerSumsEachShardIntoItsRank) {
 // adding up to the whole; without sharding each rank holds the whole.
 TEST(DataParallel, ShardedOptimizerStateIsOneNthOnEachRank) {
   const int n = world().size();
-  LlamaConfig config = find_preset("tiny")->config;
+  ModelConfig config = find_preset("tiny")->config;
   config.ctx = 32;
-  LlamaModel model(config);
+  DecoderModel model(config);
   const auto optimizer_bytes = [&](const Communicator& comm, bool shard) {
     const int64_t before =
         memory_stats().live_bytes[static_cast<size_t>(MemoryCategory::OptimizerState)];
@@ -204,7 +204,7 @@ TEST(DataParallel, ShardedStepsAreTheUnshardedOnes) {
 // for bit: the same losses, the same bf16 copies, and the masters read back whole on rank 0.
 TEST(DataParallel, ShardedMastersMakeTheSameSteps) {
   const int n = world().size();
-  LlamaConfig config = find_preset("tiny")->config;
+  ModelConfig config = find_preset("tiny")->config;
   config.ctx = 32;
   const std::vector<int32_t> tokens = patterned_tokens(config.vocab);
   struct Run {
@@ -218,7 +218,7 @@ TEST(DataParallel, ShardedMastersMakeTheSameSteps) {
     ModelOptions o;
     o.compute_dtype = DType::BF16;
     if (shard) o.shard = &world();
-    LlamaModel model(config, o);
+    DecoderModel model(config, o);
     Run out;
     out.weights_bytes =
         memory_stats().live_bytes[static_cast<size_t>(MemoryCategory::Weights)] - before;
@@ -252,7 +252,7 @@ TEST(DataParallel, ShardedMastersMakeTheSameSteps) {
   // The masters left whole are the embedding's (its rows are looked up in FP32) and the norms';
   // of the others each element is held by one rank alone: the ranks' parts add up to them (to
   // the padding of each part), and no rank holds them all.
-  LlamaModel probe(config);
+  DecoderModel probe(config);
   int64_t sharded_bytes = 0;
   for (const ParameterInfo& info : probe.parameters().infos())
     if (info.bf16_copy && !info.master_read)

@@ -405,7 +405,28 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   expect_one_line_error(run(base + " --head-dim 7"), "--head-dim 7 must be even for RoPE");
   expect_one_line_error(run(base + " --rope-pairs diagonal"), "--rope-pairs");
   expect_one_line_error(run(base + " --kv-heads 0"), "--kv-heads");
+  expect_one_line_error(run(base + " --arch mamba"),
+                        "--arch mamba: not an architecture cputrain computes (llama, qwen2");
+  expect_one_line_error(run(base + " --arch qwen3 --qkv-bias"),
+                        "--qkv-bias: a qwen3 model has no q/k/v biases");
   EXPECT_FALSE(fs::exists(dir_ / "bad" / "model.bin"));
+
+  // --arch: the architecture's parts, recorded by name; the run rebuilds it.
+  const fs::path qwen3 = dir_ / "qwen3";
+  const Result q =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --arch qwen3 --heads 3 "
+          "--kv-heads 1 --head-dim 24 --steps 2 --sample-tokens 4 --corpus " +
+          corpus + " --out " + qwen3.string());
+  ASSERT_EQ(q.exit_code, 0) << q.err << q.out;
+  const nlohmann::json m = nlohmann::json::parse(std::ifstream(qwen3 / "config.json"))["model"];
+  EXPECT_EQ(m["architecture"], "qwen3");
+  EXPECT_EQ(m["qk_norm"], true);
+  EXPECT_EQ(m["rope_pairs"], "half-split");
+  const Result i = run("inspect " + qwen3.string());
+  ASSERT_EQ(i.exit_code, 0) << i.err;
+  EXPECT_NE(i.out.find("architecture qwen3"), std::string::npos) << i.out;
+  EXPECT_NE(i.out.find("q/k norms"), std::string::npos) << i.out;
+  ASSERT_EQ(run("sample --run " + qwen3.string() + " --max-tokens 3").exit_code, 0);
 }
 
 // The budget of the same shapes, and of its --threads: fewer kv heads, tied embeddings hold

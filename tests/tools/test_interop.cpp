@@ -26,94 +26,18 @@
 #include "engine/text/chat_template.h"
 #include "engine/text/vocab_tokenizer.h"
 #include "engine/train/parameters.h"
+#include "models/architecture.h"
 #include "models/generate.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
 #include "tools/cli_test_util.h"
 #include "tools/model_source.h"
+#include "tools/oracle_util.h"
 
 namespace cputrain {
 namespace {
 
-namespace fs = std::filesystem;
-
-const std::string kOracle = CPUTRAIN_LLAMA_ORACLE;
-const fs::path kShared = CPUTRAIN_SHARED_MODELS;
-
-#define REQUIRE_ORACLE()                                                                   \
-  if (kOracle.empty())                                                                     \
-  GTEST_SKIP() << "llama.cpp is not installed (tools/install_deps.sh --llamacpp installs " \
-                  "it; tools/run_tests.sh does)"
-
-#define REQUIRE_SHARED(file) \
-  if (!fs::exists(kShared / (file))) GTEST_SKIP() << (kShared / (file)) << " is not there"
-
-std::string read_all(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("cputrain_interop_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-// A folder removed when the object goes (for a static one, when the test binary exits).
-struct TempFolder {
-  fs::path path;
-  ~TempFolder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-// BOS, then tokens drawn from the vocabulary.
-std::vector<int32_t> token_sequence(int64_t n, int64_t vocab, int32_t bos, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t = {bos};
-  while (static_cast<int64_t>(t.size()) < n) t.push_back(static_cast<int32_t>(rng() % vocab));
-  return t;
-}
-
-// llama.cpp's logits for every position, n x vocab; with a LoRA adapter file applied at scale 1
-// where `adapter` is given.
-std::vector<float> oracle_logits(const fs::path& model, const std::vector<int32_t>& tokens,
-                                 const fs::path& dir, const fs::path& adapter = {}) {
-  const fs::path out = dir / "oracle_logits.f32";
-  std::string cmd = kOracle + " logits " + model.string() + " " + out.string();
-  if (!adapter.empty()) cmd += " lora=" + adapter.string();
-  for (int32_t t : tokens) {
-    cmd += ' ';
-    cmd += std::to_string(t);
-  }
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  const std::string bytes = read_all(out);
-  std::vector<float> v(bytes.size() / sizeof(float));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
-  return v;
-}
-
-// cputrain's logits for every position, n x vocab, in fp32.
-std::vector<float> our_logits(LoadedModel& m, const std::vector<int32_t>& tokens) {
-  const auto n = static_cast<int64_t>(tokens.size());
-  Tensor input = Tensor::empty(Shape{1, n}, DType::I32, MemoryCategory::Workspace);
-  std::copy(tokens.begin(), tokens.end(), input.i32());
-  const Tensor logits = m.model->logits(input);
-  return std::vector<float>(logits.f32(), logits.f32() + n * m.config.vocab);
-}
-
-double max_abs_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0.0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
-  std::printf("max |logit difference| %.3g\n", worst);
-  return worst;
-}
+using namespace interop_test;
 
 TEST(LlamaCpp, Stories260kLogitsEqualLlamaCpps) {
   REQUIRE_ORACLE();
@@ -127,20 +51,6 @@ TEST(LlamaCpp, Stories260kLogitsEqualLlamaCpps) {
   const std::vector<float> theirs = oracle_logits(model, tokens, dir.path);
   ASSERT_EQ(theirs.size(), ours.size());
   EXPECT_LT(max_abs_difference(ours, theirs), 1e-4);
-}
-
-// Random-weight models written with llama.cpp's gguf-py (tests/interop/make_gguf_models.py), once
-// per test binary.
-const fs::path& made_models() {
-  static const TempFolder dir{[] {
-    const fs::path d = temp_dir("models");
-    const std::string cmd = "/usr/bin/python3 " + std::string(CPUTRAIN_SOURCE_DIR) +
-                            "/tests/interop/make_gguf_models.py " + CPUTRAIN_GGUF_PY + " " +
-                            d.string();
-    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    return d;
-  }()};
-  return dir.path;
 }
 
 // A llama model with grouped-query attention, an untied head and theta 500000; a qwen2 model
@@ -465,7 +375,8 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
       {"llama2-sys-bos", chat_template_named("llama2", "--chat-template", "")},
       {"llama2-sys-strip", llama2(true, false, true)},
       {"mistral-v3", chat_template_named("mistral", "--chat-template", "")},
-      {"zephyr", chat_template_named("zephyr", "--chat-template", "<|endoftext|>")}};
+      {"zephyr", chat_template_named("zephyr", "--chat-template", "<|endoftext|>")},
+      {"phi3", chat_template_named("phi3", "--chat-template", "")}};
   size_t compared = 0;
   for (const auto& [name, tmpl] : named) {
     for (const auto* messages : {&with_system, &without}) {
@@ -484,14 +395,16 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
     EXPECT_EQ(replies.find("What"), std::string::npos) << name;
     EXPECT_EQ(replies.find("terse"), std::string::npos) << name;
   }
-  EXPECT_EQ(compared, 32u);
+  EXPECT_EQ(compared, 36u);
   // Real templates: recognised from their text as llama.cpp recognises them.
   const fs::path templates = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "templates";
   const std::pair<const char*, ChatFamily> real[] = {
       {"Qwen-Qwen2.5-7B-Instruct.jinja", ChatFamily::ChatMl},
       {"HuggingFaceTB-SmolLM3-3B.jinja", ChatFamily::ChatMl},
       {"meta-llama-Llama-3.1-8B-Instruct.jinja", ChatFamily::Llama3},
-      {"meta-llama-Llama-3.2-3B-Instruct.jinja", ChatFamily::Llama3}};
+      {"meta-llama-Llama-3.2-3B-Instruct.jinja", ChatFamily::Llama3},
+      {"Qwen-Qwen3-0.6B.jinja", ChatFamily::ChatMl},
+      {"microsoft-Phi-3.5-mini-instruct.jinja", ChatFamily::Phi3}};
   for (const auto& [file, family] : real) {
     const std::string text = read_all(templates / file);
     const std::optional<ChatTemplate> t = detect_chat_template(text, "</s>");
@@ -545,12 +458,6 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
   EXPECT_THROW(chat_template_named("vicuna", "--chat-template", ""), UserError);
 }
 
-// Runs cputrain with `args`; its exit status.
-int cputrain(const std::string& args) {
-  const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >/dev/null";
-  return std::system(cmd.c_str());
-}
-
 // A corpus of a few hundred short documents.
 fs::path write_corpus(const fs::path& dir) {
   std::ofstream out(dir / "corpus.txt");
@@ -563,9 +470,11 @@ fs::path write_corpus(const fs::path& dir) {
 }
 
 // Runs trained here, exported: llama.cpp computes the same logits from the f32 file (the mini
-// preset; one with half-split RoPE, which export reorders into llama.cpp's adjacent pairs; one of
-// qwen2's shape, exported as qwen2) and tokenizes text to the same ids; export then import gives
-// the f32 weights bit for bit, and the bf16 ones as the weights rounded to bf16.
+// preset; a llama with half-split RoPE, which export reorders into llama.cpp's adjacent pairs, and
+// q/k/v biases; one of each architecture qwen2, qwen3 and phi3, exported as that
+// architecture)
+// and tokenizes text to the same ids; export then import gives the f32 weights bit for bit, and the
+// bf16 ones as the weights rounded to bf16.
 TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
   REQUIRE_ORACLE();
   const TempFolder folder{temp_dir("export")};
@@ -574,8 +483,12 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
   const std::string text = "the cat sat on the mat and ran far away.\n the dog at noon";
   const std::pair<const char*, const char*> runs[] = {
       {"mini", "--preset mini"},
-      {"halfsplit", "--preset tiny --rope-pairs half-split --kv-heads 2"},
-      {"qwen2", "--preset tiny --qkv-bias --rope-pairs half-split --tie-embeddings"}};
+      {"halfsplit", "--preset tiny --rope-pairs half-split --kv-heads 2 --qkv-bias"},
+      {"qwen2", "--preset tiny --arch qwen2 --tie-embeddings"},
+      {"qwen3", "--preset tiny --arch qwen3 --heads 3 --kv-heads 1 --head-dim 24"},
+      // (Not named phi3: llama.cpp reads the vocabulary of a model so named as Phi-3's own,
+      // which holds <|endoftext|>; cputrain's own has none.)
+      {"fused", "--preset tiny --arch phi3 --kv-heads 2"}};
   for (const auto& [name, flags] : runs) {
     const fs::path run = dir / name, gguf = dir / (std::string(name) + ".gguf");
     ASSERT_EQ(
@@ -632,25 +545,7 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
   }
 }
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
-Result run_cputrain(const std::string& args, const fs::path& dir) {
-  const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >" +
-                          (dir / "out.txt").string() + " 2>" + (dir / "err.txt").string();
-  const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_all(dir / "out.txt"),
-          read_all(dir / "err.txt")};
-}
-
 using cli_test::rewrite_gguf;
-
-void expect_one_line_refusal(const Result& r, const std::string& needle) {
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-}
 
 // Bad model files: one line naming the file and what is wrong, a non-zero exit.
 TEST(ModelFiles, BadGgufFilesGetOneClearLine) {
@@ -678,12 +573,13 @@ TEST(ModelFiles, BadGgufFilesGetOneClearLine) {
   rewrite_gguf(
       good, dir / "arch.gguf",
       [](const std::string& key, GgufValue& v) {
-        if (key == "general.architecture") v.text = "gemma2";
+        if (key == "general.architecture") v.text = "mamba";
         return true;
       },
       nullptr);
   expect_refused(dir / "arch.gguf",
-                 "architecture gemma2, which cputrain does not compute (it computes llama, qwen2)");
+                 "architecture mamba, which cputrain does not compute (it computes " +
+                     architecture_names() + ")");
   rewrite_gguf(good, dir / "type.gguf", nullptr,
                [](const std::string& name, std::vector<int64_t>& dims, uint32_t& type,
                   std::vector<uint8_t>& data) {
@@ -745,10 +641,9 @@ TEST(ModelFiles, BadHuggingFaceFoldersGetOneClearLine) {
     std::ofstream(model / "config.json", std::ios::trunc) << j.dump();
   };
   const fs::path gemma = variant("gemma");
-  edit_config(gemma, "model_type", "gemma2");
-  expect_refused(
-      gemma,
-      "model_type gemma2, which cputrain does not compute (it computes llama, mistral, qwen2)");
+  edit_config(gemma, "model_type", "mamba");
+  expect_refused(gemma, "model_type mamba, which cputrain does not compute (it computes " +
+                            hf_model_type_names() + ")");
   const fs::path shape = variant("shape");
   edit_config(shape, "intermediate_size", 384);
   expect_refused(shape,
@@ -830,8 +725,10 @@ TEST(ModelFiles, HuggingFaceExportReadsBackAsTheSameModel) {
   const fs::path& dir = folder.path;
   const std::string corpus = write_corpus(dir).string();
   const std::string text = "the cat sat on the mat and ran far away.\n the dog at noon";
-  for (const char* flags : {"--preset tiny --kv-heads 2",
-                            "--preset tiny --qkv-bias --rope-pairs half-split --tie-embeddings"}) {
+  for (const char* flags :
+       {"--preset tiny --kv-heads 2", "--preset tiny --arch qwen2 --tie-embeddings",
+        "--preset tiny --arch qwen3 --heads 3 --kv-heads 1 --head-dim 24",
+        "--preset tiny --arch phi3 --kv-heads 2"}) {
     const fs::path run = dir / "run", hf = dir / "hf";
     fs::remove_all(run);
     fs::remove_all(hf);
@@ -843,6 +740,9 @@ TEST(ModelFiles, HuggingFaceExportReadsBackAsTheSameModel) {
     LoadedModel ours = load_model(run.string(), "--run", "", kDefaultImportCtx);
     LoadedModel back = load_model(hf.string(), "--model", "", kDefaultImportCtx);
     EXPECT_EQ(back.config.qkv_bias, ours.config.qkv_bias) << flags;
+    EXPECT_EQ(back.config.architecture, ours.config.architecture) << flags;
+    EXPECT_EQ(back.config.qk_norm, ours.config.qk_norm) << flags;
+    EXPECT_EQ(back.config.no_rope_layers, ours.config.no_rope_layers) << flags;
     EXPECT_EQ(back.config.tie_embeddings, ours.config.tie_embeddings) << flags;
     const std::vector<int32_t> ids = ours.tokenizer->encode(text);
     EXPECT_EQ(back.tokenizer->encode(text), ids) << flags;
@@ -960,19 +860,9 @@ TEST(LlamaCpp, Stories260kGreedyTextIsThePublishedOne) {
 namespace cputrain {
 namespace {
 
-// Prompt/completion pairs in plain ASCII, for any vocabulary.
-fs::path write_finetune_data(const fs::path& dir) {
-  const char* names[] = {"Lily", "Tom", "Sue", "Ben"};
-  const char* things[] = {"ball", "cat", "tree", "cake"};
-  std::ofstream out(dir / "data.jsonl");
-  for (int i = 0; i < 48; ++i) {
-    const std::string n = names[i % 4], t = things[(i / 4) % 4];
-    out << "{\"prompt\": \"" << n << " had a " << t << ". What did " << n
-        << " have?\", \"completion\": \" " << n << " had a " << t << ".\"}\n";
-  }
-  return dir / "data.jsonl";
-}
+using namespace interop_test;
 
+// Prompt/completion pairs in plain ASCII, for any vocabulary.
 // A few steps of `cputrain finetune` (LoRA on all seven projections, fp32) on stories260K (GQA,
 // adjacent RoPE pairs) and on a qwen2 model (biases, a tied head, half-split RoPE): llama.cpp
 // with the base GGUF and the adapter file computes what cputrain computes with the adapter,
@@ -1062,6 +952,8 @@ TEST(LlamaCppLora, FineTunedAdapterGivesLlamaCppsLogits) {
 
 namespace cputrain {
 namespace {
+
+using namespace interop_test;
 
 // A BF16 base is read in place from its file: the budget and --mem-limit cover the rest, and
 // each step records the RSS's anonymous part and its mapped files' pages apart. A limit above

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "engine/core/error.h"
+#include "models/config_json.h"
 
 namespace cputrain {
 
@@ -33,21 +34,7 @@ std::string run_config_to_json(const RunConfig& c) {
       {"preset", c.preset},
       {"corpus", c.corpus},
       {"init", c.init},
-      {"model",
-       {{"vocab", c.model.vocab},
-        {"d_model", c.model.d_model},
-        {"n_layers", c.model.n_layers},
-        {"n_heads", c.model.n_heads},
-        {"n_kv_heads", c.model.kv_heads()},
-        {"head_dim", c.model.head_size()},
-        {"ffn", c.model.ffn},
-        {"ctx", c.model.ctx},
-        {"norm_eps", shortest(c.model.norm_eps)},
-        {"rope_theta", c.model.rope_theta},
-        {"rope_pairs", rope_pairs_name(c.model.rope_pairs)},
-        {"qkv_bias", c.model.qkv_bias},
-        {"tie_embeddings", c.model.tie_embeddings},
-        {"parameters", parameter_count(c.model)}}},
+      {"model", model_config_json(c.model)},
       {"train",
        {{"steps", c.steps},
         {"batch", c.train.batch},
@@ -89,25 +76,7 @@ RunConfig parse_run_config(const std::string& text, const std::string& path) {
     c.preset = j.at("preset").get<std::string>();
     c.corpus = j.at("corpus").get<std::string>();
     c.init = j.value("init", std::string());
-    const json& m = j.at("model");
-    c.model.vocab = m.at("vocab").get<int64_t>();
-    c.model.d_model = m.at("d_model").get<int64_t>();
-    c.model.n_layers = m.at("n_layers").get<int64_t>();
-    c.model.n_heads = m.at("n_heads").get<int64_t>();
-    c.model.ffn = m.at("ffn").get<int64_t>();
-    c.model.ctx = m.at("ctx").get<int64_t>();
-    c.model.norm_eps = m.at("norm_eps").get<float>();
-    c.model.rope_theta = m.at("rope_theta").get<double>();
-    // Runs made before these fields existed are plain multi-head, adjacent pairs, untied.
-    c.model.n_kv_heads = m.value("n_kv_heads", c.model.n_heads);
-    c.model.head_dim = m.value("head_dim", int64_t{0});
-    const std::string pairs = m.value("rope_pairs", std::string("adjacent"));
-    if (pairs != "adjacent" && pairs != "half-split")
-      throw UserError(path + ": model.rope_pairs must be adjacent or half-split (got " + pairs +
-                      ")");
-    c.model.rope_pairs = pairs == "adjacent" ? RopePairs::Adjacent : RopePairs::HalfSplit;
-    c.model.qkv_bias = m.value("qkv_bias", false);
-    c.model.tie_embeddings = m.value("tie_embeddings", false);
+    c.model = model_config_from_json(j.at("model"), path);
     const json& t = j.at("train");
     c.steps = t.at("steps").get<int64_t>();
     c.train.batch = t.at("batch").get<int64_t>();
@@ -155,7 +124,9 @@ std::string run_identity(const std::string& config_json) {
   if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
   if (!t.contains("ranks")) t["ranks"] = 1;
   for (const char* key : {"steps", "threads", "save_every", "keep", "offload"}) t.erase(key);
-  return json{j["model"], t, j["corpus"], j.value("init", std::string())}.dump();
+  // The model as this build writes it, so that a run written before a field existed is the same.
+  const json model = model_config_json(model_config_from_json(j["model"], "config.json"));
+  return json{model, t, j["corpus"], j.value("init", std::string())}.dump();
 }
 
 }  // namespace cputrain

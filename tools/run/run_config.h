@@ -5,7 +5,7 @@
 #include <string>
 
 #include "engine/train/trainer.h"
-#include "models/llama_config.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -13,7 +13,7 @@ struct RunConfig {
   std::string preset;
   std::string corpus;
   std::string init;  // the model the run began from (--model), absolute; empty: random weights
-  LlamaConfig model;
+  ModelConfig model;
   TrainOptions train;
   int64_t steps = 0;       // the step the run ends at (train.lr.total_steps: where its decay ends)
   int64_t save_every = 0;  // a checkpoint every N steps (0: only at the end and on a signal)

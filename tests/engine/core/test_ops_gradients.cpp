@@ -108,6 +108,22 @@ TEST(OpsGradient, RmsNorm) {
                   {random_tensor(Shape{3, 5, 9}, rng), random_tensor(Shape{9}, rng)}, 5e-3);
 }
 
+// Per-head RMSNorm (Qwen3's q and k norms): 4 heads of 6, one gain vector for all; and a head's
+// values are those rmsnorm gives for it alone.
+TEST(OpsGradient, HeadRmsNorm) {
+  std::mt19937 rng(21);
+  check_gradients([](const auto& v) { return head_rmsnorm(v[0], v[1], 1e-6f); },
+                  {random_tensor(Shape{2, 3, 4 * 6}, rng), random_tensor(Shape{6}, rng)}, 5e-3);
+  const Tensor x = random_tensor(Shape{1, 1, 12}, rng), w = random_tensor(Shape{6}, rng);
+  const Tensor heads = head_rmsnorm(Variable(x, false), Variable(w, false), 1e-6f).value();
+  for (int64_t h = 0; h < 2; ++h) {
+    Tensor one = Tensor::empty(Shape{1, 1, 6}, DType::F32, MemoryCategory::Workspace);
+    std::copy_n(x.f32() + h * 6, 6, one.f32());
+    const Tensor want = rmsnorm(Variable(one, false), Variable(w, false), 1e-6f).value();
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(heads.f32()[h * 6 + i], want.f32()[i]);
+  }
+}
+
 TEST(OpsGradient, Rope) {
   std::mt19937 rng(3);
   const int64_t T = 5, H = 2, D = 6;
@@ -116,6 +132,36 @@ TEST(OpsGradient, Rope) {
   for (const bool half_split : {false, true})
     check_gradients([&](const auto& v) { return rope(v[0], table, H, half_split); },
                     {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+  // A table of scaled frequencies (Llama 3's divisors): each pair's angle is the unscaled one
+  // of its frequency divided by its factor, and the gradients hold as well.
+  const float factors[D / 2] = {1.0f, 2.5f, 8.0f};
+  Tensor scaled = Tensor::empty(Shape{T, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(scaled.f32(), T, D, 10000.0, factors);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const double angle = static_cast<double>(t) * std::pow(10000.0, -2.0 * j / D) / factors[j];
+      EXPECT_EQ(scaled.f32()[(t * D / 2 + j) * 2], static_cast<float>(std::cos(angle)));
+      EXPECT_EQ(scaled.f32()[(t * D / 2 + j) * 2 + 1], static_cast<float>(std::sin(angle)));
+    }
+  check_gradients([&](const auto& v) { return rope(v[0], scaled, H, true); },
+                  {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+  // Partial rotary (Phi-4-mini): the first 4 of each head's 6 rotate as a head of 4 would, the
+  // last 2 pass; gradients hold.
+  const int64_t R = 4;
+  Tensor partial = Tensor::empty(Shape{T, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  kernels::rope_table(partial.f32(), T, R, 10000.0);
+  const Tensor x = random_tensor(Shape{1, T, H * D}, rng);
+  for (const bool half_split : {false, true}) {
+    const Tensor y = rope(Variable(x, false), partial, H, half_split, false, R).value();
+    Tensor heads = Tensor::empty(Shape{1, T, H * R}, DType::F32, MemoryCategory::Workspace);
+    for (int64_t i = 0; i < T * H; ++i) std::copy_n(x.f32() + i * D, R, heads.f32() + i * R);
+    const Tensor want = rope(Variable(heads, false), partial, H, half_split).value();
+    for (int64_t i = 0; i < T * H; ++i)
+      for (int64_t d = 0; d < D; ++d)
+        EXPECT_EQ(y.f32()[i * D + d], d < R ? want.f32()[i * R + d] : x.f32()[i * D + d]);
+    check_gradients([&](const auto& v) { return rope(v[0], partial, H, half_split, false, R); },
+                    {random_tensor(Shape{2, T, H * D}, rng)}, 2e-3);
+  }
 }
 
 // Each row with its own table (packed rows): row 0 from position 0, row 1 from position 2.

@@ -13,17 +13,17 @@
 #include "engine/core/profiler.h"
 #include "engine/train/adamw.h"
 #include "kernels/attention.h"
+#include "models/decoder.h"
 #include "models/generate.h"
-#include "models/llama.h"
-#include "models/llama_config.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 namespace {
 
 // The parameters the model declares, counted from their shapes.
-int64_t declared_count(const LlamaConfig& c) {
+int64_t declared_count(const ModelConfig& c) {
   ParameterSet params;
-  LlamaModel::declare_parameters(c, params);
+  DecoderModel::declare_parameters(c, params);
   int64_t total = 0;
   for (const ParameterInfo& info : params.infos()) total += info.shape.numel();
   return total;
@@ -40,7 +40,7 @@ TEST(Presets, TableAndParameterCounts) {
   }
   EXPECT_FALSE(find_preset("gigantic").has_value());
   // The other shapes: grouped-query and multi-query, a head dim of its own, biases, tied.
-  LlamaConfig c = find_preset("mini")->config;
+  ModelConfig c = find_preset("mini")->config;
   c.n_kv_heads = 2;
   c.head_dim = 48;
   c.qkv_bias = true;
@@ -55,35 +55,35 @@ TEST(Presets, TableAndParameterCounts) {
 }
 
 TEST(Presets, ValidateRejectsInconsistentShapes) {
-  const auto problem = [](void (*change)(LlamaConfig&)) {
-    LlamaConfig c = find_preset("tiny")->config;
+  const auto problem = [](void (*change)(ModelConfig&)) {
+    ModelConfig c = find_preset("tiny")->config;
     change(c);
     const auto p = validate(c);
     return p ? p->str() : std::string();
   };
   // 64 is not divisible by 5.
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.n_heads = 5; }),
+  EXPECT_EQ(problem([](ModelConfig& c) { c.n_heads = 5; }),
             "d_model 64 is not a multiple of n_heads 5");
   // Head dim 15 is odd: RoPE rotates pairs.
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.d_model = 60; }), "head_dim 15 must be even for RoPE");
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.n_kv_heads = 3; }),
+  EXPECT_EQ(problem([](ModelConfig& c) { c.d_model = 60; }), "head_dim 15 must be even for RoPE");
+  EXPECT_EQ(problem([](ModelConfig& c) { c.n_kv_heads = 3; }),
             "n_heads 4 is not a multiple of n_kv_heads 3");
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.head_dim = 7; }), "head_dim 7 must be even for RoPE");
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.vocab = 0; }), "vocab 0 must be positive");
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.rope_theta = 0.5; }),
+  EXPECT_EQ(problem([](ModelConfig& c) { c.head_dim = 7; }), "head_dim 7 must be even for RoPE");
+  EXPECT_EQ(problem([](ModelConfig& c) { c.vocab = 0; }), "vocab 0 must be positive");
+  EXPECT_EQ(problem([](ModelConfig& c) { c.rope_theta = 0.5; }),
             "rope_theta 0.5 must be a number above 1");
   // An explicit head dim need not divide the width, and GQA and MQA are valid.
-  EXPECT_EQ(problem([](LlamaConfig& c) {
+  EXPECT_EQ(problem([](ModelConfig& c) {
               c.head_dim = 24;
               c.n_kv_heads = 2;
             }),
             "");
-  EXPECT_EQ(problem([](LlamaConfig& c) { c.n_kv_heads = 1; }), "");
+  EXPECT_EQ(problem([](ModelConfig& c) { c.n_kv_heads = 1; }), "");
 }
 
-TEST(LlamaModel, ParameterSetMatchesCountAndNames) {
-  const LlamaConfig c = find_preset("mini")->config;
-  LlamaModel model(c);
+TEST(DecoderModel, ParameterSetMatchesCountAndNames) {
+  const ModelConfig c = find_preset("mini")->config;
+  DecoderModel model(c);
   int64_t total = 0;
   std::set<std::string> names;
   for (const ParameterInfo& info : model.parameters().infos()) {
@@ -95,10 +95,10 @@ TEST(LlamaModel, ParameterSetMatchesCountAndNames) {
   EXPECT_EQ(names.count("layers.5.feed_forward.w2.weight"), 1u);
 }
 
-TEST(LlamaModel, InitIsSeededWithTheDesignedScales) {
-  LlamaConfig c = find_preset("tiny")->config;
+TEST(DecoderModel, InitIsSeededWithTheDesignedScales) {
+  ModelConfig c = find_preset("tiny")->config;
   c.n_layers = 8;
-  LlamaModel a(c), b(c), other(c);
+  DecoderModel a(c), b(c), other(c);
   a.init_weights(7);
   b.init_weights(7);
   other.init_weights(8);
@@ -131,9 +131,9 @@ Tensor random_tokens(int64_t B, int64_t T, int64_t V, uint32_t seed) {
   return t;
 }
 
-TEST(LlamaModel, InitialLossIsNearUniform) {
-  const LlamaConfig c = find_preset("tiny")->config;
-  LlamaModel model(c);
+TEST(DecoderModel, InitialLossIsNearUniform) {
+  const ModelConfig c = find_preset("tiny")->config;
+  DecoderModel model(c);
   model.init_weights(1);
   const Tensor x = random_tokens(2, 16, c.vocab, 1), y = random_tokens(2, 16, c.vocab, 2);
   NoGradGuard no_grad;
@@ -148,11 +148,11 @@ int64_t live_bytes(MemoryCategory c) {
 // bf16 mode against fp32 from the same init: the loss and every gradient within bf16
 // rounding, the GEMM weights (not the embedding) with bf16 copies, and the activations the
 // tape holds smaller by exactly half of what the blocks save.
-TEST(LlamaModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
-  const LlamaConfig c = find_preset("tiny")->config;
+TEST(DecoderModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
+  const ModelConfig c = find_preset("tiny")->config;
   const int64_t B = 2, T = 24;
   const Tensor x = random_tokens(B, T, c.vocab, 5), y = random_tokens(B, T, c.vocab, 6);
-  LlamaModel f32(c), bf16(c);
+  DecoderModel f32(c), bf16(c);
   f32.init_weights(3);
   bf16.init_weights(3);
   const int64_t copies_before = live_bytes(MemoryCategory::Bf16Weights);
@@ -165,7 +165,7 @@ TEST(LlamaModel, Bf16TracksFp32AndSavesHalfTheBlockActivations) {
   }
   EXPECT_EQ(live_bytes(MemoryCategory::Bf16Weights) - copies_before, matrix_elems * 2);
 
-  auto forward = [&](LlamaModel& m, int64_t* held) {
+  auto forward = [&](DecoderModel& m, int64_t* held) {
     const int64_t before = live_bytes(MemoryCategory::Activations);
     Variable loss = m.loss(x, y);
     *held = live_bytes(MemoryCategory::Activations) - before;
@@ -205,7 +205,7 @@ class FrozenParameters : public ::testing::TestWithParam<std::tuple<DType, bool>
 
 TEST_P(FrozenParameters, TrainableOnesGetTheAllTrainableGradientsAndFrozenOnesNoMemory) {
   const auto [dtype, shaped] = GetParam();
-  LlamaConfig c = find_preset("tiny")->config;
+  ModelConfig c = find_preset("tiny")->config;
   if (shaped) {
     c.n_kv_heads = 2;
     c.head_dim = 24;
@@ -220,9 +220,9 @@ TEST_P(FrozenParameters, TrainableOnesGetTheAllTrainableGradientsAndFrozenOnesNo
   ModelOptions all_options, frozen_options;
   all_options.compute_dtype = frozen_options.compute_dtype = dtype;
   frozen_options.trainable = trainable;
-  LlamaModel all(c, all_options);
+  DecoderModel all(c, all_options);
   const MemoryStats before = memory_stats();
-  LlamaModel part(c, frozen_options);
+  DecoderModel part(c, frozen_options);
   const MemoryStats built = memory_stats();
   part.init_weights(5);
   // The same values in both: where part holds a weight as bf16 alone, all holds its rounding.
@@ -256,7 +256,7 @@ TEST_P(FrozenParameters, TrainableOnesGetTheAllTrainableGradientsAndFrozenOnesNo
     EXPECT_EQ(grew(MemoryCategory::OptimizerState, start, memory_stats()), 2 * trainable_bytes);
   }
 
-  for (LlamaModel* m : {&all, &part}) {
+  for (DecoderModel* m : {&all, &part}) {
     m->parameters().zero_grad();
     Variable loss = m->loss(x, y);
     backward(loss);
@@ -300,18 +300,18 @@ class Checkpointing : public ::testing::TestWithParam<DType> {};
 
 TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
   const DType dtype = GetParam();
-  LlamaConfig c = find_preset("tiny")->config;
+  ModelConfig c = find_preset("tiny")->config;
   c.n_layers = 3;
   // B T = 80 tokens: every tensor below fills whole 64-byte lines.
   const int64_t B = 4, T = 20, C = c.d_model, F = c.ffn, H = c.n_heads, L = c.n_layers;
   const Tensor x = random_tokens(B, T, c.vocab, 7), y = random_tokens(B, T, c.vocab, 8);
-  LlamaModel full(c), ckpt(c);
+  DecoderModel full(c), ckpt(c);
   full.init_weights(4);
   ckpt.init_weights(4);
   full.set_compute_dtype(dtype);
   ckpt.set_compute_dtype(dtype);
   ckpt.set_checkpointing(true);
-  auto run = [&](LlamaModel& m, int64_t* held) {
+  auto run = [&](DecoderModel& m, int64_t* held) {
     m.parameters().zero_grad();
     const int64_t before = live_bytes(MemoryCategory::Activations);
     Variable loss = m.loss(x, y);
@@ -354,8 +354,8 @@ LoraConfig lora_all(int64_t rank) {
   return lora;
 }
 
-LlamaConfig lora_shape() {
-  LlamaConfig c = find_preset("tiny")->config;
+ModelConfig lora_shape() {
+  ModelConfig c = find_preset("tiny")->config;
   c.n_layers = 2;
   c.n_kv_heads = 2;
   c.qkv_bias = true;
@@ -363,7 +363,7 @@ LlamaConfig lora_shape() {
 }
 
 // Copies the base's values into the same-named parameters of `to`.
-void copy_base(const LlamaModel& from, LlamaModel& to) {
+void copy_base(const DecoderModel& from, DecoderModel& to) {
   const ParameterSet& f = from.parameters();
   const ParameterSet& t = to.parameters();
   for (size_t i = 0; i < f.infos().size(); ++i) {
@@ -377,16 +377,16 @@ void copy_base(const LlamaModel& from, LlamaModel& to) {
 // in fp32 and in bf16 (where the base is held as bf16 alone, frozen, with no FP32 master and no
 // gradient); only the adapters are trainable.
 TEST(Lora, BegunAdaptersComputeTheBaseExactly) {
-  const LlamaConfig c = lora_shape();
+  const ModelConfig c = lora_shape();
   const Tensor x = random_tokens(2, 16, c.vocab, 3);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     ModelOptions base_options, lora_options;
     base_options.compute_dtype = lora_options.compute_dtype = dtype;
     base_options.trainable = [](const std::string&) { return false; };
     lora_options.lora = lora_all(4);
-    LlamaModel base(c, base_options), adapted(c, lora_options);
+    DecoderModel base(c, base_options), adapted(c, lora_options);
     {
-      LlamaModel fp32(c);
+      DecoderModel fp32(c);
       fp32.init_weights(5);
       copy_base(fp32, base);
       copy_base(fp32, adapted);
@@ -413,7 +413,7 @@ TEST(Lora, BegunAdaptersComputeTheBaseExactly) {
 // data-parallel trainer to sum them meanwhile: at every call, each gradient from the offset on
 // already has the value it ends the pass with; the offsets fall; after block 0 every gradient
 // but the embedding's (tied: also the head's) is final. Plain, tied, LoRA and checkpointed.
-TEST(LlamaModel, BackwardSaysWhereGradientsAreFinal) {
+TEST(DecoderModel, BackwardSaysWhereGradientsAreFinal) {
   struct Case {
     const char* name;
     bool tied, lora, checkpoint;
@@ -421,12 +421,12 @@ TEST(LlamaModel, BackwardSaysWhereGradientsAreFinal) {
   for (const Case& k :
        {Case{"plain", false, false, false}, Case{"tied", true, false, false},
         Case{"lora", false, true, false}, Case{"checkpointed", false, false, true}}) {
-    LlamaConfig c = lora_shape();
+    ModelConfig c = lora_shape();
     c.n_layers = 3;
     c.tie_embeddings = k.tied;
     ModelOptions o;
     if (k.lora) o.lora = lora_all(4);
-    LlamaModel model(c, o);
+    DecoderModel model(c, o);
     model.init_weights(4);
     if (k.lora) model.init_adapters(5);
     model.set_checkpointing(k.checkpoint);
@@ -462,9 +462,9 @@ TEST(LlamaModel, BackwardSaysWhereGradientsAreFinal) {
 // With B away from zero: bf16 adapter gradients track fp32's, and per-layer checkpointing gives
 // them bit for bit.
 TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
-  const LlamaConfig c = lora_shape();
+  const ModelConfig c = lora_shape();
   const Tensor x = random_tokens(2, 16, c.vocab, 7), y = random_tokens(2, 16, c.vocab, 8);
-  LlamaModel reference(c);
+  DecoderModel reference(c);
   reference.init_weights(9);
   std::vector<std::vector<float>> grads;
   for (const auto& [dtype, checkpoint] :
@@ -473,7 +473,7 @@ TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
     ModelOptions o;
     o.compute_dtype = dtype;
     o.lora = lora_all(4);
-    LlamaModel m(c, o);
+    DecoderModel m(c, o);
     copy_base(reference, m);
     m.init_adapters(10);
     std::mt19937 rng(11);
@@ -504,7 +504,7 @@ TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
 // itself), in fp32 and bf16, with and without checkpointing; the loss over targets (some below
 // 0: none) divided by a normalizer has the gradients of the sequences' losses so weighted.
 TEST(Packing, PackedRowsComputeEachSequenceAlone) {
-  LlamaConfig c = lora_shape();
+  ModelConfig c = lora_shape();
   c.rope_pairs = RopePairs::HalfSplit;
   const std::vector<std::vector<int64_t>> rows = {{5, 9, 2}, {16}};
   const int64_t T = 16;
@@ -514,7 +514,7 @@ TEST(Packing, PackedRowsComputeEachSequenceAlone) {
   auto packing = std::make_shared<Packing>();
   packing->lengths = rows;
   for (const DType dtype : {DType::F32, DType::BF16}) {
-    LlamaModel m(c);
+    DecoderModel m(c);
     m.init_weights(33);
     m.set_compute_dtype(dtype);
     const Tensor packed = m.logits(x, packing);
@@ -575,9 +575,9 @@ TEST(Packing, PackedRowsComputeEachSequenceAlone) {
 
 // The same 8 sequences as 8x1, 4x2, 2x4 and 1x8 (micro-batch x accumulation), each
 // micro-batch's loss scaled by 1/accum: the gradients of the whole batch, to FP32 rounding.
-TEST(LlamaModel, GradientAccumulationEqualsTheFullBatch) {
-  const LlamaConfig c = find_preset("tiny")->config;
-  LlamaModel model(c);
+TEST(DecoderModel, GradientAccumulationEqualsTheFullBatch) {
+  const ModelConfig c = find_preset("tiny")->config;
+  DecoderModel model(c);
   model.init_weights(3);
   const int64_t B = 8, T = 24;
   const Tensor x = random_tokens(B, T, c.vocab, 3), y = random_tokens(B, T, c.vocab, 4);
@@ -613,9 +613,9 @@ TEST(LlamaModel, GradientAccumulationEqualsTheFullBatch) {
 
 // Training FLOPs per token: 6 x every matrix that multiplies activations (all 2-D parameters
 // but the embedding table, which is a lookup) plus causal attention, 6 x layers x ctx x d.
-TEST(LlamaConfig, TrainingFlopsPerToken) {
-  const LlamaConfig c = find_preset("tiny")->config;
-  LlamaModel model(c);
+TEST(ModelConfig, TrainingFlopsPerToken) {
+  const ModelConfig c = find_preset("tiny")->config;
+  DecoderModel model(c);
   double matrix_params = 0.0;
   for (const ParameterInfo& info : model.parameters().infos())
     if (info.shape.ndim() == 2 && info.name != "tok_embeddings.weight")
@@ -627,9 +627,9 @@ TEST(LlamaConfig, TrainingFlopsPerToken) {
 // A profiled forward and backward counts, in its GEMM scopes, exactly the matrix FLOPs that
 // training_flops_per_token (MFU's numerator) counts per token, and in attention's forward the
 // causal pairs: 2 products x 2 D FLOPs x T (T + 1) / 2 query-key pairs per head and sequence.
-TEST(LlamaModel, ProfiledStepCountsTheFlopsMfuCounts) {
-  const LlamaConfig c = find_preset("tiny")->config;
-  LlamaModel model(c);
+TEST(DecoderModel, ProfiledStepCountsTheFlopsMfuCounts) {
+  const ModelConfig c = find_preset("tiny")->config;
+  DecoderModel model(c);
   model.init_weights(1);
   const int64_t B = 2, T = 48;
   const Tensor x = random_tokens(B, T, c.vocab, 1), y = random_tokens(B, T, c.vocab, 2);
@@ -654,8 +654,8 @@ TEST(LlamaModel, ProfiledStepCountsTheFlopsMfuCounts) {
 }
 
 TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
-  const LlamaConfig c = find_preset("tiny")->config;
-  LlamaModel model(c);
+  const ModelConfig c = find_preset("tiny")->config;
+  DecoderModel model(c);
   model.init_weights(5);
   SampleOptions greedy;
   greedy.temperature = 0.0f;
@@ -688,22 +688,22 @@ TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
 // sequence so far; in fp32 and bf16, from a prompt and one token at a time, up to ctx; for
 // multi-head, grouped-query and multi-query attention.
 TEST(Generate, KvCacheMatchesFullForward) {
-  LlamaConfig gqa = find_preset("tiny")->config;  // 2 kv heads, head dim 24, biases, half-split
+  ModelConfig gqa = find_preset("tiny")->config;  // 2 kv heads, head dim 24, biases, half-split
   gqa.n_kv_heads = 2;
   gqa.head_dim = 24;
   gqa.qkv_bias = true;
   gqa.tie_embeddings = true;
   gqa.rope_pairs = RopePairs::HalfSplit;
-  LlamaConfig mqa = gqa;  // one kv head, adjacent pairs
+  ModelConfig mqa = gqa;  // one kv head, adjacent pairs
   mqa.n_kv_heads = 1;
   mqa.rope_pairs = RopePairs::Adjacent;
-  for (const LlamaConfig& c : {find_preset("tiny")->config, gqa, mqa})
+  for (const ModelConfig& c : {find_preset("tiny")->config, gqa, mqa})
     for (DType dtype : {DType::F32, DType::BF16}) {
-      LlamaModel model(c);
+      DecoderModel model(c);
       model.init_weights(6);
       model.set_compute_dtype(dtype);
       std::vector<int32_t> tokens = {5, 9, 2, 77, 3};
-      LlamaModel::KvCache cache = model.new_kv_cache();
+      DecoderModel::KvCache cache = model.new_kv_cache();
       Tensor cached = model.decode(tokens, cache);
       for (int64_t step = 0; static_cast<int64_t>(tokens.size()) <= c.ctx; ++step) {
         const auto T = static_cast<int64_t>(tokens.size());
@@ -740,8 +740,8 @@ TEST(Generate, KvCacheMatchesFullForward) {
 // Past ctx tokens, generation goes on from the last ctx / 2 (a fresh cache), as a full forward
 // pass over those tokens would.
 TEST(Generate, GoesOnPastTheContext) {
-  const LlamaConfig c = find_preset("tiny")->config;
-  LlamaModel model(c);
+  const ModelConfig c = find_preset("tiny")->config;
+  DecoderModel model(c);
   model.init_weights(7);
   SampleOptions greedy;
   greedy.temperature = 0.0f;

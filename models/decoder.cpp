@@ -1,4 +1,4 @@
-#include "models/llama.h"
+#include "models/decoder.h"
 
 #include <algorithm>
 #include <cmath>
@@ -17,8 +17,8 @@
 
 namespace cputrain {
 
-LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, const LoraConfig& lora,
-                                       ParameterSet& params) {
+DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const LoraConfig& lora,
+                                           ParameterSet& params) {
   const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
   const int64_t Q = config.q_dim(), KV = config.kv_dim();
   Layout layout;
@@ -28,6 +28,7 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, const LoraConf
   for (int64_t i = 0; i < config.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
     Block b;
+    b.layer = i;
     b.attention_norm = params.add(l + "attention_norm.weight", Shape{C}, false);
     b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
     b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
@@ -36,6 +37,10 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, const LoraConf
       b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
       b.bk = params.add(l + "attention.wk.bias", Shape{KV}, false);
       b.bv = params.add(l + "attention.wv.bias", Shape{KV}, false);
+    }
+    if (config.qk_norm) {
+      b.q_norm = params.add(l + "attention.q_norm.weight", Shape{config.head_size()}, false);
+      b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
     }
     b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
     b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
@@ -49,7 +54,10 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, const LoraConf
         const ParameterInfo& w = params.infos()[static_cast<size_t>(weights[j])];
         const std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
         const auto k = static_cast<size_t>(j);
-        b.lora_a[k] = params.add(base + "lora_a", Shape{lora.rank, w.shape[1]}, true, true);
+        // The parts of a fused projection share its A (models/lora.h fused_lora_a).
+        const std::string a = fused_lora_a(config, base + "lora_a");
+        b.lora_a[k] = params.find(a);
+        if (b.lora_a[k] < 0) b.lora_a[k] = params.add(a, Shape{lora.rank, w.shape[1]}, true, true);
         b.lora_b[k] = params.add(base + "lora_b", Shape{w.shape[0], lora.rank}, true, true);
       }
     }
@@ -61,12 +69,12 @@ LlamaModel::Layout LlamaModel::declare(const LlamaConfig& config, const LoraConf
   return layout;
 }
 
-void LlamaModel::declare_parameters(const LlamaConfig& config, ParameterSet& params,
-                                    const LoraConfig& lora) {
+void DecoderModel::declare_parameters(const ModelConfig& config, ParameterSet& params,
+                                      const LoraConfig& lora) {
   declare(config, lora, params);
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
+DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& options)
     : config_(config), lora_(options.lora) {
   if (const auto problem = validate(config)) throw std::invalid_argument(problem->str());
   if (options.compute_dtype != DType::F32 && options.compute_dtype != DType::BF16)
@@ -105,7 +113,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
   // those are the gradient buffer's tail, its start is where the gradients are final.
   const auto block_params = [](const Block& b) {
     std::vector<int> v = {
-        b.attention_norm, b.wq, b.wk, b.wv, b.wo, b.ffn_norm, b.w1, b.w3, b.w2, b.bq, b.bk, b.bv};
+        b.attention_norm, b.wq,    b.wk, b.wv, b.wo, b.ffn_norm, b.w1, b.w3, b.w2, b.bq, b.bk, b.bv,
+        b.q_norm,         b.k_norm};
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     return v;
@@ -128,13 +137,15 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options)
     if (tail) final_from_[stage] = from;
   }
 
-  const int64_t D = config.head_size();
-  rope_table_ = Tensor::empty(Shape{config.ctx, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  // The rotated dimensions' angles: (ctx, R/2, 2).
+  const int64_t R = config.rope_dims();
+  rope_table_ = Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
   if (!rope_table_.measured())
-    kernels::rope_table(rope_table_.f32(), config.ctx, D, config.rope_theta);
+    kernels::rope_table(rope_table_.f32(), config.ctx, R, config.rope_theta,
+                        config.rope_freq_factors(), config.rope_scaling.attn_factor);
 }
 
-void LlamaModel::init_weights(uint64_t seed) {
+void DecoderModel::init_weights(uint64_t seed) {
   std::mt19937_64 rng(seed);
   // Box-Muller on 53-bit uniforms, so the init is the same with any standard library.
   auto normal = [&rng]() {
@@ -165,7 +176,7 @@ void LlamaModel::init_weights(uint64_t seed) {
   if (lora_.active()) init_adapters(seed + 1);
 }
 
-void LlamaModel::init_adapters(uint64_t seed) {
+void DecoderModel::init_adapters(uint64_t seed) {
   std::mt19937_64 rng(seed);
   for (size_t index = 0; index < params_.infos().size(); ++index) {
     const ParameterInfo& info = params_.infos()[index];
@@ -181,7 +192,7 @@ void LlamaModel::init_adapters(uint64_t seed) {
   }
 }
 
-void LlamaModel::set_compute_dtype(DType dtype) {
+void DecoderModel::set_compute_dtype(DType dtype) {
   if (dtype != DType::F32 && dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
   if (dtype == DType::BF16) params_.enable_bf16_copies();
@@ -194,12 +205,12 @@ void LlamaModel::set_compute_dtype(DType dtype) {
   compute_dtype_ = dtype;
 }
 
-Variable LlamaModel::bias(int index) const {
+Variable DecoderModel::bias(int index) const {
   return index >= 0 ? p(index) : Variable();
 }
 
-Variable LlamaModel::project(const Block& b, Projection which, int weight, int bias_index,
-                             const Variable& x, bool rounded) const {
+Variable DecoderModel::project(const Block& b, Projection which, int weight, int bias_index,
+                               const Variable& x, bool rounded) const {
   const auto j = static_cast<size_t>(which);
   if (b.lora_a[j] < 0)
     return rounded ? linear_rounded(x, p(weight), bias(bias_index))
@@ -207,16 +218,27 @@ Variable LlamaModel::project(const Block& b, Projection which, int weight, int b
   // Dropout in training only, a mask of its own for each layer and projection.
   const bool dropout = lora_.dropout > 0.0 && grad_enabled();
   const auto layer = static_cast<uint64_t>(&b - blocks_.data());
-  const uint64_t seed = splitmix64(dropout_seed_ ^ splitmix64(layer * kProjectionCount + j + 1));
+  // The parts of a fused projection draw one mask, their input's.
+  size_t group = j;
+  while (group > 0 && b.lora_a[group - 1] == b.lora_a[j]) --group;
+  const uint64_t seed =
+      splitmix64(dropout_seed_ ^ splitmix64(layer * kProjectionCount + group + 1));
   return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(b.lora_b[j]), lora_.scale(),
                      dropout ? static_cast<float>(lora_.dropout) : 0.0f, seed);
 }
 
-Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
-                                   bool per_row, const Attend& attend) {
+Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
+                                     bool per_row, const Attend& attend) {
   const float eps = config_.norm_eps;
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
   const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
+  const bool rotate = config_.rope_in_layer(b.layer);
+  // RoPE where the layer applies it, after the head's norm where the block has one.
+  const auto position = [&](const Variable& x, int norm, int64_t heads) {
+    const Variable normed = norm >= 0 ? head_rmsnorm(x, p(norm), eps) : x;
+    return rotate ? rope(normed, rope_table, heads, half_split, per_row, config_.rope_dims())
+                  : normed;
+  };
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
   // there (the ops that need them in backward have saved them).
   Variable a;
@@ -224,8 +246,8 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
     Variable q, k, v;
     {
       const Variable h = rmsnorm(x, p(b.attention_norm), eps);
-      q = rope(project(b, Projection::Q, b.wq, b.bq, h), rope_table, H, half_split, per_row);
-      k = rope(project(b, Projection::K, b.wk, b.bk, h), rope_table, KVH, half_split, per_row);
+      q = position(project(b, Projection::Q, b.wq, b.bq, h), b.q_norm, H);
+      k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
       // Attention reads only v's rounding.
       v = project(b, Projection::V, b.wv, b.bv, h, true);
     }
@@ -241,7 +263,7 @@ Variable LlamaModel::block_forward(const Block& b, const Variable& x, const Tens
   return add(a, project(b, Projection::Down, b.w2, -1, f));
 }
 
-Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
+Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
@@ -251,16 +273,16 @@ Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing>
   // Packed rows: each row's RoPE table, every sequence's positions from 0.
   Tensor table = rope_table_;
   if (packing) {
-    const int64_t B = inputs.dim(0), T = inputs.dim(1), D = config_.head_size();
+    const int64_t B = inputs.dim(0), T = inputs.dim(1), R = config_.rope_dims();
     if (static_cast<int64_t>(packing->lengths.size()) != B)
       throw std::invalid_argument("packing of another batch");
-    table = Tensor::empty(Shape{B, T, D / 2, 2}, DType::F32, MemoryCategory::Activations);
+    table = Tensor::empty(Shape{B, T, R / 2, 2}, DType::F32, MemoryCategory::Activations);
     if (!table.measured()) {
       for (int64_t b = 0; b < B; ++b) {
         int64_t t = 0;
         for (const int64_t n : packing->lengths[static_cast<size_t>(b)]) {
           if (n <= 0 || t + n > T) throw std::invalid_argument("packed lengths beyond T");
-          std::copy_n(rope_table_.f32(), n * D, table.f32() + (b * T + t) * D);
+          std::copy_n(rope_table_.f32(), n * R, table.f32() + (b * T + t) * R);
           t += n;
         }
         if (t != T) throw std::invalid_argument("packed lengths summing to T");
@@ -301,37 +323,37 @@ Variable LlamaModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing>
   return rmsnorm(x, p(norm_), config_.norm_eps);
 }
 
-Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets) {
+Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets) {
   ComputeDTypeGuard precision(compute_dtype_);
   return lm_head_cross_entropy(hidden(inputs), p(output_), targets);
 }
 
-Variable LlamaModel::loss(const Tensor& inputs, const Tensor& targets,
-                          std::shared_ptr<const Packing> packing, int64_t normalizer) {
+Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets,
+                            std::shared_ptr<const Packing> packing, int64_t normalizer) {
   ComputeDTypeGuard precision(compute_dtype_);
   return lm_head_cross_entropy(hidden(inputs, std::move(packing)), p(output_), targets, 0,
                                normalizer);
 }
 
-Tensor LlamaModel::logits(const Tensor& inputs) {
+Tensor DecoderModel::logits(const Tensor& inputs) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
   return linear(hidden(inputs), p(output_)).value();
 }
 
-Tensor LlamaModel::logits(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
+Tensor DecoderModel::logits(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
   return linear(hidden(inputs, std::move(packing)), p(output_)).value();
 }
 
-Tensor LlamaModel::last_logits(const Tensor& inputs) {
+Tensor DecoderModel::last_logits(const Tensor& inputs) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
   return last_position_logits(hidden(inputs).value(), inputs.dim(0), inputs.dim(1));
 }
 
-Tensor LlamaModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
+Tensor DecoderModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
   const int64_t C = config_.d_model;
   // h is FP32, or in bf16 mode its rounding alone (rmsnorm's output), which is all the head's
   // GEMM takes of it.
@@ -341,7 +363,7 @@ Tensor LlamaModel::last_position_logits(const Tensor& h, int64_t B, int64_t T) {
   return linear(Variable(last, false), p(output_)).value();
 }
 
-LlamaModel::KvCache LlamaModel::new_kv_cache() const {
+DecoderModel::KvCache DecoderModel::new_kv_cache() const {
   KvCache cache;
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Shape shape{config_.ctx, config_.kv_dim()};
@@ -351,7 +373,7 @@ LlamaModel::KvCache LlamaModel::new_kv_cache() const {
   return cache;
 }
 
-void LlamaModel::set_read_ahead(bool on) {
+void DecoderModel::set_read_ahead(bool on) {
   read_ahead_queue_.reset();
   if (!on) return;
   for (size_t i = 0; i < params_.infos().size(); ++i) {
@@ -362,7 +384,7 @@ void LlamaModel::set_read_ahead(bool on) {
   }
 }
 
-void LlamaModel::read_ahead(size_t index, bool release) const {
+void DecoderModel::read_ahead(size_t index, bool release) const {
   if (!read_ahead_queue_ || index > blocks_.size()) return;
   std::vector<Tensor> weights;
   const auto add = [&](int parameter) {
@@ -382,10 +404,11 @@ void LlamaModel::read_ahead(size_t index, bool release) const {
   });
 }
 
-Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
+Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   const auto m = static_cast<int64_t>(tokens.size());
   const int64_t n = cache.length, H = config_.n_heads, KVH = config_.kv_heads();
   const int64_t D = config_.head_size(), Q = config_.q_dim(), KV = config_.kv_dim();
+  const int64_t R = config_.rope_dims();
   if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size())
     throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
   NoGradGuard no_grad;
@@ -393,8 +416,8 @@ Tensor LlamaModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   Tensor input = Tensor::empty(Shape{1, m}, DType::I32, MemoryCategory::Workspace);
   std::copy(tokens.begin(), tokens.end(), input.i32());
   // RoPE angles of positions n .. n + m - 1.
-  Tensor table = Tensor::empty(Shape{m, D / 2, 2}, DType::F32, MemoryCategory::Workspace);
-  std::copy_n(rope_table_.f32() + n * D, m * D, table.f32());
+  Tensor table = Tensor::empty(Shape{m, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
+  std::copy_n(rope_table_.f32() + n * R, m * R, table.f32());
   Variable x = embedding(p(tok_embeddings_), input);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     // The new positions' keys and values join the cache as attention would see them (bf16

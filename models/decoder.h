@@ -1,7 +1,10 @@
-// The Llama-style decoder of DESIGN.md: token embedding; per block pre-norm RMSNorm, causal
-// grouped-query attention with RoPE (q, k, v optionally with biases), RMSNorm, SwiGLU MLP, each
-// with a residual; final RMSNorm; an LM head of its own or tied to the embedding. Parameter
-// names follow Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...).
+// The decoder of DESIGN.md, with the parts its architecture's description gives
+// (models/architecture.h): token embedding; per block pre-norm RMSNorm, causal grouped-query
+// attention (q, k, v optionally with biases; q and k optionally with per-head RMSNorm) with RoPE
+// (optionally scaled, optionally left out of some layers), RMSNorm, SwiGLU MLP, each with a
+// residual; final RMSNorm; an LM head of its own or tied to the embedding. Parameter names follow
+// Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...); tensor_names.h maps them
+// to each format's.
 #pragma once
 
 #include <array>
@@ -12,8 +15,8 @@
 
 #include "engine/core/ops.h"
 #include "engine/train/parameters.h"
-#include "models/llama_config.h"
 #include "models/lora.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -27,7 +30,7 @@ struct ModelOptions {
   DType compute_dtype = DType::F32;
   // Adapters on the blocks' projections (models/lora.h), none by default.
   LoraConfig lora;
-  // Which parameters train, by name (LlamaModel::declare_parameters lists them); where unset,
+  // Which parameters train, by name (DecoderModel::declare_parameters lists them); where unset,
   // all, or with adapters the adapters alone.
   std::function<bool(const std::string& name)> trainable;
   // For a BF16 model, frozen GEMM weights read in place from a mapped model file
@@ -44,17 +47,17 @@ struct ModelOptions {
   const Communicator* shard = nullptr;
 };
 
-class LlamaModel {
+class DecoderModel {
  public:
-  explicit LlamaModel(const LlamaConfig& config, const ModelOptions& options = {});
+  explicit DecoderModel(const ModelConfig& config, const ModelOptions& options = {});
 
   // Declares the model's parameters into `params` without allocating them: their names,
   // shapes, decay and bf16-copy flags, as the model holds them (the memory budget sizes them so).
   // An adapter's follow its projection's: ".lora_a" (rank, in), ".lora_b" (out, rank).
-  static void declare_parameters(const LlamaConfig& config, ParameterSet& params,
+  static void declare_parameters(const ModelConfig& config, ParameterSet& params,
                                  const LoraConfig& lora = {});
 
-  const LlamaConfig& config() const { return config_; }
+  const ModelConfig& config() const { return config_; }
   ParameterSet& parameters() { return params_; }
   const ParameterSet& parameters() const { return params_; }
 
@@ -117,6 +120,8 @@ class LlamaModel {
   struct Block {
     int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
     int bq = -1, bk = -1, bv = -1;  // the q, k, v biases; -1 without
+    int q_norm = -1, k_norm = -1;   // the per-head norms of q and k; -1 without
+    int64_t layer = 0;
     // Each projection's adapter (by Projection), -1 without.
     std::array<int, kProjectionCount> lora_a{-1, -1, -1, -1, -1, -1, -1};
     std::array<int, kProjectionCount> lora_b{-1, -1, -1, -1, -1, -1, -1};
@@ -127,7 +132,7 @@ class LlamaModel {
     int norm = 0;
     int output = 0;
   };
-  static Layout declare(const LlamaConfig& config, const LoraConfig& lora, ParameterSet& params);
+  static Layout declare(const ModelConfig& config, const LoraConfig& lora, ParameterSet& params);
   // (B, T, C) hidden states after the final norm; with `packing`, of packed rows.
   Variable hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing = nullptr);
   // Attention of q, k, v (after RoPE): the whole-sequence op in training and evaluation, the
@@ -154,7 +159,7 @@ class LlamaModel {
   Variable project(const Block& block, Projection which, int weight, int bias_index,
                    const Variable& x, bool rounded = false) const;
 
-  LlamaConfig config_;
+  ModelConfig config_;
   LoraConfig lora_;
   uint64_t dropout_seed_ = 0;
   ParameterSet params_;
@@ -162,7 +167,7 @@ class LlamaModel {
   std::vector<Block> blocks_;
   int norm_ = 0;
   int output_ = 0;     // tok_embeddings_ where the embeddings are tied
-  Tensor rope_table_;  // (ctx, D/2, 2)
+  Tensor rope_table_;  // (ctx, R/2, 2): R the rotated dimensions
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;
   // The thread that reads mapped weights ahead (set_read_ahead); null when off.

@@ -1,0 +1,172 @@
+#include "models/architecture.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace cputrain {
+namespace {
+
+// config.json keys of every architecture: read (the shape, norms, RoPE, biases, the window), or
+// notes that change nothing computed (token ids, dtype, versions, initialisation, caching).
+constexpr std::string_view kHfCommonKeys[] = {
+    // read
+    "model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+    "hidden_act", "attention_bias", "mlp_bias", "attention_dropout", "use_sliding_window",
+    "sliding_window", "max_window_layers", "layer_types",
+    // notes
+    "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "transformers_version",
+    "initializer_range", "use_cache", "pretraining_tp", "auto_map"};
+
+std::vector<Architecture> table() {
+  std::vector<Architecture> t;
+  {
+    Architecture a;
+    a.name = "llama";
+    a.hf_model_types = {"llama", "mistral"};
+    a.hf_class = "LlamaForCausalLM";
+    a.gguf_rope_pairs = RopePairs::Adjacent;
+    a.qkv_bias = Presence::Optional;
+    a.rope_scalings = {"llama3"};
+    a.summary = "RMSNorm, SwiGLU, RoPE (adjacent pairs in GGUF); Llama 3's RoPE scaling";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
+    a.name = "qwen2";
+    a.hf_model_types = {"qwen2"};
+    a.hf_class = "Qwen2ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qkv_bias = Presence::Always;
+    a.summary = "llama's block with q/k/v biases, half-split RoPE";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
+    a.name = "qwen3";
+    a.hf_model_types = {"qwen3"};
+    a.hf_class = "Qwen3ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qk_norm = true;
+    a.summary = "llama's block with per-head RMSNorm of q and k before RoPE, half-split RoPE";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
+    a.name = "phi3";
+    a.hf_model_types = {"phi3"};
+    a.hf_class = "Phi3ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.fused_qkv = true;
+    a.fused_gate_up = true;
+    a.partial_rotary = true;
+    a.rope_scalings = {"longrope"};
+    a.hf_keys = {"original_max_position_embeddings", "partial_rotary_factor", "resid_pdrop",
+                 "embd_pdrop"};
+    a.gguf_keys = {"attention.sliding_window", "rope.scaling.attn_factor",
+                   "rope.scaling.original_context_length"};
+    a.summary =
+        "llama's block with q, k, v and gate, up each one tensor, half-split RoPE (partial in "
+        "Phi-4-mini), longrope scaling";
+    t.push_back(a);
+  }
+  return t;
+}
+
+std::string joined(const std::vector<std::string_view>& names) {
+  std::string s;
+  for (const std::string_view n : names) s += (s.empty() ? "" : ", ") + std::string(n);
+  return s;
+}
+
+}  // namespace
+
+const std::vector<Architecture>& architectures() {
+  static const std::vector<Architecture> t = table();
+  return t;
+}
+
+const Architecture* find_architecture(std::string_view name) {
+  for (const Architecture& a : architectures())
+    if (a.name == name) return &a;
+  return nullptr;
+}
+
+const Architecture* find_hf_architecture(std::string_view type) {
+  for (const Architecture& a : architectures())
+    for (const std::string_view t : a.hf_model_types)
+      if (t == type) return &a;
+  return nullptr;
+}
+
+const Architecture& architecture_of(const ModelConfig& config) {
+  const Architecture* a = find_architecture(config.architecture);
+  if (!a)
+    throw std::invalid_argument("architecture " + config.architecture +
+                                " is not one cputrain computes (" + architecture_names() + ")");
+  return *a;
+}
+
+std::string architecture_names() {
+  std::vector<std::string_view> names;
+  for (const Architecture& a : architectures()) names.push_back(a.name);
+  return joined(names);
+}
+
+std::string hf_model_type_names() {
+  std::vector<std::string_view> names;
+  for (const Architecture& a : architectures())
+    names.insert(names.end(), a.hf_model_types.begin(), a.hf_model_types.end());
+  std::sort(names.begin(), names.end());
+  return joined(names);
+}
+
+std::string rope_scaling_names(const Architecture& arch) {
+  return arch.rope_scalings.empty() ? "none" : joined(arch.rope_scalings);
+}
+
+bool hf_key_known(const Architecture& arch, std::string_view key) {
+  if (key.starts_with("_")) return true;
+  for (const std::string_view k : kHfCommonKeys)
+    if (k == key) return true;
+  return std::find(arch.hf_keys.begin(), arch.hf_keys.end(), key) != arch.hf_keys.end();
+}
+
+std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layers) {
+  std::vector<int64_t> out;
+  if (arch.no_rope_layer_step > 0)
+    for (int64_t i = arch.no_rope_layer_step - 1; i < layers; i += arch.no_rope_layer_step)
+      out.push_back(i);
+  return out;
+}
+
+std::string architecture_mismatch(const ModelConfig& c) {
+  const Architecture* a = find_architecture(c.architecture);
+  if (!a) return "architecture " + c.architecture + " is not one of " + architecture_names();
+  const std::string of = " in a " + std::string(a->name) + " model";
+  if (c.qkv_bias && a->qkv_bias == Presence::Never) return "q/k/v biases" + of;
+  if (!c.qkv_bias && a->qkv_bias == Presence::Always) return "no q/k/v biases" + of;
+  if (c.qk_norm != a->qk_norm) return std::string(c.qk_norm ? "q/k norms" : "no q/k norms") + of;
+  if (c.rope_scaling.active() && c.rope_scaling.type != "factors" &&
+      std::find(a->rope_scalings.begin(), a->rope_scalings.end(), c.rope_scaling.type) ==
+          a->rope_scalings.end())
+    return "RoPE scaling " + c.rope_scaling.type + of + " (it applies " + rope_scaling_names(*a) +
+           ")";
+  if (c.rope_scaling.type == "factors" && a->rope_scalings.empty())
+    return "RoPE frequency factors" + of;
+  if (a->no_rope_layer_step == 0 && !c.no_rope_layers.empty()) return "layers without RoPE" + of;
+  if (c.rope_dim > 0 && !a->partial_rotary) return "RoPE on part of each head" + of;
+  return "";
+}
+
+ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
+  c.architecture = std::string(arch.name);
+  c.qkv_bias = arch.qkv_bias == Presence::Always;
+  c.qk_norm = arch.qk_norm;
+  c.rope_pairs = arch.gguf_rope_pairs;
+  c.no_rope_layers = step_no_rope_layers(arch, c.n_layers);
+  return c;
+}
+
+}  // namespace cputrain

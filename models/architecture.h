@@ -1,0 +1,90 @@
+// The architectures cputrain computes, each one description: its names in GGUF and Hugging Face
+// files, the parts of its block, the RoPE it applies, and the keys of its files it reads. The
+// decoder (models/decoder.h), the readers and writers of model files (gguf_model.h, hf_model.h)
+// and `inspect` take an architecture's parts from here; a family whose parts are all known is a
+// row of the table in architecture.cpp.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "models/model_config.h"
+
+namespace cputrain {
+
+// Whether a part is in every model of an architecture, in none, or in those whose files have it.
+enum class Presence { Never, Optional, Always };
+
+struct Architecture {
+  // The config's architecture and the GGUF general.architecture ("qwen3").
+  std::string_view name;
+  // Hugging Face config.json's model_type values it reads; the first is the one written.
+  std::vector<std::string_view> hf_model_types;
+  // config.json's "architectures" written on export ("Qwen3ForCausalLM").
+  std::string_view hf_class;
+  // The pairing of RoPE's elements llama.cpp applies to it (its rope type: NORM adjacent, NEOX
+  // half-split), which the q and k rows of its GGUF files are in. Hugging Face files are always
+  // half-split (rotate_half).
+  RopePairs gguf_rope_pairs = RopePairs::Adjacent;
+  // Biases on the q, k and v projections.
+  Presence qkv_bias = Presence::Never;
+  // Per-head RMSNorm of q and k before RoPE ("attn_q_norm", "q_norm").
+  bool qk_norm = false;
+  // The q, k and v rows in one tensor ("attn_qkv", "self_attn.qkv_proj"), and the gate and up
+  // rows in one ("ffn_up", "mlp.gate_up_proj"), in that order: split into the decoder's
+  // projections on reading, fused again on writing. An adapter on a fused projection is one A
+  // and one B whose rows are its parts' (the decoder's projections share the A).
+  bool fused_qkv = false;
+  bool fused_gate_up = false;
+  // RoPE on the first dimensions of each head only (partial_rotary_factor; GGUF
+  // rope.dimension_count below the head dimension).
+  bool partial_rotary = false;
+  // RoPE scaling types it reads ("llama3"); others are refused.
+  std::vector<std::string_view> rope_scalings;
+  // Every step-th layer (counted from 1) applies no RoPE; 0: every layer applies it.
+  int64_t no_rope_layer_step = 0;
+  // The keys of its config.json beyond those every architecture reads (architecture.cpp), read or
+  // known to change nothing cputrain computes; a key in neither list is refused (hf_key_known).
+  std::vector<std::string_view> hf_keys;
+  // The keys "<name>.<key>" of its GGUF files beyond those every architecture has that it reads
+  // ("attention.sliding_window"); a key in neither is refused.
+  std::vector<std::string_view> gguf_keys;
+  // One line for `inspect` and --help: the parts that set it apart.
+  std::string_view summary;
+};
+
+// Every architecture, in the order the help lists them.
+const std::vector<Architecture>& architectures();
+// The architecture named `name` (GGUF general.architecture, or ModelConfig::architecture); null
+// where there is none.
+const Architecture* find_architecture(std::string_view name);
+// The architecture of Hugging Face model_type `type`; null where none reads it.
+const Architecture* find_hf_architecture(std::string_view type);
+// The config's architecture; std::invalid_argument where it names none.
+const Architecture& architecture_of(const ModelConfig& config);
+// "llama, qwen2, qwen3, phi3".
+std::string architecture_names();
+// Whether config.json key `key` is one cputrain reads, or knows to change nothing it computes,
+// for a model of `arch` (keys from "_", such as _name_or_path, are notes of the tools).
+bool hf_key_known(const Architecture& arch, std::string_view key);
+// "llama, mistral, phi3, qwen2, qwen3".
+std::string hf_model_type_names();
+// The RoPE scaling types every architecture reads, for messages: "llama3".
+std::string rope_scaling_names(const Architecture& arch);
+
+// What in `config` its architecture does not have: "qkv_bias is not part of qwen3" (q/k/v biases
+// where it has none, none where it always has them, q/k norms where it has none or none where it
+// has them, a RoPE scaling it does not apply, layers without RoPE other than its own); empty
+// where the config is one of its models.
+std::string architecture_mismatch(const ModelConfig& config);
+
+// A configuration of architecture `arch` with its parts (biases where always present, q/k norms,
+// its GGUF's RoPE pairing), the rest as `config`: what `train --arch` starts from.
+ModelConfig with_architecture(ModelConfig config, const Architecture& arch);
+
+// The layers without RoPE of a model of `arch` with `layers` layers (every no_rope_layer_step-th).
+std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layers);
+
+}  // namespace cputrain

@@ -1,0 +1,150 @@
+#include "models/config_json.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "engine/core/error.h"
+#include "models/architecture.h"
+
+namespace cputrain {
+
+using nlohmann::json;
+
+namespace {
+
+// A float as the shortest decimal that reads back as the same float (0.9f is written 0.9, not
+// 0.8999999761581421).
+double shortest(float f) {
+  char buf[32];
+  for (int digits = 6; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) break;
+  }
+  return std::strtod(buf, nullptr);
+}
+
+}  // namespace
+
+json model_config_json(const ModelConfig& c) {
+  json j = {{"architecture", c.architecture},
+            {"vocab", c.vocab},
+            {"d_model", c.d_model},
+            {"n_layers", c.n_layers},
+            {"n_heads", c.n_heads},
+            {"n_kv_heads", c.kv_heads()},
+            {"head_dim", c.head_size()},
+            {"ffn", c.ffn},
+            {"ctx", c.ctx},
+            {"norm_eps", shortest(c.norm_eps)},
+            {"rope_theta", c.rope_theta},
+            {"rope_pairs", rope_pairs_name(c.rope_pairs)},
+            {"qkv_bias", c.qkv_bias},
+            {"qk_norm", c.qk_norm},
+            {"tie_embeddings", c.tie_embeddings},
+            {"no_rope_layers", c.no_rope_layers},
+            {"parameters", parameter_count(c)}};
+  if (c.rope_dim > 0) j["rope_dim"] = c.rope_dim;
+  if (c.rope_scaling.active()) {
+    json factors = json::array(), long_factors = json::array();
+    for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest(f));
+    for (const float f : c.rope_scaling.long_factors) long_factors.push_back(shortest(f));
+    j["rope_scaling"] = {{"type", c.rope_scaling.type},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_ctx", c.rope_scaling.original_ctx},
+                         {"freq_factors", factors}};
+    if (c.rope_scaling.type == "longrope") {
+      j["rope_scaling"]["long_factors"] = long_factors;
+      j["rope_scaling"]["attn_factor"] = c.rope_scaling.attn_factor;
+    }
+  }
+  return j;
+}
+
+ModelConfig model_config_from_json(const json& m, const std::string& where) {
+  ModelConfig c;
+  try {
+    c.architecture = m.value("architecture", std::string("llama"));
+    c.vocab = m.at("vocab").get<int64_t>();
+    c.d_model = m.at("d_model").get<int64_t>();
+    c.n_layers = m.at("n_layers").get<int64_t>();
+    c.n_heads = m.at("n_heads").get<int64_t>();
+    c.ffn = m.at("ffn").get<int64_t>();
+    c.ctx = m.at("ctx").get<int64_t>();
+    c.norm_eps = m.at("norm_eps").get<float>();
+    c.rope_theta = m.at("rope_theta").get<double>();
+    c.n_kv_heads = m.value("n_kv_heads", c.n_heads);
+    c.head_dim = m.value("head_dim", int64_t{0});
+    const std::string pairs = m.value("rope_pairs", std::string("adjacent"));
+    if (pairs != "adjacent" && pairs != "half-split")
+      throw UserError(where + ": model.rope_pairs must be adjacent or half-split (got " + pairs +
+                      ")");
+    c.rope_pairs = pairs == "adjacent" ? RopePairs::Adjacent : RopePairs::HalfSplit;
+    c.qkv_bias = m.value("qkv_bias", false);
+    c.qk_norm = m.value("qk_norm", false);
+    c.tie_embeddings = m.value("tie_embeddings", false);
+    c.no_rope_layers = m.value("no_rope_layers", std::vector<int64_t>{});
+    c.rope_dim = m.value("rope_dim", int64_t{0});
+    if (m.contains("rope_scaling")) {
+      const json& r = m.at("rope_scaling");
+      c.rope_scaling.type = r.at("type").get<std::string>();
+      if (c.rope_scaling.type != "llama3" && c.rope_scaling.type != "longrope" &&
+          c.rope_scaling.type != "factors")
+        throw UserError(where + ": model.rope_scaling.type " + c.rope_scaling.type +
+                        ", which cputrain does not compute (llama3, longrope, factors)");
+      c.rope_scaling.factor = r.value("factor", 0.0);
+      c.rope_scaling.low_freq_factor = r.value("low_freq_factor", 0.0);
+      c.rope_scaling.high_freq_factor = r.value("high_freq_factor", 0.0);
+      c.rope_scaling.original_ctx = r.value("original_ctx", int64_t{0});
+      c.rope_scaling.freq_factors = r.at("freq_factors").get<std::vector<float>>();
+      c.rope_scaling.long_factors = r.value("long_factors", std::vector<float>{});
+      c.rope_scaling.attn_factor = r.value("attn_factor", 1.0);
+    }
+  } catch (const json::exception& e) {
+    throw UserError(where + ": model: " + e.what());
+  }
+  if (const std::string mismatch = architecture_mismatch(c); !mismatch.empty())
+    throw UserError(where + ": model: " + mismatch);
+  if (const auto problem = validate(c)) throw UserError(where + ": model: " + problem->str());
+  return c;
+}
+
+std::string describe_parts(const ModelConfig& c) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "RoPE %s pairs, theta %g",
+                std::string(rope_pairs_name(c.rope_pairs)).c_str(), c.rope_theta);
+  std::string s = buf;
+  if (c.rope_scaling.type == "llama3") {
+    std::snprintf(buf, sizeof(buf),
+                  ", llama3 scaling (factor %g, frequency factors %g and %g, original ctx %lld)",
+                  c.rope_scaling.factor, c.rope_scaling.low_freq_factor,
+                  c.rope_scaling.high_freq_factor,
+                  static_cast<long long>(c.rope_scaling.original_ctx));
+    s += buf;
+  } else if (c.rope_scaling.type == "longrope") {
+    std::snprintf(buf, sizeof(buf),
+                  ", longrope scaling (%s factors, original ctx %lld, rotation scaled by %g)",
+                  c.ctx > c.rope_scaling.original_ctx ? "long" : "short",
+                  static_cast<long long>(c.rope_scaling.original_ctx), c.rope_scaling.attn_factor);
+    s += buf;
+  } else if (c.rope_scaling.active()) {
+    s += ", scaled by frequency factors";
+  }
+  if (c.rope_dim > 0)
+    s += ", on " + std::to_string(c.rope_dim) + " of each head's " + std::to_string(c.head_size()) +
+         " dimensions";
+  if (!c.no_rope_layers.empty()) {
+    s += ", none in layers";
+    for (size_t i = 0; i < c.no_rope_layers.size(); ++i)
+      s += (i ? ", " : " ") + std::to_string(c.no_rope_layers[i]);
+  }
+  std::snprintf(buf, sizeof(buf), "; RMSNorm eps %g", static_cast<double>(c.norm_eps));
+  s += buf;
+  if (c.qk_norm) s += "; q/k norms";
+  if (c.qkv_bias) s += "; q/k/v biases";
+  if (c.tie_embeddings) s += "; tied embeddings";
+  return s;
+}
+
+}  // namespace cputrain

@@ -1,0 +1,187 @@
+#include "models/model_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace cputrain {
+namespace {
+
+Preset make(const char* name, int64_t vocab, int64_t d, int64_t layers, int64_t heads, int64_t ffn,
+            int64_t ctx, int64_t batch, int64_t accum) {
+  Preset p;
+  p.name = name;
+  p.config.vocab = vocab;
+  p.config.d_model = d;
+  p.config.n_layers = layers;
+  p.config.n_heads = heads;
+  p.config.ffn = ffn;
+  p.config.ctx = ctx;
+  p.batch = batch;
+  p.accum = accum;
+  return p;
+}
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> table = {
+      make("tiny", 512, 64, 2, 4, 192, 64, 4, 1),
+      make("mini", 16384, 256, 6, 8, 768, 256, 8, 1),
+      make("mega", 16384, 512, 24, 8, 1536, 1024, 4, 4),
+      make("behemoth", 16384, 1024, 32, 16, 2816, 1024, 2, 8),
+      make("titan", 16384, 1536, 48, 24, 4096, 1024, 1, 16),
+  };
+  return table;
+}
+
+std::string shortest(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+std::string_view rope_pairs_name(RopePairs pairs) {
+  return pairs == RopePairs::Adjacent ? "adjacent" : "half-split";
+}
+
+std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double factor,
+                                       double low_freq_factor, double high_freq_factor,
+                                       int64_t original_ctx) {
+  const double low_wavelength = static_cast<double>(original_ctx) / low_freq_factor;
+  const double high_wavelength = static_cast<double>(original_ctx) / high_freq_factor;
+  std::vector<float> factors;
+  for (int64_t j = 0; j < head_dim / 2; ++j) {
+    const double freq =
+        std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(head_dim));
+    const double wavelength = 2.0 * std::numbers::pi / freq;
+    double f = factor;
+    if (wavelength < high_wavelength) {
+      f = 1.0;
+    } else if (wavelength <= low_wavelength) {
+      const double smooth = (static_cast<double>(original_ctx) / wavelength - low_freq_factor) /
+                            (high_freq_factor - low_freq_factor);
+      f = 1.0 / ((1.0 - smooth) / factor + smooth);
+    }
+    factors.push_back(static_cast<float>(f));
+  }
+  return factors;
+}
+
+RopeScaling rope_scaling_of_factors(std::vector<float> factors, const ModelConfig& c) {
+  RopeScaling r;
+  r.type = "factors";
+  r.freq_factors = std::move(factors);
+  if (r.freq_factors.empty()) return r;
+  const double factor = *std::max_element(r.freq_factors.begin(), r.freq_factors.end());
+  for (int64_t original = 1024; original <= (int64_t{1} << 20); original *= 2) {
+    if (llama3_freq_factors(c.rope_theta, c.rope_dims(), factor, 1.0, 4.0, original) !=
+        r.freq_factors)
+      continue;
+    r.type = "llama3";
+    r.factor = factor;
+    r.low_freq_factor = 1.0;
+    r.high_freq_factor = 4.0;
+    r.original_ctx = original;
+    break;
+  }
+  return r;
+}
+
+const float* ModelConfig::rope_freq_factors() const {
+  if (!rope_scaling.active()) return nullptr;
+  if (rope_scaling.type == "longrope" && ctx > rope_scaling.original_ctx)
+    return rope_scaling.long_factors.data();
+  return rope_scaling.freq_factors.data();
+}
+
+bool ModelConfig::rope_in_layer(int64_t layer) const {
+  return std::find(no_rope_layers.begin(), no_rope_layers.end(), layer) == no_rope_layers.end();
+}
+
+std::optional<Preset> find_preset(const std::string& name) {
+  for (const Preset& p : presets())
+    if (p.name == name) return p;
+  return std::nullopt;
+}
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (const Preset& p : presets()) names.push_back(p.name);
+  return names;
+}
+
+int64_t parameter_count(const ModelConfig& c) {
+  const int64_t C = c.d_model, q = c.q_dim(), kv = c.kv_dim();
+  const int64_t per_layer = 2 * C * q + 2 * C * kv + 3 * C * c.ffn + 2 * C +
+                            (c.qkv_bias ? q + 2 * kv : 0) + (c.qk_norm ? 2 * c.head_size() : 0);
+  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * per_layer + C;
+}
+
+std::string ConfigProblem::str() const {
+  std::string s = field + " " + value + " " + problem;
+  if (!other.empty()) s += " " + other + " " + other_value;
+  return s;
+}
+
+std::optional<ConfigProblem> validate(const ModelConfig& c) {
+  const auto text = [](int64_t v) { return std::to_string(v); };
+  const std::pair<const char*, int64_t> positive[] = {
+      {"vocab", c.vocab},     {"d_model", c.d_model}, {"n_layers", c.n_layers},
+      {"n_heads", c.n_heads}, {"ffn", c.ffn},         {"ctx", c.ctx}};
+  for (const auto& [field, v] : positive)
+    if (v <= 0) return ConfigProblem{field, text(v), "must be positive", "", ""};
+  if (c.n_kv_heads < 0)
+    return ConfigProblem{"n_kv_heads", text(c.n_kv_heads), "must be positive", "", ""};
+  if (c.n_heads % c.kv_heads() != 0)
+    return ConfigProblem{"n_heads", text(c.n_heads), "is not a multiple of", "n_kv_heads",
+                         text(c.kv_heads())};
+  if (c.head_dim < 0)
+    return ConfigProblem{"head_dim", text(c.head_dim), "must be positive", "", ""};
+  if (c.head_dim == 0 && c.d_model % c.n_heads != 0)
+    return ConfigProblem{"d_model", text(c.d_model), "is not a multiple of", "n_heads",
+                         text(c.n_heads)};
+  if (c.head_size() % 2 != 0)
+    return ConfigProblem{"head_dim", text(c.head_size()), "must be even for RoPE", "", ""};
+  if (!(c.rope_theta > 1.0) || !std::isfinite(c.rope_theta))
+    return ConfigProblem{"rope_theta", shortest(c.rope_theta), "must be a number above 1", "", ""};
+  if (!(c.norm_eps > 0.0f) || !std::isfinite(c.norm_eps))
+    return ConfigProblem{"norm_eps", shortest(c.norm_eps), "must be a positive number", "", ""};
+  if (c.rope_dim < 0 || c.rope_dim > c.head_size() || c.rope_dim % 2 != 0)
+    return ConfigProblem{"rope_dim", text(c.rope_dim), "must be even and at most", "head_dim",
+                         text(c.head_size())};
+  if (c.rope_scaling.active()) {
+    const bool longrope = c.rope_scaling.type == "longrope";
+    for (const auto& [name, f] :
+         {std::pair{"rope_scaling.freq_factors", &c.rope_scaling.freq_factors},
+          std::pair{"rope_scaling.long_factors", &c.rope_scaling.long_factors}}) {
+      if (!longrope && f == &c.rope_scaling.long_factors) continue;
+      if (static_cast<int64_t>(f->size()) != c.rope_dims() / 2)
+        return ConfigProblem{name, text(static_cast<int64_t>(f->size())),
+                             "values are not half of the rotated dimensions", "rope_dim",
+                             text(c.rope_dims())};
+      for (const float v : *f)
+        if (!(v > 0.0f) || !std::isfinite(v))
+          return ConfigProblem{name, shortest(v), "must be positive", "", ""};
+    }
+    if (!(c.rope_scaling.attn_factor > 0.0) || !std::isfinite(c.rope_scaling.attn_factor))
+      return ConfigProblem{"rope_scaling.attn_factor", shortest(c.rope_scaling.attn_factor),
+                           "must be positive", "", ""};
+  }
+  for (const int64_t layer : c.no_rope_layers)
+    if (layer < 0 || layer >= c.n_layers)
+      return ConfigProblem{"no_rope_layers", text(layer), "is not a layer of", "n_layers",
+                           text(c.n_layers)};
+  return std::nullopt;
+}
+
+double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
+  const auto d = static_cast<double>(c.d_model), layers = static_cast<double>(c.n_layers);
+  const auto q = static_cast<double>(c.q_dim()), kv = static_cast<double>(c.kv_dim());
+  const double matrices =
+      layers * (2.0 * d * q + 2.0 * d * kv + 3.0 * d * static_cast<double>(c.ffn)) +
+      static_cast<double>(c.vocab) * d;
+  return 6.0 * matrices + 6.0 * layers * static_cast<double>(ctx) * q;
+}
+
+}  // namespace cputrain

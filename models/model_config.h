@@ -1,0 +1,121 @@
+// Configuration of the Llama-style decoder and the named presets of DESIGN.md.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cputrain {
+
+// Which elements of a head RoPE rotates together. Adjacent: (x[2j], x[2j+1]), llama.cpp's
+// "normal" RoPE (Llama GGUFs, the presets). HalfSplit: (x[j], x[j + D/2]), llama.cpp's "neox"
+// RoPE and Hugging Face's rotate_half (Qwen2).
+enum class RopePairs { Adjacent, HalfSplit };
+std::string_view rope_pairs_name(RopePairs pairs);  // "adjacent", "half-split"
+
+// RoPE scaling: each of a head's R/2 frequencies (R the rotated dimensions) divided by a factor,
+// as llama.cpp's rope_freqs tensor holds them. `type` names where they come from: "llama3"
+// (Llama 3.1/3.2's rope_scaling, whose four numbers give the factors), "longrope" (Phi-3's: short
+// factors within the original context, long ones beyond, and a scale of the rotation), or
+// "factors" (a GGUF file's rope_freqs whose numbers are not known); empty: none.
+struct RopeScaling {
+  std::string type;
+  double factor = 0.0;            // llama3: the longest wavelengths' divisor
+  double low_freq_factor = 0.0;   // llama3: original context / low_freq_factor: that wavelength on
+  double high_freq_factor = 0.0;  // llama3: original context / high_freq_factor: none below
+  int64_t original_ctx = 0;       // llama3, longrope: the context of the unscaled model
+  std::vector<float> freq_factors;  // R/2 divisors (longrope: the short factors)
+  std::vector<float> long_factors;  // longrope: R/2 divisors where ctx > original_ctx
+  double attn_factor = 1.0;         // longrope: cos and sin scaled by it
+
+  bool active() const { return !type.empty(); }
+};
+
+// Llama 3's factors: wavelengths below original_ctx / high_freq_factor keep their frequency,
+// those above original_ctx / low_freq_factor are divided by `factor`, and those between by a
+// blend of the two (Hugging Face's _compute_llama3_parameters, as factors of each frequency).
+std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double factor,
+                                       double low_freq_factor, double high_freq_factor,
+                                       int64_t original_ctx);
+
+struct ModelConfig;
+// RoPE scaling of a model of `config` (theta, head size) from its factors alone (a GGUF file's
+// rope_freqs): "llama3" with its four numbers where Llama 3's published settings (low and high
+// frequency factors 1 and 4, the largest factor as `factor`, an original context of a power of 2)
+// give these factors to the float, else "factors".
+RopeScaling rope_scaling_of_factors(std::vector<float> factors, const ModelConfig& config);
+
+struct ModelConfig {
+  // The architecture (models/architecture.h) whose description the model follows: its parts,
+  // its names in GGUF and Hugging Face files.
+  std::string architecture = "llama";
+  int64_t vocab = 16384;
+  int64_t d_model = 256;
+  int64_t n_layers = 6;
+  int64_t n_heads = 8;  // query heads
+  // Key/value heads: n_heads for multi-head attention, fewer for grouped-query attention
+  // (n_heads a multiple of it; 1 is multi-query). 0 means n_heads.
+  int64_t n_kv_heads = 0;
+  // Width of one head; 0 means d_model / n_heads.
+  int64_t head_dim = 0;
+  int64_t ffn = 768;
+  int64_t ctx = 256;
+  float norm_eps = 1e-5f;  // RMSNorm epsilon
+  double rope_theta = 10000.0;
+  RopePairs rope_pairs = RopePairs::Adjacent;
+  bool qkv_bias = false;        // the q, k and v projections have biases
+  bool tie_embeddings = false;  // the LM head is the token embedding matrix
+  bool qk_norm = false;         // RMSNorm of each head of q and k before RoPE (Qwen3)
+  RopeScaling rope_scaling;
+  // The dimensions of each head RoPE rotates, its first (even); 0 means all (head_size()).
+  int64_t rope_dim = 0;
+  // Layers (from 0) that apply no RoPE (SmolLM3's every fourth); empty: all apply it.
+  std::vector<int64_t> no_rope_layers;
+
+  int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+  int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
+  int64_t q_dim() const { return n_heads * head_size(); }      // rows of wq, columns of wo
+  int64_t kv_dim() const { return kv_heads() * head_size(); }  // rows of wk and wv
+  int64_t rope_dims() const { return rope_dim > 0 ? rope_dim : head_size(); }
+  bool rope_in_layer(int64_t layer) const;
+  // The divisors of the RoPE frequencies at this ctx (rope_scaling's, the long ones of longrope
+  // beyond its original context), or null without scaling.
+  const float* rope_freq_factors() const;
+};
+
+struct Preset {
+  std::string name;
+  ModelConfig config;
+  int64_t batch = 8;  // default micro-batch
+  int64_t accum = 1;  // default gradient-accumulation steps
+};
+
+// tiny, mini, mega, behemoth, titan; nullopt for anything else.
+std::optional<Preset> find_preset(const std::string& name);
+std::vector<std::string> preset_names();
+
+// Number of parameters: the embedding V*C, the LM head V*C unless tied; per layer wq and wo
+// 2 C q_dim, wk and wv 2 C kv_dim (plus q_dim + 2 kv_dim biases), 3 C F (SwiGLU) and 2 C (norms);
+// the final norm C.
+int64_t parameter_count(const ModelConfig& config);
+// FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
+// products (the blocks' and the LM head's) plus 6 x layers x ctx x q_dim for causal attention
+// (scores and weighted sum, forward and backward). The numerator of MFU.
+double training_flops_per_token(const ModelConfig& config, int64_t ctx);
+
+// What is wrong with a configuration, in the config's own terms: `field` (a ModelConfig member
+// name) holds `value`, which `problem` describes; where the problem is a relation to another
+// field, `other` names it and `other_value` is its value.
+struct ConfigProblem {
+  std::string field;
+  std::string value;
+  std::string problem;
+  std::string other;
+  std::string other_value;
+  // "field value problem [other other_value]", e.g. "d_model 100 is not a multiple of n_heads 3".
+  std::string str() const;
+};
+std::optional<ConfigProblem> validate(const ModelConfig& config);
+
+}  // namespace cputrain

@@ -1,0 +1,265 @@
+#!/usr/bin/python3
+"""Random-weight models of each architecture family, in its real conventions, for the interop tests.
+
+Usage: make_family_models.py GGUF_PY_DIR OUT_DIR
+For each family below, writes OUT_DIR/<family>.gguf with llama.cpp's own gguf-py (the tensor names,
+keys and q/k row order llama.cpp's converter writes) and OUT_DIR/<family>_hf/, the same weights as
+a Hugging Face folder (config.json, model.safetensors, tokenizer.json), q and k rows in Hugging
+Face's rotate-half order:
+- llama3: Llama 3.1/3.2 RoPE scaling (rope_type llama3; rope_freqs.weight in GGUF, computed here
+  from the four numbers as Hugging Face's _compute_llama3_parameters does), grouped-query
+  attention, an untied head;
+- qwen3: per-head RMSNorm of q and k (attn_q_norm, attn_k_norm), a head dimension apart from
+  d_model / heads, an odd head count (3, one key/value head), no biases, a tied head;
+- phi3: q, k, v in one tensor and gate, up in one (attn_qkv and ffn_up; qkv_proj and
+  gate_up_proj), RoPE on 24 of each head's 32 dimensions (Phi-4-mini's partial rotary), longrope
+  scaling with short and long factors and an original context of 128 below the 256 the model runs
+  at (so the long factors, and the rotation scaled by sqrt(1 + ln 2 / ln 128)).
+Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
+what these models test) and weights drawn so that the embedding dominates the residual stream: the
+next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, sys.argv[1])
+import gguf  # noqa: E402
+
+OUT = sys.argv[2]
+VOCAB, CTX = 512, 256
+
+FAMILIES = {
+    "llama3": dict(arch="llama", hf_type="llama", hf_class="LlamaForCausalLM", d=128, ffn=320,
+                   layers=2, heads=4, kv=2, head=32, theta=10000.0, tied=False, adjacent=True,
+                   scaling=dict(factor=8.0, low=1.0, high=4.0, original=1024)),
+    "qwen3": dict(arch="qwen3", hf_type="qwen3", hf_class="Qwen3ForCausalLM", d=192, ffn=384,
+                  layers=2, heads=3, kv=1, head=48, theta=1e6, tied=True, adjacent=False,
+                  qk_norm=True),
+    "phi3": dict(arch="phi3", hf_type="phi3", hf_class="Phi3ForCausalLM", d=128, ffn=256,
+                 layers=2, heads=4, kv=2, head=32, theta=10000.0, tied=False, adjacent=False,
+                 fused=True, rope_dim=24, longrope=dict(original=128),
+                 special=("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")),
+}
+
+
+def vocabulary(special=()):
+    """unk, bos, eos, 256 byte pieces, words; `special` control tokens last (Phi-3's, which
+    llama.cpp looks for in a vocabulary of a model named phi3)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256
+    words = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁and", "▁ran", "▁far"]
+    pieces = words + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["▁"]
+    i = 0
+    while len(tokens) + len(pieces) + len(special) < VOCAB:
+        pieces.append(f"▁w{i}")
+        i += 1
+    tokens += pieces + list(special)
+    types += [gguf.TokenType.NORMAL] * len(pieces) + [gguf.TokenType.CONTROL] * len(special)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0] * len(special)
+    return tokens, scores, types
+
+
+def llama3_factors(theta, head, factor, low, high, original):
+    """The divisor of each frequency: Hugging Face's llama3 inv_freq is inv_freq / divisor."""
+    out = []
+    for j in range(head // 2):
+        freq = theta ** (-2.0 * j / head)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def to_adjacent(a, heads):
+    """Rows of each head from Hugging Face's rotate-half order (j, j + D/2) to adjacent pairs."""
+    rows = a.shape[0]
+    d = rows // heads
+    return a.reshape(heads, 2, d // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def write_safetensors(path, tensors):
+    header, chunks, offset = {}, [], 0
+    for name, a in tensors.items():
+        data = np.ascontiguousarray(a, dtype=np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for c in chunks:
+            f.write(c)
+
+
+def write_family(name, spec, seed):
+    rng = np.random.default_rng(seed)
+    d, ffn, layers, heads, kv, head = (spec[k] for k in ("d", "ffn", "layers", "heads", "kv", "head"))
+
+    def draw(shape, std, mean=0.0):
+        return (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+    # Hugging Face's tensors (rotate-half q and k rows); GGUF's are derived from them.
+    hf = {"model.embed_tokens.weight": draw((VOCAB, d), 0.15)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        hf[p + "input_layernorm.weight"] = draw((d,), 0.05, 1.0)
+        hf[p + "self_attn.q_proj.weight"] = draw((heads * head, d), 0.05)
+        hf[p + "self_attn.k_proj.weight"] = draw((kv * head, d), 0.05)
+        hf[p + "self_attn.v_proj.weight"] = draw((kv * head, d), 0.05)
+        if spec.get("qk_norm"):
+            hf[p + "self_attn.q_norm.weight"] = draw((head,), 0.1, 1.0)
+            hf[p + "self_attn.k_norm.weight"] = draw((head,), 0.1, 1.0)
+        hf[p + "self_attn.o_proj.weight"] = draw((d, heads * head), 0.05)
+        hf[p + "post_attention_layernorm.weight"] = draw((d,), 0.05, 1.0)
+        hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), 0.05)
+        hf[p + "mlp.up_proj.weight"] = draw((ffn, d), 0.05)
+        hf[p + "mlp.down_proj.weight"] = draw((d, ffn), 0.05)
+    hf["model.norm.weight"] = draw((d,), 0.05, 1.0)
+    if not spec["tied"]:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"] + draw((VOCAB, d), 0.1)
+
+    # GGUF, as llama.cpp's converter writes it.
+    w = gguf.GGUFWriter(f"{OUT}/{name}.gguf", spec["arch"])
+    w.add_context_length(CTX)
+    w.add_embedding_length(d)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(spec["theta"])
+    w.add_rope_dimension_count(spec.get("rope_dim", head))
+    w.add_vocab_size(VOCAB)
+    tokens, scores, types = vocabulary(spec.get("special", ()))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = {}
+    for hname, a in hf.items():
+        if hname == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif hname == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif hname == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = hname.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{names[module]}.{kind}"
+            if spec["adjacent"] and module == "self_attn.q_proj":
+                a = to_adjacent(a, heads)
+            if spec["adjacent"] and module == "self_attn.k_proj":
+                a = to_adjacent(a, kv)
+        tensors[gname] = a
+    if spec.get("fused"):  # llama.cpp's phi3: q, k, v rows in attn_qkv; gate, up rows in ffn_up
+        for i in range(layers):
+            b = f"blk.{i}."
+            qkv = [tensors.pop(b + p + ".weight") for p in ("attn_q", "attn_k", "attn_v")]
+            gate_up = [tensors.pop(b + p + ".weight") for p in ("ffn_gate", "ffn_up")]
+            tensors[b + "attn_qkv.weight"] = np.concatenate(qkv)
+            tensors[b + "ffn_up.weight"] = np.concatenate(gate_up)
+    for gname, a in tensors.items():
+        w.add_tensor(gname, a)
+    rope_dim = spec.get("rope_dim", head)
+    longrope = spec.get("longrope")
+    if longrope:
+        short = (1.0 + 0.5 * rng.random(rope_dim // 2)).astype(np.float32)
+        long = (1.0 + 8.0 * rng.random(rope_dim // 2)).astype(np.float32)
+        scale = CTX / longrope["original"]
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(longrope["original"]))
+        w.add_tensor("rope_factors_long.weight", long)
+        w.add_tensor("rope_factors_short.weight", short)
+        w.add_rope_scaling_attn_factors(attn_factor)
+        w.add_rope_scaling_orig_ctx_len(longrope["original"])
+    scaling = spec.get("scaling")
+    if scaling:
+        w.add_tensor("rope_freqs.weight",
+                     llama3_factors(spec["theta"], head, scaling["factor"], scaling["low"],
+                                    scaling["high"], scaling["original"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    folder = f"{OUT}/{name}_hf"
+    os.makedirs(folder, exist_ok=True)
+    if spec.get("fused"):  # Hugging Face's Phi3: qkv_proj and gate_up_proj
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            hf[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [hf.pop(p + f"self_attn.{x}_proj.weight") for x in ("q", "k", "v")])
+            hf[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+                [hf.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    write_safetensors(f"{folder}/model.safetensors", hf)
+    config = {"architectures": [spec["hf_class"]], "model_type": spec["hf_type"],
+              "vocab_size": VOCAB, "hidden_size": d, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head,
+              "intermediate_size": ffn, "rms_norm_eps": 1e-6, "rope_theta": spec["theta"],
+              "max_position_embeddings": CTX, "tie_word_embeddings": spec["tied"],
+              "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+              "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2,
+              "torch_dtype": "float32", "use_cache": True}
+    if scaling:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": scaling["factor"],
+                                  "low_freq_factor": scaling["low"],
+                                  "high_freq_factor": scaling["high"],
+                                  "original_max_position_embeddings": scaling["original"]}
+    if rope_dim != head:
+        config["partial_rotary_factor"] = rope_dim / head
+    if longrope:
+        config["original_max_position_embeddings"] = longrope["original"]
+        config["rope_scaling"] = {"type": "longrope", "short_factor": short.tolist(),
+                                  "long_factor": long.tolist()}
+        config["resid_pdrop"] = 0.0
+        config["embd_pdrop"] = 0.0
+    if spec.get("no_rope_step"):
+        step = spec["no_rope_step"]
+        config["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(layers)]
+        config["no_rope_layer_interval"] = step
+        config["use_sliding_window"] = False
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    tokenizer = {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": tokens[i], "special": True}
+                         for i in range(len(tokens))
+                         if i < 3 or types[i] == gguf.TokenType.CONTROL],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": None,
+        "model": {"type": "BPE", "byte_fallback": True, "unk_token": "<unk>",
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": []},
+    }
+    with open(f"{folder}/tokenizer.json", "w") as f:
+        json.dump(tokenizer, f)
+    with open(f"{folder}/tokenizer_config.json", "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
+
+
+for seed, (family, family_spec) in enumerate(FAMILIES.items()):
+    write_family(family, family_spec, 10 + seed)

@@ -1,0 +1,302 @@
+// The architecture families of models/architecture.h against llama.cpp: random-weight models of
+// each in its real conventions (tests/interop/make_family_models.py: Llama 3's RoPE scaling,
+// Qwen3's q/k norms and head dimension, Phi-3's fused tensors,
+// longrope scaling and partial rotary), read from GGUF and from a
+// Hugging Face folder, give llama.cpp's logits and greedy continuation; exported and read back
+// they are the same bits; an adapter fine-tuned on each gives llama.cpp's logits. What cputrain
+// does not compute is refused in one line.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/io/gguf_file.h"
+#include "engine/io/safetensors_file.h"
+#include "engine/train/parameters.h"
+#include "models/architecture.h"
+#include "models/generate.h"
+#include "models/tensor_names.h"
+#include "tools/cli_test_util.h"
+#include "tools/model_source.h"
+#include "tools/oracle_util.h"
+
+namespace cputrain {
+namespace {
+
+using namespace interop_test;
+
+const char* const kFamilies[] = {"llama3", "qwen3", "phi3"};
+
+// The models of make_family_models.py, once per test binary.
+const fs::path& family_models() {
+  static const TempFolder dir{[] {
+    const fs::path d = temp_dir("families");
+    const std::string cmd = "/usr/bin/python3 " + std::string(CPUTRAIN_SOURCE_DIR) +
+                            "/tests/interop/make_family_models.py " + CPUTRAIN_GGUF_PY + " " +
+                            d.string();
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    return d;
+  }()};
+  return dir.path;
+}
+
+LoadedModel load(const fs::path& path) {
+  return load_model(path.string(), "--model", "", kDefaultImportCtx);
+}
+
+// Each family's parts, as read from either format.
+void expect_parts(const std::string& family, const ModelConfig& c) {
+  if (family == "llama3") {
+    EXPECT_EQ(c.architecture, "llama");
+    EXPECT_EQ(c.rope_scaling.type, "llama3");
+    EXPECT_EQ(c.rope_scaling.factor, 8.0);
+    EXPECT_EQ(c.rope_scaling.original_ctx, 1024);
+    EXPECT_EQ(c.n_kv_heads, 2);
+    EXPECT_FALSE(c.tie_embeddings);
+  } else if (family == "qwen3") {
+    EXPECT_EQ(c.architecture, "qwen3");
+    EXPECT_TRUE(c.qk_norm);
+    EXPECT_FALSE(c.qkv_bias);
+    EXPECT_EQ(c.head_size(), 48);  // not d_model / heads = 64
+    EXPECT_EQ(c.n_heads, 3);
+    EXPECT_TRUE(c.tie_embeddings);
+  } else {
+    EXPECT_EQ(c.architecture, "phi3");
+    EXPECT_EQ(c.rope_dim, 24);
+    EXPECT_EQ(c.rope_scaling.type, "longrope");
+    EXPECT_EQ(c.rope_scaling.original_ctx, 128);
+    EXPECT_NEAR(c.rope_scaling.attn_factor, std::sqrt(1.0 + std::log(2.0) / std::log(128.0)), 1e-6);
+    EXPECT_EQ(c.rope_freq_factors(), c.rope_scaling.long_factors.data());  // ctx 256 > 128
+  }
+}
+
+// llama.cpp's logits at every position of 200 tokens of the GGUF file; cputrain's of the GGUF
+// file and of the Hugging Face folder of the same weights.
+TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
+  REQUIRE_ORACLE();
+  for (const std::string family : kFamilies) {
+    const fs::path gguf = family_models() / (family + ".gguf");
+    const fs::path hf = family_models() / (family + "_hf");
+    LoadedModel g = load(gguf), h = load(hf);
+    expect_parts(family, g.config);
+    expect_parts(family, h.config);
+    EXPECT_EQ(h.config.rope_scaling.freq_factors, g.config.rope_scaling.freq_factors) << family;
+    const std::vector<int32_t> tokens =
+        token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 23);
+    const std::vector<float> theirs = oracle_logits(gguf, tokens, family_models());
+    EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4) << family;
+    EXPECT_LT(max_abs_difference(our_logits(h, tokens), theirs), 1e-4) << family;
+    // The part matters: without the scaling, or with RoPE in every layer, the same weights give
+    // other logits.
+    if (family == "qwen3") continue;  // without its norms the file's tensors have no place
+    ModelConfig without = g.config;
+    without.rope_scaling = RopeScaling();
+    without.no_rope_layers.clear();
+    LoadedModel other;
+    other.config = without;
+    other.model = std::make_unique<DecoderModel>(without);
+    const ParameterSet& from = g.model->parameters();
+    std::vector<float> values;
+    for (size_t i = 0; i < from.infos().size(); ++i) {
+      values.resize(static_cast<size_t>(from.infos()[i].shape.numel()));
+      from.read_values(static_cast<int>(i), values.data());
+      other.model->parameters().write_values(static_cast<int>(i), values.data());
+    }
+    EXPECT_GT(max_abs_difference(our_logits(other, tokens), theirs), 1e-2) << family;
+  }
+}
+
+// 60 greedy tokens after BOS with the KV cache: the tokens llama.cpp picks.
+TEST(Families, GreedyContinuationIsLlamaCpps) {
+  REQUIRE_ORACLE();
+  for (const std::string family : kFamilies) {
+    const fs::path gguf = family_models() / (family + ".gguf");
+    LoadedModel m = load(gguf);
+    SampleOptions options;
+    options.max_new_tokens = 60;
+    options.temperature = 0.0f;
+    const std::vector<int32_t> ours = generate(*m.model, {m.tokenizer->bos_id()}, options);
+    const fs::path out = family_models() / (family + "_greedy.txt");
+    const std::string cmd = kOracle + " generate " + gguf.string() + " 60 2 > " + out.string();
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::istringstream line(read_all(out).substr(0, read_all(out).find('\n')));
+    std::vector<int32_t> theirs = {m.tokenizer->bos_id()};
+    for (int32_t id; line >> id;) theirs.push_back(id);
+    EXPECT_EQ(ours, theirs) << family;
+  }
+}
+
+// Each parameter's values in Hugging Face's q/k row order, for comparing models of either pairing.
+std::vector<std::vector<float>> values_of(const LoadedModel& m) {
+  std::vector<std::vector<float>> out;
+  const ParameterSet& p = m.model->parameters();
+  for (size_t i = 0; i < p.infos().size(); ++i)
+    out.push_back(parameter_values(p, static_cast<int>(i), m.config, RopePairs::HalfSplit));
+  return out;
+}
+
+// export (GGUF f32, Hugging Face F32) then import: the same configuration and the same bits, from
+// either format; llama.cpp computes the exported GGUF's logits as the original's.
+TEST(Families, ExportThenImportIsBitExact) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("family_export")};
+  for (const std::string family : kFamilies) {
+    for (const std::string& from : {family + ".gguf", family + "_hf"}) {
+      const fs::path source = family_models() / from;
+      LoadedModel original = load(source);
+      const std::vector<std::vector<float>> want = values_of(original);
+      for (const char* to : {"out.gguf", "out_hf"}) {
+        const fs::path out = folder.path / to;
+        fs::remove_all(out);
+        ASSERT_EQ(
+            cputrain("export --model " + source.string() + " --type f32 --out " + out.string()), 0)
+            << from << " -> " << to;
+        LoadedModel back = load(out);
+        EXPECT_EQ(back.config.architecture, original.config.architecture) << from << to;
+        EXPECT_EQ(back.config.rope_scaling.type, original.config.rope_scaling.type) << from << to;
+        EXPECT_EQ(back.config.rope_scaling.freq_factors, original.config.rope_scaling.freq_factors)
+            << from << to;
+        EXPECT_EQ(back.config.no_rope_layers, original.config.no_rope_layers) << from << to;
+        EXPECT_EQ(back.config.qk_norm, original.config.qk_norm) << from << to;
+        EXPECT_EQ(back.config.tie_embeddings, original.config.tie_embeddings) << from << to;
+        EXPECT_TRUE(values_of(back) == want) << from << " -> " << to;
+      }
+    }
+    // (Not named after the family: llama.cpp treats a vocabulary of a model named phi3 as
+    // Phi-3's own, which holds <|endoftext|>.)
+    const fs::path exported = folder.path / "exported.gguf";
+    fs::remove(exported);
+    ASSERT_EQ(cputrain("export --model " + (family_models() / (family + "_hf")).string() +
+                       " --type f32 --out " + exported.string()),
+              0);
+    LoadedModel m = load(family_models() / (family + ".gguf"));
+    const std::vector<int32_t> tokens = token_sequence(64, m.config.vocab, 1, 3);
+    EXPECT_LT(
+        max_abs_difference(our_logits(m, tokens), oracle_logits(exported, tokens, folder.path)),
+        1e-4)
+        << family;
+  }
+}
+
+// A LoRA fine-tune of each family (adapters on its seven projections, fp32): llama.cpp with the
+// base GGUF and the adapter computes what cputrain computes, and both differ from the base; so
+// does llama.cpp with the adapter merged into the base (export --merge).
+TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("family_lora")};
+  const fs::path data = write_finetune_data(folder.path);
+  for (const std::string family : kFamilies) {
+    const fs::path base = family_models() / (family + ".gguf");
+    const fs::path run = folder.path / family;
+    ASSERT_EQ(cputrain("finetune --model " + base.string() + " --data " + data.string() +
+                       " --out " + run.string() +
+                       " --steps 3 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1 "
+                       "--lora-rank 4 --lora-targets all"),
+              0)
+        << family;
+    const fs::path adapter = run / "adapter.gguf";
+    LoadedModel plain = load(base);
+    LoadedModel with =
+        load_model(base.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+    const std::vector<int32_t> tokens = token_sequence(48, plain.config.vocab, 1, 5);
+    const std::vector<float> ours = our_logits(with, tokens);
+    EXPECT_LT(max_abs_difference(ours, oracle_logits(base, tokens, folder.path, adapter)), 1e-4)
+        << family;
+    EXPECT_GT(max_abs_difference(ours, our_logits(plain, tokens)), 1e-3) << family;
+    // Merged into the base (export --merge): llama.cpp computes the same from the one file.
+    const fs::path merged = folder.path / "merged.gguf";
+    fs::remove(merged);
+    ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0)
+        << family;
+    EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, tokens, folder.path)), 1e-4) << family;
+    if (family != "phi3") continue;
+    // Phi-3's fused projections take one adapter each, by their own names: qkv_proj's A is the
+    // three parts' one, its B their rows one after another.
+    const nlohmann::json config =
+        nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"));
+    EXPECT_EQ(config["target_modules"],
+              nlohmann::json({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}));
+    const SafetensorsFile peft((run / "peft" / "adapter_model.safetensors").string());
+    const std::string qkv = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_";
+    ASSERT_EQ(peft.tensors().count(qkv + "A.weight"), 1u);
+    EXPECT_EQ(peft.tensors().at(qkv + "A.weight").shape, (std::vector<int64_t>{4, 128}));
+    EXPECT_EQ(peft.tensors().at(qkv + "B.weight").shape, (std::vector<int64_t>{128 + 2 * 64, 4}));
+    EXPECT_EQ(peft.tensors().size(), 2u * 4u * 2u);  // 2 layers, 4 modules, A and B
+    // Part of a fused projection is refused, naming it.
+    expect_one_line_refusal(
+        run_cputrain("finetune --model " + base.string() + " --data " + data.string() + " --out " +
+                         (folder.path / "partial").string() + " --lora-targets q,o",
+                     folder.path),
+        "--lora-targets q,o: phi3's q, k and v are one projection, qkv_proj: adapt all or none");
+  }
+}
+
+// What cputrain does not compute: an architecture (a mamba GGUF), a RoPE scaling type (yarn), a
+// Hugging Face model_type and a config.json key it does not know: one line each, naming it.
+TEST(Families, UnknownArchitecturesAndFieldsAreRefused) {
+  REQUIRE_ORACLE();  // gguf-py writes the models
+  const TempFolder folder{temp_dir("family_refusals")};
+  const fs::path& dir = folder.path;
+  const fs::path mamba = dir / "mamba.gguf";
+  cli_test::rewrite_gguf(
+      family_models() / "qwen3.gguf", mamba,
+      [](const std::string& key, GgufValue& v) {
+        if (key == "general.architecture") v.text = "mamba";
+        return true;
+      },
+      nullptr);
+  expect_one_line_refusal(run_cputrain("inspect " + mamba.string(), dir),
+                          "architecture mamba, which cputrain does not compute (it computes " +
+                              architecture_names() + ")");
+  const fs::path scaled = dir / "scaled.gguf";
+  cli_test::rewrite_gguf(family_models() / "llama3.gguf", scaled, nullptr, nullptr,
+                         [](GgufWriter& w) { w.set_string("llama.rope.scaling.type", "yarn"); });
+  expect_one_line_refusal(run_cputrain("inspect " + scaled.string(), dir),
+                          "llama.rope.scaling.type yarn, which cputrain does not compute");
+  const fs::path unread = dir / "unread.gguf";
+  cli_test::rewrite_gguf(family_models() / "qwen3.gguf", unread, nullptr, nullptr,
+                         [](GgufWriter& w) { w.set_u32("qwen3.attention.sliding_window", 128); });
+  expect_one_line_refusal(run_cputrain("inspect " + unread.string(), dir),
+                          "metadata qwen3.attention.sliding_window, which cputrain does not read");
+
+  const auto edited_hf = [&](const std::string& name,
+                             const std::function<void(nlohmann::json&)>& edit) {
+    const fs::path to = dir / name;
+    fs::copy(family_models() / "llama3_hf", to, fs::copy_options::recursive);
+    nlohmann::json config = nlohmann::json::parse(read_all(to / "config.json"));
+    edit(config);
+    std::ofstream(to / "config.json") << config.dump();
+    return to;
+  };
+  expect_one_line_refusal(
+      run_cputrain(
+          "inspect " + edited_hf("yarn",
+                                 [](nlohmann::json& c) {
+                                   c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+                                 })
+                           .string(),
+          dir),
+      "rope_scaling type yarn, which cputrain does not compute for llama (it computes llama3)");
+  expect_one_line_refusal(
+      run_cputrain(
+          "inspect " +
+              edited_hf("mamba", [](nlohmann::json& c) { c["model_type"] = "mamba"; }).string(),
+          dir),
+      "model_type mamba, which cputrain does not compute (it computes " + hf_model_type_names() +
+          ")");
+  expect_one_line_refusal(
+      run_cputrain(
+          "inspect " +
+              edited_hf("field", [](nlohmann::json& c) { c["logit_softcapping"] = 30.0; }).string(),
+          dir),
+      "logit_softcapping 30.0, which cputrain does not read for model_type llama");
+}
+
+}  // namespace
+}  // namespace cputrain
