@@ -71,6 +71,17 @@ std::vector<Architecture> table() {
         "Phi-4-mini), longrope scaling";
     t.push_back(a);
   }
+  {
+    Architecture a;
+    a.name = "smollm3";
+    a.hf_model_types = {"smollm3"};
+    a.hf_class = "SmolLM3ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::Adjacent;
+    a.no_rope_layer_step = 4;
+    a.hf_keys = {"no_rope_layers", "no_rope_layer_interval"};
+    a.summary = "llama's block, every fourth layer without RoPE";
+    t.push_back(a);
+  }
   return t;
 }
 

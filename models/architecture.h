@@ -64,12 +64,12 @@ const Architecture* find_architecture(std::string_view name);
 const Architecture* find_hf_architecture(std::string_view type);
 // The config's architecture; std::invalid_argument where it names none.
 const Architecture& architecture_of(const ModelConfig& config);
-// "llama, qwen2, qwen3, phi3".
+// "llama, qwen2, qwen3, phi3, smollm3".
 std::string architecture_names();
 // Whether config.json key `key` is one cputrain reads, or knows to change nothing it computes,
 // for a model of `arch` (keys from "_", such as _name_or_path, are notes of the tools).
 bool hf_key_known(const Architecture& arch, std::string_view key);
-// "llama, mistral, phi3, qwen2, qwen3".
+// "llama, mistral, phi3, qwen2, qwen3, smollm3".
 std::string hf_model_type_names();
 // The RoPE scaling types every architecture reads, for messages: "llama3".
 std::string rope_scaling_names(const Architecture& arch);

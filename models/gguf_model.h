@@ -14,7 +14,7 @@ namespace cputrain {
 class ParameterSet;
 struct ParameterInfo;
 
-// "llama, qwen2, qwen3, phi3".
+// "llama, qwen2, qwen3, phi3, smollm3".
 std::string gguf_supported_architectures();
 
 // The configuration of the model in `file`. ctx is the file's context length, at most `max_ctx`

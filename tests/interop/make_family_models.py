@@ -11,6 +11,7 @@ Face's rotate-half order:
   attention, an untied head;
 - qwen3: per-head RMSNorm of q and k (attn_q_norm, attn_k_norm), a head dimension apart from
   d_model / heads, an odd head count (3, one key/value head), no biases, a tied head;
+- smollm3: every fourth layer without RoPE (no_rope_layers), 5 heads over 1 key/value head, tied;
 - phi3: q, k, v in one tensor and gate, up in one (attn_qkv and ffn_up; qkv_proj and
   gate_up_proj), RoPE on 24 of each head's 32 dimensions (Phi-4-mini's partial rotary), longrope
   scaling with short and long factors and an original context of 128 below the 256 the model runs
@@ -39,6 +40,9 @@ FAMILIES = {
     "qwen3": dict(arch="qwen3", hf_type="qwen3", hf_class="Qwen3ForCausalLM", d=192, ffn=384,
                   layers=2, heads=3, kv=1, head=48, theta=1e6, tied=True, adjacent=False,
                   qk_norm=True),
+    "smollm3": dict(arch="smollm3", hf_type="smollm3", hf_class="SmolLM3ForCausalLM", d=160,
+                    ffn=352, layers=5, heads=5, kv=1, head=32, theta=2e6, tied=True,
+                    adjacent=True, no_rope_step=4),
     "phi3": dict(arch="phi3", hf_type="phi3", hf_class="Phi3ForCausalLM", d=128, ffn=256,
                  layers=2, heads=4, kv=2, head=32, theta=10000.0, tied=False, adjacent=False,
                  fused=True, rope_dim=24, longrope=dict(original=128),

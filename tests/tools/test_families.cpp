@@ -1,6 +1,6 @@
 // The architecture families of models/architecture.h against llama.cpp: random-weight models of
 // each in its real conventions (tests/interop/make_family_models.py: Llama 3's RoPE scaling,
-// Qwen3's q/k norms and head dimension, Phi-3's fused tensors,
+// Qwen3's q/k norms and head dimension, SmolLM3's layers without RoPE, Phi-3's fused tensors,
 // longrope scaling and partial rotary), read from GGUF and from a
 // Hugging Face folder, give llama.cpp's logits and greedy continuation; exported and read back
 // they are the same bits; an adapter fine-tuned on each gives llama.cpp's logits. What cputrain
@@ -31,7 +31,7 @@ namespace {
 
 using namespace interop_test;
 
-const char* const kFamilies[] = {"llama3", "qwen3", "phi3"};
+const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3"};
 
 // The models of make_family_models.py, once per test binary.
 const fs::path& family_models() {
@@ -66,6 +66,10 @@ void expect_parts(const std::string& family, const ModelConfig& c) {
     EXPECT_EQ(c.head_size(), 48);  // not d_model / heads = 64
     EXPECT_EQ(c.n_heads, 3);
     EXPECT_TRUE(c.tie_embeddings);
+  } else if (family == "smollm3") {
+    EXPECT_EQ(c.architecture, "smollm3");
+    EXPECT_EQ(c.no_rope_layers, std::vector<int64_t>{3});
+    EXPECT_EQ(c.n_kv_heads, 1);
   } else {
     EXPECT_EQ(c.architecture, "phi3");
     EXPECT_EQ(c.rope_dim, 24);

@@ -471,7 +471,7 @@ fs::path write_corpus(const fs::path& dir) {
 
 // Runs trained here, exported: llama.cpp computes the same logits from the f32 file (the mini
 // preset; a llama with half-split RoPE, which export reorders into llama.cpp's adjacent pairs, and
-// q/k/v biases; one of each architecture qwen2, qwen3 and phi3, exported as that
+// q/k/v biases; one of each architecture qwen2, qwen3, smollm3 and phi3, exported as that
 // architecture)
 // and tokenizes text to the same ids; export then import gives the f32 weights bit for bit, and the
 // bf16 ones as the weights rounded to bf16.
@@ -486,6 +486,7 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
       {"halfsplit", "--preset tiny --rope-pairs half-split --kv-heads 2 --qkv-bias"},
       {"qwen2", "--preset tiny --arch qwen2 --tie-embeddings"},
       {"qwen3", "--preset tiny --arch qwen3 --heads 3 --kv-heads 1 --head-dim 24"},
+      {"smollm3", "--preset tiny --arch smollm3 --layers 4 --tie-embeddings"},
       // (Not named phi3: llama.cpp reads the vocabulary of a model so named as Phi-3's own,
       // which holds <|endoftext|>; cputrain's own has none.)
       {"fused", "--preset tiny --arch phi3 --kv-heads 2"}};
@@ -728,7 +729,7 @@ TEST(ModelFiles, HuggingFaceExportReadsBackAsTheSameModel) {
   for (const char* flags :
        {"--preset tiny --kv-heads 2", "--preset tiny --arch qwen2 --tie-embeddings",
         "--preset tiny --arch qwen3 --heads 3 --kv-heads 1 --head-dim 24",
-        "--preset tiny --arch phi3 --kv-heads 2"}) {
+        "--preset tiny --arch smollm3 --layers 4", "--preset tiny --arch phi3 --kv-heads 2"}) {
     const fs::path run = dir / "run", hf = dir / "hf";
     fs::remove_all(run);
     fs::remove_all(hf);
