@@ -4,6 +4,7 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <queue>
 
@@ -35,11 +36,10 @@ int byte_of_piece(const std::string& piece) {
 
 // The pre-tokenizers' regular expressions, as the models' tokenizer.json files give them (case
 // folding of the contractions spelled out). Where there are two, the first splits the text and
-// the second splits each piece.
+// each next one splits each piece of the one before.
 struct PreTokenizer {
   const char* name;
-  const char* first;
-  const char* second;  // null where there is one expression
+  std::array<const char*, 6> patterns;  // the unused ones null
   bool ignore_merges;
 };
 constexpr const char* kGpt2Pattern =
@@ -47,19 +47,50 @@ constexpr const char* kGpt2Pattern =
 constexpr const char* kDigitsApartPattern =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)";
 constexpr PreTokenizer kPreTokenizers[] = {
-    {"gpt-2", kGpt2Pattern, nullptr, false},
+    {"gpt-2", {kGpt2Pattern}, false},
+    // MPT's and OLMo's tokenizer.json give GPT-2's.
+    {"mpt", {kGpt2Pattern}, false},
     {"llama-bpe",
-     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
-     "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-     nullptr, true},
+     {"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+      "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     true},
     {"qwen2",
-     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
-     "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-     nullptr, false},
-    // SmolLM and SmolLM2 (and Command R's vocabulary): each digit alone, then GPT-2's split
-    // without its last alternative.
-    {"smollm", "\\p{N}", kDigitsApartPattern, false},
-    {"command-r", "\\p{N}", kDigitsApartPattern, false},
+     {"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+      "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     false},
+    // Qwen3.5's: Qwen2's with combining marks (\\p{M}) kept with the letters.
+    {"qwen35",
+     {"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{"
+      "M}]+|"
+      "\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+     false},
+    // SmolLM and SmolLM2, StarCoder, Refact (and Command R's vocabulary): each digit alone, then
+    // GPT-2's split without its last alternative.
+    {"smollm", {"\\p{N}", kDigitsApartPattern}, false},
+    {"command-r", {"\\p{N}", kDigitsApartPattern}, false},
+    {"starcoder", {"\\p{N}", kDigitsApartPattern}, false},
+    {"refact", {"\\p{N}", kDigitsApartPattern}, false},
+    // Falcon's: runs of punctuation, GPT-2's split, then runs of three digits.
+    {"falcon",
+     {"[\\p{P}\\$\\+<=>\\^~\\|`]+",
+      "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+      "[0-9][0-9][0-9]"},
+     false},
+    // DeepSeek LLM's and DeepSeek Coder's, from their tokenizer.json: line breaks, runs of each
+    // script, punctuation and digits.
+    {"deepseek-llm",
+     {"[\r\n]",
+      "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-"
+      "Ჿᴀ-"
+      "ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-"
+      "ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-"
+      "𐳲𑢠-"
+      "𑣟𞤀-𞥃]+",
+      "\\s?[!-/:-~！-／：-～‘-‟　-。]+", "\\s+$", "[一-龥ࠀ-一가-퟿]+", "\\p{N}+"},
+     false},
+    {"deepseek-coder",
+     {"[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[一-龥ࠀ-一가-퟿]+", "\\p{N}"},
+     false},
 };
 
 // UTF-8 of a code point.
@@ -159,6 +190,8 @@ VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)
     const int32_t t = type(static_cast<int32_t>(i));
     if ((t == Vocabulary::kControl || t == Vocabulary::kUserDefined) && !v_.tokens[i].empty())
       specials_.emplace_back(v_.tokens[i], static_cast<int32_t>(i));
+    has_user_defined_ =
+        has_user_defined_ || (t == Vocabulary::kUserDefined && !v_.tokens[i].empty());
   }
   std::stable_sort(specials_.begin(), specials_.end(),
                    [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
@@ -191,7 +224,7 @@ VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)
     throw UserError("pre-tokenizer " + pre + ", which cputrain does not know (it knows " +
                     supported_pre_tokenizers() + ")");
   ignore_merges_ = chosen->ignore_merges;
-  for (const char* pattern : {chosen->first, chosen->second}) {
+  for (const char* pattern : chosen->patterns) {
     if (!pattern) continue;
     int error = 0;
     PCRE2_SIZE offset = 0;
@@ -226,7 +259,8 @@ int32_t VocabTokenizer::type(int32_t id) const {
 std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,
                                             bool begins) const {
   std::vector<int32_t> out;
-  // The text between special tokens (all of it, without `special`) goes through the model.
+  // The text between special tokens goes through the model: control tokens with `special`,
+  // user-defined ones (MPT's runs of spaces, added words) always, as llama.cpp splits them out.
   // A dummy prefix (SentencePiece style) begins the text, and each text after a special token.
   bool after_special = begins;
   const auto plain = [&](std::string_view part) {
@@ -237,14 +271,15 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,
       encode_spm(part, v_.add_space_prefix && after_special, out);
     after_special = false;
   };
-  if (!special) {
+  if (!special && !has_user_defined_) {
     plain(text);
     return out;
   }
   size_t pos = 0, start = 0;
   while (pos < text.size()) {
     const auto hit = std::find_if(specials_.begin(), specials_.end(), [&](const auto& sp) {
-      return text.compare(pos, sp.first.size(), sp.first) == 0;
+      return (special || type(sp.second) == Vocabulary::kUserDefined) &&
+             text.compare(pos, sp.first.size(), sp.first) == 0;
     });
     if (hit == specials_.end()) {
       ++pos;

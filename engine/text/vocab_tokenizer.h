@@ -53,10 +53,10 @@ class VocabTokenizer {
   VocabTokenizer(const VocabTokenizer&) = delete;
   VocabTokenizer& operator=(const VocabTokenizer&) = delete;
 
-  // The ids of `text`, without BOS or EOS. With `special`, the texts of control and user-defined
-  // tokens (such as <|im_start|>) in it are those tokens, and in a SentencePiece-style vocabulary
-  // each text after one takes the dummy prefix as the text's start does; without, they are text
-  // like any other.
+  // The ids of `text`, without BOS or EOS. The texts of user-defined tokens in it (MPT's runs of
+  // spaces) are those tokens, as llama.cpp gives them; with `special`, those of control tokens
+  // (such as <|im_start|>) too, else they are text like any other. In a SentencePiece-style
+  // vocabulary each text after such a token takes the dummy prefix as the text's start does.
   // With `begins` false the text continues one (after text, not a special token) and takes no
   // dummy prefix at its start.
   std::vector<int32_t> encode(std::string_view text, bool special = false,
@@ -99,7 +99,8 @@ class VocabTokenizer {
   std::string byte_chars_[256];                       // GPT-2's printable character for each byte
   std::unordered_map<uint32_t, uint8_t> char_bytes_;  // and back, by code point
   std::vector<std::pair<std::string, int32_t>> specials_;  // longest first
-  std::vector<void*> regexes_;  // the pre-tokenizer's expressions, in order (pcre2_code)
+  bool has_user_defined_ = false;  // some of specials_ are user-defined tokens
+  std::vector<void*> regexes_;     // the pre-tokenizer's expressions, in order (pcre2_code)
 };
 
 }  // namespace cputrain

@@ -300,6 +300,32 @@ TEST(LlamaCppVocab, DigitsApartTestVectors) {
   expect_test_vectors("command-r");
 }
 
+// Every other vocabulary llama.cpp's source ships with test vectors: the same ids on every text
+// (Phi-3's SentencePiece; Qwen3.5's, MPT's, StarCoder's, Refact's, Falcon's and DeepSeek's
+// pre-tokenizers), or, for a tokenizer cputrain does not read, one line naming it.
+TEST(LlamaCppVocab, EveryShippedVocabularyMatchesOrIsRefused) {
+  REQUIRE_ORACLE();
+  for (const char* name : {"phi-3", "qwen35", "mpt", "starcoder", "refact", "falcon",
+                           "deepseek-llm", "deepseek-coder"})
+    expect_test_vectors(name);
+  const TempFolder dir{temp_dir("vocab_refused")};
+  const fs::path models = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models";
+  std::ofstream(dir.path / "text.txt") << "Hello world";
+  for (const auto& [name, tokenizer] :
+       {std::pair{"bert-bge", "tokenizer bert"}, std::pair{"gemma-4", "tokenizer gemma4"}})
+    expect_one_line_refusal(
+        run_cputrain("tokenize --model " +
+                         (models / ("ggml-vocab-" + std::string(name) + ".gguf")).string() +
+                         " --text " + (dir.path / "text.txt").string(),
+                     dir.path),
+        std::string(tokenizer) + ", which cputrain does not read (it reads llama and gpt2)");
+  // Every vocabulary with test vectors is one of the above or of the tests before.
+  size_t shipped = 0;
+  for (const auto& entry : fs::directory_iterator(models))
+    shipped += entry.path().extension() == ".inp";
+  EXPECT_EQ(shipped, 15u);
+}
+
 // A chat turn: with special tokens parsed, <|im_start|> and <|im_end|> are their own ids, as
 // llama.cpp gives them; without, they are text.
 // Chat turns: with special tokens parsed, the markers are their own ids, as llama.cpp gives them
