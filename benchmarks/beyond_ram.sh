@@ -5,7 +5,7 @@
 #    page cache it reads and writes alike, with `--mem-limit LIMIT`; the files it streams are
 #    dropped from the page cache before (POSIX_FADV_DONTNEED), so they come from the disk.
 # MODE lora (the default): a LoRA fine-tune of build/qwen2_3b.gguf (Qwen2.5-3B's shape, random
-#   BF16 weights, 6.2 GB, benchmarks/make_qwen2.py), its base read in place from the file, at
+#   BF16 weights, 6.2 GB, benchmarks/make_model.py), its base read in place from the file, at
 #   BATCH (2) x CTX (512) with per-layer checkpointing; LIMIT 3 by default. In RAM, the file's
 #   pages are in the page cache beforehand.
 # MODE offload: behemoth bf16 at 2 x 8 with per-layer checkpointing; beyond RAM with
@@ -32,7 +32,7 @@ case $mode in
     data=build/finetune_bench.jsonl
     [[ -f $data ]] || { echo "beyond_ram.sh: $data: run benchmarks/finetune_bench.sh once" >&2; exit 1; }
     if [[ ! -f $model ]]; then
-      /usr/bin/python3 benchmarks/make_qwen2.py "$llamacpp/src/gguf-py" "$model.tmp" 3b
+      /usr/bin/python3 benchmarks/make_model.py "$llamacpp/src/gguf-py" "$model.tmp" 3b
       mv "$model.tmp" "$model"
     fi
     streamed=("$model")

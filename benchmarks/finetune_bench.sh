@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # LoRA fine-tuning of a 0.5B model next to PyTorch, in the same run: cputrain finetune on
-# build/qwen2_05b.gguf (Qwen2.5-0.5B's shape, random BF16 weights, benchmarks/make_qwen2.py)
-# and benchmarks/finetune_torch.py (the same shape, a plain LoRA module, PyTorch's fastest
+# build/SHAPE.gguf (SHAPE qwen2-0.5b, Qwen2.5-0.5B's, or qwen3-0.6b, Qwen3-0.6B's; random BF16
+# weights, benchmarks/make_model.py) and benchmarks/finetune_torch.py (the same shape, a plain
+# LoRA module, PyTorch's fastest
 # configuration), both LoRA rank 16 on the seven projections, bf16, batch 4 x 512 tokens, no
 # gradient checkpointing. Runs alternate, cputrain then PyTorch, RUNS times; each run's tokens/s
 # is the median of its steps after the first two, its memory the peak resident set; medians of
 # the runs printed.
-#   benchmarks/finetune_bench.sh            (RUNS=3 STEPS=6 THREADS=all cores)
+#   benchmarks/finetune_bench.sh            (SHAPE=qwen2-0.5b RUNS=3 STEPS=6 THREADS=all cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
 steps=${STEPS:-6}
 threads=${THREADS:-$(nproc)}
 llamacpp=${CPUTRAIN_LLAMACPP_DIR:-$HOME/.cache/cputrain/llamacpp}
-model=build/qwen2_05b.gguf
+shape=${SHAPE:-qwen2-0.5b}
+model=build/$shape.gguf
 data=build/finetune_bench.jsonl
 if [[ ! -f $model ]]; then
-  /usr/bin/python3 benchmarks/make_qwen2.py "$llamacpp/src/gguf-py" "$model.tmp" 0.5b
+  /usr/bin/python3 benchmarks/make_model.py "$llamacpp/src/gguf-py" "$model.tmp" "$shape"
   mv "$model.tmp" "$model"
 fi
 # Texts of common words, each longer than a row: every row one example, every position a target.
@@ -46,7 +48,7 @@ import json, statistics, sys
 rates = [json.loads(l)['tokens_per_s'] for l in open(sys.argv[1]) if 'tokens_per_s' in l]
 print(statistics.median(rates[2:] or rates))" "$tmp/run/metrics.jsonl")")
   ours_rss+=("$(($(cat "$tmp/rss") * 1024))")
-  read -r rate rss < <(/usr/bin/python3 benchmarks/finetune_torch.py --steps "$steps" \
+  read -r rate rss < <(/usr/bin/python3 benchmarks/finetune_torch.py --shape "$shape" --steps "$steps" \
     --threads "$threads" --json 2>/dev/null | /usr/bin/python3 -c "
 import json, sys
 r = json.load(sys.stdin)
@@ -58,7 +60,8 @@ median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR +
 gib() { awk -v b="$1" 'BEGIN {printf "%.2f", b / 2^30}'; }
 ours=$(median "${ours_rate[@]}") theirs=$(median "${theirs_rate[@]}")
 ours_mem=$(median "${ours_rss[@]}") theirs_mem=$(median "${theirs_rss[@]}")
-printf 'qwen2 0.5B shape, LoRA r16 on q,k,v,o,gate,up,down, bf16, batch 4 x 512, %s threads, ' "$threads"
+printf '%s shape, LoRA r16' "$shape"
+printf ' on q,k,v,o,gate,up,down, bf16, batch 4 x 512, %s threads, ' "$threads"
 printf 'median of %s runs\n' "$runs"
 printf '%-10s %12s %14s\n' "" "tokens/s" "peak RSS GiB"
 printf '%-10s %12.0f %14s\n' cputrain "$ours" "$(gib "$ours_mem")"

@@ -1,16 +1,18 @@
 #!/usr/bin/python3
-"""LoRA fine-tuning of a Qwen2.5-0.5B-shaped model in PyTorch, next to `cputrain finetune`.
+"""LoRA fine-tuning of a Qwen2.5-0.5B- or Qwen3-0.6B-shaped model in PyTorch, next to `cputrain
+finetune`.
 
-The shape of benchmarks/make_qwen2.py: d_model 896, 24 layers, 14 query heads and 2
-key/value heads of 64, ffn 4864, vocab 151936, q/k/v biases, a tied head, half-split RoPE at theta
-1e6, RMSNorm eps 1e-6. The base is random, frozen and held in bf16; LoRA adapters of rank r
+The shapes of benchmarks/make_model.py: qwen2-0.5b (d_model 896, 24 layers, 14 query heads and 2
+key/value heads of 64, ffn 4864, q/k/v biases) and qwen3-0.6b (d_model 1024, 28 layers, 16 query
+heads and 8 key/value heads of 128, ffn 3072, per-head RMSNorm of q and k before RoPE, no biases);
+both vocab 151936, a tied head, half-split RoPE at theta 1e6, RMSNorm eps 1e-6. The base is random, frozen and held in bf16; LoRA adapters of rank r
 (alpha 2r) on q, k, v, o, gate, up and down are plain modules (A and B FP32 parameters, A as PEFT
 begins it, B zero), under torch.autocast bf16; AdamW (weight decay 0, clip 1) on the adapters
 alone. Batches are random tokens with every position a target. Attention is the plain masked
 softmax (PyTorch 1.13 has no fused attention on the CPU), key/value heads repeated for GQA.
 
-    /usr/bin/python3 benchmarks/finetune_torch.py [--batch 4] [--ctx 512] [--rank 16]
-        [--steps 6] [--checkpoint] [--threads N] [--json]
+    /usr/bin/python3 benchmarks/finetune_torch.py [--shape qwen2-0.5b|qwen3-0.6b] [--batch 4]
+        [--ctx 512] [--rank 16] [--steps 6] [--checkpoint] [--threads N] [--json]
 
 Prints tokens/s and ms/step (medians of the steps after the first two) and the peak resident
 set (ru_maxrss), in PyTorch's fastest configuration on this CPU (benchmarks/torch_train.py sets
@@ -28,12 +30,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_train  # noqa: E402  (its configure() re-runs this script in the right environment)
 
-D, F, LAYERS, HEADS, KV, HEAD, VOCAB, THETA, EPS = 896, 4864, 24, 14, 2, 64, 151936, 1e6, 1e-6
+# d_model, ffn, layers, heads, kv heads, head dim, q/k/v biases, q/k norms
+SHAPES = {"qwen2-0.5b": (896, 4864, 24, 14, 2, 64, True, False),
+          "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, False, True)}
+D, F, LAYERS, HEADS, KV, HEAD, BIAS, QK_NORM = SHAPES["qwen2-0.5b"]
+VOCAB, THETA, EPS = 151936, 1e6, 1e-6
 WARMUP = 2
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=list(SHAPES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rank", type=int, default=16)
@@ -94,9 +101,11 @@ class Block(torch.nn.Module):
     def __init__(self, rank):
         super().__init__()
         self.attention_norm = RMSNorm(D)
-        self.q = LoraLinear(D, HEADS * HEAD, rank, bias=True)
-        self.k = LoraLinear(D, KV * HEAD, rank, bias=True)
-        self.v = LoraLinear(D, KV * HEAD, rank, bias=True)
+        self.q = LoraLinear(D, HEADS * HEAD, rank, bias=BIAS)
+        self.k = LoraLinear(D, KV * HEAD, rank, bias=BIAS)
+        self.v = LoraLinear(D, KV * HEAD, rank, bias=BIAS)
+        self.q_norm = RMSNorm(HEAD) if QK_NORM else torch.nn.Identity()
+        self.k_norm = RMSNorm(HEAD) if QK_NORM else torch.nn.Identity()
         self.o = LoraLinear(HEADS * HEAD, D, rank)
         self.ffn_norm = RMSNorm(D)
         self.gate = LoraLinear(D, F, rank)
@@ -106,8 +115,9 @@ class Block(torch.nn.Module):
     def forward(self, x, cos, sin, mask):
         B, T, _ = x.shape
         h = self.attention_norm(x)
-        q = (rope(self.q(h).view(B, T, HEADS, HEAD), cos, sin) * HEAD ** -0.5).transpose(1, 2)
-        k = rope(self.k(h).view(B, T, KV, HEAD), cos, sin).transpose(1, 2)
+        q = rope(self.q_norm(self.q(h).view(B, T, HEADS, HEAD)), cos, sin)
+        q = (q * HEAD ** -0.5).transpose(1, 2)
+        k = rope(self.k_norm(self.k(h).view(B, T, KV, HEAD)), cos, sin).transpose(1, 2)
         v = self.v(h).view(B, T, KV, HEAD).transpose(1, 2)
         k = k.repeat_interleave(HEADS // KV, dim=1)
         v = v.repeat_interleave(HEADS // KV, dim=1)
@@ -145,6 +155,8 @@ class Model(torch.nn.Module):
 
 
 def main(args):
+    global D, F, LAYERS, HEADS, KV, HEAD, BIAS, QK_NORM
+    D, F, LAYERS, HEADS, KV, HEAD, BIAS, QK_NORM = SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     print(torch_train.configuration(args), file=sys.stderr, flush=True)
     torch.manual_seed(0)

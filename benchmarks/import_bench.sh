@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A 0.5B model from a GGUF file, against llama.cpp on the same file and threads: the time until
 # the model is ready to compute, and greedy decoding's tokens/s after the first token. The file is
-# Qwen2-0.5B's shape with random BF16 weights (benchmarks/make_qwen2.py, written once to
+# Qwen2-0.5B's shape with random BF16 weights (benchmarks/make_model.py, written once to
 # build/qwen2_05b.gguf). Runs alternate, cputrain then llama.cpp, RUNS times; medians printed.
 #   benchmarks/import_bench.sh            (RUNS=3 TOKENS=64 THREADS=all cores)
 set -euo pipefail
@@ -16,7 +16,7 @@ if [[ ! -x build/llama_oracle ]]; then
   exit 1
 fi
 if [[ ! -f $model ]]; then
-  /usr/bin/python3 benchmarks/make_qwen2.py "$llamacpp/src/gguf-py" "$model.tmp" 0.5b
+  /usr/bin/python3 benchmarks/make_model.py "$llamacpp/src/gguf-py" "$model.tmp" 0.5b
   mv "$model.tmp" "$model"
 fi
 ours_load=() ours_rate=() theirs_load=() theirs_rate=()

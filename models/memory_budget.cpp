@@ -92,7 +92,7 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
   b.step_peak_bytes = stats.peak_total_bytes;
   b.cache_headroom_bytes = std::max<int64_t>(0, stats.held_peak_bytes - stats.peak_total_bytes);
   b.corpus_bytes = o.corpus_tokens * 4;
-  b.runtime_bytes = kRuntimeBytes;
+  b.runtime_bytes = kRuntimeBytes + o.host_bytes;
   // Of a job's rank, what MPI holds outside the allocator: its libraries and shared-memory
   // segments, and the buffers it sums a bucket of gradients through (two buckets' worth).
   if (o.ranks > 1)

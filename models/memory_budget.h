@@ -45,6 +45,10 @@ struct BudgetOptions {
   // The ranks of a data-parallel job (`mpirun -np N`): the budget is one rank's, with AdamW's
   // state sharded (ZeRO-1) and the gradients' receiving buffer (engine/dist/gradient_reducer.h).
   int ranks = 1;
+  // What the process holds on the heap beside the model and its steps: a model file's index and
+  // the tokenizer (tens of MB for a 150k-token BPE vocabulary; LoadedModel::host_bytes), a
+  // fine-tune's examples and packed rows. Part of runtime_bytes.
+  int64_t host_bytes = 0;
 };
 
 struct MemoryBudget {
@@ -58,9 +62,9 @@ struct MemoryBudget {
   int64_t cache_headroom_bytes = 0;
   // The token cache, memory-mapped: resident as training touches it, reported apart.
   int64_t corpus_bytes = 0;
-  // The process before any tensor: code, libraries, the tokenizer, thread stacks, allocator
-  // overhead, and of a job's rank MPI's. An estimate (kRuntimeBytes, kMpiRuntimeBytes), or a
-  // measurement passed in by the caller.
+  // The process before any tensor: code, libraries, thread stacks, allocator overhead and of a
+  // job's rank MPI's (estimates: kRuntimeBytes, kMpiRuntimeBytes), and the heap the caller
+  // measured (BudgetOptions::host_bytes: a model file's index, the tokenizer, the examples).
   int64_t runtime_bytes = 0;
   // On disk, not in RAM: the state files of --offload (their pages pass through the page cache,
   // which the kernel gives back under pressure and does not count as the process's).

@@ -110,7 +110,7 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
                    format_bytes(b.cache_headroom_bytes));
   t +=
       fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
-  t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, stacks)",
+  t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, tokenizer)",
                    format_bytes(b.runtime_bytes));
   if (b.mapped_bytes > 0)
     t += fmt::format("  {:<38} {:>12}\n", "less the base read in place (its file)",
@@ -239,6 +239,8 @@ int fine_tune_budget(const BudgetArgs& a) {
     check_lora_targets(model, o.lora, "--lora-targets");
     check_lora_rank(model, o.lora, "--lora-rank");
   }
+  // The model file's index and the tokenizer, as a fine-tune holds them.
+  o.host_bytes = model_host_bytes(a.model, "--model");
   // A bf16 LoRA reads the base's BF16 matrices in place: apart from what must fit.
   const int64_t mapped =
       o.dtype == DType::BF16 ? bytes_read_in_place(a.model, "--model", model, o.lora) : 0;

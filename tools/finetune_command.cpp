@@ -492,6 +492,9 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   bo.offload = options.offload;
   bo.ranks = comm.size();
   bo.eval_windows = e.val.empty() ? 0 : static_cast<int64_t>(pack_examples(e.val, ctx).size());
+  // The model file's index and the tokenizer (the examples are held within a quarter of the
+  // memory limit, read_examples).
+  bo.host_bytes = m.host_bytes;
   MemoryBudget budget = memory_budget(m.config, bo);
   // A base read in place is the model file's pages: resident as the steps read them, dropped
   // and read again under pressure, so the limit covers the rest.

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 #include "engine/io/gguf_file.h"
 #include "engine/io/safetensors_file.h"
 #include "engine/text/vocab_tokenizer.h"
@@ -199,6 +200,7 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
         if (t.dims.size() == 2 && t.type != static_cast<uint32_t>(GgmlType::BF16)) all_bf16 = false;
       break;
   }
+  m.host_bytes = (gguf ? gguf->heap_bytes() : 0) + m.tokenizer->heap_bytes();
   // A model file's context is capped (a run's is what it trained with).
   m.declared_ctx = m.config.ctx;
   if (kind != SourceKind::Run) m.config.ctx = std::min(m.config.ctx, max_ctx);
@@ -379,6 +381,13 @@ std::pair<std::string, std::string> model_source(const std::string& run, const s
     return {run, "--run"};
   }
   return {model, "--model"};
+}
+
+int64_t model_host_bytes(const std::string& path, const std::string& flag) {
+  if (const auto run = finetune_run(path)) return model_host_bytes(run->base, flag);
+  const int64_t file =
+      source_kind(path, flag) == SourceKind::Gguf ? GgufFile(path).heap_bytes() : 0;
+  return file + load_tokenizer(path, flag).heap_bytes();
 }
 
 Tokenizer load_tokenizer(const std::string& path, const std::string& flag) {

@@ -24,6 +24,10 @@ struct LoadedModel {
   // The context the model file declares, before load_model's max_ctx capped config.ctx (what an
   // export writes).
   int64_t declared_ctx = 0;
+  // What the model file's index (a GGUF file's metadata, a vocabulary of 150k tokens and merges
+  // among it) and the tokenizer hold on the heap (GgufFile::heap_bytes, Tokenizer::heap_bytes):
+  // a memory budget's host_bytes.
+  int64_t host_bytes = 0;
 };
 
 // The context a model file is given where it declares a longer one and no --ctx says otherwise.
@@ -68,6 +72,10 @@ bool is_lora_finetune(const std::string& path);
 // Of a fine-tune's run directory, a line saying what it holds ("a LoRA fine-tune (rank 16, alpha
 // 32 on q,k,v,o,gate,up,down) of BASE: adapter.gguf"); nothing for any other path.
 std::optional<std::string> describe_finetune_run(const std::string& path);
+
+// What load_model's file index and tokenizer of the model at `path` hold on the heap
+// (LoadedModel::host_bytes), without its weights: the budget command's measure of them.
+int64_t model_host_bytes(const std::string& path, const std::string& flag);
 
 // The configuration alone of the model at `path` (as load_model reads it), its context at most
 // `max_ctx`.

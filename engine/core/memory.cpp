@@ -244,6 +244,11 @@ void MeasureScope::reset_peaks() {
   ledger_reset_peaks(state_->ledger);
 }
 
+int64_t heap_in_use_bytes() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
 ProcessMemory process_memory() {
   const char* status = "/proc/self/status";
   return {read_proc_kb(status, "VmRSS"), read_proc_kb(status, "VmHWM"),

@@ -2,11 +2,14 @@
 // bytes are kept per category. Next to it, the process view from /proc.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace cputrain {
 
@@ -86,6 +89,22 @@ struct ProcessMemory {
   int64_t rss_file_bytes = 0;
 };
 ProcessMemory process_memory();
+// Bytes the C heap holds in use (glibc's mallinfo2: its blocks in use and its mapped ones, of
+// the main arena, freed blocks in the thread's cache among them).
+int64_t heap_in_use_bytes();
+
+// What glibc's malloc takes for a block of `bytes`: its header, rounded to 16, at least 32.
+constexpr int64_t heap_chunk_bytes(int64_t bytes) {
+  return bytes <= 0 ? 0 : std::max<int64_t>(32, (bytes + 8 + 15) / 16 * 16);
+}
+// The heap behind a std::string (none within its 15 inline characters) and a std::vector.
+inline int64_t heap_bytes_of(const std::string& s) {
+  return s.capacity() > 15 ? heap_chunk_bytes(static_cast<int64_t>(s.capacity()) + 1) : 0;
+}
+template <class T>
+int64_t heap_bytes_of(const std::vector<T>& v) {
+  return heap_chunk_bytes(static_cast<int64_t>(v.capacity() * sizeof(T)));
+}
 // Returns freed heap memory to the system (malloc_trim) and restarts the peak RSS from the
 // current RSS (/proc/self/clear_refs), so a later peak measures what follows, not set-up work
 // such as tokenizer training. Returns false where the kernel does not allow it.

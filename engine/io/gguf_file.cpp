@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 #include "engine/io/atomic_file.h"
 
 namespace cputrain {
@@ -362,6 +363,24 @@ GgufFile::GgufFile(const std::string& path) : path_(path), file_(path) {
       throw UserError(path + ": truncated: tensor " + t.name + " runs past the end of the file");
     t.data = {bytes + data_start + t.offset, n};
   }
+}
+
+int64_t GgufFile::heap_bytes() const {
+  // A std::map node: its links and colour (32 bytes) and its pair.
+  constexpr int64_t kMapNode = 32;
+  int64_t bytes = 0;
+  for (const auto& [key, value] : metadata_) {
+    bytes += heap_chunk_bytes(kMapNode + static_cast<int64_t>(sizeof(key) + sizeof(value)));
+    bytes += heap_bytes_of(key) + heap_bytes_of(value.text) + heap_bytes_of(value.strings) +
+             heap_bytes_of(value.numbers);
+    for (const std::string& s : value.strings) bytes += heap_bytes_of(s);
+  }
+  bytes += heap_bytes_of(tensors_);
+  for (const GgufTensor& t : tensors_) bytes += heap_bytes_of(t.name) + heap_bytes_of(t.dims);
+  for (const auto& [name, index] : by_name_)
+    bytes += heap_chunk_bytes(kMapNode + static_cast<int64_t>(sizeof(name) + sizeof(index))) +
+             heap_bytes_of(name);
+  return bytes;
 }
 
 const GgufValue* GgufFile::find(const std::string& key) const {

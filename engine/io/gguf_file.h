@@ -78,6 +78,9 @@ class GgufFile {
   const std::string& path() const { return path_; }
   uint32_t version() const { return version_; }
   const std::map<std::string, GgufValue>& metadata() const { return metadata_; }
+  // What its index (the metadata, a vocabulary's tokens and merges among it, and the tensor
+  // directory) holds on the heap, as glibc's malloc takes it (engine/core/memory.h).
+  int64_t heap_bytes() const;
   const std::vector<GgufTensor>& tensors() const { return tensors_; }
 
   // nullptr where absent.

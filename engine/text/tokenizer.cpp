@@ -12,6 +12,7 @@
 
 #include "engine/core/error.h"
 #include "engine/core/hash.h"
+#include "engine/core/memory.h"
 #include "engine/io/atomic_file.h"
 #include "engine/io/gguf_file.h"
 #include "engine/text/utf8.h"
@@ -289,6 +290,11 @@ Vocabulary Tokenizer::to_vocabulary() const {
 
 int Tokenizer::vocab_size() const {
   return vocab_ ? vocab_->vocab_size() : processor_->GetPieceSize();
+}
+
+int64_t Tokenizer::heap_bytes() const {
+  if (vocab_) return vocab_->heap_bytes();
+  return 5 * heap_bytes_of(model_bytes_) + heap_bytes_of(byte_of_);
 }
 
 }  // namespace cputrain

@@ -75,6 +75,9 @@ class Tokenizer {
   int32_t eos_id() const { return eos_; }
   // The serialized model, as written to disk (empty for a model file's vocabulary).
   const std::string& model_bytes() const { return model_bytes_; }
+  // What it holds on the heap: a model file's vocabulary's tables (VocabTokenizer::heap_bytes),
+  // or a SentencePiece model's bytes and, estimated, four times them for its processor.
+  int64_t heap_bytes() const;
   // The model file's vocabulary, or nullptr for cputrain's own tokenizer.
   const VocabTokenizer* vocabulary() const { return vocab_.get(); }
   // The tokenizer as a vocabulary a model file carries: a model file's own, or cputrain's

@@ -9,6 +9,7 @@
 #include <queue>
 
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 #include "engine/io/gguf_file.h"
 #include "engine/text/utf8.h"
 
@@ -80,10 +81,12 @@ constexpr PreTokenizer kPreTokenizers[] = {
     // script, punctuation and digits.
     {"deepseek-llm",
      {"[\r\n]",
-      "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-"
+      "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-"
+      "ᲺᲽ-"
       "Ჿᴀ-"
       "ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-"
-      "ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-"
+      "ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-"
+      "𐲲𐳀-"
       "𐳲𑢠-"
       "𑣟𞤀-𞥃]+",
       "\\s?[!-/:-~！-／：-～‘-‟　-。]+", "\\s+$", "[一-龥ࠀ-一가-퟿]+", "\\p{N}+"},
@@ -254,6 +257,26 @@ int32_t VocabTokenizer::find(std::string_view piece) const {
 
 int32_t VocabTokenizer::type(int32_t id) const {
   return v_.types.empty() ? Vocabulary::kNormal : v_.types[static_cast<size_t>(id)];
+}
+
+int64_t VocabTokenizer::heap_bytes() const {
+  // An unordered_map node: the next link, the pair and the cached hash; and the bucket array.
+  const auto table = [](const auto& map, int64_t pair) {
+    int64_t bytes = heap_chunk_bytes(static_cast<int64_t>(map.bucket_count() * sizeof(void*)));
+    bytes += static_cast<int64_t>(map.size()) * heap_chunk_bytes(8 + pair + 8);
+    return bytes;
+  };
+  int64_t bytes = heap_bytes_of(v_.tokens) + heap_bytes_of(v_.types) + heap_bytes_of(v_.scores) +
+                  heap_bytes_of(v_.merges) + heap_bytes_of(v_.chat_template) +
+                  heap_bytes_of(specials_);
+  for (const std::string& t : v_.tokens) bytes += heap_bytes_of(t);
+  for (const std::string& m : v_.merges) bytes += heap_bytes_of(m);
+  for (const auto& [text, id] : specials_) bytes += heap_bytes_of(text);
+  bytes += table(ids_, sizeof(Table::value_type)) + table(merge_rank_, sizeof(Table::value_type));
+  for (const auto& [key, id] : ids_) bytes += heap_bytes_of(key);
+  for (const auto& [key, rank] : merge_rank_) bytes += heap_bytes_of(key);
+  bytes += table(char_bytes_, sizeof(std::pair<const uint32_t, uint8_t>));
+  return bytes;
 }
 
 std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,

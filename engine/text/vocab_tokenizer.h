@@ -53,6 +53,10 @@ class VocabTokenizer {
   VocabTokenizer(const VocabTokenizer&) = delete;
   VocabTokenizer& operator=(const VocabTokenizer&) = delete;
 
+  // What it holds on the heap, as glibc's malloc takes it (engine/core/memory.h): the
+  // vocabulary, its look-up tables and the special tokens (not PCRE2's compiled expressions).
+  int64_t heap_bytes() const;
+
   // The ids of `text`, without BOS or EOS. The texts of user-defined tokens in it (MPT's runs of
   // spaces) are those tokens, as llama.cpp gives them; with `special`, those of control tokens
   // (such as <|im_start|>) too, else they are text like any other. In a SentencePiece-style

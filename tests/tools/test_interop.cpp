@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/core/error.h"
+#include "engine/core/memory.h"
 #include "engine/core/tensor.h"
 #include "engine/io/gguf_file.h"
 #include "engine/io/safetensors_file.h"
@@ -298,6 +299,32 @@ TEST(LlamaCppVocab, Gpt2TestVectors) {
 TEST(LlamaCppVocab, DigitsApartTestVectors) {
   REQUIRE_ORACLE();
   expect_test_vectors("command-r");
+}
+
+// What a 150k-token BPE vocabulary (Qwen2's) holds on the heap, as the memory budget counts it
+// (GgufFile::heap_bytes, Tokenizer::heap_bytes), against what the heap holds once they are made
+// (glibc's mallinfo2): within 10% each.
+TEST(LlamaCppVocab, TheHeapOfAVocabularyIsWhatTheBudgetCounts) {
+  REQUIRE_ORACLE();
+  const std::string path =
+      (fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "ggml-vocab-qwen2.gguf").string();
+  const int64_t before = heap_in_use_bytes();
+  const auto file = std::make_unique<GgufFile>(path);
+  const int64_t with_file = heap_in_use_bytes();
+  const auto tokenizer =
+      std::make_unique<Tokenizer>(Tokenizer::from_vocabulary(gguf_vocabulary(*file)));
+  const int64_t with_tokenizer = heap_in_use_bytes();
+  std::printf("file %lld counted, %lld measured; tokenizer %lld counted, %lld measured\n",
+              static_cast<long long>(file->heap_bytes()),
+              static_cast<long long>(with_file - before),
+              static_cast<long long>(tokenizer->heap_bytes()),
+              static_cast<long long>(with_tokenizer - with_file));
+  EXPECT_NEAR(static_cast<double>(file->heap_bytes()), static_cast<double>(with_file - before),
+              0.1 * static_cast<double>(with_file - before));
+  EXPECT_NEAR(static_cast<double>(tokenizer->heap_bytes()),
+              static_cast<double>(with_tokenizer - with_file),
+              0.1 * static_cast<double>(with_tokenizer - with_file));
+  EXPECT_GT(tokenizer->heap_bytes(), 10'000'000);
 }
 
 // Every other vocabulary llama.cpp's source ships with test vectors: the same ids on every text

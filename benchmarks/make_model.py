@@ -1,0 +1,162 @@
+#!/usr/bin/python3
+"""A GGUF of a published model's shape with random BF16 weights, for the load, decode, memory and
+fine-tuning benchmarks.
+
+Usage: make_model.py GGUF_PY_DIR OUT.gguf [SHAPE]
+SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
+  qwen2-0.5b   Qwen2.5-0.5B: d_model 896, 24 layers, 14 heads over 2 of 64, ffn 4864, q/k/v
+               biases (494M parameters)
+  qwen2-3b     Qwen2.5-3B: d_model 2048, 36 layers, 16 heads over 2 of 128, ffn 11008, biases
+  qwen3-0.6b   Qwen3-0.6B: d_model 1024, 28 layers, 16 heads over 8 of 128, ffn 3072, q/k norms
+               (596M)
+  llama3.2-1b  Llama-3.2-1B: d_model 2048, 16 layers, 32 heads over 8 of 64, ffn 8192, theta 5e5,
+               Llama 3's RoPE scaling (factor 32, original context 8192) (1.24B)
+  smollm3-3b   SmolLM3-3B: d_model 2048, 36 layers, 16 heads over 4 of 128, ffn 11008, every
+               fourth layer without RoPE (3.08B)
+  phi4-mini    Phi-4-mini: d_model 3072, 32 layers, 24 heads over 8 of 128, ffn 8192, fused qkv and
+               gate/up tensors, RoPE on 96 of each head's 128 dimensions, longrope (3.84B)
+All tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
+(models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
+vocabulary as the published files are. Tensors are generated and written one at a time, so the
+writer holds one in memory.
+"""
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, sys.argv[1])
+import gguf  # noqa: E402
+
+# arch, d_model, ffn, layers, heads, kv heads, head dim, vocab, theta, tokenizer file, extras
+SHAPES = {
+    "qwen2-0.5b": ("qwen2", 896, 4864, 24, 14, 2, 64, 151936, 1e6, "qwen2", {"bias": True}),
+    "qwen2-3b": ("qwen2", 2048, 11008, 36, 16, 2, 128, 151936, 1e6, "qwen2", {"bias": True}),
+    "qwen3-0.6b": ("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, 1e6, "qwen2", {"qk_norm": True}),
+    "llama3.2-1b": ("llama", 2048, 8192, 16, 32, 8, 64, 128256, 5e5, "llama-bpe",
+                    {"llama3": (32.0, 1.0, 4.0, 8192), "adjacent": True}),
+    "smollm3-3b": ("smollm3", 2048, 11008, 36, 16, 4, 128, 128256, 5e6, "llama-bpe",
+                   {"adjacent": True}),
+    "phi4-mini": ("phi3", 3072, 8192, 32, 24, 8, 128, 200064, 1e4, "phi-3",
+                  {"fused": True, "rope_dim": 96, "longrope": (4096, 131072)}),
+}
+ALIASES = {"0.5b": "qwen2-0.5b", "3b": "qwen2-3b"}
+shape = sys.argv[3] if len(sys.argv) > 3 else "qwen2-0.5b"
+shape = ALIASES.get(shape, shape)
+if shape not in SHAPES:
+    sys.exit(f"make_model.py: SHAPE {shape!r} is not one of {', '.join(SHAPES)}")
+ARCH, D, F, LAYERS, HEADS, KV, HEAD, VOCAB, THETA, TOKENIZER, EXTRA = SHAPES[shape]
+rng = np.random.default_rng(3)
+
+w = gguf.GGUFWriter(sys.argv[2], ARCH)
+CTX = EXTRA["longrope"][1] if "longrope" in EXTRA else 32768
+w.add_context_length(CTX)
+w.add_embedding_length(D)
+w.add_block_count(LAYERS)
+w.add_feed_forward_length(F)
+w.add_head_count(HEADS)
+w.add_head_count_kv(KV)
+w.add_key_length(HEAD)
+w.add_value_length(HEAD)
+w.add_rope_dimension_count(EXTRA.get("rope_dim", HEAD))
+w.add_layer_norm_rms_eps(1e-6 if ARCH != "llama" else 1e-5)
+w.add_rope_freq_base(THETA)
+vocab = gguf.GGUFReader(os.path.join(sys.argv[1], "..", "models", f"ggml-vocab-{TOKENIZER}.gguf"))
+
+
+def field(name):
+    f = vocab.fields[name]
+    return [bytes(f.parts[i]).decode() for i in f.data] if f.types[0] == gguf.GGUFValueType.ARRAY \
+        and f.types[-1] == gguf.GGUFValueType.STRING else [
+            f.parts[i][0].item() for i in f.data]
+
+
+tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+tokens += [f"[PAD{i}]" for i in range(len(tokens), VOCAB)]
+types += [gguf.TokenType.UNUSED] * (VOCAB - len(types))
+model = "llama" if TOKENIZER == "phi-3" else "gpt2"
+w.add_tokenizer_model(model)
+if model == "gpt2":
+    w.add_tokenizer_pre(TOKENIZER)
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+else:
+    scores = field("tokenizer.ggml.scores")
+    w.add_token_scores(scores + [0.0] * (VOCAB - len(scores)))
+w.add_token_list(tokens)
+w.add_token_types(types)
+w.add_eos_token_id(field("tokenizer.ggml.eos_token_id")[0])
+w.add_add_bos_token(model == "llama")
+
+# (name, shape, what): "bf16" Normal(0, 0.02) rounded to bf16, "ones" and "bias" FP32, "factors"
+# RoPE factors FP32.
+Q, KVD = HEADS * HEAD, KV * HEAD
+tensors = [("token_embd.weight", (VOCAB, D), "bf16")]
+for i in range(LAYERS):
+    b = f"blk.{i}."
+    tensors.append((b + "attn_norm.weight", (D,), "ones"))
+    if EXTRA.get("fused"):
+        tensors.append((b + "attn_qkv.weight", (Q + 2 * KVD, D), "bf16"))
+    else:
+        tensors += [(b + "attn_q.weight", (Q, D), "bf16"), (b + "attn_k.weight", (KVD, D), "bf16"),
+                    (b + "attn_v.weight", (KVD, D), "bf16")]
+    if EXTRA.get("bias"):
+        tensors += [(b + "attn_q.bias", (Q,), "bias"), (b + "attn_k.bias", (KVD,), "bias"),
+                    (b + "attn_v.bias", (KVD,), "bias")]
+    if EXTRA.get("qk_norm"):
+        tensors += [(b + "attn_q_norm.weight", (HEAD,), "ones"),
+                    (b + "attn_k_norm.weight", (HEAD,), "ones")]
+    tensors += [(b + "attn_output.weight", (D, Q), "bf16"), (b + "ffn_norm.weight", (D,), "ones")]
+    if EXTRA.get("fused"):
+        tensors.append((b + "ffn_up.weight", (2 * F, D), "bf16"))
+    else:
+        tensors += [(b + "ffn_gate.weight", (F, D), "bf16"), (b + "ffn_up.weight", (F, D), "bf16")]
+    tensors.append((b + "ffn_down.weight", (D, F), "bf16"))
+tensors.append(("output_norm.weight", (D,), "ones"))
+rope = EXTRA.get("rope_dim", HEAD)
+if "llama3" in EXTRA:
+    factor, low, high, original = EXTRA["llama3"]
+    divisors = []
+    for j in range(HEAD // 2):
+        wavelength = 2 * math.pi * THETA ** (2.0 * j / HEAD)
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    tensors.append(("rope_freqs.weight", (HEAD // 2,), np.array(divisors, dtype=np.float32)))
+if "longrope" in EXTRA:
+    original, ctx = EXTRA["longrope"]
+    tensors.append(("rope_factors_long.weight", (rope // 2,),
+                    (1.0 + 30.0 * rng.random(rope // 2)).astype(np.float32)))
+    tensors.append(("rope_factors_short.weight", (rope // 2,),
+                    (1.0 + 0.2 * rng.random(rope // 2)).astype(np.float32)))
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(ctx / original) / math.log(original)))
+    w.add_rope_scaling_orig_ctx_len(original)
+
+
+def values(shape, what):
+    if isinstance(what, np.ndarray):
+        return what
+    if what == "ones":
+        return np.ones(shape, dtype=np.float32)
+    if what == "bias":
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    a = (0.02 * rng.standard_normal(shape, dtype=np.float32)).view(np.uint32)
+    return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+for name, dims, what in tensors:
+    if isinstance(what, str) and what == "bf16":
+        w.add_tensor_info(name, dims, np.dtype(np.uint16), 2 * int(np.prod(dims)),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
+w.write_header_to_file()
+w.write_kv_data_to_file()
+w.write_ti_data_to_file()
+for name, dims, what in tensors:
+    w.write_tensor_data(values(dims, what))
+w.close()
