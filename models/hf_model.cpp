@@ -500,6 +500,10 @@ Tokenizer hf_tokenizer(const std::string& folder) {
       const size_t id = id_of(t.at("id"));
       v.tokens[id] = t.at("content").get<std::string>();
       v.types[id] = t.value("special", false) ? Vocabulary::kControl : Vocabulary::kUserDefined;
+      if (t.value("rstrip", false)) {
+        v.rstrip.resize(v.tokens.size(), 0);
+        v.rstrip[id] = 1;
+      }
     }
     for (const json& m : model.value("merges", json::array()))
       v.merges.push_back(m.is_string()
@@ -807,7 +811,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                          {"special", t == Vocabulary::kControl},
                          {"single_word", false},
                          {"lstrip", false},
-                         {"rstrip", false},
+                         {"rstrip", !v.rstrip.empty() && v.rstrip[i] != 0},
                          {"normalized", false}});
       vocab[v.tokens[i]] = i;
     }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstdio>
 #include <queue>
 
@@ -169,6 +170,21 @@ Vocabulary gguf_vocabulary(const GgufFile& file) {
   v.add_eos = file.flag("tokenizer.ggml.add_eos_token", false);
   v.add_space_prefix = file.flag("tokenizer.ggml.add_space_prefix", spm);
   v.chat_template = file.string("tokenizer.chat_template", "");
+  // GGUF holds no token attributes: llama.cpp gives a model named Phi-3's special tokens rstrip
+  // (but <unk>, <s> and <|endoftext|>), as its tokenizer.json does, and so does this.
+  std::string name = file.string("general.name", "");
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (name.find("phi-3") != std::string::npos || name.find("phi3") != std::string::npos) {
+    v.rstrip.assign(v.tokens.size(), 0);
+    for (size_t i = 0; i < v.tokens.size(); ++i) {
+      const int32_t t = v.types.empty() ? Vocabulary::kNormal : v.types[i];
+      const std::string& s = v.tokens[i];
+      v.rstrip[i] = ((t == Vocabulary::kControl || t == Vocabulary::kUserDefined) && s != "<unk>" &&
+                     s != "<s>" && s != "<|endoftext|>") ||
+                    s == "</s>";
+    }
+  }
   return v;
 }
 
@@ -271,7 +287,7 @@ int64_t VocabTokenizer::heap_bytes() const {
   };
   int64_t bytes = heap_bytes_of(v_.tokens) + heap_bytes_of(v_.types) + heap_bytes_of(v_.scores) +
                   heap_bytes_of(v_.merges) + heap_bytes_of(v_.chat_template) +
-                  heap_bytes_of(specials_);
+                  heap_bytes_of(specials_) + heap_bytes_of(v_.rstrip);
   for (const std::string& t : v_.tokens) bytes += heap_bytes_of(t);
   for (const std::string& m : v_.merges) bytes += heap_bytes_of(m);
   for (const auto& [text, id] : specials_) bytes += heap_bytes_of(text);
@@ -315,6 +331,9 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,
     out.push_back(hit->second);
     after_special = true;
     pos += hit->first.size();
+    // A token with rstrip takes the whitespace after it.
+    if (!v_.rstrip.empty() && v_.rstrip[static_cast<size_t>(hit->second)])
+      while (pos < text.size() && std::isspace(static_cast<unsigned char>(text[pos]))) ++pos;
     start = pos;
   }
   plain(text.substr(start));

@@ -32,6 +32,9 @@ struct Vocabulary {
   bool add_eos = false;
   bool add_space_prefix = true;
   std::string chat_template;  // tokenizer.chat_template, empty where absent
+  // Per token, 1 where the whitespace after it in a text is dropped (its rstrip: Phi-3's special
+  // tokens); empty: none.
+  std::vector<uint8_t> rstrip;
 
   // llama.cpp's token types.
   static constexpr int32_t kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5,

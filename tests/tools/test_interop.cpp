@@ -357,13 +357,22 @@ TEST(LlamaCppVocab, EveryShippedVocabularyMatchesOrIsRefused) {
 // llama.cpp gives them; without, they are text.
 // Chat turns: with special tokens parsed, the markers are their own ids, as llama.cpp gives them
 // (ChatML in Qwen2's byte-level vocabulary; Llama 2's [INST] turns with <s> and </s> in a
-// SentencePiece-style one, where each text after a special token takes the dummy prefix);
+// SentencePiece-style one, where each text after a special token takes the dummy prefix; a
+// conversation rendered with Llama 3's, ChatML's and Phi-3's templates in their vocabularies);
 // without, they are text.
 TEST(LlamaCppVocab, SpecialTokensInAChatTurn) {
   REQUIRE_ORACLE();
-  const std::pair<const char*, const char*> cases[] = {
+  std::vector<std::pair<std::string, std::string>> cases = {
       {"qwen2", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"},
       {"llama-spm", "[INST] What is 2+2? [/INST] 4</s><s>[INST] And 3+3? [/INST]"}};
+  // Each family's template rendering a conversation, in its family's vocabulary: Llama 3's
+  // (Llama 3.x, SmolLM3), ChatML in Qwen3.5's, Phi-3's.
+  const std::vector<ChatMessage> messages = {
+      {"system", "Be terse."}, {"user", "What is 2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}};
+  for (const auto& [vocab, family] : {std::pair{"llama-bpe", "llama3"},
+                                      std::pair{"qwen35", "chatml"}, std::pair{"phi-3", "phi3"}})
+    cases.emplace_back(vocab, render_chat_text(chat_template_named(family, "--chat-template", ""),
+                                               messages, true));
   const TempFolder dir{temp_dir("chat")};
   for (const auto& [name, turn] : cases) {
     const fs::path vocab =
