@@ -10,11 +10,7 @@ namespace cputrain {
 
 using nlohmann::json;
 
-namespace {
-
-// A float as the shortest decimal that reads back as the same float (0.9f is written 0.9, not
-// 0.8999999761581421).
-double shortest(float f) {
+double shortest_decimal(float f) {
   char buf[32];
   for (int digits = 6; digits <= 9; ++digits) {
     std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
@@ -22,8 +18,6 @@ double shortest(float f) {
   }
   return std::strtod(buf, nullptr);
 }
-
-}  // namespace
 
 json model_config_json(const ModelConfig& c) {
   json j = {{"architecture", c.architecture},
@@ -35,7 +29,7 @@ json model_config_json(const ModelConfig& c) {
             {"head_dim", c.head_size()},
             {"ffn", c.ffn},
             {"ctx", c.ctx},
-            {"norm_eps", shortest(c.norm_eps)},
+            {"norm_eps", shortest_decimal(c.norm_eps)},
             {"rope_theta", c.rope_theta},
             {"rope_pairs", rope_pairs_name(c.rope_pairs)},
             {"qkv_bias", c.qkv_bias},
@@ -46,8 +40,8 @@ json model_config_json(const ModelConfig& c) {
   if (c.rope_dim > 0) j["rope_dim"] = c.rope_dim;
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
-    for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest(f));
-    for (const float f : c.rope_scaling.long_factors) long_factors.push_back(shortest(f));
+    for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
+    for (const float f : c.rope_scaling.long_factors) long_factors.push_back(shortest_decimal(f));
     j["rope_scaling"] = {{"type", c.rope_scaling.type},
                          {"factor", c.rope_scaling.factor},
                          {"low_freq_factor", c.rope_scaling.low_freq_factor},

@@ -9,6 +9,10 @@
 
 namespace cputrain {
 
+// A float as the shortest decimal that reads back as the same float (0.9f is written 0.9, not
+// 0.8999999761581421): how config.json files hold floats.
+double shortest_decimal(float f);
+
 // Every field of the configuration: its architecture and the parts its description lets vary
 // (biases, tied head, RoPE pairing, scaling and layers without RoPE), and its parameter count.
 nlohmann::json model_config_json(const ModelConfig& config);

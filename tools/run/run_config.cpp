@@ -14,21 +14,6 @@ namespace cputrain {
 
 using nlohmann::json;
 
-namespace {
-
-// A float as the shortest decimal that reads back as the same float (0.9f is written 0.9, not
-// 0.8999999761581421).
-double shortest(float f) {
-  char buf[32];
-  for (int digits = 6; digits <= 9; ++digits) {
-    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
-    if (std::strtof(buf, nullptr) == f) break;
-  }
-  return std::strtod(buf, nullptr);
-}
-
-}  // namespace
-
 std::string run_config_to_json(const RunConfig& c) {
   const json j = {
       {"preset", c.preset},
@@ -45,11 +30,11 @@ std::string run_config_to_json(const RunConfig& c) {
         {"warmup_steps", c.train.lr.warmup_steps},
         {"lr_schedule_steps", c.train.lr.total_steps},
         {"min_lr_ratio", c.train.lr.min_ratio},
-        {"beta1", shortest(c.train.adamw.beta1)},
-        {"beta2", shortest(c.train.adamw.beta2)},
-        {"eps", shortest(c.train.adamw.eps)},
-        {"weight_decay", shortest(c.train.adamw.weight_decay)},
-        {"grad_clip", shortest(c.train.adamw.grad_clip)},
+        {"beta1", shortest_decimal(c.train.adamw.beta1)},
+        {"beta2", shortest_decimal(c.train.adamw.beta2)},
+        {"eps", shortest_decimal(c.train.adamw.eps)},
+        {"weight_decay", shortest_decimal(c.train.adamw.weight_decay)},
+        {"grad_clip", shortest_decimal(c.train.adamw.grad_clip)},
         {"save_every", c.save_every},
         {"keep", c.keep},
         {"offload", c.offload},
