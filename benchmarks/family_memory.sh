@@ -17,19 +17,7 @@ llamacpp=${CPUTRAIN_LLAMACPP_DIR:-$HOME/.cache/cputrain/llamacpp}
 shapes=("$@")
 [[ ${#shapes[@]} -gt 0 ]] || shapes=(qwen3-0.6b llama3.2-1b smollm3-3b phi4-mini)
 data=build/family_memory.jsonl
-/usr/bin/python3 - "$data" <<'EOF'
-import json, random, sys
-random.seed(2)
-words = ("the of and to in is was for on that with as by at from it an be this which or are were "
-         "his her they their had not but have one all has been when who will more no if out so "
-         "said what up its about into than them can only other new some could time these two may "
-         "then do first any my now such like our over man me even most made after also did many "
-         "before must through back years where much your way well down should because each just "
-         "those people").split()
-with open(sys.argv[1], "w") as f:
-    for _ in range(64):
-        f.write(json.dumps({"text": " ".join(random.choice(words) for _ in range(560))}) + "\n")
-EOF
+/usr/bin/python3 benchmarks/bench_data.py "$data"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "| shape | parameters | batch x ctx | budget | anonymous RSS (largest) | gap | file resident | tokens/s |"

@@ -21,20 +21,7 @@ if [[ ! -f $model ]]; then
   /usr/bin/python3 benchmarks/make_model.py "$llamacpp/src/gguf-py" "$model.tmp" "$shape"
   mv "$model.tmp" "$model"
 fi
-# Texts of common words, each longer than a row: every row one example, every position a target.
-/usr/bin/python3 - "$data" <<'EOF'
-import json, random, sys
-random.seed(2)
-words = ("the of and to in is was for on that with as by at from it an be this which or are were "
-         "his her they their had not but have one all has been when who will more no if out so "
-         "said what up its about into than them can only other new some could time these two may "
-         "then do first any my now such like our over man me even most made after also did many "
-         "before must through back years where much your way well down should because each just "
-         "those people").split()
-with open(sys.argv[1], "w") as f:
-    for _ in range(64):
-        f.write(json.dumps({"text": " ".join(random.choice(words) for _ in range(560))}) + "\n")
-EOF
+/usr/bin/python3 benchmarks/bench_data.py "$data"
 ours_rate=() ours_rss=() theirs_rate=() theirs_rss=()
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -213,6 +213,9 @@ void check_gguf_weights(const GgufFile& file, const ModelConfig& config) {
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
                        const ModelConfig& config) {
   std::set<std::string> used;
+  // A fused tensor's parts follow one another: it is converted once for them all.
+  const GgufTensor* converted = nullptr;
+  std::vector<float> values;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
@@ -228,7 +231,8 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
                params.bf16_only(static_cast<int>(i))) {
       params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
-      const std::vector<float> values = gguf_tensor_values(file, *t);
+      if (converted != t) values = gguf_tensor_values(file, *t);
+      converted = t;
       params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
     }
     used.insert(name);
@@ -362,9 +366,12 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
   if (got != want)
     throw UserError(file.path() + ": an adapter trained on another base model (fingerprint " + got +
                     ", this model's " + want + ")");
+  const GgufTensor* converted = nullptr;
+  std::vector<float> all;  // a fused B converted once for its parts
   for (const auto& [i, t, part] : adapters) {
     const ParameterInfo& info = params.infos()[i];
-    const std::vector<float> all = gguf_tensor_values(file, *t);
+    if (converted != t) all = gguf_tensor_values(file, *t);
+    converted = t;
     const int64_t row = info.shape[1];
     std::vector<float> values(all.begin() + part.first_row * row,
                               all.begin() + (part.first_row + part.rows) * row);

@@ -427,6 +427,9 @@ void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
                      const ModelConfig& config) {
   std::set<std::string> used;
+  // A fused tensor's parts follow one another: it is converted once for them all.
+  const SafetensorsTensor* converted = nullptr;
+  std::vector<float> values;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
     if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
@@ -441,7 +444,8 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
     } else if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
       params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
-      const std::vector<float> values = safetensors_values(weights.file_of(name), name, *t);
+      if (converted != t) values = safetensors_values(weights.file_of(name), name, *t);
+      converted = t;
       params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
     }
     used.insert(name);

@@ -135,6 +135,7 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
                                      TensorNaming naming,
                                      const std::function<bool(const ParameterInfo&)>& which) {
   std::vector<FileTensor> out;
+  std::vector<std::vector<int64_t>> first_rows;  // of each tensor's parts, as they are added
   std::map<std::string, size_t> at;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& info = params.infos()[i];
@@ -146,15 +147,21 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
       for (int d = 0; d < info.shape.ndim(); ++d) t.shape.push_back(info.shape[d]);
       t.shape[0] = part.tensor_rows;
       out.push_back(std::move(t));
+      first_rows.emplace_back();
     }
     out[it->second].parts.push_back(static_cast<int>(i));
+    first_rows[it->second].push_back(part.first_row);
   }
   // Parts in row order.
-  for (FileTensor& t : out)
-    std::sort(t.parts.begin(), t.parts.end(), [&](int a, int b) {
-      return tensor_part(params.infos()[static_cast<size_t>(a)], c, naming).first_row <
-             tensor_part(params.infos()[static_cast<size_t>(b)], c, naming).first_row;
-    });
+  for (size_t k = 0; k < out.size(); ++k) {
+    std::vector<size_t> order(out[k].parts.size());
+    for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return first_rows[k][a] < first_rows[k][b]; });
+    std::vector<int> parts;
+    for (const size_t j : order) parts.push_back(out[k].parts[j]);
+    out[k].parts = std::move(parts);
+  }
   return out;
 }
 
