@@ -3,8 +3,8 @@
 
 namespace cputrain::kernels {
 
-const SwigluKernels& swiglu_kernels_avx2() {
-  return detail::kSwigluKernels;
+const SwigluKernels& swiglu_kernels_avx2(Activation act) {
+  return detail::kSwigluKernels[static_cast<int>(act)];
 }
 
 }  // namespace cputrain::kernels

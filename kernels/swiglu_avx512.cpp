@@ -3,8 +3,8 @@
 
 namespace cputrain::kernels {
 
-const SwigluKernels& swiglu_kernels_avx512() {
-  return detail::kSwigluKernels;
+const SwigluKernels& swiglu_kernels_avx512(Activation act) {
+  return detail::kSwigluKernels[static_cast<int>(act)];
 }
 
 }  // namespace cputrain::kernels

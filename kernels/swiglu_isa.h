@@ -1,9 +1,11 @@
-// The SwiGLU implementations behind the dispatch in swiglu.cpp, one table per ISA, each entry
-// with the contract of its function in swiglu.h. The AVX-512 table may only be used where
-// cpu_features().avx512 is set.
+// The gated-activation implementations behind the dispatch in swiglu.cpp, one table per ISA and
+// activation, each entry with the contract of its function in swiglu.h. The AVX-512 tables may
+// only be used where cpu_features().avx512 is set.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/swiglu.h"
 
 namespace cputrain::kernels {
 
@@ -19,7 +21,7 @@ struct SwigluKernels {
                            const uint16_t* up, int64_t n);
 };
 
-const SwigluKernels& swiglu_kernels_avx2();
-const SwigluKernels& swiglu_kernels_avx512();
+const SwigluKernels& swiglu_kernels_avx2(Activation act = Activation::Silu);
+const SwigluKernels& swiglu_kernels_avx512(Activation act = Activation::Silu);
 
 }  // namespace cputrain::kernels

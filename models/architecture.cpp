@@ -82,6 +82,22 @@ std::vector<Architecture> table() {
     a.summary = "llama's block, every fourth layer without RoPE";
     t.push_back(a);
   }
+  {
+    Architecture a;
+    a.name = "gemma";
+    a.hf_model_types = {"gemma"};
+    a.hf_class = "GemmaForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.mlp = Mlp::GeGlu;
+    a.scale_embeddings = true;
+    a.hf_norm_plus_one = true;
+    a.always_tied = true;
+    a.hf_keys = {"hidden_activation"};
+    a.summary =
+        "RMSNorm scaling by 1 + w, GeGLU (tanh GELU), embeddings scaled by sqrt(d_model), "
+        "half-split RoPE, a tied head";
+    t.push_back(a);
+  }
   return t;
 }
 
@@ -92,6 +108,10 @@ std::string joined(const std::vector<std::string_view>& names) {
 }
 
 }  // namespace
+
+std::string_view mlp_name(Mlp mlp) {
+  return mlp == Mlp::SwiGlu ? "SwiGLU" : "GeGLU";
+}
 
 const std::vector<Architecture>& architectures() {
   static const std::vector<Architecture> t = table();
@@ -168,6 +188,8 @@ std::string architecture_mismatch(const ModelConfig& c) {
     return "RoPE frequency factors" + of;
   if (a->no_rope_layer_step == 0 && !c.no_rope_layers.empty()) return "layers without RoPE" + of;
   if (c.rope_dim > 0 && !a->partial_rotary) return "RoPE on part of each head" + of;
+  if (c.norm_plus_one && !a->hf_norm_plus_one) return "norm weights held less 1" + of;
+  if (a->always_tied && !c.tie_embeddings) return "an LM head of its own" + of;
   return "";
 }
 
@@ -177,6 +199,8 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   c.qk_norm = arch.qk_norm;
   c.rope_pairs = arch.gguf_rope_pairs;
   c.no_rope_layers = step_no_rope_layers(arch, c.n_layers);
+  c.norm_plus_one = false;
+  if (arch.always_tied) c.tie_embeddings = true;
   return c;
 }
 

@@ -17,6 +17,11 @@ namespace cputrain {
 // Whether a part is in every model of an architecture, in none, or in those whose files have it.
 enum class Presence { Never, Optional, Always };
 
+// The MLP of a block: silu(gate) * up (SwiGLU) or gelu(gate) * up with GELU's tanh approximation
+// (GeGLU), each then the down projection.
+enum class Mlp { SwiGlu, GeGlu };
+std::string_view mlp_name(Mlp mlp);  // "SwiGLU", "GeGLU"
+
 struct Architecture {
   // The config's architecture and the GGUF general.architecture ("qwen3").
   std::string_view name;
@@ -45,6 +50,16 @@ struct Architecture {
   std::vector<std::string_view> rope_scalings;
   // Every step-th layer (counted from 1) applies no RoPE; 0: every layer applies it.
   int64_t no_rope_layer_step = 0;
+  Mlp mlp = Mlp::SwiGlu;
+  // The token embeddings are scaled by sqrt(d_model) on the way in (not on the tied head's way
+  // out).
+  bool scale_embeddings = false;
+  // Its Hugging Face files hold each RMSNorm's gain less 1 (the norm scales by 1 + w); its GGUF
+  // files hold the gain (llama.cpp's converter adds the 1). ModelConfig::norm_plus_one says which
+  // a model holds.
+  bool hf_norm_plus_one = false;
+  // Always a tied head: the files hold no output tensor.
+  bool always_tied = false;
   // The keys of its config.json beyond those every architecture reads (architecture.cpp), read or
   // known to change nothing cputrain computes; a key in neither list is refused (hf_key_known).
   std::vector<std::string_view> hf_keys;

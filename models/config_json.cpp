@@ -38,6 +38,7 @@ json model_config_json(const ModelConfig& c) {
             {"no_rope_layers", c.no_rope_layers},
             {"parameters", parameter_count(c)}};
   if (c.rope_dim > 0) j["rope_dim"] = c.rope_dim;
+  if (c.norm_plus_one) j["norm_plus_one"] = true;
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
     for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
@@ -80,6 +81,7 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
     c.tie_embeddings = m.value("tie_embeddings", false);
     c.no_rope_layers = m.value("no_rope_layers", std::vector<int64_t>{});
     c.rope_dim = m.value("rope_dim", int64_t{0});
+    c.norm_plus_one = m.value("norm_plus_one", false);
     if (m.contains("rope_scaling")) {
       const json& r = m.at("rope_scaling");
       c.rope_scaling.type = r.at("type").get<std::string>();
@@ -135,6 +137,7 @@ std::string describe_parts(const ModelConfig& c) {
   }
   std::snprintf(buf, sizeof(buf), "; RMSNorm eps %g", static_cast<double>(c.norm_eps));
   s += buf;
+  if (c.norm_plus_one) s += " (gains held less 1)";
   if (c.qk_norm) s += "; q/k norms";
   if (c.qkv_bias) s += "; q/k/v biases";
   if (c.tie_embeddings) s += "; tied embeddings";

@@ -13,6 +13,7 @@
 #include "engine/io/offload.h"
 #include "kernels/attention.h"
 #include "kernels/rope.h"
+#include "models/architecture.h"
 #include "models/lora.h"
 
 namespace cputrain {
@@ -75,7 +76,7 @@ void DecoderModel::declare_parameters(const ModelConfig& config, ParameterSet& p
 }
 
 DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& options)
-    : config_(config), lora_(options.lora) {
+    : config_(config), arch_(&architecture_of(config)), lora_(options.lora) {
   if (const auto problem = validate(config)) throw std::invalid_argument(problem->str());
   if (options.compute_dtype != DType::F32 && options.compute_dtype != DType::BF16)
     throw std::invalid_argument("compute dtype must be f32 or bf16");
@@ -164,7 +165,8 @@ void DecoderModel::init_weights(uint64_t seed) {
     if (info.name.ends_with(".bias")) {
       // zero
     } else if (info.shape.ndim() == 1) {
-      std::fill(w.begin(), w.end(), 1.0f);
+      // Gains of 1, held less 1 where the norms add it.
+      std::fill(w.begin(), w.end(), 1.0f - config_.norm_offset());
     } else {
       const bool residual = info.name.ends_with("attention.wo.weight") ||
                             info.name.ends_with("feed_forward.w2.weight");
@@ -205,6 +207,10 @@ void DecoderModel::set_compute_dtype(DType dtype) {
   compute_dtype_ = dtype;
 }
 
+float DecoderModel::embedding_scale() const {
+  return arch_->scale_embeddings ? std::sqrt(static_cast<float>(config_.d_model)) : 1.0f;
+}
+
 Variable DecoderModel::bias(int index) const {
   return index >= 0 ? p(index) : Variable();
 }
@@ -234,8 +240,9 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Te
   const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
   const bool rotate = config_.rope_in_layer(b.layer);
   // RoPE where the layer applies it, after the head's norm where the block has one.
+  const float offset = config_.norm_offset();
   const auto position = [&](const Variable& x, int norm, int64_t heads) {
-    const Variable normed = norm >= 0 ? head_rmsnorm(x, p(norm), eps) : x;
+    const Variable normed = norm >= 0 ? head_rmsnorm(x, p(norm), eps, offset) : x;
     return rotate ? rope(normed, rope_table, heads, half_split, per_row, config_.rope_dims())
                   : normed;
   };
@@ -245,7 +252,7 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Te
   {
     Variable q, k, v;
     {
-      const Variable h = rmsnorm(x, p(b.attention_norm), eps);
+      const Variable h = rmsnorm(x, p(b.attention_norm), eps, offset);
       q = position(project(b, Projection::Q, b.wq, b.bq, h), b.q_norm, H);
       k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
       // Attention reads only v's rounding.
@@ -255,10 +262,10 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Te
   }
   Variable f;
   {
-    const Variable g = rmsnorm(a, p(b.ffn_norm), eps);
+    const Variable g = rmsnorm(a, p(b.ffn_norm), eps, offset);
     const Variable gate = project(b, Projection::Gate, b.w1, -1, g);
     const Variable up = project(b, Projection::Up, b.w3, -1, g);
-    f = swiglu(gate, up);
+    f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
   }
   return add(a, project(b, Projection::Down, b.w2, -1, f));
 }
@@ -291,7 +298,7 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
   }
   const bool per_row = packing != nullptr;
   read_ahead(0);
-  Variable x = embedding(p(tok_embeddings_), inputs);
+  Variable x = embedding(p(tok_embeddings_), inputs, embedding_scale());
   const bool recording = read_ahead_queue_ && grad_enabled();
   const auto final_from = [this](size_t stage) {
     if (grad_enabled() && final_from_[stage] >= 0)
@@ -320,7 +327,7 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     if (i > 0 && recording) record_backward("read_ahead", [this, i] { read_ahead(i - 1); });
   }
   final_from(blocks_.size());  // reached after the head's backward
-  return rmsnorm(x, p(norm_), config_.norm_eps);
+  return rmsnorm(x, p(norm_), config_.norm_eps, config_.norm_offset());
 }
 
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets) {
@@ -418,7 +425,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   // RoPE angles of positions n .. n + m - 1.
   Tensor table = Tensor::empty(Shape{m, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
   std::copy_n(rope_table_.f32() + n * R, m * R, table.f32());
-  Variable x = embedding(p(tok_embeddings_), input);
+  Variable x = embedding(p(tok_embeddings_), input, embedding_scale());
   for (size_t l = 0; l < blocks_.size(); ++l) {
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
@@ -433,7 +440,8 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
     x = block_forward(blocks_[l], x, table, false, attend);
   }
   cache.length = n + m;
-  return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps).value(), 1, m);
+  return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps, config_.norm_offset()).value(),
+                              1, m);
 }
 
 }  // namespace cputrain

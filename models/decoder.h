@@ -1,8 +1,9 @@
 // The decoder of DESIGN.md, with the parts its architecture's description gives
-// (models/architecture.h): token embedding; per block pre-norm RMSNorm, causal grouped-query
-// attention (q, k, v optionally with biases; q and k optionally with per-head RMSNorm) with RoPE
-// (optionally scaled, optionally left out of some layers), RMSNorm, SwiGLU MLP, each with a
-// residual; final RMSNorm; an LM head of its own or tied to the embedding. Parameter names follow
+// (models/architecture.h): token embedding (optionally scaled by sqrt(d_model)); per block
+// pre-norm RMSNorm (its gains optionally held less 1), causal grouped-query attention (q, k, v
+// optionally with biases; q and k optionally with per-head RMSNorm) with RoPE (optionally scaled,
+// optionally left out of some layers), RMSNorm, SwiGLU or GeGLU MLP, each with a residual; final
+// RMSNorm; an LM head of its own or tied to the embedding. Parameter names follow
 // Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...); tensor_names.h maps them
 // to each format's.
 #pragma once
@@ -22,6 +23,7 @@ namespace cputrain {
 
 class Communicator;
 class IoQueue;
+struct Architecture;
 
 // How a model is built, beside its shape.
 struct ModelOptions {
@@ -152,6 +154,9 @@ class DecoderModel {
   // pass is done with them (release_mapped). Nothing for an index past the head, or where no
   // parameter is mapped.
   void read_ahead(size_t index, bool release = false) const;
+  // What the token embeddings are multiplied by: sqrt(d_model) where the architecture scales
+  // them, else 1.
+  float embedding_scale() const;
   // The parameter at index, or an undefined Variable for -1 (no bias).
   Variable bias(int index) const;
   // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
@@ -160,6 +165,7 @@ class DecoderModel {
                    const Variable& x, bool rounded = false) const;
 
   ModelConfig config_;
+  const Architecture* arch_;  // config_'s description
   LoraConfig lora_;
   uint64_t dropout_seed_ = 0;
   ParameterSet params_;

@@ -94,7 +94,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   c.norm_eps = static_cast<float>(file.number(p + "attention.layer_norm_rms_epsilon", 1e-5));
   c.rope_theta = file.number(p + "rope.freq_base", 10000.0);
   c.rope_pairs = arch->gguf_rope_pairs;
-  c.tie_embeddings = file.tensor("output.weight") == nullptr;
+  c.tie_embeddings = arch->always_tied || file.tensor("output.weight") == nullptr;
   c.qkv_bias = arch->qkv_bias == Presence::Always ||
                (arch->qkv_bias == Presence::Optional && file.tensor("blk.0.attn_q.bias"));
   c.qk_norm = arch->qk_norm;
@@ -285,7 +285,7 @@ void write_lora_gguf(const std::string& path, const ModelConfig& c, const Parame
       file_tensors(params, c, TensorNaming::Gguf,
                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); });
   for (const FileTensor& t : tensors) {
-    const std::vector<float> values = file_tensor_values(params, t, c, arch.gguf_rope_pairs);
+    const std::vector<float> values = file_tensor_values(params, t, c, arch.gguf_rope_pairs, false);
     w.add_tensor(t.name, {t.shape[1], t.shape[0]}, GgmlType::F32,
                  ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1]));
   }
@@ -428,8 +428,9 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
       throw std::logic_error("write_gguf: a model with adapters (merge them first)");
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::Gguf, [](const ParameterInfo&) { return true; })) {
-    // q and k rows in the pairing llama.cpp applies to the architecture.
-    const std::vector<float> values = file_tensor_values(params, t, c, description.gguf_rope_pairs);
+    // q and k rows in the pairing llama.cpp applies to the architecture; norm gains whole.
+    const std::vector<float> values =
+        file_tensor_values(params, t, c, description.gguf_rope_pairs, false);
     const std::vector<int64_t> dims(t.shape.rbegin(), t.shape.rend());
     const GgmlType type = t.shape.size() == 2 ? matrices : GgmlType::F32;
     w.add_tensor(t.name, dims, type,

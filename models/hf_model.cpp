@@ -274,10 +274,18 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
       throw UserError(where + ": " + key + " " + json_shown(value) +
                       ", which cputrain does not read for model_type " + type +
                       " (nothing in config.json is passed over)");
-  const std::string act = values.text("hidden_act", "silu");
-  if (act != "silu")
-    throw UserError(where + ": hidden_act " + act +
-                    ", which cputrain does not compute (it computes silu)");
+  // The MLP's activation: SiLU, or GELU's tanh approximation, which Hugging Face's Gemma computes
+  // whether hidden_act says gelu or gelu_pytorch_tanh (its hidden_activation decides).
+  const bool gelu = arch->mlp == Mlp::GeGlu;
+  for (const char* key : {"hidden_act", "hidden_activation"}) {
+    const std::string act = values.text(key, gelu ? "gelu_pytorch_tanh" : "silu");
+    const bool known = gelu ? act == "gelu_pytorch_tanh" ||
+                                  (act == "gelu" && std::string_view(key) == "hidden_act")
+                            : act == "silu";
+    if (!known)
+      throw UserError(where + ": " + key + " " + act + ", which cputrain does not compute for " +
+                      type + " (it computes " + (gelu ? "gelu_pytorch_tanh" : "silu") + ")");
+  }
   if (values.flag("mlp_bias", false))
     throw UserError(where + ": mlp_bias, which cputrain does not compute");
   if (values.number("attention_dropout", 0.0) != 0.0)
@@ -308,7 +316,8 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   c.architecture = std::string(arch->name);
   c.norm_eps = static_cast<float>(values.number("rms_norm_eps", 1e-6));
   c.rope_theta = values.number("rope_theta", 10000.0);
-  c.tie_embeddings = values.flag("tie_word_embeddings", false);
+  c.tie_embeddings = values.flag("tie_word_embeddings", arch->always_tied);
+  c.norm_plus_one = arch->hf_norm_plus_one;
   // Hugging Face's attention_bias also gives o_proj a bias, which no architecture here has: its
   // tensor is refused as having no place.
   c.qkv_bias = arch->qkv_bias == Presence::Always ||
@@ -675,7 +684,7 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
                     [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
-    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit);
+    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit, false);
     entries.push_back({t.name, Shape{t.shape[0], t.shape[1]}, "F32",
                        ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1])});
   }
@@ -747,7 +756,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                  {"rope_scaling", nullptr},
                  {"max_position_embeddings", c.ctx},
                  {"tie_word_embeddings", c.tie_embeddings},
-                 {"hidden_act", "silu"},
+                 {"hidden_act", arch.mlp == Mlp::GeGlu ? "gelu_pytorch_tanh" : "silu"},
                  {"attention_bias", false},
                  {"torch_dtype", dtype == "F32"   ? "float32"
                                  : dtype == "F16" ? "float16"
@@ -755,6 +764,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                  {"bos_token_id", v.bos >= 0 ? json(v.bos) : json()},
                  {"eos_token_id", v.eos >= 0 ? json(v.eos) : json()}};
   if (arch.qkv_bias == Presence::Always) config.erase("attention_bias");  // implied by the type
+  if (arch.mlp == Mlp::GeGlu) config["hidden_activation"] = "gelu_pytorch_tanh";
   if (arch.name != "llama") config["use_sliding_window"] = false;
   if (c.rope_dim > 0)
     config["partial_rotary_factor"] =
@@ -788,7 +798,8 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
       throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
   for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
                                           [](const ParameterInfo&) { return true; })) {
-    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit);
+    const std::vector<float> values =
+        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one);
     Shape shape = t.shape.size() == 1 ? Shape{t.shape[0]} : Shape{t.shape[0], t.shape[1]};
     entries.push_back({t.name, shape, dtype,
                        ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});

@@ -120,6 +120,9 @@ uint64_t base_fingerprint(const ModelConfig& c, const ParameterSet& params) {
     if (!p.name.ends_with("norm.weight")) continue;
     values.resize(static_cast<size_t>(p.shape.numel()));
     params.read_values(static_cast<int>(i), values.data());
+    // The gains themselves, however the model holds them (ModelConfig::norm_plus_one).
+    if (c.norm_plus_one)
+      for (float& v : values) v += c.norm_offset();
     h = fnv1a(p.name, h);
     for (const float v : values) {
       const uint16_t b = kernels::fp32_to_bf16(v);

@@ -72,6 +72,9 @@ struct ModelConfig {
   int64_t rope_dim = 0;
   // Layers (from 0) that apply no RoPE (SmolLM3's every fourth); empty: all apply it.
   std::vector<int64_t> no_rope_layers;
+  // The RMSNorm gains are held as w where the norm scales by 1 + w, as Gemma's Hugging Face files
+  // hold them; false: as the gains themselves (GGUF files, which hold 1 + w, and new models).
+  bool norm_plus_one = false;
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
@@ -79,6 +82,8 @@ struct ModelConfig {
   int64_t kv_dim() const { return kv_heads() * head_size(); }  // rows of wk and wv
   int64_t rope_dims() const { return rope_dim > 0 ? rope_dim : head_size(); }
   bool rope_in_layer(int64_t layer) const;
+  // What the RMSNorms add to their held weights: 1 with norm_plus_one, else 0.
+  float norm_offset() const { return norm_plus_one ? 1.0f : 0.0f; }
   // The divisors of the RoPE frequencies at this ctx (rope_scaling's, the long ones of longrope
   // beyond its original context), or null without scaling.
   const float* rope_freq_factors() const;

@@ -72,12 +72,20 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming) {
   return parameter;
 }
 
+bool is_norm_gain(const std::string& name) {
+  return name.ends_with("norm.weight");
+}
+
 std::vector<float> parameter_values(const ParameterSet& params, int index, const ModelConfig& c,
-                                    RopePairs pairs) {
+                                    RopePairs pairs, bool norm_plus_one) {
   const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
   std::vector<float> values(static_cast<size_t>(info.shape.numel()));
   params.read_values(index, values.data());
   reorder_qk_rows(values, info, c, c.rope_pairs, pairs);
+  if (norm_plus_one != c.norm_plus_one && is_norm_gain(info.name)) {
+    const float shift = norm_plus_one ? -1.0f : 1.0f;
+    for (float& v : values) v += shift;
+  }
   return values;
 }
 
@@ -166,10 +174,10 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
 }
 
 std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& t,
-                                      const ModelConfig& c, RopePairs pairs) {
+                                      const ModelConfig& c, RopePairs pairs, bool norm_plus_one) {
   std::vector<float> values;
   for (const int index : t.parts) {
-    const std::vector<float> part = parameter_values(params, index, c, pairs);
+    const std::vector<float> part = parameter_values(params, index, c, pairs, norm_plus_one);
     values.insert(values.end(), part.begin(), part.end());
   }
   return values;

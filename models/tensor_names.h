@@ -27,9 +27,12 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming);
 // their biases, and the B of their adapters) in the pairing `pairs` wants: llama.cpp's llama
 // architecture rotates adjacent pairs (2j, 2j+1), Hugging Face's rotate_half the pairs (j, j +
 // D/2). A model computing with one pairing and the other's rows reordered computes the same
-// attention.
+// attention. An RMSNorm's gains as the file wants them: less 1 where `norm_plus_one` (Gemma's
+// Hugging Face files), whole where not, whichever way the model holds them
+// (ModelConfig::norm_plus_one).
 std::vector<float> parameter_values(const ParameterSet& params, int index,
-                                    const ModelConfig& config, RopePairs pairs);
+                                    const ModelConfig& config, RopePairs pairs,
+                                    bool norm_plus_one = false);
 
 // The same reordering of values already read: `values` of parameter `info`, from the pairing
 // `from` to `to`.
@@ -59,10 +62,14 @@ struct FileTensor {
 std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConfig& config,
                                      TensorNaming naming,
                                      const std::function<bool(const ParameterInfo&)>& which);
-// A file tensor's values: its parameters' (q and k rows in `pairs`, parameter_values) one after
-// another.
+// A file tensor's values: its parameters' (q and k rows in `pairs`, norm gains as
+// `norm_plus_one` says: parameter_values) one after another.
 std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& tensor,
-                                      const ModelConfig& config, RopePairs pairs);
+                                      const ModelConfig& config, RopePairs pairs,
+                                      bool norm_plus_one);
+
+// Whether parameter `name` is a norm's gains ("layers.0.ffn_norm.weight", "norm.weight").
+bool is_norm_gain(const std::string& name);
 
 // "[64, 172]".
 std::string shape_text(const std::vector<int64_t>& dims);

@@ -151,7 +151,7 @@ RunConfig resolve_run_config(const TrainArgs& a) {
       throw UserError("--qkv-bias: a " + a.arch + " model has no q/k/v biases");
     c.model.qkv_bias = true;
   }
-  c.model.tie_embeddings = a.tie_embeddings;
+  c.model.tie_embeddings = a.tie_embeddings || arch->always_tied;
   if (const auto problem = validate(c.model)) throw UserError(flag_message(*problem));
   c.steps = take(a.steps, default_steps(a.preset), "--steps");
   c.train.batch = take(a.batch, preset->batch, "--batch");
@@ -219,7 +219,7 @@ void add_model_flags(CLI::App& app, TrainArgs& a) {
       ->check(CLI::IsMember({"adjacent", "half-split"}));
   app.add_flag("--qkv-bias", a.qkv_bias, "Biases on the q, k and v projections (as Qwen2)");
   app.add_flag("--tie-embeddings", a.tie_embeddings,
-               "The LM head is the token embedding matrix (as SmolLM2)");
+               "The LM head is the token embedding matrix (as SmolLM2; always for gemma)");
 }
 
 void add_train_flags(CLI::App& app, TrainArgs& a) {

@@ -229,7 +229,7 @@ Tensor attention_input(const Variable& x) {
   return as_f32(saved(x));
 }
 
-Variable embedding(const Variable& table, const Tensor& tokens) {
+Variable embedding(const Variable& table, const Tensor& tokens, float scale) {
   require(table.value().ndim() == 2 && tokens.ndim() == 2 && tokens.dtype() == DType::I32,
           "embedding: table (V, C) and tokens (B, T) i32");
   const int64_t C = table.shape()[1];
@@ -238,17 +238,17 @@ Variable embedding(const Variable& table, const Tensor& tokens) {
   Tensor y = new_activation(Shape{tokens.dim(0), tokens.dim(1), C});
   // A frozen table may live as bf16 alone (ParameterSet): widened row by row.
   if (computing() && table.value().dtype() == DType::BF16)
-    kernels::embedding_forward_bf16(y.f32(), tokens.i32(), table.value().bf16(), N, C);
+    kernels::embedding_forward_bf16(y.f32(), tokens.i32(), table.value().bf16(), N, C, scale);
   else if (computing())
-    kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C);
+    kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C, scale);
   const bool grad = needs_grad({&table});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("embedding", [tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C] {
+    record_backward("embedding", [tokens, gt = table.grad_ref(), gy = out.grad_ref(), N, C, scale] {
       if (!gy->tensor().defined()) return;
       const Tensor& gtable = gt->get_or_zeros();
       if (computing())
-        kernels::embedding_backward(gtable.f32(), gy->tensor().f32(), tokens.i32(), N, C);
+        kernels::embedding_backward(gtable.f32(), gy->tensor().f32(), tokens.i32(), N, C, scale);
     });
   }
   return out;
@@ -478,7 +478,8 @@ namespace {
 
 // rmsnorm over each group of C = w's size of x's last dimension; in bf16 mode with
 // `gemm_input` the output is its bf16 rounding alone, else FP32.
-Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, bool gemm_input) {
+Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, float offset,
+                        bool gemm_input) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 1 && w.shape()[0] > 0 && xs[xs.ndim() - 1] % w.shape()[0] == 0,
           "rmsnorm: x (..., H * C) and w (C)");
@@ -495,17 +496,17 @@ Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, bool ge
     const Tensor x16 = rounding_in_pass(x, grad);
     if (computing())
       kernels::rmsnorm_forward_bf16(y.bf16(), bf16_or_null(x16), rstd.f32(), fp32_value(x).f32(),
-                                    w.value().f32(), N, C, eps);
+                                    w.value().f32(), N, C, eps, offset);
   } else {
     y = new_activation(xs);
     if (computing())
-      kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C,
-                               eps);
+      kernels::rmsnorm_forward(y.f32(), rstd.f32(), fp32_value(x).f32(), w.value().f32(), N, C, eps,
+                               offset);
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("rmsnorm", [xs = saved(x), wv = w.value(), rstd, gx = x.grad_ref(),
-                                gw = w.grad_ref(), gy = out.grad_ref(), N, C] {
+                                gw = w.grad_ref(), gy = out.grad_ref(), N, C, offset] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // The kernel produces both gradients; a side nobody needs goes to scratch.
@@ -516,10 +517,10 @@ Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, bool ge
       if (!computing()) return;
       if (xs.dtype() == DType::BF16)
         kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(), N,
-                                  C, gxs.accumulate);
+                                  C, gxs.accumulate, offset);
       else
         kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.f32(), wv.f32(), rstd.f32(), N,
-                                  C, gxs.accumulate);
+                                  C, gxs.accumulate, offset);
     });
   }
   return out;
@@ -527,14 +528,64 @@ Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, bool ge
 
 }  // namespace
 
-Variable rmsnorm(const Variable& x, const Variable& w, float eps) {
+Variable rmsnorm(const Variable& x, const Variable& w, float eps, float offset) {
   require(w.value().ndim() == 1 && w.shape()[0] == x.shape()[x.shape().ndim() - 1],
           "rmsnorm: x (..., C) and w (C)");
-  return rmsnorm_groups(x, w, eps, true);
+  return rmsnorm_groups(x, w, eps, offset, true);
 }
 
-Variable head_rmsnorm(const Variable& x, const Variable& w, float eps) {
-  return rmsnorm_groups(x, w, eps, false);
+Variable head_rmsnorm(const Variable& x, const Variable& w, float eps, float offset) {
+  return rmsnorm_groups(x, w, eps, offset, false);
+}
+
+Variable layernorm(const Variable& x, const Variable& w, const Variable& b, float eps) {
+  const Shape& xs = x.shape();
+  const int64_t C = xs[xs.ndim() - 1];
+  require(w.value().ndim() == 1 && w.shape()[0] == C && b.defined() && b.value().ndim() == 1 &&
+              b.shape()[0] == C,
+          "layernorm: x (..., C), w (C) and b (C)");
+  const int64_t N = x.value().numel() / C;
+  Scope scope("layernorm", Pass::Forward);
+  const bool grad = needs_grad({&x, &w, &b});
+  Tensor mean = new_activation(Shape{N}), rstd = new_activation(Shape{N});
+  Tensor y;
+  if (bf16_mode()) {
+    // As rmsnorm's: only ever a GEMM input, written as its bf16 rounding alone.
+    y = new_activation(xs, DType::BF16);
+    const Tensor x16 = rounding_in_pass(x, grad);
+    if (computing())
+      kernels::layernorm_forward_bf16(y.bf16(), bf16_or_null(x16), mean.f32(), rstd.f32(),
+                                      fp32_value(x).f32(), w.value().f32(), b.value().f32(), N, C,
+                                      eps);
+  } else {
+    y = new_activation(xs);
+    if (computing())
+      kernels::layernorm_forward(y.f32(), mean.f32(), rstd.f32(), fp32_value(x).f32(),
+                                 w.value().f32(), b.value().f32(), N, C, eps);
+  }
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("layernorm", [xs = saved(x), wv = w.value(), mean, rstd, gx = x.grad_ref(),
+                                  gw = w.grad_ref(), gb = b.grad_ref(), gy = out.grad_ref(), N, C] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const KernelGrads gxs = kernel_grads({{&gx, Shape{N, C}}});
+      const Tensor& dx = gxs.grads[0];
+      const auto sums = [C](const GradRef& g) {
+        return g ? g->get_or_zeros()
+                 : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
+      };
+      Tensor dw = sums(gw), db = sums(gb);
+      if (!computing()) return;
+      if (xs.dtype() == DType::BF16)
+        kernels::layernorm_backward(dx.f32(), dw.f32(), db.f32(), dy.f32(), xs.bf16(), wv.f32(),
+                                    mean.f32(), rstd.f32(), N, C, gxs.accumulate);
+      else
+        kernels::layernorm_backward(dx.f32(), dw.f32(), db.f32(), dy.f32(), xs.f32(), wv.f32(),
+                                    mean.f32(), rstd.f32(), N, C, gxs.accumulate);
+    });
+  }
+  return out;
 }
 
 Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half_split,
@@ -694,50 +745,81 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   return out;
 }
 
-Variable swiglu(const Variable& gate, const Variable& up) {
-  require(gate.shape() == up.shape(), "swiglu: gate and up of equal shape");
+namespace {
+
+// act(gate) * up, or act(gate) alone where up is undefined (swiglu, geglu, gelu).
+Variable gated_activation(const Variable& gate, const Variable& up, kernels::Activation act,
+                          const char* name) {
+  require(!up.defined() || gate.shape() == up.shape(),
+          "gated activation: gate and up of equal shape");
   const int64_t n = gate.value().numel();
-  Scope scope("swiglu", Pass::Forward);
-  const bool grad = needs_grad({&gate, &up});
+  Scope scope(name, Pass::Forward);
+  const bool grad = up.defined() ? needs_grad({&gate, &up}) : needs_grad({&gate});
+  const auto up_f32 = [&up]() { return up.defined() ? fp32_value(up).f32() : nullptr; };
   Tensor y;
   if (bf16_mode()) {
     // The output is only ever a GEMM input (the down projection's), which takes its bf16
     // rounding: only that is written, in the pass that also rounds gate and up for the backward.
     y = new_activation(gate.shape(), DType::BF16);
-    const Tensor gate16 = rounding_in_pass(gate, grad), up16 = rounding_in_pass(up, grad);
+    const Tensor gate16 = rounding_in_pass(gate, grad);
+    const Tensor up16 = up.defined() ? rounding_in_pass(up, grad) : Tensor();
     if (computing())
       kernels::swiglu_forward_bf16(y.bf16(), bf16_or_null(gate16), bf16_or_null(up16),
-                                   fp32_value(gate).f32(), fp32_value(up).f32(), n);
+                                   fp32_value(gate).f32(), up_f32(), n, act);
   } else {
     y = new_activation(gate.shape());
-    if (computing())
-      kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), fp32_value(up).f32(), n);
+    if (computing()) kernels::swiglu_forward(y.f32(), fp32_value(gate).f32(), up_f32(), n, act);
   }
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("swiglu", [gs = saved(gate), us = saved(up), gg = gate.grad_ref(),
-                               gu = up.grad_ref(), gy = out.grad_ref(), n] {
-      const Tensor& dy = gy->tensor();
-      if (!dy.defined()) return;
-      // Both gradients written as their roundings, where that is all gate's and up's producers
-      // read (linear layers in bf16 mode) and this is their only contribution.
-      if (gg && gu && gs.dtype() == DType::BF16 && gg->rounded_ok() && gu->rounded_ok()) {
-        const Tensor dg16 = gg->rounded_for_overwrite(), du16 = gu->rounded_for_overwrite();
-        if (!computing()) return;
-        return kernels::swiglu_backward_rounded(dg16.bf16(), du16.bf16(), dy.f32(), gs.bf16(),
-                                                us.bf16(), n);
-      }
-      const KernelGrads g = kernel_grads({{&gg, Shape{n}}, {&gu, Shape{n}}});
-      const Tensor &dg = g.grads[0], &du = g.grads[1];
-      if (!computing()) return;
-      if (gs.dtype() == DType::BF16)
-        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.bf16(), us.bf16(), n,
-                                 g.accumulate);
-      else
-        kernels::swiglu_backward(dg.f32(), du.f32(), dy.f32(), gs.f32(), us.f32(), n, g.accumulate);
-    });
+    const bool gated = up.defined();
+    record_backward(
+        name, [gs = saved(gate), us = gated ? saved(up) : Tensor(), gg = gate.grad_ref(),
+               gu = gated ? up.grad_ref() : GradRef(), gy = out.grad_ref(), n, act, gated] {
+          const Tensor& dy = gy->tensor();
+          if (!dy.defined()) return;
+          const auto bf16_of = [](const Tensor& t) { return t.defined() ? t.bf16() : nullptr; };
+          const auto f32_of = [](const Tensor& t) { return t.defined() ? t.f32() : nullptr; };
+          // Both gradients written as their roundings, where that is all gate's and up's producers
+          // read (linear layers in bf16 mode) and this is their only contribution.
+          if (gg && (gu || !gated) && gs.dtype() == DType::BF16 && gg->rounded_ok() &&
+              (!gated || gu->rounded_ok())) {
+            const Tensor dg16 = gg->rounded_for_overwrite();
+            const Tensor du16 = gated ? gu->rounded_for_overwrite() : Tensor();
+            if (!computing()) return;
+            return kernels::swiglu_backward_rounded(dg16.bf16(), bf16_of(du16), dy.f32(), gs.bf16(),
+                                                    bf16_of(us), n, act);
+          }
+          const KernelGrads g = gated ? kernel_grads({{&gg, Shape{n}}, {&gu, Shape{n}}})
+                                      : kernel_grads({{&gg, Shape{n}}});
+          const Tensor& dg = g.grads[0];
+          const Tensor du = gated ? g.grads[1] : Tensor();
+          if (!computing()) return;
+          if (gs.dtype() == DType::BF16)
+            kernels::swiglu_backward(dg.f32(), f32_of(du), dy.f32(), gs.bf16(), bf16_of(us), n,
+                                     g.accumulate, act);
+          else
+            kernels::swiglu_backward(dg.f32(), f32_of(du), dy.f32(), gs.f32(), f32_of(us), n,
+                                     g.accumulate, act);
+        });
   }
   return out;
+}
+
+}  // namespace
+
+Variable swiglu(const Variable& gate, const Variable& up) {
+  require(up.defined(), "swiglu: gate and up");
+  return gated_activation(gate, up, kernels::Activation::Silu, "swiglu");
+}
+
+Variable geglu(const Variable& gate, const Variable& up) {
+  require(up.defined(), "geglu: gate and up");
+  return gated_activation(gate, up, kernels::Activation::GeluTanh, "geglu");
+}
+
+Variable gelu(const Variable& x) {
+  return gated_activation(x, Variable(), kernels::Activation::GeluTanh, "gelu");
 }
 
 Variable add(const Variable& a, const Variable& b) {

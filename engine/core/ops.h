@@ -10,8 +10,8 @@
 
 namespace cputrain {
 
-// table (V, C), tokens (B, T) i32 -> (B, T, C).
-Variable embedding(const Variable& table, const Tensor& tokens);
+// table (V, C), tokens (B, T) i32 -> (B, T, C): each token's row times scale (Gemma's sqrt(C)).
+Variable embedding(const Variable& table, const Tensor& tokens, float scale = 1.0f);
 // x (..., K), w (N, K), b (N) or undefined -> x w^T + b (..., N). In bf16 mode the products take
 // the bf16 roundings of x and w, and b's gradient sums the rounding of the output's gradient,
 // as the weight's does.
@@ -30,11 +30,16 @@ Variable linear_rounded(const Variable& x, const Variable& w, const Variable& b 
 Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
                      const Variable& bm, float scale, float dropout = 0.0f,
                      uint64_t dropout_seed = 0);
-// x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * w.
-Variable rmsnorm(const Variable& x, const Variable& w, float eps);
+// x (..., C), w (C) -> x / sqrt(mean(x^2) + eps) * (w + offset): offset 0, or 1 for weights
+// held as Gemma's Hugging Face files hold them. In bf16 mode its value is its bf16 rounding
+// alone (a GEMM's input).
+Variable rmsnorm(const Variable& x, const Variable& w, float eps, float offset = 0.0f);
 // x (..., H * D), w (D) -> each of the H heads of D normalised as rmsnorm does, FP32 in either
 // compute mode (Qwen3's norms of q and k, whose output RoPE takes).
-Variable head_rmsnorm(const Variable& x, const Variable& w, float eps);
+Variable head_rmsnorm(const Variable& x, const Variable& w, float eps, float offset = 0.0f);
+// x (..., C), w and b (C) -> (x - mean) / sqrt(var + eps) * w + b over the last dimension
+// (LayerNorm with a bias, Phi-2's); in bf16 mode its bf16 rounding alone, as rmsnorm's.
+Variable layernorm(const Variable& x, const Variable& w, const Variable& b, float eps);
 // x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
 // pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h). With
 // `per_row`, table holds B such tables of T rows, one per row of x (packed rows, whose
@@ -57,6 +62,10 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.
 Variable swiglu(const Variable& gate, const Variable& up);
+// gelu(gate) * up with GELU's tanh approximation (kernels/swiglu.h), as swiglu (Gemma's MLP).
+Variable geglu(const Variable& gate, const Variable& up);
+// gelu(x) alone, tanh approximation, as swiglu's output (Phi-2's MLP).
+Variable gelu(const Variable& x);
 // a + b, equal shapes.
 Variable add(const Variable& a, const Variable& b);
 // What attention computes on for x, in FP32: x's value, or in bf16 mode its bf16 rounding

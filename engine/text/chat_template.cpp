@@ -5,7 +5,8 @@
 namespace cputrain {
 namespace {
 
-constexpr std::string_view kNames[] = {"chatml", "llama3", "llama2", "mistral", "zephyr", "phi3"};
+constexpr std::string_view kNames[] = {"chatml", "llama3", "llama2", "mistral",
+                                       "zephyr", "phi3",   "gemma"};
 
 std::string trimmed(const std::string& s) {
   const char* space = " \t\n\r\f\v";
@@ -69,6 +70,10 @@ std::optional<ChatTemplate> detect_chat_template(std::string_view jinja, const s
   }
   if (has("<|assistant|>") && has("<|end|>")) {
     t.family = ChatFamily::Phi3;
+    return t;
+  }
+  if (has("<start_of_turn>")) {
+    t.family = ChatFamily::Gemma;
     return t;
   }
   if (has("<|user|>") && !has("<|end|>") &&
@@ -177,6 +182,27 @@ std::vector<ChatPiece> render_chat(const ChatTemplate& t, std::span<const ChatMe
       }
       if (generation_prompt) marker("<|assistant|>\n");
       break;
+    case ChatFamily::Gemma: {
+      // No system turn: its text opens the next user turn. The assistant is "model".
+      std::string system;
+      for (const ChatMessage& m : messages) {
+        if (m.role == "system") {
+          system += trimmed(m.content);
+          continue;
+        }
+        const bool reply = m.role == "assistant";
+        marker("<start_of_turn>" + (reply ? std::string("model") : m.role) + "\n");
+        if (!system.empty() && !reply) {
+          put(out, system + "\n\n", false, false);
+          system.clear();
+        }
+        put(out, trimmed(m.content), false, reply);
+        put(out, "<end_of_turn>", true, reply);
+        marker("\n");
+      }
+      if (generation_prompt) marker("<start_of_turn>model\n");
+      break;
+    }
   }
   return out;
 }

@@ -6,6 +6,9 @@
 //   llama2   [INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST]...</s>  Llama 2, Mistral v0.1/v0.2
 //   mistral  [INST] ...[/INST] ...</s>                        Mistral's v3 tokenizer
 //   zephyr   <|user|>\n...EOS\n<|assistant|>\n...EOS\n        Zephyr, TinyLlama chat
+//   phi3     <|user|>\n...<|end|>\n<|assistant|>\n...<|end|>\n  Phi-3, Phi-4
+//   gemma    <start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n...  Gemma (the system
+//            message opens the first user turn)
 #pragma once
 
 #include <optional>
@@ -16,7 +19,7 @@
 
 namespace cputrain {
 
-enum class ChatFamily { ChatMl, Llama3, Llama2, Mistral, Zephyr, Phi3 };
+enum class ChatFamily { ChatMl, Llama3, Llama2, Mistral, Zephyr, Phi3, Gemma };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::ChatMl;
@@ -29,7 +32,7 @@ struct ChatTemplate {
   std::string end = "<|endoftext|>";
 };
 
-// "chatml", "llama3", "llama2", "mistral", "zephyr", "phi3".
+// "chatml", "llama3", "llama2", "mistral", "zephyr", "phi3", "gemma".
 std::string_view chat_family_name(ChatFamily family);
 std::string chat_family_names();
 

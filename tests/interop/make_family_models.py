@@ -15,7 +15,14 @@ Face's rotate-half order:
 - phi3: q, k, v in one tensor and gate, up in one (attn_qkv and ffn_up; qkv_proj and
   gate_up_proj), RoPE on 24 of each head's 32 dimensions (Phi-4-mini's partial rotary), longrope
   scaling with short and long factors and an original context of 128 below the 256 the model runs
-  at (so the long factors, and the rotation scaled by sqrt(1 + ln 2 / ln 128)).
+  at (so the long factors, and the rotation scaled by sqrt(1 + ln 2 / ln 128));
+- gemma: GeGLU (gelu_pytorch_tanh), RMSNorm scaling by 1 + w (Hugging Face holds w, GGUF 1 + w,
+  as llama.cpp's converter adds it), embeddings scaled by sqrt(d_model), multi-query attention
+  with heads of 64 over a d_model of 128, a tied head, no space prefix in the vocabulary. llama.cpp
+  computes GELU through a table of fp16 inputs and outputs (ggml's GGML_GELU_FP16), about 5e-4
+  relative per element: Gemma's MLP weights are drawn at half the others' scale, which keeps that
+  table's effect on the logits near 4e-5 (at the others' scale it is 4e-4); GeGLU's own arithmetic
+  is checked against PyTorch's exact tanh GELU (tests/models/make_llama_reference.py).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -47,6 +54,9 @@ FAMILIES = {
                  layers=2, heads=4, kv=2, head=32, theta=10000.0, tied=False, adjacent=False,
                  fused=True, rope_dim=24, longrope=dict(original=128),
                  special=("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")),
+    "gemma": dict(arch="gemma", hf_type="gemma", hf_class="GemmaForCausalLM", d=128, ffn=256,
+                  layers=2, heads=4, kv=1, head=64, theta=10000.0, tied=True, adjacent=False,
+                  gemma=True, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
 }
 
 
@@ -116,22 +126,25 @@ def write_family(name, spec, seed):
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
 
     # Hugging Face's tensors (rotate-half q and k rows); GGUF's are derived from them.
+    gemma = spec.get("gemma", False)
+    gain = 0.0 if gemma else 1.0  # Gemma's Hugging Face norms hold the gain less 1
     hf = {"model.embed_tokens.weight": draw((VOCAB, d), 0.15)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        hf[p + "input_layernorm.weight"] = draw((d,), 0.05, 1.0)
+        hf[p + "input_layernorm.weight"] = draw((d,), 0.05, gain)
         hf[p + "self_attn.q_proj.weight"] = draw((heads * head, d), 0.05)
         hf[p + "self_attn.k_proj.weight"] = draw((kv * head, d), 0.05)
         hf[p + "self_attn.v_proj.weight"] = draw((kv * head, d), 0.05)
         if spec.get("qk_norm"):
-            hf[p + "self_attn.q_norm.weight"] = draw((head,), 0.1, 1.0)
-            hf[p + "self_attn.k_norm.weight"] = draw((head,), 0.1, 1.0)
+            hf[p + "self_attn.q_norm.weight"] = draw((head,), 0.1, gain)
+            hf[p + "self_attn.k_norm.weight"] = draw((head,), 0.1, gain)
         hf[p + "self_attn.o_proj.weight"] = draw((d, heads * head), 0.05)
-        hf[p + "post_attention_layernorm.weight"] = draw((d,), 0.05, 1.0)
-        hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), 0.05)
-        hf[p + "mlp.up_proj.weight"] = draw((ffn, d), 0.05)
-        hf[p + "mlp.down_proj.weight"] = draw((d, ffn), 0.05)
-    hf["model.norm.weight"] = draw((d,), 0.05, 1.0)
+        hf[p + "post_attention_layernorm.weight"] = draw((d,), 0.05, gain)
+        mlp = spec.get("mlp_std", 0.05)
+        hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), mlp)
+        hf[p + "mlp.up_proj.weight"] = draw((ffn, d), mlp)
+        hf[p + "mlp.down_proj.weight"] = draw((d, ffn), mlp)
+    hf["model.norm.weight"] = draw((d,), 0.05, gain)
     if not spec["tied"]:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"] + draw((VOCAB, d), 0.1)
 
@@ -157,6 +170,8 @@ def write_family(name, spec, seed):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
+    if gemma:
+        w.add_add_space_prefix(False)
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -178,6 +193,8 @@ def write_family(name, spec, seed):
                 a = to_adjacent(a, heads)
             if spec["adjacent"] and module == "self_attn.k_proj":
                 a = to_adjacent(a, kv)
+        if gemma and gname.endswith("norm.weight"):
+            a = a + np.float32(1.0)  # llama.cpp's converter: the gain itself
         tensors[gname] = a
     if spec.get("fused"):  # llama.cpp's phi3: q, k, v rows in attn_qkv; gate, up rows in ffn_up
         for i in range(layers):
@@ -224,7 +241,8 @@ def write_family(name, spec, seed):
               "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head,
               "intermediate_size": ffn, "rms_norm_eps": 1e-6, "rope_theta": spec["theta"],
               "max_position_embeddings": CTX, "tie_word_embeddings": spec["tied"],
-              "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+              "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",
+              "attention_bias": False, "attention_dropout": 0.0,
               "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2,
               "torch_dtype": "float32", "use_cache": True}
     if scaling:
@@ -240,6 +258,8 @@ def write_family(name, spec, seed):
                                   "long_factor": long.tolist()}
         config["resid_pdrop"] = 0.0
         config["embd_pdrop"] = 0.0
+    if gemma:
+        config["hidden_activation"] = "gelu_pytorch_tanh"
     if spec.get("no_rope_step"):
         step = spec["no_rope_step"]
         config["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(layers)]
@@ -252,8 +272,8 @@ def write_family(name, spec, seed):
         "added_tokens": [{"id": i, "content": tokens[i], "special": True}
                          for i in range(len(tokens))
                          if i < 3 or types[i] == gguf.TokenType.CONTROL],
-        "normalizer": {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "▁"},
+        "normalizer": {"type": "Sequence", "normalizers": (
+            [] if gemma else [{"type": "Prepend", "prepend": "▁"}]) + [
             {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
         "pre_tokenizer": None,
         "model": {"type": "BPE", "byte_fallback": True, "unk_token": "<unk>",

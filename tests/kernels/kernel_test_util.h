@@ -41,6 +41,13 @@ inline std::vector<double> numerical_gradient(
   return g;
 }
 
+// A gradient plus `base`, to compare with an accumulating kernel's output that started from base.
+inline std::vector<double> plus(const std::vector<double>& g, const std::vector<float>& base) {
+  std::vector<double> out(g.size());
+  for (size_t i = 0; i < g.size(); ++i) out[i] = g[i] + base[i];
+  return out;
+}
+
 // max |got - want| relative to max(1, max |want|).
 inline double max_error(const std::vector<float>& got, const std::vector<double>& want) {
   double err = 0.0, scale = 1.0;

@@ -26,17 +26,12 @@ namespace {
 
 using test::max_error;
 using test::numerical_gradient;
+using test::plus;
 using test::random_floats;
 using test::ThreadCount;
 using test::to_double;
 
 // Adds `base` to a gradient so it can be compared with an accumulating kernel's output.
-std::vector<double> plus(const std::vector<double>& g, const std::vector<float>& base) {
-  std::vector<double> out(g.size());
-  for (size_t i = 0; i < g.size(); ++i) out[i] = g[i] + base[i];
-  return out;
-}
-
 TEST(Embedding, ForwardGathersAndBackwardScattersRepeats) {
   const int64_t V = 11, C = 70, N = 9;  // C spans a column block and a tail
   const std::vector<int32_t> tokens = {3, 0, 10, 3, 3, 7, 0, 5, 10};

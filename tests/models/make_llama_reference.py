@@ -6,13 +6,14 @@ A self-contained fp32 PyTorch implementation of the cputrain decoder, for four c
 half-split RoPE; that one again with a frozen base and LoRA adapters, y = W x + (alpha / rank)
 B A x, on all seven projections; one with the parts of the newer families, per-head q/k norms,
 Llama 3's RoPE scaling and a layer without RoPE; one with Phi-3's, adapters on its fused
-projections, partial rotary and longrope scaling): from one seeded set of weights and one batch it records the
+projections, partial rotary and longrope scaling; one with Gemma's, GeGLU, RMSNorm scaling by
+1 + w and embeddings scaled by sqrt(d_model)): from one seeded set of weights and one batch it records the
 logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping.
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3}_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -55,6 +56,9 @@ class Config:
     fused: bool = False
     rope_dim: int = 0
     longrope: tuple = None
+    # Gemma: the MLP gelu_tanh(gate) * up, each RMSNorm scaling by 1 + w (w held, and drawn,
+    # near 0), the embeddings scaled by sqrt(C) on the way in (not on the tied head's way out).
+    gemma: bool = False
 
 
 CONFIGS = [
@@ -81,6 +85,10 @@ CONFIGS = [
     Config("llama_phi3_reference.ctrf", V=256, C=64, L=2, H=4, F=96, B=2, T=24, KVH=2, D=16,
            half_split=True, theta=10000.0, eps=1e-5, lora_rank=4, lora_alpha=8.0, fused=True,
            rope_dim=12, longrope=(32, 64)),
+    # Gemma's parts, trained whole: multi-query attention with heads of 32 over a width of 96
+    # (sqrt(96) is not a float), a tied head, half-split RoPE.
+    Config("llama_gemma_reference.ctrf", V=256, C=96, L=2, H=4, F=160, B=2, T=24, KVH=1, D=32,
+           tied=True, half_split=True, theta=10000.0, eps=1e-6, gemma=True),
 ]
 PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                "feed_forward.w3", "feed_forward.w2"]
@@ -153,8 +161,8 @@ def init_parameters(c, gen):
             # Biases away from 0 so they change what attention sees.
             t = 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
-            # Gains away from 1 so their gradients matter.
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            # Gains away from 1 so their gradients matter (held less 1 in Gemma's norms).
+            t = (0.0 if c.gemma else 1.0) + 0.1 * torch.randn(shape, generator=gen)
         elif name.endswith(".lora_a") or name.endswith(".lora_b"):
             # B away from its zero start, so that A's gradient is not zero.
             t = torch.randn(shape, generator=gen) * 0.05
@@ -206,7 +214,7 @@ def rope_table(c):
 
 
 def rmsnorm(c, x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps) * w
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps) * ((1.0 + w) if c.gemma else w)
 
 
 def rope(c, x, cos, sin):
@@ -249,6 +257,8 @@ def projection(c, p, name, h):
 def forward(c, p, tokens, cos, sin):
     B, T, H, KVH, D = c.B, c.T, c.H, c.KVH, c.D
     x = p["tok_embeddings.weight"][tokens]
+    if c.gemma:
+        x = x * torch.tensor(math.sqrt(c.C), dtype=torch.float32)
     for i in range(c.L):
         n = f"layers.{i}."
         h = rmsnorm(c, x, p[n + "attention_norm.weight"])
@@ -264,7 +274,11 @@ def forward(c, p, tokens, cos, sin):
         g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
         gate = projection(c, p, n + "feed_forward.w1", g)
         up = projection(c, p, n + "feed_forward.w3", g)
-        x = x + projection(c, p, n + "feed_forward.w2", torch.nn.functional.silu(gate) * up)
+        if c.gemma:
+            act = torch.nn.functional.gelu(gate, approximate="tanh")
+        else:
+            act = torch.nn.functional.silu(gate)
+        x = x + projection(c, p, n + "feed_forward.w2", act * up)
     x = rmsnorm(c, x, p["norm.weight"])
     return x @ p["tok_embeddings.weight" if c.tied else "output.weight"].T
 
@@ -322,6 +336,8 @@ def write_reference(c):
             short, long = longrope_factors(c)
             out.add("short_factors", short)
             out.add("long_factors", long)
+        if c.gemma:
+            out.add("architecture", torch.tensor(list(b"gemma"), dtype=torch.int32))
         if c.qk_norm or c.scaling or c.no_rope:
             # qk_norm, then a 0/1 per layer (1: without RoPE); the scaling's four numbers.
             out.add("parts", torch.tensor([int(c.qk_norm)] + [int(i in c.no_rope)

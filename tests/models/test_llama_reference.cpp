@@ -5,8 +5,9 @@
 // biases, half-split RoPE at theta 1e6, eps 1e-6 and a head dim of 10; and that one with its
 // base frozen and LoRA adapters (rank 4, alpha 8) on all seven projections, which alone train;
 // and one with the parts of the newer families: per-head q/k norms, Llama 3's RoPE scaling and a
-// layer without RoPE; and one with Phi-3's: adapters on its fused projections (one A for q, k and
-// v, one for gate and up), RoPE on part of each head, longrope scaling.
+// layer without RoPE; one with Phi-3's: adapters on its fused projections (one A for q, k and
+// v, one for gate and up), RoPE on part of each head, longrope scaling; and one with Gemma's:
+// GeGLU, RMSNorm scaling by 1 + w, embeddings scaled by sqrt(d_model).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,6 +91,12 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
       r.long_factors = ref_.at("long_factors").f32;
       r.attn_factor = std::sqrt(1.0 + std::log(static_cast<double>(phi3[2]) / phi3[1]) /
                                           std::log(static_cast<double>(phi3[1])));
+    }
+    if (ref_.count("architecture")) {  // its name's bytes: a description's parts (gemma)
+      const std::vector<int32_t>& name = ref_.at("architecture").i32;
+      config_.architecture = std::string(name.begin(), name.end());
+      // Gemma's norms are held as its Hugging Face files hold them, less 1.
+      config_.norm_plus_one = config_.architecture == "gemma";
     }
     tokens_ = to_tensor(ref_.at("tokens"));
     targets_ = to_tensor(ref_.at("targets"));
@@ -201,14 +208,12 @@ TEST_P(LlamaReference, TenAdamWSteps) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Configurations, LlamaReference,
-                         ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf",
-                                           "llama_lora_reference.ctrf",
-                                           "llama_parts_reference.ctrf",
-                                           "llama_phi3_reference.ctrf"),
-                         [](const auto& info) {
-                           return info.param.substr(6, info.param.find("_reference") - 6);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Configurations, LlamaReference,
+    ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf",
+                      "llama_lora_reference.ctrf", "llama_parts_reference.ctrf",
+                      "llama_phi3_reference.ctrf", "llama_gemma_reference.ctrf"),
+    [](const auto& info) { return info.param.substr(6, info.param.find("_reference") - 6); });
 
 }  // namespace
 }  // namespace cputrain

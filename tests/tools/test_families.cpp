@@ -1,10 +1,10 @@
 // The architecture families of models/architecture.h against llama.cpp: random-weight models of
 // each in its real conventions (tests/interop/make_family_models.py: Llama 3's RoPE scaling,
 // Qwen3's q/k norms and head dimension, SmolLM3's layers without RoPE, Phi-3's fused tensors,
-// longrope scaling and partial rotary), read from GGUF and from a
-// Hugging Face folder, give llama.cpp's logits and greedy continuation; exported and read back
-// they are the same bits; an adapter fine-tuned on each gives llama.cpp's logits. What cputrain
-// does not compute is refused in one line.
+// longrope scaling and partial rotary, Gemma's GeGLU, 1 + w norms and scaled embeddings), read
+// from GGUF and from a Hugging Face folder, give llama.cpp's logits and greedy continuation;
+// exported and read back they are the same bits; an adapter fine-tuned on each gives llama.cpp's
+// logits. What cputrain does not compute is refused in one line.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -31,7 +31,7 @@ namespace {
 
 using namespace interop_test;
 
-const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3"};
+const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3", "gemma"};
 
 // The models of make_family_models.py, once per test binary.
 const fs::path& family_models() {
@@ -70,6 +70,11 @@ void expect_parts(const std::string& family, const ModelConfig& c) {
     EXPECT_EQ(c.architecture, "smollm3");
     EXPECT_EQ(c.no_rope_layers, std::vector<int64_t>{3});
     EXPECT_EQ(c.n_kv_heads, 1);
+  } else if (family == "gemma") {
+    EXPECT_EQ(c.architecture, "gemma");
+    EXPECT_EQ(c.head_size(), 64);  // not d_model / heads = 32
+    EXPECT_EQ(c.n_kv_heads, 1);
+    EXPECT_TRUE(c.tie_embeddings);
   } else {
     EXPECT_EQ(c.architecture, "phi3");
     EXPECT_EQ(c.rope_dim, 24);
@@ -90,18 +95,22 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     LoadedModel g = load(gguf), h = load(hf);
     expect_parts(family, g.config);
     expect_parts(family, h.config);
+    // Gemma's Hugging Face files hold its norms' gains less 1, its GGUF files the gains.
+    EXPECT_FALSE(g.config.norm_plus_one);
+    EXPECT_EQ(h.config.norm_plus_one, family == "gemma");
     EXPECT_EQ(h.config.rope_scaling.freq_factors, g.config.rope_scaling.freq_factors) << family;
     const std::vector<int32_t> tokens =
         token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 23);
     const std::vector<float> theirs = oracle_logits(gguf, tokens, family_models());
     EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4) << family;
     EXPECT_LT(max_abs_difference(our_logits(h, tokens), theirs), 1e-4) << family;
-    // The part matters: without the scaling, or with RoPE in every layer, the same weights give
-    // other logits.
+    // The part matters: without the scaling, with RoPE in every layer, or with llama's SwiGLU
+    // and unscaled embeddings for Gemma's, the same weights give other logits.
     if (family == "qwen3") continue;  // without its norms the file's tensors have no place
     ModelConfig without = g.config;
     without.rope_scaling = RopeScaling();
     without.no_rope_layers.clear();
+    if (family == "gemma") without.architecture = "llama";
     LoadedModel other;
     other.config = without;
     other.model = std::make_unique<DecoderModel>(without);
@@ -136,12 +145,39 @@ TEST(Families, GreedyContinuationIsLlamaCpps) {
   }
 }
 
-// Each parameter's values in Hugging Face's q/k row order, for comparing models of either pairing.
+// Each family's vocabulary from its GGUF file (Gemma's without the space prefix) and from its
+// Hugging Face folder tokenizes as llama.cpp tokenizes the GGUF file, plain text and text with
+// the family's special tokens in it (parsed as those tokens).
+TEST(Families, VocabulariesTokenizeAsLlamaCpp) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("family_tokens")};
+  for (const std::string family : kFamilies) {
+    const fs::path gguf = family_models() / (family + ".gguf");
+    const LoadedModel g = load(gguf), h = load(family_models() / (family + "_hf"));
+    for (const char* text : {" the cat sat  on the mat\nand ran far, xyz",
+                             "<start_of_turn>user\nthe dog<end_of_turn>\n<start_of_turn>model\n",
+                             "<|user|>\na cat<|end|>\n<|assistant|>\n"}) {
+      std::ofstream(folder.path / "text.txt", std::ios::binary) << text;
+      const std::string cmd = kOracle + " tokenize " + gguf.string() + " " +
+                              (folder.path / "text.txt").string() + " special > " +
+                              (folder.path / "ids.txt").string();
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+      std::vector<int32_t> theirs;
+      std::istringstream in(read_all(folder.path / "ids.txt"));
+      for (int32_t id; in >> id;) theirs.push_back(id);
+      EXPECT_EQ(g.tokenizer->encode_piece(text, true, true), theirs) << family << ": " << text;
+      EXPECT_EQ(h.tokenizer->encode_piece(text, true, true), theirs) << family << ": " << text;
+    }
+  }
+}
+
+// Each parameter's values in Hugging Face's q/k row order and norm gains whole, for comparing
+// models of either pairing and either way of holding the gains.
 std::vector<std::vector<float>> values_of(const LoadedModel& m) {
   std::vector<std::vector<float>> out;
   const ParameterSet& p = m.model->parameters();
   for (size_t i = 0; i < p.infos().size(); ++i)
-    out.push_back(parameter_values(p, static_cast<int>(i), m.config, RopePairs::HalfSplit));
+    out.push_back(parameter_values(p, static_cast<int>(i), m.config, RopePairs::HalfSplit, false));
   return out;
 }
 
@@ -169,6 +205,8 @@ TEST(Families, ExportThenImportIsBitExact) {
         EXPECT_EQ(back.config.no_rope_layers, original.config.no_rope_layers) << from << to;
         EXPECT_EQ(back.config.qk_norm, original.config.qk_norm) << from << to;
         EXPECT_EQ(back.config.tie_embeddings, original.config.tie_embeddings) << from << to;
+        EXPECT_EQ(back.config.norm_plus_one, family == "gemma" && std::string(to) == "out_hf")
+            << from << to;
         EXPECT_TRUE(values_of(back) == want) << from << " -> " << to;
       }
     }

@@ -438,7 +438,8 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
       {"llama2-sys-strip", llama2(true, false, true)},
       {"mistral-v3", chat_template_named("mistral", "--chat-template", "")},
       {"zephyr", chat_template_named("zephyr", "--chat-template", "<|endoftext|>")},
-      {"phi3", chat_template_named("phi3", "--chat-template", "")}};
+      {"phi3", chat_template_named("phi3", "--chat-template", "")},
+      {"gemma", chat_template_named("gemma", "--chat-template", "")}};
   size_t compared = 0;
   for (const auto& [name, tmpl] : named) {
     for (const auto* messages : {&with_system, &without}) {
@@ -457,7 +458,7 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
     EXPECT_EQ(replies.find("What"), std::string::npos) << name;
     EXPECT_EQ(replies.find("terse"), std::string::npos) << name;
   }
-  EXPECT_EQ(compared, 36u);
+  EXPECT_EQ(compared, 40u);
   // Real templates: recognised from their text as llama.cpp recognises them.
   const fs::path templates = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / "templates";
   const std::pair<const char*, ChatFamily> real[] = {
@@ -466,7 +467,8 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
       {"meta-llama-Llama-3.1-8B-Instruct.jinja", ChatFamily::Llama3},
       {"meta-llama-Llama-3.2-3B-Instruct.jinja", ChatFamily::Llama3},
       {"Qwen-Qwen3-0.6B.jinja", ChatFamily::ChatMl},
-      {"microsoft-Phi-3.5-mini-instruct.jinja", ChatFamily::Phi3}};
+      {"microsoft-Phi-3.5-mini-instruct.jinja", ChatFamily::Phi3},
+      {"google-gemma-2-2b-it.jinja", ChatFamily::Gemma}};
   for (const auto& [file, family] : real) {
     const std::string text = read_all(templates / file);
     const std::optional<ChatTemplate> t = detect_chat_template(text, "</s>");
@@ -515,7 +517,7 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
             "<|assistant|>\n  6 \n</s>\n<|assistant|>\n");
   for (const char* other :
        {"mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
-        "google-gemma-2-2b-it.jinja"})
+        "google-gemma-4-31B-it.jinja"})
     EXPECT_FALSE(detect_chat_template(read_all(templates / other), "</s>").has_value()) << other;
   EXPECT_THROW(chat_template_named("vicuna", "--chat-template", ""), UserError);
 }

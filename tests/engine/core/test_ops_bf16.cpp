@@ -156,6 +156,29 @@ TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
       {random_tensor(s, rng, true), random_tensor(s, rng, true)}, s);
 }
 
+TEST(OpsBf16, GatedAndPlainGeluOnBf16ValuesMatchFp32) {
+  std::mt19937 rng(41);
+  const Shape s{3, 5, 11};
+  expect_rounded_output_and_fp32_gradients(
+      [](const auto& v) { return geglu(v[0], v[1]); },
+      {random_tensor(s, rng, true), random_tensor(s, rng, true)}, s);
+  expect_rounded_output_and_fp32_gradients([](const auto& v) { return gelu(v[0]); },
+                                           {random_tensor(s, rng, true)}, s);
+}
+
+TEST(OpsBf16, NormsPlusOneAndLayerNormOnBf16ValuesMatchFp32) {
+  std::mt19937 rng(42);
+  expect_rounded_output_and_fp32_gradients(
+      [](const auto& v) { return rmsnorm(v[0], v[1], 1e-5f, 1.0f); },
+      {random_tensor(Shape{5, 7, 24}, rng, true), random_tensor(Shape{24}, rng, true)},
+      Shape{5, 7, 24});
+  expect_rounded_output_and_fp32_gradients(
+      [](const auto& v) { return layernorm(v[0], v[1], v[2], 1e-5f); },
+      {random_tensor(Shape{5, 7, 24}, rng, true), random_tensor(Shape{24}, rng, true),
+       random_tensor(Shape{24}, rng, true)},
+      Shape{5, 7, 24});
+}
+
 TEST(OpsBf16, RopeOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(5);
   const Shape s{2, 7, 12};

@@ -222,6 +222,37 @@ TEST(OpsGradient, SwiGlu) {
                   {random_tensor(Shape{3, 11}, rng, 2.0f), random_tensor(Shape{3, 11}, rng)}, 5e-3);
 }
 
+TEST(OpsGradient, GeGlu) {
+  std::mt19937 rng(61);
+  check_gradients([](const auto& v) { return geglu(v[0], v[1]); },
+                  {random_tensor(Shape{3, 11}, rng, 2.0f), random_tensor(Shape{3, 11}, rng)}, 5e-3);
+}
+
+TEST(OpsGradient, Gelu) {
+  std::mt19937 rng(62);
+  check_gradients([](const auto& v) { return gelu(v[0]); },
+                  {random_tensor(Shape{3, 2, 13}, rng, 3.0f)}, 5e-3);
+}
+
+// LayerNorm with a bias: the input's, the gains' and the bias's gradients.
+TEST(OpsGradient, LayerNorm) {
+  std::mt19937 rng(63);
+  check_gradients([](const auto& v) { return layernorm(v[0], v[1], v[2], 1e-5f); },
+                  {random_tensor(Shape{3, 5, 9}, rng, 2.0f), random_tensor(Shape{9}, rng),
+                   random_tensor(Shape{9}, rng)},
+                  5e-3);
+}
+
+// RMSNorm of weights held less 1, whole and per head.
+TEST(OpsGradient, RmsNormPlusOne) {
+  std::mt19937 rng(64);
+  check_gradients([](const auto& v) { return rmsnorm(v[0], v[1], 1e-6f, 1.0f); },
+                  {random_tensor(Shape{3, 5, 9}, rng), random_tensor(Shape{9}, rng, 0.3f)}, 5e-3);
+  check_gradients([](const auto& v) { return head_rmsnorm(v[0], v[1], 1e-6f, 1.0f); },
+                  {random_tensor(Shape{2, 3, 4 * 6}, rng), random_tensor(Shape{6}, rng, 0.3f)},
+                  5e-3);
+}
+
 TEST(OpsGradient, Add) {
   std::mt19937 rng(7);
   check_gradients([](const auto& v) { return add(v[0], v[1]); },
@@ -378,6 +409,9 @@ TEST(OpsGradient, Embedding) {
   const int32_t ids[] = {3, 1, 3, 0, 6, 3, 2, 6, 5, 1};
   for (int i = 0; i < 10; ++i) tokens.i32()[i] = ids[i];
   check_gradients([&](const auto& v) { return embedding(v[0], tokens); },
+                  {random_tensor(Shape{7, 4}, rng)}, 1e-3);
+  // Scaled rows (Gemma's sqrt(C)).
+  check_gradients([&](const auto& v) { return embedding(v[0], tokens, 2.0f); },
                   {random_tensor(Shape{7, 4}, rng)}, 1e-3);
 }
 
