@@ -98,6 +98,30 @@ std::vector<Architecture> table() {
         "half-split RoPE, a tied head";
     t.push_back(a);
   }
+  {
+    Architecture a;
+    a.name = "phi2";
+    a.hf_model_types = {"phi"};
+    a.hf_class = "PhiForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qkv_bias = Presence::Always;
+    a.partial_rotary = true;
+    a.mlp = Mlp::Gelu;
+    a.norm = Norm::LayerNorm;
+    a.parallel_block = true;
+    a.dense_biases = true;
+    a.hf_names = {{"attention.wo", "self_attn.dense"},
+                  {"feed_forward.w3", "mlp.fc1"},
+                  {"feed_forward.w2", "mlp.fc2"},
+                  {"norm", "model.final_layernorm"}};
+    a.hf_keys = {"layer_norm_eps", "partial_rotary_factor", "resid_pdrop", "embd_pdrop",
+                 "qk_layernorm"};
+    a.gguf_keys = {"attention.layer_norm_epsilon"};
+    a.summary =
+        "attention and a GELU MLP (fc1, fc2) in parallel from one LayerNorm with a bias, biases on "
+        "every projection and the head, half-split RoPE on part of each head";
+    t.push_back(a);
+  }
   return t;
 }
 
@@ -110,7 +134,7 @@ std::string joined(const std::vector<std::string_view>& names) {
 }  // namespace
 
 std::string_view mlp_name(Mlp mlp) {
-  return mlp == Mlp::SwiGlu ? "SwiGLU" : "GeGLU";
+  return mlp == Mlp::SwiGlu ? "SwiGLU" : mlp == Mlp::GeGlu ? "GeGLU" : "GELU";
 }
 
 const std::vector<Architecture>& architectures() {

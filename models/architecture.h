@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "models/model_config.h"
@@ -18,9 +19,12 @@ namespace cputrain {
 enum class Presence { Never, Optional, Always };
 
 // The MLP of a block: silu(gate) * up (SwiGLU) or gelu(gate) * up with GELU's tanh approximation
-// (GeGLU), each then the down projection.
-enum class Mlp { SwiGlu, GeGlu };
-std::string_view mlp_name(Mlp mlp);  // "SwiGLU", "GeGLU"
+// (GeGLU), each then the down projection; or gelu(up) alone then down, without a gate (Phi-2's
+// fc1, GELU, fc2).
+enum class Mlp { SwiGlu, GeGlu, Gelu };
+std::string_view mlp_name(Mlp mlp);  // "SwiGLU", "GeGLU", "GELU"
+// The norms of a block and the final one: RMSNorm, or LayerNorm with a bias.
+enum class Norm { RmsNorm, LayerNorm };
 
 struct Architecture {
   // The config's architecture and the GGUF general.architecture ("qwen3").
@@ -51,6 +55,16 @@ struct Architecture {
   // Every step-th layer (counted from 1) applies no RoPE; 0: every layer applies it.
   int64_t no_rope_layer_step = 0;
   Mlp mlp = Mlp::SwiGlu;
+  Norm norm = Norm::RmsNorm;
+  // Attention and the MLP both from the one norm of the block's input, their outputs added to the
+  // residual together (Phi-2); else the MLP from a second norm after attention's residual.
+  bool parallel_block = false;
+  // Biases on the output, up and down projections and on the head, beside q/k/v's (Phi-2).
+  bool dense_biases = false;
+  // Hugging Face names of its own for parameters, by the decoder's name less the layer prefix
+  // and the ".weight" / ".bias" ("attention.wo" -> "self_attn.dense"; the final "norm" ->
+  // "model.final_layernorm", a name of the whole model); the others are Llama's.
+  std::vector<std::pair<std::string_view, std::string_view>> hf_names;
   // The token embeddings are scaled by sqrt(d_model) on the way in (not on the tied head's way
   // out).
   bool scale_embeddings = false;

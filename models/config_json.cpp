@@ -135,7 +135,10 @@ std::string describe_parts(const ModelConfig& c) {
     for (size_t i = 0; i < c.no_rope_layers.size(); ++i)
       s += (i ? ", " : " ") + std::to_string(c.no_rope_layers[i]);
   }
-  std::snprintf(buf, sizeof(buf), "; RMSNorm eps %g", static_cast<double>(c.norm_eps));
+  const Architecture* arch = find_architecture(c.architecture);
+  std::snprintf(buf, sizeof(buf), "; %s eps %g",
+                arch && arch->norm == Norm::LayerNorm ? "LayerNorm" : "RMSNorm",
+                static_cast<double>(c.norm_eps));
   s += buf;
   if (c.norm_plus_one) s += " (gains held less 1)";
   if (c.qk_norm) s += "; q/k norms";

@@ -22,6 +22,12 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
                                            ParameterSet& params) {
   const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
   const int64_t Q = config.q_dim(), KV = config.kv_dim();
+  const Architecture& arch = architecture_of(config);
+  const bool layer_norm = arch.norm == Norm::LayerNorm, dense = arch.dense_biases;
+  // A bias of `n` named `name`, or -1 where `present` is false.
+  const auto bias_of = [&params](bool present, const std::string& name, int64_t n) {
+    return present ? params.add(name, Shape{n}, false) : -1;
+  };
   Layout layout;
   // Tied: the embedding is also the LM head's weight, a GEMM operand (bf16 copy).
   layout.tok_embeddings =
@@ -31,6 +37,7 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     Block b;
     b.layer = i;
     b.attention_norm = params.add(l + "attention_norm.weight", Shape{C}, false);
+    b.attention_norm_bias = bias_of(layer_norm, l + "attention_norm.bias", C);
     b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
     b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
     b.wv = params.add(l + "attention.wv.weight", Shape{KV, C}, true, true);
@@ -44,14 +51,22 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
     }
     b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
-    b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
-    b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
+    b.bo = bias_of(dense, l + "attention.wo.bias", C);
+    if (!arch.parallel_block) {
+      b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
+      b.ffn_norm_bias = bias_of(layer_norm, l + "ffn_norm.bias", C);
+    }
+    if (arch.mlp != Mlp::Gelu)
+      b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
     b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
+    b.b3 = bias_of(dense, l + "feed_forward.w3.bias", F);
     b.w2 = params.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
+    b.b2 = bias_of(dense, l + "feed_forward.w2.bias", C);
     if (lora.active()) {
       const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2};
       for (int j = 0; j < kProjectionCount; ++j) {
-        if (!lora.on(static_cast<Projection>(j))) continue;
+        // A projection the block does not have (a gate without a gated MLP) takes none.
+        if (!lora.on(static_cast<Projection>(j)) || weights[j] < 0) continue;
         const ParameterInfo& w = params.infos()[static_cast<size_t>(weights[j])];
         const std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
         const auto k = static_cast<size_t>(j);
@@ -65,8 +80,10 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     layout.blocks.push_back(b);
   }
   layout.norm = params.add("norm.weight", Shape{C}, false);
+  layout.norm_bias = bias_of(layer_norm, "norm.bias", C);
   layout.output = config.tie_embeddings ? layout.tok_embeddings
                                         : params.add("output.weight", Shape{V, C}, true, true);
+  layout.output_bias = bias_of(dense, "output.bias", V);
   return layout;
 }
 
@@ -87,7 +104,9 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
   tok_embeddings_ = layout.tok_embeddings;
   blocks_ = std::move(layout.blocks);
   norm_ = layout.norm;
+  norm_bias_ = layout.norm_bias;
   output_ = layout.output;
+  output_bias_ = layout.output_bias;
   for (size_t i = 0; i < params_.infos().size(); ++i) {
     const std::string& name = params_.infos()[i].name;
     if (options.trainable)
@@ -113,9 +132,25 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
   // blocks i and above and of the head are final, the tied embedding's not until the end. Where
   // those are the gradient buffer's tail, its start is where the gradients are final.
   const auto block_params = [](const Block& b) {
-    std::vector<int> v = {
-        b.attention_norm, b.wq,    b.wk, b.wv, b.wo, b.ffn_norm, b.w1, b.w3, b.w2, b.bq, b.bk, b.bv,
-        b.q_norm,         b.k_norm};
+    std::vector<int> v = {b.attention_norm,
+                          b.wq,
+                          b.wk,
+                          b.wv,
+                          b.wo,
+                          b.ffn_norm,
+                          b.w1,
+                          b.w3,
+                          b.w2,
+                          b.bq,
+                          b.bk,
+                          b.bv,
+                          b.q_norm,
+                          b.k_norm,
+                          b.attention_norm_bias,
+                          b.ffn_norm_bias,
+                          b.bo,
+                          b.b3,
+                          b.b2};
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     return v;
@@ -123,9 +158,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
   std::vector<bool> done(params_.infos().size(), false);
   final_from_.assign(blocks_.size() + 1, -1);
   for (size_t stage = blocks_.size() + 1; stage-- > 0;) {
-    const std::vector<int> now =
-        stage == blocks_.size() ? std::vector<int>{norm_, output_ == tok_embeddings_ ? -1 : output_}
-                                : block_params(blocks_[stage]);
+    const std::vector<int> now = stage == blocks_.size()
+                                     ? std::vector<int>{norm_, norm_bias_, output_bias_,
+                                                        output_ == tok_embeddings_ ? -1 : output_}
+                                     : block_params(blocks_[stage]);
     for (const int index : now)
       if (index >= 0) done[static_cast<size_t>(index)] = true;
     int64_t from = params_.trainable_numel();
@@ -233,41 +269,60 @@ Variable DecoderModel::project(const Block& b, Projection which, int weight, int
                      dropout ? static_cast<float>(lora_.dropout) : 0.0f, seed);
 }
 
+Variable DecoderModel::norm(const Variable& x, int weight, int bias_index) const {
+  if (arch_->norm == Norm::LayerNorm)
+    return layernorm(x, p(weight), p(bias_index), config_.norm_eps);
+  return rmsnorm(x, p(weight), config_.norm_eps, config_.norm_offset());
+}
+
 Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
                                      bool per_row, const Attend& attend) {
   const float eps = config_.norm_eps;
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
   const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
   const bool rotate = config_.rope_in_layer(b.layer);
-  // RoPE where the layer applies it, after the head's norm where the block has one.
   const float offset = config_.norm_offset();
+  // RoPE where the layer applies it, after the head's norm where the block has one.
   const auto position = [&](const Variable& x, int norm, int64_t heads) {
     const Variable normed = norm >= 0 ? head_rmsnorm(x, p(norm), eps, offset) : x;
     return rotate ? rope(normed, rope_table, heads, half_split, per_row, config_.rope_dims())
                   : normed;
   };
+  // The MLP on its norm's output g, down projection included (g let go of before it).
+  const auto mlp = [&](Variable g) {
+    Variable f;
+    if (arch_->mlp == Mlp::Gelu) {
+      f = gelu(project(b, Projection::Up, b.w3, b.b3, g));
+    } else {
+      const Variable gate = project(b, Projection::Gate, b.w1, -1, g);
+      const Variable up = project(b, Projection::Up, b.w3, b.b3, g);
+      f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
+    }
+    g = Variable();
+    return project(b, Projection::Down, b.w2, b.b2, f);
+  };
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
   // there (the ops that need them in backward have saved them).
-  Variable a;
+  Variable h = norm(x, b.attention_norm, b.attention_norm_bias);
+  Variable attended;
   {
     Variable q, k, v;
-    {
-      const Variable h = rmsnorm(x, p(b.attention_norm), eps, offset);
-      q = position(project(b, Projection::Q, b.wq, b.bq, h), b.q_norm, H);
-      k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
-      // Attention reads only v's rounding.
-      v = project(b, Projection::V, b.wv, b.bv, h, true);
-    }
-    a = add(x, project(b, Projection::O, b.wo, -1, attend(q, k, v)));
+    q = position(project(b, Projection::Q, b.wq, b.bq, h), b.q_norm, H);
+    k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
+    // Attention reads only v's rounding.
+    v = project(b, Projection::V, b.wv, b.bv, h, true);
+    if (!arch_->parallel_block) h = Variable();  // a parallel block's MLP reads it too
+    attended = project(b, Projection::O, b.wo, b.bo, attend(q, k, v));
   }
-  Variable f;
-  {
-    const Variable g = rmsnorm(a, p(b.ffn_norm), eps, offset);
-    const Variable gate = project(b, Projection::Gate, b.w1, -1, g);
-    const Variable up = project(b, Projection::Up, b.w3, -1, g);
-    f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
+  if (arch_->parallel_block) {
+    // Attention and the MLP from the one norm, added to the residual together.
+    const Variable m = mlp(h);
+    h = Variable();
+    return add(add(attended, m), x);
   }
-  return add(a, project(b, Projection::Down, b.w2, -1, f));
+  const Variable a = add(x, attended);
+  attended = Variable();
+  return add(a, mlp(norm(a, b.ffn_norm, b.ffn_norm_bias)));
 }
 
 Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
@@ -327,31 +382,31 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     if (i > 0 && recording) record_backward("read_ahead", [this, i] { read_ahead(i - 1); });
   }
   final_from(blocks_.size());  // reached after the head's backward
-  return rmsnorm(x, p(norm_), config_.norm_eps, config_.norm_offset());
+  return norm(x, norm_, norm_bias_);
 }
 
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets) {
   ComputeDTypeGuard precision(compute_dtype_);
-  return lm_head_cross_entropy(hidden(inputs), p(output_), targets);
+  return lm_head_cross_entropy(hidden(inputs), p(output_), targets, 0, 0, bias(output_bias_));
 }
 
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets,
                             std::shared_ptr<const Packing> packing, int64_t normalizer) {
   ComputeDTypeGuard precision(compute_dtype_);
   return lm_head_cross_entropy(hidden(inputs, std::move(packing)), p(output_), targets, 0,
-                               normalizer);
+                               normalizer, bias(output_bias_));
 }
 
 Tensor DecoderModel::logits(const Tensor& inputs) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
-  return linear(hidden(inputs), p(output_)).value();
+  return linear(hidden(inputs), p(output_), bias(output_bias_)).value();
 }
 
 Tensor DecoderModel::logits(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
-  return linear(hidden(inputs, std::move(packing)), p(output_)).value();
+  return linear(hidden(inputs, std::move(packing)), p(output_), bias(output_bias_)).value();
 }
 
 Tensor DecoderModel::last_logits(const Tensor& inputs) {
@@ -367,7 +422,7 @@ Tensor DecoderModel::last_position_logits(const Tensor& h, int64_t B, int64_t T)
   Tensor last = Tensor::empty(Shape{B, C}, h.dtype(), MemoryCategory::Workspace);
   for (int64_t b = 0; b < B; ++b)
     last.view(b * C, Shape{C}).copy_from(h.view((b * T + T - 1) * C, Shape{C}));
-  return linear(Variable(last, false), p(output_)).value();
+  return linear(Variable(last, false), p(output_), bias(output_bias_)).value();
 }
 
 DecoderModel::KvCache DecoderModel::new_kv_cache() const {

@@ -1,9 +1,11 @@
 // The decoder of DESIGN.md, with the parts its architecture's description gives
 // (models/architecture.h): token embedding (optionally scaled by sqrt(d_model)); per block
-// pre-norm RMSNorm (its gains optionally held less 1), causal grouped-query attention (q, k, v
-// optionally with biases; q and k optionally with per-head RMSNorm) with RoPE (optionally scaled,
-// optionally left out of some layers), RMSNorm, SwiGLU or GeGLU MLP, each with a residual; final
-// RMSNorm; an LM head of its own or tied to the embedding. Parameter names follow
+// pre-norm RMSNorm (its gains optionally held less 1) or LayerNorm with a bias, causal
+// grouped-query attention (q, k, v optionally with biases; q and k optionally with per-head
+// RMSNorm) with RoPE (optionally scaled, optionally left out of some layers), a second norm and a
+// SwiGLU, GeGLU or GELU MLP, each with a residual, or attention and the MLP in parallel from the
+// one norm (Phi-2); final norm; an LM head of its own (optionally with a bias) or tied to the
+// embedding. Parameter names follow
 // Meta's Llama checkpoints (tok_embeddings, layers.N.attention.wq, ...); tensor_names.h maps them
 // to each format's.
 #pragma once
@@ -120,9 +122,14 @@ class DecoderModel {
 
  private:
   struct Block {
-    int attention_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
-    int bq = -1, bk = -1, bv = -1;  // the q, k, v biases; -1 without
-    int q_norm = -1, k_norm = -1;   // the per-head norms of q and k; -1 without
+    int attention_norm, wq, wk, wv, wo;
+    int ffn_norm = -1;  // -1 in a parallel block
+    int w1 = -1;        // -1 without a gate
+    int w3, w2;
+    int bq = -1, bk = -1, bv = -1;                     // the q, k, v biases; -1 without
+    int bo = -1, b3 = -1, b2 = -1;                     // the o, up and down biases; -1 without
+    int attention_norm_bias = -1, ffn_norm_bias = -1;  // LayerNorm's; -1 without
+    int q_norm = -1, k_norm = -1;                      // the per-head norms of q and k; -1 without
     int64_t layer = 0;
     // Each projection's adapter (by Projection), -1 without.
     std::array<int, kProjectionCount> lora_a{-1, -1, -1, -1, -1, -1, -1};
@@ -132,7 +139,9 @@ class DecoderModel {
     int tok_embeddings = 0;
     std::vector<Block> blocks;
     int norm = 0;
+    int norm_bias = -1;
     int output = 0;
+    int output_bias = -1;
   };
   static Layout declare(const ModelConfig& config, const LoraConfig& lora, ParameterSet& params);
   // (B, T, C) hidden states after the final norm; with `packing`, of packed rows.
@@ -157,6 +166,9 @@ class DecoderModel {
   // What the token embeddings are multiplied by: sqrt(d_model) where the architecture scales
   // them, else 1.
   float embedding_scale() const;
+  // The architecture's norm of x: RMSNorm with the gains `weight`, or LayerNorm with them and
+  // the bias `bias_index`.
+  Variable norm(const Variable& x, int weight, int bias_index) const;
   // The parameter at index, or an undefined Variable for -1 (no bias).
   Variable bias(int index) const;
   // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
@@ -172,7 +184,9 @@ class DecoderModel {
   int tok_embeddings_ = 0;
   std::vector<Block> blocks_;
   int norm_ = 0;
-  int output_ = 0;     // tok_embeddings_ where the embeddings are tied
+  int norm_bias_ = -1;
+  int output_ = 0;  // tok_embeddings_ where the embeddings are tied
+  int output_bias_ = -1;
   Tensor rope_table_;  // (ctx, R/2, 2): R the rotated dimensions
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;

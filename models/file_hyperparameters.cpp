@@ -18,8 +18,8 @@ std::string text(int64_t v) {
 
 class Checker {
  public:
-  Checker(const FileHyperparameters& hp, const FileTensorShape& shape_of)
-      : hp_(hp), shape_of_(shape_of) {}
+  Checker(const FileHyperparameters& hp, const FileTensorShape& shape_of, const Architecture& arch)
+      : hp_(hp), shape_of_(shape_of), arch_(arch) {}
 
   [[noreturn]] void fail(const FileHyperparameter& h, int64_t value,
                          const std::string& problem) const {
@@ -37,7 +37,7 @@ class Checker {
   }
 
   // The file's name of parameter `ours`.
-  std::string name(const std::string& ours) const { return tensor_name(ours, hp_.naming); }
+  std::string name(const std::string& ours) const { return tensor_name(ours, hp_.naming, arch_); }
 
   // The shape of parameter `ours`'s tensor, a matrix.
   std::vector<int64_t> matrix(const std::string& ours) const {
@@ -72,6 +72,7 @@ class Checker {
  private:
   const FileHyperparameters& hp_;
   const FileTensorShape& shape_of_;
+  const Architecture& arch_;
 };
 
 // The blocks the file holds: the distinct N of its tensors named "blk.N." (GGUF) or
@@ -145,7 +146,7 @@ void check_heads(const Checker& check, const FileHyperparameters& hp, const std:
 void check_file_hyperparameters(const FileHyperparameters& hp,
                                 const std::vector<std::string>& names,
                                 const FileTensorShape& shape_of, ModelConfig& c) {
-  const Checker check(hp, shape_of);
+  const Checker check(hp, shape_of, architecture_of(c));
   // The embedding (vocab, d_model) sets the width and the vocabulary.
   const std::string embedding = "tok_embeddings.weight";
   const std::vector<int64_t> e = check.matrix(embedding);
@@ -192,9 +193,11 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     check_heads(check, hp, wq, wk, arch, c);
   }
 
-  // The gate projection's rows, or half the fused gate and up tensor's.
-  const std::string w1 =
-      arch.fused_gate_up ? "layers.0.feed_forward.w13.weight" : "layers.0.feed_forward.w1.weight";
+  // The gate projection's rows, or half the fused gate and up tensor's, or without a gate the up
+  // projection's.
+  const std::string w1 = arch.fused_gate_up      ? "layers.0.feed_forward.w13.weight"
+                         : arch.mlp == Mlp::Gelu ? "layers.0.feed_forward.w3.weight"
+                                                 : "layers.0.feed_forward.w1.weight";
   const std::vector<int64_t> gate = check.matrix(w1);
   const int64_t parts = arch.fused_gate_up ? 2 : 1;
   c.ffn = check.positive(hp.ffn);

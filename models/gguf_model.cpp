@@ -91,7 +91,10 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
                     rope_scaling_names(*arch) + ")");
   ModelConfig c;
   c.architecture = name;
-  c.norm_eps = static_cast<float>(file.number(p + "attention.layer_norm_rms_epsilon", 1e-5));
+  c.norm_eps = static_cast<float>(
+      file.number(p + (arch->norm == Norm::LayerNorm ? "attention.layer_norm_epsilon"
+                                                     : "attention.layer_norm_rms_epsilon"),
+                  1e-5));
   c.rope_theta = file.number(p + "rope.freq_base", 10000.0);
   c.rope_pairs = arch->gguf_rope_pairs;
   c.tie_embeddings = arch->always_tied || file.tensor("output.weight") == nullptr;
@@ -158,10 +161,6 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     throw UserError(file.path() +
                     ": the model's hyperparameters do not fit together: " + problem->str());
   return c;
-}
-
-std::string gguf_tensor_name(const std::string& parameter) {
-  return tensor_name(parameter, TensorNaming::Gguf);
 }
 
 namespace {
@@ -405,7 +404,9 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   w.set_u32(arch + ".attention.head_count_kv", static_cast<uint32_t>(c.kv_heads()));
   w.set_u32(arch + ".attention.key_length", static_cast<uint32_t>(c.head_size()));
   w.set_u32(arch + ".attention.value_length", static_cast<uint32_t>(c.head_size()));
-  w.set_f32(arch + ".attention.layer_norm_rms_epsilon", c.norm_eps);
+  w.set_f32(arch + (description.norm == Norm::LayerNorm ? ".attention.layer_norm_epsilon"
+                                                        : ".attention.layer_norm_rms_epsilon"),
+            c.norm_eps);
   w.set_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
   w.set_u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.rope_dims()));
   w.set_u32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab));

@@ -25,10 +25,6 @@ std::string gguf_supported_architectures();
 // where its factors are Llama 3's, else as the factors alone.
 ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx);
 
-// The GGUF name of a parameter of DecoderModel ("layers.0.attention.wq.weight" ->
-// "blk.0.attn_q.weight").
-std::string gguf_tensor_name(const std::string& parameter);
-
 // Checks, before anything is allocated for the model, what load_gguf_weights checks: every
 // parameter of a model of `config` (no adapters) has its tensor in the file, of its shape and of a
 // type cputrain converts, and every tensor of the file has its place. A UserError naming the file

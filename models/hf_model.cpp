@@ -274,18 +274,22 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
       throw UserError(where + ": " + key + " " + json_shown(value) +
                       ", which cputrain does not read for model_type " + type +
                       " (nothing in config.json is passed over)");
-  // The MLP's activation: SiLU, or GELU's tanh approximation, which Hugging Face's Gemma computes
-  // whether hidden_act says gelu or gelu_pytorch_tanh (its hidden_activation decides).
-  const bool gelu = arch->mlp == Mlp::GeGlu;
+  // The MLP's activation: SiLU, or GELU's tanh approximation (gelu_pytorch_tanh, Phi's
+  // gelu_new), which Hugging Face's Gemma computes whether hidden_act says gelu or
+  // gelu_pytorch_tanh (its hidden_activation decides).
+  const bool gelu = arch->mlp != Mlp::SwiGlu;
   for (const char* key : {"hidden_act", "hidden_activation"}) {
     const std::string act = values.text(key, gelu ? "gelu_pytorch_tanh" : "silu");
-    const bool known = gelu ? act == "gelu_pytorch_tanh" ||
-                                  (act == "gelu" && std::string_view(key) == "hidden_act")
+    const bool known = gelu ? act == "gelu_pytorch_tanh" || act == "gelu_new" ||
+                                  (act == "gelu" && arch->mlp == Mlp::GeGlu &&
+                                   std::string_view(key) == "hidden_act")
                             : act == "silu";
     if (!known)
       throw UserError(where + ": " + key + " " + act + ", which cputrain does not compute for " +
                       type + " (it computes " + (gelu ? "gelu_pytorch_tanh" : "silu") + ")");
   }
+  if (values.flag("qk_layernorm", false))
+    throw UserError(where + ": qk_layernorm, which cputrain does not compute for " + type);
   if (values.flag("mlp_bias", false))
     throw UserError(where + ": mlp_bias, which cputrain does not compute");
   if (values.number("attention_dropout", 0.0) != 0.0)
@@ -314,7 +318,9 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (!hp.ctx.value) hp.ctx.value = 2048;
   ModelConfig c;
   c.architecture = std::string(arch->name);
-  c.norm_eps = static_cast<float>(values.number("rms_norm_eps", 1e-6));
+  c.norm_eps =
+      static_cast<float>(arch->norm == Norm::LayerNorm ? values.number("layer_norm_eps", 1e-5)
+                                                       : values.number("rms_norm_eps", 1e-6));
   c.rope_theta = values.number("rope_theta", 10000.0);
   c.tie_embeddings = values.flag("tie_word_embeddings", arch->always_tied);
   c.norm_plus_one = arch->hf_norm_plus_one;
@@ -365,10 +371,6 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (const auto problem = validate(c))
     throw UserError(where + ": the model's hyperparameters do not fit together: " + problem->str());
   return c;
-}
-
-std::string hf_tensor_name(const std::string& parameter) {
-  return tensor_name(parameter, TensorNaming::HuggingFace);
 }
 
 const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
@@ -690,19 +692,16 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   }
   if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
   write_safetensors((dir / "adapter_model.safetensors").string(), entries);
-  // The modules, by the architecture's names (Phi-3's fused qkv_proj and gate_up_proj).
-  const Architecture& arch = architecture_of(c);
-  const char* modules[kProjectionCount] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                           "gate_proj", "up_proj", "down_proj"};
+  // The modules, by the architecture's names (Phi-3's fused qkv_proj and gate_up_proj, Phi-2's
+  // dense, fc1, fc2): the last part of each adapted tensor's name, in the order of the first
+  // block's.
   json targets = json::array();
-  for (int j = 0; j < kProjectionCount; ++j) {
-    const auto p = static_cast<Projection>(j);
-    if (!lora.on(p)) continue;
-    const bool qkv = p == Projection::Q || p == Projection::K || p == Projection::V;
-    const bool gate_up = p == Projection::Gate || p == Projection::Up;
-    std::string module = modules[j];
-    if (arch.fused_qkv && qkv) module = "qkv_proj";
-    if (arch.fused_gate_up && gate_up) module = "gate_up_proj";
+  for (const FileTensor& t :
+       file_tensors(params, c, TensorNaming::HuggingFace, [](const ParameterInfo& info) {
+         return info.name.starts_with("layers.0.") && info.name.ends_with(".lora_b");
+       })) {
+    const std::string path = t.name.substr(0, t.name.rfind(".lora_B"));
+    const std::string module = path.substr(path.rfind('.') + 1);
     if (std::find(targets.begin(), targets.end(), module) == targets.end())
       targets.push_back(module);
   }
@@ -756,7 +755,9 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                  {"rope_scaling", nullptr},
                  {"max_position_embeddings", c.ctx},
                  {"tie_word_embeddings", c.tie_embeddings},
-                 {"hidden_act", arch.mlp == Mlp::GeGlu ? "gelu_pytorch_tanh" : "silu"},
+                 {"hidden_act", arch.mlp == Mlp::SwiGlu  ? "silu"
+                                : arch.mlp == Mlp::GeGlu ? "gelu_pytorch_tanh"
+                                                         : "gelu_new"},
                  {"attention_bias", false},
                  {"torch_dtype", dtype == "F32"   ? "float32"
                                  : dtype == "F16" ? "float16"
@@ -765,6 +766,10 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                  {"eos_token_id", v.eos >= 0 ? json(v.eos) : json()}};
   if (arch.qkv_bias == Presence::Always) config.erase("attention_bias");  // implied by the type
   if (arch.mlp == Mlp::GeGlu) config["hidden_activation"] = "gelu_pytorch_tanh";
+  if (arch.norm == Norm::LayerNorm) {
+    config.erase("rms_norm_eps");
+    config["layer_norm_eps"] = std::strtod(fmt::format("{}", c.norm_eps).c_str(), nullptr);
+  }
   if (arch.name != "llama") config["use_sliding_window"] = false;
   if (c.rope_dim > 0)
     config["partial_rotary_factor"] =

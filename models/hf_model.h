@@ -39,10 +39,6 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
 // otherwise.
 void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config);
 
-// The Hugging Face name of a parameter of DecoderModel ("layers.0.attention.wq.weight" ->
-// "model.layers.0.self_attn.q_proj.weight").
-std::string hf_tensor_name(const std::string& parameter);
-
 // Converts the folder's tensors into the model's parameters, checking each shape; a UserError
 // naming the file and tensor for a missing, misshapen or unread-dtype one, or one the model has
 // no place for.

@@ -40,9 +40,15 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
       targets = all_projections();
       continue;
     }
+    // Phi-2's names of its output, up and down projections.
+    const std::pair<std::string_view, std::string_view> aliases[] = {
+        {"dense", "o"}, {"fc1", "up"}, {"fc2", "down"}};
+    std::string_view canonical = name;
+    for (const auto& [alias, to] : aliases)
+      if (name == alias) canonical = to;
     bool known = false;
     for (int i = 0; i < kProjectionCount; ++i) {
-      if (name == kNames[i]) {
+      if (canonical == kNames[i]) {
         targets[static_cast<size_t>(i)] = true;
         known = true;
       }
@@ -54,7 +60,8 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
         what += name;
       }
       throw UserError(flag + " " + list + ": " + what + " (the projections are " +
-                      lora_targets_text(all_projections()) + ", or all)");
+                      lora_targets_text(all_projections()) +
+                      ", or all; Phi-2's dense, fc1 and fc2 are o, up and down)");
     }
   }
   return targets;
@@ -160,6 +167,11 @@ void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std:
     throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
                     "'s " + names + " are one projection, " + module + ": adapt all or none");
   };
+  // A gate the MLP does not have: refused when named, passed over in "all" (every projection).
+  if (arch.mlp == Mlp::Gelu && lora.on(Projection::Gate) &&
+      std::find(lora.targets.begin(), lora.targets.end(), false) != lora.targets.end())
+    throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
+                    " has no gate projection (its MLP is up, GELU, down: fc1 and fc2)");
   check(arch.fused_qkv, {Projection::Q, Projection::K, Projection::V}, "q, k and v", "qkv_proj");
   check(arch.fused_gate_up, {Projection::Gate, Projection::Up}, "gate and up", "gate_up_proj");
 }

@@ -32,8 +32,9 @@ struct LoraConfig {
   bool on(Projection p) const { return rank > 0 && targets[static_cast<size_t>(p)]; }
 };
 
-// "q,k,v,o,gate,up,down" (any subset, any order; "all" for the seven) -> targets. A UserError
-// naming `flag` and the unknown name, listing the known ones.
+// "q,k,v,o,gate,up,down" (any subset, any order; "all" for the seven; Phi-2's "dense", "fc1" and
+// "fc2" for o, up and down) -> targets. A UserError naming `flag` and the unknown name, listing
+// the known ones.
 std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
                                                       const std::string& flag);
 // The targets as parse_lora_targets reads them: "q,k,v,o,gate,up,down".
@@ -54,7 +55,8 @@ void check_lora_rank(const ModelConfig& config, const LoraConfig& lora, const st
 std::string fused_lora_a(const ModelConfig& config, const std::string& lora_a);
 // A UserError naming `flag` where `lora` adapts some parts of a fused projection of the
 // architecture but not the others ("--lora-targets q: phi3's q, k and v are one projection,
-// qkv_proj: adapt all three or none"). Nothing otherwise.
+// qkv_proj: adapt all three or none"), or names a gate the architecture's MLP does not have (all
+// seven, the default, adapt those it has). Nothing otherwise.
 void check_lora_targets(const ModelConfig& config, const LoraConfig& lora, const std::string& flag);
 
 // Whether a parameter name is an adapter's ("....lora_a" or "....lora_b").

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "models/architecture.h"
+
 namespace cputrain {
 namespace {
 
@@ -111,11 +113,27 @@ std::vector<std::string> preset_names() {
   return names;
 }
 
+namespace {
+
+// The MLP's matrices of C x F: gate, up and down, or up and down without a gate.
+int64_t mlp_matrices(const Architecture* arch) {
+  return arch && arch->mlp == Mlp::Gelu ? 2 : 3;
+}
+
+}  // namespace
+
 int64_t parameter_count(const ModelConfig& c) {
-  const int64_t C = c.d_model, q = c.q_dim(), kv = c.kv_dim();
-  const int64_t per_layer = 2 * C * q + 2 * C * kv + 3 * C * c.ffn + 2 * C +
-                            (c.qkv_bias ? q + 2 * kv : 0) + (c.qk_norm ? 2 * c.head_size() : 0);
-  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * per_layer + C;
+  const Architecture* arch = find_architecture(c.architecture);
+  const bool layer_norm = arch && arch->norm == Norm::LayerNorm;
+  const bool parallel = arch && arch->parallel_block, dense = arch && arch->dense_biases;
+  const int64_t C = c.d_model, q = c.q_dim(), kv = c.kv_dim(), F = c.ffn;
+  // Norms: the block's one or two, each with a bias in LayerNorm.
+  const int64_t norms = (parallel ? 1 : 2) * (layer_norm ? 2 : 1) * C;
+  const int64_t per_layer = 2 * C * q + 2 * C * kv + mlp_matrices(arch) * C * F + norms +
+                            (c.qkv_bias ? q + 2 * kv : 0) + (c.qk_norm ? 2 * c.head_size() : 0) +
+                            (dense ? C + F + C : 0);
+  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * per_layer +
+         (layer_norm ? 2 : 1) * C + (dense ? c.vocab : 0);
 }
 
 std::string ConfigProblem::str() const {
@@ -179,7 +197,9 @@ double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
   const auto d = static_cast<double>(c.d_model), layers = static_cast<double>(c.n_layers);
   const auto q = static_cast<double>(c.q_dim()), kv = static_cast<double>(c.kv_dim());
   const double matrices =
-      layers * (2.0 * d * q + 2.0 * d * kv + 3.0 * d * static_cast<double>(c.ffn)) +
+      layers * (2.0 * d * q + 2.0 * d * kv +
+                static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d *
+                    static_cast<double>(c.ffn)) +
       static_cast<double>(c.vocab) * d;
   return 6.0 * matrices + 6.0 * layers * static_cast<double>(ctx) * q;
 }

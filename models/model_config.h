@@ -101,8 +101,9 @@ std::optional<Preset> find_preset(const std::string& name);
 std::vector<std::string> preset_names();
 
 // Number of parameters: the embedding V*C, the LM head V*C unless tied; per layer wq and wo
-// 2 C q_dim, wk and wv 2 C kv_dim (plus q_dim + 2 kv_dim biases), 3 C F (SwiGLU) and 2 C (norms);
-// the final norm C.
+// 2 C q_dim, wk and wv 2 C kv_dim (plus q_dim + 2 kv_dim biases), 3 C F (SwiGLU; 2 C F without a
+// gate) and 2 C (norms; C for one norm, twice with LayerNorm's biases; plus the o, up and down
+// biases where the architecture has them); the final norm C (2 C), the head's bias V.
 int64_t parameter_count(const ModelConfig& config);
 // FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
 // products (the blocks' and the LM head's) plus 6 x layers x ctx x q_dim for causal attention

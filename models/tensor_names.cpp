@@ -17,57 +17,70 @@ struct Names {
   const char* hf;
 };
 
+// By the decoder's name less ".weight" or ".bias", which each format's name keeps.
 constexpr Names kModelNames[] = {
-    {"tok_embeddings.weight", "token_embd.weight", "model.embed_tokens.weight"},
-    {"norm.weight", "output_norm.weight", "model.norm.weight"},
-    {"output.weight", "output.weight", "lm_head.weight"},
+    {"tok_embeddings", "token_embd", "model.embed_tokens"},
+    {"norm", "output_norm", "model.norm"},
+    {"output", "output", "lm_head"},
 };
 
 constexpr Names kBlockNames[] = {
-    {"attention_norm.weight", "attn_norm.weight", "input_layernorm.weight"},
-    {"attention.wq.weight", "attn_q.weight", "self_attn.q_proj.weight"},
-    {"attention.wk.weight", "attn_k.weight", "self_attn.k_proj.weight"},
-    {"attention.wv.weight", "attn_v.weight", "self_attn.v_proj.weight"},
-    {"attention.wq.bias", "attn_q.bias", "self_attn.q_proj.bias"},
-    {"attention.wk.bias", "attn_k.bias", "self_attn.k_proj.bias"},
-    {"attention.wv.bias", "attn_v.bias", "self_attn.v_proj.bias"},
-    {"attention.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"},
-    {"attention.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"},
-    {"attention.wo.weight", "attn_output.weight", "self_attn.o_proj.weight"},
+    {"attention_norm", "attn_norm", "input_layernorm"},
+    {"attention.wq", "attn_q", "self_attn.q_proj"},
+    {"attention.wk", "attn_k", "self_attn.k_proj"},
+    {"attention.wv", "attn_v", "self_attn.v_proj"},
+    {"attention.q_norm", "attn_q_norm", "self_attn.q_norm"},
+    {"attention.k_norm", "attn_k_norm", "self_attn.k_norm"},
+    {"attention.wo", "attn_output", "self_attn.o_proj"},
     // Fused tensors (Architecture::fused_qkv, fused_gate_up): q, k, v; gate, up.
-    {"attention.wqkv.weight", "attn_qkv.weight", "self_attn.qkv_proj.weight"},
-    {"feed_forward.w13.weight", "ffn_up.weight", "mlp.gate_up_proj.weight"},
-    {"ffn_norm.weight", "ffn_norm.weight", "post_attention_layernorm.weight"},
-    {"feed_forward.w1.weight", "ffn_gate.weight", "mlp.gate_proj.weight"},
-    {"feed_forward.w3.weight", "ffn_up.weight", "mlp.up_proj.weight"},
-    {"feed_forward.w2.weight", "ffn_down.weight", "mlp.down_proj.weight"},
+    {"attention.wqkv", "attn_qkv", "self_attn.qkv_proj"},
+    {"feed_forward.w13", "ffn_up", "mlp.gate_up_proj"},
+    {"ffn_norm", "ffn_norm", "post_attention_layernorm"},
+    {"feed_forward.w1", "ffn_gate", "mlp.gate_proj"},
+    {"feed_forward.w3", "ffn_up", "mlp.up_proj"},
+    {"feed_forward.w2", "ffn_down", "mlp.down_proj"},
 };
 
 }  // namespace
 
-std::string tensor_name(const std::string& parameter, TensorNaming naming) {
+std::string tensor_name(const std::string& parameter, TensorNaming naming,
+                        const Architecture& arch) {
   // An adapter's: its projection's name and llama.cpp's suffix, or PEFT's module name.
   for (const char* suffix : {".lora_a", ".lora_b"}) {
     if (!parameter.ends_with(suffix)) continue;
     const std::string weight =
-        tensor_name(parameter.substr(0, parameter.size() - 6) + "weight", naming);
+        tensor_name(parameter.substr(0, parameter.size() - 6) + "weight", naming, arch);
     if (naming == TensorNaming::Gguf) return weight + suffix;
     return "base_model.model." + weight.substr(0, weight.size() - 6) +
            (suffix[6] == 'a' ? "lora_A.weight" : "lora_B.weight");
   }
-  const auto pick = [naming](const Names& n) {
-    return std::string(naming == TensorNaming::Gguf ? n.gguf : n.hf);
+  const size_t dot = parameter.rfind('.');
+  if (dot == std::string::npos) return parameter;
+  const std::string base = parameter.substr(0, dot), kind = parameter.substr(dot);
+  const bool hf = naming == TensorNaming::HuggingFace;
+  // The architecture's own Hugging Face name, where it has one.
+  const auto own = [&](const std::string& ours) -> const std::string_view* {
+    if (!hf) return nullptr;
+    for (const auto& [from, to] : arch.hf_names)
+      if (from == ours) return &to;
+    return nullptr;
   };
-  for (const Names& n : kModelNames)
-    if (parameter == n.ours) return pick(n);
+  for (const Names& n : kModelNames) {
+    if (base != n.ours) continue;
+    if (const std::string_view* name = own(base)) return std::string(*name) + kind;
+    return (hf ? n.hf : n.gguf) + kind;
+  }
   const std::string prefix = "layers.";
-  if (parameter.starts_with(prefix)) {
-    const size_t dot = parameter.find('.', prefix.size());
-    const std::string layer = parameter.substr(prefix.size(), dot - prefix.size());
-    const std::string rest = parameter.substr(dot + 1);
-    for (const Names& n : kBlockNames)
-      if (rest == n.ours)
-        return (naming == TensorNaming::Gguf ? "blk." : "model.layers.") + layer + "." + pick(n);
+  if (base.starts_with(prefix)) {
+    const size_t end = base.find('.', prefix.size());
+    const std::string layer = base.substr(prefix.size(), end - prefix.size());
+    const std::string rest = base.substr(end + 1);
+    const std::string at = (hf ? "model.layers." : "blk.") + layer + ".";
+    for (const Names& n : kBlockNames) {
+      if (rest != n.ours) continue;
+      if (const std::string_view* name = own(rest)) return at + std::string(*name) + kind;
+      return at + (hf ? n.hf : n.gguf) + kind;
+    }
   }
   return parameter;
 }
@@ -115,7 +128,7 @@ void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, cons
 
 TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNaming naming) {
   const Architecture& arch = architecture_of(c);
-  TensorPart part{tensor_name(info.name, naming), 0, info.shape[0], info.shape[0]};
+  TensorPart part{tensor_name(info.name, naming, arch), 0, info.shape[0], info.shape[0]};
   if (!info.name.starts_with("layers.")) return part;
   const size_t dot = info.name.find('.', 7);
   const std::string layer = info.name.substr(0, dot + 1), rest = info.name.substr(dot + 1);
@@ -134,7 +147,7 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
     const bool qkv = std::string_view(whole) == "attention.wqkv.";
     if ((qkv ? !arch.fused_qkv : !arch.fused_gate_up) || rest != std::string(ours) + suffix)
       continue;
-    return {tensor_name(layer + whole + suffix, naming), first, info.shape[0], rows};
+    return {tensor_name(layer + whole + suffix, naming, arch), first, info.shape[0], rows};
   }
   return part;
 }

@@ -12,16 +12,19 @@
 namespace cputrain {
 
 class ParameterSet;
+struct Architecture;
 struct ParameterInfo;
 
 enum class TensorNaming { Gguf, HuggingFace };
 
 // "layers.0.attention.wq.weight" -> "blk.0.attn_q.weight" (GGUF) or
-// "model.layers.0.self_attn.q_proj.weight" (Hugging Face); an adapter's
-// "layers.0.attention.wq.lora_a" -> "blk.0.attn_q.weight.lora_a" (llama.cpp's LoRA GGUF) or
-// "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" (PEFT); a name it does not
-// know, unchanged.
-std::string tensor_name(const std::string& parameter, TensorNaming naming);
+// "model.layers.0.self_attn.q_proj.weight" (Hugging Face; in a model of `arch`, its own names
+// where it has them: phi2's "model.layers.0.self_attn.dense.weight" for wo); a bias as its
+// weight with ".bias"; an adapter's "layers.0.attention.wq.lora_a" -> "blk.0.attn_q.weight.lora_a"
+// (llama.cpp's LoRA GGUF) or "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+// (PEFT); a name it does not know, unchanged.
+std::string tensor_name(const std::string& parameter, TensorNaming naming,
+                        const Architecture& arch);
 
 // The FP32 values of parameter `index` of a model of `config`, with the rows of wq and wk (and
 // their biases, and the B of their adapters) in the pairing `pairs` wants: llama.cpp's llama

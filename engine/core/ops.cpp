@@ -897,11 +897,13 @@ int64_t lm_head_chunk_rows(int64_t V) {
 }
 
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
-                               int64_t chunk_rows, int64_t normalizer) {
+                               int64_t chunk_rows, int64_t normalizer, const Variable& b) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "lm_head_cross_entropy: x (..., K) and w (V, K)");
   const int64_t V = w.shape()[0], K = w.shape()[1];
+  require(!b.defined() || (b.value().ndim() == 1 && b.shape()[0] == V),
+          "lm_head_cross_entropy: bias (V)");
   const int64_t N = x.value().numel() / K;
   require(targets.dtype() == DType::I32 && targets.numel() == N,
           "lm_head_cross_entropy: one i32 target per row of x");
@@ -910,7 +912,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   const bool bf16 = bf16_mode();
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = bf16 ? w.bf16_value() : w.value();
-  const bool grad = needs_grad({&x, &w});
+  const bool grad = b.defined() ? needs_grad({&x, &w, &b}) : needs_grad({&x, &w});
   // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.
   Tensor dl;
   if (grad)
@@ -939,6 +941,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
     linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
+    if (b.defined() && computing()) kernels::bias_add(logits, b.value().f32(), m, V);
     Scope ce("cross_entropy", Pass::Forward);
     if (!computing()) {
       continue;
@@ -973,7 +976,8 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     Tensor xs_saved = w.requires_grad() ? xv : Tensor();
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
     auto backward = [dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
-                     gy = out.grad_ref(), N, V, K, bf16] {
+                     gb = b.defined() ? b.grad_ref() : GradRef(), gy = out.grad_ref(), N, V, K,
+                     bf16] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const float scale = computing() ? dy.f32()[0] : 1.0f;
@@ -989,6 +993,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
           for (int64_t i = 0; i < N * V; ++i) d[i] *= scale;
         }
       }
+      if (gb) bias_gradient(gb, dl, N, V);
       linear_backward_products(dl, xv, wv, gx, gw, N, V, K, kLmHeadGemms);
     };
     record_backward("lm_head + cross_entropy", std::move(backward));

@@ -22,7 +22,12 @@ Face's rotate-half order:
   computes GELU through a table of fp16 inputs and outputs (ggml's GGML_GELU_FP16), about 5e-4
   relative per element: Gemma's MLP weights are drawn at half the others' scale, which keeps that
   table's effect on the logits near 4e-5 (at the others' scale it is 4e-4); GeGLU's own arithmetic
-  is checked against PyTorch's exact tanh GELU (tests/models/make_llama_reference.py).
+  is checked against PyTorch's exact tanh GELU (tests/models/make_llama_reference.py);
+- phi2: attention and a GELU MLP (fc1, fc2) in parallel from one LayerNorm with a bias, biases on
+  q, k, v, dense, fc1, fc2 and the head, RoPE on 32 of each head's 80 dimensions (Phi-2's 40%),
+  an untied head; its MLP (weights and biases) drawn at a tenth of the others' scale, for
+  llama.cpp's GELU table as Gemma's (at half scale the table moves the logits by 1.2e-3; with
+  the MLP zeroed, llama.cpp's and cputrain's logits are 7.6e-6 apart).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -54,6 +59,9 @@ FAMILIES = {
                  layers=2, heads=4, kv=2, head=32, theta=10000.0, tied=False, adjacent=False,
                  fused=True, rope_dim=24, longrope=dict(original=128),
                  special=("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")),
+    "phi2": dict(arch="phi2", hf_type="phi", hf_class="PhiForCausalLM", d=160, ffn=320,
+                 layers=2, heads=2, kv=2, head=80, theta=10000.0, tied=False, adjacent=False,
+                 phi2=True, rope_dim=32, mlp_std=0.005),
     "gemma": dict(arch="gemma", hf_type="gemma", hf_class="GemmaForCausalLM", d=128, ffn=256,
                   layers=2, heads=4, kv=1, head=64, theta=10000.0, tied=True, adjacent=False,
                   gemma=True, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
@@ -126,7 +134,7 @@ def write_family(name, spec, seed):
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
 
     # Hugging Face's tensors (rotate-half q and k rows); GGUF's are derived from them.
-    gemma = spec.get("gemma", False)
+    gemma, phi2 = spec.get("gemma", False), spec.get("phi2", False)
     gain = 0.0 if gemma else 1.0  # Gemma's Hugging Face norms hold the gain less 1
     hf = {"model.embed_tokens.weight": draw((VOCAB, d), 0.15)}
     for i in range(layers):
@@ -147,6 +155,18 @@ def write_family(name, spec, seed):
     hf["model.norm.weight"] = draw((d,), 0.05, gain)
     if not spec["tied"]:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"] + draw((VOCAB, d), 0.1)
+    if phi2:  # one LayerNorm a block, no gate, biases on every projection and the head
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            del hf[p + "post_attention_layernorm.weight"], hf[p + "mlp.gate_proj.weight"]
+            hf[p + "input_layernorm.bias"] = draw((d,), 0.05)
+            for proj, rows in (("self_attn.q_proj", heads * head), ("self_attn.k_proj", kv * head),
+                               ("self_attn.v_proj", kv * head), ("self_attn.o_proj", d)):
+                hf[p + proj + ".bias"] = draw((rows,), 0.05)
+            for proj, rows in (("mlp.up_proj", ffn), ("mlp.down_proj", d)):
+                hf[p + proj + ".bias"] = draw((rows,), spec["mlp_std"])
+        hf["model.norm.bias"] = draw((d,), 0.05)
+        hf["lm_head.bias"] = draw((VOCAB,), 0.1)
 
     # GGUF, as llama.cpp's converter writes it.
     w = gguf.GGUFWriter(f"{OUT}/{name}.gguf", spec["arch"])
@@ -158,7 +178,10 @@ def write_family(name, spec, seed):
     w.add_head_count_kv(kv)
     w.add_key_length(head)
     w.add_value_length(head)
-    w.add_layer_norm_rms_eps(1e-6)
+    if phi2:
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(spec["theta"])
     w.add_rope_dimension_count(spec.get("rope_dim", head))
     w.add_vocab_size(VOCAB)
@@ -181,10 +204,10 @@ def write_family(name, spec, seed):
     for hname, a in hf.items():
         if hname == "model.embed_tokens.weight":
             gname = "token_embd.weight"
-        elif hname == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif hname == "lm_head.weight":
-            gname = "output.weight"
+        elif hname.startswith("model.norm."):
+            gname = "output_norm." + hname.rsplit(".", 1)[1]
+        elif hname.startswith("lm_head."):
+            gname = "output." + hname.rsplit(".", 1)[1]
         else:
             _, _, layer, rest = hname.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -235,6 +258,15 @@ def write_family(name, spec, seed):
                 [hf.pop(p + f"self_attn.{x}_proj.weight") for x in ("q", "k", "v")])
             hf[p + "mlp.gate_up_proj.weight"] = np.concatenate(
                 [hf.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    if phi2:  # Hugging Face's Phi: dense, fc1, fc2, final_layernorm
+        renames = {"self_attn.o_proj": "self_attn.dense", "mlp.up_proj": "mlp.fc1",
+                   "mlp.down_proj": "mlp.fc2"}
+        renamed = {}
+        for hname, a in hf.items():
+            for ours, theirs in renames.items():
+                hname = hname.replace("." + ours + ".", "." + theirs + ".")
+            renamed[hname.replace("model.norm.", "model.final_layernorm.")] = a
+        hf = renamed
     write_safetensors(f"{folder}/model.safetensors", hf)
     config = {"architectures": [spec["hf_class"]], "model_type": spec["hf_type"],
               "vocab_size": VOCAB, "hidden_size": d, "num_hidden_layers": layers,
@@ -260,6 +292,10 @@ def write_family(name, spec, seed):
         config["embd_pdrop"] = 0.0
     if gemma:
         config["hidden_activation"] = "gelu_pytorch_tanh"
+    if phi2:
+        del config["rms_norm_eps"], config["attention_bias"]
+        config.update(hidden_act="gelu_new", layer_norm_eps=1e-5, qk_layernorm=False,
+                      resid_pdrop=0.0, embd_pdrop=0.0)
     if spec.get("no_rope_step"):
         step = spec["no_rope_step"]
         config["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(layers)]

@@ -7,13 +7,14 @@ half-split RoPE; that one again with a frozen base and LoRA adapters, y = W x + 
 B A x, on all seven projections; one with the parts of the newer families, per-head q/k norms,
 Llama 3's RoPE scaling and a layer without RoPE; one with Phi-3's, adapters on its fused
 projections, partial rotary and longrope scaling; one with Gemma's, GeGLU, RMSNorm scaling by
-1 + w and embeddings scaled by sqrt(d_model)): from one seeded set of weights and one batch it records the
+1 + w and embeddings scaled by sqrt(d_model); one with Phi-2's, a parallel block from one LayerNorm,
+a GELU MLP and biases everywhere): from one seeded set of weights and one batch it records the
 logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping.
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma}_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,phi2}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -59,6 +60,9 @@ class Config:
     # Gemma: the MLP gelu_tanh(gate) * up, each RMSNorm scaling by 1 + w (w held, and drawn,
     # near 0), the embeddings scaled by sqrt(C) on the way in (not on the tied head's way out).
     gemma: bool = False
+    # Phi-2: one LayerNorm (with a bias) a block, attention and a GELU MLP (up, gelu_tanh, down; no
+    # gate) in parallel from it, biases on q, k, v, o, up, down and the head; LayerNorm at the end.
+    phi2: bool = False
 
 
 CONFIGS = [
@@ -89,6 +93,10 @@ CONFIGS = [
     # (sqrt(96) is not a float), a tied head, half-split RoPE.
     Config("llama_gemma_reference.ctrf", V=256, C=96, L=2, H=4, F=160, B=2, T=24, KVH=1, D=32,
            tied=True, half_split=True, theta=10000.0, eps=1e-6, gemma=True),
+    # Phi-2's parts, trained whole (the LayerNorms' gains and biases, every projection's bias and
+    # the head's): RoPE on 8 of each head's 20 dimensions (its 40%).
+    Config("llama_phi2_reference.ctrf", V=256, C=80, L=2, H=4, F=160, B=2, T=24, KVH=4, D=20,
+           bias=True, half_split=True, theta=10000.0, eps=1e-5, rope_dim=8, phi2=True),
 ]
 PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                "feed_forward.w3", "feed_forward.w2"]
@@ -100,8 +108,10 @@ def parameter_shapes(c):
     shapes = [("tok_embeddings.weight", (c.V, c.C))]
     for i in range(c.L):
         p = f"layers.{i}."
+        shapes += [(p + "attention_norm.weight", (c.C,))]
+        if c.phi2:
+            shapes += [(p + "attention_norm.bias", (c.C,))]
         shapes += [
-            (p + "attention_norm.weight", (c.C,)),
             (p + "attention.wq.weight", (Q, c.C)),
             (p + "attention.wk.weight", (KV, c.C)),
             (p + "attention.wv.weight", (KV, c.C)),
@@ -114,24 +124,40 @@ def parameter_shapes(c):
                 (p + "attention.wk.bias", (KV,)),
                 (p + "attention.wv.bias", (KV,)),
             ]
-        shapes += [
-            (p + "attention.wo.weight", (c.C, Q)),
-            (p + "ffn_norm.weight", (c.C,)),
-            (p + "feed_forward.w1.weight", (c.F, c.C)),
-            (p + "feed_forward.w3.weight", (c.F, c.C)),
-            (p + "feed_forward.w2.weight", (c.C, c.F)),
-        ]
+        if c.phi2:
+            shapes += [
+                (p + "attention.wo.weight", (c.C, Q)),
+                (p + "attention.wo.bias", (c.C,)),
+                (p + "feed_forward.w3.weight", (c.F, c.C)),
+                (p + "feed_forward.w3.bias", (c.F,)),
+                (p + "feed_forward.w2.weight", (c.C, c.F)),
+                (p + "feed_forward.w2.bias", (c.C,)),
+            ]
+        else:
+            shapes += [
+                (p + "attention.wo.weight", (c.C, Q)),
+                (p + "ffn_norm.weight", (c.C,)),
+                (p + "feed_forward.w1.weight", (c.F, c.C)),
+                (p + "feed_forward.w3.weight", (c.F, c.C)),
+                (p + "feed_forward.w2.weight", (c.C, c.F)),
+            ]
         if c.lora_rank:  # each projection's A (rank, in) and B (out, rank)
             dims = dict(shapes)
             for proj in PROJECTIONS:
+                if p + proj + ".weight" not in dims:
+                    continue  # Phi-2 has no gate
                 out_dim, in_dim = dims[p + proj + ".weight"]
                 a = fused_a(c, p + proj + ".lora_a")
                 if a not in dict(shapes):
                     shapes += [(a, (c.lora_rank, in_dim))]
                 shapes += [(p + proj + ".lora_b", (out_dim, c.lora_rank))]
     shapes += [("norm.weight", (c.C,))]
+    if c.phi2:
+        shapes += [("norm.bias", (c.C,))]
     if not c.tied:
         shapes += [("output.weight", (c.V, c.C))]
+    if c.phi2:
+        shapes += [("output.bias", (c.V,))]
     return shapes
 
 
@@ -213,6 +239,12 @@ def rope_table(c):
     return (scale * torch.cos(angle)).float(), (scale * torch.sin(angle)).float()
 
 
+def layernorm(c, x, w, b):
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) * torch.rsqrt(var + c.eps) * w + b
+
+
 def rmsnorm(c, x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps) * ((1.0 + w) if c.gemma else w)
 
@@ -246,7 +278,7 @@ def attention(c, q, k, v):
 
 def projection(c, p, name, h):
     y = h @ p[name + ".weight"].T
-    if c.bias and name + ".bias" in p:
+    if (c.bias or c.phi2) and name + ".bias" in p:
         y = y + p[name + ".bias"]
     if c.lora_rank:
         a = p[fused_a(c, name + ".lora_a")]
@@ -261,7 +293,10 @@ def forward(c, p, tokens, cos, sin):
         x = x * torch.tensor(math.sqrt(c.C), dtype=torch.float32)
     for i in range(c.L):
         n = f"layers.{i}."
-        h = rmsnorm(c, x, p[n + "attention_norm.weight"])
+        if c.phi2:
+            h = layernorm(c, x, p[n + "attention_norm.weight"], p[n + "attention_norm.bias"])
+        else:
+            h = rmsnorm(c, x, p[n + "attention_norm.weight"])
         q = projection(c, p, n + "attention.wq", h).view(B, T, H, D)
         k = projection(c, p, n + "attention.wk", h).view(B, T, KVH, D)
         if c.qk_norm:  # over each head's D elements
@@ -270,7 +305,13 @@ def forward(c, p, tokens, cos, sin):
         if i not in c.no_rope:
             q, k = rope(c, q, cos, sin), rope(c, k, cos, sin)
         v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
-        x = x + projection(c, p, n + "attention.wo", attention(c, q, k, v).reshape(B, T, H * D))
+        attended = projection(c, p, n + "attention.wo", attention(c, q, k, v).reshape(B, T, H * D))
+        if c.phi2:  # the MLP from the same norm, both added to the residual
+            up = projection(c, p, n + "feed_forward.w3", h)
+            act = torch.nn.functional.gelu(up, approximate="tanh")
+            x = x + attended + projection(c, p, n + "feed_forward.w2", act)
+            continue
+        x = x + attended
         g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
         gate = projection(c, p, n + "feed_forward.w1", g)
         up = projection(c, p, n + "feed_forward.w3", g)
@@ -279,6 +320,9 @@ def forward(c, p, tokens, cos, sin):
         else:
             act = torch.nn.functional.silu(gate)
         x = x + projection(c, p, n + "feed_forward.w2", act * up)
+    if c.phi2:
+        x = layernorm(c, x, p["norm.weight"], p["norm.bias"])
+        return x @ p["output.weight"].T + p["output.bias"]
     x = rmsnorm(c, x, p["norm.weight"])
     return x @ p["tok_embeddings.weight" if c.tied else "output.weight"].T
 
@@ -336,8 +380,11 @@ def write_reference(c):
             short, long = longrope_factors(c)
             out.add("short_factors", short)
             out.add("long_factors", long)
-        if c.gemma:
-            out.add("architecture", torch.tensor(list(b"gemma"), dtype=torch.int32))
+        if c.gemma or c.phi2:
+            name = b"gemma" if c.gemma else b"phi2"
+            out.add("architecture", torch.tensor(list(name), dtype=torch.int32))
+        if c.phi2:
+            out.add("rope_dim", torch.tensor([c.rope_dim], dtype=torch.int32))
         if c.qk_norm or c.scaling or c.no_rope:
             # qk_norm, then a 0/1 per layer (1: without RoPE); the scaling's four numbers.
             out.add("parts", torch.tensor([int(c.qk_norm)] + [int(i in c.no_rope)

@@ -7,7 +7,8 @@
 // and one with the parts of the newer families: per-head q/k norms, Llama 3's RoPE scaling and a
 // layer without RoPE; one with Phi-3's: adapters on its fused projections (one A for q, k and
 // v, one for gate and up), RoPE on part of each head, longrope scaling; and one with Gemma's:
-// GeGLU, RMSNorm scaling by 1 + w, embeddings scaled by sqrt(d_model).
+// GeGLU, RMSNorm scaling by 1 + w, embeddings scaled by sqrt(d_model); and one with Phi-2's:
+// attention and a GELU MLP in parallel from one LayerNorm, biases everywhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -92,12 +93,13 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
       r.attn_factor = std::sqrt(1.0 + std::log(static_cast<double>(phi3[2]) / phi3[1]) /
                                           std::log(static_cast<double>(phi3[1])));
     }
-    if (ref_.count("architecture")) {  // its name's bytes: a description's parts (gemma)
+    if (ref_.count("architecture")) {  // its name's bytes: a description's parts (gemma, phi2)
       const std::vector<int32_t>& name = ref_.at("architecture").i32;
       config_.architecture = std::string(name.begin(), name.end());
       // Gemma's norms are held as its Hugging Face files hold them, less 1.
       config_.norm_plus_one = config_.architecture == "gemma";
     }
+    if (ref_.count("rope_dim")) config_.rope_dim = ref_.at("rope_dim").i32.at(0);
     tokens_ = to_tensor(ref_.at("tokens"));
     targets_ = to_tensor(ref_.at("targets"));
   }
@@ -151,8 +153,10 @@ TEST_P(LlamaReference, ParameterNamesShapesAndCount) {
   // Per layer, each projection (out, in) adds rank * (in + out), but fused ones (q, k, v; gate,
   // up) share an A of rank * in.
   const int64_t C = config_.d_model, Q = config_.q_dim(), KV = config_.kv_dim(), F = config_.ffn;
-  const bool fused = config_.architecture == "phi3";
-  const int64_t a_in = fused ? C + Q + C + F : 5 * C + Q + F, b_out = Q + 2 * KV + 2 * C + 2 * F;
+  // Phi-2 has no gate: no adapter of C in, F out.
+  const bool fused = config_.architecture == "phi3", gate = config_.architecture != "phi2";
+  const int64_t a_in = fused ? C + Q + C + F : (gate ? 5 : 4) * C + Q + F;
+  const int64_t b_out = Q + 2 * KV + 2 * C + (gate ? 2 : 1) * F;
   EXPECT_EQ(adapters, options_.lora.rank * config_.n_layers * (a_in + b_out));
   // Every tensor of the reference is a parameter of the model.
   for (const auto& [name, tensor] : ref_) {
@@ -212,7 +216,8 @@ INSTANTIATE_TEST_SUITE_P(
     Configurations, LlamaReference,
     ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf",
                       "llama_lora_reference.ctrf", "llama_parts_reference.ctrf",
-                      "llama_phi3_reference.ctrf", "llama_gemma_reference.ctrf"),
+                      "llama_phi3_reference.ctrf", "llama_gemma_reference.ctrf",
+                      "llama_phi2_reference.ctrf"),
     [](const auto& info) { return info.param.substr(6, info.param.find("_reference") - 6); });
 
 }  // namespace

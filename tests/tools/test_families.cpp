@@ -1,7 +1,8 @@
 // The architecture families of models/architecture.h against llama.cpp: random-weight models of
 // each in its real conventions (tests/interop/make_family_models.py: Llama 3's RoPE scaling,
 // Qwen3's q/k norms and head dimension, SmolLM3's layers without RoPE, Phi-3's fused tensors,
-// longrope scaling and partial rotary, Gemma's GeGLU, 1 + w norms and scaled embeddings), read
+// longrope scaling and partial rotary, Gemma's GeGLU, 1 + w norms and scaled embeddings, Phi-2's
+// parallel block, LayerNorm, GELU MLP and biases), read
 // from GGUF and from a Hugging Face folder, give llama.cpp's logits and greedy continuation;
 // exported and read back they are the same bits; an adapter fine-tuned on each gives llama.cpp's
 // logits. What cputrain does not compute is refused in one line.
@@ -31,7 +32,7 @@ namespace {
 
 using namespace interop_test;
 
-const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3", "gemma"};
+const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3", "gemma", "phi2"};
 
 // The models of make_family_models.py, once per test binary.
 const fs::path& family_models() {
@@ -70,6 +71,13 @@ void expect_parts(const std::string& family, const ModelConfig& c) {
     EXPECT_EQ(c.architecture, "smollm3");
     EXPECT_EQ(c.no_rope_layers, std::vector<int64_t>{3});
     EXPECT_EQ(c.n_kv_heads, 1);
+  } else if (family == "phi2") {
+    EXPECT_EQ(c.architecture, "phi2");
+    EXPECT_EQ(c.rope_dim, 32);
+    EXPECT_EQ(c.head_size(), 80);
+    EXPECT_TRUE(c.qkv_bias);
+    EXPECT_FALSE(c.tie_embeddings);
+    EXPECT_EQ(c.norm_eps, 1e-5f);
   } else if (family == "gemma") {
     EXPECT_EQ(c.architecture, "gemma");
     EXPECT_EQ(c.head_size(), 64);  // not d_model / heads = 32
@@ -106,7 +114,8 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     EXPECT_LT(max_abs_difference(our_logits(h, tokens), theirs), 1e-4) << family;
     // The part matters: without the scaling, with RoPE in every layer, or with llama's SwiGLU
     // and unscaled embeddings for Gemma's, the same weights give other logits.
-    if (family == "qwen3") continue;  // without its norms the file's tensors have no place
+    // (Without their norms or biases the files' tensors have no place.)
+    if (family == "qwen3" || family == "phi2") continue;
     ModelConfig without = g.config;
     without.rope_scaling = RopeScaling();
     without.no_rope_layers.clear();
@@ -257,6 +266,28 @@ TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
     ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0)
         << family;
     EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, tokens, folder.path)), 1e-4) << family;
+    if (family == "phi2") {
+      // Phi-2's modules by its own names; it has no gate to adapt.
+      const nlohmann::json config =
+          nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"));
+      EXPECT_EQ(config["target_modules"],
+                nlohmann::json({"q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"}));
+      expect_one_line_refusal(
+          run_cputrain("finetune --model " + base.string() + " --data " + data.string() +
+                           " --out " + (folder.path / "gate").string() + " --lora-targets q,gate",
+                       folder.path),
+          "--lora-targets q,gate: phi2 has no gate projection (its MLP is up, GELU, down: fc1 and "
+          "fc2)");
+      // Its names for o, up and down.
+      ASSERT_EQ(cputrain("finetune --model " + base.string() + " --data " + data.string() +
+                         " --out " + (folder.path / "named").string() +
+                         " --steps 1 --dtype fp32 --ctx 64 --batch 2 --accum 1 --lora-rank 4 "
+                         "--lora-targets dense,fc1,fc2"),
+                0);
+      EXPECT_EQ(nlohmann::json::parse(read_all(folder.path / "named" / "peft" /
+                                               "adapter_config.json"))["target_modules"],
+                nlohmann::json({"dense", "fc1", "fc2"}));
+    }
     if (family != "phi3") continue;
     // Phi-3's fused projections take one adapter each, by their own names: qkv_proj's A is the
     // three parts' one, its B their rows one after another.

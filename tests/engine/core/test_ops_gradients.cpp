@@ -336,6 +336,27 @@ TEST(OpsGradient, LmHeadCrossEntropyInChunks) {
                   {random_tensor(Shape{1, 5, 7}, rng), random_tensor(Shape{13, 7}, rng)}, 5e-3);
 }
 
+// With the head's bias (Phi-2's): x's, w's and b's gradients, over chunks and a row without a
+// target; and the loss that of linear with the bias, then cross-entropy.
+TEST(OpsGradient, LmHeadCrossEntropyWithBias) {
+  std::mt19937 rng(26);
+  Tensor targets = Tensor::empty(Shape{5}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 5; ++i) targets.i32()[i] = i == 3 ? -1 : (i * 5 + 2) % 13;
+  check_gradients(
+      [&](const auto& v) { return lm_head_cross_entropy(v[0], v[1], targets, 2, 0, v[2]); },
+      {random_tensor(Shape{1, 5, 7}, rng), random_tensor(Shape{13, 7}, rng),
+       random_tensor(Shape{13}, rng)},
+      5e-3);
+  Tensor all = Tensor::empty(Shape{5}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 5; ++i) all.i32()[i] = (i * 5 + 2) % 13;
+  const Variable x(random_tensor(Shape{1, 5, 7}, rng), false);
+  const Variable w(random_tensor(Shape{13, 7}, rng), false),
+      b(random_tensor(Shape{13}, rng), false);
+  const float fused = lm_head_cross_entropy(x, w, all, 2, 0, b).value().f32()[0];
+  const float plain = cross_entropy(linear(x, w, b), all).value().f32()[0];
+  EXPECT_NEAR(fused, plain, 1e-6f);
+}
+
 // Rows without a target (below 0) carry no loss and no gradient; the loss divides by the
 // targets there are, or by a given normalizer.
 TEST(OpsGradient, LmHeadCrossEntropyIgnoresRowsWithoutTargets) {
