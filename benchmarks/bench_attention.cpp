@@ -8,7 +8,10 @@
 //   build/bench_attention --benchmark_filter=mega
 //
 // Benchmarks are named attention/<path>/<preset>/<forward|backward>, counters GFLOPS and
-// pct_peak.
+// pct_peak. Sliding windows (Gemma 3 1B's layer: 4 heads of 256, a window of 512): the FP32
+// forward and backward at contexts of 2x and 4x the window, with the window and without, named
+// attention/fp32/window512_T<T>/... and attention/fp32/full_T<T>/...; counter us_per_token (a
+// windowed layer's stays level as the context grows, a full one's grows with it).
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -31,7 +34,13 @@ kernels::Peak peak;
 struct Dims {
   std::string preset;
   int64_t B, T, H, D;
+  int64_t window = 0;
   int64_t n() const { return B * T * H * D; }
+  // (query, key) pairs of one head: causal (T^2 / 2), within the window.
+  double pairs() const {
+    const auto t = static_cast<double>(T), w = static_cast<double>(window);
+    return window > 0 && window < T ? w * (w + 1) / 2 + (t - w) * w : t * t / 2;
+  }
 };
 
 void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
@@ -45,13 +54,15 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
   kernels::fp32_to_bf16_array(k16.data(), k.data(), s.n());
   kernels::fp32_to_bf16_array(v16.data(), v.data(), s.n());
   std::vector<float> dq(s.n()), dk(s.n()), dv(s.n());
+  kernels::AttentionOptions options;
+  options.window = s.window;
   auto forward = [&] {
     if (bf16)
       kernels::attention_forward_bf16(out16.data(), lse.data(), q16.data(), k16.data(), v16.data(),
                                       s.B, s.T, s.H, s.H, s.D);
     else
       kernels::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
-                                 s.H, s.H, s.D);
+                                 s.H, s.H, s.D, options);
   };
   auto call = [&] {
     if (!backward) return forward();
@@ -61,15 +72,18 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
                                        s.H, s.H, s.D, false);
     else
       kernels::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
-                                  v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false);
+                                  v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false,
+                                  options);
   };
   forward();
   if (!bf16) kernels::fp32_to_bf16_array(out16.data(), out.data(), s.n());
   call();  // warm-up: thread buffers
   const double seconds = timed_median(state, call);
-  const double fwd_flops = 2.0 * s.B * s.H * static_cast<double>(s.T) * s.T * s.D;
+  // S = Q K^T and O = P V over the pairs: 2 x 2 D FLOPs a pair.
+  const double fwd_flops = 4.0 * s.B * s.H * s.pairs() * s.D;
   const double gflops = (backward ? 2.5 : 1.0) * fwd_flops / seconds / 1e9;
   report_gflops(state, gflops, peak, bf16);
+  state.counters["us_per_token"] = seconds * 1e6 / static_cast<double>(s.B * s.T);
 }
 
 }  // namespace
@@ -94,6 +108,17 @@ int main(int argc, char** argv) {
         register_timed(
             bench, [s, bf16, backward](benchmark::State& st) { run_one(st, s, bf16, backward); });
       }
+    }
+  }
+  // Gemma 3 1B's attention: 4 query heads of 256 (one key/value head, read as four here), a
+  // sliding window of 512.
+  for (const int64_t T : {1024, 2048}) {
+    for (const int64_t window : {512, 0}) {
+      const std::string name = (window > 0 ? "window512_T" : "full_T") + std::to_string(T);
+      const Dims s{name, 1, T, 4, 256, window};
+      for (bool backward : {false, true})
+        register_timed("attention/fp32/" + name + (backward ? "/backward" : "/forward"),
+                       [s, backward](benchmark::State& st) { run_one(st, s, false, backward); });
     }
   }
   benchmark::RunSpecifiedBenchmarks();

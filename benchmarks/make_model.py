@@ -15,7 +15,12 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
                fourth layer without RoPE (3.08B)
   phi4-mini    Phi-4-mini: d_model 3072, 32 layers, 24 heads over 8 of 128, ffn 8192, fused qkv and
                gate/up tensors, RoPE on 96 of each head's 128 dimensions, longrope (3.84B)
-All tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
+  phi2         Phi-2: d_model 2560, 32 layers, 32 heads of 80, ffn 10240, LayerNorms with biases,
+               attention and a GELU MLP in parallel, biases everywhere, RoPE on 32 of 80
+               dimensions, an untied head with a bias (2.78B)
+  gemma-2b     Gemma 2B: d_model 2048, 18 layers, 8 heads over 1 of 256, ffn 16384, GeGLU, vocab
+               256000 (2.51B)
+All but phi2 tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
 (models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
 vocabulary as the published files are. Tensors are generated and written one at a time, so the
 writer holds one in memory.
@@ -40,6 +45,9 @@ SHAPES = {
                    {"adjacent": True}),
     "phi4-mini": ("phi3", 3072, 8192, 32, 24, 8, 128, 200064, 1e4, "phi-3",
                   {"fused": True, "rope_dim": 96, "longrope": (4096, 131072)}),
+    "phi2": ("phi2", 2560, 10240, 32, 32, 32, 80, 51200, 1e4, "gpt-2",
+             {"phi2": True, "rope_dim": 32}),
+    "gemma-2b": ("gemma", 2048, 16384, 18, 8, 1, 256, 256000, 1e4, "llama-spm", {}),
 }
 ALIASES = {"0.5b": "qwen2-0.5b", "3b": "qwen2-3b"}
 shape = sys.argv[3] if len(sys.argv) > 3 else "qwen2-0.5b"
@@ -60,7 +68,10 @@ w.add_head_count_kv(KV)
 w.add_key_length(HEAD)
 w.add_value_length(HEAD)
 w.add_rope_dimension_count(EXTRA.get("rope_dim", HEAD))
-w.add_layer_norm_rms_eps(1e-6 if ARCH != "llama" else 1e-5)
+if ARCH == "phi2":
+    w.add_layer_norm_eps(1e-5)
+else:
+    w.add_layer_norm_rms_eps(1e-6 if ARCH != "llama" else 1e-5)
 w.add_rope_freq_base(THETA)
 vocab = gguf.GGUFReader(os.path.join(sys.argv[1], "..", "models", f"ggml-vocab-{TOKENIZER}.gguf"))
 
@@ -75,7 +86,7 @@ def field(name):
 tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
 tokens += [f"[PAD{i}]" for i in range(len(tokens), VOCAB)]
 types += [gguf.TokenType.UNUSED] * (VOCAB - len(types))
-model = "llama" if TOKENIZER == "phi-3" else "gpt2"
+model = "llama" if TOKENIZER in ("phi-3", "llama-spm") else "gpt2"
 w.add_tokenizer_model(model)
 if model == "gpt2":
     w.add_tokenizer_pre(TOKENIZER)
@@ -87,6 +98,8 @@ w.add_token_list(tokens)
 w.add_token_types(types)
 w.add_eos_token_id(field("tokenizer.ggml.eos_token_id")[0])
 w.add_add_bos_token(model == "llama")
+if ARCH == "gemma":
+    w.add_add_space_prefix(False)
 
 # (name, shape, what): "bf16" Normal(0, 0.02) rounded to bf16, "ones" and "bias" FP32, "factors"
 # RoPE factors FP32.
@@ -95,17 +108,24 @@ tensors = [("token_embd.weight", (VOCAB, D), "bf16")]
 for i in range(LAYERS):
     b = f"blk.{i}."
     tensors.append((b + "attn_norm.weight", (D,), "ones"))
+    if EXTRA.get("phi2"):
+        tensors.append((b + "attn_norm.bias", (D,), "bias"))
     if EXTRA.get("fused"):
         tensors.append((b + "attn_qkv.weight", (Q + 2 * KVD, D), "bf16"))
     else:
         tensors += [(b + "attn_q.weight", (Q, D), "bf16"), (b + "attn_k.weight", (KVD, D), "bf16"),
                     (b + "attn_v.weight", (KVD, D), "bf16")]
-    if EXTRA.get("bias"):
+    if EXTRA.get("bias") or EXTRA.get("phi2"):
         tensors += [(b + "attn_q.bias", (Q,), "bias"), (b + "attn_k.bias", (KVD,), "bias"),
                     (b + "attn_v.bias", (KVD,), "bias")]
     if EXTRA.get("qk_norm"):
         tensors += [(b + "attn_q_norm.weight", (HEAD,), "ones"),
                     (b + "attn_k_norm.weight", (HEAD,), "ones")]
+    if EXTRA.get("phi2"):  # one norm; no gate; biases on the output, up and down projections
+        tensors += [(b + "attn_output.weight", (D, Q), "bf16"), (b + "attn_output.bias", (D,), "bias"),
+                    (b + "ffn_up.weight", (F, D), "bf16"), (b + "ffn_up.bias", (F,), "bias"),
+                    (b + "ffn_down.weight", (D, F), "bf16"), (b + "ffn_down.bias", (D,), "bias")]
+        continue
     tensors += [(b + "attn_output.weight", (D, Q), "bf16"), (b + "ffn_norm.weight", (D,), "ones")]
     if EXTRA.get("fused"):
         tensors.append((b + "ffn_up.weight", (2 * F, D), "bf16"))
@@ -113,6 +133,9 @@ for i in range(LAYERS):
         tensors += [(b + "ffn_gate.weight", (F, D), "bf16"), (b + "ffn_up.weight", (F, D), "bf16")]
     tensors.append((b + "ffn_down.weight", (D, F), "bf16"))
 tensors.append(("output_norm.weight", (D,), "ones"))
+if EXTRA.get("phi2"):
+    tensors += [("output_norm.bias", (D,), "bias"), ("output.weight", (VOCAB, D), "bf16"),
+                ("output.bias", (VOCAB,), "bias")]
 rope = EXTRA.get("rope_dim", HEAD)
 if "llama3" in EXTRA:
     factor, low, high, original = EXTRA["llama3"]

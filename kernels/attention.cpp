@@ -53,16 +53,18 @@ std::string_view attention_kernel() {
 }
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
+                       int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                       const AttentionOptions& options) {
   check_heads("attention_forward", H, KVH);
-  kernels().forward(out, lse, q, k, v, B, T, H, KVH, D);
+  kernels().forward(out, lse, q, k, v, B, T, H, KVH, D, options);
 }
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate) {
+                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                        const AttentionOptions& options) {
   check_heads("attention_backward", H, KVH);
-  kernels().backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate);
+  kernels().backward(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate, options);
 }
 
 bool attention_bf16_native() {
@@ -91,9 +93,11 @@ void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values, int64_t n,
-                      int64_t m, int64_t H, int64_t KVH, int64_t D) {
+                      int64_t m, int64_t H, int64_t KVH, int64_t D, const AttentionOptions& options) {
   check_heads("attention_decode", H, KVH);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale =
+      options.scale > 0.0f ? options.scale : 1.0f / std::sqrt(static_cast<float>(D));
+  const float cap = options.softcap;
   const int64_t row = H * D, kv_row = KVH * D, group = H / KVH;
 #pragma omp parallel
   {
@@ -104,23 +108,25 @@ void attention_decode(float* out, const float* q, const float* keys, const float
         const float* qi = q + i * row + h * D;
         const int64_t kv = h / group * D;  // the query head's key/value head, in a row
         const int64_t len = n + i + 1;
+        const int64_t first = options.window > 0 ? std::max<int64_t>(0, len - options.window) : 0;
         float max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < len; ++j) {
+        for (int64_t j = first; j < len; ++j) {
           const float* kj = keys + j * kv_row + kv;
           float s = 0.0f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qi[d] * kj[d];
           p[j] = s * scale;
+          if (cap > 0.0f) p[j] = cap * std::tanh(p[j] / cap);
           max = std::max(max, p[j]);
         }
         float sum = 0.0f;
-        for (int64_t j = 0; j < len; ++j) {
+        for (int64_t j = first; j < len; ++j) {
           p[j] = std::exp(p[j] - max);
           sum += p[j];
         }
         float* oi = out + i * row + h * D;
         std::fill(oi, oi + D, 0.0f);
-        for (int64_t j = 0; j < len; ++j) {
+        for (int64_t j = first; j < len; ++j) {
           const float* vj = values + j * kv_row + kv;
           const float w = p[j] / sum;
 #pragma omp simd

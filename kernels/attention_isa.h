@@ -6,14 +6,17 @@
 
 #include <cstdint>
 
+#include "kernels/attention.h"
+
 namespace cputrain::kernels {
 
 struct AttentionKernels {
   void (*forward)(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,
-                  int64_t T, int64_t H, int64_t KVH, int64_t D);
+                  int64_t T, int64_t H, int64_t KVH, int64_t D, const AttentionOptions& options);
   void (*backward)(float* dq, float* dk, float* dv, const float* dout, const float* q,
                    const float* k, const float* v, const float* out, const float* lse, int64_t B,
-                   int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate);
+                   int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                   const AttentionOptions& options);
   // Null where the ISA has no bf16 instructions (callers widen to FP32 and use the above).
   void (*forward_bf16)(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                        const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D);
@@ -28,18 +31,19 @@ const AttentionKernels& attention_kernels_avx512_bf16();  // attention_bf16_avx5
 const AttentionKernels& attention_kernels_amx();          // attention_amx.cpp
 
 void attention_forward_avx2(float* out, float* lse, const float* q, const float* k, const float* v,
-                            int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D);
+                            int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                            const AttentionOptions& options);
 void attention_backward_avx2(float* dq, float* dk, float* dv, const float* dout, const float* q,
                              const float* k, const float* v, const float* out, const float* lse,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                             bool accumulate);
+                             bool accumulate, const AttentionOptions& options);
 void attention_forward_avx512(float* out, float* lse, const float* q, const float* k,
                               const float* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                              int64_t D);
+                              int64_t D, const AttentionOptions& options);
 void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dout, const float* q,
                                const float* k, const float* v, const float* out, const float* lse,
                                int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                               bool accumulate);
+                               bool accumulate, const AttentionOptions& options);
 // amx: the products on AMX tiles (attention_product_amx), only where cpu_features().amx_bf16.
 void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                                    const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,

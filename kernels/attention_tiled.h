@@ -28,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/attention.h"
 #include "kernels/vec16.h"
 
 namespace cputrain::kernels::detail {
@@ -130,16 +131,27 @@ inline void pack_transposed_tile(float* dst, const float* src, int64_t stride, i
     for (int64_t d = 0; d < D; ++d) dst[d * kTile + c] = src[c * stride + d];
 }
 
+// The key columns c of a tile (keys j0 + c, cols of them) query i attends: first <= c < valid,
+// keys up to i and, with a window, after i - window.
+inline int64_t first_key(int64_t i, int64_t j0, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, i - window + 1 - j0) : 0;
+}
+inline int64_t valid_keys(int64_t i, int64_t j0, int64_t cols) {
+  return std::min(cols, i - j0 + 1);
+}
+
 // Replaces the scores S (rows x kTile) of query rows i0.. and key columns j0.. by
-// exp(S - shift[r]), zero where the key is past the query or past the sequence (cols).
+// exp(S - shift[r]), zero where the key is past the query or past the sequence (cols), or with a
+// window before it.
 inline void exp_scores(float* S, const float* shift, int64_t rows, int64_t cols, int64_t i0,
-                       int64_t j0) {
+                       int64_t j0, int64_t window = 0) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = S + r * kTile;
     const vf m = splat(shift[r]);
-    const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+    const int64_t valid = valid_keys(i0 + r, j0, cols);
+    const int64_t first = first_key(i0 + r, j0, window);
     for (int64_t c = 0; c < kTile; c += kLanes) {
-      if (c >= valid) {
+      if (c >= valid || c + kLanes <= first) {
         store(s + c, vf{});
         continue;
       }
@@ -147,15 +159,62 @@ inline void exp_scores(float* S, const float* shift, int64_t rows, int64_t cols,
       if (c + kLanes > valid) {
         for (int64_t l = valid - c; l < kLanes; ++l) p[l] = 0.0f;
       }
+      for (int64_t l = 0; l < first - c; ++l) p[l] = 0.0f;
       store(s + c, p);
     }
   }
 }
 
+// tanh per lane, within a few ulp: the odd Taylor polynomial to x^9 below |x| = 0.25 (the next
+// term under 3e-9), (1 - e) / (1 + e) with e = exp(-2|x|) above, with x's sign.
+inline __attribute__((always_inline)) vf tanh(vf x) {
+  const vf a = vec::max_of(x, -x);
+  const vf e = vec::exp(-2.0f * a);
+  const vf big = (1.0f - e) / (1.0f + e);
+  const vf x2 = x * x;
+  vf small = splat(62.0f / 2835.0f);
+  small = small * x2 - 17.0f / 315.0f;
+  small = small * x2 + 2.0f / 15.0f;
+  small = small * x2 - 1.0f / 3.0f;
+  small = small * x2 + 1.0f;
+  small = small * a;
+  vf t;
+  for (int l = 0; l < kLanes; ++l) {
+    const float mag = a[l] < 0.25f ? small[l] : big[l];
+    t[l] = x[l] < 0.0f ? -mag : mag;
+  }
+  return t;
+}
+
+// Soft-capping of a tile's scores S (rows x kTile): t = tanh(S / cap) into Tt (where not null),
+// S = cap * t.
+inline void softcap_scores(float* S, float* Tt, int64_t rows, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kTile; c += kLanes) {
+      const vf t = tanh(load(S + r * kTile + c) * inv);
+      if (Tt != nullptr) store(Tt + r * kTile + c, t);
+      store(S + r * kTile + c, t * cap);
+    }
+}
+
+// The scores' scale: the option's, or 1/sqrt(D).
+inline float score_scale(const AttentionOptions& o, int64_t D) {
+  return o.scale > 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(D));
+}
+
+// The first key tile a query tile from i0 reaches: 0, or with a window the one holding key
+// i0 - window + 1.
+inline int64_t first_key_tile(int64_t i0, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, i0 - window + 1) / kTile * kTile : 0;
+}
+
 template <int RB>
 void attention_forward_tiled(float* out, float* lse, const float* q, const float* k, const float* v,
-                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                             const AttentionOptions& opt) {
+  const float scale = score_scale(opt, D);
+  const int64_t window = opt.window;
   const int64_t row = H * D, kv_row = KVH * D, group = H / KVH, Dp = padded_dim(D);
   const int64_t Tp = (T + kTile - 1) / kTile * kTile;
 #pragma omp parallel
@@ -189,18 +248,21 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
         std::fill(O, O + rows * Dp, 0.0f);
         std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
         std::fill(l, l + rows, 0.0f);
-        for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+        for (int64_t j0 = first_key_tile(i0, window); j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
           tile_nn<RB>(S, kTile, Q, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
+          if (opt.softcap > 0.0f) softcap_scores(S, nullptr, rows, opt.softcap);
           for (int64_t r = 0; r < rows; ++r) {
             const float* s = S + r * kTile;
-            const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+            const int64_t valid = valid_keys(i0 + r, j0, cols);
             float mx = m[r];
-            for (int64_t c = 0; c < valid; ++c) mx = std::max(mx, s[c]);
-            alpha[r] = vec::exp(m[r] - mx);  // m[r] = -inf on the first tile: alpha ~ 0
+            for (int64_t c = first_key(i0 + r, j0, window); c < valid; ++c) mx = std::max(mx, s[c]);
+            // m[r] = -inf on the first tile: alpha ~ 0; a row with no key yet (a window's first
+            // tiles) keeps its zeros.
+            alpha[r] = mx == -std::numeric_limits<float>::infinity() ? 1.0f : vec::exp(m[r] - mx);
             m[r] = mx;
           }
-          exp_scores(S, m, rows, cols, i0, j0);
+          exp_scores(S, m, rows, cols, i0, j0, window);
           for (int64_t r = 0; r < rows; ++r) {
             const float* p = S + r * kTile;
             float sum = 0.0f;
@@ -229,17 +291,19 @@ template <int RB>
 void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout, const float* q,
                               const float* k, const float* v, const float* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                              bool accumulate) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+                              bool accumulate, const AttentionOptions& opt) {
+  const float scale = score_scale(opt, D);
+  const int64_t window = opt.window;
+  const bool capped = opt.softcap > 0.0f;
   const int64_t row = H * D, kv_row = KVH * D, group = H / KVH, Dp = padded_dim(D);
   const int64_t Tp = (T + kTile - 1) / kTile * kTile;
 #pragma omp parallel
   {
     // Whole key/value head: keys, and K^T and V^T per key tile; whole query head: scaled
     // queries, output gradients, dQ; per key tile: dK, dV; per tile pair: probabilities and
-    // their gradients.
+    // their gradients, and soft-capping's tanh.
     float* K = attention_buffer(
-        static_cast<size_t>(6 * Tp * Dp + 2 * kTile * Dp + 2 * kTile * kTile + Tp));
+        static_cast<size_t>(6 * Tp * Dp + 2 * kTile * Dp + 3 * kTile * kTile + Tp));
     float* Kt = K + Tp * Dp;
     float* Vt = Kt + Tp * Dp;
     float* Qs = Vt + Tp * Dp;
@@ -250,6 +314,7 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
     float* P = dV + kTile * Dp;
     float* dS = P + kTile * kTile;
     float* Di = dS + kTile * kTile;
+    float* Tt = Di + Tp;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bkv = 0; bkv < B * KVH; ++bkv) {
       const int64_t b = bkv / KVH, kh = bkv % KVH;
@@ -283,10 +348,13 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
           const int64_t cols = std::min(kTile, T - j0);
           std::fill(dK, dK + kTile * Dp, 0.0f);
           std::fill(dV, dV + kTile * Dp, 0.0f);
-          for (int64_t i0 = j0; i0 < T; i0 += kTile) {
+          // Query tiles from the key tile's first to the last whose window reaches its last key.
+          const int64_t i_end = window > 0 ? std::min(T, j0 + cols - 1 + window) : T;
+          for (int64_t i0 = j0; i0 < i_end; i0 += kTile) {
             const int64_t rows = std::min(kTile, T - i0);
             tile_nn<RB>(P, kTile, Qs + i0 * Dp, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
-            exp_scores(P, lse_bh + i0, rows, cols, i0, j0);
+            if (capped) softcap_scores(P, Tt, rows, opt.softcap);
+            exp_scores(P, lse_bh + i0, rows, cols, i0, j0, window);
             tile_tn<RB>(dV, Dp, P, kTile, G + i0 * Dp, Dp, cols, Dp, rows);  // dV += P^T dO
             // dP = dO V^T
             tile_nn<RB>(dS, kTile, G + i0 * Dp, Dp, Vt + j0 * Dp, kTile, rows, kTile, Dp, false);
@@ -296,6 +364,11 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
               const float* p = P + r * kTile;
 #pragma omp simd
               for (int64_t c = 0; c < kTile; ++c) ds[c] = p[c] * (ds[c] - di);
+              if (capped) {  // through cap * tanh(s / cap): times 1 - tanh^2
+                const float* t = Tt + r * kTile;
+#pragma omp simd
+                for (int64_t c = 0; c < kTile; ++c) ds[c] *= 1.0f - t[c] * t[c];
+              }
             }
             tile_tn<RB>(dK, Dp, dS, kTile, Qs + i0 * Dp, Dp, cols, Dp, rows);  // dK += dS^T Qs
             tile_nn<RB>(dQ + i0 * Dp, Dp, dS, kTile, K + j0 * Dp, Dp, rows, Dp, cols, true);

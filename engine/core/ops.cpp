@@ -669,7 +669,8 @@ std::vector<AttentionPart> attention_parts(int64_t B, int64_t T, int64_t H,
 }  // namespace
 
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
-                   int64_t n_kv_heads, std::shared_ptr<const Packing> packing) {
+                   int64_t n_kv_heads, std::shared_ptr<const Packing> packing,
+                   const kernels::AttentionOptions& options) {
   const Shape& s = q.shape();
   const Shape& kvs = k.shape();
   require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && s.ndim() == 3 &&
@@ -678,19 +679,27 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   const int64_t B = s[0], T = s[1], H = n_heads, KVH = n_kv_heads, D = s[2] / n_heads;
   require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
   const std::vector<AttentionPart> parts = attention_parts(B, T, H, packing.get());
-  // Causal: query t meets t + 1 keys; each product is 2 D FLOPs per (query, key) pair.
+  // Causal: query t meets t + 1 keys (at most the window); each product is 2 D FLOPs per
+  // (query, key) pair.
   double pair_flops = 0.0;
-  for (const AttentionPart& p : parts)
-    pair_flops += 2.0 * static_cast<double>(p.B * H * D) * static_cast<double>(p.T) *
-                  static_cast<double>(p.T + 1) / 2.0;
+  for (const AttentionPart& p : parts) {
+    double pairs = static_cast<double>(p.T) * static_cast<double>(p.T + 1) / 2.0;
+    if (options.window > 0 && p.T > options.window) {
+      const auto w = static_cast<double>(options.window), t = static_cast<double>(p.T);
+      pairs = w * (w + 1.0) / 2.0 + (t - w) * w;
+    }
+    pair_flops += 2.0 * static_cast<double>(p.B * H * D) * pairs;
+  }
   Scope scope("attention", Pass::Forward, 2.0 * pair_flops);  // S = Q K^T, O = P V
   Tensor lse = new_activation(Shape{B, H, T});
   // In bf16 mode attention runs on the bf16 roundings of q, k and v, the tensors its backward
   // will see, with bf16 products where the CPU has them (else widened to FP32); the softmax
   // statistics stay FP32. With bf16 products it writes only the bf16 rounding of its output:
   // all the output projection and the backward take of it.
+  // Scores with options (a scale, soft-capping, a window) run on the FP32 kernels.
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
-  const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
+  const bool native =
+      qs.dtype() == DType::BF16 && kernels::attention_bf16_native() && options.plain();
   Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
   const int64_t QD = H * D, KD = KVH * D;
   if (native) {
@@ -705,14 +714,15 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       if (computing())
         kernels::attention_forward(y.f32() + p.row_offset * QD, lse.f32() + p.lse_offset,
                                    qf.f32() + p.row_offset * QD, kf.f32() + p.row_offset * KD,
-                                   vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D);
+                                   vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D,
+                                   options);
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("attention", [qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(),
                                   gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), native,
-                                  pair_flops, parts, B, T, H, KVH, D, QD, KD] {
+                                  pair_flops, parts, B, T, H, KVH, D, QD, KD, options] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
@@ -739,7 +749,8 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
                                       dv.f32() + p.row_offset * KD, dy.f32() + p.row_offset * QD,
                                       qv.f32() + p.row_offset * QD, kv.f32() + p.row_offset * KD,
                                       vv.f32() + p.row_offset * KD, yv.f32() + p.row_offset * QD,
-                                      lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate);
+                                      lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate,
+                                      options);
     });
   }
   return out;

@@ -54,31 +54,47 @@ void PrintTo(const Dims& d, std::ostream* os) {
   *os << dims_name(d);
 }
 
-// out and lse of causal softmax(q k^T / sqrt(D)) v; returns sum(out * dout) when dout is given.
+// The scores' scale, and the first key query i attends, as `o` has them.
+double ref_scale(const Dims& s, const AttentionOptions& o) {
+  return o.scale > 0.0f ? o.scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+}
+int64_t ref_first(int64_t i, const AttentionOptions& o) {
+  return o.window > 0 ? std::max<int64_t>(0, i - o.window + 1) : 0;
+}
+// A scaled score, soft-capped where `o` caps it.
+double ref_cap(double score, const AttentionOptions& o) {
+  return o.softcap > 0.0f ? o.softcap * std::tanh(score / o.softcap) : score;
+}
+
+// out and lse of causal softmax(q k^T / sqrt(D)) v (or with `o`'s scale, cap and window);
+// returns sum(out * dout) when dout is given.
 double attention_ref(const Dims& s, const std::vector<double>& q, const std::vector<double>& k,
                      const std::vector<double>& v, const std::vector<float>* dout,
-                     std::vector<double>* out, std::vector<double>* lse) {
+                     std::vector<double>* out, std::vector<double>* lse,
+                     const AttentionOptions& o = {}) {
   double loss = 0.0;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  const double scale = ref_scale(s, o);
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t i = 0; i < s.T; ++i) {
         std::vector<double> score(s.T, 0.0);
         double max = -1e300;
-        for (int64_t j = 0; j <= i; ++j) {
+        const int64_t first = ref_first(i, o);
+        for (int64_t j = first; j <= i; ++j) {
           for (int64_t d = 0; d < s.D; ++d)
             score[j] += q[s.at(b, i, h) + d] * k[s.kv_at(b, j, h) + d] * scale;
+          score[j] = ref_cap(score[j], o);
           max = std::max(max, score[j]);
         }
         double sum = 0.0;
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(score[j] - max);
+        for (int64_t j = first; j <= i; ++j) sum += std::exp(score[j] - max);
         if (lse) (*lse)[(b * s.H + h) * s.T + i] = max + std::log(sum);
         for (int64_t d = 0; d < s.D; ++d) {
-          double o = 0.0;
-          for (int64_t j = 0; j <= i; ++j)
-            o += std::exp(score[j] - max) / sum * v[s.kv_at(b, j, h) + d];
-          if (out) (*out)[s.at(b, i, h) + d] = o;
-          if (dout) loss += o * (*dout)[s.at(b, i, h) + d];
+          double o_d = 0.0;
+          for (int64_t j = first; j <= i; ++j)
+            o_d += std::exp(score[j] - max) / sum * v[s.kv_at(b, j, h) + d];
+          if (out) (*out)[s.at(b, i, h) + d] = o_d;
+          if (dout) loss += o_d * (*dout)[s.at(b, i, h) + d];
         }
       }
   return loss;
@@ -89,30 +105,37 @@ double attention_ref(const Dims& s, const std::vector<double>& q, const std::vec
 void attention_ref_backward(const Dims& s, const std::vector<double>& q,
                             const std::vector<double>& k, const std::vector<double>& v,
                             const std::vector<float>& dout, std::vector<double>& dq,
-                            std::vector<double>& dk, std::vector<double>& dv) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+                            std::vector<double>& dk, std::vector<double>& dv,
+                            const AttentionOptions& o = {}) {
+  const double scale = ref_scale(s, o);
   dq.assign(s.n(), 0.0);
   dk.assign(s.kv_n(), 0.0);
   dv.assign(s.kv_n(), 0.0);
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t i = 0; i < s.T; ++i) {
-        std::vector<double> p(i + 1, 0.0), dp(i + 1, 0.0);
+        std::vector<double> p(i + 1, 0.0), dp(i + 1, 0.0), capped(i + 1, 1.0);
         double max = -1e300, sum = 0.0, di = 0.0;
-        for (int64_t j = 0; j <= i; ++j) {
+        const int64_t first = ref_first(i, o);
+        for (int64_t j = first; j <= i; ++j) {
           for (int64_t d = 0; d < s.D; ++d) p[j] += q[s.at(b, i, h) + d] * k[s.kv_at(b, j, h) + d];
           p[j] *= scale;
+          if (o.softcap > 0.0f) {  // d(cap tanh(x / cap)) / dx = 1 - tanh^2
+            const double t = std::tanh(p[j] / o.softcap);
+            capped[j] = 1.0 - t * t;
+          }
+          p[j] = ref_cap(p[j], o);
           max = std::max(max, p[j]);
         }
-        for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - max);
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = first; j <= i; ++j) sum += std::exp(p[j] - max);
+        for (int64_t j = first; j <= i; ++j) {
           p[j] = std::exp(p[j] - max) / sum;
           for (int64_t d = 0; d < s.D; ++d)
             dp[j] += dout[s.at(b, i, h) + d] * v[s.kv_at(b, j, h) + d];
           di += p[j] * dp[j];
         }
-        for (int64_t j = 0; j <= i; ++j) {
-          const double ds = p[j] * (dp[j] - di) * scale;
+        for (int64_t j = first; j <= i; ++j) {
+          const double ds = p[j] * (dp[j] - di) * capped[j] * scale;
           for (int64_t d = 0; d < s.D; ++d) {
             dq[s.at(b, i, h) + d] += ds * k[s.kv_at(b, j, h) + d];
             dk[s.kv_at(b, j, h) + d] += ds * q[s.at(b, i, h) + d];
@@ -169,7 +192,7 @@ TEST_P(Attention, BackwardMatchesNumericalGradient) {
       ThreadCount tc(threads);
       std::vector<float> dq = base, dk = kv_base, dv = kv_base;
       impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true, {});
       EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name;
       EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name;
       EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name;
@@ -211,7 +234,7 @@ TEST_P(AttentionTiles, MatchesReference) {
     for (int threads : {1, 2}) {
       ThreadCount tc(threads);
       std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
-      impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D);
+      impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D, {});
       EXPECT_LT(max_error(out, want), 1e-5) << impl.name;
       EXPECT_LT(max_error(lse, want_lse), 1e-5) << impl.name;
       // Overwriting: what the buffers held (NaN here) must not show through.
@@ -219,14 +242,14 @@ TEST_P(AttentionTiles, MatchesReference) {
           dk(s.kv_n(), std::numeric_limits<float>::quiet_NaN()),
           dv(s.kv_n(), std::numeric_limits<float>::quiet_NaN());
       impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false, {});
       EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name;
       EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name;
       EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name;
       // Accumulating onto zeros gives the same bits.
       std::vector<float> zq(s.n()), zk(s.kv_n()), zv(s.kv_n());
       impl.backward(zq.data(), zk.data(), zv.data(), dout.data(), q.data(), k.data(), v.data(),
-                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true);
+                    out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, true, {});
       EXPECT_EQ(zq, dq) << impl.name;
       EXPECT_EQ(zk, dk) << impl.name;
       EXPECT_EQ(zv, dv) << impl.name;
@@ -396,17 +419,17 @@ TEST_P(AttentionTiles, GroupedEqualsRepeatedKeysAndValues) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (const Impl& impl : implementations()) {
     std::vector<float> out(s.n()), lse(s.B * s.H * s.T), want(s.n()), want_lse(s.B * s.H * s.T);
-    impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D);
+    impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D, {});
     impl.forward(want.data(), want_lse.data(), q.data(), kr.data(), vr.data(), s.B, s.T, s.H, s.H,
-                 s.D);
+                 s.D, {});
     EXPECT_EQ(out, want) << impl.name;
     EXPECT_EQ(lse, want_lse) << impl.name;
     std::vector<float> dq(s.n(), nan), dk(s.kv_n(), nan), dv(s.kv_n(), nan);
     impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                  out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false);
+                  out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false, {});
     std::vector<float> rq(s.n(), nan), rk(s.n(), nan), rv(s.n(), nan);
     impl.backward(rq.data(), rk.data(), rv.data(), dout.data(), q.data(), kr.data(), vr.data(),
-                  out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false);
+                  out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false, {});
     EXPECT_EQ(dq, rq) << impl.name;
     EXPECT_EQ(dk, sum_group(rk)) << impl.name;
     EXPECT_EQ(dv, sum_group(rv)) << impl.name;
@@ -468,6 +491,142 @@ TEST(AttentionDecode, MatchesFullForwardAtEveryPosition) {
             << dims_name(s) << " chunk " << chunk << " t " << t;
       }
     }
+  }
+}
+
+// Scores with options (Gemma 2 and 3): a scale of their own, soft-capping and a sliding window,
+// each alone and together.
+const AttentionOptions kScoreOptions[] = {
+    {0.3f, 0.0f, 0}, {0.0f, 2.0f, 0}, {0.0f, 0.0f, 3}, {0.3f, 2.0f, 3}, {0.0f, 0.0f, 1}};
+
+std::string options_name(const AttentionOptions& o) {
+  std::ostringstream name;
+  name << "scale " << o.scale << " cap " << o.softcap << " window " << o.window;
+  return name.str();
+}
+
+// On small shapes, forward against the double reference and backward against its numerical
+// gradients (and the analytic reference gradients against the same).
+TEST(AttentionOptions, MatchNumericalGradients) {
+  for (const Dims s : {Dims{1, 7, 2, 1, 5}, Dims{2, 9, 2, 2, 4}}) {
+    for (const AttentionOptions& o : kScoreOptions) {
+      const std::vector<float> q = random_floats(s.n(), 41, -2.0f, 2.0f);
+      const std::vector<float> k = random_floats(s.kv_n(), 42, -2.0f, 2.0f);
+      const std::vector<float> v = random_floats(s.kv_n(), 43);
+      const std::vector<float> dout = random_floats(s.n(), 44);
+      const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
+      const auto f = [&](const std::vector<double>& qx, const std::vector<double>& kx,
+                         const std::vector<double>& vx) {
+        return attention_ref(s, qx, kx, vx, &dout, nullptr, nullptr, o);
+      };
+      const auto num_dq = numerical_gradient([&](const auto& x) { return f(x, kd, vd); }, qd);
+      const auto num_dk = numerical_gradient([&](const auto& x) { return f(qd, x, vd); }, kd);
+      const auto num_dv = numerical_gradient([&](const auto& x) { return f(qd, kd, x); }, vd);
+      std::vector<double> ref_dq, ref_dk, ref_dv, want(s.n()), want_lse(s.B * s.H * s.T);
+      attention_ref_backward(s, qd, kd, vd, dout, ref_dq, ref_dk, ref_dv, o);
+      attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse, o);
+      for (size_t i = 0; i < ref_dq.size(); ++i) EXPECT_NEAR(ref_dq[i], num_dq[i], 1e-6);
+      for (size_t i = 0; i < ref_dk.size(); ++i) EXPECT_NEAR(ref_dk[i], num_dk[i], 1e-6);
+      for (size_t i = 0; i < ref_dv.size(); ++i) EXPECT_NEAR(ref_dv[i], num_dv[i], 1e-6);
+      for (const Impl& impl : implementations()) {
+        std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
+        impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
+                     s.D, o);
+        EXPECT_LT(max_error(out, want), 1e-5) << impl.name << " " << options_name(o);
+        EXPECT_LT(max_error(lse, want_lse), 1e-5) << impl.name << " " << options_name(o);
+        std::vector<float> dq(s.n()), dk(s.kv_n()), dv(s.kv_n());
+        impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                      out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false, o);
+        EXPECT_LT(max_error(dq, num_dq), 1e-4) << impl.name << " " << options_name(o);
+        EXPECT_LT(max_error(dk, num_dk), 1e-4) << impl.name << " " << options_name(o);
+        EXPECT_LT(max_error(dv, num_dv), 1e-4) << impl.name << " " << options_name(o);
+      }
+    }
+  }
+}
+
+// Over tiles: windows of 1, at and around the tile (63, 64, 65) and across several, sequences
+// shorter and longer than the window with tails; soft-capped scores large enough to saturate.
+// Forward and backward against the double reference, every build, one and two threads the same
+// bits; a window no shorter than the sequence gives the bits of none.
+TEST(AttentionOptions, WindowEdgesTailsAndCapsOverTiles) {
+  struct Case {
+    Dims s;
+    AttentionOptions o;
+  };
+  const Case cases[] = {
+      {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 1}},    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 63}},
+      {{1, 200, 2, 2, 16}, {0.0f, 0.0f, 64}},   {{2, 130, 2, 1, 24}, {0.0f, 0.0f, 65}},
+      {{1, 260, 4, 2, 16}, {0.0f, 50.0f, 100}}, {{1, 150, 2, 1, 40}, {0.0f, 5.0f, 0}},
+      {{1, 90, 2, 2, 64}, {0.0625f, 5.0f, 70}}, {{1, 40, 2, 1, 16}, {0.0f, 0.0f, 100}},
+      {{1, 1, 1, 1, 8}, {0.2f, 3.0f, 1}}};
+  for (const auto& [s, o] : cases) {
+    const std::string what = dims_name(s) + " " + options_name(o);
+    const std::vector<float> q = random_floats(s.n(), 51, -2.0f, 2.0f);
+    const std::vector<float> k = random_floats(s.kv_n(), 52, -2.0f, 2.0f);
+    const std::vector<float> v = random_floats(s.kv_n(), 53);
+    const std::vector<float> dout = random_floats(s.n(), 54);
+    const auto qd = to_double(q), kd = to_double(k), vd = to_double(v);
+    std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T), want_dq, want_dk, want_dv;
+    attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse, o);
+    attention_ref_backward(s, qd, kd, vd, dout, want_dq, want_dk, want_dv, o);
+    for (const Impl& impl : implementations()) {
+      std::vector<float> first;
+      for (int threads : {1, 2}) {
+        ThreadCount tc(threads);
+        std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
+        impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
+                     s.D, o);
+        EXPECT_LT(max_error(out, want), 1e-5) << impl.name << " " << what;
+        EXPECT_LT(max_error(lse, want_lse), 1e-5) << impl.name << " " << what;
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::vector<float> dq(s.n(), nan), dk(s.kv_n(), nan), dv(s.kv_n(), nan);
+        impl.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                      out.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false, o);
+        EXPECT_LT(max_error(dq, want_dq), 1e-4) << impl.name << " " << what;
+        EXPECT_LT(max_error(dk, want_dk), 1e-4) << impl.name << " " << what;
+        EXPECT_LT(max_error(dv, want_dv), 1e-4) << impl.name << " " << what;
+        std::vector<float> all = out;
+        for (const auto* g : {&lse, &dq, &dk, &dv}) all.insert(all.end(), g->begin(), g->end());
+        if (first.empty())
+          first = all;
+        else
+          EXPECT_EQ(all, first) << impl.name << " " << what << ": depends on the thread count";
+      }
+      if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f) continue;
+      std::vector<float> plain(s.n()), plain_lse(s.B * s.H * s.T), windowed(s.n()),
+          windowed_lse(s.B * s.H * s.T);
+      impl.forward(plain.data(), plain_lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
+                   s.KVH, s.D, {});
+      impl.forward(windowed.data(), windowed_lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
+                   s.H, s.KVH, s.D, o);
+      EXPECT_EQ(windowed, plain) << impl.name << " " << what;
+      EXPECT_EQ(windowed_lse, plain_lse) << impl.name << " " << what;
+    }
+  }
+}
+
+// Decoding with options gives each position what the full forward with them gives.
+TEST(AttentionOptions, DecodeMatchesFullForward) {
+  const Dims s{1, 90, 4, 2, 16};
+  const std::vector<float> q = random_floats(s.n(), 61, -2.0f, 2.0f);
+  const std::vector<float> k = random_floats(s.kv_n(), 62, -2.0f, 2.0f);
+  const std::vector<float> v = random_floats(s.kv_n(), 63);
+  for (const AttentionOptions& o :
+       {AttentionOptions{0.3f, 2.0f, 3}, AttentionOptions{0.0f, 5.0f, 70},
+        AttentionOptions{0.0f, 0.0f, 1}, AttentionOptions{0.0f, 0.0f, 64}}) {
+    std::vector<float> full(s.n()), lse(s.H * s.T);
+    attention_forward(full.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
+                      s.D, o);
+    const int64_t row = s.H * s.D;
+    std::vector<float> out(s.n());
+    for (int64_t n = 0; n < s.T; n += 7) {
+      const int64_t m = std::min<int64_t>(7, s.T - n);
+      attention_decode(out.data() + n * row, q.data() + n * row, k.data(), v.data(), n, m, s.H,
+                       s.KVH, s.D, o);
+    }
+    std::vector<double> want(full.begin(), full.end());
+    EXPECT_LT(max_error(out, want), 1e-5) << options_name(o);
   }
 }
 

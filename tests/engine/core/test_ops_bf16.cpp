@@ -148,6 +148,20 @@ TEST(OpsBf16, AttentionOnBf16ValuesMatchesFp32) {
       kernels::attention_bf16_native() ? 4e-3 : 0.0, 1e-2);
 }
 
+// With options (a scale, a cap, a window) the FP32 kernels compute on the bf16 values: the output
+// exactly what fp32 mode gives on them; the gradients within bf16 rounding (the backward sees the
+// output as saved, rounded to bf16).
+TEST(OpsBf16, AttentionWithOptionsOnBf16ValuesIsFp32s) {
+  std::mt19937 rng(43);
+  const Shape q{2, 70, 16}, kv{2, 70, 8};
+  compare_modes(
+      [](const auto& v) {
+        return attention(v[0], v[1], v[2], 4, 2, nullptr, kernels::AttentionOptions{0.3f, 5.0f, 65});
+      },
+      {random_tensor(q, rng, true), random_tensor(kv, rng, true), random_tensor(kv, rng, true)}, q,
+      0.0, 1e-2);
+}
+
 TEST(OpsBf16, SwiGluOnBf16ValuesMatchesFp32) {
   std::mt19937 rng(4);
   const Shape s{3, 5, 11};

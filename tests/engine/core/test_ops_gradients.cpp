@@ -189,6 +189,23 @@ TEST(OpsGradient, AttentionPacked) {
                   5e-3);
 }
 
+// A scale of its own, soft-capping and a sliding window of 2, on packed rows (the window within
+// each sequence).
+TEST(OpsGradient, AttentionWithOptions) {
+  std::mt19937 rng(27);
+  const int64_t B = 2, T = 7, H = 4, KVH = 2, D = 4;
+  auto packing = std::make_shared<Packing>();
+  packing->lengths = {{3, 1, 3}, {7}};
+  const kernels::AttentionOptions options{0.7f, 1.5f, 2};
+  check_gradients(
+      [packing, options](const auto& v) {
+        return attention(v[0], v[1], v[2], H, KVH, packing, options);
+      },
+      {random_tensor(Shape{B, T, H * D}, rng), random_tensor(Shape{B, T, KVH * D}, rng),
+       random_tensor(Shape{B, T, KVH * D}, rng)},
+      5e-3);
+}
+
 TEST(OpsGradient, AttentionSeveralHeads) {
   std::mt19937 rng(4);
   const Shape s{2, 7, 12};  // B 2, T 7, H 3, D 4
