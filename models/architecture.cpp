@@ -122,6 +122,61 @@ std::vector<Architecture> table() {
         "every projection and the head, half-split RoPE on part of each head";
     t.push_back(a);
   }
+  {
+    Architecture a;
+    a.name = "gemma2";
+    a.hf_model_types = {"gemma2"};
+    a.hf_class = "Gemma2ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.mlp = Mlp::GeGlu;
+    a.scale_embeddings = true;
+    a.hf_norm_plus_one = true;
+    a.always_tied = true;
+    a.post_norms = true;
+    a.swa_pattern = 2;
+    a.default_window = 4096;
+    a.default_attn_softcap = 50.0f;
+    a.default_final_softcap = 30.0f;
+    a.attn_softcap = true;
+    a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
+                  {"post_attention_norm", "post_attention_layernorm"},
+                  {"post_ffw_norm", "post_feedforward_layernorm"}};
+    a.hf_keys = {"hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
+                 "attn_logit_softcapping", "cache_implementation"};
+    a.gguf_keys = {"attention.sliding_window", "attention.sliding_window_pattern",
+                   "rope.freq_base_swa", "attn_logit_softcapping", "final_logit_softcapping"};
+    a.summary =
+        "Gemma's block with norms after attention and the MLP; attention scores soft-capped (50) "
+        "and final logits (30); every other layer within a sliding window (4096)";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
+    a.name = "gemma3";
+    a.hf_model_types = {"gemma3_text"};
+    a.hf_class = "Gemma3ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qk_norm = true;
+    a.mlp = Mlp::GeGlu;
+    a.scale_embeddings = true;
+    a.hf_norm_plus_one = true;
+    a.always_tied = true;
+    a.post_norms = true;
+    a.swa_pattern = 6;
+    a.default_rope_theta_swa = 10000.0;
+    a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
+                  {"post_attention_norm", "post_attention_layernorm"},
+                  {"post_ffw_norm", "post_feedforward_layernorm"}};
+    a.hf_keys = {"hidden_activation",    "query_pre_attn_scalar",      "sliding_window_pattern",
+                 "rope_local_base_freq", "final_logit_softcapping",    "attn_logit_softcapping",
+                 "cache_implementation", "use_bidirectional_attention"};
+    a.gguf_keys = {"attention.sliding_window", "attention.sliding_window_pattern",
+                   "rope.freq_base_swa", "final_logit_softcapping"};
+    a.summary =
+        "Gemma's block with per-head q/k norms and norms after attention and the MLP; five "
+        "sliding-window layers to one global, RoPE base 10,000 on the windowed ones";
+    t.push_back(a);
+  }
   return t;
 }
 
@@ -214,6 +269,9 @@ std::string architecture_mismatch(const ModelConfig& c) {
   if (c.rope_dim > 0 && !a->partial_rotary) return "RoPE on part of each head" + of;
   if (c.norm_plus_one && !a->hf_norm_plus_one) return "norm weights held less 1" + of;
   if (a->always_tied && !c.tie_embeddings) return "an LM head of its own" + of;
+  if (c.sliding_window > 0 && a->swa_pattern == 0) return "sliding-window layers" + of;
+  if (c.attn_softcap > 0.0f && !a->attn_softcap) return "soft-capped attention scores" + of;
+  if (c.final_softcap > 0.0f && a->swa_pattern == 0) return "soft-capped logits" + of;
   return "";
 }
 
@@ -225,6 +283,9 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   c.no_rope_layers = step_no_rope_layers(arch, c.n_layers);
   c.norm_plus_one = false;
   if (arch.always_tied) c.tie_embeddings = true;
+  c.swa_pattern = arch.swa_pattern;
+  c.attn_softcap = arch.default_attn_softcap;
+  c.final_softcap = arch.default_final_softcap;
   return c;
 }
 

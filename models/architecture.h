@@ -61,6 +61,20 @@ struct Architecture {
   bool parallel_block = false;
   // Biases on the output, up and down projections and on the head, beside q/k/v's (Phi-2).
   bool dense_biases = false;
+  // A norm of attention's output and of the MLP's before each joins the residual (Gemma 2, 3).
+  bool post_norms = false;
+  // Its layers may attend within a sliding window (ModelConfig::sliding_window), every
+  // swa_pattern-th (from 1) attending every key; the default pattern of its files, the window
+  // where its GGUF files give none (0: none), and the windowed layers' RoPE base where they do not
+  // give it (0: the model's).
+  int64_t swa_pattern = 0;
+  int64_t default_window = 0;
+  double default_rope_theta_swa = 0.0;
+  // Soft-capping of the attention scores and the final logits where its files do not give them
+  // (Gemma 2's 50 and 30); 0: none unless given. Whether it reads an attention cap at all.
+  float default_attn_softcap = 0.0f;
+  float default_final_softcap = 0.0f;
+  bool attn_softcap = false;
   // Hugging Face names of its own for parameters, by the decoder's name less the layer prefix
   // and the ".weight" / ".bias" ("attention.wo" -> "self_attn.dense"; the final "norm" ->
   // "model.final_layernorm", a name of the whole model); the others are Llama's.

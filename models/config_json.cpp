@@ -39,6 +39,14 @@ json model_config_json(const ModelConfig& c) {
             {"parameters", parameter_count(c)}};
   if (c.rope_dim > 0) j["rope_dim"] = c.rope_dim;
   if (c.norm_plus_one) j["norm_plus_one"] = true;
+  if (c.sliding_window > 0) {
+    j["sliding_window"] = c.sliding_window;
+    j["swa_pattern"] = c.swa_pattern;
+    j["rope_theta_swa"] = c.rope_theta_swa;
+  }
+  if (c.attn_scale > 0.0f) j["attn_scale"] = shortest_decimal(c.attn_scale);
+  if (c.attn_softcap > 0.0f) j["attn_softcap"] = shortest_decimal(c.attn_softcap);
+  if (c.final_softcap > 0.0f) j["final_softcap"] = shortest_decimal(c.final_softcap);
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
     for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
@@ -82,6 +90,12 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
     c.no_rope_layers = m.value("no_rope_layers", std::vector<int64_t>{});
     c.rope_dim = m.value("rope_dim", int64_t{0});
     c.norm_plus_one = m.value("norm_plus_one", false);
+    c.sliding_window = m.value("sliding_window", int64_t{0});
+    c.swa_pattern = m.value("swa_pattern", int64_t{0});
+    c.rope_theta_swa = m.value("rope_theta_swa", 0.0);
+    c.attn_scale = m.value("attn_scale", 0.0f);
+    c.attn_softcap = m.value("attn_softcap", 0.0f);
+    c.final_softcap = m.value("final_softcap", 0.0f);
     if (m.contains("rope_scaling")) {
       const json& r = m.at("rope_scaling");
       c.rope_scaling.type = r.at("type").get<std::string>();
@@ -141,6 +155,23 @@ std::string describe_parts(const ModelConfig& c) {
                 static_cast<double>(c.norm_eps));
   s += buf;
   if (c.norm_plus_one) s += " (gains held less 1)";
+  if (c.sliding_window > 0) {
+    std::snprintf(buf, sizeof(buf),
+                  "; a sliding window of %lld on %lld of every %lld layers (RoPE theta %g)",
+                  static_cast<long long>(c.sliding_window),
+                  static_cast<long long>(c.swa_pattern - 1), static_cast<long long>(c.swa_pattern),
+                  c.rope_theta_swa > 0.0 ? c.rope_theta_swa : c.rope_theta);
+    s += buf;
+  }
+  if (c.attn_scale > 0.0f) {
+    std::snprintf(buf, sizeof(buf), "; scores scaled by %g", static_cast<double>(c.attn_scale));
+    s += buf;
+  }
+  if (c.attn_softcap > 0.0f || c.final_softcap > 0.0f) {
+    std::snprintf(buf, sizeof(buf), "; soft-capped scores %g, logits %g",
+                  static_cast<double>(c.attn_softcap), static_cast<double>(c.final_softcap));
+    s += buf;
+  }
   if (c.qk_norm) s += "; q/k norms";
   if (c.qkv_bias) s += "; q/k/v biases";
   if (c.tie_embeddings) s += "; tied embeddings";

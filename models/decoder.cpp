@@ -52,6 +52,8 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     }
     b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
     b.bo = bias_of(dense, l + "attention.wo.bias", C);
+    if (arch.post_norms)
+      b.post_attention_norm = params.add(l + "post_attention_norm.weight", Shape{C}, false);
     if (!arch.parallel_block) {
       b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
       b.ffn_norm_bias = bias_of(layer_norm, l + "ffn_norm.bias", C);
@@ -62,6 +64,7 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     b.b3 = bias_of(dense, l + "feed_forward.w3.bias", F);
     b.w2 = params.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
     b.b2 = bias_of(dense, l + "feed_forward.w2.bias", C);
+    if (arch.post_norms) b.post_ffw_norm = params.add(l + "post_ffw_norm.weight", Shape{C}, false);
     if (lora.active()) {
       const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2};
       for (int j = 0; j < kProjectionCount; ++j) {
@@ -132,25 +135,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
   // blocks i and above and of the head are final, the tied embedding's not until the end. Where
   // those are the gradient buffer's tail, its start is where the gradients are final.
   const auto block_params = [](const Block& b) {
-    std::vector<int> v = {b.attention_norm,
-                          b.wq,
-                          b.wk,
-                          b.wv,
-                          b.wo,
-                          b.ffn_norm,
-                          b.w1,
-                          b.w3,
-                          b.w2,
-                          b.bq,
-                          b.bk,
-                          b.bv,
-                          b.q_norm,
-                          b.k_norm,
-                          b.attention_norm_bias,
-                          b.ffn_norm_bias,
-                          b.bo,
-                          b.b3,
-                          b.b2};
+    // Weights, then biases, then norms.
+    std::vector<int> v = {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2};
+    v.insert(v.end(), {b.bq, b.bk, b.bv, b.bo, b.b3, b.b2});
+    v.insert(v.end(), {b.attention_norm, b.attention_norm_bias, b.ffn_norm, b.ffn_norm_bias,
+                       b.q_norm, b.k_norm, b.post_attention_norm, b.post_ffw_norm});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     return v;
@@ -174,12 +163,20 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     if (tail) final_from_[stage] = from;
   }
 
-  // The rotated dimensions' angles: (ctx, R/2, 2).
+  // The rotated dimensions' angles: (ctx, R/2, 2); the windowed layers' at their own base.
   const int64_t R = config.rope_dims();
   rope_table_ = Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
   if (!rope_table_.measured())
     kernels::rope_table(rope_table_.f32(), config.ctx, R, config.rope_theta,
                         config.rope_freq_factors(), config.rope_scaling.attn_factor);
+  rope_table_swa_ = rope_table_;
+  if (config.rope_swa_apart()) {
+    rope_table_swa_ =
+        Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
+    if (!rope_table_swa_.measured())
+      kernels::rope_table(rope_table_swa_.f32(), config.ctx, R, config.rope_theta_swa, nullptr,
+                          1.0);
+  }
 }
 
 void DecoderModel::init_weights(uint64_t seed) {
@@ -243,6 +240,12 @@ void DecoderModel::set_compute_dtype(DType dtype) {
   compute_dtype_ = dtype;
 }
 
+Tensor DecoderModel::capped(Tensor logits) const {
+  if (config_.final_softcap > 0.0f && !logits.measured())
+    soft_cap(logits.f32(), logits.numel(), config_.final_softcap);
+  return logits;
+}
+
 float DecoderModel::embedding_scale() const {
   return arch_->scale_embeddings ? std::sqrt(static_cast<float>(config_.d_model)) : 1.0f;
 }
@@ -275,8 +278,14 @@ Variable DecoderModel::norm(const Variable& x, int weight, int bias_index) const
   return rmsnorm(x, p(weight), config_.norm_eps, config_.norm_offset());
 }
 
-Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Tensor& rope_table,
+Variable DecoderModel::block_forward(const Block& b, const Variable& x, const RopeTables& tables,
                                      bool per_row, const Attend& attend) {
+  const bool windowed = config_.windowed_layer(b.layer);
+  const Tensor& rope_table = windowed ? tables.windowed : tables.global;
+  kernels::AttentionOptions options;
+  options.scale = config_.attn_scale;
+  options.softcap = config_.attn_softcap;
+  if (windowed) options.window = config_.sliding_window;
   const float eps = config_.norm_eps;
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
   const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
@@ -299,7 +308,8 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Te
       f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
     }
     g = Variable();
-    return project(b, Projection::Down, b.w2, b.b2, f);
+    const Variable down = project(b, Projection::Down, b.w2, b.b2, f);
+    return b.post_ffw_norm >= 0 ? head_rmsnorm(down, p(b.post_ffw_norm), eps, offset) : down;
   };
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
   // there (the ops that need them in backward have saved them).
@@ -312,8 +322,11 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Te
     // Attention reads only v's rounding.
     v = project(b, Projection::V, b.wv, b.bv, h, true);
     if (!arch_->parallel_block) h = Variable();  // a parallel block's MLP reads it too
-    attended = project(b, Projection::O, b.wo, b.bo, attend(q, k, v));
+    attended = project(b, Projection::O, b.wo, b.bo, attend(q, k, v, options));
   }
+  // The norms after attention and the MLP feed the residual: FP32 in either mode.
+  if (b.post_attention_norm >= 0)
+    attended = head_rmsnorm(attended, p(b.post_attention_norm), eps, offset);
   if (arch_->parallel_block) {
     // Attention and the MLP from the one norm, added to the residual together.
     const Variable m = mlp(h);
@@ -329,27 +342,32 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
-  const Attend attend = [H, KVH, packing](const Variable& q, const Variable& k, const Variable& v) {
-    return attention(q, k, v, H, KVH, packing);
+  const Attend attend = [H, KVH, packing](const Variable& q, const Variable& k, const Variable& v,
+                                          const kernels::AttentionOptions& options) {
+    return attention(q, k, v, H, KVH, packing, options);
   };
   // Packed rows: each row's RoPE table, every sequence's positions from 0.
-  Tensor table = rope_table_;
+  RopeTables table{rope_table_, rope_table_swa_};
   if (packing) {
     const int64_t B = inputs.dim(0), T = inputs.dim(1), R = config_.rope_dims();
     if (static_cast<int64_t>(packing->lengths.size()) != B)
       throw std::invalid_argument("packing of another batch");
-    table = Tensor::empty(Shape{B, T, R / 2, 2}, DType::F32, MemoryCategory::Activations);
-    if (!table.measured()) {
+    const auto per_row_table = [&](const Tensor& whole) {
+      Tensor rows = Tensor::empty(Shape{B, T, R / 2, 2}, DType::F32, MemoryCategory::Activations);
+      if (rows.measured()) return rows;
       for (int64_t b = 0; b < B; ++b) {
         int64_t t = 0;
         for (const int64_t n : packing->lengths[static_cast<size_t>(b)]) {
           if (n <= 0 || t + n > T) throw std::invalid_argument("packed lengths beyond T");
-          std::copy_n(rope_table_.f32(), n * R, table.f32() + (b * T + t) * R);
+          std::copy_n(whole.f32(), n * R, rows.f32() + (b * T + t) * R);
           t += n;
         }
         if (t != T) throw std::invalid_argument("packed lengths summing to T");
       }
-    }
+      return rows;
+    };
+    table.global = per_row_table(rope_table_);
+    table.windowed = config_.rope_swa_apart() ? per_row_table(rope_table_swa_) : table.global;
   }
   const bool per_row = packing != nullptr;
   read_ahead(0);
@@ -387,26 +405,27 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
 
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets) {
   ComputeDTypeGuard precision(compute_dtype_);
-  return lm_head_cross_entropy(hidden(inputs), p(output_), targets, 0, 0, bias(output_bias_));
+  return lm_head_cross_entropy(hidden(inputs), p(output_), targets, 0, 0, bias(output_bias_),
+                               config_.final_softcap);
 }
 
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets,
                             std::shared_ptr<const Packing> packing, int64_t normalizer) {
   ComputeDTypeGuard precision(compute_dtype_);
   return lm_head_cross_entropy(hidden(inputs, std::move(packing)), p(output_), targets, 0,
-                               normalizer, bias(output_bias_));
+                               normalizer, bias(output_bias_), config_.final_softcap);
 }
 
 Tensor DecoderModel::logits(const Tensor& inputs) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
-  return linear(hidden(inputs), p(output_), bias(output_bias_)).value();
+  return capped(linear(hidden(inputs), p(output_), bias(output_bias_)).value());
 }
 
 Tensor DecoderModel::logits(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
-  return linear(hidden(inputs, std::move(packing)), p(output_), bias(output_bias_)).value();
+  return capped(linear(hidden(inputs, std::move(packing)), p(output_), bias(output_bias_)).value());
 }
 
 Tensor DecoderModel::last_logits(const Tensor& inputs) {
@@ -422,7 +441,7 @@ Tensor DecoderModel::last_position_logits(const Tensor& h, int64_t B, int64_t T)
   Tensor last = Tensor::empty(Shape{B, C}, h.dtype(), MemoryCategory::Workspace);
   for (int64_t b = 0; b < B; ++b)
     last.view(b * C, Shape{C}).copy_from(h.view((b * T + T - 1) * C, Shape{C}));
-  return linear(Variable(last, false), p(output_), bias(output_bias_)).value();
+  return capped(linear(Variable(last, false), p(output_), bias(output_bias_)).value());
 }
 
 DecoderModel::KvCache DecoderModel::new_kv_cache() const {
@@ -478,25 +497,30 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   Tensor input = Tensor::empty(Shape{1, m}, DType::I32, MemoryCategory::Workspace);
   std::copy(tokens.begin(), tokens.end(), input.i32());
   // RoPE angles of positions n .. n + m - 1.
-  Tensor table = Tensor::empty(Shape{m, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
-  std::copy_n(rope_table_.f32() + n * R, m * R, table.f32());
+  const auto rows_of = [&](const Tensor& whole) {
+    Tensor rows = Tensor::empty(Shape{m, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
+    std::copy_n(whole.f32() + n * R, m * R, rows.f32());
+    return rows;
+  };
+  RopeTables table{rows_of(rope_table_), Tensor()};
+  table.windowed = config_.rope_swa_apart() ? rows_of(rope_table_swa_) : table.global;
   Variable x = embedding(p(tok_embeddings_), input, embedding_scale());
   for (size_t l = 0; l < blocks_.size(); ++l) {
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
-    const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v) {
+    const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v,
+                                 const kernels::AttentionOptions& options) {
       std::copy_n(attention_input(k).f32(), m * KV, cache.keys[l].f32() + n * KV);
       std::copy_n(attention_input(v).f32(), m * KV, cache.values[l].f32() + n * KV);
       Tensor att = Tensor::empty(Shape{1, m, Q}, DType::F32, MemoryCategory::Workspace);
       kernels::attention_decode(att.f32(), attention_input(q).f32(), cache.keys[l].f32(),
-                                cache.values[l].f32(), n, m, H, KVH, D);
+                                cache.values[l].f32(), n, m, H, KVH, D, options);
       return Variable(att, false);
     };
     x = block_forward(blocks_[l], x, table, false, attend);
   }
   cache.length = n + m;
-  return last_position_logits(rmsnorm(x, p(norm_), config_.norm_eps, config_.norm_offset()).value(),
-                              1, m);
+  return last_position_logits(norm(x, norm_, norm_bias_).value(), 1, m);
 }
 
 }  // namespace cputrain

@@ -129,6 +129,7 @@ class DecoderModel {
     int bq = -1, bk = -1, bv = -1;                     // the q, k, v biases; -1 without
     int bo = -1, b3 = -1, b2 = -1;                     // the o, up and down biases; -1 without
     int attention_norm_bias = -1, ffn_norm_bias = -1;  // LayerNorm's; -1 without
+    int post_attention_norm = -1, post_ffw_norm = -1;  // -1 without
     int q_norm = -1, k_norm = -1;                      // the per-head norms of q and k; -1 without
     int64_t layer = 0;
     // Each projection's adapter (by Projection), -1 without.
@@ -148,10 +149,16 @@ class DecoderModel {
   Variable hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing = nullptr);
   // Attention of q, k, v (after RoPE): the whole-sequence op in training and evaluation, the
   // KV cache in decoding.
-  using Attend = std::function<Variable(const Variable& q, const Variable& k, const Variable& v)>;
-  // One block on x, whose positions take their RoPE angles from the rows of rope_table.
-  // With `per_row`, rope_table holds a table of T rows for each row of x (ops.h rope).
-  Variable block_forward(const Block& block, const Variable& x, const Tensor& rope_table,
+  using Attend = std::function<Variable(const Variable& q, const Variable& k, const Variable& v,
+                                        const kernels::AttentionOptions& options)>;
+  // The RoPE angles of the positions: the global layers', and the windowed layers' (the same
+  // tensor where they share a base).
+  struct RopeTables {
+    Tensor global, windowed;
+  };
+  // One block on x, whose positions take their RoPE angles from the rows of its layer's table.
+  // With `per_row`, a table holds one of T rows for each row of x (ops.h rope).
+  Variable block_forward(const Block& block, const Variable& x, const RopeTables& tables,
                          bool per_row, const Attend& attend);
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
   Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
@@ -169,6 +176,8 @@ class DecoderModel {
   // The architecture's norm of x: RMSNorm with the gains `weight`, or LayerNorm with them and
   // the bias `bias_index`.
   Variable norm(const Variable& x, int weight, int bias_index) const;
+  // Logits soft-capped in place where the model caps them (ModelConfig::final_softcap).
+  Tensor capped(Tensor logits) const;
   // The parameter at index, or an undefined Variable for -1 (no bias).
   Variable bias(int index) const;
   // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
@@ -187,7 +196,8 @@ class DecoderModel {
   int norm_bias_ = -1;
   int output_ = 0;  // tok_embeddings_ where the embeddings are tied
   int output_bias_ = -1;
-  Tensor rope_table_;  // (ctx, R/2, 2): R the rotated dimensions
+  Tensor rope_table_;      // (ctx, R/2, 2): R the rotated dimensions
+  Tensor rope_table_swa_;  // the windowed layers': rope_table_ where they share its base
   DType compute_dtype_ = DType::F32;
   bool checkpointing_ = false;
   // The thread that reads mapped weights ahead (set_read_ahead); null when off.

@@ -1,6 +1,7 @@
 #include "models/gguf_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <stdexcept>
 #include <tuple>
@@ -152,10 +153,33 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     c.rope_scaling.attn_factor = file.number(p + "rope.scaling.attn_factor", 1.0);
     c.rope_scaling.original_ctx = file.integer(p + "rope.scaling.original_context_length", c.ctx);
   }
-  // Phi-3's sliding window, which llama.cpp passes over: the context within it, where both
-  // compute the same.
-  if (const int64_t window = file.integer(p + "attention.sliding_window", 0); window > 0)
+  const int64_t window = file.integer(p + "attention.sliding_window", arch->default_window);
+  if (arch->swa_pattern > 0 && window > 0) {
+    // Sliding-window layers (Gemma 2, 3): every pattern-th global, the others within the window
+    // at their own RoPE base (llama.cpp's defaults: Gemma 3's 10,000, Gemma 2's the model's).
+    c.sliding_window = window;
+    c.swa_pattern = file.integer(p + "attention.sliding_window_pattern", arch->swa_pattern);
+    if (c.swa_pattern <= 0)
+      throw UserError(file.path() + ": " + p + "attention.sliding_window_pattern " +
+                      std::to_string(c.swa_pattern) + " must be positive");
+    c.rope_theta_swa = file.number(p + "rope.freq_base_swa", arch->default_rope_theta_swa > 0.0
+                                                                 ? arch->default_rope_theta_swa
+                                                                 : c.rope_theta);
+  } else if (window > 0) {
+    // Phi-3's sliding window, which llama.cpp passes over: the context within it, where both
+    // compute the same.
     c.ctx = std::min(c.ctx, window);
+  }
+  // Gemma 2 and 3 27B's scores are scaled by d_model / heads, not the head dimension, as llama.cpp
+  // knows them by their 46 and 62 layers (Hugging Face's query_pre_attn_scalar).
+  if ((name == "gemma2" && c.n_layers == 46) || (name == "gemma3" && c.n_layers == 62))
+    c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.d_model / c.n_heads));
+  if (arch->attn_softcap)
+    c.attn_softcap =
+        static_cast<float>(file.number(p + "attn_logit_softcapping", arch->default_attn_softcap));
+  if (arch->swa_pattern > 0)
+    c.final_softcap =
+        static_cast<float>(file.number(p + "final_logit_softcapping", arch->default_final_softcap));
   c.ctx = std::min(c.ctx, max_ctx);
   if (const auto problem = validate(c))
     throw UserError(file.path() +
@@ -410,6 +434,16 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   w.set_f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
   w.set_u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.rope_dims()));
   w.set_u32(arch + ".vocab_size", static_cast<uint32_t>(c.vocab));
+  if (c.sliding_window > 0) {
+    w.set_u32(arch + ".attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
+    w.set_u32(arch + ".attention.sliding_window_pattern", static_cast<uint32_t>(c.swa_pattern));
+    w.set_f32(arch + ".rope.freq_base_swa",
+              static_cast<float>(c.rope_theta_swa > 0.0 ? c.rope_theta_swa : c.rope_theta));
+  }
+  if (description.attn_softcap) w.set_f32(arch + ".attn_logit_softcapping", c.attn_softcap);
+  if (description.swa_pattern > 0 &&
+      (c.final_softcap > 0.0f || description.default_final_softcap > 0.0f))
+    w.set_f32(arch + ".final_logit_softcapping", c.final_softcap);
   set_gguf_vocabulary(w, v);
   const int64_t pairs = c.rope_dims() / 2;
   const auto factors = [&](const char* name, const std::vector<float>& f) {

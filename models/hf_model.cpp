@@ -250,6 +250,52 @@ std::vector<int64_t> hf_no_rope_layers(const ConfigValues& values, const Archite
   return out;
 }
 
+// Gemma 3's sliding-window layers: the window, every sliding_window_pattern-th layer global (or
+// layer_types naming each, which must follow such a pattern), the windowed layers' RoPE base
+// (rope_local_base_freq), and the scores' scale (query_pre_attn_scalar^-1/2).
+void hf_sliding_window(const ConfigValues& values, const Architecture& arch, ModelConfig& c,
+                       const std::string& where) {
+  const int64_t window = values.whole("sliding_window").value_or(arch.default_window);
+  if (window < 0)
+    throw UserError(where + ": sliding_window " + std::to_string(window) + " must be positive");
+  c.swa_pattern = values.whole("sliding_window_pattern").value_or(arch.swa_pattern);
+  if (c.swa_pattern <= 0)
+    throw UserError(where + ": sliding_window_pattern " + std::to_string(c.swa_pattern) +
+                    " must be positive");
+  c.sliding_window = window;
+  if (const json* types = values.find("layer_types")) {
+    if (!types->is_array() || static_cast<int64_t>(types->size()) != c.n_layers)
+      throw UserError(where + ": layer_types " + json_shown(*types) + " is not one per layer");
+    for (int64_t i = 0; i < c.n_layers; ++i) {
+      const json& t = (*types)[static_cast<size_t>(i)];
+      const bool windowed = c.windowed_layer(i);
+      if (t != (windowed ? "sliding_attention" : "full_attention"))
+        throw UserError(where + ": layer_types holds " + json_shown(t) + " for layer " +
+                        std::to_string(i) + ", which is not every " +
+                        std::to_string(c.swa_pattern) + "th layer global (what cputrain computes)");
+    }
+  }
+  c.rope_theta_swa =
+      values.number("rope_local_base_freq",
+                    arch.default_rope_theta_swa > 0.0 ? arch.default_rope_theta_swa : c.rope_theta);
+  const auto cap = [&](const char* key, float fallback) {
+    const json* v = values.find(key);
+    if (v && v->is_null()) return 0.0f;
+    const double x = values.number(key, fallback);
+    if (!(x >= 0.0) || !std::isfinite(x))
+      throw UserError(where + ": " + key + " " + json_shown(*v) + " must be positive, or null");
+    return static_cast<float>(x);
+  };
+  if (arch.attn_softcap) c.attn_softcap = cap("attn_logit_softcapping", arch.default_attn_softcap);
+  c.final_softcap = cap("final_logit_softcapping", arch.default_final_softcap);
+  if (values.find("query_pre_attn_scalar")) {
+    const double scalar = values.number("query_pre_attn_scalar", 0.0);
+    if (!(scalar > 0.0)) throw UserError(where + ": query_pre_attn_scalar must be positive");
+    if (scalar != static_cast<double>(c.head_size()))
+      c.attn_scale = static_cast<float>(1.0 / std::sqrt(scalar));
+  }
+}
+
 }  // namespace
 
 ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
@@ -295,11 +341,21 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (values.number("attention_dropout", 0.0) != 0.0)
     throw UserError(where + ": attention_dropout " + json_shown(*values.find("attention_dropout")) +
                     ", which cputrain does not compute (it computes 0)");
-  if (const json* layer_types = values.find("layer_types"))
+  if (const json* layer_types = values.find("layer_types"); layer_types && arch->swa_pattern == 0)
     for (const json& t : *layer_types)
       if (t != "full_attention")
         throw UserError(where + ": layer_types holds " + json_shown(t) +
                         ", which cputrain does not compute (it computes full_attention)");
+  // Soft-capping: Gemma 2's attention scores and final logits, Gemma 3's final logits.
+  for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"}) {
+    const json* v = values.find(cap);
+    const bool attn = std::string_view(cap) == "attn_logit_softcapping";
+    if (!v || v->is_null() || (attn ? arch->attn_softcap : arch->swa_pattern > 0)) continue;
+    throw UserError(where + ": " + cap + " " + json_shown(*v) +
+                    ", which cputrain does not compute for " + type);
+  }
+  if (values.flag("use_bidirectional_attention", false))
+    throw UserError(where + ": use_bidirectional_attention, which cputrain does not compute");
   FileHyperparameters hp;
   hp.where = where;
   hp.naming = TensorNaming::HuggingFace;
@@ -360,13 +416,16 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (const json* scaling = values.find("rope_scaling"))
     c.rope_scaling = hf_rope_scaling(*scaling, values, *arch, c, where);
   c.no_rope_layers = hf_no_rope_layers(values, *arch, c.n_layers, where);
-  if (values.flag("use_sliding_window", type == "mistral" || type == "phi3"))
+  if (arch->swa_pattern > 0) {
+    hf_sliding_window(values, *arch, c, where);
+  } else if (values.flag("use_sliding_window", type == "mistral" || type == "phi3")) {
     if (const std::optional<int64_t> window = values.whole("sliding_window")) {
       if (*window <= 0)
         throw UserError(where + ": sliding_window " + std::to_string(*window) +
                         " must be positive");
       c.ctx = std::min(c.ctx, *window);
     }
+  }
   c.ctx = std::min(c.ctx, max_ctx);
   if (const auto problem = validate(c))
     throw UserError(where + ": the model's hyperparameters do not fit together: " + problem->str());
@@ -770,7 +829,22 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
     config.erase("rms_norm_eps");
     config["layer_norm_eps"] = std::strtod(fmt::format("{}", c.norm_eps).c_str(), nullptr);
   }
-  if (arch.name != "llama") config["use_sliding_window"] = false;
+  if (arch.name != "llama" && arch.swa_pattern == 0) config["use_sliding_window"] = false;
+  if (arch.swa_pattern > 0) {
+    config["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json();
+    // Gemma 3's keys; Gemma 2's pattern and base are fixed (every other layer, the model's).
+    if (hf_key_known(arch, "sliding_window_pattern")) {
+      config["sliding_window_pattern"] = c.swa_pattern;
+      config["rope_local_base_freq"] = c.rope_theta_swa > 0.0 ? c.rope_theta_swa : c.rope_theta;
+    }
+    // The scale's square's reciprocal, exact where the scale is a power of 2 (a head of 256).
+    config["query_pre_attn_scalar"] =
+        c.attn_scale > 0.0f
+            ? 1.0 / (static_cast<double>(c.attn_scale) * static_cast<double>(c.attn_scale))
+            : static_cast<double>(c.head_size());
+    config["final_logit_softcapping"] = c.final_softcap > 0.0f ? json(c.final_softcap) : json();
+    config["attn_logit_softcapping"] = c.attn_softcap > 0.0f ? json(c.attn_softcap) : json();
+  }
   if (c.rope_dim > 0)
     config["partial_rotary_factor"] =
         static_cast<double>(c.rope_dim) / static_cast<double>(c.head_size());

@@ -128,7 +128,8 @@ int64_t parameter_count(const ModelConfig& c) {
   const bool parallel = arch && arch->parallel_block, dense = arch && arch->dense_biases;
   const int64_t C = c.d_model, q = c.q_dim(), kv = c.kv_dim(), F = c.ffn;
   // Norms: the block's one or two, each with a bias in LayerNorm.
-  const int64_t norms = (parallel ? 1 : 2) * (layer_norm ? 2 : 1) * C;
+  const int64_t norms =
+      ((parallel ? 1 : 2) * (layer_norm ? 2 : 1) + (arch && arch->post_norms ? 2 : 0)) * C;
   const int64_t per_layer = 2 * C * q + 2 * C * kv + mlp_matrices(arch) * C * F + norms +
                             (c.qkv_bias ? q + 2 * kv : 0) + (c.qk_norm ? 2 * c.head_size() : 0) +
                             (dense ? C + F + C : 0);
@@ -186,6 +187,19 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
       return ConfigProblem{"rope_scaling.attn_factor", shortest(c.rope_scaling.attn_factor),
                            "must be positive", "", ""};
   }
+  if (c.sliding_window < 0 || c.swa_pattern < 0 || (c.sliding_window > 0 && c.swa_pattern == 0))
+    return ConfigProblem{"sliding_window", text(c.sliding_window),
+                         "needs a positive swa_pattern, which is", "swa_pattern",
+                         text(c.swa_pattern)};
+  if (c.rope_theta_swa != 0.0 && (!(c.rope_theta_swa > 1.0) || !std::isfinite(c.rope_theta_swa)))
+    return ConfigProblem{"rope_theta_swa", shortest(c.rope_theta_swa), "must be a number above 1",
+                         "", ""};
+  for (const auto& [field, v] :
+       {std::pair{"attn_softcap", c.attn_softcap}, std::pair{"final_softcap", c.final_softcap}})
+    if (!(v >= 0.0f) || !std::isfinite(v))
+      return ConfigProblem{field, shortest(v), "must be positive, or 0", "", ""};
+  if (!(c.attn_scale >= 0.0f) || !std::isfinite(c.attn_scale))
+    return ConfigProblem{"attn_scale", shortest(c.attn_scale), "must be positive, or 0", "", ""};
   for (const int64_t layer : c.no_rope_layers)
     if (layer < 0 || layer >= c.n_layers)
       return ConfigProblem{"no_rope_layers", text(layer), "is not a layer of", "n_layers",

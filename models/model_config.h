@@ -75,6 +75,19 @@ struct ModelConfig {
   // The RMSNorm gains are held as w where the norm scales by 1 + w, as Gemma's Hugging Face files
   // hold them; false: as the gains themselves (GGUF files, which hold 1 + w, and new models).
   bool norm_plus_one = false;
+  // Sliding-window layers (Gemma 2 and 3): with a window, layer i attends the `sliding_window`
+  // keys up to each query where i % swa_pattern < swa_pattern - 1 (Gemma 3's five of every six,
+  // Gemma 2's every other), every key before it in the others; their RoPE base rope_theta_swa
+  // (0: rope_theta). 0: no window.
+  int64_t sliding_window = 0;
+  int64_t swa_pattern = 0;
+  double rope_theta_swa = 0.0;
+  // The attention scores' scale; 0: 1 / sqrt(head_size()).
+  float attn_scale = 0.0f;
+  // Soft-capping, cap * tanh(x / cap), of the attention scores and of the final logits (Gemma
+  // 2's 50 and 30); 0: none.
+  float attn_softcap = 0.0f;
+  float final_softcap = 0.0f;
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
@@ -82,6 +95,12 @@ struct ModelConfig {
   int64_t kv_dim() const { return kv_heads() * head_size(); }  // rows of wk and wv
   int64_t rope_dims() const { return rope_dim > 0 ? rope_dim : head_size(); }
   bool rope_in_layer(int64_t layer) const;
+  // Whether layer `layer` attends within the sliding window.
+  bool windowed_layer(int64_t layer) const {
+    return sliding_window > 0 && swa_pattern > 0 && layer % swa_pattern < swa_pattern - 1;
+  }
+  // Whether the windowed layers rotate at a RoPE base of their own.
+  bool rope_swa_apart() const { return rope_theta_swa > 0.0 && rope_theta_swa != rope_theta; }
   // What the RMSNorms add to their held weights: 1 with norm_plus_one, else 0.
   float norm_offset() const { return norm_plus_one ? 1.0f : 0.0f; }
   // The divisors of the RoPE frequencies at this ctx (rope_scaling's, the long ones of longrope
@@ -102,7 +121,8 @@ std::vector<std::string> preset_names();
 
 // Number of parameters: the embedding V*C, the LM head V*C unless tied; per layer wq and wo
 // 2 C q_dim, wk and wv 2 C kv_dim (plus q_dim + 2 kv_dim biases), 3 C F (SwiGLU; 2 C F without a
-// gate) and 2 C (norms; C for one norm, twice with LayerNorm's biases; plus the o, up and down
+// gate) and 2 C (norms; C for one norm, twice with LayerNorm's biases, 2 C more with post-norms;
+// plus the o, up and down
 // biases where the architecture has them); the final norm C (2 C), the head's bias V.
 int64_t parameter_count(const ModelConfig& config);
 // FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix

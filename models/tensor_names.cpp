@@ -39,6 +39,9 @@ constexpr Names kBlockNames[] = {
     {"feed_forward.w1", "ffn_gate", "mlp.gate_proj"},
     {"feed_forward.w3", "ffn_up", "mlp.up_proj"},
     {"feed_forward.w2", "ffn_down", "mlp.down_proj"},
+    // Norms after attention and the MLP (Architecture::post_norms).
+    {"post_attention_norm", "post_attention_norm", "post_attention_layernorm"},
+    {"post_ffw_norm", "post_ffw_norm", "post_feedforward_layernorm"},
 };
 
 }  // namespace

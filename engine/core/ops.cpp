@@ -714,8 +714,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       if (computing())
         kernels::attention_forward(y.f32() + p.row_offset * QD, lse.f32() + p.lse_offset,
                                    qf.f32() + p.row_offset * QD, kf.f32() + p.row_offset * KD,
-                                   vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D,
-                                   options);
+                                   vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D, options);
   }
   const bool grad = needs_grad({&q, &k, &v});
   Variable out = Variable::op_output(y, grad);
@@ -907,8 +906,29 @@ int64_t lm_head_chunk_rows(int64_t V) {
   return std::max<int64_t>(512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
 }
 
+void soft_cap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+}
+
+namespace {
+
+// g (n) times the derivative of cap * tanh(z / cap) at the capped values c: 1 - (c / cap)^2.
+void soft_cap_gradient(float* g, const float* c, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = c[i] * inv;
+    g[i] *= 1.0f - t * t;
+  }
+}
+
+}  // namespace
+
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
-                               int64_t chunk_rows, int64_t normalizer, const Variable& b) {
+                               int64_t chunk_rows, int64_t normalizer, const Variable& b,
+                               float softcap) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "lm_head_cross_entropy: x (..., K) and w (V, K)");
@@ -928,8 +948,14 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   Tensor dl;
   if (grad)
     dl = Tensor::empty(Shape{N, V}, bf16 ? DType::BF16 : DType::F32, MemoryCategory::Activations);
-  Tensor chunk;
-  if (!grad || bf16) chunk = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
+  // Soft-capped logits keep cap * tanh(z / cap) in `chunk` and the FP32 gradient by them in
+  // `capped_grad`, which the chain rule's 1 - tanh^2 turns into the gradient by z.
+  const bool capped = softcap > 0.0f;
+  Tensor chunk, capped_grad;
+  if (!grad || bf16 || capped)
+    chunk = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
+  if (grad && capped)
+    capped_grad = Tensor::empty(Shape{rows, V}, DType::F32, MemoryCategory::Workspace);
   Tensor losses = Tensor::empty(Shape{N}, DType::F32, MemoryCategory::Workspace);
   Tensor lse;
   if (!grad) lse = Tensor::empty(Shape{rows}, DType::F32, MemoryCategory::Workspace);
@@ -953,9 +979,18 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
     linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
     if (b.defined() && computing()) kernels::bias_add(logits, b.value().f32(), m, V);
+    if (capped && computing()) soft_cap(logits, m * V, softcap);
     Scope ce("cross_entropy", Pass::Forward);
     if (!computing()) {
       continue;
+    } else if (capped && grad) {
+      kernels::cross_entropy_forward_gradient(capped_grad.f32(), losses.f32() + r0, logits, tg + r0,
+                                              each, m, V);
+      soft_cap_gradient(capped_grad.f32(), logits, m * V, softcap);
+      if (bf16)
+        kernels::fp32_to_bf16_array(dl.bf16() + r0 * V, capped_grad.f32(), m * V);
+      else
+        std::copy_n(capped_grad.f32(), m * V, dl.f32() + r0 * V);
     } else if (!grad) {
       kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, tg + r0, m, V);
     } else if (bf16) {  // the gradient's rounding straight from each row, while it is in cache

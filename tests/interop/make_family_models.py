@@ -27,7 +27,14 @@ Face's rotate-half order:
   q, k, v, dense, fc1, fc2 and the head, RoPE on 32 of each head's 80 dimensions (Phi-2's 40%),
   an untied head; its MLP (weights and biases) drawn at a tenth of the others' scale, for
   llama.cpp's GELU table as Gemma's (at half scale the table moves the logits by 1.2e-3; with
-  the MLP zeroed, llama.cpp's and cputrain's logits are 7.6e-6 apart).
+  the MLP zeroed, llama.cpp's and cputrain's logits are 7.6e-6 apart);
+- gemma3: Gemma's parts with per-head q/k norms (1 + w) and norms after attention and the MLP
+  (post_attention_norm / post_attention_layernorm, post_ffw_norm / post_feedforward_layernorm,
+  the MLP's pre-norm pre_feedforward_layernorm), layers 0-4 of 6 within a sliding window of 32
+  keys at RoPE base 10,000 and layer 5 global at 1,000,000; 200 tokens reach past the window;
+- gemma2: Gemma's parts with the post-norms, layers 0 and 2 of 4 within a window of 32 keys (at
+  the model's RoPE base), attention scores soft-capped at 1 and the final logits at 5 (small
+  caps, so that the tanh bends), Gemma 2's files' keys and defaults (no window pattern key).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -62,6 +69,14 @@ FAMILIES = {
     "phi2": dict(arch="phi2", hf_type="phi", hf_class="PhiForCausalLM", d=160, ffn=320,
                  layers=2, heads=2, kv=2, head=80, theta=10000.0, tied=False, adjacent=False,
                  phi2=True, rope_dim=32, mlp_std=0.005),
+    "gemma3": dict(arch="gemma3", hf_type="gemma3_text", hf_class="Gemma3ForCausalLM", d=128,
+                   ffn=256, layers=6, heads=4, kv=1, head=64, theta=1e6, tied=True,
+                   adjacent=False, gemma=True, qk_norm=True, post_norms=True, window=32,
+                   pattern=6, theta_swa=1e4, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
+    "gemma2": dict(arch="gemma2", hf_type="gemma2", hf_class="Gemma2ForCausalLM", d=128,
+                   ffn=256, layers=4, heads=4, kv=2, head=64, theta=1e4, tied=True,
+                   adjacent=False, gemma=True, post_norms=True, window=32, pattern=2,
+                   caps=(1.0, 5.0), mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
     "gemma": dict(arch="gemma", hf_type="gemma", hf_class="GemmaForCausalLM", d=128, ffn=256,
                   layers=2, heads=4, kv=1, head=64, theta=10000.0, tied=True, adjacent=False,
                   gemma=True, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
@@ -148,6 +163,12 @@ def write_family(name, spec, seed):
             hf[p + "self_attn.k_norm.weight"] = draw((head,), 0.1, gain)
         hf[p + "self_attn.o_proj.weight"] = draw((d, heads * head), 0.05)
         hf[p + "post_attention_layernorm.weight"] = draw((d,), 0.05, gain)
+        if spec.get("post_norms"):  # Gemma 3: the MLP's pre-norm, and post-norms of both
+            hf[p + "pre_feedforward_layernorm.weight"] = draw((d,), 0.05, gain)
+            # The MLP's post-norm at a gain of 0.03: the norm undoes any scale of the MLP's
+            # weights, so this alone keeps llama.cpp's fp16 GELU table (which at gains near 1
+            # moves these logits by 2.5e-3; with the MLP zeroed they are 8e-6 apart) below 1e-4.
+            hf[p + "post_feedforward_layernorm.weight"] = draw((d,), 0.002, gain - 0.97)
         mlp = spec.get("mlp_std", 0.05)
         hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), mlp)
         hf[p + "mlp.up_proj.weight"] = draw((ffn, d), mlp)
@@ -195,10 +216,23 @@ def write_family(name, spec, seed):
     w.add_unk_token_id(0)
     if gemma:
         w.add_add_space_prefix(False)
+    if spec.get("window"):
+        w.add_sliding_window(spec["window"])
+        if spec["pattern"] != 2:  # Gemma 2's files give none
+            w.add_sliding_window_pattern(spec["pattern"])
+        if spec.get("theta_swa"):
+            w.add_rope_freq_base_swa(spec["theta_swa"])
+    if spec.get("caps"):
+        w.add_attn_logit_softcapping(spec["caps"][0])
+        w.add_final_logit_softcapping(spec["caps"][1])
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": ("post_attention_norm" if spec.get("post_norms")
+                                          else "ffn_norm"),
+             "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     tensors = {}
     for hname, a in hf.items():
@@ -292,6 +326,15 @@ def write_family(name, spec, seed):
         config["embd_pdrop"] = 0.0
     if gemma:
         config["hidden_activation"] = "gelu_pytorch_tanh"
+    if spec.get("window"):
+        pattern = spec["pattern"]
+        caps = spec.get("caps", (None, None))
+        config.update(sliding_window=spec["window"], query_pre_attn_scalar=head,
+                      attn_logit_softcapping=caps[0], final_logit_softcapping=caps[1])
+        if pattern != 2:
+            config.update(sliding_window_pattern=pattern, rope_local_base_freq=spec["theta_swa"],
+                          layer_types=["full_attention" if (i + 1) % pattern == 0
+                                       else "sliding_attention" for i in range(layers)])
     if phi2:
         del config["rms_norm_eps"], config["attention_bias"]
         config.update(hidden_act="gelu_new", layer_norm_eps=1e-5, qk_layernorm=False,

@@ -8,13 +8,14 @@ B A x, on all seven projections; one with the parts of the newer families, per-h
 Llama 3's RoPE scaling and a layer without RoPE; one with Phi-3's, adapters on its fused
 projections, partial rotary and longrope scaling; one with Gemma's, GeGLU, RMSNorm scaling by
 1 + w and embeddings scaled by sqrt(d_model); one with Phi-2's, a parallel block from one LayerNorm,
-a GELU MLP and biases everywhere): from one seeded set of weights and one batch it records the
+a GELU MLP and biases everywhere; one with Gemma 3's, post-norms and sliding-window layers at a
+RoPE base of their own; one with Gemma 2's soft-capping): from one seeded set of weights and one batch it records the
 logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping.
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,phi2}_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,gemma3,gemma2,phi2}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -63,6 +64,17 @@ class Config:
     # Phi-2: one LayerNorm (with a bias) a block, attention and a GELU MLP (up, gelu_tanh, down; no
     # gate) in parallel from it, biases on q, k, v, o, up, down and the head; LayerNorm at the end.
     phi2: bool = False
+    # Gemma 3 (with gemma): norms after attention and the MLP, layers i % swa_pattern <
+    # swa_pattern - 1 attending within a window of `window` keys at RoPE base theta_swa, the
+    # scores scaled by attn_scale (0: 1/sqrt(D)).
+    post_norms: bool = False
+    window: int = 0
+    swa_pattern: int = 0
+    theta_swa: float = 0.0
+    attn_scale: float = 0.0
+    # Gemma 2: attention scores and final logits soft-capped, cap * tanh(x / cap).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
 
 CONFIGS = [
@@ -95,6 +107,16 @@ CONFIGS = [
            tied=True, half_split=True, theta=10000.0, eps=1e-6, gemma=True),
     # Phi-2's parts, trained whole (the LayerNorms' gains and biases, every projection's bias and
     # the head's): RoPE on 8 of each head's 20 dimensions (its 40%).
+    # Gemma 3's parts, trained whole: q/k norms and post-norms (1 + w), layers 0 and 1 of every 3
+    # within a window of 5 keys at RoPE base 100 (the others at 10,000), scores scaled by 0.2.
+    Config("llama_gemma3_reference.ctrf", V=256, C=64, L=3, H=4, F=96, B=2, T=24, KVH=2, D=16,
+           tied=True, half_split=True, theta=10000.0, eps=1e-6, qk_norm=True, gemma=True,
+           post_norms=True, window=5, swa_pattern=3, theta_swa=100.0, attn_scale=0.2),
+    # Gemma 2's: post-norms, every other layer within a window of 6 keys, the attention scores
+    # soft-capped at 1 and the final logits at 4 (small, so that the tanh bends).
+    Config("llama_gemma2_reference.ctrf", V=256, C=64, L=2, H=4, F=96, B=2, T=24, KVH=2, D=16,
+           tied=True, half_split=True, theta=10000.0, eps=1e-6, gemma=True, post_norms=True,
+           window=6, swa_pattern=2, theta_swa=10000.0, attn_softcap=1.0, final_softcap=4.0),
     Config("llama_phi2_reference.ctrf", V=256, C=80, L=2, H=4, F=160, B=2, T=24, KVH=4, D=20,
            bias=True, half_split=True, theta=10000.0, eps=1e-5, rope_dim=8, phi2=True),
 ]
@@ -118,6 +140,9 @@ def parameter_shapes(c):
         ]
         if c.qk_norm:
             shapes += [(p + "attention.q_norm.weight", (c.D,)), (p + "attention.k_norm.weight", (c.D,))]
+        if c.post_norms:
+            shapes += [(p + "post_attention_norm.weight", (c.C,)),
+                       (p + "post_ffw_norm.weight", (c.C,))]
         if c.bias:
             shapes += [
                 (p + "attention.wq.bias", (Q,)),
@@ -221,12 +246,12 @@ def llama3_factors(c):
     return torch.tensor(out, dtype=torch.float32).double()
 
 
-def rope_table(c):
+def rope_table(c, theta=None):
     # Angles in float64, rounded to float32, as the C++ table is; R the rotated dimensions.
     R = c.rope_dim or c.D
     pos = torch.arange(c.T, dtype=torch.float64)[:, None]
     j = torch.arange(R // 2, dtype=torch.float64)[None, :]
-    freq = c.theta ** (-2.0 * j / R)
+    freq = (theta or c.theta) ** (-2.0 * j / R)
     scale = 1.0
     if c.scaling:
         freq = freq / llama3_factors(c)[None, :]
@@ -264,14 +289,19 @@ def rope(c, x, cos, sin):
     return torch.stack((x0 * cs - x1 * sn, x0 * sn + x1 * cs), dim=-1).flatten(-2)
 
 
-def attention(c, q, k, v):
-    # q (B, T, H, D), k and v (B, T, KVH, D) -> (B, T, H, D), causal, scale 1/sqrt(D); query
-    # head h reads kv head h // (H / KVH).
+def attention(c, q, k, v, window=0):
+    # q (B, T, H, D), k and v (B, T, KVH, D) -> (B, T, H, D), causal, scale 1/sqrt(D) (or
+    # attn_scale), within `window` keys of each query where given; query head h reads kv head
+    # h // (H / KVH).
     k = k.repeat_interleave(c.H // c.KVH, dim=2)
     v = v.repeat_interleave(c.H // c.KVH, dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    scores = q @ k.transpose(-1, -2) / math.sqrt(c.D)
+    scores = q @ k.transpose(-1, -2) * (c.attn_scale or 1.0 / math.sqrt(c.D))
+    if c.attn_softcap:
+        scores = c.attn_softcap * torch.tanh(scores / c.attn_softcap)
     mask = torch.ones(c.T, c.T, dtype=torch.bool).tril()
+    if window:
+        mask = mask & ~torch.ones(c.T, c.T, dtype=torch.bool).tril(-window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
@@ -288,6 +318,7 @@ def projection(c, p, name, h):
 
 def forward(c, p, tokens, cos, sin):
     B, T, H, KVH, D = c.B, c.T, c.H, c.KVH, c.D
+    cos_swa, sin_swa = rope_table(c, c.theta_swa) if c.window else (cos, sin)
     x = p["tok_embeddings.weight"][tokens]
     if c.gemma:
         x = x * torch.tensor(math.sqrt(c.C), dtype=torch.float32)
@@ -302,10 +333,15 @@ def forward(c, p, tokens, cos, sin):
         if c.qk_norm:  # over each head's D elements
             q = rmsnorm(c, q, p[n + "attention.q_norm.weight"])
             k = rmsnorm(c, k, p[n + "attention.k_norm.weight"])
+        windowed = c.window and i % c.swa_pattern < c.swa_pattern - 1
+        cs, sn = (cos_swa, sin_swa) if windowed else (cos, sin)
         if i not in c.no_rope:
-            q, k = rope(c, q, cos, sin), rope(c, k, cos, sin)
+            q, k = rope(c, q, cs, sn), rope(c, k, cs, sn)
         v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
-        attended = projection(c, p, n + "attention.wo", attention(c, q, k, v).reshape(B, T, H * D))
+        attended = projection(c, p, n + "attention.wo",
+                              attention(c, q, k, v, c.window if windowed else 0).reshape(B, T, H * D))
+        if c.post_norms:
+            attended = rmsnorm(c, attended, p[n + "post_attention_norm.weight"])
         if c.phi2:  # the MLP from the same norm, both added to the residual
             up = projection(c, p, n + "feed_forward.w3", h)
             act = torch.nn.functional.gelu(up, approximate="tanh")
@@ -319,12 +355,18 @@ def forward(c, p, tokens, cos, sin):
             act = torch.nn.functional.gelu(gate, approximate="tanh")
         else:
             act = torch.nn.functional.silu(gate)
-        x = x + projection(c, p, n + "feed_forward.w2", act * up)
+        down = projection(c, p, n + "feed_forward.w2", act * up)
+        if c.post_norms:
+            down = rmsnorm(c, down, p[n + "post_ffw_norm.weight"])
+        x = x + down
     if c.phi2:
         x = layernorm(c, x, p["norm.weight"], p["norm.bias"])
         return x @ p["output.weight"].T + p["output.bias"]
     x = rmsnorm(c, x, p["norm.weight"])
-    return x @ p["tok_embeddings.weight" if c.tied else "output.weight"].T
+    logits = x @ p["tok_embeddings.weight" if c.tied else "output.weight"].T
+    if c.final_softcap:
+        logits = c.final_softcap * torch.tanh(logits / c.final_softcap)
+    return logits
 
 
 def loss_of(c, logits, targets):
@@ -381,10 +423,16 @@ def write_reference(c):
             out.add("short_factors", short)
             out.add("long_factors", long)
         if c.gemma or c.phi2:
-            name = b"gemma" if c.gemma else b"phi2"
+            name = b"phi2"
+            if c.gemma:
+                name = (b"gemma2" if c.attn_softcap else b"gemma3") if c.post_norms else b"gemma"
             out.add("architecture", torch.tensor(list(name), dtype=torch.int32))
         if c.phi2:
             out.add("rope_dim", torch.tensor([c.rope_dim], dtype=torch.int32))
+        if c.window:  # the window, the pattern; RoPE base of the windowed layers, the scale
+            out.add("window", torch.tensor([c.window, c.swa_pattern], dtype=torch.int32))
+            out.add("window_f32", torch.tensor([c.theta_swa, c.attn_scale, c.attn_softcap,
+                                                c.final_softcap], dtype=torch.float32))
         if c.qk_norm or c.scaling or c.no_rope:
             # qk_norm, then a 0/1 per layer (1: without RoPE); the scaling's four numbers.
             out.add("parts", torch.tensor([int(c.qk_norm)] + [int(i in c.no_rope)

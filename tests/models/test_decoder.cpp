@@ -16,6 +16,7 @@
 #include "models/decoder.h"
 #include "models/generate.h"
 #include "models/model_config.h"
+#include "tiny_architectures.h"
 
 namespace cputrain {
 namespace {
@@ -686,7 +687,8 @@ TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {
 
 // Decoding with the KV cache gives, at every step, the logits of a full forward pass over the
 // sequence so far; in fp32 and bf16, from a prompt and one token at a time, up to ctx; for
-// multi-head, grouped-query and multi-query attention.
+// multi-head, grouped-query and multi-query attention, and the newer blocks (Gemma's, Phi-2's,
+// Gemma 3's with windows of 16 keys on every other layer, past which the tiny context goes).
 TEST(Generate, KvCacheMatchesFullForward) {
   ModelConfig gqa = find_preset("tiny")->config;  // 2 kv heads, head dim 24, biases, half-split
   gqa.n_kv_heads = 2;
@@ -697,7 +699,9 @@ TEST(Generate, KvCacheMatchesFullForward) {
   ModelConfig mqa = gqa;  // one kv head, adjacent pairs
   mqa.n_kv_heads = 1;
   mqa.rope_pairs = RopePairs::Adjacent;
-  for (const ModelConfig& c : {find_preset("tiny")->config, gqa, mqa})
+  using test::tiny_as;
+  for (const ModelConfig& c : {find_preset("tiny")->config, gqa, mqa, tiny_as("gemma"),
+                               tiny_as("phi2"), tiny_as("gemma3")})
     for (DType dtype : {DType::F32, DType::BF16}) {
       DecoderModel model(c);
       model.init_weights(6);

@@ -8,7 +8,9 @@
 // layer without RoPE; one with Phi-3's: adapters on its fused projections (one A for q, k and
 // v, one for gate and up), RoPE on part of each head, longrope scaling; and one with Gemma's:
 // GeGLU, RMSNorm scaling by 1 + w, embeddings scaled by sqrt(d_model); and one with Phi-2's:
-// attention and a GELU MLP in parallel from one LayerNorm, biases everywhere.
+// attention and a GELU MLP in parallel from one LayerNorm, biases everywhere; and one with Gemma
+// 3's: post-norms, sliding-window layers at a RoPE base of their own, a scale of the scores; and
+// one with Gemma 2's soft-capped scores and logits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -97,9 +99,17 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
       const std::vector<int32_t>& name = ref_.at("architecture").i32;
       config_.architecture = std::string(name.begin(), name.end());
       // Gemma's norms are held as its Hugging Face files hold them, less 1.
-      config_.norm_plus_one = config_.architecture == "gemma";
+      config_.norm_plus_one = config_.architecture.starts_with("gemma");
     }
     if (ref_.count("rope_dim")) config_.rope_dim = ref_.at("rope_dim").i32.at(0);
+    if (ref_.count("window")) {  // the window and its pattern; their RoPE base, the scale
+      config_.sliding_window = ref_.at("window").i32.at(0);
+      config_.swa_pattern = ref_.at("window").i32.at(1);
+      config_.rope_theta_swa = ref_.at("window_f32").f32.at(0);
+      config_.attn_scale = ref_.at("window_f32").f32.at(1);
+      config_.attn_softcap = ref_.at("window_f32").f32.at(2);
+      config_.final_softcap = ref_.at("window_f32").f32.at(3);
+    }
     tokens_ = to_tensor(ref_.at("tokens"));
     targets_ = to_tensor(ref_.at("targets"));
   }
@@ -217,6 +227,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values("llama_tiny_reference.ctrf", "llama_gqa_reference.ctrf",
                       "llama_lora_reference.ctrf", "llama_parts_reference.ctrf",
                       "llama_phi3_reference.ctrf", "llama_gemma_reference.ctrf",
+                      "llama_gemma3_reference.ctrf", "llama_gemma2_reference.ctrf",
                       "llama_phi2_reference.ctrf"),
     [](const auto& info) { return info.param.substr(6, info.param.find("_reference") - 6); });
 

@@ -20,6 +20,7 @@
 #include "models/decoder.h"
 #include "models/finetune_step.h"
 #include "models/memory_budget.h"
+#include "tiny_architectures.h"
 
 namespace cputrain {
 namespace {
@@ -231,6 +232,13 @@ std::vector<Case> cases() {
     lora.rank = 4;
     lora.targets = parse_lora_targets("q,v,down", "--lora-targets");
     all.push_back({"mini_" + d + "_lora_checkpoint", preset("mini"), dtype, true, nullptr, lora});
+    for (const char* arch : {"phi2", "gemma3"}) {
+      all.push_back({std::string(arch) + "_" + d, test::tiny_as(arch), dtype, false, nullptr});
+      lora.rank = 4;
+      lora.targets.fill(true);
+      all.push_back({std::string(arch) + "_" + d + "_lora_checkpoint", test::tiny_as(arch), dtype,
+                     true, nullptr, lora});
+    }
   }
   return all;
 }

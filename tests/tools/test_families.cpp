@@ -32,7 +32,8 @@ namespace {
 
 using namespace interop_test;
 
-const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3", "gemma", "phi2"};
+const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3",
+                                 "gemma",  "phi2",  "gemma2",  "gemma3"};
 
 // The models of make_family_models.py, once per test binary.
 const fs::path& family_models() {
@@ -78,6 +79,21 @@ void expect_parts(const std::string& family, const ModelConfig& c) {
     EXPECT_TRUE(c.qkv_bias);
     EXPECT_FALSE(c.tie_embeddings);
     EXPECT_EQ(c.norm_eps, 1e-5f);
+  } else if (family == "gemma2") {
+    EXPECT_EQ(c.architecture, "gemma2");
+    EXPECT_EQ(c.sliding_window, 32);
+    EXPECT_EQ(c.swa_pattern, 2);
+    EXPECT_EQ(c.attn_softcap, 1.0f);
+    EXPECT_EQ(c.final_softcap, 5.0f);
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(c.windowed_layer(i), i % 2 == 0) << i;
+  } else if (family == "gemma3") {
+    EXPECT_EQ(c.architecture, "gemma3");
+    EXPECT_TRUE(c.qk_norm);
+    EXPECT_EQ(c.sliding_window, 32);
+    EXPECT_EQ(c.swa_pattern, 6);
+    EXPECT_EQ(c.rope_theta_swa, 1e4);
+    EXPECT_EQ(c.rope_theta, 1e6);
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(c.windowed_layer(i), i != 5) << i;
   } else if (family == "gemma") {
     EXPECT_EQ(c.architecture, "gemma");
     EXPECT_EQ(c.head_size(), 64);  // not d_model / heads = 32
@@ -105,7 +121,7 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     expect_parts(family, h.config);
     // Gemma's Hugging Face files hold its norms' gains less 1, its GGUF files the gains.
     EXPECT_FALSE(g.config.norm_plus_one);
-    EXPECT_EQ(h.config.norm_plus_one, family == "gemma");
+    EXPECT_EQ(h.config.norm_plus_one, family.starts_with("gemma"));
     EXPECT_EQ(h.config.rope_scaling.freq_factors, g.config.rope_scaling.freq_factors) << family;
     const std::vector<int32_t> tokens =
         token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 23);
@@ -116,10 +132,14 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     // and unscaled embeddings for Gemma's, the same weights give other logits.
     // (Without their norms or biases the files' tensors have no place.)
     if (family == "qwen3" || family == "phi2") continue;
+    // Gemma 3 with every layer global at one base.
     ModelConfig without = g.config;
     without.rope_scaling = RopeScaling();
     without.no_rope_layers.clear();
     if (family == "gemma") without.architecture = "llama";
+    without.sliding_window = 0;
+    without.attn_softcap = 0.0f;
+    without.final_softcap = 0.0f;
     LoadedModel other;
     other.config = without;
     other.model = std::make_unique<DecoderModel>(without);
@@ -214,8 +234,13 @@ TEST(Families, ExportThenImportIsBitExact) {
         EXPECT_EQ(back.config.no_rope_layers, original.config.no_rope_layers) << from << to;
         EXPECT_EQ(back.config.qk_norm, original.config.qk_norm) << from << to;
         EXPECT_EQ(back.config.tie_embeddings, original.config.tie_embeddings) << from << to;
-        EXPECT_EQ(back.config.norm_plus_one, family == "gemma" && std::string(to) == "out_hf")
+        EXPECT_EQ(back.config.norm_plus_one,
+                  family.starts_with("gemma") && std::string(to) == "out_hf")
             << from << to;
+        EXPECT_EQ(back.config.sliding_window, original.config.sliding_window) << from << to;
+        EXPECT_EQ(back.config.rope_theta_swa, original.config.rope_theta_swa) << from << to;
+        EXPECT_EQ(back.config.attn_softcap, original.config.attn_softcap) << from << to;
+        EXPECT_EQ(back.config.final_softcap, original.config.final_softcap) << from << to;
         EXPECT_TRUE(values_of(back) == want) << from << " -> " << to;
       }
     }

@@ -374,6 +374,28 @@ TEST(OpsGradient, LmHeadCrossEntropyWithBias) {
   EXPECT_NEAR(fused, plain, 1e-6f);
 }
 
+// Soft-capped logits (Gemma 2's final 30, here 1.5 so the tanh bends): every gradient by finite
+// differences, and the loss that of the capped logits.
+TEST(OpsGradient, LmHeadCrossEntropySoftCapped) {
+  std::mt19937 rng(28);
+  Tensor targets = Tensor::empty(Shape{5}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 5; ++i) targets.i32()[i] = i == 1 ? -1 : (i * 3 + 1) % 13;
+  check_gradients(
+      [&](const auto& v) {
+        return lm_head_cross_entropy(v[0], v[1], targets, 2, 0, Variable(), 1.5f);
+      },
+      {random_tensor(Shape{1, 5, 7}, rng, 2.0f), random_tensor(Shape{13, 7}, rng)}, 5e-3);
+  Tensor all = Tensor::empty(Shape{5}, DType::I32, MemoryCategory::Workspace);
+  for (int i = 0; i < 5; ++i) all.i32()[i] = (i * 3 + 1) % 13;
+  const Variable x(random_tensor(Shape{1, 5, 7}, rng, 2.0f), false);
+  const Variable w(random_tensor(Shape{13, 7}, rng), false);
+  Tensor logits = linear(x, w).value();
+  soft_cap(logits.f32(), logits.numel(), 1.5f);
+  const float fused = lm_head_cross_entropy(x, w, all, 2, 0, Variable(), 1.5f).value().f32()[0];
+  const float plain = cross_entropy(Variable(logits, false), all).value().f32()[0];
+  EXPECT_NEAR(fused, plain, 1e-6f);
+}
+
 // Rows without a target (below 0) carry no loss and no gradient; the loss divides by the
 // targets there are, or by a given normalizer.
 TEST(OpsGradient, LmHeadCrossEntropyIgnoresRowsWithoutTargets) {

@@ -1,0 +1,24 @@
+// The tiny preset as another architecture of models/architecture.h, for the model tests: its
+// parts (Phi-2's parallel block, LayerNorm, GELU MLP and biases; Gemma 3's q/k norms, post-norms
+// and GeGLU), and where it has sliding-window layers, every other layer within 16 keys at a RoPE
+// base of 100 (the others at 10,000) with the scores scaled by 0.3, so that the tiny context of
+// 64 reaches past the window.
+#pragma once
+
+#include "models/architecture.h"
+#include "models/model_config.h"
+
+namespace cputrain::test {
+
+inline ModelConfig tiny_as(const char* arch) {
+  ModelConfig c = with_architecture(find_preset("tiny")->config, *find_architecture(arch));
+  if (c.swa_pattern > 0) {
+    c.sliding_window = 16;
+    c.swa_pattern = 2;
+    c.rope_theta_swa = 100.0;
+    c.attn_scale = 0.3f;
+  }
+  return c;
+}
+
+}  // namespace cputrain::test
