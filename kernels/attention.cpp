@@ -93,7 +93,8 @@ void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout,
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values, int64_t n,
-                      int64_t m, int64_t H, int64_t KVH, int64_t D, const AttentionOptions& options) {
+                      int64_t m, int64_t H, int64_t KVH, int64_t D,
+                      const AttentionOptions& options) {
   check_heads("attention_decode", H, KVH);
   const float scale =
       options.scale > 0.0f ? options.scale : 1.0f / std::sqrt(static_cast<float>(D));

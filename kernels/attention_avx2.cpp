@@ -6,7 +6,8 @@
 namespace cputrain::kernels {
 
 void attention_forward_avx2(float* out, float* lse, const float* q, const float* k, const float* v,
-                            int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, const AttentionOptions& options) {
+                            int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                            const AttentionOptions& options) {
   detail::attention_forward_tiled<1>(out, lse, q, k, v, B, T, H, KVH, D, options);
 }
 

@@ -234,7 +234,8 @@ TEST_P(AttentionTiles, MatchesReference) {
     for (int threads : {1, 2}) {
       ThreadCount tc(threads);
       std::vector<float> out(s.n()), lse(s.B * s.H * s.T);
-      impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D, {});
+      impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D,
+                   {});
       EXPECT_LT(max_error(out, want), 1e-5) << impl.name;
       EXPECT_LT(max_error(lse, want_lse), 1e-5) << impl.name;
       // Overwriting: what the buffers held (NaN here) must not show through.
@@ -419,7 +420,8 @@ TEST_P(AttentionTiles, GroupedEqualsRepeatedKeysAndValues) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (const Impl& impl : implementations()) {
     std::vector<float> out(s.n()), lse(s.B * s.H * s.T), want(s.n()), want_lse(s.B * s.H * s.T);
-    impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D, {});
+    impl.forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH, s.D,
+                 {});
     impl.forward(want.data(), want_lse.data(), q.data(), kr.data(), vr.data(), s.B, s.T, s.H, s.H,
                  s.D, {});
     EXPECT_EQ(out, want) << impl.name;

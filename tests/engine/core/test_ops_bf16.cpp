@@ -156,7 +156,8 @@ TEST(OpsBf16, AttentionWithOptionsOnBf16ValuesIsFp32s) {
   const Shape q{2, 70, 16}, kv{2, 70, 8};
   compare_modes(
       [](const auto& v) {
-        return attention(v[0], v[1], v[2], 4, 2, nullptr, kernels::AttentionOptions{0.3f, 5.0f, 65});
+        return attention(v[0], v[1], v[2], 4, 2, nullptr,
+                         kernels::AttentionOptions{0.3f, 5.0f, 65});
       },
       {random_tensor(q, rng, true), random_tensor(kv, rng, true), random_tensor(kv, rng, true)}, q,
       0.0, 1e-2);
