@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# LoRA fine-tuning of a 0.5B model next to PyTorch, in the same run: cputrain finetune on
-# build/SHAPE.gguf (SHAPE qwen2-0.5b, Qwen2.5-0.5B's, or qwen3-0.6b, Qwen3-0.6B's; random BF16
+# LoRA fine-tuning of a small model next to PyTorch, in the same run: cputrain finetune on
+# build/SHAPE.gguf (SHAPE qwen2-0.5b, Qwen2.5-0.5B's, qwen3-0.6b, Qwen3-0.6B's, or gemma3-1b; random BF16
 # weights, benchmarks/make_model.py) and benchmarks/finetune_torch.py (the same shape, a plain
 # LoRA module, PyTorch's fastest
 # configuration), both LoRA rank 16 on the seven projections, bf16, batch 4 x 512 tokens, no

@@ -20,6 +20,9 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
                dimensions, an untied head with a bias (2.78B)
   gemma-2b     Gemma 2B: d_model 2048, 18 layers, 8 heads over 1 of 256, ffn 16384, GeGLU, vocab
                256000 (2.51B)
+  gemma3-1b    Gemma 3 1B: d_model 1152, 26 layers, 4 heads over 1 of 256, ffn 6912, GeGLU, q/k
+               norms, norms after attention and the MLP, five layers of six within a window of
+               512 at RoPE base 10,000 (the others 1,000,000), vocab 262144 (1.00B)
 All but phi2 tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
 (models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
 vocabulary as the published files are. Tensors are generated and written one at a time, so the
@@ -48,6 +51,8 @@ SHAPES = {
     "phi2": ("phi2", 2560, 10240, 32, 32, 32, 80, 51200, 1e4, "gpt-2",
              {"phi2": True, "rope_dim": 32}),
     "gemma-2b": ("gemma", 2048, 16384, 18, 8, 1, 256, 256000, 1e4, "llama-spm", {}),
+    "gemma3-1b": ("gemma3", 1152, 6912, 26, 4, 1, 256, 262144, 1e6, "llama-spm",
+                  {"qk_norm": True, "post_norms": True, "window": 512}),
 }
 ALIASES = {"0.5b": "qwen2-0.5b", "3b": "qwen2-3b"}
 shape = sys.argv[3] if len(sys.argv) > 3 else "qwen2-0.5b"
@@ -98,8 +103,12 @@ w.add_token_list(tokens)
 w.add_token_types(types)
 w.add_eos_token_id(field("tokenizer.ggml.eos_token_id")[0])
 w.add_add_bos_token(model == "llama")
-if ARCH == "gemma":
+if ARCH in ("gemma", "gemma3"):
     w.add_add_space_prefix(False)
+if "window" in EXTRA:
+    w.add_sliding_window(EXTRA["window"])
+    w.add_sliding_window_pattern(6)
+    w.add_rope_freq_base_swa(1e4)
 
 # (name, shape, what): "bf16" Normal(0, 0.02) rounded to bf16, "ones" and "bias" FP32, "factors"
 # RoPE factors FP32.
@@ -127,6 +136,9 @@ for i in range(LAYERS):
                     (b + "ffn_down.weight", (D, F), "bf16"), (b + "ffn_down.bias", (D,), "bias")]
         continue
     tensors += [(b + "attn_output.weight", (D, Q), "bf16"), (b + "ffn_norm.weight", (D,), "ones")]
+    if EXTRA.get("post_norms"):
+        tensors += [(b + "post_attention_norm.weight", (D,), "ones"),
+                    (b + "post_ffw_norm.weight", (D,), "ones")]
     if EXTRA.get("fused"):
         tensors.append((b + "ffn_up.weight", (2 * F, D), "bf16"))
     else:

@@ -670,7 +670,7 @@ std::vector<AttentionPart> attention_parts(int64_t B, int64_t T, int64_t H,
 
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
                    int64_t n_kv_heads, std::shared_ptr<const Packing> packing,
-                   const kernels::AttentionOptions& options) {
+                   kernels::AttentionOptions options) {
   const Shape& s = q.shape();
   const Shape& kvs = k.shape();
   require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && s.ndim() == 3 &&
@@ -678,6 +678,8 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
           "attention: q (B, T, H * D), H a multiple of the key/value heads");
   const int64_t B = s[0], T = s[1], H = n_heads, KVH = n_kv_heads, D = s[2] / n_heads;
   require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
+  // A window no shorter than the sequence is none (the bf16 tiles take it then).
+  if (options.window >= T) options.window = 0;
   const std::vector<AttentionPart> parts = attention_parts(B, T, H, packing.get());
   // Causal: query t meets t + 1 keys (at most the window); each product is 2 D FLOPs per
   // (query, key) pair.

@@ -58,10 +58,11 @@ struct Packing {
 // attention; KVH = H is multi-head). With `packing`, each query attends only within its own
 // sequence, as if that sequence were a row of its own.
 // `options` (kernels/attention.h): a scale of the scores other than 1/sqrt(D), soft-capping, a
-// sliding window; with any, the FP32 kernels compute it in either mode.
+// sliding window (none where it is no shorter than T); with any, the FP32 kernels compute it in
+// either mode.
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
                    int64_t n_kv_heads, std::shared_ptr<const Packing> packing = nullptr,
-                   const kernels::AttentionOptions& options = {});
+                   kernels::AttentionOptions options = {});
 // silu(gate) * up, elementwise. In bf16 mode its value is its bf16 rounding only (what a GEMM
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.
