@@ -165,34 +165,13 @@ inline void exp_scores(float* S, const float* shift, int64_t rows, int64_t cols,
   }
 }
 
-// tanh per lane, within a few ulp: the odd Taylor polynomial to x^9 below |x| = 0.25 (the next
-// term under 3e-9), (1 - e) / (1 + e) with e = exp(-2|x|) above, with x's sign.
-inline __attribute__((always_inline)) vf tanh(vf x) {
-  const vf a = vec::max_of(x, -x);
-  const vf e = vec::exp(-2.0f * a);
-  const vf big = (1.0f - e) / (1.0f + e);
-  const vf x2 = x * x;
-  vf small = splat(62.0f / 2835.0f);
-  small = small * x2 - 17.0f / 315.0f;
-  small = small * x2 + 2.0f / 15.0f;
-  small = small * x2 - 1.0f / 3.0f;
-  small = small * x2 + 1.0f;
-  small = small * a;
-  vf t;
-  for (int l = 0; l < kLanes; ++l) {
-    const float mag = a[l] < 0.25f ? small[l] : big[l];
-    t[l] = x[l] < 0.0f ? -mag : mag;
-  }
-  return t;
-}
-
 // Soft-capping of a tile's scores S (rows x kTile): t = tanh(S / cap) into Tt (where not null),
 // S = cap * t.
 inline void softcap_scores(float* S, float* Tt, int64_t rows, float cap) {
   const float inv = 1.0f / cap;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < kTile; c += kLanes) {
-      const vf t = tanh(load(S + r * kTile + c) * inv);
+      const vf t = vec::tanh(load(S + r * kTile + c) * inv);
       if (Tt != nullptr) store(Tt + r * kTile + c, t);
       store(S + r * kTile + c, t * cap);
     }

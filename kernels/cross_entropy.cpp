@@ -55,4 +55,12 @@ void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, cons
   kernels().forward_gradient(nullptr, out_bf16, losses, logits, targets, scale, N, V);
 }
 
+void logit_soft_cap(float* x, int64_t n, float cap) {
+  kernels().soft_cap(x, n, cap);
+}
+
+void logit_soft_cap_gradient(float* g, const float* capped, int64_t n, float cap) {
+  kernels().soft_cap_gradient(g, capped, n, cap);
+}
+
 }  // namespace cputrain::kernels

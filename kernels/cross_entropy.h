@@ -30,4 +30,9 @@ void cross_entropy_forward_gradient(float* out, float* losses, const float* logi
 void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, const float* logits,
                                          const int32_t* targets, float scale, int64_t N, int64_t V);
 
+// Soft-capping of logits (Gemma 2's final one): x (n) = cap * tanh(x / cap) in place; and a
+// gradient by the capped values g (n) turned into one by the uncapped, times 1 - (capped / cap)^2.
+void logit_soft_cap(float* x, int64_t n, float cap);
+void logit_soft_cap_gradient(float* g, const float* capped, int64_t n, float cap);
+
 }  // namespace cputrain::kernels

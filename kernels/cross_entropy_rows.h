@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -115,8 +116,46 @@ inline void ce_forward_gradient(float* out, uint16_t* out_bf16, float* losses, c
   }
 }
 
-constexpr CrossEntropyKernels kCrossEntropyKernels = {ce_forward, ce_backward, ce_gradient,
-                                                      ce_forward_gradient};
+// Runs of kLanes values (the last one partial), split over threads: x = cap * tanh(x / cap);
+// g *= 1 - (capped / cap)^2.
+void soft_cap(float* x, int64_t n, float cap) {
+  using vec::kLanes, vec::vf;
+  const float inv = 1.0f / cap;
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf v = m == kLanes ? vec::load(x + i) : vec::load_partial(x + i, m, 0.0f);
+    const vf y = cap * vec::tanh(v * inv);
+    if (m == kLanes)
+      vec::store(x + i, y);
+    else
+      vec::store_partial(x + i, y, m);
+  }
+}
+
+void soft_cap_gradient(float* g, const float* capped, int64_t n, float cap) {
+  using vec::kLanes, vec::vf;
+  const float inv = 1.0f / cap;
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t i = r * kLanes;
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const vf t =
+        (m == kLanes ? vec::load(capped + i) : vec::load_partial(capped + i, m, 0.0f)) * inv;
+    const vf v = m == kLanes ? vec::load(g + i) : vec::load_partial(g + i, m, 0.0f);
+    const vf y = v * (1.0f - t * t);
+    if (m == kLanes)
+      vec::store(g + i, y);
+    else
+      vec::store_partial(g + i, y, m);
+  }
+}
+
+constexpr CrossEntropyKernels kCrossEntropyKernels = {
+    ce_forward, ce_backward, ce_gradient, ce_forward_gradient, soft_cap, soft_cap_gradient};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail

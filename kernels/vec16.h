@@ -107,6 +107,21 @@ inline __attribute__((always_inline)) vf sqrt(vf a) {
 }
 #endif
 
+// a < b ? x : y per lane (y where either is NaN), a blend rather than GCC's ?: (above).
+#if defined(__AVX512F__)
+inline __attribute__((always_inline)) vf select_less(vf a, vf b, vf x, vf y) {
+  const __mmask16 m = _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_LT_OQ);
+  return (vf)_mm512_mask_blend_ps(m, (__m512)y, (__m512)x);
+}
+#else
+inline __attribute__((always_inline)) vf select_less(vf a, vf b, vf x, vf y) {
+  Halves p{a}, q{b}, s{x}, t{y}, r;
+  for (int h = 0; h < 2; ++h)
+    r.h[h] = _mm256_blendv_ps(t.h[h], s.h[h], _mm256_cmp_ps(p.h[h], q.h[h], _CMP_LT_OQ));
+  return r.v;
+}
+#endif
+
 // a < b ? b : a per lane (a where either is NaN).
 inline __attribute__((always_inline)) vf max(vf a, vf b) {
   return max_of(b, a);
@@ -153,6 +168,23 @@ inline __attribute__((always_inline)) vf exp(vf x) {
 
 inline float exp(float x) {
   return exp(splat(x))[0];
+}
+
+// tanh(x) per lane, within a few ulp: the odd Taylor polynomial to x^9 below |x| = 0.25 (the next
+// term under 3e-9), (1 - e) / (1 + e) with e = exp(-2|x|) above, with x's sign.
+inline __attribute__((always_inline)) vf tanh(vf x) {
+  const vf a = (vf)((vu)x & 0x7FFFFFFFu);  // |x|
+  const vf e = exp(-2.0f * a);
+  const vf big = (1.0f - e) / (1.0f + e);
+  const vf x2 = x * x;
+  vf small = splat(62.0f / 2835.0f);
+  small = small * x2 - 17.0f / 315.0f;
+  small = small * x2 + 2.0f / 15.0f;
+  small = small * x2 - 1.0f / 3.0f;
+  small = small * x2 + 1.0f;
+  small = small * a;
+  const vf mag = select_less(a, splat(0.25f), small, big);
+  return (vf)(((vu)x & 0x80000000u) | (vu)mag);
 }
 
 }  // namespace

@@ -138,6 +138,7 @@ std::vector<Architecture> table() {
     a.default_attn_softcap = 50.0f;
     a.default_final_softcap = 30.0f;
     a.attn_softcap = true;
+    a.width_scaled_layers = 46;
     a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
                   {"post_attention_norm", "post_attention_layernorm"},
                   {"post_ffw_norm", "post_feedforward_layernorm"}};
@@ -164,6 +165,7 @@ std::vector<Architecture> table() {
     a.post_norms = true;
     a.swa_pattern = 6;
     a.default_rope_theta_swa = 10000.0;
+    a.width_scaled_layers = 62;
     a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
                   {"post_attention_norm", "post_attention_layernorm"},
                   {"post_ffw_norm", "post_feedforward_layernorm"}};

@@ -75,6 +75,9 @@ struct Architecture {
   float default_attn_softcap = 0.0f;
   float default_final_softcap = 0.0f;
   bool attn_softcap = false;
+  // The layer count of its model whose scores llama.cpp scales by d_model / heads rather than the
+  // head dimension (Gemma 2 and 3 27B: Hugging Face's query_pre_attn_scalar); 0: none.
+  int64_t width_scaled_layers = 0;
   // Hugging Face names of its own for parameters, by the decoder's name less the layer prefix
   // and the ".weight" / ".bias" ("attention.wo" -> "self_attn.dense"; the final "norm" ->
   // "model.final_layernorm", a name of the whole model); the others are Llama's.

@@ -12,6 +12,7 @@
 #include "engine/io/mapped_file.h"
 #include "engine/io/offload.h"
 #include "kernels/attention.h"
+#include "kernels/cross_entropy.h"
 #include "kernels/rope.h"
 #include "models/architecture.h"
 #include "models/lora.h"
@@ -242,7 +243,7 @@ void DecoderModel::set_compute_dtype(DType dtype) {
 
 Tensor DecoderModel::capped(Tensor logits) const {
   if (config_.final_softcap > 0.0f && !logits.measured())
-    soft_cap(logits.f32(), logits.numel(), config_.final_softcap);
+    kernels::logit_soft_cap(logits.f32(), logits.numel(), config_.final_softcap);
   return logits;
 }
 

@@ -171,8 +171,8 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     c.ctx = std::min(c.ctx, window);
   }
   // Gemma 2 and 3 27B's scores are scaled by d_model / heads, not the head dimension, as llama.cpp
-  // knows them by their 46 and 62 layers (Hugging Face's query_pre_attn_scalar).
-  if ((name == "gemma2" && c.n_layers == 46) || (name == "gemma3" && c.n_layers == 62))
+  // knows them by their layer count (Hugging Face's query_pre_attn_scalar).
+  if (arch->width_scaled_layers > 0 && c.n_layers == arch->width_scaled_layers)
     c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.d_model / c.n_heads));
   if (arch->attn_softcap)
     c.attn_softcap =

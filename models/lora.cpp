@@ -10,6 +10,7 @@
 #include "engine/train/parameters.h"
 #include "kernels/bf16.h"
 #include "models/architecture.h"
+#include "models/tensor_names.h"
 
 namespace cputrain {
 
@@ -124,7 +125,7 @@ uint64_t base_fingerprint(const ModelConfig& c, const ParameterSet& params) {
   std::vector<float> values;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& p = params.infos()[i];
-    if (!p.name.ends_with("norm.weight")) continue;
+    if (!is_norm_gain(p.name)) continue;
     values.resize(static_cast<size_t>(p.shape.numel()));
     params.read_values(static_cast<int>(i), values.data());
     // The gains themselves, however the model holds them (ModelConfig::norm_plus_one).

@@ -908,26 +908,6 @@ int64_t lm_head_chunk_rows(int64_t V) {
   return std::max<int64_t>(512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
 }
 
-void soft_cap(float* x, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
-}
-
-namespace {
-
-// g (n) times the derivative of cap * tanh(z / cap) at the capped values c: 1 - (c / cap)^2.
-void soft_cap_gradient(float* g, const float* c, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    const float t = c[i] * inv;
-    g[i] *= 1.0f - t * t;
-  }
-}
-
-}  // namespace
-
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
                                int64_t chunk_rows, int64_t normalizer, const Variable& b,
                                float softcap) {
@@ -981,14 +961,14 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
     linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
     if (b.defined() && computing()) kernels::bias_add(logits, b.value().f32(), m, V);
-    if (capped && computing()) soft_cap(logits, m * V, softcap);
+    if (capped && computing()) kernels::logit_soft_cap(logits, m * V, softcap);
     Scope ce("cross_entropy", Pass::Forward);
     if (!computing()) {
       continue;
     } else if (capped && grad) {
       kernels::cross_entropy_forward_gradient(capped_grad.f32(), losses.f32() + r0, logits, tg + r0,
                                               each, m, V);
-      soft_cap_gradient(capped_grad.f32(), logits, m * V, softcap);
+      kernels::logit_soft_cap_gradient(capped_grad.f32(), logits, m * V, softcap);
       if (bf16)
         kernels::fp32_to_bf16_array(dl.bf16() + r0 * V, capped_grad.f32(), m * V);
       else

@@ -93,9 +93,6 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets);
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
                                int64_t chunk_rows = 0, int64_t normalizer = 0,
                                const Variable& b = Variable(), float softcap = 0.0f);
-// x (n) = cap * tanh(x / cap) in place, the soft-capping of logits that lm_head_cross_entropy
-// applies (for logits computed without it).
-void soft_cap(float* x, int64_t n, float cap);
 // Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
 // and at least 512 rows, enough that packing the weight again for each chunk costs little next
 // to the product (a 150k vocabulary's weight is over 250 MB).

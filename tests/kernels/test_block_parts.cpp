@@ -1,5 +1,6 @@
 // The kernels of the block variants beyond Llama's: GeGLU and GELU (the tanh approximation, gated
-// and alone), RMSNorm scaling by 1 + w, LayerNorm with a bias, and scaled embeddings, each against
+// and alone), RMSNorm scaling by 1 + w, LayerNorm with a bias, scaled embeddings and soft-capped
+// logits (and the vector tanh under them and the attention's soft-capping), each against
 // a double-precision reference written here from the formula; backward kernels against
 // numerical gradients of it, accumulating onto non-zero gradients.
 #include <gtest/gtest.h>
@@ -13,6 +14,8 @@
 #include "kernel_test_util.h"
 #include "kernels/bf16.h"
 #include "kernels/cpu_features.h"
+#include "kernels/cross_entropy.h"
+#include "kernels/cross_entropy_isa.h"
 #include "kernels/embedding.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/swiglu.h"
@@ -330,6 +333,39 @@ TEST(Embedding, ScaledForwardAndBackward) {
   std::vector<float> dtable = base;
   embedding_backward(dtable.data(), dout.data(), tokens.data(), N, C, scale);
   EXPECT_LT(max_error(dtable, want), 1e-5);
+}
+
+// Soft-capped logits cap * tanh(x / cap) against std::tanh in double, from 1e-30 to far past the
+// cap (the vector tanh's polynomial below 0.25 and its exp form above, signs, zeros, a partial
+// last run); the gradient times 1 - (capped / cap)^2; both ISA builds the same bits.
+TEST(SoftCap, LogitsAndGradientMatchReference) {
+  const int64_t n = 40013;
+  const float cap = 30.0f;
+  std::vector<float> x = random_floats(n, 55, -200.0f, 200.0f);
+  const float specials[] = {0.0f, -0.0f,   1e-30f, -1e-30f, 1e-4f, -1e-4f, 7.4999f,
+                            7.5f, 7.5001f, -7.5f,  1e4f,    -1e4f, 3e38f};
+  for (size_t i = 0; i < std::size(specials); ++i) x[n - 1 - i] = specials[i];
+  for (int64_t i = 0; i < 2000; ++i) x[i] = x[i] * 1e-3f;  // |x / cap| below 0.25 and near it
+  const std::vector<float> g = random_floats(n, 56);
+  std::vector<float> capped = x, dg = g;
+  logit_soft_cap(capped.data(), n, cap);
+  logit_soft_cap_gradient(dg.data(), capped.data(), n, cap);
+  for (int64_t i = 0; i < n; ++i) {
+    const double want = cap * std::tanh(static_cast<double>(x[i]) / cap);
+    ASSERT_NEAR(capped[i], want, 4e-7 * std::max(std::abs(want), 1e-30)) << x[i];
+    const double t = capped[i] / static_cast<double>(cap);
+    ASSERT_NEAR(dg[i], g[i] * (1.0 - t * t), 1e-6) << x[i];
+  }
+  EXPECT_FALSE(std::signbit(capped[n - 1]));  // +0 stays +0, -0 stays -0
+  EXPECT_TRUE(std::signbit(capped[n - 2]));
+  if (!cpu_features().avx512) GTEST_SKIP() << "no AVX-512 here: only the AVX2 build runs";
+  std::vector<float> a = x, b = x, ga = g, gb = g;
+  cross_entropy_kernels_avx2().soft_cap(a.data(), n, cap);
+  cross_entropy_kernels_avx512().soft_cap(b.data(), n, cap);
+  cross_entropy_kernels_avx2().soft_cap_gradient(ga.data(), a.data(), n, cap);
+  cross_entropy_kernels_avx512().soft_cap_gradient(gb.data(), b.data(), n, cap);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(ga, gb);
 }
 
 }  // namespace
