@@ -8,10 +8,11 @@
 //   build/bench_attention --benchmark_filter=mega
 //
 // Benchmarks are named attention/<path>/<preset>/<forward|backward>, counters GFLOPS and
-// pct_peak. Sliding windows (Gemma 3 1B's layer: 4 heads of 256, a window of 512): the FP32
-// forward and backward at contexts of 2x and 4x the window, with the window and without, named
-// attention/fp32/window512_T<T>/... and attention/fp32/full_T<T>/...; counter us_per_token (a
-// windowed layer's stays level as the context grows, a full one's grows with it).
+// pct_peak. Sliding windows (Gemma 3 1B's layer: 4 heads of 256, a window of 512): the forward
+// and backward of each path at contexts of 2x and 4x the window, with the window and without,
+// named attention/<path>/window512_T<T>/... and attention/<path>/full_T<T>/...; counter
+// us_per_token (a windowed layer's stays level as the context grows, a full one's grows with
+// it).
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
@@ -59,7 +60,7 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
   auto forward = [&] {
     if (bf16)
       kernels::attention_forward_bf16(out16.data(), lse.data(), q16.data(), k16.data(), v16.data(),
-                                      s.B, s.T, s.H, s.H, s.D);
+                                      s.B, s.T, s.H, s.H, s.D, options);
     else
       kernels::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
                                  s.H, s.H, s.D, options);
@@ -69,7 +70,7 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
     if (bf16)
       kernels::attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q16.data(),
                                        k16.data(), v16.data(), out16.data(), lse.data(), s.B, s.T,
-                                       s.H, s.H, s.D, false);
+                                       s.H, s.H, s.D, false, options);
     else
       kernels::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
                                   v.data(), out.data(), lse.data(), s.B, s.T, s.H, s.H, s.D, false,
@@ -116,9 +117,14 @@ int main(int argc, char** argv) {
     for (const int64_t window : {512, 0}) {
       const std::string name = (window > 0 ? "window512_T" : "full_T") + std::to_string(T);
       const Dims s{name, 1, T, 4, 256, window};
-      for (bool backward : {false, true})
-        register_timed("attention/fp32/" + name + (backward ? "/backward" : "/forward"),
-                       [s, backward](benchmark::State& st) { run_one(st, s, false, backward); });
+      for (bool bf16 : {false, true}) {
+        if (bf16 && !cputrain::kernels::attention_bf16_native()) continue;
+        for (bool backward : {false, true})
+          register_timed(
+              std::string("attention/") + (bf16 ? "bf16/" : "fp32/") + name +
+                  (backward ? "/backward" : "/forward"),
+              [s, bf16, backward](benchmark::State& st) { run_one(st, s, bf16, backward); });
+      }
     }
   }
   benchmark::RunSpecifiedBenchmarks();

@@ -73,23 +73,24 @@ bool attention_bf16_native() {
 
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D) {
+                            int64_t D, const AttentionOptions& options) {
   if (!attention_bf16_native())
     throw std::logic_error("attention_forward_bf16: the " + std::string(attention_kernel()) +
                            " attention has no bf16 instructions");
   check_heads("attention_forward_bf16", H, KVH);
-  kernels().forward_bf16(out, lse, q, k, v, B, T, H, KVH, D);
+  kernels().forward_bf16(out, lse, q, k, v, B, T, H, KVH, D, options);
 }
 
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                              const uint16_t* k, const uint16_t* v, const uint16_t* out,
                              const float* lse, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t D, bool accumulate) {
+                             int64_t D, bool accumulate, const AttentionOptions& options) {
   if (!attention_bf16_native())
     throw std::logic_error("attention_backward_bf16: the " + std::string(attention_kernel()) +
                            " attention has no bf16 instructions");
   check_heads("attention_backward_bf16", H, KVH);
-  kernels().backward_bf16(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate);
+  kernels().backward_bf16(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
+                          options);
 }
 
 void attention_decode(float* out, const float* q, const float* keys, const float* values, int64_t n,

@@ -47,18 +47,19 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 // and bf16 dot products into FP32 accumulators (vdpbf16ps); the probabilities, dout and the
 // score gradients are rounded to bf16 where they enter a product (dQ and dK multiply the score
 // gradients by K and Q less their means, see attention_bf16_avx512.cpp), scores and softmax
-// statistics stay FP32. Only where attention_bf16_native() is true: the amx implementation
-// (products on AMX tiles) or avx512_bf16 (vdpbf16ps); elsewhere (avx512 or avx2, chosen on a CPU
-// without AVX512_BF16 or forced with CPUTRAIN_ATTENTION or CPUTRAIN_ISA) callers widen the
-// inputs to FP32 and use the functions above, as they do for scores with options.
+// statistics stay FP32, with the options' scale, soft-capping and window applied in FP32 as
+// above. Only where attention_bf16_native() is true: the amx implementation (products on AMX
+// tiles) or avx512_bf16 (vdpbf16ps); elsewhere (avx512 or avx2, chosen on a CPU without
+// AVX512_BF16 or forced with CPUTRAIN_ATTENTION or CPUTRAIN_ISA) callers widen the inputs to
+// FP32 and use the functions above.
 bool attention_bf16_native();
 void attention_forward_bf16(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                            int64_t D);
+                            int64_t D, const AttentionOptions& options = {});
 void attention_backward_bf16(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                              const uint16_t* k, const uint16_t* v, const uint16_t* out,
                              const float* lse, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                             int64_t D, bool accumulate);
+                             int64_t D, bool accumulate, const AttentionOptions& options = {});
 
 // Incremental decoding: m new queries q (m, H * D) at positions n .. n + m - 1 against the keys
 // and values of positions 0 .. n + m - 1 (rows of KVH * D in `keys`, `values`), causal: query i

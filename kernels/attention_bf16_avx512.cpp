@@ -259,9 +259,11 @@ void rows_centered(uint32_t* dst, const uint32_t* src, const float* mean, int64_
 // One head's shapes: rows of H * D values (queries) and KVH * D (keys and values), query heads
 // per key/value head, D padded to Dp (a multiple of 16, Dh pairs), T to Tp (whole tiles).
 struct Head {
-  Head(int64_t T, int64_t H, int64_t KVH, int64_t D, bool amx)
+  Head(int64_t T, int64_t H, int64_t KVH, int64_t D, const AttentionOptions& o, bool amx)
       : amx(amx),
-        scale(1.0f / std::sqrt(static_cast<float>(D))),
+        scale(o.scale > 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(D))),
+        cap(o.softcap),
+        window(o.window),
         row(H * D),
         kv_row(KVH * D),
         group(H / KVH),
@@ -270,8 +272,38 @@ struct Head {
         Tp((T + kTile - 1) / kTile * kTile) {}
   bool amx;  // products on AMX tiles
   float scale;
+  float cap;       // soft-capping's cap, 0 for none
+  int64_t window;  // the sliding window, 0 for none
   int64_t row, kv_row, group, Dp, Dh, Tp;
+  // The first key tile a query tile from i0 reaches.
+  int64_t first_key_tile(int64_t i0) const {
+    return window > 0 ? std::max<int64_t>(0, i0 - window + 1) / kTile * kTile : 0;
+  }
+  // The end of the query tiles that reach the key tile j0 (cols keys).
+  int64_t query_end(int64_t j0, int64_t cols, int64_t T) const {
+    return window > 0 ? std::min(T, j0 + cols - 1 + window) : T;
+  }
 };
+
+// The lanes of a row of scores, query i against the key tile from j0 (cols keys): the keys up to
+// the query, within the sequence and, Windowed, after i - window.
+template <bool Windowed>
+struct RowLanes {
+  RowLanes(int64_t i, int64_t j0, int64_t cols, int64_t window)
+      : valid(std::min(cols, i - j0 + 1)), first(Windowed ? i - window + 1 - j0 : 0) {}
+  // The 16 lanes from column c on.
+  __mmask16 operator()(int64_t c) const {
+    const __mmask16 upto = valid_lanes(c, valid);
+    return Windowed ? upto & static_cast<__mmask16>(~valid_lanes(c, first)) : upto;
+  }
+  int64_t valid, first;
+};
+
+// cap * tanh(x / cap), and tanh(x / cap) in t.
+inline __m512 soft_cap(__m512 x, float cap, __m512* t) {
+  *t = (__m512)vec::tanh((vf)_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap)));
+  return _mm512_mul_ps(*t, _mm512_set1_ps(cap));
+}
 
 // Consecutive pieces of the calling thread's buffer Which, of `size` words: the sizes are
 // counted by hand, so taking more than that stops the program instead of overrunning.
@@ -292,12 +324,12 @@ struct Carve {
   int64_t left;
 };
 
-}  // namespace
-
-void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                                   int64_t D, bool amx) {
-  const Head hd(T, H, KVH, D, amx);
+// The forward and backward, with the scores soft-capped (Capped) and windowed (Windowed) or
+// not: each combination its own loops.
+template <bool Capped, bool Windowed>
+void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
+                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                   const Head& hd) {
   const float scale = hd.scale;
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
@@ -333,28 +365,33 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
         std::fill(O, O + rows * Dp, 0.0f);
         std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
         std::fill(l, l + rows, 0.0f);
-        for (int64_t j0 = 0; j0 <= i0; j0 += kTile) {
+        for (int64_t j0 = hd.first_key_tile(i0); j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
           dp_product(hd.amx, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
                      false);
           for (int64_t r = 0; r < rows; ++r) {
-            const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+            const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
             __m512 x[4];
             __m512 mx = _mm512_set1_ps(m[r]);
             for (int v4 = 0; v4 < 4; ++v4) {
               x[v4] =
                   _mm512_mul_ps(_mm512_loadu_ps(S + r * kTile + 16 * v4), _mm512_set1_ps(scale));
-              mx = _mm512_mask_max_ps(mx, valid_lanes(16 * v4, valid), mx, x[v4]);
+              if (Capped) {
+                __m512 t;
+                x[v4] = soft_cap(x[v4], hd.cap, &t);
+              }
+              mx = _mm512_mask_max_ps(mx, lanes(16 * v4), mx, x[v4]);
             }
             const float mnew = _mm512_reduce_max_ps(mx);
             // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0. Where the
-            // maximum stays (most rows after the first few key tiles) alpha is exactly 1.
+            // maximum stays (most rows after the first few key tiles, and a row whose window
+            // starts past this tile) alpha is exactly 1.
             const bool rescale = mnew != m[r];
             const float alpha = rescale ? exp16(_mm512_set1_ps(m[r] - mnew))[0] : 1.0f;
             m[r] = mnew;
             __m512 sum = _mm512_setzero_ps();
             for (int v4 = 0; v4 < 4; ++v4) {
-              x[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid),
+              x[v4] = _mm512_maskz_mov_ps(lanes(16 * v4),
                                           exp16(_mm512_sub_ps(x[v4], _mm512_set1_ps(mnew))));
               sum = _mm512_add_ps(sum, x[v4]);
             }
@@ -383,11 +420,11 @@ void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q,
   }
 }
 
-void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
-                                    const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                    const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t KVH, int64_t D, bool accumulate, bool amx) {
-  const Head hd(T, H, KVH, D, amx);
+template <bool Capped, bool Windowed>
+void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
+                    const uint16_t* k, const uint16_t* v, const uint16_t* out, const float* lse,
+                    int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                    const Head& hd) {
   const float scale = hd.scale;
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
@@ -464,23 +501,32 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
           std::fill(dVT, dVT + Dp * kTile, 0.0f);
           __m512 cs[4];
           for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
-          for (int64_t i0 = j0; i0 < T; i0 += kTile) {
+          for (int64_t i0 = j0; i0 < hd.query_end(j0, cols, T); i0 += kTile) {
             const int64_t rows = std::min(kTile, T - i0);
             dp_product(hd.amx, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
                        false);
             dp_product(hd.amx, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh,
                        false);
             for (int64_t r = 0; r < rows; ++r) {
-              const int64_t valid = std::min(cols, i0 + r - j0 + 1);
+              const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
               const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r]);
               const __m512 di = _mm512_set1_ps(Di[i0 + r]);
               __m512 p[4], ds[4];
               for (int v4 = 0; v4 < 4; ++v4) {
-                const __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(P + r * kTile + 16 * v4),
-                                                 _mm512_set1_ps(scale), shift);
-                p[v4] = _mm512_maskz_mov_ps(valid_lanes(16 * v4, valid), exp16(s));
+                const __m512 x = _mm512_loadu_ps(P + r * kTile + 16 * v4);
+                // The score's scale, and through cap * tanh(s / cap) 1 - tanh^2, in dS.
+                __m512 dscale = _mm512_set1_ps(scale);
+                __m512 s;
+                if (Capped) {
+                  __m512 t;
+                  s = _mm512_sub_ps(soft_cap(_mm512_mul_ps(x, dscale), hd.cap, &t), shift);
+                  dscale = _mm512_mul_ps(dscale, _mm512_fnmadd_ps(t, t, _mm512_set1_ps(1.0f)));
+                } else {
+                  s = _mm512_fmsub_ps(x, dscale, shift);
+                }
+                p[v4] = _mm512_maskz_mov_ps(lanes(16 * v4), exp16(s));
                 ds[v4] =
-                    _mm512_mul_ps(_mm512_mul_ps(p[v4], _mm512_set1_ps(scale)),
+                    _mm512_mul_ps(_mm512_mul_ps(p[v4], dscale),
                                   _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
                 cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
               }
@@ -520,6 +566,38 @@ void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float
       }
     }
   }
+}
+
+// Runs f.template operator()<Capped, Windowed>() for the head's options.
+template <typename F>
+void with_options(const Head& hd, F&& f) {
+  if (hd.cap > 0.0f)
+    hd.window > 0 ? f.template operator()<true, true>() : f.template operator()<true, false>();
+  else
+    hd.window > 0 ? f.template operator()<false, true>() : f.template operator()<false, false>();
+}
+
+}  // namespace
+
+void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
+                                   const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                                   int64_t D, const AttentionOptions& options, bool amx) {
+  const Head hd(T, H, KVH, D, options, amx);
+  with_options(hd, [&]<bool Capped, bool Windowed>() {
+    forward_tiles<Capped, Windowed>(out, lse, q, k, v, B, T, H, KVH, D, hd);
+  });
+}
+
+void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
+                                    const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                    const uint16_t* out, const float* lse, int64_t B, int64_t T,
+                                    int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                                    const AttentionOptions& options, bool amx) {
+  const Head hd(T, H, KVH, D, options, amx);
+  with_options(hd, [&]<bool Capped, bool Windowed>() {
+    backward_tiles<Capped, Windowed>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D,
+                                     accumulate, hd);
+  });
 }
 
 const AttentionKernels& attention_kernels_avx512_bf16() {

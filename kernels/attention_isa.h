@@ -19,10 +19,12 @@ struct AttentionKernels {
                    const AttentionOptions& options);
   // Null where the ISA has no bf16 instructions (callers widen to FP32 and use the above).
   void (*forward_bf16)(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
-                       const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D);
+                       const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                       const AttentionOptions& options);
   void (*backward_bf16)(float* dq, float* dk, float* dv, const float* dout, const uint16_t* q,
                         const uint16_t* k, const uint16_t* v, const uint16_t* out, const float* lse,
-                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate);
+                        int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                        const AttentionOptions& options);
 };
 
 const AttentionKernels& attention_kernels_avx2();         // attention_avx2.cpp
@@ -47,26 +49,28 @@ void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dou
 // amx: the products on AMX tiles (attention_product_amx), only where cpu_features().amx_bf16.
 void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                                    const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                                   int64_t D, bool amx);
+                                   int64_t D, const AttentionOptions& options, bool amx);
 void attention_backward_bf16_avx512(float* dq, float* dk, float* dv, const float* dout,
                                     const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                     const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                    int64_t H, int64_t KVH, int64_t D, bool accumulate, bool amx);
+                                    int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                                    const AttentionOptions& options, bool amx);
 
 // The bf16 entries of the avx512_bf16 (Amx false) and amx (Amx true) tables.
 template <bool Amx>
 void attention_forward_bf16_on(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                                const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
-                               int64_t D) {
-  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, KVH, D, Amx);
+                               int64_t D, const AttentionOptions& options) {
+  attention_forward_bf16_avx512(out, lse, q, k, v, B, T, H, KVH, D, options, Amx);
 }
 template <bool Amx>
 void attention_backward_bf16_on(float* dq, float* dk, float* dv, const float* dout,
                                 const uint16_t* q, const uint16_t* k, const uint16_t* v,
                                 const uint16_t* out, const float* lse, int64_t B, int64_t T,
-                                int64_t H, int64_t KVH, int64_t D, bool accumulate) {
+                                int64_t H, int64_t KVH, int64_t D, bool accumulate,
+                                const AttentionOptions& options) {
   attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
-                                 Amx);
+                                 options, Amx);
 }
 
 // AMX (attention_amx.cpp): loads the tile configuration on the calling thread; then

@@ -678,7 +678,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
           "attention: q (B, T, H * D), H a multiple of the key/value heads");
   const int64_t B = s[0], T = s[1], H = n_heads, KVH = n_kv_heads, D = s[2] / n_heads;
   require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
-  // A window no shorter than the sequence is none (the bf16 tiles take it then).
+  // A window no shorter than the sequence is none.
   if (options.window >= T) options.window = 0;
   const std::vector<AttentionPart> parts = attention_parts(B, T, H, packing.get());
   // Causal: query t meets t + 1 keys (at most the window); each product is 2 D FLOPs per
@@ -698,10 +698,8 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   // will see, with bf16 products where the CPU has them (else widened to FP32); the softmax
   // statistics stay FP32. With bf16 products it writes only the bf16 rounding of its output:
   // all the output projection and the backward take of it.
-  // Scores with options (a scale, soft-capping, a window) run on the FP32 kernels.
   const Tensor qs = saved(q), ks = saved(k), vs = saved(v);
-  const bool native =
-      qs.dtype() == DType::BF16 && kernels::attention_bf16_native() && options.plain();
+  const bool native = qs.dtype() == DType::BF16 && kernels::attention_bf16_native();
   Tensor y = new_activation(s, native ? DType::BF16 : DType::F32);
   const int64_t QD = H * D, KD = KVH * D;
   if (native) {
@@ -709,7 +707,8 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
       if (computing())
         kernels::attention_forward_bf16(
             y.bf16() + p.row_offset * QD, lse.f32() + p.lse_offset, qs.bf16() + p.row_offset * QD,
-            ks.bf16() + p.row_offset * KD, vs.bf16() + p.row_offset * KD, p.B, p.T, H, KVH, D);
+            ks.bf16() + p.row_offset * KD, vs.bf16() + p.row_offset * KD, p.B, p.T, H, KVH, D,
+            options);
   } else {
     const Tensor qf = as_f32(qs), kf = as_f32(ks), vf = as_f32(vs);
     for (const AttentionPart& p : parts)
@@ -740,7 +739,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
               dv.f32() + p.row_offset * KD, dy.f32() + p.row_offset * QD,
               qs.bf16() + p.row_offset * QD, ks.bf16() + p.row_offset * KD,
               vs.bf16() + p.row_offset * KD, ys.bf16() + p.row_offset * QD,
-              lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate);
+              lse.f32() + p.lse_offset, p.B, p.T, H, KVH, D, g.accumulate, options);
         return;
       }
       const Tensor qv = as_f32(qs), kv = as_f32(ks), vv = as_f32(vs), yv = as_f32(ys);

@@ -551,18 +551,20 @@ TEST(AttentionOptions, MatchNumericalGradients) {
 // shorter and longer than the window with tails; soft-capped scores large enough to saturate.
 // Forward and backward against the double reference, every build, one and two threads the same
 // bits; a window no shorter than the sequence gives the bits of none.
+struct OptionsCase {
+  Dims s;
+  AttentionOptions o;
+};
+const OptionsCase kOptionsCases[] = {
+    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 1}},    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 63}},
+    {{1, 200, 2, 2, 16}, {0.0f, 0.0f, 64}},   {{2, 130, 2, 1, 24}, {0.0f, 0.0f, 65}},
+    {{1, 260, 4, 2, 16}, {0.0f, 50.0f, 100}}, {{1, 150, 2, 1, 40}, {0.0f, 5.0f, 0}},
+    {{1, 90, 2, 2, 64}, {0.0625f, 5.0f, 70}}, {{1, 40, 2, 1, 16}, {0.0f, 0.0f, 100}},
+    {{1, 1, 1, 1, 8}, {0.2f, 3.0f, 1}},       {{1, 7, 2, 1, 5}, {0.3f, 2.0f, 3}},
+    {{2, 9, 2, 2, 4}, {0.0f, 2.0f, 0}}};
+
 TEST(AttentionOptions, WindowEdgesTailsAndCapsOverTiles) {
-  struct Case {
-    Dims s;
-    AttentionOptions o;
-  };
-  const Case cases[] = {
-      {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 1}},    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 63}},
-      {{1, 200, 2, 2, 16}, {0.0f, 0.0f, 64}},   {{2, 130, 2, 1, 24}, {0.0f, 0.0f, 65}},
-      {{1, 260, 4, 2, 16}, {0.0f, 50.0f, 100}}, {{1, 150, 2, 1, 40}, {0.0f, 5.0f, 0}},
-      {{1, 90, 2, 2, 64}, {0.0625f, 5.0f, 70}}, {{1, 40, 2, 1, 16}, {0.0f, 0.0f, 100}},
-      {{1, 1, 1, 1, 8}, {0.2f, 3.0f, 1}}};
-  for (const auto& [s, o] : cases) {
+  for (const auto& [s, o] : kOptionsCases) {
     const std::string what = dims_name(s) + " " + options_name(o);
     const std::vector<float> q = random_floats(s.n(), 51, -2.0f, 2.0f);
     const std::vector<float> k = random_floats(s.kv_n(), 52, -2.0f, 2.0f);
@@ -605,6 +607,69 @@ TEST(AttentionOptions, WindowEdgesTailsAndCapsOverTiles) {
       EXPECT_EQ(windowed, plain) << impl.name << " " << what;
       EXPECT_EQ(windowed_lse, plain_lse) << impl.name << " " << what;
     }
+  }
+}
+
+// The bf16 kernels with options, over the same cases, against the double reference on the bf16
+// values of q, k and v, to the tolerances of Bf16MatchesReference; one and two threads the same
+// bits; a window no shorter than the sequence gives the bits of none; the FP32 kernels' lse on
+// the same inputs to FP32 rounding (the scores and their statistics are FP32 on both).
+TEST(AttentionOptions, Bf16WindowEdgesTailsAndCapsOverTiles) {
+  if (!attention_bf16_native()) GTEST_SKIP() << "the attention chosen has no bf16 instructions";
+  for (const auto& [s, o] : kOptionsCases) {
+    const std::string what = dims_name(s) + " " + options_name(o);
+    const auto q = to_bf16(random_floats(s.n(), 51, -2.0f, 2.0f));
+    const auto k = to_bf16(random_floats(s.kv_n(), 52, -2.0f, 2.0f));
+    const auto v = to_bf16(random_floats(s.kv_n(), 53));
+    const std::vector<float> dout = random_floats(s.n(), 54);
+    const auto qd = from_bf16(q), kd = from_bf16(k), vd = from_bf16(v);
+    std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T), want_dq, want_dk, want_dv;
+    attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse, o);
+    attention_ref_backward(s, qd, kd, vd, dout, want_dq, want_dk, want_dv, o);
+    std::vector<float> first;
+    for (int threads : {1, 2}) {
+      ThreadCount tc(threads);
+      std::vector<uint16_t> out16(s.n());
+      std::vector<float> lse(s.B * s.H * s.T);
+      attention_forward_bf16(out16.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
+                             s.KVH, s.D, o);
+      std::vector<float> out(s.n());
+      for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
+      EXPECT_LT(max_error(out, want), 4e-3) << what;
+      EXPECT_LT(max_error(lse, want_lse), 1e-5) << what;
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::vector<float> dq(s.n(), nan), dk(s.kv_n(), nan), dv(s.kv_n(), nan);
+      attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                              v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false,
+                              o);
+      EXPECT_LT(max_error(dq, want_dq), 1e-2) << what;
+      EXPECT_LT(max_error(dk, want_dk), 1e-2) << what;
+      EXPECT_LT(max_error(dv, want_dv), 1e-2) << what;
+      std::vector<float> all = out;
+      for (const auto* g : {&lse, &dq, &dk, &dv}) all.insert(all.end(), g->begin(), g->end());
+      if (first.empty())
+        first = all;
+      else
+        EXPECT_EQ(all, first) << what << ": depends on the thread count";
+    }
+    // Against the FP32 kernels on the same inputs.
+    std::vector<uint16_t> out16(s.n());
+    std::vector<float> lse(s.B * s.H * s.T), out32(s.n()), lse32(s.B * s.H * s.T);
+    attention_forward_bf16(out16.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
+                           s.KVH, s.D, o);
+    const std::vector<float> qf(qd.begin(), qd.end()), kf(kd.begin(), kd.end()),
+        vf(vd.begin(), vd.end());
+    attention_forward(out32.data(), lse32.data(), qf.data(), kf.data(), vf.data(), s.B, s.T, s.H,
+                      s.KVH, s.D, o);
+    const std::vector<double> lse32d(lse32.begin(), lse32.end());
+    EXPECT_LT(max_error(lse, lse32d), 1e-5) << what;
+    if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f) continue;
+    std::vector<uint16_t> plain(s.n());
+    std::vector<float> plain_lse(s.B * s.H * s.T);
+    attention_forward_bf16(plain.data(), plain_lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
+                           s.H, s.KVH, s.D);
+    EXPECT_EQ(out16, plain) << what;
+    EXPECT_EQ(lse, plain_lse) << what;
   }
 }
 
