@@ -164,6 +164,8 @@ std::vector<Architecture> table() {
     a.always_tied = true;
     a.post_norms = true;
     a.swa_pattern = 6;
+    a.default_window = 4096;
+    a.rope_scalings = {"linear"};
     a.default_rope_theta_swa = 10000.0;
     a.width_scaled_layers = 62;
     a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
@@ -173,10 +175,11 @@ std::vector<Architecture> table() {
                  "rope_local_base_freq", "final_logit_softcapping",    "attn_logit_softcapping",
                  "cache_implementation", "use_bidirectional_attention"};
     a.gguf_keys = {"attention.sliding_window", "attention.sliding_window_pattern",
-                   "rope.freq_base_swa", "final_logit_softcapping"};
+                   "rope.freq_base_swa", "final_logit_softcapping", "rope.scaling.factor"};
     a.summary =
         "Gemma's block with per-head q/k norms and norms after attention and the MLP; five "
-        "sliding-window layers to one global, RoPE base 10,000 on the windowed ones";
+        "sliding-window layers to one global, RoPE base 10,000 on the windowed ones; linear "
+        "RoPE scaling on the global ones (4B and larger)";
     t.push_back(a);
   }
   return t;

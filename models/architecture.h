@@ -65,8 +65,8 @@ struct Architecture {
   bool post_norms = false;
   // Its layers may attend within a sliding window (ModelConfig::sliding_window), every
   // swa_pattern-th (from 1) attending every key; the default pattern of its files, the window
-  // where its GGUF files give none (0: none), and the windowed layers' RoPE base where they do not
-  // give it (0: the model's).
+  // where its files give none (Hugging Face's default; `train --arch` takes it; 0: none), and the
+  // windowed layers' RoPE base where they do not give it (0: the model's).
   int64_t swa_pattern = 0;
   int64_t default_window = 0;
   double default_rope_theta_swa = 0.0;

@@ -100,9 +100,9 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       const json& r = m.at("rope_scaling");
       c.rope_scaling.type = r.at("type").get<std::string>();
       if (c.rope_scaling.type != "llama3" && c.rope_scaling.type != "longrope" &&
-          c.rope_scaling.type != "factors")
+          c.rope_scaling.type != "linear" && c.rope_scaling.type != "factors")
         throw UserError(where + ": model.rope_scaling.type " + c.rope_scaling.type +
-                        ", which cputrain does not compute (llama3, longrope, factors)");
+                        ", which cputrain does not compute (llama3, longrope, linear, factors)");
       c.rope_scaling.factor = r.value("factor", 0.0);
       c.rope_scaling.low_freq_factor = r.value("low_freq_factor", 0.0);
       c.rope_scaling.high_freq_factor = r.value("high_freq_factor", 0.0);
@@ -137,6 +137,10 @@ std::string describe_parts(const ModelConfig& c) {
                   ", longrope scaling (%s factors, original ctx %lld, rotation scaled by %g)",
                   c.ctx > c.rope_scaling.original_ctx ? "long" : "short",
                   static_cast<long long>(c.rope_scaling.original_ctx), c.rope_scaling.attn_factor);
+    s += buf;
+  } else if (c.rope_scaling.type == "linear") {
+    std::snprintf(buf, sizeof(buf), ", linear scaling (factor %g%s)", c.rope_scaling.factor,
+                  c.sliding_window > 0 ? ", the global layers" : "");
     s += buf;
   } else if (c.rope_scaling.active()) {
     s += ", scaled by frequency factors";

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 #include <random>
 #include <stdexcept>
@@ -175,7 +176,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     rope_table_swa_ =
         Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
     if (!rope_table_swa_.measured())
-      kernels::rope_table(rope_table_swa_.f32(), config.ctx, R, config.rope_theta_swa, nullptr,
+      kernels::rope_table(rope_table_swa_.f32(), config.ctx, R, config.rope_swa_theta(), nullptr,
                           1.0);
   }
 }
@@ -448,9 +449,13 @@ Tensor DecoderModel::last_position_logits(const Tensor& h, int64_t B, int64_t T)
 DecoderModel::KvCache DecoderModel::new_kv_cache() const {
   KvCache cache;
   for (size_t l = 0; l < blocks_.size(); ++l) {
-    const Shape shape{config_.ctx, config_.kv_dim()};
+    const int64_t rows = config_.windowed_layer(static_cast<int64_t>(l))
+                             ? std::min(config_.ctx, 2 * config_.sliding_window)
+                             : config_.ctx;
+    const Shape shape{rows, config_.kv_dim()};
     cache.keys.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
     cache.values.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
+    cache.first.push_back(0);
   }
   return cache;
 }
@@ -491,8 +496,10 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   const int64_t n = cache.length, H = config_.n_heads, KVH = config_.kv_heads();
   const int64_t D = config_.head_size(), Q = config_.q_dim(), KV = config_.kv_dim();
   const int64_t R = config_.rope_dims();
-  if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size())
+  if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size() ||
+      cache.first.size() != blocks_.size())
     throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
+  if (n == 0) std::fill(cache.first.begin(), cache.first.end(), 0);
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
   Tensor input = Tensor::empty(Shape{1, m}, DType::I32, MemoryCategory::Workspace);
@@ -509,13 +516,33 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   for (size_t l = 0; l < blocks_.size(); ++l) {
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
+    // A windowed layer's queries go in pieces of at most the window, each after its keys and
+    // values, so the cache (2 x the window) holds what each piece attends.
     const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v,
                                  const kernels::AttentionOptions& options) {
-      std::copy_n(attention_input(k).f32(), m * KV, cache.keys[l].f32() + n * KV);
-      std::copy_n(attention_input(v).f32(), m * KV, cache.values[l].f32() + n * KV);
+      Tensor& keys = cache.keys[l];
+      Tensor& values = cache.values[l];
+      int64_t& first = cache.first[l];
+      const int64_t rows = keys.shape()[0];
+      const int64_t piece = options.window > 0 ? options.window : m;
+      const Tensor kt = attention_input(k), vt = attention_input(v), qt = attention_input(q);
+      const float *kn = kt.f32(), *vn = vt.f32(), *qn = qt.f32();
       Tensor att = Tensor::empty(Shape{1, m, Q}, DType::F32, MemoryCategory::Workspace);
-      kernels::attention_decode(att.f32(), attention_input(q).f32(), cache.keys[l].f32(),
-                                cache.values[l].f32(), n, m, H, KVH, D, options);
+      for (int64_t s = 0; s < m; s += piece) {
+        const int64_t c = std::min(piece, m - s);
+        int64_t held = n + s - first;
+        if (held + c > rows) {  // keep the last window - 1 positions
+          const int64_t keep = std::min(held, options.window - 1);
+          std::memmove(keys.f32(), keys.f32() + (held - keep) * KV, sizeof(float) * keep * KV);
+          std::memmove(values.f32(), values.f32() + (held - keep) * KV, sizeof(float) * keep * KV);
+          first += held - keep;
+          held = keep;
+        }
+        std::copy_n(kn + s * KV, c * KV, keys.f32() + held * KV);
+        std::copy_n(vn + s * KV, c * KV, values.f32() + held * KV);
+        kernels::attention_decode(att.f32() + s * Q, qn + s * Q, keys.f32(), values.f32(), held, c,
+                                  H, KVH, D, options);
+      }
       return Variable(att, false);
     };
     x = block_forward(blocks_[l], x, table, false, attend);

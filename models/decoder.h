@@ -109,9 +109,12 @@ class DecoderModel {
 
   // Incremental decoding: the keys (after RoPE) and values of every layer for the positions
   // decoded so far, so each new token costs one pass over the cache instead of the whole
-  // sequence again.
+  // sequence again. A sliding-window layer's cache holds 2 x its window of rows (or ctx, if
+  // fewer): the positions from first[l] on, in order; before it would overflow, the last
+  // window - 1 positions move to its start. Other layers hold every position from 0.
   struct KvCache {
-    std::vector<Tensor> keys, values;  // per layer (ctx, d_model)
+    std::vector<Tensor> keys, values;  // per layer (rows, kv_dim)
+    std::vector<int64_t> first;        // per layer, the position of row 0
     int64_t length = 0;
   };
   KvCache new_kv_cache() const;

@@ -153,6 +153,20 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     c.rope_scaling.attn_factor = file.number(p + "rope.scaling.attn_factor", 1.0);
     c.rope_scaling.original_ctx = file.integer(p + "rope.scaling.original_context_length", c.ctx);
   }
+  // Linear scaling (llama.cpp's default type) by rope.scaling.factor, read where the
+  // architecture applies it (a factor other than 1 elsewhere is a key cputrain does not read).
+  if (const double factor = file.number(p + "rope.scaling.factor", 1.0);
+      scaling == "linear" && factor != 1.0 &&
+      std::find(arch->rope_scalings.begin(), arch->rope_scalings.end(), "linear") !=
+          arch->rope_scalings.end()) {
+    if (!(factor > 0.0) || !std::isfinite(factor))
+      throw UserError(file.path() + ": " + p + "rope.scaling.factor " + std::to_string(factor) +
+                      " must be a positive number");
+    if (c.rope_scaling.active())
+      throw UserError(file.path() + ": linear RoPE scaling beside " + c.rope_scaling.type +
+                      " scaling");
+    c.rope_scaling = linear_rope_scaling(factor, c.rope_dims());
+  }
   const int64_t window = file.integer(p + "attention.sliding_window", arch->default_window);
   if (arch->swa_pattern > 0 && window > 0) {
     // Sliding-window layers (Gemma 2, 3): every pattern-th global, the others within the window
@@ -455,6 +469,9 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
               static_cast<uint32_t>(c.rope_scaling.original_ctx));
     factors("rope_factors_long.weight", c.rope_scaling.long_factors);
     factors("rope_factors_short.weight", c.rope_scaling.freq_factors);
+  } else if (c.rope_scaling.type == "linear") {
+    w.set_string(arch + ".rope.scaling.type", "linear");
+    w.set_f32(arch + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
   } else if (c.rope_scaling.active()) {
     factors("rope_freqs.weight", c.rope_scaling.freq_factors);
   }

@@ -160,10 +160,11 @@ std::vector<float> hf_factors(const json* list, int64_t n, const std::string& wh
 }
 
 // config.json's rope_scaling of a model of `c` (theta, rotated dimensions and declared context
-// known): Llama 3's, with its four numbers, or Phi-3's longrope ("su" in older files), with its
+// known): Llama 3's, with its four numbers, Phi-3's longrope ("su" in older files), with its
 // short and long factors and the scale of the rotation (attention_factor, or Hugging Face's
-// sqrt(1 + ln(ctx / original) / ln(original))). A UserError naming the file for another type,
-// one the architecture does not apply, a key it does not read, or a missing or unusable number.
+// sqrt(1 + ln(ctx / original) / ln(original))), or linear, with its factor (Gemma 3's). A UserError
+// naming the file for another type, one the architecture does not apply, a key it does not read, or
+// a missing or unusable number.
 RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const Architecture& arch,
                             const ModelConfig& c, const std::string& where) {
   if (!scaling.is_object())
@@ -181,6 +182,8 @@ RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const 
           ? std::vector<std::string_view>{"rope_type",        "type",
                                           "factor",           "low_freq_factor",
                                           "high_freq_factor", "original_max_position_embeddings"}
+      : type == "linear"
+          ? std::vector<std::string_view>{"rope_type", "type", "factor"}
           : std::vector<std::string_view>{"rope_type",        "type",
                                           "long_factor",      "short_factor",
                                           "attention_factor", "original_max_position_embeddings"};
@@ -188,6 +191,12 @@ RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const 
     if (std::find(keys.begin(), keys.end(), key) == keys.end())
       throw UserError(where + ": rope_scaling." + key + " " + json_shown(value) +
                       ", which cputrain does not read for " + type + " scaling");
+  if (type == "linear") {
+    const double factor = values.number("factor", 0.0);
+    if (!(factor > 0.0) || !std::isfinite(factor))
+      throw UserError(where + ": rope_scaling of type linear needs a positive factor");
+    return linear_rope_scaling(factor, c.rope_dims());
+  }
   RopeScaling r;
   r.type = type;
   r.original_ctx = values.whole("original_max_position_embeddings")
@@ -311,6 +320,11 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   const ConfigValues values(j, where);
   const std::string type = values.text("model_type", "");
   const Architecture* arch = find_hf_architecture(type);
+  if (!arch && j.contains("text_config") && j.contains("vision_config"))
+    throw UserError(where + ": model_type " + type +
+                    " is an image-and-text model, whose text model cputrain does not read from "
+                    "it (llama.cpp's convert_hf_to_gguf.py writes the text model as GGUF, which "
+                    "it reads)");
   if (!arch)
     throw UserError(where + ": model_type " + type +
                     ", which cputrain does not compute (it computes " + hf_model_type_names() +
@@ -854,6 +868,8 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                               {"short_factor", c.rope_scaling.freq_factors},
                               {"long_factor", c.rope_scaling.long_factors},
                               {"attention_factor", c.rope_scaling.attn_factor}};
+  } else if (c.rope_scaling.type == "linear") {
+    config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", c.rope_scaling.factor}};
   } else if (c.rope_scaling.active())
     config["rope_scaling"] = {{"rope_type", c.rope_scaling.type},
                               {"factor", c.rope_scaling.factor},

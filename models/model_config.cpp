@@ -70,6 +70,14 @@ std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double fa
   return factors;
 }
 
+RopeScaling linear_rope_scaling(double factor, int64_t rope_dims) {
+  RopeScaling r;
+  r.type = "linear";
+  r.factor = factor;
+  r.freq_factors.assign(static_cast<size_t>(rope_dims / 2), static_cast<float>(factor));
+  return r;
+}
+
 RopeScaling rope_scaling_of_factors(std::vector<float> factors, const ModelConfig& c) {
   RopeScaling r;
   r.type = "factors";

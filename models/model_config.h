@@ -17,11 +17,13 @@ std::string_view rope_pairs_name(RopePairs pairs);  // "adjacent", "half-split"
 // RoPE scaling: each of a head's R/2 frequencies (R the rotated dimensions) divided by a factor,
 // as llama.cpp's rope_freqs tensor holds them. `type` names where they come from: "llama3"
 // (Llama 3.1/3.2's rope_scaling, whose four numbers give the factors), "longrope" (Phi-3's: short
-// factors within the original context, long ones beyond, and a scale of the rotation), or
-// "factors" (a GGUF file's rope_freqs whose numbers are not known); empty: none.
+// factors within the original context, long ones beyond, and a scale of the rotation), "linear"
+// (every frequency divided by `factor`, positions by it: Gemma 3 4B and larger), or "factors" (a
+// GGUF file's rope_freqs whose numbers are not known); empty: none. With sliding-window layers,
+// only the global layers are scaled (Gemma 3's; llama.cpp's freq_scale_swa of 1).
 struct RopeScaling {
   std::string type;
-  double factor = 0.0;            // llama3: the longest wavelengths' divisor
+  double factor = 0.0;            // llama3: the longest wavelengths' divisor; linear: all's
   double low_freq_factor = 0.0;   // llama3: original context / low_freq_factor: that wavelength on
   double high_freq_factor = 0.0;  // llama3: original context / high_freq_factor: none below
   int64_t original_ctx = 0;       // llama3, longrope: the context of the unscaled model
@@ -40,6 +42,9 @@ std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double fa
                                        int64_t original_ctx);
 
 struct ModelConfig;
+// Linear RoPE scaling by `factor` of a head rotating `rope_dims` dimensions.
+RopeScaling linear_rope_scaling(double factor, int64_t rope_dims);
+
 // RoPE scaling of a model of `config` (theta, head size) from its factors alone (a GGUF file's
 // rope_freqs): "llama3" with its four numbers where Llama 3's published settings (low and high
 // frequency factors 1 and 4, the largest factor as `factor`, an original context of a power of 2)
@@ -99,8 +104,13 @@ struct ModelConfig {
   bool windowed_layer(int64_t layer) const {
     return sliding_window > 0 && swa_pattern > 0 && layer % swa_pattern < swa_pattern - 1;
   }
-  // Whether the windowed layers rotate at a RoPE base of their own.
-  bool rope_swa_apart() const { return rope_theta_swa > 0.0 && rope_theta_swa != rope_theta; }
+  // Whether the windowed layers rotate by a table of their own: at a RoPE base of their own
+  // (rope_swa_theta()), or unscaled where the global layers are scaled.
+  bool rope_swa_apart() const {
+    return (rope_theta_swa > 0.0 && rope_theta_swa != rope_theta) ||
+           (sliding_window > 0 && swa_pattern > 0 && rope_scaling.active());
+  }
+  double rope_swa_theta() const { return rope_theta_swa > 0.0 ? rope_theta_swa : rope_theta; }
   // What the RMSNorms add to their held weights: 1 with norm_plus_one, else 0.
   float norm_offset() const { return norm_plus_one ? 1.0f : 0.0f; }
   // The divisors of the RoPE frequencies at this ctx (rope_scaling's, the long ones of longrope

@@ -152,6 +152,10 @@ RunConfig resolve_run_config(const TrainArgs& a) {
     c.model.qkv_bias = true;
   }
   c.model.tie_embeddings = a.tie_embeddings || arch->always_tied;
+  if (a.sliding_window != -1 && arch->swa_pattern == 0)
+    throw UserError("--sliding-window: a " + a.arch + " model has no sliding-window layers");
+  if (arch->swa_pattern > 0)
+    c.model.sliding_window = take(a.sliding_window, arch->default_window, "--sliding-window");
   if (const auto problem = validate(c.model)) throw UserError(flag_message(*problem));
   c.steps = take(a.steps, default_steps(a.preset), "--steps");
   c.train.batch = take(a.batch, preset->batch, "--batch");
@@ -220,6 +224,10 @@ void add_model_flags(CLI::App& app, TrainArgs& a) {
   app.add_flag("--qkv-bias", a.qkv_bias, "Biases on the q, k and v projections (as Qwen2)");
   app.add_flag("--tie-embeddings", a.tie_embeddings,
                "The LM head is the token embedding matrix (as SmolLM2; always for gemma)");
+  app.add_option("--sliding-window", a.sliding_window,
+                 "Keys a sliding-window layer attends (gemma2, gemma3; default 4096, as "
+                 "Hugging Face's configurations)")
+      ->check(positive_whole());
 }
 
 void add_train_flags(CLI::App& app, TrainArgs& a) {
@@ -253,12 +261,15 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
 namespace {
 
 // The flags that are a run's configuration. A resumed run keeps its own: giving one is refused.
-constexpr const char* kRunFlags[] = {
-    "--preset",     "--corpus",     "--out",      "--vocab",          "--d-model",
-    "--layers",     "--heads",      "--kv-heads", "--head-dim",       "--ffn",
-    "--rope-theta", "--rope-pairs", "--qkv-bias", "--tie-embeddings", "--batch",
-    "--accum",      "--ctx",        "--lr",       "--warmup",         "--weight-decay",
-    "--grad-clip",  "--seed",       "--dtype",    "--checkpoint",     "--overwrite"};
+constexpr const char* kRunFlags[] = {"--preset",     "--corpus",         "--out",
+                                     "--vocab",      "--d-model",        "--layers",
+                                     "--heads",      "--kv-heads",       "--head-dim",
+                                     "--ffn",        "--rope-theta",     "--rope-pairs",
+                                     "--qkv-bias",   "--tie-embeddings", "--sliding-window",
+                                     "--batch",      "--accum",          "--ctx",
+                                     "--lr",         "--warmup",         "--weight-decay",
+                                     "--grad-clip",  "--seed",           "--dtype",
+                                     "--checkpoint", "--overwrite"};
 
 // --resume: the run's own configuration (DIR/config.json) and what a resumed run may change:
 // where it ends (--steps), how it saves (--save-every, --keep) and how it executes.
@@ -284,9 +295,10 @@ RunConfig resume_config(const TrainArgs& a) {
 }
 
 // The flags that shape the model: with --model the shape is the model's.
-constexpr const char* kShapeFlags[] = {
-    "--vocab", "--d-model",    "--layers",     "--heads",    "--kv-heads",      "--head-dim",
-    "--ffn",   "--rope-theta", "--rope-pairs", "--qkv-bias", "--tie-embeddings"};
+constexpr const char* kShapeFlags[] = {"--vocab",    "--d-model",        "--layers",
+                                       "--heads",    "--kv-heads",       "--head-dim",
+                                       "--ffn",      "--rope-theta",     "--rope-pairs",
+                                       "--qkv-bias", "--tie-embeddings", "--sliding-window"};
 
 // --model: the run takes the model's shape (its context at most --ctx, else 512) and records
 // where it began; its tokenizer and weights are taken when the run directory is open.

@@ -31,6 +31,7 @@ struct TrainArgs : RunFlags {
   std::string rope_pairs;       // "adjacent", "half-split", or empty: the architecture's
   bool qkv_bias = false;        // biases on the q, k and v projections
   bool tie_embeddings = false;  // the LM head is the embedding matrix
+  int64_t sliding_window = -1;  // -1: the architecture's (sliding-window layers only)
   int64_t ffn = -1;
   int64_t warmup = -1;
   double grad_clip = 1.0;

@@ -31,7 +31,9 @@ Face's rotate-half order:
 - gemma3: Gemma's parts with per-head q/k norms (1 + w) and norms after attention and the MLP
   (post_attention_norm / post_attention_layernorm, post_ffw_norm / post_feedforward_layernorm,
   the MLP's pre-norm pre_feedforward_layernorm), layers 0-4 of 6 within a sliding window of 32
-  keys at RoPE base 10,000 and layer 5 global at 1,000,000; 200 tokens reach past the window;
+  keys at RoPE base 10,000 and layer 5 global at 1,000,000, scaled linearly by 8 as Gemma 3 4B's
+  (rope_scaling linear; rope.scaling.type and rope.scaling.factor in GGUF); 200 tokens reach past
+  the window;
 - gemma2: Gemma's parts with the post-norms, layers 0 and 2 of 4 within a window of 32 keys (at
   the model's RoPE base), attention scores soft-capped at 1 and the final logits at 5 (small
   caps, so that the tanh bends), Gemma 2's files' keys and defaults (no window pattern key).
@@ -72,7 +74,8 @@ FAMILIES = {
     "gemma3": dict(arch="gemma3", hf_type="gemma3_text", hf_class="Gemma3ForCausalLM", d=128,
                    ffn=256, layers=6, heads=4, kv=1, head=64, theta=1e6, tied=True,
                    adjacent=False, gemma=True, qk_norm=True, post_norms=True, window=32,
-                   pattern=6, theta_swa=1e4, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
+                   pattern=6, theta_swa=1e4, mlp_std=0.025, linear=8.0,
+                   special=("<start_of_turn>", "<end_of_turn>")),
     "gemma2": dict(arch="gemma2", hf_type="gemma2", hf_class="Gemma2ForCausalLM", d=128,
                    ffn=256, layers=4, heads=4, kv=2, head=64, theta=1e4, tied=True,
                    adjacent=False, gemma=True, post_norms=True, window=32, pattern=2,
@@ -222,6 +225,9 @@ def write_family(name, spec, seed):
             w.add_sliding_window_pattern(spec["pattern"])
         if spec.get("theta_swa"):
             w.add_rope_freq_base_swa(spec["theta_swa"])
+    if spec.get("linear"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec["linear"])
     if spec.get("caps"):
         w.add_attn_logit_softcapping(spec["caps"][0])
         w.add_final_logit_softcapping(spec["caps"][1])
@@ -326,6 +332,8 @@ def write_family(name, spec, seed):
         config["embd_pdrop"] = 0.0
     if gemma:
         config["hidden_activation"] = "gelu_pytorch_tanh"
+    if spec.get("linear"):
+        config["rope_scaling"] = {"rope_type": "linear", "factor": spec["linear"]}
     if spec.get("window"):
         pattern = spec["pattern"]
         caps = spec.get("caps", (None, None))

@@ -409,6 +409,9 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
                         "--arch mamba: not an architecture cputrain computes (llama, qwen2");
   expect_one_line_error(run(base + " --arch qwen3 --qkv-bias"),
                         "--qkv-bias: a qwen3 model has no q/k/v biases");
+  expect_one_line_error(run(base + " --sliding-window 8"),
+                        "--sliding-window: a llama model has no sliding-window layers");
+  expect_one_line_error(run(base + " --arch gemma3 --sliding-window 0"), "--sliding-window");
   EXPECT_FALSE(fs::exists(dir_ / "bad" / "model.bin"));
 
   // --arch: the architecture's parts, recorded by name; the run rebuilds it.
@@ -427,6 +430,20 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   EXPECT_NE(i.out.find("architecture qwen3"), std::string::npos) << i.out;
   EXPECT_NE(i.out.find("q/k norms"), std::string::npos) << i.out;
   ASSERT_EQ(run("sample --run " + qwen3.string() + " --max-tokens 3").exit_code, 0);
+
+  // A sliding-window architecture takes its window from --sliding-window (else 4096), and
+  // samples past it.
+  for (const auto& [flag, window] : {std::pair<std::string, int>{" --sliding-window 8", 8},
+                                     std::pair<std::string, int>{"", 4096}}) {
+    const fs::path gemma3 = dir_ / ("gemma3_" + std::to_string(window));
+    const Result g =
+        run("--preset tiny --vocab 300 --ctx 32 --batch 4 --arch gemma3 --layers 2" + flag +
+            " --steps 2 --sample-tokens 20 --corpus " + corpus + " --out " + gemma3.string());
+    ASSERT_EQ(g.exit_code, 0) << g.err << g.out;
+    const nlohmann::json gm = nlohmann::json::parse(std::ifstream(gemma3 / "config.json"))["model"];
+    EXPECT_EQ(gm["architecture"], "gemma3");
+    EXPECT_EQ(gm["sliding_window"], window);
+  }
 }
 
 // The budget of the same shapes, and of its --threads: fewer kv heads, tied embeddings hold

@@ -93,6 +93,10 @@ void expect_parts(const std::string& family, const ModelConfig& c) {
     EXPECT_EQ(c.swa_pattern, 6);
     EXPECT_EQ(c.rope_theta_swa, 1e4);
     EXPECT_EQ(c.rope_theta, 1e6);
+    EXPECT_EQ(c.rope_scaling.type, "linear");
+    EXPECT_EQ(c.rope_scaling.factor, 8.0);
+    EXPECT_EQ(c.rope_scaling.freq_factors, std::vector<float>(32, 8.0f));
+    EXPECT_TRUE(c.rope_swa_apart());
     for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(c.windowed_layer(i), i != 5) << i;
   } else if (family == "gemma") {
     EXPECT_EQ(c.architecture, "gemma");
@@ -394,6 +398,17 @@ TEST(Families, UnknownArchitecturesAndFieldsAreRefused) {
               edited_hf("field", [](nlohmann::json& c) { c["logit_softcapping"] = 30.0; }).string(),
           dir),
       "logit_softcapping 30.0, which cputrain does not read for model_type llama");
+  // Gemma 3 4B and larger on Hugging Face: the text model inside an image-and-text one.
+  expect_one_line_refusal(
+      run_cputrain("inspect " + edited_hf("multimodal",
+                                          [](nlohmann::json& c) {
+                                            c = {{"model_type", "gemma3"},
+                                                 {"text_config", {{"hidden_size", 2560}}},
+                                                 {"vision_config", {{"hidden_size", 1152}}}};
+                                          })
+                                    .string(),
+                   dir),
+      "model_type gemma3 is an image-and-text model, whose text model cputrain does not read");
 }
 
 }  // namespace

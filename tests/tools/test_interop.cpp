@@ -553,7 +553,9 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
       {"smollm3", "--preset tiny --arch smollm3 --layers 4 --tie-embeddings"},
       // (Not named phi3: llama.cpp reads the vocabulary of a model so named as Phi-3's own,
       // which holds <|endoftext|>; cputrain's own has none.)
-      {"fused", "--preset tiny --arch phi3 --kv-heads 2"}};
+      {"fused", "--preset tiny --arch phi3 --kv-heads 2"},
+      // Windows of 8 on five layers in six, shorter than the text.
+      {"gemma3", "--preset tiny --arch gemma3 --layers 6 --sliding-window 8"}};
   for (const auto& [name, flags] : runs) {
     const fs::path run = dir / name, gguf = dir / (std::string(name) + ".gguf");
     ASSERT_EQ(
