@@ -256,8 +256,10 @@ bool ggml_type_supported(uint32_t type) {
     case GgmlType::F32:
     case GgmlType::F16:
     case GgmlType::BF16:
+    case GgmlType::Q4_0:
     case GgmlType::Q8_0:
     case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
     case GgmlType::Q6_K:
       return true;
   }
@@ -266,9 +268,11 @@ bool ggml_type_supported(uint32_t type) {
 
 int64_t ggml_block_size(GgmlType type) {
   switch (type) {
+    case GgmlType::Q4_0:
     case GgmlType::Q8_0:
       return 32;
     case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
     case GgmlType::Q6_K:
       return 256;
     default:
@@ -283,10 +287,14 @@ size_t ggml_block_bytes(GgmlType type) {
     case GgmlType::F16:
     case GgmlType::BF16:
       return 2;
+    case GgmlType::Q4_0:
+      return 2 + 16;
     case GgmlType::Q8_0:
       return 2 + 32;
     case GgmlType::Q4_K:
       return 2 + 2 + 12 + 128;
+    case GgmlType::Q5_K:
+      return 2 + 2 + 12 + 32 + 128;
     case GgmlType::Q6_K:
       return 128 + 64 + 16 + 2;
   }
@@ -478,6 +486,40 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
         const float d = half_to_float(load_u16(src));
         const auto* q = reinterpret_cast<const int8_t*>(src + 2);
         for (int i = 0; i < 32; ++i) dst[i] = d * static_cast<float>(q[i]);
+      }
+      return;
+    case GgmlType::Q4_0:
+      // Blocks of 32: an f16 scale, then 16 bytes whose low nibbles are values 0-15 and high
+      // nibbles 16-31; value = d * (q - 8).
+      for (int64_t b = 0; b < n / 32; ++b, src += 18, dst += 32) {
+        const float d = half_to_float(load_u16(src));
+        const uint8_t* q = src + 2;
+        for (int i = 0; i < 16; ++i) {
+          dst[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
+          dst[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+        }
+      }
+      return;
+    case GgmlType::Q5_K:
+      // Q4_K's layout with a fifth bit: f16 d and dmin, 12 bytes of scales and minimums, 32
+      // bytes of high bits, 128 bytes of 4-bit values. Sub-block j (of 32 values) takes bit j
+      // of each of the 32 high-bit bytes; value = d * scale * (q + 16 * bit) - dmin * min.
+      for (int64_t b = 0; b < n / 256; ++b, src += 176) {
+        const float d = half_to_float(load_u16(src)), dmin = half_to_float(load_u16(src + 2));
+        const uint8_t* scales = src + 4;
+        const uint8_t* high = src + 16;
+        const uint8_t* q = src + 48;
+        for (int j = 0; j < 8; j += 2, q += 32) {
+          int s0, m0, s1, m1;
+          q4k_scale_min(j, scales, &s0, &m0);
+          q4k_scale_min(j + 1, scales, &s1, &m1);
+          const float d0 = d * static_cast<float>(s0), o0 = dmin * static_cast<float>(m0);
+          const float d1 = d * static_cast<float>(s1), o1 = dmin * static_cast<float>(m1);
+          for (int l = 0; l < 32; ++l)
+            *dst++ = d0 * static_cast<float>((q[l] & 0x0f) | (((high[l] >> j) & 1) << 4)) - o0;
+          for (int l = 0; l < 32; ++l)
+            *dst++ = d1 * static_cast<float>((q[l] >> 4) | (((high[l] >> (j + 1)) & 1) << 4)) - o1;
+        }
       }
       return;
     case GgmlType::Q4_K:
@@ -731,7 +773,8 @@ void GgufWriter::write(const std::string& path) const {
 void check_tensor_type(const GgufFile& file, const GgufTensor& tensor) {
   if (!ggml_type_supported(tensor.type))
     throw UserError(file.path() + ": tensor " + tensor.name + " is " + ggml_type_name(tensor.type) +
-                    ", a type cputrain does not read (F32, F16, BF16, Q8_0, Q4_K, Q6_K)");
+                    ", a type cputrain does not read (F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K, "
+                    "Q6_K)");
 }
 
 std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor) {

@@ -18,8 +18,10 @@ namespace cputrain {
 enum class GgmlType : uint32_t {
   F32 = 0,
   F16 = 1,
+  Q4_0 = 2,
   Q8_0 = 8,
   Q4_K = 12,
+  Q5_K = 13,
   Q6_K = 14,
   BF16 = 30,
 };

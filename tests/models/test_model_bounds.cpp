@@ -190,9 +190,9 @@ TEST_F(ModelBounds, AnUnreadTensorTypeIsRefusedBeforeAllocating) {
   GgufWriter w;
   for (const auto& [k, v] : good.metadata()) w.set_value(k, v);
   for (const GgufTensor& t : good.tensors()) {
-    if (t.name == "blk.1.ffn_up.weight")  // Q4_0: blocks of 32 in 18 bytes
-      w.add_tensor(t.name, t.dims, static_cast<GgmlType>(2),
-                   std::vector<uint8_t>(static_cast<size_t>(t.numel() / 32 * 18), 0));
+    if (t.name == "blk.1.ffn_up.weight")  // Q4_1: blocks of 32 in 20 bytes
+      w.add_tensor(t.name, t.dims, static_cast<GgmlType>(3),
+                   std::vector<uint8_t>(static_cast<size_t>(t.numel() / 32 * 20), 0));
     else
       w.add_tensor(t.name, t.dims, static_cast<GgmlType>(t.type),
                    std::vector<uint8_t>(t.data.begin(), t.data.end()));
@@ -204,7 +204,7 @@ TEST_F(ModelBounds, AnUnreadTensorTypeIsRefusedBeforeAllocating) {
         const GgufFile file(bad.string());
         check_gguf_weights(file, gguf_model_config(file, 1024));
       },
-      {"tensor blk.1.ffn_up.weight is Q4_0, a type cputrain does not read"});
+      {"tensor blk.1.ffn_up.weight is Q4_1, a type cputrain does not read"});
 }
 
 TEST_F(ModelBounds, EveryDamagedHuggingFaceCountNamesItsKey) {

@@ -144,7 +144,7 @@ Agreement agreement(const std::vector<float>& ours, const std::vector<float>& th
 TEST(LlamaCpp, Bf16AndQuantisedFilesAgreeWithLlamaCpp) {
   REQUIRE_ORACLE();
   const fs::path dir = made_models();
-  for (const char* type : {"q8_0", "q4_k_m"}) {
+  for (const char* type : {"q8_0", "q4_0", "q4_k_m", "q5_k_m"}) {
     const std::string cmd = kOracle + " quantize " + (dir / "llama_gqa.gguf").string() + " " +
                             (dir / ("llama_gqa_" + std::string(type) + ".gguf")).string() + " " +
                             type;
@@ -152,10 +152,46 @@ TEST(LlamaCpp, Bf16AndQuantisedFilesAgreeWithLlamaCpp) {
   }
   // The BF16 file twice: converted to FP32, and held as bf16 and computed in bf16, as sample
   // holds it.
-  const std::pair<const char*, bool> files[] = {{"qwen2_tied_bf16.gguf", false},
-                                                {"qwen2_tied_bf16.gguf", true},
-                                                {"llama_gqa_q8_0.gguf", false},
-                                                {"llama_gqa_q4_k_m.gguf", false}};
+  const std::pair<const char*, bool> files[] = {
+      {"qwen2_tied_bf16.gguf", false},  {"qwen2_tied_bf16.gguf", true},
+      {"llama_gqa_q8_0.gguf", false},   {"llama_gqa_q4_0.gguf", false},
+      {"llama_gqa_q4_k_m.gguf", false}, {"llama_gqa_q5_k_m.gguf", false}};
+  // Each quantised file holds the type its name says (llama.cpp falls back to others for rows
+  // its blocks do not divide).
+  for (const auto& [name, type] : {std::pair{"llama_gqa_q4_0.gguf", GgmlType::Q4_0},
+                                   {"llama_gqa_q5_k_m.gguf", GgmlType::Q5_K},
+                                   {"llama_gqa_q4_k_m.gguf", GgmlType::Q4_K},
+                                   {"llama_gqa_q8_0.gguf", GgmlType::Q8_0}}) {
+    const GgufFile file((dir / name).string());
+    int64_t of_type = 0;
+    for (const GgufTensor& t : file.tensors()) of_type += t.type == static_cast<uint32_t>(type);
+    EXPECT_GE(of_type, 7) << name;  // at least one layer's matrices
+    // Every quantised tensor's values as gguf-py's dequantisation gives them, to a rounding of
+    // the block's scale times its largest value (it multiplies in another order).
+    const fs::path out = dir / (std::string(name) + ".values");
+    const std::string cmd = "/usr/bin/python3 " + std::string(CPUTRAIN_SOURCE_DIR) +
+                            "/tests/interop/dequantize.py " + CPUTRAIN_GGUF_PY + " " +
+                            (dir / name).string() + " " + out.string();
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::ifstream index(out.string() + ".txt"), values(out.string() + ".f32", std::ios::binary);
+    int64_t checked = 0;
+    std::string tensor;
+    for (int64_t n; index >> tensor >> n; ++checked) {
+      std::vector<float> want(static_cast<size_t>(n));
+      values.read(reinterpret_cast<char*>(want.data()), n * 4);
+      const GgufTensor* t = file.tensor(tensor);
+      ASSERT_NE(t, nullptr) << tensor;
+      const std::vector<float> got = gguf_tensor_values(file, *t);
+      ASSERT_EQ(got.size(), want.size()) << name << " " << tensor;
+      float scale = 0.0f, worst = 0.0f;
+      for (size_t i = 0; i < got.size(); ++i) {
+        scale = std::max(scale, std::abs(want[i]));
+        worst = std::max(worst, std::abs(got[i] - want[i]));
+      }
+      EXPECT_LE(worst, scale * 1e-6f) << name << " " << tensor << " " << ggml_type_name(t->type);
+    }
+    EXPECT_GE(checked, 7) << name;
+  }
   for (const auto& [name, bf16] : files) {
     const fs::path model = dir / name;
     LoadedModel m = load_model(model.string(), "--model", "", kDefaultImportCtx, bf16);
@@ -651,11 +687,11 @@ TEST(ModelFiles, BadGgufFilesGetOneClearLine) {
                [](const std::string& name, std::vector<int64_t>& dims, uint32_t& type,
                   std::vector<uint8_t>& data) {
                  if (name != "blk.0.attn_q.weight") return;
-                 type = 2;  // Q4_0: blocks of 32 in 18 bytes
-                 data.assign(static_cast<size_t>(dims[0] * dims[1] / 32 * 18), 0);
+                 type = 3;  // Q4_1: blocks of 32 in 20 bytes
+                 data.assign(static_cast<size_t>(dims[0] * dims[1] / 32 * 20), 0);
                });
   expect_refused(dir / "type.gguf",
-                 "tensor blk.0.attn_q.weight is Q4_0, a type cputrain does not read");
+                 "tensor blk.0.attn_q.weight is Q4_1, a type cputrain does not read");
   rewrite_gguf(
       good, dir / "shape.gguf",
       [](const std::string& key, GgufValue& v) {
