@@ -9,6 +9,7 @@
 #include "engine/core/error.h"
 #include "engine/core/memory.h"
 #include "engine/io/atomic_file.h"
+#include "kernels/quant.h"
 
 namespace cputrain {
 namespace {
@@ -201,14 +202,19 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// Q4_K's six-bit scale and minimum of sub-block j (0..7) from its 12 packed bytes.
-void q4k_scale_min(int j, const uint8_t* q, int* scale, int* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+// The kernels' name of a quantised type.
+kernels::QuantType quant_type(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_0:
+      return kernels::QuantType::Q4_0;
+    case GgmlType::Q8_0:
+      return kernels::QuantType::Q8_0;
+    case GgmlType::Q4_K:
+      return kernels::QuantType::Q4_K;
+    case GgmlType::Q5_K:
+      return kernels::QuantType::Q5_K;
+    default:
+      return kernels::QuantType::Q6_K;
   }
 }
 
@@ -480,91 +486,15 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
         std::memcpy(dst + i, &bits, 4);
       }
       return;
-    case GgmlType::Q8_0:
-      // Blocks of 32: an f16 scale, then 32 signed bytes.
-      for (int64_t b = 0; b < n / 32; ++b, src += 34, dst += 32) {
-        const float d = half_to_float(load_u16(src));
-        const auto* q = reinterpret_cast<const int8_t*>(src + 2);
-        for (int i = 0; i < 32; ++i) dst[i] = d * static_cast<float>(q[i]);
-      }
-      return;
     case GgmlType::Q4_0:
-      // Blocks of 32: an f16 scale, then 16 bytes whose low nibbles are values 0-15 and high
-      // nibbles 16-31; value = d * (q - 8).
-      for (int64_t b = 0; b < n / 32; ++b, src += 18, dst += 32) {
-        const float d = half_to_float(load_u16(src));
-        const uint8_t* q = src + 2;
-        for (int i = 0; i < 16; ++i) {
-          dst[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
-          dst[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
-        }
-      }
-      return;
-    case GgmlType::Q5_K:
-      // Q4_K's layout with a fifth bit: f16 d and dmin, 12 bytes of scales and minimums, 32
-      // bytes of high bits, 128 bytes of 4-bit values. Sub-block j (of 32 values) takes bit j
-      // of each of the 32 high-bit bytes; value = d * scale * (q + 16 * bit) - dmin * min.
-      for (int64_t b = 0; b < n / 256; ++b, src += 176) {
-        const float d = half_to_float(load_u16(src)), dmin = half_to_float(load_u16(src + 2));
-        const uint8_t* scales = src + 4;
-        const uint8_t* high = src + 16;
-        const uint8_t* q = src + 48;
-        for (int j = 0; j < 8; j += 2, q += 32) {
-          int s0, m0, s1, m1;
-          q4k_scale_min(j, scales, &s0, &m0);
-          q4k_scale_min(j + 1, scales, &s1, &m1);
-          const float d0 = d * static_cast<float>(s0), o0 = dmin * static_cast<float>(m0);
-          const float d1 = d * static_cast<float>(s1), o1 = dmin * static_cast<float>(m1);
-          for (int l = 0; l < 32; ++l)
-            *dst++ = d0 * static_cast<float>((q[l] & 0x0f) | (((high[l] >> j) & 1) << 4)) - o0;
-          for (int l = 0; l < 32; ++l)
-            *dst++ = d1 * static_cast<float>((q[l] >> 4) | (((high[l] >> (j + 1)) & 1) << 4)) - o1;
-        }
-      }
-      return;
+    case GgmlType::Q8_0:
     case GgmlType::Q4_K:
-      // Blocks of 256: f16 d and dmin, 12 bytes of eight 6-bit scales and minimums, then 128
-      // bytes of 4-bit values. Each 64 values are two sub-blocks of 32: the low nibbles of 32
-      // bytes, then their high nibbles; value = d * scale * q - dmin * min.
-      for (int64_t b = 0; b < n / 256; ++b, src += 144) {
-        const float d = half_to_float(load_u16(src)), dmin = half_to_float(load_u16(src + 2));
-        const uint8_t* scales = src + 4;
-        const uint8_t* q = src + 16;
-        for (int j = 0; j < 8; j += 2, q += 32) {
-          int s0, m0, s1, m1;
-          q4k_scale_min(j, scales, &s0, &m0);
-          q4k_scale_min(j + 1, scales, &s1, &m1);
-          const float d0 = d * static_cast<float>(s0), o0 = dmin * static_cast<float>(m0);
-          const float d1 = d * static_cast<float>(s1), o1 = dmin * static_cast<float>(m1);
-          for (int l = 0; l < 32; ++l) *dst++ = d0 * static_cast<float>(q[l] & 0x0f) - o0;
-          for (int l = 0; l < 32; ++l) *dst++ = d1 * static_cast<float>(q[l] >> 4) - o1;
-        }
-      }
+    case GgmlType::Q5_K:
+    case GgmlType::Q6_K: {
+      const kernels::QuantType q = quant_type(type);
+      kernels::dequantize_blocks(q, src, n / kernels::quant_block_values(q), dst);
       return;
-    case GgmlType::Q6_K:
-      // Blocks of 256: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 signed 8-bit
-      // scales (one per 16 values), then an f16 d; value = d * scale * (q - 32). Each half of
-      // 128 values takes 64 low-nibble bytes and 32 high-bit bytes.
-      for (int64_t b = 0; b < n / 256; ++b, src += 210) {
-        const uint8_t* ql = src;
-        const uint8_t* qh = src + 128;
-        const auto* sc = reinterpret_cast<const int8_t*>(src + 192);
-        const float d = half_to_float(load_u16(src + 208));
-        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, dst += 128) {
-          for (int l = 0; l < 32; ++l) {
-            const int is = l / 16;
-            const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            dst[l] = d * static_cast<float>(sc[is + 0] * q1);
-            dst[l + 32] = d * static_cast<float>(sc[is + 2] * q2);
-            dst[l + 64] = d * static_cast<float>(sc[is + 4] * q3);
-            dst[l + 96] = d * static_cast<float>(sc[is + 6] * q4);
-          }
-        }
-      }
-      return;
+    }
   }
 }
 

@@ -1,0 +1,221 @@
+#include "kernels/quant.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/bf16.h"
+#include "kernels/gemm.h"
+
+namespace cputrain::kernels {
+
+namespace {
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // F16C (the baseline ISA): exact for every half
+}
+
+// Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (0..7) from their 12 packed bytes.
+inline void k_scale_min(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void q4_0(const uint8_t* src, float* dst) {
+  const float d = half_at(src);
+  const uint8_t* q = src + 2;
+  for (int i = 0; i < 16; ++i) dst[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
+  for (int i = 0; i < 16; ++i) dst[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+}
+
+void q8_0(const uint8_t* src, float* dst) {
+  const float d = half_at(src);
+  const auto* q = reinterpret_cast<const int8_t*>(src + 2);
+  for (int i = 0; i < 32; ++i) dst[i] = d * static_cast<float>(q[i]);
+}
+
+// Q4_K, and Five, Q5_K (`high` its 32 bytes of fifth bits).
+template <bool Five>
+void q45_k(const uint8_t* src, const uint8_t* high, const uint8_t* q, float* dst) {
+  const float d = half_at(src), dmin = half_at(src + 2);
+  const uint8_t* scales = src + 4;
+  for (int j = 0; j < 8; j += 2, q += 32, dst += 64) {
+    int s0, m0, s1, m1;
+    k_scale_min(j, scales, &s0, &m0);
+    k_scale_min(j + 1, scales, &s1, &m1);
+    const float d0 = d * static_cast<float>(s0), o0 = dmin * static_cast<float>(m0);
+    const float d1 = d * static_cast<float>(s1), o1 = dmin * static_cast<float>(m1);
+    for (int l = 0; l < 32; ++l) {
+      const int h0 = Five ? ((high[l] >> j) & 1) << 4 : 0;
+      const int h1 = Five ? ((high[l] >> (j + 1)) & 1) << 4 : 0;
+      dst[l] = d0 * static_cast<float>((q[l] & 0x0f) | h0) - o0;
+      dst[l + 32] = d1 * static_cast<float>((q[l] >> 4) | h1) - o1;
+    }
+  }
+}
+
+void q6_k(const uint8_t* src, float* dst) {
+  const uint8_t* ql = src;
+  const uint8_t* qh = src + 128;
+  const auto* sc = reinterpret_cast<const int8_t*>(src + 192);
+  const float d = half_at(src + 208);
+  // Each half of 128 values takes 64 low-nibble bytes and 32 high-bit bytes.
+  for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, dst += 128) {
+    for (int is = 0; is < 2; ++is) {  // values l of each quarter take scale is = l / 16
+      const int s1 = sc[is], s2 = sc[is + 2], s3 = sc[is + 4], s4 = sc[is + 6];
+      for (int l = 16 * is; l < 16 * is + 16; ++l) {
+        const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        dst[l] = d * static_cast<float>(s1 * q1);
+        dst[l + 32] = d * static_cast<float>(s2 * q2);
+        dst[l + 64] = d * static_cast<float>(s3 * q3);
+        dst[l + 96] = d * static_cast<float>(s4 * q4);
+      }
+    }
+  }
+}
+
+// Buffer Which of the calling thread, grown on demand and kept for the next call.
+template <typename T, int Which = 0>
+T* panel_buffer(size_t n) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
+void check(const QuantMatrix& w, const char* fn) {
+  if (w.cols <= 0 || w.cols % quant_block_values(w.type) != 0 || w.rows <= 0)
+    throw std::invalid_argument(std::string(fn) +
+                                ": a quantised matrix's rows are whole blocks, and it has rows");
+}
+
+}  // namespace
+
+int64_t quant_block_values(QuantType type) {
+  return type == QuantType::Q4_0 || type == QuantType::Q8_0 ? 32 : 256;
+}
+
+int64_t quant_block_bytes(QuantType type) {
+  switch (type) {
+    case QuantType::Q4_0:
+      return 18;
+    case QuantType::Q8_0:
+      return 34;
+    case QuantType::Q4_K:
+      return 144;
+    case QuantType::Q5_K:
+      return 176;
+    case QuantType::Q6_K:
+      return 210;
+  }
+  return 0;
+}
+
+void dequantize_blocks(QuantType type, const uint8_t* src, int64_t blocks, float* dst) {
+  const int64_t values = quant_block_values(type), bytes = quant_block_bytes(type);
+  // One loop per format, the format chosen once.
+  const auto each = [&](auto block) {
+    for (int64_t b = 0; b < blocks; ++b) block(src + b * bytes, dst + b * values);
+  };
+  switch (type) {
+    case QuantType::Q4_0:
+      return each(q4_0);
+    case QuantType::Q8_0:
+      return each(q8_0);
+    case QuantType::Q4_K:
+      return each([](const uint8_t* b, float* d) { q45_k<false>(b, nullptr, b + 16, d); });
+    case QuantType::Q5_K:
+      return each([](const uint8_t* b, float* d) { q45_k<true>(b, b + 16, b + 48, d); });
+    case QuantType::Q6_K:
+      return each(q6_k);
+  }
+}
+
+void dequantize_rows(const QuantMatrix& w, int64_t r0, int64_t n, float* dst) {
+  const int64_t blocks = w.cols / quant_block_values(w.type);
+#pragma omp parallel for schedule(static) if (n * w.cols >= (1 << 16))
+  for (int64_t r = 0; r < n; ++r)
+    dequantize_blocks(w.type, w.data + (r0 + r) * w.row_bytes(), blocks, dst + r * w.cols);
+}
+
+void dequantize_rows_bf16(const QuantMatrix& w, int64_t r0, int64_t n, uint16_t* dst) {
+  const int64_t blocks = w.cols / quant_block_values(w.type);
+#pragma omp parallel if (n * w.cols >= (1 << 16))
+  {
+    float* row = panel_buffer<float, 1>(static_cast<size_t>(w.cols));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      dequantize_blocks(w.type, w.data + (r0 + r) * w.row_bytes(), blocks, row);
+      uint16_t* out = dst + r * w.cols;
+      for (int64_t c = 0; c < w.cols; ++c) out[c] = fp32_to_bf16(row[c]);
+    }
+  }
+}
+
+int64_t quant_panel_rows(int64_t cols) {
+  return std::max<int64_t>(16, (int64_t{1} << 21) / std::max<int64_t>(cols, 1) / 16 * 16);
+}
+
+void gemm_quant_forward(int64_t M, const float* X, int64_t ldx, const QuantMatrix& W, float beta,
+                        float* Y, int64_t ldy) {
+  check(W, "gemm_quant_forward");
+  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
+  float* panel = panel_buffer<float>(static_cast<size_t>(rows * K));
+  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
+    const int64_t n = std::min(rows, W.rows - n0);
+    dequantize_rows(W, n0, n, panel);
+    gemm_f32(Transpose::No, Transpose::Yes, M, n, K, X, ldx, panel, K, beta, Y + n0, ldy);
+  }
+}
+
+void gemm_quant_forward_bf16(int64_t M, const uint16_t* X, int64_t ldx, const QuantMatrix& W,
+                             float beta, float* Y, int64_t ldy) {
+  check(W, "gemm_quant_forward_bf16");
+  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
+  uint16_t* panel = panel_buffer<uint16_t>(static_cast<size_t>(rows * K));
+  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
+    const int64_t n = std::min(rows, W.rows - n0);
+    dequantize_rows_bf16(W, n0, n, panel);
+    gemm_bf16(Transpose::No, Transpose::Yes, M, n, K, X, ldx, panel, K, beta, Y + n0, ldy);
+  }
+}
+
+void gemm_quant_backward_input(int64_t M, const float* dY, int64_t lddy, const QuantMatrix& W,
+                               float beta, float* dX, int64_t lddx) {
+  check(W, "gemm_quant_backward_input");
+  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
+  float* panel = panel_buffer<float>(static_cast<size_t>(rows * K));
+  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
+    const int64_t n = std::min(rows, W.rows - n0);
+    dequantize_rows(W, n0, n, panel);
+    gemm_f32(Transpose::No, Transpose::No, M, K, n, dY + n0, lddy, panel, K, n0 == 0 ? beta : 1.0f,
+             dX, lddx);
+  }
+}
+
+void gemm_quant_backward_input_bf16(int64_t M, const uint16_t* dY, int64_t lddy,
+                                    const QuantMatrix& W, float beta, float* dX, int64_t lddx) {
+  check(W, "gemm_quant_backward_input_bf16");
+  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
+  uint16_t* panel = panel_buffer<uint16_t>(static_cast<size_t>(rows * K));
+  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
+    const int64_t n = std::min(rows, W.rows - n0);
+    dequantize_rows_bf16(W, n0, n, panel);
+    gemm_bf16(Transpose::No, Transpose::No, M, K, n, dY + n0, lddy, panel, K, n0 == 0 ? beta : 1.0f,
+              dX, lddx);
+  }
+}
+
+}  // namespace cputrain::kernels
