@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/bf16.h"
@@ -168,54 +170,98 @@ int64_t quant_panel_rows(int64_t cols) {
   return std::max<int64_t>(16, (int64_t{1} << 21) / std::max<int64_t>(cols, 1) / 16 * 16);
 }
 
-void gemm_quant_forward(int64_t M, const float* X, int64_t ldx, const QuantMatrix& W, float beta,
-                        float* Y, int64_t ldy) {
-  check(W, "gemm_quant_forward");
-  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
-  float* panel = panel_buffer<float>(static_cast<size_t>(rows * K));
+namespace {
+
+// product(n0, n, panel) over W's panels of rows n0 .. n0 + n, each dequantised into the calling
+// thread's buffer: FP32 where T is float, bf16 where it is uint16_t.
+template <typename T, typename Product>
+void over_panels(const QuantMatrix& W, const char* fn, Product&& product) {
+  check(W, fn);
+  const int64_t rows = std::min(W.rows, quant_panel_rows(W.cols));
+  T* panel = panel_buffer<T>(static_cast<size_t>(rows * W.cols));
   for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
     const int64_t n = std::min(rows, W.rows - n0);
-    dequantize_rows(W, n0, n, panel);
-    gemm_f32(Transpose::No, Transpose::Yes, M, n, K, X, ldx, panel, K, beta, Y + n0, ldy);
+    if constexpr (std::is_same_v<T, float>)
+      dequantize_rows(W, n0, n, panel);
+    else
+      dequantize_rows_bf16(W, n0, n, panel);
+    product(n0, n, panel);
   }
+}
+
+// Y = X W^T + beta Y row by row of W, for a few rows of X: each row of W decoded once, by the
+// thread that takes it (rounded to bf16 where X is bf16, as the GEMM multiplies it), and dotted
+// with every row of X in FP32.
+template <typename T>
+void rows_product(int64_t M, const T* X, int64_t ldx, const QuantMatrix& W, float beta, float* Y,
+                  int64_t ldy) {
+  check(W, "gemm_quant_forward");
+  const int64_t K = W.cols, blocks = K / quant_block_values(W.type);
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+#pragma omp parallel
+  {
+    float* row = panel_buffer<float, 1>(static_cast<size_t>(K));
+    float* x = panel_buffer<float, 2>(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) {
+      const T v = X[i / K * ldx + i % K];
+      if constexpr (kBf16)
+        x[i] = bf16_to_fp32(v);
+      else
+        x[i] = v;
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < W.rows; ++n) {
+      dequantize_blocks(W.type, W.data + n * W.row_bytes(), blocks, row);
+      if constexpr (kBf16)
+        for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_fp32(fp32_to_bf16(row[k]));
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < K; ++k) sum += xm[k] * row[k];
+        float& y = Y[m * ldy + n];
+        y = beta == 0.0f ? sum : beta * y + sum;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void gemm_quant_forward(int64_t M, const float* X, int64_t ldx, const QuantMatrix& W, float beta,
+                        float* Y, int64_t ldy) {
+  if (M <= kQuantRowsM) return rows_product(M, X, ldx, W, beta, Y, ldy);
+  over_panels<float>(W, "gemm_quant_forward", [&](int64_t n0, int64_t n, const float* panel) {
+    gemm_f32(Transpose::No, Transpose::Yes, M, n, W.cols, X, ldx, panel, W.cols, beta, Y + n0, ldy);
+  });
 }
 
 void gemm_quant_forward_bf16(int64_t M, const uint16_t* X, int64_t ldx, const QuantMatrix& W,
                              float beta, float* Y, int64_t ldy) {
-  check(W, "gemm_quant_forward_bf16");
-  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
-  uint16_t* panel = panel_buffer<uint16_t>(static_cast<size_t>(rows * K));
-  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
-    const int64_t n = std::min(rows, W.rows - n0);
-    dequantize_rows_bf16(W, n0, n, panel);
-    gemm_bf16(Transpose::No, Transpose::Yes, M, n, K, X, ldx, panel, K, beta, Y + n0, ldy);
-  }
+  if (M <= kQuantRowsM) return rows_product(M, X, ldx, W, beta, Y, ldy);
+  over_panels<uint16_t>(W, "gemm_quant_forward_bf16",
+                        [&](int64_t n0, int64_t n, const uint16_t* panel) {
+                          gemm_bf16(Transpose::No, Transpose::Yes, M, n, W.cols, X, ldx, panel,
+                                    W.cols, beta, Y + n0, ldy);
+                        });
 }
 
 void gemm_quant_backward_input(int64_t M, const float* dY, int64_t lddy, const QuantMatrix& W,
                                float beta, float* dX, int64_t lddx) {
-  check(W, "gemm_quant_backward_input");
-  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
-  float* panel = panel_buffer<float>(static_cast<size_t>(rows * K));
-  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
-    const int64_t n = std::min(rows, W.rows - n0);
-    dequantize_rows(W, n0, n, panel);
-    gemm_f32(Transpose::No, Transpose::No, M, K, n, dY + n0, lddy, panel, K, n0 == 0 ? beta : 1.0f,
-             dX, lddx);
-  }
+  over_panels<float>(W, "gemm_quant_backward_input",
+                     [&](int64_t n0, int64_t n, const float* panel) {
+                       gemm_f32(Transpose::No, Transpose::No, M, W.cols, n, dY + n0, lddy, panel,
+                                W.cols, n0 == 0 ? beta : 1.0f, dX, lddx);
+                     });
 }
 
 void gemm_quant_backward_input_bf16(int64_t M, const uint16_t* dY, int64_t lddy,
                                     const QuantMatrix& W, float beta, float* dX, int64_t lddx) {
-  check(W, "gemm_quant_backward_input_bf16");
-  const int64_t K = W.cols, rows = std::min(W.rows, quant_panel_rows(K));
-  uint16_t* panel = panel_buffer<uint16_t>(static_cast<size_t>(rows * K));
-  for (int64_t n0 = 0; n0 < W.rows; n0 += rows) {
-    const int64_t n = std::min(rows, W.rows - n0);
-    dequantize_rows_bf16(W, n0, n, panel);
-    gemm_bf16(Transpose::No, Transpose::No, M, K, n, dY + n0, lddy, panel, K, n0 == 0 ? beta : 1.0f,
-              dX, lddx);
-  }
+  over_panels<uint16_t>(W, "gemm_quant_backward_input_bf16",
+                        [&](int64_t n0, int64_t n, const uint16_t* panel) {
+                          gemm_bf16(Transpose::No, Transpose::No, M, W.cols, n, dY + n0, lddy,
+                                    panel, W.cols, n0 == 0 ? beta : 1.0f, dX, lddx);
+                        });
 }
 
 }  // namespace cputrain::kernels

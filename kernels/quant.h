@@ -45,8 +45,12 @@ int64_t quant_panel_rows(int64_t cols);
 // Forward, Y (M, N) = X (M, K) W^T + beta Y, W (N, K) quantised: the columns of Y panel by panel,
 // each the dispatched GEMM over the whole K, so each element is what gemm_f32 (gemm_bf16) gives
 // on the dequantised W. The bf16 form takes bf16 X and multiplies by W's bf16 rounding.
+// With M at most kQuantRowsM (decoding a token), each row of W is decoded once, by the thread
+// that takes it, and dotted with every row of X (summed in FP32, in another order than the
+// GEMM's), with no panel.
 void gemm_quant_forward(int64_t M, const float* X, int64_t ldx, const QuantMatrix& W, float beta,
                         float* Y, int64_t ldy);
+constexpr int64_t kQuantRowsM = 4;
 void gemm_quant_forward_bf16(int64_t M, const uint16_t* X, int64_t ldx, const QuantMatrix& W,
                              float beta, float* Y, int64_t ldy);
 // Input gradient, dX (M, K) = dY (M, N) W + beta dX: the panels' products summed in order of

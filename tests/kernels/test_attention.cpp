@@ -276,6 +276,27 @@ std::vector<double> from_bf16(const std::vector<uint16_t>& x) {
   return out;
 }
 
+// Random bf16 q, k, v (seeds seed .. seed + 2, q and k in [-2, 2]) and FP32 dout (seed + 3),
+// and the double reference's output, lse and gradients on the bf16 values, with options o.
+struct Bf16Inputs {
+  Bf16Inputs(const Dims& s, uint32_t seed, const AttentionOptions& o = {})
+      : q(to_bf16(random_floats(s.n(), seed, -2.0f, 2.0f))),
+        k(to_bf16(random_floats(s.kv_n(), seed + 1, -2.0f, 2.0f))),
+        v(to_bf16(random_floats(s.kv_n(), seed + 2))),
+        dout(random_floats(s.n(), seed + 3)),
+        qd(from_bf16(q)),
+        kd(from_bf16(k)),
+        vd(from_bf16(v)),
+        want(s.n()),
+        want_lse(s.B * s.H * s.T) {
+    attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse, o);
+    attention_ref_backward(s, qd, kd, vd, dout, want_dq, want_dk, want_dv, o);
+  }
+  std::vector<uint16_t> q, k, v;
+  std::vector<float> dout;
+  std::vector<double> qd, kd, vd, want, want_lse, want_dq, want_dk, want_dv;
+};
+
 // The bf16 kernels (vdpbf16ps, or AMX tiles where the GEMM runs on AMX) against the double
 // reference on the bf16 values of q, k, v. P, dout and dS are rounded to bf16 inside (relative
 // error up to 2^-9 each) and so is the output, so the tolerance is that of a few bf16 roundings,
@@ -283,14 +304,11 @@ std::vector<double> from_bf16(const std::vector<uint16_t>& x) {
 TEST_P(AttentionTiles, Bf16MatchesReference) {
   if (!attention_bf16_native()) GTEST_SKIP() << "the attention chosen has no bf16 instructions";
   const Dims s = GetParam();
-  const auto q = to_bf16(random_floats(s.n(), 11, -2.0f, 2.0f));
-  const auto k = to_bf16(random_floats(s.kv_n(), 12, -2.0f, 2.0f));
-  const auto v = to_bf16(random_floats(s.kv_n(), 13));
-  const std::vector<float> dout = random_floats(s.n(), 14);
-  const auto qd = from_bf16(q), kd = from_bf16(k), vd = from_bf16(v);
-  std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T), want_dq, want_dk, want_dv;
-  attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse);
-  attention_ref_backward(s, qd, kd, vd, dout, want_dq, want_dk, want_dv);
+  const Bf16Inputs in(s, 11);
+  const auto &q = in.q, &k = in.k, &v = in.v;
+  const auto& dout = in.dout;
+  const auto &want = in.want, &want_lse = in.want_lse, &want_dq = in.want_dq, &want_dk = in.want_dk,
+             &want_dv = in.want_dv;
   const std::vector<float> base = random_floats(s.n(), 15);
   const std::vector<float> kv_base(base.begin(), base.begin() + s.kv_n());
   std::vector<float> first;
@@ -618,14 +636,10 @@ TEST(AttentionOptions, Bf16WindowEdgesTailsAndCapsOverTiles) {
   if (!attention_bf16_native()) GTEST_SKIP() << "the attention chosen has no bf16 instructions";
   for (const auto& [s, o] : kOptionsCases) {
     const std::string what = dims_name(s) + " " + options_name(o);
-    const auto q = to_bf16(random_floats(s.n(), 51, -2.0f, 2.0f));
-    const auto k = to_bf16(random_floats(s.kv_n(), 52, -2.0f, 2.0f));
-    const auto v = to_bf16(random_floats(s.kv_n(), 53));
-    const std::vector<float> dout = random_floats(s.n(), 54);
-    const auto qd = from_bf16(q), kd = from_bf16(k), vd = from_bf16(v);
-    std::vector<double> want(s.n()), want_lse(s.B * s.H * s.T), want_dq, want_dk, want_dv;
-    attention_ref(s, qd, kd, vd, nullptr, &want, &want_lse, o);
-    attention_ref_backward(s, qd, kd, vd, dout, want_dq, want_dk, want_dv, o);
+    const Bf16Inputs in(s, 51, o);
+    const auto &q = in.q, &k = in.k, &v = in.v;
+    const auto& dout = in.dout;
+    const auto &qd = in.qd, &kd = in.kd, &vd = in.vd;
     std::vector<float> first;
     for (int threads : {1, 2}) {
       ThreadCount tc(threads);
@@ -635,16 +649,16 @@ TEST(AttentionOptions, Bf16WindowEdgesTailsAndCapsOverTiles) {
                              s.KVH, s.D, o);
       std::vector<float> out(s.n());
       for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
-      EXPECT_LT(max_error(out, want), 4e-3) << what;
-      EXPECT_LT(max_error(lse, want_lse), 1e-5) << what;
+      EXPECT_LT(max_error(out, in.want), 4e-3) << what;
+      EXPECT_LT(max_error(lse, in.want_lse), 1e-5) << what;
       const float nan = std::numeric_limits<float>::quiet_NaN();
       std::vector<float> dq(s.n(), nan), dk(s.kv_n(), nan), dv(s.kv_n(), nan);
       attention_backward_bf16(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
                               v.data(), out16.data(), lse.data(), s.B, s.T, s.H, s.KVH, s.D, false,
                               o);
-      EXPECT_LT(max_error(dq, want_dq), 1e-2) << what;
-      EXPECT_LT(max_error(dk, want_dk), 1e-2) << what;
-      EXPECT_LT(max_error(dv, want_dv), 1e-2) << what;
+      EXPECT_LT(max_error(dq, in.want_dq), 1e-2) << what;
+      EXPECT_LT(max_error(dk, in.want_dk), 1e-2) << what;
+      EXPECT_LT(max_error(dv, in.want_dv), 1e-2) << what;
       std::vector<float> all = out;
       for (const auto* g : {&lse, &dq, &dk, &dv}) all.insert(all.end(), g->begin(), g->end());
       if (first.empty())

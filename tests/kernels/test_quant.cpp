@@ -1,9 +1,9 @@
 // ggml's quantised formats: the decoders against values worked out element by element from
 // each format's definition (bit positions, scales and offsets written afresh here, on random
 // blocks); the products of a linear layer over a quantised W against the double-precision GEMM
-// of the dequantised W, over odd M, N across panels, every format, FP32 and bf16 activations,
-// beta 0 over NaN and beta 1. (tests/tools/test_interop.cpp checks the decoders on llama.cpp's
-// own quantised files against gguf-py's.)
+// of the dequantised W, over odd M (and the few rows of decoding), N across panels, every
+// format, FP32 and bf16 activations, beta 0 over NaN and beta 1. (tests/tools/test_interop.cpp
+// checks the decoders on llama.cpp's own quantised files against gguf-py's.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -164,7 +164,7 @@ TEST(Quant, LinearProductsOverAQuantisedWeight) {
         dequantize_rows(W, 0, N, w.data());
         std::vector<double> w16(w.size());
         for (size_t i = 0; i < w.size(); ++i) w16[i] = bf16_to_fp32(fp32_to_bf16(w[i]));
-        for (const int64_t M : {int64_t{1}, int64_t{7}, int64_t{33}}) {
+        for (const int64_t M : {int64_t{1}, int64_t{4}, int64_t{7}, int64_t{33}}) {
           const std::string what = type_name(t) + " M" + std::to_string(M) + " N" +
                                    std::to_string(N) + " K" + std::to_string(K);
           const std::vector<float> x = test::random_floats(static_cast<size_t>(M * K), 6);
