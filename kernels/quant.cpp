@@ -19,7 +19,25 @@ namespace {
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);  // F16C (the baseline ISA): exact for every half
+#ifdef __F16C__
+  return _cvtsh_ss(h);  // exact for every half
+#else
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24, exact in FP32
+    const float v = static_cast<float>(mantissa) * 0x1p-24f;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
 }
 
 // Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (0..7) from their 12 packed bytes.
@@ -36,8 +54,24 @@ inline void k_scale_min(int j, const uint8_t* q, int* scale, int* min) {
 void q4_0(const uint8_t* src, float* dst) {
   const float d = half_at(src);
   const uint8_t* q = src + 2;
+#ifdef __AVX2__
+  // The 16 bytes' low nibbles (values 0-15) and high ones (16-31), less 8, times d: the scalar
+  // arithmetic, 8 lanes at a time.
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i nibbles[2] = {_mm_and_si128(bytes, mask),
+                              _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+  const __m256 scale = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
+  for (int h = 0; h < 2; ++h)
+    for (int part = 0; part < 2; ++part) {
+      const __m128i eight_bytes = _mm_srli_si128(nibbles[h], 8 * part);
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes));
+      _mm256_storeu_ps(dst + 16 * h + 8 * part, _mm256_mul_ps(scale, _mm256_sub_ps(v, eight)));
+    }
+#else
   for (int i = 0; i < 16; ++i) dst[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
   for (int i = 0; i < 16; ++i) dst[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+#endif
 }
 
 void q8_0(const uint8_t* src, float* dst) {
