@@ -19,25 +19,7 @@ namespace {
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);  // exact for every half
-#else
-  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31;
-  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24, exact in FP32
-    const float v = static_cast<float>(mantissa) * 0x1p-24f;
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else if (exponent == 31) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
+  return half_to_fp32(h);
 }
 
 // Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (0..7) from their 12 packed bytes.
@@ -138,6 +120,28 @@ void check(const QuantMatrix& w, const char* fn) {
 }
 
 }  // namespace
+
+float half_to_fp32(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24, exact in FP32
+    const float v = static_cast<float>(mantissa) * 0x1p-24f;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
 
 int64_t quant_block_values(QuantType type) {
   return type == QuantType::Q4_0 || type == QuantType::Q8_0 ? 32 : 256;

@@ -21,6 +21,9 @@ namespace cputrain::kernels {
 
 enum class QuantType : uint8_t { Q4_0, Q8_0, Q4_K, Q5_K, Q6_K };
 
+// An IEEE half (the formats' scales, F16 tensors) as FP32, exactly (F16C where the build has it).
+float half_to_fp32(uint16_t h);
+
 int64_t quant_block_values(QuantType type);  // 32 or 256
 int64_t quant_block_bytes(QuantType type);
 

@@ -153,24 +153,6 @@ GgufValue read_value(Cursor& c, GgufType type) {
   return v;
 }
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31;
-  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0) {
-    const float v = std::ldexp(static_cast<float>(mantissa), -24);
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else if (exponent == 31) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 uint16_t float_to_half(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
@@ -478,7 +460,7 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
       return;
     case GgmlType::F16:
-      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(load_u16(src + 2 * i));
+      for (int64_t i = 0; i < n; ++i) dst[i] = kernels::half_to_fp32(load_u16(src + 2 * i));
       return;
     case GgmlType::BF16:
       for (int64_t i = 0; i < n; ++i) {
