@@ -100,58 +100,32 @@ inline void ce_forward_gradient(float* out, uint16_t* out_bf16, float* losses, c
     losses[i] = static_cast<float>(ld - x[t]);
     // As scaled_softmax_row, then minus scale at the target, before any rounding.
     auto grad = [&](int64_t j, int n) {
-      vf e = scale *
-             vec::exp((n == kLanes ? vec::load(x + j) : vec::load_partial(x + j, n, 0.0f)) - l);
+      vf e = scale * vec::exp(vec::load_n(x + j, n) - l);
       if (t >= j && t < j + n) e[t - j] -= scale;
-      if (out_bf16 != nullptr) {
+      if (out_bf16 != nullptr)
         vec::store_bf16(out_bf16 + i * V + j, e, n);
-      } else if (n == kLanes) {
-        vec::store(out + i * V + j, e);
-      } else {
-        vec::store_partial(out + i * V + j, e, n);
-      }
+      else
+        vec::store_n(out + i * V + j, e, n);
     };
     for (int64_t j = 0; j < whole; j += kLanes) grad(j, kLanes);
     if (tail) grad(whole, tail);
   }
 }
 
-// Runs of kLanes values (the last one partial), split over threads: x = cap * tanh(x / cap);
-// g *= 1 - (capped / cap)^2.
+// x = cap * tanh(x / cap); g *= 1 - (capped / cap)^2.
 void soft_cap(float* x, int64_t n, float cap) {
-  using vec::kLanes, vec::vf;
   const float inv = 1.0f / cap;
-  const int64_t runs = (n + kLanes - 1) / kLanes;
-#pragma omp parallel for schedule(static) if (n > 16384)
-  for (int64_t r = 0; r < runs; ++r) {
-    const int64_t i = r * kLanes;
-    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-    const vf v = m == kLanes ? vec::load(x + i) : vec::load_partial(x + i, m, 0.0f);
-    const vf y = cap * vec::tanh(v * inv);
-    if (m == kLanes)
-      vec::store(x + i, y);
-    else
-      vec::store_partial(x + i, y, m);
-  }
+  vec::for_each_run(n, [=](int64_t i, int m) {
+    vec::store_n(x + i, cap * vec::tanh(vec::load_n(x + i, m) * inv), m);
+  });
 }
 
 void soft_cap_gradient(float* g, const float* capped, int64_t n, float cap) {
-  using vec::kLanes, vec::vf;
   const float inv = 1.0f / cap;
-  const int64_t runs = (n + kLanes - 1) / kLanes;
-#pragma omp parallel for schedule(static) if (n > 16384)
-  for (int64_t r = 0; r < runs; ++r) {
-    const int64_t i = r * kLanes;
-    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-    const vf t =
-        (m == kLanes ? vec::load(capped + i) : vec::load_partial(capped + i, m, 0.0f)) * inv;
-    const vf v = m == kLanes ? vec::load(g + i) : vec::load_partial(g + i, m, 0.0f);
-    const vf y = v * (1.0f - t * t);
-    if (m == kLanes)
-      vec::store(g + i, y);
-    else
-      vec::store_partial(g + i, y, m);
-  }
+  vec::for_each_run(n, [=](int64_t i, int m) {
+    const vec::vf t = vec::load_n(capped + i, m) * inv;
+    vec::store_n(g + i, vec::load_n(g + i, m) * (1.0f - t * t), m);
+  });
 }
 
 constexpr CrossEntropyKernels kCrossEntropyKernels = {

@@ -38,17 +38,13 @@ inline vf gelu(vf g, vf& derivative) {
   return g * s;
 }
 
-// The m (<= kLanes) values at p, zeros after them; and their store.
+// The m (<= kLanes) values at p, FP32 or bf16 widened, zeros after them; and their store.
 inline vf get(const float* p, int m) {
-  return m == kLanes ? vec::load(p) : vec::load_partial(p, m, 0.0f);
+  return vec::load_n(p, m);
 }
 inline void put(float* p, vf v, int m) {
-  if (m == kLanes)
-    vec::store(p, v);
-  else
-    vec::store_partial(p, v, m);
+  vec::store_n(p, v, m);
 }
-
 inline vf get(const uint16_t* p, int m) {
   return vec::load_bf16(p, m);
 }

@@ -32,13 +32,34 @@ inline __attribute__((always_inline)) vf splat(float a) {
 }
 
 // The first n (< kLanes) values at p, the other lanes `fill`.
-inline vf load_partial(const float* p, int n, float fill) {
+inline __attribute__((always_inline)) vf load_partial(const float* p, int n, float fill) {
   vf v = splat(fill);
   std::memcpy(&v, p, sizeof(float) * static_cast<size_t>(n));
   return v;
 }
-inline void store_partial(float* p, vf v, int n) {
+inline __attribute__((always_inline)) void store_partial(float* p, vf v, int n) {
   std::memcpy(p, &v, sizeof(float) * static_cast<size_t>(n));
+}
+// The m (<= kLanes) values at p, zeros after them; and their store.
+inline __attribute__((always_inline)) vf load_n(const float* p, int m) {
+  return m == kLanes ? load(p) : load_partial(p, m, 0.0f);
+}
+inline __attribute__((always_inline)) void store_n(float* p, vf v, int m) {
+  if (m == kLanes)
+    store(p, v);
+  else
+    store_partial(p, v, m);
+}
+
+// f(i, m) for the runs of kLanes values of an array of n (from i, m of them: the last run
+// partial), split over threads where n is large. Each thread calls its own copy of f, so what f
+// holds stays in registers (vector stores, which may alias anything, would else reload it).
+template <class F>
+void for_each_run(int64_t n, F f) {
+  const int64_t runs = (n + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) if (n > 16384) firstprivate(f)
+  for (int64_t r = 0; r < runs; ++r)
+    f(r * kLanes, static_cast<int>(n - r * kLanes < kLanes ? n - r * kLanes : kLanes));
 }
 
 // The first n (<= kLanes) bf16 values at p, widened; the other lanes 0.
