@@ -97,8 +97,7 @@ void attention_decode(float* out, const float* q, const float* keys, const float
                       int64_t m, int64_t H, int64_t KVH, int64_t D,
                       const AttentionOptions& options) {
   check_heads("attention_decode", H, KVH);
-  const float scale =
-      options.scale > 0.0f ? options.scale : 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = attention_score_scale(options, D);
   const float cap = options.softcap;
   const int64_t row = H * D, kv_row = KVH * D, group = H / KVH;
 #pragma omp parallel

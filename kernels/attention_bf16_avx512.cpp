@@ -49,7 +49,7 @@
 namespace cputrain::kernels {
 namespace {
 
-constexpr int64_t kTile = 64;       // queries and keys per tile
+constexpr int64_t kTile = kAttentionTile;
 constexpr int64_t kTilePairs = 32;  // pairs along a tile's 64 positions
 
 // A buffer of the calling thread, grown on demand and kept for the next call.
@@ -261,7 +261,7 @@ void rows_centered(uint32_t* dst, const uint32_t* src, const float* mean, int64_
 struct Head {
   Head(int64_t T, int64_t H, int64_t KVH, int64_t D, const AttentionOptions& o, bool amx)
       : amx(amx),
-        scale(o.scale > 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(D))),
+        scale(attention_score_scale(o, D)),
         cap(o.softcap),
         window(o.window),
         row(H * D),
@@ -275,14 +275,6 @@ struct Head {
   float cap;       // soft-capping's cap, 0 for none
   int64_t window;  // the sliding window, 0 for none
   int64_t row, kv_row, group, Dp, Dh, Tp;
-  // The first key tile a query tile from i0 reaches.
-  int64_t first_key_tile(int64_t i0) const {
-    return window > 0 ? std::max<int64_t>(0, i0 - window + 1) / kTile * kTile : 0;
-  }
-  // The end of the query tiles that reach the key tile j0 (cols keys).
-  int64_t query_end(int64_t j0, int64_t cols, int64_t T) const {
-    return window > 0 ? std::min(T, j0 + cols - 1 + window) : T;
-  }
 };
 
 // The lanes of a row of scores, query i against the key tile from j0 (cols keys): the keys up to
@@ -365,7 +357,7 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
         std::fill(O, O + rows * Dp, 0.0f);
         std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
         std::fill(l, l + rows, 0.0f);
-        for (int64_t j0 = hd.first_key_tile(i0); j0 <= i0; j0 += kTile) {
+        for (int64_t j0 = window_first_key_tile(i0, hd.window); j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
           dp_product(hd.amx, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
                      false);
@@ -501,7 +493,7 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
           std::fill(dVT, dVT + Dp * kTile, 0.0f);
           __m512 cs[4];
           for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
-          for (int64_t i0 = j0; i0 < hd.query_end(j0, cols, T); i0 += kTile) {
+          for (int64_t i0 = j0; i0 < window_query_end(j0, cols, T, hd.window); i0 += kTile) {
             const int64_t rows = std::min(kTile, T - i0);
             dp_product(hd.amx, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
                        false);

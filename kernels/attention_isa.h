@@ -4,11 +4,31 @@
 // bf16 ones where avx512_bf16 is, the AMX products where amx_bf16 is).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/attention.h"
 
 namespace cputrain::kernels {
+
+// The scores' scale: the options', or 1/sqrt(D).
+inline float attention_score_scale(const AttentionOptions& o, int64_t D) {
+  return o.scale > 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(D));
+}
+
+// Queries and keys per tile of every implementation.
+constexpr int64_t kAttentionTile = 64;
+
+// A sliding window's tiles: the first key tile a query tile from i0 reaches (the one holding key
+// i0 - window + 1), and the end of the query tiles that reach the key tile from j0 (cols keys,
+// T queries); without a window (0), 0 and T.
+inline int64_t window_first_key_tile(int64_t i0, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, i0 - window + 1) / kAttentionTile * kAttentionTile : 0;
+}
+inline int64_t window_query_end(int64_t j0, int64_t cols, int64_t T, int64_t window) {
+  return window > 0 ? std::min(T, j0 + cols - 1 + window) : T;
+}
 
 struct AttentionKernels {
   void (*forward)(float* out, float* lse, const float* q, const float* k, const float* v, int64_t B,

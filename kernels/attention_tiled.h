@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "kernels/attention_isa.h"
 #include "kernels/vec16.h"
 
 namespace cputrain::kernels::detail {
@@ -39,7 +40,7 @@ using vec::load;
 using vec::splat;
 using vec::store;
 using vec::vf;
-constexpr int64_t kTile = 64;  // queries and keys per tile (a multiple of kLanes)
+constexpr int64_t kTile = kAttentionTile;  // a multiple of kLanes
 
 // C[m, 0:N] (+)= sum_k op(A)[m, k] B[k, 0:N] for m < M, N a multiple of kLanes, where op(A) is
 // A (M x K, row stride lda) or, with TA, the transpose of A (K x M).
@@ -177,22 +178,11 @@ inline void softcap_scores(float* S, float* Tt, int64_t rows, float cap) {
     }
 }
 
-// The scores' scale: the option's, or 1/sqrt(D).
-inline float score_scale(const AttentionOptions& o, int64_t D) {
-  return o.scale > 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(D));
-}
-
-// The first key tile a query tile from i0 reaches: 0, or with a window the one holding key
-// i0 - window + 1.
-inline int64_t first_key_tile(int64_t i0, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, i0 - window + 1) / kTile * kTile : 0;
-}
-
 template <int RB>
 void attention_forward_tiled(float* out, float* lse, const float* q, const float* k, const float* v,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                              const AttentionOptions& opt) {
-  const float scale = score_scale(opt, D);
+  const float scale = attention_score_scale(opt, D);
   const int64_t window = opt.window;
   const int64_t row = H * D, kv_row = KVH * D, group = H / KVH, Dp = padded_dim(D);
   const int64_t Tp = (T + kTile - 1) / kTile * kTile;
@@ -227,7 +217,7 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
         std::fill(O, O + rows * Dp, 0.0f);
         std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
         std::fill(l, l + rows, 0.0f);
-        for (int64_t j0 = first_key_tile(i0, window); j0 <= i0; j0 += kTile) {
+        for (int64_t j0 = window_first_key_tile(i0, window); j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
           tile_nn<RB>(S, kTile, Q, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
           if (opt.softcap > 0.0f) softcap_scores(S, nullptr, rows, opt.softcap);
@@ -271,7 +261,7 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
                               const float* k, const float* v, const float* out, const float* lse,
                               int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                               bool accumulate, const AttentionOptions& opt) {
-  const float scale = score_scale(opt, D);
+  const float scale = attention_score_scale(opt, D);
   const int64_t window = opt.window;
   const bool capped = opt.softcap > 0.0f;
   const int64_t row = H * D, kv_row = KVH * D, group = H / KVH, Dp = padded_dim(D);
@@ -328,8 +318,7 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
           std::fill(dK, dK + kTile * Dp, 0.0f);
           std::fill(dV, dV + kTile * Dp, 0.0f);
           // Query tiles from the key tile's first to the last whose window reaches its last key.
-          const int64_t i_end = window > 0 ? std::min(T, j0 + cols - 1 + window) : T;
-          for (int64_t i0 = j0; i0 < i_end; i0 += kTile) {
+          for (int64_t i0 = j0; i0 < window_query_end(j0, cols, T, window); i0 += kTile) {
             const int64_t rows = std::min(kTile, T - i0);
             tile_nn<RB>(P, kTile, Qs + i0 * Dp, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
             if (capped) softcap_scores(P, Tt, rows, opt.softcap);
