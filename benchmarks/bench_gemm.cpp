@@ -8,9 +8,11 @@
 //
 // Benchmarks are named gemm/<impl>/<dtype>/<preset>/<product> (impl: ours, onednn, eigen), with
 // counters GFLOPS and pct_peak (of the all-threads peak of that dtype). A weight held quantised
-// (kernels/quant.h), Llama 3.2 1B's up projection on 512 tokens of bf16 activations: the forward
-// and dX products through the dispatched bf16 GEMM over a bf16 W and over each format, named
-// gemm/quant/<bf16|Q4_0|Q8_0|Q4_K|Q5_K|Q6_K>/<forward|dX>.
+// (kernels/quant.h), Llama 3.2 1B's up projection (W 8192 x 2048), named
+// gemm/quant/<W>/<what> with W bf16 (dense; f32 for token) or a format (Q4_0, Q8_0, Q4_K,
+// Q5_K, Q6_K): forward and dX, the products on 512 tokens of bf16 activations through the
+// dispatched bf16 GEMM; token, the forward of one token of FP32 activations (counter ms);
+// dequantise, all of W to bf16 (counter ns_per_value).
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
@@ -83,15 +85,20 @@ void run_one(benchmark::State& state, const Shape& s, const std::string& impl, b
         .push_back(gflops);
 }
 
-// Y (512, 8192) = X W^T and dX = dY W with W (8192, 2048) in bf16 (format < 0) or quantised.
-void run_quant(benchmark::State& state, int format, bool backward) {
-  constexpr int64_t M = 512, N = 8192, K = 2048;
+enum class QuantBench { Forward, DX, Token, Dequantise };
+
+// Y (512, 8192) = X W^T and dX = dY W with W (8192, 2048) dense (format < 0: bf16, or FP32 for a
+// token) or quantised; one token's Y; W dequantised.
+void run_quant(benchmark::State& state, int format, QuantBench what) {
+  constexpr int64_t N = 8192, K = 2048;
+  const int64_t M = what == QuantBench::Token ? 1 : 512;
   std::mt19937 rng(1);
   std::vector<uint16_t> x(M * std::max(N, K)), w16(N * K);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (uint16_t& v : x) v = kernels::fp32_to_bf16(u(rng));
   for (uint16_t& v : w16) v = kernels::fp32_to_bf16(0.02f * u(rng));
-  std::vector<float> y(M * std::max(N, K));
+  std::vector<float> y(M * std::max(N, K)), w32, x32(K, 0.5f);
+  if (format < 0 && what == QuantBench::Token) w32.assign(N * K, 0.01f);
   std::vector<uint8_t> data;
   kernels::QuantMatrix w{};
   if (format >= 0) {
@@ -113,21 +120,43 @@ void run_quant(benchmark::State& state, int format, bool backward) {
     }
     w.data = data.data();
   }
+  std::vector<uint16_t> dequantised(what == QuantBench::Dequantise ? N * K : 0);
   auto call = [&] {
-    if (format < 0 && !backward)
-      kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, x.data(), K, w16.data(), K, 0.0f,
-                         y.data(), N);
-    else if (format < 0)
-      kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, x.data(), N, w16.data(), K, 0.0f,
-                         y.data(), K);
-    else if (!backward)
-      kernels::gemm_quant_forward_bf16(M, x.data(), K, w, 0.0f, y.data(), N);
-    else
-      kernels::gemm_quant_backward_input_bf16(M, x.data(), N, w, 0.0f, y.data(), K);
+    switch (what) {
+      case QuantBench::Forward:
+        if (format < 0)
+          kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, x.data(), K, w16.data(), K,
+                             0.0f, y.data(), N);
+        else
+          kernels::gemm_quant_forward_bf16(M, x.data(), K, w, 0.0f, y.data(), N);
+        break;
+      case QuantBench::DX:
+        if (format < 0)
+          kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, x.data(), N, w16.data(), K,
+                             0.0f, y.data(), K);
+        else
+          kernels::gemm_quant_backward_input_bf16(M, x.data(), N, w, 0.0f, y.data(), K);
+        break;
+      case QuantBench::Token:
+        if (format < 0)
+          kernels::gemm_f32(Transpose::No, Transpose::Yes, 1, N, K, x32.data(), K, w32.data(), K,
+                            0.0f, y.data(), N);
+        else
+          kernels::gemm_quant_forward(1, x32.data(), K, w, 0.0f, y.data(), N);
+        break;
+      case QuantBench::Dequantise:
+        kernels::dequantize_rows_bf16(w, 0, N, dequantised.data());
+        break;
+    }
   };
   call();
   const double seconds = timed_median(state, call);
-  report_gflops(state, 2.0 * M * N * K / seconds / 1e9, peak, true);
+  if (what == QuantBench::Token)
+    state.counters["ms"] = seconds * 1e3;
+  else if (what == QuantBench::Dequantise)
+    state.counters["ns_per_value"] = seconds * 1e9 / static_cast<double>(N * K);
+  else
+    report_gflops(state, 2.0 * M * N * K / seconds / 1e9, peak, true);
 }
 
 void print_peak(const char* when, const kernels::Peak& p) {
@@ -190,12 +219,19 @@ int main(int argc, char** argv) {
     }
   }
   const char* formats[] = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+  const std::pair<QuantBench, const char*> quant_benches[] = {
+      {QuantBench::Forward, "forward"},
+      {QuantBench::DX, "dX"},
+      {QuantBench::Token, "token"},
+      {QuantBench::Dequantise, "dequantise"}};
   for (int format = -1; format < 5; ++format)
-    for (const bool backward : {false, true})
+    for (const auto& [what, name] : quant_benches) {
+      if (format < 0 && what == QuantBench::Dequantise) continue;
+      const char* dense = what == QuantBench::Token ? "f32" : "bf16";
       register_timed(
-          std::string("gemm/quant/") + (format < 0 ? "bf16" : formats[format]) +
-              (backward ? "/dX" : "/forward"),
-          [format, backward](benchmark::State& state) { run_quant(state, format, backward); });
+          std::string("gemm/quant/") + (format < 0 ? dense : formats[format]) + "/" + name,
+          [format, what](benchmark::State& state) { run_quant(state, format, what); });
+    }
   benchmark::RunSpecifiedBenchmarks();
   // The peak again: the counters pct_peak, reported during the run, are of the first
   // measurement; the table's % of peak is of the higher of the two.

@@ -236,17 +236,18 @@ void rows_product(int64_t M, const T* X, int64_t ldx, const QuantMatrix& W, floa
   check(W, "gemm_quant_forward");
   const int64_t K = W.cols, blocks = K / quant_block_values(W.type);
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  // X's rows as FP32, once, read by every thread.
+  float* x = panel_buffer<float, 2>(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      if constexpr (kBf16)
+        x[m * K + k] = bf16_to_fp32(X[m * ldx + k]);
+      else
+        x[m * K + k] = X[m * ldx + k];
+    }
 #pragma omp parallel
   {
     float* row = panel_buffer<float, 1>(static_cast<size_t>(K));
-    float* x = panel_buffer<float, 2>(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) {
-      const T v = X[i / K * ldx + i % K];
-      if constexpr (kBf16)
-        x[i] = bf16_to_fp32(v);
-      else
-        x[i] = v;
-    }
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < W.rows; ++n) {
       dequantize_blocks(W.type, W.data + n * W.row_bytes(), blocks, row);

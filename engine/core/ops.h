@@ -58,8 +58,7 @@ struct Packing {
 // attention; KVH = H is multi-head). With `packing`, each query attends only within its own
 // sequence, as if that sequence were a row of its own.
 // `options` (kernels/attention.h): a scale of the scores other than 1/sqrt(D), soft-capping, a
-// sliding window (none where it is no shorter than T); with any, the FP32 kernels compute it in
-// either mode.
+// sliding window (none where it is no shorter than T), in either mode.
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
                    int64_t n_kv_heads, std::shared_ptr<const Packing> packing = nullptr,
                    kernels::AttentionOptions options = {});

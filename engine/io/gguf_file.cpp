@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "engine/core/error.h"
@@ -184,22 +185,6 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// The kernels' name of a quantised type.
-kernels::QuantType quant_type(GgmlType type) {
-  switch (type) {
-    case GgmlType::Q4_0:
-      return kernels::QuantType::Q4_0;
-    case GgmlType::Q8_0:
-      return kernels::QuantType::Q8_0;
-    case GgmlType::Q4_K:
-      return kernels::QuantType::Q4_K;
-    case GgmlType::Q5_K:
-      return kernels::QuantType::Q5_K;
-    default:
-      return kernels::QuantType::Q6_K;
-  }
-}
-
 }  // namespace
 
 std::string ggml_type_name(uint32_t type) {
@@ -254,39 +239,40 @@ bool ggml_type_supported(uint32_t type) {
   return false;
 }
 
-int64_t ggml_block_size(GgmlType type) {
+namespace {
+
+// The kernels' name of a quantised type (kernels/quant.h holds their layouts); none for the
+// others.
+std::optional<kernels::QuantType> quant_type(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_0:
+      return kernels::QuantType::Q4_0;
     case GgmlType::Q8_0:
-      return 32;
+      return kernels::QuantType::Q8_0;
     case GgmlType::Q4_K:
+      return kernels::QuantType::Q4_K;
     case GgmlType::Q5_K:
+      return kernels::QuantType::Q5_K;
     case GgmlType::Q6_K:
-      return 256;
-    default:
-      return 1;
+      return kernels::QuantType::Q6_K;
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+      break;
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int64_t ggml_block_size(GgmlType type) {
+  const auto q = quant_type(type);
+  return q ? kernels::quant_block_values(*q) : 1;
 }
 
 size_t ggml_block_bytes(GgmlType type) {
-  switch (type) {
-    case GgmlType::F32:
-      return 4;
-    case GgmlType::F16:
-    case GgmlType::BF16:
-      return 2;
-    case GgmlType::Q4_0:
-      return 2 + 16;
-    case GgmlType::Q8_0:
-      return 2 + 32;
-    case GgmlType::Q4_K:
-      return 2 + 2 + 12 + 128;
-    case GgmlType::Q5_K:
-      return 2 + 2 + 12 + 32 + 128;
-    case GgmlType::Q6_K:
-      return 128 + 64 + 16 + 2;
-  }
-  return 0;
+  if (const auto q = quant_type(type)) return static_cast<size_t>(kernels::quant_block_bytes(*q));
+  return type == GgmlType::F32 ? 4 : 2;
 }
 
 size_t ggml_bytes(GgmlType type, int64_t n) {
@@ -473,7 +459,7 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
     case GgmlType::Q6_K: {
-      const kernels::QuantType q = quant_type(type);
+      const kernels::QuantType q = *quant_type(type);
       kernels::dequantize_blocks(q, src, n / kernels::quant_block_values(q), dst);
       return;
     }
