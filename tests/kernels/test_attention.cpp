@@ -297,6 +297,20 @@ struct Bf16Inputs {
   std::vector<double> qd, kd, vd, want, want_lse, want_dq, want_dk, want_dv;
 };
 
+// The bf16 forward on `in` with options o: its bf16 output, that output widened, and lse.
+struct Bf16Forward {
+  std::vector<uint16_t> out16;
+  std::vector<float> out, lse;
+};
+Bf16Forward forward_bf16(const Dims& s, const Bf16Inputs& in, const AttentionOptions& o = {}) {
+  Bf16Forward f{std::vector<uint16_t>(s.n()), std::vector<float>(s.n()),
+                std::vector<float>(s.B * s.H * s.T)};
+  attention_forward_bf16(f.out16.data(), f.lse.data(), in.q.data(), in.k.data(), in.v.data(), s.B,
+                         s.T, s.H, s.KVH, s.D, o);
+  for (int64_t i = 0; i < s.n(); ++i) f.out[i] = bf16_to_fp32(f.out16[i]);
+  return f;
+}
+
 // The bf16 kernels (vdpbf16ps, or AMX tiles where the GEMM runs on AMX) against the double
 // reference on the bf16 values of q, k, v. P, dout and dS are rounded to bf16 inside (relative
 // error up to 2^-9 each) and so is the output, so the tolerance is that of a few bf16 roundings,
@@ -314,12 +328,7 @@ TEST_P(AttentionTiles, Bf16MatchesReference) {
   std::vector<float> first;
   for (int threads : {1, 2}) {
     ThreadCount tc(threads);
-    std::vector<uint16_t> out16(s.n());
-    std::vector<float> lse(s.B * s.H * s.T);
-    attention_forward_bf16(out16.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
-                           s.KVH, s.D);
-    std::vector<float> out(s.n());
-    for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
+    auto [out16, out, lse] = forward_bf16(s, in);
     EXPECT_LT(max_error(out, want), 4e-3);
     EXPECT_LT(max_error(lse, want_lse), 1e-5);
     // Gradients accumulate into what is there.
@@ -641,14 +650,11 @@ TEST(AttentionOptions, Bf16WindowEdgesTailsAndCapsOverTiles) {
     const auto& dout = in.dout;
     const auto &qd = in.qd, &kd = in.kd, &vd = in.vd;
     std::vector<float> first;
+    Bf16Forward f;
     for (int threads : {1, 2}) {
       ThreadCount tc(threads);
-      std::vector<uint16_t> out16(s.n());
-      std::vector<float> lse(s.B * s.H * s.T);
-      attention_forward_bf16(out16.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
-                             s.KVH, s.D, o);
-      std::vector<float> out(s.n());
-      for (int64_t i = 0; i < s.n(); ++i) out[i] = bf16_to_fp32(out16[i]);
+      f = forward_bf16(s, in, o);
+      auto& [out16, out, lse] = f;
       EXPECT_LT(max_error(out, in.want), 4e-3) << what;
       EXPECT_LT(max_error(lse, in.want_lse), 1e-5) << what;
       const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -667,23 +673,17 @@ TEST(AttentionOptions, Bf16WindowEdgesTailsAndCapsOverTiles) {
         EXPECT_EQ(all, first) << what << ": depends on the thread count";
     }
     // Against the FP32 kernels on the same inputs.
-    std::vector<uint16_t> out16(s.n());
-    std::vector<float> lse(s.B * s.H * s.T), out32(s.n()), lse32(s.B * s.H * s.T);
-    attention_forward_bf16(out16.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
-                           s.KVH, s.D, o);
+    std::vector<float> out32(s.n()), lse32(s.B * s.H * s.T);
     const std::vector<float> qf(qd.begin(), qd.end()), kf(kd.begin(), kd.end()),
         vf(vd.begin(), vd.end());
     attention_forward(out32.data(), lse32.data(), qf.data(), kf.data(), vf.data(), s.B, s.T, s.H,
                       s.KVH, s.D, o);
     const std::vector<double> lse32d(lse32.begin(), lse32.end());
-    EXPECT_LT(max_error(lse, lse32d), 1e-5) << what;
+    EXPECT_LT(max_error(f.lse, lse32d), 1e-5) << what;
     if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f) continue;
-    std::vector<uint16_t> plain(s.n());
-    std::vector<float> plain_lse(s.B * s.H * s.T);
-    attention_forward_bf16(plain.data(), plain_lse.data(), q.data(), k.data(), v.data(), s.B, s.T,
-                           s.H, s.KVH, s.D);
-    EXPECT_EQ(out16, plain) << what;
-    EXPECT_EQ(lse, plain_lse) << what;
+    const Bf16Forward plain = forward_bf16(s, in);
+    EXPECT_EQ(f.out16, plain.out16) << what;
+    EXPECT_EQ(f.lse, plain.lse) << what;
   }
 }
 
