@@ -11,6 +11,8 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
                (596M)
   llama3.2-1b  Llama-3.2-1B: d_model 2048, 16 layers, 32 heads over 8 of 64, ffn 8192, theta 5e5,
                Llama 3's RoPE scaling (factor 32, original context 8192) (1.24B)
+  llama3.1-8b  Llama-3.1-8B: d_model 4096, 32 layers, 32 heads over 8 of 128, ffn 14336, theta 5e5,
+               Llama 3's RoPE scaling (factor 8), an untied head (8.03B)
   smollm3-3b   SmolLM3-3B: d_model 2048, 36 layers, 16 heads over 4 of 128, ffn 11008, every
                fourth layer without RoPE (3.08B)
   phi4-mini    Phi-4-mini: d_model 3072, 32 layers, 24 heads over 8 of 128, ffn 8192, fused qkv and
@@ -23,7 +25,7 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
   gemma3-1b    Gemma 3 1B: d_model 1152, 26 layers, 4 heads over 1 of 256, ffn 6912, GeGLU, q/k
                norms, norms after attention and the MLP, five layers of six within a window of
                512 at RoPE base 10,000 (the others 1,000,000), vocab 262144 (1.00B)
-All but phi2 tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
+All but phi2 and llama3.1-8b tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
 (models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
 vocabulary as the published files are. Tensors are generated and written one at a time, so the
 writer holds one in memory.
@@ -44,6 +46,8 @@ SHAPES = {
     "qwen3-0.6b": ("qwen3", 1024, 3072, 28, 16, 8, 128, 151936, 1e6, "qwen2", {"qk_norm": True}),
     "llama3.2-1b": ("llama", 2048, 8192, 16, 32, 8, 64, 128256, 5e5, "llama-bpe",
                     {"llama3": (32.0, 1.0, 4.0, 8192), "adjacent": True}),
+    "llama3.1-8b": ("llama", 4096, 14336, 32, 32, 8, 128, 128256, 5e5, "llama-bpe",
+                    {"llama3": (8.0, 1.0, 4.0, 8192), "adjacent": True, "untied": True}),
     "smollm3-3b": ("smollm3", 2048, 11008, 36, 16, 4, 128, 128256, 5e6, "llama-bpe",
                    {"adjacent": True}),
     "phi4-mini": ("phi3", 3072, 8192, 32, 24, 8, 128, 200064, 1e4, "phi-3",
@@ -148,6 +152,8 @@ tensors.append(("output_norm.weight", (D,), "ones"))
 if EXTRA.get("phi2"):
     tensors += [("output_norm.bias", (D,), "bias"), ("output.weight", (VOCAB, D), "bf16"),
                 ("output.bias", (VOCAB,), "bias")]
+if EXTRA.get("untied"):
+    tensors.append(("output.weight", (VOCAB, D), "bf16"))
 rope = EXTRA.get("rope_dim", HEAD)
 if "llama3" in EXTRA:
     factor, low, high, original = EXTRA["llama3"]

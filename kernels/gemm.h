@@ -76,6 +76,10 @@ std::string_view gemm_backend_name(GemmBackend backend);
 bool gemm_backend_from_name(std::string_view name, GemmBackend* backend);
 // The names of every backend this CPU can run, e.g. "reference, eigen, avx512, onednn".
 std::string gemm_available_backends();
+// Each calling thread's buffers: four for the GEMM (below), and the quantised products'
+// dequantised panel of W (kernels/quant.h).
+constexpr int kGemmBuffers = 5;
+constexpr int kGemmQuantPanel = 4;
 // Bytes held by GEMM buffers (kept between calls, one set per calling thread).
 size_t gemm_workspace_bytes();
 // Frees the calling thread's GEMM buffers; the next product allocates what it needs again.

@@ -1,6 +1,7 @@
-// The GEMM's buffers: each calling thread keeps four (packed panels of B and of A, and the FP32
-// widenings of bf16 operands), grown to the largest need met and kept from call to call, from the
-// workspace allocator (kernels/workspace.h).
+// The GEMM's buffers: each calling thread keeps five (packed panels of B and of A, the FP32
+// widenings of bf16 operands, and the quantised products' dequantised panel, kernels/quant.h),
+// grown to the largest need met and kept from call to call, from the workspace allocator
+// (kernels/workspace.h).
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -37,7 +38,7 @@ struct Buffer {
 };
 
 Buffer* thread_buffers() {
-  thread_local Buffer buffers[4];
+  thread_local Buffer buffers[kGemmBuffers];
   return buffers;
 }
 
@@ -64,7 +65,7 @@ size_t gemm_workspace_bytes() {
 }
 
 void gemm_release_buffers() {
-  for (int i = 0; i < 4; ++i) detail::thread_buffers()[i].reset();
+  for (int i = 0; i < kGemmBuffers; ++i) detail::thread_buffers()[i].reset();
 }
 
 std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,

@@ -23,7 +23,8 @@
 namespace cputrain::kernels::detail {
 
 // Buffers of the calling thread, grown on demand and kept for the next call: `which` 0 and 1
-// are the blocked driver's packed panels, 2 and 3 the FP32 widenings of bf16 operands.
+// are the blocked driver's packed panels, 2 and 3 the FP32 widenings of bf16 operands, 4 the
+// quantised products' dequantised panel of W (kGemmQuantPanel, kernels/gemm.h).
 float* gemm_pack_buffer(size_t floats, int which);
 
 // K rows per packing item where rows are packed across micro-panels (a multiple of 2 = KU).

@@ -5,6 +5,9 @@
 //
 // Formats (values per block, bytes per block):
 //   Q4_0 (32, 18)   f16 d; 16 bytes: low nibbles values 0-15, high 16-31; d * (q - 8)
+//   Q5_0 (32, 22)   f16 d; 4 bytes of fifth bits (value i: bit i); 16 bytes of nibbles as Q4_0's;
+//                   d * (q - 16)
+//   Q5_1 (32, 24)   f16 d, f16 m; then Q5_0's; d * q + m
 //   Q8_0 (32, 34)   f16 d; 32 int8; d * q
 //   Q4_K (256, 144) f16 d, f16 dmin, 12 bytes of eight 6-bit scales and minimums, 128 bytes of
 //                   nibbles (each 64 values: 32 low nibbles, then their high ones);
@@ -19,16 +22,28 @@
 
 namespace cputrain::kernels {
 
-enum class QuantType : uint8_t { Q4_0, Q8_0, Q4_K, Q5_K, Q6_K };
+enum class QuantType : uint8_t { Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
 
-// An IEEE half (the formats' scales, F16 tensors) as FP32, exactly (F16C where the build has it).
+// An IEEE half (the formats' scales, F16 tensors) as FP32, exactly (F16C where the build has it);
+// FP32 rounded to the nearest half (even on ties; beyond 65504 infinity).
 float half_to_fp32(uint16_t h);
+uint16_t fp32_to_half(float f);
 
 int64_t quant_block_values(QuantType type);  // 32 or 256
 int64_t quant_block_bytes(QuantType type);
 
 // dst[0 .. blocks * values) = the values of `blocks` consecutive blocks from src.
 void dequantize_blocks(QuantType type, const uint8_t* src, int64_t blocks, float* dst);
+
+// dst = `blocks` blocks of Q4_K, Q6_K or Q5_0 holding src[0 .. blocks * values), for cputrain
+// export's q4_k (Q4_K_M's mix, with llama.cpp's Q5_0 where rows are not whole blocks of 256).
+// Each (sub-)block's scale (and Q4_K's minimum) is the candidate whose grid fits its values best:
+// their range over each number of levels from all of them down to two thirds (Q6_K, Q5_0: the
+// value of largest magnitude at each level from 3/4 of the largest), then least squares over the
+// levels they round to (Q4_K); the K-quants' sub-block scales are then the multiples of the
+// block's f16 scale(s) next to them that fit best. Values on a grid of the format whose scales
+// span their bits (a quantised file's) come back as they were.
+void quantize_blocks(QuantType type, const float* src, int64_t blocks, uint8_t* dst);
 
 // A (rows, cols) matrix stored row by row, each row cols / block values blocks.
 struct QuantMatrix {
@@ -42,8 +57,12 @@ struct QuantMatrix {
 void dequantize_rows(const QuantMatrix& w, int64_t r0, int64_t n, float* dst);
 void dequantize_rows_bf16(const QuantMatrix& w, int64_t r0, int64_t n, uint16_t* dst);
 
-// The rows of W dequantised at a time: panels of about 1 MiB of FP32 (a multiple of 16 rows).
+// The rows of W dequantised at a time: panels of 2^21 values (a multiple of 16 rows).
 int64_t quant_panel_rows(int64_t cols);
+// Bytes of the panel the products of a (rows, cols) W dequantise into, FP32 or bf16: the calling
+// thread's GEMM buffer kGemmQuantPanel (kernels/gemm.h), kept from call to call. The panel's
+// product then takes the GEMM's own buffers for its sizes (M, panel rows, cols).
+size_t quant_panel_bytes(bool bf16, int64_t rows, int64_t cols);
 
 // Forward, Y (M, N) = X (M, K) W^T + beta Y, W (N, K) quantised: the columns of Y panel by panel,
 // each the dispatched GEMM over the whole K, so each element is what gemm_f32 (gemm_bf16) gives

@@ -122,12 +122,14 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
   params_.set_master_read(tok_embeddings_);  // the embedding looks up its FP32 rows
   if (options.offload) params_.set_offload(options.offload_dir);
   params_.set_shard(options.shard);
-  if (options.mapped_bf16 && options.compute_dtype == DType::BF16) {
+  if (options.in_place) {
     for (size_t i = 0; i < params_.infos().size(); ++i) {
       const ParameterInfo& p = params_.infos()[i];
-      if (p.trainable || !p.bf16_copy) continue;
-      if (const void* data = options.mapped_bf16(p))
-        params_.map_bf16(static_cast<int>(i), data, options.mapped_owner);
+      if (p.trainable || (!p.bf16_copy && static_cast<int>(i) != tok_embeddings_)) continue;
+      const InPlaceWeight w = options.in_place(p);
+      if ((w.dtype == DType::BF16 && options.compute_dtype == DType::BF16 && p.bf16_copy) ||
+          dtype_quantized(w.dtype))
+        params_.map_in_place(static_cast<int>(i), w.data, w.dtype, options.mapped_owner);
     }
   }
   params_.allocate(options.compute_dtype);

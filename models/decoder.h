@@ -37,10 +37,12 @@ struct ModelOptions {
   // Which parameters train, by name (DecoderModel::declare_parameters lists them); where unset,
   // all, or with adapters the adapters alone.
   std::function<bool(const std::string& name)> trainable;
-  // For a BF16 model, frozen GEMM weights read in place from a mapped model file
-  // (ParameterSet::map_bf16): the address of a parameter's bf16 values, or null to allocate it.
-  // `mapped_owner` keeps the file mapped.
-  std::function<const void*(const ParameterInfo& parameter)> mapped_bf16;
+  // Frozen weights read in place from a mapped model file (ParameterSet::map_in_place): where a
+  // parameter's values are in the file and as what (InPlaceWeight). A BF16 one is read in place
+  // by a BF16 model, as the GEMM weight's bf16 copy; a quantised one by either, as a GEMM weight
+  // or the embedding table. `mapped_owner` keeps the file mapped. While measuring, the data may
+  // be null.
+  std::function<InPlaceWeight(const ParameterInfo& parameter)> in_place;
   std::shared_ptr<const void> mapped_owner;
   // --offload: the FP32 masters of a bf16 model's trained matrices, and AdamW's m and v, in state
   // files in `offload_dir` (ParameterSet::set_offload); while measuring the folder may be null.
@@ -87,7 +89,7 @@ class DecoderModel {
   // time. Gradients are bitwise the same as without.
   void set_checkpointing(bool on) { checkpointing_ = on; }
   bool checkpointing() const { return checkpointing_; }
-  // For a base read in place from its mapped file (ModelOptions::mapped_bf16) that is larger
+  // For a base read in place from its mapped file (ModelOptions::in_place) that is larger
   // than the memory left to it: a thread reads each block's weights ahead of the forward and
   // backward passes, and the passes mark the blocks they are done with as the first pages to give
   // back (read_ahead). Not worth its cost where the file's pages stay in memory anyway (it walks

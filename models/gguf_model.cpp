@@ -247,6 +247,34 @@ void check_gguf_weights(const GgufFile& file, const ModelConfig& config) {
   check_no_other_tensors(file, used);
 }
 
+namespace {
+
+// The dtype a GGUF tensor of `type` is held as in place; F32 where it cannot be.
+DType in_place_dtype(uint32_t type) {
+  switch (static_cast<GgmlType>(type)) {
+    case GgmlType::BF16:
+      return DType::BF16;
+    case GgmlType::Q4_0:
+      return DType::Q4_0;
+    case GgmlType::Q5_0:
+      return DType::Q5_0;
+    case GgmlType::Q5_1:
+      return DType::Q5_1;
+    case GgmlType::Q8_0:
+      return DType::Q8_0;
+    case GgmlType::Q4_K:
+      return DType::Q4_K;
+    case GgmlType::Q5_K:
+      return DType::Q5_K;
+    case GgmlType::Q6_K:
+      return DType::Q6_K;
+    default:
+      return DType::F32;
+  }
+}
+
+}  // namespace
+
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
                        const ModelConfig& config) {
   std::set<std::string> used;
@@ -260,10 +288,11 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
     const GgufTensor* t = &gguf_tensor_of(file, info, config, &part);
     const std::string& name = t->name;
     const int64_t row = info.shape.numel() / info.shape[0];
-    // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
+    // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is; a
+    // quantised one held so, read in place.
     if (params.mapped(static_cast<int>(i))) {
-      if (t->type != static_cast<uint32_t>(GgmlType::BF16))
-        throw std::logic_error("load_gguf_weights: " + name + " mapped but not BF16");
+      if (in_place_dtype(t->type) != info.mapped_dtype)
+        throw std::logic_error("load_gguf_weights: " + name + " mapped as another type");
     } else if (t->type == static_cast<uint32_t>(GgmlType::BF16) &&
                params.bf16_only(static_cast<int>(i))) {
       params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
@@ -277,17 +306,17 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
   check_no_other_tensors(file, used);
 }
 
-const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter,
-                               const ModelConfig& config) {
+InPlaceWeight gguf_in_place(const GgufFile& file, const ParameterInfo& parameter,
+                            const ModelConfig& config) {
   const TensorPart part = tensor_part(parameter, config, TensorNaming::Gguf);
   const GgufTensor* t = file.tensor(part.name);
-  if (!t || t->type != static_cast<uint32_t>(GgmlType::BF16)) return nullptr;
-  std::vector<int64_t> dims;
-  for (int d = parameter.shape.ndim() - 1; d >= 0; --d) dims.push_back(parameter.shape[d]);
-  dims.back() = part.tensor_rows;
-  if (t->dims != dims || t->data.size() != static_cast<size_t>(t->numel()) * 2) return nullptr;
-  const int64_t row = parameter.shape.numel() / parameter.shape[0];
-  return t->data.data() + part.first_row * row * 2;
+  if (!t || parameter.shape.ndim() != 2) return {};
+  const DType dtype = in_place_dtype(t->type);
+  if (dtype == DType::F32) return {};
+  const std::vector<int64_t> dims{parameter.shape[1], part.tensor_rows};
+  const int64_t row = parameter.shape[1];
+  if (t->dims != dims || t->data.size() != dtype_bytes(dtype, t->numel())) return {};
+  return {t->data.data() + dtype_bytes(dtype, part.first_row * row), dtype};
 }
 
 namespace {
@@ -301,9 +330,30 @@ uint32_t file_type(GgmlType type) {
       return 7;
     case GgmlType::BF16:
       return 32;
+    case GgmlType::Q4_K:
+      return 15;  // Q4_K_M
     default:
       return 0;
   }
+}
+
+// Of Q4_K_M's mix, llama.cpp's rule for it: the head (the embedding where it is tied) Q6_K; the
+// value projections and the MLP's down projections of the first and last eighth of the layers
+// and of every third between them Q6_K; the other matrices Q4_K. A matrix whose rows are not
+// whole blocks of 256 is, as llama.cpp writes it, Q5_0 for Q4_K and Q8_0 for Q6_K (F16 where
+// they are not whole blocks of 32).
+GgmlType q4_k_m_type(const std::string& name, const std::vector<int64_t>& shape, bool tied,
+                     int64_t layers) {
+  int64_t layer = -1;
+  if (name.starts_with("blk.")) layer = std::stoll(name.substr(4));
+  const bool more_bits = layer >= 0 && (layer < layers / 8 || layer >= 7 * layers / 8 ||
+                                        (layer - layers / 8) % 3 == 2);
+  const bool v = name.ends_with(".attn_v.weight") || name.ends_with(".attn_qkv.weight");
+  const bool six = name == "output.weight" || (tied && name == "token_embd.weight") ||
+                   (more_bits && (v || name.ends_with(".ffn_down.weight")));
+  if (shape[1] % 256 == 0) return six ? GgmlType::Q6_K : GgmlType::Q4_K;
+  if (shape[1] % 32 == 0) return six ? GgmlType::Q8_0 : GgmlType::Q5_0;
+  return GgmlType::F16;
 }
 
 }  // namespace
@@ -478,13 +528,19 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   for (const ParameterInfo& info : params.infos())
     if (is_lora_parameter(info.name))
       throw std::logic_error("write_gguf: a model with adapters (merge them first)");
-  for (const FileTensor& t :
-       file_tensors(params, c, TensorNaming::Gguf, [](const ParameterInfo&) { return true; })) {
+  const std::vector<FileTensor> tensors =
+      file_tensors(params, c, TensorNaming::Gguf, [](const ParameterInfo&) { return true; });
+  const bool tied = std::none_of(tensors.begin(), tensors.end(),
+                                 [](const FileTensor& t) { return t.name == "output.weight"; });
+  for (const FileTensor& t : tensors) {
     // q and k rows in the pairing llama.cpp applies to the architecture; norm gains whole.
     const std::vector<float> values =
         file_tensor_values(params, t, c, description.gguf_rope_pairs, false);
     const std::vector<int64_t> dims(t.shape.rbegin(), t.shape.rend());
-    const GgmlType type = t.shape.size() == 2 ? matrices : GgmlType::F32;
+    const GgmlType type = t.shape.size() != 2 ? GgmlType::F32
+                          : matrices == GgmlType::Q4_K
+                              ? q4_k_m_type(t.name, t.shape, tied, c.n_layers)
+                              : matrices;
     w.add_tensor(t.name, dims, type,
                  ggml_from_float(type, values.data(), static_cast<int64_t>(values.size())));
   }

@@ -6,6 +6,7 @@
 
 #include "engine/io/gguf_file.h"
 #include "engine/text/vocab_tokenizer.h"
+#include "engine/train/parameters.h"
 #include "models/lora.h"
 #include "models/model_config.h"
 
@@ -37,16 +38,18 @@ void check_gguf_weights(const GgufFile& file, const ModelConfig& config);
 // tensor, or one the model has no place for.
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params, const ModelConfig& config);
 
-// The bf16 values in `file` of `parameter` (of DecoderModel), where they can be read in place: a
-// BF16 tensor of the parameter's shape. Null otherwise. (load_gguf_weights writes nothing into a
-// parameter mapped so, and checks it as any other.)
-const void* gguf_bf16_in_place(const GgufFile& file, const ParameterInfo& parameter,
-                               const ModelConfig& config);
+// The values in `file` of `parameter` (of DecoderModel), where they can be read in place: a BF16,
+// Q4_0, Q8_0, Q4_K, Q5_K or Q6_K tensor of the parameter's shape (or a whole number of rows of a
+// fused one). Else dtype F32. (load_gguf_weights writes nothing into a parameter mapped so, and
+// checks it as any other.)
+InPlaceWeight gguf_in_place(const GgufFile& file, const ParameterInfo& parameter,
+                            const ModelConfig& config);
 
 // What `cputrain export` writes into a GGUF file.
 struct GgufExport {
-  GgmlType type = GgmlType::F32;  // of the matrices; norms and biases are always F32
-  std::string name;               // general.name
+  // Of the matrices (norms and biases are always F32); Q4_K: Q4_K_M's mix of Q4_K and Q6_K.
+  GgmlType type = GgmlType::F32;
+  std::string name;  // general.name
 };
 
 // Writes the model (`config`, its parameters) and its tokenizer as a GGUF file llama.cpp runs:

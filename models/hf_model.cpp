@@ -446,17 +446,17 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   return c;
 }
 
-const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
-                             const ModelConfig& config) {
+InPlaceWeight hf_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
+                          const ModelConfig& config) {
   const TensorPart part = tensor_part(parameter, config, TensorNaming::HuggingFace);
   const SafetensorsTensor* t = weights.find(part.name);
-  if (!t || t->dtype != "BF16") return nullptr;
+  if (!t || t->dtype != "BF16") return {};
   std::vector<int64_t> shape;
   for (int d = 0; d < parameter.shape.ndim(); ++d) shape.push_back(parameter.shape[d]);
   shape[0] = part.tensor_rows;
-  if (t->shape != shape || t->data.size() != static_cast<size_t>(t->numel()) * 2) return nullptr;
+  if (t->shape != shape || t->data.size() != static_cast<size_t>(t->numel()) * 2) return {};
   const int64_t row = parameter.shape.numel() / parameter.shape[0];
-  return t->data.data() + part.first_row * row * 2;
+  return {t->data.data() + part.first_row * row * 2, DType::BF16};
 }
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include "engine/io/safetensors_file.h"
 #include "engine/text/vocab_tokenizer.h"
+#include "engine/train/parameters.h"
 #include "models/lora.h"
 #include "models/model_config.h"
 
@@ -45,10 +46,10 @@ void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
                      const ModelConfig& config);
 
-// The bf16 values of `parameter` (of DecoderModel), where they can be read in place: a BF16
-// tensor of its shape. Null otherwise.
-const void* hf_bf16_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
-                             const ModelConfig& config);
+// The values of `parameter` (of DecoderModel), where they can be read in place: a BF16 tensor of
+// its shape (dtype BF16). Else dtype F32.
+InPlaceWeight hf_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
+                          const ModelConfig& config);
 
 // The folder's tokenizer: tokenizer.model where the vocabulary is SentencePiece-style and it is
 // there, else tokenizer.json (byte-level BPE with the gpt2, llama-bpe or qwen2 pre-tokenizer, or

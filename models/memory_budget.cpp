@@ -32,7 +32,7 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
   const Threads threads(o.threads);
   MeasureScope measure;
   MemoryStats stats;
-  int64_t disk_bytes = 0;
+  int64_t disk_bytes = 0, mapped_bytes = 0;
   {
     // What training builds, in the order it builds it: the model (its parameters and RoPE
     // table), the trainer (AdamW's state and the token buffers).
@@ -41,12 +41,22 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
     model_options.trainable = o.trainable;
     model_options.lora = o.lora;
     model_options.offload = o.offload;
+    if (o.in_place)
+      model_options.in_place = [&o](const ParameterInfo& p) {
+        InPlaceWeight w = o.in_place(p);
+        w.data = nullptr;  // measured, not read
+        return w;
+      };
     // A trainer's rank holds the masters of its shard (a fine-tune's, all of them). The last
     // rank's: every rank holds the embedding's master whole, and it lies in rank 0's shard, so
     // the last holds the most.
     const Communicator ranks = Communicator::shape_of(o.ranks - 1, o.ranks);
     if (o.ranks > 1 && !o.packed) model_options.shard = &ranks;
     DecoderModel model(c, model_options);
+    for (size_t i = 0; i < model.parameters().infos().size(); ++i)
+      if (model.parameters().mapped(static_cast<int>(i)))
+        mapped_bytes +=
+            static_cast<int64_t>(model.parameters().var(static_cast<int>(i)).value().bytes());
     if (o.offload)
       disk_bytes =
           (model.parameters().offloaded_numel() + 2 * model.parameters().trainable_numel()) * 4;
@@ -101,6 +111,7 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
         2 * std::min(4 * TrainOptions{}.reduce_bucket,
                      stats.peak_bytes[static_cast<size_t>(MemoryCategory::Gradients)]);
   b.disk_bytes = disk_bytes;
+  b.mapped_bytes = mapped_bytes;
   return b;
 }
 

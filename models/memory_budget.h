@@ -15,6 +15,7 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/tensor.h"
+#include "engine/train/parameters.h"
 #include "models/lora.h"
 #include "models/model_config.h"
 
@@ -45,6 +46,9 @@ struct BudgetOptions {
   // The ranks of a data-parallel job (`mpirun -np N`): the budget is one rank's, with AdamW's
   // state sharded (ZeRO-1) and the gradients' receiving buffer (engine/dist/gradient_reducer.h).
   int ranks = 1;
+  // The frozen weights read in place from the model file (ModelOptions::in_place; the data is not
+  // read): measured at the file's size, and counted in mapped_bytes.
+  std::function<InPlaceWeight(const ParameterInfo&)> in_place;
   // What the process holds on the heap beside the model and its steps: a model file's index and
   // the tokenizer (tens of MB for a 150k-token BPE vocabulary; LoadedModel::host_bytes), a
   // fine-tune's examples and packed rows. Part of runtime_bytes.
@@ -69,9 +73,9 @@ struct MemoryBudget {
   // On disk, not in RAM: the state files of --offload (their pages pass through the page cache,
   // which the kernel gives back under pressure and does not count as the process's).
   int64_t disk_bytes = 0;
-  // Of the bf16 weights above, those a fine-tune reads in place from its model file (set by the
-  // caller, who knows the file): the file's pages, resident as the steps read them and dropped
-  // and read again under pressure, so apart from the total a memory limit covers.
+  // Of the weights above, those read in place from the model file (BudgetOptions::in_place), at
+  // the file's size (bf16 or quantised): the file's pages, resident as the steps read them and
+  // dropped and read again under pressure, so apart from the total a memory limit covers.
   int64_t mapped_bytes = 0;
   int64_t total_bytes() const {
     return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes - mapped_bytes;

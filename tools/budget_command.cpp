@@ -241,14 +241,10 @@ int fine_tune_budget(const BudgetArgs& a) {
   }
   // The model file's index and the tokenizer, as a fine-tune holds them.
   o.host_bytes = model_host_bytes(a.model, "--model");
-  // A bf16 LoRA reads the base's BF16 matrices in place: apart from what must fit.
-  const int64_t mapped =
-      o.dtype == DType::BF16 ? bytes_read_in_place(a.model, "--model", model, o.lora) : 0;
-  const auto budget = [&](const BudgetOptions& options) {
-    MemoryBudget b = memory_budget(model, options);
-    b.mapped_bytes = mapped;
-    return b;
-  };
+  // A LoRA reads the base's quantised matrices (and in bf16 its BF16 ones) in place: apart
+  // from what must fit.
+  if (o.lora.active()) o.in_place = in_place_weights(a.model, "--model", model);
+  const auto budget = [&](const BudgetOptions& options) { return memory_budget(model, options); };
   const MemoryBudget b = budget(o);
   const int64_t available = memory_limit_bytes(t.mem_limit_gib);
   const bool fits = b.total_bytes() <= available;

@@ -24,9 +24,10 @@ void add_export_flags(CLI::App& app, ExportArgs& a) {
                  "model.safetensors, tokenizer files)")
       ->required();
   app.add_option("--type", a.type,
-                 "Type of the matrices: f32, f16, bf16 or q8_0 (norms and biases stay f32)")
+                 "Type of the matrices: f32, f16, bf16, q8_0, or q4_k (Q4_K_M's mix of Q4_K and "
+                 "Q6_K, as llama.cpp's Q4_K_M files); norms and biases stay f32")
       ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0"}));
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0", "q4_k"}));
   app.add_option("--adapter", a.adapter,
                  "A LoRA adapter file (llama.cpp's GGUF, as cputrain finetune writes it)");
   app.add_flag("--merge", a.merge, "Write the model with --adapter merged into its weights");
@@ -44,10 +45,10 @@ int run_export(const ExportArgs& a) {
                     " is a LoRA fine-tune: give --merge to write its base with the adapter merged "
                     "(the adapter alone is its adapter.gguf, and PEFT's its peft/)");
   const bool gguf = a.out.ends_with(".gguf");
-  if (!gguf && a.type == "q8_0")
-    throw UserError(
-        "--type q8_0: only for a GGUF file (--out FILE.gguf); a Hugging Face folder "
-        "takes f32, f16 or bf16");
+  if (!gguf && (a.type == "q8_0" || a.type == "q4_k"))
+    throw UserError("--type " + a.type +
+                    ": only for a GGUF file (--out FILE.gguf); a Hugging Face folder "
+                    "takes f32, f16 or bf16");
   std::error_code ec;
   const bool exists = std::filesystem::exists(a.out, ec);
   const bool was_empty =
@@ -75,6 +76,7 @@ int run_export(const ExportArgs& a) {
   options.type = a.type == "f16"    ? GgmlType::F16
                  : a.type == "bf16" ? GgmlType::BF16
                  : a.type == "q8_0" ? GgmlType::Q8_0
+                 : a.type == "q4_k" ? GgmlType::Q4_K
                                     : GgmlType::F32;
   options.name = std::filesystem::path(source).filename().string();
   if (!gguf) {

@@ -495,13 +495,16 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   // The model file's index and the tokenizer (the examples are held within a quarter of the
   // memory limit, read_examples).
   bo.host_bytes = m.host_bytes;
-  MemoryBudget budget = memory_budget(m.config, bo);
   // A base read in place is the model file's pages: resident as the steps read them, dropped
-  // and read again under pressure, so the limit covers the rest.
+  // and read again under pressure, so the limit covers the rest. Measured as the model holds it.
   const ParameterSet& params = m.model->parameters();
-  for (size_t i = 0; i < params.infos().size(); ++i)
-    if (params.mapped(static_cast<int>(i)))
-      budget.mapped_bytes += params.infos()[i].shape.numel() * 2;
+  bo.in_place = [&params](const ParameterInfo& p) {
+    const int i = params.find(p.name);
+    return i >= 0 && params.mapped(i)
+               ? InPlaceWeight{nullptr, params.infos()[static_cast<size_t>(i)].mapped_dtype}
+               : InPlaceWeight{};
+  };
+  MemoryBudget budget = memory_budget(m.config, bo);
   const int64_t mapped = budget.mapped_bytes;
   const int64_t total = budget.total_bytes();
   const auto peak = [&budget](MemoryCategory c) { return budget.peak_bytes[static_cast<int>(c)]; };

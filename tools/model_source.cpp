@@ -34,12 +34,12 @@ bool starts_with_gguf_magic(const std::string& path) {
 namespace {
 
 // Every parameter frozen and held as bf16 alone where `bf16`; the default model otherwise.
+// A model to compute with, not to train: every parameter frozen (quantised and BF16 matrices may
+// then be read in place).
 ModelOptions model_options(bool bf16) {
   ModelOptions o;
-  if (bf16) {
-    o.compute_dtype = DType::BF16;
-    o.trainable = [](const std::string&) { return false; };
-  }
+  if (bf16) o.compute_dtype = DType::BF16;
+  o.trainable = [](const std::string&) { return false; };
   return o;
 }
 
@@ -217,25 +217,25 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
     options.lora = lora_gguf_config(*adapter_file);
     check_lora_rank(m.config, options.lora, "--adapter " + adapter + ": rank");
   }
-  // Held as bf16 alone, the file's BF16 matrices are read in place: mapped, not copied. (In
-  // training, the frozen ones of a bf16 model.)
-  const bool map = m.bf16_weights || (training && training->compute_dtype == DType::BF16);
-  if (map && gguf) {
-    options.mapped_bf16 = [&](const ParameterInfo& p) {
-      return gguf_bf16_in_place(*gguf, p, m.config);
-    };
+  // The frozen matrices are read in place where the file's type allows: mapped, not copied.
+  // Quantised ones in either precision; BF16 ones held as bf16 alone (a bf16 model's).
+  if (gguf) {
+    options.in_place = [&](const ParameterInfo& p) { return gguf_in_place(*gguf, p, m.config); };
     options.mapped_owner = gguf;
-  } else if (map && safetensors) {
-    options.mapped_bf16 = [&](const ParameterInfo& p) {
-      return hf_bf16_in_place(*safetensors, p, m.config);
+  } else if (safetensors) {
+    options.in_place = [&](const ParameterInfo& p) {
+      return hf_in_place(*safetensors, p, m.config);
     };
     options.mapped_owner = safetensors;
   }
   m.model = std::make_unique<DecoderModel>(m.config, options);
-  bool mapped = false;
-  for (size_t i = 0; i < m.model->parameters().infos().size(); ++i)
-    mapped = mapped || m.model->parameters().mapped(static_cast<int>(i));
-  const std::string held = mapped           ? " (bf16 weights read in place)"
+  bool mapped = false, quantized = false;
+  for (const ParameterInfo& p : m.model->parameters().infos()) {
+    mapped = mapped || p.mapped;
+    quantized = quantized || (p.mapped && dtype_quantized(p.mapped_dtype));
+  }
+  const std::string held = quantized        ? " (quantised weights read in place)"
+                           : mapped         ? " (bf16 weights read in place)"
                            : m.bf16_weights ? " (bf16 weights)"
                                             : "";
   switch (kind) {
@@ -259,26 +259,21 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   return m;
 }
 
-int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
-                            const ModelConfig& config, const LoraConfig& lora) {
+std::function<InPlaceWeight(const ParameterInfo&)> in_place_weights(const std::string& path,
+                                                                    const std::string& flag,
+                                                                    const ModelConfig& config) {
   const SourceKind kind = source_kind(path, flag);
-  if (kind == SourceKind::Run || !lora.active()) return 0;
-  std::unique_ptr<GgufFile> gguf;
-  std::unique_ptr<SafetensorsModel> safetensors;
-  if (kind == SourceKind::Gguf)
-    gguf = std::make_unique<GgufFile>(path);
-  else
-    safetensors = std::make_unique<SafetensorsModel>(path);
-  ParameterSet params;
-  DecoderModel::declare_parameters(config, params, lora);
-  int64_t bytes = 0;
-  for (const ParameterInfo& p : params.infos()) {
-    if (is_lora_parameter(p.name) || !p.bf16_copy) continue;
-    const void* data =
-        gguf ? gguf_bf16_in_place(*gguf, p, config) : hf_bf16_in_place(*safetensors, p, config);
-    if (data) bytes += p.shape.numel() * 2;
+  if (kind == SourceKind::Gguf) {
+    auto gguf = std::make_shared<GgufFile>(path);
+    return [gguf, config](const ParameterInfo& p) { return gguf_in_place(*gguf, p, config); };
   }
-  return bytes;
+  if (kind == SourceKind::HuggingFace) {
+    auto safetensors = std::make_shared<SafetensorsModel>(path);
+    return [safetensors, config](const ParameterInfo& p) {
+      return hf_in_place(*safetensors, p, config);
+    };
+  }
+  return nullptr;
 }
 
 void check_finite_weights(const LoadedModel& m, const std::string& path, const std::string& flag,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,11 +51,12 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
 LoadedModel load_model_to_train(const std::string& path, const std::string& flag, int64_t max_ctx,
                                 const ModelOptions& options);
 
-// Bytes of the frozen weights a bf16 fine-tune of the model at `path` (adapters `lora`; every
-// parameter trains without) reads in place from its file, as load_model_to_train maps them: the
-// BF16 matrices laid out as the model holds them. 0 for a run directory.
-int64_t bytes_read_in_place(const std::string& path, const std::string& flag,
-                            const ModelConfig& config, const LoraConfig& lora);
+// Where the model file at `path` holds each parameter (of a DecoderModel of `config`) so that it
+// can be read in place (ModelOptions::in_place), the file kept open by the function; null for a
+// run directory. What the memory budget of a job on the file measures with.
+std::function<InPlaceWeight(const ParameterInfo&)> in_place_weights(const std::string& path,
+                                                                    const std::string& flag,
+                                                                    const ModelConfig& config);
 
 // A UserError where the loaded model holds a NaN or an infinity, naming `flag` and `path` (or
 // the adapter file, for an adapter's parameter) and the parameter: what sample, eval and export

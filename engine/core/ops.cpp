@@ -128,18 +128,47 @@ void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
   measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
 }
 
+// While measuring, the allocations of a product with a quantised W (kernels/quant.h): the
+// dequantised panel of W, then the GEMM's buffers for its product with the first panel (the
+// largest). The few-row forward (decoding) allocates none of them.
+void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K) {
+  if (forward && M <= kernels::kQuantRowsM) return;
+  measure_buffer(kernels::kGemmQuantPanel, kernels::quant_panel_bytes(bf16, N, K),
+                 MemoryCategory::Workspace);
+  const int64_t n = std::min(N, kernels::quant_panel_rows(K));
+  if (forward)
+    measure_gemm(bf16, Transpose::No, Transpose::Yes, M, n, K);
+  else
+    measure_gemm(bf16, Transpose::No, Transpose::No, M, K, n);
+}
+
 double gemm_flops(int64_t M, int64_t N, int64_t K) {
   return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
 }
 
+// What a linear op multiplies of its weight: in bf16 mode its bf16 rounding (the parameter's
+// copy), else its FP32 value; a quantised weight as it is held, either way (its products
+// dequantise it panel by panel, to bf16 or FP32 as x is).
+Tensor weight_operand(const Variable& w, bool bf16) {
+  if (dtype_quantized(w.value().dtype())) return w.value();
+  return bf16 ? w.bf16_value() : w.value();
+}
+
 // out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:
-// x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv).
+// x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv); w may be quantised.
 void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,
                     int64_t N, int64_t K, const GemmNames& names) {
   Scope scope(names.y, Pass::Forward, gemm_flops(M, N, K));
-  if (!computing()) {
-    measure_gemm(xv.dtype() == DType::BF16, Transpose::No, Transpose::Yes, M, N, K);
-  } else if (xv.dtype() == DType::BF16) {
+  const bool bf16 = xv.dtype() == DType::BF16;
+  if (!computing() && dtype_quantized(wv.dtype())) {
+    measure_quant_gemm(bf16, true, M, N, K);
+  } else if (!computing()) {
+    measure_gemm(bf16, Transpose::No, Transpose::Yes, M, N, K);
+  } else if (dtype_quantized(wv.dtype()) && bf16) {
+    kernels::gemm_quant_forward_bf16(M, xv.bf16() + row0 * K, K, wv.quant(), 0.0f, out, N);
+  } else if (dtype_quantized(wv.dtype())) {
+    kernels::gemm_quant_forward(M, xv.f32() + row0 * K, K, wv.quant(), 0.0f, out, N);
+  } else if (bf16) {
     kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K, wv.bf16(),
                        K, 0.0f, out, N);
   } else {
@@ -158,10 +187,18 @@ void linear_backward_products(const Tensor& dy, const Tensor& xv, const Tensor& 
   float* dx = gx ? gx->get_for_accumulate(&bx).f32() : nullptr;
   float* dw = gw ? gw->get_for_accumulate(&bw).f32() : nullptr;
   const bool bf16 = dy.dtype() == DType::BF16;
+  const bool quantized = wv.defined() && dtype_quantized(wv.dtype());
+  require(!quantized || !gw, "linear: a quantised weight takes no gradient");
   if (gx) {
     Scope scope(names.dx, Pass::Backward, gemm_flops(M, K, N));
-    if (!computing())
+    if (!computing() && quantized)
+      measure_quant_gemm(bf16, false, M, N, K);
+    else if (!computing())
       measure_gemm(bf16, Transpose::No, Transpose::No, M, K, N);
+    else if (quantized && bf16)
+      kernels::gemm_quant_backward_input_bf16(M, dy.bf16(), N, wv.quant(), bx, dx, K);
+    else if (quantized)
+      kernels::gemm_quant_backward_input(M, dy.f32(), N, wv.quant(), bx, dx, K);
     else if (bf16)
       kernels::gemm_bf16(Transpose::No, Transpose::No, M, K, N, dy.bf16(), N, wv.bf16(), K, bx, dx,
                          K);
@@ -225,6 +262,20 @@ KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
 
 }  // namespace
 
+namespace {
+
+// y (N, C) = rows tokens[i] of a quantised table (V, C), times scale.
+void embedding_quantized(float* y, const int32_t* tokens, const kernels::QuantMatrix& table,
+                         int64_t N, float scale) {
+  for (int64_t i = 0; i < N; ++i) {
+    require(tokens[i] >= 0 && tokens[i] < table.rows, "embedding: a token id outside the table");
+    kernels::dequantize_rows(table, tokens[i], 1, y + i * table.cols);
+  }
+  if (scale != 1.0f) kernels::vector_scale(y, y, scale, N * table.cols);
+}
+
+}  // namespace
+
 Tensor attention_input(const Variable& x) {
   return as_f32(saved(x));
 }
@@ -236,8 +287,11 @@ Variable embedding(const Variable& table, const Tensor& tokens, float scale) {
   const int64_t N = tokens.numel();
   Scope scope("embedding", Pass::Forward);
   Tensor y = new_activation(Shape{tokens.dim(0), tokens.dim(1), C});
-  // A frozen table may live as bf16 alone (ParameterSet): widened row by row.
-  if (computing() && table.value().dtype() == DType::BF16)
+  // A frozen table may live as bf16 alone (ParameterSet): widened row by row; or quantised, as
+  // its file holds it: each token's row dequantised.
+  if (computing() && dtype_quantized(table.value().dtype()))
+    embedding_quantized(y.f32(), tokens.i32(), table.value().quant(), N, scale);
+  else if (computing() && table.value().dtype() == DType::BF16)
     kernels::embedding_forward_bf16(y.f32(), tokens.i32(), table.value().bf16(), N, C, scale);
   else if (computing())
     kernels::embedding_forward(y.f32(), tokens.i32(), table.value().f32(), N, C, scale);
@@ -273,8 +327,15 @@ Variable linear_op(const Variable& x, const Variable& w, const Variable& b, bool
   // In bf16 mode both operands are bf16 roundings: x's is shared with the other ops that take
   // x, w's is the parameter's copy.
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
-  const Tensor wv = bf16 ? w.bf16_value() : w.value();
-  if (rounded && !b.defined()) {
+  const Tensor wv = weight_operand(w, bf16);
+  if (rounded && dtype_quantized(wv.dtype())) {  // the FP32 product, then its rounding
+    const Tensor sum = Tensor::empty(y.shape(), DType::F32, MemoryCategory::Workspace);
+    linear_product(xv, 0, wv, sum.f32(), M, N, K, kLinearGemms);
+    if (computing() && b.defined())
+      kernels::bias_add_rounded(y.bf16(), sum.f32(), b.value().f32(), M, N);
+    else if (computing())
+      kernels::fp32_to_bf16_array(y.bf16(), sum.f32(), M * N);
+  } else if (rounded && !b.defined()) {
     Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K));
     if (computing())
       kernels::gemm_bf16_rounded(Transpose::No, Transpose::Yes, M, N, K, xv.bf16(), K, wv.bf16(), K,
@@ -400,7 +461,7 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
   const bool bf16 = bf16_mode();
   Tensor y = new_activation(with_last_dim(xs, N));
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
-  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  const Tensor wv = weight_operand(w, bf16);
   const Tensor av = bf16 ? a.bf16_value() : a.value();
   const Tensor bv = bf16 ? bm.bf16_value() : bm.value();
   linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
@@ -923,7 +984,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
   Scope scope("lm_head + cross_entropy", Pass::Forward);
   const bool bf16 = bf16_mode();
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
-  const Tensor wv = bf16 ? w.bf16_value() : w.value();
+  const Tensor wv = weight_operand(w, bf16);
   const bool grad = b.defined() ? needs_grad({&x, &w, &b}) : needs_grad({&x, &w});
   // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.
   Tensor dl;

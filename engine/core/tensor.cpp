@@ -15,8 +15,49 @@ size_t dtype_size(DType dtype) {
       return 2;
     case DType::I32:
       return 4;
+    case DType::Q4_0:
+    case DType::Q5_0:
+    case DType::Q5_1:
+    case DType::Q8_0:
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+      return 0;
   }
   return 0;
+}
+
+bool dtype_quantized(DType dtype) {
+  return dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::I32;
+}
+
+kernels::QuantType quant_type(DType dtype) {
+  switch (dtype) {
+    case DType::Q4_0:
+      return kernels::QuantType::Q4_0;
+    case DType::Q5_0:
+      return kernels::QuantType::Q5_0;
+    case DType::Q5_1:
+      return kernels::QuantType::Q5_1;
+    case DType::Q8_0:
+      return kernels::QuantType::Q8_0;
+    case DType::Q4_K:
+      return kernels::QuantType::Q4_K;
+    case DType::Q5_K:
+      return kernels::QuantType::Q5_K;
+    case DType::Q6_K:
+      return kernels::QuantType::Q6_K;
+    default:
+      throw std::logic_error("quant_type of " + std::string(dtype_name(dtype)));
+  }
+}
+
+size_t dtype_bytes(DType dtype, int64_t n) {
+  if (!dtype_quantized(dtype)) return static_cast<size_t>(n) * dtype_size(dtype);
+  const kernels::QuantType q = quant_type(dtype);
+  if (n % kernels::quant_block_values(q) != 0)
+    throw std::logic_error("dtype_bytes: a part of a block of " + std::string(dtype_name(dtype)));
+  return static_cast<size_t>(n / kernels::quant_block_values(q) * kernels::quant_block_bytes(q));
 }
 
 std::string_view dtype_name(DType dtype) {
@@ -27,6 +68,20 @@ std::string_view dtype_name(DType dtype) {
       return "bf16";
     case DType::I32:
       return "i32";
+    case DType::Q4_0:
+      return "q4_0";
+    case DType::Q5_0:
+      return "q5_0";
+    case DType::Q5_1:
+      return "q5_1";
+    case DType::Q8_0:
+      return "q8_0";
+    case DType::Q4_K:
+      return "q4_k";
+    case DType::Q5_K:
+      return "q5_k";
+    case DType::Q6_K:
+      return "q6_k";
   }
   return "unknown";
 }
@@ -73,8 +128,7 @@ Storage::~Storage() {
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemoryCategory category) {
   Tensor t;
-  t.storage_ =
-      std::make_shared<Storage>(static_cast<size_t>(shape.numel()) * dtype_size(dtype), category);
+  t.storage_ = std::make_shared<Storage>(dtype_bytes(dtype, shape.numel()), category);
   t.shape_ = shape;
   t.dtype_ = dtype;
   return t;
@@ -84,8 +138,7 @@ Tensor Tensor::external(const void* data, const Shape& shape, DType dtype, Memor
                         std::shared_ptr<const void> owner) {
   if (!owner) throw std::logic_error("Tensor::external without an owner");
   Tensor t;
-  t.storage_ = std::make_shared<Storage>(const_cast<void*>(data),
-                                         static_cast<size_t>(shape.numel()) * dtype_size(dtype),
+  t.storage_ = std::make_shared<Storage>(const_cast<void*>(data), dtype_bytes(dtype, shape.numel()),
                                          category, std::move(owner));
   t.shape_ = shape;
   t.dtype_ = dtype;
@@ -116,7 +169,12 @@ Tensor Tensor::view(int64_t offset, const Shape& shape) const {
 }
 
 void* Tensor::raw() const {
-  return static_cast<char*>(storage_->data()) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
+  return static_cast<char*>(storage_->data()) + dtype_bytes(dtype_, offset_);
+}
+
+kernels::QuantMatrix Tensor::quant() const {
+  assert(dtype_quantized(dtype_) && ndim() == 2);
+  return {quant_type(dtype_), static_cast<const uint8_t*>(raw()), dim(0), dim(1)};
 }
 
 float* Tensor::f32() const {

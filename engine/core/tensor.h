@@ -9,12 +9,21 @@
 #include <string>
 
 #include "engine/core/memory.h"
+#include "kernels/quant.h"
 
 namespace cputrain {
 
-enum class DType { F32, BF16, I32 };
+// Besides the element types, ggml's block-quantised formats (kernels/quant.h): a tensor of one
+// holds its blocks as a model file does, row by row, each row whole blocks. Such a tensor is
+// read only by the ops that take a frozen weight (linear's products, the embedding's lookup).
+enum class DType { F32, BF16, I32, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+// Bytes per element of an element type; 0 for a quantised one (see dtype_bytes).
 size_t dtype_size(DType dtype);
 std::string_view dtype_name(DType dtype);
+bool dtype_quantized(DType dtype);
+kernels::QuantType quant_type(DType dtype);  // of a quantised dtype
+// Bytes of n elements: of a quantised dtype, n / block values blocks (n a multiple of them).
+size_t dtype_bytes(DType dtype, int64_t n);
 
 class Shape {
  public:
@@ -69,7 +78,7 @@ class Tensor {
   int ndim() const { return shape_.ndim(); }
   int64_t numel() const { return shape_.numel(); }
   DType dtype() const { return dtype_; }
-  size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  size_t bytes() const { return dtype_bytes(dtype_, numel()); }
   MemoryCategory category() const { return storage_->category(); }
   // Made while measuring (engine/core/memory.h): a size and a category, no elements. fill_zero and
   // copy_from do nothing on it; its element pointers must not be read.
@@ -84,6 +93,8 @@ class Tensor {
   uint16_t* bf16() const;
   int32_t* i32() const;
   void* raw() const;
+  // A quantised (rows, cols) tensor as the quantised products take it.
+  kernels::QuantMatrix quant() const;
 
   void fill_zero() const;
   // Copies values of equal dtype and numel.

@@ -154,24 +154,6 @@ GgufValue read_value(Cursor& c, GgufType type) {
   return v;
 }
 
-uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000;
-  const uint32_t abs = x & 0x7fffffff;
-  if (abs >= 0x7f800000)
-    return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
-  if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // rounds above 65504
-  if (abs < 0x38800000) {  // a subnormal half (or zero): round abs / 2^-24 to an integer
-    float v;
-    std::memcpy(&v, &abs, 4);
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(std::ldexp(v, 24))));
-  }
-  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
-  const uint32_t rounded = abs + 0xfff + ((abs >> 13) & 1);
-  return static_cast<uint16_t>(sign | ((rounded - 0x38000000) >> 13));
-}
-
 uint16_t float_to_bf16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
@@ -230,6 +212,8 @@ bool ggml_type_supported(uint32_t type) {
     case GgmlType::F16:
     case GgmlType::BF16:
     case GgmlType::Q4_0:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
     case GgmlType::Q8_0:
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
@@ -247,6 +231,10 @@ std::optional<kernels::QuantType> quant_type(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_0:
       return kernels::QuantType::Q4_0;
+    case GgmlType::Q5_0:
+      return kernels::QuantType::Q5_0;
+    case GgmlType::Q5_1:
+      return kernels::QuantType::Q5_1;
     case GgmlType::Q8_0:
       return kernels::QuantType::Q8_0;
     case GgmlType::Q4_K:
@@ -455,6 +443,8 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
       }
       return;
     case GgmlType::Q4_0:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
     case GgmlType::Q8_0:
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
@@ -475,7 +465,7 @@ std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n)
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
       break;
     case GgmlType::F16:
-      for (int64_t i = 0; i < n; ++i) store16(dst + 2 * i, float_to_half(src[i]));
+      for (int64_t i = 0; i < n; ++i) store16(dst + 2 * i, kernels::fp32_to_half(src[i]));
       break;
     case GgmlType::BF16:
       for (int64_t i = 0; i < n; ++i) store16(dst + 2 * i, float_to_bf16(src[i]));
@@ -486,13 +476,21 @@ std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n)
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(src[i]));
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        store16(dst, float_to_half(d));
+        store16(dst, kernels::fp32_to_half(d));
         for (int i = 0; i < 32; ++i)
           dst[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(src[i] * id)));
       }
       break;
+    case GgmlType::Q5_0:
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K: {
+      const kernels::QuantType q = *quant_type(type);
+      kernels::quantize_blocks(q, src, n / kernels::quant_block_values(q), dst);
+      break;
+    }
     default:
-      throw std::logic_error("ggml_from_float: cputrain writes F32, F16, BF16 and Q8_0");
+      throw std::logic_error(
+          "ggml_from_float: cputrain writes F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K");
   }
   return out;
 }
@@ -671,8 +669,8 @@ void GgufWriter::write(const std::string& path) const {
 void check_tensor_type(const GgufFile& file, const GgufTensor& tensor) {
   if (!ggml_type_supported(tensor.type))
     throw UserError(file.path() + ": tensor " + tensor.name + " is " + ggml_type_name(tensor.type) +
-                    ", a type cputrain does not read (F32, F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K, "
-                    "Q6_K)");
+                    ", a type cputrain does not read (F32, F16, BF16, Q4_0, Q5_0, Q5_1, Q8_0, "
+                    "Q4_K, Q5_K, Q6_K)");
 }
 
 std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor) {

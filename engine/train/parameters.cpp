@@ -53,11 +53,16 @@ void ParameterSet::set_offload(std::shared_ptr<const OffloadDir> dir) {
   offload_dir_ = std::move(dir);
 }
 
-void ParameterSet::map_bf16(int index, const void* data, std::shared_ptr<const void> owner) {
-  if (weights_.defined()) throw std::logic_error("ParameterSet::map_bf16 after allocate");
-  if (!data || !owner) throw std::logic_error("ParameterSet::map_bf16 without data or owner");
+void ParameterSet::map_in_place(int index, const void* data, DType dtype,
+                                std::shared_ptr<const void> owner) {
+  if (weights_.defined()) throw std::logic_error("ParameterSet::map_in_place after allocate");
+  if ((!data || !owner) && !measuring())
+    throw std::logic_error("ParameterSet::map_in_place without data or owner");
+  if (dtype != DType::BF16 && !dtype_quantized(dtype))
+    throw std::logic_error("ParameterSet::map_in_place of " + std::string(dtype_name(dtype)));
   ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   p.mapped = true;
+  p.mapped_dtype = dtype;
   mapped_.resize(infos_.size());
   mapped_[static_cast<size_t>(index)] = {data, std::move(owner)};
 }
@@ -92,10 +97,13 @@ void ParameterSet::allocate(DType compute) {
   trainable_numel_ = 0;
   offloaded_numel_ = 0;
   for (ParameterInfo& p : infos_) {
-    const bool bf16_only = bf16 && !p.trainable && p.bf16_copy;
-    if (p.mapped && !bf16_only)
+    const bool quantized = p.mapped && dtype_quantized(p.mapped_dtype);
+    const bool bf16_only = (bf16 && !p.trainable && p.bf16_copy) || quantized;
+    if (p.mapped &&
+        (p.trainable || (!quantized && !bf16_only) || (quantized && p.shape.ndim() != 2)))
       throw std::logic_error("ParameterSet: " + p.name +
-                             " is mapped but not a frozen bf16 weight of a bf16 set");
+                             " is mapped but not a frozen bf16 weight of a bf16 set, nor a frozen "
+                             "quantised matrix");
     const bool offloaded = offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
     p.master_sharded = comm_ && !offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
     if (p.master_sharded) sharded_numel_ += p.shape.numel();
@@ -129,7 +137,17 @@ void ParameterSet::allocate(DType compute) {
       shard_masters_ = Tensor::zeros(Shape{held}, DType::F32, MemoryCategory::Weights);
   }
   vars_.clear();
-  for (const ParameterInfo& p : infos_) {
+  mapped_.resize(infos_.size());
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    const ParameterInfo& p = infos_[i];
+    if (p.mapped) {  // the file's tensor, or while measuring one of its size
+      const auto& [data, owner] = mapped_[i];
+      vars_.emplace_back(
+          data ? Tensor::external(data, p.shape, p.mapped_dtype, MemoryCategory::Bf16Weights, owner)
+               : Tensor::empty(p.shape, p.mapped_dtype, MemoryCategory::Bf16Weights),
+          false);
+      continue;
+    }
     if (p.offset < 0) {  // its value comes with the bf16 copies, below
       vars_.emplace_back();
       continue;
@@ -138,6 +156,7 @@ void ParameterSet::allocate(DType compute) {
     if (p.trainable) v.grad_ref()->bind(gradients_.view(p.grad_offset, p.shape));
     vars_.push_back(v);
   }
+  mapped_.clear();
   if (bf16) enable_bf16_copies();
 }
 
@@ -161,12 +180,6 @@ void ParameterSet::enable_bf16_copies() {
   bf16_weights_ = Tensor::zeros(Shape{offset}, DType::BF16, MemoryCategory::Bf16Weights);
   for (size_t i = 0; i < infos_.size(); ++i) {
     const ParameterInfo& p = infos_[i];
-    if (p.mapped) {
-      vars_[i] = Variable(Tensor::external(mapped_[i].first, p.shape, DType::BF16,
-                                           MemoryCategory::Bf16Weights, mapped_[i].second),
-                          false);
-      continue;
-    }
     if (p.bf16_offset < 0) continue;
     const Tensor copy = bf16_weights_.view(p.bf16_offset, p.shape);
     if (p.file_offset >= 0 || p.master_sharded) {
@@ -179,7 +192,6 @@ void ParameterSet::enable_bf16_copies() {
       vars_[i].set_bf16_copy(copy);
     }
   }
-  mapped_.clear();
   sync_bf16_copies();
 }
 
@@ -231,8 +243,11 @@ void ParameterSet::read_values(int index, float* values) const {
     std::copy_n(weights_.f32() + p.offset, n, values);
   } else if (p.file_offset >= 0) {
     master_file_->read(p.file_offset, n, values);
+  } else if (const Tensor& v = vars_.at(static_cast<size_t>(index)).value();
+             dtype_quantized(v.dtype())) {
+    kernels::dequantize_rows(v.quant(), 0, v.dim(0), values);
   } else {
-    kernels::bf16_to_fp32_array(values, vars_.at(static_cast<size_t>(index)).value().bf16(), n);
+    kernels::bf16_to_fp32_array(values, v.bf16(), n);
   }
 }
 
@@ -272,7 +287,7 @@ void ParameterSet::write_values(int index, const float* values) const {
 bool ParameterSet::bf16_only(int index) const {
   const ParameterInfo& p = infos_.at(static_cast<size_t>(index));
   return p.offset < 0 && p.file_offset < 0 && !p.master_sharded && has_bf16_copies() &&
-         (p.bf16_offset >= 0 || p.mapped);
+         (p.bf16_offset >= 0 || (p.mapped && p.mapped_dtype == DType::BF16));
 }
 
 void ParameterSet::write_bf16_values(int index, const void* values) const {
@@ -291,11 +306,12 @@ uint64_t ParameterSet::frozen_fingerprint() const {
     any = true;
     h = fnv1a(p.name, h);
     const int64_t n = p.shape.numel();
-    if (p.offset >= 0)
+    if (p.offset >= 0) {
       h = fnv1a(weights_.f32() + p.offset, static_cast<size_t>(n) * 4, h);
-    else
-      h = fnv1a(vars_[static_cast<size_t>(&p - infos_.data())].value().bf16(),
-                static_cast<size_t>(n) * 2, h);
+    } else {  // bf16 or quantised, as held
+      const Tensor& v = vars_[static_cast<size_t>(&p - infos_.data())].value();
+      h = fnv1a(v.raw(), v.bytes(), h);
+    }
   }
   return any ? h : 0;
 }
@@ -346,6 +362,18 @@ void check_finite(const ParameterSet& params, const std::string& source,
       params.read_values(static_cast<int>(i), copy.data());
       bad = first_non_finite_f32(copy.data(), n);
       if (bad >= 0) value = copy[static_cast<size_t>(bad)];
+    } else if (const Tensor& v = params.var(static_cast<int>(i)).value();
+               dtype_quantized(v.dtype())) {
+      // Dequantised a panel of rows at a time.
+      const kernels::QuantMatrix w = v.quant();
+      const int64_t rows = kernels::quant_panel_rows(w.cols);
+      copy.resize(static_cast<size_t>(std::min(rows, w.rows) * w.cols));
+      for (int64_t r0 = 0; r0 < w.rows && bad < 0; r0 += rows) {
+        const int64_t m = std::min(rows, w.rows - r0);
+        kernels::dequantize_rows(w, r0, m, copy.data());
+        bad = first_non_finite_f32(copy.data(), m * w.cols);
+        if (bad >= 0) value = copy[static_cast<size_t>(bad)], bad += r0 * w.cols;
+      }
     } else {
       const uint16_t* values = params.var(static_cast<int>(i)).value().bf16();
       bad = first_non_finite_bf16(values, n);

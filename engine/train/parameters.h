@@ -27,12 +27,20 @@ struct ParameterInfo {
   bool bf16_copy = false;    // gets a bf16 copy in bf16 training (it feeds GEMMs)
   int64_t bf16_offset = -1;  // in elements, into bf16_weights(), once the copies exist
   bool trainable = true;
-  bool mapped = false;          // its bf16 values are read in place (map_bf16), not allocated
+  bool mapped = false;               // its values are read in place (map_in_place), not allocated
+  DType mapped_dtype = DType::BF16;  // of a mapped one: BF16 or a quantised format
   int64_t grad_offset = -1;     // in elements into gradients() (and AdamW's m and v); -1: frozen
   bool master_read = false;     // computing reads its FP32 master (an embedding table): in RAM
   bool master_sharded = false;  // its FP32 master is held for this rank's shard alone (set_shard)
   int64_t shard_offset = 0;     // of element 0 (whether held or not) in this rank's held masters
   int64_t file_offset = -1;     // in elements into the masters' state file; -1: not offloaded
+};
+
+// A parameter's values as a model file holds them: `dtype` BF16 or a quantised format at `data`,
+// or dtype F32 where the file's tensor cannot be read in place (another type, or another layout).
+struct InPlaceWeight {
+  const void* data = nullptr;
+  DType dtype = DType::F32;
 };
 
 class Communicator;
@@ -50,11 +58,14 @@ class ParameterSet {
   int add(const std::string& name, const Shape& shape, bool decay, bool bf16_copy = false);
   // Marks a declared parameter frozen (or trainable again). Only before allocate().
   void set_trainable(int index, bool trainable);
-  // Before allocate: the parameter, frozen, with a bf16 copy, in a set allocated for bf16
-  // compute, takes as its value the bf16 values at `data` in place (row-major, as the parameter
-  // is shaped; any alignment), which `owner` keeps alive: a model file's tensor, mapped. Nothing
-  // is allocated for it, and its values cannot be written.
-  void map_bf16(int index, const void* data, std::shared_ptr<const void> owner);
+  // Before allocate: the parameter, frozen, takes as its value the `dtype` values at `data` in
+  // place (row-major, as the parameter is shaped; any alignment), which `owner` keeps alive: a
+  // model file's tensor, mapped. Nothing is allocated for it, and its values cannot be written.
+  // BF16: a parameter with a bf16 copy, in a set allocated for bf16 compute. A quantised format
+  // (engine/core/tensor.h): a matrix that only the ops taking frozen weights read (linear's
+  // products, the embedding), in either compute precision. While measuring, `data` and `owner`
+  // may be null: the value is a measured tensor of the file's bytes.
+  void map_in_place(int index, const void* data, DType dtype, std::shared_ptr<const void> owner);
   // Before allocate: computing reads the parameter's FP32 master, so offloading keeps it in RAM.
   void set_master_read(int index);
   // Before allocate (--offload): in a set allocated for bf16 compute, the FP32 master of each
@@ -91,8 +102,8 @@ class ParameterSet {
   }
 
   // The parameter's values, as FP32 (n = its element count), from its master or, where it has
-  // none, its bf16 copy widened. Of a sharded master a collective: rank 0 receives the whole
-  // (the other ranks send their parts and may pass null).
+  // none, its bf16 copy widened or its quantised blocks dequantised. Of a sharded master a
+  // collective: rank 0 receives the whole (the other ranks send their parts and may pass null).
   void read_values(int index, float* values) const;
   // write_values, but of a sharded master a collective: rank 0's values (the others pass null)
   // reach every rank's part and bf16 copy.
@@ -164,8 +175,8 @@ class ParameterSet {
   std::shared_ptr<const OffloadDir> offload_dir_;
   std::shared_ptr<StateFile> master_file_;
   int64_t offloaded_numel_ = 0;
-  // Until the bf16 copies are made: where map_bf16 put each mapped parameter's values, and their
-  // owner (null elsewhere). Their tensors keep the owners after.
+  // Until allocate: where map_in_place put each mapped parameter's values, and their owner (null
+  // elsewhere). Their tensors keep the owners after.
   std::vector<std::pair<const void*, std::shared_ptr<const void>>> mapped_;
   mutable std::function<void(int64_t)> watcher_;
   // set_shard: the communicator, the shards' bounds, this rank's parts of the sharded masters

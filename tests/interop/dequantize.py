@@ -12,7 +12,8 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 import gguf  # noqa: E402
 
-QUANTISED = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
+QUANTISED = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0,
+             gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0,
              gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
              gguf.GGMLQuantizationType.Q6_K}
 

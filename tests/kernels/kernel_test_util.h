@@ -9,7 +9,38 @@
 #include <random>
 #include <vector>
 
+#include "kernels/quant.h"
+
 namespace cputrain::kernels::test {
+
+// Random blocks of a quantised format whose f16 scales are between 2^-7 and 2^-1 (either sign
+// for d of Q4_0, Q5_0, Q8_0, Q6_K and d, m of Q5_1; positive d, dmin for the K-quants with
+// minimums).
+inline std::vector<uint8_t> random_quant_blocks(QuantType t, int64_t blocks, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> data(static_cast<size_t>(blocks * quant_block_bytes(t)));
+  for (uint8_t& byte : data) byte = static_cast<uint8_t>(rng());
+  const auto half = [&](uint8_t* p, bool sign) {
+    const uint32_t h = (sign ? (rng() & 1) << 15 : 0) | ((8 + rng() % 7) << 10) | (rng() & 1023);
+    p[0] = static_cast<uint8_t>(h);
+    p[1] = static_cast<uint8_t>(h >> 8);
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* p = data.data() + b * quant_block_bytes(t);
+    if (t == QuantType::Q6_K) {
+      half(p + 208, true);
+    } else if (t == QuantType::Q4_K || t == QuantType::Q5_K) {
+      half(p, false);
+      half(p + 2, false);
+    } else if (t == QuantType::Q5_1) {
+      half(p, true);
+      half(p + 2, true);
+    } else {
+      half(p, true);
+    }
+  }
+  return data;
+}
 
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f,
                                         float hi = 1.0f) {

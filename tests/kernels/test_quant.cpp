@@ -21,11 +21,11 @@
 namespace cputrain::kernels {
 namespace {
 
-const QuantType kTypes[] = {QuantType::Q4_0, QuantType::Q8_0, QuantType::Q4_K, QuantType::Q5_K,
-                            QuantType::Q6_K};
+const QuantType kTypes[] = {QuantType::Q4_0, QuantType::Q5_0, QuantType::Q5_1, QuantType::Q8_0,
+                            QuantType::Q4_K, QuantType::Q5_K, QuantType::Q6_K};
 
 std::string type_name(QuantType t) {
-  const char* names[] = {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+  const char* names[] = {"Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
   return names[static_cast<int>(t)];
 }
 
@@ -57,6 +57,17 @@ double element(QuantType t, const uint8_t* b, int i, double* size) {
       *size = std::abs(v);
       return v;
     }
+    case QuantType::Q5_0:
+    case QuantType::Q5_1: {
+      // Bit i of the four bytes after the scale(s) over value i's nibble (Q4_0's places).
+      const bool one = t == QuantType::Q5_1;
+      const uint8_t* h = b + (one ? 4 : 2);
+      const int byte = h[4 + i % 16];
+      const int q = (i < 16 ? byte & 15 : byte >> 4) | (((h[i / 8] >> (i % 8)) & 1) << 4);
+      const double v = one ? half_value(b) * q + half_value(b + 2) : half_value(b) * (q - 16);
+      *size = one ? std::abs(half_value(b) * q) + std::abs(half_value(b + 2)) : std::abs(v);
+      return v;
+    }
     case QuantType::Q8_0:
       *size = std::abs(half_value(b) * static_cast<int8_t>(b[2 + i]));
       return half_value(b) * static_cast<int8_t>(b[2 + i]);
@@ -86,29 +97,8 @@ double element(QuantType t, const uint8_t* b, int i, double* size) {
   return 0.0;
 }
 
-// Random blocks whose f16 scales are between 2^-7 and 2^-1 (either sign for d of Q4_0, Q8_0,
-// Q6_K; positive d, dmin for the K-quants with minimums).
 std::vector<uint8_t> random_blocks(QuantType t, int64_t blocks, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> data(static_cast<size_t>(blocks * quant_block_bytes(t)));
-  for (uint8_t& byte : data) byte = static_cast<uint8_t>(rng());
-  const auto half = [&](uint8_t* p, bool sign) {
-    const int h = (sign ? (rng() & 1) << 15 : 0) | ((8 + rng() % 7) << 10) | (rng() & 1023);
-    p[0] = static_cast<uint8_t>(h);
-    p[1] = static_cast<uint8_t>(h >> 8);
-  };
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint8_t* p = data.data() + b * quant_block_bytes(t);
-    if (t == QuantType::Q6_K) {
-      half(p + 208, true);
-    } else if (t == QuantType::Q4_K || t == QuantType::Q5_K) {
-      half(p, false);
-      half(p + 2, false);
-    } else {
-      half(p, true);
-    }
-  }
-  return data;
+  return test::random_quant_blocks(t, blocks, seed);
 }
 
 TEST(Quant, BlocksDecodeAsTheirFormatsDefineThem) {
@@ -213,6 +203,99 @@ TEST(Quant, RefusesRowsOfPartBlocks) {
   const QuantMatrix w{QuantType::Q4_K, data.data(), 2, 100};
   std::vector<float> y(2);
   EXPECT_THROW(gemm_quant_forward(1, y.data(), 100, w, 0.0f, y.data(), 2), std::invalid_argument);
+}
+
+// Quantising to Q4_K, Q6_K and Q5_0 (export's q4_k), read back with the decoders tested above, over
+// blocks of sizes 10^-3 to 10 whose sub-blocks differ by up to 4 times: each value within 1.5 steps
+// of its sub-block's level grid (the step read from the written scales: d times the 6-bit scale for
+// Q4_K, d times the int8 scale's magnitude for Q6_K), and the error's RMS a small part of the
+// values' (4 and 6 bits: about 1/15 and 1/63 of a range of some 5 standard deviations); a block of
+// zeros is zeros.
+TEST(Quant, QuantisedBlocksHoldTheNearestLevels) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> exponent(-3.0f, 1.0f);
+  for (const QuantType t : {QuantType::Q4_K, QuantType::Q6_K, QuantType::Q5_0}) {
+    const int64_t blocks = 64 * 256 / quant_block_values(t), n = 64 * 256;
+    const int sub = t == QuantType::Q6_K ? 16 : 32;
+    std::vector<float> x(static_cast<size_t>(n));
+    std::uniform_real_distribution<float> part(0.25f, 1.0f);
+    float block_size = 1.0f;
+    for (int64_t i = 0; i < n; i += sub) {
+      if (i % 256 == 0) block_size = std::pow(10.0f, exponent(rng));
+      const float size = block_size * part(rng);
+      for (int l = 0; l < sub; ++l) x[static_cast<size_t>(i + l)] = size * normal(rng);
+    }
+    std::fill_n(x.begin(), 256, 0.0f);  // block 0: zeros
+    std::vector<uint8_t> q(static_cast<size_t>(blocks * quant_block_bytes(t)));
+    quantize_blocks(t, x.data(), blocks, q.data());
+    std::vector<float> y(static_cast<size_t>(n));
+    dequantize_blocks(t, q.data(), blocks, y.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* b = q.data() + i / quant_block_values(t) * quant_block_bytes(t);
+      const int j = static_cast<int>(i % quant_block_values(t)) / sub;
+      const double step = t == QuantType::Q4_K ? half_value(b) * k_field(b + 4, j, 0)
+                          : t == QuantType::Q6_K
+                              ? std::abs(half_value(b + 208) * static_cast<int8_t>(b[192 + j]))
+                              : std::abs(half_value(b));
+      const double e = std::abs(static_cast<double>(y[i]) - x[i]);
+      ASSERT_LE(e, step * 1.5 + 1e-30) << type_name(t) << " value " << i << " of " << x[i];
+      if (i < 256) {
+        ASSERT_EQ(y[i], 0.0f) << type_name(t);
+      }
+    }
+    // Each sub-block's error against its own size, so that the large ones do not hide the rest.
+    double err2 = 0.0, x2 = 0.0;
+    for (int64_t i0 = 256; i0 < n; i0 += sub) {
+      double e2 = 0.0, v2 = 0.0;
+      for (int64_t i = i0; i < i0 + sub; ++i) {
+        e2 += (static_cast<double>(y[i]) - x[i]) * (static_cast<double>(y[i]) - x[i]);
+        v2 += static_cast<double>(x[i]) * x[i];
+      }
+      err2 += e2 / v2;
+      x2 += 1.0;
+    }
+    const double rms = std::sqrt(err2 / x2);
+    std::printf("%s: RMS error over RMS value, per sub-block %.4f\n", type_name(t).c_str(), rms);
+    EXPECT_LT(rms, t == QuantType::Q4_K   ? 0.085
+                   : t == QuantType::Q6_K ? 0.022
+                                          : 0.05)
+        << type_name(t);
+    // Values that are a quantised file's quantise to themselves (a merged export writes the base's
+    // untouched tensors as they were): blocks whose largest scale (and minimum) takes all the
+    // scales' bits (63; Q6_K's -128) and whose sub-blocks reach their lowest and highest level
+    // (Q6_K's and Q5_0's lowest), as a quantiser that spends the format's range writes them.
+    std::vector<uint8_t> grid = random_blocks(t, blocks, 13);
+    for (int64_t k = 0; k < blocks; ++k) {
+      uint8_t* b = grid.data() + k * quant_block_bytes(t);
+      if (t == QuantType::Q4_K) {
+        b[4] |= 63;  // sub-block 0's scale and minimum
+        b[8] |= 63;
+        for (int j = 0; j < 8; ++j) {  // values 0 and 1 of each sub-block at levels 0 and 15
+          uint8_t* p = b + 16 + 32 * (j / 2);
+          const int shift = j % 2 ? 4 : 0;
+          p[0] = static_cast<uint8_t>(p[0] & ~(15 << shift));
+          p[1] = static_cast<uint8_t>(p[1] | (15 << shift));
+        }
+      } else if (t == QuantType::Q5_0) {
+        b[2] &= 0xfe;  // value 0 at level 0 (-16)
+        b[6] &= 0xf0;
+      } else {
+        b[192] = 0x80;
+        for (int j = 0; j < 16; ++j) {  // value 16 j at level 0 (-32)
+          const int h = j / 8, r = (16 * j) % 128, sub = r / 32, l = r % 32;
+          b[64 * h + l + 32 * (sub % 2)] &= static_cast<uint8_t>(sub / 2 ? 0x0f : 0xf0);
+          b[128 + 32 * h + l] &= static_cast<uint8_t>(~(3 << (2 * sub)));
+        }
+      }
+    }
+    std::vector<float> on_grid(static_cast<size_t>(n)), again(static_cast<size_t>(n));
+    dequantize_blocks(t, grid.data(), blocks, on_grid.data());
+    std::vector<uint8_t> requantized(grid.size());
+    quantize_blocks(t, on_grid.data(), blocks, requantized.data());
+    dequantize_blocks(t, requantized.data(), blocks, again.data());
+    EXPECT_EQ(again, on_grid) << type_name(t);
+  }
 }
 
 }  // namespace

@@ -8,8 +8,9 @@
 //   llama_oracle tokenize MODEL TEXT_FILE [special]
 //                                             the token ids of the file's text (no BOS), one line;
 //                                             with "special", special tokens in it are parsed
-//   llama_oracle quantize IN OUT TYPE         llama_model_quantize to q8_0, q4_0, q4_k_m or q5_k_m
-//   llama_oracle generate MODEL N THREADS     N greedy tokens after BOS; prints the ids, then the
+//   llama_oracle quantize IN OUT TYPE         llama_model_quantize to q8_0, q4_0, q5_0, q5_1,
+//   q4_k_m or q5_k_m llama_oracle generate MODEL N THREADS     N greedy tokens after BOS; prints
+//   the ids, then the
 //                                             load seconds and the tokens/s after the first
 //   llama_oracle chat TEMPLATE MESSAGES [prompt]
 //                                             llama_chat_apply_template's text, to stdout, of the
@@ -130,13 +131,17 @@ int tokenize(int argc, char** argv) {
 }
 
 int quantize(int argc, char** argv) {
-  if (argc != 5) fail("quantize IN OUT q8_0|q4_0|q4_k_m|q5_k_m");
+  if (argc != 5) fail("quantize IN OUT q8_0|q4_0|q5_0|q5_1|q4_k_m|q5_k_m");
   llama_model_quantize_params params = llama_model_quantize_default_params();
   const std::string type = argv[4];
   if (type == "q8_0")
     params.ftype = LLAMA_FTYPE_MOSTLY_Q8_0;
   else if (type == "q4_0")
     params.ftype = LLAMA_FTYPE_MOSTLY_Q4_0;
+  else if (type == "q5_0")
+    params.ftype = LLAMA_FTYPE_MOSTLY_Q5_0;
+  else if (type == "q5_1")
+    params.ftype = LLAMA_FTYPE_MOSTLY_Q5_1;
   else if (type == "q4_k_m")
     params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M;
   else if (type == "q5_k_m")

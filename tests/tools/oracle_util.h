@@ -119,6 +119,19 @@ inline const fs::path& made_models() {
   return dir.path;
 }
 
+// made_models()'s llama_gqa.gguf quantised by llama.cpp's own quantiser (llama_model_quantize)
+// to `type` (q8_0, q4_0, q5_0, q5_1, q4_k_m, q5_k_m), made once: llama_gqa_TYPE.gguf beside it.
+inline fs::path quantized_model(const std::string& type) {
+  const fs::path out = made_models() / ("llama_gqa_" + type + ".gguf");
+  if (!fs::exists(out)) {
+    const std::string cmd = kOracle + " quantize " + (made_models() / "llama_gqa.gguf").string() +
+                            " " + out.string() + ".tmp " + type + " >/dev/null 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    fs::rename(out.string() + ".tmp", out);
+  }
+  return out;
+}
+
 // Runs cputrain with `args`; its exit status.
 inline int cputrain(const std::string& args) {
   const std::string cmd = std::string(CPUTRAIN_BINARY) + " " + args + " >/dev/null";

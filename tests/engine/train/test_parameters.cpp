@@ -45,7 +45,7 @@ TEST(ParameterSet, MappedBf16WeightsAreReadInPlace) {
     const int u = p.add("u", Shape{rows, cols}, true, true);
     p.set_trainable(w, false);
     p.set_trainable(u, false);
-    p.map_bf16(w, values, file);
+    p.map_in_place(w, values, DType::BF16, file);
     file.reset();
     p.allocate(DType::BF16);
     EXPECT_TRUE(p.mapped(w));
@@ -75,7 +75,7 @@ TEST(ParameterSet, MappedBf16WeightsAreReadInPlace) {
   ParameterSet f;
   const int t = f.add("t", Shape{rows, cols}, true, true);
   f.set_trainable(t, false);
-  f.map_bf16(t, values, std::make_shared<int>(0));
+  f.map_in_place(t, values, DType::BF16, std::make_shared<int>(0));
   EXPECT_THROW(f.allocate(DType::F32), std::logic_error);
 }
 
