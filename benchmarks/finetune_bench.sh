@@ -13,14 +13,10 @@ cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
 steps=${STEPS:-6}
 threads=${THREADS:-$(nproc)}
-llamacpp=${CPUTRAIN_LLAMACPP_DIR:-$HOME/.cache/cputrain/llamacpp}
 shape=${SHAPE:-qwen2-0.5b}
-model=build/$shape.gguf
+source benchmarks/bench_model.sh
+model=$(bench_model "$shape")
 data=build/finetune_bench.jsonl
-if [[ ! -f $model ]]; then
-  /usr/bin/python3 benchmarks/make_model.py "$llamacpp/src/gguf-py" "$model.tmp" "$shape"
-  mv "$model.tmp" "$model"
-fi
 /usr/bin/python3 benchmarks/bench_data.py "$data"
 ours_rate=() ours_rss=() theirs_rate=() theirs_rss=()
 tmp=$(mktemp -d)

@@ -13,20 +13,11 @@ runs=${RUNS:-3}
 steps=${STEPS:-6}
 batch=${BATCH:-4}
 threads=${THREADS:-$(nproc)}
-llamacpp=${CPUTRAIN_LLAMACPP_DIR:-$HOME/.cache/cputrain/llamacpp}
 shape=${SHAPE:-qwen2-0.5b}
-model=build/$shape.gguf
+source benchmarks/bench_model.sh
+model=$(bench_model "$shape")
+for type in q8_0 q4_k_m; do bench_quantised "$shape" "$type" >/dev/null; done
 data=build/finetune_bench.jsonl
-if [[ ! -f $model ]]; then
-  /usr/bin/python3 benchmarks/make_model.py "$llamacpp/src/gguf-py" "$model.tmp" "$shape"
-  mv "$model.tmp" "$model"
-fi
-for type in q8_0 q4_k_m; do
-  if [[ ! -f build/$shape-$type.gguf ]]; then
-    build/llama_oracle quantize "$model" "build/$shape-$type.gguf.tmp" "$type" >/dev/null 2>&1
-    mv "build/$shape-$type.gguf.tmp" "build/$shape-$type.gguf"
-  fi
-done
 /usr/bin/python3 benchmarks/bench_data.py "$data"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

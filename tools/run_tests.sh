@@ -30,9 +30,9 @@ for level in "${levels[@]}"; do
 done
 # The reference GEMM is the plain loop the kernel tests check every other GEMM against: under it,
 # the budget runs of the mini preset and the commands that train several runs to compare them
-# (a resume, an interrupt, offload, a run as a base) take most of the pass's time and check nothing
-# their tiny-preset and first-pass runs do not.
-reference_also='|^Configurations/BudgetVsMeasured\..*/mini_|^Cli\.(ARunIsABaseToFineTune|InterruptSavesAndResume|ResumeIsBitwise|OffloadedRunIsBitwise)'
+# (a resume, an interrupt, offload, a run as a base, fine-tunes over bases read in place) take most
+# of the pass's time and check nothing their tiny-preset and first-pass runs do not.
+reference_also='|^Configurations/BudgetVsMeasured\..*/mini_|^Cli\.(ARunIsABaseToFineTune|InterruptSavesAndResume|ResumeIsBitwise|OffloadedRunIsBitwise)|^FineTune\.ABaseReadInPlace|^LlamaCppLora\.AnAdapterTrainedOverAQuantisedBase'
 echo "== the suite again with CPUTRAIN_GEMM=onednn"
 CPUTRAIN_GEMM=onednn ctest --output-on-failure --timeout 900 "${again[@]}" "$@"
 echo "== the suite again with CPUTRAIN_GEMM=reference"
