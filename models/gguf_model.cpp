@@ -251,26 +251,10 @@ namespace {
 
 // The dtype a GGUF tensor of `type` is held as in place; F32 where it cannot be.
 DType in_place_dtype(uint32_t type) {
-  switch (static_cast<GgmlType>(type)) {
-    case GgmlType::BF16:
-      return DType::BF16;
-    case GgmlType::Q4_0:
-      return DType::Q4_0;
-    case GgmlType::Q5_0:
-      return DType::Q5_0;
-    case GgmlType::Q5_1:
-      return DType::Q5_1;
-    case GgmlType::Q8_0:
-      return DType::Q8_0;
-    case GgmlType::Q4_K:
-      return DType::Q4_K;
-    case GgmlType::Q5_K:
-      return DType::Q5_K;
-    case GgmlType::Q6_K:
-      return DType::Q6_K;
-    default:
-      return DType::F32;
-  }
+  if (type == static_cast<uint32_t>(GgmlType::BF16)) return DType::BF16;
+  if (!ggml_type_supported(type)) return DType::F32;
+  const auto q = ggml_quant_type(static_cast<GgmlType>(type));
+  return q ? quantized_dtype(*q) : DType::F32;
 }
 
 }  // namespace

@@ -38,10 +38,10 @@ void check_gguf_weights(const GgufFile& file, const ModelConfig& config);
 // tensor, or one the model has no place for.
 void load_gguf_weights(const GgufFile& file, const ParameterSet& params, const ModelConfig& config);
 
-// The values in `file` of `parameter` (of DecoderModel), where they can be read in place: a BF16,
-// Q4_0, Q8_0, Q4_K, Q5_K or Q6_K tensor of the parameter's shape (or a whole number of rows of a
-// fused one). Else dtype F32. (load_gguf_weights writes nothing into a parameter mapped so, and
-// checks it as any other.)
+// The values in `file` of `parameter` (of DecoderModel), where they can be read in place: a BF16
+// tensor or one of a quantised type cputrain reads (ggml_quant_type), of the parameter's shape
+// (or a whole number of rows of a fused one). Else dtype F32. (load_gguf_weights writes nothing
+// into a parameter mapped so, and checks it as any other.)
 InPlaceWeight gguf_in_place(const GgufFile& file, const ParameterInfo& parameter,
                             const ModelConfig& config);
 

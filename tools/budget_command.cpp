@@ -244,8 +244,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   // A LoRA reads the base's quantised matrices (and in bf16 its BF16 ones) in place: apart
   // from what must fit.
   if (o.lora.active()) o.in_place = in_place_weights(a.model, "--model", model);
-  const auto budget = [&](const BudgetOptions& options) { return memory_budget(model, options); };
-  const MemoryBudget b = budget(o);
+  const MemoryBudget b = memory_budget(model, o);
   const int64_t available = memory_limit_bytes(t.mem_limit_gib);
   const bool fits = b.total_bytes() <= available;
   if (a.json) {
@@ -273,7 +272,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   // The levers not in use: each alone, with its total.
   std::string levers;
   const auto lever = [&](const std::string& what, BudgetOptions changed) {
-    const int64_t total = budget(changed).total_bytes();
+    const int64_t total = memory_budget(model, changed).total_bytes();
     levers += fmt::format("  {:<38} {:>12}{}\n", what, format_bytes(total),
                           total <= available ? "  fits" : "");
   };

@@ -33,7 +33,6 @@ bool starts_with_gguf_magic(const std::string& path) {
 
 namespace {
 
-// Every parameter frozen and held as bf16 alone where `bf16`; the default model otherwise.
 // A model to compute with, not to train: every parameter frozen (quantised and BF16 matrices may
 // then be read in place).
 ModelOptions model_options(bool bf16) {

@@ -31,25 +31,24 @@ bool dtype_quantized(DType dtype) {
   return dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::I32;
 }
 
+// The quantised dtypes are the kernels' formats in their order, from Q4_0.
+static_assert(static_cast<int>(DType::Q6_K) - static_cast<int>(DType::Q4_0) ==
+                  static_cast<int>(kernels::QuantType::Q6_K) -
+                      static_cast<int>(kernels::QuantType::Q4_0) &&
+              static_cast<int>(DType::Q4_K) - static_cast<int>(DType::Q4_0) ==
+                  static_cast<int>(kernels::QuantType::Q4_K) -
+                      static_cast<int>(kernels::QuantType::Q4_0));
+
 kernels::QuantType quant_type(DType dtype) {
-  switch (dtype) {
-    case DType::Q4_0:
-      return kernels::QuantType::Q4_0;
-    case DType::Q5_0:
-      return kernels::QuantType::Q5_0;
-    case DType::Q5_1:
-      return kernels::QuantType::Q5_1;
-    case DType::Q8_0:
-      return kernels::QuantType::Q8_0;
-    case DType::Q4_K:
-      return kernels::QuantType::Q4_K;
-    case DType::Q5_K:
-      return kernels::QuantType::Q5_K;
-    case DType::Q6_K:
-      return kernels::QuantType::Q6_K;
-    default:
-      throw std::logic_error("quant_type of " + std::string(dtype_name(dtype)));
-  }
+  if (!dtype_quantized(dtype))
+    throw std::logic_error("quant_type of " + std::string(dtype_name(dtype)));
+  return static_cast<kernels::QuantType>(static_cast<int>(dtype) - static_cast<int>(DType::Q4_0) +
+                                         static_cast<int>(kernels::QuantType::Q4_0));
+}
+
+DType quantized_dtype(kernels::QuantType type) {
+  return static_cast<DType>(static_cast<int>(type) - static_cast<int>(kernels::QuantType::Q4_0) +
+                            static_cast<int>(DType::Q4_0));
 }
 
 size_t dtype_bytes(DType dtype, int64_t n) {

@@ -21,7 +21,8 @@ enum class DType { F32, BF16, I32, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
 size_t dtype_size(DType dtype);
 std::string_view dtype_name(DType dtype);
 bool dtype_quantized(DType dtype);
-kernels::QuantType quant_type(DType dtype);  // of a quantised dtype
+kernels::QuantType quant_type(DType dtype);      // of a quantised dtype
+DType quantized_dtype(kernels::QuantType type);  // its inverse
 // Bytes of n elements: of a quantised dtype, n / block values blocks (n a multiple of them).
 size_t dtype_bytes(DType dtype, int64_t n);
 

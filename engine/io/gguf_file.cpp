@@ -223,11 +223,7 @@ bool ggml_type_supported(uint32_t type) {
   return false;
 }
 
-namespace {
-
-// The kernels' name of a quantised type (kernels/quant.h holds their layouts); none for the
-// others.
-std::optional<kernels::QuantType> quant_type(GgmlType type) {
+std::optional<kernels::QuantType> ggml_quant_type(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_0:
       return kernels::QuantType::Q4_0;
@@ -251,15 +247,14 @@ std::optional<kernels::QuantType> quant_type(GgmlType type) {
   return std::nullopt;
 }
 
-}  // namespace
-
 int64_t ggml_block_size(GgmlType type) {
-  const auto q = quant_type(type);
+  const auto q = ggml_quant_type(type);
   return q ? kernels::quant_block_values(*q) : 1;
 }
 
 size_t ggml_block_bytes(GgmlType type) {
-  if (const auto q = quant_type(type)) return static_cast<size_t>(kernels::quant_block_bytes(*q));
+  if (const auto q = ggml_quant_type(type))
+    return static_cast<size_t>(kernels::quant_block_bytes(*q));
   return type == GgmlType::F32 ? 4 : 2;
 }
 
@@ -429,6 +424,10 @@ const std::vector<double>& GgufFile::numbers(const std::string& key) const {
 }
 
 void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
+  if (const auto q = ggml_quant_type(type)) {
+    kernels::dequantize_blocks(*q, src, n / kernels::quant_block_values(*q), dst);
+    return;
+  }
   switch (type) {
     case GgmlType::F32:
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
@@ -442,17 +441,8 @@ void ggml_to_float(GgmlType type, const uint8_t* src, float* dst, int64_t n) {
         std::memcpy(dst + i, &bits, 4);
       }
       return;
-    case GgmlType::Q4_0:
-    case GgmlType::Q5_0:
-    case GgmlType::Q5_1:
-    case GgmlType::Q8_0:
-    case GgmlType::Q4_K:
-    case GgmlType::Q5_K:
-    case GgmlType::Q6_K: {
-      const kernels::QuantType q = *quant_type(type);
-      kernels::dequantize_blocks(q, src, n / kernels::quant_block_values(q), dst);
+    default:  // the quantised types, above
       return;
-    }
   }
 }
 
@@ -484,7 +474,7 @@ std::vector<uint8_t> ggml_from_float(GgmlType type, const float* src, int64_t n)
     case GgmlType::Q5_0:
     case GgmlType::Q4_K:
     case GgmlType::Q6_K: {
-      const kernels::QuantType q = *quant_type(type);
+      const kernels::QuantType q = *ggml_quant_type(type);
       kernels::quantize_blocks(q, src, n / kernels::quant_block_values(q), dst);
       break;
     }

@@ -6,11 +6,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "engine/io/mapped_file.h"
+#include "kernels/quant.h"
 
 namespace cputrain {
 
@@ -31,6 +33,9 @@ enum class GgmlType : uint32_t {
 std::string ggml_type_name(uint32_t type);
 // Whether cputrain converts tensors of this type.
 bool ggml_type_supported(uint32_t type);
+// The kernels' name of a quantised type cputrain reads (kernels/quant.h holds their layouts);
+// none for F32, F16 and BF16.
+std::optional<kernels::QuantType> ggml_quant_type(GgmlType type);
 // Elements per block and bytes per block of a supported type.
 int64_t ggml_block_size(GgmlType type);
 size_t ggml_block_bytes(GgmlType type);
