@@ -1,6 +1,7 @@
 #include "engine/core/memory.h"
 
 #include <malloc.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -112,8 +113,24 @@ int64_t read_proc_kb(const char* path, const std::string& key) {
   return 0;
 }
 
-void free_block(void* ptr, int64_t) {
-  std::free(ptr);
+// Blocks of 1 MiB and more are mapped and unmapped on their own, so a block that leaves the cache
+// returns its pages at once and the resident set follows live + cached tensors. They are mapped
+// here rather than by malloc with a lowered threshold: that threshold would hold for every
+// library's allocations too, and one that allocates and frees a large buffer on every call (an
+// MPI collective's scratch) would fault its pages in afresh each time.
+constexpr size_t kMappedBlockBytes = size_t{1} << 20;
+
+void* allocate_block(size_t bytes) {
+  if (bytes < kMappedBlockBytes) return std::aligned_alloc(64, bytes);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+void free_block(void* ptr, int64_t bytes) {
+  if (static_cast<size_t>(bytes) < kMappedBlockBytes)
+    std::free(ptr);
+  else
+    ::munmap(ptr, static_cast<size_t>(bytes));
 }
 
 }  // namespace
@@ -154,7 +171,7 @@ void* memory_allocate(size_t bytes, MemoryCategory category) {
   Ledger<void*>& l = process_ledger();
   std::lock_guard lock(l.mutex);
   void* ptr = nullptr;
-  if (!ledger_take(l, n, &ptr, free_block)) ptr = std::aligned_alloc(64, rounded);
+  if (!ledger_take(l, n, &ptr, free_block)) ptr = allocate_block(rounded);
   if (ptr == nullptr) throw std::bad_alloc();
   ledger_count(l, n, category);
   return ptr;
@@ -171,7 +188,7 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
   }
   Ledger<void*>& l = process_ledger();
   std::lock_guard lock(l.mutex);
-  if (!ledger_free(l, ptr, n, category)) std::free(ptr);
+  if (!ledger_free(l, ptr, n, category)) free_block(ptr, n);
 }
 
 void memory_count_mapped(size_t bytes, MemoryCategory category, bool count) {
@@ -276,12 +293,6 @@ int64_t available_memory_bytes() {
 namespace {
 
 // Kernel scratch (GEMM packing buffers) is counted as workspace like any other allocation.
-// Tensors of 1 MiB and more are mapped and unmapped on their own, so a block that leaves the
-// cache returns its pages at once and the resident set follows live + cached tensors. (glibc's
-// default threshold rises after the first large free, after which freed tensors would stay in
-// the heap as residue.)
-const bool large_allocations_mapped = [] { return ::mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1; }();
-
 const bool kernel_workspace_accounted = [] {
   kernels::set_workspace_allocator(
       {[](size_t bytes) { return memory_allocate(bytes, MemoryCategory::Workspace); },

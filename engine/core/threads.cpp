@@ -2,8 +2,10 @@
 
 #include <omp.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -19,6 +21,12 @@ std::vector<int> allowed_cpus() {
   for (int c = 0; c < CPU_SETSIZE; ++c)
     if (CPU_ISSET(c, &set)) cpus.push_back(c);
   return cpus;
+}
+
+void restart_with_short_spin(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
+  if (setenv("GOMP_SPINCOUNT", std::to_string(kShortSpin).c_str(), 0) != 0) return;
+  execv("/proc/self/exe", argv);
 }
 
 std::vector<int> pin_threads() {

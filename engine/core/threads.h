@@ -15,4 +15,17 @@ std::vector<int> pin_threads();
 // The CPUs the calling thread may run on.
 std::vector<int> allowed_cpus();
 
+// OpenMP's idle threads (libgomp's, between parallel regions and at barriers) spin for
+// GOMP_SPINCOUNT iterations, 300000 by default (milliseconds), before they sleep. Where another
+// job shares the cores, a thread spinning at a barrier holds a core that the thread it waits for
+// needs, and every region takes a time slice: the step collapses. libgomp reads its environment
+// once, as it loads; so where neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, this sets
+// GOMP_SPINCOUNT to kShortSpin and starts the program again (execv of /proc/self/exe with `argv`).
+// Returns where nothing needs doing, or where starting again failed (the default spin holds).
+// kShortSpin is libgomp's own count for more threads than CPUs: two 2-thread mega trainings on 2
+// cores each keep half their speed alone with it, a quarter with 10000 and under a third with
+// the default (docs/BENCHMARKS.md), and one alone is as fast within the noise.
+inline constexpr int kShortSpin = 1000;
+void restart_with_short_spin(char** argv);
+
 }  // namespace cputrain
