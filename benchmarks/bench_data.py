@@ -1,8 +1,10 @@
 #!/usr/bin/python3
 """JSON Lines of texts of common words for the fine-tuning benchmarks: 64 texts of 560 words, each
-longer than a row of 512 tokens, so every row is one example and every position a target.
+longer than a row of 512 tokens, so every row is one example and every position a target. With
+--prompt-half, 64 prompt/completion pairs of 256 words each: every row is one example, and about
+half of its positions are prompt, which carries no target.
 
-Usage: bench_data.py OUT.jsonl
+Usage: bench_data.py [--prompt-half] OUT.jsonl
 """
 import json
 import random
@@ -15,6 +17,15 @@ WORDS = ("the of and to in is was for on that with as by at from it an be this w
          "then do first any my now such like our over man me even most made after also did many "
          "before must through back years where much your way well down should because each just "
          "those people").split()
-with open(sys.argv[1], "w") as f:
+
+
+def words(n):
+    return " ".join(random.choice(WORDS) for _ in range(n))
+
+
+prompt_half = sys.argv[1] == "--prompt-half"
+with open(sys.argv[-1], "w") as f:
     for _ in range(64):
-        f.write(json.dumps({"text": " ".join(random.choice(WORDS) for _ in range(560))}) + "\n")
+        example = {"prompt": words(256), "completion": " " + words(256)} if prompt_half else {
+            "text": words(560)}
+        f.write(json.dumps(example) + "\n")

@@ -301,19 +301,13 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
     return rotate ? rope(normed, rope_table, heads, half_split, per_row, config_.rope_dims())
                   : normed;
   };
-  // The MLP on its norm's output g, down projection included (g let go of before it).
-  const auto mlp = [&](Variable g) {
-    Variable f;
-    if (arch_->mlp == Mlp::Gelu) {
-      f = gelu(project(b, Projection::Up, b.w3, b.b3, g));
-    } else {
-      const Variable gate = project(b, Projection::Gate, b.w1, -1, g);
-      const Variable up = project(b, Projection::Up, b.w3, b.b3, g);
-      f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
-    }
-    g = Variable();
-    const Variable down = project(b, Projection::Down, b.w2, b.b2, f);
-    return b.post_ffw_norm >= 0 ? head_rmsnorm(down, p(b.post_ffw_norm), eps, offset) : down;
+  // The MLP on x (normed first where `normed` is false); with --checkpoint mlp a checkpoint
+  // region of its own, which keeps only x.
+  const auto mlp = [&](const Variable& x, bool normed) {
+    auto run = [this, &b, normed](const Variable& in) {
+      return mlp_forward(b, normed ? in : norm(in, b.ffn_norm, b.ffn_norm_bias));
+    };
+    return checkpointing_ == Checkpointing::Mlp ? checkpoint(std::move(run), x) : run(x);
   };
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
   // there (the ops that need them in backward have saved them).
@@ -333,13 +327,29 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
     attended = head_rmsnorm(attended, p(b.post_attention_norm), eps, offset);
   if (arch_->parallel_block) {
     // Attention and the MLP from the one norm, added to the residual together.
-    const Variable m = mlp(h);
+    const Variable m = mlp(h, true);
     h = Variable();
     return add(add(attended, m), x);
   }
   const Variable a = add(x, attended);
   attended = Variable();
-  return add(a, mlp(norm(a, b.ffn_norm, b.ffn_norm_bias)));
+  return add(a, mlp(a, false));
+}
+
+Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
+  Variable f;
+  if (arch_->mlp == Mlp::Gelu) {
+    f = gelu(project(b, Projection::Up, b.w3, b.b3, g));
+  } else {
+    const Variable gate = project(b, Projection::Gate, b.w1, -1, g);
+    const Variable up = project(b, Projection::Up, b.w3, b.b3, g);
+    f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
+  }
+  g = Variable();  // let go of before the down projection
+  const Variable down = project(b, Projection::Down, b.w2, b.b2, f);
+  return b.post_ffw_norm >= 0
+             ? head_rmsnorm(down, p(b.post_ffw_norm), config_.norm_eps, config_.norm_offset())
+             : down;
 }
 
 Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
@@ -388,7 +398,7 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     final_from(i);
     if (recording) record_backward("read_ahead", [this, i] { read_ahead(i, true); });
     read_ahead(i + 1);  // the next block's weights (the head's after the last) while this runs
-    if (checkpointing_) {
+    if (checkpointing_ == Checkpointing::Layer) {
       // The region reruns in backward: it holds its own copies of attend and the table.
       x = checkpoint(
           [this, &b, attend, table, per_row](const Variable& in) {
@@ -416,8 +426,30 @@ Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets) {
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets,
                             std::shared_ptr<const Packing> packing, int64_t normalizer) {
   ComputeDTypeGuard precision(compute_dtype_);
-  return lm_head_cross_entropy(hidden(inputs, std::move(packing)), p(output_), targets, 0,
-                               normalizer, bias(output_bias_), config_.final_softcap);
+  const int64_t N = targets.numel();
+  // The positions with a target, in order (while measuring, as many as the packing says).
+  std::vector<int64_t> kept;
+  if (!head_on_every_position_ && packing) {
+    if (measuring()) {
+      kept.resize(static_cast<size_t>(
+          packing->measured_targets > 0 ? std::min(packing->measured_targets, N) : N));
+    } else {
+      for (int64_t i = 0; i < N; ++i)
+        if (targets.i32()[i] >= 0) kept.push_back(i);
+    }
+  }
+  Variable h = hidden(inputs, packing);
+  if (kept.empty() || static_cast<int64_t>(kept.size()) == N)
+    return lm_head_cross_entropy(h, p(output_), targets, 0, normalizer, bias(output_bias_),
+                                 config_.final_softcap);
+  const auto n = static_cast<int64_t>(kept.size());
+  Tensor kept_targets = Tensor::empty(Shape{n}, DType::I32, MemoryCategory::Workspace);
+  if (!kept_targets.measured())
+    for (int64_t i = 0; i < n; ++i)
+      kept_targets.i32()[i] = targets.i32()[kept[static_cast<size_t>(i)]];
+  h = gather_rows(h, std::move(kept));
+  return lm_head_cross_entropy(h, p(output_), kept_targets, 0, normalizer, bias(output_bias_),
+                               config_.final_softcap);
 }
 
 Tensor DecoderModel::logits(const Tensor& inputs) {

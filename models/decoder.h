@@ -84,11 +84,14 @@ class DecoderModel {
   // weights keep their FP32 masters unless the model was built for BF16).
   void set_compute_dtype(DType dtype);
   DType compute_dtype() const { return compute_dtype_; }
-  // Per-layer gradient checkpointing: each block is a checkpoint region (autograd.h), so the
-  // forward pass keeps only the blocks' inputs and the backward pass recomputes one block at a
+  // Gradient checkpointing (Checkpointing): each block (layer), or each block's MLP with its
+  // norm (mlp), is a checkpoint region (autograd.h), which the backward pass recomputes one at a
   // time. Gradients are bitwise the same as without.
-  void set_checkpointing(bool on) { checkpointing_ = on; }
-  bool checkpointing() const { return checkpointing_; }
+  void set_checkpointing(Checkpointing level) { checkpointing_ = level; }
+  void set_checkpointing(bool on) {
+    set_checkpointing(on ? Checkpointing::Layer : Checkpointing::None);
+  }
+  Checkpointing checkpointing() const { return checkpointing_; }
   // For a base read in place from its mapped file (ModelOptions::in_place) that is larger
   // than the memory left to it: a thread reads each block's weights ahead of the forward and
   // backward passes, and the passes mark the blocks they are done with as the first pages to give
@@ -102,9 +105,14 @@ class DecoderModel {
   Tensor logits(const Tensor& inputs);
   // A fine-tuning batch: rows packed with several examples each (ops.h Packing; each example
   // attends within itself and takes RoPE positions from 0), targets below 0 carry no loss, and
-  // the loss is the sum over the targets divided by `normalizer` (0: their count).
+  // the loss is the sum over the targets divided by `normalizer` (0: their count). The LM head
+  // runs only on the positions with a target (set_head_on_every_position(true): on all of them,
+  // those without a target then giving no loss and no gradient); the two give the same loss and
+  // gradients bit for bit, but for the head's own weight gradient, which sums its terms in
+  // another grouping.
   Variable loss(const Tensor& inputs, const Tensor& targets, std::shared_ptr<const Packing> packing,
                 int64_t normalizer = 0);
+  void set_head_on_every_position(bool on) { head_on_every_position_ = on; }
   Tensor logits(const Tensor& inputs, std::shared_ptr<const Packing> packing);
   // inputs (B, T) -> logits of the last position only (B, V), without recording anything.
   Tensor last_logits(const Tensor& inputs);
@@ -165,6 +173,8 @@ class DecoderModel {
   // With `per_row`, a table holds one of T rows for each row of x (ops.h rope).
   Variable block_forward(const Block& block, const Variable& x, const RopeTables& tables,
                          bool per_row, const Attend& attend);
+  // A block's MLP on its norm's output g, the down projection (and a post-MLP norm) included.
+  Variable mlp_forward(const Block& block, Variable g) const;
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
   Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
   const Variable& p(int index) const { return params_.var(index); }
@@ -204,7 +214,8 @@ class DecoderModel {
   Tensor rope_table_;      // (ctx, R/2, 2): R the rotated dimensions
   Tensor rope_table_swa_;  // the windowed layers': rope_table_ where they share its base
   DType compute_dtype_ = DType::F32;
-  bool checkpointing_ = false;
+  Checkpointing checkpointing_ = Checkpointing::None;
+  bool head_on_every_position_ = false;
   // The thread that reads mapped weights ahead (set_read_ahead); null when off.
   std::shared_ptr<IoQueue> read_ahead_queue_;
   // final_from_[i]: once block i's backward is done (i == the block count: the head's), every

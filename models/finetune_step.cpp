@@ -13,7 +13,7 @@ namespace cputrain {
 StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
-                         const Tensor& inputs, const Tensor& targets) {
+                         const Tensor& inputs, const Tensor& targets, int64_t measured_targets) {
   const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
   const Communicator* comm = trainer.options().comm;
   const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
@@ -28,6 +28,7 @@ StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
         auto packing = std::make_shared<Packing>();
         if (measuring()) {
           packing->lengths.assign(static_cast<size_t>(B), {ctx});
+          packing->measured_targets = measured_targets;
         } else {
           fill_packed_batch(rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B)),
                             examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
@@ -39,7 +40,7 @@ StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
 
 double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExample>& examples,
                               int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows,
-                              const Communicator* comm) {
+                              const Communicator* comm, int64_t measured_targets) {
   NoGradGuard no_grad;
   const size_t ranks = comm ? static_cast<size_t>(comm->size()) : 1;
   const size_t rank = comm ? static_cast<size_t>(comm->rank()) : 0;
@@ -63,11 +64,13 @@ double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExa
     const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
     const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
     auto packing = std::make_shared<Packing>();
-    if (measuring())
+    if (measuring()) {
       packing->lengths.assign(n, {ctx});
-    else
+      packing->measured_targets = measured_targets;
+    } else {
       fill_packed_batch(std::span<const PackedRow* const>(all).subspan(first, n), examples, ctx,
                         pad, in.i32(), tg.i32(), *packing);
+    }
     // Each batch's sum over the targets: its loss with the whole set's count as divisor.
     const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
     if (!measuring()) sums[first / B] = loss.value().f32()[0];

@@ -22,16 +22,18 @@ struct StepResult;
 // that depends on the lengths. Over the ranks of the trainer's communicator, `rows` are the whole
 // job's step (batch x accum x N) and micro-batch m of rank r takes its rows (m N + r) batch
 // onwards, as Trainer::step takes windows; the divisor is the count of the whole step's targets.
+// While measuring, each micro-batch has `measured_targets` positions with a target (0: all).
 StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
-                         const Tensor& inputs, const Tensor& targets);
+                         const Tensor& inputs, const Tensor& targets, int64_t measured_targets = 0);
 
 // The mean loss over every target of `examples`, packed into rows of ctx, batch rows at a time,
-// without gradients. While measuring, `measure_rows` rows of one sequence each. Over the ranks of
-// `comm`, rank r evaluates batches r, r + N, ...; every rank gets the loss one process gets.
+// without gradients. While measuring, `measure_rows` rows of one sequence each, a batch of them
+// with `measured_targets` positions with a target (0: all). Over the ranks of `comm`, rank r
+// evaluates batches r, r + N, ...; every rank gets the loss one process gets.
 double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExample>& examples,
                               int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows = 0,
-                              const Communicator* comm = nullptr);
+                              const Communicator* comm = nullptr, int64_t measured_targets = 0);
 
 }  // namespace cputrain

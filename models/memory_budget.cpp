@@ -83,9 +83,10 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
     // what every later step holds. Where the run evaluates, a validation pass follows each step.
     const auto step = [&](int64_t n) {
       if (o.packed) {
-        finetune_step(trainer, model, n, {}, {}, 0, inputs, targets);
+        finetune_step(trainer, model, n, {}, {}, 0, inputs, targets, o.packed_targets);
         if (o.eval_windows > 0)
-          packed_validation_loss(model, {}, o.ctx, o.batch, 0, o.eval_windows);
+          packed_validation_loss(model, {}, o.ctx, o.batch, 0, o.eval_windows, nullptr,
+                                 o.packed_targets);
         return;
       }
       trainer.step({}, n);

@@ -26,7 +26,7 @@ struct BudgetOptions {
   int64_t batch = 1;  // sequences per micro-batch
   int64_t ctx = 1;    // tokens per sequence
   int64_t accum = 1;  // micro-batches per step: gradients accumulate in place, so no extra memory
-  bool checkpoint = false;
+  Checkpointing checkpoint = Checkpointing::None;
   int threads = 1;
   int64_t corpus_tokens = 0;  // both splits of the token cache
   // Validation windows (of ctx tokens) per evaluation between steps (Trainer::evaluate, in
@@ -40,6 +40,9 @@ struct BudgetOptions {
   // A fine-tune's steps (finetune_step: packed rows, the caller's batch buffers) and validation
   // (packed_validation_loss over eval_windows rows), instead of a corpus's windows.
   bool packed = false;
+  // Of packed rows, the most positions with a target that a micro-batch of `batch` rows holds
+  // (the LM head runs on those alone); 0: every position.
+  int64_t packed_targets = 0;
   // --offload: the FP32 masters the bf16 copies stand for, and AdamW's m and v, in state files
   // (ParameterSet::set_offload); RAM holds the optimizer's staging chunks instead.
   bool offload = false;

@@ -47,6 +47,28 @@ std::string_view rope_pairs_name(RopePairs pairs) {
   return pairs == RopePairs::Adjacent ? "adjacent" : "half-split";
 }
 
+std::string_view checkpointing_name(Checkpointing level) {
+  switch (level) {
+    case Checkpointing::None:
+      return "none";
+    case Checkpointing::Mlp:
+      return "mlp";
+    case Checkpointing::Layer:
+      return "layer";
+  }
+  return "none";
+}
+
+std::optional<Checkpointing> parse_checkpointing(std::string_view name) {
+  for (const Checkpointing c : {Checkpointing::None, Checkpointing::Mlp, Checkpointing::Layer})
+    if (checkpointing_name(c) == name) return c;
+  return std::nullopt;
+}
+
+std::string_view checkpointing_words(Checkpointing level) {
+  return level == Checkpointing::Layer ? "per layer" : checkpointing_name(level);
+}
+
 std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double factor,
                                        double low_freq_factor, double high_freq_factor,
                                        int64_t original_ctx) {

@@ -14,6 +14,17 @@ namespace cputrain {
 enum class RopePairs { Adjacent, HalfSplit };
 std::string_view rope_pairs_name(RopePairs pairs);  // "adjacent", "half-split"
 
+// Gradient checkpointing (--checkpoint), from most memory to least: none (every block's
+// activations kept for backward); mlp (of each block's MLP, its norm, projections and activation,
+// only the input is kept, and the backward pass recomputes it; attention's activations, which
+// cost the most to recompute, are kept); layer (each block's input alone kept, the block
+// recomputed whole).
+enum class Checkpointing { None, Mlp, Layer };
+std::string_view checkpointing_name(Checkpointing level);  // "none", "mlp", "layer"
+std::optional<Checkpointing> parse_checkpointing(std::string_view name);
+// How the budget table and log lines say it: "none", "mlp", "per layer".
+std::string_view checkpointing_words(Checkpointing level);
+
 // RoPE scaling: each of a head's R/2 frequencies (R the rotated dimensions) divided by a factor,
 // as llama.cpp's rope_freqs tensor holds them. `type` names where they come from: "llama3"
 // (Llama 3.1/3.2's rope_scaling, whose four numbers give the factors), "longrope" (Phi-3's: short

@@ -139,10 +139,11 @@ std::string budget_levers(const RunConfig& c, int64_t corpus_tokens, int64_t eva
     r.dtype = DType::BF16;
     levers.push_back({"--dtype bf16", r});
   }
-  if (!c.checkpoint) {
+  for (const Checkpointing level : {Checkpointing::Mlp, Checkpointing::Layer}) {
+    if (c.checkpoint >= level) continue;
     RunConfig r = c;
-    r.checkpoint = true;
-    levers.push_back({"--checkpoint layer", r});
+    r.checkpoint = level;
+    levers.push_back({"--checkpoint " + std::string(checkpointing_name(level)), r});
   }
   if (c.train.batch > 1) {
     RunConfig r = c;
@@ -194,7 +195,7 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
       ->check(positive_whole());
   add_kernel_flags(app, t.kernels);
   add_dtype_flag(app, t.dtype);
-  add_checkpoint_flag(app, t.checkpoint, {"none", "layer"});
+  add_checkpoint_flag(app, t.checkpoint, {"none", "mlp", "layer"});
   add_memory_flags(app, t.mem_limit_gib, t.offload);
   app.add_flag("--json", a.json, "Print a JSON object of bytes per category and total_bytes");
   app.add_option("--model", a.model,
@@ -227,7 +228,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   o.batch = t.batch > 0 ? t.batch : 4;
   o.accum = t.accum > 0 ? t.accum : 4;
   o.ctx = std::min(ctx, model.ctx);
-  o.checkpoint = t.checkpoint == "layer";
+  o.checkpoint = *parse_checkpointing(t.checkpoint);
   o.threads = t.threads > 0 ? t.threads : omp_get_num_procs();
   o.packed = true;
   o.eval_windows = a.val_rows;
@@ -254,7 +255,7 @@ int fine_tune_budget(const BudgetArgs& a) {
                         {"batch", o.batch},
                         {"accum", o.accum},
                         {"ctx", o.ctx},
-                        {"checkpoint", o.checkpoint ? "layer" : "none"},
+                        {"checkpoint", checkpointing_name(o.checkpoint)},
                         {"parameters", parameter_count(model)}};
     add_budget_bytes(j, b, available);
     std::printf("%s\n", j.dump(2).c_str());
@@ -266,7 +267,7 @@ int fine_tune_budget(const BudgetArgs& a) {
                                 o.lora.rank > 0 ? fmt::format("LoRA rank {}", o.lora.rank)
                                                 : std::string("every parameter"),
                                 dtype_string(o.dtype), o.batch, o.accum, o.ctx,
-                                o.checkpoint ? "per layer" : "none")
+                                checkpointing_words(o.checkpoint))
                         .c_str());
   std::printf("%s", budget_table(b, available).c_str());
   // The levers not in use: each alone, with its total.
@@ -276,10 +277,11 @@ int fine_tune_budget(const BudgetArgs& a) {
     levers += fmt::format("  {:<38} {:>12}{}\n", what, format_bytes(total),
                           total <= available ? "  fits" : "");
   };
-  if (!o.checkpoint) {
+  for (const Checkpointing level : {Checkpointing::Mlp, Checkpointing::Layer}) {
+    if (o.checkpoint >= level) continue;
     BudgetOptions c = o;
-    c.checkpoint = true;
-    lever("--checkpoint layer", c);
+    c.checkpoint = level;
+    lever("--checkpoint " + std::string(checkpointing_name(level)), c);
   }
   if (o.batch > 1) {
     BudgetOptions c = o;
@@ -306,7 +308,7 @@ int run_budget(const BudgetArgs& a) {
   select_kernels(a.train.kernels);
   std::string why;
   config.dtype = choose_dtype(a.train.dtype, &why);
-  config.checkpoint = a.train.checkpoint == "layer";
+  config.checkpoint = *parse_checkpointing(a.train.checkpoint);
   config.ranks = a.ranks;
   if (a.ranks > 1 && !config.offload.empty())
     throw UserError("--offload " + a.train.offload + ": a job of " + std::to_string(a.ranks) +
@@ -323,7 +325,7 @@ int run_budget(const BudgetArgs& a) {
                         {"batch", config.train.batch},
                         {"accum", config.train.accum},
                         {"ctx", config.train.ctx},
-                        {"checkpoint", config.checkpoint ? "layer" : "none"},
+                        {"checkpoint", checkpointing_name(config.checkpoint)},
                         {"offload", !config.offload.empty()},
                         {"ranks", config.ranks},
                         {"parameters", parameter_count(config.model)}};
@@ -335,7 +337,7 @@ int run_budget(const BudgetArgs& a) {
                                 "of {} tokens, checkpointing {}\n",
                                 config.preset, parameter_count(config.model),
                                 dtype_string(config.dtype), config.train.batch, config.train.accum,
-                                config.train.ctx, config.checkpoint ? "per layer" : "none")
+                                config.train.ctx, checkpointing_words(config.checkpoint))
                         .c_str());
   std::printf("%s", budget_table(b, available).c_str());
   const std::string levers = budget_levers(config, corpus_tokens, eval_windows, available);

@@ -477,7 +477,8 @@ namespace {
 
 // What the fine-tune's memory needs, logged; a UserError where it does not fit.
 MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
-                                  const ModelOptions& options, const Examples& e, int64_t ctx,
+                                  const ModelOptions& options, const Examples& e,
+                                  const std::vector<PackedRow>& packed, int64_t ctx,
                                   int64_t available, const Communicator& comm,
                                   spdlog::logger& log) {
   BudgetOptions bo;
@@ -485,13 +486,17 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   bo.batch = a.batch;
   bo.ctx = ctx;
   bo.accum = a.accum;
-  bo.checkpoint = a.checkpoint == "layer";
+  bo.checkpoint = *parse_checkpointing(a.checkpoint);
   bo.threads = omp_get_max_threads();
   bo.lora = options.lora;
   bo.packed = true;
   bo.offload = options.offload;
   bo.ranks = comm.size();
-  bo.eval_windows = e.val.empty() ? 0 : static_cast<int64_t>(pack_examples(e.val, ctx).size());
+  const std::vector<PackedRow> val = pack_examples(e.val, ctx);
+  bo.eval_windows = static_cast<int64_t>(val.size());
+  // The LM head runs on the positions with a target: its memory is that of the batch with most.
+  bo.packed_targets =
+      std::max(most_targets(packed, e.data.examples, a.batch), most_targets(val, e.val, a.batch));
   // The model file's index and the tokenizer (the examples are held within a quarter of the
   // memory limit, read_examples).
   bo.host_bytes = m.host_bytes;
@@ -526,7 +531,7 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
     throw UserError("the fine-tune needs " + format_bytes(total) + " and " +
                     format_bytes(available) +
                     " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
-                    (bo.checkpoint ? "" : ", give --checkpoint layer") +
+                    (bo.checkpoint == Checkpointing::Layer ? "" : ", give --checkpoint layer") +
                     (a.full ? "" : ", or lower --lora-rank"));
   // A base that does not fit beside the budget is read from the disk every pass: its blocks
   // are read ahead of the compute.
@@ -550,7 +555,7 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
   }
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
   if (!a.full) m.model->init_adapters(a.seed);
-  m.model->set_checkpointing(a.checkpoint == "layer");
+  m.model->set_checkpointing(*parse_checkpointing(a.checkpoint));
   log.info("model: {}, {:.2f} s", m.source, load_time.seconds());
   int64_t trained = 0, total = 0;
   for (const ParameterInfo& p : m.model->parameters().infos()) {
@@ -701,7 +706,7 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     const auto warmup_steps =
         static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
     const MemoryBudget budget =
-        plan_finetune_memory(a, m, options, examples, ctx, available, comm, log);
+        plan_finetune_memory(a, m, options, examples, packed, ctx, available, comm, log);
 
     TrainOptions train;
     train.batch = a.batch;

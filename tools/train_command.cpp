@@ -425,7 +425,7 @@ int lead_train(const TrainArgs& args, JobStart& start) {
     config = resolve_run_config(args);
     select_kernels(args.kernels);
     config.dtype = choose_dtype(args.dtype, &dtype_reason);
-    config.checkpoint = args.checkpoint == "layer";
+    config.checkpoint = parse_checkpointing(args.checkpoint).value_or(Checkpointing::None);
     if (!args.model.empty()) begin_from_model(config, args);
   }
   const int ranks = Communicator::world().size();
@@ -527,7 +527,7 @@ void describe_run(const RunConfig& config, const TrainArgs& args, const Training
              flops_per_token);
   log.info("dtype: {} ({}); gradient checkpointing: {}",
            config.dtype == DType::BF16 ? "bf16" : "fp32", dtype_reason,
-           config.checkpoint ? "per layer" : "none");
+           checkpointing_words(config.checkpoint));
 }
 
 // The run in its opened directory: log, signals, data, memory, model, loop, final weights.

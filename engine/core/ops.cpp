@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -924,6 +925,57 @@ Variable add(const Variable& a, const Variable& b) {
           kernels::vector_accumulate(d, dy.f32(), n);
       }
     });
+  }
+  return out;
+}
+
+Variable gather_rows(const Variable& x, std::vector<int64_t> rows) {
+  const Shape& xs = x.shape();
+  const int64_t K = xs[xs.ndim() - 1], N = x.value().numel() / K;
+  const auto n = static_cast<int64_t>(rows.size());
+  Scope scope("gather rows", Pass::Forward);
+  const Tensor& xv = x.value();
+  const size_t bytes = dtype_bytes(xv.dtype(), K);
+  Tensor y = new_activation(Shape{n, K}, xv.dtype());
+  if (computing()) {
+    for (int64_t i = 0; i < n; ++i)
+      require(rows[static_cast<size_t>(i)] >= 0 && rows[static_cast<size_t>(i)] < N &&
+                  (i == 0 || rows[static_cast<size_t>(i)] > rows[static_cast<size_t>(i - 1)]),
+              "gather_rows: ascending rows of x");
+    const auto* from = static_cast<const char*>(xv.raw());
+    auto* to = static_cast<char*>(y.raw());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(to + static_cast<size_t>(i) * bytes,
+                  from + static_cast<size_t>(rows[static_cast<size_t>(i)]) * bytes, bytes);
+  }
+  const bool grad = needs_grad({&x});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("gather rows",
+                    [gx = x.grad_ref(), gy = out.grad_ref(), rows = std::move(rows), N, K] {
+                      const Tensor& dy = gy->tensor();
+                      if (!dy.defined()) return;
+                      float beta = 0.0f;
+                      float* dx = gx->get_for_accumulate(&beta).f32();
+                      if (!computing()) return;
+        // Row r of x takes the gradient of the gathered row before it; rows between take zeros.
+#pragma omp parallel for schedule(static)
+                      for (int64_t r = 0; r < N; ++r) {
+                        const auto at = std::lower_bound(rows.begin(), rows.end(), r);
+                        const bool taken = at != rows.end() && *at == r;
+                        float* d = dx + r * K;
+                        if (taken) {
+                          const float* g = dy.f32() + (at - rows.begin()) * K;
+                          if (beta == 0.0f)
+                            std::copy_n(g, K, d);
+                          else
+                            kernels::vector_accumulate(d, g, K);
+                        } else if (beta == 0.0f) {
+                          std::fill_n(d, K, 0.0f);
+                        }
+                      }
+                    });
   }
   return out;
 }

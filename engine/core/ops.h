@@ -52,6 +52,9 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half
 // lengths of its sequences in order, summing to T.
 struct Packing {
   std::vector<std::vector<int64_t>> lengths;
+  // While measuring (the memory budget), how many of the batch's positions have a target: the
+  // most any batch of the run has (0: every position).
+  int64_t measured_targets = 0;
 };
 // q (B, T, H * D), k and v (B, T, KVH * D) -> causal softmax(q k^T / sqrt(D)) v per query head,
 // (B, T, H * D); query head h attends with key/value head h / (H / KVH) (grouped-query
@@ -75,6 +78,11 @@ Variable add(const Variable& a, const Variable& b);
 // What attention computes on for x, in FP32: x's value, or in bf16 mode its bf16 rounding
 // widened (the value the ops save and share).
 Tensor attention_input(const Variable& x);
+// Rows `rows` of x (..., K), ascending and distinct, -> (n, K) in x's value's dtype (FP32, or in
+// bf16 mode a GEMM input's rounding). Backward writes their gradient back to those rows of x's
+// and zeros to the others: the gradient of a loss that reads x's other rows nowhere. While
+// measuring only the count of `rows` is read.
+Variable gather_rows(const Variable& x, std::vector<int64_t> rows);
 // logits (..., V), targets i32 with numel = rows of logits -> mean cross-entropy, shape (1).
 Variable cross_entropy(const Variable& logits, const Tensor& targets);
 // cross_entropy(linear(x, w), targets) without the FP32 logits ever existing whole: chunk_rows

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <stdexcept>
 #include <string_view>
 
@@ -319,6 +321,21 @@ int64_t count_targets(std::span<const PackedRow* const> rows,
     for (const int32_t i : r->examples)
       for (const uint8_t t : examples[static_cast<size_t>(i)].target) n += t;
   return n;
+}
+
+int64_t most_targets(const std::vector<PackedRow>& rows,
+                     const std::vector<FinetuneExample>& examples, int64_t batch) {
+  std::vector<int64_t> counts;
+  counts.reserve(rows.size());
+  for (const PackedRow& r : rows) {
+    const PackedRow* one = &r;
+    counts.push_back(count_targets(std::span<const PackedRow* const>(&one, 1), examples));
+  }
+  const auto n = static_cast<size_t>(std::clamp<int64_t>(batch, 0, std::ssize(counts)));
+  std::partial_sort(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(n), counts.end(),
+                    std::greater<>());
+  return std::accumulate(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(n),
+                         int64_t{0});
 }
 
 }  // namespace cputrain

@@ -84,5 +84,8 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
 // The targets of the examples in `rows` (every token marked a target but an example's first).
 int64_t count_targets(std::span<const PackedRow* const> rows,
                       const std::vector<FinetuneExample>& examples);
+// The most targets any `batch` of `rows` holds together: those of the batch rows with the most.
+int64_t most_targets(const std::vector<PackedRow>& rows,
+                     const std::vector<FinetuneExample>& examples, int64_t batch);
 
 }  // namespace cputrain

@@ -295,23 +295,25 @@ INSTANTIATE_TEST_SUITE_P(Configurations, FrozenParameters,
                                   (std::get<1>(info.param) ? "_gqa_tied_bias" : "_tiny");
                          });
 
-// Per-layer checkpointing against none, in fp32 and in bf16: the same loss and gradients to the
-// bit, and of what each layer saved only its FP32 input is kept.
-class Checkpointing : public ::testing::TestWithParam<DType> {};
+// Per-layer and MLP checkpointing against none, in fp32 and in bf16: the same loss and gradients
+// to the bit; of what each layer saved, per layer only its FP32 input is kept, and the MLP level
+// keeps less than none and more than per layer.
+class CheckpointLevels : public ::testing::TestWithParam<DType> {};
 
-TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
+TEST_P(CheckpointLevels, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
   const DType dtype = GetParam();
   ModelConfig c = find_preset("tiny")->config;
   c.n_layers = 3;
   // B T = 80 tokens: every tensor below fills whole 64-byte lines.
   const int64_t B = 4, T = 20, C = c.d_model, F = c.ffn, H = c.n_heads, L = c.n_layers;
   const Tensor x = random_tokens(B, T, c.vocab, 7), y = random_tokens(B, T, c.vocab, 8);
-  DecoderModel full(c), ckpt(c);
-  full.init_weights(4);
-  ckpt.init_weights(4);
-  full.set_compute_dtype(dtype);
-  ckpt.set_compute_dtype(dtype);
-  ckpt.set_checkpointing(true);
+  DecoderModel full(c), ckpt(c), mlp(c);
+  for (DecoderModel* m : {&full, &ckpt, &mlp}) {
+    m->init_weights(4);
+    m->set_compute_dtype(dtype);
+  }
+  ckpt.set_checkpointing(Checkpointing::Layer);
+  mlp.set_checkpointing(Checkpointing::Mlp);
   auto run = [&](DecoderModel& m, int64_t* held) {
     m.parameters().zero_grad();
     const int64_t before = live_bytes(MemoryCategory::Activations);
@@ -320,22 +322,29 @@ TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
     backward(loss);
     return loss.value().f32()[0];
   };
-  int64_t held_full = 0, held_ckpt = 0;
+  int64_t held_full = 0, held_ckpt = 0, held_mlp = 0;
   const float loss_full = run(full, &held_full);
   const float loss_ckpt = run(ckpt, &held_ckpt);
+  const float loss_mlp = run(mlp, &held_mlp);
   EXPECT_EQ(loss_full, loss_ckpt);
+  EXPECT_EQ(loss_full, loss_mlp);
   const ParameterSet& a = full.parameters();
-  const ParameterSet& b = ckpt.parameters();
-  for (const ParameterInfo& info : a.infos()) {
-    const float* ga = a.gradients().f32() + info.offset;
-    const float* gb = b.gradients().f32() + info.offset;
-    bool any = false;
-    for (int64_t i = 0; i < info.shape.numel(); ++i) {
-      ASSERT_EQ(ga[i], gb[i]) << info.name << " element " << i;
-      any = any || ga[i] != 0.0f;
+  for (const DecoderModel* m : {&ckpt, &mlp}) {
+    const ParameterSet& b = m->parameters();
+    const std::string_view level = checkpointing_name(m->checkpointing());
+    for (const ParameterInfo& info : a.infos()) {
+      const float* ga = a.gradients().f32() + info.offset;
+      const float* gb = b.gradients().f32() + info.offset;
+      bool any = false;
+      for (int64_t i = 0; i < info.shape.numel(); ++i) {
+        ASSERT_EQ(ga[i], gb[i]) << level << " " << info.name << " element " << i;
+        any = any || ga[i] != 0.0f;
+      }
+      EXPECT_TRUE(any) << level << " " << info.name << " got no gradient";
     }
-    EXPECT_TRUE(any) << info.name << " got no gradient";
   }
+  EXPECT_LT(held_mlp, held_full);
+  EXPECT_GT(held_mlp, held_ckpt);
   // Per token a layer saves 8 C + 3 F activations (bf16 or FP32), two reciprocal norms and H
   // log-sum-exps (FP32); checkpointed, it keeps its FP32 input, C floats.
   const int64_t bytes = dtype == DType::BF16 ? 2 : 4;
@@ -343,7 +352,7 @@ TEST_P(Checkpointing, GradientsAreBitwiseIdenticalAndOnlyBlockInputsAreKept) {
   EXPECT_EQ(held_full - held_ckpt, L * B * T * (per_token_layer - C * 4));
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, Checkpointing, ::testing::Values(DType::F32, DType::BF16),
+INSTANTIATE_TEST_SUITE_P(Dtypes, CheckpointLevels, ::testing::Values(DType::F32, DType::BF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 // LoRA on the tiny shape with GQA and biases, all seven projections, rank 4.
@@ -571,6 +580,78 @@ TEST(Packing, PackedRowsComputeEachSequenceAlone) {
           << dtype_name(dtype) << (checkpoint ? " checkpointed" : "");
     }
     m.set_checkpointing(false);
+  }
+}
+
+// The LM head on the positions with a target alone (a prompt's and padding's have none) against
+// the head on every position: the same loss and the same gradients bit for bit, LoRA adapters'
+// and, training the whole model, every parameter's but the head's own weight, whose sum over the
+// positions is grouped otherwise (to FP32 rounding there). fp32 and bf16, with and without
+// checkpointing, 4 rows of 96 with half the positions no target.
+TEST(Packing, TheHeadOnTargetPositionsAloneIsExact) {
+  ModelConfig c = lora_shape();
+  c.ctx = 96;
+  const int64_t B = 4, T = 96;
+  const Tensor x = random_tokens(B, T, c.vocab, 41), y = random_tokens(B, T, c.vocab, 42);
+  std::mt19937 rng(43);
+  for (int64_t i = 0; i < B * T; ++i)
+    if (rng() % 2 == 0) y.i32()[i] = -1;
+  auto packing = std::make_shared<Packing>();
+  packing->lengths = {{40, 56}, {96}, {10, 30, 50, 6}, {96}};
+  DecoderModel reference(c);
+  reference.init_weights(44);
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    for (const bool lora : {true, false}) {
+      for (const bool checkpoint : {false, true}) {
+        ModelOptions o;
+        o.compute_dtype = dtype;
+        if (lora) o.lora = lora_all(4);
+        DecoderModel m(c, o);
+        copy_base(reference, m);
+        if (lora) m.init_adapters(45);
+        m.set_checkpointing(checkpoint);
+        const ParameterSet& p = m.parameters();
+        // B away from zero, so that every adapter has a gradient.
+        std::normal_distribution<float> normal(0.0f, 0.05f);
+        for (size_t i = 0; i < p.infos().size(); ++i) {
+          if (!p.infos()[i].name.ends_with(".lora_b")) continue;
+          std::vector<float> b(static_cast<size_t>(p.infos()[i].shape.numel()));
+          for (float& v : b) v = normal(rng);
+          p.write_values(static_cast<int>(i), b.data());
+        }
+        std::vector<float> losses;
+        std::vector<std::vector<float>> grads;
+        for (const bool every : {true, false}) {
+          m.set_head_on_every_position(every);
+          p.zero_grad();
+          const Variable loss = m.loss(x, y, packing, 0);
+          losses.push_back(loss.value().f32()[0]);
+          backward(loss);
+          grads.emplace_back(p.gradients().f32(), p.gradients().f32() + p.trainable_numel());
+        }
+        const std::string what = std::string(dtype_name(dtype)) + (lora ? " lora" : " full") +
+                                 (checkpoint ? " checkpointed" : "");
+        EXPECT_EQ(losses[0], losses[1]) << what;
+        int64_t head_from = 0, head_to = 0;
+        if (!lora) {
+          const int head = p.find("output.weight");
+          ASSERT_GE(head, 0);
+          head_from = p.infos()[static_cast<size_t>(head)].grad_offset;
+          head_to = head_from + p.infos()[static_cast<size_t>(head)].shape.numel();
+        }
+        double head_diff = 0.0, head_scale = 0.0;
+        for (int64_t i = 0; i < static_cast<int64_t>(grads[0].size()); ++i) {
+          const float a = grads[0][static_cast<size_t>(i)], b = grads[1][static_cast<size_t>(i)];
+          if (i >= head_from && i < head_to) {
+            head_diff = std::max(head_diff, static_cast<double>(std::abs(a - b)));
+            head_scale = std::max(head_scale, static_cast<double>(std::abs(a)));
+            continue;
+          }
+          ASSERT_EQ(a, b) << what << " gradient element " << i;
+        }
+        EXPECT_LE(head_diff, 1e-5 * head_scale) << what;
+      }
+    }
   }
 }
 

@@ -29,7 +29,7 @@ struct Case {
   std::string name;
   ModelConfig config;
   DType dtype;
-  bool checkpoint;
+  Checkpointing checkpoint;
   std::function<bool(const std::string&)> trainable;
   LoraConfig lora = {};
 };
@@ -108,8 +108,10 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
 }
 
 // A fine-tune (finetune_step on packed rows of examples, LoRA with and without dropout, a
-// validation pass after each step)
-// against memory_budget's packed measurement: every category's peak to the byte.
+// validation pass after each step) against memory_budget's packed measurement: every category's
+// peak to the byte. The LM head runs on the positions with a target alone, and the budget
+// measures the batch with the most: every micro-batch is the rows with the most targets, and the
+// validation set is their examples.
 TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
   ModelConfig c = find_preset("tiny")->config;
   c.n_kv_heads = 2;
@@ -118,17 +120,29 @@ TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
     const int64_t batch = 2, accum = 2, ctx = 64;
     std::vector<FinetuneExample> examples, val;
     std::mt19937 rng(5);
-    for (int i = 0; i < 40; ++i) {
+    for (int i = 0; i < 32; ++i) {
       FinetuneExample e;
       const int n = 2 + static_cast<int>(rng() % 50);
       for (int j = 0; j < n; ++j) {
         e.tokens.push_back(static_cast<int32_t>(rng() % c.vocab));
         e.target.push_back(j > 0 && j % 3 != 0);
       }
-      (i < 32 ? examples : val).push_back(e);
+      examples.push_back(e);
     }
-    const std::vector<PackedRow> rows = pack_examples(examples, ctx);
+    std::vector<PackedRow> rows = pack_examples(examples, ctx);
     ASSERT_GE(static_cast<int64_t>(rows.size()), batch * accum);
+    const auto targets_of = [&examples](const PackedRow& r) {
+      const PackedRow* one = &r;
+      return count_targets(std::span<const PackedRow* const>(&one, 1), examples);
+    };
+    std::stable_sort(rows.begin(), rows.end(), [&](const PackedRow& a, const PackedRow& b) {
+      return targets_of(a) > targets_of(b);
+    });
+    for (int64_t r = 0; r < batch; ++r)
+      for (const int32_t i : rows[static_cast<size_t>(r)].examples)
+        val.push_back(examples[static_cast<size_t>(i)]);
+    const std::vector<PackedRow> val_rows = pack_examples(val, ctx);
+    ASSERT_LE(static_cast<int64_t>(val_rows.size()), batch);
     LoraConfig lora;
     lora.rank = 4;
     lora.alpha = 8;
@@ -142,7 +156,10 @@ TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
     bo.threads = omp_get_max_threads();
     bo.lora = lora;
     bo.packed = true;
-    bo.eval_windows = static_cast<int64_t>(pack_examples(val, ctx).size());
+    bo.eval_windows = static_cast<int64_t>(val_rows.size());
+    bo.packed_targets = most_targets(rows, examples, batch);
+    ASSERT_EQ(bo.packed_targets, most_targets(val_rows, val, batch));
+    ASSERT_LT(bo.packed_targets, batch * ctx);
     const MemoryBudget budget = memory_budget(c, bo);
 
     kernels::gemm_release_buffers();
@@ -170,8 +187,7 @@ TEST(BudgetVsMeasuredFineTune, PackedLoraStepsMatchToTheByte) {
       const auto step = [&](int64_t n) {
         std::vector<const PackedRow*> step_rows;
         for (int64_t i = 0; i < batch * accum; ++i)
-          step_rows.push_back(
-              &rows[static_cast<size_t>(((n - 1) * batch * accum + i)) % rows.size()]);
+          step_rows.push_back(&rows[static_cast<size_t>(i % batch)]);
         finetune_step(trainer, model, n, step_rows, examples, 0, inputs, targets);
         packed_validation_loss(model, val, ctx, batch, 0);
       };
@@ -211,33 +227,40 @@ bool attention_projection(const std::string& name) {
 
 std::vector<Case> cases() {
   std::vector<Case> all;
+  constexpr Checkpointing kNone = Checkpointing::None, kLayer = Checkpointing::Layer,
+                          kMlp = Checkpointing::Mlp;
   for (const char* name : {"tiny", "mini"})
     for (const DType dtype : {DType::F32, DType::BF16})
-      for (const bool checkpoint : {false, true})
+      for (const Checkpointing checkpoint : {kNone, kMlp, kLayer})
         all.push_back({std::string(name) + "_" + std::string(dtype_name(dtype)) +
-                           (checkpoint ? "_checkpoint" : "_full"),
+                           (checkpoint == kLayer ? "_checkpoint"
+                            : checkpoint == kMlp ? "_mlp"
+                                                 : "_full"),
                        preset(name), dtype, checkpoint, nullptr});
   for (const DType dtype : {DType::F32, DType::BF16}) {
     const std::string d(dtype_name(dtype));
-    all.push_back({"shaped_" + d, shaped(), dtype, false, nullptr});
-    all.push_back({"shaped_" + d + "_checkpoint", shaped(), dtype, true, nullptr});
-    all.push_back({"shaped_" + d + "_frozen", shaped(), dtype, false, attention_projection});
-    all.push_back({"mini_" + d + "_frozen", preset("mini"), dtype, true, attention_projection});
+    all.push_back({"shaped_" + d, shaped(), dtype, kNone, nullptr});
+    all.push_back({"shaped_" + d + "_checkpoint", shaped(), dtype, kLayer, nullptr});
+    all.push_back({"shaped_" + d + "_frozen", shaped(), dtype, kNone, attention_projection});
+    all.push_back({"mini_" + d + "_frozen", preset("mini"), dtype, kLayer, attention_projection});
     // LoRA, rank 8 on all seven projections (the base frozen) and rank 4 on some.
     LoraConfig lora;
     lora.rank = 8;
     lora.alpha = 16;
     lora.targets.fill(true);
-    all.push_back({"shaped_" + d + "_lora", shaped(), dtype, false, nullptr, lora});
+    all.push_back({"shaped_" + d + "_lora", shaped(), dtype, kNone, nullptr, lora});
+    all.push_back({"shaped_" + d + "_lora_mlp", shaped(), dtype, kMlp, nullptr, lora});
     lora.rank = 4;
     lora.targets = parse_lora_targets("q,v,down", "--lora-targets");
-    all.push_back({"mini_" + d + "_lora_checkpoint", preset("mini"), dtype, true, nullptr, lora});
+    all.push_back({"mini_" + d + "_lora_checkpoint", preset("mini"), dtype, kLayer, nullptr, lora});
     for (const char* arch : {"phi2", "gemma3"}) {
-      all.push_back({std::string(arch) + "_" + d, test::tiny_as(arch), dtype, false, nullptr});
+      all.push_back({std::string(arch) + "_" + d, test::tiny_as(arch), dtype, kNone, nullptr});
+      all.push_back(
+          {std::string(arch) + "_" + d + "_mlp", test::tiny_as(arch), dtype, kMlp, nullptr});
       lora.rank = 4;
       lora.targets.fill(true);
       all.push_back({std::string(arch) + "_" + d + "_lora_checkpoint", test::tiny_as(arch), dtype,
-                     true, nullptr, lora});
+                     kLayer, nullptr, lora});
     }
   }
   return all;

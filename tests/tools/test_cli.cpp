@@ -492,7 +492,8 @@ TEST_F(Cli, ParityHelpShowsTheStepsItRuns) {
 }
 
 // Over its memory limit training does not start: the table and the levers, one error line,
-// no model written. Between the budgets with and without checkpointing, auto checkpoints.
+// no model written. Between the budgets with and without checkpointing, auto checkpoints: the MLP
+// where that fits, else per layer.
 TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
   const std::string corpus = write_corpus(200).string();
   const std::string base =
@@ -515,10 +516,21 @@ TEST_F(Cli, TrainingRefusesOverBudgetAndAutoCheckpoints) {
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return static_cast<double>(nlohmann::json::parse(r.out)["total_bytes"].get<int64_t>());
   };
-  const double between = (total("none") + total("layer")) / 2.0 / (1024.0 * 1024.0 * 1024.0);
+  // Between mlp's budget and none's, auto takes mlp; between layer's and mlp's, layer.
+  const double none = total("none"), mlp = total("mlp"), layer = total("layer");
+  ASSERT_LT(layer, mlp);
+  ASSERT_LT(mlp, none);
+  const auto mem_limit = [](double a, double b) {
+    return " --mem-limit " + std::to_string((a + b) / 2.0 / (1024.0 * 1024.0 * 1024.0));
+  };
+  const Result by_mlp = run(base + mem_limit(none, mlp) + " --out " + (dir_ / "mlp").string());
+  ASSERT_EQ(by_mlp.exit_code, 0) << by_mlp.err << by_mlp.out;
+  EXPECT_NE(by_mlp.out.find("checkpointing mlp: without it the budget"), std::string::npos)
+      << by_mlp.out;
+  std::ifstream mlp_config(dir_ / "mlp" / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(mlp_config)["train"]["checkpoint"], "mlp");
   const fs::path run_dir = dir_ / "auto";
-  const Result r =
-      run(base + " --mem-limit " + std::to_string(between) + " --out " + run_dir.string());
+  const Result r = run(base + mem_limit(mlp, layer) + " --out " + run_dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   EXPECT_NE(r.out.find("checkpointing per layer: without it the budget"), std::string::npos)
       << r.out;

@@ -164,7 +164,10 @@ TEST_F(FinetuneCli, ANonFiniteStepStopsTheFineTune) {
   EXPECT_FALSE(fs::exists(out / "peft"));
 }
 
-// budget --model and finetune --model agree on the budget and the dtype for the same flags.
+// budget --model and finetune --model agree on the dtype for the same flags, and on the budget
+// but for the LM head: budget has no data and counts every position a target, the most the head
+// computes; the fine-tune's own budget, of its packed rows (prompts and padding have no target),
+// is below it by less than the head's share.
 TEST_F(FinetuneCli, BudgetAndFineTuneAgree) {
   const std::string model = (kShared / "stories260K.gguf").string();
   const Result b =
@@ -179,8 +182,10 @@ TEST_F(FinetuneCli, BudgetAndFineTuneAgree) {
   std::ifstream in(out / "metrics.jsonl");
   std::string line;
   ASSERT_TRUE(std::getline(in, line));
-  EXPECT_EQ(nlohmann::json::parse(line)["budget_bytes"].get<int64_t>(),
-            budget["total_bytes"].get<int64_t>());
+  const auto finetune_budget = nlohmann::json::parse(line)["budget_bytes"].get<int64_t>();
+  const auto budget_total = budget["total_bytes"].get<int64_t>();
+  EXPECT_LT(finetune_budget, budget_total);
+  EXPECT_GT(finetune_budget, budget_total * 9 / 10);
   const nlohmann::json config = nlohmann::json::parse(read_all(out / "config.json"));
   EXPECT_EQ(config["dtype"], budget["dtype"]);
 }

@@ -41,7 +41,7 @@ std::string run_config_to_json(const RunConfig& c) {
         {"threads", c.threads},
         {"ranks", c.ranks},
         {"dtype", c.dtype == DType::BF16 ? "bf16" : "fp32"},
-        {"checkpoint", c.checkpoint ? "layer" : "none"}}},
+        {"checkpoint", checkpointing_name(c.checkpoint)}}},
   };
   return j.dump(2) + "\n";
 }
@@ -88,9 +88,11 @@ RunConfig parse_run_config(const std::string& text, const std::string& path) {
       throw UserError(path + ": train.dtype must be fp32 or bf16 (got " + dtype + ")");
     c.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
     const std::string checkpoint = t.value("checkpoint", std::string("none"));
-    if (checkpoint != "none" && checkpoint != "layer")
-      throw UserError(path + ": train.checkpoint must be layer or none (got " + checkpoint + ")");
-    c.checkpoint = checkpoint == "layer";
+    const std::optional<Checkpointing> level = parse_checkpointing(checkpoint);
+    if (!level)
+      throw UserError(path + ": train.checkpoint must be layer, mlp or none (got " + checkpoint +
+                      ")");
+    c.checkpoint = *level;
   } catch (const json::exception& e) {
     throw UserError(path + ": malformed run configuration (" + e.what() + ")");
   }

@@ -21,7 +21,7 @@ struct RunConfig {
   int threads = 0;
   int ranks = 1;             // of the data-parallel job (mpirun -np N) it trains as
   DType dtype = DType::F32;  // F32 or BF16 (--dtype)
-  bool checkpoint = false;   // per-layer gradient checkpointing (--checkpoint layer)
+  Checkpointing checkpoint = Checkpointing::None;  // --checkpoint
   // --offload: the folder of the state files (masters, AdamW's m and v); empty: all in RAM. Where
   // the state is held, not what the run computes: a resumed run may change it.
   std::string offload;

@@ -100,9 +100,10 @@ void add_checkpoint_flag(CLI::App& app, std::string& checkpoint,
   checkpoint = choices.front();
   std::string text =
       "Gradient checkpointing: layer (keep only each block's input, recompute the block in "
-      "backward), none";
+      "backward), mlp (keep only the input of each block's MLP, recompute the MLP in backward; "
+      "attention's activations are kept), none";
   if (std::find(choices.begin(), choices.end(), "auto") != choices.end())
-    text += ", or auto (layer when the budget without it does not fit)";
+    text += ", or auto (the first of mlp and layer that the budget needs to fit)";
   app.add_option("--checkpoint", checkpoint, text)
       ->capture_default_str()
       ->check(CLI::IsMember(choices));
@@ -145,7 +146,7 @@ const RunFlagHelp& help_of(RunCommand command) {
                                  " (default: by model width)",
                                  "default: steps / 10",
                                  "default: steps / 10",
-                                 {"auto", "layer", "none"}};
+                                 {"auto", "layer", "mlp", "none"}};
   static const RunFlagHelp finetune{
       "The run directory (created; it must not hold a run unless --overwrite)",
       "default: from --epochs",
@@ -155,7 +156,7 @@ const RunFlagHelp& help_of(RunCommand command) {
       " (cosine to zero after warm-up)",
       "0: before the first step and after the last only",
       "default: 0",
-      {"none", "layer"}};
+      {"none", "mlp", "layer"}};
   return command == RunCommand::Train ? train : finetune;
 }
 

@@ -57,7 +57,7 @@ struct RunFlags {
   double rank_timeout = 600;         // a job's rank waits this long for the others (0: forever)
   std::string offload;               // --offload DIR: masters and AdamW's state in files there
   std::string dtype = "auto";        // auto, bf16 or fp32
-  std::string checkpoint = "none";   // gradient checkpointing: none, layer (or auto: train)
+  std::string checkpoint = "none";   // gradient checkpointing: none, mlp, layer (auto: train)
   KernelArgs kernels;
   std::vector<std::string> given;  // the flags on the command line, as add_run_flags saw them
 

@@ -117,14 +117,14 @@ void check_memory_floor(const RunConfig& config, const std::string& checkpoint_f
   if (available <= 0) return;
   RunConfig floor = config;
   floor.model.vocab = std::min<int64_t>(floor.model.vocab, Tokenizer::kMinVocab);
-  if (checkpoint_flag == "auto") floor.checkpoint = true;
+  if (checkpoint_flag == "auto") floor.checkpoint = Checkpointing::Layer;
   const MemoryBudget budget = memory_budget(floor.model, budget_options(floor, 0, 0));
   if (budget.total_bytes() <= available) return;
   log.info(
       "memory budget before any data ({} pieces, no token cache; {}, batch {}, ctx {}, "
       "checkpointing {}):\n{}",
       floor.model.vocab, floor.dtype == DType::BF16 ? "bf16" : "fp32", floor.train.batch,
-      floor.train.ctx, floor.checkpoint ? "per layer" : "none", budget_table(budget, available));
+      floor.train.ctx, checkpointing_words(floor.checkpoint), budget_table(budget, available));
   log.info("levers:\n{}", budget_levers(floor, 0, 0, available));
   throw UserError(fit_message(config, budget.total_bytes(), available, " before any data") +
                   " (table and levers above)");
@@ -135,20 +135,24 @@ MemoryBudget plan_memory(RunConfig& config, const std::string& checkpoint_flag,
                          spdlog::logger& log) {
   MemoryBudget budget =
       memory_budget(config.model, budget_options(config, corpus_tokens, eval_windows));
-  if (checkpoint_flag == "auto" && !config.checkpoint && available > 0 &&
+  // auto: the least recomputation that fits, mlp before layer.
+  if (checkpoint_flag == "auto" && config.checkpoint == Checkpointing::None && available > 0 &&
       budget.total_bytes() > available) {
-    RunConfig with = config;
-    with.checkpoint = true;
-    const MemoryBudget b =
-        memory_budget(with.model, budget_options(with, corpus_tokens, eval_windows));
-    log.info("checkpointing per layer: without it the budget, {}, exceeds the available {}",
-             format_bytes(budget.total_bytes()), format_bytes(available));
-    config.checkpoint = true;
-    budget = b;
+    const int64_t without = budget.total_bytes();
+    for (const Checkpointing level : {Checkpointing::Mlp, Checkpointing::Layer}) {
+      RunConfig with = config;
+      with.checkpoint = level;
+      budget = memory_budget(with.model, budget_options(with, corpus_tokens, eval_windows));
+      config.checkpoint = level;
+      if (budget.total_bytes() <= available) break;
+    }
+    log.info("checkpointing {}: without it the budget, {}, exceeds the available {}",
+             checkpointing_words(config.checkpoint), format_bytes(without),
+             format_bytes(available));
   }
   log.info("memory budget ({}, batch {}, ctx {}, checkpointing {}):\n{}",
            config.dtype == DType::BF16 ? "bf16" : "fp32", config.train.batch, config.train.ctx,
-           config.checkpoint ? "per layer" : "none", budget_table(budget, available));
+           checkpointing_words(config.checkpoint), budget_table(budget, available));
   if (available > 0 && budget.total_bytes() > available) {
     log.info("levers:\n{}", budget_levers(config, corpus_tokens, eval_windows, available));
     throw UserError(fit_message(config, budget.total_bytes(), available, "") +
