@@ -13,6 +13,7 @@
 #include "engine/core/profiler.h"
 #include "engine/train/adamw.h"
 #include "kernels/attention.h"
+#include "kernels/gemm.h"
 #include "models/decoder.h"
 #include "models/generate.h"
 #include "models/model_config.h"
@@ -587,8 +588,12 @@ TEST(Packing, PackedRowsComputeEachSequenceAlone) {
 // the head on every position: the same loss and the same gradients bit for bit, LoRA adapters'
 // and, training the whole model, every parameter's but the head's own weight, whose sum over the
 // positions is grouped otherwise (to FP32 rounding there). fp32 and bf16, with and without
-// checkpointing, 4 rows of 96 with half the positions no target.
+// checkpointing, 4 rows of 96 with half the positions no target. Bit for bit on cputrain's own
+// GEMMs, whose rows do not depend on how many there are; Eigen and oneDNN choose their blocking
+// of the inner dimension by the whole shape, and there every gradient agrees to FP32 rounding.
 TEST(Packing, TheHeadOnTargetPositionsAloneIsExact) {
+  const kernels::GemmBackend gemm = kernels::gemm_backend();
+  const bool exact = gemm != kernels::GemmBackend::Eigen && gemm != kernels::GemmBackend::Onednn;
   ModelConfig c = lora_shape();
   c.ctx = 96;
   const int64_t B = 4, T = 96;
@@ -631,7 +636,11 @@ TEST(Packing, TheHeadOnTargetPositionsAloneIsExact) {
         }
         const std::string what = std::string(dtype_name(dtype)) + (lora ? " lora" : " full") +
                                  (checkpoint ? " checkpointed" : "");
-        EXPECT_EQ(losses[0], losses[1]) << what;
+        if (exact) {
+          EXPECT_EQ(losses[0], losses[1]) << what;
+        } else {
+          EXPECT_NEAR(losses[0], losses[1], 1e-6 * std::abs(losses[0])) << what;
+        }
         int64_t head_from = 0, head_to = 0;
         if (!lora) {
           const int head = p.find("output.weight");
@@ -639,7 +648,7 @@ TEST(Packing, TheHeadOnTargetPositionsAloneIsExact) {
           head_from = p.infos()[static_cast<size_t>(head)].grad_offset;
           head_to = head_from + p.infos()[static_cast<size_t>(head)].shape.numel();
         }
-        double head_diff = 0.0, head_scale = 0.0;
+        double head_diff = 0.0, head_scale = 0.0, diff = 0.0, scale = 0.0;
         for (int64_t i = 0; i < static_cast<int64_t>(grads[0].size()); ++i) {
           const float a = grads[0][static_cast<size_t>(i)], b = grads[1][static_cast<size_t>(i)];
           if (i >= head_from && i < head_to) {
@@ -647,9 +656,14 @@ TEST(Packing, TheHeadOnTargetPositionsAloneIsExact) {
             head_scale = std::max(head_scale, static_cast<double>(std::abs(a)));
             continue;
           }
-          ASSERT_EQ(a, b) << what << " gradient element " << i;
+          if (exact) {
+            ASSERT_EQ(a, b) << what << " gradient element " << i;
+          }
+          diff = std::max(diff, static_cast<double>(std::abs(a - b)));
+          scale = std::max(scale, static_cast<double>(std::abs(a)));
         }
         EXPECT_LE(head_diff, 1e-5 * head_scale) << what;
+        EXPECT_LE(diff, 1e-5 * scale) << what;
       }
     }
   }
