@@ -22,10 +22,10 @@ std::vector<int> allowed_cpus();
 // once, as it loads; so where neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set, this sets
 // GOMP_SPINCOUNT to kShortSpin and starts the program again (execv of /proc/self/exe with `argv`).
 // Returns where nothing needs doing, or where starting again failed (the default spin holds).
-// kShortSpin is libgomp's own count for more threads than CPUs: two 2-thread mega trainings on 2
-// cores each keep half their speed alone with it, a quarter with 10000 and under a third with
-// the default (docs/BENCHMARKS.md), and one alone is as fast within the noise.
-inline constexpr int kShortSpin = 1000;
+// With kShortSpin, two 2-thread mega trainings on 2 cores each keep half their speed alone; with
+// 10000, a quarter; with the default, under a third (docs/BENCHMARKS.md). Fewer spins (1000,
+// libgomp's own count for more threads than CPUs) cost a run alone a few percent in wake-ups.
+inline constexpr int kShortSpin = 3000;
 void restart_with_short_spin(char** argv);
 
 }  // namespace cputrain
