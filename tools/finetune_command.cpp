@@ -531,7 +531,9 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
     throw UserError("the fine-tune needs " + format_bytes(total) + " and " +
                     format_bytes(available) +
                     " is available: lower --batch (raising --accum keeps the step), lower --ctx" +
-                    (bo.checkpoint == Checkpointing::Layer ? "" : ", give --checkpoint layer") +
+                    (bo.checkpoint == Checkpointing::Layer ? ""
+                     : bo.checkpoint == Checkpointing::Mlp ? ", give --checkpoint layer"
+                                                           : ", give --checkpoint mlp or layer") +
                     (a.full ? "" : ", or lower --lora-rank"));
   // A base that does not fit beside the budget is read from the disk every pass: its blocks
   // are read ahead of the compute.

@@ -140,10 +140,8 @@ MemoryBudget plan_memory(RunConfig& config, const std::string& checkpoint_flag,
       budget.total_bytes() > available) {
     const int64_t without = budget.total_bytes();
     for (const Checkpointing level : {Checkpointing::Mlp, Checkpointing::Layer}) {
-      RunConfig with = config;
-      with.checkpoint = level;
-      budget = memory_budget(with.model, budget_options(with, corpus_tokens, eval_windows));
       config.checkpoint = level;
+      budget = memory_budget(config.model, budget_options(config, corpus_tokens, eval_windows));
       if (budget.total_bytes() <= available) break;
     }
     log.info("checkpointing {}: without it the budget, {}, exceeds the available {}",
