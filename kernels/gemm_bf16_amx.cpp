@@ -42,8 +42,9 @@ struct Bf16Amx {
   using In = uint16_t;
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = 32, NR = 32;
-  static constexpr int64_t KC = 512, MC = MR * 4, NC = 1024;
-  static constexpr bool kWholePanelsA = true;  // A is packed row by row
+  static constexpr int64_t KC = 512;
+  static constexpr TunedGemm kTuned = TunedGemm::Bf16Amx;  // MC and NC: gemm_tuning.h
+  static constexpr bool kWholePanelsA = true;              // A is packed row by row
 
   // dst[r][p] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1]), kp = ceil(kc / 2) per row
   static void pack_a(uint32_t* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0,

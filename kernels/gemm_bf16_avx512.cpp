@@ -27,7 +27,8 @@ struct Bf16Avx512 {
   using In = uint16_t;
   using Packed = uint32_t;
   static constexpr int64_t KU = 2, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 512, MC = MR * 8, NC = 2048;
+  static constexpr int64_t KC = 512;
+  static constexpr TunedGemm kTuned = TunedGemm::Bf16Avx512;  // MC and NC: gemm_tuning.h
   static constexpr int64_t kPrefetchRowsAliased = 8;
 
   // dst[p][r] = (op(A)[i0 + r][k0 + 2p], op(A)[i0 + r][k0 + 2p + 1])

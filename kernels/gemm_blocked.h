@@ -3,7 +3,7 @@
 // they come in a policy P, and this header is included by each ISA's file so that the whole
 // driver is compiled with that ISA's flags.
 //
-//   for jc in N by NC            columns of C
+//   for jc in N by NC            columns of C (NC and MC: the tuning, kernels/gemm_tuning.h)
 //     for ps in K by KS          a super-block of K blocks of KC (KS = KC for a transposed A):
 //                                its B (KS x NC) packed by all threads together
 //       work items (block of up to MC rows) x (group of NR-column micro-panels), handed out
@@ -15,7 +15,8 @@
 //       (jc, ps): after B is packed, and before it is packed again.
 //
 // P provides: In (stored element), Packed (4-byte packed element), KU (k values per packed
-// element), MR, NR, KC, MC, NC (block sizes, KC a multiple of KU), and
+// element), MR, NR, KC (block sizes, KC a multiple of KU), kTuned (which kernel's blocking it
+// takes from gemm_tuning.h: MC as row panels of MR, NC, the super-block's bytes), and
 //   pack_a(Packed* dst, const In* A, lda, bool trans, i0, m, k0, kc): rows i0..i0+min(m, MR)
 //       of op(A), columns k0..k0+kc, as ceil(kc / KU) x MR, zero-padded; m is the rows op(A)
 //       has from i0 on, so that a packing routine knows how far it may read;
@@ -103,8 +104,8 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
     const int nt = omp_get_num_threads();
     int64_t items_begin = 0;
     Packed* const my_a = apack + omp_get_thread_num() * plan.a_floats_per_thread();
-    for (int64_t jc = 0; jc < N; jc += P::NC) {
-      const int64_t nc = std::min<int64_t>(P::NC, N - jc);
+    for (int64_t jc = 0; jc < N; jc += plan.nc) {
+      const int64_t nc = std::min<int64_t>(plan.nc, N - jc);
       const int64_t n_jr = (nc + NR - 1) / NR;
       const int64_t b_block_floats = plan.kp_block * n_jr * NR;  // one K block's B panels
       // Column groups only where there are too few row blocks to go round.

@@ -20,7 +20,8 @@ struct F32Avx512 {
   using In = float;
   using Packed = float;
   static constexpr int64_t KU = 1, MR = kTileRows, NR = kTileCols;
-  static constexpr int64_t KC = 512, MC = MR * 8, NC = 2048;
+  static constexpr int64_t KC = 512;
+  static constexpr TunedGemm kTuned = TunedGemm::F32Avx512;  // MC and NC: gemm_tuning.h
 
   // dst[k][r] = op(A)[i0 + r][k0 + k]
   static void pack_a(float* dst, const float* A, int64_t lda, bool trans, int64_t i0, int64_t m,

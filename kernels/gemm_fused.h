@@ -6,16 +6,16 @@
 // and provides
 //   micro_fused_t<pack_a, pack_b>(kc, a_src, lda, a_pack, b_src, ldb, b_pack, C, ldc, beta, m,
 //                                 n, next_a, next_rows):
-//       micro's product over kc K rows (ceil(kc / KU) packed steps, up to gemm_fused_k_blocks()
-//       x KC; the tile stored into C after each KC of them, as one product per K block of KC
-//       would store it), reading A's rows i..i+min(m, MR) and B's columns j..j+min(n, NR)
-//       straight from the matrices where pack_a / pack_b, and storing them packed as it goes,
+//       micro's product over kc K rows (ceil(kc / KU) packed steps, up to the tuning's
+//       fused_k_blocks x KC; the tile stored into C after each KC of them, as one product per K
+//       block of KC would store it), reading A's rows i..i+min(m, MR) and B's columns j..j+min(n,
+//       NR) straight from the matrices where pack_a / pack_b, and storing them packed as it goes,
 //       else reading the packed copies (m and n: the rows and columns op(A) and op(B) have from
 //       i and j on); meanwhile it fetches into L2 next_rows K rows of MR values of A, lda apart
 //       from next_a (a share of the rows the next row of C packs);
 // each thread takes its own range of B micro-panels (columns of C) and runs, per K block of
-// gemm_fused_k_blocks() x KC, over every row of C: the first micro-panel of a row packs that
-// row's A, the first row packs each B micro-panel. The packing runs inside the products, with
+// fused_k_blocks (the tuning's) x KC, over every row of C: the first micro-panel of a row packs
+// that row's A, the first row packs each B micro-panel. The packing runs inside the products, with
 // no barrier at all. The rows of a thread's last K block are shared: once its row 0 has packed
 // that block's B, a thread that has finished its own columns takes rows from the back
 // (FusedShare), so that the threads end together. Where P declares kFusedSharedA and a

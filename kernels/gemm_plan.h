@@ -18,7 +18,9 @@
 #include <type_traits>
 #include <utility>
 
+#include "kernels/cpu_features.h"
 #include "kernels/gemm_isa.h"
+#include "kernels/gemm_tuning.h"
 
 namespace cputrain::kernels::detail {
 
@@ -30,11 +32,12 @@ float* gemm_pack_buffer(size_t floats, int which);
 // K rows per packing item where rows are packed across micro-panels (a multiple of 2 = KU).
 constexpr int64_t kPackRows = 16;
 
-// Stored rows whose stride is a multiple of L1's way size (4 KiB on the x86 cores we target)
-// have their lines at a column all in one L1 set, which holds only a few of them (8 on Zen 4):
-// an LM head's gradient, whose rows are 32 or 64 KiB apart, read down a column.
+// Stored rows whose stride is a multiple of L1's way size (its size over its ways: 4 KiB on the
+// x86 cores we target) have their lines at a column all in one L1 set, which holds only a few of
+// them (8 on Zen 4): an LM head's gradient, whose rows are 32 or 64 KiB apart, read down a column.
 inline bool rows_alias_in_l1(int64_t stride_bytes) {
-  return stride_bytes % 4096 == 0;
+  static const int64_t way = cpu_caches().l1d_way;
+  return stride_bytes % way == 0;
 }
 
 // Whether every row of an operand at p, stride_bytes apart, starts a 64-byte cache line (a
@@ -90,11 +93,6 @@ constexpr bool direct_path() {
     return false;
 }
 
-// B micro-panels of a thread's columns packed at a time on the fused path. A is read again for
-// each group, so groups are wide: 24 x 32 columns, 3 MiB of packed FP32 B at K blocks of 1024,
-// which is read from L2 and L3 well enough.
-constexpr int64_t kFusedPanels = 24;
-
 // The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
 inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   const double flops =
@@ -102,19 +100,13 @@ inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   return flops < 2e6 ? 1 : omp_get_max_threads();
 }
 
-// Bytes of a thread's packed B block on the fused path past which A is packed once for all
-// threads (where the policy allows it): L2's size on the cores we target.
-constexpr int64_t kSharedABBytes = 1 << 20;
-
-// Bytes of packed B a super-block may take: it is read from L3 by both threads.
-constexpr int64_t kSuperBlockBytes = 4 << 20;
-
 // How gemm_blocked<P> splits an M x N x K product (M, N, K > 0).
 template <class P>
 struct BlockedPlan {
   int threads;
   int64_t n_ir;          // micro-panels of MR rows over M
   int64_t ir_per_block;  // micro-panels per row block (a work item's rows)
+  int64_t nc;            // columns per B block (the tuning's nc)
   int64_t nc_max;        // columns of the widest B block
   int64_t kc_block;      // K rows per K block: KC, or gemm_fused_k_blocks() x KC when fused
   int64_t kp_block;      // packed K steps of a K block (kc_block / KU, or fewer for a small K)
@@ -145,6 +137,8 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
                             bool lines = true) {
   BlockedPlan<P> plan;
   plan.threads = blocked_threads(M, N, K);
+  // The blocking that does not change results (kernels/gemm_tuning.h), for this thread count.
+  const GemmTuning tuning = gemm_tuning(P::kTuned, plan.threads);
   // The fused path where each thread has 4 micro-panels of columns or more, and where P finds
   // it suits the shape: every thread reads all of A there, which costs more than the packing
   // phase it saves where A has many more rows than B has columns (an LM head's weight
@@ -171,27 +165,32 @@ BlockedPlan<P> blocked_plan(bool a_transposed, bool b_transposed, int64_t M, int
         weight_gradient && !plan.direct && n_jr >= 4 * plan.threads && P::fused_suits(M, N, K);
   else
     plan.fused = false;
-  plan.fused_panels = std::min(kFusedPanels, (n_jr + plan.threads - 1) / plan.threads);
+  plan.fused_panels = std::min(tuning.fused_panels, (n_jr + plan.threads - 1) / plan.threads);
   plan.n_ir = (M + P::MR - 1) / P::MR;
   // Blocks of up to MC rows, smaller when there are too few rows to go round.
-  plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, P::MC / P::MR);
-  plan.nc_max = std::min<int64_t>(P::NC, (N + P::NR - 1) / P::NR * P::NR);
-  plan.kc_block = plan.fused ? gemm_fused_k_blocks() * P::KC : P::KC;
+  plan.ir_per_block = std::clamp<int64_t>(plan.n_ir / (8 * plan.threads), 1, tuning.row_panels);
+  // A multiple of 128 columns is whole micro-panels (NR divides 128).
+  static_assert(128 % P::NR == 0);
+  plan.nc = tuning.nc;
+  plan.nc_max = std::min<int64_t>(plan.nc, (N + P::NR - 1) / P::NR * P::NR);
+  plan.kc_block = plan.fused ? tuning.fused_k_blocks * P::KC : P::KC;
   plan.kp_block = (std::min<int64_t>(plan.kc_block, K) + P::KU - 1) / P::KU;
   // A packed once for all threads where P asks for it, every thread has one group of columns
   // (so that all run through the K blocks in the same order) and a thread's B block is larger
   // than L2 (1 MiB on the cores we target): there A's rows, fetched ahead into L2, are evicted
   // by B's before they are packed, and packing each once instead of on every thread pays. Where
-  // B's block fits, it does not, and it is not taken.
+  // B's block fits, it does not, and it is not taken. (The tuning's shared_a_kib: L2's size.)
   plan.shared_a = fused_shared_a<P>() && plan.fused && plan.threads > 1 &&
                   plan.fused_panels * plan.threads >= n_jr &&
-                  plan.kp_block * plan.fused_panels * P::NR * 4 > kSharedABBytes;
+                  plan.kp_block * plan.fused_panels * P::NR * 4 > tuning.shared_a_kib * 1024;
   // Where A's rows run along K, an item reads one stretch of each row over a super-block's K
   // blocks, and its rows of C stay in L2 between them instead of going back to memory. A
   // transposed A (a weight gradient's, whose K is the tokens) would be read across thousands of
   // rows, a page each, by every item: one K block at a time there.
   const int64_t block_bytes = plan.kp_block * plan.nc_max * 4;
-  const int64_t blocks = a_transposed ? 1 : std::max<int64_t>(1, kSuperBlockBytes / block_bytes);
+  // (Packed B of a super-block is read from L3 by every thread: the tuning's super_block_kib.)
+  const int64_t blocks =
+      a_transposed ? 1 : std::max<int64_t>(1, tuning.super_block_kib * 1024 / block_bytes);
   plan.ks = std::min(K, blocks * P::KC);
   return plan;
 }

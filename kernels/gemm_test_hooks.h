@@ -19,8 +19,9 @@ bool gemm_fused();
 // gemm_set_fused(false) turns both off.
 void gemm_set_direct(bool on);
 bool gemm_direct();
-// K blocks of 512 the fused path takes as one (2 by default; kernels/gemm.cpp says why): any
-// count gives the same results bit for bit. For tests and comparisons (gemm_alternate
+// K blocks of 512 the fused path takes as one where no tuning says otherwise (2 by default;
+// kernels/gemm_test_hooks.cpp says why; kernels/gemm_tuning.h): any count gives the same results
+// bit for bit. For tests and comparisons (gemm_alternate
 // --fused-k-blocks); throws std::invalid_argument below 1 or above 16.
 void gemm_set_fused_k_blocks(int blocks);
 int gemm_fused_k_blocks();

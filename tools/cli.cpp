@@ -22,6 +22,7 @@
 #include "tools/run/job.h"
 #include "tools/sample_command.h"
 #include "tools/train_command.h"
+#include "tools/tune_command.h"
 
 namespace cputrain {
 namespace {
@@ -29,7 +30,7 @@ namespace {
 bool is_subcommand(const std::string& arg) {
   return arg == "train" || arg == "sample" || arg == "parity" || arg == "budget" || arg == "eval" ||
          arg == "plot" || arg == "export" || arg == "inspect" || arg == "tokenize" ||
-         arg == "finetune";
+         arg == "finetune" || arg == "tune";
 }
 
 }  // namespace
@@ -81,6 +82,11 @@ int run_cli(int argc, char** argv) {
   CLI::App* plot = app.add_subcommand("plot", "Plot a run's losses and tokens/s as an SVG file");
   add_plot_flags(*plot, plot_args);
 
+  TuneArgs tune_args;
+  CLI::App* tune = app.add_subcommand(
+      "tune", "Measure the GEMM blocking fastest on this CPU for a run's products; cache it");
+  add_tune_flags(*tune, tune_args);
+
   try {
     app.parse(args);
   } catch (const CLI::CallForHelp& e) {
@@ -130,6 +136,7 @@ int run_cli(int argc, char** argv) {
     if (inspect->parsed()) return run_inspect(inspect_args);
     if (tokenize->parsed()) return run_tokenize(tokenize_args);
     if (finetune->parsed()) return run_finetune(finetune_args);
+    if (tune->parsed()) return run_tune(tune_args);
   } catch (const QuietExit& e) {
     return e.code;
   } catch (const UserError& e) {

@@ -26,6 +26,7 @@
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/trainer.h"
 #include "kernels/cpu_features.h"
+#include "kernels/gemm.h"
 #include "models/decoder.h"
 #include "models/finetune_step.h"
 #include "models/gguf_model.h"
@@ -559,6 +560,8 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
   if (!a.full) m.model->init_adapters(a.seed);
   m.model->set_checkpointing(*parse_checkpointing(a.checkpoint));
   log.info("model: {}, {:.2f} s", m.source, load_time.seconds());
+  log.info("cpu: {}; gemm {}, blocking: {}", kernels::cpu_features_string(),
+           kernels::gemm_backend_name(kernels::gemm_backend()), gemm_blocking());
   int64_t trained = 0, total = 0;
   for (const ParameterInfo& p : m.model->parameters().infos()) {
     total += p.shape.numel();

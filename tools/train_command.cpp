@@ -179,8 +179,9 @@ RunConfig resolve_run_config(const TrainArgs& a) {
 }
 
 std::string describe_compute() {
-  return fmt::format("cpu: {}; kernels: {} (gemm available: {})", kernels::cpu_features_string(),
-                     kernels::kernel_choices(), kernels::gemm_available_backends());
+  return fmt::format("cpu: {}; kernels: {} (gemm available: {}); gemm blocking: {}",
+                     kernels::cpu_features_string(), kernels::kernel_choices(),
+                     kernels::gemm_available_backends(), gemm_blocking());
 }
 
 namespace {

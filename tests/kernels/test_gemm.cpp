@@ -20,6 +20,7 @@
 #include "kernels/gemm.h"
 #include "kernels/gemm_isa.h"
 #include "kernels/gemm_test_hooks.h"
+#include "kernels/gemm_tuning.h"
 
 namespace cputrain::kernels {
 namespace {
@@ -621,6 +622,111 @@ TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
     EXPECT_GT(gemm_fused_rows_a_shared(), read_before)
         << what << ": no row read its packed A from the shared slots";
   }
+}
+
+// Clears the GEMM tunings at the end of a test.
+struct ClearTunings {
+  ~ClearTunings() { gemm_clear_tunings(); }
+};
+
+// The tuned blocking (gemm_tuning.h) decides only how a product is split into work items and
+// packed blocks, never the order in which a tile sums its K: every tuning gives the default's
+// bits. Forward, input-gradient and weight-gradient shapes with tails, over several column
+// blocks, super-blocks and fused K blocks (and the bf16 fused path with A shared where its B
+// block passes the tuning's threshold), under tunings at the edges of each field's range.
+TEST_P(GemmTest, AnyTuningGivesTheDefaultsBits) {
+  const GemmBackend backend = std::get<0>(GetParam());
+  if (backend != GemmBackend::Avx512 && backend != GemmBackend::Amx)
+    GTEST_SKIP() << "the tuning is our blocked kernels'";
+  const ClearTunings clear;
+  const int threads = std::get<1>(GetParam());
+  const std::vector<GemmTuning> tunings = {
+      {.row_panels = 1, .nc = 128, .super_block_kib = 64},
+      {.row_panels = 3, .nc = 384, .super_block_kib = 64 << 10},
+      {.shared_a_kib = 64, .fused_k_blocks = 1, .fused_panels = 64},
+      {.fused_panels = 1},
+      {.row_panels = 64, .nc = 1 << 16, .shared_a_kib = 64, .fused_k_blocks = 3, .fused_panels = 5},
+  };
+  const std::vector<Case> shapes = {
+      Case{Transpose::No, Transpose::Yes, 300, 1100, 1100, 1, 0.0f},
+      Case{Transpose::No, Transpose::No, 97, 700, 2100, 0, 1.0f},
+      Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f},
+      Case{Transpose::Yes, Transpose::No, 61, 1700, 2100, 0, 0.5f},
+      Case{Transpose::Yes, Transpose::No, 301, 333, 1100, 2, 1.0f, true},
+  };
+  const int64_t a_shared_before = gemm_fused_rows_a_shared();
+  for (const Case& c : shapes) {
+    const WeightGradientOperands ops(c, 50);
+    for (bool bf16 : {false, true}) {
+      if (!bf16 && backend == GemmBackend::Amx) continue;  // AMX runs bf16 products only
+      gemm_clear_tunings();
+      std::vector<float> want = ops.C;
+      ops.run(bf16, want);
+      for (const GemmTuning& t : tunings) {
+        for (int g = 0; g < kTunedGemms; ++g)
+          gemm_set_tuning(static_cast<TunedGemm>(g), threads, t);
+        std::vector<float> got = ops.C;
+        ops.run(bf16, got);
+        ASSERT_EQ(got, want) << (bf16 ? "bf16 " : "f32 ") << describe(c) << ", "
+                             << gemm_tuning_string(gemm_tuning(TunedGemm::Bf16Avx512, threads));
+      }
+    }
+  }
+  // The tuning reached the plan: a low shared_a_kib has bf16 weight gradients share packed A.
+  if (backend == GemmBackend::Avx512 && threads > 1) {
+    EXPECT_GT(gemm_fused_rows_a_shared(), a_shared_before);
+  }
+}
+
+// A tuning out of range is refused with the field's name; zeros keep the defaults.
+TEST(GemmTuningValues, RangesAndDefaults) {
+  const ClearTunings clear;
+  const GemmTuning defaults = gemm_default_tuning(TunedGemm::Bf16Avx512);
+  EXPECT_EQ(gemm_tuning(TunedGemm::Bf16Avx512, 2), defaults);
+  EXPECT_EQ(defaults.shared_a_kib, cpu_caches().l2 >> 10);
+  gemm_set_tuning(TunedGemm::Bf16Avx512, 2, {.nc = 256});
+  GemmTuning want = defaults;
+  want.nc = 256;
+  EXPECT_EQ(gemm_tuning(TunedGemm::Bf16Avx512, 2), want);
+  EXPECT_EQ(gemm_tuning(TunedGemm::Bf16Avx512, 1), defaults);  // set for 2 threads only
+  EXPECT_EQ(gemm_tuning(TunedGemm::F32Avx512, 2), gemm_default_tuning(TunedGemm::F32Avx512));
+  auto refused = [](const GemmTuning& t) -> std::string {
+    try {
+      gemm_set_tuning(TunedGemm::F32Avx512, 2, t, "tuning.json");
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(refused({.nc = 200}),
+            "tuning.json: nc 200 is not in 128..65536 or not a multiple of 128");
+  EXPECT_EQ(refused({.row_panels = -1}), "tuning.json: row_panels -1 is not in 1..64");
+  EXPECT_EQ(refused({.fused_k_blocks = 17}), "tuning.json: fused_k_blocks 17 is not in 1..16");
+  EXPECT_THROW(gemm_set_tuning(TunedGemm::F32Avx512, 0, {}), std::invalid_argument);
+  TunedGemm g{};
+  ASSERT_TRUE(tuned_gemm_from_name("bf16_amx", &g));
+  EXPECT_EQ(g, TunedGemm::Bf16Amx);
+  EXPECT_FALSE(tuned_gemm_from_name("bf16", &g));
+}
+
+// cpuid's cache descriptors (leaf 4 / 0x8000001D): a Zen 4 core's L1d (32 KiB, 8-way), L1i, L2
+// (1 MiB, 8-way) and L3 (32 MiB, 16-way, shared by 16 logical processors).
+TEST(CpuCaches, ParsesTheCacheLeaves) {
+  auto leaf = [](uint32_t type, uint32_t level, int64_t ways, int64_t bytes, uint32_t sharing) {
+    const int64_t sets = bytes / ways / 64;
+    return std::array<uint32_t, 3>{type | (level << 5) | ((sharing - 1) << 14),
+                                   static_cast<uint32_t>(((ways - 1) << 22) | 63),
+                                   static_cast<uint32_t>(sets - 1)};
+  };
+  const CpuCaches c = parse_cache_leaves({leaf(1, 1, 8, 32 << 10, 2), leaf(2, 1, 8, 32 << 10, 2),
+                                          leaf(3, 2, 8, 1 << 20, 2), leaf(3, 3, 16, 32 << 20, 16)});
+  EXPECT_TRUE(c.from_cpuid);
+  EXPECT_EQ(c.l1d, 32 << 10);
+  EXPECT_EQ(c.l1d_way, 4 << 10);
+  EXPECT_EQ(c.l2, 1 << 20);
+  EXPECT_EQ(c.l3, 32 << 20);
+  EXPECT_EQ(c.l3_sharing, 16);
+  EXPECT_FALSE(parse_cache_leaves({}).from_cpuid);  // the assumed figures
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, GemmTest,

@@ -1407,3 +1407,79 @@ TEST_F(DataParallelCli, AnInterruptedJobSavesAndResumesAsTheRunThatNeverStopped)
   EXPECT_EQ(losses_of(straight), losses_of(stopped));
   EXPECT_EQ(read_all(straight / "model.bin"), read_all(stopped / "model.bin"));
 }
+
+// `tune` measures the blocking of a preset's products and keeps it in the user's cache
+// (XDG_CACHE_HOME here). Runs read it back and say so, and compute the same bits as with the
+// defaults: tiny runs under a tuning at the edges of its ranges have the default runs' losses,
+// in fp32 and bf16. A cache that cannot be read, or holds a value out of range, is refused by
+// tune and warned of and passed over by a run, in one line naming the file.
+TEST_F(Cli, TuneKeepsABlockingRunsReadWithTheSameResults) {
+  const std::string cache = "XDG_CACHE_HOME=" + (dir_ / "cache").string();
+  const fs::path file = dir_ / "cache" / "cputrain" / "gemm-tuning.json";
+  const Result show = run(cache, "tune --show");
+  ASSERT_EQ(show.exit_code, 0) << show.err << show.out;
+  ASSERT_NE(show.out.find("no tuning for this CPU"), std::string::npos) << show.out;
+  const std::string cpu = show.out.substr(5, show.out.find('\n') - 5);  // "cpu: ..."
+
+  const Result tuned = run(cache, "tune --preset tiny --tokens 256 --rounds 1 --threads 2");
+  if (tuned.exit_code == 1 && tuned.err.find("cputrain's own kernels") != std::string::npos) {
+    expect_one_line_error(tuned, "tune measures");
+    GTEST_SKIP() << "the GEMM here is a library's: " << tuned.err;
+  }
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.err << tuned.out;
+  nlohmann::json written = nlohmann::json::parse(read_all(file));
+  ASSERT_TRUE(written["cpus"].contains(cpu)) << written.dump();
+  EXPECT_EQ(written["cpus"][cpu].size(), 1u) << written.dump();
+  EXPECT_NE(run(cache, "tune --show").out.find("tuned "), std::string::npos);
+
+  // Every kernel on 2 threads at the edges of the ranges.
+  nlohmann::json edges = {{"row_panels", 1},    {"nc", 128},           {"super_block_kib", 64},
+                          {"shared_a_kib", 64}, {"fused_k_blocks", 1}, {"fused_panels", 1}};
+  nlohmann::json tuning = {{"version", 1}, {"cpus", {{cpu, nlohmann::json::object()}}}};
+  for (const char* kernel : {"f32_avx512", "bf16_avx512", "bf16_amx"})
+    tuning["cpus"][cpu][std::string(kernel) + "/2"] = edges;
+  const std::string base =
+      "--preset tiny --vocab 300 --ctx 32 --batch 4 --sample-tokens 1 --threads 2 --corpus " +
+      write_corpus(200).string();
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const fs::path plain = dir_ / "plain", edge = dir_ / "edge";
+    fs::remove(file);
+    Result r =
+        run(cache, base + " --steps 6 --dtype " + dtype + " --overwrite --out " + plain.string());
+    ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+    EXPECT_NE(r.out.find("gemm blocking: the defaults from the CPU's caches"), std::string::npos)
+        << r.out;
+    std::ofstream(file) << tuning.dump();
+    r = run(cache, base + " --steps 6 --dtype " + dtype + " --overwrite --out " + edge.string());
+    ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+    EXPECT_NE(r.out.find("gemm blocking: tuned for this CPU (" + file.string() + ")"),
+              std::string::npos)
+        << r.out;
+    const std::vector<double> want = losses_of(plain), got = losses_of(edge);
+    ASSERT_EQ(want.size(), 6u);
+    EXPECT_EQ(got, want) << dtype;
+  }
+
+  // A cache that is not JSON, and one with a value out of range.
+  const std::string run_args = base + " --steps 1 --overwrite --out " + (dir_ / "warned").string();
+  for (const std::string& text :
+       {std::string("{"),
+        nlohmann::json({{"version", 1}, {"cpus", {{cpu, {{"f32_avx512/2", {{"nc", 200}}}}}}}})
+            .dump()}) {
+    std::ofstream(file) << text;
+    const Result r = run(cache, run_args);
+    ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+    const std::string what = text == "{" ? "is not JSON" : "nc 200 is not in";
+    EXPECT_NE(r.err.find("warning: " + file.string()), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(what), std::string::npos) << r.err;
+    EXPECT_NE(r.out.find("gemm blocking: the defaults"), std::string::npos) << r.out;
+  }
+  std::ofstream(file) << "{";
+  expect_one_line_error(run(cache, "tune --preset tiny --rounds 1"), "gemm-tuning.json");
+  EXPECT_EQ(read_all(file), "{");  // refused, not rewritten
+  const Result reset = run(cache, "tune --reset");
+  ASSERT_EQ(reset.exit_code, 0) << reset.err;
+  EXPECT_NE(run(cache, "tune --show").out.find("no tuning for this CPU"), std::string::npos);
+  expect_one_line_error(run(cache, "tune --preset huge"), "--preset huge");
+  expect_one_line_error(run(cache, "tune --rounds 0"), "--rounds");
+}

@@ -10,6 +10,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/gemm.h"
 #include "tools/flag_checks.h"
+#include "tools/run/gemm_tuning_file.h"
 
 namespace cputrain {
 
@@ -27,7 +28,18 @@ void add_kernel_flags(CLI::App& app, KernelArgs& a) {
                  "(default: all this CPU has; also CPUTRAIN_ISA)");
 }
 
-void select_kernels(const KernelArgs& a) {
+namespace {
+std::string& gemm_blocking_slot() {
+  static std::string blocking = "the defaults";
+  return blocking;
+}
+}  // namespace
+
+const std::string& gemm_blocking() {
+  return gemm_blocking_slot();
+}
+
+void select_kernels(const KernelArgs& a, bool tuned) {
   try {
     if (!a.isa.empty()) kernels::set_isa_ceiling(kernels::isa_level(a.isa, "--isa " + a.isa));
     for (const std::string& k : a.kernel) {
@@ -39,6 +51,7 @@ void select_kernels(const KernelArgs& a) {
     }
     if (!a.gemm.empty()) kernels::force_kernel("gemm", a.gemm, "--gemm " + a.gemm);
     kernels::kernel_choices();
+    if (tuned) gemm_blocking_slot() = load_gemm_tuning();
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
   }

@@ -22,7 +22,11 @@ struct KernelArgs {
 void add_kernel_flags(CLI::App& app, KernelArgs& args);
 // Applies the flags and makes every kernel family choose now; a UserError naming the flag or
 // variable for a name this CPU cannot run, a malformed --kernel or a bad CPUTRAIN_* variable.
-void select_kernels(const KernelArgs& args);
+// With `tuned`, the GEMM's blocking is the one `cputrain tune` cached for this CPU, if any.
+void select_kernels(const KernelArgs& args, bool tuned = true);
+// What select_kernels found of the GEMM's blocking: tuned for this CPU (`cputrain tune`, and
+// the file) or the defaults from its caches.
+const std::string& gemm_blocking();
 
 // --dtype: "bf16" or "fp32" as given; "auto" (or empty) chooses bf16 where the selected GEMM has
 // bf16 instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the
