@@ -39,14 +39,15 @@ fi
 separator=""
 for row in "$@"; do
   read -r preset dtype <<<"$row"
-  run="$dir"  # one directory: the tokenizer and token cache are made once
+  run="$dir/run"  # the run directory, each row's --overwrite of the one before; logs beside it
+  log="$dir/$preset-$dtype"
   build/cputrain --preset "$preset" --dtype "$dtype" --checkpoint none --accum 1 --steps "$steps" \
-    --eval-windows 1 --sample-tokens 1 --save-every 0 --overwrite --out "$run" >"$run/$preset-$dtype.log" 2>&1 ||
-    { echo "cputrain $preset $dtype failed: $(tail -1 "$run/$preset-$dtype.log")" >&2; continue; }
+    --eval-windows 1 --sample-tokens 1 --save-every 0 --overwrite --out "$run" >"$log.log" 2>&1 ||
+    { echo "cputrain $preset $dtype failed: $(tail -1 "$log.log")" >&2; continue; }
   torch_json="{}"
   if [[ "${TORCH:-1}" != 0 ]]; then
     torch_json=$(/usr/bin/python3 benchmarks/torch_train.py --preset "$preset" --dtype "$dtype" \
-                   --steps "$torch_steps" --threads "$(nproc)" --json 2>"$run/$preset-$dtype.torch.log") ||
+                   --steps "$torch_steps" --threads "$(nproc)" --json 2>"$log.torch.log") ||
       torch_json="{}"
   fi
   [[ $format == json ]] && printf '%s' "$separator"

@@ -1,6 +1,7 @@
 #include "kernels/gemm_tuning.h"
 
 #include <array>
+#include <atomic>
 #include <mutex>
 
 #include "kernels/cpu_features.h"
@@ -38,10 +39,12 @@ constexpr GemmTuningField kFields[] = {
     {"fused_panels", &GemmTuning::fused_panels, 1, 256, 1},
 };
 
+// Read by every product: `any` tells without the lock that nothing is set (the tests' case and
+// an untuned machine's).
 struct Table {
   std::mutex mutex;
   std::array<std::array<GemmTuning, kMaxTunedThreads + 1>, kTunedGemms> set{};
-  bool any = false;
+  std::atomic<bool> any{false};
 };
 
 Table& table() {
@@ -86,8 +89,8 @@ GemmTuning gemm_tuning(TunedGemm g, int threads) {
   GemmTuning set;
   {
     Table& tb = table();
+    if (!tb.any.load(std::memory_order_acquire)) return t;
     std::lock_guard<std::mutex> lock(tb.mutex);
-    if (!tb.any) return t;
     set = tb.set[static_cast<int>(g)][threads];
   }
   for (const GemmTuningField& f : kFields)
@@ -113,20 +116,14 @@ void gemm_set_tuning(TunedGemm g, int threads, const GemmTuning& t, std::string_
   Table& tb = table();
   std::lock_guard<std::mutex> lock(tb.mutex);
   tb.set[static_cast<int>(g)][threads] = t;
-  tb.any = true;
+  tb.any.store(true, std::memory_order_release);
 }
 
 void gemm_clear_tunings() {
   Table& tb = table();
   std::lock_guard<std::mutex> lock(tb.mutex);
   for (auto& per_kernel : tb.set) per_kernel.fill(GemmTuning{});
-  tb.any = false;
-}
-
-bool gemm_tuned() {
-  Table& tb = table();
-  std::lock_guard<std::mutex> lock(tb.mutex);
-  return tb.any;
+  tb.any.store(false, std::memory_order_release);
 }
 
 std::string gemm_tuning_string(const GemmTuning& t) {

@@ -51,8 +51,6 @@ GemmTuning gemm_tuning(TunedGemm g, int threads);
 // Throws std::invalid_argument naming a field out of its range (source says where it came from).
 void gemm_set_tuning(TunedGemm g, int threads, const GemmTuning& t, std::string_view source = {});
 void gemm_clear_tunings();
-// Whether any tuning is set (for the run's log line).
-bool gemm_tuned();
 // e.g. "row_panels 8, nc 2048, super_block_kib 4096, ...".
 std::string gemm_tuning_string(const GemmTuning& t);
 
