@@ -11,7 +11,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 #include <vector>
 
 #include "engine/core/error.h"
@@ -40,14 +39,13 @@ TunedGemm tuned_kernel(DType dtype) {
   if (backend == kernels::GemmBackend::Amx) return bf16 ? TunedGemm::Bf16Amx : TunedGemm::F32Avx512;
   if (backend == kernels::GemmBackend::Avx512)
     return bf16 ? TunedGemm::Bf16Avx512 : TunedGemm::F32Avx512;
-  throw UserError("--gemm " + std::string(kernels::gemm_backend_name(backend)) +
-                  ": tune measures the blocking of cputrain's own kernels (amx, avx512); this "
-                  "GEMM's is the library's");
+  throw UserError("the GEMM here is " + std::string(kernels::gemm_backend_name(backend)) +
+                  " (this CPU has no AVX-512, or --gemm or --isa chose it): tune measures the "
+                  "blocking of cputrain's own kernels (avx512, amx)");
 }
 
 // One product of a micro-batch, `count` times a step.
 struct Product {
-  std::string name;
   Transpose ta, tb;
   int64_t M, N, K;
   float beta;
@@ -58,42 +56,45 @@ struct Product {
 // tokens, and the LM head's.
 std::vector<Product> products_of(const ModelConfig& c, int64_t T) {
   std::vector<Product> out;
-  auto layer = [&](const std::string& name, int64_t in, int64_t outs, int64_t count) {
-    out.push_back({name + " fwd", Transpose::No, Transpose::Yes, T, outs, in, 0.0f, count});
-    out.push_back({name + " dX", Transpose::No, Transpose::No, T, in, outs, 0.0f, count});
-    out.push_back({name + " dW", Transpose::Yes, Transpose::No, outs, in, T, 1.0f, count});
+  auto layer = [&](int64_t in, int64_t outs, int64_t count) {
+    out.push_back({Transpose::No, Transpose::Yes, T, outs, in, 0.0f, count});  // Y = X W^T
+    out.push_back({Transpose::No, Transpose::No, T, in, outs, 0.0f, count});   // dX = dY W
+    out.push_back({Transpose::Yes, Transpose::No, outs, in, T, 1.0f, count});  // dW += dY^T X
   };
   const int64_t L = c.n_layers;
   if (c.q_dim() == c.d_model && c.kv_dim() == c.d_model) {
-    layer("attn", c.d_model, c.d_model, 4 * L);
+    layer(c.d_model, c.d_model, 4 * L);  // q, k, v, o
   } else {
-    layer("attn q", c.d_model, c.q_dim(), L);
-    layer("attn kv", c.d_model, c.kv_dim(), 2 * L);
-    layer("attn o", c.q_dim(), c.d_model, L);
+    layer(c.d_model, c.q_dim(), L);
+    layer(c.d_model, c.kv_dim(), 2 * L);
+    layer(c.q_dim(), c.d_model, L);
   }
-  layer("ffn up", c.d_model, c.ffn, 2 * L);
-  layer("ffn down", c.ffn, c.d_model, L);
-  layer("lm head", c.d_model, c.vocab, 1);
+  layer(c.d_model, c.ffn, 2 * L);  // gate and up
+  layer(c.ffn, c.d_model, L);      // down
+  layer(c.d_model, c.vocab, 1);    // the LM head
   return out;
 }
 
-// A product's operands on 64-byte lines, as the trainer's tensors.
+struct FreeLines {
+  void operator()(void* p) const { std::free(p); }
+};
+using Lines = std::unique_ptr<void, FreeLines>;
+
+// `bytes` on 64-byte lines, as the trainer's tensors.
+Lines lines(size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw UserError("tune: not enough memory for the products' operands");
+  return Lines(p);
+}
+
+// A product's A and B (its C is shared: the products run one at a time).
 struct Operands {
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> a, b, c;
-  static std::unique_ptr<void, Free> lines(size_t bytes) {
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (p == nullptr) throw UserError("tune: not enough memory for the products' operands");
-    return std::unique_ptr<void, Free>(p);
-  }
+  Lines a, b;
   Operands(const Product& p, bool bf16, std::mt19937& rng) {
     const size_t na = static_cast<size_t>(p.M * p.K), nb = static_cast<size_t>(p.K * p.N);
     const size_t es = bf16 ? 2 : 4;
     a = lines(na * es);
     b = lines(nb * es);
-    c = lines(static_cast<size_t>(p.M * p.N) * 4);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     auto fill = [&](void* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) {
@@ -106,22 +107,19 @@ struct Operands {
     };
     fill(a.get(), na);
     fill(b.get(), nb);
-    std::fill_n(static_cast<float*>(c.get()), p.M * p.N, 0.0f);
   }
 };
 
 // Milliseconds of one call of the product.
-double time_product(const Product& p, const Operands& o, bool bf16) {
+double time_product(const Product& p, const Operands& o, float* C, bool bf16) {
   const int64_t lda = p.ta == Transpose::No ? p.K : p.M, ldb = p.tb == Transpose::No ? p.N : p.K;
   const auto start = std::chrono::steady_clock::now();
   if (bf16)
     kernels::gemm_bf16(p.ta, p.tb, p.M, p.N, p.K, static_cast<const uint16_t*>(o.a.get()), lda,
-                       static_cast<const uint16_t*>(o.b.get()), ldb, p.beta,
-                       static_cast<float*>(o.c.get()), p.N);
+                       static_cast<const uint16_t*>(o.b.get()), ldb, p.beta, C, p.N);
   else
     kernels::gemm_f32(p.ta, p.tb, p.M, p.N, p.K, static_cast<const float*>(o.a.get()), lda,
-                      static_cast<const float*>(o.b.get()), ldb, p.beta,
-                      static_cast<float*>(o.c.get()), p.N);
+                      static_cast<const float*>(o.b.get()), ldb, p.beta, C, p.N);
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
       .count();
 }
@@ -138,6 +136,7 @@ Products products_of_field(std::string_view field) {
 struct Search {
   std::vector<Product> products;
   std::vector<Operands> operands;
+  Lines c;  // the largest product's C, zeroed
   bool bf16;
   TunedGemm kernel;
   int threads;
@@ -152,7 +151,8 @@ struct Search {
       const bool weight_gradient = products[i].ta == Transpose::Yes;
       if (which != Products::All && weight_gradient != (which == Products::WeightGradients))
         continue;
-      ms += static_cast<double>(products[i].count) * time_product(products[i], operands[i], bf16);
+      ms += static_cast<double>(products[i].count) *
+            time_product(products[i], operands[i], static_cast<float*>(c.get()), bf16);
     }
     return ms;
   }
@@ -283,7 +283,13 @@ int run_tune(const TuneArgs& a) {
   s.rounds = a.rounds;
   s.products = products_of(config, tokens);
   std::mt19937 rng(1);
-  for (const Product& p : s.products) s.operands.emplace_back(p, s.bf16, rng);
+  int64_t c_floats = 0;
+  for (const Product& p : s.products) {
+    s.operands.emplace_back(p, s.bf16, rng);
+    c_floats = std::max(c_floats, p.M * p.N);
+  }
+  s.c = lines(static_cast<size_t>(c_floats) * 4);
+  std::fill_n(static_cast<float*>(s.c.get()), c_floats, 0.0f);
   const std::string kernel_name(kernels::tuned_gemm_name(s.kernel));
   std::printf("cpu: %s; %s\n", kernels::cpu_model_key().c_str(),
               kernels::cpu_caches_string().c_str());
