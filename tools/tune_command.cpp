@@ -39,9 +39,10 @@ TunedGemm tuned_kernel(DType dtype) {
   if (backend == kernels::GemmBackend::Amx) return bf16 ? TunedGemm::Bf16Amx : TunedGemm::F32Avx512;
   if (backend == kernels::GemmBackend::Avx512)
     return bf16 ? TunedGemm::Bf16Avx512 : TunedGemm::F32Avx512;
-  throw UserError("the GEMM here is " + std::string(kernels::gemm_backend_name(backend)) +
-                  " (this CPU has no AVX-512, or --gemm or --isa chose it): tune measures the "
-                  "blocking of cputrain's own kernels (avx512, amx)");
+  throw UserError(
+      "the GEMM here is " + std::string(kernels::gemm_backend_name(backend)) +
+      " (the CPU has no AVX-512, or --gemm, --isa or CPUTRAIN_* chose it): tune measures the "
+      "blocking of cputrain's own kernels (avx512, amx)");
 }
 
 // One product of a micro-batch, `count` times a step.
