@@ -1,6 +1,7 @@
 // Attention benchmark: the causal attention of one training micro-batch of mini, mega and
-// behemoth (batch x ctx x heads x head dimension of the preset), forward and backward, on each
-// path this CPU runs: the FP32 tiles (fp32) and, with AVX512_BF16, the vdpbf16ps tiles (bf16).
+// behemoth (batch x ctx x heads x head dimension of the preset; mega_hd128: mega's in heads of
+// 128), forward and backward, on each path this CPU runs: the FP32 tiles (fp32) and, with
+// AVX512_BF16, the vdpbf16ps tiles (bf16).
 // Prints GFLOP/s (the products' FLOPs: 2 x B x H x T^2 x D for the causal forward, 5/2 of that
 // for the backward, which recomputes the scores) and % of the measured peak of the dtype.
 //
@@ -109,6 +110,20 @@ int main(int argc, char** argv) {
         register_timed(
             bench, [s, bf16, backward](benchmark::State& st) { run_one(st, s, bf16, backward); });
       }
+    }
+  }
+  // Mega's batch, context and width in 4 heads of 128 (the head dimension of Qwen3 and Llama 3.2
+  // 3B) beside its 8 of 64.
+  {
+    const cputrain::Preset p = *cputrain::find_preset("mega");
+    const Dims s{"mega_hd128", p.batch, p.config.ctx, p.config.d_model / 128, 128};
+    for (bool bf16 : {false, true}) {
+      if (bf16 && !cputrain::kernels::attention_bf16_native()) continue;
+      for (bool backward : {false, true})
+        register_timed(
+            std::string("attention/") + (bf16 ? "bf16/" : "fp32/") + s.preset +
+                (backward ? "/backward" : "/forward"),
+            [s, bf16, backward](benchmark::State& st) { run_one(st, s, bf16, backward); });
     }
   }
   // Gemma 3 1B's attention: 4 query heads of 256 (one key/value head, read as four here), a
