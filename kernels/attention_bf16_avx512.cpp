@@ -361,40 +361,55 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
           const int64_t cols = std::min(kTile, T - j0);
           dp_product(hd.amx, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
                      false);
-          for (int64_t r = 0; r < rows; ++r) {
-            const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
-            __m512 x[4];
-            __m512 mx = _mm512_set1_ps(m[r]);
-            for (int v4 = 0; v4 < 4; ++v4) {
-              x[v4] =
-                  _mm512_mul_ps(_mm512_loadu_ps(S + r * kTile + 16 * v4), _mm512_set1_ps(scale));
-              if (Capped) {
-                __m512 t;
-                x[v4] = soft_cap(x[v4], hd.cap, &t);
+          // R rows at a time, their chains of dependent instructions (the maximum's and the
+          // sum's reductions, the exponentials) interleaved.
+          auto row_block = [&]<int R>(int64_t r0, std::integral_constant<int, R>) {
+            __m512 x[R][4];
+            float mnew[R];
+#pragma GCC unroll 2
+            for (int q = 0; q < R; ++q) {
+              const int64_t r = r0 + q;
+              const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
+              __m512 mx = _mm512_set1_ps(m[r]);
+              for (int v4 = 0; v4 < 4; ++v4) {
+                x[q][v4] =
+                    _mm512_mul_ps(_mm512_loadu_ps(S + r * kTile + 16 * v4), _mm512_set1_ps(scale));
+                if (Capped) {
+                  __m512 t;
+                  x[q][v4] = soft_cap(x[q][v4], hd.cap, &t);
+                }
+                mx = _mm512_mask_max_ps(mx, lanes(16 * v4), mx, x[q][v4]);
               }
-              mx = _mm512_mask_max_ps(mx, lanes(16 * v4), mx, x[v4]);
+              mnew[q] = _mm512_reduce_max_ps(mx);
             }
-            const float mnew = _mm512_reduce_max_ps(mx);
-            // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0. Where the
-            // maximum stays (most rows after the first few key tiles, and a row whose window
-            // starts past this tile) alpha is exactly 1.
-            const bool rescale = mnew != m[r];
-            const float alpha = rescale ? exp16(_mm512_set1_ps(m[r] - mnew))[0] : 1.0f;
-            m[r] = mnew;
-            __m512 sum = _mm512_setzero_ps();
-            for (int v4 = 0; v4 < 4; ++v4) {
-              x[v4] = _mm512_maskz_mov_ps(lanes(16 * v4),
-                                          exp16(_mm512_sub_ps(x[v4], _mm512_set1_ps(mnew))));
-              sum = _mm512_add_ps(sum, x[v4]);
+#pragma GCC unroll 2
+            for (int q = 0; q < R; ++q) {
+              const int64_t r = r0 + q;
+              const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
+              // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0. Where the
+              // maximum stays (most rows after the first few key tiles, and a row whose window
+              // starts past this tile) alpha is exactly 1.
+              const bool rescale = mnew[q] != m[r];
+              const float alpha = rescale ? exp16(_mm512_set1_ps(m[r] - mnew[q]))[0] : 1.0f;
+              m[r] = mnew[q];
+              __m512 sum = _mm512_setzero_ps();
+              for (int v4 = 0; v4 < 4; ++v4) {
+                x[q][v4] = _mm512_maskz_mov_ps(
+                    lanes(16 * v4), exp16(_mm512_sub_ps(x[q][v4], _mm512_set1_ps(mnew[q]))));
+                sum = _mm512_add_ps(sum, x[q][v4]);
+              }
+              l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+              round_row(Pb + r * kTilePairs, x[q]);
+              float* o = O + r * Dp;
+              if (rescale)
+                for (int64_t d = 0; d < Dp; d += 16)
+                  _mm512_storeu_ps(o + d,
+                                   _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
             }
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-            round_row(Pb + r * kTilePairs, x);
-            float* o = O + r * Dp;
-            if (rescale)
-              for (int64_t d = 0; d < Dp; d += 16)
-                _mm512_storeu_ps(o + d,
-                                 _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
-          }
+          };
+          int64_t r = 0;
+          for (; r + 2 <= rows; r += 2) row_block(r, std::integral_constant<int, 2>{});
+          if (r < rows) row_block(r, std::integral_constant<int, 1>{});
           dp_product(hd.amx, O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs,
                      true);
         }
