@@ -12,7 +12,8 @@ namespace {
 
 constexpr int kMaxTunedThreads = 512;
 
-// The kernels' constants (kernels/gemm_*.cpp assert that theirs agree): MC / MR and NC.
+// Each kernel's default rows of a work item (MC / MR) and columns of a packed B block (NC); the
+// kernels' policies (kernels/gemm_*.cpp) hold only their register tiles and KC.
 struct KernelBlocks {
   std::string_view name;
   int64_t row_panels, nc;

@@ -109,17 +109,12 @@ std::string offload_folder(const std::string& flag) {
 }  // namespace
 
 RunConfig resolve_run_config(const TrainArgs& a) {
-  const auto preset = find_preset(a.preset);
-  if (!preset) {
-    std::string names;
-    for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
-    throw UserError("--preset " + a.preset + ": unknown preset (choose one of " + names + ")");
-  }
+  const Preset preset = preset_flag(a.preset);
   RunConfig c;
   c.preset = a.preset;
   // Absolute, so that --resume works from any folder.
   c.corpus = a.corpus.empty() ? a.corpus : fs::absolute(a.corpus).lexically_normal().string();
-  c.model = preset->config;
+  c.model = preset.config;
   auto take = [](int64_t flag, int64_t preset_value, const char* name) {
     if (flag == -1) return preset_value;
     require_positive(flag, name);
@@ -158,8 +153,8 @@ RunConfig resolve_run_config(const TrainArgs& a) {
     c.model.sliding_window = take(a.sliding_window, arch->default_window, "--sliding-window");
   if (const auto problem = validate(c.model)) throw UserError(flag_message(*problem));
   c.steps = take(a.steps, default_steps(a.preset), "--steps");
-  c.train.batch = take(a.batch, preset->batch, "--batch");
-  c.train.accum = take(a.accum, preset->accum, "--accum");
+  c.train.batch = take(a.batch, preset.batch, "--batch");
+  c.train.accum = take(a.accum, preset.accum, "--accum");
   c.train.ctx = c.model.ctx;
   c.train.seed = a.seed;
   c.train.lr.peak = a.lr < 0 ? default_lr(c.model) : a.lr;

@@ -188,16 +188,10 @@ ModelConfig shapes_config(const TuneArgs& a, int64_t* tokens, std::string* what)
     *what = a.model;
     return c;
   }
-  const std::optional<Preset> p = find_preset(a.preset);
-  if (!p)
-    throw UserError("--preset " + a.preset + ": not a preset (" + [] {
-      std::string s;
-      for (const std::string& n : preset_names()) s += (s.empty() ? "" : ", ") + n;
-      return s;
-    }() + ")");
-  *tokens = a.tokens > 0 ? a.tokens : p->batch * p->config.ctx;
+  const Preset p = preset_flag(a.preset);
+  *tokens = a.tokens > 0 ? a.tokens : p.batch * p.config.ctx;
   *what = "preset " + a.preset;
-  return p->config;
+  return p.config;
 }
 
 int show_or_reset(const TuneArgs& a, const std::string& path) {

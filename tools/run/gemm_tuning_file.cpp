@@ -19,9 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr int kCacheVersion = 1;
-
-// The cache as a JSON object: {} where there is no file. Throws std::runtime_error where it
-// cannot be read or is not the format.
 }  // namespace
 
 json read_gemm_tuning_cache(const std::string& path) {
@@ -50,7 +47,6 @@ void write_gemm_tuning_cache(const std::string& path, json cache) {
   write_file_atomic(path, cache.dump(2) + "\n");
 }
 
-// An entry "KERNEL/THREADS" of the cache: the kernel and thread count; false where malformed.
 bool parse_gemm_tuning_key(const std::string& key, TunedGemm* g, int* threads) {
   const size_t slash = key.find('/');
   if (slash == std::string::npos || !kernels::tuned_gemm_from_name(key.substr(0, slash), g))

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <stdexcept>
 
 #include "engine/core/error.h"
@@ -55,6 +56,14 @@ void select_kernels(const KernelArgs& a, bool tuned) {
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
   }
+}
+
+Preset preset_flag(const std::string& name) {
+  const std::optional<Preset> preset = find_preset(name);
+  if (preset) return *preset;
+  std::string names;
+  for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+  throw UserError("--preset " + name + ": unknown preset (choose one of " + names + ")");
 }
 
 DType choose_dtype(const std::string& flag, std::string* why) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/core/tensor.h"
+#include "models/model_config.h"
 
 namespace cputrain {
 
@@ -27,6 +28,9 @@ void select_kernels(const KernelArgs& args, bool tuned = true);
 // What select_kernels found of the GEMM's blocking: tuned for this CPU (`cputrain tune`, and
 // the file) or the defaults from its caches.
 const std::string& gemm_blocking();
+
+// The preset --preset `name` names; a UserError listing the presets for any other name.
+Preset preset_flag(const std::string& name);
 
 // --dtype: "bf16" or "fp32" as given; "auto" (or empty) chooses bf16 where the selected GEMM has
 // bf16 instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the
