@@ -2,7 +2,8 @@
 // attention_tiled.h (64 queries x 64 keys, online softmax, probabilities recomputed from the
 // saved log-sum-exp in the backward), with every product a dot product of bf16 pairs into FP32
 // accumulators (vdpbf16ps, or AMX tiles over the same operands where the caller asks: amx).
-// Scores, the softmax statistics, dP and all accumulations stay FP32; the probabilities P, the
+// Scores, the softmax statistics, dP and all accumulations stay FP32, the exponentials taken in
+// base 2 with a polynomial accurate to 2.7e-6 (exp2_lanes); the probabilities P, the
 // output gradient dO and the score gradients dS are rounded to bf16 where they enter a product,
 // and the output is written rounded to bf16.
 // dQ = dS K and dK = dS^T Q take K and Q less their means over the sequence, m_K and m_Q, and
@@ -38,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -136,6 +138,30 @@ void dp_product(bool amx, float* C, int64_t ldc, const uint32_t* A, int64_t lda,
   }
 }
 
+// On a diagonal tile (the key tile from the query tile's first query), query r attends keys up
+// to r: scores_product computes each 16 rows' scores only up to the block's last key (the
+// columns past it, which the softmax masks, keep what they held), and probs_product adds only
+// the pairs of keys up to it (the probabilities past it are 0). Elsewhere, the whole tile.
+// C[0:rows, 0:64] = A B over `pairs`.
+void scores_product(bool amx, bool diagonal, float* C, int64_t ldc, const uint32_t* A, int64_t lda,
+                    const uint32_t* B, int64_t ldb, int64_t rows, int64_t pairs) {
+  if (!diagonal) return dp_product(amx, C, ldc, A, lda, B, ldb, rows, kTile, pairs, false);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    dp_product(amx, C + r0 * ldc, ldc, A + r0 * lda, lda, B, ldb, std::min<int64_t>(16, rows - r0),
+               r0 + 16, pairs, false);
+}
+// C[0:rows, 0:N] += A B over a tile's 32 pairs of keys (AMX's: whole tiles of 16 pairs).
+void probs_product(bool amx, bool diagonal, float* C, int64_t ldc, const uint32_t* A, int64_t lda,
+                   const uint32_t* B, int64_t ldb, int64_t rows, int64_t N) {
+  if (!diagonal) return dp_product(amx, C, ldc, A, lda, B, ldb, rows, N, kTilePairs, true);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t pairs =
+        amx ? std::min<int64_t>(kTilePairs, (r0 + 16 + 31) / 32 * 16) : r0 / 2 + 8;
+    dp_product(amx, C + r0 * ldc, ldc, A + r0 * lda, lda, B, ldb, std::min<int64_t>(16, rows - r0),
+               N, pairs, true);
+  }
+}
+
 // rows 0..Tp of (Dp / 2) pairs: dst[t] = src row t (stride `stride`, D values), zero past D and
 // past T.
 void rows_as_pairs(uint32_t* dst, const uint16_t* src, int64_t stride, int64_t T, int64_t Tp,
@@ -191,14 +217,54 @@ void key_tiles_transposed(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64
 
 using vec::vf;
 
-inline __m512 exp16(__m512 x) {
-  return (__m512)vec::exp((vf)x);
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+
+// 2^t in the lanes of `keep`, zero in the others, for t <= 2^-10 (the softmax's exponents, at
+// most the rounding of the score's maximum above 0): within 2.7e-6 relative above t = -125,
+// about 2.4e-38 below (a probability that no sum of at most 2^24 others can see). t = n + f with
+// n the nearest integer (|f| <= 1/2), 2^f a polynomial of degree 4 fitted to the relative error
+// on [-1/2, 1/2], 2^n added to its exponent bits. Five multiply-adds against vec::exp's eleven:
+// on CPUs whose vector multiply-adds share their ports with vdpbf16ps, they are what the
+// softmax costs the tile's products. NaN stays NaN.
+inline __m512 exp2_lanes(__mmask16 keep, __m512 t) {
+  const __m512 round = _mm512_set1_ps(12582912.0f);  // 1.5 * 2^23: the integer in the low bits
+  t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);     // the second operand where NaN
+  const __m512 r = _mm512_add_ps(t, round);
+  const __m512 f = _mm512_sub_ps(t, _mm512_sub_ps(r, round));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009570376016199589f), f,
+                             _mm512_set1_ps(0.055918723344802856f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024745821952820f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312167167663574f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999928474426270f));
+  // r's bits are 0x4B400000 + n, whose low 9 bits shifted up 23 are n's in the exponent field.
+  return _mm512_castsi512_ps(_mm512_maskz_add_epi32(keep, _mm512_castps_si512(p),
+                                                    _mm512_slli_epi32(_mm512_castps_si512(r), 23)));
 }
 
 // The mask of the 16 lanes from column c on that are below `valid`.
 inline __mmask16 valid_lanes(int64_t c, int64_t valid) {
   const int64_t n = std::clamp<int64_t>(valid - c, 0, 16);
   return static_cast<__mmask16>((1u << n) - 1);
+}
+
+// log(x) per lane for 1 <= x < 2^24, within 1e-6 absolute: x = 2^e m with m in
+// [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) with s = (m - 1) / (m + 1), |s| < 0.172, the odd
+// series to s^9 (the next term under 3e-10).
+inline __m512 log_lanes(__m512 x) {
+  __m512 e = _mm512_getexp_ps(x);
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero);
+  const __mmask16 high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, high, e, _mm512_set1_ps(1.0f));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 s = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
+  const __m512 s2 = _mm512_mul_ps(s, s);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(2.0f / 9.0f), s2, _mm512_set1_ps(2.0f / 7.0f));
+  p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(2.0f / 5.0f));
+  p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(2.0f / 3.0f));
+  p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(2.0f));
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(kLn2), _mm512_mul_ps(p, s));
 }
 
 // Rounds 64 floats to bf16 into 32 pairs.
@@ -290,6 +356,11 @@ struct RowLanes {
   }
   int64_t valid, first;
 };
+// Every lane: a tile wholly below the diagonal and within the sequence (and the window).
+struct AllLanes {
+  AllLanes(int64_t, int64_t, int64_t, int64_t) {}
+  __mmask16 operator()(int64_t) const { return 0xFFFF; }
+};
 
 // cap * tanh(x / cap), and tanh(x / cap) in t.
 inline __m512 soft_cap(__m512 x, float cap, __m512* t) {
@@ -323,6 +394,7 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
                    const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                    const Head& hd) {
   const float scale = hd.scale;
+  const float coef = Capped ? kLog2e : scale * kLog2e;  // a score before it, in log2 units
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
 #pragma omp parallel
@@ -333,10 +405,11 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
     Carve<0> head(5 * Tp * Dh);
     uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
     uint32_t *Vr = head.words(Tp * Dh), *Vi = head.words(Tp * Dh);
-    Carve<1> tile(kTile * kTile + kTile * Dp + kTile * kTilePairs + 2 * kTile);
+    Carve<1> tile(kTile * kTile + kTile * Dp + kTile * kTilePairs + 18 * kTile);
     float *S = tile.floats(kTile * kTile), *O = tile.floats(kTile * Dp);
     uint32_t* Pb = tile.words(kTile * kTilePairs);
-    float *m = tile.floats(kTile), *l = tile.floats(kTile);
+    // m per row; l per row as 16 partial sums, added up once the row's last tile is done.
+    float *m = tile.floats(kTile), *l = tile.floats(16 * kTile), *l_row = tile.floats(kTile);
     int64_t packed = -1;  // b * KVH + the key/value head whose Kr, Kt, Vr, Vi are packed
     if (hd.amx) attention_amx_configure();
 #pragma omp for schedule(dynamic, 1)
@@ -356,49 +429,59 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
         const int64_t rows = std::min(kTile, T - i0);
         std::fill(O, O + rows * Dp, 0.0f);
         std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-        std::fill(l, l + rows, 0.0f);
+        std::fill(l, l + 16 * rows, 0.0f);
         for (int64_t j0 = window_first_key_tile(i0, hd.window); j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
-          dp_product(hd.amx, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
-                     false);
+          scores_product(hd.amx, j0 == i0, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows,
+                         Dh);
           // R rows at a time, their chains of dependent instructions (the maximum's and the
-          // sum's reductions, the exponentials) interleaved.
-          auto row_block = [&]<int R>(int64_t r0, std::integral_constant<int, R>) {
+          // sum's reductions, the exponentials) interleaved. The statistics m are in units of
+          // log2: m = max_c y_c * coef, with y the score before its scale (or after soft-capping)
+          // and coef what turns y into log2 units, so that p = 2^(y coef - m) is one
+          // multiply-add and exp2_lanes.
+          auto row_block = [&]<int R, bool Full>(int64_t r0, std::integral_constant<int, R>,
+                                                 std::bool_constant<Full>) {
+            using Lanes = std::conditional_t<Full, AllLanes, RowLanes<Windowed>>;
             __m512 x[R][4];
             float mnew[R];
 #pragma GCC unroll 2
             for (int q = 0; q < R; ++q) {
               const int64_t r = r0 + q;
-              const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
-              __m512 mx = _mm512_set1_ps(m[r]);
+              const Lanes lanes(i0 + r, j0, cols, hd.window);
+              __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
               for (int v4 = 0; v4 < 4; ++v4) {
-                x[q][v4] =
-                    _mm512_mul_ps(_mm512_loadu_ps(S + r * kTile + 16 * v4), _mm512_set1_ps(scale));
+                x[q][v4] = _mm512_loadu_ps(S + r * kTile + 16 * v4);
                 if (Capped) {
                   __m512 t;
-                  x[q][v4] = soft_cap(x[q][v4], hd.cap, &t);
+                  x[q][v4] = soft_cap(_mm512_mul_ps(x[q][v4], _mm512_set1_ps(scale)), hd.cap, &t);
                 }
                 mx = _mm512_mask_max_ps(mx, lanes(16 * v4), mx, x[q][v4]);
               }
-              mnew[q] = _mm512_reduce_max_ps(mx);
+              // Rounding is monotonic, so the maximum of y times coef is that of each y times
+              // coef.
+              mnew[q] = std::max(m[r], _mm512_reduce_max_ps(mx) * coef);
             }
 #pragma GCC unroll 2
             for (int q = 0; q < R; ++q) {
               const int64_t r = r0 + q;
-              const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
+              const Lanes lanes(i0 + r, j0, cols, hd.window);
               // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0. Where the
               // maximum stays (most rows after the first few key tiles, and a row whose window
               // starts past this tile) alpha is exactly 1.
               const bool rescale = mnew[q] != m[r];
-              const float alpha = rescale ? exp16(_mm512_set1_ps(m[r] - mnew[q]))[0] : 1.0f;
+              const float alpha = rescale ? exp2_lanes(1, _mm512_set1_ps(m[r] - mnew[q]))[0] : 1.0f;
               m[r] = mnew[q];
+              const __m512 shift = _mm512_set1_ps(mnew[q]);
               __m512 sum = _mm512_setzero_ps();
               for (int v4 = 0; v4 < 4; ++v4) {
-                x[q][v4] = _mm512_maskz_mov_ps(
-                    lanes(16 * v4), exp16(_mm512_sub_ps(x[q][v4], _mm512_set1_ps(mnew[q]))));
+                x[q][v4] = exp2_lanes(lanes(16 * v4),
+                                      _mm512_fmsub_ps(x[q][v4], _mm512_set1_ps(coef), shift));
                 sum = _mm512_add_ps(sum, x[q][v4]);
               }
-              l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+              float* lr = l + 16 * r;
+              _mm512_storeu_ps(
+                  lr, rescale ? _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha), sum)
+                              : _mm512_add_ps(_mm512_loadu_ps(lr), sum));
               round_row(Pb + r * kTilePairs, x[q]);
               float* o = O + r * Dp;
               if (rescale)
@@ -407,20 +490,35 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
                                    _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
             }
           };
-          int64_t r = 0;
-          for (; r + 2 <= rows; r += 2) row_block(r, std::integral_constant<int, 2>{});
-          if (r < rows) row_block(r, std::integral_constant<int, 1>{});
-          dp_product(hd.amx, O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp, kTilePairs,
-                     true);
+          // Every lane valid: whole key tile up to the first query, and the window reaching
+          // its first key from the last query.
+          const bool full =
+              cols == kTile && j0 + kTile - 1 <= i0 && (!Windowed || i0 + rows - hd.window <= j0);
+          auto rows_of = [&]<bool Full>(std::bool_constant<Full> f) {
+            int64_t r = 0;
+            for (; r + 2 <= rows; r += 2) row_block(r, std::integral_constant<int, 2>{}, f);
+            if (r < rows) row_block(r, std::integral_constant<int, 1>{}, f);
+          };
+          full ? rows_of(std::true_type{}) : rows_of(std::false_type{});
+          probs_product(hd.amx, j0 == i0, O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp);
         }
+        for (int64_t r = 0; r < rows; ++r)
+          l_row[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * r));
         for (int64_t r = 0; r < rows; ++r) {
           uint16_t* dst = out + off + (i0 + r) * row;
-          const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+          const __m512 inv = _mm512_set1_ps(1.0f / l_row[r]);
           for (int64_t d = 0; d < D; d += 16)
             _mm256_mask_storeu_epi16(
                 dst + d, valid_lanes(d, D),
                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + r * Dp + d), inv)));
-          lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
+        }
+        // lse = m ln 2 + log l, 16 rows at a time.
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+          const __mmask16 lanes = valid_lanes(r0, rows);
+          const __m512 lr = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), lanes, l_row + r0);
+          _mm512_mask_storeu_ps(lse + bh * T + i0 + r0, lanes,
+                                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, m + r0),
+                                                _mm512_set1_ps(kLn2), log_lanes(lr)));
         }
       }
     }
@@ -447,11 +545,12 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
     uint32_t *Qr = head.words(Tp * Dh), *Gr = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
     uint32_t *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
-    // dQ, D_i and the row sums of dS of the query head; the means of K and Q; per key tile dK^T
-    // and dV^T; per tile pair P, dP, and P and dS as bf16 (rows, and pairs along T).
-    Carve<1> tile(Tp * Dp + 2 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
+    // dQ, D_i and the row sums of dS of the query head (16 partial sums a row, added up once
+    // the row's last tile is done); the means of K and Q; per key tile dK^T and dV^T; per tile
+    // pair P, dP, and P and dS as bf16 (rows, and pairs along T).
+    Carve<1> tile(Tp * Dp + 17 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
                   4 * kTile * kTilePairs);
-    float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(Tp);
+    float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(16 * Tp);
     float *k_mean = tile.floats(Dp), *q_mean = tile.floats(Dp);
     float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);
     float* scratch = tile.floats(Dp * kTile);
@@ -501,7 +600,7 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
           Di[i] = _mm512_reduce_add_ps(acc);
         }
         std::fill(dQ, dQ + Tp * Dp, 0.0f);
-        std::fill(row_sum, row_sum + Tp, 0.0f);
+        std::fill(row_sum, row_sum + 16 * Tp, 0.0f);
         for (int64_t j0 = 0; j0 < T; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
           std::fill(dKT, dKT + Dp * kTile, 0.0f);
@@ -510,38 +609,53 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
           for (int v4 = 0; v4 < 4; ++v4) cs[v4] = _mm512_setzero_ps();
           for (int64_t i0 = j0; i0 < window_query_end(j0, cols, T, hd.window); i0 += kTile) {
             const int64_t rows = std::min(kTile, T - i0);
-            dp_product(hd.amx, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows, kTile, Dh,
-                       false);
-            dp_product(hd.amx, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows, kTile, Dh,
-                       false);
-            for (int64_t r = 0; r < rows; ++r) {
-              const RowLanes<Windowed> lanes(i0 + r, j0, cols, hd.window);
-              const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r]);
-              const __m512 di = _mm512_set1_ps(Di[i0 + r]);
-              __m512 p[4], ds[4];
-              for (int v4 = 0; v4 < 4; ++v4) {
-                const __m512 x = _mm512_loadu_ps(P + r * kTile + 16 * v4);
-                // The score's scale, and through cap * tanh(s / cap) 1 - tanh^2, in dS.
-                __m512 dscale = _mm512_set1_ps(scale);
-                __m512 s;
-                if (Capped) {
-                  __m512 t;
-                  s = _mm512_sub_ps(soft_cap(_mm512_mul_ps(x, dscale), hd.cap, &t), shift);
-                  dscale = _mm512_mul_ps(dscale, _mm512_fnmadd_ps(t, t, _mm512_set1_ps(1.0f)));
-                } else {
-                  s = _mm512_fmsub_ps(x, dscale, shift);
+            const bool diagonal = i0 == j0;
+            scores_product(hd.amx, diagonal, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows,
+                           Dh);
+            scores_product(hd.amx, diagonal, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows,
+                           Dh);
+            auto rows_of = [&]<bool Full>(std::bool_constant<Full>) {
+              using Lanes = std::conditional_t<Full, AllLanes, RowLanes<Windowed>>;
+              for (int64_t r = 0; r < rows; ++r) {
+                const Lanes lanes(i0 + r, j0, cols, hd.window);
+                const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r] * kLog2e);
+                const __m512 di = _mm512_set1_ps(Di[i0 + r]);
+                const __m512 di_scaled = _mm512_set1_ps(Di[i0 + r] * scale);
+                __m512 p[4], ds[4];
+                for (int v4 = 0; v4 < 4; ++v4) {
+                  const __m512 x = _mm512_loadu_ps(P + r * kTile + 16 * v4);
+                  // The score's scale, and through cap * tanh(s / cap) 1 - tanh^2, in dS.
+                  __m512 dscale = _mm512_set1_ps(scale);
+                  __m512 s;  // the score less lse, in log2 units
+                  if (Capped) {
+                    __m512 t;
+                    s = _mm512_fmsub_ps(soft_cap(_mm512_mul_ps(x, dscale), hd.cap, &t),
+                                        _mm512_set1_ps(kLog2e), shift);
+                    dscale = _mm512_mul_ps(dscale, _mm512_fnmadd_ps(t, t, _mm512_set1_ps(1.0f)));
+                  } else {
+                    s = _mm512_fmsub_ps(x, _mm512_set1_ps(scale * kLog2e), shift);
+                  }
+                  p[v4] = exp2_lanes(lanes(16 * v4), s);
+                  // Zero past the keys the query attends, whatever dP holds there.
+                  const __m512 dp = _mm512_loadu_ps(dP + r * kTile + 16 * v4);
+                  ds[v4] = Capped
+                               ? _mm512_maskz_mul_ps(lanes(16 * v4), _mm512_mul_ps(p[v4], dscale),
+                                                     _mm512_sub_ps(dp, di))
+                               : _mm512_maskz_mul_ps(lanes(16 * v4), p[v4],
+                                                     _mm512_fmsub_ps(dp, dscale, di_scaled));
+                  cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
                 }
-                p[v4] = _mm512_maskz_mov_ps(lanes(16 * v4), exp16(s));
-                ds[v4] =
-                    _mm512_mul_ps(_mm512_mul_ps(p[v4], dscale),
-                                  _mm512_sub_ps(_mm512_loadu_ps(dP + r * kTile + 16 * v4), di));
-                cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
+                float* rs = row_sum + 16 * (i0 + r);
+                _mm512_storeu_ps(rs, _mm512_add_ps(_mm512_loadu_ps(rs),
+                                                   _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]),
+                                                                 _mm512_add_ps(ds[2], ds[3]))));
+                round_row(Pb + r * kTilePairs, p);
+                round_row(dSb + r * kTilePairs, ds);
               }
-              row_sum[i0 + r] += _mm512_reduce_add_ps(
-                  _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]), _mm512_add_ps(ds[2], ds[3])));
-              round_row(Pb + r * kTilePairs, p);
-              round_row(dSb + r * kTilePairs, ds);
-            }
+            };
+            const bool full =
+                cols == kTile && j0 + kTile - 1 <= i0 && (!Windowed || i0 + rows - hd.window <= j0);
+            full ? rows_of(std::true_type{}) : rows_of(std::false_type{});
             for (uint32_t* rounded : {Pb, dSb})
               std::fill(rounded + rows * kTilePairs, rounded + kTile * kTilePairs, 0u);
             pairs_along_rows(Pi, Pb, kTile, kTile);
@@ -551,8 +665,8 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
                        true);
             dp_product(hd.amx, dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs,
                        true);
-            dp_product(hd.amx, dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp, rows, Dp,
-                       kTilePairs, true);
+            probs_product(hd.amx, diagonal, dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp,
+                          rows, Dp);
           }
           // dK^T += m_Q (column sums of dS)^T, with this query head's m_Q
           for (int64_t d = 0; d < Dp; ++d) {
@@ -567,8 +681,9 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
         }
         for (int64_t i = 0; i < T; ++i) {
           float* gq = dq + off + i * row;
+          const float sum_i = _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + 16 * i));
           for (int64_t d = 0; d < D; ++d)
-            gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + row_sum[i] * k_mean[d]);
+            gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + sum_i * k_mean[d]);
         }
       }
     }
