@@ -273,6 +273,16 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
 }
 
+// Rounds two rows of 64 floats, a and b, to bf16 pairs along the rows: dst[c] = (a[c], b[c]).
+inline void interleave_rows(uint32_t* dst, const __m512 a[4], const __m512 b[4]) {
+  // Lane 2i takes a's value i (the low half of cvtne2ps's result), lane 2i + 1 b's.
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int v = 0; v < 4; ++v)
+    _mm512_storeu_si512(dst + 16 * v,
+                        _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b[v], a[v])));
+}
+
 // dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[d * kTile + c] for c < cols,
 // d < D: src (Dp x kTile) transposed through scratch (kTile x Dp).
 void add_transposed(float* dst, int64_t row, const float* src, float* scratch, int64_t cols,
@@ -547,15 +557,15 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
     // dQ, D_i and the row sums of dS of the query head (16 partial sums a row, added up once
     // the row's last tile is done); the means of K and Q; per key tile dK^T and dV^T; per tile
-    // pair P, dP, and P and dS as bf16 (rows, and pairs along T).
+    // pair P, dP, P as bf16 pairs along T, dS as bf16 rows and pairs along T.
     Carve<1> tile(Tp * Dp + 17 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
-                  4 * kTile * kTilePairs);
+                  3 * kTile * kTilePairs);
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(16 * Tp);
     float *k_mean = tile.floats(Dp), *q_mean = tile.floats(Dp);
     float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);
     float* scratch = tile.floats(Dp * kTile);
     float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
-    uint32_t *Pb = tile.words(kTile * kTilePairs), *Pi = tile.words(kTile * kTilePairs);
+    uint32_t* Pi = tile.words(kTile * kTilePairs);
     uint32_t *dSb = tile.words(kTile * kTilePairs), *dSi = tile.words(kTile * kTilePairs);
     if (hd.amx) attention_amx_configure();
 #pragma omp for schedule(dynamic, 1)
@@ -614,14 +624,15 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
                            Dh);
             scores_product(hd.amx, diagonal, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows,
                            Dh);
+            // Rows two at a time: each row's dS rounded as a row of pairs along the keys, and the
+            // two rows' P and dS as pairs along the queries (one row of Pi and of dSi).
             auto rows_of = [&]<bool Full>(std::bool_constant<Full>) {
               using Lanes = std::conditional_t<Full, AllLanes, RowLanes<Windowed>>;
-              for (int64_t r = 0; r < rows; ++r) {
+              auto one_row = [&](int64_t r, __m512* p, __m512* ds) {
                 const Lanes lanes(i0 + r, j0, cols, hd.window);
                 const __m512 shift = _mm512_set1_ps(lse_bh[i0 + r] * kLog2e);
                 const __m512 di = _mm512_set1_ps(Di[i0 + r]);
                 const __m512 di_scaled = _mm512_set1_ps(Di[i0 + r] * scale);
-                __m512 p[4], ds[4];
                 for (int v4 = 0; v4 < 4; ++v4) {
                   const __m512 x = _mm512_loadu_ps(P + r * kTile + 16 * v4);
                   // The score's scale, and through cap * tanh(s / cap) 1 - tanh^2, in dS.
@@ -649,17 +660,26 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
                 _mm512_storeu_ps(rs, _mm512_add_ps(_mm512_loadu_ps(rs),
                                                    _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]),
                                                                  _mm512_add_ps(ds[2], ds[3]))));
-                round_row(Pb + r * kTilePairs, p);
                 round_row(dSb + r * kTilePairs, ds);
+              };
+              for (int64_t r = 0; r < rows; r += 2) {
+                __m512 p[2][4], ds[2][4];
+                one_row(r, p[0], ds[0]);
+                if (r + 1 < rows) {
+                  one_row(r + 1, p[1], ds[1]);
+                } else {
+                  for (int v4 = 0; v4 < 4; ++v4) p[1][v4] = ds[1][v4] = _mm512_setzero_ps();
+                }
+                interleave_rows(Pi + r / 2 * kTile, p[0], p[1]);
+                interleave_rows(dSi + r / 2 * kTile, ds[0], ds[1]);
               }
             };
             const bool full =
                 cols == kTile && j0 + kTile - 1 <= i0 && (!Windowed || i0 + rows - hd.window <= j0);
             full ? rows_of(std::true_type{}) : rows_of(std::false_type{});
-            for (uint32_t* rounded : {Pb, dSb})
-              std::fill(rounded + rows * kTilePairs, rounded + kTile * kTilePairs, 0u);
-            pairs_along_rows(Pi, Pb, kTile, kTile);
-            pairs_along_rows(dSi, dSb, kTile, kTile);
+            std::fill(dSb + rows * kTilePairs, dSb + kTile * kTilePairs, 0u);
+            for (uint32_t* rounded : {Pi, dSi})
+              std::fill(rounded + (rows + 1) / 2 * kTile, rounded + kTilePairs * kTile, 0u);
             // dV^T += dO^T P, dK^T += (Q - m_Q)^T dS, dQ += dS (K - m_K) (the scale is in dS).
             dp_product(hd.amx, dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs,
                        true);
