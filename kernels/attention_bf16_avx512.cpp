@@ -224,9 +224,8 @@ constexpr float kLn2 = 0.693147180559945309f;
 // most the rounding of the score's maximum above 0): within 2.7e-6 relative above t = -125,
 // about 2.4e-38 below (a probability that no sum of at most 2^24 others can see). t = n + f with
 // n the nearest integer (|f| <= 1/2), 2^f a polynomial of degree 4 fitted to the relative error
-// on [-1/2, 1/2], 2^n added to its exponent bits. Five multiply-adds against vec::exp's eleven:
-// on CPUs whose vector multiply-adds share their ports with vdpbf16ps, they are what the
-// softmax costs the tile's products. NaN stays NaN.
+// on [-1/2, 1/2], 2^n added to its exponent bits. Five multiply-adds against vec::exp's eleven,
+// on the vector units the tile's products need. NaN stays NaN.
 inline __m512 exp2_lanes(__mmask16 keep, __m512 t) {
   const __m512 round = _mm512_set1_ps(12582912.0f);  // 1.5 * 2^23: the integer in the low bits
   t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);     // the second operand where NaN
