@@ -6,12 +6,17 @@
 // base 2 with a polynomial accurate to 2.7e-6 (exp2_lanes); the probabilities P, the
 // output gradient dO and the score gradients dS are rounded to bf16 where they enter a product,
 // and the output is written rounded to bf16.
-// dQ = dS K and dK = dS^T Q take K and Q less their means over the sequence, m_K and m_Q, and
-// add m_K (resp. m_Q) times the row (column) sums of dS, kept exact in FP32: the same sums, but
-// the rounding error of dS then scales with the spread of the keys (queries), not their size.
-// Keys share a large common component, and a row of dS sums to zero, so dQ is a small
-// difference of large terms: with dS K as it is, one rounding of dS made training measurably
-// worse (cputrain parity, three seeds: +0.01 to +0.03 nats over FP32-widened attention).
+// dQ = dS K and dK = dS^T Q take K and Q less their means over the sequence, m_K and m_Q:
+// dK adds m_Q times the column sums of dS, kept exact in FP32, so that the rounding error of dS
+// scales with the spread of the queries, not their size. Keys share a large common component,
+// and a row of dS sums to zero, so dQ is a small difference of large terms: with dS K as it is,
+// one rounding of dS made training measurably worse (cputrain parity, three seeds: +0.01 to
+// +0.03 nats over FP32-widened attention). dQ = dS (K - m_K) alone: the row sums of dS are 0
+// (sum_j P_ij (dP_ij - D_i) with D_i = sum_j P_ij dP_ij), and the sums as computed are not,
+// D_i coming from the output rounded to bf16, so adding m_K times them added that error times
+// the keys' mean (q and k sharing a component of sigma 12: dQ's relative error 0.16 with them,
+// 0.011 without). With soft-capping dS has a factor 1 - tanh^2 that varies along the row, its
+// rows do not sum to 0, and m_K times their sums is added.
 //
 // Grouped-query attention: H query heads, KVH key/value heads, query head h reading key/value
 // head h / (H / KVH); q, out, dq, dout rows of H * D values, k, v, dk, dv rows of KVH * D.
@@ -576,7 +581,8 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
       key_tiles_transposed(Kt, Kr, Tp, Dp);
       key_tiles_transposed(Vt, Vr, Tp, Dp);
       // dQ = dS K and dK = dS^T Q take K and Q less their means m: dS K = dS (K - m) + (dS 1) m,
-      // with the sums of dS exact in FP32. Where keys (queries) share a large component, the
+      // the second term 0 but with soft-capping (the file's head), and dS^T Q likewise with the
+      // column sums of dS exact in FP32. Where keys (queries) share a large component, the
       // rounding error of dS then scales with their spread, not their size.
       column_means(k_mean, Kr, T, Dp);
       rows_centered(Kc, Kr, k_mean, T, Tp, Dp);
@@ -655,10 +661,12 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
                                                      _mm512_fmsub_ps(dp, dscale, di_scaled));
                   cs[v4] = _mm512_add_ps(cs[v4], ds[v4]);
                 }
-                float* rs = row_sum + 16 * (i0 + r);
-                _mm512_storeu_ps(rs, _mm512_add_ps(_mm512_loadu_ps(rs),
-                                                   _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]),
-                                                                 _mm512_add_ps(ds[2], ds[3]))));
+                if (Capped) {
+                  float* rs = row_sum + 16 * (i0 + r);
+                  _mm512_storeu_ps(rs, _mm512_add_ps(_mm512_loadu_ps(rs),
+                                                     _mm512_add_ps(_mm512_add_ps(ds[0], ds[1]),
+                                                                   _mm512_add_ps(ds[2], ds[3]))));
+                }
                 round_row(dSb + r * kTilePairs, ds);
               };
               for (int64_t r = 0; r < rows; r += 2) {
@@ -700,7 +708,8 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
         }
         for (int64_t i = 0; i < T; ++i) {
           float* gq = dq + off + i * row;
-          const float sum_i = _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + 16 * i));
+          const float sum_i =
+              Capped ? _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + 16 * i)) : 0.0f;
           for (int64_t d = 0; d < D; ++d)
             gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + sum_i * k_mean[d]);
         }
