@@ -375,6 +375,13 @@ struct AllLanes {
   AllLanes(int64_t, int64_t, int64_t, int64_t) {}
   __mmask16 operator()(int64_t) const { return 0xFFFF; }
 };
+// Whether every lane of the tile of queries i0.. (rows) and keys j0.. (cols) is attended: the
+// whole key tile up to the first query and, Windowed, the window reaching its first key from the
+// last query.
+template <bool Windowed>
+bool every_lane(int64_t i0, int64_t j0, int64_t rows, int64_t cols, int64_t window) {
+  return cols == kTile && j0 + kTile - 1 <= i0 && (!Windowed || i0 + rows - window <= j0);
+}
 
 // cap * tanh(x / cap), and tanh(x / cap) in t.
 inline __m512 soft_cap(__m512 x, float cap, __m512* t) {
@@ -448,8 +455,8 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
           const int64_t cols = std::min(kTile, T - j0);
           scores_product(hd.amx, j0 == i0, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows,
                          Dh);
-          // R rows at a time, their chains of dependent instructions (the maximum's and the
-          // sum's reductions, the exponentials) interleaved. The statistics m are in units of
+          // R rows at a time, their chains of dependent instructions (the maximum's reduction,
+          // the exponentials) interleaved. The statistics m are in units of
           // log2: m = max_c y_c * coef, with y the score before its scale (or after soft-capping)
           // and coef what turns y into log2 units, so that p = 2^(y coef - m) is one
           // multiply-add and exp2_lanes.
@@ -504,10 +511,7 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
                                    _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
             }
           };
-          // Every lane valid: whole key tile up to the first query, and the window reaching
-          // its first key from the last query.
-          const bool full =
-              cols == kTile && j0 + kTile - 1 <= i0 && (!Windowed || i0 + rows - hd.window <= j0);
+          const bool full = every_lane<Windowed>(i0, j0, rows, cols, hd.window);
           auto rows_of = [&]<bool Full>(std::bool_constant<Full> f) {
             int64_t r = 0;
             for (; r + 2 <= rows; r += 2) row_block(r, std::integral_constant<int, 2>{}, f);
@@ -559,9 +563,9 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
     uint32_t *Qr = head.words(Tp * Dh), *Gr = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
     uint32_t *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
     uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
-    // dQ, D_i and the row sums of dS of the query head (16 partial sums a row, added up once
-    // the row's last tile is done); the means of K and Q; per key tile dK^T and dV^T; per tile
-    // pair P, dP, P as bf16 pairs along T, dS as bf16 rows and pairs along T.
+    // dQ, D_i and, with soft-capping, the row sums of dS of the query head (16 partial sums a
+    // row, added up once the row's last tile is done); the means of K and Q; per key tile dK^T and
+    // dV^T; per tile pair P, dP, P as bf16 pairs along T, dS as bf16 rows and pairs along T.
     Carve<1> tile(Tp * Dp + 17 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
                   3 * kTile * kTilePairs);
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(16 * Tp);
@@ -615,7 +619,7 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
           Di[i] = _mm512_reduce_add_ps(acc);
         }
         std::fill(dQ, dQ + Tp * Dp, 0.0f);
-        std::fill(row_sum, row_sum + 16 * Tp, 0.0f);
+        if (Capped) std::fill(row_sum, row_sum + 16 * Tp, 0.0f);
         for (int64_t j0 = 0; j0 < T; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
           std::fill(dKT, dKT + Dp * kTile, 0.0f);
@@ -681,8 +685,7 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
                 interleave_rows(dSi + r / 2 * kTile, ds[0], ds[1]);
               }
             };
-            const bool full =
-                cols == kTile && j0 + kTile - 1 <= i0 && (!Windowed || i0 + rows - hd.window <= j0);
+            const bool full = every_lane<Windowed>(i0, j0, rows, cols, hd.window);
             full ? rows_of(std::true_type{}) : rows_of(std::false_type{});
             std::fill(dSb + rows * kTilePairs, dSb + kTile * kTilePairs, 0u);
             for (uint32_t* rounded : {Pi, dSi})
