@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "engine/core/error.h"
+#include "engine/data/example_text.h"
 #include "engine/text/tokenizer.h"
 
 namespace cputrain {
@@ -26,53 +27,12 @@ constexpr const char* kAlpacaPromptWithInput =
     "Below is an instruction that describes a task, paired with an input that provides further "
     "context. Write a response that appropriately completes the request.\n\n### Instruction:\n";
 
-// A stretch of an example's text: special tokens to parse (a template's markers) or not, and
-// whether its tokens are targets.
-struct Segment {
-  std::string text;
-  bool special = false;
-  bool target = false;
-};
-
-std::string field_string(const json& object, const char* name, const std::string& where) {
-  const json& v = object.at(name);
-  if (!v.is_string()) throw UserError(where + ": \"" + name + "\" is not a string");
-  return v.get<std::string>();
-}
-
-bool blank(const std::string& s) {
-  return s.find_first_not_of(" \t\n\r\f\v") == std::string::npos;
-}
-
-std::vector<Segment> chat_segments(const ChatTemplate& tmpl,
-                                   const std::vector<ChatMessage>& messages) {
-  std::vector<Segment> out;
-  for (const ChatPiece& p : render_chat(tmpl, messages, false))
-    out.push_back({p.text, p.markers, p.reply});
-  return out;
-}
-
-std::vector<ChatMessage> read_messages(const json& list, const std::string& where,
+// A chat's messages, with an assistant reply unless the whole conversation is learnt.
+std::vector<ChatMessage> chat_messages(const json& list, const std::string& where,
                                        bool train_on_prompt) {
-  if (!list.is_array()) throw UserError(where + ": \"messages\" is not a list");
-  std::vector<ChatMessage> messages;
+  std::vector<ChatMessage> messages = read_messages(list, "messages", where);
   bool reply = false;
-  for (size_t i = 0; i < list.size(); ++i) {
-    const std::string at = where + ": message " + std::to_string(i + 1);
-    const json& m = list[i];
-    if (!m.is_object() || !m.contains("role") || !m.contains("content"))
-      throw UserError(at + " is not an object with \"role\" and \"content\"");
-    ChatMessage message{field_string(m, "role", at), field_string(m, "content", at)};
-    if (message.role != "system" && message.role != "user" && message.role != "assistant")
-      throw UserError(at + " has the role \"" + message.role +
-                      "\" (the roles are system, user and assistant)");
-    if (message.role == "assistant") {
-      if (blank(message.content)) throw UserError(at + " is an empty assistant reply");
-      reply = true;
-    }
-    messages.push_back(std::move(message));
-  }
-  if (messages.empty()) throw UserError(where + ": \"messages\" is empty");
+  for (const ChatMessage& m : messages) reply = reply || m.role == "assistant";
   if (!reply && !train_on_prompt)
     throw UserError(where +
                     ": no assistant reply, so nothing to learn (--train-on-prompt "
@@ -96,35 +56,6 @@ const char* example_shape_name(ExampleShape shape) {
   return "chat";
 }
 
-namespace {
-
-// Reads the next line of `in` into `line`, refusing one longer than `max` bytes (0: any) before
-// it is held whole; false at the end of the file.
-bool read_line(std::istream& in, std::string& line, int64_t max, const std::string& where) {
-  line.clear();
-  std::streambuf& buffer = *in.rdbuf();
-  for (int c = buffer.sbumpc(); c != std::char_traits<char>::eof(); c = buffer.sbumpc()) {
-    if (c == '\n') return true;
-    line.push_back(static_cast<char>(c));
-    if (max > 0 && static_cast<int64_t>(line.size()) > max)
-      throw UserError(where + ": a line longer than " + std::to_string(max >> 20) +
-                      " MiB, more than the memory limit lets one example hold (--mem-limit)");
-  }
-  return !line.empty();
-}
-
-// The part of `text` an example of at most `max_tokens` tokens can use: a token covers at most
-// a few dozen bytes, so a longer text is cut (at a character's start) before it is tokenized.
-std::string_view usable_text(std::string_view text, int64_t max_tokens) {
-  if (max_tokens <= 0) return text;
-  size_t keep = static_cast<size_t>(max_tokens + 64) * 256;
-  if (text.size() <= keep) return text;
-  while (keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0) == 0x80) --keep;
-  return text.substr(0, keep);
-}
-
-}  // namespace
-
 FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& tokenizer,
                                  const FinetuneDataOptions& options) {
   if (std::filesystem::is_directory(path))
@@ -134,11 +65,10 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
   FinetuneData data;
   int64_t held = 0;  // bytes of the examples' tokens and targets
   std::string line;
-  for (int64_t number = 1;
-       read_line(in, line, options.max_line_bytes, path + ":" + std::to_string(number)); ++number) {
+  for (int64_t number = 1; read_example_line(in, line, options.max_line_bytes, number,
+                                             path + ":" + std::to_string(number));
+       ++number) {
     const std::string where = path + ":" + std::to_string(number);
-    if (number == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);  // a UTF-8 BOM
-    if (!line.empty() && line.back() == '\r') line.pop_back();
     if (blank(line)) continue;
     json object;
     try {
@@ -154,7 +84,7 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
     if (object.contains("messages")) {
       shape = ExampleShape::Chat;
       const std::vector<ChatMessage> messages =
-          read_messages(object["messages"], where, options.train_on_prompt);
+          chat_messages(object["messages"], where, options.train_on_prompt);
       if (!options.chat)
         throw UserError(where +
                         ": a chat example, and the model has no chat template cputrain "
@@ -204,23 +134,8 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
                       "\"instruction\" and \"output\"; \"messages\")");
     }
 
-    FinetuneExample e;
+    FinetuneExample e = tokenize_segments(segments, tokenizer, ends_with_eos, options.max_tokens);
     e.line = number;
-    if (tokenizer.adds_bos()) {
-      e.tokens.push_back(tokenizer.bos_id());
-      e.target.push_back(0);
-    }
-    for (const Segment& s : segments) {
-      const bool begins = e.tokens.empty() || tokenizer.is_special(e.tokens.back());
-      const std::vector<int32_t> ids =
-          tokenizer.encode_piece(usable_text(s.text, options.max_tokens), s.special, begins);
-      e.tokens.insert(e.tokens.end(), ids.begin(), ids.end());
-      e.target.insert(e.target.end(), ids.size(), s.target ? 1 : 0);
-    }
-    if (ends_with_eos) {
-      e.tokens.push_back(tokenizer.eos_id());
-      e.target.push_back(1);
-    }
     if (options.train_on_prompt) std::fill(e.target.begin(), e.target.end(), 1);
     e.target[0] = 0;
     if (options.max_tokens > 0 && static_cast<int64_t>(e.tokens.size()) > options.max_tokens) {
@@ -254,20 +169,17 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
   return data;
 }
 
-std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx) {
-  std::vector<int32_t> order(examples.size());
+std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx) {
+  std::vector<int32_t> order(sizes.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
-  const auto positions = [&](int32_t i) {
-    return static_cast<int64_t>(examples[static_cast<size_t>(i)].tokens.size()) - 1;
-  };
+  const auto positions = [&](int32_t i) { return sizes[static_cast<size_t>(i)]; };
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return positions(a) > positions(b); });
   std::vector<PackedRow> rows;
   std::multimap<int64_t, size_t> room;  // positions left -> row
   for (const int32_t i : order) {
     const int64_t n = positions(i);
-    if (n < 1 || n > ctx)
-      throw std::invalid_argument("pack_examples: an example of 2 .. ctx + 1 tokens");
+    if (n < 1 || n > ctx) throw std::invalid_argument("pack_units: a unit of 1 .. ctx positions");
     auto it = room.lower_bound(n);  // the fullest row it fits in
     size_t r;
     if (it == room.end()) {
@@ -282,6 +194,13 @@ std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& example
     if (rows[r].positions < ctx) room.emplace(ctx - rows[r].positions, r);
   }
   return rows;
+}
+
+std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx) {
+  std::vector<int64_t> sizes;
+  sizes.reserve(examples.size());
+  for (const FinetuneExample& e : examples) sizes.push_back(std::ssize(e.tokens) - 1);
+  return pack_units(sizes, ctx);
 }
 
 int64_t fill_packed_batch(std::span<const PackedRow* const> rows,

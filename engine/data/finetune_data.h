@@ -73,6 +73,8 @@ struct PackedRow {
   int64_t positions = 0;          // taken, at most ctx
 };
 std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx);
+// The same over units of `sizes` positions (1 .. ctx each): each row lists its units' indices.
+std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx);
 
 // Writes `rows` as a (rows.size(), ctx) batch: each example's inputs and targets (-1 where a
 // token is no target), then `pad` with no target to the row's end; `packing` gets each row's
