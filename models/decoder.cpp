@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 #include <vector>
@@ -261,7 +262,7 @@ Variable DecoderModel::bias(int index) const {
 Variable DecoderModel::project(const Block& b, Projection which, int weight, int bias_index,
                                const Variable& x, bool rounded) const {
   const auto j = static_cast<size_t>(which);
-  if (b.lora_a[j] < 0)
+  if (b.lora_a[j] < 0 || !adapters_on_)
     return rounded ? linear_rounded(x, p(weight), bias(bias_index))
                    : linear(x, p(weight), bias(bias_index));
   // Dropout in training only, a mask of its own for each layer and projection.
@@ -450,6 +451,30 @@ Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets,
   h = gather_rows(h, std::move(kept));
   return lm_head_cross_entropy(h, p(output_), kept_targets, 0, normalizer, bias(output_bias_),
                                config_.final_softcap);
+}
+
+Variable DecoderModel::target_log_probs(const Tensor& inputs, const Tensor& targets,
+                                        std::shared_ptr<const Packing> packing) {
+  ComputeDTypeGuard precision(compute_dtype_);
+  const int64_t N = targets.numel();
+  std::vector<int64_t> kept;
+  if (measuring()) {
+    kept.resize(static_cast<size_t>(
+        packing && packing->measured_targets > 0 ? std::min(packing->measured_targets, N) : N));
+    std::iota(kept.begin(), kept.end(), int64_t{0});
+  } else {
+    for (int64_t i = 0; i < N; ++i)
+      if (targets.i32()[i] >= 0) kept.push_back(i);
+  }
+  const auto n = static_cast<int64_t>(kept.size());
+  Tensor kept_targets = Tensor::empty(Shape{n}, DType::I32, MemoryCategory::Workspace);
+  if (!kept_targets.measured())
+    for (int64_t i = 0; i < n; ++i)
+      kept_targets.i32()[i] = targets.i32()[kept[static_cast<size_t>(i)]];
+  Variable h = hidden(inputs, std::move(packing));
+  if (n < N) h = gather_rows(h, std::move(kept));
+  return lm_head_log_probs(h, p(output_), kept_targets, 0, bias(output_bias_),
+                           config_.final_softcap);
 }
 
 Tensor DecoderModel::logits(const Tensor& inputs) {

@@ -113,6 +113,14 @@ class DecoderModel {
   Variable loss(const Tensor& inputs, const Tensor& targets, std::shared_ptr<const Packing> packing,
                 int64_t normalizer = 0);
   void set_head_on_every_position(bool on) { head_on_every_position_ = on; }
+  // Of a batch as loss takes it: the log-probability of each target (positions with a target,
+  // in order), recorded for backward (ops.h lm_head_log_probs). While measuring, as many as the
+  // packing's measured_targets (0: every position).
+  Variable target_log_probs(const Tensor& inputs, const Tensor& targets,
+                            std::shared_ptr<const Packing> packing);
+  // Off: the adapters are left out of every pass, which then computes what the base alone
+  // computes, bit for bit (a preference loss's reference). On by default.
+  void set_adapters_enabled(bool on) { adapters_on_ = on; }
   Tensor logits(const Tensor& inputs, std::shared_ptr<const Packing> packing);
   // inputs (B, T) -> logits of the last position only (B, V), without recording anything.
   Tensor last_logits(const Tensor& inputs);
@@ -216,6 +224,7 @@ class DecoderModel {
   DType compute_dtype_ = DType::F32;
   Checkpointing checkpointing_ = Checkpointing::None;
   bool head_on_every_position_ = false;
+  bool adapters_on_ = true;
   // The thread that reads mapped weights ahead (set_read_ahead); null when off.
   std::shared_ptr<IoQueue> read_ahead_queue_;
   // final_from_[i]: once block i's backward is done (i == the block count: the head's), every

@@ -8,6 +8,7 @@
 #include "engine/train/trainer.h"
 #include "models/decoder.h"
 #include "models/finetune_step.h"
+#include "models/preference_step.h"
 
 namespace cputrain {
 namespace {
@@ -82,6 +83,16 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
     // Steps repeat the same allocations; the block cache settles within a few, so the third is
     // what every later step holds. Where the run evaluates, a validation pass follows each step.
     const auto step = [&](int64_t n) {
+      if (o.preference) {
+        // The reference pass before the first step, as a validation pass computes.
+        if (n == 1)
+          sequence_log_probs(model, {}, {}, o.ctx, o.batch, 0, nullptr, o.batch, o.packed_targets);
+        preference_step(trainer, model, n, {}, {}, 0, inputs, targets, o.packed_targets);
+        if (o.eval_windows > 0)
+          preference_validation_loss(model, {}, {}, o.ctx, o.batch, 0, nullptr, o.eval_windows,
+                                     o.packed_targets);
+        return;
+      }
       if (o.packed) {
         finetune_step(trainer, model, n, {}, {}, 0, inputs, targets, o.packed_targets);
         if (o.eval_windows > 0)

@@ -40,6 +40,9 @@ struct BudgetOptions {
   // A fine-tune's steps (finetune_step: packed rows, the caller's batch buffers) and validation
   // (packed_validation_loss over eval_windows rows), instead of a corpus's windows.
   bool packed = false;
+  // With packed: rows of preference pairs (preference_step, DPO's and ORPO's loss), validated as
+  // preference_validation_loss and, before the first step, a reference pass over them.
+  bool preference = false;
   // Of packed rows, the most positions with a target that a micro-batch of `batch` rows holds
   // (the LM head runs on those alone); 0: every position.
   int64_t packed_targets = 0;

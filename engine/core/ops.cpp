@@ -1020,9 +1020,13 @@ int64_t lm_head_chunk_rows(int64_t V) {
   return std::max<int64_t>(512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
 }
 
-Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
-                               int64_t chunk_rows, int64_t normalizer, const Variable& b,
-                               float softcap) {
+namespace {
+
+// lm_head_cross_entropy, and with `per_row` lm_head_log_probs: the same logits, losses and
+// gradient by the logits, which per_row keeps for an output gradient of 1 a row.
+Variable lm_head_loss(const Variable& x, const Variable& w, const Tensor& targets,
+                      int64_t chunk_rows, int64_t normalizer, const Variable& b, float softcap,
+                      bool per_row) {
   const Shape& xs = x.shape();
   require(w.value().ndim() == 2 && xs[xs.ndim() - 1] == w.shape()[1],
           "lm_head_cross_entropy: x (..., K) and w (V, K)");
@@ -1067,7 +1071,7 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     tg = clamped.data();
   }
   const int64_t divisor = normalizer > 0 ? normalizer : std::max<int64_t>(counted, 1);
-  const float each = 1.0f / static_cast<float>(computing() ? divisor : N);
+  const float each = per_row ? 1.0f : 1.0f / static_cast<float>(computing() ? divisor : N);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
@@ -1105,8 +1109,10 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
         std::fill_n(dl.f32() + i * V, V, 0.0f);
     }
   }
-  Tensor y = new_activation(Shape{1});
-  if (computing()) {
+  Tensor y = new_activation(Shape{per_row ? N : 1});
+  if (computing() && per_row) {
+    for (int64_t i = 0; i < N; ++i) y.f32()[i] = -losses.f32()[i];
+  } else if (computing()) {
     double sum = 0.0;
     for (int64_t i = 0; i < N; ++i) sum += losses.f32()[i];
     y.f32()[0] = static_cast<float>(sum / static_cast<double>(divisor));
@@ -1117,10 +1123,26 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     Tensor ws_saved = x.requires_grad() ? wv : Tensor();
     auto backward = [dl, xv = xs_saved, wv = ws_saved, gx = x.grad_ref(), gw = w.grad_ref(),
                      gb = b.defined() ? b.grad_ref() : GradRef(), gy = out.grad_ref(), N, V, K,
-                     bf16] {
+                     bf16, per_row] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      const float scale = computing() ? dy.f32()[0] : 1.0f;
+      if (per_row && computing()) {
+        // Row i's gradient by the logits is that of its loss, the log-probability's negative.
+        const float* g = dy.f32();
+        if (bf16) {
+          uint16_t* d = dl.bf16();
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < N; ++i)
+            for (int64_t j = 0; j < V; ++j)
+              d[i * V + j] = kernels::fp32_to_bf16(-g[i] * kernels::bf16_to_fp32(d[i * V + j]));
+        } else {
+          float* d = dl.f32();
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < N; ++i)
+            for (int64_t j = 0; j < V; ++j) d[i * V + j] *= -g[i];
+        }
+      }
+      const float scale = computing() && !per_row ? dy.f32()[0] : 1.0f;
       if (scale != 1.0f) {  // in place: the tape runs once
         if (bf16) {
           uint16_t* d = dl.bf16();
@@ -1139,6 +1161,19 @@ Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tenso
     record_backward("lm_head + cross_entropy", std::move(backward));
   }
   return out;
+}
+
+}  // namespace
+
+Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
+                               int64_t chunk_rows, int64_t normalizer, const Variable& b,
+                               float softcap) {
+  return lm_head_loss(x, w, targets, chunk_rows, normalizer, b, softcap, false);
+}
+
+Variable lm_head_log_probs(const Variable& x, const Variable& w, const Tensor& targets,
+                           int64_t chunk_rows, const Variable& b, float softcap) {
+  return lm_head_loss(x, w, targets, chunk_rows, 0, b, softcap, true);
 }
 
 }  // namespace cputrain

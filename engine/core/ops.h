@@ -100,6 +100,14 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets);
 Variable lm_head_cross_entropy(const Variable& x, const Variable& w, const Tensor& targets,
                                int64_t chunk_rows = 0, int64_t normalizer = 0,
                                const Variable& b = Variable(), float softcap = 0.0f);
+// The log-probability of each row's target under softmax(x w^T (+ b), soft-capped as above),
+// shape (rows of x): lm_head_cross_entropy's losses negated, row by row, with its chunks and
+// memory. A row without a target (below 0) gives 0 and no gradient. Backward scales each row's
+// gradient by the logits by its own output gradient (a preference loss weighs each sequence's
+// tokens by what its sum does to the loss).
+Variable lm_head_log_probs(const Variable& x, const Variable& w, const Tensor& targets,
+                           int64_t chunk_rows = 0, const Variable& b = Variable(),
+                           float softcap = 0.0f);
 // Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
 // and at least 512 rows, enough that packing the weight again for each chunk costs little next
 // to the product (a 150k vocabulary's weight is over 250 MB).

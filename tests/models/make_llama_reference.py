@@ -11,7 +11,8 @@ projections, partial rotary and longrope scaling; one with Gemma's, GeGLU, RMSNo
 a GELU MLP and biases everywhere; one with Gemma 3's, post-norms and sliding-window layers at a
 RoPE base of their own; one with Gemma 2's soft-capping): from one seeded set of weights and one batch it records the
 logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
-weights of 10 AdamW steps with global norm clipping.
+weights of 10 AdamW steps with global norm clipping; and of the configurations with adapters,
+DPO's and ORPO's losses and gradients on two preference pairs (preference_records).
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
@@ -20,6 +21,7 @@ which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,gemma3,gemma2,ph
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
 """
+import dataclasses
 import math
 import os
 import struct
@@ -123,6 +125,9 @@ CONFIGS = [
 PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                "feed_forward.w3", "feed_forward.w2"]
 LR, BETAS, ADAM_EPS, DECAY, CLIP, STEPS = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 10
+# The preference records of the configurations with adapters: each pair's prompt length, DPO's
+# beta and ORPO's lambda.
+PREF_PROMPTS, PREF_BETA, PREF_LAMBDA = (6, 9), 0.5, 0.5
 
 
 def parameter_shapes(c):
@@ -396,6 +401,59 @@ class Writer:
         os.replace(path + ".tmp", path)
 
 
+def preference_records(c, params, trained, cos, sin, out):
+    """DPO and ORPO on two pairs, from the papers' formulas: each sequence's sum of its completion
+    tokens' log-probabilities (log_softmax of the logits at the targets), the reference's from the
+    same weights without the adapters; DPO's sigmoid loss with PREF_BETA, and ORPO's NLL of the
+    chosen tokens plus PREF_LAMBDA times -log sigmoid of the log odds ratio of the per-token means;
+    each loss and the adapters' gradients."""
+    gen = torch.Generator().manual_seed(4321)
+    rows = dataclasses.replace(c, B=4)  # chosen, rejected, chosen, rejected: a sequence a row
+    seqs, masks = [], []
+    for prompt in PREF_PROMPTS:
+        chosen = torch.randint(0, c.V, (c.T + 1,), generator=gen)
+        rejected = torch.randint(0, c.V, (c.T + 1,), generator=gen)
+        rejected[:prompt] = chosen[:prompt]  # the prompt they share
+        for s in (chosen, rejected):
+            seqs.append(s)
+            masks.append((torch.arange(c.T) + 1 >= prompt).float())  # targets: the completion
+    seqs, mask = torch.stack(seqs), torch.stack(masks)
+    inputs, targets = seqs[:, :c.T], seqs[:, 1:]
+
+    def sums(config):
+        logp = torch.log_softmax(forward(config, params, inputs, cos, sin), -1)
+        return (logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask).sum(-1)
+
+    with torch.no_grad():
+        reference = sums(dataclasses.replace(rows, lora_rank=0))
+    count = mask.sum(-1)
+    out.add("pref/tokens", seqs)
+    out.add("pref/prompts", torch.tensor(PREF_PROMPTS, dtype=torch.int32))
+    out.add("pref/options", torch.tensor([PREF_BETA, PREF_LAMBDA]))
+    out.add("pref/reference", reference)
+    logsigmoid = torch.nn.functional.logsigmoid
+    for method in ("dpo", "orpo"):
+        for t in trained.values():
+            t.grad = None
+        logps = sums(rows)
+        pc, pr = logps[0::2], logps[1::2]
+        if method == "dpo":
+            rc, rr = reference[0::2], reference[1::2]
+            loss = -logsigmoid(PREF_BETA * ((pc - rc) - (pr - rr))).mean()
+        else:
+            ac, ar = pc / count[0::2], pr / count[1::2]
+            log_odds = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
+            nll = -pc.sum() / count[0::2].sum()
+            loss = nll - PREF_LAMBDA * logsigmoid(log_odds).mean()
+        loss.backward()
+        out.add(method + "/logps", logps)
+        out.add(method + "/loss", loss.reshape(1))
+        for name, t in trained.items():
+            out.add(method + "/grad/" + name, t.grad)
+    for t in trained.values():
+        t.grad = None
+
+
 def write_reference(c):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
@@ -455,6 +513,9 @@ def write_reference(c):
     trained = {name: t for name, t in params.items() if t.requires_grad}
     for name, t in trained.items():
         out.add("grad/" + name, t.grad)
+
+    if c.lora_rank:
+        preference_records(c, params, trained, cos, sin, out)
 
     matrices = [t for t in trained.values() if t.dim() == 2]
     vectors = [t for t in trained.values() if t.dim() == 1]  # gains and biases: no decay

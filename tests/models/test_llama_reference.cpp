@@ -17,8 +17,10 @@
 #include <cmath>
 #include <string>
 
+#include "engine/data/finetune_data.h"
 #include "engine/train/adamw.h"
 #include "models/decoder.h"
+#include "models/preference_step.h"
 #include "reference_file.h"
 
 namespace cputrain {
@@ -219,6 +221,91 @@ TEST_P(LlamaReference, TenAdamWSteps) {
     EXPECT_LT(relative_error(p.weights().f32() + info.offset, ref_.at("final/" + info.name).f32),
               kFinalWeightTolerance)
         << info.name;
+  }
+}
+
+// The configurations with adapters: DPO and ORPO on two pairs (a sequence a row), the
+// reference's sums from the same weights with the adapters switched off, each loss and the
+// adapters' gradients; and the gradients of a few adapter weights against central differences
+// of the loss.
+TEST_P(LlamaReference, PreferenceLossesAndGradients) {
+  if (!ref_.count("dpo/loss")) GTEST_SKIP() << "no adapters in this configuration";
+  DecoderModel model(config_, options_);
+  load_initial_weights(model);
+  const ReferenceTensor& tokens = ref_.at("pref/tokens");
+  const std::vector<int32_t>& prompts = ref_.at("pref/prompts").i32;
+  const int64_t rows = 2 * std::ssize(prompts);
+  ASSERT_EQ(tokens.shape, (std::vector<int64_t>{rows, T_ + 1}));
+  std::vector<FinetuneExample> examples(static_cast<size_t>(rows));
+  std::vector<PackedRow> packed(static_cast<size_t>(rows));
+  double chosen_tokens = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    FinetuneExample& e = examples[static_cast<size_t>(r)];
+    e.tokens.assign(tokens.i32.begin() + r * (T_ + 1), tokens.i32.begin() + (r + 1) * (T_ + 1));
+    for (int64_t i = 0; i <= T_; ++i) e.target.push_back(i >= prompts[static_cast<size_t>(r / 2)]);
+    if (r % 2 == 0)
+      chosen_tokens += static_cast<double>(std::count(e.target.begin(), e.target.end(), 1));
+    packed[static_cast<size_t>(r)] = {{static_cast<int32_t>(r)}, T_};
+  }
+  // The reference: the same model, its adapters switched off.
+  model.set_adapters_enabled(false);
+  const std::vector<double> reference = sequence_log_probs(model, packed, examples, T_, rows, 0);
+  model.set_adapters_enabled(true);
+  const std::vector<float>& want_reference = ref_.at("pref/reference").f32;
+  for (size_t i = 0; i < reference.size(); ++i)
+    EXPECT_NEAR(reference[i], want_reference[i], kLossTolerance * std::abs(want_reference[i]));
+  std::vector<const PackedRow*> all;
+  for (const PackedRow& r : packed) all.push_back(&r);
+  const Tensor inputs = Tensor::empty(Shape{rows, T_}, DType::I32, MemoryCategory::Workspace);
+  const Tensor targets = Tensor::empty(Shape{rows, T_}, DType::I32, MemoryCategory::Workspace);
+  const std::vector<float>& options = ref_.at("pref/options").f32;
+  for (const PreferenceMethod method : {PreferenceMethod::Dpo, PreferenceMethod::Orpo}) {
+    const std::string name = method == PreferenceMethod::Dpo ? "dpo" : "orpo";
+    PreferenceBatches b;
+    b.examples = &examples;
+    if (method == PreferenceMethod::Dpo) b.reference = reference;
+    b.loss.method = method;
+    b.loss.beta = options[0];
+    b.loss.lambda = options[1];
+    const auto loss_now = [&] {
+      NoGradGuard no_grad;
+      return preference_batch_loss(model, all, b, 0, inputs, targets, rows / 2.0, chosen_tokens)
+          .value()
+          .f32()[0];
+    };
+    ParameterSet& p = model.parameters();
+    p.zero_grad();
+    const Variable loss =
+        preference_batch_loss(model, all, b, 0, inputs, targets, rows / 2.0, chosen_tokens);
+    const double want = ref_.at(name + "/loss").f32[0];
+    EXPECT_NEAR(loss.value().f32()[0], want, kLossTolerance * want) << name;
+    backward(loss);
+    const ParameterInfo* largest = nullptr;
+    for (const ParameterInfo& info : p.infos()) {
+      if (!info.trainable) continue;
+      const float* g = p.gradients().f32() + info.grad_offset;
+      EXPECT_LT(relative_error(g, ref_.at(name + "/grad/" + info.name).f32), kTensorTolerance)
+          << name << " " << info.name;
+      if (!largest || std::abs(g[0]) > std::abs(p.gradients().f32()[largest->grad_offset]))
+        largest = &info;
+    }
+    // Central differences by the first element of each of a few adapters (and of the one whose
+    // first gradient is largest), in FP32: to 2% of the gradient's scale.
+    std::vector<const ParameterInfo*> probe = {largest};
+    for (size_t i = 0; i < p.infos().size(); i += 7)
+      if (p.infos()[i].trainable) probe.push_back(&p.infos()[i]);
+    for (const ParameterInfo* info : probe) {
+      float* w = p.weights().f32() + info->offset;
+      const float g = p.gradients().f32()[info->grad_offset];
+      const float keep = *w, h = 1e-2f;
+      *w = keep + h;
+      const double up = loss_now();
+      *w = keep - h;
+      const double down = loss_now();
+      *w = keep;
+      const double difference = (up - down) / (2.0 * h);
+      EXPECT_NEAR(g, difference, 2e-2 * std::abs(g) + 2e-4) << name << " " << info->name;
+    }
   }
 }
 
