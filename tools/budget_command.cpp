@@ -210,6 +210,10 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
   app.add_option("--val-rows", a.val_rows,
                  "With --model: rows of validation examples evaluated between steps")
       ->check(non_negative());
+  app.add_option("--method", a.method,
+                 "With --model: sft, or dpo or orpo (preference pairs), as finetune --method")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"sft", "dpo", "orpo"}));
 }
 
 namespace {
@@ -231,6 +235,7 @@ int fine_tune_budget(const BudgetArgs& a) {
   o.checkpoint = *parse_checkpointing(t.checkpoint);
   o.threads = t.threads > 0 ? t.threads : omp_get_num_procs();
   o.packed = true;
+  o.preference = a.method != "sft";
   o.eval_windows = a.val_rows;
   o.ranks = a.ranks;
   if (a.lora_rank > 0) {
@@ -252,6 +257,7 @@ int fine_tune_budget(const BudgetArgs& a) {
     nlohmann::json j = {{"model", a.model},
                         {"dtype", dtype_string(o.dtype)},
                         {"lora_rank", o.lora.rank},
+                        {"method", a.method},
                         {"batch", o.batch},
                         {"accum", o.accum},
                         {"ctx", o.ctx},
@@ -261,14 +267,16 @@ int fine_tune_budget(const BudgetArgs& a) {
     std::printf("%s\n", j.dump(2).c_str());
     return fits ? 0 : kDoesNotFit;
   }
-  std::printf("%s", fmt::format("memory budget: fine-tuning {} ({} parameters), {}, {}, {} x {} "
-                                "packed rows of {} positions, checkpointing {}\n",
-                                a.model, parameter_count(model),
-                                o.lora.rank > 0 ? fmt::format("LoRA rank {}", o.lora.rank)
-                                                : std::string("every parameter"),
-                                dtype_string(o.dtype), o.batch, o.accum, o.ctx,
-                                checkpointing_words(o.checkpoint))
-                        .c_str());
+  std::printf(
+      "%s", fmt::format(
+                "memory budget: {} {} ({} parameters), {}, {}, {} x {} "
+                "packed rows of {} positions, checkpointing {}\n",
+                o.preference ? "preference tuning (" + a.method + ")" : std::string("fine-tuning"),
+                a.model, parameter_count(model),
+                o.lora.rank > 0 ? fmt::format("LoRA rank {}", o.lora.rank)
+                                : std::string("every parameter"),
+                dtype_string(o.dtype), o.batch, o.accum, o.ctx, checkpointing_words(o.checkpoint))
+                .c_str());
   std::printf("%s", budget_table(b, available).c_str());
   // The levers not in use: each alone, with its total.
   std::string levers;
@@ -302,8 +310,8 @@ int fine_tune_budget(const BudgetArgs& a) {
 
 int run_budget(const BudgetArgs& a) {
   if (!a.model.empty()) return fine_tune_budget(a);
-  if (a.lora_rank > 0 || a.val_rows > 0)
-    throw UserError("--lora-rank and --val-rows: a fine-tune's, with --model");
+  if (a.lora_rank > 0 || a.val_rows > 0 || a.method != "sft")
+    throw UserError("--lora-rank, --val-rows and --method: a fine-tune's, with --model");
   RunConfig config = resolve_run_config(a.train);
   select_kernels(a.train.kernels);
   std::string why;

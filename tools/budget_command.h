@@ -23,8 +23,9 @@ struct BudgetArgs {
   int64_t lora_rank = 0;
   double lora_alpha = 0.0;
   std::string lora_targets = "q,k,v,o,gate,up,down";
-  int64_t val_rows = 0;  // validation rows of --ctx evaluated between steps
-  int ranks = 1;         // each rank's budget in a job of this many (mpirun -np N)
+  int64_t val_rows = 0;        // validation rows of --ctx evaluated between steps
+  int ranks = 1;               // each rank's budget in a job of this many (mpirun -np N)
+  std::string method = "sft";  // or dpo, orpo: preference pairs (finetune --method)
 };
 
 void add_budget_flags(CLI::App& app, BudgetArgs& args);

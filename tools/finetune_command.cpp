@@ -18,6 +18,8 @@
 #include "engine/core/hash.h"
 #include "engine/core/memory.h"
 #include "engine/core/profiler.h"
+#include "engine/data/batch_sampler.h"
+#include "engine/data/preference_data.h"
 #include "engine/io/atomic_file.h"
 #include "engine/io/offload.h"
 #include "engine/text/chat_template.h"
@@ -36,6 +38,7 @@
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
+#include "tools/preference_rows.h"
 #include "tools/run/job.h"
 #include "tools/run/loop.h"
 #include "tools/run/progress.h"
@@ -44,42 +47,6 @@
 #include "tools/run/train_stages.h"
 
 namespace cputrain {
-namespace {
-
-namespace fs = std::filesystem;
-using json = nlohmann::json;
-
-// Fisher-Yates on 64-bit draws of `seed`: the same order with any standard library.
-template <class T>
-void seeded_shuffle(std::vector<T>& v, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (size_t r = v.size(); r > 1; --r) std::swap(v[r - 1], v[rng() % r]);
-}
-
-// The rows of a step, in an order shuffled anew each epoch (seed, epoch).
-class RowOrder {
- public:
-  RowOrder(size_t rows, uint64_t seed) : rows_(rows), seed_(seed) {}
-  // The row at position `i` of the endless sequence of epochs.
-  size_t at(int64_t i) {
-    const auto epoch = static_cast<uint64_t>(i / static_cast<int64_t>(rows_));
-    if (epoch != epoch_ || order_.empty()) {
-      order_.resize(rows_);
-      for (size_t r = 0; r < rows_; ++r) order_[r] = r;
-      seeded_shuffle(order_, seed_ * 0x9E3779B97F4A7C15ull + epoch);
-      epoch_ = epoch;
-    }
-    return order_[static_cast<size_t>(i % static_cast<int64_t>(rows_))];
-  }
-
- private:
-  size_t rows_;
-  uint64_t seed_;
-  uint64_t epoch_ = 0;
-  std::vector<size_t> order_;
-};
-
-}  // namespace
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--model", a.model,
@@ -116,9 +83,24 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
                  "chatml, llama3, llama2, mistral or zephyr (default: the model's, recognised)");
   app.add_flag("--train-on-prompt", a.train_on_prompt,
                "The loss on every token, not only on completions and replies");
+  app.add_option("--method", a.method,
+                 "sft: examples with targets; dpo or orpo: preference pairs, {prompt, chosen, "
+                 "rejected} (strings or messages) or {chosen, rejected}")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"sft", "dpo", "orpo"}));
+  app.add_option("--beta", a.beta, "DPO's beta: the scale of the log-ratios to the reference")
+      ->capture_default_str()
+      ->check(positive());
+  app.add_option("--orpo-lambda", a.orpo_lambda,
+                 "ORPO's lambda: the weight of the odds-ratio term beside the chosen's NLL")
+      ->capture_default_str()
+      ->check(positive());
 }
 
 namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
 
 // The keys of a fine-tune's config.json, each with the flag that sets it.
 constexpr std::pair<const char*, const char*> kRunKeys[] = {
@@ -142,6 +124,9 @@ constexpr std::pair<const char*, const char*> kRunKeys[] = {
     {"checkpoint", "--checkpoint"},
     {"chat_template", "--chat-template"},
     {"train_on_prompt", "--train-on-prompt"},
+    {"method", "--method"},
+    {"beta", "--beta"},
+    {"orpo_lambda", "--orpo-lambda"},
     {"seed", "--seed"}};
 
 // A fine-tune's config.json, parsed; a UserError naming it where it is missing, malformed or a
@@ -196,6 +181,9 @@ FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
     take("--dtype", r.dtype, "dtype");
     take("--checkpoint", r.checkpoint, "checkpoint");
     take("--train-on-prompt", r.train_on_prompt, "train_on_prompt");
+    take("--method", r.method, "method");
+    take("--beta", r.beta, "beta");
+    take("--orpo-lambda", r.orpo_lambda, "orpo_lambda");
     take("--seed", r.seed, "seed");
     if (!a.was_given("--chat-template"))
       r.chat_template = run.value("chat_template_flag", run.value("chat_template", std::string()));
@@ -226,6 +214,13 @@ void check_resumed(const std::string& dir, const json& run, const json& now) {
 // The model to fine-tune as the flags ask: adapters or every parameter, the precision, offload.
 ModelOptions model_options(const FinetuneArgs& a, std::string* dtype_reason) {
   if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
+  if (a.was_given("--beta") && a.method != "dpo")
+    throw UserError("--beta is DPO's: give --method dpo (the method is " + a.method + ")");
+  if (a.was_given("--orpo-lambda") && a.method != "orpo")
+    throw UserError("--orpo-lambda is ORPO's: give --method orpo (the method is " + a.method + ")");
+  if (a.train_on_prompt && a.method != "sft")
+    throw UserError("--train-on-prompt and --method " + a.method +
+                    ": a preference pair's loss falls on its two completions");
   if (a.full &&
       (a.lora_alpha > 0.0 || a.lora_targets != "q,k,v,o,gate,up,down" || a.lora_dropout > 0.0))
     throw UserError(
@@ -251,6 +246,7 @@ struct Examples {
   std::vector<FinetuneExample> val;
   std::string chat_template;  // the family rendered with ("" none)
   uint64_t fingerprint = 0;   // every example's tokens and targets, training and validation
+  bool pairs = false;         // preference pairs (--method dpo, orpo): two examples a pair
 };
 
 // The chat template: --chat-template, else the model's, where it is a known family.
@@ -279,6 +275,57 @@ std::optional<ChatTemplate> choose_chat_template(const FinetuneArgs& a, const To
   return chat;
 }
 
+// --val-fraction: a seeded choice of `per` consecutive examples at a time (an example, or a
+// pair's two), taken out of `all` into `val`.
+void hold_out(const FinetuneArgs& a, std::vector<FinetuneExample>& all,
+              std::vector<FinetuneExample>& val, size_t per, const char* what) {
+  std::vector<size_t> order(all.size() / per);
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  seeded_shuffle(order, a.seed + 17);
+  const auto n = static_cast<size_t>(
+      std::max(1.0, std::round(a.val_fraction * static_cast<double>(order.size()))));
+  if (n >= order.size())
+    throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
+                    std::to_string(order.size()) + " " + what + " leave none to train on");
+  std::vector<FinetuneExample> kept;
+  for (size_t k = 0; k < order.size(); ++k)
+    for (size_t j = 0; j < per; ++j)
+      (k + n < order.size() ? kept : val).push_back(std::move(all[order[k] * per + j]));
+  all = std::move(kept);
+}
+
+// Preference pairs (--method dpo or orpo) as the examples of a fine-tune: two a pair.
+void read_pairs(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
+                const FinetuneDataOptions& options, Examples& e, spdlog::logger& log) {
+  PreferenceDataOptions po;
+  po.chat = options.chat;
+  po.ctx = ctx;
+  po.max_line_bytes = options.max_line_bytes;
+  po.max_data_bytes = options.max_data_bytes;
+  PreferenceData d = read_preference_jsonl(a.data, tokenizer, po);
+  const int64_t pairs = d.pairs();
+  e.data.examples = std::move(d.examples);
+  e.data.tokens = d.tokens;
+  e.data.targets = d.targets;
+  if (!a.val.empty())
+    e.val = read_preference_jsonl(a.val, tokenizer, po).examples;
+  else if (a.val_fraction > 0.0)
+    hold_out(a, e.data.examples, e.val, 2, "pairs");
+  std::string shapes;
+  for (int s = 0; s < kPairShapes; ++s) {
+    if (d.shapes[static_cast<size_t>(s)] == 0) continue;
+    shapes += fmt::format("{}{} {}", shapes.empty() ? "" : ", ", d.shapes[static_cast<size_t>(s)],
+                          pair_shape_name(static_cast<PairShape>(s)));
+  }
+  log.info(
+      "data: {} preference pairs ({}), {} tokens, {} of them targets; {} cut to share a row of {} "
+      "positions, {} dropped with no target left on a side",
+      pairs, shapes, d.tokens, d.targets, d.cut, ctx, d.dropped);
+  if (d.cut > 0)
+    log.warn("{} pairs are longer together than --ctx {} and were cut (a pair shares one row)",
+             d.cut, ctx);
+}
+
 Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
                        int64_t available, spdlog::logger& log) {
   FinetuneDataOptions options;
@@ -291,38 +338,33 @@ Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_
   options.chat = choose_chat_template(a, tokenizer, log);
   Examples e;
   e.chat_template = options.chat ? std::string(chat_family_name(options.chat->family)) : "";
-  e.data = read_finetune_jsonl(a.data, tokenizer, options);
-  FinetuneData& data = e.data;
-  if (!a.val.empty()) {
-    e.val = read_finetune_jsonl(a.val, tokenizer, options).examples;
-  } else if (a.val_fraction > 0.0) {
-    // A seeded choice of examples, taken out of the training set.
-    std::vector<FinetuneExample>& all = data.examples;
-    seeded_shuffle(all, a.seed + 17);
-    const auto n = static_cast<size_t>(
-        std::max(1.0, std::round(a.val_fraction * static_cast<double>(all.size()))));
-    if (n >= all.size())
-      throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
-                      std::to_string(all.size()) + " examples leave none to train on");
-    e.val.assign(all.end() - static_cast<std::ptrdiff_t>(n), all.end());
-    all.resize(all.size() - n);
+  e.pairs = a.method != "sft";
+  if (e.pairs) {
+    read_pairs(a, tokenizer, ctx, options, e, log);
+  } else {
+    e.data = read_finetune_jsonl(a.data, tokenizer, options);
+    FinetuneData& data = e.data;
+    if (!a.val.empty())
+      e.val = read_finetune_jsonl(a.val, tokenizer, options).examples;
+    else if (a.val_fraction > 0.0)
+      hold_out(a, data.examples, e.val, 1, "examples");
+    std::string shapes;
+    for (int s = 0; s < kExampleShapes; ++s) {
+      if (data.shapes[static_cast<size_t>(s)] == 0) continue;
+      shapes +=
+          fmt::format("{}{} {}", shapes.empty() ? "" : ", ", data.shapes[static_cast<size_t>(s)],
+                      example_shape_name(static_cast<ExampleShape>(s)));
+    }
+    log.info(
+        "data: {} examples ({}), {} tokens, {} of them targets; {} cut to {} tokens, {} dropped "
+        "with no target left",
+        data.examples.size() + (a.val.empty() ? e.val.size() : 0), shapes, data.tokens,
+        data.targets, data.truncated, ctx + 1, data.dropped);
+    if (data.truncated > 0)
+      log.warn("{} examples are longer than --ctx {} and were cut", data.truncated, ctx);
   }
-  std::string shapes;
-  for (int s = 0; s < kExampleShapes; ++s) {
-    if (data.shapes[static_cast<size_t>(s)] == 0) continue;
-    shapes +=
-        fmt::format("{}{} {}", shapes.empty() ? "" : ", ", data.shapes[static_cast<size_t>(s)],
-                    example_shape_name(static_cast<ExampleShape>(s)));
-  }
-  log.info(
-      "data: {} examples ({}), {} tokens, {} of them targets; {} cut to {} tokens, {} dropped with "
-      "no target left",
-      data.examples.size() + (a.val.empty() ? e.val.size() : 0), shapes, data.tokens, data.targets,
-      data.truncated, ctx + 1, data.dropped);
-  if (data.truncated > 0)
-    log.warn("{} examples are longer than --ctx {} and were cut", data.truncated, ctx);
   e.fingerprint = kFnvOffset;
-  for (const auto* set : {&data.examples, &e.val})
+  for (const auto* set : {&e.data.examples, &e.val})
     for (const FinetuneExample& x : *set) {
       e.fingerprint = fnv1a(x.tokens.data(), x.tokens.size() * sizeof(int32_t), e.fingerprint);
       e.fingerprint = fnv1a(x.target.data(), x.target.size(), e.fingerprint);
@@ -356,6 +398,9 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
                  {"chat_template", e.chat_template},
                  {"chat_template_flag", a.chat_template},
                  {"train_on_prompt", a.train_on_prompt},
+                 {"method", a.method},
+                 {"beta", a.method == "dpo" ? a.beta : 0.0},
+                 {"orpo_lambda", a.method == "orpo" ? a.orpo_lambda : 0.0},
                  {"seed", a.seed}};
   // A job's batch is each rank's: the ranks are part of the run.
   if (ranks > 1) config["ranks"] = ranks;
@@ -381,14 +426,6 @@ class PackedRows final : public BatchSource {
         // The batch buffers, after the trainer, as the memory budget makes them.
         inputs_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)),
         targets_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)) {}
-  // The rows, and the fraction of their positions that examples fill.
-  size_t rows() const { return rows_.size(); }
-  double filled() const {
-    int64_t used = 0;
-    for (const PackedRow& r : rows_) used += r.positions;
-    return static_cast<double>(used) /
-           static_cast<double>(static_cast<int64_t>(rows_.size()) * ctx_);
-  }
   StepResult step(Trainer& trainer, int64_t step) override {
     step_rows_.clear();
     for (int64_t i = 0; i < per_step_; ++i)
@@ -493,7 +530,8 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   bo.packed = true;
   bo.offload = options.offload;
   bo.ranks = comm.size();
-  const std::vector<PackedRow> val = pack_examples(e.val, ctx);
+  const std::vector<PackedRow> val = e.pairs ? pack_pairs(e.val, ctx) : pack_examples(e.val, ctx);
+  bo.preference = e.pairs;
   bo.eval_windows = static_cast<int64_t>(val.size());
   // The LM head runs on the positions with a target: its memory is that of the batch with most.
   bo.packed_targets =
@@ -701,7 +739,8 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     session.prepared();
 
     const int64_t per_step = a.batch * a.accum * comm.size();
-    std::vector<PackedRow> packed = pack_examples(examples.data.examples, ctx);
+    std::vector<PackedRow> packed = examples.pairs ? pack_pairs(examples.data.examples, ctx)
+                                                   : pack_examples(examples.data.examples, ctx);
     const size_t rows = packed.size();
     const int64_t steps =
         a.steps > 0 ? a.steps
@@ -724,13 +763,15 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     Trainer trainer(
         model.parameters(),
         [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
-    PackedRows batches(model, examples, std::move(packed), ctx, a.batch, per_step, a.seed,
-                       m.tokenizer->eos_id(), comm);
+    int64_t used = 0;
+    for (const PackedRow& r : packed) used += r.positions;
     log.info(
         "packed: {} rows of {} positions, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
-        "validation: {} examples",
-        rows, ctx, 100.0 * batches.filled(), steps, per_step,
-        static_cast<double>(steps * per_step) / static_cast<double>(rows), examples.val.size());
+        "validation: {} {}",
+        rows, ctx,
+        100.0 * static_cast<double>(used) / static_cast<double>(std::ssize(packed) * ctx), steps,
+        per_step, static_cast<double>(steps * per_step) / static_cast<double>(rows),
+        examples.val.size() / (examples.pairs ? 2 : 1), examples.pairs ? "pairs" : "examples");
 
     const json config =
         finetune_config(a, options, examples, ctx, steps, warmup_steps, comm.size());
@@ -746,6 +787,27 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     plan.budget = budget;
     plan.replacing = dir.replacing;
     AdapterFiles output(a, m, options, log);
+    const int32_t pad = m.tokenizer->eos_id();
+    if (!examples.pairs) {
+      PackedRows batches(model, examples, std::move(packed), ctx, a.batch, per_step, a.seed, pad,
+                         comm);
+      return run_loop(plan, trainer, model.parameters(), batches, output, comm, session.io());
+    }
+    PreferenceLossOptions loss;
+    loss.method = a.method == "dpo" ? PreferenceMethod::Dpo : PreferenceMethod::Orpo;
+    loss.beta = a.beta;
+    loss.lambda = a.orpo_lambda;
+    std::vector<PackedRow> val_rows = pack_pairs(examples.val, ctx);
+    ReferenceLogProbs reference;
+    if (loss.method == PreferenceMethod::Dpo) {
+      const ReferencePass pass{
+          &examples.data.examples, &packed, &examples.val, &val_rows, ctx, a.batch, pad};
+      reference = reference_log_probs(model, !a.full, pass, a.out, plan.first_step > 1,
+                                      examples.fingerprint, comm, log);
+    }
+    PreferenceRows batches(model, examples.data.examples, std::move(packed), examples.val,
+                           std::move(val_rows), std::move(reference), loss, ctx, a.batch, per_step,
+                           a.seed, pad, comm);
     return run_loop(plan, trainer, model.parameters(), batches, output, comm, session.io());
   } catch (...) {
     dir.discard_if_unused();

@@ -1,5 +1,6 @@
 // `cputrain finetune`: LoRA (or full) fine-tuning of a model file on JSON Lines examples, packed
-// into rows, the loss on the replies; the adapter written as llama.cpp's LoRA GGUF.
+// into rows, the loss on the replies (or with --method dpo or orpo, on preference pairs); the
+// adapter written as llama.cpp's LoRA GGUF and PEFT's folder.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -34,6 +35,10 @@ struct FinetuneArgs : RunFlags {
   double warmup = 0.03;       // of the steps
   std::string chat_template;  // a family name; empty: the model's, recognised
   bool train_on_prompt = false;
+  // sft (examples with targets), or dpo or orpo (preference pairs).
+  std::string method = "sft";
+  double beta = 0.1;         // DPO's
+  double orpo_lambda = 0.1;  // ORPO's
 };
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& args);

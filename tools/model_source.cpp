@@ -3,6 +3,7 @@
 #include <spdlog/fmt/fmt.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -65,7 +66,8 @@ struct FinetuneRun {
   bool full = false;
   LoraConfig lora;  // of a LoRA fine-tune
   DType dtype = DType::F32;
-  std::string result;  // adapter.gguf or model.gguf where written, else empty
+  std::string result;          // adapter.gguf or model.gguf where written, else empty
+  std::string method = "sft";  // or dpo, orpo
 };
 
 std::optional<FinetuneRun> finetune_run(const std::string& path) {
@@ -85,6 +87,7 @@ std::optional<FinetuneRun> finetune_run(const std::string& path) {
     r.base = j.at("model").get<std::string>();
     r.full = j.at("full").get<bool>();
     r.dtype = j.at("dtype").get<std::string>() == "bf16" ? DType::BF16 : DType::F32;
+    r.method = j.value("method", r.method);
     if (!r.full) {
       r.lora.rank = j.at("lora_rank").get<int64_t>();
       r.lora.alpha = j.at("lora_alpha").get<double>();
@@ -296,6 +299,11 @@ std::optional<std::string> describe_finetune_run(const std::string& path) {
                                : "a LoRA fine-tune (rank " + std::to_string(run->lora.rank) +
                                      ", alpha " + fmt::format("{:g}", run->lora.alpha) + " on " +
                                      lora_targets_text(run->lora.targets) + ")";
+  if (run->method != "sft") {
+    std::string method = run->method;
+    for (char& c : method) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    what += " by " + method;
+  }
   const auto checkpoints = list_checkpoints(path);
   return what + " of " + run->base + ": " +
          (!run->result.empty()   ? run->result

@@ -59,8 +59,11 @@ class Steps {
     if (!plan_.validate_first || plan_.first_step != 1 || !source_.validates()) return;
     const double v = source_.validate(trainer_);
     if (!lead_) return;
-    io_.log->info("step {:>5}/{} | val {:.4f} (before the first step)", 0, plan_.steps, v);
-    metrics_ << nlohmann::json{{"step", 0}, {"val_loss", v}}.dump() << "\n" << std::flush;
+    io_.log->info("step {:>5}/{} | val {:.4f}{} (before the first step)", 0, plan_.steps, v,
+                  source_.validation_note());
+    nlohmann::json line{{"step", 0}, {"val_loss", v}};
+    source_.describe_validation(line);
+    metrics_ << line.dump() << "\n" << std::flush;
   }
 
   // Runs `step`; returns the stop signal any rank received during it (0: none).
@@ -136,7 +139,10 @@ class Steps {
     m["elapsed_s"] = loop_time_.seconds();
     source_.describe(step, m);
     if (comm_.size() > 1) m["ranks"] = rank_records(ranks, plan_.positions);
-    if (val) m["val_loss"] = *val;
+    if (val) {
+      m["val_loss"] = *val;
+      source_.describe_validation(m);
+    }
     metrics_ << m.dump() << "\n" << std::flush;
     if (replacing_) {
       replacing_ = false;
@@ -146,10 +152,11 @@ class Steps {
     if (step % plan_.log_every == 0 || step == plan_.steps || val) {
       const int64_t budget = plan_.budget.total_bytes();
       log.info(
-          "step {:>5}/{} | loss {:.4f}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
+          "step {:>5}/{} | loss {:.4f}{}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
           "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}{}",
-          step, plan_.steps, r.loss, val ? fmt::format(" | val {:.4f}", *val) : std::string(), r.lr,
-          r.grad_norm, r.tokens_per_s, r.ms,
+          step, plan_.steps, r.loss, source_.note(),
+          val ? fmt::format(" | val {:.4f}{}", *val, source_.validation_note()) : std::string(),
+          r.lr, r.grad_norm, r.tokens_per_s, r.ms,
           comm_.size() > 1 ? fmt::format(" (summing gradients {:.0f}, {:.0f} of it after the "
                                          "backward pass; gathering weights {:.0f})",
                                          r.reducing_ms, r.comm_ms, r.gather_ms)

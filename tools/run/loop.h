@@ -1,8 +1,9 @@
 // The loop every command that trains runs, on every rank of a job alike: the steps, their
 // metrics.jsonl lines and log lines, the progress line, validation, checkpoints and their
 // cadence, the bad-step filter, profiling, stop signals and the ranks' agreement on each step.
-// What differs between commands is the batch source (token windows of a corpus, or packed rows
-// of examples with targets) and what the run leaves at its end (model.bin, or the adapter files).
+// What differs between commands is the batch source (token windows of a corpus, packed rows of
+// examples with targets, or of preference pairs), with the loss it computes, and what the run
+// leaves at its end (model.bin, or the adapter files).
 #pragma once
 
 #include <spdlog/spdlog.h>
@@ -35,6 +36,12 @@ class BatchSource {
   virtual double validate(Trainer& trainer) = 0;
   // Adds what the source knows of step `step` to its metrics.jsonl line.
   virtual void describe(int64_t /*step*/, nlohmann::json& /*line*/) const {}
+  // What the step's log line says beside its loss ("" nothing; else " | ..."): the source's own
+  // figures of the step last run.
+  virtual std::string note() const { return ""; }
+  // The same of the last validation: its metrics.jsonl fields, and words for its log line.
+  virtual void describe_validation(nlohmann::json& /*line*/) const {}
+  virtual std::string validation_note() const { return ""; }
 };
 
 // What a run leaves once it has trained all its steps.
