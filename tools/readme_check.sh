@@ -10,6 +10,7 @@
 #                                       (CPUTRAIN_SHARED defaults to ../shared from the repository)
 #   --preset mini|mega|behemoth|titan -> --preset tiny
 #   train.jsonl                      -> a small file of prompt/completion pairs written here
+#   pairs.jsonl                      -> a small file of preference pairs written here
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 shared=$(cd "${CPUTRAIN_SHARED:-$repo/../shared}" && pwd)
@@ -54,6 +55,10 @@ ln -s "$repo/tools" "$work/tools"
 for i in $(seq 1 64); do
   printf '{"prompt": "Q: What is %d plus %d?\\nA:", "completion": " %d."}\n' "$i" "$i" $((2 * i))
 done >"$work/train.jsonl"
+for i in $(seq 1 64); do
+  printf '{"prompt": "Q: What is %d plus %d?\\nA:", "chosen": " %d.", "rejected": " %d."}\n' \
+    "$i" "$i" $((2 * i)) $((2 * i + 1))
+done >"$work/pairs.jsonl"
 
 failed=0
 for command in "${commands[@]}"; do
