@@ -10,6 +10,11 @@
 
 namespace cputrain {
 
+uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t slot) {
+  return splitmix64(seed ^
+                    splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot)));
+}
+
 StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
@@ -22,9 +27,7 @@ StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
       step,
       [&](int64_t micro) {
         const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
-        model.set_dropout_seed(splitmix64(
-            trainer.options().seed ^
-            splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot))));
+        model.set_dropout_seed(micro_batch_seed(trainer.options().seed, step, slot));
         auto packing = std::make_shared<Packing>();
         if (measuring()) {
           packing->lengths.assign(static_cast<size_t>(B), {ctx});

@@ -15,6 +15,10 @@ class DecoderModel;
 class Trainer;
 struct StepResult;
 
+// The seed of the adapters' dropout masks of micro-batch `slot` (of the job's) of step `step`
+// under a run's `seed`: a resumed run draws the masks the uninterrupted one did.
+uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t slot);
+
 // One fine-tuning step (Trainer::step_with) over `rows`: accum micro-batches of batch rows, each
 // written into `inputs` and `targets` ((batch, ctx) i32, the caller's) and packed, the loss of
 // each divided by the count of the step's targets. While measuring (the memory budget) `rows`

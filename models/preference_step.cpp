@@ -5,13 +5,13 @@
 #include <stdexcept>
 
 #include "engine/core/autograd.h"
-#include "engine/core/hash.h"
 #include "engine/core/memory.h"
 #include "engine/core/profiler.h"
 #include "engine/data/preference_data.h"
 #include "engine/dist/communicator.h"
 #include "engine/train/trainer.h"
 #include "models/decoder.h"
+#include "models/finetune_step.h"
 
 namespace cputrain {
 namespace {
@@ -147,9 +147,7 @@ StepResult preference_step(Trainer& trainer, DecoderModel& model, int64_t step,
       step,
       [&](int64_t micro) {
         const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
-        model.set_dropout_seed(splitmix64(
-            trainer.options().seed ^
-            splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot))));
+        model.set_dropout_seed(micro_batch_seed(trainer.options().seed, step, slot));
         const auto mine = measuring()
                               ? std::span<const PackedRow* const>()
                               : rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B));

@@ -416,41 +416,30 @@ class PackedRows final : public BatchSource {
              const Communicator& comm)
       : model_(model),
         examples_(examples),
-        rows_(std::move(rows)),
-        order_(rows_.size(), seed),
+        rows_(std::move(rows), ctx, batch, per_step, seed),
         ctx_(ctx),
         batch_(batch),
-        per_step_(per_step),
         pad_(pad),
-        comm_(comm),
-        // The batch buffers, after the trainer, as the memory budget makes them.
-        inputs_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)),
-        targets_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)) {}
+        comm_(comm) {}
   StepResult step(Trainer& trainer, int64_t step) override {
-    step_rows_.clear();
-    for (int64_t i = 0; i < per_step_; ++i)
-      step_rows_.push_back(&rows_[order_.at((step - 1) * per_step_ + i)]);
-    return finetune_step(trainer, model_, step, step_rows_, examples_.data.examples, pad_, inputs_,
-                         targets_);
+    return finetune_step(trainer, model_, step, rows_.take(step), examples_.data.examples, pad_,
+                         rows_.inputs(), rows_.targets());
   }
   bool validates() const override { return !examples_.val.empty(); }
   double validate(Trainer&) override {
     return packed_validation_loss(model_, examples_.val, ctx_, batch_, pad_, 0, &comm_);
   }
   void describe(int64_t, json& line) const override {
-    line["targets"] = count_targets(step_rows_, examples_.data.examples);
+    line["targets"] = count_targets(rows_.last(), examples_.data.examples);
   }
 
  private:
   DecoderModel& model_;
   const Examples& examples_;
-  std::vector<PackedRow> rows_;
-  RowOrder order_;
-  int64_t ctx_, batch_, per_step_;
+  StepRows rows_;
+  int64_t ctx_, batch_;
   int32_t pad_;
   const Communicator& comm_;
-  Tensor inputs_, targets_;
-  std::vector<const PackedRow*> step_rows_;
 };
 
 // The result: the adapter as llama.cpp loads it and PEFT's folder, or the whole model.

@@ -130,28 +130,21 @@ PreferenceRows::PreferenceRows(DecoderModel& model, const std::vector<FinetuneEx
                                const Communicator& comm)
     : model_(model),
       train_(train),
-      rows_(std::move(rows)),
+      rows_(std::move(rows), ctx, batch, per_step, seed),
       val_(val),
       val_rows_(std::move(val_rows)),
       reference_(std::move(reference)),
       loss_(loss),
-      order_(rows_.size(), seed),
       ctx_(ctx),
       batch_(batch),
-      per_step_(per_step),
       pad_(pad),
-      comm_(comm),
-      // The batch buffers, after the trainer, as the memory budget makes them.
-      inputs_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)),
-      targets_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)) {}
+      comm_(comm) {}
 
 StepResult PreferenceRows::step(Trainer& trainer, int64_t step) {
-  step_rows_.clear();
-  for (int64_t i = 0; i < per_step_; ++i)
-    step_rows_.push_back(&rows_[order_.at((step - 1) * per_step_ + i)]);
   stats_ = {};
   const PreferenceBatches b{&train_, reference_.train, loss_, &stats_};
-  return preference_step(trainer, model_, step, step_rows_, b, pad_, inputs_, targets_);
+  return preference_step(trainer, model_, step, rows_.take(step), b, pad_, rows_.inputs(),
+                         rows_.targets());
 }
 
 double PreferenceRows::validate(Trainer&) {
@@ -162,7 +155,7 @@ double PreferenceRows::validate(Trainer&) {
 
 void PreferenceRows::describe(int64_t, nlohmann::json& line) const {
   line["pairs"] = static_cast<int64_t>(stats_.pairs);
-  line["targets"] = count_targets(step_rows_, train_);
+  line["targets"] = count_targets(rows_.last(), train_);
   stats_.describe(loss_.method, line, "");
 }
 

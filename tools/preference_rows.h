@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "engine/data/batch_sampler.h"
 #include "engine/data/finetune_data.h"
 #include "engine/train/preference_loss.h"
 #include "tools/run/loop.h"
@@ -65,17 +64,14 @@ class PreferenceRows final : public BatchSource {
  private:
   DecoderModel& model_;
   const std::vector<FinetuneExample>& train_;
-  std::vector<PackedRow> rows_;
+  StepRows rows_;
   const std::vector<FinetuneExample>& val_;
   std::vector<PackedRow> val_rows_;
   ReferenceLogProbs reference_;
   PreferenceLossOptions loss_;
-  RowOrder order_;
-  int64_t ctx_, batch_, per_step_;
+  int64_t ctx_, batch_;
   int32_t pad_;
   const Communicator& comm_;
-  Tensor inputs_, targets_;
-  std::vector<const PackedRow*> step_rows_;
   PreferenceStats stats_, val_stats_;
 };
 

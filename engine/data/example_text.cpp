@@ -1,5 +1,7 @@
 #include "engine/data/example_text.h"
 
+#include <filesystem>
+#include <fstream>
 #include <string_view>
 
 #include "engine/core/error.h"
@@ -18,8 +20,9 @@ std::string_view usable_text(std::string_view text, int64_t max_tokens) {
   return text.substr(0, keep);
 }
 
-}  // namespace
-
+// Reads the next line of `in` into `line`, refusing one longer than `max` bytes (0: any) before
+// it is held whole; false at the end of the file. A UTF-8 BOM on the first line and a line's
+// closing '\r' are taken off.
 bool read_example_line(std::istream& in, std::string& line, int64_t max, int64_t number,
                        const std::string& where) {
   line.clear();
@@ -37,6 +40,33 @@ bool read_example_line(std::istream& in, std::string& line, int64_t max, int64_t
   if (number == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);  // a UTF-8 BOM
   if (!line.empty() && line.back() == '\r') line.pop_back();
   return true;
+}
+
+}  // namespace
+
+void for_each_json_object(
+    const std::string& path, const char* what, int64_t max_line_bytes,
+    const std::function<void(const nlohmann::json& object, const std::string& where,
+                             int64_t number)>& each) {
+  if (std::filesystem::is_directory(path))
+    throw UserError(path + ": a folder, where a JSON Lines file of " + what + " is expected");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UserError(path + ": cannot be read");
+  std::string line;
+  for (int64_t number = 1;
+       read_example_line(in, line, max_line_bytes, number, path + ":" + std::to_string(number));
+       ++number) {
+    const std::string where = path + ":" + std::to_string(number);
+    if (blank(line)) continue;
+    nlohmann::json object;
+    try {
+      object = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw UserError(where + ": not valid JSON (at byte " + std::to_string(e.byte) + ")");
+    }
+    if (!object.is_object()) throw UserError(where + ": not a JSON object");
+    each(object, where, number);
+  }
 }
 
 std::string field_string(const nlohmann::json& object, const char* name, const std::string& where) {

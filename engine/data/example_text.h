@@ -4,7 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <istream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -16,11 +16,14 @@ namespace cputrain {
 
 class Tokenizer;
 
-// Reads the next line of `in` into `line`, refusing one longer than `max` bytes (0: any) before
-// it is held whole (a UserError naming `where`); false at the end of the file. A UTF-8 BOM on
-// the first line and a line's closing '\r' are taken off.
-bool read_example_line(std::istream& in, std::string& line, int64_t max, int64_t number,
-                       const std::string& where);
+// Each JSON object of the JSON Lines file `path` to `each`, with where it is ("PATH:LINE") and
+// its line's number; blank lines pass. A UserError for a folder or an unreadable file (`what`:
+// what the file should hold, "examples"), a line longer than `max_line_bytes` (0: any; refused
+// before it is held whole), and a line that is not valid JSON or not an object.
+void for_each_json_object(
+    const std::string& path, const char* what, int64_t max_line_bytes,
+    const std::function<void(const nlohmann::json& object, const std::string& where,
+                             int64_t number)>& each);
 
 // object[name] as a string; a UserError "WHERE: "name" is not a string".
 std::string field_string(const nlohmann::json& object, const char* name, const std::string& where);

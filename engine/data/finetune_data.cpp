@@ -1,14 +1,11 @@
 #include "engine/data/finetune_data.h"
 
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <stdexcept>
-#include <string_view>
 
 #include "engine/core/error.h"
 #include "engine/data/example_text.h"
@@ -58,109 +55,95 @@ const char* example_shape_name(ExampleShape shape) {
 
 FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& tokenizer,
                                  const FinetuneDataOptions& options) {
-  if (std::filesystem::is_directory(path))
-    throw UserError(path + ": a folder, where a JSON Lines file of examples is expected");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(path + ": cannot be read");
   FinetuneData data;
   int64_t held = 0;  // bytes of the examples' tokens and targets
-  std::string line;
-  for (int64_t number = 1; read_example_line(in, line, options.max_line_bytes, number,
-                                             path + ":" + std::to_string(number));
-       ++number) {
-    const std::string where = path + ":" + std::to_string(number);
-    if (blank(line)) continue;
-    json object;
-    try {
-      object = json::parse(line);
-    } catch (const json::parse_error& e) {
-      throw UserError(where + ": not valid JSON (at byte " + std::to_string(e.byte) + ")");
-    }
-    if (!object.is_object()) throw UserError(where + ": not a JSON object");
+  for_each_json_object(
+      path, "examples", options.max_line_bytes,
+      [&](const json& object, const std::string& where, int64_t number) {
+        std::vector<Segment> segments;
+        bool ends_with_eos = true;
+        ExampleShape shape;
+        if (object.contains("messages")) {
+          shape = ExampleShape::Chat;
+          const std::vector<ChatMessage> messages =
+              chat_messages(object["messages"], where, options.train_on_prompt);
+          if (!options.chat)
+            throw UserError(where +
+                            ": a chat example, and the model has no chat template cputrain "
+                            "recognises (give --chat-template: " +
+                            chat_family_names() + ")");
+          segments = chat_segments(*options.chat, messages);
+          ends_with_eos = false;  // each reply ends with the template's marker
+        } else if (object.contains("text")) {
+          shape = ExampleShape::Text;
+          segments.push_back({field_string(object, "text", where), false, true});
+        } else if (object.contains("prompt") || object.contains("completion")) {
+          shape = ExampleShape::PromptCompletion;
+          if (!object.contains("prompt") || !object.contains("completion"))
+            throw UserError(where + ": has \"" +
+                            (object.contains("prompt") ? "prompt\" but no \"completion\""
+                                                       : "completion\" but no \"prompt\""));
+          segments.push_back({field_string(object, "prompt", where), false, false});
+          segments.push_back({field_string(object, "completion", where), false, true});
+        } else if (object.contains("instruction") || object.contains("output")) {
+          shape = ExampleShape::Alpaca;
+          if (!object.contains("instruction") || !object.contains("output"))
+            throw UserError(where + ": has \"" +
+                            (object.contains("instruction") ? "instruction\" but no \"output\""
+                                                            : "output\" but no \"instruction\""));
+          const std::string instruction = field_string(object, "instruction", where);
+          const std::string input =
+              object.contains("input") ? field_string(object, "input", where) : std::string();
+          const std::string output = field_string(object, "output", where);
+          if (blank(output)) throw UserError(where + ": \"output\" is empty");
+          if (options.chat) {
+            const std::vector<ChatMessage> messages = {
+                {"user", input.empty() ? instruction : instruction + "\n\n" + input},
+                {"assistant", output}};
+            segments = chat_segments(*options.chat, messages);
+            ends_with_eos = false;
+          } else {
+            std::string prompt = input.empty() ? kAlpacaPrompt : kAlpacaPromptWithInput;
+            prompt += instruction;
+            if (!input.empty()) prompt += "\n\n### Input:\n" + input;
+            prompt += "\n\n### Response:\n";
+            segments.push_back({prompt, false, false});
+            segments.push_back({output, false, true});
+          }
+        } else {
+          throw UserError(where +
+                          ": no field of a known shape (\"text\"; \"prompt\" and \"completion\"; "
+                          "\"instruction\" and \"output\"; \"messages\")");
+        }
 
-    std::vector<Segment> segments;
-    bool ends_with_eos = true;
-    ExampleShape shape;
-    if (object.contains("messages")) {
-      shape = ExampleShape::Chat;
-      const std::vector<ChatMessage> messages =
-          chat_messages(object["messages"], where, options.train_on_prompt);
-      if (!options.chat)
-        throw UserError(where +
-                        ": a chat example, and the model has no chat template cputrain "
-                        "recognises (give --chat-template: " +
-                        chat_family_names() + ")");
-      segments = chat_segments(*options.chat, messages);
-      ends_with_eos = false;  // each reply ends with the template's marker
-    } else if (object.contains("text")) {
-      shape = ExampleShape::Text;
-      segments.push_back({field_string(object, "text", where), false, true});
-    } else if (object.contains("prompt") || object.contains("completion")) {
-      shape = ExampleShape::PromptCompletion;
-      if (!object.contains("prompt") || !object.contains("completion"))
-        throw UserError(where + ": has \"" +
-                        (object.contains("prompt") ? "prompt\" but no \"completion\""
-                                                   : "completion\" but no \"prompt\""));
-      segments.push_back({field_string(object, "prompt", where), false, false});
-      segments.push_back({field_string(object, "completion", where), false, true});
-    } else if (object.contains("instruction") || object.contains("output")) {
-      shape = ExampleShape::Alpaca;
-      if (!object.contains("instruction") || !object.contains("output"))
-        throw UserError(where + ": has \"" +
-                        (object.contains("instruction") ? "instruction\" but no \"output\""
-                                                        : "output\" but no \"instruction\""));
-      const std::string instruction = field_string(object, "instruction", where);
-      const std::string input =
-          object.contains("input") ? field_string(object, "input", where) : std::string();
-      const std::string output = field_string(object, "output", where);
-      if (blank(output)) throw UserError(where + ": \"output\" is empty");
-      if (options.chat) {
-        const std::vector<ChatMessage> messages = {
-            {"user", input.empty() ? instruction : instruction + "\n\n" + input},
-            {"assistant", output}};
-        segments = chat_segments(*options.chat, messages);
-        ends_with_eos = false;
-      } else {
-        std::string prompt = input.empty() ? kAlpacaPrompt : kAlpacaPromptWithInput;
-        prompt += instruction;
-        if (!input.empty()) prompt += "\n\n### Input:\n" + input;
-        prompt += "\n\n### Response:\n";
-        segments.push_back({prompt, false, false});
-        segments.push_back({output, false, true});
-      }
-    } else {
-      throw UserError(where +
-                      ": no field of a known shape (\"text\"; \"prompt\" and \"completion\"; "
-                      "\"instruction\" and \"output\"; \"messages\")");
-    }
-
-    FinetuneExample e = tokenize_segments(segments, tokenizer, ends_with_eos, options.max_tokens);
-    e.line = number;
-    if (options.train_on_prompt) std::fill(e.target.begin(), e.target.end(), 1);
-    e.target[0] = 0;
-    if (options.max_tokens > 0 && static_cast<int64_t>(e.tokens.size()) > options.max_tokens) {
-      e.tokens.resize(static_cast<size_t>(options.max_tokens));
-      e.target.resize(static_cast<size_t>(options.max_tokens));
-      ++data.truncated;
-    }
-    int64_t targets = 0;
-    for (uint8_t t : e.target) targets += t;
-    if (targets == 0) {
-      ++data.dropped;
-      continue;
-    }
-    held += static_cast<int64_t>(e.tokens.size() * (sizeof(int32_t) + sizeof(uint8_t)) +
-                                 sizeof(FinetuneExample));
-    if (options.max_data_bytes > 0 && held > options.max_data_bytes)
-      throw UserError(where + ": the examples up to here hold " + std::to_string(held >> 20) +
-                      " MiB of tokens, more than the memory limit lets the data hold (" +
-                      std::to_string(options.max_data_bytes >> 20) +
-                      " MiB; --mem-limit): give fewer examples, or a lower --ctx");
-    ++data.shapes[static_cast<size_t>(shape)];
-    data.tokens += static_cast<int64_t>(e.tokens.size());
-    data.targets += targets;
-    data.examples.push_back(std::move(e));
-  }
+        FinetuneExample e =
+            tokenize_segments(segments, tokenizer, ends_with_eos, options.max_tokens);
+        e.line = number;
+        if (options.train_on_prompt) std::fill(e.target.begin(), e.target.end(), 1);
+        e.target[0] = 0;
+        if (options.max_tokens > 0 && static_cast<int64_t>(e.tokens.size()) > options.max_tokens) {
+          e.tokens.resize(static_cast<size_t>(options.max_tokens));
+          e.target.resize(static_cast<size_t>(options.max_tokens));
+          ++data.truncated;
+        }
+        int64_t targets = 0;
+        for (uint8_t t : e.target) targets += t;
+        if (targets == 0) {
+          ++data.dropped;
+          return;
+        }
+        held += static_cast<int64_t>(e.tokens.size() * (sizeof(int32_t) + sizeof(uint8_t)) +
+                                     sizeof(FinetuneExample));
+        if (options.max_data_bytes > 0 && held > options.max_data_bytes)
+          throw UserError(where + ": the examples up to here hold " + std::to_string(held >> 20) +
+                          " MiB of tokens, more than the memory limit lets the data hold (" +
+                          std::to_string(options.max_data_bytes >> 20) +
+                          " MiB; --mem-limit): give fewer examples, or a lower --ctx");
+        ++data.shapes[static_cast<size_t>(shape)];
+        data.tokens += static_cast<int64_t>(e.tokens.size());
+        data.targets += targets;
+        data.examples.push_back(std::move(e));
+      });
   if (data.examples.empty())
     throw UserError(path + ": no example" +
                     (data.dropped > 0 ? " with a target within the context (" +
@@ -201,6 +184,21 @@ std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& example
   sizes.reserve(examples.size());
   for (const FinetuneExample& e : examples) sizes.push_back(std::ssize(e.tokens) - 1);
   return pack_units(sizes, ctx);
+}
+
+StepRows::StepRows(std::vector<PackedRow> rows, int64_t ctx, int64_t batch, int64_t per_step,
+                   uint64_t seed)
+    : rows_(std::move(rows)),
+      order_(rows_.size(), seed),
+      per_step_(per_step),
+      inputs_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)),
+      targets_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)) {}
+
+std::span<const PackedRow* const> StepRows::take(int64_t step) {
+  step_.clear();
+  for (int64_t i = 0; i < per_step_; ++i)
+    step_.push_back(&rows_[order_.at((step - 1) * per_step_ + i)]);
+  return step_;
 }
 
 int64_t fill_packed_batch(std::span<const PackedRow* const> rows,

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine/core/ops.h"
+#include "engine/data/batch_sampler.h"
 #include "engine/text/chat_template.h"
 
 namespace cputrain {
@@ -75,6 +76,27 @@ struct PackedRow {
 std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx);
 // The same over units of `sizes` positions (1 .. ctx each): each row lists its units' indices.
 std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx);
+
+// The rows of a fine-tune's steps, `per_step` a step in an order shuffled anew each epoch
+// (RowOrder), and the (batch, ctx) i32 buffers a micro-batch is written into, made where the
+// source is built (after the trainer, as the memory budget makes them).
+class StepRows {
+ public:
+  StepRows(std::vector<PackedRow> rows, int64_t ctx, int64_t batch, int64_t per_step,
+           uint64_t seed);
+  // Step `step`'s rows (1-based), kept until the next call.
+  std::span<const PackedRow* const> take(int64_t step);
+  std::span<const PackedRow* const> last() const { return step_; }
+  const Tensor& inputs() const { return inputs_; }
+  const Tensor& targets() const { return targets_; }
+
+ private:
+  std::vector<PackedRow> rows_;
+  RowOrder order_;
+  int64_t per_step_;
+  Tensor inputs_, targets_;
+  std::vector<const PackedRow*> step_;
+};
 
 // Writes `rows` as a (rows.size(), ctx) batch: each example's inputs and targets (-1 where a
 // token is no target), then `pad` with no target to the row's end; `packing` gets each row's

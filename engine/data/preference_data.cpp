@@ -1,8 +1,6 @@
 #include "engine/data/preference_data.h"
 
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "engine/core/error.h"
@@ -117,19 +115,35 @@ int64_t count(const std::vector<uint8_t>& target) {
   return std::count(target.begin(), target.end(), uint8_t{1});
 }
 
-// Cuts the longer of the pair's examples first until their positions (tokens - 1 each) fit in
-// ctx; whether it cut.
-bool fit_pair(FinetuneExample& chosen, FinetuneExample& rejected, int64_t ctx) {
+// Fits the pair's positions (tokens - 1 each) in ctx, as TRL truncates: the prompt they share
+// loses its beginning first (after the first `keep` tokens, BOS), down to one token before the
+// first target; then the longer side is cut from its end, down to the other's length. Whether it
+// cut.
+bool fit_pair(FinetuneExample& chosen, FinetuneExample& rejected, int64_t ctx, int64_t keep) {
   int64_t c = std::ssize(chosen.tokens) - 1, r = std::ssize(rejected.tokens) - 1;
   if (ctx <= 0 || c + r <= ctx) return false;
-  const int64_t half = ctx / 2;
-  if (c <= half) {
-    r = ctx - c;
-  } else if (r <= half) {
-    c = ctx - r;
-  } else {
-    c = half;
-    r = ctx - half;
+  const auto first_target = [](const FinetuneExample& e) {
+    return std::distance(e.target.begin(), std::find(e.target.begin(), e.target.end(), 1));
+  };
+  const int64_t removable =
+      std::max<int64_t>(0, std::min(first_target(chosen), first_target(rejected)) - keep - 1);
+  const int64_t k = std::min((c + r - ctx + 1) / 2, removable);
+  for (FinetuneExample* e : {&chosen, &rejected}) {
+    e->tokens.erase(e->tokens.begin() + keep, e->tokens.begin() + keep + k);
+    e->target.erase(e->target.begin() + keep, e->target.begin() + keep + k);
+  }
+  c -= k;
+  r -= k;
+  if (c + r > ctx) {
+    const int64_t half = ctx / 2;
+    if (c <= half) {
+      r = ctx - c;
+    } else if (r <= half) {
+      c = ctx - r;
+    } else {
+      c = half;
+      r = ctx - half;
+    }
   }
   for (const auto& [e, n] : {std::pair{&chosen, c}, std::pair{&rejected, r}}) {
     e->tokens.resize(static_cast<size_t>(n + 1));
@@ -154,68 +168,55 @@ const char* pair_shape_name(PairShape shape) {
 
 PreferenceData read_preference_jsonl(const std::string& path, const Tokenizer& tokenizer,
                                      const PreferenceDataOptions& options) {
-  if (std::filesystem::is_directory(path))
-    throw UserError(path + ": a folder, where a JSON Lines file of preference pairs is expected");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UserError(path + ": cannot be read");
   PreferenceData data;
   int64_t held = 0;  // bytes of the examples' tokens and targets
-  std::string line;
-  for (int64_t number = 1; read_example_line(in, line, options.max_line_bytes, number,
-                                             path + ":" + std::to_string(number));
-       ++number) {
-    const std::string where = path + ":" + std::to_string(number);
-    if (blank(line)) continue;
-    json object;
-    try {
-      object = json::parse(line);
-    } catch (const json::parse_error& e) {
-      throw UserError(where + ": not valid JSON (at byte " + std::to_string(e.byte) + ")");
-    }
-    if (!object.is_object()) throw UserError(where + ": not a JSON object");
-    const bool has_chosen = object.contains("chosen"), has_rejected = object.contains("rejected");
-    if (!has_chosen && !has_rejected)
-      throw UserError(where +
-                      ": not a preference pair (no \"chosen\" and \"rejected\"; a pair is "
-                      "{\"prompt\", \"chosen\", \"rejected\"} or {\"chosen\", \"rejected\"})");
-    if (!has_chosen || !has_rejected)
-      throw UserError(
-          where + ": has \"" +
-          (has_chosen ? "chosen\" but no \"rejected\"" : "rejected\" but no \"chosen\""));
-    const json& chosen = object["chosen"];
-    const json& rejected = object["rejected"];
-    if (chosen.is_array() != rejected.is_array())
-      throw UserError(where +
-                      ": \"chosen\" and \"rejected\" are not of one kind (two strings, or two "
-                      "lists of messages)");
-    const PairText text = chosen.is_array() ? conversation_pair(object, where, options.chat)
-                                            : string_pair(object, where);
-    const int64_t max_tokens = options.ctx > 0 ? options.ctx + 1 : 0;
-    FinetuneExample c = tokenize_segments(text.chosen, tokenizer, text.eos, max_tokens);
-    FinetuneExample r = tokenize_segments(text.rejected, tokenizer, text.eos, max_tokens);
-    c.line = r.line = number;
-    if (c.tokens == r.tokens)
-      throw UserError(where + ": \"chosen\" and \"rejected\" are the same once tokenized");
-    data.cut += fit_pair(c, r, options.ctx) ? 1 : 0;
-    const int64_t targets = count(c.target) + count(r.target);
-    if (count(c.target) == 0 || count(r.target) == 0) {
-      ++data.dropped;
-      continue;
-    }
-    held += static_cast<int64_t>((c.tokens.size() + r.tokens.size()) *
-                                     (sizeof(int32_t) + sizeof(uint8_t)) +
-                                 2 * sizeof(FinetuneExample));
-    if (options.max_data_bytes > 0 && held > options.max_data_bytes)
-      throw UserError(where + ": the pairs up to here hold " + std::to_string(held >> 20) +
-                      " MiB of tokens, more than the memory limit lets the data hold (" +
-                      std::to_string(options.max_data_bytes >> 20) +
-                      " MiB; --mem-limit): give fewer pairs, or a lower --ctx");
-    ++data.shapes[static_cast<size_t>(text.shape)];
-    data.tokens += std::ssize(c.tokens) + std::ssize(r.tokens);
-    data.targets += targets;
-    data.examples.push_back(std::move(c));
-    data.examples.push_back(std::move(r));
-  }
+  for_each_json_object(
+      path, "preference pairs", options.max_line_bytes,
+      [&](const json& object, const std::string& where, int64_t number) {
+        const bool has_chosen = object.contains("chosen"),
+                   has_rejected = object.contains("rejected");
+        if (!has_chosen && !has_rejected)
+          throw UserError(where +
+                          ": not a preference pair (no \"chosen\" and \"rejected\"; a pair is "
+                          "{\"prompt\", \"chosen\", \"rejected\"} or {\"chosen\", \"rejected\"})");
+        if (!has_chosen || !has_rejected)
+          throw UserError(
+              where + ": has \"" +
+              (has_chosen ? "chosen\" but no \"rejected\"" : "rejected\" but no \"chosen\""));
+        const json& chosen = object["chosen"];
+        const json& rejected = object["rejected"];
+        if (chosen.is_array() != rejected.is_array())
+          throw UserError(where +
+                          ": \"chosen\" and \"rejected\" are not of one kind (two strings, or two "
+                          "lists of messages)");
+        const PairText text = chosen.is_array() ? conversation_pair(object, where, options.chat)
+                                                : string_pair(object, where);
+        const int64_t max_tokens = options.ctx > 0 ? options.ctx + 1 : 0;
+        FinetuneExample c = tokenize_segments(text.chosen, tokenizer, text.eos, max_tokens);
+        FinetuneExample r = tokenize_segments(text.rejected, tokenizer, text.eos, max_tokens);
+        c.line = r.line = number;
+        if (c.tokens == r.tokens)
+          throw UserError(where + ": \"chosen\" and \"rejected\" are the same once tokenized");
+        data.cut += fit_pair(c, r, options.ctx, tokenizer.adds_bos() ? 1 : 0) ? 1 : 0;
+        const int64_t targets = count(c.target) + count(r.target);
+        if (count(c.target) == 0 || count(r.target) == 0) {
+          ++data.dropped;
+          return;
+        }
+        held += static_cast<int64_t>((c.tokens.size() + r.tokens.size()) *
+                                         (sizeof(int32_t) + sizeof(uint8_t)) +
+                                     2 * sizeof(FinetuneExample));
+        if (options.max_data_bytes > 0 && held > options.max_data_bytes)
+          throw UserError(where + ": the pairs up to here hold " + std::to_string(held >> 20) +
+                          " MiB of tokens, more than the memory limit lets the data hold (" +
+                          std::to_string(options.max_data_bytes >> 20) +
+                          " MiB; --mem-limit): give fewer pairs, or a lower --ctx");
+        ++data.shapes[static_cast<size_t>(text.shape)];
+        data.tokens += std::ssize(c.tokens) + std::ssize(r.tokens);
+        data.targets += targets;
+        data.examples.push_back(std::move(c));
+        data.examples.push_back(std::move(r));
+      });
   if (data.examples.empty())
     throw UserError(path + ": no preference pair" +
                     (data.dropped > 0 ? " with targets on both sides within the context (" +

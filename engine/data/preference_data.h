@@ -30,7 +30,9 @@ struct PreferenceDataOptions {
   // The chat template (the model's or --chat-template); conversational pairs need one.
   std::optional<ChatTemplate> chat;
   // The positions of a packed row: a pair's two examples share one (an example of n tokens
-  // takes n - 1), so a longer pair is cut, its longer side first, to fit (0: not cut).
+  // takes n - 1), so a longer pair is cut to fit (0: not cut), as TRL truncates: its prompt
+  // loses its beginning first (BOS kept), down to one token; then its longer side is cut from
+  // the end.
   int64_t ctx = 0;
   int64_t max_line_bytes = 0;  // as FinetuneDataOptions
   int64_t max_data_bytes = 0;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "adapter_test_util.h"
 #include "engine/core/memory.h"
 #include "engine/core/profiler.h"
 #include "engine/train/adamw.h"
@@ -384,6 +385,29 @@ void copy_base(const DecoderModel& from, DecoderModel& to) {
   }
 }
 
+// A frozen base of shape c in `dtype`, and the same weights with adapters (rank 4, all seven
+// projections) as PEFT begins them.
+struct BaseAndAdapted {
+  DecoderModel base, adapted;
+  BaseAndAdapted(const ModelConfig& c, DType dtype)
+      : base(c, options(dtype, false)), adapted(c, options(dtype, true)) {
+    DecoderModel fp32(c);
+    fp32.init_weights(5);
+    copy_base(fp32, base);
+    copy_base(fp32, adapted);
+    adapted.init_adapters(6);
+  }
+  static ModelOptions options(DType dtype, bool lora) {
+    ModelOptions o;
+    o.compute_dtype = dtype;
+    if (lora)
+      o.lora = lora_all(4);
+    else
+      o.trainable = [](const std::string&) { return false; };
+    return o;
+  }
+};
+
 // Adapters as PEFT begins them (B zero) leave the model computing its base's logits, bit for bit,
 // in fp32 and in bf16 (where the base is held as bf16 alone, frozen, with no FP32 master and no
 // gradient); only the adapters are trainable.
@@ -391,18 +415,8 @@ TEST(Lora, BegunAdaptersComputeTheBaseExactly) {
   const ModelConfig c = lora_shape();
   const Tensor x = random_tokens(2, 16, c.vocab, 3);
   for (const DType dtype : {DType::F32, DType::BF16}) {
-    ModelOptions base_options, lora_options;
-    base_options.compute_dtype = lora_options.compute_dtype = dtype;
-    base_options.trainable = [](const std::string&) { return false; };
-    lora_options.lora = lora_all(4);
-    DecoderModel base(c, base_options), adapted(c, lora_options);
-    {
-      DecoderModel fp32(c);
-      fp32.init_weights(5);
-      copy_base(fp32, base);
-      copy_base(fp32, adapted);
-    }
-    adapted.init_adapters(6);
+    BaseAndAdapted m(c, dtype);
+    DecoderModel &base = m.base, &adapted = m.adapted;
     const Tensor a = base.logits(x), b = adapted.logits(x);
     for (int64_t i = 0; i < a.numel(); ++i)
       ASSERT_EQ(a.f32()[i], b.f32()[i]) << dtype_name(dtype) << " logit " << i;
@@ -430,27 +444,10 @@ TEST(Lora, AdaptersSwitchedOffScoreTargetsAsTheBase) {
   auto packing = std::make_shared<Packing>();
   packing->lengths = {{5, 11}, {16}};
   for (const DType dtype : {DType::F32, DType::BF16}) {
-    ModelOptions base_options, lora_options;
-    base_options.compute_dtype = lora_options.compute_dtype = dtype;
-    base_options.trainable = [](const std::string&) { return false; };
-    lora_options.lora = lora_all(4);
-    DecoderModel base(c, base_options), adapted(c, lora_options);
-    {
-      DecoderModel fp32(c);
-      fp32.init_weights(5);
-      copy_base(fp32, base);
-      copy_base(fp32, adapted);
-    }
-    adapted.init_adapters(6);
+    BaseAndAdapted m(c, dtype);
+    DecoderModel &base = m.base, &adapted = m.adapted;
     std::mt19937 rng(7);
-    std::normal_distribution<float> normal(0.0f, 0.05f);
-    const ParameterSet& p = adapted.parameters();
-    for (size_t i = 0; i < p.infos().size(); ++i) {
-      if (!p.infos()[i].name.ends_with(".lora_b")) continue;
-      std::vector<float> b(static_cast<size_t>(p.infos()[i].shape.numel()));
-      for (float& v : b) v = normal(rng);
-      p.write_values(static_cast<int>(i), b.data());
-    }
+    test::draw_adapter_b(adapted.parameters(), rng);
     NoGradGuard no_grad;
     const Tensor want = base.target_log_probs(x, y, packing).value();
     EXPECT_EQ(want.numel(), y.numel() - (y.numel() + 2) / 3);
@@ -535,14 +532,8 @@ TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
     copy_base(reference, m);
     m.init_adapters(10);
     std::mt19937 rng(11);
-    std::normal_distribution<float> normal(0.0f, 0.05f);
     const ParameterSet& p = m.parameters();
-    for (size_t i = 0; i < p.infos().size(); ++i) {
-      if (!p.infos()[i].name.ends_with(".lora_b")) continue;
-      std::vector<float> b(static_cast<size_t>(p.infos()[i].shape.numel()));
-      for (float& v : b) v = normal(rng);
-      p.write_values(static_cast<int>(i), b.data());
-    }
+    test::draw_adapter_b(p, rng);
     m.set_checkpointing(checkpoint);
     backward(m.loss(x, y));
     grads.emplace_back(p.gradients().f32(), p.gradients().f32() + p.trainable_numel());
@@ -664,13 +655,7 @@ TEST(Packing, TheHeadOnTargetPositionsAloneIsExact) {
         m.set_checkpointing(checkpoint);
         const ParameterSet& p = m.parameters();
         // B away from zero, so that every adapter has a gradient.
-        std::normal_distribution<float> normal(0.0f, 0.05f);
-        for (size_t i = 0; i < p.infos().size(); ++i) {
-          if (!p.infos()[i].name.ends_with(".lora_b")) continue;
-          std::vector<float> b(static_cast<size_t>(p.infos()[i].shape.numel()));
-          for (float& v : b) v = normal(rng);
-          p.write_values(static_cast<int>(i), b.data());
-        }
+        test::draw_adapter_b(p, rng);
         std::vector<float> losses;
         std::vector<std::vector<float>> grads;
         for (const bool every : {true, false}) {

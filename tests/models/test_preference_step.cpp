@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "adapter_test_util.h"
 #include "engine/core/autograd.h"
 #include "engine/data/preference_data.h"
 #include "engine/train/trainer.h"
@@ -59,14 +60,7 @@ DecoderModel adapted_model() {
   m.init_adapters(6);
   // Adapters away from their zero start, so the policy differs from the reference.
   std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.0f, 0.05f);
-  const ParameterSet& p = m.parameters();
-  for (size_t i = 0; i < p.infos().size(); ++i) {
-    if (!p.infos()[i].name.ends_with(".lora_b")) continue;
-    std::vector<float> b(static_cast<size_t>(p.infos()[i].shape.numel()));
-    for (float& v : b) v = normal(rng);
-    p.write_values(static_cast<int>(i), b.data());
-  }
+  test::draw_adapter_b(m.parameters(), rng);
   return m;
 }
 

@@ -1,6 +1,7 @@
 // Preference pairs from JSON Lines: each of TRL's shapes gives a chosen and a rejected example
 // whose targets are the completion alone (a conversation's replies after the prompt), the prompt
-// they share taken where the line gives none, long pairs cut to share a row, pairs packed whole,
+// they share taken where the line gives none, long pairs cut to share a row (the prompt's
+// beginning first), pairs packed whole,
 // and one line naming the file and line for each kind of bad input.
 #include <gtest/gtest.h>
 
@@ -98,10 +99,11 @@ TEST(PreferenceData, LongPairsAreCutToShareARowAndPackedWhole) {
       "{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyz\", \"rejected\": "
       "\"ABCDEFGHIJKLMNOPQRSTUVWXYZ\"}\n"
       "{\"prompt\": \"q\", \"chosen\": \"x\", \"rejected\": \"y\"}\n"
-      "{\"prompt\": \"r\", \"chosen\": \"xy\", \"rejected\": \"yz\"}\n",
+      "{\"prompt\": \"r\", \"chosen\": \"xy\", \"rejected\": \"yz\"}\n"
+      "{\"prompt\": \"0123456789\", \"chosen\": \"ab\", \"rejected\": \"cd\"}\n",
       o);
-  ASSERT_EQ(d.pairs(), 4);
-  EXPECT_EQ(d.cut, 2);
+  ASSERT_EQ(d.pairs(), 5);
+  EXPECT_EQ(d.cut, 3);
   for (int64_t p = 0; p < d.pairs(); ++p) {
     const auto c = std::ssize(d.examples[static_cast<size_t>(2 * p)].tokens) - 1;
     const auto r = std::ssize(d.examples[static_cast<size_t>(2 * p + 1)].tokens) - 1;
@@ -112,6 +114,15 @@ TEST(PreferenceData, LongPairsAreCutToShareARowAndPackedWhole) {
   EXPECT_EQ(std::ssize(d.examples[0].tokens) - 1, o.ctx - 7);
   EXPECT_EQ(std::ssize(d.examples[2].tokens) - 1, o.ctx / 2);
   EXPECT_EQ(std::ssize(d.examples[3].tokens) - 1, o.ctx / 2);
+  // A long prompt loses its beginning (after BOS) first, and the completions stay whole.
+  const Tokenizer t = char_tokenizer();
+  for (const size_t i : {size_t{8}, size_t{9}}) {
+    EXPECT_EQ(std::ssize(d.examples[i].tokens) - 1, o.ctx / 2) << i;
+    EXPECT_EQ(d.examples[i].tokens.front(), t.bos_id());
+    EXPECT_EQ(prompt_text(t, d.examples[i]), "123456789");
+  }
+  EXPECT_EQ(targets_text(t, d.examples[8]), "ab");
+  EXPECT_EQ(targets_text(t, d.examples[9]), "cd");
 
   const std::vector<PackedRow> rows = pack_pairs(d.examples, o.ctx);
   std::multiset<int32_t> placed;
@@ -131,10 +142,10 @@ TEST(PreferenceData, LongPairsAreCutToShareARowAndPackedWhole) {
   }
   EXPECT_EQ(placed.size(), d.examples.size());
   EXPECT_EQ(std::set<int32_t>(placed.begin(), placed.end()).size(), d.examples.size());
-  EXPECT_EQ(rows.size(), 3u);  // the two short pairs share a row
+  EXPECT_EQ(rows.size(), 4u);  // the two short pairs share a row
   std::vector<const PackedRow*> all;
   for (const PackedRow& r : rows) all.push_back(&r);
-  EXPECT_EQ(count_pairs(all), 4);
+  EXPECT_EQ(count_pairs(all), 5);
 }
 
 TEST(PreferenceData, BadLinesAreNamed) {
