@@ -41,7 +41,8 @@ struct BudgetOptions {
   // (packed_validation_loss over eval_windows rows), instead of a corpus's windows.
   bool packed = false;
   // With packed: rows of preference pairs (preference_step, DPO's and ORPO's loss), validated as
-  // preference_validation_loss and, before the first step, a reference pass over them.
+  // preference_validation_loss and, before the first step, DPO's reference pass over them
+  // (counted for ORPO too: a pass without gradients holds less than the step after it).
   bool preference = false;
   // Of packed rows, the most positions with a target that a micro-batch of `batch` rows holds
   // (the LM head runs on those alone); 0: every position.

@@ -6,7 +6,6 @@
 #include <optional>
 
 #include "engine/core/error.h"
-#include "engine/core/profiler.h"
 #include "engine/dist/communicator.h"
 #include "engine/io/atomic_file.h"
 #include "engine/train/trainer.h"
