@@ -6,8 +6,8 @@
 # targets), on build/SHAPE.gguf (random BF16 weights, benchmarks/make_model.py), LoRA rank 16 on
 # the seven projections, bf16, batch 4 x 512, no checkpointing. Runs alternate, the fine-tune
 # first, RUNS times; each run's tokens/s (positions a second) is the median of its steps after the
-# first two, and the memory its steps held is compared with its budget. Prints each pair's ratio
-# and the medians.
+# first two, and the memory its steps held is compared with its budget; DPO's reference pass
+# before the first step is timed from its log. Prints each pair's ratio and the medians.
 #   benchmarks/preference_bench.sh          (SHAPE=qwen2-0.5b METHOD=dpo RUNS=3 STEPS=6)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +23,10 @@ cputrain=${CPUTRAIN:-build/cputrain}
 /usr/bin/python3 benchmarks/bench_data.py --pairs-as-sft build/preference_bench_sft.jsonl
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# One run: "tokens/s resident budget" (bytes): the resident memory the step lines compare with the
-# budget, the most of any step (the anonymous part where the base is read in place, as the
-# budget leaves its mapped file apart).
+# One run: "tokens/s resident budget reference_s": the resident memory (bytes) the step lines
+# compare with the budget, the most of any step (the anonymous part where the base is read in
+# place, as the budget leaves its mapped file apart); DPO's reference pass before the first step,
+# in seconds, from its log line (0 where there is none).
 one() {
   rm -rf "$tmp/run"
   "$cputrain" finetune --model "$model" --out "$tmp/run" --ctx 512 --batch 4 --accum 1 \
@@ -35,22 +36,25 @@ import json, statistics, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if 'tokens_per_s' in l]
 rates = [l['tokens_per_s'] for l in lines]
 held = max(l['rss_anon_bytes'] if l['mapped_bytes'] > 0 else l['peak_rss_bytes'] for l in lines)
-print(statistics.median(rates[2:] or rates), held, lines[-1]['budget_bytes'])" \
-    "$tmp/run/metrics.jsonl"
+ref = [l for l in open(sys.argv[2]) if 'reference: the log-probabilities of' in l]
+seconds = ref[0].split(' s; ')[0].rsplit(', ', 1)[1] if ref else 0
+print(statistics.median(rates[2:] or rates), held, lines[-1]['budget_bytes'], seconds)" \
+    "$tmp/run/metrics.jsonl" "$tmp/run/train.log"
 }
 sft=() pref=() ratios=()
 printf '%s, LoRA r16, bf16, batch 4 x 512, %s threads: finetune vs --method %s\n' \
   "$shape" "$threads" "$method"
-printf '%-6s %10s %12s %7s %14s %12s\n' run "sft tok/s" "$method tok/s" ratio "$method RSS GiB" \
-  "budget GiB"
+printf '%-6s %10s %12s %7s %14s %12s %14s\n' run "sft tok/s" "$method tok/s" ratio \
+  "$method RSS GiB" "budget GiB" "reference s"
 for ((i = 0; i < runs; i++)); do
-  read -r a _ _ < <(one --data build/preference_bench_sft.jsonl)
-  read -r b rss budget < <(one --method "$method" --data build/preference_bench.jsonl)
+  read -r a _ _ _ < <(one --data build/preference_bench_sft.jsonl)
+  read -r b rss budget reference < <(one --method "$method" --data build/preference_bench.jsonl)
   sft+=("$a") pref+=("$b")
   ratio=$(awk -v a="$a" -v b="$b" 'BEGIN {printf "%.3f", b / a}')
   ratios+=("$ratio")
-  printf '%-6s %10.0f %12.0f %7s %14.3f %12.3f\n' "$((i + 1))" "$a" "$b" "$ratio" \
-    "$(awk -v x="$rss" 'BEGIN {print x / 2^30}')" "$(awk -v x="$budget" 'BEGIN {print x / 2^30}')"
+  printf '%-6s %10.0f %12.0f %7s %14.3f %12.3f %14s\n' "$((i + 1))" "$a" "$b" "$ratio" \
+    "$(awk -v x="$rss" 'BEGIN {print x / 2^30}')" "$(awk -v x="$budget" 'BEGIN {print x / 2^30}')" \
+    "$reference"
 done
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR + 1) / 2)]}'; }
 printf '%-6s %10.0f %12.0f %7s\n' median "$(median "${sft[@]}")" "$(median "${pref[@]}")" \

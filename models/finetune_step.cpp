@@ -15,6 +15,21 @@ uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t slot) {
                     splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot)));
 }
 
+std::shared_ptr<Packing> pack_batch(std::span<const PackedRow* const> rows,
+                                    const std::vector<FinetuneExample>& examples, int32_t pad,
+                                    const Tensor& inputs, const Tensor& targets,
+                                    int64_t measured_targets) {
+  auto packing = std::make_shared<Packing>();
+  const int64_t ctx = inputs.dim(1);
+  if (measuring()) {
+    packing->lengths.assign(static_cast<size_t>(inputs.dim(0)), {ctx});
+    packing->measured_targets = measured_targets;
+  } else {
+    fill_packed_batch(rows, examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
+  }
+  return packing;
+}
+
 StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
@@ -28,15 +43,12 @@ StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
       [&](int64_t micro) {
         const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
         model.set_dropout_seed(micro_batch_seed(trainer.options().seed, step, slot));
-        auto packing = std::make_shared<Packing>();
-        if (measuring()) {
-          packing->lengths.assign(static_cast<size_t>(B), {ctx});
-          packing->measured_targets = measured_targets;
-        } else {
-          fill_packed_batch(rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B)),
-                            examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
-        }
-        return model.loss(inputs, targets, packing, std::max<int64_t>(normalizer, 1));
+        const auto mine = measuring()
+                              ? std::span<const PackedRow* const>()
+                              : rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B));
+        return model.loss(inputs, targets,
+                          pack_batch(mine, examples, pad, inputs, targets, measured_targets),
+                          std::max<int64_t>(normalizer, 1));
       },
       1, B * accum * ctx * ranks);
 }
@@ -66,14 +78,8 @@ double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExa
     const size_t n = std::min(all.size() - first, B);
     const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
     const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
-    auto packing = std::make_shared<Packing>();
-    if (measuring()) {
-      packing->lengths.assign(n, {ctx});
-      packing->measured_targets = measured_targets;
-    } else {
-      fill_packed_batch(std::span<const PackedRow* const>(all).subspan(first, n), examples, ctx,
-                        pad, in.i32(), tg.i32(), *packing);
-    }
+    const auto packing = pack_batch(std::span<const PackedRow* const>(all).subspan(first, n),
+                                    examples, pad, in, tg, measured_targets);
     // Each batch's sum over the targets: its loss with the whole set's count as divisor.
     const Variable loss = model.loss(in, tg, packing, std::max<int64_t>(total, 1));
     if (!measuring()) sums[first / B] = loss.value().f32()[0];

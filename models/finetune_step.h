@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -18,6 +19,14 @@ struct StepResult;
 // The seed of the adapters' dropout masks of micro-batch `slot` (of the job's) of step `step`
 // under a run's `seed`: a resumed run draws the masks the uninterrupted one did.
 uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t slot);
+
+// The packing of a batch of `rows` (packed rows), written into `inputs` and `targets` ((rows,
+// ctx) i32) by fill_packed_batch. While measuring, `rows` is not read: each of inputs' rows is one
+// sequence of ctx positions, the batch with `measured_targets` targets (0: all).
+std::shared_ptr<Packing> pack_batch(std::span<const PackedRow* const> rows,
+                                    const std::vector<FinetuneExample>& examples, int32_t pad,
+                                    const Tensor& inputs, const Tensor& targets,
+                                    int64_t measured_targets);
 
 // One fine-tuning step (Trainer::step_with) over `rows`: accum micro-batches of batch rows, each
 // written into `inputs` and `targets` ((batch, ctx) i32, the caller's) and packed, the loss of

@@ -114,16 +114,8 @@ Variable preference_batch_loss(DecoderModel& model, std::span<const PackedRow* c
                                const PreferenceBatches& b, int32_t pad, const Tensor& inputs,
                                const Tensor& targets, double pairs, double chosen_tokens,
                                int64_t measured_targets) {
-  const int64_t ctx = inputs.dim(1);
-  auto packing = std::make_shared<Packing>();
-  BatchSequences seq;
-  if (measuring()) {
-    packing->lengths.assign(static_cast<size_t>(inputs.dim(0)), {ctx});
-    packing->measured_targets = measured_targets;
-  } else {
-    fill_packed_batch(rows, *b.examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
-    seq = sequences_of(rows, *b.examples);
-  }
+  const auto packing = pack_batch(rows, *b.examples, pad, inputs, targets, measured_targets);
+  const BatchSequences seq = measuring() ? BatchSequences{} : sequences_of(rows, *b.examples);
   const Variable logps = model.target_log_probs(inputs, targets, packing);
   return pair_loss(logps, seq, b, std::max(pairs, 1.0), std::max(chosen_tokens, 1.0));
 }
@@ -136,13 +128,12 @@ StepResult preference_step(Trainer& trainer, DecoderModel& model, int64_t step,
   const Communicator* comm = trainer.options().comm;
   const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
   // The step's pairs, and (ORPO) its chosen tokens: the divisors of every micro-batch's loss.
-  double pairs = 0.0, chosen_tokens = 0.0;
+  const auto pairs = static_cast<double>(count_pairs(rows));
+  double chosen_tokens = 0.0;
   for (const PackedRow* row : rows)
-    for (size_t k = 0; k < row->examples.size(); k += 2) {
-      pairs += 1.0;
+    for (size_t k = 0; k < row->examples.size(); k += 2)  // each pair's chosen, then rejected
       chosen_tokens +=
           static_cast<double>(target_count((*b.examples)[static_cast<size_t>(row->examples[k])]));
-    }
   StepResult r = trainer.step_with(
       step,
       [&](int64_t micro) {
@@ -181,18 +172,14 @@ std::vector<double> sequence_log_probs(DecoderModel& model, const std::vector<Pa
     const size_t n = std::min(count - first, B);
     const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
     const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
-    auto packing = std::make_shared<Packing>();
-    BatchSequences seq;
     if (measuring()) {
-      packing->lengths.assign(n, {ctx});
-      packing->measured_targets = measured_targets;
-    } else {
-      const auto mine = std::span<const PackedRow* const>(all).subspan(first, n);
-      fill_packed_batch(mine, examples, ctx, pad, in.i32(), tg.i32(), *packing);
-      seq = sequences_of(mine, examples);
+      model.target_log_probs(in, tg, pack_batch({}, examples, pad, in, tg, measured_targets));
+      continue;
     }
-    const Variable logps = model.target_log_probs(in, tg, packing);
-    if (measuring()) continue;
+    const auto mine = std::span<const PackedRow* const>(all).subspan(first, n);
+    const Variable logps =
+        model.target_log_probs(in, tg, pack_batch(mine, examples, pad, in, tg, 0));
+    const BatchSequences seq = sequences_of(mine, examples);
     const float* v = logps.value().f32();
     for (size_t k = 0; k < seq.owner.size(); ++k)
       sums[static_cast<size_t>(seq.example[static_cast<size_t>(seq.owner[k])])] += v[k];
