@@ -9,11 +9,16 @@
 #include "models/decoder.h"
 
 namespace cputrain {
+namespace {
 
+// The seed of the adapters' dropout masks of micro-batch `slot` (of the job's) of step `step`
+// under a run's `seed`: a resumed run draws the masks the uninterrupted one did.
 uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t slot) {
   return splitmix64(seed ^
                     splitmix64(static_cast<uint64_t>(step) * 4096 + static_cast<uint64_t>(slot)));
 }
+
+}  // namespace
 
 std::shared_ptr<Packing> pack_batch(std::span<const PackedRow* const> rows,
                                     const std::vector<FinetuneExample>& examples, int32_t pad,
@@ -30,27 +35,36 @@ std::shared_ptr<Packing> pack_batch(std::span<const PackedRow* const> rows,
   return packing;
 }
 
+StepResult packed_rows_step(
+    Trainer& trainer, DecoderModel& model, int64_t step, std::span<const PackedRow* const> rows,
+    int64_t batch, int64_t ctx,
+    const std::function<Variable(std::span<const PackedRow* const> rows)>& loss) {
+  const Communicator* comm = trainer.options().comm;
+  const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  return trainer.step_with(
+      step,
+      [&](int64_t micro) {
+        const int64_t slot = micro * ranks + rank;  // the job's micro-batch of `batch` rows
+        model.set_dropout_seed(micro_batch_seed(trainer.options().seed, step, slot));
+        return loss(measuring() ? std::span<const PackedRow* const>()
+                                : rows.subspan(static_cast<size_t>(slot * batch),
+                                               static_cast<size_t>(batch)));
+      },
+      1, batch * trainer.options().accum * ctx * ranks);
+}
+
 StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          std::span<const PackedRow* const> rows,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
                          const Tensor& inputs, const Tensor& targets, int64_t measured_targets) {
-  const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
-  const Communicator* comm = trainer.options().comm;
-  const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
   const int64_t normalizer = count_targets(rows, examples);
-  return trainer.step_with(
-      step,
-      [&](int64_t micro) {
-        const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
-        model.set_dropout_seed(micro_batch_seed(trainer.options().seed, step, slot));
-        const auto mine = measuring()
-                              ? std::span<const PackedRow* const>()
-                              : rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B));
-        return model.loss(inputs, targets,
-                          pack_batch(mine, examples, pad, inputs, targets, measured_targets),
-                          std::max<int64_t>(normalizer, 1));
-      },
-      1, B * accum * ctx * ranks);
+  return packed_rows_step(trainer, model, step, rows, inputs.dim(0), inputs.dim(1),
+                          [&](std::span<const PackedRow* const> mine) {
+                            return model.loss(
+                                inputs, targets,
+                                pack_batch(mine, examples, pad, inputs, targets, measured_targets),
+                                std::max<int64_t>(normalizer, 1));
+                          });
 }
 
 double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExample>& examples,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -14,11 +15,8 @@ namespace cputrain {
 class Communicator;
 class DecoderModel;
 class Trainer;
+class Variable;
 struct StepResult;
-
-// The seed of the adapters' dropout masks of micro-batch `slot` (of the job's) of step `step`
-// under a run's `seed`: a resumed run draws the masks the uninterrupted one did.
-uint64_t micro_batch_seed(uint64_t seed, int64_t step, int64_t slot);
 
 // The packing of a batch of `rows` (packed rows), written into `inputs` and `targets` ((rows,
 // ctx) i32) by fill_packed_batch. While measuring, `rows` is not read: each of inputs' rows is one
@@ -27,6 +25,15 @@ std::shared_ptr<Packing> pack_batch(std::span<const PackedRow* const> rows,
                                     const std::vector<FinetuneExample>& examples, int32_t pad,
                                     const Tensor& inputs, const Tensor& targets,
                                     int64_t measured_targets);
+
+// Trainer::step_with over `rows`, the job's step of packed rows: micro-batch m of rank r of N takes
+// the `batch` rows from (m N + r) batch on (none while measuring), with the adapters' dropout
+// seeded for it (micro_batch_seed), and `loss` gives its loss from them; the step moves
+// batch x accum x ctx x N positions.
+StepResult packed_rows_step(
+    Trainer& trainer, DecoderModel& model, int64_t step, std::span<const PackedRow* const> rows,
+    int64_t batch, int64_t ctx,
+    const std::function<Variable(std::span<const PackedRow* const> rows)>& loss);
 
 // One fine-tuning step (Trainer::step_with) over `rows`: accum micro-batches of batch rows, each
 // written into `inputs` and `targets` ((batch, ctx) i32, the caller's) and packed, the loss of

@@ -124,9 +124,8 @@ StepResult preference_step(Trainer& trainer, DecoderModel& model, int64_t step,
                            std::span<const PackedRow* const> rows, const PreferenceBatches& b,
                            int32_t pad, const Tensor& inputs, const Tensor& targets,
                            int64_t measured_targets) {
-  const int64_t B = inputs.dim(0), ctx = inputs.dim(1), accum = trainer.options().accum;
   const Communicator* comm = trainer.options().comm;
-  const int64_t ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  const int64_t ranks = comm ? comm->size() : 1;
   // The step's pairs, and (ORPO) its chosen tokens: the divisors of every micro-batch's loss.
   const auto pairs = static_cast<double>(count_pairs(rows));
   double chosen_tokens = 0.0;
@@ -134,18 +133,12 @@ StepResult preference_step(Trainer& trainer, DecoderModel& model, int64_t step,
     for (size_t k = 0; k < row->examples.size(); k += 2)  // each pair's chosen, then rejected
       chosen_tokens +=
           static_cast<double>(target_count((*b.examples)[static_cast<size_t>(row->examples[k])]));
-  StepResult r = trainer.step_with(
-      step,
-      [&](int64_t micro) {
-        const int64_t slot = micro * ranks + rank;  // the job's micro-batch of B rows
-        model.set_dropout_seed(micro_batch_seed(trainer.options().seed, step, slot));
-        const auto mine = measuring()
-                              ? std::span<const PackedRow* const>()
-                              : rows.subspan(static_cast<size_t>(slot * B), static_cast<size_t>(B));
-        return preference_batch_loss(model, mine, b, pad, inputs, targets, pairs, chosen_tokens,
-                                     measured_targets);
-      },
-      1, B * accum * ctx * ranks);
+  StepResult r =
+      packed_rows_step(trainer, model, step, rows, inputs.dim(0), inputs.dim(1),
+                       [&](std::span<const PackedRow* const> mine) {
+                         return preference_batch_loss(model, mine, b, pad, inputs, targets, pairs,
+                                                      chosen_tokens, measured_targets);
+                       });
   if (b.stats && ranks > 1 && !measuring()) {
     std::array<double, PreferenceStats::kFields> v = b.stats->values();
     comm->all_reduce_sum(v.data(), static_cast<int64_t>(v.size()));
