@@ -28,6 +28,9 @@
 //   pairs along T    V, K as (T / 2, Dp): the right operand of P V and dS K;
 //   Q^T and dO^T     (Dp, T / 2) pairs along T: the left operand of dK^T = Q^T dS and
 //                    dV^T = dO^T P.
+// Where D is a multiple of 16 (no padding) and the products run on vdpbf16ps, Q's rows are read
+// where they are stored, and K^T, V's pairs along T, the means and the centred rows are packed
+// straight from the stored rows, without the copies as rows of pairs.
 // Forward: one task per (batch, query head), which packs Q, and its key/value head's K^T and V
 // unless the thread's previous task left them packed. Backward: one task per (batch, key/value
 // head), which packs the key/value head's operands (K, K^T, V^T, m_K, K - m_K) once, then runs
@@ -221,6 +224,34 @@ void key_tiles_transposed(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64
     transpose_words(dst + j0 * Dh, rows + j0 * Dh, kTile, Dh);
 }
 
+// The same straight from T stored rows of Dp bf16 values, `stride` values apart (Dp even):
+// keys at or past T zero.
+void key_tiles_transposed_from(uint32_t* dst, const uint16_t* src, int64_t stride, int64_t T,
+                               int64_t Tp, int64_t Dp) {
+  const int64_t Dh = Dp / 2;
+  for (int64_t j0 = 0; j0 < Tp; j0 += kTile)
+    for (int64_t r = 0; r < kTile; r += 16) {
+      const int rows = static_cast<int>(std::clamp<int64_t>(T - j0 - r, 0, 16));
+      detail::pack_transposed(dst + j0 * Dh + r, kTile, 16, src + (j0 + r) * stride, stride * 2,
+                              rows, Dh);
+    }
+}
+
+// Pairs along T straight from T stored rows of Dp bf16 values, `stride` values apart: dst[p][c]
+// = (src row 2p [c], src row 2p + 1 [c]) for p < Tp / 2, zero past T.
+void pairs_along_rows_from(uint32_t* dst, const uint16_t* src, int64_t stride, int64_t T,
+                           int64_t Tp, int64_t Dp) {
+  for (int64_t p = 0; p < Tp / 2; ++p) {
+    const uint16_t* r0 = 2 * p < T ? src + 2 * p * stride : nullptr;
+    const uint16_t* r1 = 2 * p + 1 < T ? src + (2 * p + 1) * stride : nullptr;
+    for (int64_t c = 0; c < Dp; c += 32) {
+      const int n = static_cast<int>(std::min<int64_t>(32, Dp - c));
+      detail::interleave_pairs(dst + p * Dp + c, r0 ? r0 + c : nullptr, r1 ? r1 + c : nullptr, n,
+                               n);
+    }
+  }
+}
+
 using vec::vf;
 
 constexpr float kLog2e = 1.44269504088896341f;
@@ -272,6 +303,26 @@ inline __m512 log_lanes(__m512 x) {
   return _mm512_fmadd_ps(e, _mm512_set1_ps(kLn2), _mm512_mul_ps(p, s));
 }
 
+// Lane r = the largest of the 16 lanes of x[r], r < 16: four rounds, each taking the larger of
+// two halves of each vector's lanes and packing two vectors' halves into one.
+inline __m512 row_maxima(const __m512 x[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0, 1: row 2i; 2, 3: row 2i + 1
+    a[i] = _mm512_max_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: row 4i + L
+    b[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane L, values 0, 1: row 8i + L; 2, 3: row 8i + 4 + L
+    c[i] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  // 128-bit lane L, value v: row L + 4 v.
+  const __m512 z =
+      _mm512_max_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  return _mm512_permutexvar_ps(
+      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
+}
+
 // Rounds 64 floats to bf16 into 32 pairs.
 inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
@@ -308,29 +359,29 @@ inline __m512 widen16(__m256i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-// The mean over rows 0..T of the bf16 rows (Dp values each, zero past D): mean[0:Dp].
-void column_means(float* mean, const uint32_t* rows, int64_t T, int64_t Dp) {
-  const auto* in = reinterpret_cast<const uint16_t*>(rows);
+// The mean over rows 0..T of the bf16 rows (Dp values each, zero past D, `stride` values
+// apart): mean[0:Dp].
+void column_means(float* mean, const uint16_t* in, int64_t stride, int64_t T, int64_t Dp) {
   for (int64_t d = 0; d < Dp; d += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = 0; t < T; ++t)
       acc = _mm512_add_ps(
-          acc, widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * Dp + d))));
+          acc, widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * stride + d))));
     _mm512_storeu_ps(mean + d, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / static_cast<float>(T))));
   }
 }
 
-// dst rows t < T: bf16(src row t - mean); rows T..Tp zero. Rows of Dp bf16 values.
-void rows_centered(uint32_t* dst, const uint32_t* src, const float* mean, int64_t T, int64_t Tp,
-                   int64_t Dp) {
-  const auto* in = reinterpret_cast<const uint16_t*>(src);
+// dst rows t < T: bf16(src row t - mean); rows T..Tp zero. Rows of Dp bf16 values, those of src
+// `stride` values apart.
+void rows_centered(uint32_t* dst, const uint16_t* in, int64_t stride, const float* mean, int64_t T,
+                   int64_t Tp, int64_t Dp) {
   auto* out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t t = 0; t < Tp; ++t)
     for (int64_t d = 0; d < Dp; d += 16) {
       __m256i r = _mm256_setzero_si256();
       if (t < T) {
         const __m512 x =
-            widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * Dp + d)));
+            widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * stride + d)));
         r = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_loadu_ps(mean + d)));
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * Dp + d), r);
@@ -419,6 +470,10 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
   const float coef = Capped ? kLog2e : scale * kLog2e;  // a score before it, in log2 units
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
+  // Q's rows read in place, and K and V packed from theirs, where a row is D whole pairs (AMX
+  // keeps the packed copies).
+  const bool in_place = D == Dp && !hd.amx;
+  const int64_t q_ld = in_place ? row / 2 : Dh;
 #pragma omp parallel
   {
     // Whole head, each Tp * Dh words: Q (query head), K, V (its key/value head) as rows of pairs,
@@ -439,12 +494,20 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
       const int64_t b = bh / H, h = bh % H, bkv = b * KVH + h / group;
       const int64_t off = b * T * row + h * D;
       const int64_t kv_off = b * T * kv_row + h / group * D;
-      rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
+      // Q read where it is stored where its rows are whole pairs (no padding); K and V packed
+      // from there.
+      const uint32_t* Qs = in_place ? reinterpret_cast<const uint32_t*>(q + off) : Qr;
+      if (!in_place) rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
       if (bkv != packed) {
-        rows_as_pairs(Kr, k + kv_off, kv_row, T, Tp, D, Dp);
-        key_tiles_transposed(Kt, Kr, Tp, Dp);
-        rows_as_pairs(Vr, v + kv_off, kv_row, T, Tp, D, Dp);
-        pairs_along_rows(Vi, Vr, Tp, Dp);
+        if (in_place) {
+          key_tiles_transposed_from(Kt, k + kv_off, kv_row, T, Tp, Dp);
+          pairs_along_rows_from(Vi, v + kv_off, kv_row, T, Tp, Dp);
+        } else {
+          rows_as_pairs(Kr, k + kv_off, kv_row, T, Tp, D, Dp);
+          key_tiles_transposed(Kt, Kr, Tp, Dp);
+          rows_as_pairs(Vr, v + kv_off, kv_row, T, Tp, D, Dp);
+          pairs_along_rows(Vi, Vr, Tp, Dp);
+        }
         packed = bkv;
       }
       for (int64_t i0 = 0; i0 < T; i0 += kTile) {
@@ -454,69 +517,74 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
         std::fill(l, l + 16 * rows, 0.0f);
         for (int64_t j0 = window_first_key_tile(i0, hd.window); j0 <= i0; j0 += kTile) {
           const int64_t cols = std::min(kTile, T - j0);
-          scores_product(hd.amx, j0 == i0, S, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows,
-                         Dh);
-          // R rows at a time, their chains of dependent instructions (the maximum's reduction,
-          // the exponentials) interleaved. The statistics m are in units of
-          // log2: m = max_c y_c * coef, with y the score before its scale (or after soft-capping)
-          // and coef what turns y into log2 units, so that p = 2^(y coef - m) is one
-          // multiply-add and exp2_lanes.
-          auto row_block = [&]<int R, bool Full>(int64_t r0, std::integral_constant<int, R>,
-                                                 std::bool_constant<Full>) {
+          scores_product(hd.amx, j0 == i0, S, kTile, Qs + i0 * q_ld, q_ld, Kt + j0 * Dh, kTile,
+                         rows, Dh);
+          // Rows 16 at a time: each row's maximum over its lanes, the 16 reduced together
+          // (row_maxima), the statistics m and the factors alpha of the 16 as vectors, then each
+          // row's exponentials. The statistics m are in units of log2: m = max_c y_c * coef, with
+          // y the score before its scale (or after soft-capping) and coef what turns y into log2
+          // units, so that p = 2^(y coef - m) is one multiply-add and exp2_lanes.
+          auto row_group = [&]<bool Full>(int64_t r0, int64_t n, std::bool_constant<Full>) {
             using Lanes = std::conditional_t<Full, AllLanes, RowLanes<Windowed>>;
-            __m512 x[R][4];
-            float mnew[R];
-#pragma GCC unroll 2
-            for (int q = 0; q < R; ++q) {
+            const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            __m512 mx[16];
+#pragma GCC unroll 16
+            for (int q = 0; q < 16; ++q) {
+              mx[q] = minus_inf;
+              if (q >= n) continue;
               const int64_t r = r0 + q;
               const Lanes lanes(i0 + r, j0, cols, hd.window);
-              __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
               for (int v4 = 0; v4 < 4; ++v4) {
-                x[q][v4] = _mm512_loadu_ps(S + r * kTile + 16 * v4);
+                __m512 x = _mm512_loadu_ps(S + r * kTile + 16 * v4);
                 if (Capped) {
                   __m512 t;
-                  x[q][v4] = soft_cap(_mm512_mul_ps(x[q][v4], _mm512_set1_ps(scale)), hd.cap, &t);
+                  x = soft_cap(_mm512_mul_ps(x, _mm512_set1_ps(scale)), hd.cap, &t);
+                  _mm512_storeu_ps(S + r * kTile + 16 * v4, x);
                 }
-                mx = _mm512_mask_max_ps(mx, lanes(16 * v4), mx, x[q][v4]);
+                mx[q] = _mm512_mask_max_ps(mx[q], lanes(16 * v4), mx[q], x);
               }
-              // Rounding is monotonic, so the maximum of y times coef is that of each y times
-              // coef.
-              mnew[q] = std::max(m[r], _mm512_reduce_max_ps(mx) * coef);
             }
+            // Rounding is monotonic, so the maximum of y times coef is that of each y times coef.
+            // m = -inf on a row's first tile: alpha ~ 0, and O and l are still 0. Where the
+            // maximum stays (most rows after the first few key tiles, and a row whose window
+            // starts past this tile) alpha is exactly 1.
+            const __mmask16 group = valid_lanes(0, n);
+            const __m512 m_old = _mm512_mask_loadu_ps(minus_inf, group, m + r0);
+            const __m512 m_new =
+                _mm512_max_ps(m_old, _mm512_mul_ps(row_maxima(mx), _mm512_set1_ps(coef)));
+            const __mmask16 rescale = _mm512_mask_cmp_ps_mask(group, m_new, m_old, _CMP_NEQ_UQ);
+            float alpha[16];
+            _mm512_storeu_ps(alpha, exp2_lanes(0xFFFF, _mm512_sub_ps(m_old, m_new)));
+            _mm512_mask_storeu_ps(m + r0, group, m_new);
 #pragma GCC unroll 2
-            for (int q = 0; q < R; ++q) {
+            for (int q = 0; q < n; ++q) {
               const int64_t r = r0 + q;
               const Lanes lanes(i0 + r, j0, cols, hd.window);
-              // m[r] = -inf on the first tile: alpha ~ 0, and O and l are still 0. Where the
-              // maximum stays (most rows after the first few key tiles, and a row whose window
-              // starts past this tile) alpha is exactly 1.
-              const bool rescale = mnew[q] != m[r];
-              const float alpha = rescale ? exp2_lanes(1, _mm512_set1_ps(m[r] - mnew[q]))[0] : 1.0f;
-              m[r] = mnew[q];
-              const __m512 shift = _mm512_set1_ps(mnew[q]);
+              const bool rescaled = (rescale >> q) & 1;
+              const __m512 shift = _mm512_set1_ps(m[r]);
+              __m512 x[4];
               __m512 sum = _mm512_setzero_ps();
               for (int v4 = 0; v4 < 4; ++v4) {
-                x[q][v4] = exp2_lanes(lanes(16 * v4),
-                                      _mm512_fmsub_ps(x[q][v4], _mm512_set1_ps(coef), shift));
-                sum = _mm512_add_ps(sum, x[q][v4]);
+                x[v4] = exp2_lanes(lanes(16 * v4),
+                                   _mm512_fmsub_ps(_mm512_loadu_ps(S + r * kTile + 16 * v4),
+                                                   _mm512_set1_ps(coef), shift));
+                sum = _mm512_add_ps(sum, x[v4]);
               }
               float* lr = l + 16 * r;
               _mm512_storeu_ps(
-                  lr, rescale ? _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha), sum)
-                              : _mm512_add_ps(_mm512_loadu_ps(lr), sum));
-              round_row(Pb + r * kTilePairs, x[q]);
+                  lr, rescaled ? _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[q]), sum)
+                               : _mm512_add_ps(_mm512_loadu_ps(lr), sum));
+              round_row(Pb + r * kTilePairs, x);
               float* o = O + r * Dp;
-              if (rescale)
+              if (rescaled)
                 for (int64_t d = 0; d < Dp; d += 16)
                   _mm512_storeu_ps(o + d,
-                                   _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha)));
+                                   _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(alpha[q])));
             }
           };
           const bool full = every_lane<Windowed>(i0, j0, rows, cols, hd.window);
           auto rows_of = [&]<bool Full>(std::bool_constant<Full> f) {
-            int64_t r = 0;
-            for (; r + 2 <= rows; r += 2) row_block(r, std::integral_constant<int, 2>{}, f);
-            if (r < rows) row_block(r, std::integral_constant<int, 1>{}, f);
+            for (int64_t r = 0; r < rows; r += 16) row_group(r, std::min<int64_t>(16, rows - r), f);
           };
           full ? rows_of(std::true_type{}) : rows_of(std::false_type{});
           probs_product(hd.amx, j0 == i0, O, Dp, Pb, kTilePairs, Vi + j0 / 2 * Dp, Dp, rows, Dp);
@@ -552,6 +620,7 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
   const float scale = hd.scale;
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
+  const bool in_place = D == Dp && !hd.amx;  // as in the forward
 #pragma omp parallel
   {
     // Each Tp * Dh words. Whole key/value head: K, V as rows of pairs; K^T and V^T per key tile;
@@ -581,16 +650,27 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
     for (int64_t bkv = 0; bkv < B * KVH; ++bkv) {
       const int64_t b = bkv / KVH, kh = bkv % KVH;
       const int64_t kv_off = b * T * kv_row + kh * D;
-      rows_as_pairs(Kr, k + kv_off, kv_row, T, Tp, D, Dp);
-      rows_as_pairs(Vr, v + kv_off, kv_row, T, Tp, D, Dp);
-      key_tiles_transposed(Kt, Kr, Tp, Dp);
-      key_tiles_transposed(Vt, Vr, Tp, Dp);
+      // K and V packed straight from where they are stored where a row is D whole pairs, else
+      // from a padded copy (Ks, ks_ld).
+      const uint16_t* Ks = k + kv_off;
+      int64_t ks_ld = kv_row;
+      if (in_place) {
+        key_tiles_transposed_from(Kt, k + kv_off, kv_row, T, Tp, Dp);
+        key_tiles_transposed_from(Vt, v + kv_off, kv_row, T, Tp, Dp);
+      } else {
+        rows_as_pairs(Kr, k + kv_off, kv_row, T, Tp, D, Dp);
+        rows_as_pairs(Vr, v + kv_off, kv_row, T, Tp, D, Dp);
+        key_tiles_transposed(Kt, Kr, Tp, Dp);
+        key_tiles_transposed(Vt, Vr, Tp, Dp);
+        Ks = reinterpret_cast<const uint16_t*>(Kr);
+        ks_ld = Dp;
+      }
       // dQ = dS K and dK = dS^T Q take K and Q less their means m: dS K = dS (K - m) + (dS 1) m,
       // the second term 0 but with soft-capping (the file's head), and dS^T Q likewise with the
       // column sums of dS exact in FP32. Where keys (queries) share a large component, the
       // rounding error of dS then scales with their spread, not their size.
-      column_means(k_mean, Kr, T, Dp);
-      rows_centered(Kc, Kr, k_mean, T, Tp, Dp);
+      column_means(k_mean, Ks, ks_ld, T, Dp);
+      rows_centered(Kc, Ks, ks_ld, k_mean, T, Tp, Dp);
       pairs_along_rows(Ki, Kc, Tp, Dp);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kh * group + g, bh = b * H + h;
@@ -599,10 +679,17 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
         // dk and dv: the group's first query head writes them (or adds, with accumulate), the
         // others add to that.
         const bool add = accumulate || g > 0;
-        rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
+        // Q read where it is stored, as K, or from a padded copy.
+        const uint16_t* Qs = q + off;
+        int64_t qs_ld = row;
+        if (!in_place) {
+          rows_as_pairs(Qr, q + off, row, T, Tp, D, Dp);
+          Qs = reinterpret_cast<const uint16_t*>(Qr);
+          qs_ld = Dp;
+        }
         rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
-        column_means(q_mean, Qr, T, Dp);
-        rows_centered(Qc, Qr, q_mean, T, Tp, Dp);
+        column_means(q_mean, Qs, qs_ld, T, Dp);
+        rows_centered(Qc, Qs, qs_ld, q_mean, T, Tp, Dp);
         pairs_along_rows(Qi, Qc, Tp, Dp);
         pairs_along_rows(Gi, Gr, Tp, Dp);
         transpose_words(QT, Qi, Tp / 2, Dp);
@@ -630,8 +717,9 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
           for (int64_t i0 = j0; i0 < window_query_end(j0, cols, T, hd.window); i0 += kTile) {
             const int64_t rows = std::min(kTile, T - i0);
             const bool diagonal = i0 == j0;
-            scores_product(hd.amx, diagonal, P, kTile, Qr + i0 * Dh, Dh, Kt + j0 * Dh, kTile, rows,
-                           Dh);
+            scores_product(hd.amx, diagonal, P, kTile,
+                           reinterpret_cast<const uint32_t*>(Qs + i0 * qs_ld), qs_ld / 2,
+                           Kt + j0 * Dh, kTile, rows, Dh);
             scores_product(hd.amx, diagonal, dP, kTile, Gr + i0 * Dh, Dh, Vt + j0 * Dh, kTile, rows,
                            Dh);
             // Rows two at a time: each row's dS rounded as a row of pairs along the keys, and the
