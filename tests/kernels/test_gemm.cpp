@@ -379,8 +379,9 @@ struct WeightGradientOperands {
 // The fused path computes each tile over the same K blocks in the same order as the blocked
 // path, so the two give the same bits: weight-gradient shapes that take it in FP32 and BF16
 // (tails in every dimension; K 700, 1031 and 1100, within and over the fused path's K blocks of
-// 1, 2 and 3 blocks of 512, whose products store the tile after each 512; beta 1 and 0.5),
-// fused against blocked.
+// 1, 2 and 3 blocks of 512, whose products store the tile after each 512; beta 1 and 0.5; more
+// columns than rows and, as an FFN's up projection, more rows than columns), fused against
+// blocked.
 TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   if (std::get<0>(GetParam()) != GemmBackend::Avx512)
     GTEST_SKIP() << "the fused path is the avx512 kernels'";
@@ -395,7 +396,8 @@ TEST_P(GemmTest, FusedPathGivesTheBlockedPathsBits) {
   gemm_set_direct(false);  // FP32 shapes like these take the direct path by default
   for (const Case& c : {Case{Transpose::Yes, Transpose::No, 300, 520, 1100, 3, 1.0f},
                         Case{Transpose::Yes, Transpose::No, 33, 1100, 700, 0, 0.5f},
-                        Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f}}) {
+                        Case{Transpose::Yes, Transpose::No, 150, 545, 1031, 1, 1.0f},
+                        Case{Transpose::Yes, Transpose::No, 1003, 300, 1031, 2, 1.0f}}) {
     const WeightGradientOperands ops(c, 20);
     for (int k_blocks : {1, 2, 3}) {
       gemm_set_fused_k_blocks(k_blocks);
