@@ -25,9 +25,11 @@
 // The operands, each packed once per head that owns it:
 //   pairs along D    Q, K, dO rows as (T, Dp / 2) pairs: the left operand of S and dP;
 //   K^T and V^T      per key tile, (Dp / 2, 64) pairs: the right operand of S and dP;
-//   pairs along T    V, K as (T / 2, Dp): the right operand of P V and dS K;
-//   Q^T and dO^T     (Dp, T / 2) pairs along T: the left operand of dK^T = Q^T dS and
-//                    dV^T = dO^T P.
+//   pairs along T    V, K, Q, dO as (T / 2, Dp): the right operand of P V, dS K, and of
+//                    dK = dS^T Q and dV = P^T dO, whose left operands dS^T and P^T are read
+//                    down the columns of dS and P as pairs along the queries;
+//   Q^T and dO^T     (Dp, T / 2) pairs along T, on AMX only, whose tiles take rows: the left
+//                    operand of dK^T = Q^T dS and dV^T = dO^T P there (the same sums).
 // Where D is a multiple of 16 (no padding) and the products run on vdpbf16ps, Q's rows are read
 // where they are stored, and K^T, V's pairs along T, the means and the centred rows are packed
 // straight from the stored rows, without the copies as rows of pairs.
@@ -71,8 +73,9 @@ uint32_t* thread_buffer(size_t words) {
   return buffer.data();
 }
 
-// R rows x NV vectors of C (+)= sum_p A[r][p] . B[p][16 v ..], the dot products of bf16 pairs.
-template <int R, int NV>
+// R rows x NV vectors of C (+)= sum_p A[r][p] . B[p][16 v ..], the dot products of bf16 pairs;
+// A[r][p] at A[r * lda + p], or with PairRows at A[p * lda + r] (A stored as pairs x rows).
+template <int R, int NV, bool PairRows = false>
 inline __attribute__((always_inline)) void dp_block(float* C, int64_t ldc, const uint32_t* A,
                                                     int64_t lda, const uint32_t* B, int64_t ldb,
                                                     int64_t pairs, bool accumulate) {
@@ -88,7 +91,8 @@ inline __attribute__((always_inline)) void dp_block(float* C, int64_t ldc, const
     for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + 16 * v);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(A[r * lda + p]));
+      const uint32_t pair = PairRows ? A[p * lda + r] : A[r * lda + p];
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
@@ -99,21 +103,46 @@ inline __attribute__((always_inline)) void dp_block(float* C, int64_t ldc, const
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, acc[r][v]);
 }
 
-template <int NV>
+template <int NV, bool PairRows = false>
 void dp_columns(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
                 int64_t ldb, int64_t M, int64_t pairs, bool accumulate) {
+  const int64_t row_step = PairRows ? 1 : lda;  // from one row of A to the next
   int64_t m = 0;
   for (; m + 6 <= M; m += 6)
-    dp_block<6, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+    dp_block<6, NV, PairRows>(C + m * ldc, ldc, A + m * row_step, lda, B, ldb, pairs, accumulate);
   if (m + 4 <= M) {
-    dp_block<4, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+    dp_block<4, NV, PairRows>(C + m * ldc, ldc, A + m * row_step, lda, B, ldb, pairs, accumulate);
     m += 4;
   }
   if (m + 2 <= M) {
-    dp_block<2, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+    dp_block<2, NV, PairRows>(C + m * ldc, ldc, A + m * row_step, lda, B, ldb, pairs, accumulate);
     m += 2;
   }
-  if (m < M) dp_block<1, NV>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, pairs, accumulate);
+  if (m < M)
+    dp_block<1, NV, PairRows>(C + m * ldc, ldc, A + m * row_step, lda, B, ldb, pairs, accumulate);
+}
+
+// C[0:M, 0:N] += A^T B over `pairs` bf16 pairs on vdpbf16ps: A stored as pairs x M (row stride
+// lda), B (pairs x N, row stride ldb), N a multiple of 16. The same sums, term for term, as
+// dp_product of A's transpose (a product of two bf16 values is exact in FP32).
+void dp_product_pair_rows(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
+                          int64_t ldb, int64_t M, int64_t N, int64_t pairs) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    switch (std::min<int64_t>(4, (N - n0) / 16)) {
+      case 4:
+        dp_columns<4, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
+        break;
+      case 3:
+        dp_columns<3, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
+        break;
+      case 2:
+        dp_columns<2, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
+        break;
+      default:
+        dp_columns<1, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
+        break;
+    }
+  }
 }
 
 // C[0:M, 0:N] (+)= A B over `pairs` bf16 pairs: A (M x pairs, row stride lda), B (pairs x N,
@@ -351,6 +380,18 @@ void add_transposed(float* dst, int64_t row, const float* src, float* scratch, i
       float* out = dst + c * row + d;
       const __m512 base = accumulate ? _mm512_maskz_loadu_ps(lanes, out) : _mm512_setzero_ps();
       _mm512_mask_storeu_ps(out, lanes, _mm512_add_ps(base, _mm512_loadu_ps(scratch + c * Dp + d)));
+    }
+}
+
+// dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[c * Dp + d] for c < cols, d < D.
+void add_rows(float* dst, int64_t row, const float* src, int64_t cols, int64_t D, int64_t Dp,
+              bool accumulate) {
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 lanes = valid_lanes(d, D);
+      float* out = dst + c * row + d;
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(lanes, out) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(out, lanes, _mm512_add_ps(base, _mm512_loadu_ps(src + c * Dp + d)));
     }
 }
 
@@ -692,8 +733,10 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
         rows_centered(Qc, Qs, qs_ld, q_mean, T, Tp, Dp);
         pairs_along_rows(Qi, Qc, Tp, Dp);
         pairs_along_rows(Gi, Gr, Tp, Dp);
-        transpose_words(QT, Qi, Tp / 2, Dp);
-        transpose_words(GT, Gi, Tp / 2, Dp);
+        if (hd.amx) {  // dK^T and dV^T on AMX tiles take Q^T and dO^T as rows
+          transpose_words(QT, Qi, Tp / 2, Dp);
+          transpose_words(GT, Gi, Tp / 2, Dp);
+        }
         // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
         const auto* g16 = reinterpret_cast<const uint16_t*>(Gr);
         for (int64_t i = 0; i < T; ++i) {
@@ -779,24 +822,46 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
             std::fill(dSb + rows * kTilePairs, dSb + kTile * kTilePairs, 0u);
             for (uint32_t* rounded : {Pi, dSi})
               std::fill(rounded + (rows + 1) / 2 * kTile, rounded + kTilePairs * kTile, 0u);
-            // dV^T += dO^T P, dK^T += (Q - m_Q)^T dS, dQ += dS (K - m_K) (the scale is in dS).
-            dp_product(hd.amx, dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs,
-                       true);
-            dp_product(hd.amx, dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs,
-                       true);
+            // dV += P^T dO, dK += dS^T (Q - m_Q) (on AMX: dV^T += dO^T P, dK^T += (Q - m_Q)^T dS,
+            // the same sums), dQ += dS (K - m_K) (the scale is in dS).
+            if (hd.amx) {
+              dp_product(true, dVT, kTile, GT + i0 / 2, Tp / 2, Pi, kTile, Dp, kTile, kTilePairs,
+                         true);
+              dp_product(true, dKT, kTile, QT + i0 / 2, Tp / 2, dSi, kTile, Dp, kTile, kTilePairs,
+                         true);
+            } else {
+              dp_product_pair_rows(dVT, Dp, Pi, kTile, Gi + i0 / 2 * Dp, Dp, kTile, Dp, kTilePairs);
+              dp_product_pair_rows(dKT, Dp, dSi, kTile, Qi + i0 / 2 * Dp, Dp, kTile, Dp,
+                                   kTilePairs);
+            }
             probs_product(hd.amx, diagonal, dQ + i0 * Dp, Dp, dSb, kTilePairs, Ki + j0 / 2 * Dp, Dp,
                           rows, Dp);
           }
-          // dK^T += m_Q (column sums of dS)^T, with this query head's m_Q
-          for (int64_t d = 0; d < Dp; ++d) {
-            const __m512 m = _mm512_set1_ps(q_mean[d]);
-            for (int v4 = 0; v4 < 4; ++v4) {
-              float* o = dKT + d * kTile + 16 * v4;
-              _mm512_storeu_ps(o, _mm512_fmadd_ps(m, cs[v4], _mm512_loadu_ps(o)));
+          // dK += (column sums of dS) m_Q^T, with this query head's m_Q
+          if (hd.amx) {
+            for (int64_t d = 0; d < Dp; ++d) {
+              const __m512 m = _mm512_set1_ps(q_mean[d]);
+              for (int v4 = 0; v4 < 4; ++v4) {
+                float* o = dKT + d * kTile + 16 * v4;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(m, cs[v4], _mm512_loadu_ps(o)));
+              }
             }
+            add_transposed(dk + kv_off + j0 * kv_row, kv_row, dKT, scratch, cols, D, Dp, add);
+            add_transposed(dv + kv_off + j0 * kv_row, kv_row, dVT, scratch, cols, D, Dp, add);
+          } else {
+            alignas(64) float col_sums[kTile];
+            for (int v4 = 0; v4 < 4; ++v4) _mm512_store_ps(col_sums + 16 * v4, cs[v4]);
+            for (int64_t c = 0; c < cols; ++c) {
+              const __m512 sum = _mm512_set1_ps(col_sums[c]);
+              for (int64_t d = 0; d < Dp; d += 16) {
+                float* o = dKT + c * Dp + d;
+                _mm512_storeu_ps(
+                    o, _mm512_fmadd_ps(_mm512_loadu_ps(q_mean + d), sum, _mm512_loadu_ps(o)));
+              }
+            }
+            add_rows(dk + kv_off + j0 * kv_row, kv_row, dKT, cols, D, Dp, add);
+            add_rows(dv + kv_off + j0 * kv_row, kv_row, dVT, cols, D, Dp, add);
           }
-          add_transposed(dk + kv_off + j0 * kv_row, kv_row, dKT, scratch, cols, D, Dp, add);
-          add_transposed(dv + kv_off + j0 * kv_row, kv_row, dVT, scratch, cols, D, Dp, add);
         }
         for (int64_t i = 0; i < T; ++i) {
           float* gq = dq + off + i * row;
