@@ -368,21 +368,6 @@ inline void interleave_rows(uint32_t* dst, const __m512 a[4], const __m512 b[4])
                         _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b[v], a[v])));
 }
 
-// dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[d * kTile + c] for c < cols,
-// d < D: src (Dp x kTile) transposed through scratch (kTile x Dp).
-void add_transposed(float* dst, int64_t row, const float* src, float* scratch, int64_t cols,
-                    int64_t D, int64_t Dp, bool accumulate) {
-  transpose_words(reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<const uint32_t*>(src), Dp,
-                  kTile);
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 lanes = valid_lanes(d, D);
-      float* out = dst + c * row + d;
-      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(lanes, out) : _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(out, lanes, _mm512_add_ps(base, _mm512_loadu_ps(scratch + c * Dp + d)));
-    }
-}
-
 // dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[c * Dp + d] for c < cols, d < D.
 void add_rows(float* dst, int64_t row, const float* src, int64_t cols, int64_t D, int64_t Dp,
               bool accumulate) {
@@ -393,6 +378,15 @@ void add_rows(float* dst, int64_t row, const float* src, int64_t cols, int64_t D
       const __m512 base = accumulate ? _mm512_maskz_loadu_ps(lanes, out) : _mm512_setzero_ps();
       _mm512_mask_storeu_ps(out, lanes, _mm512_add_ps(base, _mm512_loadu_ps(src + c * Dp + d)));
     }
+}
+
+// dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[d * kTile + c] for c < cols,
+// d < D: src (Dp x kTile) transposed through scratch (kTile x Dp).
+void add_transposed(float* dst, int64_t row, const float* src, float* scratch, int64_t cols,
+                    int64_t D, int64_t Dp, bool accumulate) {
+  transpose_words(reinterpret_cast<uint32_t*>(scratch), reinterpret_cast<const uint32_t*>(src), Dp,
+                  kTile);
+  add_rows(dst, row, scratch, cols, D, Dp, accumulate);
 }
 
 // 16 bf16 values as floats.
