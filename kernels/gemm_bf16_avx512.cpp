@@ -86,8 +86,7 @@ struct Bf16Avx512 {
   // The values of a stored row of A that fused_pack_a reads (a whole vector from the micro-panel's
   // first column, read_bf16_row), all of which are fetched ahead: the line of the panel's MR
   // values alone leaves the next one unfetched where the vector reaches into it, and the packing
-  // then waits on memory (it took a fifth of a weight gradient's time where a sixteenth does the
-  // packing).
+  // then waits on memory (docs/tuning-log.md).
   static constexpr int64_t kAReadWidth = 32;
   // A packed once for all threads where a thread's B block overflows L2 (gemm_fused.h). Not on
   // FP32, whose packing of A is a copy, cheaper than sharing it.
@@ -96,7 +95,8 @@ struct Bf16Avx512 {
   // reads all of A there, so the fused path takes the shapes it measured ahead on against the
   // blocked path: up to 6 times as many rows as columns (a layer's weight gradients), and small
   // products, where the blocked path's barrier per K block is a large part of the time. An LM
-  // head's (rows 16 or 32 times the columns) runs 10% faster on the blocked path.
+  // head's (rows 16 or 32 times the columns) stays on the blocked path, faster there
+  // (docs/tuning-log.md).
   static bool fused_suits(int64_t M, int64_t N, int64_t K) {
     return M <= 6 * N || 2.0 * static_cast<double>(M) * static_cast<double>(N) * K < 5e8;
   }
