@@ -122,27 +122,36 @@ void dp_columns(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uin
     dp_block<1, NV, PairRows>(C + m * ldc, ldc, A + m * row_step, lda, B, ldb, pairs, accumulate);
 }
 
+// C[0:M, 0:N] (+)= A B over `pairs` bf16 pairs on vdpbf16ps, 64 columns at a time: A as
+// dp_block reads it (PairRows: stored as pairs x M), B (pairs x N, row stride ldb), N a multiple
+// of 16.
+template <bool PairRows>
+void dp_column_blocks(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
+                      int64_t ldb, int64_t M, int64_t N, int64_t pairs, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    switch (std::min<int64_t>(4, (N - n0) / 16)) {
+      case 4:
+        dp_columns<4, PairRows>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+      case 3:
+        dp_columns<3, PairRows>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+      case 2:
+        dp_columns<2, PairRows>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+      default:
+        dp_columns<1, PairRows>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
+        break;
+    }
+  }
+}
+
 // C[0:M, 0:N] += A^T B over `pairs` bf16 pairs on vdpbf16ps: A stored as pairs x M (row stride
 // lda), B (pairs x N, row stride ldb), N a multiple of 16. The same sums, term for term, as
 // dp_product of A's transpose (a product of two bf16 values is exact in FP32).
 void dp_product_pair_rows(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
                           int64_t ldb, int64_t M, int64_t N, int64_t pairs) {
-  for (int64_t n0 = 0; n0 < N; n0 += 64) {
-    switch (std::min<int64_t>(4, (N - n0) / 16)) {
-      case 4:
-        dp_columns<4, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
-        break;
-      case 3:
-        dp_columns<3, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
-        break;
-      case 2:
-        dp_columns<2, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
-        break;
-      default:
-        dp_columns<1, true>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, true);
-        break;
-    }
-  }
+  dp_column_blocks<true>(C, ldc, A, lda, B, ldb, M, N, pairs, true);
 }
 
 // C[0:M, 0:N] (+)= A B over `pairs` bf16 pairs: A (M x pairs, row stride lda), B (pairs x N,
@@ -158,22 +167,7 @@ void dp_product(bool amx, float* C, int64_t ldc, const uint32_t* A, int64_t lda,
     A += tiled * lda;
     M -= tiled;
   }
-  for (int64_t n0 = 0; n0 < N; n0 += 64) {
-    switch (std::min<int64_t>(4, (N - n0) / 16)) {
-      case 4:
-        dp_columns<4>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
-        break;
-      case 3:
-        dp_columns<3>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
-        break;
-      case 2:
-        dp_columns<2>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
-        break;
-      default:
-        dp_columns<1>(C + n0, ldc, A, lda, B + n0, ldb, M, pairs, accumulate);
-        break;
-    }
-  }
+  dp_column_blocks<false>(C, ldc, A, lda, B, ldb, M, N, pairs, accumulate);
 }
 
 // On a diagonal tile (the key tile from the query tile's first query), query r attends keys up
