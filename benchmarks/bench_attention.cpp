@@ -9,14 +9,18 @@
 //   build/bench_attention --benchmark_filter=mega
 //
 // Benchmarks are named attention/<path>/<preset>/<forward|backward>, counters GFLOPS and
-// pct_peak. Sliding windows (Gemma 3 1B's layer: 4 heads of 256, a window of 512): the forward
-// and backward of each path at contexts of 2x and 4x the window, with the window and without,
-// named attention/<path>/window512_T<T>/... and attention/<path>/full_T<T>/...; counter
-// us_per_token (a windowed layer's stays level as the context grows, a full one's grows with
-// it).
+// pct_peak (of the peak measured at the start); a table at the end gives the median GFLOP/s of
+// each over its repetitions and its % of the higher of the peaks measured at the start and the
+// end, so that a start in a slow spell does not inflate it. Sliding windows (Gemma 3 1B's layer: 4
+// heads of 256, a window of 512): the forward and backward of each path at contexts of 2x and 4x
+// the window, with the window and without, named attention/<path>/window512_T<T>/... and
+// attention/<path>/full_T<T>/...; counter us_per_token (a windowed layer's stays level as the
+// context grows, a full one's grows with it).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -32,6 +36,10 @@ namespace cputrain::bench {
 namespace {
 
 kernels::Peak peak;
+
+// "path/preset/pass" -> GFLOP/s of each reported repetition, in the order first run.
+std::map<std::string, std::vector<double>> results;
+std::vector<std::string> order;
 
 struct Dims {
   std::string preset;
@@ -80,12 +88,38 @@ void run_one(benchmark::State& state, const Dims& s, bool bf16, bool backward) {
   forward();
   if (!bf16) kernels::fp32_to_bf16_array(out16.data(), out.data(), s.n());
   call();  // warm-up: thread buffers
-  const double seconds = timed_median(state, call);
+  bool reported = false;
+  const double seconds = timed_median(state, call, &reported);
   // S = Q K^T and O = P V over the pairs: 2 x 2 D FLOPs a pair.
   const double fwd_flops = 4.0 * s.B * s.H * s.pairs() * s.D;
   const double gflops = (backward ? 2.5 : 1.0) * fwd_flops / seconds / 1e9;
   report_gflops(state, gflops, peak, bf16);
+  if (reported) {
+    const std::string key = std::string(bf16 ? "bf16" : "fp32") + "/" + s.preset + "/" +
+                            (backward ? "backward" : "forward");
+    if (!results.count(key)) order.push_back(key);
+    results[key].push_back(gflops);
+  }
   state.counters["us_per_token"] = seconds * 1e6 / static_cast<double>(s.B * s.T);
+}
+
+// The table: each benchmark's median GFLOP/s over its repetitions, % of the higher peak.
+void print_summary(const kernels::Peak& start, const kernels::Peak& end) {
+  if (results.empty()) return;
+  const kernels::Peak top = kernels::higher_peak(start, end);
+  std::printf(
+      "\npeak GFLOP/s, all threads, at the start / the end: f32 %.1f / %.1f, bf16 %.1f / %.1f\n",
+      start.f32_all_threads, end.f32_all_threads, start.bf16_best_all_threads(),
+      end.bf16_best_all_threads());
+  std::printf("%%peak is of the higher of the two; GFLOP/s, the median of the repetitions\n");
+  std::printf("%-40s %9s %7s\n", "path/preset/pass", "GFLOP/s", "%peak");
+  for (const std::string& key : order) {
+    std::vector<double> v = results[key];
+    std::sort(v.begin(), v.end());
+    const double gflops = v[v.size() / 2];
+    const double p = key.rfind("bf16/", 0) == 0 ? top.bf16_best_all_threads() : top.f32_all_threads;
+    std::printf("%-40s %9.1f %6.1f%%\n", key.c_str(), gflops, p > 0 ? 100 * gflops / p : 0.0);
+  }
 }
 
 }  // namespace
@@ -143,6 +177,7 @@ int main(int argc, char** argv) {
     }
   }
   benchmark::RunSpecifiedBenchmarks();
+  print_summary(peak, cputrain::kernels::measure_peak());
   benchmark::Shutdown();
   return 0;
 }
