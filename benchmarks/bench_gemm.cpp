@@ -183,14 +183,17 @@ void print_summary(const std::vector<Shape>& shapes, const kernels::Peak& start,
         std::string(dtype) == "bf16" ? peak.bf16_best_all_threads() : peak.f32_all_threads;
     for (const Shape& s : shapes) {
       const std::string key = std::string(dtype) + "/" + s.preset + "/" + s.product + "/";
-      if (!results.count(key + "ours") || !results.count(key + "onednn")) continue;
-      const double ours = median(results[key + "ours"]), dnnl = median(results[key + "onednn"]);
-      const double eigen = results.count(key + "eigen") ? median(results[key + "eigen"]) : 0.0;
+      // A filter may leave out oneDNN (or ours): its columns then read 0.
+      if (!results.count(key + "ours") && !results.count(key + "onednn")) continue;
+      const auto of = [&](const char* impl) {
+        return results.count(key + impl) ? median(results[key + impl]) : 0.0;
+      };
+      const double ours = of("ours"), dnnl = of("onednn"), eigen = of("eigen");
       std::printf("%-5s %-9s %-12s %6ld %6ld %6ld  %7.1f %7.1f  %9.1f%% %12.1f%% %12.2f  %5.1f\n",
                   dtype, s.preset.c_str(), s.product.c_str(), static_cast<long>(s.M),
                   static_cast<long>(s.N), static_cast<long>(s.K), ours, dnnl,
-                  top > 0 ? 100 * ours / top : 0.0, top > 0 ? 100 * dnnl / top : 0.0, ours / dnnl,
-                  eigen);
+                  top > 0 ? 100 * ours / top : 0.0, top > 0 ? 100 * dnnl / top : 0.0,
+                  dnnl > 0 ? ours / dnnl : 0.0, eigen);
     }
   }
 }
