@@ -18,7 +18,6 @@
 // context grows, a full one's grows with it).
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -114,9 +113,7 @@ void print_summary(const kernels::Peak& start, const kernels::Peak& end) {
   std::printf("%%peak is of the higher of the two; GFLOP/s, the median of the repetitions\n");
   std::printf("%-40s %9s %7s\n", "path/preset/pass", "GFLOP/s", "%peak");
   for (const std::string& key : order) {
-    std::vector<double> v = results[key];
-    std::sort(v.begin(), v.end());
-    const double gflops = v[v.size() / 2];
+    const double gflops = median(results[key]);
     const double p = key.rfind("bf16/", 0) == 0 ? top.bf16_best_all_threads() : top.f32_all_threads;
     std::printf("%-40s %9.1f %6.1f%%\n", key.c_str(), gflops, p > 0 ? 100 * gflops / p : 0.0);
   }

@@ -40,10 +40,6 @@ using kernels::Transpose;
 // "dtype/preset/product/impl" -> GFLOP/s of each repetition; the summary takes the median.
 std::map<std::string, std::vector<double>> results;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 kernels::Peak peak;
 
 void run_one(benchmark::State& state, const Shape& s, const std::string& impl, bool bf16) {

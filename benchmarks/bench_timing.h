@@ -18,6 +18,12 @@ namespace cputrain::bench {
 // The least time, in seconds, of a run Google Benchmark reports (MinTime of every benchmark).
 constexpr double kMinSeconds = 0.3;
 
+// The median of v (the upper one of an even count), for the programs' closing tables.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 // Runs call once per iteration of state, reporting its time; returns the median in seconds, and
 // in *reported whether Google Benchmark reports this run: it first runs a benchmark with 1, 10,
 // ... iterations to find how many fill kMinSeconds, and reports only the run that does.
