@@ -430,12 +430,16 @@ struct Head {
         group(H / KVH),
         Dp((D + 15) / 16 * 16),
         Dh(Dp / 2),
-        Tp((T + kTile - 1) / kTile * kTile) {}
+        Tp((T + kTile - 1) / kTile * kTile),
+        in_place(D == Dp && !amx) {}
   bool amx;  // products on AMX tiles
   float scale;
   float cap;       // soft-capping's cap, 0 for none
   int64_t window;  // the sliding window, 0 for none
   int64_t row, kv_row, group, Dp, Dh, Tp;
+  // Q, K and V read where they are stored, not copied as padded rows of pairs: where a row is D
+  // whole pairs and the products run on vdpbf16ps (AMX keeps the copies).
+  bool in_place;
 };
 
 // The lanes of a row of scores, query i against the key tile from j0 (cols keys): the keys up to
@@ -499,18 +503,17 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
   const float coef = Capped ? kLog2e : scale * kLog2e;  // a score before it, in log2 units
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
-  // Q's rows read in place, and K and V packed from theirs, where a row is D whole pairs (AMX
-  // keeps the packed copies).
-  const bool in_place = D == Dp && !hd.amx;
+  const bool in_place = hd.in_place;
   const int64_t q_ld = in_place ? row / 2 : Dh;
 #pragma omp parallel
   {
-    // Whole head, each Tp * Dh words: Q (query head), K, V (its key/value head) as rows of pairs,
-    // K^T per key tile, V as pairs along T; per query tile the scores, the output, P as bf16 and
-    // the row statistics.
-    Carve<0> head(5 * Tp * Dh);
-    uint32_t *Qr = head.words(Tp * Dh), *Kr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
-    uint32_t *Vr = head.words(Tp * Dh), *Vi = head.words(Tp * Dh);
+    // Whole head, each Tp * Dh words: Q (query head), K, V (its key/value head) as rows of pairs
+    // (not in place), K^T per key tile, V as pairs along T; per query tile the scores, the
+    // output, P as bf16 and the row statistics.
+    Carve<0> head((in_place ? 2 : 5) * Tp * Dh);
+    const auto copy = [&] { return in_place ? nullptr : head.words(Tp * Dh); };
+    uint32_t *Qr = copy(), *Kr = copy(), *Vr = copy();
+    uint32_t *Kt = head.words(Tp * Dh), *Vi = head.words(Tp * Dh);
     Carve<1> tile(kTile * kTile + kTile * Dp + kTile * kTilePairs + 18 * kTile);
     float *S = tile.floats(kTile * kTile), *O = tile.floats(kTile * Dp);
     uint32_t* Pb = tile.words(kTile * kTilePairs);
@@ -649,28 +652,30 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
   const float scale = hd.scale;
   const int64_t row = hd.row, kv_row = hd.kv_row, group = hd.group;
   const int64_t Dp = hd.Dp, Dh = hd.Dh, Tp = hd.Tp;
-  const bool in_place = D == Dp && !hd.amx;  // as in the forward
+  const bool in_place = hd.in_place;
 #pragma omp parallel
   {
-    // Each Tp * Dh words. Whole key/value head: K, V as rows of pairs; K^T and V^T per key tile;
-    // K less its mean, as rows and as pairs along T. Whole query head: Q, dO as rows of pairs; Q
-    // less its mean (rows); Q less its mean and dO as pairs along T; (Q less its mean)^T and
-    // dO^T.
-    Carve<0> head(13 * Tp * Dh);
-    uint32_t *Kr = head.words(Tp * Dh), *Vr = head.words(Tp * Dh), *Kt = head.words(Tp * Dh);
-    uint32_t *Vt = head.words(Tp * Dh), *Kc = head.words(Tp * Dh), *Ki = head.words(Tp * Dh);
-    uint32_t *Qr = head.words(Tp * Dh), *Gr = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
+    // Each Tp * Dh words. Whole key/value head: K, V as rows of pairs (not in place); K^T and V^T
+    // per key tile; K less its mean, as rows and as pairs along T. Whole query head: Q (not in
+    // place), dO as rows of pairs; Q less its mean (rows); Q less its mean and dO as pairs along
+    // T; on AMX, (Q less its mean)^T and dO^T.
+    Carve<0> head((13 - (in_place ? 3 : 0) - (hd.amx ? 0 : 2)) * Tp * Dh);
+    const auto copy = [&] { return in_place ? nullptr : head.words(Tp * Dh); };
+    const auto on_amx = [&] { return hd.amx ? head.words(Tp * Dh) : nullptr; };
+    uint32_t *Kr = copy(), *Vr = copy(), *Qr = copy(), *QT = on_amx(), *GT = on_amx();
+    uint32_t *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh), *Kc = head.words(Tp * Dh);
+    uint32_t *Ki = head.words(Tp * Dh), *Gr = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
     uint32_t *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
-    uint32_t *QT = head.words(Tp * Dh), *GT = head.words(Tp * Dh);
     // dQ, D_i and, with soft-capping, the row sums of dS of the query head (16 partial sums a
     // row, added up once the row's last tile is done); the means of K and Q; per key tile dK^T and
-    // dV^T; per tile pair P, dP, P as bf16 pairs along T, dS as bf16 rows and pairs along T.
-    Carve<1> tile(Tp * Dp + 17 * Tp + 2 * Dp + 3 * Dp * kTile + 2 * kTile * kTile +
+    // dV^T (dK and dV where not on AMX), and on AMX the scratch of their transposes; per tile
+    // pair P, dP, P as bf16 pairs along T, dS as bf16 rows and pairs along T.
+    Carve<1> tile(Tp * Dp + 17 * Tp + 2 * Dp + (hd.amx ? 3 : 2) * Dp * kTile + 2 * kTile * kTile +
                   3 * kTile * kTilePairs);
     float *dQ = tile.floats(Tp * Dp), *Di = tile.floats(Tp), *row_sum = tile.floats(16 * Tp);
     float *k_mean = tile.floats(Dp), *q_mean = tile.floats(Dp);
     float *dKT = tile.floats(Dp * kTile), *dVT = tile.floats(Dp * kTile);
-    float* scratch = tile.floats(Dp * kTile);
+    float* scratch = hd.amx ? tile.floats(Dp * kTile) : nullptr;
     float *P = tile.floats(kTile * kTile), *dP = tile.floats(kTile * kTile);
     uint32_t* Pi = tile.words(kTile * kTilePairs);
     uint32_t *dSb = tile.words(kTile * kTilePairs), *dSi = tile.words(kTile * kTilePairs);
