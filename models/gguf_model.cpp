@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <set>
 #include <stdexcept>
 #include <tuple>
@@ -39,6 +40,12 @@ bool inert_key(const std::string& key, const GgufValue& value) {
   if (key == "expert_count" || key == "expert_used_count") return value.number == 0.0;
   if (key == "rope.scaling.factor" || key == "rope.scaling.attn_factor") return value.number == 1.0;
   return key == "rope.scaling.original_context_length" || key == "rope.scaling.finetuned";
+}
+
+std::string number_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
 }
 
 }  // namespace
@@ -84,8 +91,21 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   for (const FileHyperparameter* required :
        {&hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn, &hp.ctx})
     if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
-  // llama.cpp's default type, linear, scales nothing without a factor (refused above unless 1).
-  const std::string scaling = file.string(p + "rope.scaling.type", "none");
+  // A number the file gives where zero computes nothing (a soft-cap divides by it, a RoPE base
+  // of 0 rotates by infinities): refused unless positive and finite, as given.
+  const auto positive = [&](const std::string& key, double fallback) {
+    const double v = file.number(key, fallback);
+    if (file.find(key) && (!(v > 0.0) || !std::isfinite(v)))
+      throw UserError(file.path() + ": " + key + " " + number_text(v) + " must be positive");
+    return v;
+  };
+  // llama.cpp's type without the key is linear: a factor scales the positions whatever the type
+  // says, so "none" beside a factor other than 1 is refused, not guessed.
+  const std::string scaling = file.string(p + "rope.scaling.type", "linear");
+  if (scaling == "none" && file.number(p + "rope.scaling.factor", 1.0) != 1.0)
+    throw UserError(file.path() + ": " + p + "rope.scaling.factor " +
+                    number_text(file.number(p + "rope.scaling.factor", 1.0)) +
+                    " beside rope.scaling.type none");
   if (scaling != "none" && scaling != "linear")
     throw UserError(file.path() + ": " + p + "rope.scaling.type " + scaling +
                     ", which cputrain does not compute for " + name + " (it computes " +
@@ -96,7 +116,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
       file.number(p + (arch->norm == Norm::LayerNorm ? "attention.layer_norm_epsilon"
                                                      : "attention.layer_norm_rms_epsilon"),
                   1e-5));
-  c.rope_theta = file.number(p + "rope.freq_base", 10000.0);
+  c.rope_theta = positive(p + "rope.freq_base", 10000.0);
   c.rope_pairs = arch->gguf_rope_pairs;
   c.tie_embeddings = arch->always_tied || file.tensor("output.weight") == nullptr;
   c.qkv_bias = arch->qkv_bias == Presence::Always ||
@@ -168,6 +188,9 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     c.rope_scaling = linear_rope_scaling(factor, c.rope_dims());
   }
   const int64_t window = file.integer(p + "attention.sliding_window", arch->default_window);
+  if (file.find(p + "attention.sliding_window") && window <= 0)
+    throw UserError(file.path() + ": " + p + "attention.sliding_window " + std::to_string(window) +
+                    " must be positive");
   if (arch->swa_pattern > 0 && window > 0) {
     // Sliding-window layers (Gemma 2, 3): every pattern-th global, the others within the window
     // at their own RoPE base (llama.cpp's defaults: Gemma 3's 10,000, Gemma 2's the model's).
@@ -176,9 +199,9 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     if (c.swa_pattern <= 0)
       throw UserError(file.path() + ": " + p + "attention.sliding_window_pattern " +
                       std::to_string(c.swa_pattern) + " must be positive");
-    c.rope_theta_swa = file.number(p + "rope.freq_base_swa", arch->default_rope_theta_swa > 0.0
-                                                                 ? arch->default_rope_theta_swa
-                                                                 : c.rope_theta);
+    c.rope_theta_swa =
+        positive(p + "rope.freq_base_swa",
+                 arch->default_rope_theta_swa > 0.0 ? arch->default_rope_theta_swa : c.rope_theta);
   } else if (window > 0) {
     // Phi-3's sliding window, which llama.cpp passes over: the context within it, where both
     // compute the same.
@@ -190,10 +213,10 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     c.attn_scale = 1.0f / std::sqrt(static_cast<float>(c.d_model / c.n_heads));
   if (arch->attn_softcap)
     c.attn_softcap =
-        static_cast<float>(file.number(p + "attn_logit_softcapping", arch->default_attn_softcap));
+        static_cast<float>(positive(p + "attn_logit_softcapping", arch->default_attn_softcap));
   if (arch->swa_pattern > 0)
     c.final_softcap =
-        static_cast<float>(file.number(p + "final_logit_softcapping", arch->default_final_softcap));
+        static_cast<float>(positive(p + "final_logit_softcapping", arch->default_final_softcap));
   c.ctx = std::min(c.ctx, max_ctx);
   if (const auto problem = validate(c))
     throw UserError(file.path() +

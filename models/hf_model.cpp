@@ -265,7 +265,7 @@ std::vector<int64_t> hf_no_rope_layers(const ConfigValues& values, const Archite
 void hf_sliding_window(const ConfigValues& values, const Architecture& arch, ModelConfig& c,
                        const std::string& where) {
   const int64_t window = values.whole("sliding_window").value_or(arch.default_window);
-  if (window < 0)
+  if (window <= 0)
     throw UserError(where + ": sliding_window " + std::to_string(window) + " must be positive");
   c.swa_pattern = values.whole("sliding_window_pattern").value_or(arch.swa_pattern);
   if (c.swa_pattern <= 0)
@@ -287,11 +287,15 @@ void hf_sliding_window(const ConfigValues& values, const Architecture& arch, Mod
   c.rope_theta_swa =
       values.number("rope_local_base_freq",
                     arch.default_rope_theta_swa > 0.0 ? arch.default_rope_theta_swa : c.rope_theta);
+  if (const json* base = values.find("rope_local_base_freq");
+      base && (!(c.rope_theta_swa > 1.0) || !std::isfinite(c.rope_theta_swa)))
+    throw UserError(where + ": rope_local_base_freq " + json_shown(*base) +
+                    " must be a number above 1");
   const auto cap = [&](const char* key, float fallback) {
     const json* v = values.find(key);
     if (v && v->is_null()) return 0.0f;
     const double x = values.number(key, fallback);
-    if (!(x >= 0.0) || !std::isfinite(x))
+    if (v && (!(x > 0.0) || !std::isfinite(x)))
       throw UserError(where + ": " + key + " " + json_shown(*v) + " must be positive, or null");
     return static_cast<float>(x);
   };

@@ -21,6 +21,7 @@
 #include "engine/train/trainer.h"
 #include "engine/train/weights_file.h"
 #include "models/decoder.h"
+#include "tools/finetune_command.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
 #include "tools/run/progress.h"
@@ -84,6 +85,9 @@ int eval_text(const EvalArgs& a) {
       ++count;
     }
   const double mean = total / static_cast<double>(count);
+  if (!std::isfinite(mean))
+    throw UserError(flag + " " + path + ": the loss of --text " + a.text + " is " +
+                    std::to_string(mean) + " (the model's logits are not finite)");
   if (a.json) {
     nlohmann::json j = {{"loss", mean},
                         {"perplexity", std::exp(mean)},
@@ -155,6 +159,14 @@ int run_eval(const EvalArgs& a) {
     throw UserError("--corpus: only for a run directory; for " + a.model + " give --text FILE");
   if (a.run.empty() && !fs::is_directory(a.model))
     throw UserError("--model " + a.model + ": give --text FILE to evaluate a model file");
+  if (describe_finetune_run(a.run.empty() ? a.model : a.run)) {
+    if (!a.corpus.empty())
+      throw UserError("--corpus " + a.corpus +
+                      ": a fine-tune is evaluated on the examples it held out; for other text "
+                      "give --text FILE");
+    return eval_finetune(a.run.empty() ? a.model : a.run, a.run.empty() ? "--model" : "--run",
+                         a.weights, a.batch, a.json);
+  }
   if (a.run.empty()) {
     EvalArgs as_run = a;
     as_run.run = a.model;
@@ -205,6 +217,9 @@ int run_eval(const EvalArgs& a) {
                           progress_line(done, total, 0, time.seconds(), "windows", ""));
       });
   status.set_status("");
+  if (!std::isfinite(loss))
+    throw UserError("--run " + a.run + ": the loss is " + std::to_string(loss) +
+                    " (the model's logits are not finite)");
   const double ppl = std::exp(loss);
   if (a.json) {
     const nlohmann::json j = {{"loss", loss},

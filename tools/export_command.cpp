@@ -1,5 +1,7 @@
 #include "tools/export_command.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -51,8 +53,6 @@ int run_export(const ExportArgs& a) {
                     "takes f32, f16 or bf16");
   std::error_code ec;
   const bool exists = std::filesystem::exists(a.out, ec);
-  const bool was_empty =
-      exists && std::filesystem::is_directory(a.out, ec) && std::filesystem::is_empty(a.out, ec);
   if (exists && !a.overwrite &&
       (gguf || !std::filesystem::is_directory(a.out, ec) || !std::filesystem::is_empty(a.out, ec)))
     throw UserError("--out " + a.out + ": exists; choose another name or give --overwrite");
@@ -81,18 +81,29 @@ int run_export(const ExportArgs& a) {
   options.name = std::filesystem::path(source).filename().string();
   if (!gguf) {
     const std::string dtype = a.type == "f16" ? "F16" : a.type == "bf16" ? "BF16" : "F32";
+    // The folder is written whole beside --out, then its files are moved in: an export that
+    // fails (a full disk) leaves --out as it was, the model it held still loading.
+    namespace fs = std::filesystem;
+    fs::path out = fs::absolute(a.out).lexically_normal();
+    if (!out.has_filename()) out = out.parent_path();
+    const fs::path staging = out.parent_path() / ("." + out.filename().string() + ".export-" +
+                                                  std::to_string(::getpid()));
+    fs::create_directories(out.parent_path(), ec);
+    if (ec) throw UserError("--out " + a.out + ": cannot create (" + ec.message() + ")");
     try {
-      write_hf_folder(a.out, m.config, m.model->parameters(), *m.tokenizer, dtype);
-    } catch (...) {
-      // A folder this export began (or found empty) holds no model until it is whole: what it
-      // wrote is removed. (One it writes over keeps what it held, each file replaced whole or
-      // not at all.)
-      if (!exists) {
-        std::filesystem::remove_all(a.out, ec);
-      } else if (was_empty) {
-        for (const auto& entry : std::filesystem::directory_iterator(a.out, ec))
-          std::filesystem::remove_all(entry.path(), ec);
+      fs::remove_all(staging, ec);
+      write_hf_folder(staging.string(), m.config, m.model->parameters(), *m.tokenizer, dtype);
+      fs::create_directories(out, ec);
+      if (ec) throw UserError("--out " + a.out + ": cannot create (" + ec.message() + ")");
+      for (const auto& entry : fs::directory_iterator(staging)) {
+        fs::rename(entry.path(), out / entry.path().filename(), ec);
+        if (ec)
+          throw UserError("--out " + a.out + ": cannot move " + entry.path().string() +
+                          " into it (" + ec.message() + ")");
       }
+      fs::remove(staging, ec);
+    } catch (...) {
+      fs::remove_all(staging, ec);
       throw;
     }
     std::printf("wrote %s: a Hugging Face folder of %s, %lld parameters, %s\n", a.out.c_str(),

@@ -1,6 +1,7 @@
 #include "tools/finetune_command.h"
 
 #include <omp.h>
+#include <spdlog/sinks/stdout_sinks.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +36,7 @@
 #include "models/hf_model.h"
 #include "models/lora.h"
 #include "models/memory_budget.h"
+#include "models/preference_step.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"
@@ -90,11 +92,13 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
       ->check(CLI::IsMember({"sft", "dpo", "orpo"}));
   app.add_option("--beta", a.beta, "DPO's beta: the scale of the log-ratios to the reference")
       ->capture_default_str()
-      ->check(positive());
+      ->check(positive())
+      ->check(at_most(1000, "a margin of a nat would already decide every pair"));
   app.add_option("--orpo-lambda", a.orpo_lambda,
                  "ORPO's lambda: the weight of the odds-ratio term beside the chosen's NLL")
       ->capture_default_str()
-      ->check(positive());
+      ->check(positive())
+      ->check(at_most(1000, "the chosen's NLL would weigh nothing beside it"));
 }
 
 namespace {
@@ -319,11 +323,15 @@ void read_pairs(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
   }
   log.info(
       "data: {} preference pairs ({}), {} tokens, {} of them targets; {} cut to share a row of {} "
-      "positions, {} dropped with no target left on a side",
-      pairs, shapes, d.tokens, d.targets, d.cut, ctx, d.dropped);
+      "positions, {} dropped with no target left on a side, {} dropped with both sides the same "
+      "once cut",
+      pairs, shapes, d.tokens, d.targets, d.cut, ctx, d.dropped, d.same);
   if (d.cut > 0)
     log.warn("{} pairs are longer together than --ctx {} and were cut (a pair shares one row)",
              d.cut, ctx);
+  if (d.same > 0)
+    log.warn("{} pairs differ only past --ctx {} and were dropped: a longer --ctx keeps them",
+             d.same, ctx);
 }
 
 Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
@@ -456,7 +464,10 @@ class AdapterFiles final : public RunOutput {
       GgufExport e;
       e.type = GgmlType::F32;
       e.name = name + " fine-tuned";
-      write_gguf(a_.out + "/model.gguf", m_.config, params, m_.tokenizer->to_vocabulary(), e);
+      // The model's own context, not the rows' it was tuned on (--ctx).
+      ModelConfig config = m_.config;
+      config.ctx = m_.declared_ctx;
+      write_gguf(a_.out + "/model.gguf", config, params, m_.tokenizer->to_vocabulary(), e);
       log_.info("wrote {}/model.gguf", a_.out);
       return;
     }
@@ -584,6 +595,8 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
     check_lora_rank(config, options.lora, "--lora-rank");
   }
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
+  // A NaN or an infinity in the base makes every step's loss so: named here, not blamed on --lr.
+  check_finite_weights(m, a.model, "--model");
   if (!a.full) m.model->init_adapters(a.seed);
   m.model->set_checkpointing(*parse_checkpointing(a.checkpoint));
   log.info("model: {}, {:.2f} s", m.source, load_time.seconds());
@@ -805,5 +818,75 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
 }
 
 }  // namespace
+
+int eval_finetune(const std::string& dir, const std::string& flag, const std::string& weights,
+                  int64_t batch, bool as_json) {
+  const json run = read_finetune_config(dir);
+  FinetuneArgs given;
+  given.out = dir;
+  const FinetuneArgs a = resumed_args(given, run);
+  if (a.val.empty() && !(a.val_fraction > 0.0))
+    throw UserError(flag + " " + dir +
+                    ": the fine-tune held out no examples (it ran without --val or "
+                    "--val-fraction): give --text FILE");
+  spdlog::logger log("eval", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  log.set_level(spdlog::level::warn);
+  log.set_pattern("cputrain: warning: %v");
+  LoadedModel m = load_model(dir, flag, weights, a.ctx);
+  check_finite_weights(m, dir, flag);
+  const int64_t ctx = std::min(a.ctx, m.config.ctx);
+  const Examples examples = read_examples(a, *m.tokenizer, ctx, memory_limit_bytes(0.0), log);
+  // The held-out examples are the run's only where the data is what it trained on.
+  if (const auto checkpoints = list_checkpoints(dir); !checkpoints.empty()) {
+    const CheckpointInfo info = read_checkpoint_info(checkpoints.back().second);
+    if (info.data_fingerprint != examples.fingerprint)
+      throw UserError(flag + " " + dir + ": " + a.data +
+                      " is not the data the fine-tune trained on (it changed since; " +
+                      checkpoints.back().second + " was made from other examples)");
+  }
+  DecoderModel& model = *m.model;
+  const int32_t pad = m.tokenizer->eos_id();
+  double loss = 0.0;
+  std::string note;
+  if (!examples.pairs) {
+    loss = packed_validation_loss(model, examples.val, ctx, batch, pad);
+  } else {
+    PreferenceLossOptions options;
+    options.method = a.method == "dpo" ? PreferenceMethod::Dpo : PreferenceMethod::Orpo;
+    options.beta = a.beta;
+    options.lambda = a.orpo_lambda;
+    const std::vector<PackedRow> val_rows = pack_pairs(examples.val, ctx);
+    ReferenceLogProbs reference;
+    if (options.method == PreferenceMethod::Dpo) {
+      const std::vector<PackedRow> rows = pack_pairs(examples.data.examples, ctx);
+      const ReferencePass pass{
+          &examples.data.examples, &rows, &examples.val, &val_rows, ctx, batch, pad};
+      reference = reference_log_probs(model, !a.full, pass, dir, true, examples.fingerprint,
+                                      Communicator::world(), log);
+    }
+    PreferenceStats stats;
+    const PreferenceBatches b{&examples.val, reference.val, options, &stats};
+    loss = preference_validation_loss(model, val_rows, b, ctx, batch, pad);
+    note = " (" + stats.summary() + ")";
+  }
+  if (!std::isfinite(loss))
+    throw UserError(flag + " " + dir + ": the held-out loss is " + std::to_string(loss) +
+                    " (the model's logits are not finite)");
+  const int64_t held = std::ssize(examples.val) / (examples.pairs ? 2 : 1);
+  const char* what = examples.pairs ? "pairs" : "examples";
+  const std::string data = a.val.empty() ? a.data : a.val;
+  if (as_json) {
+    json j = {{"loss", loss}, {"weights", m.source}, {what, held}};
+    if (!examples.pairs) j["perplexity"] = std::exp(loss);
+    std::printf("%s\n", j.dump(2).c_str());
+  } else if (!examples.pairs) {
+    std::printf("%s: loss %.4f, perplexity %.2f over %lld held-out %s of %s\n", m.source.c_str(),
+                loss, std::exp(loss), static_cast<long long>(held), what, data.c_str());
+  } else {
+    std::printf("%s: loss %.4f%s over %lld held-out %s of %s\n", m.source.c_str(), loss,
+                note.c_str(), static_cast<long long>(held), what, data.c_str());
+  }
+  return 0;
+}
 
 }  // namespace cputrain

@@ -44,4 +44,11 @@ struct FinetuneArgs : RunFlags {
 void add_finetune_flags(CLI::App& app, FinetuneArgs& args);
 int run_finetune(const FinetuneArgs& args);
 
+// `eval` of the fine-tune in the run directory `dir` (named by `flag`): the loss of the examples
+// (or pairs) it held out, as its validation computes it, with its result or the checkpoint
+// `weights`, `batch` rows at a time; printed as a line, or as JSON. A UserError where it held
+// none out or its data changed since.
+int eval_finetune(const std::string& dir, const std::string& flag, const std::string& weights,
+                  int64_t batch, bool as_json);
+
 }  // namespace cputrain

@@ -26,6 +26,19 @@ inline CLI::Validator number_at_least(double minimum, bool strict, const std::st
       what);
 }
 
+// A number no larger than `maximum`; `why` says what a larger one would do.
+inline CLI::Validator at_most(double maximum, const std::string& why) {
+  return CLI::Validator(
+      [=](std::string& input) -> std::string {
+        const double v = std::strtod(input.c_str(), nullptr);
+        if (v > maximum)
+          return "must be at most " + std::to_string(static_cast<long long>(maximum)) + " (got " +
+                 input + "; " + why + ")";
+        return "";
+      },
+      "at most " + std::to_string(static_cast<long long>(maximum)));
+}
+
 inline CLI::Validator positive() {
   return number_at_least(0.0, true, "positive");
 }

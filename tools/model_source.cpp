@@ -49,7 +49,17 @@ SourceKind source_kind(const std::string& path, const std::string& flag) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     if (is_hf_folder(path)) return SourceKind::HuggingFace;
-    if (fs::exists(fs::path(path) / "config.json")) return SourceKind::Run;
+    const fs::path config = fs::path(path) / "config.json";
+    if (fs::exists(config)) {
+      // A run's names its preset; one that is not JSON is left to read_run_config to name.
+      std::ifstream in(config);
+      const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+      if (j.is_object() && !j.contains("preset"))
+        throw UserError(flag + " " + path + ": " + config.string() +
+                        " has no model_type (a Hugging Face model names its architecture there) "
+                        "and is no cputrain run's configuration");
+      return SourceKind::Run;
+    }
     throw UserError(flag + " " + path +
                     ": a folder without config.json (neither a cputrain run nor a model folder)");
   }

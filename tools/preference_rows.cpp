@@ -1,11 +1,13 @@
 #include "tools/preference_rows.h"
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <optional>
 
 #include "engine/core/error.h"
+#include "engine/core/hash.h"
 #include "engine/dist/communicator.h"
 #include "engine/io/atomic_file.h"
 #include "engine/train/trainer.h"
@@ -16,9 +18,10 @@
 namespace cputrain {
 namespace {
 
-// <dir>/reference.bin: "CTPREF1\0", the data's fingerprint, the counts of the training and the
-// validation sums (u64 each), then the sums (f64), little-endian as the machine writes them.
-constexpr char kMagic[8] = {'C', 'T', 'P', 'R', 'E', 'F', '1', '\0'};
+// <dir>/reference.bin: "CTPREF2\0", the data's fingerprint, the counts of the training and the
+// validation sums (u64 each), the sums (f64), then the FNV-1a of everything before it (u64),
+// little-endian as the machine writes them.
+constexpr char kMagic[8] = {'C', 'T', 'P', 'R', 'E', 'F', '2', '\0'};
 
 std::string reference_path(const std::string& dir) {
   return dir + "/reference.bin";
@@ -34,6 +37,8 @@ void write_reference(const std::string& dir, uint64_t fingerprint, const Referen
   put(counts, sizeof counts);
   put(r.train.data(), r.train.size() * sizeof(double));
   put(r.val.data(), r.val.size() * sizeof(double));
+  const uint64_t sum = fnv1a(bytes);
+  put(&sum, sizeof sum);
   write_file_atomic(reference_path(dir), bytes);
 }
 
@@ -47,10 +52,16 @@ std::optional<ReferenceLogProbs> read_reference(const std::string& dir, uint64_t
   }
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const size_t header = sizeof kMagic + 3 * sizeof(uint64_t);
-  uint64_t fields[3] = {};
-  if (bytes.size() >= header) std::memcpy(fields, bytes.data() + sizeof kMagic, sizeof fields);
-  if (bytes.size() < header || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0 ||
-      bytes.size() != header + (fields[1] + fields[2]) * sizeof(double)) {
+  uint64_t fields[3] = {}, sum = 0;
+  if (bytes.size() >= header + sizeof sum) {
+    std::memcpy(fields, bytes.data() + sizeof kMagic, sizeof fields);
+    std::memcpy(&sum, bytes.data() + bytes.size() - sizeof sum, sizeof sum);
+  }
+  const uint64_t limit = bytes.size() / sizeof(double);
+  if (bytes.size() < header + sizeof sum || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0 ||
+      fields[1] > limit || fields[2] > limit ||
+      bytes.size() != header + (fields[1] + fields[2]) * sizeof(double) + sizeof sum ||
+      fnv1a(bytes.data(), bytes.size() - sizeof sum) != sum) {
     *why = "damaged";
     return std::nullopt;
   }
@@ -63,6 +74,12 @@ std::optional<ReferenceLogProbs> read_reference(const std::string& dir, uint64_t
   r.val.resize(val);
   std::memcpy(r.train.data(), bytes.data() + header, train * sizeof(double));
   std::memcpy(r.val.data(), bytes.data() + header + train * sizeof(double), val * sizeof(double));
+  for (const std::vector<double>* sums : {&r.train, &r.val})
+    for (const double v : *sums)
+      if (!std::isfinite(v)) {
+        *why = "damaged";
+        return std::nullopt;
+      }
   return r;
 }
 

@@ -33,7 +33,8 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
       "model.bin or a checkpoint (default: <run>/model.bin, else the newest checkpoint)");
   app.add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str();
   app.add_option("--temperature", a.temperature, "Softmax temperature (0: greedy)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(non_negative());
   app.add_option("--top-k", a.top_k, "Sample among the k most likely tokens (0: all)")
       ->capture_default_str();
   app.add_option(
@@ -50,7 +51,6 @@ void add_sample_flags(CLI::App& app, SampleArgs& a) {
 
 int run_sample(const SampleArgs& a) {
   if (a.max_tokens <= 0) throw UserError("--max-tokens must be positive");
-  if (a.temperature < 0) throw UserError("--temperature must not be negative");
   if (a.top_k < 0) throw UserError("--top-k must not be negative");
   if (!(a.top_p > 0.0 && a.top_p <= 1.0))
     throw UserError("--top-p " + std::to_string(a.top_p) + ": must be in (0, 1]");

@@ -19,6 +19,7 @@
 #include "kernels/gemm.h"
 #include "kernels/gemm_tuning.h"
 #include "models/model_config.h"
+#include "tools/flag_checks.h"
 #include "tools/model_source.h"
 #include "tools/run/gemm_tuning_file.h"
 
@@ -238,7 +239,7 @@ void add_tune_flags(CLI::App& app, TuneArgs& a) {
                  "A model (GGUF file, Hugging Face folder or run) whose products are measured");
   app.add_option("--tokens", a.tokens,
                  "Tokens of a micro-batch (default: the preset's batch x ctx; 2048 for a model)");
-  app.add_option("--threads", a.threads, "Threads (default: all the CPUs)");
+  app.add_option("--threads", a.threads, "Threads (default: all the CPUs)")->check(threads_limit());
   app.add_option("--dtype", a.dtype, "auto, bf16 or fp32: the products' precision (default auto)");
   app.add_option("--rounds", a.rounds, "Timings of each candidate, in turn (default 5)");
   app.add_option("--min-gain", a.min_gain,

@@ -203,6 +203,11 @@ PreferenceData read_preference_jsonl(const std::string& path, const Tokenizer& t
           ++data.dropped;
           return;
         }
+        // Sides that differ only past the cut have one log-probability: nothing to prefer.
+        if (c.tokens == r.tokens && c.target == r.target) {
+          ++data.same;
+          return;
+        }
         held += static_cast<int64_t>((c.tokens.size() + r.tokens.size()) *
                                          (sizeof(int32_t) + sizeof(uint8_t)) +
                                      2 * sizeof(FinetuneExample));
@@ -219,9 +224,11 @@ PreferenceData read_preference_jsonl(const std::string& path, const Tokenizer& t
       });
   if (data.examples.empty())
     throw UserError(path + ": no preference pair" +
-                    (data.dropped > 0 ? " with targets on both sides within the context (" +
-                                            std::to_string(data.dropped) + " cut to nothing)"
-                                      : std::string(" (the file is empty)")));
+                    (data.dropped + data.same > 0
+                         ? " with targets on both sides that differ within the context (" +
+                               std::to_string(data.dropped) + " cut to nothing, " +
+                               std::to_string(data.same) + " the same once cut; --ctx)"
+                         : std::string(" (the file is empty)")));
   return data;
 }
 

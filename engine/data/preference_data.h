@@ -44,6 +44,7 @@ struct PreferenceData {
   std::array<int64_t, kPairShapes> shapes{};  // pairs of each shape
   int64_t cut = 0;                            // pairs cut to fit a row
   int64_t dropped = 0;                        // pairs with no target left on a side once cut
+  int64_t same = 0;                           // pairs whose sides are the same once cut
   int64_t tokens = 0;
   int64_t targets = 0;
   int64_t pairs() const { return static_cast<int64_t>(examples.size() / 2); }

@@ -36,6 +36,16 @@ inline std::string read_all(const fs::path& p) {
   return s.str();
 }
 
+// Writes `bytes` over the file's own at `offset` (from the end where negative), its size kept.
+inline void overwrite_bytes(const fs::path& p, int64_t offset, const std::string& bytes) {
+  std::fstream f(p, std::ios::binary | std::ios::in | std::ios::out);
+  if (offset < 0)
+    f.seekp(offset, std::ios::end);
+  else
+    f.seekp(offset);
+  f.write(bytes.data(), std::ssize(bytes));
+}
+
 // The training losses of a run's metrics.jsonl, step by step (a line without one, such as a
 // validation before the first step, is passed over).
 inline std::vector<double> losses_of(const fs::path& run_dir) {

@@ -1,7 +1,7 @@
 // Damaged and hostile model files given to every command that reads a model: a GGUF file or a
 // Hugging Face config.json with a count of 0, 1, 2^31, 2^63 - 1 or -1 is refused in one line on
 // stderr naming the file and the key, with a non-zero exit, within a second and under 100 MB;
-// and a model holding a NaN is neither sampled, evaluated nor exported.
+// and a model holding a NaN is neither sampled, evaluated, exported nor fine-tuned.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -253,11 +253,14 @@ TEST(BadModels, NonFiniteWeightsAreNeitherSampledEvaluatedNorExported) {
       run_cputrain_all({"sample --model " + m + " --max-tokens 4",
                         "eval --model " + m + " --text " + (dir / "text.txt").string(),
                         "export --model " + m + " --out " + (dir / "nan_export.gguf").string(),
-                        "export --model " + m + " --out " + (dir / "nan_export_hf").string()},
+                        "export --model " + m + " --out " + (dir / "nan_export_hf").string(),
+                        "finetune --model " + m + " --data " + (dir / "data.jsonl").string() +
+                            " --ctx 64 --steps 1 --out " + (dir / "nan_run").string()},
                        dir);
   expect_refused(runs, {"--model " + m + ": layers.1.attention.wq.weight holds nan (element 3)"});
   EXPECT_FALSE(fs::exists(dir / "nan_export.gguf"));
   EXPECT_FALSE(fs::exists(dir / "nan_export_hf"));
+  EXPECT_FALSE(fs::exists(dir / "nan_run" / "checkpoints"));
 
   // An adapter holding an infinity, applied or merged.
   const fs::path adapter = dir / "inf_adapter.gguf";

@@ -54,6 +54,11 @@ TEST_F(Cli, OutOfRangeAndUnknownFlags) {
   expect_one_line_error(run(base + " --vocab 1000000000"), "more pieces than cputrain trains");
   expect_one_line_error(run(base + " --threads 1000"), "CPUs this process may run on");
   expect_one_line_error(run("budget --preset tiny --threads 1000"), "--threads");
+  expect_one_line_error(run("tune --preset tiny --threads 999"), "CPUs this process may run on");
+  expect_one_line_error(run("tune --preset tiny --threads 0"), "--threads");
+  for (const char* t : {"nan", "inf", "-1"})
+    expect_one_line_error(run("sample --model missing.gguf --temperature " + std::string(t)),
+                          "--temperature");
   expect_one_line_error(run(base + " --gemm avx9000"), "--gemm avx9000");
   expect_one_line_error(run("CPUTRAIN_GEMM=avx9000", base), "CPUTRAIN_GEMM=avx9000");
   expect_one_line_error(run("CPUTRAIN_ATTENTION=bogus", base), "CPUTRAIN_ATTENTION=bogus");
@@ -1138,6 +1143,18 @@ TEST_F(Cli, BadStepsStopOrAreSkipped) {
   EXPECT_EQ(skipped, (std::vector<bool>{false, true, true, true, true}));
   expect_one_line_error(run(base + " --on-bad-step ignore --out " + skip.string()),
                         "--on-bad-step");
+  // Skipped to the end by a first step that blew the weights up: the model is not written as a
+  // good one, and the run says so (eval of it would be a NaN loss).
+  const fs::path blown = dir_ / "blown";
+  const Result b =
+      run("--preset tiny --vocab 300 --batch 4 --steps 4 --sample-tokens 1 --lr 1e30 "
+          "--on-bad-step skip --corpus " +
+          write_corpus(200).string() + " --out " + blown.string());
+  EXPECT_NE(b.exit_code, 0);
+  EXPECT_NE(b.err.find("cputrain: error: the held-out loss after the last step is"),
+            std::string::npos)
+      << b.err;
+  EXPECT_FALSE(fs::exists(blown / "model.bin"));
 }
 
 TEST_F(Cli, DefaultDtypeIsLoggedWithItsReason) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -337,6 +338,62 @@ TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
                      folder.path),
         "--lora-targets q,o: phi3's q, k and v are one projection, qkv_proj: adapt all or none");
   }
+}
+
+// A key that a file gives at a value where nothing is computable is refused in one line, not read
+// as "off": a sliding window of 0 or below, a soft-cap of 0, a RoPE base of 0, in GGUF and in
+// config.json. A Gemma 3 GGUF with a RoPE factor and no scaling type is scaled linearly, as
+// llama.cpp scales it (its logits), and a factor beside the type "none" is refused.
+TEST(Families, ZeroWindowsCapsAndBasesAreRefusedAndAFactorAloneIsLinear) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("family_zeros")};
+  const fs::path& dir = folder.path;
+  const auto gguf_with = [&](const std::string& family, const std::string& name,
+                             const std::string& drop,
+                             const std::function<void(GgufWriter&)>& extra) {
+    const fs::path to = dir / (name + ".gguf");
+    cli_test::rewrite_gguf(
+        family_models() / (family + ".gguf"), to,
+        [&](const std::string& key, GgufValue&) { return key != drop; }, nullptr, extra);
+    return to;
+  };
+  const auto refused = [&](const fs::path& file, const std::string& needle) {
+    expect_one_line_refusal(run_cputrain("inspect " + file.string(), dir), needle);
+  };
+  for (const int32_t window : {-1, 0})
+    refused(
+        gguf_with("gemma2", "window" + std::to_string(window), "gemma2.attention.sliding_window",
+                  [&](GgufWriter& w) { w.set_i32("gemma2.attention.sliding_window", window); }),
+        "gemma2.attention.sliding_window " + std::to_string(window) + " must be positive");
+  for (const char* key : {"gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping",
+                          "gemma2.rope.freq_base_swa", "gemma2.rope.freq_base"})
+    refused(gguf_with("gemma2", key, key, [&](GgufWriter& w) { w.set_f32(key, 0.0f); }),
+            std::string(key) + " 0 must be positive");
+  refused(gguf_with("gemma3", "none", "gemma3.rope.scaling.type",
+                    [](GgufWriter& w) { w.set_string("gemma3.rope.scaling.type", "none"); }),
+          "gemma3.rope.scaling.factor 8 beside rope.scaling.type none");
+
+  const fs::path untyped = gguf_with("gemma3", "untyped", "gemma3.rope.scaling.type", nullptr);
+  LoadedModel m = load(untyped);
+  EXPECT_EQ(m.config.rope_scaling.type, "linear");
+  EXPECT_EQ(m.config.rope_scaling.factor, 8.0);
+  const std::vector<int32_t> tokens = token_sequence(200, m.config.vocab, m.tokenizer->bos_id(), 5);
+  EXPECT_LT(max_abs_difference(our_logits(m, tokens), oracle_logits(untyped, tokens, dir)), 1e-4);
+
+  const auto hf_with = [&](const std::string& key, const nlohmann::json& value,
+                           const std::string& family = "gemma2") {
+    const fs::path to = dir / ("hf_" + key);
+    fs::copy(family_models() / (family + "_hf"), to, fs::copy_options::recursive);
+    nlohmann::json config = nlohmann::json::parse(read_all(to / "config.json"));
+    config[key] = value;
+    std::ofstream(to / "config.json") << config.dump();
+    return to;
+  };
+  refused(hf_with("sliding_window", 0), "sliding_window 0 must be positive");
+  refused(hf_with("attn_logit_softcapping", 0.0), "attn_logit_softcapping 0.0 must be positive");
+  refused(hf_with("final_logit_softcapping", 0), "final_logit_softcapping 0 must be positive");
+  refused(hf_with("rope_local_base_freq", 0, "gemma3"),
+          "rope_local_base_freq 0 must be a number above 1");
 }
 
 // What cputrain does not compute: an architecture (a mamba GGUF), a RoPE scaling type (yarn), a

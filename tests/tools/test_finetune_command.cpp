@@ -6,9 +6,11 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "engine/io/gguf_file.h"
 #include "tools/cli_fixture.h"
 
 namespace fs = std::filesystem;
@@ -122,6 +124,23 @@ TEST_F(FinetuneCli, ADamagedNewestCheckpointIsPassedOver) {
       << r.out;
   EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
   EXPECT_EQ(losses_of(stopped), losses_of(straight));
+
+  // The newest two damaged and --keep 1: the checkpoints the resumed run saves are the ones kept
+  // (each in turn), and the damaged ones are set aside, never counted among the kept.
+  const fs::path twice = dir_ / "twice";
+  fs::copy(straight, twice, fs::copy_options::recursive);
+  fs::remove(twice / "adapter.gguf");
+  for (const char* name : {"step-00000005.ckpt", "step-00000006.ckpt"})
+    fs::resize_file(twice / "checkpoints" / name, 100);
+  const Result again = run("finetune --resume " + twice.string() + " --save-every 1 --keep 1");
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.err.find("set aside as"), std::string::npos) << again.err;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(twice / "checkpoints"))
+    left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"step-00000006.ckpt", "step-00000006.ckpt.damaged"}));
+  EXPECT_TRUE(read_all(twice / "adapter.gguf") == read_all(straight / "adapter.gguf"));
 }
 
 // A resumed fine-tune keeps its configuration: a flag that would change it is named with the
@@ -388,6 +407,25 @@ TEST_F(FinetuneCli, AFineTunesRunIsARunLikeAnyOther) {
   ASSERT_EQ(eval_run.exit_code, 0) << eval_run.err;
   EXPECT_EQ(eval_run.out.substr(eval_run.out.find("loss")),
             eval_file.out.substr(eval_file.out.find("loss")));
+  // Without --text, the examples it held out, the loss its last validation gave (there in bf16
+  // where the CPU has it, here in fp32).
+  const Result held = run_cli("eval --json --run " + run.string());
+  ASSERT_EQ(held.exit_code, 0) << held.err;
+  const nlohmann::json j = nlohmann::json::parse(held.out);
+  double val = 0.0;
+  std::ifstream metrics(run / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);)
+    if (const nlohmann::json m = nlohmann::json::parse(line); m.contains("val_loss"))
+      val = m["val_loss"].get<double>();
+  EXPECT_NEAR(j["loss"].get<double>(), val, 1e-2);
+  EXPECT_EQ(j["examples"].get<int64_t>(), 12);
+  EXPECT_EQ(run_cli("eval --model " + run.string()).exit_code, 0);
+  // A folder whose config.json is neither a run's nor names a model_type.
+  fs::create_directories(dir_ / "untyped");
+  std::ofstream(dir_ / "untyped" / "config.json") << "{\"hidden_size\": 64}";
+  expect_one_line_error(
+      run_cli("eval --model " + (dir_ / "untyped").string() + " --text " + text.string()),
+      "config.json has no model_type");
   expect_one_line_error(
       run_cli("export --run " + run.string() + " --out " + (dir_ / "x.gguf").string()),
       "is a LoRA fine-tune: give --merge");
@@ -405,6 +443,20 @@ TEST_F(FinetuneCli, AFineTunesRunIsARunLikeAnyOther) {
   const Result stopped = run_cli("sample --run " + run.string() + prompt);
   ASSERT_EQ(stopped.exit_code, 0) << stopped.err;
   EXPECT_EQ(stopped.out, with_file.out);
+}
+
+// A full fine-tune writes the model with the context its base declares (stories260K's 512), not
+// the rows' --ctx it was tuned on: a later eval or llama.cpp runs at the model's own.
+TEST_F(FinetuneCli, AFullFineTuneKeepsTheModelsContext) {
+  const fs::path run = dir_ / "full";
+  ASSERT_EQ(
+      run_status("finetune --full --model " + (kShared / "stories260K.gguf").string() + " --data " +
+                 write_data().string() + " --ctx 64 --batch 2 --steps 1 --out " + run.string()),
+      0);
+  const cputrain::GgufFile base((kShared / "stories260K.gguf").string()),
+      tuned((run / "model.gguf").string());
+  EXPECT_EQ(base.integer("llama.context_length"), 512);
+  EXPECT_EQ(tuned.integer("llama.context_length"), 512);
 }
 
 // An export that cannot be completed (here a file size limit, as a full disk does) leaves no
@@ -425,6 +477,26 @@ TEST_F(FinetuneCli, AnExportThatFailsLeavesNoFolder) {
       0);
   EXPECT_TRUE(fs::is_directory(out));
   EXPECT_TRUE(fs::is_empty(out));
+  // Over a whole folder, with --overwrite: the folder it held, every file as it was.
+  const fs::path whole = dir_ / "whole";
+  ASSERT_EQ(run("export --model " + (kShared / "stories260K.gguf").string() + " --type f16 --out " +
+                whole.string())
+                .exit_code,
+            0);
+  std::map<std::string, std::string> before;
+  for (const auto& e : fs::directory_iterator(whole))
+    before[e.path().filename().string()] = read_all(e.path());
+  const Result over = run("ulimit -f 16; trap '' XFSZ;",
+                          "export --model " + (kShared / "stories260K.gguf").string() +
+                              " --overwrite --out " + whole.string());
+  EXPECT_NE(over.exit_code, 0);
+  EXPECT_EQ(std::count(over.err.begin(), over.err.end(), '\n'), 1) << over.err;
+  std::map<std::string, std::string> after;
+  for (const auto& e : fs::directory_iterator(whole))
+    after[e.path().filename().string()] = read_all(e.path());
+  EXPECT_EQ(after, before);
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_EQ(e.path().filename().string().find(".export-"), std::string::npos) << e.path();
 }
 
 }  // namespace

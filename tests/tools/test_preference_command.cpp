@@ -110,6 +110,13 @@ TEST_F(PreferenceCli, DpoAndOrpoLearnHeldOutPairs) {
     EXPECT_TRUE(fs::exists(run / "adapter.gguf"));
     EXPECT_TRUE(fs::exists(run / "peft" / "adapter_model.safetensors"));
     EXPECT_EQ(fs::exists(run / "reference.bin"), method == "dpo");
+    // eval of the run: its held-out pairs' loss, as its last validation (in fp32, the run's in
+    // bf16 where the CPU has it).
+    const Result e = this->run("eval --json --run " + run.string());
+    ASSERT_EQ(e.exit_code, 0) << e.err;
+    const nlohmann::json j = nlohmann::json::parse(e.out);
+    EXPECT_NEAR(j["loss"].get<double>(), last["val_loss"].get<double>(), 2e-2) << method;
+    EXPECT_EQ(j["pairs"].get<int64_t>(), 24) << method;
   }
   const Result s =
       run("sample --model " + model() + " --adapter " + (dir_ / "orpo" / "adapter.gguf").string() +
@@ -154,6 +161,13 @@ TEST_F(PreferenceCli, AnInterruptedOrResumedRunEndsBitwise) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(read_all(stopped / "train.log").find("reference.bin is missing"), std::string::npos);
   EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
+  // Nor is a file edited in place at its size trained on: its checksum names it damaged.
+  fs::remove(stopped / "checkpoints" / "step-00000006.ckpt");
+  overwrite_bytes(stopped / "reference.bin", -20, std::string(4, '\x7f'));
+  const Result edited = run("finetune --resume " + stopped.string());
+  ASSERT_EQ(edited.exit_code, 0) << edited.err;
+  EXPECT_NE(read_all(stopped / "train.log").find("reference.bin is damaged"), std::string::npos);
+  EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
 
   const std::string full = this->flags("dpo", "1e-4") + " --steps 4 --full --save-every 2";
   const fs::path a = dir_ / "full_a", b = dir_ / "full_b";
@@ -165,6 +179,9 @@ TEST_F(PreferenceCli, AnInterruptedOrResumedRunEndsBitwise) {
   EXPECT_EQ(read_all(a / "model.gguf"), read_all(b / "model.gguf"));
   EXPECT_EQ(losses_of(a), losses_of(b));
   fs::remove(b / "checkpoints" / "step-00000004.ckpt");
+  overwrite_bytes(b / "reference.bin", 40, std::string(8, '\xff'));  // a sum made NaN
+  expect_one_line_error(run("finetune --resume " + b.string()),
+                        "reference.bin is damaged, and a full fine-tune's reference");
   fs::remove(b / "reference.bin");
   expect_one_line_error(run("finetune --resume " + b.string()),
                         "a full fine-tune's reference is its base before the first step");
@@ -182,6 +199,8 @@ TEST_F(PreferenceCli, BadInputGetsOneLine) {
   expect_one_line_error(run(base + pairs + " --method orpo --train-on-prompt"),
                         "--train-on-prompt and --method orpo");
   expect_one_line_error(run(base + pairs + " --method kto"), "--method");
+  expect_one_line_error(run(base + pairs + " --method dpo --beta 1e300"), "--beta");
+  expect_one_line_error(run(base + pairs + " --method orpo --orpo-lambda 1e300"), "--orpo-lambda");
   const fs::path sft = dir_ / "sft.jsonl";
   std::ofstream(sft) << "{\"prompt\": \"a\", \"completion\": \" b\"}\n";
   expect_one_line_error(run(base + sft.string() + " --method dpo"),

@@ -1,5 +1,6 @@
 #include "tools/run/loop.h"
 
+#include <cmath>
 #include <csignal>
 #include <fstream>
 #include <optional>
@@ -101,8 +102,10 @@ class Steps {
           "good checkpoint is " +
           (last_checkpoint_.empty() ? std::string("none") : last_checkpoint_));
     }
+    if (!r.skipped) ++applied_;
     std::optional<double> val;
     if (source_.validates() && evaluates_after(plan_, step)) val = source_.validate(trainer_);
+    if (val) last_val_ = val;
     if (lead_) record(step, r, mem, ranks, largest, val);
     if (plan_.sample && plan_.sample_every > 0 && step % plan_.sample_every == 0 &&
         step != plan_.steps)
@@ -116,6 +119,23 @@ class Steps {
     if (lead_) write_profile(plan_.dir, profiled_steps_, profiled_seconds_, *io_.log);
   }
   const std::string& last_checkpoint() const { return last_checkpoint_; }
+
+  // After the last step: a UserError where the run learned nothing (every step it ran skipped)
+  // or its model's held-out loss is not finite, so that no such result is written as a good one.
+  // Every rank decides alike (the loss and validation are the job's).
+  void check_result() const {
+    std::string why;
+    if (applied_ == 0)
+      why = "every step from " + std::to_string(plan_.first_step) + " to " +
+            std::to_string(plan_.steps) + " was skipped (the last: " + bad_steps_.reason() + ")";
+    else if (last_val_ && !std::isfinite(*last_val_))
+      why = "the held-out loss after the last step is " + std::to_string(*last_val_);
+    if (why.empty()) return;
+    job_ended();
+    if (!lead_) throw QuietExit{1};
+    throw UserError(why + ": no result written (try a lower --lr); the last checkpoint is " +
+                    (last_checkpoint_.empty() ? std::string("none") : last_checkpoint_));
+  }
 
  private:
   // Rank 0: the step's metrics.jsonl line, log line and progress line.
@@ -186,7 +206,7 @@ class Steps {
     }
     last_checkpoint_ =
         save_training_checkpoint(plan_.dir, step, params_, trainer_.optimizer(),
-                                 plan_.data_fingerprint, plan_.config_json, plan_.keep);
+                                 plan_.data_fingerprint, plan_.config_json, plan_.keep, *io_.log);
     if (stop == 0) io_.log->info("saved {}", last_checkpoint_);
   }
 
@@ -205,6 +225,8 @@ class Steps {
   Stopwatch loop_time_;
   int64_t profiled_steps_ = 0;
   double profiled_seconds_ = 0.0;
+  int64_t applied_ = 0;  // steps of this process not skipped
+  std::optional<double> last_val_;
 };
 
 }  // namespace
@@ -229,6 +251,7 @@ int run_loop(const LoopPlan& plan, Trainer& trainer, const ParameterSet& params,
   }
   if (lead) io.console->set_status("");
   steps.report_profile();
+  steps.check_result();
   output.write(lead);
   job_ended();
   return 0;

@@ -208,15 +208,26 @@ ResumePoint find_resume_point(const std::string& dir, const std::string& config_
 std::string save_training_checkpoint(const std::string& dir, int64_t step,
                                      const ParameterSet& params, const AdamW& adamw,
                                      uint64_t data_fingerprint, const std::string& config_json,
-                                     int64_t keep) {
+                                     int64_t keep, spdlog::logger& log) {
   std::error_code ec;
   fs::create_directories(checkpoint_dir(dir), ec);
   if (ec) throw UserError(checkpoint_dir(dir) + ": cannot create (" + ec.message() + ")");
   const std::string path = checkpoint_path(dir, step);
   save_checkpoint(path, params, adamw,
                   CheckpointInfo{step, adamw.step_count(), data_fingerprint, config_json});
-  auto all = list_checkpoints(dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove(all[i].second, ec);
+  // A checkpoint past this step is one a resume passed over as unreadable (it takes the newest
+  // it can read, and the run saves in order): it is set aside, never counted among the kept.
+  std::vector<std::pair<int64_t, std::string>> kept;
+  for (const auto& [n, file] : list_checkpoints(dir)) {
+    if (n <= step) {
+      kept.emplace_back(n, file);
+      continue;
+    }
+    fs::rename(file, file + ".damaged", ec);
+    if (!ec) log.warn("{} was passed over as unreadable: set aside as {}.damaged", file, file);
+  }
+  for (size_t i = 0; i + static_cast<size_t>(keep) < kept.size(); ++i)
+    fs::remove(kept[i].second, ec);
   return path;
 }
 

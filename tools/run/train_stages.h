@@ -68,11 +68,12 @@ struct ResumePoint {
 ResumePoint find_resume_point(const std::string& dir, const std::string& config_json,
                               spdlog::logger& log);
 
-// Writes <dir>/checkpoints/step-N.ckpt and keeps the newest `keep`; returns its path.
+// Writes <dir>/checkpoints/step-N.ckpt and keeps the newest `keep` up to it; one past it (which
+// a resume passed over as unreadable) is renamed to <name>.damaged. Returns its path.
 std::string save_training_checkpoint(const std::string& dir, int64_t step,
                                      const ParameterSet& params, const AdamW& adamw,
                                      uint64_t data_fingerprint, const std::string& config_json,
-                                     int64_t keep);
+                                     int64_t keep, spdlog::logger& log);
 
 // Which steps are bad: a non-finite loss or gradient norm, or (with `spike` > 0) a loss above
 // spike x the mean of the last 20 accepted steps. The trainer's step filter.

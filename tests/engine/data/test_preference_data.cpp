@@ -89,6 +89,38 @@ TEST(PreferenceData, EachShapeTargetsItsCompletionsAfterTheSharedPrompt) {
   EXPECT_EQ(d.targets, targets);
 }
 
+// A pair whose sides part only past the cut has one log-probability on both sides, and so no
+// preference to learn: it is dropped and counted, not trained on with a gradient of zero.
+TEST(PreferenceData, PairsTheSameOnceCutAreDroppedAndCounted) {
+  PreferenceDataOptions o;
+  o.ctx = 24;
+  const PreferenceData d = read(
+      "{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", \"rejected\": "
+      "\"abcdefghijklmnopqrstuvwxyzB\"}\n"
+      "{\"prompt\": \"q\", \"chosen\": \"x\", \"rejected\": \"y\"}\n",
+      o);
+  EXPECT_EQ(d.pairs(), 1);
+  EXPECT_EQ(d.same, 1);
+  EXPECT_EQ(d.dropped, 0);
+  o.ctx = 64;  // both sides whole: they differ
+  EXPECT_EQ(read("{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", "
+                 "\"rejected\": \"abcdefghijklmnopqrstuvwxyzB\"}\n",
+                 o)
+                .same,
+            0);
+  o.ctx = 24;
+  try {
+    read(
+        "{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", \"rejected\": "
+        "\"abcdefghijklmnopqrstuvwxyzB\"}\n",
+        o);
+    ADD_FAILURE() << "a file of such pairs alone is read";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 the same once cut; --ctx"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(PreferenceData, LongPairsAreCutToShareARowAndPackedWhole) {
   PreferenceDataOptions o;
   o.ctx = 24;
