@@ -29,7 +29,9 @@ std::vector<Architecture> table() {
     a.gguf_rope_pairs = RopePairs::Adjacent;
     a.qkv_bias = Presence::Optional;
     a.rope_scalings = {"llama3"};
-    a.summary = "RMSNorm, SwiGLU, RoPE (adjacent pairs in GGUF); Llama 3's RoPE scaling";
+    a.summary =
+        "RMSNorm, SwiGLU, RoPE (adjacent pairs in GGUF); Llama 3's RoPE scaling where the "
+        "model has it";
     t.push_back(a);
   }
   {
@@ -68,7 +70,7 @@ std::vector<Architecture> table() {
                    "rope.scaling.original_context_length"};
     a.summary =
         "llama's block with q, k, v and gate, up each one tensor, half-split RoPE (partial in "
-        "Phi-4-mini), longrope scaling";
+        "Phi-4-mini), longrope scaling where the model has it";
     t.push_back(a);
   }
   {

@@ -553,10 +553,11 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   const int64_t total = budget.total_bytes();
   const auto peak = [&budget](MemoryCategory c) { return budget.peak_bytes[static_cast<int>(c)]; };
   log.info(
-      "memory budget: {} (weights {}, adapters' gradients and AdamW {}, activations {}, workspace "
+      "memory budget: {} (weights {}, {} gradients and AdamW {}, activations {}, workspace "
       "{}); {} available{}",
       format_bytes(total),
       format_bytes(peak(MemoryCategory::Weights) + peak(MemoryCategory::Bf16Weights) - mapped),
+      a.full ? "the weights'" : "adapters'",
       format_bytes(peak(MemoryCategory::Gradients) + peak(MemoryCategory::OptimizerState)),
       format_bytes(peak(MemoryCategory::Activations)),
       format_bytes(peak(MemoryCategory::Workspace)), format_bytes(available),

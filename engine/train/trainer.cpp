@@ -52,10 +52,13 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
   // Over several ranks the last micro-batch's backward pass sums the gradients as it makes them
   // final, bucket by bucket; the micro-batches before it only accumulate.
   const bool reduce = reducer_ && !measuring();
-  for (int64_t micro = 0; micro < options_.accum; ++micro) {
+  // Measuring, one micro-batch stands for all: each allocates what the one before it freed, and
+  // the gradients accumulate in place (so a budget at any --accum takes one micro-batch's time).
+  const int64_t micro_batches = measuring() ? 1 : options_.accum;
+  for (int64_t micro = 0; micro < micro_batches; ++micro) {
     Variable loss = micro_loss(micro);
     if (!measuring()) loss_sum += loss.value().f32()[0];
-    const bool last = micro == options_.accum - 1;
+    const bool last = micro == micro_batches - 1;
     if (reduce && last) {
       reducer_->begin();
       params_.set_gradient_watcher([this](int64_t offset) { reducer_->final_from(offset); });

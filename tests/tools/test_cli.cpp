@@ -466,6 +466,10 @@ TEST_F(Cli, BudgetTakesTheShapeFlagsAndTheThreads) {
   EXPECT_EQ(plain["weights_bytes"].get<int64_t>() - tied["weights_bytes"].get<int64_t>(),
             512 * 64 * 4);
   EXPECT_EQ(plain["parameters"].get<int64_t>() - tied["parameters"].get<int64_t>(), 512 * 64);
+  // A micro-batch is a micro-batch: the budget at any --accum is one micro-batch's, measured once
+  // (a million micro-batches measured in turn would not answer).
+  const nlohmann::json many = budget("--preset tiny --accum 1000000");
+  EXPECT_EQ(many["total_bytes"].get<int64_t>(), budget("--preset tiny --accum 1")["total_bytes"]);
   // Our blocked GEMM packs per thread (oneDNN, Eigen and the reference keep no buffers of ours).
   if (!cputrain::kernels::isa_usable(cputrain::kernels::Isa::Avx512)) return;
   const nlohmann::json one = budget("--preset mini --gemm avx512 --threads 1");

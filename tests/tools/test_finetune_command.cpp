@@ -457,6 +457,9 @@ TEST_F(FinetuneCli, AFullFineTuneKeepsTheModelsContext) {
       tuned((run / "model.gguf").string());
   EXPECT_EQ(base.integer("llama.context_length"), 512);
   EXPECT_EQ(tuned.integer("llama.context_length"), 512);
+  // Its budget line names what it holds: every weight's gradients, not adapters'.
+  EXPECT_NE(read_all(run / "train.log").find("the weights' gradients and AdamW"),
+            std::string::npos);
 }
 
 // An export that cannot be completed (here a file size limit, as a full disk does) leaves no

@@ -827,6 +827,10 @@ TEST(ModelFiles, InspectTokenizeAndEvalAModelFile) {
   EXPECT_EQ(j["tokenizer"]["tokens"], 512);
   EXPECT_EQ(j["tokenizer"]["add_space_prefix"], true);
   EXPECT_GT(j["training_budget"]["total_bytes"].get<int64_t>(), 0);
+  // The architecture's parts say what it may have; this model has no RoPE scaling.
+  EXPECT_NE(j["parts"].get<std::string>().find("Llama 3's RoPE scaling where the model has it"),
+            std::string::npos)
+      << j["parts"];
 
   const std::string text = "Once upon a time, there was a little dog named Max. He liked to run.";
   std::ofstream(dir / "text.txt", std::ios::binary) << text;

@@ -92,33 +92,25 @@ TEST(PreferenceData, EachShapeTargetsItsCompletionsAfterTheSharedPrompt) {
 // A pair whose sides part only past the cut has one log-probability on both sides, and so no
 // preference to learn: it is dropped and counted, not trained on with a gradient of zero.
 TEST(PreferenceData, PairsTheSameOnceCutAreDroppedAndCounted) {
+  const std::string parting_late =
+      "{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", \"rejected\": "
+      "\"abcdefghijklmnopqrstuvwxyzB\"}\n";
   PreferenceDataOptions o;
   o.ctx = 24;
-  const PreferenceData d = read(
-      "{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", \"rejected\": "
-      "\"abcdefghijklmnopqrstuvwxyzB\"}\n"
-      "{\"prompt\": \"q\", \"chosen\": \"x\", \"rejected\": \"y\"}\n",
-      o);
+  const PreferenceData d =
+      read(parting_late + "{\"prompt\": \"q\", \"chosen\": \"x\", \"rejected\": \"y\"}\n", o);
   EXPECT_EQ(d.pairs(), 1);
   EXPECT_EQ(d.same, 1);
   EXPECT_EQ(d.dropped, 0);
-  o.ctx = 64;  // both sides whole: they differ
-  EXPECT_EQ(read("{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", "
-                 "\"rejected\": \"abcdefghijklmnopqrstuvwxyzB\"}\n",
-                 o)
-                .same,
-            0);
-  o.ctx = 24;
   try {
-    read(
-        "{\"prompt\": \"p\", \"chosen\": \"abcdefghijklmnopqrstuvwxyzA\", \"rejected\": "
-        "\"abcdefghijklmnopqrstuvwxyzB\"}\n",
-        o);
+    read(parting_late, o);
     ADD_FAILURE() << "a file of such pairs alone is read";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("1 the same once cut; --ctx"), std::string::npos)
         << e.what();
   }
+  o.ctx = 64;  // both sides whole: they differ
+  EXPECT_EQ(read(parting_late, o).same, 0);
 }
 
 TEST(PreferenceData, LongPairsAreCutToShareARowAndPackedWhole) {
