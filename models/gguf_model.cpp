@@ -102,9 +102,9 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   // llama.cpp's type without the key is linear: a factor scales the positions whatever the type
   // says, so "none" beside a factor other than 1 is refused, not guessed.
   const std::string scaling = file.string(p + "rope.scaling.type", "linear");
-  if (scaling == "none" && file.number(p + "rope.scaling.factor", 1.0) != 1.0)
-    throw UserError(file.path() + ": " + p + "rope.scaling.factor " +
-                    number_text(file.number(p + "rope.scaling.factor", 1.0)) +
+  const double factor = file.number(p + "rope.scaling.factor", 1.0);
+  if (scaling == "none" && factor != 1.0)
+    throw UserError(file.path() + ": " + p + "rope.scaling.factor " + number_text(factor) +
                     " beside rope.scaling.type none");
   if (scaling != "none" && scaling != "linear")
     throw UserError(file.path() + ": " + p + "rope.scaling.type " + scaling +
@@ -116,7 +116,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
       file.number(p + (arch->norm == Norm::LayerNorm ? "attention.layer_norm_epsilon"
                                                      : "attention.layer_norm_rms_epsilon"),
                   1e-5));
-  c.rope_theta = positive(p + "rope.freq_base", 10000.0);
+  c.rope_theta = file.number(p + "rope.freq_base", 10000.0);  // validate()'s: above 1
   c.rope_pairs = arch->gguf_rope_pairs;
   c.tie_embeddings = arch->always_tied || file.tensor("output.weight") == nullptr;
   c.qkv_bias = arch->qkv_bias == Presence::Always ||
@@ -175,8 +175,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   }
   // Linear scaling (llama.cpp's default type) by rope.scaling.factor, read where the
   // architecture applies it (a factor other than 1 elsewhere is a key cputrain does not read).
-  if (const double factor = file.number(p + "rope.scaling.factor", 1.0);
-      scaling == "linear" && factor != 1.0 &&
+  if (scaling == "linear" && factor != 1.0 &&
       std::find(arch->rope_scalings.begin(), arch->rope_scalings.end(), "linear") !=
           arch->rope_scalings.end()) {
     if (!(factor > 0.0) || !std::isfinite(factor))

@@ -149,7 +149,7 @@ void add_eval_flags(CLI::App& app, EvalArgs& a) {
 }
 
 int run_eval(const EvalArgs& a) {
-  model_source(a.run, a.model);  // one of them, and --run a directory
+  const auto [path, flag] = model_source(a.run, a.model);  // one of them, and --run a directory
   omp_set_num_threads(a.threads > 0 ? a.threads : omp_get_num_procs());
   select_kernels(a.kernels);
   if (!a.text.empty()) return eval_text(a);
@@ -159,13 +159,12 @@ int run_eval(const EvalArgs& a) {
     throw UserError("--corpus: only for a run directory; for " + a.model + " give --text FILE");
   if (a.run.empty() && !fs::is_directory(a.model))
     throw UserError("--model " + a.model + ": give --text FILE to evaluate a model file");
-  if (describe_finetune_run(a.run.empty() ? a.model : a.run)) {
+  if (describe_finetune_run(path)) {
     if (!a.corpus.empty())
       throw UserError("--corpus " + a.corpus +
                       ": a fine-tune is evaluated on the examples it held out; for other text "
                       "give --text FILE");
-    return eval_finetune(a.run.empty() ? a.model : a.run, a.run.empty() ? "--model" : "--run",
-                         a.weights, a.batch, a.json);
+    return eval_finetune(path, flag, a.weights, a.batch, a.json);
   }
   if (a.run.empty()) {
     EvalArgs as_run = a;

@@ -880,10 +880,8 @@ int eval_finetune(const std::string& dir, const std::string& flag, const std::st
     json j = {{"loss", loss}, {"weights", m.source}, {what, held}};
     if (!examples.pairs) j["perplexity"] = std::exp(loss);
     std::printf("%s\n", j.dump(2).c_str());
-  } else if (!examples.pairs) {
-    std::printf("%s: loss %.4f, perplexity %.2f over %lld held-out %s of %s\n", m.source.c_str(),
-                loss, std::exp(loss), static_cast<long long>(held), what, data.c_str());
   } else {
+    if (!examples.pairs) note = fmt::format(", perplexity {:.2f}", std::exp(loss));
     std::printf("%s: loss %.4f%s over %lld held-out %s of %s\n", m.source.c_str(), loss,
                 note.c_str(), static_cast<long long>(held), what, data.c_str());
   }

@@ -366,9 +366,12 @@ TEST(Families, ZeroWindowsCapsAndBasesAreRefusedAndAFactorAloneIsLinear) {
                   [&](GgufWriter& w) { w.set_i32("gemma2.attention.sliding_window", window); }),
         "gemma2.attention.sliding_window " + std::to_string(window) + " must be positive");
   for (const char* key : {"gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping",
-                          "gemma2.rope.freq_base_swa", "gemma2.rope.freq_base"})
+                          "gemma2.rope.freq_base_swa"})
     refused(gguf_with("gemma2", key, key, [&](GgufWriter& w) { w.set_f32(key, 0.0f); }),
             std::string(key) + " 0 must be positive");
+  refused(gguf_with("gemma2", "base", "gemma2.rope.freq_base",
+                    [&](GgufWriter& w) { w.set_f32("gemma2.rope.freq_base", 0.0f); }),
+          "rope_theta 0 must be a number above 1");
   refused(gguf_with("gemma3", "none", "gemma3.rope.scaling.type",
                     [](GgufWriter& w) { w.set_string("gemma3.rope.scaling.type", "none"); }),
           "gemma3.rope.scaling.factor 8 beside rope.scaling.type none");

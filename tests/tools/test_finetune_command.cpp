@@ -181,6 +181,18 @@ TEST_F(FinetuneCli, ANonFiniteStepStopsTheFineTune) {
   EXPECT_NE(r.err.find("not applied, training stopped"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(out / "adapter.gguf"));
   EXPECT_FALSE(fs::exists(out / "peft"));
+  // Skipped instead, without validation: the steps after the first are skipped to the end, and
+  // the adapter the first one blew up is not written as a result.
+  const fs::path skipped = dir_ / "skipped";
+  std::string unvalidated = flags("1e30");
+  unvalidated.replace(unvalidated.find("--val-fraction 0.25"), 19, "--val-fraction 0");
+  const Result s = run(unvalidated + " --on-bad-step skip --out " + skipped.string());
+  EXPECT_NE(s.exit_code, 0);
+  EXPECT_NE(s.err.find("cputrain: error: the last step (6) was skipped: its loss is"),
+            std::string::npos)
+      << s.err;
+  EXPECT_FALSE(fs::exists(skipped / "adapter.gguf"));
+  EXPECT_FALSE(fs::exists(skipped / "peft"));
 }
 
 // budget --model and finetune --model agree on the dtype for the same flags, and on the budget

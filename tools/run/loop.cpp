@@ -102,7 +102,9 @@ class Steps {
           "good checkpoint is " +
           (last_checkpoint_.empty() ? std::string("none") : last_checkpoint_));
     }
-    if (!r.skipped) ++applied_;
+    // A step skipped for a loss or gradient norm that is not finite leaves weights that give one.
+    last_not_finite_ =
+        r.skipped && !(std::isfinite(r.loss) && std::isfinite(r.grad_norm)) ? step : 0;
     std::optional<double> val;
     if (source_.validates() && evaluates_after(plan_, step)) val = source_.validate(trainer_);
     if (val) last_val_ = val;
@@ -120,14 +122,14 @@ class Steps {
   }
   const std::string& last_checkpoint() const { return last_checkpoint_; }
 
-  // After the last step: a UserError where the run learned nothing (every step it ran skipped)
-  // or its model's held-out loss is not finite, so that no such result is written as a good one.
-  // Every rank decides alike (the loss and validation are the job's).
+  // After the last step: a UserError where the weights give a loss that is not finite (the last
+  // step was skipped for one, or the held-out loss after it is one), so that no such result is
+  // written as a good one. Every rank decides alike (the loss and validation are the job's).
   void check_result() const {
     std::string why;
-    if (applied_ == 0)
-      why = "every step from " + std::to_string(plan_.first_step) + " to " +
-            std::to_string(plan_.steps) + " was skipped (the last: " + bad_steps_.reason() + ")";
+    if (last_not_finite_ > 0)
+      why = "the last step (" + std::to_string(last_not_finite_) + ") was skipped: its " +
+            bad_steps_.reason();
     else if (last_val_ && !std::isfinite(*last_val_))
       why = "the held-out loss after the last step is " + std::to_string(*last_val_);
     if (why.empty()) return;
@@ -225,7 +227,7 @@ class Steps {
   Stopwatch loop_time_;
   int64_t profiled_steps_ = 0;
   double profiled_seconds_ = 0.0;
-  int64_t applied_ = 0;  // steps of this process not skipped
+  int64_t last_not_finite_ = 0;  // the last step, where skipped for a value not finite
   std::optional<double> last_val_;
 };
 
