@@ -52,9 +52,11 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
   // Over several ranks the last micro-batch's backward pass sums the gradients as it makes them
   // final, bucket by bucket; the micro-batches before it only accumulate.
   const bool reduce = reducer_ && !measuring();
-  // Measuring, one micro-batch stands for all: each allocates what the one before it freed, and
-  // the gradients accumulate in place (so a budget at any --accum takes one micro-batch's time).
-  const int64_t micro_batches = measuring() ? 1 : options_.accum;
+  // Measuring, two micro-batches stand for all: the first follows the optimizer's update, and
+  // every later one follows a micro-batch and allocates what the one before it freed, so a
+  // budget at any --accum takes two micro-batches' time. (One alone can leave the block cache
+  // holding other blocks than a step of several does.)
+  const int64_t micro_batches = measuring() ? std::min<int64_t>(options_.accum, 2) : options_.accum;
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     Variable loss = micro_loss(micro);
     if (!measuring()) loss_sum += loss.value().f32()[0];
