@@ -34,6 +34,7 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
   MeasureScope measure;
   MemoryStats stats;
   int64_t disk_bytes = 0, mapped_bytes = 0;
+  std::array<int64_t, kMemoryCategoryCount> mapped_peak{};
   {
     // What training builds, in the order it builds it: the model (its parameters and RoPE
     // table), the trainer (AdamW's state and the token buffers).
@@ -55,9 +56,13 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
     if (o.ranks > 1 && !o.packed) model_options.shard = &ranks;
     DecoderModel model(c, model_options);
     for (size_t i = 0; i < model.parameters().infos().size(); ++i)
-      if (model.parameters().mapped(static_cast<int>(i)))
-        mapped_bytes +=
-            static_cast<int64_t>(model.parameters().var(static_cast<int>(i)).value().bytes());
+      if (model.parameters().mapped(static_cast<int>(i))) {
+        const Tensor& w = model.parameters().var(static_cast<int>(i)).value();
+        mapped_bytes += static_cast<int64_t>(w.bytes());
+        // As the allocator counts it: whole 64-byte lines.
+        mapped_peak[static_cast<size_t>(w.category())] +=
+            static_cast<int64_t>((w.bytes() + 63) / 64 * 64);
+      }
     if (o.offload)
       disk_bytes =
           (model.parameters().offloaded_numel() + 2 * model.parameters().trainable_numel()) * 4;
@@ -124,6 +129,7 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
                      stats.peak_bytes[static_cast<size_t>(MemoryCategory::Gradients)]);
   b.disk_bytes = disk_bytes;
   b.mapped_bytes = mapped_bytes;
+  b.mapped_peak_bytes = mapped_peak;
   return b;
 }
 

@@ -84,9 +84,16 @@ struct MemoryBudget {
   // the file's size (bf16 or quantised): the file's pages, resident as the steps read them and
   // dropped and read again under pressure, so apart from the total a memory limit covers.
   int64_t mapped_bytes = 0;
+  // Of each category's peak, the part read in place (mapped_bytes, by the category the weights
+  // are counted in).
+  std::array<int64_t, kMemoryCategoryCount> mapped_peak_bytes{};
+  // What the process holds, anonymous memory: the total a memory limit covers.
   int64_t total_bytes() const {
     return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes - mapped_bytes;
   }
+  // With the base's pages, which every step reads: what must be resident for the steps to read
+  // the base from memory rather than from the disk.
+  int64_t total_with_mapped_bytes() const { return total_bytes() + mapped_bytes; }
 };
 
 // What a training process holds besides its tensors and the token cache, as measured on

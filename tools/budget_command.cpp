@@ -65,8 +65,19 @@ void add_budget_bytes(nlohmann::json& j, const MemoryBudget& b, int64_t availabl
   j["total_bytes"] = b.total_bytes();
   j["disk_bytes"] = b.disk_bytes;
   j["mapped_bytes"] = b.mapped_bytes;
+  j["total_with_mapped_bytes"] = b.total_with_mapped_bytes();
   j["available_bytes"] = available;
+  // The run starts where the total fits; the base's pages beside it, or it reads the base from
+  // the disk every pass.
   j["fits"] = b.total_bytes() <= available;
+  j["fits_with_mapped"] = b.total_with_mapped_bytes() <= available;
+}
+
+std::string fit_verdict(const MemoryBudget& b, int64_t available) {
+  if (b.total_bytes() > available) return "DOES NOT FIT";
+  if (b.total_with_mapped_bytes() <= available) return "fits";
+  // The fine-tune runs: it reads each block of the base ahead of its compute (MEMORY.md).
+  return "fits, with the base read from the disk every pass (its pages do not fit beside it)";
 }
 
 }  // namespace
@@ -95,35 +106,32 @@ BudgetOptions budget_options(const RunConfig& c, int64_t corpus_tokens, int64_t 
 
 std::string budget_table(const MemoryBudget& b, int64_t available) {
   std::string t;
+  const auto row = [&t](std::string_view what, int64_t bytes, std::string_view sign = "") {
+    t += fmt::format("  {:<38} {:>12}\n", what, std::string(sign) + format_bytes(bytes));
+  };
+  // A base read in place is the model file's pages, not the process's memory: its own row,
+  // apart from the category its weights are counted in.
   for (int i = 0; i < kMemoryCategoryCount; ++i) {
     const auto c = static_cast<MemoryCategory>(i);
-    if (b.peak_bytes[i] == 0) continue;
-    t += fmt::format("  {:<38} {:>12}\n",
-                     c == MemoryCategory::OptimizerState && b.disk_bytes > 0
-                         ? "AdamW staging (--offload)"
-                         : category_label(c),
-                     format_bytes(b.peak_bytes[i]));
+    const int64_t own = b.peak_bytes[i] - b.mapped_peak_bytes[i];
+    if (own <= 0) continue;
+    row(c == MemoryCategory::OptimizerState && b.disk_bytes > 0 ? "AdamW staging (--offload)"
+                                                                : category_label(c),
+        own);
   }
-  t += fmt::format("  {:<38} {:>12}\n", "step peak (all of the above at once)",
-                   format_bytes(b.step_peak_bytes));
-  t += fmt::format("  {:<38} {:>12}\n", "kept for the next step (block cache)",
-                   format_bytes(b.cache_headroom_bytes));
-  t +=
-      fmt::format("  {:<38} {:>12}\n", "token cache (memory-mapped)", format_bytes(b.corpus_bytes));
-  t += fmt::format("  {:<38} {:>12}\n", "runtime (code, libraries, tokenizer)",
-                   format_bytes(b.runtime_bytes));
-  if (b.mapped_bytes > 0)
-    t += fmt::format("  {:<38} {:>12}\n", "less the base read in place (its file)",
-                     "-" + format_bytes(b.mapped_bytes));
-  t += fmt::format("  {:<38} {:>12}\n", "total", format_bytes(b.total_bytes()));
-  if (b.disk_bytes > 0)
-    t += fmt::format("  {:<38} {:>12}\n", "on disk (--offload: masters, m and v)",
-                     format_bytes(b.disk_bytes));
-  if (available > 0) {
+  row("step peak (all of the above at once)", b.step_peak_bytes - b.mapped_bytes);
+  row("kept for the next step (block cache)", b.cache_headroom_bytes);
+  row("token cache (memory-mapped)", b.corpus_bytes);
+  row("runtime (code, libraries, tokenizer)", b.runtime_bytes);
+  row(b.mapped_bytes > 0 ? "total (the process's own memory)" : "total", b.total_bytes());
+  if (b.mapped_bytes > 0) {
+    row("base read in place (the file's pages)", b.mapped_bytes, "+");
+    row("total with the base's pages", b.total_with_mapped_bytes());
+  }
+  if (b.disk_bytes > 0) row("on disk (--offload: masters, m and v)", b.disk_bytes);
+  if (available > 0)
     t += fmt::format("  {:<38} {:>12}  -> {}\n", "available (MemAvailable or --mem-limit)",
-                     format_bytes(available),
-                     b.total_bytes() <= available ? "fits" : "DOES NOT FIT");
-  }
+                     format_bytes(available), fit_verdict(b, available));
   return t;
 }
 

@@ -32,6 +32,7 @@
 #include "models/gguf_model.h"
 #include "models/lora.h"
 #include "models/tensor_names.h"
+#include "tools/budget_command.h"
 #include "tools/cli_test_util.h"
 #include "tools/model_source.h"
 #include "tools/oracle_util.h"
@@ -1244,6 +1245,36 @@ TEST(FineTune, ABaseReadInPlaceIsApartFromTheMemoryLimit) {
     const nlohmann::json j = nlohmann::json::parse(b.out);
     EXPECT_EQ(j["mapped_bytes"].get<int64_t>(), mapped) << name;
     EXPECT_EQ(j["total_bytes"].get<int64_t>(), budget) << name;
+    EXPECT_EQ(j["total_with_mapped_bytes"].get<int64_t>(), budget + mapped) << name;
+    // The table names the file's pages as such, apart from the bf16 copies, and counts them in
+    // whether it fits: beside the rest, or only with the base read from the disk every pass.
+    const std::string budget_flags = "budget --model " + model.string() +
+                                     " --lora-rank 16 --batch 2 --accum 4 --ctx 64 --dtype bf16";
+    const Result roomy = run_cputrain(
+        budget_flags + " --mem-limit " + gib(static_cast<double>(budget + mapped) + 1e6), dir);
+    ASSERT_EQ(roomy.exit_code, 0) << roomy.err;
+    const std::string row = "base read in place (the file's pages)";
+    ASSERT_NE(roomy.out.find(row), std::string::npos) << roomy.out;
+    // On its own row, and not within the bf16 weight copies' as well (those of the adapters
+    // alone, a small part of the base).
+    const size_t row_at = roomy.out.find(row);
+    EXPECT_NE(roomy.out.substr(row_at, roomy.out.find('\n', row_at) - row_at)
+                  .find("+" + format_bytes(mapped)),
+              std::string::npos)
+        << roomy.out;
+    if (const size_t at = roomy.out.find("bf16 weight copies"); at != std::string::npos) {
+      const double copies = std::stod(roomy.out.substr(at + 38));
+      EXPECT_LT(copies * 1024 * 1024, 0.25 * static_cast<double>(mapped)) << roomy.out;
+    }
+    EXPECT_NE(roomy.out.find("-> fits\n"), std::string::npos) << roomy.out;
+    const Result tight =
+        run_cputrain(budget_flags + " --mem-limit " +
+                         gib(static_cast<double>(budget) + 0.5 * static_cast<double>(mapped)),
+                     dir);
+    EXPECT_EQ(tight.exit_code, 0) << tight.err;
+    EXPECT_NE(tight.out.find("-> fits, with the base read from the disk every pass"),
+              std::string::npos)
+        << tight.out;
     expect_one_line_refusal(
         run_cputrain(flags + " --mem-limit " + gib(0.9 * static_cast<double>(budget)) + " --out " +
                          (dir / (name + "c")).string(),
