@@ -151,7 +151,12 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
   const std::string embedding = "tok_embeddings.weight";
   const std::vector<int64_t> e = check.matrix(embedding);
   c.d_model = check.positive(hp.d_model);
-  if (c.d_model != e[1]) check.differs(hp.d_model, c.d_model, embedding, e, {e[0], c.d_model});
+  if (c.d_model != e[1]) {
+    // The rows the vocabulary gives: the key's, else the embedding's other dimension (a
+    // transposed one's first).
+    const int64_t rows = hp.vocab.value ? *hp.vocab.value : e[0] == c.d_model ? e[1] : e[0];
+    check.differs(hp.d_model, c.d_model, embedding, e, {rows, c.d_model});
+  }
   c.vocab = e[0];
   if (hp.vocab.value && check.positive(hp.vocab) != c.vocab)
     check.differs(hp.vocab, *hp.vocab.value, embedding, e, {*hp.vocab.value, e[1]});

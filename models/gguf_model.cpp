@@ -370,7 +370,7 @@ void write_lora_gguf(const std::string& path, const ModelConfig& c, const Parame
   GgufWriter w;
   w.set_string("general.architecture", std::string(arch.name));
   w.set_string("general.type", "adapter");
-  w.set_string("general.name", name);
+  if (!name.empty()) w.set_string("general.name", name);
   w.set_string("adapter.type", "lora");
   w.set_f32("adapter.lora.alpha", static_cast<float>(alpha));
   w.set_string("cputrain.base_fingerprint", fingerprint_text(base_fingerprint(c, params)));
@@ -488,7 +488,7 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   }
   GgufWriter w;
   w.set_string("general.architecture", arch);
-  w.set_string("general.name", options.name);
+  if (!options.name.empty()) w.set_string("general.name", options.name);
   w.set_u32("general.file_type", file_type(matrices));
   w.set_u32(arch + ".context_length", static_cast<uint32_t>(c.ctx));
   w.set_u32(arch + ".embedding_length", static_cast<uint32_t>(c.d_model));

@@ -78,7 +78,9 @@ int run_export(const ExportArgs& a) {
                  : a.type == "q8_0" ? GgmlType::Q8_0
                  : a.type == "q4_k" ? GgmlType::Q4_K
                                     : GgmlType::F32;
-  options.name = std::filesystem::path(source).filename().string();
+  // As llama.cpp's converter names it (the source's own name): never the file's, which llama.cpp
+  // would read as a hint of the model ("phi3.gguf").
+  options.name = model_name(source);
   if (!gguf) {
     const std::string dtype = a.type == "f16" ? "F16" : a.type == "bf16" ? "BF16" : "F32";
     // The folder is written whole beside --out, then its files are moved in: an export that

@@ -106,6 +106,10 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+// The learning rate of a fine-tune's steps past the schedule it began with (extended by --steps
+// or --epochs on a resume), as a fraction of the peak: its schedule decays to 0.
+constexpr double kExtendedLrRatio = 0.1;
+
 // The keys of a fine-tune's config.json, each with the flag that sets it.
 constexpr std::pair<const char*, const char*> kRunKeys[] = {
     {"model", "--model"},
@@ -122,7 +126,7 @@ constexpr std::pair<const char*, const char*> kRunKeys[] = {
     {"accum", "--accum"},
     {"ctx", "--ctx"},
     {"lr", "--lr"},
-    {"warmup_steps", "--warmup"},
+    {"warmup", "--warmup"},
     {"weight_decay", "--weight-decay"},
     {"dtype", "--dtype"},
     {"checkpoint", "--checkpoint"},
@@ -176,7 +180,8 @@ FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
       take("--lora-targets", r.lora_targets, "lora_targets");
       take("--lora-dropout", r.lora_dropout, "lora_dropout");
     }
-    take("--steps", r.steps, "steps");
+    // --epochs on a resume sets where it ends, as --steps does.
+    if (!a.was_given("--epochs")) take("--steps", r.steps, "steps");
     take("--batch", r.batch, "batch");
     take("--accum", r.accum, "accum");
     take("--ctx", r.ctx, "ctx");
@@ -191,9 +196,11 @@ FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
     take("--seed", r.seed, "seed");
     if (!a.was_given("--chat-template"))
       r.chat_template = run.value("chat_template_flag", run.value("chat_template", std::string()));
-    if (!a.was_given("--warmup") && r.steps > 0)
+    // The fraction it began with (of the steps it began with, where it predates the key).
+    const auto began_steps = run.value("steps", int64_t{0});
+    if (!a.was_given("--warmup") && began_steps > 0)
       r.warmup = run.value("warmup", static_cast<double>(run.value("warmup_steps", int64_t{0})) /
-                                         static_cast<double>(r.steps));
+                                         static_cast<double>(began_steps));
   } catch (const json::exception&) {
     throw UserError(a.run_dir() + "/config.json: malformed fine-tune configuration");
   }
@@ -205,6 +212,8 @@ FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
 void check_resumed(const std::string& dir, const json& run, const json& now) {
   std::string changed;
   for (const auto& [key, flag] : kRunKeys) {
+    // Where the run ends may change (--steps, --epochs): resume_from and the log say how.
+    if (std::string_view(key) == "steps") continue;
     if (!run.contains(key) || !now.contains(key) || run[key] == now[key]) continue;
     changed += std::string(changed.empty() ? "" : ", ") + flag + " " + now[key].dump() +
                " (the run's: " + run[key].dump() + ")";
@@ -382,7 +391,7 @@ Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_
 
 // config.json of a fine-tune: what makes it the run it is.
 json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const Examples& e,
-                     int64_t ctx, int64_t steps, int64_t warmup_steps, int ranks) {
+                     int64_t ctx, int64_t steps, const LrSchedule& lr, int ranks) {
   json config = {{"command", "finetune"},
                  {"model", fs::absolute(a.model).string()},
                  {"data", fs::absolute(a.data).string()},
@@ -399,7 +408,9 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
                  {"ctx", ctx},
                  {"lr", a.lr},
                  {"warmup", a.warmup},
-                 {"warmup_steps", warmup_steps},
+                 {"warmup_steps", lr.warmup_steps},
+                 {"lr_schedule_steps", lr.total_steps},
+                 {"rows_by_epoch", true},
                  {"weight_decay", a.weight_decay},
                  {"dtype", options.compute_dtype == DType::BF16 ? "bf16" : "fp32"},
                  {"checkpoint", a.checkpoint},
@@ -420,11 +431,11 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
 class PackedRows final : public BatchSource {
  public:
   PackedRows(DecoderModel& model, const Examples& examples, std::vector<PackedRow> rows,
-             int64_t ctx, int64_t batch, int64_t per_step, uint64_t seed, int32_t pad,
+             int64_t ctx, int64_t batch, const RowPlan& plan, uint64_t seed, int32_t pad,
              const Communicator& comm)
       : model_(model),
         examples_(examples),
-        rows_(std::move(rows), ctx, batch, per_step, seed),
+        rows_(std::move(rows), ctx, batch, plan, seed),
         ctx_(ctx),
         batch_(batch),
         pad_(pad),
@@ -458,12 +469,16 @@ class AdapterFiles final : public RunOutput {
       : a_(a), m_(m), options_(options), log_(log) {}
   void write(bool lead) override {
     if (!lead) return;
-    const std::string name = fs::path(a_.model).filename().string();
+    // The base's name, as llama.cpp's converter gives it (model_name), and what this made of it.
+    const std::string base_name = model_name(a_.model);
+    const auto name = [&base_name](const char* what) {
+      return base_name.empty() ? std::string() : base_name + " " + what;
+    };
     const ParameterSet& params = m_.model->parameters();
     if (a_.full) {
       GgufExport e;
       e.type = GgmlType::F32;
-      e.name = name + " fine-tuned";
+      e.name = name("Fine-tuned");
       // The model's own context, not the rows' it was tuned on (--ctx).
       ModelConfig config = m_.config;
       config.ctx = m_.declared_ctx;
@@ -471,8 +486,7 @@ class AdapterFiles final : public RunOutput {
       log_.info("wrote {}/model.gguf", a_.out);
       return;
     }
-    write_lora_gguf(a_.out + "/adapter.gguf", m_.config, params, options_.lora.alpha,
-                    name + " LoRA");
+    write_lora_gguf(a_.out + "/adapter.gguf", m_.config, params, options_.lora.alpha, name("LoRA"));
     write_peft_adapter(a_.out + "/peft", m_.config, params, options_.lora,
                        fs::absolute(a_.model).string());
     // llama.cpp takes the base as a GGUF file: a run's is written by export.
@@ -638,10 +652,24 @@ int64_t resume_from(const FinetuneArgs& a, const json& run, const std::string& c
   const ResumePoint point = find_resume_point(dir, config_text, log);
   if (point.info.data_fingerprint != fingerprint)
     throw UserError(point.path + ": trained on other data than " + a.data);
-  if (point.info.step >= steps)
-    throw UserError("--resume " + dir + ": the fine-tune has trained all its " +
-                    std::to_string(steps) + " steps");
+  if (point.info.step > steps)
+    throw UserError((a.was_given("--epochs") ? "--epochs " + fmt::format("{:g}", a.epochs) + " (" +
+                                                   std::to_string(steps) + " steps)"
+                                             : "--steps " + std::to_string(steps)) +
+                    ": the fine-tune in " + dir + " has already trained " +
+                    std::to_string(point.info.step) + " steps");
   *checkpoint = point.path;
+  if (point.info.step == steps) {
+    // Stopped between its last checkpoint and its result: the result is written from it.
+    const std::string result = dir + (a.full ? "/model.gguf" : "/adapter.gguf");
+    if (fs::exists(result))
+      throw UserError("--resume " + dir + ": the fine-tune has trained all its " +
+                      std::to_string(steps) + " steps; give --steps above " +
+                      std::to_string(steps) + " (or --epochs) to train it further");
+    log.info("{} has trained all its {} steps, and {} is missing: written from it", point.path,
+             steps, result);
+    return steps + 1;
+  }
   log.info("resumed from {} (step {} of {})", point.path, point.info.step, steps);
   return point.info.step + 1;
 }
@@ -654,6 +682,8 @@ FinetuneArgs resolve_args(FinetuneArgs a, json* run) {
   if (a.out.empty())
     throw UserError(resuming ? "--resume: give the run directory to continue (--resume RUN)"
                              : "--out: give the run directory to write (or --resume RUN)");
+  if (a.was_given("--steps") && a.was_given("--epochs"))
+    throw UserError("--steps and --epochs: give one (the steps of --epochs E are E passes)");
   // Every rank of a job reads the run's flags from its directory.
   if (resuming) {
     *run = read_finetune_config(a.out);
@@ -673,10 +703,10 @@ int64_t start_job(const FinetuneArgs& a, const json& run, const std::string& con
                   JobStart& start, spdlog::logger& log, std::string* checkpoint) {
   const Communicator& comm = *trainer.options().comm;
   int64_t first_step = 1;
+  // A resumed run's config.json records where it now ends, once it is sure to go on.
   if (comm.rank() == 0 && a.resuming())
     first_step = resume_from(a, run, config_text, fingerprint, steps, comm, log, checkpoint);
-  else if (comm.rank() == 0)
-    write_file_atomic(a.out + "/config.json", config_text);
+  if (comm.rank() == 0) write_file_atomic(a.out + "/config.json", config_text);
   if (comm.size() > 1) {
     start.ready();
     comm.set_timeout(a.rank_timeout);
@@ -745,13 +775,25 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     std::vector<PackedRow> packed = examples.pairs ? pack_pairs(examples.data.examples, ctx)
                                                    : pack_examples(examples.data.examples, ctx);
     const size_t rows = packed.size();
-    const int64_t steps =
-        a.steps > 0 ? a.steps
-                    : std::max<int64_t>(
-                          1, static_cast<int64_t>(std::ceil(a.epochs * static_cast<double>(rows) /
-                                                            static_cast<double>(per_step))));
-    const auto warmup_steps =
-        static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps)));
+    // The steps by epoch: each epoch's last step takes the rows left of it (RowPlan), so that
+    // --epochs 1 is one pass. (A run begun before steps kept to epochs draws as it began.)
+    const RowPlan plan_rows{static_cast<int64_t>(rows), per_step,
+                            !a.resuming() || run.value("rows_by_epoch", false)};
+    const int64_t steps = a.steps > 0 ? a.steps : plan_rows.steps_for(a.epochs);
+    // A resumed run keeps the schedule it began with, wherever it now ends; the steps past it
+    // run at a tenth of the peak (the schedule decays to 0).
+    LrSchedule lr{a.lr, static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps))),
+                  steps, 0.0, kExtendedLrRatio};
+    if (a.resuming()) {
+      lr.total_steps = run.value("lr_schedule_steps", run.value("steps", steps));
+      lr.warmup_steps = run.value("warmup_steps", lr.warmup_steps);
+      if (steps > lr.total_steps)
+        log.info(
+            "the fine-tune now ends at step {} (its schedule ends at {}); the learning rate keeps "
+            "that schedule (warm-up {}, cosine decay to 0 at step {}), the steps past it at {:.3g} "
+            "(a tenth of the peak)",
+            steps, lr.total_steps, lr.warmup_steps, lr.total_steps, a.lr * kExtendedLrRatio);
+    }
     const MemoryBudget budget =
         plan_finetune_memory(a, m, options, examples, packed, ctx, available, comm, log);
 
@@ -760,7 +802,7 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     train.accum = a.accum;
     train.ctx = ctx;
     train.seed = a.seed;
-    train.lr = {a.lr, warmup_steps, steps, 0.0};
+    train.lr = lr;
     train.adamw.weight_decay = static_cast<float>(a.weight_decay);
     train.comm = &comm;
     Trainer trainer(
@@ -773,14 +815,19 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
         "validation: {} {}",
         rows, ctx,
         100.0 * static_cast<double>(used) / static_cast<double>(std::ssize(packed) * ctx), steps,
-        per_step, static_cast<double>(steps * per_step) / static_cast<double>(rows),
-        examples.val.size() / (examples.pairs ? 2 : 1), examples.pairs ? "pairs" : "examples");
+        per_step, plan_rows.epochs_of(steps), examples.val.size() / (examples.pairs ? 2 : 1),
+        examples.pairs ? "pairs" : "examples");
 
-    const json config =
-        finetune_config(a, options, examples, ctx, steps, warmup_steps, comm.size());
+    const json config = finetune_config(a, options, examples, ctx, steps, lr, comm.size());
     if (a.resuming()) check_resumed(a.out, run, config);
-    // A resumed run keeps the text it began with, which its checkpoints record.
-    const std::string config_text = (a.resuming() ? run : config).dump(2) + "\n";
+    // A resumed run keeps the text it began with, which its checkpoints record, but for where it
+    // ends (which a checkpoint's identity leaves out, run_identity).
+    json kept = run;
+    if (a.resuming() && run.value("steps", steps) != steps) {
+      kept["lr_schedule_steps"] = lr.total_steps;
+      kept["steps"] = steps;
+    }
+    const std::string config_text = (a.resuming() ? kept : config).dump(2) + "\n";
     LoopPlan plan = finetune_plan(a, steps, ctx, comm);
     plan.first_step = start_job(a, run, config_text, examples.fingerprint, steps,
                                 model.parameters(), trainer, start, log, &plan.last_checkpoint);
@@ -792,7 +839,7 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     AdapterFiles output(a, m, options, log);
     const int32_t pad = m.tokenizer->eos_id();
     if (!examples.pairs) {
-      PackedRows batches(model, examples, std::move(packed), ctx, a.batch, per_step, a.seed, pad,
+      PackedRows batches(model, examples, std::move(packed), ctx, a.batch, plan_rows, a.seed, pad,
                          comm);
       return run_loop(plan, trainer, model.parameters(), batches, output, comm, session.io());
     }
@@ -805,11 +852,15 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     if (loss.method == PreferenceMethod::Dpo) {
       const ReferencePass pass{
           &examples.data.examples, &packed, &examples.val, &val_rows, ctx, a.batch, pad};
+      // A pass over every pair before the first step: a stop signal ends it at once.
+      session.preparing("computing the reference's log-probabilities");
+      if (hold.reference) wait_for_stop_signal(0, true, "the reference pass");
       reference = reference_log_probs(model, !a.full, pass, a.out, plan.first_step > 1,
                                       examples.fingerprint, comm, log);
+      session.prepared();
     }
     PreferenceRows batches(model, examples.data.examples, std::move(packed), examples.val,
-                           std::move(val_rows), std::move(reference), loss, ctx, a.batch, per_step,
+                           std::move(val_rows), std::move(reference), loss, ctx, a.batch, plan_rows,
                            a.seed, pad, comm);
     return run_loop(plan, trainer, model.parameters(), batches, output, comm, session.io());
   } catch (...) {

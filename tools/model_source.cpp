@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 
 #include "engine/core/error.h"
 #include "engine/core/memory.h"
@@ -15,6 +16,7 @@
 #include "engine/io/safetensors_file.h"
 #include "engine/text/vocab_tokenizer.h"
 #include "engine/train/checkpoint_file.h"
+#include "models/architecture.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
 #include "models/lora.h"
@@ -89,7 +91,8 @@ std::optional<FinetuneRun> finetune_run(const std::string& path) {
   try {
     j = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception&) {
-    return std::nullopt;  // read_run_config names the damage
+    // Whatever the folder is, what it is cannot be told: named here, not taken for another kind.
+    throw UserError(path + "/config.json: not valid JSON (damaged?)");
   }
   if (!j.is_object() || j.value("command", std::string()) != "finetune") return std::nullopt;
   FinetuneRun r;
@@ -147,6 +150,12 @@ LoadedModel load_finetune_run(const FinetuneRun& run, const std::string& path,
                     " is a LoRA fine-tune: write its base with the adapter merged (cputrain export "
                     "--run " +
                     path + " --merge --out MODEL.gguf) and give that");
+  // The base is named in its config.json: where it is gone, that is said, not a flag.
+  std::error_code ec;
+  if (!run.full || run.result.empty() || !weights.empty())
+    if (!fs::exists(run.base, ec))
+      throw UserError(flag + " " + path + ": the base it fine-tuned, " + run.base + " (" + path +
+                      "/config.json's model), is not there");
   LoadedModel m;
   if (weights.empty() && !run.result.empty()) {
     m = run.full ? load_model(run.result, flag, "", max_ctx, bf16_when_exact, training, "")
@@ -263,7 +272,10 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held;
       break;
   }
+  if (kind == SourceKind::HuggingFace) m.naming = TensorNaming::HuggingFace;
+  if (kind == SourceKind::Gguf) m.naming = TensorNaming::Gguf;
   if (adapter_file) {
+    m.adapter_file = adapter;
     load_lora_gguf(*adapter_file, m.config, m.model->parameters());
     m.source +=
         ", with the LoRA adapter " + adapter + " (rank " + std::to_string(options.lora.rank) + ")";
@@ -290,11 +302,81 @@ std::function<InPlaceWeight(const ParameterInfo&)> in_place_weights(const std::s
 
 void check_finite_weights(const LoadedModel& m, const std::string& path, const std::string& flag,
                           const std::string& adapter) {
-  check_finite(m.model->parameters(), flag + " " + path,
-               [](const std::string& name) { return !is_lora_parameter(name); });
-  if (!adapter.empty())
-    check_finite(m.model->parameters(), "--adapter " + adapter,
-                 [](const std::string& name) { return is_lora_parameter(name); });
+  const Architecture& arch = architecture_of(m.config);
+  const auto named = [&arch](std::optional<TensorNaming> naming) {
+    return [&arch, naming](const std::string& name) {
+      return naming ? tensor_name(name, *naming, arch) : name;
+    };
+  };
+  check_finite(
+      m.model->parameters(), flag + " " + path,
+      [](const std::string& name) { return !is_lora_parameter(name); }, named(m.naming));
+  // A fine-tune's adapter (its adapter.gguf, or the checkpoint's adapters) or --adapter's.
+  check_finite(
+      m.model->parameters(),
+      !adapter.empty()          ? "--adapter " + adapter
+      : !m.adapter_file.empty() ? flag + " " + path + ": " + m.adapter_file
+                                : flag + " " + path,
+      [](const std::string& name) { return is_lora_parameter(name); },
+      named(m.adapter_file.empty() ? std::nullopt : std::optional(TensorNaming::Gguf)));
+}
+
+namespace {
+
+// gguf-py's Metadata.id_to_title: '-' as spaces, each word in lower case titled unless a
+// version or a number ("v2", "0.5b").
+std::string id_to_title(const std::string& id) {
+  std::string out, word;
+  std::string spaced = id;
+  std::replace(spaced.begin(), spaced.end(), '-', ' ');
+  std::istringstream words(spaced);
+  while (words >> word) {
+    const bool lower =
+        std::any_of(word.begin(), word.end(), [](unsigned char c) { return std::isalpha(c); }) &&
+        std::none_of(word.begin(), word.end(), [](unsigned char c) { return std::isupper(c); });
+    const bool version_or_number =
+        std::isdigit(static_cast<unsigned char>(word[0])) ||
+        (word.size() > 1 && word[0] == 'v' && std::isdigit(static_cast<unsigned char>(word[1])) &&
+         word.find_first_not_of("0123456789.", 1) == std::string::npos);
+    if (lower && !version_or_number) {
+      // Python's str.title: a letter after a non-letter upper, the others lower.
+      bool after_letter = false;
+      for (char& c : word) {
+        const auto u = static_cast<unsigned char>(c);
+        c = static_cast<char>(after_letter ? std::tolower(u) : std::toupper(u));
+        after_letter = std::isalpha(u) != 0;
+      }
+    }
+    out += (out.empty() ? "" : " ") + word;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string model_name(const std::string& path) {
+  if (const auto run = finetune_run(path)) return model_name(run->base);
+  const fs::path p = fs::path(path).lexically_normal();
+  const std::string folder = (p.has_filename() ? p : p.parent_path()).filename().string();
+  switch (source_kind(path, "--model")) {
+    case SourceKind::Gguf:
+      return GgufFile(path).string("general.name", "");
+    case SourceKind::HuggingFace: {
+      std::ifstream in(fs::path(path) / "config.json");
+      const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+      const nlohmann::json* id =
+          j.is_object() && j.contains("_name_or_path") && j["_name_or_path"].is_string()
+              ? &j["_name_or_path"]
+              : nullptr;
+      std::string name = id ? id->get<std::string>() : "";
+      // A hub id ("org/name"), not a path on the machine that wrote it.
+      if (name.empty() || std::count(name.begin(), name.end(), '/') > 1) name = folder;
+      return id_to_title(name.substr(name.find('/') + 1));
+    }
+    case SourceKind::Run:
+      return id_to_title(folder);
+  }
+  return "";
 }
 
 bool is_lora_finetune(const std::string& path) {

@@ -13,6 +13,7 @@
 #include "engine/text/tokenizer.h"
 #include "models/decoder.h"
 #include "models/model_config.h"
+#include "models/tensor_names.h"
 
 namespace cputrain {
 
@@ -29,6 +30,11 @@ struct LoadedModel {
   // among it) and the tokenizer hold on the heap (GgufFile::heap_bytes, Tokenizer::heap_bytes):
   // a memory budget's host_bytes.
   int64_t host_bytes = 0;
+  // How the file the weights came from names its tensors (none for a run's own files), and the
+  // LoRA adapter file applied (a fine-tune's adapter.gguf or --adapter), which names them as
+  // llama.cpp's GGUF does: what a message about a parameter says.
+  std::optional<TensorNaming> naming;
+  std::string adapter_file;
 };
 
 // The context a model file is given where it declares a longer one and no --ctx says otherwise.
@@ -74,6 +80,13 @@ bool is_lora_finetune(const std::string& path);
 // Of a fine-tune's run directory, a line saying what it holds ("a LoRA fine-tune (rank 16, alpha
 // 32 on q,k,v,o,gate,up,down) of BASE: adapter.gguf"); nothing for any other path.
 std::optional<std::string> describe_finetune_run(const std::string& path);
+
+// The model's name as llama.cpp's converter writes general.name (which llama.cpp reads as a hint
+// of the model: a name with "phi3" in it sets Phi-3's token attributes): a GGUF file's own (none
+// where it has none); a Hugging Face folder's hub id (config.json's _name_or_path, where it is
+// one) or else the folder's name, as a title ("Qwen2.5 0.5B Instruct"); a fine-tune's run, its
+// base's; a training run's, its directory's as a title.
+std::string model_name(const std::string& path);
 
 // What load_model's file index and tokenizer of the model at `path` hold on the heap
 // (LoadedModel::host_bytes), without its weights: the budget command's measure of them.

@@ -27,7 +27,9 @@ std::string reference_path(const std::string& dir) {
   return dir + "/reference.bin";
 }
 
-void write_reference(const std::string& dir, uint64_t fingerprint, const ReferenceLogProbs& r) {
+}  // namespace
+
+std::string reference_bytes(uint64_t fingerprint, const ReferenceLogProbs& r) {
   std::string bytes(kMagic, sizeof kMagic);
   const auto put = [&bytes](const void* p, size_t n) {
     bytes.append(static_cast<const char*>(p), n);
@@ -39,18 +41,11 @@ void write_reference(const std::string& dir, uint64_t fingerprint, const Referen
   put(r.val.data(), r.val.size() * sizeof(double));
   const uint64_t sum = fnv1a(bytes);
   put(&sum, sizeof sum);
-  write_file_atomic(reference_path(dir), bytes);
+  return bytes;
 }
 
-// The file's sums, where it is whole and of this data with these counts; else why not.
-std::optional<ReferenceLogProbs> read_reference(const std::string& dir, uint64_t fingerprint,
-                                                size_t train, size_t val, std::string* why) {
-  std::ifstream in(reference_path(dir), std::ios::binary);
-  if (!in) {
-    *why = "missing";
-    return std::nullopt;
-  }
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+std::optional<ReferenceLogProbs> parse_reference(std::string_view bytes, uint64_t fingerprint,
+                                                 size_t train, size_t val, std::string* why) {
   const size_t header = sizeof kMagic + 3 * sizeof(uint64_t);
   uint64_t fields[3] = {}, sum = 0;
   if (bytes.size() >= header + sizeof sum) {
@@ -81,6 +76,24 @@ std::optional<ReferenceLogProbs> read_reference(const std::string& dir, uint64_t
         return std::nullopt;
       }
   return r;
+}
+
+namespace {
+
+void write_reference(const std::string& dir, uint64_t fingerprint, const ReferenceLogProbs& r) {
+  write_file_atomic(reference_path(dir), reference_bytes(fingerprint, r));
+}
+
+// The file's sums, where it is whole and of this data with these counts; else why not.
+std::optional<ReferenceLogProbs> read_reference(const std::string& dir, uint64_t fingerprint,
+                                                size_t train, size_t val, std::string* why) {
+  std::ifstream in(reference_path(dir), std::ios::binary);
+  if (!in) {
+    *why = "missing";
+    return std::nullopt;
+  }
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_reference(bytes, fingerprint, train, val, why);
 }
 
 }  // namespace
@@ -142,11 +155,11 @@ PreferenceRows::PreferenceRows(DecoderModel& model, const std::vector<FinetuneEx
                                std::vector<PackedRow> rows, const std::vector<FinetuneExample>& val,
                                std::vector<PackedRow> val_rows, ReferenceLogProbs reference,
                                const PreferenceLossOptions& loss, int64_t ctx, int64_t batch,
-                               int64_t per_step, uint64_t seed, int32_t pad,
+                               const RowPlan& plan, uint64_t seed, int32_t pad,
                                const Communicator& comm)
     : model_(model),
       train_(train),
-      rows_(std::move(rows), ctx, batch, per_step, seed),
+      rows_(std::move(rows), ctx, batch, plan, seed),
       val_(val),
       val_rows_(std::move(val_rows)),
       reference_(std::move(reference)),

@@ -8,7 +8,9 @@
 #include <spdlog/spdlog.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/data/finetune_data.h"
@@ -25,6 +27,15 @@ class DecoderModel;
 struct ReferenceLogProbs {
   std::vector<double> train, val;
 };
+
+// reference.bin's bytes: "CTPREF2\0", the data's fingerprint, the counts of the training and the
+// validation sums (u64 each), the sums (f64), then the FNV-1a of everything before it (u64),
+// little-endian as the machine writes them.
+std::string reference_bytes(uint64_t fingerprint, const ReferenceLogProbs& r);
+// The sums of `bytes`, where they are whole (the checksum, the sizes, every sum finite) and of
+// data of `fingerprint` with these counts; else nullopt and why not ("damaged", "of other data").
+std::optional<ReferenceLogProbs> parse_reference(std::string_view bytes, uint64_t fingerprint,
+                                                 size_t train, size_t val, std::string* why);
 
 // What the reference pass reads: the pairs and their packed rows, and how to batch them.
 struct ReferencePass {
@@ -51,7 +62,7 @@ class PreferenceRows final : public BatchSource {
   PreferenceRows(DecoderModel& model, const std::vector<FinetuneExample>& train,
                  std::vector<PackedRow> rows, const std::vector<FinetuneExample>& val,
                  std::vector<PackedRow> val_rows, ReferenceLogProbs reference,
-                 const PreferenceLossOptions& loss, int64_t ctx, int64_t batch, int64_t per_step,
+                 const PreferenceLossOptions& loss, int64_t ctx, int64_t batch, const RowPlan& plan,
                  uint64_t seed, int32_t pad, const Communicator& comm);
   StepResult step(Trainer& trainer, int64_t step) override;
   bool validates() const override { return !val_.empty(); }

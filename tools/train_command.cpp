@@ -548,7 +548,8 @@ int train_in(const RunDirectory& run, RunConfig& config, const TrainArgs& args,
   const TrainingPeak peak(config.dtype);
   warn_of_slow_steps(config, peak.gflops, log);
   const int64_t available = memory_limit_bytes(args.mem_limit_gib);
-  check_memory_floor(config, resuming ? "none" : args.checkpoint, available, log);
+  check_memory_floor(config, resuming || !config.init.empty(), resuming ? "none" : args.checkpoint,
+                     available, log);
 
   if (hold.step == 0) wait_for_stop_signal(0, hold.forever);
   // A run begun from a model keeps that model's tokenizer, saved beside its data.

@@ -1,6 +1,7 @@
 #include "engine/data/finetune_data.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -186,18 +187,41 @@ std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& example
   return pack_units(sizes, ctx);
 }
 
-StepRows::StepRows(std::vector<PackedRow> rows, int64_t ctx, int64_t batch, int64_t per_step,
+int64_t RowPlan::steps_for(double epochs) const {
+  const double steps = by_epoch
+                           ? epochs * static_cast<double>(epoch_steps())
+                           : epochs * static_cast<double>(rows) / static_cast<double>(per_step);
+  // Whole passes are whole steps: 3 epochs of 7 steps are 21, not 22 for a rounding.
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(steps - 1e-9)));
+}
+
+double RowPlan::epochs_of(int64_t steps) const {
+  const auto R = static_cast<double>(rows);
+  if (!by_epoch) return static_cast<double>(steps * per_step) / R;
+  const int64_t whole = steps / epoch_steps(), left = steps % epoch_steps();
+  return static_cast<double>(whole) + static_cast<double>(std::min(left * per_step, rows)) / R;
+}
+
+StepRows::StepRows(std::vector<PackedRow> rows, int64_t ctx, int64_t batch, const RowPlan& plan,
                    uint64_t seed)
     : rows_(std::move(rows)),
       order_(rows_.size(), seed),
-      per_step_(per_step),
+      plan_(plan),
       inputs_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)),
       targets_(Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace)) {}
 
 std::span<const PackedRow* const> StepRows::take(int64_t step) {
   step_.clear();
-  for (int64_t i = 0; i < per_step_; ++i)
-    step_.push_back(&rows_[order_.at((step - 1) * per_step_ + i)]);
+  const int64_t per_step = plan_.per_step, R = static_cast<int64_t>(rows_.size());
+  if (!plan_.by_epoch) {
+    for (int64_t i = 0; i < per_step; ++i)
+      step_.push_back(&rows_[order_.at((step - 1) * per_step + i)]);
+    return step_;
+  }
+  const int64_t epoch = (step - 1) / plan_.epoch_steps();
+  const int64_t first = (step - 1) % plan_.epoch_steps() * per_step;
+  for (int64_t i = first; i < first + per_step; ++i)
+    step_.push_back(i < R ? &rows_[order_.at(epoch * R + i)] : &empty_);
   return step_;
 }
 

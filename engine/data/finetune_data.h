@@ -77,12 +77,26 @@ std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& example
 // The same over units of `sizes` positions (1 .. ctx each): each row lists its units' indices.
 std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx);
 
-// The rows of a fine-tune's steps, `per_step` a step in an order shuffled anew each epoch
-// (RowOrder), and the (batch, ctx) i32 buffers a micro-batch is written into, made where the
-// source is built (after the trainer, as the memory budget makes them).
+// How a fine-tune's steps take its rows: `per_step` a step, in an order shuffled anew each epoch
+// (RowOrder). By epoch, each epoch takes epoch_steps() steps, its last the rows left of it and
+// for the rest empty rows (no target: the step's loss is over its targets), so that E epochs are
+// E passes over the data; else the steps run on through the epochs' sequence.
+struct RowPlan {
+  int64_t rows = 0, per_step = 1;
+  bool by_epoch = true;
+  int64_t epoch_steps() const { return (rows + per_step - 1) / per_step; }
+  // The steps of `epochs` passes over the rows, at least 1.
+  int64_t steps_for(double epochs) const;
+  // The passes over the rows `steps` steps make.
+  double epochs_of(int64_t steps) const;
+};
+
+// The rows of a fine-tune's steps as `plan` takes them, and the (batch, ctx) i32 buffers a
+// micro-batch is written into, made where the source is built (after the trainer, as the memory
+// budget makes them).
 class StepRows {
  public:
-  StepRows(std::vector<PackedRow> rows, int64_t ctx, int64_t batch, int64_t per_step,
+  StepRows(std::vector<PackedRow> rows, int64_t ctx, int64_t batch, const RowPlan& plan,
            uint64_t seed);
   // Step `step`'s rows (1-based), kept until the next call.
   std::span<const PackedRow* const> take(int64_t step);
@@ -93,7 +107,8 @@ class StepRows {
  private:
   std::vector<PackedRow> rows_;
   RowOrder order_;
-  int64_t per_step_;
+  RowPlan plan_;
+  PackedRow empty_;  // a row of no example
   Tensor inputs_, targets_;
   std::vector<const PackedRow*> step_;
 };

@@ -9,6 +9,7 @@ namespace cputrain {
 double learning_rate(const LrSchedule& s, int64_t step) {
   if (s.warmup_steps > 0 && step <= s.warmup_steps)
     return s.peak * static_cast<double>(step) / static_cast<double>(s.warmup_steps);
+  if (s.beyond_ratio >= 0.0 && step > s.total_steps) return s.peak * s.beyond_ratio;
   const double min_lr = s.peak * s.min_ratio;
   const int64_t decay_steps = s.total_steps - s.warmup_steps;
   if (decay_steps <= 0) return s.peak;

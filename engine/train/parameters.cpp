@@ -343,7 +343,8 @@ int64_t first_non_finite_bf16(const uint16_t* values, int64_t n) {
 }  // namespace
 
 void check_finite(const ParameterSet& params, const std::string& source,
-                  const std::function<bool(const std::string& name)>& which) {
+                  const std::function<bool(const std::string& name)>& which,
+                  const std::function<std::string(const std::string& name)>& shown) {
   std::vector<float> copy;
   for (size_t i = 0; i < params.infos().size(); ++i) {
     const ParameterInfo& p = params.infos()[i];
@@ -381,7 +382,8 @@ void check_finite(const ParameterSet& params, const std::string& source,
     }
     if (bad < 0) continue;
     const std::string what = std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";
-    throw UserError(source + ": " + p.name + " holds " + what + " (element " + std::to_string(bad) +
+    throw UserError(source + ": " + (shown ? shown(p.name) : p.name) + " holds " + what +
+                    " (element " + std::to_string(bad) +
                     "), and cputrain computes with finite weights only");
   }
 }

@@ -193,9 +193,12 @@ class ParameterSet {
 
 // A UserError naming `source` and the parameter where a parameter accepted by `which` (every
 // one where null) holds a NaN or an infinity: "SOURCE: layers.0.attention.wq.weight holds nan
-// (element 3), and cputrain computes with finite weights only". Reads the values where they are
-// held (FP32 masters, bf16 copies, mapped files); copies only an offloaded or sharded master.
+// (element 3), and cputrain computes with finite weights only", the parameter as `shown` names
+// it (the tensor of the file it came from; as the model names it where null). Reads the values
+// where they are held (FP32 masters, bf16 copies, mapped files); copies only an offloaded or
+// sharded master.
 void check_finite(const ParameterSet& params, const std::string& source,
-                  const std::function<bool(const std::string& name)>& which = nullptr);
+                  const std::function<bool(const std::string& name)>& which = nullptr,
+                  const std::function<std::string(const std::string& name)>& shown = nullptr);
 
 }  // namespace cputrain

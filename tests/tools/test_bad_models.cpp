@@ -257,7 +257,8 @@ TEST(BadModels, NonFiniteWeightsAreNeitherSampledEvaluatedNorExported) {
                         "finetune --model " + m + " --data " + (dir / "data.jsonl").string() +
                             " --ctx 64 --steps 1 --out " + (dir / "nan_run").string()},
                        dir);
-  expect_refused(runs, {"--model " + m + ": layers.1.attention.wq.weight holds nan (element 3)"});
+  // Named as the file names the tensor.
+  expect_refused(runs, {"--model " + m + ": blk.1.attn_q.weight holds nan (element 3)"});
   EXPECT_FALSE(fs::exists(dir / "nan_export.gguf"));
   EXPECT_FALSE(fs::exists(dir / "nan_export_hf"));
   EXPECT_FALSE(fs::exists(dir / "nan_run" / "checkpoints"));
@@ -272,12 +273,48 @@ TEST(BadModels, NonFiniteWeightsAreNeitherSampledEvaluatedNorExported) {
                                    "export --model " + g + " --adapter " + a + " --merge --out " +
                                        (dir / "merged.gguf").string()},
                                   dir),
-                 {"--adapter " + a + ": layers.2.attention.wq.lora_b holds inf"});
+                 {"--adapter " + a + ": blk.2.attn_q.weight.lora_b holds inf"});
   EXPECT_FALSE(fs::exists(dir / "merged.gguf"));
+  // A fine-tune's adapter.gguf holding it: named, as the file names the tensor, by every command
+  // that reads the run.
+  const fs::path run = dir / "run";
+  ASSERT_EQ(run_cputrain("finetune --model " + g + " --data " + (dir / "data.jsonl").string() +
+                             " --ctx 64 --steps 1 --out " + run.string(),
+                         dir)
+                .exit_code,
+            0);
+  fs::copy_file(adapter, run / "adapter.gguf", fs::copy_options::overwrite_existing);
+  const std::string r = run.string();
+  expect_refused(run_cputrain_all(
+                     {"sample --run " + r + " --max-tokens 4",
+                      "eval --run " + r + " --text " + (dir / "text.txt").string(),
+                      "export --run " + r + " --merge --out " + (dir / "run_merged.gguf").string()},
+                     dir),
+                 {"--run " + r + ": " + r + "/adapter.gguf: blk.2.attn_q.weight.lora_b holds inf"});
+  EXPECT_FALSE(fs::exists(dir / "run_merged.gguf"));
   // The same adapter without the infinity is applied: the check refuses nothing else.
   write_adapter(adapter, 0.5f);
   const ChildRun fine = run_cputrain("sample --model " + g + " --max-tokens 4 --adapter " + a, dir);
   EXPECT_EQ(fine.exit_code, 0) << fine.err;
+}
+
+// An embedding stored transposed ([vocab, d_model] for ggml's [d_model, vocab]) is named with the
+// shape the hyperparameters give it, not blamed on another tensor.
+TEST(BadModels, ATransposedEmbeddingIsNamedWithTheShapeItShouldHave) {
+  REQUIRE_SHARED_MODEL("stories260K.gguf");
+  const TempFolder folder("transposed");
+  const fs::path& dir = folder.path;
+  write_inputs(dir);
+  const fs::path flipped = dir / "flipped.gguf";
+  rewrite_gguf(
+      cli_test::kShared / "stories260K.gguf", flipped, nullptr,
+      [](const std::string& name, std::vector<int64_t>& dims, uint32_t&, std::vector<uint8_t>&) {
+        if (name == "token_embd.weight") std::swap(dims[0], dims[1]);
+      });
+  const std::vector<ChildRun> runs = run_cputrain_all(commands(flipped, dir, "flipped"), dir);
+  expect_refused(runs, {"tensor token_embd.weight has shape [512, 64] where the model's "
+                        "hyperparameters give [64, 512]"});
+  for (const ChildRun& r : runs) EXPECT_EQ(r.err.find("output.weight"), std::string::npos) << r.err;
 }
 
 // An adapter file whose rank is above the width of the projections it adapts is refused before

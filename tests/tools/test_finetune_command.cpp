@@ -9,6 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "engine/io/gguf_file.h"
 #include "tools/cli_fixture.h"
@@ -244,6 +245,11 @@ TEST_F(FinetuneCli, AnInterruptedJobOfTwoRanksResumesBitwise) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << read_all(log);
   EXPECT_NE(read_all(log).find("interrupted (SIGINT) after step 3"), std::string::npos)
       << read_all(log);
+  // The advice is the command that continues it: a job of as many ranks.
+  EXPECT_NE(read_all(log).find("continue with: mpirun -np 2 cputrain finetune --resume " +
+                               stopped.string()),
+            std::string::npos)
+      << read_all(log);
   EXPECT_TRUE(fs::exists(stopped / "checkpoints" / "step-00000003.ckpt"));
   const Result rest = run(launcher, "finetune --threads 1 --resume " + stopped.string());
   ASSERT_EQ(rest.exit_code, 0) << rest.err << rest.out;
@@ -321,6 +327,117 @@ TEST_F(FinetuneCli, ResumeIsBitwiseTheRunThatNeverStopped) {
   std::ofstream(dir / "other.jsonl", std::ios::app)
       << "{\"prompt\": \"e\", \"completion\": \" f\"}\n";
   expect_one_line_error(run(other_flags + " --resume"), "trained on other data");
+}
+
+// --epochs E is E passes over the rows: each epoch's last step takes the rows left of it, so the
+// targets trained on are the data's, E times (here rows that a step's 5 do not divide).
+// A finished fine-tune is extended by --steps or --epochs on its resume, the schedule it began
+// with kept (warm-up and decay over its first steps; the steps past them at a tenth of the peak);
+// the extended run resumes as any; a resume that would end at or before where it is is refused.
+TEST_F(FinetuneCli, EpochsArePassesAndAFinishedFineTuneIsExtended) {
+  const std::string base = "finetune --model " + (kShared / "stories260K.gguf").string() +
+                           " --data " + write_data().string() +
+                           " --ctx 64 --batch 5 --accum 1 --lr 2e-3 --warmup 0.5";
+  const auto lines = [](const fs::path& run) {
+    std::vector<nlohmann::json> v;
+    std::ifstream in(run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);)
+      if (nlohmann::json j = nlohmann::json::parse(line); j.contains("loss")) v.push_back(j);
+    return v;
+  };
+  const auto number_after = [](const std::string& text, const std::string& before) {
+    const size_t at = text.find(before);
+    return at == std::string::npos ? int64_t{-1} : std::stoll(text.substr(at + before.size()));
+  };
+  const fs::path one = dir_ / "one";
+  const Result r = run(base + " --epochs 1 --out " + one.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const int64_t rows = number_after(r.out, "packed: ");
+  const size_t at = r.out.find(" tokens, ", r.out.find("data: "));
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const int64_t targets = std::stoll(r.out.substr(at + 9));
+  ASSERT_GT(rows % 5, 0) << r.out;  // the last step of an epoch is short
+  const int64_t epoch_steps = (rows + 4) / 5;
+  EXPECT_NE(r.out.find(std::to_string(epoch_steps) + " steps of 5 rows (1.00 epochs)"),
+            std::string::npos)
+      << r.out;
+  int64_t trained = 0;
+  for (const nlohmann::json& j : lines(one)) trained += j["targets"].get<int64_t>();
+  EXPECT_EQ(trained, targets);
+  const fs::path two = dir_ / "two";
+  ASSERT_EQ(run_status(base + " --epochs 2 --out " + two.string()), 0);
+  trained = 0;
+  for (const nlohmann::json& j : lines(two)) trained += j["targets"].get<int64_t>();
+  EXPECT_EQ(trained, 2 * targets);
+  EXPECT_EQ(lines(two).size(), static_cast<size_t>(2 * epoch_steps));
+
+  // Extended: 4 steps, then to 6; warm-up of 2 and decay to 0 at 4 kept, 5 and 6 at 2e-4.
+  const fs::path ext = dir_ / "ext", again = dir_ / "again";
+  ASSERT_EQ(run_status(base + " --steps 4 --save-every 1 --out " + ext.string()), 0);
+  expect_one_line_error(run("finetune --resume " + ext.string()),
+                        "has trained all its 4 steps; give --steps above 4 (or --epochs)");
+  expect_one_line_error(
+      run("finetune --resume " + ext.string() + " --steps 3"),
+      "--steps 3: the fine-tune in " + ext.string() + " has already trained 4 steps");
+  expect_one_line_error(run("finetune --resume " + ext.string() + " --steps 6 --epochs 2"),
+                        "--steps and --epochs: give one");
+  const std::string before = read_all(ext / "adapter.gguf");
+  const Result longer = run("finetune --resume " + ext.string() + " --steps 6");
+  ASSERT_EQ(longer.exit_code, 0) << longer.err;
+  EXPECT_EQ(longer.out.find("--warmup"), std::string::npos) << longer.out;
+  EXPECT_NE(longer.out.find("the fine-tune now ends at step 6 (its schedule ends at 4)"),
+            std::string::npos)
+      << longer.out;
+  const std::vector<nlohmann::json> steps = lines(ext);
+  ASSERT_EQ(steps.size(), 6u);
+  EXPECT_DOUBLE_EQ(steps[1]["lr"].get<double>(), 2e-3);
+  EXPECT_EQ(steps[3]["lr"].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(steps[4]["lr"].get<double>(), 2e-4);
+  EXPECT_DOUBLE_EQ(steps[5]["lr"].get<double>(), 2e-4);
+  EXPECT_NE(read_all(ext / "adapter.gguf"), before);
+  EXPECT_EQ(nlohmann::json::parse(read_all(ext / "config.json"))["steps"].get<int64_t>(), 6);
+  // The extended run resumes as any: stopped after step 5, it ends with the same adapter.
+  fs::copy(ext, again, fs::copy_options::recursive);
+  fs::remove(again / "checkpoints" / "step-00000006.ckpt");
+  fs::remove(again / "adapter.gguf");
+  ASSERT_EQ(run_status("finetune --resume " + again.string()), 0);
+  EXPECT_EQ(read_all(again / "adapter.gguf"), read_all(ext / "adapter.gguf"));
+  // --epochs on a resume sets where it ends as --steps does.
+  const Result epochs = run("finetune --resume " + ext.string() + " --epochs 2");
+  ASSERT_EQ(epochs.exit_code, 0) << epochs.err;
+  EXPECT_EQ(lines(ext).size(), static_cast<size_t>(2 * epoch_steps));
+}
+
+// A stop signal during the last step: the run is complete, and its result is written as without
+// it. A run whose last checkpoint is its last step but whose result is missing (stopped between
+// the two) writes it on --resume.
+TEST_F(FinetuneCli, AStopSignalDuringTheLastStepEndsTheRun) {
+  const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
+  ASSERT_EQ(run_status(flags() + " --out " + straight.string()), 0);
+  const fs::path log = dir_ / "stopped.log";
+  const pid_t pid = start(flags() + " --out " + stopped.string(), log, "6");
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(wait_until([&] {
+    return read_all(log).find("holding before step 6") != std::string::npos;
+  })) << read_all(log);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const int status = wait_for(pid);
+  ASSERT_TRUE(WIFEXITED(status)) << read_all(log);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << read_all(log);
+  EXPECT_NE(read_all(log).find("interrupted (SIGINT) during the last step: the run is complete"),
+            std::string::npos)
+      << read_all(log);
+  EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
+  fs::remove(stopped / "adapter.gguf");
+  fs::remove_all(stopped / "peft");
+  const Result resumed = run("finetune --resume " + stopped.string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("has trained all its 6 steps, and " +
+                             (stopped / "adapter.gguf").string() + " is missing: written from it"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
+  EXPECT_TRUE(fs::exists(stopped / "peft" / "adapter_model.safetensors"));
 }
 
 // Bad input to finetune: one line naming the file and line, flag or value, a non-zero exit.
@@ -512,6 +629,45 @@ TEST_F(FinetuneCli, AnExportThatFailsLeavesNoFolder) {
   EXPECT_EQ(after, before);
   for (const auto& e : fs::directory_iterator(dir_))
     EXPECT_EQ(e.path().filename().string().find(".export-"), std::string::npos) << e.path();
+}
+
+// Export's messages name what is wrong with a run: a damaged config.json as such (not a missing
+// --adapter), a base that is gone as its config.json's (not --run). Exports are named as
+// llama.cpp's converter names them: a GGUF's own general.name (none where it has none: never its
+// file's, which llama.cpp reads as a hint, "phi3.gguf" taken for Phi-3), a Hugging Face folder's
+// name as a title.
+TEST_F(FinetuneCli, ExportsNameTheRunsDamageAndTheModelAsLlamaCppsConverter) {
+  const fs::path ft = dir_ / "ft", base = dir_ / "phi3.gguf";
+  fs::copy_file(kShared / "stories260K.gguf", base);
+  ASSERT_EQ(run_status("finetune --model " + base.string() + " --data " + write_data().string() +
+                       " --ctx 64 --steps 1 --out " + ft.string()),
+            0);
+  const fs::path damaged = dir_ / "damaged", moved = dir_ / "moved";
+  fs::copy(ft, damaged, fs::copy_options::recursive);
+  fs::copy(ft, moved, fs::copy_options::recursive);
+  std::ofstream(damaged / "config.json") << "{\"command\": \"finetune\", \"model";
+  expect_one_line_error(
+      run("export --run " + damaged.string() + " --merge --out " + (dir_ / "d.gguf").string()),
+      (damaged / "config.json").string() + ": not valid JSON");
+  nlohmann::json config = nlohmann::json::parse(read_all(moved / "config.json"));
+  config["model"] = (dir_ / "gone.gguf").string();
+  std::ofstream(moved / "config.json") << config.dump(2);
+  expect_one_line_error(
+      run("export --run " + moved.string() + " --merge --out " + (dir_ / "m.gguf").string()),
+      "--run " + moved.string() + ": the base it fine-tuned, " + (dir_ / "gone.gguf").string() +
+          " (" + moved.string() + "/config.json's model), is not there");
+  // Names: the base's own (stories260K's file has none), never "phi3.gguf".
+  const cputrain::GgufFile source(base.string());
+  const std::string own = source.string("general.name", "");
+  const fs::path merged = dir_ / "merged.gguf", folder = dir_ / "tiny-stories_hf",
+                 again = dir_ / "again.gguf";
+  ASSERT_EQ(run_status("export --run " + ft.string() + " --merge --out " + merged.string()), 0);
+  EXPECT_EQ(cputrain::GgufFile(merged.string()).string("general.name", ""), own);
+  EXPECT_EQ(cputrain::GgufFile((ft / "adapter.gguf").string()).string("general.name", ""),
+            own.empty() ? "" : own + " LoRA");
+  ASSERT_EQ(run_status("export --model " + base.string() + " --out " + folder.string()), 0);
+  ASSERT_EQ(run_status("export --model " + folder.string() + " --out " + again.string()), 0);
+  EXPECT_EQ(cputrain::GgufFile(again.string()).string("general.name", ""), "Tiny Stories_Hf");
 }
 
 }  // namespace

@@ -67,6 +67,18 @@ class PreferenceCli : public Cli {
            write_pairs("train.jsonl", 96, 1).string() + " --val " +
            write_pairs("val.jsonl", 24, 2).string() + " --ctx 128 --batch 4 --accum 2 --lr " + lr;
   }
+  // Starts `args`, held as `hold` asks; sends SIGINT once its log says `held`; its exit status
+  // (-1 where it never held there or did not exit).
+  int interrupted(const std::string& args, const fs::path& log, const std::string& hold,
+                  const std::string& held) {
+    const pid_t pid = start(args, log, hold);
+    if (pid <= 0 || !wait_until([&] { return read_all(log).find(held) != std::string::npos; }) ||
+        ::kill(pid, SIGINT) != 0)
+      return -1;
+    int status = 0;
+    if (!wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; })) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
   static std::vector<nlohmann::json> metrics(const fs::path& run) {
     std::vector<nlohmann::json> lines;
     std::ifstream in(run / "metrics.jsonl");
@@ -136,16 +148,9 @@ TEST_F(PreferenceCli, AnInterruptedOrResumedRunEndsBitwise) {
   const fs::path straight = dir_ / "straight", stopped = dir_ / "stopped";
   ASSERT_EQ(run(flags + " --out " + straight.string()).exit_code, 0);
   const fs::path log = dir_ / "stopped.log";
-  const pid_t pid = start(flags + " --out " + stopped.string(), log, "4");
-  ASSERT_GT(pid, 0);
-  ASSERT_TRUE(wait_until([&] {
-    return read_all(log).find("holding before step 4") != std::string::npos;
-  })) << read_all(log);
-  ASSERT_EQ(::kill(pid, SIGINT), 0);
-  int status = 0;
-  ASSERT_TRUE(wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }));
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGINT) << read_all(log);
+  ASSERT_EQ(interrupted(flags + " --out " + stopped.string(), log, "4", "holding before step 4"),
+            128 + SIGINT)
+      << read_all(log);
   EXPECT_FALSE(fs::exists(stopped / "adapter.gguf"));
   ASSERT_EQ(run("finetune --resume " + stopped.string()).exit_code, 0);
   EXPECT_EQ(read_all(stopped / "adapter.gguf"), read_all(straight / "adapter.gguf"));
@@ -185,6 +190,26 @@ TEST_F(PreferenceCli, AnInterruptedOrResumedRunEndsBitwise) {
   fs::remove(b / "reference.bin");
   expect_one_line_error(run("finetune --resume " + b.string()),
                         "a full fine-tune's reference is its base before the first step");
+}
+
+// A stop signal during DPO's reference pass (before the first step, a pass over every pair) ends
+// the process at once, saying so; the run started again then completes.
+TEST_F(PreferenceCli, AStopSignalDuringTheReferencePassStopsAtOnce) {
+  const std::string flags = this->flags("dpo") + " --steps 2";
+  const fs::path run_dir = dir_ / "run", log = dir_ / "run.log";
+  ASSERT_EQ(interrupted(flags + " --out " + run_dir.string(), log, "reference",
+                        "holding in the reference pass"),
+            128 + SIGINT)
+      << read_all(log);
+  EXPECT_NE(read_all(log).find("SIGINT while computing the reference's log-probabilities: "
+                               "stopped at once, before any step of this command"),
+            std::string::npos)
+      << read_all(log);
+  EXPECT_EQ(read_all(log).find("stops after this step"), std::string::npos) << read_all(log);
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints"));
+  const Result again = run(flags + " --out " + run_dir.string() + " --overwrite");
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_TRUE(fs::exists(run_dir / "adapter.gguf"));
 }
 
 // Bad input: one line naming the flag, file and line, or value, and a non-zero exit.

@@ -241,13 +241,21 @@ int run_loop(const LoopPlan& plan, Trainer& trainer, const ParameterSet& params,
   for (int64_t step = plan.first_step; step <= plan.steps; ++step) {
     const int stop = steps.run(step);
     if (stop == 0) continue;
+    const char* what = stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)";
+    // During the last step: the run is done, and its result is written as without the signal.
+    if (step == plan.steps) {
+      if (lead) io.log->info("{} during the last step: the run is complete", what);
+      break;
+    }
     job_ended();
     steps.report_profile();
     if (lead) {
       io.console->set_status("");
-      io.log->warn("{} after step {}: saved {}; continue with: cputrain {} --resume {}",
-                   stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", step,
-                   steps.last_checkpoint(), plan.command, plan.dir);
+      // The command that continues it: a job of several ranks resumes as one of as many.
+      io.log->warn("{} after step {}: saved {}; continue with: {}cputrain {} --resume {}", what,
+                   step, steps.last_checkpoint(),
+                   comm.size() > 1 ? fmt::format("mpirun -np {} ", comm.size()) : std::string(),
+                   plan.command, plan.dir);
     }
     return 128 + stop;
   }

@@ -105,8 +105,14 @@ RunConfig parse_run_config(const std::string& text, const std::string& path) {
 
 std::string run_identity(const std::string& config_json) {
   json j = json::parse(config_json);
-  // A fine-tune's configuration is the same throughout: all of it is its identity.
-  if (j.value("command", std::string()) == "finetune" || !j.contains("train")) return j.dump();
+  // A fine-tune's configuration is the same throughout but for where it ends (its steps; the
+  // schedule it began with is kept as lr_schedule_steps): the rest is its identity.
+  if (j.value("command", std::string()) == "finetune" || !j.contains("train")) {
+    if (j.contains("steps") && !j.contains("lr_schedule_steps"))
+      j["lr_schedule_steps"] = j["steps"];
+    j.erase("steps");
+    return j.dump();
+  }
   json& t = j["train"];
   if (!t.contains("lr_schedule_steps")) t["lr_schedule_steps"] = t["steps"];
   if (!t.contains("ranks")) t["ranks"] = 1;

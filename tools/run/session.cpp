@@ -12,7 +12,8 @@
 
 namespace cputrain {
 
-RunSession::RunSession(const RunDirectory& dir, bool lead, std::string preparing) {
+RunSession::RunSession(const RunDirectory& dir, bool lead, const char* preparing)
+    : what_(preparing) {
   // On a terminal a progress line with the time left stays under the log. (Not under an MPI
   // launcher, whose pseudo-terminal is a terminal to the ranks wherever mpirun's output goes.)
   io_.console = std::make_shared<ProgressSink>(::isatty(::fileno(stdout)) == 1 &&
@@ -27,10 +28,11 @@ RunSession::RunSession(const RunDirectory& dir, bool lead, std::string preparing
   io_.log = open_run_log(dir.path, io_.console);
   for (const std::string& path : dir.stale)
     io_.log->info("removed {}, left by a process that stopped while writing it", path);
-  signals_ = std::make_unique<StopSignals>([this, &dir, preparing](int sig) {
+  signals_ = std::make_unique<StopSignals>([this, &dir](int sig) {
     const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
     if (preparing_) {
-      io_.log->warn("{} while {}: stopped; nothing of the run is saved", name, preparing);
+      io_.log->warn("{} while {}: stopped at once, before any step of this command", name,
+                    what_.load());
       io_.log->flush();
       dir.discard_if_unused();
       std::_Exit(128 + sig);

@@ -19,7 +19,7 @@ class RunSession {
  public:
   // Rank 0 (`lead`) logs to the console and the run's train.log; the other ranks of a job hold a
   // log that writes nothing. `preparing` says what a signal interrupts ("preparing the data").
-  RunSession(const RunDirectory& dir, bool lead, std::string preparing);
+  RunSession(const RunDirectory& dir, bool lead, const char* preparing);
   // The progress line is gone before the last words, whatever way the run ends.
   ~RunSession();
   RunSession(const RunSession&) = delete;
@@ -30,10 +30,17 @@ class RunSession {
   ProgressSink& console() const { return *io_.console; }
   // From now on a stop signal stops the loop after its step.
   void prepared() { preparing_ = false; }
+  // Until prepared() again, a stop signal ends the process at once: a pass before the first step
+  // (DPO's reference), which saves nothing a step would need. `what` names it.
+  void preparing(const char* what) {
+    what_ = what;
+    preparing_ = true;
+  }
 
  private:
   LoopIo io_;
   std::atomic<bool> preparing_{true};
+  std::atomic<const char*> what_;
   std::unique_ptr<StopSignals> signals_;
 };
 

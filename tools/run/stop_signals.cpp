@@ -73,18 +73,25 @@ TestHold test_hold() {
   TestHold h;
   const char* env = std::getenv("CPUTRAIN_TEST_HOLD_STEP");
   if (env == nullptr || *env == '\0') return h;
+  if (std::string_view(env) == "reference") {
+    h.reference = true;
+    return h;
+  }
   char* end = nullptr;
   h.step = std::strtoll(env, &end, 10);
   h.forever = std::string_view(end) == "+";
   if (end == env || h.step < 0 || (*end != '\0' && !h.forever))
     throw UserError(std::string("CPUTRAIN_TEST_HOLD_STEP=") + env +
-                    ": must be a step, or a step and +");
+                    ": must be a step, a step and +, or reference");
   return h;
 }
 
-void wait_for_stop_signal(int64_t step, bool forever) {
-  std::fprintf(stderr, "CPUTRAIN_TEST_HOLD_STEP: holding before step %lld\n",
-               static_cast<long long>(step));
+void wait_for_stop_signal(int64_t step, bool forever, const char* where) {
+  if (where != nullptr)
+    std::fprintf(stderr, "CPUTRAIN_TEST_HOLD_STEP: holding in %s\n", where);
+  else
+    std::fprintf(stderr, "CPUTRAIN_TEST_HOLD_STEP: holding before step %lld\n",
+                 static_cast<long long>(step));
   std::fflush(stderr);
   while (forever || g_stop_signal.load() == 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -49,10 +49,12 @@ class StopSignals {
 struct TestHold {
   int64_t step = -1;
   bool forever = false;
+  bool reference = false;  // "reference": within DPO's reference pass, before its first batch
 };
 // The hold CPUTRAIN_TEST_HOLD_STEP asks for (step -1: none); a UserError if it is malformed.
 TestHold test_hold();
-// Says "CPUTRAIN_TEST_HOLD_STEP: holding before step N" on stderr and waits as TestHold says.
-void wait_for_stop_signal(int64_t step, bool forever);
+// Says "CPUTRAIN_TEST_HOLD_STEP: holding before step N" (or "holding in WHERE") on stderr and
+// waits as TestHold says.
+void wait_for_stop_signal(int64_t step, bool forever, const char* where = nullptr);
 
 }  // namespace cputrain

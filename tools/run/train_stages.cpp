@@ -112,19 +112,21 @@ PreparedData prepare_run_data(RunConfig& config, const std::string& dir, Progres
   return check_splits(config, data, name);
 }
 
-void check_memory_floor(const RunConfig& config, const std::string& checkpoint_flag,
-                        int64_t available, spdlog::logger& log) {
+void check_memory_floor(const RunConfig& config, bool vocab_known,
+                        const std::string& checkpoint_flag, int64_t available,
+                        spdlog::logger& log) {
   if (available <= 0) return;
   RunConfig floor = config;
-  floor.model.vocab = std::min<int64_t>(floor.model.vocab, Tokenizer::kMinVocab);
+  if (!vocab_known) floor.model.vocab = std::min<int64_t>(floor.model.vocab, Tokenizer::kMinVocab);
   if (checkpoint_flag == "auto") floor.checkpoint = Checkpointing::Layer;
   const MemoryBudget budget = memory_budget(floor.model, budget_options(floor, 0, 0));
   if (budget.total_bytes() <= available) return;
   log.info(
-      "memory budget before any data ({} pieces, no token cache; {}, batch {}, ctx {}, "
+      "memory budget before any data (a vocabulary of {}{}, no token cache; {}, batch {}, ctx {}, "
       "checkpointing {}):\n{}",
-      floor.model.vocab, floor.dtype == DType::BF16 ? "bf16" : "fp32", floor.train.batch,
-      floor.train.ctx, checkpointing_words(floor.checkpoint), budget_table(budget, available));
+      floor.model.vocab, vocab_known ? "" : " (the least a corpus gives)",
+      floor.dtype == DType::BF16 ? "bf16" : "fp32", floor.train.batch, floor.train.ctx,
+      checkpointing_words(floor.checkpoint), budget_table(budget, available));
   log.info("levers:\n{}", budget_levers(floor, 0, 0, available));
   throw UserError(fit_message(config, budget.total_bytes(), available, " before any data") +
                   " (table and levers above)");

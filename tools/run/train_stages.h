@@ -39,11 +39,13 @@ PreparedData prepare_run_data(RunConfig& config, const std::string& dir, Progres
                               std::optional<uint64_t> expect, const std::string& name);
 
 // What can be known of the memory before the data is prepared: the budget with no corpus
-// tokens, the smallest vocabulary and (where `checkpoint_flag` is "auto") checkpointing. Where
+// tokens, the smallest vocabulary a tokenizer trained on the corpus may give (the model's where
+// `vocab_known`: a run from a model or resumed) and (where `checkpoint_flag` is "auto")
+// checkpointing. Where
 // even that exceeds `available`, the table and levers are logged and a UserError names the
 // figures, so a run that cannot fit is refused before minutes of tokenizing.
-void check_memory_floor(const RunConfig& config, const std::string& checkpoint_flag,
-                        int64_t available, spdlog::logger& log);
+void check_memory_floor(const RunConfig& config, bool vocab_known,
+                        const std::string& checkpoint_flag, int64_t available, spdlog::logger& log);
 
 // The budget with the data: per-layer checkpointing where `checkpoint_flag` is "auto" and it is
 // needed to fit (config.checkpoint set), the table logged, and a UserError with the levers

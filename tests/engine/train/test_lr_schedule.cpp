@@ -29,5 +29,18 @@ TEST(LrSchedule, NoWarmup) {
               1e-15);
 }
 
+// A schedule that decays to 0 (a fine-tune's) runs the steps past its end, a run extended
+// beyond it, at beyond_ratio of the peak; the steps within it are as without.
+TEST(LrSchedule, StepsPastTheEndRunAtTheirOwnRatio) {
+  LrSchedule s{1e-3, 4, 20, 0.0, 0.1};
+  const LrSchedule plain{1e-3, 4, 20, 0.0};
+  for (int64_t step = 1; step <= 20; ++step)
+    EXPECT_EQ(learning_rate(s, step), learning_rate(plain, step)) << step;
+  EXPECT_EQ(learning_rate(plain, 20), 0.0);
+  EXPECT_EQ(learning_rate(plain, 21), 0.0);
+  EXPECT_DOUBLE_EQ(learning_rate(s, 21), 1e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(s, 400), 1e-4);
+}
+
 }  // namespace
 }  // namespace cputrain
