@@ -2,7 +2,8 @@
 // weights files, tokenizer models, run configurations, GGUF model files (read, their
 // configuration and vocabulary taken, text encoded and decoded, small models' weights loaded) and
 // safetensors files, and Hugging Face configurations (config.json beside a tiny model's
-// safetensors: its configuration taken, its weights checked and, for small models, loaded). The
+// safetensors: its configuration taken, its weights checked and, for small models, loaded), and a
+// DPO run's reference.bin (its log-probability sums, read at the counts its header gives). The
 // first input byte picks the loader (and, for the checksummed formats, whether to make the trailing
 // checksum valid so the parser behind it is reached); the rest is the file. Any outcome but a
 // UserError or success is a finding: a crash, a sanitizer report, another exception, or a hang.
@@ -35,6 +36,7 @@
 #include "models/decoder.h"
 #include "models/gguf_model.h"
 #include "models/hf_model.h"
+#include "tools/preference_rows.h"
 #include "tools/run/run_config.h"
 
 namespace {
@@ -49,6 +51,7 @@ enum Kind : uint8_t {
   kGguf,
   kSafetensors,
   kHfConfig,
+  kReference,
   kKinds
 };
 
@@ -205,8 +208,11 @@ void write_seeds(const std::string& dir) {
     out << header << std::string(24, '\x3f');
   }
   seed(kSafetensors, false, base + ".safetensors");
-  for (const char* ext :
-       {".ckpt", ".bin", ".model", ".json", ".gguf", ".safetensors", ".damaged.gguf", ".hf.json"})
+  std::ofstream(base + ".ref", std::ios::binary)
+      << reference_bytes(0x1234, ReferenceLogProbs{{-3.5, -7.25, -1.0}, {-2.0}});
+  for (bool fix : {false, true}) seed(kReference, fix, base + ".ref");
+  for (const char* ext : {".ckpt", ".bin", ".model", ".json", ".gguf", ".safetensors",
+                          ".damaged.gguf", ".hf.json", ".ref"})
     std::remove((base + ext).c_str());
 }
 
@@ -286,6 +292,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           DecoderModel model(config);
           load_hf_weights(weights, model.parameters(), config);
         }
+        break;
+      }
+      case kReference: {
+        // At the fingerprint and counts its header gives, so that the sums are reached.
+        uint64_t fields[3] = {};
+        if (file.size() >= 32) std::memcpy(fields, file.data() + 8, sizeof fields);
+        std::string why;
+        parse_reference(file, fields[0], static_cast<size_t>(fields[1]),
+                        static_cast<size_t>(fields[2]), &why);
         break;
       }
     }

@@ -48,7 +48,9 @@ void q4_0(const uint8_t* src, float* dst) {
   const __m256 scale = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
   for (int h = 0; h < 2; ++h)
     for (int part = 0; part < 2; ++part) {
-      const __m128i eight_bytes = _mm_srli_si128(nibbles[h], 8 * part);
+      // The upper 8 bytes moved down (a shift by a constant, as the instruction takes).
+      const __m128i eight_bytes =
+          part == 0 ? nibbles[h] : _mm_unpackhi_epi64(nibbles[h], nibbles[h]);
       const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes));
       _mm256_storeu_ps(dst + 16 * h + 8 * part, _mm256_mul_ps(scale, _mm256_sub_ps(v, eight)));
     }
