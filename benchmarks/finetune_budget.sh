@@ -3,8 +3,12 @@
 # random models of Qwen2.5-0.5B's and Llama-3.2-1B's shapes (benchmarks/make_model.py), each as
 # BF16 and as Q4_K_M (llama.cpp's quantiser), base read in place; every step's anonymous RSS
 # against the budget the step line shows. Then the quickstart's run (the mini preset, 30 steps):
-# every step's peak RSS against its budget. STEPS (default 5) steps a fine-tune.
+# every step's peak RSS against its budget, MINI_RUNS times (default 1) of MINI_STEPS steps
+# (default 30), the gap differing from run to run. STEPS (default 5) steps a fine-tune; ONLY_MINI=1
+# runs the mini runs alone.
 #   benchmarks/finetune_budget.sh
+#   ONLY_MINI=1 MINI_RUNS=10 MINI_STEPS=4 benchmarks/finetune_budget.sh
+#   MALLOC_TRIM_THRESHOLD_=131072 ONLY_MINI=1 MINI_RUNS=10 MINI_STEPS=4 benchmarks/finetune_budget.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/bench_model.sh
@@ -21,7 +25,9 @@ gaps = [100 * (r[sys.argv[2]] / r["budget_bytes"] - 1) for r in rows]
 print("budget %.1f MiB | %s" % (rows[0]["budget_bytes"] / 2**20, " ".join("%+.1f%%" % g for g in gaps)))
 PY
 }
-for shape in qwen2-0.5b llama3.2-1b; do
+shapes=(qwen2-0.5b llama3.2-1b)
+[[ "${ONLY_MINI:-0}" != 0 ]] && shapes=()
+for shape in "${shapes[@]}"; do
   for model in "$(bench_model "$shape")" "$(bench_quantised "$shape" q4_k_m)"; do
     rm -rf "$tmp/run"
     build/cputrain finetune --model "$model" --data "$data" --out "$tmp/run" --ctx 256 --batch 2 \
@@ -29,6 +35,8 @@ for shape in qwen2-0.5b llama3.2-1b; do
     printf '%-34s %s\n' "$(basename "$model")" "$(deviations "$tmp/run" rss_anon_bytes)"
   done
 done
-rm -rf "$tmp/run"
-build/cputrain --preset mini --steps 30 --out "$tmp/run" >/dev/null 2>&1
-printf '%-34s %s\n' "mini (quickstart), peak RSS" "$(deviations "$tmp/run" peak_rss_bytes)"
+for ((i = 0; i < ${MINI_RUNS:-1}; i++)); do
+  rm -rf "$tmp/run"
+  build/cputrain --preset mini --steps "${MINI_STEPS:-30}" --out "$tmp/run" >/dev/null 2>&1
+  printf '%-34s %s\n' "mini (quickstart), peak RSS" "$(deviations "$tmp/run" peak_rss_bytes)"
+done

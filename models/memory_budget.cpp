@@ -59,9 +59,8 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
       if (model.parameters().mapped(static_cast<int>(i))) {
         const Tensor& w = model.parameters().var(static_cast<int>(i)).value();
         mapped_bytes += static_cast<int64_t>(w.bytes());
-        // As the allocator counts it: whole 64-byte lines.
         mapped_peak[static_cast<size_t>(w.category())] +=
-            static_cast<int64_t>((w.bytes() + 63) / 64 * 64);
+            static_cast<int64_t>(memory_counted_bytes(w.bytes()));
       }
     if (o.offload)
       disk_bytes =

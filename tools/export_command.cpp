@@ -80,7 +80,7 @@ int run_export(const ExportArgs& a) {
                                     : GgmlType::F32;
   // As llama.cpp's converter names it (the source's own name): never the file's, which llama.cpp
   // would read as a hint of the model ("phi3.gguf").
-  options.name = model_name(source);
+  options.name = m.name;
   if (!gguf) {
     const std::string dtype = a.type == "f16" ? "F16" : a.type == "bf16" ? "BF16" : "F32";
     // The folder is written whole beside --out, then its files are moved in: an export that

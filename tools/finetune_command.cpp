@@ -469,8 +469,9 @@ class AdapterFiles final : public RunOutput {
       : a_(a), m_(m), options_(options), log_(log) {}
   void write(bool lead) override {
     if (!lead) return;
-    // The base's name, as llama.cpp's converter gives it (model_name), and what this made of it.
-    const std::string base_name = model_name(a_.model);
+    // The base's name, as llama.cpp's converter gives it (LoadedModel::name), and what this made
+    // of it.
+    const std::string& base_name = m_.name;
     const auto name = [&base_name](const char* what) {
       return base_name.empty() ? std::string() : base_name + " " + what;
     };

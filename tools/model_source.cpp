@@ -138,6 +138,58 @@ namespace {
 // A fine-tune's run as load_model reads it: the base with the adapter the run wrote, or with the
 // adapters of its checkpoint (`weights`, else the newest) for a run that stopped; of --full, the
 // model it wrote, or its checkpoint's weights.
+namespace {
+
+// gguf-py's Metadata.id_to_title: '-' as spaces, each word in lower case titled unless a
+// version or a number ("v2", "0.5b").
+std::string id_to_title(const std::string& id) {
+  std::string out, word;
+  std::string spaced = id;
+  std::replace(spaced.begin(), spaced.end(), '-', ' ');
+  std::istringstream words(spaced);
+  while (words >> word) {
+    const bool lower =
+        std::any_of(word.begin(), word.end(), [](unsigned char c) { return std::isalpha(c); }) &&
+        std::none_of(word.begin(), word.end(), [](unsigned char c) { return std::isupper(c); });
+    const bool version_or_number =
+        std::isdigit(static_cast<unsigned char>(word[0])) ||
+        (word.size() > 1 && word[0] == 'v' && std::isdigit(static_cast<unsigned char>(word[1])) &&
+         word.find_first_not_of("0123456789.", 1) == std::string::npos);
+    if (lower && !version_or_number) {
+      // Python's str.title: a letter after a non-letter upper, the others lower.
+      bool after_letter = false;
+      for (char& c : word) {
+        const auto u = static_cast<unsigned char>(c);
+        c = static_cast<char>(after_letter ? std::tolower(u) : std::toupper(u));
+        after_letter = std::isalpha(u) != 0;
+      }
+    }
+    out += (out.empty() ? "" : " ") + word;
+  }
+  return out;
+}
+
+// The last name of `path`, a trailing separator or not.
+std::string folder_name(const std::string& path) {
+  const fs::path p = fs::path(path).lexically_normal();
+  return (p.has_filename() ? p : p.parent_path()).filename().string();
+}
+
+// A Hugging Face folder's name as llama.cpp's converter takes it: config.json's _name_or_path
+// where it is a hub id ("org/name", not a path on the machine that wrote it), else the folder's
+// name; as a title.
+std::string hf_model_name(const std::string& folder) {
+  std::ifstream in(fs::path(folder) / "config.json");
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  std::string name;
+  if (j.is_object() && j.contains("_name_or_path") && j["_name_or_path"].is_string())
+    name = j["_name_or_path"].get<std::string>();
+  if (name.empty() || std::count(name.begin(), name.end(), '/') > 1) name = folder_name(folder);
+  return id_to_title(name.substr(name.find('/') + 1));
+}
+
+}  // namespace
+
 LoadedModel load_finetune_run(const FinetuneRun& run, const std::string& path,
                               const std::string& flag, const std::string& weights, int64_t max_ctx,
                               bool bf16_when_exact, const ModelOptions* training,
@@ -272,8 +324,19 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held;
       break;
   }
-  if (kind == SourceKind::HuggingFace) m.naming = TensorNaming::HuggingFace;
-  if (kind == SourceKind::Gguf) m.naming = TensorNaming::Gguf;
+  switch (kind) {
+    case SourceKind::Run:
+      m.name = id_to_title(folder_name(path));
+      break;
+    case SourceKind::HuggingFace:
+      m.naming = TensorNaming::HuggingFace;
+      m.name = hf_model_name(path);
+      break;
+    case SourceKind::Gguf:
+      m.naming = TensorNaming::Gguf;
+      m.name = gguf->string("general.name", "");
+      break;
+  }
   if (adapter_file) {
     m.adapter_file = adapter;
     load_lora_gguf(*adapter_file, m.config, m.model->parameters());
@@ -319,64 +382,6 @@ void check_finite_weights(const LoadedModel& m, const std::string& path, const s
                                 : flag + " " + path,
       [](const std::string& name) { return is_lora_parameter(name); },
       named(m.adapter_file.empty() ? std::nullopt : std::optional(TensorNaming::Gguf)));
-}
-
-namespace {
-
-// gguf-py's Metadata.id_to_title: '-' as spaces, each word in lower case titled unless a
-// version or a number ("v2", "0.5b").
-std::string id_to_title(const std::string& id) {
-  std::string out, word;
-  std::string spaced = id;
-  std::replace(spaced.begin(), spaced.end(), '-', ' ');
-  std::istringstream words(spaced);
-  while (words >> word) {
-    const bool lower =
-        std::any_of(word.begin(), word.end(), [](unsigned char c) { return std::isalpha(c); }) &&
-        std::none_of(word.begin(), word.end(), [](unsigned char c) { return std::isupper(c); });
-    const bool version_or_number =
-        std::isdigit(static_cast<unsigned char>(word[0])) ||
-        (word.size() > 1 && word[0] == 'v' && std::isdigit(static_cast<unsigned char>(word[1])) &&
-         word.find_first_not_of("0123456789.", 1) == std::string::npos);
-    if (lower && !version_or_number) {
-      // Python's str.title: a letter after a non-letter upper, the others lower.
-      bool after_letter = false;
-      for (char& c : word) {
-        const auto u = static_cast<unsigned char>(c);
-        c = static_cast<char>(after_letter ? std::tolower(u) : std::toupper(u));
-        after_letter = std::isalpha(u) != 0;
-      }
-    }
-    out += (out.empty() ? "" : " ") + word;
-  }
-  return out;
-}
-
-}  // namespace
-
-std::string model_name(const std::string& path) {
-  if (const auto run = finetune_run(path)) return model_name(run->base);
-  const fs::path p = fs::path(path).lexically_normal();
-  const std::string folder = (p.has_filename() ? p : p.parent_path()).filename().string();
-  switch (source_kind(path, "--model")) {
-    case SourceKind::Gguf:
-      return GgufFile(path).string("general.name", "");
-    case SourceKind::HuggingFace: {
-      std::ifstream in(fs::path(path) / "config.json");
-      const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-      const nlohmann::json* id =
-          j.is_object() && j.contains("_name_or_path") && j["_name_or_path"].is_string()
-              ? &j["_name_or_path"]
-              : nullptr;
-      std::string name = id ? id->get<std::string>() : "";
-      // A hub id ("org/name"), not a path on the machine that wrote it.
-      if (name.empty() || std::count(name.begin(), name.end(), '/') > 1) name = folder;
-      return id_to_title(name.substr(name.find('/') + 1));
-    }
-    case SourceKind::Run:
-      return id_to_title(folder);
-  }
-  return "";
 }
 
 bool is_lora_finetune(const std::string& path) {

@@ -35,6 +35,13 @@ struct LoadedModel {
   // llama.cpp's GGUF does: what a message about a parameter says.
   std::optional<TensorNaming> naming;
   std::string adapter_file;
+  // The model's name as llama.cpp's converter writes general.name (which llama.cpp reads as a
+  // hint of the model: a name with "phi3" in it sets Phi-3's token attributes), what an export or
+  // a fine-tune's result is named: a GGUF file's own (none where it has none); a Hugging Face
+  // folder's hub id (config.json's _name_or_path, where it is one) or else the folder's name, as
+  // a title ("Qwen2.5 0.5B Instruct"); a training run's directory's, as a title; a fine-tune's,
+  // its base's.
+  std::string name;
 };
 
 // The context a model file is given where it declares a longer one and no --ctx says otherwise.
@@ -80,13 +87,6 @@ bool is_lora_finetune(const std::string& path);
 // Of a fine-tune's run directory, a line saying what it holds ("a LoRA fine-tune (rank 16, alpha
 // 32 on q,k,v,o,gate,up,down) of BASE: adapter.gguf"); nothing for any other path.
 std::optional<std::string> describe_finetune_run(const std::string& path);
-
-// The model's name as llama.cpp's converter writes general.name (which llama.cpp reads as a hint
-// of the model: a name with "phi3" in it sets Phi-3's token attributes): a GGUF file's own (none
-// where it has none); a Hugging Face folder's hub id (config.json's _name_or_path, where it is
-// one) or else the folder's name, as a title ("Qwen2.5 0.5B Instruct"); a fine-tune's run, its
-// base's; a training run's, its directory's as a title.
-std::string model_name(const std::string& path);
 
 // What load_model's file index and tokenizer of the model at `path` hold on the heap
 // (LoadedModel::host_bytes), without its weights: the budget command's measure of them.

@@ -153,13 +153,12 @@ std::string_view memory_category_name(MemoryCategory category) {
   return "unknown";
 }
 
-// What an allocation of `bytes` takes: whole 64-byte lines, at least one. Counted as such.
-static size_t allocated_size(size_t bytes) {
+size_t memory_counted_bytes(size_t bytes) {
   return bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
 }
 
 void* memory_allocate(size_t bytes, MemoryCategory category) {
-  const size_t rounded = allocated_size(bytes);
+  const size_t rounded = memory_counted_bytes(bytes);
   const auto n = static_cast<int64_t>(rounded);
   if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
     std::lock_guard lock(m->mutex);
@@ -178,7 +177,7 @@ void* memory_allocate(size_t bytes, MemoryCategory category) {
 }
 
 void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
-  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  const auto n = static_cast<int64_t>(memory_counted_bytes(bytes));
   if (ptr == nullptr) {  // a measured allocation (or none)
     if (MeasureLedger* m = measure_ledger.load(std::memory_order_relaxed)) {
       std::lock_guard lock(m->mutex);
@@ -192,7 +191,7 @@ void memory_free(void* ptr, size_t bytes, MemoryCategory category) {
 }
 
 void memory_count_mapped(size_t bytes, MemoryCategory category, bool count) {
-  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  const auto n = static_cast<int64_t>(memory_counted_bytes(bytes));
   Ledger<void*>& l = process_ledger();
   std::lock_guard lock(l.mutex);
   if (count) {
@@ -229,7 +228,7 @@ void measure_buffer(int slot, size_t bytes, MemoryCategory category) {
   MeasureScope::State* m = measure_state.load(std::memory_order_relaxed);
   if (m == nullptr || slot < 0 || slot >= kMeasureBuffers)
     throw std::logic_error("measure_buffer: a slot of a live MeasureScope");
-  const auto n = static_cast<int64_t>(allocated_size(bytes));
+  const auto n = static_cast<int64_t>(memory_counted_bytes(bytes));
   int64_t& held = m->buffers[slot];
   if (held >= n) return;
   if (held > 0) memory_free(nullptr, static_cast<size_t>(held), m->buffer_categories[slot]);

@@ -40,6 +40,9 @@ struct MemoryStats {
 // memory_free. Throws std::bad_alloc. Freed blocks of 1 MiB and more are kept for reuse by an
 // allocation of the same size (engine/core/block_cache.h).
 void* memory_allocate(size_t bytes, MemoryCategory category);
+// What an allocation (or a mapped tensor counted) of `bytes` is counted as: whole 64-byte lines,
+// at least one.
+size_t memory_counted_bytes(size_t bytes);
 void memory_free(void* ptr, size_t bytes, MemoryCategory category);
 // Counts (or, with count false, stops counting) `bytes` under `category` that live in memory the
 // allocator did not give: a model file's tensors mapped in place. They are resident once read,
