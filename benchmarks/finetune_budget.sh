@@ -4,11 +4,9 @@
 # BF16 and as Q4_K_M (llama.cpp's quantiser), base read in place; every step's anonymous RSS
 # against the budget the step line shows. Then the quickstart's run (the mini preset, 30 steps):
 # every step's peak RSS against its budget, MINI_RUNS times (default 1) of MINI_STEPS steps
-# (default 30), the gap differing from run to run. STEPS (default 5) steps a fine-tune; ONLY_MINI=1
-# runs the mini runs alone.
+# (default 30). STEPS (default 5) steps a fine-tune; ONLY_MINI=1 runs the mini runs alone.
 #   benchmarks/finetune_budget.sh
 #   ONLY_MINI=1 MINI_RUNS=10 MINI_STEPS=4 benchmarks/finetune_budget.sh
-#   MALLOC_TRIM_THRESHOLD_=131072 ONLY_MINI=1 MINI_RUNS=10 MINI_STEPS=4 benchmarks/finetune_budget.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/bench_model.sh

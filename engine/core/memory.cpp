@@ -113,11 +113,9 @@ int64_t read_proc_kb(const char* path, const std::string& key) {
   return 0;
 }
 
-// Blocks of 1 MiB and more are mapped and unmapped on their own, so a block that leaves the cache
-// returns its pages at once and the resident set follows live + cached tensors. They are mapped
-// here rather than by malloc with a lowered threshold: that threshold would hold for every
-// library's allocations too, and one that allocates and frees a large buffer on every call (an
-// MPI collective's scratch) would fault its pages in afresh each time.
+// Blocks of 1 MiB and more are mapped and unmapped here on their own, so a block that leaves the
+// cache returns its pages at once and the resident set follows live + cached tensors, whatever
+// malloc's thresholds.
 constexpr size_t kMappedBlockBytes = size_t{1} << 20;
 
 void* allocate_block(size_t bytes) {
@@ -290,6 +288,21 @@ int64_t available_memory_bytes() {
 }
 
 namespace {
+
+// glibc raises its trim threshold to twice the largest mapped block freed so far (up to 64 MiB)
+// and its mapping threshold to that block's size, so a heap can keep tens of MiB freed at its
+// top that no budget counts, more in one run than another. Fixed thresholds keep it near what is
+// live: the heap's free top returned past 128 KiB, and blocks from 1 MiB (where this ledger maps
+// its own) mapped apart, the smaller ones reused from the heap with their pages resident. Set
+// before the program's own allocations; thresholds set in the environment are left to hold.
+const bool heap_thresholds_fixed = [] {
+  if (std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr)
+    return false;
+  ::mallopt(M_TRIM_THRESHOLD, 128 << 10);
+  ::mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMappedBlockBytes));
+  return true;
+}();
 
 // Kernel scratch (GEMM packing buffers) is counted as workspace like any other allocation.
 const bool kernel_workspace_accounted = [] {

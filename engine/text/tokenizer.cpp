@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <iterator>
+#include <thread>
 #include <unordered_map>
 
 #include "engine/core/error.h"
@@ -180,7 +182,20 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& documents, int vocab_
   const std::vector<std::string> chunks = training_chunks(documents);
   ChunkIterator it(chunks);
   std::string bytes;
-  const auto status = sentencepiece::SentencePieceTrainer::Train(args, &it, &bytes);
+  // On a thread of its own, so the trainer's millions of small allocations go to that thread's
+  // malloc arena: left in the main heap they would stretch it to several times what a training
+  // step holds there, and a step's small blocks, spread over it, would touch more pages in one
+  // run than in the next, past the budget.
+  sentencepiece::util::Status status;
+  std::exception_ptr failure;
+  std::thread([&] {
+    try {
+      status = sentencepiece::SentencePieceTrainer::Train(args, &it, &bytes);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }).join();
+  if (failure) std::rethrow_exception(failure);
   if (!status.ok())
     throw UserError(model_path + ": tokenizer training failed: " + status.ToString());
   auto processor = processor_from(bytes, model_path);
