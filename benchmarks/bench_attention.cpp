@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
-#include "kernels/attention.h"
-#include "kernels/bf16.h"
-#include "kernels/cpu_features.h"
-#include "kernels/peak.h"
+#include "kernels/attention/attention.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/peak.h"
 #include "models/model_config.h"
 
 namespace cputrain::bench {

@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
-#include "kernels/adamw.h"
-#include "kernels/cpu_features.h"
-#include "kernels/cross_entropy_isa.h"
-#include "kernels/swiglu_isa.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/ops/adamw.h"
+#include "kernels/ops/cross_entropy_isa.h"
+#include "kernels/ops/swiglu_isa.h"
 
 namespace cputrain::bench {
 namespace {

@@ -8,7 +8,7 @@
 //
 // Benchmarks are named gemm/<impl>/<dtype>/<preset>/<product> (impl: ours, onednn, eigen), with
 // counters GFLOPS and pct_peak (of the all-threads peak of that dtype). A weight held quantised
-// (kernels/quant.h), Llama 3.2 1B's up projection (W 8192 x 2048), named
+// (kernels/quant/quant.h), Llama 3.2 1B's up projection (W 8192 x 2048), named
 // gemm/quant/<W>/<what> with W bf16 (dense; f32 for token) or a format (Q4_0, Q8_0, Q4_K,
 // Q5_K, Q6_K): forward and dX, the products on 512 tokens of bf16 activations through the
 // dispatched bf16 GEMM; token, the forward of one token of FP32 activations (counter ms);
@@ -25,12 +25,12 @@
 
 #include "benchmarks/bench_timing.h"
 #include "benchmarks/gemm_shapes.h"
-#include "kernels/bf16.h"
-#include "kernels/cpu_features.h"
-#include "kernels/gemm.h"
-#include "kernels/gemm_isa.h"
-#include "kernels/peak.h"
-#include "kernels/quant.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/peak.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_isa.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain::bench {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/peak.h"
+#include "kernels/cpu/peak.h"
 
 namespace cputrain::bench {
 

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "benchmarks/gemm_shapes.h"
-#include "kernels/bf16.h"
-#include "kernels/gemm.h"
-#include "kernels/gemm_test_hooks.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_test_hooks.h"
 
 namespace cputrain::bench {
 namespace {

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/bf16.h"
-#include "kernels/gemm.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/gemm/gemm.h"
 #include "models/model_config.h"
 
 namespace cputrain::bench {

@@ -35,7 +35,8 @@
 #include "engine/train/weights_file.h"
 #include "models/decoder.h"
 #include "models/gguf_model.h"
-#include "models/hf_model.h"
+#include "models/hf_config.h"
+#include "models/hf_writer.h"
 #include "tools/preference_rows.h"
 #include "tools/run/run_config.h"
 

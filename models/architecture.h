@@ -1,8 +1,8 @@
 // The architectures cputrain computes, each one description: its names in GGUF and Hugging Face
 // files, the parts of its block, the RoPE it applies, and the keys of its files it reads. The
-// decoder (models/decoder.h), the readers and writers of model files (gguf_model.h, hf_model.h)
-// and `inspect` take an architecture's parts from here; a family whose parts are all known is a
-// row of the table in architecture.cpp.
+// decoder (models/decoder.h), the readers and writers of model files (gguf_model.h, hf_config.h,
+// hf_writer.h) and `inspect` take an architecture's parts from here; a family whose parts are all
+// known is a row of the table in architecture.cpp.
 #pragma once
 
 #include <cstdint>

@@ -13,9 +13,9 @@
 #include "engine/core/ops.h"
 #include "engine/io/mapped_file.h"
 #include "engine/io/offload.h"
-#include "kernels/attention.h"
-#include "kernels/cross_entropy.h"
-#include "kernels/rope.h"
+#include "kernels/attention/attention.h"
+#include "kernels/ops/cross_entropy.h"
+#include "kernels/ops/rope.h"
 #include "models/architecture.h"
 #include "models/lora.h"
 

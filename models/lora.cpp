@@ -8,7 +8,7 @@
 #include "engine/core/error.h"
 #include "engine/core/hash.h"
 #include "engine/train/parameters.h"
-#include "kernels/bf16.h"
+#include "kernels/cpu/bf16.h"
 #include "models/architecture.h"
 #include "models/tensor_names.h"
 

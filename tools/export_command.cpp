@@ -10,7 +10,7 @@
 #include "engine/train/parameters.h"
 #include "models/decoder.h"
 #include "models/gguf_model.h"
-#include "models/hf_model.h"
+#include "models/hf_writer.h"
 #include "models/lora.h"
 #include "tools/model_source.h"
 

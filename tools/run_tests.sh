@@ -13,7 +13,7 @@ tools/build.sh -DCPUTRAIN_WERROR=ON
 cd build
 ctest --output-on-failure --timeout 900 "$@"
 # Every lower ISA level as the ceiling runs each kernel family's builds for that level
-# (kernels/dispatch.h); oneDNN and the reference GEMM are taken only when forced.
+# (kernels/cpu/dispatch.h); oneDNN and the reference GEMM are taken only when forced.
 flags=$(grep -m1 '^flags' /proc/cpuinfo)
 levels=()
 has() { [[ " ${flags} " == *" $1 "* ]]; }

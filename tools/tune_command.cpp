@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "engine/core/error.h"
-#include "kernels/bf16.h"
-#include "kernels/cpu_features.h"
-#include "kernels/gemm.h"
-#include "kernels/gemm_tuning.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_tuning.h"
 #include "models/model_config.h"
 #include "tools/flag_checks.h"
 #include "tools/model_source.h"

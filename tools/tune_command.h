@@ -1,5 +1,5 @@
-// `cputrain tune`: measures the GEMM blocking (kernels/gemm_tuning.h) that runs the products of
-// a run fastest on this CPU and keeps it in the user's cache, per CPU model and thread count;
+// `cputrain tune`: measures the GEMM blocking (kernels/gemm/gemm_tuning.h) that runs the products
+// of a run fastest on this CPU and keeps it in the user's cache, per CPU model and thread count;
 // the commands that compute read it back (load_gemm_tuning). The blocking never changes a
 // result, so a tuned machine computes the bits an untuned one does.
 #pragma once

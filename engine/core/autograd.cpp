@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "engine/core/profiler.h"
-#include "kernels/bf16.h"
-#include "kernels/vector_add.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/ops/vector_add.h"
 
 namespace cputrain {
 namespace {

@@ -12,8 +12,8 @@
 #include <string>
 
 #include "engine/core/block_cache.h"
-#include "kernels/dispatch.h"
-#include "kernels/workspace.h"
+#include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/workspace.h"
 
 namespace cputrain {
 namespace {

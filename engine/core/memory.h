@@ -76,8 +76,8 @@ class MeasureScope {
   std::unique_ptr<State> state_;
 };
 // While measuring, what a long-lived scratch buffer of a kernel's does where the kernel would
-// ask it for `bytes` (the GEMM's buffers, kernels/gemm_plan.h's five): each slot keeps the largest
-// size asked so far; a larger one frees the block it holds and allocates the new size.
+// ask it for `bytes` (the GEMM's buffers, kernels/gemm/gemm_plan.h's five): each slot keeps the
+// largest size asked so far; a larger one frees the block it holds and allocates the new size.
 inline constexpr int kMeasureBuffers = 5;
 void measure_buffer(int slot, size_t bytes, MemoryCategory category);
 

@@ -8,16 +8,16 @@
 
 #include "engine/core/hash.h"
 #include "engine/core/profiler.h"
-#include "kernels/attention.h"
-#include "kernels/bf16.h"
-#include "kernels/bias.h"
-#include "kernels/cross_entropy.h"
-#include "kernels/embedding.h"
-#include "kernels/gemm.h"
-#include "kernels/rmsnorm.h"
-#include "kernels/rope.h"
-#include "kernels/swiglu.h"
-#include "kernels/vector_add.h"
+#include "kernels/attention/attention.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/ops/bias.h"
+#include "kernels/ops/cross_entropy.h"
+#include "kernels/ops/embedding.h"
+#include "kernels/ops/rmsnorm.h"
+#include "kernels/ops/rope.h"
+#include "kernels/ops/swiglu.h"
+#include "kernels/ops/vector_add.h"
 
 namespace cputrain {
 namespace {
@@ -121,7 +121,7 @@ void measure_gemm(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N, i
 }
 
 // The same for gemm_bf16_rounded (No, Yes), which goes through an FP32 scratch of M x N where it
-// cannot round in its registers (kernels/gemm.h).
+// cannot round in its registers (kernels/gemm/gemm.h).
 void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
   Tensor scratch;
   if (!kernels::gemm_bf16_rounded_direct(K))
@@ -129,7 +129,7 @@ void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
   measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
 }
 
-// While measuring, the allocations of a product with a quantised W (kernels/quant.h): the
+// While measuring, the allocations of a product with a quantised W (kernels/quant/quant.h): the
 // dequantised panel of W, then the GEMM's buffers for its product with the first panel (the
 // largest). The few-row forward (decoding) allocates none of them.
 void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K) {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "engine/core/autograd.h"
-#include "kernels/attention.h"
+#include "kernels/attention/attention.h"
 
 namespace cputrain {
 
@@ -42,7 +42,7 @@ Variable head_rmsnorm(const Variable& x, const Variable& w, float eps, float off
 // (LayerNorm with a bias, Phi-2's); in bf16 mode its bf16 rounding alone, as rmsnorm's.
 Variable layernorm(const Variable& x, const Variable& w, const Variable& b, float eps);
 // x (B, T, H * D) seen as (B, T, H, D); table from kernels::rope_table with at least T rows;
-// pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/rope.h). With
+// pairs (x[2j], x[2j+1]), or with half_split (x[j], x[j + D/2]) (kernels/ops/rope.h). With
 // `per_row`, table holds B such tables of T rows, one per row of x (packed rows, whose
 // sequences each begin at position 0). With rot_dims R < D, only each head's first R elements
 // rotate (pairs within them; the table's rows hold R/2 angles) and the rest pass (partial rotary).
@@ -60,8 +60,8 @@ struct Packing {
 // (B, T, H * D); query head h attends with key/value head h / (H / KVH) (grouped-query
 // attention; KVH = H is multi-head). With `packing`, each query attends only within its own
 // sequence, as if that sequence were a row of its own.
-// `options` (kernels/attention.h): a scale of the scores other than 1/sqrt(D), soft-capping, a
-// sliding window (none where it is no shorter than T), in either mode.
+// `options` (kernels/attention/attention.h): a scale of the scores other than 1/sqrt(D),
+// soft-capping, a sliding window (none where it is no shorter than T), in either mode.
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
                    int64_t n_kv_heads, std::shared_ptr<const Packing> packing = nullptr,
                    kernels::AttentionOptions options = {});
@@ -69,7 +69,7 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.
 Variable swiglu(const Variable& gate, const Variable& up);
-// gelu(gate) * up with GELU's tanh approximation (kernels/swiglu.h), as swiglu (Gemma's MLP).
+// gelu(gate) * up with GELU's tanh approximation (kernels/ops/swiglu.h), as swiglu (Gemma's MLP).
 Variable geglu(const Variable& gate, const Variable& up);
 // gelu(x) alone, tanh approximation, as swiglu's output (Phi-2's MLP).
 Variable gelu(const Variable& x);

@@ -9,12 +9,12 @@
 #include <string>
 
 #include "engine/core/memory.h"
-#include "kernels/quant.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain {
 
-// Besides the element types, ggml's block-quantised formats (kernels/quant.h): a tensor of one
-// holds its blocks as a model file does, row by row, each row whole blocks. Such a tensor is
+// Besides the element types, ggml's block-quantised formats (kernels/quant/quant.h): a tensor of
+// one holds its blocks as a model file does, row by row, each row whole blocks. Such a tensor is
 // read only by the ops that take a frozen weight (linear's products, the embedding's lookup).
 enum class DType { F32, BF16, I32, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
 // Bytes per element of an element type; 0 for a quantised one (see dtype_bytes).

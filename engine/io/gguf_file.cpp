@@ -10,7 +10,7 @@
 #include "engine/core/error.h"
 #include "engine/core/memory.h"
 #include "engine/io/atomic_file.h"
-#include "kernels/quant.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain {
 namespace {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "engine/io/mapped_file.h"
-#include "kernels/quant.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain {
 
@@ -33,7 +33,7 @@ enum class GgmlType : uint32_t {
 std::string ggml_type_name(uint32_t type);
 // Whether cputrain converts tensors of this type.
 bool ggml_type_supported(uint32_t type);
-// The kernels' name of a quantised type cputrain reads (kernels/quant.h holds their layouts);
+// The kernels' name of a quantised type cputrain reads (kernels/quant/quant.h holds their layouts);
 // none for F32, F16 and BF16.
 std::optional<kernels::QuantType> ggml_quant_type(GgmlType type);
 // Elements per block and bytes per block of a supported type.

@@ -9,9 +9,9 @@
 
 #include "engine/dist/communicator.h"
 #include "engine/io/offload.h"
-#include "kernels/adamw.h"
-#include "kernels/bf16.h"
-#include "kernels/vector_add.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/ops/adamw.h"
+#include "kernels/ops/vector_add.h"
 
 namespace cputrain {
 namespace {

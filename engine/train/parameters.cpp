@@ -10,7 +10,7 @@
 #include "engine/core/hash.h"
 #include "engine/dist/communicator.h"
 #include "engine/io/offload.h"
-#include "kernels/bf16.h"
+#include "kernels/cpu/bf16.h"
 
 namespace cputrain {
 namespace {

@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/quant.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain::kernels::test {
 

@@ -16,7 +16,7 @@
 
 #include "engine/core/memory.h"
 #include "engine/train/trainer.h"
-#include "kernels/gemm.h"
+#include "kernels/gemm/gemm.h"
 #include "models/decoder.h"
 #include "models/finetune_step.h"
 #include "models/memory_budget.h"

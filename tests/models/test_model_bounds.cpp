@@ -24,7 +24,8 @@
 #include "models/decoder.h"
 #include "models/file_hyperparameters.h"
 #include "models/gguf_model.h"
-#include "models/hf_model.h"
+#include "models/hf_config.h"
+#include "models/hf_writer.h"
 #include "models/lora.h"
 
 namespace cputrain {

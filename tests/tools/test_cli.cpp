@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu_features.h"
-#include "kernels/dispatch.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/dispatch.h"
 #include "tools/cli_fixture.h"
 
 namespace fs = std::filesystem;

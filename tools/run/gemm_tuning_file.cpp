@@ -7,7 +7,7 @@
 
 #include "engine/core/error.h"
 #include "engine/io/atomic_file.h"
-#include "kernels/cpu_features.h"
+#include "kernels/cpu/cpu_features.h"
 
 namespace cputrain {
 

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "kernels/gemm_tuning.h"
+#include "kernels/gemm/gemm_tuning.h"
 
 namespace cputrain {
 

@@ -9,7 +9,7 @@
 #include "engine/core/memory.h"
 #include "engine/core/profiler.h"
 #include "engine/train/checkpoint_file.h"
-#include "tools/budget_command.h"
+#include "tools/run/budget_report.h"
 #include "tools/run/job.h"
 #include "tools/run/mfu_peak.h"
 #include "tools/run/run_dir.h"

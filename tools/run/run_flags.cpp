@@ -8,8 +8,8 @@
 #include "engine/core/error.h"
 #include "engine/core/memory.h"
 #include "engine/dist/communicator.h"
-#include "kernels/dispatch.h"
-#include "kernels/gemm.h"
+#include "kernels/cpu/dispatch.h"
+#include "kernels/gemm/gemm.h"
 #include "tools/flag_checks.h"
 #include "tools/run/gemm_tuning_file.h"
 

@@ -14,7 +14,7 @@
 
 namespace cputrain {
 
-// Which kernels run (kernels/dispatch.h): flags every command that computes takes.
+// Which kernels run (kernels/cpu/dispatch.h): flags every command that computes takes.
 struct KernelArgs {
   std::string gemm;                 // --gemm NAME: as --kernel gemm=NAME
   std::vector<std::string> kernel;  // --kernel FAMILY=NAME, repeatable

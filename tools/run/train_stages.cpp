@@ -14,7 +14,7 @@
 #include "engine/text/tokenizer.h"
 #include "engine/train/adamw.h"
 #include "engine/train/parameters.h"
-#include "tools/budget_command.h"
+#include "tools/run/budget_report.h"
 #include "tools/run/run_dir.h"
 
 namespace cputrain {

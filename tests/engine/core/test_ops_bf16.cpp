@@ -12,9 +12,9 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/ops.h"
-#include "kernels/attention.h"
-#include "kernels/bf16.h"
-#include "kernels/rope.h"
+#include "kernels/attention/attention.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/ops/rope.h"
 
 namespace cputrain {
 namespace {

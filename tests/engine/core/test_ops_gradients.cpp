@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "engine/core/ops.h"
-#include "kernels/cross_entropy.h"
-#include "kernels/rope.h"
+#include "kernels/ops/cross_entropy.h"
+#include "kernels/ops/rope.h"
 
 namespace cputrain {
 namespace {

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "engine/core/ops.h"
-#include "kernels/gemm.h"
+#include "kernels/gemm/gemm.h"
 #include "kernels/kernel_test_util.h"
 
 namespace cputrain {

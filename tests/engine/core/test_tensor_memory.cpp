@@ -5,10 +5,10 @@
 
 #include "engine/core/memory.h"
 #include "engine/core/tensor.h"
-#include "kernels/bf16.h"
-#include "kernels/cpu_features.h"
-#include "kernels/gemm.h"
-#include "kernels/gemm_isa.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_isa.h"
 
 namespace cputrain {
 namespace {

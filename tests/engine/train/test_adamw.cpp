@@ -4,7 +4,7 @@
 #include <random>
 
 #include "engine/train/adamw.h"
-#include "kernels/bf16.h"
+#include "kernels/cpu/bf16.h"
 
 namespace cputrain {
 namespace {

@@ -15,7 +15,7 @@
 #include "engine/train/adamw.h"
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/weights_file.h"
-#include "kernels/bf16.h"
+#include "kernels/cpu/bf16.h"
 
 namespace cputrain {
 namespace {

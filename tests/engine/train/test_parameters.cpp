@@ -6,7 +6,7 @@
 
 #include "engine/core/memory.h"
 #include "engine/train/parameters.h"
-#include "kernels/bf16.h"
+#include "kernels/cpu/bf16.h"
 
 namespace cputrain {
 namespace {

@@ -1,0 +1,70 @@
+// The GEMM implementations behind the dispatch in gemm.cpp, one per ISA or library; each has
+// the contract of gemm_f32 / gemm_bf16 in gemm.h and may only be called where
+// gemm_backend_available says so. Their table, with the ISA each needs, is in gemm.cpp.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_test_hooks.h"
+
+namespace cputrain::kernels {
+
+namespace detail {
+// C = beta C (beta 0 overwrites with zeros): the whole product when K is 0.
+inline void scale_c(float* C, int64_t M, int64_t N, int64_t ldc, float beta) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+}
+}  // namespace detail
+
+void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                      const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc);
+// y[n] = x . W[n, :] (+ beta y[n]) for n < N, x of K bf16 values and W rows of K (stride ldw):
+// gemm_bf16(No, Yes, 1, N, K, x, K, W, ldw, beta, y, N) for one row, the case of decoding, where
+// packing the matrix would only add to the memory traffic; needs AVX512_BF16.
+void gemv_bf16_avx512(int64_t N, int64_t K, const uint16_t* x, const uint16_t* W, int64_t ldw,
+                      float beta, float* y);
+// The same in FP32 (AVX-512F).
+void gemv_f32_avx512(int64_t N, int64_t K, const float* x, const float* W, int64_t ldw, float beta,
+                     float* y);
+// gemm_bf16_rounded on the AVX-512 BF16 kernel; K <= gemm_bf16_avx512_block_k().
+void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                              uint16_t* C, int64_t ldc);
+int64_t gemm_bf16_avx512_block_k();
+void gemm_bf16_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                   int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// gemm_bf16_rounded on the AMX kernel; K <= gemm_bf16_amx_block_k().
+void gemm_bf16_rounded_amx(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                           const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                           uint16_t* C, int64_t ldc);
+int64_t gemm_bf16_amx_block_k();
+// The AMX kernel against the AVX-512 BF16 kernel on a few shapes with tails in every dimension,
+// every transpose combination and both betas (a warning on stderr where they disagree). Only
+// where cpu_features().amx_bf16 is set; the GEMM runs it once, before it first selects AMX.
+bool gemm_bf16_amx_self_test();
+// Floats the blocked kernels take of packing buffers 0 and 1 for an M x N x K product.
+std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                                   int64_t K);
+std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
+                                                    int64_t N, int64_t K);
+std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                                 int64_t K);
+// Floats of packing buffers 0 and 1 the selected backend's FP32 product (bf16 false) or bf16
+// product with bf16 instructions takes for an M x N x K product (gemm.cpp).
+std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
+                                        int64_t K);
+void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
+                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).
+bool onednn_bf16_supported();
+void gemm_bf16_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                      const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc);
+
+}  // namespace cputrain::kernels

@@ -1,0 +1,478 @@
+#include "models/hf_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <unordered_map>
+
+#include "engine/core/error.h"
+#include "engine/train/parameters.h"
+#include "models/architecture.h"
+#include "models/decoder.h"
+#include "models/file_hyperparameters.h"
+#include "models/hf_json.h"
+#include "models/lora.h"
+#include "models/tensor_names.h"
+
+namespace cputrain {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The typed values of config.json: a UserError naming the file and key for a value of another
+// type; absent (or null) where the key is not there.
+class ConfigValues {
+ public:
+  ConfigValues(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
+
+  const json* find(const std::string& key) const {
+    const auto it = j_.find(key);
+    return it == j_.end() || it->is_null() ? nullptr : &*it;
+  }
+  std::optional<int64_t> whole(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) return std::nullopt;
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      throw UserError(where_ + ": " + key + " " + v->dump() + " is more than cputrain reads");
+    if (!v->is_number_integer()) wrong(key, *v, "a whole number");
+    return v->get<int64_t>();
+  }
+  double number(const std::string& key, double fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) wrong(key, *v, "a number");
+    return v->get<double>();
+  }
+  bool flag(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) wrong(key, *v, "true or false");
+    return v->get<bool>();
+  }
+  std::string text(const std::string& key, const std::string& fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_string()) wrong(key, *v, "a string");
+    return v->get<std::string>();
+  }
+
+ private:
+  [[noreturn]] void wrong(const std::string& key, const json& v, const std::string& want) const {
+    throw UserError(where_ + ": " + key + " " + json_shown(v) + " is " + json_kind(v) + ", not " +
+                    want);
+  }
+  const json& j_;
+  std::string where_;
+};
+
+}  // namespace
+
+bool is_hf_folder(const std::string& folder) {
+  const fs::path config = fs::path(folder) / "config.json";
+  if (!fs::exists(config)) return false;
+  std::ifstream in(config);
+  const json j = json::parse(in, nullptr, false);
+  return j.is_object() && j.contains("model_type");
+}
+
+namespace {
+
+// A list of `n` positive numbers in config.json's rope_scaling.
+std::vector<float> hf_factors(const json* list, int64_t n, const std::string& what) {
+  std::vector<float> out;
+  if (list && list->is_array() && static_cast<int64_t>(list->size()) == n)
+    for (const json& v : *list)
+      if (v.is_number() && v.get<double>() > 0.0) out.push_back(v.get<float>());
+  if (static_cast<int64_t>(out.size()) != n)
+    throw UserError(what + " is not a list of " + std::to_string(n) +
+                    " positive numbers (half the rotated dimensions)");
+  return out;
+}
+
+// config.json's rope_scaling of a model of `c` (theta, rotated dimensions and declared context
+// known): Llama 3's, with its four numbers, Phi-3's longrope ("su" in older files), with its
+// short and long factors and the scale of the rotation (attention_factor, or Hugging Face's
+// sqrt(1 + ln(ctx / original) / ln(original))), or linear, with its factor (Gemma 3's). A UserError
+// naming the file for another type, one the architecture does not apply, a key it does not read, or
+// a missing or unusable number.
+RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const Architecture& arch,
+                            const ModelConfig& c, const std::string& where) {
+  if (!scaling.is_object())
+    throw UserError(where + ": rope_scaling " + json_shown(scaling) + " is not an object");
+  const ConfigValues values(scaling, where + ": rope_scaling");
+  std::string type = values.text("rope_type", values.text("type", ""));
+  if (type == "su") type = "longrope";
+  if (std::find(arch.rope_scalings.begin(), arch.rope_scalings.end(), type) ==
+      arch.rope_scalings.end())
+    throw UserError(where + ": rope_scaling type " + type +
+                    ", which cputrain does not compute for " + std::string(arch.name) +
+                    " (it computes " + rope_scaling_names(arch) + ")");
+  const std::vector<std::string_view> keys =
+      type == "llama3"
+          ? std::vector<std::string_view>{"rope_type",        "type",
+                                          "factor",           "low_freq_factor",
+                                          "high_freq_factor", "original_max_position_embeddings"}
+      : type == "linear"
+          ? std::vector<std::string_view>{"rope_type", "type", "factor"}
+          : std::vector<std::string_view>{"rope_type",        "type",
+                                          "long_factor",      "short_factor",
+                                          "attention_factor", "original_max_position_embeddings"};
+  for (const auto& [key, value] : scaling.items())
+    if (std::find(keys.begin(), keys.end(), key) == keys.end())
+      throw UserError(where + ": rope_scaling." + key + " " + json_shown(value) +
+                      ", which cputrain does not read for " + type + " scaling");
+  if (type == "linear") {
+    const double factor = values.number("factor", 0.0);
+    if (!(factor > 0.0) || !std::isfinite(factor))
+      throw UserError(where + ": rope_scaling of type linear needs a positive factor");
+    return linear_rope_scaling(factor, c.rope_dims());
+  }
+  RopeScaling r;
+  r.type = type;
+  r.original_ctx = values.whole("original_max_position_embeddings")
+                       .value_or(top.whole("original_max_position_embeddings").value_or(0));
+  if (type == "longrope") {
+    const int64_t n = c.rope_dims() / 2;
+    r.freq_factors =
+        hf_factors(values.find("short_factor"), n, where + ": rope_scaling.short_factor");
+    r.long_factors =
+        hf_factors(values.find("long_factor"), n, where + ": rope_scaling.long_factor");
+    if (r.original_ctx <= 0)
+      throw UserError(where +
+                      ": longrope scaling needs a positive "
+                      "original_max_position_embeddings");
+    const double scale = static_cast<double>(c.ctx) / static_cast<double>(r.original_ctx);
+    r.attn_factor = values.number(
+        "attention_factor",
+        scale > 1.0
+            ? std::sqrt(1.0 + std::log(scale) / std::log(static_cast<double>(r.original_ctx)))
+            : 1.0);
+    return r;
+  }
+  r.factor = values.number("factor", 0.0);
+  r.low_freq_factor = values.number("low_freq_factor", 0.0);
+  r.high_freq_factor = values.number("high_freq_factor", 0.0);
+  if (!(r.factor >= 1.0) || !(r.low_freq_factor > 0.0) ||
+      !(r.high_freq_factor > r.low_freq_factor) || r.original_ctx <= 0 ||
+      !std::isfinite(r.factor) || !std::isfinite(r.high_freq_factor))
+    throw UserError(where +
+                    ": rope_scaling of type llama3 needs factor >= 1, 0 < low_freq_factor "
+                    "< high_freq_factor and a positive original_max_position_embeddings");
+  r.freq_factors = llama3_freq_factors(c.rope_theta, c.rope_dims(), r.factor, r.low_freq_factor,
+                                       r.high_freq_factor, r.original_ctx);
+  return r;
+}
+
+// The layers without RoPE: SmolLM3's no_rope_layers (1 where a layer applies RoPE), or its
+// no_rope_layer_interval, or the architecture's step; none for the others.
+std::vector<int64_t> hf_no_rope_layers(const ConfigValues& values, const Architecture& arch,
+                                       int64_t layers, const std::string& where) {
+  std::vector<int64_t> out;
+  if (arch.no_rope_layer_step == 0) return out;
+  if (const json* list = values.find("no_rope_layers")) {
+    if (!list->is_array() || static_cast<int64_t>(list->size()) != layers)
+      throw UserError(where + ": no_rope_layers " + json_shown(*list) + " is not a list of " +
+                      std::to_string(layers) + " 0s and 1s");
+    for (int64_t i = 0; i < layers; ++i) {
+      const json& v = (*list)[static_cast<size_t>(i)];
+      if (v != 0 && v != 1)
+        throw UserError(where + ": no_rope_layers holds " + json_shown(v) + ", not 0 or 1");
+      if (v == 0) out.push_back(i);
+    }
+    return out;
+  }
+  const int64_t step = values.whole("no_rope_layer_interval").value_or(arch.no_rope_layer_step);
+  if (step <= 0)
+    throw UserError(where + ": no_rope_layer_interval " + std::to_string(step) +
+                    " must be positive");
+  for (int64_t i = step - 1; i < layers; i += step) out.push_back(i);
+  return out;
+}
+
+// Gemma 3's sliding-window layers: the window, every sliding_window_pattern-th layer global (or
+// layer_types naming each, which must follow such a pattern), the windowed layers' RoPE base
+// (rope_local_base_freq), and the scores' scale (query_pre_attn_scalar^-1/2).
+void hf_sliding_window(const ConfigValues& values, const Architecture& arch, ModelConfig& c,
+                       const std::string& where) {
+  const int64_t window = values.whole("sliding_window").value_or(arch.default_window);
+  if (window <= 0)
+    throw UserError(where + ": sliding_window " + std::to_string(window) + " must be positive");
+  c.swa_pattern = values.whole("sliding_window_pattern").value_or(arch.swa_pattern);
+  if (c.swa_pattern <= 0)
+    throw UserError(where + ": sliding_window_pattern " + std::to_string(c.swa_pattern) +
+                    " must be positive");
+  c.sliding_window = window;
+  if (const json* types = values.find("layer_types")) {
+    if (!types->is_array() || static_cast<int64_t>(types->size()) != c.n_layers)
+      throw UserError(where + ": layer_types " + json_shown(*types) + " is not one per layer");
+    for (int64_t i = 0; i < c.n_layers; ++i) {
+      const json& t = (*types)[static_cast<size_t>(i)];
+      const bool windowed = c.windowed_layer(i);
+      if (t != (windowed ? "sliding_attention" : "full_attention"))
+        throw UserError(where + ": layer_types holds " + json_shown(t) + " for layer " +
+                        std::to_string(i) + ", which is not every " +
+                        std::to_string(c.swa_pattern) + "th layer global (what cputrain computes)");
+    }
+  }
+  c.rope_theta_swa =
+      values.number("rope_local_base_freq",
+                    arch.default_rope_theta_swa > 0.0 ? arch.default_rope_theta_swa : c.rope_theta);
+  if (const json* base = values.find("rope_local_base_freq");
+      base && (!(c.rope_theta_swa > 1.0) || !std::isfinite(c.rope_theta_swa)))
+    throw UserError(where + ": rope_local_base_freq " + json_shown(*base) +
+                    " must be a number above 1");
+  const auto cap = [&](const char* key, float fallback) {
+    const json* v = values.find(key);
+    if (v && v->is_null()) return 0.0f;
+    const double x = values.number(key, fallback);
+    if (v && (!(x > 0.0) || !std::isfinite(x)))
+      throw UserError(where + ": " + key + " " + json_shown(*v) + " must be positive, or null");
+    return static_cast<float>(x);
+  };
+  if (arch.attn_softcap) c.attn_softcap = cap("attn_logit_softcapping", arch.default_attn_softcap);
+  c.final_softcap = cap("final_logit_softcapping", arch.default_final_softcap);
+  if (values.find("query_pre_attn_scalar")) {
+    const double scalar = values.number("query_pre_attn_scalar", 0.0);
+    if (!(scalar > 0.0)) throw UserError(where + ": query_pre_attn_scalar must be positive");
+    if (scalar != static_cast<double>(c.head_size()))
+      c.attn_scale = static_cast<float>(1.0 / std::sqrt(scalar));
+  }
+}
+
+}  // namespace
+
+ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
+  return hf_model_config(folder, SafetensorsModel(folder), max_ctx);
+}
+
+ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
+                            int64_t max_ctx) {
+  const fs::path path = fs::path(folder) / "config.json";
+  const json j = read_json(path);
+  const std::string where = path.string();
+  if (!j.is_object()) throw UserError(where + ": not a JSON object");
+  const ConfigValues values(j, where);
+  const std::string type = values.text("model_type", "");
+  const Architecture* arch = find_hf_architecture(type);
+  if (!arch && j.contains("text_config") && j.contains("vision_config"))
+    throw UserError(where + ": model_type " + type +
+                    " is an image-and-text model, whose text model cputrain does not read from "
+                    "it (llama.cpp's convert_hf_to_gguf.py writes the text model as GGUF, which "
+                    "it reads)");
+  if (!arch)
+    throw UserError(where + ": model_type " + type +
+                    ", which cputrain does not compute (it computes " + hf_model_type_names() +
+                    ")");
+  for (const auto& [key, value] : j.items())
+    if (!hf_key_known(*arch, key))
+      throw UserError(where + ": " + key + " " + json_shown(value) +
+                      ", which cputrain does not read for model_type " + type +
+                      " (nothing in config.json is passed over)");
+  // The MLP's activation: SiLU, or GELU's tanh approximation (gelu_pytorch_tanh, Phi's
+  // gelu_new), which Hugging Face's Gemma computes whether hidden_act says gelu or
+  // gelu_pytorch_tanh (its hidden_activation decides).
+  const bool gelu = arch->mlp != Mlp::SwiGlu;
+  for (const char* key : {"hidden_act", "hidden_activation"}) {
+    const std::string act = values.text(key, gelu ? "gelu_pytorch_tanh" : "silu");
+    const bool known = gelu ? act == "gelu_pytorch_tanh" || act == "gelu_new" ||
+                                  (act == "gelu" && arch->mlp == Mlp::GeGlu &&
+                                   std::string_view(key) == "hidden_act")
+                            : act == "silu";
+    if (!known)
+      throw UserError(where + ": " + key + " " + act + ", which cputrain does not compute for " +
+                      type + " (it computes " + (gelu ? "gelu_pytorch_tanh" : "silu") + ")");
+  }
+  if (values.flag("qk_layernorm", false))
+    throw UserError(where + ": qk_layernorm, which cputrain does not compute for " + type);
+  if (values.flag("mlp_bias", false))
+    throw UserError(where + ": mlp_bias, which cputrain does not compute");
+  if (values.number("attention_dropout", 0.0) != 0.0)
+    throw UserError(where + ": attention_dropout " + json_shown(*values.find("attention_dropout")) +
+                    ", which cputrain does not compute (it computes 0)");
+  if (const json* layer_types = values.find("layer_types"); layer_types && arch->swa_pattern == 0)
+    for (const json& t : *layer_types)
+      if (t != "full_attention")
+        throw UserError(where + ": layer_types holds " + json_shown(t) +
+                        ", which cputrain does not compute (it computes full_attention)");
+  // Soft-capping: Gemma 2's attention scores and final logits, Gemma 3's final logits.
+  for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"}) {
+    const json* v = values.find(cap);
+    const bool attn = std::string_view(cap) == "attn_logit_softcapping";
+    if (!v || v->is_null() || (attn ? arch->attn_softcap : arch->swa_pattern > 0)) continue;
+    throw UserError(where + ": " + cap + " " + json_shown(*v) +
+                    ", which cputrain does not compute for " + type);
+  }
+  if (values.flag("use_bidirectional_attention", false))
+    throw UserError(where + ": use_bidirectional_attention, which cputrain does not compute");
+  FileHyperparameters hp;
+  hp.where = where;
+  hp.naming = TensorNaming::HuggingFace;
+  for (const auto& [field, key] : {std::pair{&hp.vocab, "vocab_size"},
+                                   {&hp.d_model, "hidden_size"},
+                                   {&hp.n_layers, "num_hidden_layers"},
+                                   {&hp.n_heads, "num_attention_heads"},
+                                   {&hp.n_kv_heads, "num_key_value_heads"},
+                                   {&hp.head_dim, "head_dim"},
+                                   {&hp.ffn, "intermediate_size"},
+                                   {&hp.ctx, "max_position_embeddings"}})
+    *field = FileHyperparameter{key, values.whole(key)};
+  for (const FileHyperparameter* required :
+       {&hp.vocab, &hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn})
+    if (!required->value) throw UserError(where + ": no " + required->key);
+  if (!hp.ctx.value) hp.ctx.value = 2048;
+  ModelConfig c;
+  c.architecture = std::string(arch->name);
+  c.norm_eps =
+      static_cast<float>(arch->norm == Norm::LayerNorm ? values.number("layer_norm_eps", 1e-5)
+                                                       : values.number("rms_norm_eps", 1e-6));
+  c.rope_theta = values.number("rope_theta", 10000.0);
+  c.tie_embeddings = values.flag("tie_word_embeddings", arch->always_tied);
+  c.norm_plus_one = arch->hf_norm_plus_one;
+  // Hugging Face's attention_bias also gives o_proj a bias, which no architecture here has: its
+  // tensor is refused as having no place.
+  c.qkv_bias = arch->qkv_bias == Presence::Always ||
+               (arch->qkv_bias == Presence::Optional && values.flag("attention_bias", false));
+  c.qk_norm = arch->qk_norm;
+  c.rope_pairs = RopePairs::HalfSplit;
+  check_file_hyperparameters(
+      hp, weights.names(),
+      [&](const std::string& name) -> std::optional<std::vector<int64_t>> {
+        const SafetensorsTensor* t = weights.find(name);
+        if (!t) return std::nullopt;
+        return t->shape;
+      },
+      c);
+  // Partial rotary (Phi-4-mini): RoPE on the first partial_rotary_factor of each head.
+  const double partial = values.number("partial_rotary_factor", 1.0);
+  if (partial != 1.0) {
+    const auto rope = static_cast<int64_t>(static_cast<double>(c.head_size()) * partial);
+    if (!arch->partial_rotary)
+      throw UserError(where + ": partial_rotary_factor " +
+                      json_shown(*values.find("partial_rotary_factor")) +
+                      ", which cputrain does not compute for " + type);
+    if (!(partial > 0.0 && partial < 1.0) || rope <= 0 || rope % 2 != 0)
+      throw UserError(where + ": partial_rotary_factor " +
+                      json_shown(*values.find("partial_rotary_factor")) +
+                      " does not give an even number of the head's " +
+                      std::to_string(c.head_size()) + " dimensions");
+    c.rope_dim = rope;
+  }
+  for (const char* dropout : {"resid_pdrop", "embd_pdrop"})
+    if (values.number(dropout, 0.0) != 0.0)
+      throw UserError(where + ": " + dropout + " " + json_shown(*values.find(dropout)) +
+                      ", which cputrain does not compute (it computes 0)");
+  if (const json* scaling = values.find("rope_scaling"))
+    c.rope_scaling = hf_rope_scaling(*scaling, values, *arch, c, where);
+  c.no_rope_layers = hf_no_rope_layers(values, *arch, c.n_layers, where);
+  if (arch->swa_pattern > 0) {
+    hf_sliding_window(values, *arch, c, where);
+  } else if (values.flag("use_sliding_window", type == "mistral" || type == "phi3")) {
+    if (const std::optional<int64_t> window = values.whole("sliding_window")) {
+      if (*window <= 0)
+        throw UserError(where + ": sliding_window " + std::to_string(*window) +
+                        " must be positive");
+      c.ctx = std::min(c.ctx, *window);
+    }
+  }
+  c.ctx = std::min(c.ctx, max_ctx);
+  if (const auto problem = validate(c))
+    throw UserError(where + ": the model's hyperparameters do not fit together: " + problem->str());
+  return c;
+}
+
+InPlaceWeight hf_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
+                          const ModelConfig& config) {
+  const TensorPart part = tensor_part(parameter, config, TensorNaming::HuggingFace);
+  const SafetensorsTensor* t = weights.find(part.name);
+  if (!t || t->dtype != "BF16") return {};
+  std::vector<int64_t> shape;
+  for (int d = 0; d < parameter.shape.ndim(); ++d) shape.push_back(parameter.shape[d]);
+  shape[0] = part.tensor_rows;
+  if (t->shape != shape || t->data.size() != static_cast<size_t>(t->numel()) * 2) return {};
+  const int64_t row = parameter.shape.numel() / parameter.shape[0];
+  return {t->data.data() + part.first_row * row * 2, DType::BF16};
+}
+
+namespace {
+
+// The folder's tensor holding parameter `info` (of a DecoderModel of `config`), of its shape (its
+// parts' together, for a fused tensor) and of a dtype cputrain reads; a UserError naming the file
+// and tensor otherwise. `part` receives where in it the parameter's rows are.
+const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const ParameterInfo& info,
+                                      const ModelConfig& config, TensorPart* part = nullptr) {
+  const TensorPart where = tensor_part(info, config, TensorNaming::HuggingFace);
+  const std::string& name = where.name;
+  const SafetensorsTensor* t = weights.find(name);
+  if (!t) throw UserError("the model's safetensors have no tensor " + name);
+  std::vector<int64_t> expected;
+  for (int d = 0; d < info.shape.ndim(); ++d) expected.push_back(info.shape[d]);
+  expected[0] = where.tensor_rows;
+  if (t->shape != expected)
+    throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
+                    shape_text(t->shape) + " where config.json gives " + shape_text(expected));
+  if (t->dtype != "F32" && t->dtype != "F16" && t->dtype != "BF16")
+    throw UserError(weights.file_of(name) + ": tensor " + name + " is " + t->dtype +
+                    ", a dtype cputrain does not read (F32, F16, BF16)");
+  if (part) *part = where;
+  return *t;
+}
+
+// Every tensor of the folder is one of `used`'s (a tied model's folder may hold the head as well;
+// rotary tables are derived, not weights); a UserError naming the first that is not.
+void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std::string>& used) {
+  for (const std::string& name : weights.names()) {
+    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq"))
+      continue;
+    throw UserError(weights.file_of(name) + ": tensor " + name +
+                    " has no place in the model cputrain computes");
+  }
+}
+
+}  // namespace
+
+void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config) {
+  ParameterSet declared;
+  DecoderModel::declare_parameters(config, declared);
+  std::set<std::string> used;
+  for (const ParameterInfo& info : declared.infos()) {
+    TensorPart part;
+    hf_tensor_of(weights, info, config, &part);
+    used.insert(part.name);
+  }
+  check_no_other_tensors(weights, used);
+}
+
+void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
+                     const ModelConfig& config) {
+  std::set<std::string> used;
+  // A fused tensor's parts follow one another: it is converted once for them all.
+  const SafetensorsTensor* converted = nullptr;
+  std::vector<float> values;
+  for (size_t i = 0; i < params.infos().size(); ++i) {
+    const ParameterInfo& info = params.infos()[i];
+    if (is_lora_parameter(info.name)) continue;  // adapters are not the file's
+    TensorPart part;
+    const SafetensorsTensor* t = &hf_tensor_of(weights, info, config, &part);
+    const std::string& name = part.name;
+    const int64_t row = info.shape.numel() / info.shape[0];
+    // A BF16 tensor into a parameter held as bf16 alone is read in place or copied as it is.
+    if (params.mapped(static_cast<int>(i))) {
+      if (t->dtype != "BF16")
+        throw std::logic_error("load_hf_weights: " + name + " mapped but not BF16");
+    } else if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
+      params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
+    } else {
+      if (converted != t) values = safetensors_values(weights.file_of(name), name, *t);
+      converted = t;
+      params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
+    }
+    used.insert(name);
+  }
+  check_no_other_tensors(weights, used);
+}
+}  // namespace cputrain

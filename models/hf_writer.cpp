@@ -1,0 +1,334 @@
+#include "models/hf_writer.h"
+
+#include <spdlog/fmt/fmt.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "engine/core/error.h"
+#include "engine/io/atomic_file.h"
+#include "engine/io/gguf_file.h"
+#include "engine/text/tokenizer.h"
+#include "engine/text/vocab_tokenizer.h"
+#include "engine/train/parameters.h"
+#include "models/architecture.h"
+#include "models/decoder.h"
+#include "models/file_hyperparameters.h"
+#include "models/hf_json.h"
+#include "models/lora.h"
+#include "models/tensor_names.h"
+
+namespace cputrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// The merges of a SentencePiece-style vocabulary, for a BPE tokenizer.json: each piece of two
+// characters or more, by score, made from the split whose two halves are pieces and rank
+// best (the highest-scoring pair).
+std::vector<std::string> merges_of(const Vocabulary& v) {
+  std::unordered_map<std::string, float> score;
+  for (size_t i = 0; i < v.tokens.size(); ++i)
+    if (v.types.empty() || v.types[i] == Vocabulary::kNormal)
+      score.emplace(v.tokens[i], v.scores.empty() ? 0.0f : v.scores[i]);
+  std::vector<std::pair<float, std::string>> merges;
+  for (const auto& [piece, s] : score) {
+    float best = -std::numeric_limits<float>::infinity();
+    std::string chosen;
+    for (size_t cut = 1; cut < piece.size(); ++cut) {
+      if ((static_cast<unsigned char>(piece[cut]) & 0xC0) == 0x80) continue;  // mid-character
+      const auto l = score.find(piece.substr(0, cut)), r = score.find(piece.substr(cut));
+      if (l == score.end() || r == score.end()) continue;
+      if (l->second + r->second > best) {
+        best = l->second + r->second;
+        chosen = piece.substr(0, cut) + " " + piece.substr(cut);
+      }
+    }
+    if (!chosen.empty()) merges.emplace_back(s, chosen);
+  }
+  std::stable_sort(merges.begin(), merges.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> out;
+  for (auto& [s, m] : merges) out.push_back(std::move(m));
+  return out;
+}
+
+const char* hf_pattern(const std::string& pre) {
+  for (const auto& [name, regex] : kHfPreTokenizers)
+    if (pre == name) return regex;
+  return nullptr;
+}
+
+}  // namespace
+
+namespace {
+
+struct SafetensorsEntry {
+  std::string name;
+  Shape shape;
+  std::string dtype;
+  std::vector<uint8_t> bytes;
+};
+
+// A safetensors file of `entries`, in order, written atomically.
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries) {
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const SafetensorsEntry& e : entries) {
+    std::vector<int64_t> shape;
+    for (int d = 0; d < e.shape.ndim(); ++d) shape.push_back(e.shape[d]);
+    header[e.name] = {
+        {"dtype", e.dtype}, {"shape", shape}, {"data_offsets", {offset, offset + e.bytes.size()}}};
+    offset += e.bytes.size();
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  AtomicFileWriter out(path);
+  const uint64_t n = text.size();
+  out.write(&n, 8);
+  out.write(text.data(), text.size());
+  for (const SafetensorsEntry& e : entries) out.write(e.bytes.data(), e.bytes.size());
+  out.commit();
+}
+
+}  // namespace
+
+void write_peft_adapter(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
+                        const LoraConfig& lora, const std::string& base) {
+  const fs::path dir(folder);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError(folder + ": cannot create (" + ec.message() + ")");
+  std::vector<SafetensorsEntry> entries;
+  // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are; a fused
+  // projection's parts' B rows one after another.
+  for (const FileTensor& t :
+       file_tensors(params, c, TensorNaming::HuggingFace,
+                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
+    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit, false);
+    entries.push_back({t.name, Shape{t.shape[0], t.shape[1]}, "F32",
+                       ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1])});
+  }
+  if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
+  write_safetensors((dir / "adapter_model.safetensors").string(), entries);
+  // The modules, by the architecture's names (Phi-3's fused qkv_proj and gate_up_proj, Phi-2's
+  // dense, fc1, fc2): the last part of each adapted tensor's name, in the order of the first
+  // block's.
+  json targets = json::array();
+  for (const FileTensor& t :
+       file_tensors(params, c, TensorNaming::HuggingFace, [](const ParameterInfo& info) {
+         return info.name.starts_with("layers.0.") && info.name.ends_with(".lora_b");
+       })) {
+    const std::string path = t.name.substr(0, t.name.rfind(".lora_B"));
+    const std::string module = path.substr(path.rfind('.') + 1);
+    if (std::find(targets.begin(), targets.end(), module) == targets.end())
+      targets.push_back(module);
+  }
+  const json config = {{"peft_type", "LORA"},
+                       {"task_type", "CAUSAL_LM"},
+                       {"base_model_name_or_path", base},
+                       {"r", lora.rank},
+                       {"lora_alpha", lora.alpha},
+                       {"lora_dropout", lora.dropout},
+                       {"target_modules", targets},
+                       {"bias", "none"},
+                       {"fan_in_fan_out", false},
+                       {"inference_mode", true},
+                       {"init_lora_weights", true},
+                       {"modules_to_save", nullptr},
+                       {"use_rslora", false},
+                       {"use_dora", false}};
+  write_file_atomic((dir / "adapter_config.json").string(), config.dump(2) + "\n");
+}
+
+void write_hf_folder(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
+                     const Tokenizer& tokenizer, const std::string& dtype) {
+  const fs::path dir(folder);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UserError("--out " + folder + ": cannot create (" + ec.message() + ")");
+  const Architecture& arch = architecture_of(c);
+  if (c.qkv_bias && arch.qkv_bias != Presence::Always)
+    throw UserError("a " + std::string(arch.name) + " model with q/k/v biases: Hugging Face's " +
+                    std::string(arch.hf_class) +
+                    " has none (train it with --arch qwen2, or export it as GGUF)");
+  if (c.rope_scaling.type == "factors")
+    throw UserError(
+        "RoPE frequency factors that are not Llama 3's scaling: config.json has no "
+        "rope_scaling for them (export the model as GGUF)");
+  const Vocabulary v = tokenizer.to_vocabulary();
+  const auto token = [&](int32_t id) {
+    return id >= 0 && id < static_cast<int32_t>(v.tokens.size()) ? json(v.tokens[id]) : json();
+  };
+  json config = {{"architectures", {std::string(arch.hf_class)}},
+                 {"model_type", std::string(arch.hf_model_types.front())},
+                 {"vocab_size", c.vocab},
+                 {"hidden_size", c.d_model},
+                 {"num_hidden_layers", c.n_layers},
+                 {"num_attention_heads", c.n_heads},
+                 {"num_key_value_heads", c.kv_heads()},
+                 {"head_dim", c.head_size()},
+                 {"intermediate_size", c.ffn},
+                 {"rms_norm_eps", std::strtod(fmt::format("{}", c.norm_eps).c_str(), nullptr)},
+                 {"rope_theta", c.rope_theta},
+                 {"rope_scaling", nullptr},
+                 {"max_position_embeddings", c.ctx},
+                 {"tie_word_embeddings", c.tie_embeddings},
+                 {"hidden_act", arch.mlp == Mlp::SwiGlu  ? "silu"
+                                : arch.mlp == Mlp::GeGlu ? "gelu_pytorch_tanh"
+                                                         : "gelu_new"},
+                 {"attention_bias", false},
+                 {"torch_dtype", dtype == "F32"   ? "float32"
+                                 : dtype == "F16" ? "float16"
+                                                  : "bfloat16"},
+                 {"bos_token_id", v.bos >= 0 ? json(v.bos) : json()},
+                 {"eos_token_id", v.eos >= 0 ? json(v.eos) : json()}};
+  if (arch.qkv_bias == Presence::Always) config.erase("attention_bias");  // implied by the type
+  if (arch.mlp == Mlp::GeGlu) config["hidden_activation"] = "gelu_pytorch_tanh";
+  if (arch.norm == Norm::LayerNorm) {
+    config.erase("rms_norm_eps");
+    config["layer_norm_eps"] = std::strtod(fmt::format("{}", c.norm_eps).c_str(), nullptr);
+  }
+  if (arch.name != "llama" && arch.swa_pattern == 0) config["use_sliding_window"] = false;
+  if (arch.swa_pattern > 0) {
+    config["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json();
+    // Gemma 3's keys; Gemma 2's pattern and base are fixed (every other layer, the model's).
+    if (hf_key_known(arch, "sliding_window_pattern")) {
+      config["sliding_window_pattern"] = c.swa_pattern;
+      config["rope_local_base_freq"] = c.rope_theta_swa > 0.0 ? c.rope_theta_swa : c.rope_theta;
+    }
+    // The scale's square's reciprocal, exact where the scale is a power of 2 (a head of 256).
+    config["query_pre_attn_scalar"] =
+        c.attn_scale > 0.0f
+            ? 1.0 / (static_cast<double>(c.attn_scale) * static_cast<double>(c.attn_scale))
+            : static_cast<double>(c.head_size());
+    config["final_logit_softcapping"] = c.final_softcap > 0.0f ? json(c.final_softcap) : json();
+    config["attn_logit_softcapping"] = c.attn_softcap > 0.0f ? json(c.attn_softcap) : json();
+  }
+  if (c.rope_dim > 0)
+    config["partial_rotary_factor"] =
+        static_cast<double>(c.rope_dim) / static_cast<double>(c.head_size());
+  if (c.rope_scaling.type == "longrope") {
+    config["original_max_position_embeddings"] = c.rope_scaling.original_ctx;
+    config["rope_scaling"] = {{"type", "longrope"},
+                              {"short_factor", c.rope_scaling.freq_factors},
+                              {"long_factor", c.rope_scaling.long_factors},
+                              {"attention_factor", c.rope_scaling.attn_factor}};
+  } else if (c.rope_scaling.type == "linear") {
+    config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", c.rope_scaling.factor}};
+  } else if (c.rope_scaling.active())
+    config["rope_scaling"] = {{"rope_type", c.rope_scaling.type},
+                              {"factor", c.rope_scaling.factor},
+                              {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                              {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                              {"original_max_position_embeddings", c.rope_scaling.original_ctx}};
+  if (arch.no_rope_layer_step > 0) {
+    json layers = json::array();
+    for (int64_t i = 0; i < c.n_layers; ++i) layers.push_back(c.rope_in_layer(i) ? 1 : 0);
+    config["no_rope_layers"] = layers;
+  }
+  write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n");
+
+  // model.safetensors: the header, then each tensor's bytes in order.
+  const GgmlType type = dtype == "F32"   ? GgmlType::F32
+                        : dtype == "F16" ? GgmlType::F16
+                                         : GgmlType::BF16;
+  std::vector<SafetensorsEntry> entries;
+  for (const ParameterInfo& info : params.infos())
+    if (is_lora_parameter(info.name))
+      throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
+  for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
+                                          [](const ParameterInfo&) { return true; })) {
+    const std::vector<float> values =
+        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one);
+    Shape shape = t.shape.size() == 1 ? Shape{t.shape[0]} : Shape{t.shape[0], t.shape[1]};
+    entries.push_back({t.name, shape, dtype,
+                       ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
+  }
+  write_safetensors((dir / "model.safetensors").string(), entries);
+
+  json tconfig = {{"bos_token", token(v.bos)},  {"eos_token", token(v.eos)},
+                  {"unk_token", token(v.unk)},  {"add_bos_token", v.add_bos},
+                  {"add_eos_token", v.add_eos}, {"model_max_length", c.ctx}};
+  if (!v.chat_template.empty()) tconfig["chat_template"] = v.chat_template;
+  if (!tokenizer.vocabulary()) {
+    // cputrain's own tokenizer: its SentencePiece model, which Transformers' LlamaTokenizer reads.
+    write_file_atomic((dir / "tokenizer.model").string(), tokenizer.model_bytes());
+    tconfig["tokenizer_class"] = "LlamaTokenizer";
+    tconfig["legacy"] = false;
+    tconfig["add_prefix_space"] = v.add_space_prefix;
+  } else {
+    json vocab = json::object(), added = json::array();
+    for (size_t i = 0; i < v.tokens.size(); ++i) {
+      const int32_t t = v.types.empty() ? Vocabulary::kNormal : v.types[i];
+      if (t == Vocabulary::kControl || t == Vocabulary::kUserDefined)
+        added.push_back({{"id", i},
+                         {"content", v.tokens[i]},
+                         {"special", t == Vocabulary::kControl},
+                         {"single_word", false},
+                         {"lstrip", false},
+                         {"rstrip", !v.rstrip.empty() && v.rstrip[i] != 0},
+                         {"normalized", false}});
+      vocab[v.tokens[i]] = i;
+    }
+    json model = {{"type", "BPE"}, {"vocab", vocab}};
+    json t = {{"version", "1.0"}, {"added_tokens", added}};
+    if (v.model == "gpt2") {
+      const char* pattern = hf_pattern(v.pre);
+      json byte_level = {{"type", "ByteLevel"},
+                         {"add_prefix_space", false},
+                         {"trim_offsets", false},
+                         {"use_regex", pattern == nullptr}};
+      const bool digits_apart = v.pre == "smollm" || v.pre == "command-r";
+      if (pattern)
+        t["pre_tokenizer"] = {{"type", "Sequence"},
+                              {"pretokenizers",
+                               {{{"type", "Split"},
+                                 {"pattern", {{"Regex", pattern}}},
+                                 {"behavior", "Isolated"},
+                                 {"invert", false}},
+                                byte_level}}};
+      else if (digits_apart)
+        t["pre_tokenizer"] = {
+            {"type", "Sequence"},
+            {"pretokenizers", {{{"type", "Digits"}, {"individual_digits", true}}, byte_level}}};
+      else
+        t["pre_tokenizer"] = byte_level;
+      t["decoder"] = {{"type", "ByteLevel"},
+                      {"add_prefix_space", false},
+                      {"trim_offsets", false},
+                      {"use_regex", true}};
+      model["merges"] = v.merges;
+      model["byte_fallback"] = false;
+    } else {
+      json normalizers = json::array();
+      if (v.add_space_prefix) normalizers.push_back({{"type", "Prepend"}, {"prepend", "\u2581"}});
+      normalizers.push_back(
+          {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}});
+      t["normalizer"] = {{"type", "Sequence"}, {"normalizers", normalizers}};
+      t["pre_tokenizer"] = nullptr;
+      t["decoder"] = {
+          {"type", "Sequence"},
+          {"decoders",
+           {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+            {{"type", "ByteFallback"}},
+            {{"type", "Fuse"}}}}};
+      model["merges"] = merges_of(v);
+      model["byte_fallback"] = true;
+      model["unk_token"] = token(v.unk);
+    }
+    t["model"] = model;
+    write_file_atomic((dir / "tokenizer.json").string(), t.dump() + "\n");
+  }
+  write_file_atomic((dir / "tokenizer_config.json").string(), tconfig.dump(2) + "\n");
+}
+
+}  // namespace cputrain
