@@ -1,0 +1,137 @@
+// The causal convolution with SiLU against the formula in double, across a sequence split in two
+// through its state, and its gradients against central differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/deltanet/causal_conv.h"
+
+namespace cputrain::kernels {
+namespace {
+
+struct Case {
+  CausalConvShape s;
+  std::vector<double> x, w, state;
+};
+
+Case draw(int64_t T, int64_t C, int64_t K, int64_t pad, bool with_state, uint32_t seed) {
+  Case c;
+  c.s.batch = 2;
+  c.s.length = T;
+  c.s.channels = C;
+  c.s.taps = K;
+  c.s.x_stride = pad != 0 ? C + pad : 0;
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  c.x.resize(c.s.batch * T * c.s.x_row());
+  c.w.resize(C * K);
+  for (double& v : c.x) v = normal(rng);
+  for (double& v : c.w) v = 0.5 * normal(rng);
+  if (with_state) {
+    c.state.resize(c.s.state_elements());
+    for (double& v : c.state) v = normal(rng);
+  }
+  return c;
+}
+
+std::vector<double> forward(const Case& c) {
+  std::vector<double> y(c.s.batch * c.s.length * c.s.channels);
+  causal_conv_silu_forward<double>(c.s, c.x.data(), c.w.data(),
+                                   c.state.empty() ? nullptr : c.state.data(), y.data());
+  return y;
+}
+
+TEST(CausalConv, ForwardIsTheFormula) {
+  for (const int64_t T : {1, 2, 3, 9})
+    for (const bool with_state : {false, true}) {
+      const Case c = draw(T, 37, 4, 3, with_state, 3);
+      const std::vector<double> y = forward(c);
+      const int64_t K = c.s.taps;
+      for (int64_t b = 0; b < c.s.batch; ++b)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t ch = 0; ch < c.s.channels; ++ch) {
+            double pre = 0;
+            for (int64_t j = 0; j < K; ++j) {
+              const int64_t p = t - (K - 1) + j;
+              const double in = p >= 0 ? c.x[(b * T + p) * c.s.x_row() + ch]
+                                : with_state
+                                    ? c.state[(b * c.s.channels + ch) * (K - 1) + (K - 1) + p]
+                                    : 0.0;
+              pre += c.w[ch * K + j] * in;
+            }
+            EXPECT_NEAR(y[(b * T + t) * c.s.channels + ch], pre / (1 + std::exp(-pre)), 1e-12);
+          }
+    }
+}
+
+TEST(CausalConv, ASequenceSplitThroughItsStateIsTheWhole) {
+  for (const int64_t first : {1, 2, 5}) {
+    const Case whole = draw(8, 19, 4, 0, true, 7);
+    const std::vector<double> want = forward(whole);
+    Case a = whole, b = whole;
+    a.s.length = first;
+    b.s.length = whole.s.length - first;
+    a.x.clear();
+    b.x.clear();
+    for (int64_t s = 0; s < whole.s.batch; ++s) {
+      const auto row = [&](int64_t t) { return whole.x.begin() + (s * 8 + t) * 19; };
+      a.x.insert(a.x.end(), row(0), row(first));
+      b.x.insert(b.x.end(), row(first), row(8));
+    }
+    causal_conv_next_state<double>(a.s, a.x.data(), whole.state.data(), b.state.data());
+    const std::vector<double> ya = forward(a), yb = forward(b);
+    for (int64_t s = 0; s < whole.s.batch; ++s)
+      for (int64_t t = 0; t < 8; ++t)
+        for (int64_t ch = 0; ch < 19; ++ch) {
+          const double got = t < first ? ya[(s * first + t) * 19 + ch]
+                                       : yb[(s * (8 - first) + t - first) * 19 + ch];
+          EXPECT_NEAR(got, want[(s * 8 + t) * 19 + ch], 1e-12) << "split at " << first;
+        }
+  }
+}
+
+TEST(CausalConv, GradientsMatchCentralDifferences) {
+  for (const int64_t T : {2, 7})
+    for (const bool with_state : {false, true}) {
+      Case c = draw(T, 70, 4, 2, with_state, 11);  // two blocks of channels, the second partial
+      std::mt19937 rng(5);
+      std::normal_distribution<double> normal(0.0, 1.0);
+      std::vector<double> dy(c.s.batch * T * c.s.channels);
+      for (double& v : dy) v = normal(rng);
+      const auto loss = [&](const Case& k) {
+        const std::vector<double> y = forward(k);
+        double l = 0;
+        for (size_t i = 0; i < y.size(); ++i) l += dy[i] * y[i];
+        return l;
+      };
+      std::vector<double> dx(c.x.size(), 9.0), dw(c.w.size(), 0.25),
+          dstate(c.s.state_elements(), 9.0);
+      causal_conv_silu_backward<double>(c.s, c.x.data(), c.w.data(),
+                                        with_state ? c.state.data() : nullptr, dy.data(), dx.data(),
+                                        dw.data(), with_state ? dstate.data() : nullptr);
+      for (double& v : dw) v -= 0.25;  // accumulated
+      const auto check = [&](std::vector<double> Case::*field, const std::vector<double>& grad,
+                             const char* name, int64_t row, int64_t used) {
+        Case k = c;
+        std::vector<double>& data = k.*field;
+        for (size_t i = 0; i < data.size(); ++i) {
+          if (row != 0 && static_cast<int64_t>(i % row) >= used) continue;
+          const double keep = data[i], h = 1e-6;
+          data[i] = keep + h;
+          const double up = loss(k);
+          data[i] = keep - h;
+          const double down = loss(k);
+          data[i] = keep;
+          ASSERT_NEAR(grad[i], (up - down) / (2 * h), 1e-6) << name << "[" << i << "] T " << T;
+        }
+      };
+      check(&Case::x, dx, "x", c.s.x_row(), c.s.channels);
+      check(&Case::w, dw, "w", 0, 0);
+      if (with_state) check(&Case::state, dstate, "state", 0, 0);
+    }
+}
+
+}  // namespace
+}  // namespace cputrain::kernels

@@ -1,0 +1,215 @@
+// The gated delta rule's chunked form against its recurrent form, in double precision and in
+// float, across chunk edges, sequences shorter than a chunk and strided rows; its backward pass
+// against central differences of the chunked forward pass, for every input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/deltanet/gated_delta.h"
+
+namespace cputrain::kernels {
+namespace {
+
+// Inputs of one call, drawn as Qwen3.5's layer draws them: q and k of unit length, g <= 0,
+// beta in (0, 1).
+template <class T>
+struct Inputs {
+  GatedDeltaShape s;
+  std::vector<T> q, k, v, g, beta, initial;
+  T scale;
+
+  Inputs(const GatedDeltaShape& shape, uint32_t seed, bool with_initial) : s(shape) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    const int64_t rows = s.batch * s.length;
+    q.assign(rows * s.qk_row(), T(0));
+    k.assign(rows * s.qk_row(), T(0));
+    v.assign(rows * s.v_row(), T(0));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < s.key_heads; ++h)
+        for (T* x : {&q[r * s.qk_row() + h * s.key_dim], &k[r * s.qk_row() + h * s.key_dim]}) {
+          double norm = 0;
+          for (int64_t a = 0; a < s.key_dim; ++a) {
+            x[a] = static_cast<T>(normal(rng));
+            norm += double(x[a]) * x[a];
+          }
+          for (int64_t a = 0; a < s.key_dim; ++a) x[a] = static_cast<T>(x[a] / std::sqrt(norm));
+        }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < s.value_heads * s.value_dim; ++c)
+        v[r * s.v_row() + c] = static_cast<T>(normal(rng));
+    g.resize(rows * s.value_heads);
+    beta.resize(rows * s.value_heads);
+    for (T& x : g) x = static_cast<T>(-0.02 - 0.6 * uniform(rng));
+    for (T& x : beta) x = static_cast<T>(0.05 + 0.9 * uniform(rng));
+    if (with_initial) {
+      initial.resize(s.state_elements());
+      for (T& x : initial) x = static_cast<T>(0.5 * normal(rng));
+    }
+    scale = static_cast<T>(1.0 / std::sqrt(double(s.key_dim)));
+  }
+  const T* init() const { return initial.empty() ? nullptr : initial.data(); }
+  int64_t out_elements() const { return s.batch * s.length * s.value_heads * s.value_dim; }
+};
+
+template <class T>
+struct Result {
+  std::vector<T> out, final_state, states;
+};
+
+template <class T>
+Result<T> recurrent(const Inputs<T>& in) {
+  Result<T> r;
+  r.out.assign(in.out_elements(), T(0));
+  r.final_state = in.initial.empty() ? std::vector<T>(in.s.state_elements(), T(0)) : in.initial;
+  gated_delta_recurrent<T>(in.s, in.scale, in.q.data(), in.k.data(), in.v.data(), in.g.data(),
+                           in.beta.data(), r.final_state.data(), r.out.data());
+  return r;
+}
+
+template <class T>
+Result<T> chunked(const Inputs<T>& in) {
+  Result<T> r;
+  r.out.assign(in.out_elements(), T(0));
+  r.states.assign(in.s.saved_state_elements(), T(0));
+  gated_delta_chunked_forward<T>(in.s, in.scale, in.q.data(), in.k.data(), in.v.data(), in.g.data(),
+                                 in.beta.data(), in.init(), r.states.data(), r.out.data());
+  const GatedDeltaShape& s = in.s;
+  const int64_t S = s.key_dim * s.value_dim;
+  for (int64_t bh = 0; bh < s.batch * s.value_heads; ++bh) {
+    const T* last = r.states.data() + (bh * (s.chunks() + 1) + s.chunks()) * S;
+    r.final_state.insert(r.final_state.end(), last, last + S);
+  }
+  return r;
+}
+
+template <class A, class B>
+double max_relative(const std::vector<A>& got, const std::vector<B>& want) {
+  double scale = 1e-30, diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    scale = std::max(scale, std::abs(double(want[i])));
+    diff = std::max(diff, std::abs(double(got[i]) - double(want[i])));
+  }
+  return diff / scale;
+}
+
+GatedDeltaShape shape(int64_t T, int64_t chunk, int64_t stride_pad = 0) {
+  GatedDeltaShape s;
+  s.batch = 2;
+  s.length = T;
+  s.key_heads = 2;
+  s.value_heads = 4;
+  s.key_dim = 5;
+  s.value_dim = 7;
+  s.chunk = chunk;
+  if (stride_pad != 0) {
+    s.qk_stride = s.key_heads * s.key_dim + stride_pad;
+    s.v_stride = s.value_heads * s.value_dim + 2 * stride_pad;
+  }
+  return s;
+}
+
+TEST(GatedDelta, ChunkedEqualsRecurrentInDouble) {
+  for (const int64_t chunk : {64, 4, 5})
+    for (const int64_t T : {1, 3, 4, 5, 64, 70, 131})
+      for (const bool init : {false, true})
+        for (const int64_t pad : {0, 3}) {
+          const Inputs<double> in(shape(T, chunk, pad), static_cast<uint32_t>(T * 7 + chunk), init);
+          const Result<double> want = recurrent(in), got = chunked(in);
+          const std::string where = "T " + std::to_string(T) + " chunk " + std::to_string(chunk) +
+                                    (init ? " with" : " without") + " an initial state, pad " +
+                                    std::to_string(pad);
+          EXPECT_LT(max_relative(got.out, want.out), 1e-12) << where;
+          EXPECT_LT(max_relative(got.final_state, want.final_state), 1e-12) << where;
+        }
+}
+
+TEST(GatedDelta, FloatTracksDouble) {
+  for (const int64_t T : {70, 200}) {
+    const Inputs<double> in(shape(T, 64), 11, true);
+    Inputs<float> f(in.s, 11, true);
+    const auto narrow = [](const std::vector<double>& x) {
+      return std::vector<float>(x.begin(), x.end());
+    };
+    f.q = narrow(in.q), f.k = narrow(in.k), f.v = narrow(in.v), f.g = narrow(in.g);
+    f.beta = narrow(in.beta), f.initial = narrow(in.initial);
+    f.scale = static_cast<float>(in.scale);
+    const Result<double> want = recurrent(in);
+    EXPECT_LT(max_relative(chunked(f).out, want.out), 2e-5) << "T " << T;
+    EXPECT_LT(max_relative(recurrent(f).out, want.out), 2e-5) << "T " << T;
+    EXPECT_LT(max_relative(chunked(f).final_state, want.final_state), 2e-5) << "T " << T;
+  }
+}
+
+// L = sum(w_out * out) + sum(w_state * final state), its gradient by the backward pass against
+// central differences, every element of every input.
+void check_gradients(const GatedDeltaShape& s, bool with_initial, bool with_dfinal) {
+  Inputs<double> in(s, 5, with_initial);
+  std::mt19937 rng(9);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> w_out(in.out_elements()), w_state(s.state_elements());
+  for (double& x : w_out) x = normal(rng);
+  for (double& x : w_state) x = with_dfinal ? normal(rng) : 0.0;
+  if (!with_initial) in.initial.clear();
+  const auto loss = [&](const Inputs<double>& x) {
+    const Result<double> r = chunked(x);
+    double l = 0;
+    for (size_t i = 0; i < r.out.size(); ++i) l += w_out[i] * r.out[i];
+    for (size_t i = 0; i < r.final_state.size(); ++i) l += w_state[i] * r.final_state[i];
+    return l;
+  };
+  const Result<double> fwd = chunked(in);
+  std::vector<double> dq(in.q.size(), 7.0), dk(in.k.size(), 7.0), dv(in.v.size(), 7.0),
+      dg(in.g.size()), dbeta(in.beta.size()), dinit(s.state_elements());
+  gated_delta_chunked_backward<double>(
+      s, in.scale, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(),
+      fwd.states.data(), w_out.data(), with_dfinal ? w_state.data() : nullptr, dq.data(), dk.data(),
+      dv.data(), dg.data(), dbeta.data(), with_initial ? dinit.data() : nullptr);
+  const auto check = [&](std::vector<double> Inputs<double>::*field,
+                         const std::vector<double>& grad, const char* name, int64_t row,
+                         int64_t used) {
+    Inputs<double> x = in;
+    std::vector<double>& data = x.*field;
+    for (size_t i = 0; i < data.size(); ++i) {
+      if (row != 0 && static_cast<int64_t>(i % row) >= used) continue;  // padding between rows
+      const double h = 1e-5, keep = data[i];
+      data[i] = keep + h;
+      const double up = loss(x);
+      data[i] = keep - h;
+      const double down = loss(x);
+      data[i] = keep;
+      const double numeric = (up - down) / (2 * h);
+      ASSERT_NEAR(grad[i], numeric, 1e-6 * std::max(1.0, std::abs(numeric)))
+          << name << "[" << i << "] of T " << s.length << " chunk " << s.chunk;
+    }
+  };
+  check(&Inputs<double>::q, dq, "q", s.qk_row(), s.key_heads * s.key_dim);
+  check(&Inputs<double>::k, dk, "k", s.qk_row(), s.key_heads * s.key_dim);
+  check(&Inputs<double>::v, dv, "v", s.v_row(), s.value_heads * s.value_dim);
+  check(&Inputs<double>::g, dg, "g", 0, 0);
+  check(&Inputs<double>::beta, dbeta, "beta", 0, 0);
+  if (with_initial) check(&Inputs<double>::initial, dinit, "initial state", 0, 0);
+}
+
+TEST(GatedDelta, GradientsMatchCentralDifferences) {
+  GatedDeltaShape s = shape(11, 4, 2);  // chunks of 4, 4 and 3
+  s.batch = 1;
+  s.key_dim = 3;
+  s.value_dim = 2;
+  check_gradients(s, true, true);
+  check_gradients(s, false, false);
+  s.length = 3;  // shorter than a chunk
+  check_gradients(s, true, true);
+  s.length = 9;
+  s.chunk = 64;
+  s.key_heads = s.value_heads = 3;
+  check_gradients(s, true, false);
+}
+
+}  // namespace
+}  // namespace cputrain::kernels
