@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/core/hash.h"
+#include "engine/core/op_support.h"
 #include "engine/core/profiler.h"
 #include "kernels/attention/attention.h"
 #include "kernels/cpu/bf16.h"
@@ -22,13 +23,10 @@
 namespace cputrain {
 namespace {
 
+using namespace op_support;
 using kernels::Transpose;
 using profiler::Pass;
 using profiler::Scope;
-
-Tensor new_activation(const Shape& shape, DType dtype = DType::F32) {
-  return Tensor::empty(shape, dtype, MemoryCategory::Activations);
-}
 
 // Shape of x with its last dimension replaced by n.
 Shape with_last_dim(const Shape& x, int64_t n) {
@@ -42,33 +40,6 @@ Shape with_last_dim(const Shape& x, int64_t n) {
     default:
       return Shape{x[0], x[1], x[2], n};
   }
-}
-
-void require(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(what);
-}
-
-bool bf16_mode() {
-  return compute_dtype() == DType::BF16;
-}
-
-// Whether kernels run: not while measuring (engine/core/memory.h), where tensors have no elements
-// and an op makes only its allocations.
-bool computing() {
-  return !measuring();
-}
-
-// The FP32 value of an op's input. In bf16 mode an output only GEMMs consume may hold its bf16
-// rounding alone (swiglu's); an op that computes on FP32 values cannot take it.
-const Tensor& fp32_value(const Variable& x) {
-  require(x.value().dtype() == DType::F32, "an op on FP32 values given a bf16-only activation");
-  return x.value();
-}
-
-// What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
-// rounding (shared with every other op that saves the same input).
-Tensor saved(const Variable& x) {
-  return bf16_mode() ? x.bf16_value() : x.value();
 }
 
 // In bf16 mode, where an op that reads x's FP32 value also saves x for its backward: the tensor
@@ -228,37 +199,6 @@ void bias_gradient(const GradRef& gb, const Tensor& dy, int64_t M, int64_t N) {
     kernels::bias_backward(db, dy.bf16(), M, N, beta != 0.0f);
   else if (computing())
     kernels::bias_backward(db, dy.f32(), M, N, beta != 0.0f);
-}
-
-// The gradients one backward kernel writes (a null cell: scratch), and whether it adds onto
-// them. It overwrites, so nothing needs zero-filling, where every cell is still empty and no two
-// are the same (swiglu(x, x)); else the empty ones are zero-filled and it accumulates.
-struct KernelGrads {
-  std::vector<Tensor> grads;
-  bool accumulate = false;
-};
-struct GradSlot {
-  const GradRef* cell;
-  Shape shape;  // of the scratch where the cell is null
-};
-KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
-  KernelGrads k;
-  for (auto a = slots.begin(); a != slots.end(); ++a) {
-    if (*a->cell && (*a->cell)->tensor().defined()) k.accumulate = true;
-    for (auto b = slots.begin(); b != a; ++b)
-      if (*a->cell && *a->cell == *b->cell) k.accumulate = true;
-  }
-  for (const GradSlot& slot : slots) {
-    const GradRef& cell = *slot.cell;
-    float beta = 0.0f;
-    if (!cell)
-      k.grads.push_back(k.accumulate
-                            ? Tensor::zeros(slot.shape, DType::F32, MemoryCategory::Workspace)
-                            : Tensor::empty(slot.shape, DType::F32, MemoryCategory::Workspace));
-    else
-      k.grads.push_back(k.accumulate ? cell->get_or_zeros() : cell->get_for_accumulate(&beta));
-  }
-  return k;
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "engine/core/deltanet_ops.h"
 #include "engine/core/ops.h"
 #include "kernels/ops/cross_entropy.h"
 #include "kernels/ops/rope.h"
@@ -250,6 +251,88 @@ TEST(OpsGradient, Gelu) {
   std::mt19937 rng(62);
   check_gradients([](const auto& v) { return gelu(v[0]); },
                   {random_tensor(Shape{3, 2, 13}, rng, 3.0f)}, 5e-3);
+}
+
+// Gated DeltaNet's parts (engine/core/deltanet_ops.h).
+TEST(OpsGradient, CausalConvSilu) {
+  std::mt19937 rng(71);
+  check_gradients([](const auto& v) { return causal_conv_silu(v[0], v[1]); },
+                  {random_tensor(Shape{2, 6, 5}, rng), random_tensor(Shape{5, 4}, rng, 0.5f)},
+                  5e-3);
+}
+
+TEST(OpsGradient, HeadL2Norm) {
+  std::mt19937 rng(72);
+  check_gradients([](const auto& v) { return head_l2norm(v[0], 3, 1e-6f); },
+                  {random_tensor(Shape{2, 3, 3 * 5}, rng)}, 5e-3);
+}
+
+TEST(OpsGradient, DeltaNetDecayAndSigmoids) {
+  std::mt19937 rng(73);
+  check_gradients([](const auto& v) { return deltanet_decay(v[0], v[1], v[2]); },
+                  {random_tensor(Shape{2, 3, 4}, rng), random_tensor(Shape{4}, rng, 0.5f),
+                   random_tensor(Shape{4}, rng)},
+                  5e-3);
+  check_gradients([](const auto& v) { return sigmoid(v[0]); },
+                  {random_tensor(Shape{3, 7}, rng, 2.0f)}, 5e-3);
+  check_gradients([](const auto& v) { return sigmoid_gated(v[0], v[1]); },
+                  {random_tensor(Shape{3, 7}, rng), random_tensor(Shape{3, 7}, rng, 2.0f)}, 5e-3);
+}
+
+TEST(OpsGradient, GatedHeadRmsNorm) {
+  std::mt19937 rng(74);
+  check_gradients([](const auto& v) { return gated_head_rmsnorm(v[0], v[1], v[2], 2, 1e-6f); },
+                  {random_tensor(Shape{2, 3, 2 * 6}, rng), random_tensor(Shape{2, 3, 2 * 6}, rng),
+                   random_tensor(Shape{6}, rng)},
+                  5e-3);
+}
+
+// Their values, against the formulas in double: l2norm x / sqrt(sum x^2 + eps), the decay
+// -exp(a_log) log(1 + exp(a + dt_bias)), the gated norm x / sqrt(mean x^2 + eps) w silu(z), the
+// gate x sigmoid(g).
+TEST(DeltaNetOps, ValuesAreTheFormulas) {
+  std::mt19937 rng(76);
+  const Tensor x = random_tensor(Shape{2, 12}, rng), z = random_tensor(Shape{2, 12}, rng);
+  const Tensor w = random_tensor(Shape{6}, rng), h = random_tensor(Shape{2, 12}, rng);
+  const Tensor al = random_tensor(Shape{12}, rng), dt = random_tensor(Shape{12}, rng);
+  const auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
+  const auto at = [](const Tensor& t, int64_t i) { return static_cast<double>(t.f32()[i]); };
+  const Variable X(x, false), Z(z, false), W(w, false), G(h, false);
+  const Tensor l2 = head_l2norm(X, 2, 1e-6f).value();
+  const Tensor gn = gated_head_rmsnorm(X, Z, W, 2, 1e-6f).value();
+  const Tensor dc = deltanet_decay(X, Variable(al, false), Variable(dt, false)).value();
+  const Tensor sg = sigmoid_gated(X, G).value();
+  for (int64_t head = 0; head < 4; ++head) {
+    double ss = 0;
+    for (int64_t i = 0; i < 6; ++i) ss += at(x, head * 6 + i) * at(x, head * 6 + i);
+    for (int64_t i = 0; i < 6; ++i) {
+      const int64_t e = head * 6 + i;
+      EXPECT_NEAR(at(l2, e), at(x, e) / std::sqrt(ss + 1e-6), 1e-6);
+      EXPECT_NEAR(at(gn, e),
+                  at(x, e) / std::sqrt(ss / 6 + 1e-6) * at(w, i) * at(z, e) * sig(at(z, e)), 1e-5);
+    }
+  }
+  for (int64_t e = 0; e < 24; ++e) {
+    const int64_t c = e % 12;
+    EXPECT_NEAR(at(dc, e), -std::exp(at(al, c)) * std::log1p(std::exp(at(x, e) + at(dt, c))), 1e-5);
+    EXPECT_NEAR(at(sg, e), at(x, e) * sig(at(h, e)), 1e-6);
+  }
+}
+
+// The delta rule as Qwen3.5's layer feeds it: L2-normalised q and k of 2 key heads, 4 value
+// heads, the decay and the write strength from their projections; chunks of 4 over 9 positions.
+TEST(OpsGradient, GatedDeltaRule) {
+  std::mt19937 rng(75);
+  check_gradients(
+      [](const auto& v) {
+        return gated_delta_rule(head_l2norm(v[0], 2, 1e-6f), head_l2norm(v[1], 2, 1e-6f), v[2],
+                                deltanet_decay(v[3], v[4], v[5]), sigmoid(v[6]), 2, 4, 0.5f, 4);
+      },
+      {random_tensor(Shape{2, 9, 2 * 3}, rng), random_tensor(Shape{2, 9, 2 * 3}, rng),
+       random_tensor(Shape{2, 9, 4 * 2}, rng), random_tensor(Shape{2, 9, 4}, rng),
+       random_tensor(Shape{4}, rng, 0.5f), random_tensor(Shape{4}, rng),
+       random_tensor(Shape{2, 9, 4}, rng)},
+      5e-3);
 }
 
 // LayerNorm with a bias: the input's, the gains' and the bias's gradients.

@@ -1,0 +1,54 @@
+#include "engine/core/op_support.h"
+
+#include <stdexcept>
+
+#include "engine/core/memory.h"
+
+namespace cputrain::op_support {
+
+Tensor new_activation(const Shape& shape, DType dtype) {
+  return Tensor::empty(shape, dtype, MemoryCategory::Activations);
+}
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+bool bf16_mode() {
+  return compute_dtype() == DType::BF16;
+}
+
+bool computing() {
+  return !measuring();
+}
+
+const Tensor& fp32_value(const Variable& x) {
+  require(x.value().dtype() == DType::F32, "an op on FP32 values given a bf16-only activation");
+  return x.value();
+}
+
+Tensor saved(const Variable& x) {
+  return bf16_mode() ? x.bf16_value() : x.value();
+}
+
+KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
+  KernelGrads k;
+  for (auto a = slots.begin(); a != slots.end(); ++a) {
+    if (*a->cell && (*a->cell)->tensor().defined()) k.accumulate = true;
+    for (auto b = slots.begin(); b != a; ++b)
+      if (*a->cell && *a->cell == *b->cell) k.accumulate = true;
+  }
+  for (const GradSlot& slot : slots) {
+    const GradRef& cell = *slot.cell;
+    float beta = 0.0f;
+    if (!cell)
+      k.grads.push_back(k.accumulate
+                            ? Tensor::zeros(slot.shape, DType::F32, MemoryCategory::Workspace)
+                            : Tensor::empty(slot.shape, DType::F32, MemoryCategory::Workspace));
+    else
+      k.grads.push_back(k.accumulate ? cell->get_or_zeros() : cell->get_for_accumulate(&beta));
+  }
+  return k;
+}
+
+}  // namespace cputrain::op_support

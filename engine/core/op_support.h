@@ -1,0 +1,43 @@
+// What the differentiable ops (ops.h and the families' op files beside it) share: activations
+// allocated as such, the compute mode, the values an op reads and saves, and the gradients a
+// backward kernel writes.
+#pragma once
+
+#include <initializer_list>
+#include <vector>
+
+#include "engine/core/autograd.h"
+#include "engine/core/tensor.h"
+
+namespace cputrain::op_support {
+
+// A tensor counted as activations.
+Tensor new_activation(const Shape& shape, DType dtype = DType::F32);
+// std::invalid_argument(what) unless ok: a caller's mistake, not a user's.
+void require(bool ok, const char* what);
+// Whether ops compute in bf16 mode (compute_dtype()).
+bool bf16_mode();
+// Whether kernels run: not while measuring (engine/core/memory.h), where tensors have no elements
+// and an op makes only its allocations.
+bool computing();
+// The FP32 value of an op's input. In bf16 mode an output only GEMMs consume may hold its bf16
+// rounding alone (swiglu's); an op that computes on FP32 values cannot take it.
+const Tensor& fp32_value(const Variable& x);
+// What an op saves of an input for its backward: the value itself, or in bf16 mode its bf16
+// rounding (shared with every other op that saves the same input).
+Tensor saved(const Variable& x);
+
+// The gradients one backward kernel writes (a null cell: scratch), and whether it adds onto
+// them. It overwrites, so nothing needs zero-filling, where every cell is still empty and no two
+// are the same (swiglu(x, x)); else the empty ones are zero-filled and it accumulates.
+struct KernelGrads {
+  std::vector<Tensor> grads;
+  bool accumulate = false;
+};
+struct GradSlot {
+  const GradRef* cell;
+  Shape shape;  // of the scratch where the cell is null
+};
+KernelGrads kernel_grads(std::initializer_list<GradSlot> slots);
+
+}  // namespace cputrain::op_support
