@@ -6,6 +6,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/gemm/gemm.h"
+
 namespace cputrain::kernels {
 namespace {
 
@@ -36,12 +38,6 @@ void axpy(T a, const T* x, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// y (rows) = M (rows x cols) x, M row-major.
-template <class T>
-void matvec(const T* m, const T* x, T* y, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) y[r] = dot(m + r * cols, x, cols);
-}
-
 // y (cols) = M^T x, M (rows x cols) row-major.
 template <class T>
 void matvec_t(const T* m, const T* x, T* y, int64_t rows, int64_t cols) {
@@ -49,32 +45,57 @@ void matvec_t(const T* m, const T* x, T* y, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) axpy(x[r], m + r * cols, y, cols);
 }
 
-// A chunk's inputs gathered (q scaled) and what its forward pass computes from them and S0.
+// C (M x N) = op(A) op(B) + beta C, row-major, as gemm_f32: the GEMM for float, a loop in double.
+void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+        const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  gemm_f32(ta ? Transpose::Yes : Transpose::No, tb ? Transpose::Yes : Transpose::No, M, N, K, A,
+           lda, B, ldb, beta, C, ldc);
+}
+void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda,
+        const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double sum = 0;
+      for (int64_t p = 0; p < K; ++p)
+        sum += (ta ? A[p * lda + i] : A[i * lda + p]) * (tb ? B[j * ldb + p] : B[p * ldb + j]);
+      C[i * ldc + j] = sum + (beta != 0 ? beta * C[i * ldc + j] : 0.0);
+    }
+}
+
+// A chunk's inputs gathered (q scaled) and what its forward pass computes from them and S0, as
+// matrices of its n positions.
 template <class T>
 struct Chunk {
   int64_t n = 0, dk = 0, dv = 0;
-  std::vector<T> q, k, v, beta, G;  // G: the decay summed from the chunk's start
-  std::vector<T> X;                 // n x n, strictly lower: beta_i exp(G_i - G_j) k_i.k_j
-  std::vector<T> kk;                // n x n, strictly lower: k_i.k_j
-  std::vector<T> Ut, W, U;          // n x dv, n x dk, n x dv
-  std::vector<T> A;                 // n x n, lower with diagonal: exp(G_i - G_j) q_i.k_j
-  std::vector<T> tmp;               // dk or dv
+  std::vector<T> q, k, v, beta, G, eG;  // G: the decay summed from the chunk's start; eG: exp(G)
+  std::vector<T> kk;                    // n x n: k_i.k_j
+  std::vector<T> X;                     // n x n, strictly lower: beta_i exp(G_i - G_j) k_i.k_j
+  std::vector<T> Tinv;                  // n x n: (I + X)^-1, lower
+  std::vector<T> Ru, Rw;                // beta V (n x dv), beta exp(G) K (n x dk)
+  std::vector<T> Ut, W, U;              // T Ru, T Rw, Ut - W S0
+  std::vector<T> A;                     // n x n, lower with diagonal: exp(G_i - G_j) q_i.k_j
+  std::vector<T> Khat;                  // n x dk: exp(G_n - G_j) k_j
 
-  Chunk(int64_t chunk, int64_t dk_, int64_t dv_)
+  Chunk(int64_t C, int64_t dk_, int64_t dv_)
       : dk(dk_),
         dv(dv_),
-        q(chunk * dk_),
-        k(chunk * dk_),
-        v(chunk * dv_),
-        beta(chunk),
-        G(chunk),
-        X(chunk * chunk),
-        kk(chunk * chunk),
-        Ut(chunk * dv_),
-        W(chunk * dk_),
-        U(chunk * dv_),
-        A(chunk * chunk),
-        tmp(std::max(dk_, dv_)) {}
+        q(C * dk_),
+        k(C * dk_),
+        v(C * dv_),
+        beta(C),
+        G(C),
+        eG(C),
+        kk(C * C),
+        X(C * C),
+        Tinv(C * C),
+        Ru(C * dv_),
+        Rw(C * dk_),
+        Ut(C * dv_),
+        W(C * dk_),
+        U(C * dv_),
+        A(C * C),
+        Khat(C * dk_) {}
 
   void gather(const HeadRows<T>& h, T scale, const T* qp, const T* kp, const T* vp, const T* g,
               const T* bp, int64_t t0, int64_t len) {
@@ -89,52 +110,51 @@ struct Chunk {
       std::copy_n(vp + h.v_at(t), dv, v.data() + i * dv);
       sum += g[h.gate_at(t)];
       G[i] = sum;
+      eG[i] = std::exp(sum);
       beta[i] = bp[h.gate_at(t)];
     }
   }
 
-  // X, U~, W, U = U~ - W S0 and A.
+  // X, (I + X)^-1, U~, W, U = U~ - W S0, A and K^.
   void solve(const T* S0) {
+    mm(false, true, n, n, dk, k.data(), dk, k.data(), dk, T(0), kk.data(), n);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < i; ++j) {
-        kk[i * n + j] = dot(&k[i * dk], &k[j * dk], dk);
-        X[i * n + j] = beta[i] * std::exp(G[i] - G[j]) * kk[i * n + j];
-      }
+      for (int64_t j = 0; j < n; ++j)
+        X[i * n + j] = j < i ? beta[i] * std::exp(G[i] - G[j]) * kk[i * n + j] : T(0);
+    // Row i of (I + X)^-1: e_i less the rows before it weighted by X's row i.
+    std::fill_n(Tinv.begin(), n * n, T(0));
     for (int64_t i = 0; i < n; ++i) {
-      T* ut = &Ut[i * dv];
-      T* w = &W[i * dk];
-      for (int64_t c = 0; c < dv; ++c) ut[c] = beta[i] * v[i * dv + c];
-      const T e = beta[i] * std::exp(G[i]);
-      for (int64_t a = 0; a < dk; ++a) w[a] = e * k[i * dk + a];
-      for (int64_t j = 0; j < i; ++j) {
-        axpy(-X[i * n + j], &Ut[j * dv], ut, dv);
-        axpy(-X[i * n + j], &W[j * dk], w, dk);
-      }
-      T* u = &U[i * dv];
-      matvec_t(S0, w, u, dk, dv);
-      for (int64_t c = 0; c < dv; ++c) u[c] = ut[c] - u[c];
+      T* row = &Tinv[i * n];
+      row[i] = 1;
+      for (int64_t j = 0; j < i; ++j) axpy(-X[i * n + j], &Tinv[j * n], row, j + 1);
     }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t c = 0; c < dv; ++c) Ru[i * dv + c] = beta[i] * v[i * dv + c];
+      for (int64_t a = 0; a < dk; ++a) Rw[i * dk + a] = beta[i] * eG[i] * k[i * dk + a];
+    }
+    mm(false, false, n, dv, n, Tinv.data(), n, Ru.data(), dv, T(0), Ut.data(), dv);
+    mm(false, false, n, dk, n, Tinv.data(), n, Rw.data(), dk, T(0), W.data(), dk);
+    mm(false, false, n, dv, dk, W.data(), dk, S0, dv, T(0), U.data(), dv);
+    for (int64_t x = 0; x < n * dv; ++x) U[x] = Ut[x] - U[x];
+    mm(false, true, n, n, dk, q.data(), dk, k.data(), dk, T(0), A.data(), n);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j <= i; ++j)
-        A[i * n + j] = std::exp(G[i] - G[j]) * dot(&q[i * dk], &k[j * dk], dk);
+      for (int64_t j = 0; j < n; ++j)
+        A[i * n + j] = j <= i ? std::exp(G[i] - G[j]) * A[i * n + j] : T(0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T e = std::exp(G[n - 1] - G[j]);
+      for (int64_t a = 0; a < dk; ++a) Khat[j * dk + a] = e * k[j * dk + a];
+    }
   }
 
-  // out rows (n x dv, with out_at) and the state after the chunk from S0.
-  void output(const HeadRows<T>& h, int64_t t0, const T* S0, T* out, T* S_end) {
-    for (int64_t i = 0; i < n; ++i) {
-      T* o = out + h.out_at(t0 + i);
-      matvec_t(S0, &q[i * dk], o, dk, dv);
-      const T e = std::exp(G[i]);
-      for (int64_t c = 0; c < dv; ++c) o[c] *= e;
-      for (int64_t j = 0; j <= i; ++j) axpy(A[i * n + j], &U[j * dv], o, dv);
-    }
-    const T last = G[n - 1];
-    const T e = std::exp(last);
+  // The chunk's out rows (from `out`, `out_row` apart) and the state after it, from S0.
+  void output(T* out, int64_t out_row, const T* S0, T* S_end) {
+    mm(false, false, n, dv, dk, q.data(), dk, S0, dv, T(0), out, out_row);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < dv; ++c) out[i * out_row + c] *= eG[i];
+    mm(false, false, n, dv, n, A.data(), n, U.data(), dv, T(1), out, out_row);
+    const T e = eG[n - 1];
     for (int64_t x = 0; x < dk * dv; ++x) S_end[x] = e * S0[x];
-    for (int64_t j = 0; j < n; ++j) {
-      const T ej = std::exp(last - G[j]);
-      for (int64_t a = 0; a < dk; ++a) axpy(ej * k[j * dk + a], &U[j * dv], S_end + a * dv, dv);
-    }
+    mm(true, false, dk, dv, n, Khat.data(), dk, U.data(), dv, T(1), S_end, dv);
   }
 };
 
@@ -174,6 +194,7 @@ void gated_delta_chunked_forward(const GatedDeltaShape& s, T scale, const T* q, 
                                  const T* v, const T* g, const T* beta, const T* initial, T* states,
                                  T* out) {
   const int64_t S = s.key_dim * s.value_dim;
+  const int64_t out_row = s.value_heads * s.value_dim;
 #pragma omp parallel
   {
     Chunk<T> ch(s.chunk, s.key_dim, s.value_dim);
@@ -191,7 +212,7 @@ void gated_delta_chunked_forward(const GatedDeltaShape& s, T scale, const T* q, 
         ch.gather(h, scale, q, k, v, g, beta, t0, std::min(s.chunk, s.length - t0));
         const T* S0 = states + h.state_at(c);
         ch.solve(S0);
-        ch.output(h, t0, S0, out, states + h.state_at(c + 1));
+        ch.output(out + h.out_at(t0), out_row, S0, states + h.state_at(c + 1));
       }
     }
   }
@@ -204,13 +225,15 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
                                   T* dbeta, T* dinitial) {
   const int64_t Dk = s.key_dim, Dv = s.value_dim, S = Dk * Dv, C = s.chunk;
   const int64_t per_key = s.value_heads / s.key_heads;
+  const int64_t out_row = s.value_heads * Dv;
   // One work item a sequence and key head: it alone writes that key head's dq and dk, summed over
   // the value heads that read it.
 #pragma omp parallel
   {
     Chunk<T> ch(C, Dk, Dv);
-    std::vector<T> dS(S), dS0(S), dU(C * Dv), dA(C * C), dQ(C * Dk), dK(C * Dk), dG(C), dRU(C * Dv),
-        dRW(C * Dk), dX(C * C), s0do(Dk), sdu(Dk), kds(Dv);
+    std::vector<T> dS(S), dS0(S), tmpS(S), dU(C * Dv), D(C * C), dQ(C * Dk), dK(C * Dk), dG(C),
+        P(C * Dk), Y(C * Dk), eQ(C * Dk), dW(C * Dk), dRU(C * Dv), dRW(C * Dk), dX(C * C), M(C * C),
+        db(C);
 #pragma omp for schedule(static)
     for (int64_t bk = 0; bk < s.batch * s.key_heads; ++bk) {
       const int64_t b = bk / s.key_heads, hk = bk % s.key_heads;
@@ -232,87 +255,87 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
           ch.gather(h, scale, q, k, v, g, beta, t0, n);
           const T* S0 = states + h.state_at(c);
           ch.solve(S0);
+          const T* dO = dout + h.out_at(t0);
           const T* G = ch.G.data();
-          const T Gn = G[n - 1];
-          std::fill_n(dQ.begin(), n * Dk, T(0));
-          std::fill_n(dK.begin(), n * Dk, T(0));
+          const T* eG = ch.eG.data();
           std::fill_n(dG.begin(), n, T(0));
-          // Through O = exp(G) Q S0 + A U and S_end = exp(G_n) S0 + sum_j exp(G_n - G_j) k_j u_j^T.
-          for (int64_t j = 0; j < n; ++j) {
-            T* du = &dU[j * Dv];
-            const T ej = std::exp(Gn - G[j]);
-            matvec_t(dS.data(), &ch.k[j * Dk], kds.data(), Dk, Dv);
-            for (int64_t c2 = 0; c2 < Dv; ++c2) du[c2] = ej * kds[c2];
-            for (int64_t i = j; i < n; ++i) axpy(ch.A[i * n + j], dout + h.out_at(t0 + i), du, Dv);
-            // dK_j from S_end, and the decay's share.
-            matvec(dS.data(), &ch.U[j * Dv], sdu.data(), Dk, Dv);
-            axpy(ej, sdu.data(), &dK[j * Dk], Dk);
-            const T term = ej * dot(&ch.k[j * Dk], sdu.data(), Dk);
-            dG[n - 1] += term;
-            dG[j] -= term;
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            const T* doi = dout + h.out_at(t0 + i);
-            for (int64_t j = 0; j <= i; ++j) {
-              const T da = dot(doi, &ch.U[j * Dv], Dv);
-              const T e = std::exp(G[i] - G[j]);
-              axpy(da * e, &ch.k[j * Dk], &dQ[i * Dk], Dk);
-              axpy(da * e, &ch.q[i * Dk], &dK[j * Dk], Dk);
-              const T gij = da * ch.A[i * n + j];
+          // Through O = exp(G) Q S0 + A U and S_end = exp(G_n) S0 + K^T U:
+          // dU = A^T dO + K^ dS; dA = dO U^T.
+          mm(true, false, n, Dv, n, ch.A.data(), n, dO, out_row, T(0), dU.data(), Dv);
+          mm(false, false, n, Dv, Dk, ch.Khat.data(), Dk, dS.data(), Dv, T(1), dU.data(), Dv);
+          mm(false, true, n, n, Dv, dO, out_row, ch.U.data(), Dv, T(0), D.data(), n);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < n; ++j) {
+              T& d = D[i * n + j];
+              if (j > i) {
+                d = 0;
+                continue;
+              }
+              const T gij = d * ch.A[i * n + j];
               dG[i] += gij;
               dG[j] -= gij;
+              d *= std::exp(G[i] - G[j]);
             }
-            matvec(S0, doi, s0do.data(), Dk, Dv);
-            const T ei = std::exp(G[i]);
-            axpy(ei, s0do.data(), &dQ[i * Dk], Dk);
-            dG[i] += ei * dot(&ch.q[i * Dk], s0do.data(), Dk);
+          // dQ = D K + exp(G) dO S0^T; dK = D^T Q + exp(G_n - G) U dS^T.
+          mm(false, false, n, Dk, n, D.data(), n, ch.k.data(), Dk, T(0), dQ.data(), Dk);
+          mm(false, true, n, Dk, Dv, dO, out_row, S0, Dv, T(0), P.data(), Dk);
+          mm(true, false, n, Dk, n, D.data(), n, ch.q.data(), Dk, T(0), dK.data(), Dk);
+          mm(false, true, n, Dk, Dv, ch.U.data(), Dv, dS.data(), Dv, T(0), Y.data(), Dk);
+          for (int64_t i = 0; i < n; ++i) {
+            axpy(eG[i], &P[i * Dk], &dQ[i * Dk], Dk);
+            dG[i] += eG[i] * dot(&ch.q[i * Dk], &P[i * Dk], Dk);
+            const T e = std::exp(G[n - 1] - G[i]);
+            axpy(e, &Y[i * Dk], &dK[i * Dk], Dk);
+            const T term = dot(&ch.Khat[i * Dk], &Y[i * Dk], Dk);
+            dG[n - 1] += term;
+            dG[i] -= term;
+            for (int64_t a = 0; a < Dk; ++a) eQ[i * Dk + a] = eG[i] * ch.q[i * Dk + a];
           }
-          // dS0 = sum_i exp(G_i) q_i do_i^T + exp(G_n) dS - sum_i w_i du_i^T.
-          const T en = std::exp(Gn);
+          // dS0 = exp(G_n) dS + (exp(G) Q)^T dO - W^T dU.
+          const T en = eG[n - 1];
           dG[n - 1] += en * dot(S0, dS.data(), S);
           for (int64_t x = 0; x < S; ++x) dS0[x] = en * dS[x];
+          mm(true, false, Dk, Dv, n, eQ.data(), Dk, dO, out_row, T(1), dS0.data(), Dv);
+          mm(true, false, Dk, Dv, n, ch.W.data(), Dk, dU.data(), Dv, T(0), tmpS.data(), Dv);
+          for (int64_t x = 0; x < S; ++x) dS0[x] -= tmpS[x];
+          // Through U = U~ - W S0 (dW = -dU S0^T) and [U~ W] = (I + X)^-1 [Ru Rw]: the right-hand
+          // sides' gradients (I + X)^-T [dU dW], and dX = -[dRu dRw] [U~ W]^T.
+          mm(false, true, n, Dk, Dv, dU.data(), Dv, S0, Dv, T(0), dW.data(), Dk);
+          for (int64_t x = 0; x < n * Dk; ++x) dW[x] = -dW[x];
+          mm(true, false, n, Dv, n, ch.Tinv.data(), n, dU.data(), Dv, T(0), dRU.data(), Dv);
+          mm(true, false, n, Dk, n, ch.Tinv.data(), n, dW.data(), Dk, T(0), dRW.data(), Dk);
+          mm(false, true, n, n, Dv, dRU.data(), Dv, ch.Ut.data(), Dv, T(0), dX.data(), n);
+          mm(false, true, n, n, Dk, dRW.data(), Dk, ch.W.data(), Dk, T(1), dX.data(), n);
+          // X_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i), M_ij its gradient by k_i.k_j.
           for (int64_t i = 0; i < n; ++i) {
-            const T* doi = dout + h.out_at(t0 + i);
-            const T ei = std::exp(G[i]);
-            for (int64_t a = 0; a < Dk; ++a) {
-              axpy(ei * ch.q[i * Dk + a], doi, &dS0[a * Dv], Dv);
-              axpy(-ch.W[i * Dk + a], &dU[i * Dv], &dS0[a * Dv], Dv);
-            }
-          }
-          // Through U = U~ - W S0 and (I + X) [U~ W] = [beta V, beta exp(G) K]: the right-hand
-          // sides' gradients by back substitution with (I + X)^T.
-          for (int64_t i = n - 1; i >= 0; --i) {
-            T* ru = &dRU[i * Dv];
-            T* rw = &dRW[i * Dk];
-            std::copy_n(&dU[i * Dv], Dv, ru);
-            matvec(S0, &dU[i * Dv], rw, Dk, Dv);
-            for (int64_t a = 0; a < Dk; ++a) rw[a] = -rw[a];
-            for (int64_t j = i + 1; j < n; ++j) {
-              axpy(-ch.X[j * n + i], &dRU[j * Dv], ru, Dv);
-              axpy(-ch.X[j * n + i], &dRW[j * Dk], rw, Dk);
-            }
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            const T* ru = &dRU[i * Dv];
-            const T* rw = &dRW[i * Dk];
-            const T bi = ch.beta[i], ei = std::exp(G[i]);
-            T* dvi = dv + h.v_at(t0 + i);
-            for (int64_t c2 = 0; c2 < Dv; ++c2) dvi[c2] = bi * ru[c2];
-            const T kw = dot(&ch.k[i * Dk], rw, Dk);
-            T db = dot(&ch.v[i * Dv], ru, Dv) + ei * kw;
-            axpy(bi * ei, rw, &dK[i * Dk], Dk);
-            dG[i] += bi * ei * kw;
-            for (int64_t j = 0; j < i; ++j) {
-              const T dx = -(dot(ru, &ch.Ut[j * Dv], Dv) + dot(rw, &ch.W[j * Dk], Dk));
+            db[i] = 0;
+            for (int64_t j = 0; j < n; ++j) {
+              if (j >= i) {
+                M[i * n + j] = 0;
+                continue;
+              }
+              const T dx = -dX[i * n + j];
               const T e = std::exp(G[i] - G[j]);
-              db += dx * e * ch.kk[i * n + j];
+              db[i] += dx * e * ch.kk[i * n + j];
               const T hij = dx * ch.X[i * n + j];
               dG[i] += hij;
               dG[j] -= hij;
-              axpy(dx * bi * e, &ch.k[j * Dk], &dK[i * Dk], Dk);
-              axpy(dx * bi * e, &ch.k[i * Dk], &dK[j * Dk], Dk);
+              M[i * n + j] = dx * ch.beta[i] * e;
             }
-            dbeta[h.gate_at(t0 + i)] = db;
+          }
+          mm(false, false, n, Dk, n, M.data(), n, ch.k.data(), Dk, T(1), dK.data(), Dk);
+          mm(true, false, n, Dk, n, M.data(), n, ch.k.data(), Dk, T(1), dK.data(), Dk);
+          // Ru = beta V, Rw = beta exp(G) K.
+          for (int64_t i = 0; i < n; ++i) {
+            const T* ru = &dRU[i * Dv];
+            const T* rw = &dRW[i * Dk];
+            const T bi = ch.beta[i];
+            T* dvi = dv + h.v_at(t0 + i);
+            for (int64_t c2 = 0; c2 < Dv; ++c2) dvi[c2] = bi * ru[c2];
+            const T kw = dot(&ch.k[i * Dk], rw, Dk);
+            dbeta[h.gate_at(t0 + i)] = db[i] + dot(&ch.v[i * Dv], ru, Dv) + eG[i] * kw;
+            axpy(bi * eG[i], rw, &dK[i * Dk], Dk);
+            dG[i] += bi * eG[i] * kw;
           }
           // G_i = g_1 + ... + g_i: dg_j = sum over i >= j of dG_i.
           T sum = 0;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/deltanet/gated_delta.h"
@@ -144,6 +145,45 @@ TEST(GatedDelta, FloatTracksDouble) {
     EXPECT_LT(max_relative(recurrent(f).out, want.out), 2e-5) << "T " << T;
     EXPECT_LT(max_relative(chunked(f).final_state, want.final_state), 2e-5) << "T " << T;
   }
+}
+
+// The float backward (its products on the FP32 GEMM) against the double one, at head sizes whose
+// products the GEMM runs on several threads: 3 chunks of 64, the last partial.
+TEST(GatedDelta, FloatGradientsTrackDouble) {
+  GatedDeltaShape s = shape(150, 64, 0);
+  s.key_dim = 48;
+  s.value_dim = 40;
+  const Inputs<double> in(s, 13, true);
+  Inputs<float> f(s, 13, true);
+  const auto narrow = [](const std::vector<double>& x) {
+    return std::vector<float>(x.begin(), x.end());
+  };
+  f.q = narrow(in.q), f.k = narrow(in.k), f.v = narrow(in.v), f.g = narrow(in.g);
+  f.beta = narrow(in.beta), f.initial = narrow(in.initial);
+  f.scale = static_cast<float>(in.scale);
+  std::mt19937 rng(3);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> dout(in.out_elements()), dfinal(s.state_elements());
+  for (double& x : dout) x = normal(rng);
+  for (double& x : dfinal) x = normal(rng);
+  const auto grads = [&](const auto& x, const auto& dy, const auto& ds) {
+    using T = typename std::decay_t<decltype(dy)>::value_type;
+    const Result<T> fwd = chunked(x);
+    std::vector<std::vector<T>> g = {
+        std::vector<T>(x.q.size()),    std::vector<T>(x.k.size()),
+        std::vector<T>(x.v.size()),    std::vector<T>(x.g.size()),
+        std::vector<T>(x.beta.size()), std::vector<T>(s.state_elements())};
+    gated_delta_chunked_backward<T>(s, x.scale, x.q.data(), x.k.data(), x.v.data(), x.g.data(),
+                                    x.beta.data(), fwd.states.data(), dy.data(), ds.data(),
+                                    g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(),
+                                    g[5].data());
+    return g;
+  };
+  const auto want = grads(in, dout, dfinal);
+  const auto got = grads(f, narrow(dout), narrow(dfinal));
+  const char* names[] = {"q", "k", "v", "g", "beta", "initial state"};
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_LT(max_relative(got[i], want[i]), 5e-5) << names[i];
 }
 
 // L = sum(w_out * out) + sum(w_state * final state), its gradient by the backward pass against
