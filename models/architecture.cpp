@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "engine/core/error.h"
+
 namespace cputrain {
 namespace {
 
@@ -52,6 +54,23 @@ std::vector<Architecture> table() {
     a.gguf_rope_pairs = RopePairs::HalfSplit;
     a.qk_norm = true;
     a.summary = "llama's block with per-head RMSNorm of q and k before RoPE, half-split RoPE";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
+    a.name = "qwen35";
+    a.hf_model_types = {"qwen3_5_text"};
+    a.hf_class = "Qwen3_5ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qk_norm = true;
+    a.partial_rotary = true;
+    a.hf_norm_plus_one = true;
+    a.linear_attention_step = 4;
+    a.attn_output_gate = true;
+    a.files = false;
+    a.summary =
+        "Qwen3.5: three of every four layers Gated DeltaNet (linear attention with a recurrent "
+        "state), the fourth attention with q/k norms, partial half-split RoPE and a gated output";
     t.push_back(a);
   }
   {
@@ -258,6 +277,13 @@ std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layer
   return out;
 }
 
+void require_files(const Architecture& arch, const std::string& what) {
+  if (!arch.files)
+    throw UserError(what + ": " + std::string(arch.name) +
+                    " files are not read or written yet (cputrain train --arch " +
+                    std::string(arch.name) + " trains one; its run's checkpoint holds it)");
+}
+
 std::string architecture_mismatch(const ModelConfig& c) {
   const Architecture* a = find_architecture(c.architecture);
   if (!a) return "architecture " + c.architecture + " is not one of " + architecture_names();
@@ -279,6 +305,12 @@ std::string architecture_mismatch(const ModelConfig& c) {
   if (c.sliding_window > 0 && a->swa_pattern == 0) return "sliding-window layers" + of;
   if (c.attn_softcap > 0.0f && !a->attn_softcap) return "soft-capped attention scores" + of;
   if (c.final_softcap > 0.0f && a->swa_pattern == 0) return "soft-capped logits" + of;
+  if (!c.linear_layers.empty() && a->linear_attention_step == 0)
+    return "Gated DeltaNet layers" + of;
+  if (c.attn_output_gate != a->attn_output_gate)
+    return std::string(c.attn_output_gate ? "an attention output gate"
+                                          : "no attention output gate") +
+           of;
   return "";
 }
 
@@ -293,6 +325,19 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   c.swa_pattern = arch.swa_pattern;
   c.attn_softcap = arch.default_attn_softcap;
   c.final_softcap = arch.default_final_softcap;
+  c.attn_output_gate = arch.attn_output_gate;
+  c.linear_layers.clear();
+  if (arch.linear_attention_step > 0) {
+    // Qwen3.5's proportions: key heads half the query heads, value heads as many, each of the
+    // attention head's width; RoPE on a quarter of each head.
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      if ((i + 1) % arch.linear_attention_step != 0) c.linear_layers.push_back(i);
+    c.linear_key_heads = std::max<int64_t>(1, c.n_heads / 2);
+    c.linear_value_heads = c.n_heads;
+    c.linear_key_dim = c.linear_value_dim = c.head_size();
+    c.linear_conv = 4;
+    c.rope_dim = std::max<int64_t>(2, c.head_size() / 4 / 2 * 2);
+  }
   return c;
 }
 

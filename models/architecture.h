@@ -91,6 +91,14 @@ struct Architecture {
   bool hf_norm_plus_one = false;
   // Always a tied head: the files hold no output tensor.
   bool always_tied = false;
+  // Every linear_attention_step-th layer (from 1) is full attention and the others Gated
+  // DeltaNet (Qwen3.5's three of every four; ModelConfig::linear_layers); 0: none.
+  int64_t linear_attention_step = 0;
+  // Full attention's output gated by a sigmoid (ModelConfig::attn_output_gate).
+  bool attn_output_gate = false;
+  // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
+  // trains one and its run's checkpoint holds it, and a file of it is refused in one line.
+  bool files = true;
   // The keys of its config.json beyond those every architecture reads (architecture.cpp), read or
   // known to change nothing cputrain computes; a key in neither list is refused (hf_key_known).
   std::vector<std::string_view> hf_keys;
@@ -129,6 +137,10 @@ std::string architecture_mismatch(const ModelConfig& config);
 // A configuration of architecture `arch` with its parts (biases where always present, q/k norms,
 // its GGUF's RoPE pairing), the rest as `config`: what `train --arch` starts from.
 ModelConfig with_architecture(ModelConfig config, const Architecture& arch);
+
+// A UserError where `arch`'s files are neither read nor written (Architecture::files): `what`
+// says what was asked ("path: reading", "writing GGUF").
+void require_files(const Architecture& arch, const std::string& what);
 
 // The layers without RoPE of a model of `arch` with `layers` layers (every no_rope_layer_step-th).
 std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layers);

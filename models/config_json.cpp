@@ -47,6 +47,12 @@ json model_config_json(const ModelConfig& c) {
   if (c.attn_scale > 0.0f) j["attn_scale"] = shortest_decimal(c.attn_scale);
   if (c.attn_softcap > 0.0f) j["attn_softcap"] = shortest_decimal(c.attn_softcap);
   if (c.final_softcap > 0.0f) j["final_softcap"] = shortest_decimal(c.final_softcap);
+  if (!c.linear_layers.empty())
+    j["linear_attention"] = {
+        {"layers", c.linear_layers},           {"key_heads", c.linear_key_heads},
+        {"value_heads", c.linear_value_heads}, {"key_dim", c.linear_key_dim},
+        {"value_dim", c.linear_value_dim},     {"conv", c.linear_conv}};
+  if (c.attn_output_gate) j["attn_output_gate"] = true;
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
     for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
@@ -96,6 +102,16 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
     c.attn_scale = m.value("attn_scale", 0.0f);
     c.attn_softcap = m.value("attn_softcap", 0.0f);
     c.final_softcap = m.value("final_softcap", 0.0f);
+    if (m.contains("linear_attention")) {
+      const json& l = m.at("linear_attention");
+      c.linear_layers = l.at("layers").get<std::vector<int64_t>>();
+      c.linear_key_heads = l.at("key_heads").get<int64_t>();
+      c.linear_value_heads = l.at("value_heads").get<int64_t>();
+      c.linear_key_dim = l.at("key_dim").get<int64_t>();
+      c.linear_value_dim = l.at("value_dim").get<int64_t>();
+      c.linear_conv = l.at("conv").get<int64_t>();
+    }
+    c.attn_output_gate = m.value("attn_output_gate", false);
     if (m.contains("rope_scaling")) {
       const json& r = m.at("rope_scaling");
       c.rope_scaling.type = r.at("type").get<std::string>();
@@ -159,6 +175,18 @@ std::string describe_parts(const ModelConfig& c) {
                 static_cast<double>(c.norm_eps));
   s += buf;
   if (c.norm_plus_one) s += " (gains held less 1)";
+  if (!c.linear_layers.empty()) {
+    std::snprintf(
+        buf, sizeof(buf),
+        "; Gated DeltaNet in %zu of %lld layers (%lld key heads, %lld value heads of "
+        "%lld and %lld, a convolution of %lld)",
+        c.linear_layers.size(), static_cast<long long>(c.n_layers),
+        static_cast<long long>(c.linear_key_heads), static_cast<long long>(c.linear_value_heads),
+        static_cast<long long>(c.linear_key_dim), static_cast<long long>(c.linear_value_dim),
+        static_cast<long long>(c.linear_conv));
+    s += buf;
+  }
+  if (c.attn_output_gate) s += "; attention's output gated";
   if (c.sliding_window > 0) {
     std::snprintf(buf, sizeof(buf),
                   "; a sliding window of %lld on %lld of every %lld layers (RoPE theta %g)",

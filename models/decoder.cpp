@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "engine/core/deltanet_ops.h"
 #include "engine/core/hash.h"
 #include "engine/core/ops.h"
 #include "engine/io/mapped_file.h"
@@ -41,20 +42,47 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     b.layer = i;
     b.attention_norm = params.add(l + "attention_norm.weight", Shape{C}, false);
     b.attention_norm_bias = bias_of(layer_norm, l + "attention_norm.bias", C);
-    b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
-    b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
-    b.wv = params.add(l + "attention.wv.weight", Shape{KV, C}, true, true);
-    if (config.qkv_bias) {
+    b.linear = config.linear_layer(i);
+    if (b.linear) {
+      // Gated DeltaNet in attention's place (engine/core/deltanet_ops.h).
+      const int64_t LQ = config.linear_qk_dim(), LV = config.linear_v_dim();
+      const int64_t Hv = config.linear_value_heads, K = config.linear_conv;
+      const std::string d = l + "linear.";
+      b.wq = params.add(d + "wq.weight", Shape{LQ, C}, true, true);
+      b.wk = params.add(d + "wk.weight", Shape{LQ, C}, true, true);
+      b.wv = params.add(d + "wv.weight", Shape{LV, C}, true, true);
+      b.wz = params.add(d + "wz.weight", Shape{LV, C}, true, true);
+      b.wb = params.add(d + "wb.weight", Shape{Hv, C}, true, true);
+      b.wa = params.add(d + "wa.weight", Shape{Hv, C}, true, true);
+      b.conv_q = params.add(d + "conv_q.weight", Shape{LQ, K}, true);
+      b.conv_k = params.add(d + "conv_k.weight", Shape{LQ, K}, true);
+      b.conv_v = params.add(d + "conv_v.weight", Shape{LV, K}, true);
+      b.dt_bias = params.add(d + "dt_bias.weight", Shape{Hv}, false);
+      b.a_log = params.add(d + "a_log.weight", Shape{Hv}, false);
+      b.linear_norm = params.add(d + "gain.weight", Shape{config.linear_value_dim}, false);
+      b.wo = params.add(d + "wo.weight", Shape{C, LV}, true, true);
+    } else {
+      b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
+      b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
+      b.wv = params.add(l + "attention.wv.weight", Shape{KV, C}, true, true);
+    }
+    if (config.attn_output_gate && !b.linear)
+      b.wg = params.add(l + "attention.wg.weight", Shape{Q, C}, true, true);
+    if (b.linear) {
+      // nothing of attention's below
+    } else if (config.qkv_bias) {
       b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
       b.bk = params.add(l + "attention.wk.bias", Shape{KV}, false);
       b.bv = params.add(l + "attention.wv.bias", Shape{KV}, false);
     }
-    if (config.qk_norm) {
+    if (config.qk_norm && !b.linear) {
       b.q_norm = params.add(l + "attention.q_norm.weight", Shape{config.head_size()}, false);
       b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
     }
-    b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
-    b.bo = bias_of(dense, l + "attention.wo.bias", C);
+    if (!b.linear) {
+      b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
+      b.bo = bias_of(dense, l + "attention.wo.bias", C);
+    }
     if (arch.post_norms)
       b.post_attention_norm = params.add(l + "post_attention_norm.weight", Shape{C}, false);
     if (!arch.parallel_block) {
@@ -145,6 +173,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     v.insert(v.end(), {b.bq, b.bk, b.bv, b.bo, b.b3, b.b2});
     v.insert(v.end(), {b.attention_norm, b.attention_norm_bias, b.ffn_norm, b.ffn_norm_bias,
                        b.q_norm, b.k_norm, b.post_attention_norm, b.post_ffw_norm});
+    v.insert(v.end(), {b.wg, b.wz, b.wa, b.wb, b.conv_q, b.conv_k, b.conv_v, b.dt_bias, b.a_log,
+                       b.linear_norm});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     return v;
@@ -202,11 +232,25 @@ void DecoderModel::init_weights(uint64_t seed) {
     w.assign(static_cast<size_t>(n), 0.0f);
     if (info.name.ends_with(".bias")) {
       // zero
+    } else if (info.name.ends_with("linear.a_log.weight")) {
+      // Qwen3.5's: A uniform in (0, 16), held as log A: decays from none to fast.
+      for (float& x : w)
+        x = static_cast<float>(
+            std::log(16.0 * (static_cast<double>(rng() >> 11) + 1.0) * 0x1.0p-53));
+    } else if (info.name.ends_with("linear.dt_bias.weight") ||
+               info.name.ends_with("linear.gain.weight")) {
+      std::fill(w.begin(), w.end(), 1.0f);  // Qwen3.5's dt_bias, the gated norm's plain gains
+    } else if (info.name.find("linear.conv_") != std::string::npos) {
+      // PyTorch's Conv1d: uniform within 1 / sqrt(taps).
+      const double bound = 1.0 / std::sqrt(static_cast<double>(info.shape[1]));
+      for (float& x : w)
+        x = static_cast<float>(bound * (2.0 * static_cast<double>(rng() >> 11) * 0x1.0p-53 - 1.0));
     } else if (info.shape.ndim() == 1) {
       // Gains of 1, held less 1 where the norms add it.
       std::fill(w.begin(), w.end(), 1.0f - config_.norm_offset());
     } else {
       const bool residual = info.name.ends_with("attention.wo.weight") ||
+                            info.name.ends_with("linear.wo.weight") ||
                             info.name.ends_with("feed_forward.w2.weight");
       const double stddev = residual ? std_residual : std_matrix;
       for (float& x : w) x = static_cast<float>(stddev * normal());
@@ -283,8 +327,34 @@ Variable DecoderModel::norm(const Variable& x, int weight, int bias_index) const
   return rmsnorm(x, p(weight), config_.norm_eps, config_.norm_offset());
 }
 
+Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool per_row,
+                                        LinearState* state) {
+  if (per_row)
+    throw std::invalid_argument(
+        "Gated DeltaNet layers over packed rows: each sequence's state would start from the "
+        "one before");
+  const float eps = config_.norm_eps;
+  const int64_t Hk = config_.linear_key_heads, Hv = config_.linear_value_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.linear_key_dim));
+  // q, k and v through their causal convolutions (SiLU after), q and k of unit length.
+  const auto conv = [&](Projection which, int weight, int taps, Tensor* conv_state) {
+    return causal_conv_silu(project(b, which, weight, -1, h), p(taps), conv_state);
+  };
+  const Variable q =
+      head_l2norm(conv(Projection::Q, b.wq, b.conv_q, state ? &state->conv_q : nullptr), Hk, eps);
+  const Variable k =
+      head_l2norm(conv(Projection::K, b.wk, b.conv_k, state ? &state->conv_k : nullptr), Hk, eps);
+  const Variable v = conv(Projection::V, b.wv, b.conv_v, state ? &state->conv_v : nullptr);
+  const Variable g = deltanet_decay(linear(h, p(b.wa)), p(b.a_log), p(b.dt_bias));
+  const Variable beta = sigmoid(linear(h, p(b.wb)));
+  const Variable o =
+      gated_delta_rule(q, k, v, g, beta, Hk, Hv, scale, 64, state ? &state->delta : nullptr);
+  const Variable normed = gated_head_rmsnorm(o, linear(h, p(b.wz)), p(b.linear_norm), Hv, eps);
+  return project(b, Projection::O, b.wo, -1, normed);
+}
+
 Variable DecoderModel::block_forward(const Block& b, const Variable& x, const RopeTables& tables,
-                                     bool per_row, const Attend& attend) {
+                                     bool per_row, const Attend& attend, LinearState* state) {
   const bool windowed = config_.windowed_layer(b.layer);
   const Tensor& rope_table = windowed ? tables.windowed : tables.global;
   kernels::AttentionOptions options;
@@ -314,14 +384,20 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   // there (the ops that need them in backward have saved them).
   Variable h = norm(x, b.attention_norm, b.attention_norm_bias);
   Variable attended;
-  {
+  if (b.linear) {
+    attended = linear_attention(b, h, per_row, state);
+    h = Variable();
+  } else {
     Variable q, k, v;
     q = position(project(b, Projection::Q, b.wq, b.bq, h), b.q_norm, H);
     k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
     // Attention reads only v's rounding.
     v = project(b, Projection::V, b.wv, b.bv, h, true);
+    const Variable gate = b.wg >= 0 ? linear(h, p(b.wg)) : Variable();
     if (!arch_->parallel_block) h = Variable();  // a parallel block's MLP reads it too
-    attended = project(b, Projection::O, b.wo, b.bo, attend(q, k, v, options));
+    Variable heads = attend(q, k, v, options);
+    if (gate.defined()) heads = sigmoid_gated(heads, gate);
+    attended = project(b, Projection::O, b.wo, b.bo, heads);
   }
   // The norms after attention and the MLP feed the residual: FP32 in either mode.
   if (b.post_attention_norm >= 0)
@@ -508,13 +584,28 @@ Tensor DecoderModel::last_position_logits(const Tensor& h, int64_t B, int64_t T)
 DecoderModel::KvCache DecoderModel::new_kv_cache() const {
   KvCache cache;
   for (size_t l = 0; l < blocks_.size(); ++l) {
+    cache.first.push_back(0);
+    if (blocks_[l].linear) {
+      const int64_t taps = config_.linear_conv - 1;
+      const auto zeros = [](const Shape& shape) {
+        return Tensor::zeros(shape, DType::F32, MemoryCategory::Workspace);
+      };
+      cache.linear.push_back({zeros(Shape{1, config_.linear_qk_dim(), taps}),
+                              zeros(Shape{1, config_.linear_qk_dim(), taps}),
+                              zeros(Shape{1, config_.linear_v_dim(), taps}),
+                              zeros(Shape{1, config_.linear_value_heads, config_.linear_key_dim,
+                                          config_.linear_value_dim})});
+      cache.keys.emplace_back();
+      cache.values.emplace_back();
+      continue;
+    }
+    cache.linear.emplace_back();
     const int64_t rows = config_.windowed_layer(static_cast<int64_t>(l))
                              ? std::min(config_.ctx, 2 * config_.sliding_window)
                              : config_.ctx;
     const Shape shape{rows, config_.kv_dim()};
     cache.keys.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
     cache.values.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
-    cache.first.push_back(0);
   }
   return cache;
 }
@@ -540,7 +631,8 @@ void DecoderModel::read_ahead(size_t index, bool release) const {
     add(output_);
   } else {
     const Block& b = blocks_[index];
-    for (const int parameter : {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2}) add(parameter);
+    for (const int parameter : {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2, b.wg, b.wz, b.wa, b.wb})
+      add(parameter);
   }
   if (weights.empty()) return;
   // The tensors keep the mapping alive until the job has run.
@@ -558,7 +650,12 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size() ||
       cache.first.size() != blocks_.size())
     throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
-  if (n == 0) std::fill(cache.first.begin(), cache.first.end(), 0);
+  if (n == 0) {
+    std::fill(cache.first.begin(), cache.first.end(), 0);
+    for (LinearState& state : cache.linear)
+      for (Tensor* t : {&state.conv_q, &state.conv_k, &state.conv_v, &state.delta})
+        if (t->defined()) std::fill_n(t->f32(), t->numel(), 0.0f);
+  }
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
   Tensor input = Tensor::empty(Shape{1, m}, DType::I32, MemoryCategory::Workspace);
@@ -604,7 +701,8 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
       }
       return Variable(att, false);
     };
-    x = block_forward(blocks_[l], x, table, false, attend);
+    x = block_forward(blocks_[l], x, table, false, attend,
+                      blocks_[l].linear ? &cache.linear[l] : nullptr);
   }
   cache.length = n + m;
   return last_position_logits(norm(x, norm_, norm_bias_).value(), 1, m);

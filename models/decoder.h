@@ -130,9 +130,15 @@ class DecoderModel {
   // sequence again. A sliding-window layer's cache holds 2 x its window of rows (or ctx, if
   // fewer): the positions from first[l] on, in order; before it would overflow, the last
   // window - 1 positions move to its start. Other layers hold every position from 0.
+  // A Gated DeltaNet layer's state between decoding calls: the convolutions' last inputs of q,
+  // k and v ((1, channels, taps - 1) each) and the delta rule's state (1, Hv, dk, dv).
+  struct LinearState {
+    Tensor conv_q, conv_k, conv_v, delta;
+  };
   struct KvCache {
-    std::vector<Tensor> keys, values;  // per layer (rows, kv_dim)
+    std::vector<Tensor> keys, values;  // per layer (rows, kv_dim); empty in a DeltaNet layer
     std::vector<int64_t> first;        // per layer, the position of row 0
+    std::vector<LinearState> linear;   // per layer; empty in an attention layer
     int64_t length = 0;
   };
   KvCache new_kv_cache() const;
@@ -152,6 +158,12 @@ class DecoderModel {
     int attention_norm_bias = -1, ffn_norm_bias = -1;  // LayerNorm's; -1 without
     int post_attention_norm = -1, post_ffw_norm = -1;  // -1 without
     int q_norm = -1, k_norm = -1;                      // the per-head norms of q and k; -1 without
+    int wg = -1;                                       // attention's output gate; -1 without
+    // A Gated DeltaNet layer's parts beside wq, wk, wv and wo (its q, k, v and out projections);
+    // -1 in an attention layer.
+    int wz = -1, wa = -1, wb = -1, conv_q = -1, conv_k = -1, conv_v = -1;
+    int dt_bias = -1, a_log = -1, linear_norm = -1;
+    bool linear = false;
     int64_t layer = 0;
     // Each projection's adapter (by Projection), -1 without.
     std::array<int, kProjectionCount> lora_a{-1, -1, -1, -1, -1, -1, -1};
@@ -180,7 +192,10 @@ class DecoderModel {
   // One block on x, whose positions take their RoPE angles from the rows of its layer's table.
   // With `per_row`, a table holds one of T rows for each row of x (ops.h rope).
   Variable block_forward(const Block& block, const Variable& x, const RopeTables& tables,
-                         bool per_row, const Attend& attend);
+                         bool per_row, const Attend& attend, LinearState* state = nullptr);
+  // A Gated DeltaNet layer's mixing of the normed input h; decoding from and into `state`.
+  Variable linear_attention(const Block& block, const Variable& h, bool per_row,
+                            LinearState* state);
   // A block's MLP on its norm's output g, the down projection (and a post-MLP norm) included.
   Variable mlp_forward(const Block& block, Variable g) const;
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).

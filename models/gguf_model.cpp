@@ -61,6 +61,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     throw UserError(file.path() + ": architecture " + name +
                     ", which cputrain does not compute (it computes " +
                     gguf_supported_architectures() + ")");
+  require_files(*arch, file.path());
   const std::string p = name + ".";
   for (const auto& [key, value] : file.metadata()) {
     if (!key.starts_with(p)) continue;
@@ -367,6 +368,7 @@ GgmlType q4_k_m_type(const std::string& name, const std::vector<int64_t>& shape,
 void write_lora_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                      double alpha, const std::string& name) {
   const Architecture& arch = architecture_of(c);
+  require_files(arch, path);
   GgufWriter w;
   w.set_string("general.architecture", std::string(arch.name));
   w.set_string("general.type", "adapter");
@@ -476,6 +478,7 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
 GgmlType write_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                     const Vocabulary& v, const GgufExport& options) {
   const Architecture& description = architecture_of(c);
+  require_files(description, path);
   const std::string arch(description.name);
   if (c.no_rope_layers != step_no_rope_layers(description, c.n_layers))
     throw UserError("a " + arch + " model whose layers without RoPE are not llama.cpp's (every " +

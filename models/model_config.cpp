@@ -131,6 +131,10 @@ bool ModelConfig::rope_in_layer(int64_t layer) const {
   return std::find(no_rope_layers.begin(), no_rope_layers.end(), layer) == no_rope_layers.end();
 }
 
+bool ModelConfig::linear_layer(int64_t layer) const {
+  return std::find(linear_layers.begin(), linear_layers.end(), layer) != linear_layers.end();
+}
+
 std::optional<Preset> find_preset(const std::string& name) {
   for (const Preset& p : presets())
     if (p.name == name) return p;
@@ -160,10 +164,18 @@ int64_t parameter_count(const ModelConfig& c) {
   // Norms: the block's one or two, each with a bias in LayerNorm.
   const int64_t norms =
       ((parallel ? 1 : 2) * (layer_norm ? 2 : 1) + (arch && arch->post_norms ? 2 : 0)) * C;
-  const int64_t per_layer = 2 * C * q + 2 * C * kv + mlp_matrices(arch) * C * F + norms +
-                            (c.qkv_bias ? q + 2 * kv : 0) + (c.qk_norm ? 2 * c.head_size() : 0) +
-                            (dense ? C + F + C : 0);
-  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * per_layer +
+  const int64_t mlp = mlp_matrices(arch) * C * F + norms + (dense ? F + C : 0);
+  const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
+                            (c.qk_norm ? 2 * c.head_size() : 0) + (dense ? C : 0) +
+                            (c.attn_output_gate ? C * q : 0);
+  // Gated DeltaNet: q, k, v and z projections and their way out, the write strength's and the
+  // decay's projections, the convolution's taps, dt_bias, A_log and the output norm's gains.
+  const int64_t qk = c.linear_qk_dim(), v = c.linear_v_dim(), Hv = c.linear_value_heads;
+  const int64_t linear = C * (2 * qk + v) + 2 * C * v + 2 * C * Hv + c.linear_conv * (2 * qk + v) +
+                         2 * Hv + c.linear_value_dim;
+  const auto linear_count = static_cast<int64_t>(c.linear_layers.size());
+  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * mlp +
+         (c.n_layers - linear_count) * attention + linear_count * linear +
          (layer_norm ? 2 : 1) * C + (dense ? c.vocab : 0);
 }
 
@@ -234,6 +246,22 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
     if (layer < 0 || layer >= c.n_layers)
       return ConfigProblem{"no_rope_layers", text(layer), "is not a layer of", "n_layers",
                            text(c.n_layers)};
+  for (const int64_t layer : c.linear_layers)
+    if (layer < 0 || layer >= c.n_layers)
+      return ConfigProblem{"linear_layers", text(layer), "is not a layer of", "n_layers",
+                           text(c.n_layers)};
+  if (!c.linear_layers.empty()) {
+    const std::pair<const char*, int64_t> linear[] = {{"linear_key_heads", c.linear_key_heads},
+                                                      {"linear_value_heads", c.linear_value_heads},
+                                                      {"linear_key_dim", c.linear_key_dim},
+                                                      {"linear_value_dim", c.linear_value_dim},
+                                                      {"linear_conv", c.linear_conv}};
+    for (const auto& [field, v] : linear)
+      if (v <= 0) return ConfigProblem{field, text(v), "must be positive", "", ""};
+    if (c.linear_value_heads % c.linear_key_heads != 0)
+      return ConfigProblem{"linear_value_heads", text(c.linear_value_heads), "is not a multiple of",
+                           "linear_key_heads", text(c.linear_key_heads)};
+  }
   return std::nullopt;
 }
 
@@ -245,7 +273,22 @@ double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
                 static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d *
                     static_cast<double>(c.ffn)) +
       static_cast<double>(c.vocab) * d;
-  return 6.0 * matrices + 6.0 * layers * static_cast<double>(ctx) * q;
+  // Gated DeltaNet layers: their projections in place of attention's, and the delta rule's
+  // products on a token of each value head, counted as the chunked form computes them forward
+  // (chunks of 64: 10 x 64 x dk and 6 x dk x dv) and three times that in all.
+  const auto linear = static_cast<double>(c.linear_layers.size());
+  const auto lqk = static_cast<double>(c.linear_qk_dim()),
+             lv = static_cast<double>(c.linear_v_dim());
+  const auto dk = static_cast<double>(c.linear_key_dim),
+             dv = static_cast<double>(c.linear_value_dim);
+  const double linear_matrices =
+      linear * (d * (2 * lqk + lv) + 2 * d * lv +
+                2 * d * static_cast<double>(c.linear_value_heads) - 2 * d * q - 2 * d * kv);
+  const double delta_rule =
+      linear * static_cast<double>(c.linear_value_heads) * (10.0 * 64.0 * dk + 6.0 * dk * dv);
+  const double gate = (layers - linear) * (c.attn_output_gate ? d * q : 0.0);
+  return 6.0 * (matrices + linear_matrices + gate) + 3.0 * delta_rule +
+         6.0 * (layers - linear) * static_cast<double>(ctx) * q;
 }
 
 }  // namespace cputrain

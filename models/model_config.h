@@ -104,6 +104,19 @@ struct ModelConfig {
   // 2's 50 and 30); 0: none.
   float attn_softcap = 0.0f;
   float final_softcap = 0.0f;
+  // Gated DeltaNet layers (Qwen3.5's linear attention, kernels/deltanet/): the layers (from 0)
+  // that are, the others full attention; empty: none. Their q and k have linear_key_heads heads
+  // of linear_key_dim, v linear_value_heads (a multiple) of linear_value_dim; each of q, k and v
+  // passes a causal convolution of linear_conv taps.
+  std::vector<int64_t> linear_layers;
+  int64_t linear_key_heads = 0;
+  int64_t linear_value_heads = 0;
+  int64_t linear_key_dim = 0;
+  int64_t linear_value_dim = 0;
+  int64_t linear_conv = 4;
+  // Full attention's output times sigmoid of a gate, a projection of the block's input of q's
+  // width (Qwen3.5's, which its files hold beside each head's query in attn_q).
+  bool attn_output_gate = false;
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
@@ -111,6 +124,10 @@ struct ModelConfig {
   int64_t kv_dim() const { return kv_heads() * head_size(); }  // rows of wk and wv
   int64_t rope_dims() const { return rope_dim > 0 ? rope_dim : head_size(); }
   bool rope_in_layer(int64_t layer) const;
+  // Whether layer `layer` is Gated DeltaNet rather than attention.
+  bool linear_layer(int64_t layer) const;
+  int64_t linear_qk_dim() const { return linear_key_heads * linear_key_dim; }     // q's, k's width
+  int64_t linear_v_dim() const { return linear_value_heads * linear_value_dim; }  // v's, z's
   // Whether layer `layer` attends within the sliding window.
   bool windowed_layer(int64_t layer) const {
     return sliding_window > 0 && swa_pattern > 0 && layer % swa_pattern < swa_pattern - 1;

@@ -1,7 +1,10 @@
 #include "engine/core/deltanet_ops.h"
 
+#include <algorithm>
+
 #include "engine/core/op_support.h"
 #include "engine/core/profiler.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/deltanet/causal_conv.h"
 #include "kernels/deltanet/deltanet_ops.h"
 #include "kernels/deltanet/gated_delta.h"
@@ -24,7 +27,7 @@ Tensor accumulating(const GradRef& g, const Shape& shape) {
 
 }  // namespace
 
-Variable causal_conv_silu(const Variable& x, const Variable& w) {
+Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
   const Shape& xs = x.shape();
   require(xs.ndim() == 3 && w.value().ndim() == 2 && w.shape()[0] == xs[2],
           "causal_conv_silu: x (B, T, C), w (C, K)");
@@ -35,6 +38,18 @@ Variable causal_conv_silu(const Variable& x, const Variable& w) {
   s.taps = w.shape()[1];
   Scope scope("causal conv", Pass::Forward);
   Tensor y = new_activation(xs);
+  if (state != nullptr) {
+    require(!needs_grad({&x, &w}) && state->numel() == s.state_elements(),
+            "causal_conv_silu: a state (B, C, K - 1), without gradients");
+    Tensor next = Tensor::empty(state->shape(), DType::F32, MemoryCategory::Workspace);
+    if (computing()) {
+      kernels::causal_conv_silu_forward<float>(s, fp32_value(x).f32(), w.value().f32(),
+                                               state->f32(), y.f32());
+      kernels::causal_conv_next_state<float>(s, fp32_value(x).f32(), state->f32(), next.f32());
+      std::copy_n(next.f32(), next.numel(), state->f32());
+    }
+    return Variable(y, false);
+  }
   if (computing())
     kernels::causal_conv_silu_forward<float>(s, fp32_value(x).f32(), w.value().f32(), nullptr,
                                              y.f32());
@@ -118,24 +133,30 @@ Variable sigmoid_op(const Variable& x, const Variable* gate) {
   Scope scope(gate != nullptr ? "sigmoid gate" : "sigmoid", Pass::Forward);
   Tensor y = new_activation(x.shape());
   const Tensor gv = gate != nullptr ? fp32_value(*gate) : Tensor();
+  // In bf16 mode the gated x may be an output only GEMMs read (attention's), held as its bf16
+  // rounding alone: widened.
+  Tensor xv = x.value();
+  if (xv.dtype() == DType::BF16) {
+    xv = new_activation(x.shape());
+    if (computing()) kernels::bf16_to_fp32_array(xv.f32(), x.value().bf16(), n);
+  }
   if (computing())
-    kernels::sigmoid_gate_forward(y.f32(), fp32_value(x).f32(), gv.defined() ? gv.f32() : nullptr,
-                                  n);
+    kernels::sigmoid_gate_forward(y.f32(), xv.f32(), gv.defined() ? gv.f32() : nullptr, n);
   const bool grad = gate != nullptr ? needs_grad({&x, gate}) : needs_grad({&x});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     const GradRef gg = gate != nullptr ? gate->grad_ref() : GradRef();
-    record_backward("sigmoid", [xv = x.value(), gv, gx = x.grad_ref(), gg, gy = out.grad_ref(), n,
-                                xs = x.shape()] {
-      const Tensor& dy = gy->tensor();
-      if (!dy.defined()) return;
-      const KernelGrads g =
-          gv.defined() ? kernel_grads({{&gx, xs}, {&gg, xs}}) : kernel_grads({{&gx, xs}});
-      if (computing())
-        kernels::sigmoid_gate_backward(g.grads[0].f32(), gv.defined() ? g.grads[1].f32() : nullptr,
-                                       dy.f32(), xv.f32(), gv.defined() ? gv.f32() : nullptr, n,
-                                       g.accumulate);
-    });
+    record_backward(
+        "sigmoid", [xv, gv, gx = x.grad_ref(), gg, gy = out.grad_ref(), n, xs = x.shape()] {
+          const Tensor& dy = gy->tensor();
+          if (!dy.defined()) return;
+          const KernelGrads g =
+              gv.defined() ? kernel_grads({{&gx, xs}, {&gg, xs}}) : kernel_grads({{&gx, xs}});
+          if (computing())
+            kernels::sigmoid_gate_backward(
+                g.grads[0].f32(), gv.defined() ? g.grads[1].f32() : nullptr, dy.f32(), xv.f32(),
+                gv.defined() ? gv.f32() : nullptr, n, g.accumulate);
+        });
   }
   return out;
 }
@@ -152,7 +173,7 @@ Variable sigmoid_gated(const Variable& x, const Variable& gate) {
 
 Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& v,
                           const Variable& g, const Variable& beta, int64_t key_heads,
-                          int64_t value_heads, float scale, int64_t chunk) {
+                          int64_t value_heads, float scale, int64_t chunk, Tensor* state) {
   const Shape& qs = q.shape();
   require(qs.ndim() == 3 && k.shape() == qs && v.shape().ndim() == 3 && key_heads > 0 &&
               value_heads % key_heads == 0 && qs[2] % key_heads == 0 &&
@@ -169,6 +190,15 @@ Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& 
   s.chunk = chunk;
   Scope scope("gated delta rule", Pass::Forward);
   Tensor y = new_activation(v.shape());
+  if (state != nullptr) {
+    require(!needs_grad({&q, &k, &v, &g, &beta}) && state->numel() == s.state_elements(),
+            "gated_delta_rule: a state (B, Hv, dk, dv), without gradients");
+    if (computing())
+      kernels::gated_delta_recurrent<float>(s, scale, fp32_value(q).f32(), fp32_value(k).f32(),
+                                            fp32_value(v).f32(), fp32_value(g).f32(),
+                                            fp32_value(beta).f32(), state->f32(), y.f32());
+    return Variable(y, false);
+  }
   Tensor states = new_activation(Shape{s.saved_state_elements()});
   if (computing())
     kernels::gated_delta_chunked_forward<float>(

@@ -11,8 +11,9 @@
 namespace cputrain {
 
 // x (B, T, C), w (C, K) -> silu of each channel's causal convolution with its K taps over the
-// positions before (zeros before the first), (B, T, C).
-Variable causal_conv_silu(const Variable& x, const Variable& w);
+// positions before (zeros before the first), (B, T, C). Decoding, without gradients: `state`
+// (B, C, K - 1), the inputs before x, is read and replaced by those before what follows x.
+Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state = nullptr);
 // x (..., H * D) -> each head of D divided by sqrt(sum of its squares + eps).
 Variable head_l2norm(const Variable& x, int64_t heads, float eps);
 // a (B, T, H), a_log (H), dt_bias (H) -> the log decay -exp(a_log) softplus(a + dt_bias).
@@ -24,10 +25,12 @@ Variable sigmoid_gated(const Variable& x, const Variable& gate);
 // q, k (B, T, Hk * dk), v (B, T, Hv * dv), g and beta (B, T, Hv) -> (B, T, Hv * dv): the gated
 // delta rule from a zero state (kernels/deltanet/gated_delta.h; value head h reads key head
 // h % Hk), q scaled by `scale`, in chunks of `chunk`. Its backward keeps each chunk's initial
-// state, (B, Hv, T / chunk + 1, dk, dv), as activations.
+// state, (B, Hv, T / chunk + 1, dk, dv), as activations. Decoding, without gradients: from
+// `state` (B, Hv, dk, dv), which receives the state after x, in the recurrent form.
 Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& v,
                           const Variable& g, const Variable& beta, int64_t key_heads,
-                          int64_t value_heads, float scale, int64_t chunk = 64);
+                          int64_t value_heads, float scale, int64_t chunk = 64,
+                          Tensor* state = nullptr);
 // x, z (..., H * D), w (D) -> each head of x RMS-normalised and scaled by w, times silu(z).
 Variable gated_head_rmsnorm(const Variable& x, const Variable& z, const Variable& w, int64_t heads,
                             float eps);

@@ -45,12 +45,14 @@ void matvec_t(const T* m, const T* x, T* y, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) axpy(x[r], m + r * cols, y, cols);
 }
 
-// C (M x N) = op(A) op(B) + beta C, row-major, as gemm_f32: the GEMM for float, a loop in double.
+// C (M x N) = op(A) op(B) + beta C, row-major, as gemm_f32: Eigen's product for float, a loop in
+// double. Each thread multiplies its own heads' chunks: Eigen blocks them on that thread's stack,
+// where the GEMM of gemm.h would grow buffers of each calling thread's that outlive the call and
+// that the memory budget, which measures the thread that runs a step, does not see.
 void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
         const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  gemm_f32(ta ? Transpose::Yes : Transpose::No, tb ? Transpose::Yes : Transpose::No, M, N, K, A,
-           lda, B, ldb, beta, C, ldc);
+  gemm_f32_eigen(ta ? Transpose::Yes : Transpose::No, tb ? Transpose::Yes : Transpose::No, M, N, K,
+                 A, lda, B, ldb, beta, C, ldc);
 }
 void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda,
         const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {

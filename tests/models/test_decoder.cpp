@@ -134,6 +134,47 @@ Tensor random_tokens(int64_t B, int64_t T, int64_t V, uint32_t seed) {
   return t;
 }
 
+// Qwen3.5's layers (three Gated DeltaNet, one attention with its output gate): the gradient of
+// every parameter, by the element of its largest, against central differences of the FP32 loss,
+// over a sequence of 40 (the delta rule's chunks of 64 cross no edge; the kernels' tests cross
+// them); and the parameter count declared is parameter_count's.
+TEST(DecoderModel, Qwen35GradientsMatchCentralDifferences) {
+  const ModelConfig c = test::tiny_as("qwen35");
+  ASSERT_EQ(c.linear_layers, (std::vector<int64_t>{0, 1, 2}));
+  DecoderModel model(c);
+  model.init_weights(3);
+  ParameterSet& p = model.parameters();
+  int64_t declared = 0;
+  for (const ParameterInfo& info : p.infos()) declared += info.shape.numel();
+  EXPECT_EQ(declared, parameter_count(c));
+  const Tensor x = random_tokens(2, 40, c.vocab, 1), y = random_tokens(2, 40, c.vocab, 2);
+  const auto loss_now = [&] {
+    NoGradGuard no_grad;
+    return static_cast<double>(model.loss(x, y).value().f32()[0]);
+  };
+  p.zero_grad();
+  backward(model.loss(x, y));
+  int checked = 0;
+  for (const ParameterInfo& info : p.infos()) {
+    if (info.name.find("layers.") != 0) continue;
+    const float* g = p.gradients().f32() + info.grad_offset;
+    int64_t at = 0;
+    for (int64_t i = 0; i < info.shape.numel(); ++i)
+      if (std::abs(g[i]) > std::abs(g[at])) at = i;
+    float* w = p.weights().f32() + info.offset + at;
+    const float keep = *w, h = 2e-2f;
+    *w = keep + h;
+    const double up = loss_now();
+    *w = keep - h;
+    const double down = loss_now();
+    *w = keep;
+    const double difference = (up - down) / (2.0 * h);
+    EXPECT_NEAR(g[at], difference, 3e-2 * std::abs(g[at]) + 1e-4) << info.name;
+    ++checked;
+  }
+  EXPECT_GE(checked, 3 * 17 + 14);  // every parameter of the four layers
+}
+
 TEST(DecoderModel, InitialLossIsNearUniform) {
   const ModelConfig c = find_preset("tiny")->config;
   DecoderModel model(c);
@@ -830,15 +871,18 @@ TEST(Generate, KvCacheMatchesFullForward) {
   mqa.n_kv_heads = 1;
   mqa.rope_pairs = RopePairs::Adjacent;
   using test::tiny_as;
-  for (const ModelConfig& c : {find_preset("tiny")->config, gqa, mqa, tiny_as("gemma"),
-                               tiny_as("phi2"), tiny_as("gemma2"), tiny_as("gemma3")})
+  for (const ModelConfig& c :
+       {find_preset("tiny")->config, gqa, mqa, tiny_as("gemma"), tiny_as("phi2"), tiny_as("gemma2"),
+        tiny_as("gemma3"), tiny_as("qwen35")})
     for (DType dtype : {DType::F32, DType::BF16}) {
       DecoderModel model(c);
       model.init_weights(6);
       model.set_compute_dtype(dtype);
       DecoderModel::KvCache cache = model.new_kv_cache();
-      for (int64_t l = 0; l < c.n_layers; ++l)
+      for (int64_t l = 0; l < c.n_layers; ++l) {
+        if (c.linear_layer(l)) continue;
         EXPECT_EQ(cache.keys[l].shape()[0], c.windowed_layer(l) ? 32 : c.ctx) << "layer " << l;
+      }
       for (const int64_t prompt : {int64_t{5}, int64_t{40}}) {
         std::vector<int32_t> tokens = {5, 9, 2, 77, 3};
         for (int32_t t = 0; static_cast<int64_t>(tokens.size()) < prompt; ++t)

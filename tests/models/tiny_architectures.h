@@ -2,7 +2,8 @@
 // parts (Phi-2's parallel block, LayerNorm, GELU MLP and biases; Gemma 3's q/k norms, post-norms
 // and GeGLU), and where it has sliding-window layers, every other layer within 16 keys at a RoPE
 // base of 100 (the others at 10,000) with the scores scaled by 0.3, so that the tiny context of
-// 64 reaches past the window.
+// 64 reaches past the window. Qwen3.5's, four layers: three Gated DeltaNet (2 key heads, 4 value
+// heads of 16) and one attention with its output gate.
 #pragma once
 
 #include "models/architecture.h"
@@ -11,7 +12,12 @@
 namespace cputrain::test {
 
 inline ModelConfig tiny_as(const char* arch) {
-  ModelConfig c = with_architecture(find_preset("tiny")->config, *find_architecture(arch));
+  ModelConfig base = find_preset("tiny")->config;
+  // A hybrid architecture's every kind of layer: Qwen3.5's DeltaNet, DeltaNet, DeltaNet,
+  // attention.
+  const Architecture& a = *find_architecture(arch);
+  if (a.linear_attention_step > 0) base.n_layers = a.linear_attention_step;
+  ModelConfig c = with_architecture(base, a);
   if (c.swa_pattern > 0) {
     c.sliding_window = 16;
     c.swa_pattern = 2;

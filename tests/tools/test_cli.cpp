@@ -437,6 +437,27 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   EXPECT_NE(i.out.find("q/k norms"), std::string::npos) << i.out;
   ASSERT_EQ(run("sample --run " + qwen3.string() + " --max-tokens 3").exit_code, 0);
 
+  // Qwen3.5: Gated DeltaNet in three of every four layers; it trains, samples from its states,
+  // resumes; its files are not written yet, said in one line with nothing written.
+  const fs::path qwen35 = dir_ / "qwen35";
+  const Result q35 =
+      run("--preset tiny --vocab 300 --ctx 32 --batch 4 --arch qwen35 --layers 4 "
+          "--steps 3 --save-every 2 --sample-tokens 4 --corpus " +
+          corpus + " --out " + qwen35.string());
+  ASSERT_EQ(q35.exit_code, 0) << q35.err << q35.out;
+  const nlohmann::json m35 = nlohmann::json::parse(std::ifstream(qwen35 / "config.json"))["model"];
+  EXPECT_EQ(m35["linear_attention"]["layers"], nlohmann::json({0, 1, 2}));
+  EXPECT_EQ(m35["attn_output_gate"], true);
+  const Result i35 = run("inspect " + qwen35.string());
+  ASSERT_EQ(i35.exit_code, 0) << i35.err;
+  EXPECT_NE(i35.out.find("Gated DeltaNet in 3 of 4 layers"), std::string::npos) << i35.out;
+  ASSERT_EQ(run("sample --run " + qwen35.string() + " --max-tokens 3").exit_code, 0);
+  ASSERT_EQ(run("eval --run " + qwen35.string()).exit_code, 0);
+  expect_one_line_error(
+      run("export --run " + qwen35.string() + " --out " + (dir_ / "q35.gguf").string()),
+      "qwen35 files are not read or written yet");
+  EXPECT_FALSE(fs::exists(dir_ / "q35.gguf"));
+
   // A sliding-window architecture takes its window from --sliding-window (else 4096), and
   // samples past it.
   for (const auto& [flag, window] : {std::pair<std::string, int>{" --sliding-window 8", 8},
