@@ -233,9 +233,12 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
 #pragma omp parallel
   {
     Chunk<T> ch(C, Dk, Dv);
-    std::vector<T> dS(S), dS0(S), tmpS(S), dU(C * Dv), D(C * C), dQ(C * Dk), dK(C * Dk), dG(C),
-        P(C * Dk), Y(C * Dk), eQ(C * Dk), dW(C * Dk), dRU(C * Dv), dRW(C * Dk), dX(C * C), M(C * C),
-        db(C);
+    // The decay's gradient gathers terms that cancel in pairs (each added at one position and
+    // taken at another): summed in double, so that its sum over the chunk keeps the float
+    // terms' own precision.
+    std::vector<double> dG(C);
+    std::vector<T> dS(S), dS0(S), tmpS(S), dU(C * Dv), D(C * C), dQ(C * Dk), dK(C * Dk), P(C * Dk),
+        Y(C * Dk), eQ(C * Dk), dW(C * Dk), dRU(C * Dv), dRW(C * Dk), dX(C * C), M(C * C), db(C);
 #pragma omp for schedule(static)
     for (int64_t bk = 0; bk < s.batch * s.key_heads; ++bk) {
       const int64_t b = bk / s.key_heads, hk = bk % s.key_heads;
@@ -260,7 +263,7 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
           const T* dO = dout + h.out_at(t0);
           const T* G = ch.G.data();
           const T* eG = ch.eG.data();
-          std::fill_n(dG.begin(), n, T(0));
+          std::fill_n(dG.begin(), n, 0.0);
           // Through O = exp(G) Q S0 + A U and S_end = exp(G_n) S0 + K^T U:
           // dU = A^T dO + K^ dS; dA = dO U^T.
           mm(true, false, n, Dv, n, ch.A.data(), n, dO, out_row, T(0), dU.data(), Dv);
@@ -340,10 +343,10 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
             dG[i] += bi * eG[i] * kw;
           }
           // G_i = g_1 + ... + g_i: dg_j = sum over i >= j of dG_i.
-          T sum = 0;
+          double sum = 0;
           for (int64_t i = n - 1; i >= 0; --i) {
             sum += dG[i];
-            dg[h.gate_at(t0 + i)] = sum;
+            dg[h.gate_at(t0 + i)] = static_cast<T>(sum);
           }
           for (int64_t i = 0; i < n; ++i) {
             const int64_t at = h.qk_at(t0 + i);

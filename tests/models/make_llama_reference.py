@@ -9,14 +9,16 @@ Llama 3's RoPE scaling and a layer without RoPE; one with Phi-3's, adapters on i
 projections, partial rotary and longrope scaling; one with Gemma's, GeGLU, RMSNorm scaling by
 1 + w and embeddings scaled by sqrt(d_model); one with Phi-2's, a parallel block from one LayerNorm,
 a GELU MLP and biases everywhere; one with Gemma 3's, post-norms and sliding-window layers at a
-RoPE base of their own; one with Gemma 2's soft-capping): from one seeded set of weights and one batch it records the
+RoPE base of their own; one with Gemma 2's soft-capping; one with Qwen3.5's, Gated DeltaNet layers
+(the delta rule in its recurrent form) beside gated attention): from one seeded set of weights and
+one batch it records the
 logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping; and of the configurations with adapters,
 DPO's and ORPO's losses and gradients on two preference pairs (preference_records).
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,gemma3,gemma2,phi2}_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,gemma3,gemma2,phi2,qwen35}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -77,6 +79,13 @@ class Config:
     # Gemma 2: attention scores and final logits soft-capped, cap * tanh(x / cap).
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Qwen3.5: (key heads, value heads, key dim, value dim, conv taps, interval): every
+    # interval-th layer (from 1) attention with its output times sigmoid of a gate projection
+    # (wg), the others Gated DeltaNet, written here in its recurrent form.
+    qwen35: tuple = None
+
+    def linear(self, i):
+        return self.qwen35 is not None and (i + 1) % self.qwen35[5] != 0
 
 
 CONFIGS = [
@@ -120,7 +129,13 @@ CONFIGS = [
            tied=True, half_split=True, theta=10000.0, eps=1e-6, gemma=True, post_norms=True,
            window=6, swa_pattern=2, theta_swa=10000.0, attn_softcap=1.0, final_softcap=4.0),
     Config("llama_phi2_reference.ctrf", V=256, C=80, L=2, H=4, F=160, B=2, T=24, KVH=4, D=20,
-           bias=True, half_split=True, theta=10000.0, eps=1e-5, rope_dim=8, phi2=True),
+           bias=True, half_split=True, theta=10000.0, eps=1e-5, rope_dim=8, phi2=True),    # Qwen3.5's parts, trained whole: layers DeltaNet, DeltaNet, attention; 2 key heads of 6 read
+    # by 4 value heads of 5 (value head h reading key head h mod 2), convolutions of 4 taps;
+    # attention with q/k norms, half-split RoPE on 6 of each head's 12 dimensions and its output
+    # gated; 70 positions, across the delta rule's chunk of 64.
+    Config("llama_qwen35_reference.ctrf", V=256, C=64, L=3, H=4, F=96, B=2, T=70, KVH=2, D=12,
+           half_split=True, theta=10000.0, eps=1e-6, qk_norm=True, rope_dim=6,
+           qwen35=(2, 4, 6, 5, 4, 3)),
 ]
 PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                "feed_forward.w3", "feed_forward.w2"]
@@ -136,6 +151,22 @@ def parameter_shapes(c):
     for i in range(c.L):
         p = f"layers.{i}."
         shapes += [(p + "attention_norm.weight", (c.C,))]
+        if c.linear(i):
+            Hk, Hv, dk, dv, K, _ = c.qwen35
+            d = p + "linear."
+            shapes += [(d + "wq.weight", (Hk * dk, c.C)), (d + "wk.weight", (Hk * dk, c.C)),
+                       (d + "wv.weight", (Hv * dv, c.C)), (d + "wz.weight", (Hv * dv, c.C)),
+                       (d + "wb.weight", (Hv, c.C)), (d + "wa.weight", (Hv, c.C)),
+                       (d + "conv_q.weight", (Hk * dk, K)), (d + "conv_k.weight", (Hk * dk, K)),
+                       (d + "conv_v.weight", (Hv * dv, K)), (d + "dt_bias.weight", (Hv,)),
+                       (d + "a_log.weight", (Hv,)), (d + "gain.weight", (dv,)),
+                       (d + "wo.weight", (c.C, Hv * dv)), (p + "ffn_norm.weight", (c.C,)),
+                       (p + "feed_forward.w1.weight", (c.F, c.C)),
+                       (p + "feed_forward.w3.weight", (c.F, c.C)),
+                       (p + "feed_forward.w2.weight", (c.C, c.F))]
+            continue
+        if c.qwen35:
+            shapes += [(p + "attention.wg.weight", (Q, c.C))]
         if c.phi2:
             shapes += [(p + "attention_norm.bias", (c.C,))]
         shapes += [
@@ -216,6 +247,11 @@ def init_parameters(c, gen):
         if name.endswith(".bias"):
             # Biases away from 0 so they change what attention sees.
             t = 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("a_log.weight"):
+            # A in (1, 8): decays from slow to fast.
+            t = torch.log(1.0 + 7.0 * torch.rand(shape, generator=gen))
+        elif ".conv_" in name:
+            t = 0.3 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
             # Gains away from 1 so their gradients matter (held less 1 in Gemma's norms).
             t = (0.0 if c.gemma else 1.0) + 0.1 * torch.randn(shape, generator=gen)
@@ -321,6 +357,47 @@ def projection(c, p, name, h):
     return y
 
 
+def causal_conv_silu(x, w):
+    # x (B, T, channels), w (channels, K): each channel over its K - 1 positions before (zeros
+    # before the first) and itself, then SiLU.
+    K, T = w.shape[1], x.shape[1]
+    padded = torch.nn.functional.pad(x, (0, 0, K - 1, 0))
+    return torch.nn.functional.silu(sum(w[:, j] * padded[:, j:j + T] for j in range(K)))
+
+
+def l2norm(c, x):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + c.eps)
+
+
+def gated_deltanet(c, p, n, h):
+    # Qwen3.5's linear attention, the delta rule in its recurrent form: per value head a state S
+    # (dk x dv), decayed by exp(g), corrected toward v by beta, read by q / sqrt(dk).
+    Hk, Hv, dk, dv, K, _ = c.qwen35
+    B, T = c.B, c.T
+    d = n + "linear."
+    q = causal_conv_silu(h @ p[d + "wq.weight"].T, p[d + "conv_q.weight"]).view(B, T, Hk, dk)
+    k = causal_conv_silu(h @ p[d + "wk.weight"].T, p[d + "conv_k.weight"]).view(B, T, Hk, dk)
+    v = causal_conv_silu(h @ p[d + "wv.weight"].T, p[d + "conv_v.weight"]).view(B, T, Hv, dv)
+    q, k = l2norm(c, q) / math.sqrt(dk), l2norm(c, k)
+    # Value head j reads key head j mod Hk (llama.cpp's tiled order).
+    q, k = q.repeat(1, 1, Hv // Hk, 1), k.repeat(1, 1, Hv // Hk, 1)
+    g = -p[d + "a_log.weight"].exp() * torch.nn.functional.softplus(
+        h @ p[d + "wa.weight"].T + p[d + "dt_bias.weight"])
+    beta = torch.sigmoid(h @ p[d + "wb.weight"].T)
+    S = torch.zeros(B, Hv, dk, dv)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t, :, None, None].exp()
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    o = torch.stack(outs, 1)  # (B, T, Hv, dv)
+    z = (h @ p[d + "wz.weight"].T).view(B, T, Hv, dv)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * p[d + "gain.weight"]
+    o = o * torch.nn.functional.silu(z)
+    return o.reshape(B, T, Hv * dv) @ p[d + "wo.weight"].T
+
+
 def forward(c, p, tokens, cos, sin):
     B, T, H, KVH, D = c.B, c.T, c.H, c.KVH, c.D
     cos_swa, sin_swa = rope_table(c, c.theta_swa) if c.window else (cos, sin)
@@ -333,6 +410,12 @@ def forward(c, p, tokens, cos, sin):
             h = layernorm(c, x, p[n + "attention_norm.weight"], p[n + "attention_norm.bias"])
         else:
             h = rmsnorm(c, x, p[n + "attention_norm.weight"])
+        if c.linear(i):
+            x = x + gated_deltanet(c, p, n, h)
+            g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
+            act = torch.nn.functional.silu(projection(c, p, n + "feed_forward.w1", g))
+            x = x + projection(c, p, n + "feed_forward.w2", act * projection(c, p, n + "feed_forward.w3", g))
+            continue
         q = projection(c, p, n + "attention.wq", h).view(B, T, H, D)
         k = projection(c, p, n + "attention.wk", h).view(B, T, KVH, D)
         if c.qk_norm:  # over each head's D elements
@@ -343,8 +426,10 @@ def forward(c, p, tokens, cos, sin):
         if i not in c.no_rope:
             q, k = rope(c, q, cs, sn), rope(c, k, cs, sn)
         v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
-        attended = projection(c, p, n + "attention.wo",
-                              attention(c, q, k, v, c.window if windowed else 0).reshape(B, T, H * D))
+        heads = attention(c, q, k, v, c.window if windowed else 0).reshape(B, T, H * D)
+        if c.qwen35:  # the output gated
+            heads = heads * torch.sigmoid(h @ p[n + "attention.wg.weight"].T)
+        attended = projection(c, p, n + "attention.wo", heads)
         if c.post_norms:
             attended = rmsnorm(c, attended, p[n + "post_attention_norm.weight"])
         if c.phi2:  # the MLP from the same norm, both added to the residual
@@ -487,6 +572,8 @@ def write_reference(c):
             out.add("architecture", torch.tensor(list(name), dtype=torch.int32))
         if c.phi2:
             out.add("rope_dim", torch.tensor([c.rope_dim], dtype=torch.int32))
+        if c.qwen35:  # its heads, dims, taps and interval; RoPE's dimensions
+            out.add("qwen35", torch.tensor(list(c.qwen35) + [c.rope_dim], dtype=torch.int32))
         if c.window:  # the window, the pattern; RoPE base of the windowed layers, the scale
             out.add("window", torch.tensor([c.window, c.swa_pattern], dtype=torch.int32))
             out.add("window_f32", torch.tensor([c.theta_swa, c.attn_scale, c.attn_softcap,

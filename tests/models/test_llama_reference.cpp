@@ -10,7 +10,10 @@
 // GeGLU, RMSNorm scaling by 1 + w, embeddings scaled by sqrt(d_model); and one with Phi-2's:
 // attention and a GELU MLP in parallel from one LayerNorm, biases everywhere; and one with Gemma
 // 3's: post-norms, sliding-window layers at a RoPE base of their own, a scale of the scores; and
-// one with Gemma 2's soft-capped scores and logits.
+// one with Gemma 2's soft-capped scores and logits; and one with Qwen3.5's: Gated DeltaNet layers
+// (2 key heads read by 4 value heads, convolutions, the decay and write strength, the gated
+// norm; the reference's delta rule in its recurrent form against the chunked kernel, over 70
+// positions, past a chunk) beside attention with its output gated.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -104,6 +107,21 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
       config_.norm_plus_one = config_.architecture.starts_with("gemma");
     }
     if (ref_.count("rope_dim")) config_.rope_dim = ref_.at("rope_dim").i32.at(0);
+    if (ref_.count("qwen35")) {  // key and value heads and dims, taps, interval; RoPE's dims
+      const std::vector<int32_t>& q = ref_.at("qwen35").i32;
+      ASSERT_EQ(q.size(), 7u);
+      config_.architecture = "qwen35";
+      config_.attn_output_gate = true;
+      config_.linear_key_heads = q[0];
+      config_.linear_value_heads = q[1];
+      config_.linear_key_dim = q[2];
+      config_.linear_value_dim = q[3];
+      config_.linear_conv = q[4];
+      for (int64_t i = 0; i < config_.n_layers; ++i)
+        if ((i + 1) % q[5] != 0) config_.linear_layers.push_back(i);
+      config_.rope_dim = q[6];
+      config_.ctx = std::max<int64_t>(config_.ctx, T_);
+    }
     if (ref_.count("window")) {  // the window and its pattern; their RoPE base, the scale
       config_.sliding_window = ref_.at("window").i32.at(0);
       config_.swa_pattern = ref_.at("window").i32.at(1);
@@ -315,7 +333,7 @@ INSTANTIATE_TEST_SUITE_P(
                       "llama_lora_reference.ctrf", "llama_parts_reference.ctrf",
                       "llama_phi3_reference.ctrf", "llama_gemma_reference.ctrf",
                       "llama_gemma3_reference.ctrf", "llama_gemma2_reference.ctrf",
-                      "llama_phi2_reference.ctrf"),
+                      "llama_phi2_reference.ctrf", "llama_qwen35_reference.ctrf"),
     [](const auto& info) { return info.param.substr(6, info.param.find("_reference") - 6); });
 
 }  // namespace
