@@ -68,6 +68,7 @@ std::vector<Architecture> table() {
     a.linear_attention_step = 4;
     a.attn_output_gate = true;
     a.files = false;
+    a.gguf_names = {{"ffn_norm", "post_attention_norm"}};
     a.summary =
         "Qwen3.5: three of every four layers Gated DeltaNet (linear attention with a recurrent "
         "state), the fourth attention with q/k norms, partial half-split RoPE and a gated output";

@@ -97,8 +97,12 @@ struct Architecture {
   // Full attention's output gated by a sigmoid (ModelConfig::attn_output_gate).
   bool attn_output_gate = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
-  // trains one and its run's checkpoint holds it, and a file of it is refused in one line.
+  // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
+  // for a whole model written as GGUF where gguf_written says so.
   bool files = true;
+  bool gguf_written = true;
+  // GGUF names of its own for parameters, as hf_names ("ffn_norm" -> "post_attention_norm").
+  std::vector<std::pair<std::string_view, std::string_view>> gguf_names;
   // The keys of its config.json beyond those every architecture reads (architecture.cpp), read or
   // known to change nothing cputrain computes; a key in neither list is refused (hf_key_known).
   std::vector<std::string_view> hf_keys;

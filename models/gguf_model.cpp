@@ -478,8 +478,20 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
 GgmlType write_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                     const Vocabulary& v, const GgufExport& options) {
   const Architecture& description = architecture_of(c);
-  require_files(description, path);
+  if (!description.gguf_written) require_files(description, path);
   const std::string arch(description.name);
+  if (description.linear_attention_step > 0) {
+    // llama.cpp's qwen35: heads of one width for keys and values, and its pattern of layers.
+    std::vector<int64_t> pattern;
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      if ((i + 1) % description.linear_attention_step != 0) pattern.push_back(i);
+    if (c.linear_key_dim != c.linear_value_dim || c.linear_layers != pattern)
+      throw UserError(path + ": llama.cpp's " + arch +
+                      " holds Gated DeltaNet heads of one width for keys and values, in every "
+                      "layer but each " +
+                      std::to_string(description.linear_attention_step) +
+                      "th; this model's are not");
+  }
   if (c.no_rope_layers != step_no_rope_layers(description, c.n_layers))
     throw UserError("a " + arch + " model whose layers without RoPE are not llama.cpp's (every " +
                     std::to_string(description.no_rope_layer_step) +
@@ -513,6 +525,21 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     w.set_f32(arch + ".rope.freq_base_swa",
               static_cast<float>(c.rope_theta_swa > 0.0 ? c.rope_theta_swa : c.rope_theta));
   }
+  if (!c.linear_layers.empty()) {
+    w.set_u32(arch + ".ssm.conv_kernel", static_cast<uint32_t>(c.linear_conv));
+    w.set_u32(arch + ".ssm.inner_size", static_cast<uint32_t>(c.linear_v_dim()));
+    w.set_u32(arch + ".ssm.state_size", static_cast<uint32_t>(c.linear_key_dim));
+    w.set_u32(arch + ".ssm.time_step_rank", static_cast<uint32_t>(c.linear_value_heads));
+    w.set_u32(arch + ".ssm.group_count", static_cast<uint32_t>(c.linear_key_heads));
+    w.set_u32(arch + ".full_attention_interval",
+              static_cast<uint32_t>(description.linear_attention_step));
+    // M-RoPE's sections: text gives each the same position, so any split of the rotated pairs
+    // over the first three that reaches every pair rotates as plain RoPE does (Qwen3.5's own
+    // 11, 11, 10 of 32).
+    const auto pairs = static_cast<int32_t>(c.rope_dims() / 2);
+    const int32_t first = (pairs + 2) / 3, second = (pairs - first + 1) / 2;
+    w.set_i32s(arch + ".rope.dimension_sections", {first, second, pairs - first - second, 0});
+  }
   if (description.attn_softcap) w.set_f32(arch + ".attn_logit_softcapping", c.attn_softcap);
   if (description.swa_pattern > 0 &&
       (c.final_softcap > 0.0f || description.default_final_softcap > 0.0f))
@@ -543,13 +570,17 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
                                  [](const FileTensor& t) { return t.name == "output.weight"; });
   for (const FileTensor& t : tensors) {
     // q and k rows in the pairing llama.cpp applies to the architecture; norm gains whole.
-    const std::vector<float> values =
+    std::vector<float> values =
         file_tensor_values(params, t, c, description.gguf_rope_pairs, false);
+    // Gated DeltaNet's A, held as log A: llama.cpp's ssm_a is -A.
+    if (t.name.ends_with(".ssm_a"))
+      for (float& v : values) v = -std::exp(v);
     const std::vector<int64_t> dims(t.shape.rbegin(), t.shape.rend());
-    const GgmlType type = t.shape.size() != 2 ? GgmlType::F32
-                          : matrices == GgmlType::Q4_K
-                              ? q4_k_m_type(t.name, t.shape, tied, c.n_layers)
-                              : matrices;
+    // The convolution's taps stay F32, as llama.cpp's converter keeps them.
+    const GgmlType type =
+        t.shape.size() != 2 || t.name.ends_with(".ssm_conv1d.weight") ? GgmlType::F32
+        : matrices == GgmlType::Q4_K ? q4_k_m_type(t.name, t.shape, tied, c.n_layers)
+                                     : matrices;
     w.add_tensor(t.name, dims, type,
                  ggml_from_float(type, values.data(), static_cast<int64_t>(values.size())));
   }

@@ -42,7 +42,27 @@ constexpr Names kBlockNames[] = {
     // Norms after attention and the MLP (Architecture::post_norms).
     {"post_attention_norm", "post_attention_norm", "post_attention_layernorm"},
     {"post_ffw_norm", "post_ffw_norm", "post_feedforward_layernorm"},
+    // Qwen3.5: attention's q and output gate in one tensor, each head's q rows then its gate's;
+    // a Gated DeltaNet layer's parts (q, k, v and their convolutions each in one tensor).
+    {"attention.wqg", "attn_q", "self_attn.q_proj"},
+    {"linear.wqkv", "attn_qkv", "linear_attn.in_proj_qkv"},
+    {"linear.conv", "ssm_conv1d", "linear_attn.conv1d"},
+    {"linear.wz", "attn_gate", "linear_attn.in_proj_z"},
+    {"linear.wb", "ssm_beta", "linear_attn.in_proj_b"},
+    {"linear.wa", "ssm_alpha", "linear_attn.in_proj_a"},
+    {"linear.dt_bias", "ssm_dt", "linear_attn.dt_bias"},
+    {"linear.a_log", "ssm_a", "linear_attn.A_log"},
+    {"linear.gain", "ssm_norm", "linear_attn.norm"},
+    {"linear.wo", "ssm_out", "linear_attn.out_proj"},
 };
+
+// The kind a GGUF file gives a Gated DeltaNet parameter's tensor: dt_bias is llama.cpp's
+// ssm_dt.bias, A (as -exp(A_log)) its bare ssm_a.
+std::string gguf_kind(const std::string& rest, const std::string& kind) {
+  if (rest == "linear.dt_bias") return ".bias";
+  if (rest == "linear.a_log") return "";
+  return kind;
+}
 
 }  // namespace
 
@@ -61,10 +81,9 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming,
   if (dot == std::string::npos) return parameter;
   const std::string base = parameter.substr(0, dot), kind = parameter.substr(dot);
   const bool hf = naming == TensorNaming::HuggingFace;
-  // The architecture's own Hugging Face name, where it has one.
+  // The architecture's own name in the format, where it has one.
   const auto own = [&](const std::string& ours) -> const std::string_view* {
-    if (!hf) return nullptr;
-    for (const auto& [from, to] : arch.hf_names)
+    for (const auto& [from, to] : hf ? arch.hf_names : arch.gguf_names)
       if (from == ours) return &to;
     return nullptr;
   };
@@ -82,7 +101,7 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming,
     for (const Names& n : kBlockNames) {
       if (rest != n.ours) continue;
       if (const std::string_view* name = own(rest)) return at + std::string(*name) + kind;
-      return at + (hf ? n.hf : n.gguf) + kind;
+      return at + (hf ? n.hf : n.gguf) + (hf ? kind : gguf_kind(rest, kind));
     }
   }
   return parameter;
@@ -107,6 +126,8 @@ std::vector<float> parameter_values(const ParameterSet& params, int index, const
 
 void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, const ModelConfig& c,
                      RopePairs from, RopePairs to) {
+  // A Gated DeltaNet layer's q and k (linear.wq, linear.wk) take no RoPE.
+  if (info.name.find(".linear.") != std::string::npos) return;
   const bool q = info.name.find(".wq.") != std::string::npos;
   // A per-head norm's gains are one head's elements.
   const bool norm = info.name.ends_with(".q_norm.weight") || info.name.ends_with(".k_norm.weight");
@@ -149,6 +170,26 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
   for (const auto& [ours, whole, first, rows] : fused) {
     const bool qkv = std::string_view(whole) == "attention.wqkv.";
     if ((qkv ? !arch.fused_qkv : !arch.fused_gate_up) || rest != std::string(ours) + suffix)
+      continue;
+    return {tensor_name(layer + whole + suffix, naming, arch), first, info.shape[0], rows};
+  }
+  // Qwen3.5's, in every file: a DeltaNet layer's q, k, v in one tensor and their convolutions in
+  // another; attention's q and output gate in one (whose rows file_tensor_values interleaves
+  // head by head).
+  const int64_t LQ = c.linear_qk_dim(), LV = c.linear_v_dim();
+  const std::tuple<const char*, const char*, int64_t, int64_t> qwen35[] = {
+      {"linear.wq.", "linear.wqkv.", 0, 2 * LQ + LV},
+      {"linear.wk.", "linear.wqkv.", LQ, 2 * LQ + LV},
+      {"linear.wv.", "linear.wqkv.", 2 * LQ, 2 * LQ + LV},
+      {"linear.conv_q.", "linear.conv.", 0, 2 * LQ + LV},
+      {"linear.conv_k.", "linear.conv.", LQ, 2 * LQ + LV},
+      {"linear.conv_v.", "linear.conv.", 2 * LQ, 2 * LQ + LV},
+      {"attention.wq.", "attention.wqg.", 0, 2 * Q},
+      {"attention.wg.", "attention.wqg.", Q, 2 * Q}};
+  for (const auto& [ours, whole, first, rows] : qwen35) {
+    const bool gate = std::string_view(whole) == "attention.wqg.";
+    if ((gate ? !c.attn_output_gate : c.linear_layers.empty()) ||
+        rest != std::string(ours) + suffix)
       continue;
     return {tensor_name(layer + whole + suffix, naming, arch), first, info.shape[0], rows};
   }
@@ -195,6 +236,18 @@ std::vector<float> file_tensor_values(const ParameterSet& params, const FileTens
   for (const int index : t.parts) {
     const std::vector<float> part = parameter_values(params, index, c, pairs, norm_plus_one);
     values.insert(values.end(), part.begin(), part.end());
+  }
+  // Attention's q and output gate (Qwen3.5): each head's q rows, then its gate's.
+  const bool gated = c.attn_output_gate && t.parts.size() == 2 &&
+                     params.infos()[static_cast<size_t>(t.parts[1])].name.ends_with(".wg.weight");
+  if (gated) {
+    const int64_t d = c.head_size(), row = t.shape.size() == 2 ? t.shape[1] : 1;
+    std::vector<float> heads(values.size());
+    for (int64_t h = 0; h < c.n_heads; ++h)
+      for (int64_t part = 0; part < 2; ++part)
+        std::copy_n(values.begin() + (part * c.n_heads + h) * d * row, d * row,
+                    heads.begin() + (2 * h + part) * d * row);
+    values.swap(heads);
   }
   return values;
 }

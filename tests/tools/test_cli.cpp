@@ -438,7 +438,8 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   ASSERT_EQ(run("sample --run " + qwen3.string() + " --max-tokens 3").exit_code, 0);
 
   // Qwen3.5: Gated DeltaNet in three of every four layers; it trains, samples from its states,
-  // resumes; its files are not written yet, said in one line with nothing written.
+  // resumes and exports as GGUF (tests/tools/test_interop.cpp: llama.cpp's logits); a Hugging
+  // Face folder of it is not written yet, and its GGUF not read: one line each, nothing written.
   const fs::path qwen35 = dir_ / "qwen35";
   const Result q35 =
       run("--preset tiny --vocab 300 --ctx 32 --batch 4 --arch qwen35 --layers 4 "
@@ -453,10 +454,15 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   EXPECT_NE(i35.out.find("Gated DeltaNet in 3 of 4 layers"), std::string::npos) << i35.out;
   ASSERT_EQ(run("sample --run " + qwen35.string() + " --max-tokens 3").exit_code, 0);
   ASSERT_EQ(run("eval --run " + qwen35.string()).exit_code, 0);
+  ASSERT_EQ(
+      run("export --run " + qwen35.string() + " --out " + (dir_ / "q35.gguf").string()).exit_code,
+      0);
   expect_one_line_error(
-      run("export --run " + qwen35.string() + " --out " + (dir_ / "q35.gguf").string()),
+      run("export --run " + qwen35.string() + " --out " + (dir_ / "q35_hf").string()),
       "qwen35 files are not read or written yet");
-  EXPECT_FALSE(fs::exists(dir_ / "q35.gguf"));
+  EXPECT_FALSE(fs::exists(dir_ / "q35_hf" / "config.json"));
+  expect_one_line_error(run("inspect " + (dir_ / "q35.gguf").string()),
+                        "qwen35 files are not read or written yet");
 
   // A sliding-window architecture takes its window from --sliding-window (else 4096), and
   // samples past it.

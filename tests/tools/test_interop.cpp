@@ -616,8 +616,8 @@ fs::path write_corpus(const fs::path& dir) {
 
 // Runs trained here, exported: llama.cpp computes the same logits from the f32 file (the mini
 // preset; a llama with half-split RoPE, which export reorders into llama.cpp's adjacent pairs, and
-// q/k/v biases; one of each architecture qwen2, qwen3, smollm3 and phi3, exported as that
-// architecture)
+// q/k/v biases; one of each architecture qwen2, qwen3, smollm3, phi3, gemma3 and qwen35, exported
+// as that architecture)
 // and tokenizes text to the same ids; export then import gives the f32 weights bit for bit, and the
 // bf16 ones as the weights rounded to bf16.
 TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
@@ -636,7 +636,10 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
       // which holds <|endoftext|>; cputrain's own has none.)
       {"fused", "--preset tiny --arch phi3 --kv-heads 2"},
       // Windows of 8 on five layers in six, shorter than the text.
-      {"gemma3", "--preset tiny --arch gemma3 --layers 6 --sliding-window 8"}};
+      {"gemma3", "--preset tiny --arch gemma3 --layers 6 --sliding-window 8"},
+      // Gated DeltaNet in layers 0-2 and 4-6 (2 key heads read by 4 value heads), gated attention
+      // in layers 3 and 7.
+      {"qwen35", "--preset tiny --arch qwen35 --layers 8"}};
   for (const auto& [name, flags] : runs) {
     const fs::path run = dir / name, gguf = dir / (std::string(name) + ".gguf");
     ASSERT_EQ(
