@@ -231,7 +231,14 @@ TEST_P(LlamaReference, TenAdamWSteps) {
     EXPECT_NEAR(loss.value().f32()[0], losses[step], kLossTolerance * losses[step])
         << "step " << step + 1;
     const float norm = optimizer.step(1e-3f);
-    EXPECT_NEAR(norm, norms[step], kTensorTolerance * norms[step]) << "step " << step + 1;
+    // Where the reference says how far its own float32 norms stray from float64's (Qwen3.5's
+    // decay makes its later steps sensitive to rounding), ten times that.
+    double tolerance = kTensorTolerance;
+    if (ref_.count("steps/grad_norm_f64")) {
+      const double f64 = ref_.at("steps/grad_norm_f64").f32.at(step);
+      tolerance = std::max(tolerance, 10.0 * std::abs(norms[step] - f64) / f64);
+    }
+    EXPECT_NEAR(norm, norms[step], tolerance * norms[step]) << "step " << step + 1;
   }
   EXPECT_LT(losses[9], losses[0]);  // the reference itself learns
   const ParameterSet& p = model.parameters();
