@@ -348,7 +348,7 @@ Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool 
   const Variable g = deltanet_decay(linear(h, p(b.wa)), p(b.a_log), p(b.dt_bias));
   const Variable beta = sigmoid(linear(h, p(b.wb)));
   const Variable o =
-      gated_delta_rule(q, k, v, g, beta, Hk, Hv, scale, 64, state ? &state->delta : nullptr);
+      gated_delta_rule(q, k, v, g, beta, Hk, Hv, scale, state ? &state->delta : nullptr);
   const Variable normed = gated_head_rmsnorm(o, linear(h, p(b.wz)), p(b.linear_norm), Hv, eps);
   return project(b, Projection::O, b.wo, -1, normed);
 }

@@ -4,7 +4,6 @@
 
 #include "engine/core/op_support.h"
 #include "engine/core/profiler.h"
-#include "kernels/cpu/bf16.h"
 #include "kernels/deltanet/causal_conv.h"
 #include "kernels/deltanet/deltanet_ops.h"
 #include "kernels/deltanet/gated_delta.h"
@@ -18,11 +17,6 @@ using profiler::Scope;
 
 int64_t last_dim(const Variable& x) {
   return x.shape()[x.shape().ndim() - 1];
-}
-
-// A gradient of `shape` for a kernel to add into: the cell's (zeros on first use), or scratch.
-Tensor accumulating(const GradRef& g, const Shape& shape) {
-  return g ? g->get_or_zeros() : Tensor::zeros(shape, DType::F32, MemoryCategory::Workspace);
 }
 
 }  // namespace
@@ -60,16 +54,12 @@ Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
                                     gw = w.grad_ref(), gy = out.grad_ref(), s, xs] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
-      const KernelGrads gxs = kernel_grads({{&gx, xs}});
-      // The kernel overwrites dx: where it must add, it writes scratch that is then added.
-      Tensor dx =
-          gxs.accumulate ? Tensor::empty(xs, DType::F32, MemoryCategory::Workspace) : gxs.grads[0];
-      Tensor dw = accumulating(gw, wv.shape());
+      const OverwrittenGradient dx(gx, xs);
+      Tensor dw = summed_gradient(gw, wv.shape());
       if (!computing()) return;
-      kernels::causal_conv_silu_backward<float>(s, xv.f32(), wv.f32(), nullptr, dy.f32(), dx.f32(),
+      kernels::causal_conv_silu_backward<float>(s, xv.f32(), wv.f32(), nullptr, dy.f32(), dx.data(),
                                                 dw.f32(), nullptr);
-      if (gxs.accumulate)
-        for (int64_t i = 0; i < dx.numel(); ++i) gxs.grads[0].f32()[i] += dx.f32()[i];
+      dx.add_to_cell();
     });
   }
   return out;
@@ -116,7 +106,7 @@ Variable deltanet_decay(const Variable& a, const Variable& a_log, const Variable
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const KernelGrads g = kernel_grads({{&ga, av.shape()}});
-      Tensor dl = accumulating(gl, lv.shape()), db = accumulating(gb, bv.shape());
+      Tensor dl = summed_gradient(gl, lv.shape()), db = summed_gradient(gb, bv.shape());
       if (computing())
         kernels::deltanet_decay_backward(g.grads[0].f32(), dl.f32(), db.f32(), dy.f32(), av.f32(),
                                          lv.f32(), bv.f32(), N, H, g.accumulate);
@@ -134,12 +124,8 @@ Variable sigmoid_op(const Variable& x, const Variable* gate) {
   Tensor y = new_activation(x.shape());
   const Tensor gv = gate != nullptr ? fp32_value(*gate) : Tensor();
   // In bf16 mode the gated x may be an output only GEMMs read (attention's), held as its bf16
-  // rounding alone: widened.
-  Tensor xv = x.value();
-  if (xv.dtype() == DType::BF16) {
-    xv = new_activation(x.shape());
-    if (computing()) kernels::bf16_to_fp32_array(xv.f32(), x.value().bf16(), n);
-  }
+  // rounding alone: widened, and kept for the backward pass.
+  const Tensor xv = as_f32(x.value(), MemoryCategory::Activations);
   if (computing())
     kernels::sigmoid_gate_forward(y.f32(), xv.f32(), gv.defined() ? gv.f32() : nullptr, n);
   const bool grad = gate != nullptr ? needs_grad({&x, gate}) : needs_grad({&x});
@@ -173,7 +159,7 @@ Variable sigmoid_gated(const Variable& x, const Variable& gate) {
 
 Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& v,
                           const Variable& g, const Variable& beta, int64_t key_heads,
-                          int64_t value_heads, float scale, int64_t chunk, Tensor* state) {
+                          int64_t value_heads, float scale, Tensor* state, int64_t chunk) {
   const Shape& qs = q.shape();
   require(qs.ndim() == 3 && k.shape() == qs && v.shape().ndim() == 3 && key_heads > 0 &&
               value_heads % key_heads == 0 && qs[2] % key_heads == 0 &&
@@ -213,29 +199,13 @@ Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& 
                                        gb = beta.grad_ref(), gy = out.grad_ref()] {
     const Tensor& dy = gy->tensor();
     if (!dy.defined()) return;
-    // The kernel overwrites its gradients: it writes scratch, added where a cell holds some.
-    const auto scratch = [](const Tensor& like) {
-      return Tensor::empty(like.shape(), DType::F32, MemoryCategory::Workspace);
-    };
-    Tensor dq = scratch(qv), dk = scratch(kv), dv = scratch(vv), dg = scratch(gv), db = scratch(bv);
-    if (computing())
-      kernels::gated_delta_chunked_backward<float>(
-          s, scale, qv.f32(), kv.f32(), vv.f32(), gv.f32(), bv.f32(), states.f32(), dy.f32(),
-          nullptr, dq.f32(), dk.f32(), dv.f32(), dg.f32(), db.f32(), nullptr);
-    const std::pair<const GradRef*, const Tensor*> outs[] = {
-        {&gq, &dq}, {&gk, &dk}, {&gvv, &dv}, {&gg, &dg}, {&gb, &db}};
-    for (const auto& [cell, grad] : outs) {
-      if (!*cell) continue;
-      float beta0 = 0.0f;
-      float* d = (*cell)->get_for_accumulate(&beta0).f32();
-      if (!computing()) continue;
-      const float* src = grad->f32();
-      const int64_t n = grad->numel();
-      if (beta0 == 0.0f)
-        for (int64_t i = 0; i < n; ++i) d[i] = src[i];
-      else
-        for (int64_t i = 0; i < n; ++i) d[i] += src[i];
-    }
+    const OverwrittenGradient dq(gq, qv.shape()), dk(gk, kv.shape()), dv(gvv, vv.shape()),
+        dg(gg, gv.shape()), db(gb, bv.shape());
+    if (!computing()) return;
+    kernels::gated_delta_chunked_backward<float>(
+        s, scale, qv.f32(), kv.f32(), vv.f32(), gv.f32(), bv.f32(), states.f32(), dy.f32(), nullptr,
+        dq.data(), dk.data(), dv.data(), dg.data(), db.data(), nullptr);
+    for (const OverwrittenGradient* d : {&dq, &dk, &dv, &dg, &db}) d->add_to_cell();
   });
   return out;
 }
@@ -260,7 +230,7 @@ Variable gated_head_rmsnorm(const Variable& x, const Variable& z, const Variable
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const KernelGrads g = kernel_grads({{&gx, xs}, {&gz, xs}});
-      Tensor dw = accumulating(gw, wv.shape());
+      Tensor dw = summed_gradient(gw, wv.shape());
       if (computing())
         kernels::gated_rmsnorm_backward(g.grads[0].f32(), g.grads[1].f32(), dw.f32(), dy.f32(),
                                         xv.f32(), zv.f32(), wv.f32(), rstd.f32(), N, D,

@@ -29,8 +29,8 @@ Variable sigmoid_gated(const Variable& x, const Variable& gate);
 // `state` (B, Hv, dk, dv), which receives the state after x, in the recurrent form.
 Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& v,
                           const Variable& g, const Variable& beta, int64_t key_heads,
-                          int64_t value_heads, float scale, int64_t chunk = 64,
-                          Tensor* state = nullptr);
+                          int64_t value_heads, float scale, Tensor* state = nullptr,
+                          int64_t chunk = 64);
 // x, z (..., H * D), w (D) -> each head of x RMS-normalised and scaled by w, times silu(z).
 Variable gated_head_rmsnorm(const Variable& x, const Variable& z, const Variable& w, int64_t heads,
                             float eps);

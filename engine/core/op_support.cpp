@@ -3,6 +3,9 @@
 #include <stdexcept>
 
 #include "engine/core/memory.h"
+#include "engine/core/profiler.h"
+#include "kernels/cpu/bf16.h"
+#include "kernels/ops/vector_add.h"
 
 namespace cputrain::op_support {
 
@@ -49,6 +52,36 @@ KernelGrads kernel_grads(std::initializer_list<GradSlot> slots) {
       k.grads.push_back(k.accumulate ? cell->get_or_zeros() : cell->get_for_accumulate(&beta));
   }
   return k;
+}
+
+Tensor summed_gradient(const GradRef& cell, const Shape& shape) {
+  return cell ? cell->get_or_zeros() : Tensor::zeros(shape, DType::F32, MemoryCategory::Workspace);
+}
+
+OverwrittenGradient::OverwrittenGradient(const GradRef& cell, const Shape& shape) {
+  float beta = 0.0f;
+  if (cell) {
+    const Tensor& held = cell->get_for_accumulate(&beta);
+    if (beta == 0.0f) {
+      target_ = held;
+      return;
+    }
+    cell_ = held;
+  }
+  target_ = Tensor::empty(shape, DType::F32, MemoryCategory::Workspace);
+}
+
+void OverwrittenGradient::add_to_cell() const {
+  if (cell_.defined() && computing())
+    kernels::vector_accumulate(cell_.f32(), target_.f32(), target_.numel());
+}
+
+Tensor as_f32(const Tensor& t, MemoryCategory category) {
+  if (t.dtype() == DType::F32) return t;
+  Tensor f = Tensor::empty(t.shape(), DType::F32, category);
+  profiler::Scope scope("to fp32", profiler::Pass::Enclosing);
+  if (computing()) kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
+  return f;
 }
 
 }  // namespace cputrain::op_support

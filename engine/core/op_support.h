@@ -40,4 +40,25 @@ struct GradSlot {
 };
 KernelGrads kernel_grads(std::initializer_list<GradSlot> slots);
 
+// A gradient for a kernel that adds into it: the cell's (zeros on first use), or zeroed scratch
+// of `shape` where nothing wants it.
+Tensor summed_gradient(const GradRef& cell, const Shape& shape);
+
+// Where a kernel that overwrites its output writes the gradient of `cell` (of `shape`): the
+// cell's own tensor where it holds nothing yet, else (or where nothing wants it) scratch, which
+// add_to_cell() then adds into the cell's.
+class OverwrittenGradient {
+ public:
+  OverwrittenGradient(const GradRef& cell, const Shape& shape);
+  float* data() const { return target_.f32(); }
+  void add_to_cell() const;
+
+ private:
+  Tensor target_, cell_;
+};
+
+// A saved tensor as FP32, for kernels that compute in FP32: itself, or its widening from bf16,
+// counted as `category`.
+Tensor as_f32(const Tensor& t, MemoryCategory category = MemoryCategory::Workspace);
+
 }  // namespace cputrain::op_support

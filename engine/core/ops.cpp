@@ -56,15 +56,6 @@ uint16_t* bf16_or_null(const Tensor& t) {
   return t.defined() ? t.bf16() : nullptr;
 }
 
-// A saved tensor as FP32, for kernels that compute in FP32: itself, or a workspace copy.
-Tensor as_f32(const Tensor& t) {
-  if (t.dtype() == DType::F32) return t;
-  Tensor f = Tensor::empty(t.shape(), DType::F32, MemoryCategory::Workspace);
-  Scope scope("to fp32", Pass::Enclosing);
-  if (computing()) kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
-  return f;
-}
-
 Tensor to_bf16(const Tensor& t) {
   Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
   Scope scope("to bf16", Pass::Enclosing);
@@ -514,8 +505,7 @@ Variable rmsnorm_groups(const Variable& x, const Variable& w, float eps, float o
       // The kernel produces both gradients; a side nobody needs goes to scratch.
       const KernelGrads gxs = kernel_grads({{&gx, Shape{N, C}}});
       const Tensor& dx = gxs.grads[0];
-      Tensor dw =
-          gw ? gw->get_or_zeros() : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
+      Tensor dw = summed_gradient(gw, Shape{C});
       if (!computing()) return;
       if (xs.dtype() == DType::BF16)
         kernels::rmsnorm_backward(dx.f32(), dw.f32(), dy.f32(), xs.bf16(), wv.f32(), rstd.f32(), N,
@@ -573,11 +563,7 @@ Variable layernorm(const Variable& x, const Variable& w, const Variable& b, floa
       if (!dy.defined()) return;
       const KernelGrads gxs = kernel_grads({{&gx, Shape{N, C}}});
       const Tensor& dx = gxs.grads[0];
-      const auto sums = [C](const GradRef& g) {
-        return g ? g->get_or_zeros()
-                 : Tensor::zeros(Shape{C}, DType::F32, MemoryCategory::Workspace);
-      };
-      Tensor dw = sums(gw), db = sums(gb);
+      Tensor dw = summed_gradient(gw, Shape{C}), db = summed_gradient(gb, Shape{C});
       if (!computing()) return;
       if (xs.dtype() == DType::BF16)
         kernels::layernorm_backward(dx.f32(), dw.f32(), db.f32(), dy.f32(), xs.bf16(), wv.f32(),

@@ -326,7 +326,8 @@ TEST(OpsGradient, GatedDeltaRule) {
   check_gradients(
       [](const auto& v) {
         return gated_delta_rule(head_l2norm(v[0], 2, 1e-6f), head_l2norm(v[1], 2, 1e-6f), v[2],
-                                deltanet_decay(v[3], v[4], v[5]), sigmoid(v[6]), 2, 4, 0.5f, 4);
+                                deltanet_decay(v[3], v[4], v[5]), sigmoid(v[6]), 2, 4, 0.5f,
+                                nullptr, 4);
       },
       {random_tensor(Shape{2, 9, 2 * 3}, rng), random_tensor(Shape{2, 9, 2 * 3}, rng),
        random_tensor(Shape{2, 9, 4 * 2}, rng), random_tensor(Shape{2, 9, 4}, rng),
