@@ -278,6 +278,13 @@ std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layer
   return out;
 }
 
+std::vector<int64_t> step_linear_layers(const Architecture& arch, int64_t layers) {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; arch.linear_attention_step > 0 && i < layers; ++i)
+    if ((i + 1) % arch.linear_attention_step != 0) out.push_back(i);
+  return out;
+}
+
 void require_files(const Architecture& arch, const std::string& what) {
   if (!arch.files)
     throw UserError(what + ": " + std::string(arch.name) +
@@ -327,12 +334,10 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   c.attn_softcap = arch.default_attn_softcap;
   c.final_softcap = arch.default_final_softcap;
   c.attn_output_gate = arch.attn_output_gate;
-  c.linear_layers.clear();
+  c.linear_layers = step_linear_layers(arch, c.n_layers);
   if (arch.linear_attention_step > 0) {
     // Qwen3.5's proportions: key heads half the query heads, value heads as many, each of the
     // attention head's width; RoPE on a quarter of each head.
-    for (int64_t i = 0; i < c.n_layers; ++i)
-      if ((i + 1) % arch.linear_attention_step != 0) c.linear_layers.push_back(i);
     c.linear_key_heads = std::max<int64_t>(1, c.n_heads / 2);
     c.linear_value_heads = c.n_heads;
     c.linear_key_dim = c.linear_value_dim = c.head_size();

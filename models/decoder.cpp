@@ -65,21 +65,17 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
       b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
       b.wv = params.add(l + "attention.wv.weight", Shape{KV, C}, true, true);
-    }
-    if (config.attn_output_gate && !b.linear)
-      b.wg = params.add(l + "attention.wg.weight", Shape{Q, C}, true, true);
-    if (b.linear) {
-      // nothing of attention's below
-    } else if (config.qkv_bias) {
-      b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
-      b.bk = params.add(l + "attention.wk.bias", Shape{KV}, false);
-      b.bv = params.add(l + "attention.wv.bias", Shape{KV}, false);
-    }
-    if (config.qk_norm && !b.linear) {
-      b.q_norm = params.add(l + "attention.q_norm.weight", Shape{config.head_size()}, false);
-      b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
-    }
-    if (!b.linear) {
+      if (config.attn_output_gate)
+        b.wg = params.add(l + "attention.wg.weight", Shape{Q, C}, true, true);
+      if (config.qkv_bias) {
+        b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
+        b.bk = params.add(l + "attention.wk.bias", Shape{KV}, false);
+        b.bv = params.add(l + "attention.wv.bias", Shape{KV}, false);
+      }
+      if (config.qk_norm) {
+        b.q_norm = params.add(l + "attention.q_norm.weight", Shape{config.head_size()}, false);
+        b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
+      }
       b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
       b.bo = bias_of(dense, l + "attention.wo.bias", C);
     }

@@ -482,10 +482,8 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   const std::string arch(description.name);
   if (description.linear_attention_step > 0) {
     // llama.cpp's qwen35: heads of one width for keys and values, and its pattern of layers.
-    std::vector<int64_t> pattern;
-    for (int64_t i = 0; i < c.n_layers; ++i)
-      if ((i + 1) % description.linear_attention_step != 0) pattern.push_back(i);
-    if (c.linear_key_dim != c.linear_value_dim || c.linear_layers != pattern)
+    if (c.linear_key_dim != c.linear_value_dim ||
+        c.linear_layers != step_linear_layers(description, c.n_layers))
       throw UserError(path + ": llama.cpp's " + arch +
                       " holds Gated DeltaNet heads of one width for keys and values, in every "
                       "layer but each " +
