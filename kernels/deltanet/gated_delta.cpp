@@ -71,6 +71,7 @@ template <class T>
 struct Chunk {
   int64_t n = 0, dk = 0, dv = 0;
   std::vector<T> q, k, v, beta, G, eG;  // G: the decay summed from the chunk's start; eG: exp(G)
+  std::vector<T> E;                     // n x n: exp(G_i - G_j) for j <= i, 0 above
   std::vector<T> kk;                    // n x n: k_i.k_j
   std::vector<T> X;                     // n x n, strictly lower: beta_i exp(G_i - G_j) k_i.k_j
   std::vector<T> Tinv;                  // n x n: (I + X)^-1, lower
@@ -88,6 +89,7 @@ struct Chunk {
         beta(C),
         G(C),
         eG(C),
+        E(C * C),
         kk(C * C),
         X(C * C),
         Tinv(C * C),
@@ -117,12 +119,15 @@ struct Chunk {
     }
   }
 
-  // X, (I + X)^-1, U~, W, U = U~ - W S0, A and K^.
+  // The decays between positions (each exponent once), X, (I + X)^-1, U~, W, U = U~ - W S0, A
+  // and K^.
   void solve(const T* S0) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) E[i * n + j] = j <= i ? std::exp(G[i] - G[j]) : T(0);
     mm(false, true, n, n, dk, k.data(), dk, k.data(), dk, T(0), kk.data(), n);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < n; ++j)
-        X[i * n + j] = j < i ? beta[i] * std::exp(G[i] - G[j]) * kk[i * n + j] : T(0);
+        X[i * n + j] = j < i ? beta[i] * E[i * n + j] * kk[i * n + j] : T(0);
     // Row i of (I + X)^-1: e_i less the rows before it weighted by X's row i.
     std::fill_n(Tinv.begin(), n * n, T(0));
     for (int64_t i = 0; i < n; ++i) {
@@ -140,10 +145,9 @@ struct Chunk {
     for (int64_t x = 0; x < n * dv; ++x) U[x] = Ut[x] - U[x];
     mm(false, true, n, n, dk, q.data(), dk, k.data(), dk, T(0), A.data(), n);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < n; ++j)
-        A[i * n + j] = j <= i ? std::exp(G[i] - G[j]) * A[i * n + j] : T(0);
+      for (int64_t j = 0; j < n; ++j) A[i * n + j] = E[i * n + j] * A[i * n + j];
     for (int64_t j = 0; j < n; ++j) {
-      const T e = std::exp(G[n - 1] - G[j]);
+      const T e = E[(n - 1) * n + j];
       for (int64_t a = 0; a < dk; ++a) Khat[j * dk + a] = e * k[j * dk + a];
     }
   }
@@ -261,7 +265,6 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
           const T* S0 = states + h.state_at(c);
           ch.solve(S0);
           const T* dO = dout + h.out_at(t0);
-          const T* G = ch.G.data();
           const T* eG = ch.eG.data();
           std::fill_n(dG.begin(), n, 0.0);
           // Through O = exp(G) Q S0 + A U and S_end = exp(G_n) S0 + K^T U:
@@ -279,7 +282,7 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
               const T gij = d * ch.A[i * n + j];
               dG[i] += gij;
               dG[j] -= gij;
-              d *= std::exp(G[i] - G[j]);
+              d *= ch.E[i * n + j];
             }
           // dQ = D K + exp(G) dO S0^T; dK = D^T Q + exp(G_n - G) U dS^T.
           mm(false, false, n, Dk, n, D.data(), n, ch.k.data(), Dk, T(0), dQ.data(), Dk);
@@ -289,7 +292,7 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
           for (int64_t i = 0; i < n; ++i) {
             axpy(eG[i], &P[i * Dk], &dQ[i * Dk], Dk);
             dG[i] += eG[i] * dot(&ch.q[i * Dk], &P[i * Dk], Dk);
-            const T e = std::exp(G[n - 1] - G[i]);
+            const T e = ch.E[(n - 1) * n + i];
             axpy(e, &Y[i * Dk], &dK[i * Dk], Dk);
             const T term = dot(&ch.Khat[i * Dk], &Y[i * Dk], Dk);
             dG[n - 1] += term;
@@ -320,7 +323,7 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
                 continue;
               }
               const T dx = -dX[i * n + j];
-              const T e = std::exp(G[i] - G[j]);
+              const T e = ch.E[i * n + j];
               db[i] += dx * e * ch.kk[i * n + j];
               const T hij = dx * ch.X[i * n + j];
               dG[i] += hij;
