@@ -638,8 +638,8 @@ TEST(LlamaCpp, RunsExportedToGgufComputeTheSameInLlamaCpp) {
       // Windows of 8 on five layers in six, shorter than the text.
       {"gemma3", "--preset tiny --arch gemma3 --layers 6 --sliding-window 8"},
       // Gated DeltaNet in layers 0-2 and 4-6 (2 key heads read by 4 value heads), gated attention
-      // in layers 3 and 7.
-      {"qwen35", "--preset tiny --arch qwen35 --layers 8"}};
+      // in layers 3 and 7; heads of 40, RoPE on 10 of them: five pairs over M-RoPE's sections.
+      {"qwen35", "--preset tiny --arch qwen35 --layers 8 --head-dim 40"}};
   for (const auto& [name, flags] : runs) {
     const fs::path run = dir / name, gguf = dir / (std::string(name) + ".gguf");
     ASSERT_EQ(
