@@ -67,8 +67,21 @@ std::vector<Architecture> table() {
     a.hf_norm_plus_one = true;
     a.linear_attention_step = 4;
     a.attn_output_gate = true;
-    a.files = false;
     a.gguf_names = {{"ffn_norm", "post_attention_norm"}};
+    a.hf_keys = {"attn_output_gate",       "full_attention_interval",
+                 "linear_conv_kernel_dim", "linear_key_head_dim",
+                 "linear_value_head_dim",  "linear_num_key_heads",
+                 "linear_num_value_heads", "rope_parameters",
+                 "mtp_num_hidden_layers",  "mtp_use_dedicated_embeddings"};
+    a.gguf_keys = {"ssm.conv_kernel",
+                   "ssm.inner_size",
+                   "ssm.state_size",
+                   "ssm.time_step_rank",
+                   "ssm.group_count",
+                   "full_attention_interval",
+                   "attention.recurrent_layers",
+                   "rope.dimension_sections",
+                   "nextn_predict_layers"};
     a.summary =
         "Qwen3.5: three of every four layers Gated DeltaNet (linear attention with a recurrent "
         "state), the fourth attention with q/k norms, partial half-split RoPE and a gated output";

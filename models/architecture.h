@@ -98,7 +98,7 @@ struct Architecture {
   bool attn_output_gate = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
   // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
-  // for a whole model written as GGUF where gguf_written says so.
+  // for a whole model read and written as GGUF where gguf_written says so.
   bool files = true;
   bool gguf_written = true;
   // GGUF names of its own for parameters, as hf_names ("ffn_norm" -> "post_attention_norm").

@@ -93,7 +93,8 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     b.b2 = bias_of(dense, l + "feed_forward.w2.bias", C);
     if (arch.post_norms) b.post_ffw_norm = params.add(l + "post_ffw_norm.weight", Shape{C}, false);
     if (lora.active()) {
-      const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2};
+      const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1,
+                                             b.w3, b.w2, b.wz, b.wb, b.wa};
       for (int j = 0; j < kProjectionCount; ++j) {
         // A projection the block does not have (a gate without a gated MLP) takes none.
         if (!lora.on(static_cast<Projection>(j)) || weights[j] < 0) continue;
@@ -106,6 +107,8 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
         if (b.lora_a[k] < 0) b.lora_a[k] = params.add(a, Shape{lora.rank, w.shape[1]}, true, true);
         b.lora_b[k] = params.add(base + "lora_b", Shape{w.shape[0], lora.rank}, true, true);
       }
+      if (b.wg >= 0 && b.lora_a[static_cast<size_t>(Projection::Q)] >= 0)
+        b.lora_b_gate = params.add(l + "attention.wg.lora_b", Shape{Q, lora.rank}, true, true);
     }
     layout.blocks.push_back(b);
   }
@@ -173,6 +176,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
                        b.linear_norm});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
+    v.push_back(b.lora_b_gate);
     return v;
   };
   std::vector<bool> done(params_.infos().size(), false);
@@ -300,8 +304,9 @@ Variable DecoderModel::bias(int index) const {
 }
 
 Variable DecoderModel::project(const Block& b, Projection which, int weight, int bias_index,
-                               const Variable& x, bool rounded) const {
+                               const Variable& x, bool rounded, int lora_b) const {
   const auto j = static_cast<size_t>(which);
+  if (lora_b < 0) lora_b = b.lora_b[j];
   if (b.lora_a[j] < 0 || !adapters_on_)
     return rounded ? linear_rounded(x, p(weight), bias(bias_index))
                    : linear(x, p(weight), bias(bias_index));
@@ -313,7 +318,7 @@ Variable DecoderModel::project(const Block& b, Projection which, int weight, int
   while (group > 0 && b.lora_a[group - 1] == b.lora_a[j]) --group;
   const uint64_t seed =
       splitmix64(dropout_seed_ ^ splitmix64(layer * kProjectionCount + group + 1));
-  return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(b.lora_b[j]), lora_.scale(),
+  return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(lora_b), lora_.scale(),
                      dropout ? static_cast<float>(lora_.dropout) : 0.0f, seed);
 }
 
@@ -323,9 +328,9 @@ Variable DecoderModel::norm(const Variable& x, int weight, int bias_index) const
   return rmsnorm(x, p(weight), config_.norm_eps, config_.norm_offset());
 }
 
-Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool per_row,
+Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool shared_rows,
                                         LinearState* state) {
-  if (per_row)
+  if (shared_rows)
     throw std::invalid_argument(
         "Gated DeltaNet layers over packed rows: each sequence's state would start from the "
         "one before");
@@ -341,16 +346,19 @@ Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool 
   const Variable k =
       head_l2norm(conv(Projection::K, b.wk, b.conv_k, state ? &state->conv_k : nullptr), Hk, eps);
   const Variable v = conv(Projection::V, b.wv, b.conv_v, state ? &state->conv_v : nullptr);
-  const Variable g = deltanet_decay(linear(h, p(b.wa)), p(b.a_log), p(b.dt_bias));
-  const Variable beta = sigmoid(linear(h, p(b.wb)));
+  const Variable g =
+      deltanet_decay(project(b, Projection::Alpha, b.wa, -1, h), p(b.a_log), p(b.dt_bias));
+  const Variable beta = sigmoid(project(b, Projection::Beta, b.wb, -1, h));
   const Variable o =
       gated_delta_rule(q, k, v, g, beta, Hk, Hv, scale, state ? &state->delta : nullptr);
-  const Variable normed = gated_head_rmsnorm(o, linear(h, p(b.wz)), p(b.linear_norm), Hv, eps);
+  const Variable normed =
+      gated_head_rmsnorm(o, project(b, Projection::Z, b.wz, -1, h), p(b.linear_norm), Hv, eps);
   return project(b, Projection::O, b.wo, -1, normed);
 }
 
 Variable DecoderModel::block_forward(const Block& b, const Variable& x, const RopeTables& tables,
-                                     bool per_row, const Attend& attend, LinearState* state) {
+                                     bool per_row, bool shared_rows, const Attend& attend,
+                                     LinearState* state) {
   const bool windowed = config_.windowed_layer(b.layer);
   const Tensor& rope_table = windowed ? tables.windowed : tables.global;
   kernels::AttentionOptions options;
@@ -381,7 +389,7 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   Variable h = norm(x, b.attention_norm, b.attention_norm_bias);
   Variable attended;
   if (b.linear) {
-    attended = linear_attention(b, h, per_row, state);
+    attended = linear_attention(b, h, shared_rows, state);
     h = Variable();
   } else {
     Variable q, k, v;
@@ -389,7 +397,9 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
     k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
     // Attention reads only v's rounding.
     v = project(b, Projection::V, b.wv, b.bv, h, true);
-    const Variable gate = b.wg >= 0 ? linear(h, p(b.wg)) : Variable();
+    // The output gate, q_proj's other half: q's adapter A, a B of its own.
+    const Variable gate =
+        b.wg >= 0 ? project(b, Projection::Q, b.wg, -1, h, false, b.lora_b_gate) : Variable();
     if (!arch_->parallel_block) h = Variable();  // a parallel block's MLP reads it too
     Variable heads = attend(q, k, v, options);
     if (gate.defined()) heads = sigmoid_gated(heads, gate);
@@ -456,7 +466,7 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     table.global = per_row_table(rope_table_);
     table.windowed = config_.rope_swa_apart() ? per_row_table(rope_table_swa_) : table.global;
   }
-  const bool per_row = packing != nullptr;
+  const bool per_row = packing != nullptr, shared_rows = per_row && !packing->alone;
   read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), inputs, embedding_scale());
   const bool recording = read_ahead_queue_ && grad_enabled();
@@ -474,12 +484,12 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     if (checkpointing_ == Checkpointing::Layer) {
       // The region reruns in backward: it holds its own copies of attend and the table.
       x = checkpoint(
-          [this, &b, attend, table, per_row](const Variable& in) {
-            return block_forward(b, in, table, per_row, attend);
+          [this, &b, attend, table, per_row, shared_rows](const Variable& in) {
+            return block_forward(b, in, table, per_row, shared_rows, attend);
           },
           x);
     } else {
-      x = block_forward(b, x, table, per_row, attend);
+      x = block_forward(b, x, table, per_row, shared_rows, attend);
     }
     read_ahead(i, true);
     // The backward pass reaches this just before the block's own backward: the block before's
@@ -697,7 +707,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
       }
       return Variable(att, false);
     };
-    x = block_forward(blocks_[l], x, table, false, attend,
+    x = block_forward(blocks_[l], x, table, false, false, attend,
                       blocks_[l].linear ? &cache.linear[l] : nullptr);
   }
   cache.length = n + m;

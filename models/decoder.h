@@ -64,6 +64,9 @@ class DecoderModel {
                                  const LoraConfig& lora = {});
 
   const ModelConfig& config() const { return config_; }
+  // Whether a state runs along each row (Gated DeltaNet layers): packed rows must then hold one
+  // sequence each (Packing::alone).
+  bool state_along_rows() const { return !config_.linear_layers.empty(); }
   ParameterSet& parameters() { return params_; }
   const ParameterSet& parameters() const { return params_; }
 
@@ -165,9 +168,16 @@ class DecoderModel {
     int dt_bias = -1, a_log = -1, linear_norm = -1;
     bool linear = false;
     int64_t layer = 0;
-    // Each projection's adapter (by Projection), -1 without.
-    std::array<int, kProjectionCount> lora_a{-1, -1, -1, -1, -1, -1, -1};
-    std::array<int, kProjectionCount> lora_b{-1, -1, -1, -1, -1, -1, -1};
+    // Each projection's adapter (by Projection), -1 without; a gated attention's gate takes q's
+    // A and a B of its own (q_proj holds both).
+    std::array<int, kProjectionCount> lora_a = unadapted();
+    std::array<int, kProjectionCount> lora_b = unadapted();
+    int lora_b_gate = -1;
+    static std::array<int, kProjectionCount> unadapted() {
+      std::array<int, kProjectionCount> a;
+      a.fill(-1);
+      return a;
+    }
   };
   struct Layout {
     int tok_embeddings = 0;
@@ -190,11 +200,13 @@ class DecoderModel {
     Tensor global, windowed;
   };
   // One block on x, whose positions take their RoPE angles from the rows of its layer's table.
-  // With `per_row`, a table holds one of T rows for each row of x (ops.h rope).
+  // With `per_row`, a table holds one of T rows for each row of x (ops.h rope); with
+  // `shared_rows`, a row of x holds several sequences (packed, not Packing::alone).
   Variable block_forward(const Block& block, const Variable& x, const RopeTables& tables,
-                         bool per_row, const Attend& attend, LinearState* state = nullptr);
+                         bool per_row, bool shared_rows, const Attend& attend,
+                         LinearState* state = nullptr);
   // A Gated DeltaNet layer's mixing of the normed input h; decoding from and into `state`.
-  Variable linear_attention(const Block& block, const Variable& h, bool per_row,
+  Variable linear_attention(const Block& block, const Variable& h, bool shared_rows,
                             LinearState* state);
   // A block's MLP on its norm's output g, the down projection (and a post-MLP norm) included.
   Variable mlp_forward(const Block& block, Variable g) const;
@@ -220,8 +232,10 @@ class DecoderModel {
   Variable bias(int index) const;
   // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
   // `rounded` as linear_rounded where it has none.
+  // x through projection `which` of the block (weight, bias and its adapter, where it has one);
+  // `lora_b`: a B other than the projection's own (the gate's, which shares q's A).
   Variable project(const Block& block, Projection which, int weight, int bias_index,
-                   const Variable& x, bool rounded = false) const;
+                   const Variable& x, bool rounded = false, int lora_b = -1) const;
 
   ModelConfig config_;
   const Architecture* arch_;  // config_'s description

@@ -108,7 +108,15 @@ void check_rope_dim(const Checker& check, const FileHyperparameters& hp, const A
 // key/value heads from their rows.
 void check_heads(const Checker& check, const FileHyperparameters& hp, const std::string& wq,
                  const std::string& wk, const Architecture& arch, ModelConfig& c) {
-  const std::vector<int64_t> q = check.matrix(wq), k = check.matrix(wk);
+  std::vector<int64_t> q = check.matrix(wq);
+  const std::vector<int64_t> k = check.matrix(wk);
+  // A gated attention's q tensor holds each head's query and output gate.
+  if (c.attn_output_gate) {
+    if (q[0] % 2 != 0)
+      throw UserError(hp.where + ": tensor " + check.name(wq) + " has " + text(q[0]) +
+                      " rows, where each head's query and output gate give an even count");
+    q[0] /= 2;
+  }
   if (q[0] % c.n_heads != 0)
     check.fail(hp.n_heads,
                "does not divide the " + text(q[0]) + " rows of tensor " + check.name(wq));
@@ -162,17 +170,32 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     check.differs(hp.vocab, *hp.vocab.value, embedding, e, {*hp.vocab.value, e[1]});
 
   c.n_layers = check.positive(hp.n_layers);
-  const int64_t blocks = blocks_held(names, hp.naming);
+  const int64_t blocks = blocks_held(names, hp.naming) - hp.extra_blocks;
   if (c.n_layers != blocks)
-    check.fail(hp.n_layers, "differs from the blocks the file holds (" + text(blocks) + ")");
+    check.fail(hp.n_layers, "differs from the blocks the file holds (" + text(blocks) +
+                                (hp.extra_blocks > 0 ? " and " + text(hp.extra_blocks) +
+                                                           " of multi-token prediction)"
+                                                     : ")"));
 
   // Heads: they divide the q projection's rows, each of the head dimension; the key/value heads
   // divide the heads and make the k projection's rows. Where q, k and v are one tensor, its rows
   // are the three's.
   const Architecture& arch = architecture_of(c);
-  const std::string wq = "layers.0.attention.wq.weight", wk = "layers.0.attention.wk.weight";
+  // The first attention layer's (Gated DeltaNet layers have none).
+  int64_t first = 0;
+  while (first < c.n_layers && c.linear_layer(first)) ++first;
+  const std::string at = "layers." + text(first) + ".attention.";
+  const std::string wq = at + "wq.weight", wk = at + "wk.weight";
   c.n_heads = check.positive(hp.n_heads);
-  if (arch.fused_qkv) {
+  if (first == c.n_layers) {
+    // No attention layer: the heads as the keys give them.
+    c.n_kv_heads = hp.n_kv_heads.value ? check.positive(hp.n_kv_heads) : c.n_heads;
+    if (hp.head_dim.value) c.head_dim = check.positive(hp.head_dim);
+    if (c.n_kv_heads > c.n_heads || c.n_heads % c.n_kv_heads != 0)
+      check.fail(hp.n_kv_heads, c.n_kv_heads,
+                 "does not divide " + hp.n_heads.key + " " + text(c.n_heads));
+    check_rope_dim(check, hp, arch, c.head_size(), c);
+  } else if (arch.fused_qkv) {
     const std::string wqkv = "layers.0.attention.wqkv.weight";
     const std::vector<int64_t> qkv = check.matrix(wqkv);
     int64_t head = 0;

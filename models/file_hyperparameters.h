@@ -39,6 +39,9 @@ struct FileHyperparameters {
   FileHyperparameter ffn;         // required
   FileHyperparameter ctx;         // required (a format's default given as its value)
   FileHyperparameter rope_dim;    // optional: the head dimension
+  // Blocks the file holds after the model's n_layers that the model leaves out (a
+  // multi-token-prediction block, numbered after the model's layers).
+  int64_t extra_blocks = 0;
 };
 
 // The shape of the file's tensor `name` (in the file's naming) as DecoderModel holds it (a matrix

@@ -1,6 +1,7 @@
 #include "models/gguf_model.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <set>
@@ -48,6 +49,99 @@ std::string number_text(double v) {
   return buf;
 }
 
+// The most any Gated DeltaNet count may be: above every model's, well within int64 products.
+constexpr int64_t kMaxLinearCount = int64_t{1} << 20;
+
+// Qwen3.5's Gated DeltaNet layers (attention.recurrent_layers, else all but every
+// full_attention_interval-th) and their heads (the ssm.* keys), for a model of the file's
+// blocks less its multi-token-prediction ones (nextn_predict_layers, which the model leaves out).
+void read_linear_attention(const GgufFile& file, const std::string& p, const Architecture& arch,
+                           FileHyperparameters& hp, ModelConfig& c) {
+  const auto count = [&](const std::string& key, bool required, int64_t fallback) {
+    if (!file.find(p + key)) {
+      if (required) throw UserError(file.path() + ": no metadata " + p + key);
+      return fallback;
+    }
+    const int64_t v = file.integer(p + key);
+    if (v <= 0 || v > kMaxLinearCount)
+      throw UserError(file.path() + ": " + p + key + " " + std::to_string(v) +
+                      " must be positive and at most " + std::to_string(kMaxLinearCount));
+    return v;
+  };
+  if (!hp.n_layers.value) throw UserError(file.path() + ": no metadata " + hp.n_layers.key);
+  const int64_t blocks = *hp.n_layers.value;
+  const int64_t extra =
+      file.find(p + "nextn_predict_layers") ? file.integer(p + "nextn_predict_layers") : 0;
+  if (extra < 0 || (extra > 0 && extra >= blocks))
+    throw UserError(file.path() + ": " + p + "nextn_predict_layers " + std::to_string(extra) +
+                    " must be at least 0 and below " + hp.n_layers.key + " " +
+                    std::to_string(blocks));
+  hp.n_layers.value = blocks - extra;
+  hp.extra_blocks = extra;
+  const int64_t layers = blocks - extra;
+  c.linear_layers.clear();
+  if (const GgufValue* r = file.find(p + "attention.recurrent_layers")) {
+    if (static_cast<int64_t>(r->numbers.size()) != blocks)
+      throw UserError(file.path() + ": " + p + "attention.recurrent_layers has " +
+                      std::to_string(r->numbers.size()) + " values for " + std::to_string(blocks) +
+                      " blocks");
+    for (int64_t i = 0; i < blocks; ++i) {
+      if (r->numbers[static_cast<size_t>(i)] == 0.0) continue;
+      if (i >= layers)
+        throw UserError(file.path() + ": " + p + "attention.recurrent_layers marks block " +
+                        std::to_string(i) + ", of multi-token prediction, Gated DeltaNet");
+      c.linear_layers.push_back(i);
+    }
+  } else {
+    const int64_t interval = count("full_attention_interval", false, arch.linear_attention_step);
+    for (int64_t i = 0; i < layers; ++i)
+      if ((i + 1) % interval != 0) c.linear_layers.push_back(i);
+  }
+  c.linear_conv = count("ssm.conv_kernel", true, 0);
+  c.linear_key_dim = count("ssm.state_size", true, 0);
+  c.linear_key_heads = count("ssm.group_count", true, 0);
+  c.linear_value_heads = count("ssm.time_step_rank", true, 0);
+  const int64_t inner = count("ssm.inner_size", true, 0);
+  if (inner != c.linear_value_heads * c.linear_key_dim)
+    throw UserError(file.path() + ": " + p + "ssm.inner_size " + std::to_string(inner) +
+                    " differs from ssm.time_step_rank " + std::to_string(c.linear_value_heads) +
+                    " value heads of ssm.state_size " + std::to_string(c.linear_key_dim));
+  c.linear_value_dim = c.linear_key_dim;
+  if (c.linear_value_heads % c.linear_key_heads != 0)
+    throw UserError(file.path() + ": " + p + "ssm.time_step_rank " +
+                    std::to_string(c.linear_value_heads) + " value heads are not a multiple of " +
+                    p + "ssm.group_count " + std::to_string(c.linear_key_heads));
+  c.attn_output_gate = arch.attn_output_gate;
+}
+
+// M-RoPE's sections (rope.dimension_sections): text gives the first three the token's position
+// and the fourth 0, so RoPE rotates as plain RoPE where the sections give every rotated pair one
+// of the first three (llama.cpp's interleaved M-RoPE: pair i's sector i % their sum is the
+// first's where a multiple of 3 below 3 x its count, and so on).
+void check_rope_sections(const GgufFile& file, const std::string& p, const ModelConfig& c) {
+  const GgufValue* v = file.find(p + "rope.dimension_sections");
+  if (!v) throw UserError(file.path() + ": no metadata " + p + "rope.dimension_sections");
+  const std::vector<double>& s = v->numbers;
+  double sum = 0.0;
+  for (const double x : s) sum += x;
+  const int64_t pairs = c.rope_dims() / 2;
+  if (s.size() != 4 || std::any_of(s.begin(), s.end(), [](double x) { return x < 0.0; }) ||
+      !(sum > 0.0) || sum > static_cast<double>(c.rope_dims()))
+    throw UserError(file.path() + ": " + p +
+                    "rope.dimension_sections must be four counts, their sum positive and at most "
+                    "rope.dimension_count " +
+                    std::to_string(c.rope_dims()));
+  for (int64_t i = 0; i < pairs; ++i) {
+    const auto sector = static_cast<int64_t>(std::fmod(static_cast<double>(i), sum));
+    const int64_t which = sector % 3;
+    if (sector >= 3 * static_cast<int64_t>(s[static_cast<size_t>(which)]))
+      throw UserError(file.path() + ": " + p + "rope.dimension_sections leave RoPE pair " +
+                      std::to_string(i) +
+                      " of text unrotated, which cputrain does not compute (it rotates every "
+                      "pair of rope.dimension_count)");
+  }
+}
+
 }  // namespace
 
 std::string gguf_supported_architectures() {
@@ -61,7 +155,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     throw UserError(file.path() + ": architecture " + name +
                     ", which cputrain does not compute (it computes " +
                     gguf_supported_architectures() + ")");
-  require_files(*arch, file.path());
+  if (!arch->gguf_written) require_files(*arch, file.path());
   const std::string p = name + ".";
   for (const auto& [key, value] : file.metadata()) {
     if (!key.starts_with(p)) continue;
@@ -123,6 +217,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   c.qkv_bias = arch->qkv_bias == Presence::Always ||
                (arch->qkv_bias == Presence::Optional && file.tensor("blk.0.attn_q.bias"));
   c.qk_norm = arch->qk_norm;
+  if (arch->linear_attention_step > 0) read_linear_attention(file, p, *arch, hp, c);
   std::vector<std::string> names;
   names.reserve(file.tensors().size());
   for (const GgufTensor& t : file.tensors()) names.push_back(t.name);
@@ -140,6 +235,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
                     "attention.value_length differs from key_length, "
                     "which cputrain does not compute");
   c.no_rope_layers = step_no_rope_layers(*arch, c.n_layers);
+  if (arch->linear_attention_step > 0) check_rope_sections(file, p, c);
   // RoPE scaling as factors of each frequency: rope_freqs (Llama 3.1/3.2's), or Phi-3's longrope
   // short and long ones.
   const auto factors = [&](const char* tensor, const char* type) -> std::vector<float> {
@@ -246,13 +342,26 @@ const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info
   return *t;
 }
 
+// The block of tensor `name` ("blk.12.attn_q.weight": 12); -1 where it is no block's.
+int64_t gguf_block_of(const std::string& name) {
+  if (!name.starts_with("blk.")) return -1;
+  int64_t block = 0;
+  size_t i = 4;
+  for (; i < name.size() && i < 12 && std::isdigit(static_cast<unsigned char>(name[i])); ++i)
+    block = block * 10 + (name[i] - '0');
+  return i > 4 && i < name.size() && name[i] == '.' ? block : -1;
+}
+
 // Every tensor of the file is one of `used`'s (a tied model's may hold the head as well, a copy
 // of the embedding); a UserError naming the first that is not.
-void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& used) {
+void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& used,
+                            const ModelConfig& config) {
   for (const GgufTensor& t : file.tensors()) {
-    // RoPE factors are read into the configuration (gguf_model_config).
+    // RoPE factors are read into the configuration (gguf_model_config); the blocks after the
+    // model's are its multi-token-prediction ones, left out (gguf_left_out_blocks).
     if (used.count(t.name) || t.name == "output.weight" || t.name == "rope_freqs.weight" ||
-        t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight")
+        t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight" ||
+        gguf_block_of(t.name) >= config.n_layers)
       continue;
     throw UserError(file.path() + ": tensor " + t.name + " has no place in the " +
                     file.string("general.architecture") + " model cputrain computes");
@@ -261,13 +370,22 @@ void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& u
 
 }  // namespace
 
+std::string gguf_left_out(const GgufFile& file, const ModelConfig& config) {
+  int64_t last = -1;
+  for (const GgufTensor& t : file.tensors()) last = std::max(last, gguf_block_of(t.name));
+  if (last < config.n_layers) return "";
+  const std::string first = "blk." + std::to_string(config.n_layers);
+  return " (" + (last == config.n_layers ? first : first + "-" + std::to_string(last)) +
+         ", multi-token prediction, left out)";
+}
+
 void check_gguf_weights(const GgufFile& file, const ModelConfig& config) {
   ParameterSet declared;
   DecoderModel::declare_parameters(config, declared);
   std::set<std::string> used;
   for (const ParameterInfo& info : declared.infos())
     used.insert(gguf_tensor_of(file, info, config).name);
-  check_no_other_tensors(file, used);
+  check_no_other_tensors(file, used, config);
 }
 
 namespace {
@@ -301,23 +419,32 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
       if (in_place_dtype(t->type) != info.mapped_dtype)
         throw std::logic_error("load_gguf_weights: " + name + " mapped as another type");
     } else if (t->type == static_cast<uint32_t>(GgmlType::BF16) &&
-               params.bf16_only(static_cast<int>(i))) {
+               params.bf16_only(static_cast<int>(i)) && !interleaved_part(info, config)) {
       params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
       if (converted != t) values = gguf_tensor_values(file, *t);
       converted = t;
-      params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
+      std::vector<float> mine = part_values(values, info, part, config);
+      // Gated DeltaNet's A: the file's ssm_a is -A, the model holds log A.
+      if (info.name.ends_with(".linear.a_log.weight"))
+        for (float& v : mine) {
+          if (!(v < 0.0f) || !std::isfinite(v))
+            throw UserError(file.path() + ": tensor " + name + " holds " + number_text(v) +
+                            ", where -A (A = exp(A_log)) is negative");
+          v = std::log(-v);
+        }
+      params.write_values(static_cast<int>(i), mine.data());
     }
     used.insert(name);
   }
-  check_no_other_tensors(file, used);
+  check_no_other_tensors(file, used, config);
 }
 
 InPlaceWeight gguf_in_place(const GgufFile& file, const ParameterInfo& parameter,
                             const ModelConfig& config) {
   const TensorPart part = tensor_part(parameter, config, TensorNaming::Gguf);
   const GgufTensor* t = file.tensor(part.name);
-  if (!t || parameter.shape.ndim() != 2) return {};
+  if (!t || parameter.shape.ndim() != 2 || interleaved_part(parameter, config)) return {};
   const DType dtype = in_place_dtype(t->type);
   if (dtype == DType::F32) return {};
   const std::vector<int64_t> dims{parameter.shape[1], part.tensor_rows};
@@ -396,17 +523,25 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
   lora.alpha = file.number("adapter.lora.alpha", 0.0);
   // Each tensor name's projections: a fused tensor's are its parts'.
   const Architecture* arch = find_architecture(file.string("general.architecture", ""));
-  const bool fused_qkv = arch && arch->fused_qkv, fused_gate_up = arch && arch->fused_gate_up;
+  const bool fused_gate_up = arch && arch->fused_gate_up;
+  // q, k and v in one: Phi-3's attention, Qwen3.5's Gated DeltaNet layers.
+  const bool fused_qkv = arch && (arch->fused_qkv || arch->linear_attention_step > 0);
+  const bool linear = arch && arch->linear_attention_step > 0;
   using P = Projection;
+  const std::vector<P> none;
   const std::pair<const char*, std::vector<P>> gguf_names[] = {
       {"attn_q", {P::Q}},
       {"attn_k", {P::K}},
       {"attn_v", {P::V}},
-      {"attn_qkv", fused_qkv ? std::vector<P>{P::Q, P::K, P::V} : std::vector<P>{}},
+      {"attn_qkv", fused_qkv ? std::vector<P>{P::Q, P::K, P::V} : none},
       {"attn_output", {P::O}},
       {"ffn_gate", {P::Gate}},
       {"ffn_up", fused_gate_up ? std::vector<P>{P::Gate, P::Up} : std::vector<P>{P::Up}},
-      {"ffn_down", {P::Down}}};
+      {"ffn_down", {P::Down}},
+      {"ssm_out", linear ? std::vector<P>{P::O} : none},
+      {"attn_gate", linear ? std::vector<P>{P::Z} : none},
+      {"ssm_beta", linear ? std::vector<P>{P::Beta} : none},
+      {"ssm_alpha", linear ? std::vector<P>{P::Alpha} : none}};
   for (const GgufTensor& t : file.tensors()) {
     if (!t.name.ends_with(".weight.lora_a") && !t.name.ends_with(".weight.lora_b"))
       throw UserError(file.path() + ": tensor " + t.name + " is not a LoRA adapter's");
@@ -467,9 +602,7 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
     const ParameterInfo& info = params.infos()[i];
     if (converted != t) all = gguf_tensor_values(file, *t);
     converted = t;
-    const int64_t row = info.shape[1];
-    std::vector<float> values(all.begin() + part.first_row * row,
-                              all.begin() + (part.first_row + part.rows) * row);
+    std::vector<float> values = part_values(all, info, part, c);
     reorder_qk_rows(values, info, c, arch.gguf_rope_pairs, c.rope_pairs);
     params.write_values(static_cast<int>(i), values.data());
   }

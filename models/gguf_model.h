@@ -26,6 +26,11 @@ std::string gguf_supported_architectures();
 // where its factors are Llama 3's, else as the factors alone.
 ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx);
 
+// What of the file the model of `config` leaves out, as llama.cpp leaves it out of its forward
+// pass, for the line that names the model: " (blk.24, multi-token prediction, left out)"; empty
+// where nothing.
+std::string gguf_left_out(const GgufFile& file, const ModelConfig& config);
+
 // Checks, before anything is allocated for the model, what load_gguf_weights checks: every
 // parameter of a model of `config` (no adapters) has its tensor in the file, of its shape and of a
 // type cputrain converts, and every tensor of the file has its place. A UserError naming the file

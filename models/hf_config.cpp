@@ -194,6 +194,70 @@ std::vector<int64_t> hf_no_rope_layers(const ConfigValues& values, const Archite
   return out;
 }
 
+// Qwen3.5's Gated DeltaNet layers (layer_types' linear_attention, else all but every
+// full_attention_interval-th) and their heads (linear_*), its gated attention, and its RoPE
+// (rope_parameters: the base, the rotated part of each head, M-RoPE's sections, which text
+// rotates as plain RoPE).
+void hf_linear_attention(const ConfigValues& values, const Architecture& arch, ModelConfig& c,
+                         int64_t layers, const std::string& where) {
+  const auto count = [&](const char* key) {
+    const std::optional<int64_t> v = values.whole(key);
+    if (!v) throw UserError(where + ": no " + key);
+    if (*v <= 0 || *v > (int64_t{1} << 20))
+      throw UserError(where + ": " + key + " " + std::to_string(*v) +
+                      " must be positive and at most 1048576");
+    return *v;
+  };
+  c.linear_layers.clear();
+  if (const json* types = values.find("layer_types")) {
+    if (!types->is_array() || static_cast<int64_t>(types->size()) != layers)
+      throw UserError(where + ": layer_types " + json_shown(*types) + " is not a list of " +
+                      std::to_string(layers) + " layer types");
+    for (int64_t i = 0; i < layers; ++i) {
+      const json& t = (*types)[static_cast<size_t>(i)];
+      if (t == "linear_attention")
+        c.linear_layers.push_back(i);
+      else if (t != "full_attention")
+        throw UserError(where + ": layer_types holds " + json_shown(t) +
+                        ", which cputrain does not compute (it computes linear_attention and "
+                        "full_attention)");
+    }
+  } else {
+    const int64_t interval =
+        values.whole("full_attention_interval").value_or(arch.linear_attention_step);
+    if (interval <= 0)
+      throw UserError(where + ": full_attention_interval " + std::to_string(interval) +
+                      " must be positive");
+    for (int64_t i = 0; i < layers; ++i)
+      if ((i + 1) % interval != 0) c.linear_layers.push_back(i);
+  }
+  c.linear_conv = count("linear_conv_kernel_dim");
+  c.linear_key_dim = count("linear_key_head_dim");
+  c.linear_value_dim = count("linear_value_head_dim");
+  c.linear_key_heads = count("linear_num_key_heads");
+  c.linear_value_heads = count("linear_num_value_heads");
+  if (!values.flag("attn_output_gate", true))
+    throw UserError(where + ": attn_output_gate false, which cputrain does not compute for " +
+                    std::string(arch.name));
+  c.attn_output_gate = true;
+  if (values.flag("mtp_use_dedicated_embeddings", false))
+    throw UserError(where + ": mtp_use_dedicated_embeddings, which cputrain does not read");
+  if (const json* rope = values.find("rope_parameters")) {
+    if (!rope->is_object())
+      throw UserError(where + ": rope_parameters " + json_shown(*rope) + " is not an object");
+    const ConfigValues r(*rope, where + ": rope_parameters");
+    for (const auto& [key, value] : rope->items())
+      if (key != "rope_type" && key != "rope_theta" && key != "partial_rotary_factor" &&
+          key != "mrope_section" && key != "mrope_interleaved")
+        throw UserError(where + ": rope_parameters." + key + " " + json_shown(value) +
+                        ", which cputrain does not read for " + std::string(arch.name));
+    if (r.text("rope_type", "default") != "default")
+      throw UserError(where + ": rope_parameters.rope_type " + r.text("rope_type", "") +
+                      ", which cputrain does not compute (it computes default)");
+    c.rope_theta = r.number("rope_theta", c.rope_theta);
+  }
+}
+
 // Gemma 3's sliding-window layers: the window, every sliding_window_pattern-th layer global (or
 // layer_types naming each, which must follow such a pattern), the windowed layers' RoPE base
 // (rope_local_base_freq), and the scores' scale (query_pre_attn_scalar^-1/2).
@@ -295,7 +359,8 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (values.number("attention_dropout", 0.0) != 0.0)
     throw UserError(where + ": attention_dropout " + json_shown(*values.find("attention_dropout")) +
                     ", which cputrain does not compute (it computes 0)");
-  if (const json* layer_types = values.find("layer_types"); layer_types && arch->swa_pattern == 0)
+  if (const json* layer_types = values.find("layer_types");
+      layer_types && arch->swa_pattern == 0 && arch->linear_attention_step == 0)
     for (const json& t : *layer_types)
       if (t != "full_attention")
         throw UserError(where + ": layer_types holds " + json_shown(t) +
@@ -340,6 +405,8 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
                (arch->qkv_bias == Presence::Optional && values.flag("attention_bias", false));
   c.qk_norm = arch->qk_norm;
   c.rope_pairs = RopePairs::HalfSplit;
+  if (arch->linear_attention_step > 0 && hp.n_layers.value)
+    hf_linear_attention(values, *arch, c, *hp.n_layers.value, where);
   check_file_hyperparameters(
       hp, weights.names(),
       [&](const std::string& name) -> std::optional<std::vector<int64_t>> {
@@ -348,17 +415,24 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
         return t->shape;
       },
       c);
-  // Partial rotary (Phi-4-mini): RoPE on the first partial_rotary_factor of each head.
-  const double partial = values.number("partial_rotary_factor", 1.0);
+  // Partial rotary (Phi-4-mini): RoPE on the first partial_rotary_factor of each head (Qwen3.5
+  // gives it among rope_parameters).
+  const json* rope_parameters = values.find("rope_parameters");
+  const bool among = arch->linear_attention_step > 0 && rope_parameters &&
+                     rope_parameters->is_object() &&
+                     rope_parameters->contains("partial_rotary_factor");
+  const ConfigValues partial_values(among ? *rope_parameters : j,
+                                    among ? where + ": rope_parameters" : where);
+  const double partial = partial_values.number("partial_rotary_factor", 1.0);
   if (partial != 1.0) {
     const auto rope = static_cast<int64_t>(static_cast<double>(c.head_size()) * partial);
     if (!arch->partial_rotary)
       throw UserError(where + ": partial_rotary_factor " +
-                      json_shown(*values.find("partial_rotary_factor")) +
+                      json_shown(*partial_values.find("partial_rotary_factor")) +
                       ", which cputrain does not compute for " + type);
     if (!(partial > 0.0 && partial < 1.0) || rope <= 0 || rope % 2 != 0)
       throw UserError(where + ": partial_rotary_factor " +
-                      json_shown(*values.find("partial_rotary_factor")) +
+                      json_shown(*partial_values.find("partial_rotary_factor")) +
                       " does not give an even number of the head's " +
                       std::to_string(c.head_size()) + " dimensions");
     c.rope_dim = rope;
@@ -386,11 +460,28 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   return c;
 }
 
+namespace {
+
+// Whether parameter `info`'s values are not its rows of the file's tensor as they lie: q and gate
+// interleaved head by head, or Gated DeltaNet's value heads in another order.
+bool reordered_part(const ParameterInfo& info, const ModelConfig& c) {
+  if (interleaved_part(info, c)) return true;
+  if (info.name.find(".linear.") == std::string::npos || c.linear_value_heads == c.linear_key_heads)
+    return false;
+  std::vector<float> probe(static_cast<size_t>(info.shape.numel()));
+  for (size_t i = 0; i < probe.size(); ++i) probe[i] = static_cast<float>(i);
+  const std::vector<float> before = probe;
+  reorder_value_heads(probe, info, c, false);
+  return probe != before;
+}
+
+}  // namespace
+
 InPlaceWeight hf_in_place(const SafetensorsModel& weights, const ParameterInfo& parameter,
                           const ModelConfig& config) {
   const TensorPart part = tensor_part(parameter, config, TensorNaming::HuggingFace);
   const SafetensorsTensor* t = weights.find(part.name);
-  if (!t || t->dtype != "BF16") return {};
+  if (!t || t->dtype != "BF16" || reordered_part(parameter, config)) return {};
   std::vector<int64_t> shape;
   for (int d = 0; d < parameter.shape.ndim(); ++d) shape.push_back(parameter.shape[d]);
   shape[0] = part.tensor_rows;
@@ -413,6 +504,8 @@ const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const Par
   std::vector<int64_t> expected;
   for (int d = 0; d < info.shape.ndim(); ++d) expected.push_back(info.shape[d]);
   expected[0] = where.tensor_rows;
+  if (info.name.find(".linear.conv_") != std::string::npos)  // Conv1d's [channels, 1, taps]
+    expected.insert(expected.begin() + 1, 1);
   if (t->shape != expected)
     throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
                     shape_text(t->shape) + " where config.json gives " + shape_text(expected));
@@ -425,9 +518,13 @@ const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const Par
 
 // Every tensor of the folder is one of `used`'s (a tied model's folder may hold the head as well;
 // rotary tables are derived, not weights); a UserError naming the first that is not.
-void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std::string>& used) {
+void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std::string>& used,
+                            const ModelConfig& config) {
+  const bool mtp = architecture_of(config).linear_attention_step > 0;
   for (const std::string& name : weights.names()) {
-    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq"))
+    // A multi-token-prediction block (mtp.*, Qwen3.5's) is left out, as llama.cpp leaves it.
+    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq") ||
+        (mtp && name.starts_with("mtp.")))
       continue;
     throw UserError(weights.file_of(name) + ": tensor " + name +
                     " has no place in the model cputrain computes");
@@ -445,7 +542,7 @@ void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config
     hf_tensor_of(weights, info, config, &part);
     used.insert(part.name);
   }
-  check_no_other_tensors(weights, used);
+  check_no_other_tensors(weights, used, config);
 }
 
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
@@ -465,15 +562,18 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
     if (params.mapped(static_cast<int>(i))) {
       if (t->dtype != "BF16")
         throw std::logic_error("load_hf_weights: " + name + " mapped but not BF16");
-    } else if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i))) {
+    } else if (t->dtype == "BF16" && params.bf16_only(static_cast<int>(i)) &&
+               !reordered_part(info, config)) {
       params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
       if (converted != t) values = safetensors_values(weights.file_of(name), name, *t);
       converted = t;
-      params.write_values(static_cast<int>(i), values.data() + part.first_row * row);
+      std::vector<float> mine = part_values(values, info, part, config);
+      reorder_value_heads(mine, info, config, false);
+      params.write_values(static_cast<int>(i), mine.data());
     }
     used.insert(name);
   }
-  check_no_other_tensors(weights, used);
+  check_no_other_tensors(weights, used, config);
 }
 }  // namespace cputrain

@@ -114,20 +114,20 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
                     [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
-    const std::vector<float> values = file_tensor_values(params, t, c, RopePairs::HalfSplit, false);
+    const std::vector<float> values =
+        file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true);
     entries.push_back({t.name, Shape{t.shape[0], t.shape[1]}, "F32",
                        ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1])});
   }
   if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
   write_safetensors((dir / "adapter_model.safetensors").string(), entries);
   // The modules, by the architecture's names (Phi-3's fused qkv_proj and gate_up_proj, Phi-2's
-  // dense, fc1, fc2): the last part of each adapted tensor's name, in the order of the first
-  // block's.
+  // dense, fc1, fc2, Qwen3.5's in_proj_qkv and out_proj beside its attention's q_proj...): the
+  // last part of each adapted tensor's name, in the order the blocks first have them.
   json targets = json::array();
   for (const FileTensor& t :
-       file_tensors(params, c, TensorNaming::HuggingFace, [](const ParameterInfo& info) {
-         return info.name.starts_with("layers.0.") && info.name.ends_with(".lora_b");
-       })) {
+       file_tensors(params, c, TensorNaming::HuggingFace,
+                    [](const ParameterInfo& info) { return info.name.ends_with(".lora_b"); })) {
     const std::string path = t.name.substr(0, t.name.rfind(".lora_B"));
     const std::string module = path.substr(path.rfind('.') + 1);
     if (std::find(targets.begin(), targets.end(), module) == targets.end())
@@ -232,6 +232,34 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                               {"low_freq_factor", c.rope_scaling.low_freq_factor},
                               {"high_freq_factor", c.rope_scaling.high_freq_factor},
                               {"original_max_position_embeddings", c.rope_scaling.original_ctx}};
+  if (arch.linear_attention_step > 0) {
+    // Qwen3.5's: each layer's kind, the DeltaNet heads, RoPE among rope_parameters (M-RoPE's
+    // sections over the rotated pairs, which text rotates as plain RoPE).
+    json types = json::array();
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      types.push_back(c.linear_layer(i) ? "linear_attention" : "full_attention");
+    const int64_t pairs = c.rope_dims() / 2, first = (pairs + 2) / 3,
+                  second = (pairs - first + 1) / 2;
+    config.erase("rope_theta");
+    config.erase("rope_scaling");
+    config.erase("partial_rotary_factor");
+    config.erase("use_sliding_window");
+    config.update({{"layer_types", types},
+                   {"full_attention_interval", arch.linear_attention_step},
+                   {"linear_conv_kernel_dim", c.linear_conv},
+                   {"linear_key_head_dim", c.linear_key_dim},
+                   {"linear_value_head_dim", c.linear_value_dim},
+                   {"linear_num_key_heads", c.linear_key_heads},
+                   {"linear_num_value_heads", c.linear_value_heads},
+                   {"attn_output_gate", c.attn_output_gate},
+                   {"rope_parameters",
+                    {{"rope_type", "default"},
+                     {"rope_theta", c.rope_theta},
+                     {"partial_rotary_factor",
+                      static_cast<double>(c.rope_dims()) / static_cast<double>(c.head_size())},
+                     {"mrope_interleaved", true},
+                     {"mrope_section", {first, second, pairs - first - second}}}}});
+  }
   if (arch.no_rope_layer_step > 0) {
     json layers = json::array();
     for (int64_t i = 0; i < c.n_layers; ++i) layers.push_back(c.rope_in_layer(i) ? 1 : 0);
@@ -249,9 +277,12 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
       throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
   for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
                                           [](const ParameterInfo&) { return true; })) {
+    // Gated DeltaNet's value heads grouped by key head, as Hugging Face holds them.
     const std::vector<float> values =
-        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one);
-    Shape shape = t.shape.size() == 1 ? Shape{t.shape[0]} : Shape{t.shape[0], t.shape[1]};
+        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true);
+    const Shape shape = t.shape.size() == 1   ? Shape{t.shape[0]}
+                        : t.shape.size() == 2 ? Shape{t.shape[0], t.shape[1]}
+                                              : Shape{t.shape[0], t.shape[1], t.shape[2]};
     entries.push_back({t.name, shape, dtype,
                        ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "engine/core/error.h"
@@ -15,7 +16,8 @@
 namespace cputrain {
 
 namespace {
-constexpr std::string_view kNames[kProjectionCount] = {"q", "k", "v", "o", "gate", "up", "down"};
+constexpr std::string_view kNames[kProjectionCount] = {
+    "q", "k", "v", "o", "gate", "up", "down", "in_proj_z", "in_proj_b", "in_proj_a"};
 std::array<bool, kProjectionCount> all_projections() {
   std::array<bool, kProjectionCount> all{};
   all.fill(true);
@@ -41,9 +43,14 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
       targets = all_projections();
       continue;
     }
+    if (name == "in_proj_qkv") {  // Gated DeltaNet's q, k and v in one
+      for (const Projection p : {Projection::Q, Projection::K, Projection::V})
+        targets[static_cast<size_t>(p)] = true;
+      continue;
+    }
     // Phi-2's names of its output, up and down projections.
     const std::pair<std::string_view, std::string_view> aliases[] = {
-        {"dense", "o"}, {"fc1", "up"}, {"fc2", "down"}};
+        {"dense", "o"}, {"fc1", "up"}, {"fc2", "down"}, {"out_proj", "o"}};
     std::string_view canonical = name;
     for (const auto& [alias, to] : aliases)
       if (name == alias) canonical = to;
@@ -62,7 +69,8 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
       }
       throw UserError(flag + " " + list + ": " + what + " (the projections are " +
                       lora_targets_text(all_projections()) +
-                      ", or all; Phi-2's dense, fc1 and fc2 are o, up and down)");
+                      ", or all; Phi-2's dense, fc1 and fc2 are o, up and down; Qwen3.5's "
+                      "in_proj_qkv and out_proj are q, k, v and o)");
     }
   }
   return targets;
@@ -78,18 +86,47 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
   return text;
 }
 
+bool has_projection(const ModelConfig& c, Projection p) {
+  switch (p) {
+    case Projection::Gate:
+      return architecture_of(c).mlp != Mlp::Gelu;
+    case Projection::Z:
+    case Projection::Beta:
+    case Projection::Alpha:
+      return !c.linear_layers.empty();
+    default:
+      return true;
+  }
+}
+
 int64_t projection_width(const ModelConfig& c, Projection p) {
+  // A Gated DeltaNet layer's q, k, v and o are its own widths'.
+  const bool linear = !c.linear_layers.empty();
+  const bool attention = static_cast<int64_t>(c.linear_layers.size()) < c.n_layers;
+  const auto narrowest = [&](int64_t attention_width, int64_t linear_width) {
+    int64_t w = c.d_model;
+    if (attention) w = std::min(w, attention_width);
+    if (linear) w = std::min(w, linear_width);
+    return w;
+  };
   switch (p) {
     case Projection::Q:
+      return narrowest(c.q_dim(), c.linear_qk_dim());
     case Projection::O:
-      return std::min(c.d_model, c.q_dim());
+      return narrowest(c.q_dim(), c.linear_v_dim());
     case Projection::K:
+      return narrowest(c.kv_dim(), c.linear_qk_dim());
     case Projection::V:
-      return std::min(c.d_model, c.kv_dim());
+      return narrowest(c.kv_dim(), c.linear_v_dim());
     case Projection::Gate:
     case Projection::Up:
     case Projection::Down:
       return std::min(c.d_model, c.ffn);
+    case Projection::Z:
+      return std::min(c.d_model, c.linear_v_dim());
+    case Projection::Beta:
+    case Projection::Alpha:
+      return std::min(c.d_model, c.linear_value_heads);
   }
   return 0;
 }
@@ -99,7 +136,7 @@ void check_lora_rank(const ModelConfig& c, const LoraConfig& lora, const std::st
   int narrowest = -1;
   for (int j = 0; j < kProjectionCount; ++j) {
     const auto p = static_cast<Projection>(j);
-    if (lora.on(p) &&
+    if (lora.on(p) && has_projection(c, p) &&
         (narrowest < 0 ||
          projection_width(c, p) < projection_width(c, static_cast<Projection>(narrowest))))
       narrowest = j;
@@ -142,15 +179,22 @@ uint64_t base_fingerprint(const ModelConfig& c, const ParameterSet& params) {
 
 std::string fused_lora_a(const ModelConfig& c, const std::string& lora_a) {
   const Architecture& arch = architecture_of(c);
-  const std::pair<const char*, const char*> fused[] = {{".attention.wq.", ".attention.wqkv."},
-                                                       {".attention.wk.", ".attention.wqkv."},
-                                                       {".attention.wv.", ".attention.wqkv."},
-                                                       {".feed_forward.w1.", ".feed_forward.w13."},
-                                                       {".feed_forward.w3.", ".feed_forward.w13."}};
-  for (const auto& [part, whole] : fused) {
-    const bool qkv = std::string_view(whole) == ".attention.wqkv.";
+  // (part, fused projection, whether the model fuses them)
+  const std::tuple<const char*, const char*, bool> fused[] = {
+      {".attention.wq.", ".attention.wqkv.", arch.fused_qkv},
+      {".attention.wk.", ".attention.wqkv.", arch.fused_qkv},
+      {".attention.wv.", ".attention.wqkv.", arch.fused_qkv},
+      {".feed_forward.w1.", ".feed_forward.w13.", arch.fused_gate_up},
+      {".feed_forward.w3.", ".feed_forward.w13.", arch.fused_gate_up},
+      // Qwen3.5: a Gated DeltaNet layer's in_proj_qkv; a gated attention's q_proj (q and gate).
+      {".linear.wq.", ".linear.wqkv.", !c.linear_layers.empty()},
+      {".linear.wk.", ".linear.wqkv.", !c.linear_layers.empty()},
+      {".linear.wv.", ".linear.wqkv.", !c.linear_layers.empty()},
+      {".attention.wq.", ".attention.wqg.", c.attn_output_gate},
+      {".attention.wg.", ".attention.wqg.", c.attn_output_gate}};
+  for (const auto& [part, whole, on] : fused) {
     const size_t at = lora_a.find(part);
-    if (at == std::string::npos || !(qkv ? arch.fused_qkv : arch.fused_gate_up)) continue;
+    if (at == std::string::npos || !on) continue;
     return lora_a.substr(0, at) + whole + lora_a.substr(at + std::string_view(part).size());
   }
   return lora_a;
@@ -174,6 +218,16 @@ void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std:
     throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
                     " has no gate projection (its MLP is up, GELU, down: fc1 and fc2)");
   check(arch.fused_qkv, {Projection::Q, Projection::K, Projection::V}, "q, k and v", "qkv_proj");
+  check(!c.linear_layers.empty(), {Projection::Q, Projection::K, Projection::V},
+        "q, k and v (in its Gated DeltaNet layers)", "in_proj_qkv");
+  // Gated DeltaNet's projections named for a model without its layers.
+  if (c.linear_layers.empty() &&
+      std::find(lora.targets.begin(), lora.targets.end(), false) != lora.targets.end())
+    for (const Projection p : {Projection::Z, Projection::Beta, Projection::Alpha})
+      if (lora.on(p))
+        throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " +
+                        std::string(arch.name) + " has no " + std::string(projection_name(p)) +
+                        " projection (Gated DeltaNet's)");
   check(arch.fused_gate_up, {Projection::Gate, Projection::Up}, "gate and up", "gate_up_proj");
 }
 

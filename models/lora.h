@@ -15,10 +15,12 @@ namespace cputrain {
 
 class ParameterSet;
 
-// The projections of a block that can take an adapter, in Hugging Face's names.
-enum class Projection { Q, K, V, O, Gate, Up, Down };
-inline constexpr int kProjectionCount = 7;
-// "q", "k", "v", "o", "gate", "up", "down".
+// The projections of a block that can take an adapter, in Hugging Face's names: attention's (in
+// a Gated DeltaNet layer q, k and v are its in_proj_qkv, o its out_proj; a gated attention's q
+// holds its output gate), the MLP's, and Gated DeltaNet's z, beta and alpha projections.
+enum class Projection { Q, K, V, O, Gate, Up, Down, Z, Beta, Alpha };
+inline constexpr int kProjectionCount = 10;
+// "q", "k", "v", "o", "gate", "up", "down", "in_proj_z", "in_proj_b", "in_proj_a".
 std::string_view projection_name(Projection p);
 
 struct LoraConfig {
@@ -32,16 +34,19 @@ struct LoraConfig {
   bool on(Projection p) const { return rank > 0 && targets[static_cast<size_t>(p)]; }
 };
 
-// "q,k,v,o,gate,up,down" (any subset, any order; "all" for the seven; Phi-2's "dense", "fc1" and
-// "fc2" for o, up and down) -> targets. A UserError naming `flag` and the unknown name, listing
-// the known ones.
+// "q,k,v,o,gate,up,down" (any subset, any order; "all" for every one; Phi-2's "dense", "fc1" and
+// "fc2" for o, up and down; Qwen3.5's "in_proj_qkv" for q, k, v and "out_proj" for o) -> targets. A
+// UserError naming `flag` and the unknown name, listing the known ones.
 std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
                                                       const std::string& flag);
 // The targets as parse_lora_targets reads them: "q,k,v,o,gate,up,down".
 std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets);
 
-// The width of projection `p` of a model of `config`: the smaller of its input and output sizes,
-// the most rank an adapter on it can use.
+// Whether a model of `config` has projection `p` (a gate in a gated MLP, Gated DeltaNet's z,
+// beta and alpha in a model with its layers).
+bool has_projection(const ModelConfig& config, Projection p);
+// The width of projection `p` of a model of `config`: the smaller of its input and output sizes
+// (the narrowest over its layers' kinds), the most rank an adapter on it can use.
 int64_t projection_width(const ModelConfig& config, Projection p);
 // A UserError where `lora`'s rank is above the width of one of the projections it adapts, naming
 // `flag` (as the user typed it), the rank and the narrowest such projection:

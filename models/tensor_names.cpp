@@ -56,10 +56,10 @@ constexpr Names kBlockNames[] = {
     {"linear.wo", "ssm_out", "linear_attn.out_proj"},
 };
 
-// The kind a GGUF file gives a Gated DeltaNet parameter's tensor: dt_bias is llama.cpp's
-// ssm_dt.bias, A (as -exp(A_log)) its bare ssm_a.
-std::string gguf_kind(const std::string& rest, const std::string& kind) {
-  if (rest == "linear.dt_bias") return ".bias";
+// The kind a file gives a Gated DeltaNet parameter's tensor: dt_bias is llama.cpp's
+// ssm_dt.bias, A (as -exp(A_log)) its bare ssm_a; Hugging Face's are the bare dt_bias and A_log.
+std::string file_kind(const std::string& rest, const std::string& kind, bool hf) {
+  if (rest == "linear.dt_bias") return hf ? "" : ".bias";
   if (rest == "linear.a_log") return "";
   return kind;
 }
@@ -101,7 +101,7 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming,
     for (const Names& n : kBlockNames) {
       if (rest != n.ours) continue;
       if (const std::string_view* name = own(rest)) return at + std::string(*name) + kind;
-      return at + (hf ? n.hf : n.gguf) + (hf ? kind : gguf_kind(rest, kind));
+      return at + (hf ? n.hf : n.gguf) + file_kind(rest, kind, hf);
     }
   }
   return parameter;
@@ -112,11 +112,12 @@ bool is_norm_gain(const std::string& name) {
 }
 
 std::vector<float> parameter_values(const ParameterSet& params, int index, const ModelConfig& c,
-                                    RopePairs pairs, bool norm_plus_one) {
+                                    RopePairs pairs, bool norm_plus_one, bool grouped) {
   const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
   std::vector<float> values(static_cast<size_t>(info.shape.numel()));
   params.read_values(index, values.data());
   reorder_qk_rows(values, info, c, c.rope_pairs, pairs);
+  if (grouped) reorder_value_heads(values, info, c, true);
   if (norm_plus_one != c.norm_plus_one && is_norm_gain(info.name)) {
     const float shift = norm_plus_one ? -1.0f : 1.0f;
     for (float& v : values) v += shift;
@@ -147,6 +148,46 @@ void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, cons
         const int64_t dst = to == RopePairs::Adjacent ? adjacent : split;
         std::copy_n(values.begin() + src * row, row, out.begin() + dst * row);
       }
+  values.swap(out);
+}
+
+void reorder_value_heads(std::vector<float>& values, const ParameterInfo& info,
+                         const ModelConfig& c, bool to_grouped) {
+  const size_t at = info.name.find(".linear.");
+  if (at == std::string::npos || c.linear_key_heads <= 0) return;
+  const std::string rest = info.name.substr(at + 8);
+  const bool adapter_a = rest.ends_with(".lora_a"), adapter_b = rest.ends_with(".lora_b");
+  const std::string base = rest.substr(0, rest.rfind('.'));
+  // The value heads along rows (or, for the output projection and its A, along columns), of
+  // `dim` elements each.
+  int64_t dim = 0;
+  bool columns = false;
+  if (base == "wv" || base == "wz" || base == "conv_v") {
+    dim = c.linear_value_dim;
+  } else if (base == "wb" || base == "wa" || base == "a_log" || base == "dt_bias") {
+    dim = 1;
+  } else if (base == "wo" && !adapter_b) {
+    dim = c.linear_value_dim;
+    columns = true;
+  }
+  if (dim == 0 || (adapter_a && !columns)) return;
+  const int64_t hk = c.linear_key_heads, per = c.linear_value_heads / hk;
+  const int64_t rows = info.shape[0], cols = info.shape.ndim() == 2 ? info.shape[1] : 1;
+  // Tiled head j * hk + k is grouped head k * per + j.
+  const auto target = [&](int64_t head) {
+    return to_grouped ? (head % hk) * per + head / hk : (head % per) * hk + head / per;
+  };
+  std::vector<float> out(values.size());
+  if (!columns) {
+    for (int64_t h = 0; h < c.linear_value_heads; ++h)
+      std::copy_n(values.begin() + h * dim * cols, dim * cols,
+                  out.begin() + target(h) * dim * cols);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < c.linear_value_heads; ++h)
+        std::copy_n(values.begin() + r * cols + h * dim, dim,
+                    out.begin() + r * cols + target(h) * dim);
+  }
   values.swap(out);
 }
 
@@ -196,6 +237,28 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
   return part;
 }
 
+bool interleaved_part(const ParameterInfo& info, const ModelConfig& c) {
+  if (!c.attn_output_gate) return false;
+  for (const char* part : {".attention.wq.", ".attention.wg."})
+    for (const char* kind : {"weight", "lora_b"})
+      if (info.name.ends_with(std::string(part) + kind)) return true;
+  return false;
+}
+
+std::vector<float> part_values(const std::vector<float>& tensor, const ParameterInfo& info,
+                               const TensorPart& part, const ModelConfig& c) {
+  const int64_t row = info.shape.ndim() == 2 ? info.shape[1] : 1;
+  std::vector<float> values(static_cast<size_t>(part.rows * row));
+  if (!interleaved_part(info, c)) {
+    std::copy_n(tensor.begin() + part.first_row * row, values.size(), values.begin());
+    return values;
+  }
+  const int64_t d = c.head_size(), which = part.first_row == 0 ? 0 : 1;
+  for (int64_t h = 0; h < c.n_heads; ++h)
+    std::copy_n(tensor.begin() + (2 * h + which) * d * row, d * row, values.begin() + h * d * row);
+  return values;
+}
+
 std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConfig& c,
                                      TensorNaming naming,
                                      const std::function<bool(const ParameterInfo&)>& which) {
@@ -211,6 +274,10 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
       FileTensor t{part.name, {}, {}};
       for (int d = 0; d < info.shape.ndim(); ++d) t.shape.push_back(info.shape[d]);
       t.shape[0] = part.tensor_rows;
+      // Hugging Face's Conv1d weight: [channels, 1, taps].
+      if (naming == TensorNaming::HuggingFace &&
+          info.name.find(".linear.conv_") != std::string::npos)
+        t.shape.insert(t.shape.begin() + 1, 1);
       out.push_back(std::move(t));
       first_rows.emplace_back();
     }
@@ -231,15 +298,19 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
 }
 
 std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& t,
-                                      const ModelConfig& c, RopePairs pairs, bool norm_plus_one) {
+                                      const ModelConfig& c, RopePairs pairs, bool norm_plus_one,
+                                      bool grouped) {
   std::vector<float> values;
   for (const int index : t.parts) {
-    const std::vector<float> part = parameter_values(params, index, c, pairs, norm_plus_one);
+    const std::vector<float> part =
+        parameter_values(params, index, c, pairs, norm_plus_one, grouped);
     values.insert(values.end(), part.begin(), part.end());
   }
   // Attention's q and output gate (Qwen3.5): each head's q rows, then its gate's.
-  const bool gated = c.attn_output_gate && t.parts.size() == 2 &&
-                     params.infos()[static_cast<size_t>(t.parts[1])].name.ends_with(".wg.weight");
+  const std::string& second =
+      t.parts.size() == 2 ? params.infos()[static_cast<size_t>(t.parts[1])].name : "";
+  const bool gated =
+      c.attn_output_gate && (second.ends_with(".wg.weight") || second.ends_with(".wg.lora_b"));
   if (gated) {
     const int64_t d = c.head_size(), row = t.shape.size() == 2 ? t.shape[1] : 1;
     std::vector<float> heads(values.size());

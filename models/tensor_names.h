@@ -33,9 +33,18 @@ std::string tensor_name(const std::string& parameter, TensorNaming naming,
 // attention. An RMSNorm's gains as the file wants them: less 1 where `norm_plus_one` (Gemma's
 // Hugging Face files), whole where not, whichever way the model holds them
 // (ModelConfig::norm_plus_one).
+// With `grouped`, Gated DeltaNet's value heads in Hugging Face's order (reorder_value_heads).
 std::vector<float> parameter_values(const ParameterSet& params, int index,
                                     const ModelConfig& config, RopePairs pairs,
-                                    bool norm_plus_one = false);
+                                    bool norm_plus_one = false, bool grouped = false);
+
+// Gated DeltaNet's value heads (of v, z, beta's and a's rows, A and dt_bias, v's convolution,
+// the output projection's columns, and their adapters' rows or columns) from the model's order,
+// tiled over the key heads they read as llama.cpp holds them (k0v0, k1v0, k0v1, k1v1), to Hugging
+// Face's, grouped by key head (k0v0, k0v1, k1v0, k1v1); back where `to_grouped` is false.
+// Nothing for another parameter.
+void reorder_value_heads(std::vector<float>& values, const ParameterInfo& info,
+                         const ModelConfig& config, bool to_grouped);
 
 // The same reordering of values already read: `values` of parameter `info`, from the pairing
 // `from` to `to`.
@@ -54,6 +63,16 @@ struct TensorPart {
 };
 TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& config, TensorNaming naming);
 
+// Whether parameter `info`'s rows lie head by head between another's in its file tensor:
+// Qwen3.5's attention q and output gate (and their adapters' B), each head's q rows then its
+// gate's.
+bool interleaved_part(const ParameterInfo& info, const ModelConfig& config);
+
+// Parameter `info`'s values from those of its file tensor (`tensor`, all its rows, at `part`):
+// its rows of a fused one, head by head where interleaved (file_tensor_values' inverse).
+std::vector<float> part_values(const std::vector<float>& tensor, const ParameterInfo& info,
+                               const TensorPart& part, const ModelConfig& config);
+
 // The tensors of a file of `naming` holding the parameters of `params` (a model of `config`)
 // that `which` takes: each once, in the order of its first parameter, with the indices of its
 // parameters in row order.
@@ -69,7 +88,7 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
 // `norm_plus_one` says: parameter_values) one after another.
 std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& tensor,
                                       const ModelConfig& config, RopePairs pairs,
-                                      bool norm_plus_one);
+                                      bool norm_plus_one, bool grouped = false);
 
 // Whether parameter `name` is a norm's gains ("layers.0.ffn_norm.weight", "norm.weight").
 bool is_norm_gain(const std::string& name);

@@ -322,7 +322,8 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       break;
     case SourceKind::Gguf:
       load_gguf_weights(*gguf, m.model->parameters(), m.config);
-      m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held;
+      m.source = "GGUF " + gguf->string("general.architecture") + ", " + path + held +
+                 gguf_left_out(*gguf, m.config);
       break;
   }
   switch (kind) {

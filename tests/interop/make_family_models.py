@@ -37,6 +37,14 @@ Face's rotate-half order:
 - gemma2: Gemma's parts with the post-norms, layers 0 and 2 of 4 within a window of 32 keys (at
   the model's RoPE base), attention scores soft-capped at 1 and the final logits at 5 (small
   caps, so that the tanh bends), Gemma 2's files' keys and defaults (no window pattern key).
+- qwen35: Qwen3.5's hybrid of Gated DeltaNet and gated attention, layers L L L A, 2 key heads of
+  24 read by 4 value heads (Hugging Face's grouped order, which llama.cpp's converter tiles), a
+  causal convolution of 4 taps, attention's q and output gate in one tensor head by head, q/k
+  norms, RoPE on 6 of each head's 24 dimensions (M-RoPE sections 1, 1, 1 as text rotates them),
+  norms of 1 + w (but the DeltaNet output's), a multi-token-prediction block (nextn_predict_layers
+  1 in GGUF, mtp.* in Hugging Face) that both leave out, and a head of its own drawn apart from
+  the embedding, so that the greedy continuation walks the vocabulary as the layers' states move
+  it (with the embedding's head every family's continuation repeats BOS).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -83,6 +91,10 @@ FAMILIES = {
     "gemma": dict(arch="gemma", hf_type="gemma", hf_class="GemmaForCausalLM", d=128, ffn=256,
                   layers=2, heads=4, kv=1, head=64, theta=10000.0, tied=True, adjacent=False,
                   gemma=True, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
+    "qwen35": dict(arch="qwen35", hf_type="qwen3_5_text", hf_class="Qwen3_5ForCausalLM", d=88,
+                   ffn=200, layers=4, heads=4, kv=2, head=24, theta=1e7, tied=False,
+                   adjacent=False, rope_dim=6, qwen35=dict(hk=2, hv=4, dk=24, conv=4, interval=4,
+                                                          sections=[1, 1, 1, 0])),
 }
 
 
@@ -354,6 +366,193 @@ def write_family(name, spec, seed):
         config["use_sliding_window"] = False
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
+    write_tokenizer(folder, tokens, types, gemma)
+
+
+def grouped_to_tiled(a, hk, hv, dim, axis=0):
+    """Value heads from Hugging Face's order grouped by key head [k0v0, k0v1, k1v0, k1v1] to
+    llama.cpp's tiled [k0v0, k1v0, k0v1, k1v1], along `axis` (heads of `dim` elements)."""
+    a = np.moveaxis(a, axis, 0)
+    rest = a.shape[1:]
+    a = a.reshape(hk, hv // hk, dim, *rest).swapaxes(0, 1).reshape(hv * dim, *rest)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
+def write_qwen35(name, spec, seed):
+    rng = np.random.default_rng(seed)
+    d, ffn, layers, heads, kv, head = (spec[k] for k in ("d", "ffn", "layers", "heads", "kv", "head"))
+    q35 = spec["qwen35"]
+    hk, hv, dk, conv, interval = (q35[k] for k in ("hk", "hv", "dk", "conv", "interval"))
+    qk, vd = hk * dk, hv * dk
+
+    def draw(shape, std, mean=0.0):
+        return (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+    def linear_layer(i):
+        return (i + 1) % interval != 0
+
+    # Hugging Face's tensors: norms hold w of 1 + w (but linear_attn.norm, the gain), value heads
+    # grouped by key head, A as A_log.
+    hf = {"model.embed_tokens.weight": draw((VOCAB, d), 0.15)}
+
+    def attention_layer(p):
+        hf[p + "self_attn.q_proj.weight"] = draw((heads * head * 2, d), 0.05)  # q, gate per head
+        hf[p + "self_attn.k_proj.weight"] = draw((kv * head, d), 0.05)
+        hf[p + "self_attn.v_proj.weight"] = draw((kv * head, d), 0.05)
+        hf[p + "self_attn.q_norm.weight"] = draw((head,), 0.1)
+        hf[p + "self_attn.k_norm.weight"] = draw((head,), 0.1)
+        hf[p + "self_attn.o_proj.weight"] = draw((d, heads * head), 0.05)
+
+    def mlp(p):
+        hf[p + "post_attention_layernorm.weight"] = draw((d,), 0.05)
+        hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), 0.05)
+        hf[p + "mlp.up_proj.weight"] = draw((ffn, d), 0.05)
+        hf[p + "mlp.down_proj.weight"] = draw((d, ffn), 0.05)
+
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        hf[p + "input_layernorm.weight"] = draw((d,), 0.05)
+        if linear_layer(i):
+            hf[p + "linear_attn.in_proj_qkv.weight"] = draw((2 * qk + vd, d), 0.05)
+            hf[p + "linear_attn.in_proj_z.weight"] = draw((vd, d), 0.05)
+            hf[p + "linear_attn.in_proj_b.weight"] = draw((hv, d), 0.1)
+            hf[p + "linear_attn.in_proj_a.weight"] = draw((hv, d), 0.1)
+            hf[p + "linear_attn.conv1d.weight"] = draw((2 * qk + vd, 1, conv), 0.3)
+            hf[p + "linear_attn.dt_bias"] = draw((hv,), 0.5)
+            hf[p + "linear_attn.A_log"] = draw((hv,), 0.5)
+            hf[p + "linear_attn.norm.weight"] = draw((dk,), 0.05, 1.0)
+            hf[p + "linear_attn.out_proj.weight"] = draw((d, vd), 0.05)
+        else:
+            attention_layer(p)
+        mlp(p)
+    hf["model.norm.weight"] = draw((d,), 0.05)
+    # A head of its own, not the embedding's: the next token is not the last one, and the layers
+    # move it, so that greedy continuations walk through the vocabulary.
+    hf["lm_head.weight"] = draw((VOCAB, d), 0.15)
+    # The multi-token-prediction block: a full-attention block and its projection and norms.
+    mtp = {}
+    saved = dict(hf)
+    attention_layer("mtp.layers.0.")
+    mlp("mtp.layers.0.")
+    hf["mtp.layers.0.input_layernorm.weight"] = draw((d,), 0.05)
+    for k in [k for k in hf if k.startswith("mtp.")]:
+        mtp[k] = hf.pop(k)
+    mtp["mtp.fc.weight"] = draw((d, 2 * d), 0.05)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{n}.weight"] = draw((d,), 0.05)
+    assert set(hf) == set(saved)
+
+    # GGUF, as llama.cpp's converter writes it.
+    w = gguf.GGUFWriter(f"{OUT}/{name}.gguf", spec["arch"])
+    w.add_context_length(CTX)
+    w.add_embedding_length(d)
+    w.add_block_count(layers + 1)
+    w.add_nextn_predict_layers(1)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(spec["theta"])
+    w.add_rope_dimension_count(spec["rope_dim"])
+    w.add_rope_dimension_sections(q35["sections"])
+    w.add_ssm_conv_kernel(conv)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(vd)
+    w.add_full_attention_interval(interval)
+    w.add_vocab_size(VOCAB)
+    tokens, scores, types = vocabulary()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+             "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+             "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
+             "linear_attn.out_proj": "ssm_out"}
+    tiled = lambda a, axis=0, dim=dk: grouped_to_tiled(a, hk, hv, dim, axis)  # noqa: E731
+    items = list(hf.items()) + [(k.replace("mtp.layers.0.", f"model.layers.{layers}."), a)
+                                for k, a in mtp.items() if k.startswith("mtp.layers.")]
+    for hname, a in items:
+        if hname == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+            continue
+        if hname == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a + np.float32(1.0))
+            continue
+        if hname == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+            continue
+        _, _, layer, rest = hname.split(".", 3)
+        b = f"blk.{layer}."
+        if rest == "linear_attn.A_log":
+            w.add_tensor(b + "ssm_a", -np.exp(tiled(a, dim=1)))
+            continue
+        if rest == "linear_attn.dt_bias":
+            w.add_tensor(b + "ssm_dt.bias", tiled(a, dim=1))
+            continue
+        module, kind = rest.rsplit(".", 1)
+        if module == "linear_attn.in_proj_qkv":
+            a = np.concatenate([a[:2 * qk], tiled(a[2 * qk:])])
+        elif module == "linear_attn.in_proj_z":
+            a = tiled(a)
+        elif module in ("linear_attn.in_proj_a", "linear_attn.in_proj_b"):
+            a = tiled(a, dim=1)
+        elif module == "linear_attn.conv1d":
+            a = a[:, 0, :]
+            a = np.concatenate([a[:2 * qk], tiled(a[2 * qk:])])
+        elif module == "linear_attn.out_proj":
+            a = tiled(a, axis=1)
+        elif module.endswith("norm") and module != "linear_attn.norm":
+            a = a + np.float32(1.0)
+        w.add_tensor(f"{b}{names[module]}.{kind}", a)
+    for n, g in (("fc", "eh_proj"), ("pre_fc_norm_embedding", "enorm"),
+                 ("pre_fc_norm_hidden", "hnorm"), ("norm", "shared_head_norm")):
+        a = mtp[f"mtp.{n}.weight"]
+        w.add_tensor(f"blk.{layers}.nextn.{g}.weight", a if n == "fc" else a + np.float32(1.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    folder = f"{OUT}/{name}_hf"
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors(f"{folder}/model.safetensors", {**hf, **mtp})
+    config = {"architectures": [spec["hf_class"]], "model_type": spec["hf_type"],
+              "vocab_size": VOCAB, "hidden_size": d, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head,
+              "intermediate_size": ffn, "rms_norm_eps": 1e-6, "max_position_embeddings": CTX,
+              "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+              "attention_dropout": 0.0, "attn_output_gate": True,
+              "full_attention_interval": interval,
+              "layer_types": ["linear_attention" if linear_layer(i) else "full_attention"
+                              for i in range(layers)],
+              "linear_conv_kernel_dim": conv, "linear_key_head_dim": dk,
+              "linear_value_head_dim": dk, "linear_num_key_heads": hk,
+              "linear_num_value_heads": hv, "mtp_num_hidden_layers": 1,
+              "mtp_use_dedicated_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": spec["theta"],
+                                  "partial_rotary_factor": spec["rope_dim"] / head,
+                                  "mrope_interleaved": True,
+                                  "mrope_section": q35["sections"][:3]},
+              "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", "use_cache": True}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    write_tokenizer(folder, tokens, types, False)
+
+
+def write_tokenizer(folder, tokens, types, gemma):
     tokenizer = {
         "version": "1.0",
         "added_tokens": [{"id": i, "content": tokens[i], "special": True}
@@ -373,4 +572,4 @@ def write_family(name, spec, seed):
 
 
 for seed, (family, family_spec) in enumerate(FAMILIES.items()):
-    write_family(family, family_spec, 10 + seed)
+    (write_qwen35 if family_spec.get("qwen35") else write_family)(family, family_spec, 10 + seed)

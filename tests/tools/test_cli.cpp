@@ -438,8 +438,8 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   ASSERT_EQ(run("sample --run " + qwen3.string() + " --max-tokens 3").exit_code, 0);
 
   // Qwen3.5: Gated DeltaNet in three of every four layers; it trains, samples from its states,
-  // resumes and exports as GGUF (tests/tools/test_interop.cpp: llama.cpp's logits); a Hugging
-  // Face folder of it is not written yet, and its GGUF not read: one line each, nothing written.
+  // resumes and exports as GGUF (tests/tools/test_interop.cpp: llama.cpp's logits) and as a
+  // Hugging Face folder, each read back as the same model.
   const fs::path qwen35 = dir_ / "qwen35";
   const Result q35 =
       run("--preset tiny --vocab 300 --ctx 32 --batch 4 --arch qwen35 --layers 4 "
@@ -457,12 +457,13 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   ASSERT_EQ(
       run("export --run " + qwen35.string() + " --out " + (dir_ / "q35.gguf").string()).exit_code,
       0);
-  expect_one_line_error(
-      run("export --run " + qwen35.string() + " --out " + (dir_ / "q35_hf").string()),
-      "qwen35 files are not read or written yet");
-  EXPECT_FALSE(fs::exists(dir_ / "q35_hf" / "config.json"));
-  expect_one_line_error(run("inspect " + (dir_ / "q35.gguf").string()),
-                        "qwen35 files are not read or written yet");
+  ASSERT_EQ(
+      run("export --run " + qwen35.string() + " --out " + (dir_ / "q35_hf").string()).exit_code, 0);
+  for (const char* file : {"q35.gguf", "q35_hf"}) {
+    const Result back = run("inspect " + (dir_ / file).string());
+    ASSERT_EQ(back.exit_code, 0) << file << ": " << back.err;
+    EXPECT_NE(back.out.find("Gated DeltaNet in 3 of 4 layers"), std::string::npos) << back.out;
+  }
 
   // A sliding-window architecture takes its window from --sliding-window (else 4096), and
   // samples past it.

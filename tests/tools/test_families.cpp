@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -33,8 +34,8 @@ namespace {
 
 using namespace interop_test;
 
-const char* const kFamilies[] = {"llama3", "qwen3", "smollm3", "phi3",
-                                 "gemma",  "phi2",  "gemma2",  "gemma3"};
+const char* const kFamilies[] = {"llama3", "qwen3",  "smollm3", "phi3",  "gemma",
+                                 "phi2",   "gemma2", "gemma3",  "qwen35"};
 
 // The models of make_family_models.py, once per test binary.
 const fs::path& family_models() {
@@ -99,6 +100,21 @@ void expect_parts(const std::string& family, const ModelConfig& c) {
     EXPECT_EQ(c.rope_scaling.freq_factors, std::vector<float>(32, 8.0f));
     EXPECT_TRUE(c.rope_swa_apart());
     for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(c.windowed_layer(i), i != 5) << i;
+  } else if (family == "qwen35") {
+    EXPECT_EQ(c.architecture, "qwen35");
+    EXPECT_EQ(c.n_layers, 4);  // the multi-token-prediction block left out
+    EXPECT_EQ(c.linear_layers, (std::vector<int64_t>{0, 1, 2}));
+    EXPECT_EQ(c.linear_key_heads, 2);
+    EXPECT_EQ(c.linear_value_heads, 4);
+    EXPECT_EQ(c.linear_key_dim, 24);
+    EXPECT_EQ(c.linear_value_dim, 24);
+    EXPECT_EQ(c.linear_conv, 4);
+    EXPECT_TRUE(c.attn_output_gate);
+    EXPECT_TRUE(c.qk_norm);
+    EXPECT_EQ(c.rope_dim, 6);
+    EXPECT_EQ(c.head_size(), 24);
+    EXPECT_EQ(c.rope_theta, 1e7);
+    EXPECT_FALSE(c.tie_embeddings);
   } else if (family == "gemma") {
     EXPECT_EQ(c.architecture, "gemma");
     EXPECT_EQ(c.head_size(), 64);  // not d_model / heads = 32
@@ -124,9 +140,9 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     LoadedModel g = load(gguf), h = load(hf);
     expect_parts(family, g.config);
     expect_parts(family, h.config);
-    // Gemma's Hugging Face files hold its norms' gains less 1, its GGUF files the gains.
+    // Gemma's and Qwen3.5's Hugging Face files hold the norms' gains less 1, GGUF the gains.
     EXPECT_FALSE(g.config.norm_plus_one);
-    EXPECT_EQ(h.config.norm_plus_one, family.starts_with("gemma"));
+    EXPECT_EQ(h.config.norm_plus_one, family.starts_with("gemma") || family == "qwen35");
     EXPECT_EQ(h.config.rope_scaling.freq_factors, g.config.rope_scaling.freq_factors) << family;
     const std::vector<int32_t> tokens =
         token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 23);
@@ -136,7 +152,7 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     // The part matters: without the scaling, with RoPE in every layer, or with llama's SwiGLU
     // and unscaled embeddings for Gemma's, the same weights give other logits.
     // (Without their norms or biases the files' tensors have no place.)
-    if (family == "qwen3" || family == "phi2") continue;
+    if (family == "qwen3" || family == "phi2" || family == "qwen35") continue;
     // Gemma 3 with every layer global at one base.
     ModelConfig without = g.config;
     without.rope_scaling = RopeScaling();
@@ -239,14 +255,29 @@ TEST(Families, ExportThenImportIsBitExact) {
         EXPECT_EQ(back.config.no_rope_layers, original.config.no_rope_layers) << from << to;
         EXPECT_EQ(back.config.qk_norm, original.config.qk_norm) << from << to;
         EXPECT_EQ(back.config.tie_embeddings, original.config.tie_embeddings) << from << to;
-        EXPECT_EQ(back.config.norm_plus_one,
-                  family.starts_with("gemma") && std::string(to) == "out_hf")
+        EXPECT_EQ(back.config.norm_plus_one, (family.starts_with("gemma") || family == "qwen35") &&
+                                                 std::string(to) == "out_hf")
             << from << to;
+        EXPECT_EQ(back.config.linear_layers, original.config.linear_layers) << from << to;
+        EXPECT_EQ(back.config.linear_value_heads, original.config.linear_value_heads) << from << to;
         EXPECT_EQ(back.config.sliding_window, original.config.sliding_window) << from << to;
         EXPECT_EQ(back.config.rope_theta_swa, original.config.rope_theta_swa) << from << to;
         EXPECT_EQ(back.config.attn_softcap, original.config.attn_softcap) << from << to;
         EXPECT_EQ(back.config.final_softcap, original.config.final_softcap) << from << to;
-        EXPECT_TRUE(values_of(back) == want) << from << " -> " << to;
+        // Bit for bit, but Gated DeltaNet's A_log: GGUF holds -exp(A_log), whose log gives it
+        // back within float's rounding.
+        const std::vector<std::vector<float>> got = values_of(back);
+        ASSERT_EQ(got.size(), want.size());
+        for (size_t i = 0; i < want.size(); ++i) {
+          const std::string& name = original.model->parameters().infos()[i].name;
+          if (!name.ends_with(".a_log.weight")) {
+            EXPECT_TRUE(got[i] == want[i]) << from << " -> " << to << ": " << name;
+            continue;
+          }
+          ASSERT_EQ(got[i].size(), want[i].size());
+          for (size_t j = 0; j < want[i].size(); ++j)
+            EXPECT_NEAR(got[i][j], want[i][j], 1e-6) << from << " -> " << to << ": " << name;
+        }
       }
     }
     // (Not named after the family: llama.cpp treats a vocabulary of a model named phi3 as
@@ -265,7 +296,7 @@ TEST(Families, ExportThenImportIsBitExact) {
   }
 }
 
-// A LoRA fine-tune of each family (adapters on its seven projections, fp32): llama.cpp with the
+// A LoRA fine-tune of each family (adapters on all its projections, fp32): llama.cpp with the
 // base GGUF and the adapter computes what cputrain computes, and both differ from the base; so
 // does llama.cpp with the adapter merged into the base (export --merge).
 TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
@@ -317,6 +348,34 @@ TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
       EXPECT_EQ(nlohmann::json::parse(read_all(folder.path / "named" / "peft" /
                                                "adapter_config.json"))["target_modules"],
                 nlohmann::json({"dense", "fc1", "fc2"}));
+    }
+    if (family == "qwen35") {
+      // Qwen3.5's modules by PEFT's names: a DeltaNet layer's in_proj_qkv (one A, B of q, k and
+      // v's rows), out_proj, in_proj_z, _b, _a; attention's q_proj, whose B holds each head's q
+      // and gate rows.
+      const nlohmann::json config =
+          nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"));
+      EXPECT_EQ(config["target_modules"],
+                nlohmann::json({"in_proj_qkv", "out_proj", "gate_proj", "up_proj", "down_proj",
+                                "in_proj_z", "in_proj_b", "in_proj_a", "q_proj", "k_proj", "v_proj",
+                                "o_proj"}));
+      const SafetensorsFile peft((run / "peft" / "adapter_model.safetensors").string());
+      const std::string qkv = "base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_";
+      ASSERT_EQ(peft.tensors().count(qkv + "A.weight"), 1u);
+      EXPECT_EQ(peft.tensors().at(qkv + "A.weight").shape, (std::vector<int64_t>{4, 88}));
+      EXPECT_EQ(peft.tensors().at(qkv + "B.weight").shape, (std::vector<int64_t>{2 * 48 + 96, 4}));
+      const std::string q = "base_model.model.model.layers.3.self_attn.q_proj.lora_";
+      ASSERT_EQ(peft.tensors().count(q + "B.weight"), 1u);
+      EXPECT_EQ(peft.tensors().at(q + "B.weight").shape, (std::vector<int64_t>{2 * 96, 4}));
+      // 3 DeltaNet layers of 5 modules, one attention layer of 4, 3 MLPs each: A and B.
+      EXPECT_EQ(peft.tensors().size(), 2u * (3u * 5u + 4u + 4u * 3u));
+      // Part of in_proj_qkv is refused, naming it.
+      expect_one_line_refusal(
+          run_cputrain("finetune --model " + base.string() + " --data " + data.string() +
+                           " --out " + (folder.path / "partial").string() + " --lora-targets q,v",
+                       folder.path),
+          "--lora-targets q,v: qwen35's q, k and v (in its Gated DeltaNet layers) are one "
+          "projection, in_proj_qkv: adapt all or none");
     }
     if (family != "phi3") continue;
     // Phi-3's fused projections take one adapter each, by their own names: qkv_proj's A is the
@@ -469,6 +528,63 @@ TEST(Families, UnknownArchitecturesAndFieldsAreRefused) {
                                     .string(),
                    dir),
       "model_type gemma3 is an image-and-text model, whose text model cputrain does not read");
+
+  // Qwen3.5: a key it does not read, M-RoPE sections that leave text pairs unrotated, value
+  // heads of another width than the keys', a decay A that is not negative; Qwen3-Next's
+  // mixture of experts (until cputrain computes one).
+  const fs::path q35 = family_models() / "qwen35.gguf";
+  const auto refused_q35 = [&](const std::string& name,
+                               const std::function<bool(const std::string&, GgufValue&)>& metadata,
+                               const std::function<void(GgufWriter&)>& extra,
+                               const std::string& needle) {
+    const fs::path to = dir / (name + ".gguf");
+    cli_test::rewrite_gguf(q35, to, metadata, nullptr, extra);
+    expect_one_line_refusal(run_cputrain("inspect " + to.string(), dir), needle);
+  };
+  refused_q35(
+      "dt_b_c", nullptr, [](GgufWriter& w) { w.set_bool("qwen35.ssm.dt_b_c_rms", true); },
+      "metadata qwen35.ssm.dt_b_c_rms, which cputrain does not read for qwen35");
+  refused_q35(
+      "sections",
+      [](const std::string& key, GgufValue& v) {
+        if (key == "qwen35.rope.dimension_sections") v.numbers = {1, 0, 1, 1};
+        return true;
+      },
+      nullptr, "qwen35.rope.dimension_sections leave RoPE pair 1 of text unrotated");
+  refused_q35(
+      "inner",
+      [](const std::string& key, GgufValue& v) {
+        if (key == "qwen35.ssm.inner_size") v.number = 4 * 20;
+        return true;
+      },
+      nullptr,
+      "qwen35.ssm.inner_size 80 differs from ssm.time_step_rank 4 value heads of "
+      "ssm.state_size 24");
+  const fs::path positive = dir / "positive_a.gguf";
+  cli_test::rewrite_gguf(
+      q35, positive, nullptr,
+      [](const std::string& name, std::vector<int64_t>&, uint32_t&, std::vector<uint8_t>& data) {
+        if (name != "blk.1.ssm_a") return;
+        const float one = 1.0f;
+        std::memcpy(data.data(), &one, 4);
+      });
+  expect_one_line_refusal(
+      run_cputrain("sample --model " + positive.string() + " --max-tokens 1", dir),
+      "tensor blk.1.ssm_a holds 1, where -A (A = exp(A_log)) is negative");
+  refused_q35(
+      "next",
+      [](const std::string& key, GgufValue& v) {
+        if (key == "general.architecture") v.text = "qwen3next";
+        return !key.starts_with("qwen35.");
+      },
+      nullptr, "architecture qwen3next, which cputrain does not compute");
+  // The multi-token-prediction block is said, in the line naming the model.
+  std::ofstream(dir / "text.txt") << "the cat sat on the mat and ran far";
+  const Result said =
+      run_cputrain("eval --model " + q35.string() + " --text " + (dir / "text.txt").string(), dir);
+  ASSERT_EQ(said.exit_code, 0) << said.err;
+  EXPECT_NE(said.out.find("(blk.4, multi-token prediction, left out)"), std::string::npos)
+      << said.out;
 }
 
 }  // namespace
