@@ -60,6 +60,7 @@ std::vector<Architecture> table() {
     Architecture a;
     a.name = "qwen35";
     a.hf_model_types = {"qwen3_5_text"};
+    a.hf_multimodal_types = {"qwen3_5"};
     a.hf_class = "Qwen3_5ForCausalLM";
     a.gguf_rope_pairs = RopePairs::HalfSplit;
     a.qk_norm = true;

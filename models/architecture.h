@@ -31,6 +31,10 @@ struct Architecture {
   std::string_view name;
   // Hugging Face config.json's model_type values it reads; the first is the one written.
   std::vector<std::string_view> hf_model_types;
+  // The model_type values of image-and-text folders whose text model it reads (text_config;
+  // tensors model.language_model.*, the vision model's left out): Qwen3.5's published
+  // checkpoints ("qwen3_5").
+  std::vector<std::string_view> hf_multimodal_types;
   // config.json's "architectures" written on export ("Qwen3ForCausalLM").
   std::string_view hf_class;
   // The pairing of RoPE's elements llama.cpp applies to it (its rope type: NORM adjacent, NEOX

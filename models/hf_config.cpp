@@ -311,15 +311,65 @@ void hf_sliding_window(const ConfigValues& values, const Architecture& arch, Mod
 }  // namespace
 
 ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
-  return hf_model_config(folder, SafetensorsModel(folder), max_ctx);
+  return hf_model_config(folder, hf_weights(folder), max_ctx);
+}
+
+namespace {
+
+// The architecture whose text model an image-and-text config.json of model_type `type` holds
+// (in text_config); null where none.
+const Architecture* hf_multimodal_architecture(const json& j) {
+  if (!j.is_object() || !j.contains("text_config") || !j["text_config"].is_object()) return nullptr;
+  const auto type = j.find("model_type");
+  if (type == j.end() || !type->is_string()) return nullptr;
+  for (const Architecture& a : architectures())
+    for (const std::string_view t : a.hf_multimodal_types)
+      if (t == type->get<std::string>()) return &a;
+  return nullptr;
+}
+
+}  // namespace
+
+SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
+  SafetensorsModel weights(folder);
+  const fs::path path = fs::path(folder) / "config.json";
+  const json j = fs::exists(path) ? read_json(path) : json();
+  std::vector<std::string> parts;
+  int64_t n = 0;
+  if (hf_multimodal_architecture(j)) {
+    weights.rename_prefix("model.language_model.", "model.");
+    if (const int64_t vision = weights.leave_out("model.visual."); vision > 0) {
+      parts.push_back("its vision model");
+      n += vision;
+    }
+  }
+  if (const int64_t mtp = weights.leave_out("mtp."); mtp > 0) {
+    parts.push_back("multi-token prediction");
+    n += mtp;
+  }
+  if (left_out) {
+    left_out->clear();
+    if (!parts.empty())
+      *left_out = " (" + parts[0] + (parts.size() > 1 ? " and " + parts[1] : "") + ", " +
+                  std::to_string(n) + " tensors, left out)";
+  }
+  return weights;
 }
 
 ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& weights,
                             int64_t max_ctx) {
   const fs::path path = fs::path(folder) / "config.json";
-  const json j = read_json(path);
+  json j = read_json(path);
   const std::string where = path.string();
   if (!j.is_object()) throw UserError(where + ": not a JSON object");
+  // An image-and-text model whose text model cputrain reads: its text_config, with the head's
+  // tie where the wrapper gives it.
+  if (hf_multimodal_architecture(j)) {
+    json text = j["text_config"];
+    if (!text.contains("tie_word_embeddings") && j.contains("tie_word_embeddings"))
+      text["tie_word_embeddings"] = j["tie_word_embeddings"];
+    j = std::move(text);
+  }
   const ConfigValues values(j, where);
   const std::string type = values.text("model_type", "");
   const Architecture* arch = find_hf_architecture(type);
@@ -518,13 +568,9 @@ const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const Par
 
 // Every tensor of the folder is one of `used`'s (a tied model's folder may hold the head as well;
 // rotary tables are derived, not weights); a UserError naming the first that is not.
-void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std::string>& used,
-                            const ModelConfig& config) {
-  const bool mtp = architecture_of(config).linear_attention_step > 0;
+void check_no_other_tensors(const SafetensorsModel& weights, const std::set<std::string>& used) {
   for (const std::string& name : weights.names()) {
-    // A multi-token-prediction block (mtp.*, Qwen3.5's) is left out, as llama.cpp leaves it.
-    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq") ||
-        (mtp && name.starts_with("mtp.")))
+    if (used.count(name) || name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq"))
       continue;
     throw UserError(weights.file_of(name) + ": tensor " + name +
                     " has no place in the model cputrain computes");
@@ -542,7 +588,7 @@ void check_hf_weights(const SafetensorsModel& weights, const ModelConfig& config
     hf_tensor_of(weights, info, config, &part);
     used.insert(part.name);
   }
-  check_no_other_tensors(weights, used, config);
+  check_no_other_tensors(weights, used);
 }
 
 void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params,
@@ -574,6 +620,6 @@ void load_hf_weights(const SafetensorsModel& weights, const ParameterSet& params
     }
     used.insert(name);
   }
-  check_no_other_tensors(weights, used, config);
+  check_no_other_tensors(weights, used);
 }
 }  // namespace cputrain

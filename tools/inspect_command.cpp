@@ -97,7 +97,7 @@ int run_inspect(const InspectArgs& a) {
     config = hf_model_config(a.path, INT64_MAX);
     vocabulary = hf_tokenizer(a.path).to_vocabulary();
     j["format"] = "Hugging Face folder";
-    const SafetensorsModel weights(a.path);
+    const SafetensorsModel weights = hf_weights(a.path);
     std::map<std::string, int64_t> types, bytes;
     for (const std::string& name : weights.names()) {
       const SafetensorsTensor* t = weights.find(name);

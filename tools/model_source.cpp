@@ -248,14 +248,15 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
   // Each file is opened once: its configuration, tokenizer and weights come from the one copy.
   std::shared_ptr<GgufFile> gguf;
   std::shared_ptr<SafetensorsModel> safetensors;
-  bool all_bf16 = false;  // every matrix of the file is BF16
+  std::string hf_left_out;  // what of a Hugging Face folder the model leaves out
+  bool all_bf16 = false;    // every matrix of the file is BF16
   switch (kind) {
     case SourceKind::Run:
       m.config = read_run_config(path + "/config.json").model;
       m.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load_run(path));
       break;
     case SourceKind::HuggingFace:
-      safetensors = std::make_shared<SafetensorsModel>(path);
+      safetensors = std::make_shared<SafetensorsModel>(hf_weights(path, &hf_left_out));
       m.config = hf_model_config(path, *safetensors, INT64_MAX);
       check_hf_weights(*safetensors, m.config);
       m.tokenizer = std::make_unique<Tokenizer>(hf_tokenizer(path));
@@ -318,7 +319,7 @@ LoadedModel load_model(const std::string& path, const std::string& flag, const s
       break;
     case SourceKind::HuggingFace:
       load_hf_weights(*safetensors, m.model->parameters(), m.config);
-      m.source = "Hugging Face folder " + path + held;
+      m.source = "Hugging Face folder " + path + held + hf_left_out;
       break;
     case SourceKind::Gguf:
       load_gguf_weights(*gguf, m.model->parameters(), m.config);
@@ -357,7 +358,7 @@ std::function<InPlaceWeight(const ParameterInfo&)> in_place_weights(const std::s
     return [gguf, config](const ParameterInfo& p) { return gguf_in_place(*gguf, p, config); };
   }
   if (kind == SourceKind::HuggingFace) {
-    auto safetensors = std::make_shared<SafetensorsModel>(path);
+    auto safetensors = std::make_shared<SafetensorsModel>(hf_weights(path));
     return [safetensors, config](const ParameterInfo& p) {
       return hf_in_place(*safetensors, p, config);
     };
@@ -415,7 +416,7 @@ ModelConfig load_model_config(const std::string& path, const std::string& flag, 
   if (const auto run = finetune_run(path)) return load_model_config(run->base, flag, max_ctx);
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace: {
-      const SafetensorsModel weights(path);
+      const SafetensorsModel weights = hf_weights(path);
       const ModelConfig c = hf_model_config(path, weights, max_ctx);
       check_hf_weights(weights, c);
       return c;
@@ -453,7 +454,7 @@ void load_model_weights(const std::string& path, const std::string& flag,
   }
   switch (source_kind(path, flag)) {
     case SourceKind::HuggingFace: {
-      const SafetensorsModel weights(path);
+      const SafetensorsModel weights = hf_weights(path);
       return load_hf_weights(weights, params, hf_model_config(path, weights, INT64_MAX));
     }
     case SourceKind::Run:

@@ -115,6 +115,24 @@ SafetensorsModel::SafetensorsModel(const std::string& folder) {
   }
 }
 
+void SafetensorsModel::rename_prefix(const std::string& from, const std::string& to) {
+  std::map<std::string, std::pair<const SafetensorsTensor*, size_t>> renamed;
+  for (auto& [name, where] : index_) {
+    const std::string now = name.starts_with(from) ? to + name.substr(from.size()) : name;
+    if (!renamed.emplace(now, where).second)
+      throw UserError(files_[where.second]->path() + ": tensor " + name + " is also " + now);
+  }
+  index_.swap(renamed);
+}
+
+int64_t SafetensorsModel::leave_out(const std::string& prefix) {
+  int64_t n = 0;
+  for (auto it = index_.lower_bound(prefix); it != index_.end() && it->first.starts_with(prefix);
+       ++n)
+    it = index_.erase(it);
+  return n;
+}
+
 const SafetensorsTensor* SafetensorsModel::find(const std::string& name) const {
   const auto it = index_.find(name);
   return it == index_.end() ? nullptr : it->second.first;

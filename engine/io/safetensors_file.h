@@ -46,6 +46,13 @@ class SafetensorsModel {
   // The file that holds `name` (for messages).
   const std::string& file_of(const std::string& name) const;
   std::vector<std::string> names() const;
+  // Every tensor named `from`... is found as `to`... instead ("model.language_model." ->
+  // "model.": the text model of an image-and-text folder under the names of a text one). A
+  // UserError naming the file where a new name is taken.
+  void rename_prefix(const std::string& from, const std::string& to);
+  // Every tensor named `prefix`... taken out of the index (a part of the folder the model leaves
+  // out); returns how many.
+  int64_t leave_out(const std::string& prefix);
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

@@ -44,7 +44,9 @@ Face's rotate-half order:
   norms of 1 + w (but the DeltaNet output's), a multi-token-prediction block (nextn_predict_layers
   1 in GGUF, mtp.* in Hugging Face) that both leave out, and a head of its own drawn apart from
   the embedding, so that the greedy continuation walks the vocabulary as the layers' states move
-  it (with the embedding's head every family's continuation repeats BOS).
+  it (with the embedding's head every family's continuation repeats BOS); also as the published
+  checkpoints hold it, the text model of an image-and-text Qwen3_5ForConditionalGeneration
+  (qwen35_vl_hf: model.language_model.*, a vision model beside it).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -549,6 +551,27 @@ def write_qwen35(name, spec, seed):
               "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", "use_cache": True}
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
+    write_tokenizer(folder, tokens, types, False)
+
+    # The published checkpoints' form: the text model inside an image-and-text one
+    # (Qwen3_5ForConditionalGeneration), its tensors under model.language_model., a vision model
+    # beside it.
+    folder = f"{OUT}/{name}_vl_hf"
+    os.makedirs(folder, exist_ok=True)
+    wrapped = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: a
+               for k, a in {**hf, **mtp}.items()}
+    wrapped["model.visual.blocks.0.attn.qkv.weight"] = draw((48, 16), 0.05)
+    wrapped["model.visual.merger.linear_fc2.weight"] = draw((d, 32), 0.05)
+    write_safetensors(f"{folder}/model.safetensors", wrapped)
+    text = dict(config)
+    del text["architectures"]
+    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "text_config": text, "tie_word_embeddings": False, "image_token_id": 500,
+               "video_token_id": 501, "vision_start_token_id": 502, "vision_end_token_id": 503,
+               "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 16,
+                                 "out_hidden_size": d}}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(wrapper, f)
     write_tokenizer(folder, tokens, types, False)
 
 

@@ -149,6 +149,17 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
     const std::vector<float> theirs = oracle_logits(gguf, tokens, family_models());
     EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4) << family;
     EXPECT_LT(max_abs_difference(our_logits(h, tokens), theirs), 1e-4) << family;
+    if (family == "qwen35") {
+      // The published checkpoints' form: the text model of an image-and-text folder, the vision
+      // model and the multi-token-prediction block left out, said in the line naming it.
+      LoadedModel vl = load(family_models() / "qwen35_vl_hf");
+      expect_parts(family, vl.config);
+      EXPECT_LT(max_abs_difference(our_logits(vl, tokens), theirs), 1e-4);
+      EXPECT_NE(vl.source.find("(its vision model and multi-token prediction, 17 tensors, left "
+                               "out)"),
+                std::string::npos)
+          << vl.source;
+    }
     // The part matters: without the scaling, with RoPE in every layer, or with llama's SwiGLU
     // and unscaled embeddings for Gemma's, the same weights give other logits.
     // (Without their norms or biases the files' tensors have no place.)

@@ -548,6 +548,7 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
       {"meta-llama-Llama-3.1-8B-Instruct.jinja", ChatFamily::Llama3},
       {"meta-llama-Llama-3.2-3B-Instruct.jinja", ChatFamily::Llama3},
       {"Qwen-Qwen3-0.6B.jinja", ChatFamily::ChatMl},
+      {"Qwen3.5-4B.jinja", ChatFamily::ChatMl},
       {"microsoft-Phi-3.5-mini-instruct.jinja", ChatFamily::Phi3},
       {"google-gemma-2-2b-it.jinja", ChatFamily::Gemma}};
   for (const auto& [file, family] : real) {
