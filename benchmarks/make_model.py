@@ -25,6 +25,11 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
   gemma3-1b    Gemma 3 1B: d_model 1152, 26 layers, 4 heads over 1 of 256, ffn 6912, GeGLU, q/k
                norms, norms after attention and the MLP, five layers of six within a window of
                512 at RoPE base 10,000 (the others 1,000,000), vocab 262144 (1.00B)
+  qwen35-0.8b  Qwen3.5-0.8B: d_model 1024, 24 layers (Gated DeltaNet in three of four: 16 key and
+               16 value heads of 128, a convolution of 4; the fourth attention with 8 heads over 2
+               of 256, its output gated, RoPE on 64 of each head's 256), ffn 3584, vocab 248320
+               (0.75B)
+  qwen35-2b    Qwen3.5-2B: the same with d_model 2048, ffn 6144 (1.9B)
 All but phi2 and llama3.1-8b tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
 (models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
 vocabulary as the published files are. Tensors are generated and written one at a time, so the
@@ -57,6 +62,10 @@ SHAPES = {
     "gemma-2b": ("gemma", 2048, 16384, 18, 8, 1, 256, 256000, 1e4, "llama-spm", {}),
     "gemma3-1b": ("gemma3", 1152, 6912, 26, 4, 1, 256, 262144, 1e6, "llama-spm",
                   {"qk_norm": True, "post_norms": True, "window": 512}),
+    "qwen35-0.8b": ("qwen35", 1024, 3584, 24, 8, 2, 256, 248320, 1e7, "qwen35",
+                    {"qk_norm": True, "rope_dim": 64, "qwen35": (16, 16, 128, 4)}),
+    "qwen35-2b": ("qwen35", 2048, 6144, 24, 8, 2, 256, 248320, 1e7, "qwen35",
+                  {"qk_norm": True, "rope_dim": 64, "qwen35": (16, 16, 128, 4)}),
 }
 ALIASES = {"0.5b": "qwen2-0.5b", "3b": "qwen2-3b"}
 shape = sys.argv[3] if len(sys.argv) > 3 else "qwen2-0.5b"
@@ -109,6 +118,15 @@ w.add_eos_token_id(field("tokenizer.ggml.eos_token_id")[0])
 w.add_add_bos_token(model == "llama")
 if ARCH in ("gemma", "gemma3"):
     w.add_add_space_prefix(False)
+if "qwen35" in EXTRA:
+    HK, HV, DK, CONV = EXTRA["qwen35"]
+    w.add_ssm_conv_kernel(CONV)
+    w.add_ssm_state_size(DK)
+    w.add_ssm_group_count(HK)
+    w.add_ssm_time_step_rank(HV)
+    w.add_ssm_inner_size(HV * DK)
+    w.add_full_attention_interval(4)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
 if "window" in EXTRA:
     w.add_sliding_window(EXTRA["window"])
     w.add_sliding_window_pattern(6)
@@ -121,6 +139,28 @@ tensors = [("token_embd.weight", (VOCAB, D), "bf16")]
 for i in range(LAYERS):
     b = f"blk.{i}."
     tensors.append((b + "attn_norm.weight", (D,), "ones"))
+    if "qwen35" in EXTRA:  # Gated DeltaNet, or gated attention every fourth layer
+        if (i + 1) % 4 != 0:
+            channels = 2 * HK * DK + HV * DK
+            tensors += [(b + "attn_qkv.weight", (channels, D), "bf16"),
+                        (b + "attn_gate.weight", (HV * DK, D), "bf16"),
+                        (b + "ssm_conv1d.weight", (channels, CONV), "conv"),
+                        (b + "ssm_dt.bias", (HV,), "bias"), (b + "ssm_a", (HV,), "decay"),
+                        (b + "ssm_beta.weight", (HV, D), "bf16"),
+                        (b + "ssm_alpha.weight", (HV, D), "bf16"),
+                        (b + "ssm_norm.weight", (DK,), "ones"),
+                        (b + "ssm_out.weight", (D, HV * DK), "bf16")]
+        else:
+            tensors += [(b + "attn_q.weight", (2 * Q, D), "bf16"),
+                        (b + "attn_k.weight", (KVD, D), "bf16"),
+                        (b + "attn_v.weight", (KVD, D), "bf16"),
+                        (b + "attn_q_norm.weight", (HEAD,), "ones"),
+                        (b + "attn_k_norm.weight", (HEAD,), "ones"),
+                        (b + "attn_output.weight", (D, Q), "bf16")]
+        tensors += [(b + "post_attention_norm.weight", (D,), "ones"),
+                    (b + "ffn_gate.weight", (F, D), "bf16"), (b + "ffn_up.weight", (F, D), "bf16"),
+                    (b + "ffn_down.weight", (D, F), "bf16")]
+        continue
     if EXTRA.get("phi2"):
         tensors.append((b + "attn_norm.bias", (D,), "bias"))
     if EXTRA.get("fused"):
@@ -185,6 +225,10 @@ def values(shape, what):
         return np.ones(shape, dtype=np.float32)
     if what == "bias":
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if what == "conv":  # a causal convolution's taps
+        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    if what == "decay":  # ssm_a = -exp(A_log), A in [1, 16] as Qwen3.5 initialises it
+        return (-rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     a = (0.02 * rng.standard_normal(shape, dtype=np.float32)).view(np.uint32)
     return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16).astype(np.uint16)
 

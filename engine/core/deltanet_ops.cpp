@@ -45,8 +45,7 @@ Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
     return Variable(y, false);
   }
   if (computing())
-    kernels::causal_conv_silu_forward<float>(s, fp32_value(x).f32(), w.value().f32(), nullptr,
-                                             y.f32());
+    kernels::causal_conv_silu_forward_f32(s, fp32_value(x).f32(), w.value().f32(), y.f32());
   const bool grad = needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -57,8 +56,7 @@ Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
       const OverwrittenGradient dx(gx, xs);
       Tensor dw = summed_gradient(gw, wv.shape());
       if (!computing()) return;
-      kernels::causal_conv_silu_backward<float>(s, xv.f32(), wv.f32(), nullptr, dy.f32(), dx.data(),
-                                                dw.f32(), nullptr);
+      kernels::causal_conv_silu_backward_f32(s, xv.f32(), wv.f32(), dy.f32(), dx.data(), dw.f32());
       dx.add_to_cell();
     });
   }

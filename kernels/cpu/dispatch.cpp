@@ -12,6 +12,7 @@
 #include "kernels/attention/attention.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/peak.h"
+#include "kernels/deltanet/deltanet_isa.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ops/cross_entropy.h"
 #include "kernels/ops/swiglu.h"
@@ -20,7 +21,8 @@ namespace cputrain::kernels {
 namespace {
 
 constexpr Isa kAllIsas[] = {Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
-constexpr std::string_view kFamilies[] = {"gemm", "attention", "swiglu", "cross_entropy", "peak"};
+constexpr std::string_view kFamilies[] = {"gemm",          "attention", "swiglu",
+                                          "cross_entropy", "deltanet",  "peak"};
 
 std::atomic<int>& ceiling_slot() {
   static std::atomic<int> slot{[] {
@@ -180,8 +182,12 @@ std::string kernel_families() {
 }
 
 std::string kernel_choices() {
-  const std::string_view names[] = {gemm_backend_name(gemm_backend()), attention_kernel(),
-                                    swiglu_kernel(), cross_entropy_kernel(), peak_kernel()};
+  const std::string_view names[] = {gemm_backend_name(gemm_backend()),
+                                    attention_kernel(),
+                                    swiglu_kernel(),
+                                    cross_entropy_kernel(),
+                                    deltanet_kernel(),
+                                    peak_kernel()};
   std::string s;
   for (std::size_t i = 0; i < std::size(kFamilies); ++i) {
     if (!s.empty()) s += ", ";

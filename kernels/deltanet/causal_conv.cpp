@@ -6,6 +6,9 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/dispatch.h"
+#include "kernels/deltanet/deltanet_isa.h"
+
 namespace cputrain::kernels {
 namespace {
 
@@ -109,6 +112,41 @@ void causal_conv_next_state(const CausalConvShape& s, const T* x, const T* state
         // Element i of the state after the sequence is position T - (K - 1) + i: tap i of a
         // window ending one past the end.
         next[(b * s.channels + c) * (K - 1) + i] = tap_input(s, x, state, b, s.length, i, c);
+}
+
+namespace {
+
+// The implementations, fastest first (kernels/cpu/dispatch.h).
+using DeltanetRow = KernelChoice<const DeltanetKernels& (*)()>;
+const DeltanetRow kDeltanet[] = {
+    {{"avx512", Isa::Avx512}, deltanet_kernels_avx512},
+    {{"avx2", Isa::Avx2}, deltanet_kernels_avx2},
+};
+
+const DeltanetRow& chosen() {
+  static const DeltanetRow& row = choose_kernel("deltanet", kDeltanet);
+  return row;
+}
+
+}  // namespace
+
+const DeltanetKernels& deltanet_kernels() {
+  static const DeltanetKernels& k = chosen().entry();
+  return k;
+}
+
+std::string_view deltanet_kernel() {
+  return chosen().row.name;
+}
+
+void causal_conv_silu_forward_f32(const CausalConvShape& s, const float* x, const float* w,
+                                  float* y) {
+  deltanet_kernels().conv_forward(s, x, w, y);
+}
+
+void causal_conv_silu_backward_f32(const CausalConvShape& s, const float* x, const float* w,
+                                   const float* dy, float* dx, float* dw) {
+  deltanet_kernels().conv_backward(s, x, w, dy, dx, dw);
 }
 
 #define CPUTRAIN_CAUSAL_CONV(T)                                                                    \

@@ -32,6 +32,13 @@ template <class T>
 void causal_conv_silu_backward(const CausalConvShape& s, const T* x, const T* w, const T* state,
                                const T* dy, T* dx, T* dw, T* dstate);
 
+// The float forms without a state, vectorised (deltanet_rows.h, by runtime dispatch): the
+// templates above are their reference. dx overwritten, dw accumulated.
+void causal_conv_silu_forward_f32(const CausalConvShape& s, const float* x, const float* w,
+                                  float* y);
+void causal_conv_silu_backward_f32(const CausalConvShape& s, const float* x, const float* w,
+                                   const float* dy, float* dx, float* dw);
+
 // The state after the sequence: the last K - 1 inputs of each channel, reaching into `state` for
 // a sequence shorter than that. `next` (B, C, K - 1) may not alias `state`.
 template <class T>

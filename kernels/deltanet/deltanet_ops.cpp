@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/deltanet/deltanet_isa.h"
+
 namespace cputrain::kernels {
 namespace {
 
@@ -48,6 +50,17 @@ void l2norm_backward(float* dx, const float* dy, const float* y, const float* rn
 
 void gated_rmsnorm_forward(float* y, float* rstd, const float* x, const float* z, const float* w,
                            int64_t N, int64_t D, float eps) {
+  deltanet_kernels().gated_rmsnorm_forward(y, rstd, x, z, w, N, D, eps);
+}
+
+void gated_rmsnorm_backward(float* dx, float* dz, float* dw, const float* dy, const float* x,
+                            const float* z, const float* w, const float* rstd, int64_t N, int64_t D,
+                            bool accumulate) {
+  deltanet_kernels().gated_rmsnorm_backward(dx, dz, dw, dy, x, z, w, rstd, N, D, accumulate);
+}
+
+void gated_rmsnorm_forward_reference(float* y, float* rstd, const float* x, const float* z,
+                                     const float* w, int64_t N, int64_t D, float eps) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {
     const float* xr = x + r * D;
@@ -60,9 +73,9 @@ void gated_rmsnorm_forward(float* y, float* rstd, const float* x, const float* z
   }
 }
 
-void gated_rmsnorm_backward(float* dx, float* dz, float* dw, const float* dy, const float* x,
-                            const float* z, const float* w, const float* rstd, int64_t N, int64_t D,
-                            bool accumulate) {
+void gated_rmsnorm_backward_reference(float* dx, float* dz, float* dw, const float* dy,
+                                      const float* x, const float* z, const float* w,
+                                      const float* rstd, int64_t N, int64_t D, bool accumulate) {
   // Rows in parallel; dw's sums row by row after (one thread a column would stride).
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < N; ++r) {

@@ -17,10 +17,16 @@ void l2norm_backward(float* dx, const float* dy, const float* y, const float* rn
 // 1 / sqrt(mean + eps).
 void gated_rmsnorm_forward(float* y, float* rstd, const float* x, const float* z, const float* w,
                            int64_t N, int64_t D, float eps);
-// dx, dz overwritten or added (accumulate); dw (D) added to.
+// dx, dz overwritten or added (accumulate); dw (D) added to. Both vectorised by runtime dispatch
+// (deltanet_rows.h); the _reference forms are one element at a time, for the tests.
 void gated_rmsnorm_backward(float* dx, float* dz, float* dw, const float* dy, const float* x,
                             const float* z, const float* w, const float* rstd, int64_t N, int64_t D,
                             bool accumulate);
+void gated_rmsnorm_forward_reference(float* y, float* rstd, const float* x, const float* z,
+                                     const float* w, int64_t N, int64_t D, float eps);
+void gated_rmsnorm_backward_reference(float* dx, float* dz, float* dw, const float* dy,
+                                      const float* x, const float* z, const float* w,
+                                      const float* rstd, int64_t N, int64_t D, bool accumulate);
 
 // g = -exp(a_log[h]) * softplus(a + dt_bias[h]) for a (N, H).
 void deltanet_decay_forward(float* g, const float* a, const float* a_log, const float* dt_bias,

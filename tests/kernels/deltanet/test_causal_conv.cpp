@@ -1,12 +1,16 @@
 // The causal convolution with SiLU against the formula in double, across a sequence split in two
-// through its state, and its gradients against central differences.
+// through its state, and its gradients against central differences; the vectorised float forms
+// (and the gated RMSNorm's) against the reference.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/deltanet/causal_conv.h"
+#include "kernels/deltanet/deltanet_isa.h"
+#include "kernels/deltanet/deltanet_ops.h"
 
 namespace cputrain::kernels {
 namespace {
@@ -130,6 +134,77 @@ TEST(CausalConv, GradientsMatchCentralDifferences) {
       check(&Case::x, dx, "x", c.s.x_row(), c.s.channels);
       check(&Case::w, dw, "w", 0, 0);
       if (with_state) check(&Case::state, dstate, "state", 0, 0);
+    }
+}
+
+}  // namespace
+}  // namespace cputrain::kernels
+
+namespace cputrain::kernels {
+namespace {
+
+// The vectorised float forms of each ISA (deltanet_rows.h) against the double reference: the
+// convolution over odd channel counts (a partial vector, a partial block of four) and lengths
+// shorter than its taps, strided x; the gated RMSNorm over heads of odd widths.
+TEST(DeltanetRows, EachIsaTracksTheDoubleReference) {
+  std::vector<const DeltanetKernels*> builds = {&deltanet_kernels_avx2()};
+  if (cpu_features().avx512) builds.push_back(&deltanet_kernels_avx512());
+  for (const DeltanetKernels* k : builds)
+    for (const int64_t T : {1, 3, 17})
+      for (const int64_t C : {5, 37, 64, 131}) {
+        const Case c = draw(T, C, 4, C % 2 == 1 ? 3 : 0, false, 7);
+        const std::vector<double> want = forward(c);
+        const std::vector<float> x(c.x.begin(), c.x.end()), w(c.w.begin(), c.w.end());
+        std::vector<float> y(want.size());
+        k->conv_forward(c.s, x.data(), w.data(), y.data());
+        for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], want[i], 1e-5) << T << " " << C;
+        // Gradients: the double reference's from the same dy.
+        std::vector<double> dy(want.size()), dx(c.x.size()), dw(c.w.size(), 0.5);
+        std::mt19937 rng(11);
+        std::normal_distribution<double> normal(0.0, 1.0);
+        for (double& v : dy) v = normal(rng);
+        causal_conv_silu_backward<double>(c.s, c.x.data(), c.w.data(), nullptr, dy.data(),
+                                          dx.data(), dw.data(), nullptr);
+        const std::vector<float> dyf(dy.begin(), dy.end());
+        std::vector<float> dxf(dx.size(), 0.0f), dwf(dw.size(), 0.5f);
+        k->conv_backward(c.s, x.data(), w.data(), dyf.data(), dxf.data(), dwf.data());
+        for (int64_t b = 0; b < c.s.batch; ++b)
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t ch = 0; ch < C; ++ch) {
+              const size_t i = static_cast<size_t>((b * T + t) * c.s.x_row() + ch);
+              ASSERT_NEAR(dxf[i], dx[i], 1e-4) << T << " " << C;
+            }
+        for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dwf[i], dw[i], 1e-4) << T << " " << C;
+      }
+  for (const DeltanetKernels* k : builds)
+    for (const int64_t D : {7, 16, 40, 128}) {
+      const int64_t N = 300;
+      std::mt19937 rng(static_cast<uint32_t>(D));
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<float> x(N * D), z(N * D), w(D), dy(N * D);
+      for (float& v : x) v = normal(rng);
+      for (float& v : z) v = 2.0f * normal(rng);
+      for (float& v : w) v = 1.0f + 0.1f * normal(rng);
+      for (float& v : dy) v = normal(rng);
+      std::vector<float> y(N * D), rstd(N), y_ref(N * D), rstd_ref(N);
+      k->gated_rmsnorm_forward(y.data(), rstd.data(), x.data(), z.data(), w.data(), N, D, 1e-6f);
+      gated_rmsnorm_forward_reference(y_ref.data(), rstd_ref.data(), x.data(), z.data(), w.data(),
+                                      N, D, 1e-6f);
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], y_ref[i], 1e-5) << D;
+      for (const bool accumulate : {false, true}) {
+        std::vector<float> dx(N * D, 0.25f), dz(N * D, 0.25f), dw(D, 0.5f);
+        std::vector<float> dx_ref = dx, dz_ref = dz, dw_ref = dw;
+        k->gated_rmsnorm_backward(dx.data(), dz.data(), dw.data(), dy.data(), x.data(), z.data(),
+                                  w.data(), rstd.data(), N, D, accumulate);
+        gated_rmsnorm_backward_reference(dx_ref.data(), dz_ref.data(), dw_ref.data(), dy.data(),
+                                         x.data(), z.data(), w.data(), rstd.data(), N, D,
+                                         accumulate);
+        for (size_t i = 0; i < dx.size(); ++i) {
+          ASSERT_NEAR(dx[i], dx_ref[i], 1e-4) << D;
+          ASSERT_NEAR(dz[i], dz_ref[i], 1e-4) << D;
+        }
+        for (int64_t i = 0; i < D; ++i) ASSERT_NEAR(dw[i], dw_ref[i], 2e-3) << D;
+      }
     }
 }
 
