@@ -8,6 +8,13 @@
 //
 // Counters: GFLOPS of the chunked algorithm's products (what its GEMMs and triangular solve
 // compute, counted below) and pct_peak of the machine's measured FP32 peak, all threads.
+//
+// deltanet/qwen3.5-2b/layer: the whole Gated DeltaNet layer as the decoder trains it in bf16
+// (models/decoder.cpp: the q, k, v, z, beta and alpha projections, the convolutions, the L2 norms,
+// the delta rule, the gated RMSNorm and the output projection; every weight trained), d_model
+// 2048, one sequence of 2048, forward and backward: a one-layer DecoderModel whose MLP (ffn 16)
+// and head (vocab 256) are all but free. Its GFLOPS count the projections' three products (6
+// FLOPs a weight a position) and the delta rule's, against the machine's bf16 peak.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -15,8 +22,11 @@
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
+#include "engine/core/autograd.h"
+#include "engine/core/tensor.h"
 #include "kernels/cpu/peak.h"
 #include "kernels/deltanet/gated_delta.h"
+#include "models/decoder.h"
 
 namespace cputrain::bench {
 namespace {
@@ -92,6 +102,55 @@ void delta_rule(benchmark::State& state, bool backward, const kernels::Peak& pea
   report_gflops(state, layer_flops(s, backward) / timed_median(state, call) / 1e9, peak, false);
 }
 
+void layer(benchmark::State& state, const kernels::Peak& peak) {
+  const kernels::GatedDeltaShape s = layer_shape();
+  ModelConfig c;
+  c.architecture = "qwen35";
+  c.vocab = 256;
+  c.d_model = 2048;
+  c.n_layers = 1;
+  c.n_heads = 16;
+  c.n_kv_heads = 4;
+  c.head_dim = 128;
+  c.ffn = 16;
+  c.ctx = s.length;
+  c.qk_norm = true;
+  c.attn_output_gate = true;
+  c.rope_pairs = RopePairs::HalfSplit;
+  c.rope_dim = 32;
+  c.tie_embeddings = true;
+  c.linear_layers = {0};
+  c.linear_key_heads = s.key_heads;
+  c.linear_value_heads = s.value_heads;
+  c.linear_key_dim = s.key_dim;
+  c.linear_value_dim = s.value_dim;
+  c.linear_conv = 4;
+  ModelOptions options;
+  options.compute_dtype = DType::BF16;
+  DecoderModel model(c, options);
+  model.init_weights(1);
+  Tensor inputs = Tensor::empty(Shape{1, s.length}, DType::I32, MemoryCategory::Workspace);
+  Tensor targets = Tensor::empty(Shape{1, s.length}, DType::I32, MemoryCategory::Workspace);
+  for (int64_t t = 0; t < s.length; ++t) {
+    inputs.i32()[t] = static_cast<int32_t>((t * 37) % c.vocab);
+    targets.i32()[t] = static_cast<int32_t>((t * 37 + 11) % c.vocab);
+  }
+  const auto call = [&] {
+    model.parameters().zero_grad();
+    backward(model.loss(inputs, targets));
+  };
+  call();
+  // The projections' weights (q, k, v, z, beta, alpha in; out), each position's 2 FLOPs a weight
+  // forward and 4 backward; the delta rule's forward and backward.
+  const double LQ = static_cast<double>(c.linear_qk_dim()),
+               LV = static_cast<double>(c.linear_v_dim());
+  const double weights = static_cast<double>(c.d_model) *
+                         (2 * LQ + 3 * LV + 2 * static_cast<double>(c.linear_value_heads));
+  const double flops =
+      6.0 * weights * static_cast<double>(s.length) + layer_flops(s, false) + layer_flops(s, true);
+  report_gflops(state, flops / timed_median(state, call) / 1e9, peak, true);
+}
+
 }  // namespace
 }  // namespace cputrain::bench
 
@@ -104,6 +163,7 @@ int main(int argc, char** argv) {
                  [&peak](benchmark::State& st) { delta_rule(st, false, peak); });
   register_timed("deltanet/qwen3.5-2b/backward",
                  [&peak](benchmark::State& st) { delta_rule(st, true, peak); });
+  register_timed("deltanet/qwen3.5-2b/layer", [&peak](benchmark::State& st) { layer(st, peak); });
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -4,7 +4,8 @@
 # BF16 and as Q4_K_M (llama.cpp's quantiser), base read in place; every step's anonymous RSS
 # against the budget the step line shows. Then the quickstart's run (the mini preset, 30 steps):
 # every step's peak RSS against its budget, MINI_RUNS times (default 1) of MINI_STEPS steps
-# (default 30). STEPS (default 5) steps a fine-tune; ONLY_MINI=1 runs the mini runs alone.
+# (default 30). STEPS (default 5) steps a fine-tune; ONLY_MINI=1 runs the mini runs alone; SHAPES
+# names other shapes of make_model.py (SHAPES="qwen35-0.8b qwen35-2b").
 #   benchmarks/finetune_budget.sh
 #   ONLY_MINI=1 MINI_RUNS=10 MINI_STEPS=4 benchmarks/finetune_budget.sh
 set -euo pipefail
@@ -23,7 +24,7 @@ gaps = [100 * (r[sys.argv[2]] / r["budget_bytes"] - 1) for r in rows]
 print("budget %.1f MiB | %s" % (rows[0]["budget_bytes"] / 2**20, " ".join("%+.1f%%" % g for g in gaps)))
 PY
 }
-shapes=(qwen2-0.5b llama3.2-1b)
+shapes=(${SHAPES:-qwen2-0.5b llama3.2-1b})
 [[ "${ONLY_MINI:-0}" != 0 ]] && shapes=()
 for shape in "${shapes[@]}"; do
   for model in "$(bench_model "$shape")" "$(bench_quantised "$shape" q4_k_m)"; do
