@@ -328,18 +328,14 @@ Variable DecoderModel::norm(const Variable& x, int weight, int bias_index) const
   return rmsnorm(x, p(weight), config_.norm_eps, config_.norm_offset());
 }
 
-Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool shared_rows,
+Variable DecoderModel::linear_attention(const Block& b, const Variable& h, const Tensor& positions,
                                         LinearState* state) {
-  if (shared_rows)
-    throw std::invalid_argument(
-        "Gated DeltaNet layers over packed rows: each sequence's state would start from the "
-        "one before");
   const float eps = config_.norm_eps;
   const int64_t Hk = config_.linear_key_heads, Hv = config_.linear_value_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.linear_key_dim));
   // q, k and v through their causal convolutions (SiLU after), q and k of unit length.
   const auto conv = [&](Projection which, int weight, int taps, Tensor* conv_state) {
-    return causal_conv_silu(project(b, which, weight, -1, h), p(taps), conv_state);
+    return causal_conv_silu(project(b, which, weight, -1, h), p(taps), conv_state, positions);
   };
   const Variable q =
       head_l2norm(conv(Projection::Q, b.wq, b.conv_q, state ? &state->conv_q : nullptr), Hk, eps);
@@ -349,16 +345,15 @@ Variable DecoderModel::linear_attention(const Block& b, const Variable& h, bool 
   const Variable g =
       deltanet_decay(project(b, Projection::Alpha, b.wa, -1, h), p(b.a_log), p(b.dt_bias));
   const Variable beta = sigmoid(project(b, Projection::Beta, b.wb, -1, h));
-  const Variable o =
-      gated_delta_rule(q, k, v, g, beta, Hk, Hv, scale, state ? &state->delta : nullptr);
+  const Variable o = gated_delta_rule(q, k, v, g, beta, Hk, Hv, scale,
+                                      state ? &state->delta : nullptr, 64, positions);
   const Variable normed =
       gated_head_rmsnorm(o, project(b, Projection::Z, b.wz, -1, h), p(b.linear_norm), Hv, eps);
   return project(b, Projection::O, b.wo, -1, normed);
 }
 
 Variable DecoderModel::block_forward(const Block& b, const Variable& x, const RopeTables& tables,
-                                     bool per_row, bool shared_rows, const Attend& attend,
-                                     LinearState* state) {
+                                     bool per_row, const Attend& attend, LinearState* state) {
   const bool windowed = config_.windowed_layer(b.layer);
   const Tensor& rope_table = windowed ? tables.windowed : tables.global;
   kernels::AttentionOptions options;
@@ -389,7 +384,7 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   Variable h = norm(x, b.attention_norm, b.attention_norm_bias);
   Variable attended;
   if (b.linear) {
-    attended = linear_attention(b, h, shared_rows, state);
+    attended = linear_attention(b, h, tables.positions, state);
     h = Variable();
   } else {
     Variable q, k, v;
@@ -444,7 +439,7 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     return attention(q, k, v, H, KVH, packing, options);
   };
   // Packed rows: each row's RoPE table, every sequence's positions from 0.
-  RopeTables table{rope_table_, rope_table_swa_};
+  RopeTables table{rope_table_, rope_table_swa_, Tensor()};
   if (packing) {
     const int64_t B = inputs.dim(0), T = inputs.dim(1), R = config_.rope_dims();
     if (static_cast<int64_t>(packing->lengths.size()) != B)
@@ -465,8 +460,18 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     };
     table.global = per_row_table(rope_table_);
     table.windowed = config_.rope_swa_apart() ? per_row_table(rope_table_swa_) : table.global;
+    if (!config_.linear_layers.empty()) {
+      table.positions = Tensor::empty(Shape{B, T}, DType::I32, MemoryCategory::Activations);
+      if (!table.positions.measured())
+        for (int64_t b = 0; b < B; ++b) {
+          int32_t* row = table.positions.i32() + b * T;
+          int64_t t = 0;
+          for (const int64_t n : packing->lengths[static_cast<size_t>(b)])
+            for (int64_t i = 0; i < n; ++i) row[t++] = static_cast<int32_t>(i);
+        }
+    }
   }
-  const bool per_row = packing != nullptr, shared_rows = per_row && !packing->alone;
+  const bool per_row = packing != nullptr;
   read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), inputs, embedding_scale());
   const bool recording = read_ahead_queue_ && grad_enabled();
@@ -484,12 +489,12 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     if (checkpointing_ == Checkpointing::Layer) {
       // The region reruns in backward: it holds its own copies of attend and the table.
       x = checkpoint(
-          [this, &b, attend, table, per_row, shared_rows](const Variable& in) {
-            return block_forward(b, in, table, per_row, shared_rows, attend);
+          [this, &b, attend, table, per_row](const Variable& in) {
+            return block_forward(b, in, table, per_row, attend);
           },
           x);
     } else {
-      x = block_forward(b, x, table, per_row, shared_rows, attend);
+      x = block_forward(b, x, table, per_row, attend);
     }
     read_ahead(i, true);
     // The backward pass reaches this just before the block's own backward: the block before's
@@ -672,7 +677,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
     std::copy_n(whole.f32() + n * R, m * R, rows.f32());
     return rows;
   };
-  RopeTables table{rows_of(rope_table_), Tensor()};
+  RopeTables table{rows_of(rope_table_), Tensor(), Tensor()};
   table.windowed = config_.rope_swa_apart() ? rows_of(rope_table_swa_) : table.global;
   Variable x = embedding(p(tok_embeddings_), input, embedding_scale());
   for (size_t l = 0; l < blocks_.size(); ++l) {
@@ -707,7 +712,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
       }
       return Variable(att, false);
     };
-    x = block_forward(blocks_[l], x, table, false, false, attend,
+    x = block_forward(blocks_[l], x, table, false, attend,
                       blocks_[l].linear ? &cache.linear[l] : nullptr);
   }
   cache.length = n + m;

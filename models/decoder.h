@@ -64,9 +64,6 @@ class DecoderModel {
                                  const LoraConfig& lora = {});
 
   const ModelConfig& config() const { return config_; }
-  // Whether a state runs along each row (Gated DeltaNet layers): packed rows must then hold one
-  // sequence each (Packing::alone).
-  bool state_along_rows() const { return !config_.linear_layers.empty(); }
   ParameterSet& parameters() { return params_; }
   const ParameterSet& parameters() const { return params_; }
 
@@ -198,15 +195,17 @@ class DecoderModel {
   // tensor where they share a base).
   struct RopeTables {
     Tensor global, windowed;
+    // Packed rows: each position's index within its sequence (B, T, I32), where Gated DeltaNet
+    // layers start each sequence's state and convolution afresh; undefined otherwise.
+    Tensor positions;
   };
   // One block on x, whose positions take their RoPE angles from the rows of its layer's table.
-  // With `per_row`, a table holds one of T rows for each row of x (ops.h rope); with
-  // `shared_rows`, a row of x holds several sequences (packed, not Packing::alone).
+  // With `per_row`, a table holds one of T rows for each row of x (ops.h rope).
   Variable block_forward(const Block& block, const Variable& x, const RopeTables& tables,
-                         bool per_row, bool shared_rows, const Attend& attend,
-                         LinearState* state = nullptr);
-  // A Gated DeltaNet layer's mixing of the normed input h; decoding from and into `state`.
-  Variable linear_attention(const Block& block, const Variable& h, bool shared_rows,
+                         bool per_row, const Attend& attend, LinearState* state = nullptr);
+  // A Gated DeltaNet layer's mixing of the normed input h (packed rows: `positions`, as
+  // RopeTables holds them); decoding from and into `state`.
+  Variable linear_attention(const Block& block, const Variable& h, const Tensor& positions,
                             LinearState* state);
   // A block's MLP on its norm's output g, the down projection (and a post-MLP norm) included.
   Variable mlp_forward(const Block& block, Variable g) const;

@@ -28,7 +28,6 @@ std::shared_ptr<Packing> pack_batch(std::span<const PackedRow* const> rows,
   const int64_t ctx = inputs.dim(1);
   if (measuring()) {
     packing->lengths.assign(static_cast<size_t>(inputs.dim(0)), {ctx});
-    packing->alone = true;
     packing->measured_targets = measured_targets;
   } else {
     fill_packed_batch(rows, examples, ctx, pad, inputs.i32(), targets.i32(), *packing);
@@ -78,7 +77,7 @@ double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExa
   if (measuring()) {
     rows.resize(static_cast<size_t>(measure_rows));
   } else {
-    rows = pack_examples(examples, ctx, model.state_along_rows());
+    rows = pack_examples(examples, ctx);
   }
   std::vector<const PackedRow*> all;
   for (const PackedRow& r : rows) all.push_back(&r);

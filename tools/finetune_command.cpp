@@ -545,8 +545,7 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   bo.packed = true;
   bo.offload = options.offload;
   bo.ranks = comm.size();
-  const std::vector<PackedRow> val =
-      e.pairs ? pack_pairs(e.val, ctx) : pack_examples(e.val, ctx, m.model->state_along_rows());
+  const std::vector<PackedRow> val = e.pairs ? pack_pairs(e.val, ctx) : pack_examples(e.val, ctx);
   bo.preference = e.pairs;
   bo.eval_windows = static_cast<int64_t>(val.size());
   // The LM head runs on the positions with a target: its memory is that of the batch with most.
@@ -774,14 +773,8 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     session.prepared();
 
     const int64_t per_step = a.batch * a.accum * comm.size();
-    if (examples.pairs && model.state_along_rows())
-      throw UserError("--method " + a.method + ": a preference pair shares a row, which " +
-                      m.config.architecture +
-                      "'s Gated DeltaNet layers would run as one sequence (use --method sft)");
-    // A model whose state runs along a row takes one example a row.
-    std::vector<PackedRow> packed =
-        examples.pairs ? pack_pairs(examples.data.examples, ctx)
-                       : pack_examples(examples.data.examples, ctx, model.state_along_rows());
+    std::vector<PackedRow> packed = examples.pairs ? pack_pairs(examples.data.examples, ctx)
+                                                   : pack_examples(examples.data.examples, ctx);
     const size_t rows = packed.size();
     // The steps by epoch: each epoch's last step takes the rows left of it (RowPlan), so that
     // --epochs 1 is one pass. (A run begun before steps kept to epochs draws as it began.)
@@ -819,11 +812,9 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     int64_t used = 0;
     for (const PackedRow& r : packed) used += r.positions;
     log.info(
-        "packed: {} rows of {} positions{}, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
+        "packed: {} rows of {} positions, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
         "validation: {} {}",
         rows, ctx,
-        model.state_along_rows() ? " (one example a row: Gated DeltaNet's state runs along it)"
-                                 : "",
         100.0 * static_cast<double>(used) / static_cast<double>(std::ssize(packed) * ctx), steps,
         per_step, plan_rows.epochs_of(steps), examples.val.size() / (examples.pairs ? 2 : 1),
         examples.pairs ? "pairs" : "examples");

@@ -19,9 +19,19 @@ int64_t last_dim(const Variable& x) {
   return x.shape()[x.shape().ndim() - 1];
 }
 
+// The kernels' view of `positions` (B, T) for x (B, T, ...): null where undefined or not
+// computing.
+const int32_t* packed_positions(const Tensor& positions, const Shape& xs) {
+  if (!positions.defined()) return nullptr;
+  require(positions.dtype() == DType::I32 && positions.numel() == xs[0] * xs[1],
+          "positions (B, T) i32");
+  return computing() ? positions.i32() : nullptr;
+}
+
 }  // namespace
 
-Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
+Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state,
+                          const Tensor& positions) {
   const Shape& xs = x.shape();
   require(xs.ndim() == 3 && w.value().ndim() == 2 && w.shape()[0] == xs[2],
           "causal_conv_silu: x (B, T, C), w (C, K)");
@@ -30,6 +40,8 @@ Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
   s.length = xs[1];
   s.channels = xs[2];
   s.taps = w.shape()[1];
+  s.positions = packed_positions(positions, xs);
+  require(state == nullptr || s.positions == nullptr, "causal_conv_silu: a state or positions");
   Scope scope("causal conv", Pass::Forward);
   Tensor y = new_activation(xs);
   if (state != nullptr) {
@@ -50,7 +62,7 @@ Variable causal_conv_silu(const Variable& x, const Variable& w, Tensor* state) {
   Variable out = Variable::op_output(y, grad);
   if (grad) {
     record_backward("causal conv", [xv = x.value(), wv = w.value(), gx = x.grad_ref(),
-                                    gw = w.grad_ref(), gy = out.grad_ref(), s, xs] {
+                                    gw = w.grad_ref(), gy = out.grad_ref(), s, xs, positions] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
       const OverwrittenGradient dx(gx, xs);
@@ -157,7 +169,8 @@ Variable sigmoid_gated(const Variable& x, const Variable& gate) {
 
 Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& v,
                           const Variable& g, const Variable& beta, int64_t key_heads,
-                          int64_t value_heads, float scale, Tensor* state, int64_t chunk) {
+                          int64_t value_heads, float scale, Tensor* state, int64_t chunk,
+                          const Tensor& positions) {
   const Shape& qs = q.shape();
   require(qs.ndim() == 3 && k.shape() == qs && v.shape().ndim() == 3 && key_heads > 0 &&
               value_heads % key_heads == 0 && qs[2] % key_heads == 0 &&
@@ -172,6 +185,8 @@ Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& 
   s.key_dim = qs[2] / key_heads;
   s.value_dim = v.shape()[2] / value_heads;
   s.chunk = chunk;
+  s.positions = packed_positions(positions, qs);
+  require(state == nullptr || s.positions == nullptr, "gated_delta_rule: a state or positions");
   Scope scope("gated delta rule", Pass::Forward);
   Tensor y = new_activation(v.shape());
   if (state != nullptr) {
@@ -194,7 +209,7 @@ Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& 
   record_backward("gated delta rule", [s, scale, qv = q.value(), kv = k.value(), vv = v.value(),
                                        gv = g.value(), bv = beta.value(), states, gq = q.grad_ref(),
                                        gk = k.grad_ref(), gvv = v.grad_ref(), gg = g.grad_ref(),
-                                       gb = beta.grad_ref(), gy = out.grad_ref()] {
+                                       gb = beta.grad_ref(), gy = out.grad_ref(), positions] {
     const Tensor& dy = gy->tensor();
     if (!dy.defined()) return;
     const OverwrittenGradient dq(gq, qv.shape()), dk(gk, kv.shape()), dv(gvv, vv.shape()),

@@ -52,9 +52,6 @@ Variable rope(const Variable& x, const Tensor& table, int64_t n_heads, bool half
 // lengths of its sequences in order, summing to T.
 struct Packing {
   std::vector<std::vector<int64_t>> lengths;
-  // Each row's first sequence is its only one with targets, the rest of the row padding: a layer
-  // whose state runs along the row (Gated DeltaNet) computes each row as one sequence.
-  bool alone = false;
   // While measuring (the memory budget), how many of the batch's positions have a target: the
   // most any batch of the run has (0: every position).
   int64_t measured_targets = 0;

@@ -153,7 +153,7 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
   return data;
 }
 
-std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx, bool alone) {
+std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx) {
   std::vector<int32_t> order(sizes.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
   const auto positions = [&](int32_t i) { return sizes[static_cast<size_t>(i)]; };
@@ -164,7 +164,7 @@ std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx
   for (const int32_t i : order) {
     const int64_t n = positions(i);
     if (n < 1 || n > ctx) throw std::invalid_argument("pack_units: a unit of 1 .. ctx positions");
-    auto it = alone ? room.end() : room.lower_bound(n);  // the fullest row it fits in
+    auto it = room.lower_bound(n);  // the fullest row it fits in
     size_t r;
     if (it == room.end()) {
       r = rows.size();
@@ -180,12 +180,11 @@ std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx
   return rows;
 }
 
-std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx,
-                                     bool alone) {
+std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx) {
   std::vector<int64_t> sizes;
   sizes.reserve(examples.size());
   for (const FinetuneExample& e : examples) sizes.push_back(std::ssize(e.tokens) - 1);
-  return pack_units(sizes, ctx, alone);
+  return pack_units(sizes, ctx);
 }
 
 int64_t RowPlan::steps_for(double epochs) const {
@@ -230,8 +229,6 @@ int64_t fill_packed_batch(std::span<const PackedRow* const> rows,
                           const std::vector<FinetuneExample>& examples, int64_t ctx, int32_t pad,
                           int32_t* inputs, int32_t* targets, Packing& packing) {
   packing.lengths.assign(rows.size(), {});
-  packing.alone = std::all_of(rows.begin(), rows.end(),
-                              [](const PackedRow* r) { return r->examples.size() <= 1; });
   int64_t counted = 0;
   for (size_t b = 0; b < rows.size(); ++b) {
     int32_t* in = inputs + static_cast<int64_t>(b) * ctx;

@@ -68,17 +68,14 @@ FinetuneData read_finetune_jsonl(const std::string& path, const Tokenizer& token
 // Examples packed into rows of `ctx` positions, whole examples one after another: an example of
 // n tokens takes n - 1 positions (its inputs; its targets are the tokens after them). Best fit
 // over the examples longest first, so that little but some rows' tails is padding. Examples must
-// be of 2 .. ctx + 1 tokens. With `alone`, each example a row of its own (longest first): a model
-// whose state runs along a row (Gated DeltaNet) starts each example from a zero state.
+// be of 2 .. ctx + 1 tokens.
 struct PackedRow {
   std::vector<int32_t> examples;  // indices, in the row's order
   int64_t positions = 0;          // taken, at most ctx
 };
-std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx,
-                                     bool alone = false);
+std::vector<PackedRow> pack_examples(const std::vector<FinetuneExample>& examples, int64_t ctx);
 // The same over units of `sizes` positions (1 .. ctx each): each row lists its units' indices.
-std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx,
-                                  bool alone = false);
+std::vector<PackedRow> pack_units(const std::vector<int64_t>& sizes, int64_t ctx);
 
 // How a fine-tune's steps take its rows: `per_step` a step, in an order shuffled anew each epoch
 // (RowOrder). By epoch, each epoch takes epoch_steps() steps, its last the rows left of it and

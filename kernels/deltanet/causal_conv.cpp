@@ -18,6 +18,7 @@ template <class T>
 T tap_input(const CausalConvShape& s, const T* x, const T* state, int64_t b, int64_t t, int64_t j,
             int64_t c) {
   const int64_t p = t - (s.taps - 1) + j;
+  if (p < s.first(b, t)) return T(0);  // before the window's own sequence
   if (p >= 0) return x[(b * s.length + p) * s.x_row() + c];
   if (state == nullptr) return T(0);
   return state[(b * s.channels + c) * (s.taps - 1) + (s.taps - 1) + p];
@@ -79,7 +80,7 @@ void causal_conv_silu_backward(const CausalConvShape& s, const T* x, const T* w,
             // x at p feeds the windows ending at p .. p + K - 1, as tap K - 1 - (t - p).
             T sum = 0;
             for (int64_t t = p; t < std::min(s.length, p + K); ++t)
-              sum += w[c * K + (K - 1) - (t - p)] * dpre[t * n + (c - c0)];
+              if (p >= s.first(b, t)) sum += w[c * K + (K - 1) - (t - p)] * dpre[t * n + (c - c0)];
             dx[(b * s.length + p) * s.x_row() + c] = sum;
           }
         for (int64_t c = c0; c < c1; ++c)
@@ -95,7 +96,8 @@ void causal_conv_silu_backward(const CausalConvShape& s, const T* x, const T* w,
               // State element i is position i - (K - 1), tap j = i - (K - 1) - t + (K - 1) = i - t.
               T sum = 0;
               for (int64_t t = 0; t <= i && t < s.length; ++t)
-                sum += w[c * K + (i - t)] * dpre[t * n + (c - c0)];
+                if (i - (K - 1) >= s.first(b, t))
+                  sum += w[c * K + (i - t)] * dpre[t * n + (c - c0)];
               dstate[(b * s.channels + c) * (K - 1) + i] = sum;
             }
       }
@@ -104,7 +106,9 @@ void causal_conv_silu_backward(const CausalConvShape& s, const T* x, const T* w,
 }
 
 template <class T>
-void causal_conv_next_state(const CausalConvShape& s, const T* x, const T* state, T* next) {
+void causal_conv_next_state(const CausalConvShape& shape, const T* x, const T* state, T* next) {
+  CausalConvShape s = shape;  // (a decoded sequence is one a row)
+  s.positions = nullptr;
   const int64_t K = s.taps;
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t c = 0; c < s.channels; ++c)

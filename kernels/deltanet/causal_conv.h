@@ -3,9 +3,11 @@
 //   pre[b, t, c] = sum_j w[c, j] x[b, t - (K - 1) + j, c]      y = silu(pre)
 // Positions before the sequence's start read the convolution's state (B, C, K - 1; the K - 1
 // inputs before it, oldest first), or zeros without one. x's rows are `x_stride` elements apart
-// (0: C); y and its gradient are dense (B, T, C).
+// (0: C); y and its gradient are dense (B, T, C). With `positions` (B, T: each position's index
+// within its sequence, packed rows), a window reads zeros before its own sequence's start.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 namespace cputrain::kernels {
@@ -16,6 +18,12 @@ struct CausalConvShape {
   int64_t channels = 1;  // C
   int64_t taps = 4;      // K
   int64_t x_stride = 0;
+  const int32_t* positions = nullptr;  // (B, T); nullptr: one sequence a row
+
+  // The earliest position the window ending at t of row b reads: its sequence's start.
+  int64_t first(int64_t b, int64_t t) const {
+    return positions != nullptr ? t - positions[b * length + t] : INT64_MIN;
+  }
 
   int64_t x_row() const { return x_stride != 0 ? x_stride : channels; }
   int64_t state_elements() const { return batch * channels * (taps - 1); }

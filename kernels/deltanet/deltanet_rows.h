@@ -37,9 +37,10 @@ inline void conv_pre(const CausalConvShape& s, const float* x, const float* wt, 
                      int64_t t, int64_t c0, int64_t m, vf* pre) {
   const int64_t K = s.taps, row = s.x_row();
   for (int64_t v = 0; v * kLanes < m; ++v) pre[v] = vec::splat(0.0f);
+  const int64_t first = std::max<int64_t>(0, s.first(b, t));
   for (int64_t j = 0; j < K; ++j) {
     const int64_t p = t - (K - 1) + j;
-    if (p < 0) continue;
+    if (p < first) continue;
     const float* xp = x + (b * s.length + p) * row + c0;
     for (int64_t v = 0; v * kLanes < m; ++v) {
       const int n = static_cast<int>(std::min<int64_t>(kLanes, m - v * kLanes));
@@ -108,8 +109,9 @@ void conv_backward(const CausalConvShape& s, const float* x, const float* w, con
         for (int64_t v = 0; v < vecs; ++v) {
           vf sum = vec::splat(0.0f);
           for (int64_t t = p; t < std::min(T, p + K); ++t)
-            sum += vec::load_n(wt.data() + (K - 1 - (t - p)) * m + v * kLanes, lanes(v)) *
-                   vec::load(dpre.data() + t * kConvBlock + v * kLanes);
+            if (p >= s.first(b, t))
+              sum += vec::load_n(wt.data() + (K - 1 - (t - p)) * m + v * kLanes, lanes(v)) *
+                     vec::load(dpre.data() + t * kConvBlock + v * kLanes);
           vec::store_n(dxp + v * kLanes, sum, lanes(v));
         }
       }
@@ -119,8 +121,9 @@ void conv_backward(const CausalConvShape& s, const float* x, const float* w, con
         for (int64_t v = 0; v < vecs; ++v) {
           vf sum = vec::splat(0.0f);
           for (int64_t t = std::max<int64_t>(0, (K - 1) - j); t < T; ++t)
-            sum += vec::load(dpre.data() + t * kConvBlock + v * kLanes) *
-                   vec::load_n(x + (b * T + t - (K - 1) + j) * row + c0 + v * kLanes, lanes(v));
+            if (t - (K - 1) + j >= s.first(b, t))
+              sum += vec::load(dpre.data() + t * kConvBlock + v * kLanes) *
+                     vec::load_n(x + (b * T + t - (K - 1) + j) * row + c0 + v * kLanes, lanes(v));
           float out[kLanes];
           vec::store(out, sum);
           for (int i = 0; i < lanes(v); ++i) part[(c0 + v * kLanes + i) * K + j] = out[i];

@@ -20,6 +20,10 @@ struct HeadRows {
   int64_t v_at(int64_t t) const { return (b * s.length + t) * s.v_row() + hv * s.value_dim; }
   int64_t gate_at(int64_t t) const { return (b * s.length + t) * s.value_heads + hv; }
   int64_t out_at(int64_t t) const { return gate_at(t) * s.value_dim; }
+  // Whether a sequence begins at t (packed rows).
+  bool starts(int64_t t) const {
+    return s.positions != nullptr && s.positions[b * s.length + t] == 0;
+  }
   int64_t state_at(int64_t c) const {
     return ((b * s.value_heads + hv) * (s.chunks() + 1) + c) * s.key_dim * s.value_dim;
   }
@@ -70,15 +74,19 @@ void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A, int6
 template <class T>
 struct Chunk {
   int64_t n = 0, dk = 0, dv = 0;
-  std::vector<T> q, k, v, beta, G, eG;  // G: the decay summed from the chunk's start; eG: exp(G)
-  std::vector<T> E;                     // n x n: exp(G_i - G_j) for j <= i, 0 above
-  std::vector<T> kk;                    // n x n: k_i.k_j
-  std::vector<T> X;                     // n x n, strictly lower: beta_i exp(G_i - G_j) k_i.k_j
-  std::vector<T> Tinv;                  // n x n: (I + X)^-1, lower
-  std::vector<T> Ru, Rw;                // beta V (n x dv), beta exp(G) K (n x dk)
-  std::vector<T> Ut, W, U;              // T Ru, T Rw, Ut - W S0
-  std::vector<T> A;                     // n x n, lower with diagonal: exp(G_i - G_j) q_i.k_j
-  std::vector<T> Khat;                  // n x dk: exp(G_n - G_j) k_j
+  // G: the decay summed from the chunk's start (from a sequence's start where one begins in the
+  // chunk); eG: exp(G) for the positions before the chunk's first sequence start, which read S0,
+  // 0 after it. seg: each position's sequence, counted from the chunk's first.
+  std::vector<T> q, k, v, beta, G, eG;
+  std::vector<int64_t> seg;
+  std::vector<T> E;         // n x n: exp(G_i - G_j) for j <= i, 0 above
+  std::vector<T> kk;        // n x n: k_i.k_j
+  std::vector<T> X;         // n x n, strictly lower: beta_i exp(G_i - G_j) k_i.k_j
+  std::vector<T> Tinv;      // n x n: (I + X)^-1, lower
+  std::vector<T> Ru, Rw;    // beta V (n x dv), beta exp(G) K (n x dk)
+  std::vector<T> Ut, W, U;  // T Ru, T Rw, Ut - W S0
+  std::vector<T> A;         // n x n, lower with diagonal: exp(G_i - G_j) q_i.k_j
+  std::vector<T> Khat;      // n x dk: exp(G_n - G_j) k_j
 
   Chunk(int64_t C, int64_t dk_, int64_t dv_)
       : dk(dk_),
@@ -89,6 +97,7 @@ struct Chunk {
         beta(C),
         G(C),
         eG(C),
+        seg(C),
         E(C * C),
         kk(C * C),
         X(C * C),
@@ -105,8 +114,17 @@ struct Chunk {
               const T* bp, int64_t t0, int64_t len) {
     n = len;
     T sum = 0;
+    int64_t id = 0;
+    bool reads_s0 = true;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = t0 + i;
+      if (h.starts(t)) {
+        // A sequence begins: its decays sum from here, and it reads no state before it.
+        sum = 0;
+        reads_s0 = false;
+        if (i > 0) ++id;
+      }
+      seg[i] = id;
       for (int64_t a = 0; a < dk; ++a) {
         q[i * dk + a] = scale * qp[h.qk_at(t) + a];
         k[i * dk + a] = kp[h.qk_at(t) + a];
@@ -114,7 +132,7 @@ struct Chunk {
       std::copy_n(vp + h.v_at(t), dv, v.data() + i * dv);
       sum += g[h.gate_at(t)];
       G[i] = sum;
-      eG[i] = std::exp(sum);
+      eG[i] = reads_s0 ? std::exp(sum) : T(0);
       beta[i] = bp[h.gate_at(t)];
     }
   }
@@ -123,7 +141,8 @@ struct Chunk {
   // and K^.
   void solve(const T* S0) {
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < n; ++j) E[i * n + j] = j <= i ? std::exp(G[i] - G[j]) : T(0);
+      for (int64_t j = 0; j < n; ++j)
+        E[i * n + j] = j <= i && seg[i] == seg[j] ? std::exp(G[i] - G[j]) : T(0);
     mm(false, true, n, n, dk, k.data(), dk, k.data(), dk, T(0), kk.data(), n);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < n; ++j)
@@ -180,6 +199,7 @@ void gated_delta_recurrent(const GatedDeltaShape& s, T scale, const T* q, const 
       T* st = state != nullptr ? state + bh * S : local.data();
       if (state == nullptr) std::fill(local.begin(), local.end(), T(0));
       for (int64_t t = 0; t < s.length; ++t) {
+        if (h.starts(t)) std::fill(st, st + S, T(0));
         const T* kt = k + h.qk_at(t);
         const T* vt = v + h.v_at(t);
         const T decay = std::exp(g[h.gate_at(t)]);
@@ -345,11 +365,13 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
             axpy(bi * eG[i], rw, &dK[i * Dk], Dk);
             dG[i] += bi * eG[i] * kw;
           }
-          // G_i = g_1 + ... + g_i: dg_j = sum over i >= j of dG_i.
+          // G_i = g_1 + ... + g_i (from its sequence's start): dg_j = sum over i >= j of its
+          // sequence of dG_i.
           double sum = 0;
           for (int64_t i = n - 1; i >= 0; --i) {
             sum += dG[i];
             dg[h.gate_at(t0 + i)] = static_cast<T>(sum);
+            if (h.starts(t0 + i)) sum = 0;
           }
           for (int64_t i = 0; i < n; ++i) {
             const int64_t at = h.qk_at(t0 + i);

@@ -25,6 +25,13 @@
 // Layouts (element strides): q, k (B, T, Hk, dk) with a row of `qk_stride` elements between
 // positions; v (B, T, Hv, dv), row stride `v_stride`; g, beta (B, T, Hv); a state (B, Hv, dk, dv);
 // out (B, T, Hv, dv). Templates for float and double (double: the tests' ground truth).
+//
+// Packed rows: with `positions` (B, T), each position's index within its sequence, a row holds
+// several sequences one after another, and each that begins (position 0) starts from a zero
+// state, as if it were a row of its own. In the chunked form a sequence start within a chunk
+// splits it: the decay sums restart there, the products between positions of different
+// sequences are masked out (E below is zero across a start), and only the positions before the
+// chunk's first start read S0; the states kept are still one a chunk of the row.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +48,8 @@ struct GatedDeltaShape {
   int64_t qk_stride = 0;    // elements between one position's q (or k) row and the next; 0: Hk dk
   int64_t v_stride = 0;     // the same for v; 0: Hv dv
   int64_t chunk = 64;       // C, the chunked form's positions a chunk
+  // (B, T): each position's index within its sequence (packed rows); nullptr: one a row.
+  const int32_t* positions = nullptr;
 
   int64_t qk_row() const { return qk_stride != 0 ? qk_stride : key_heads * key_dim; }
   int64_t v_row() const { return v_stride != 0 ? v_stride : value_heads * value_dim; }

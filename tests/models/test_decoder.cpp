@@ -591,11 +591,15 @@ TEST(Lora, Bf16TracksFp32AndCheckpointingIsExact) {
 
 // Packed rows (fine-tuning): sequences of 5, 9 and 2 tokens in one row of 16, and one of 16 in
 // another, give each sequence the logits it has alone (RoPE from position 0, attention within
-// itself), in fp32 and bf16, with and without checkpointing; the loss over targets (some below
-// 0: none) divided by a normalizer has the gradients of the sequences' losses so weighted.
-TEST(Packing, PackedRowsComputeEachSequenceAlone) {
+// itself; a Gated DeltaNet layer's convolution and state from its start), in fp32 and bf16, with
+// and without checkpointing; the loss over targets (some below 0: none) divided by a normalizer
+// has the gradients of the sequences' losses so weighted.
+class PackedRows : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(PackedRows, ComputeEachSequenceAlone) {
   ModelConfig c = lora_shape();
   c.rope_pairs = RopePairs::HalfSplit;
+  if (std::string(GetParam()) == "qwen35") c = test::tiny_as("qwen35");
   const std::vector<std::vector<int64_t>> rows = {{5, 9, 2}, {16}};
   const int64_t T = 16;
   const Tensor x = random_tokens(2, T, c.vocab, 31), y = random_tokens(2, T, c.vocab, 32);
@@ -662,6 +666,8 @@ TEST(Packing, PackedRowsComputeEachSequenceAlone) {
     m.set_checkpointing(false);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Architectures, PackedRows, ::testing::Values("llama", "qwen35"));
 
 // The LM head on the positions with a target alone (a prompt's and padding's have none) against
 // the head on every position: the same loss and the same gradients bit for bit, LoRA adapters'

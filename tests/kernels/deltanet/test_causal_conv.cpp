@@ -143,39 +143,91 @@ TEST(CausalConv, GradientsMatchCentralDifferences) {
 namespace cputrain::kernels {
 namespace {
 
+// Packed rows: each window reads zeros before its own sequence's start, as each sequence alone
+// would; its gradients those of each sequence alone.
+TEST(CausalConv, PackedRowsComputeEachSequenceAlone) {
+  const int64_t T = 12, C = 5;
+  // Row 0: sequences of 1, 3, 2 and 6 positions; row 1: one of 12.
+  const std::vector<int32_t> positions = {0, 0, 1, 2, 0, 1, 0, 1, 2, 3, 4,  5,
+                                          0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  Case c = draw(T, C, 4, 2, false, 21);
+  c.s.positions = positions.data();
+  const std::vector<double> y = forward(c);
+  std::vector<double> dy(y.size()), dx(c.x.size()), dw(c.w.size(), 0.0);
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = std::sin(0.7 * static_cast<double>(i));
+  causal_conv_silu_backward<double>(c.s, c.x.data(), c.w.data(), nullptr, dy.data(), dx.data(),
+                                    dw.data(), nullptr);
+  std::vector<double> dw_alone(c.w.size(), 0.0);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t t0 = 0; t0 < T;) {
+      int64_t n = 1;
+      while (t0 + n < T && positions[static_cast<size_t>(b * T + t0 + n)] != 0) ++n;
+      Case one = c;
+      one.s.batch = 1;
+      one.s.length = n;
+      one.s.positions = nullptr;
+      one.x.assign(c.x.begin() + (b * T + t0) * c.s.x_row(),
+                   c.x.begin() + (b * T + t0 + n) * c.s.x_row());
+      const std::vector<double> want = forward(one);
+      std::vector<double> dy1(dy.begin() + (b * T + t0) * C, dy.begin() + (b * T + t0 + n) * C);
+      std::vector<double> dx1(one.x.size());
+      causal_conv_silu_backward<double>(one.s, one.x.data(), one.w.data(), nullptr, dy1.data(),
+                                        dx1.data(), dw_alone.data(), nullptr);
+      for (int64_t i = 0; i < n * C; ++i)
+        EXPECT_NEAR(y[static_cast<size_t>((b * T + t0) * C + i)], want[static_cast<size_t>(i)],
+                    1e-12);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t ch = 0; ch < C; ++ch)
+          EXPECT_NEAR(dx[static_cast<size_t>((b * T + t0 + t) * c.s.x_row() + ch)],
+                      dx1[static_cast<size_t>(t * c.s.x_row() + ch)], 1e-12);
+      t0 += n;
+    }
+  for (size_t i = 0; i < dw.size(); ++i) EXPECT_NEAR(dw[i], dw_alone[i], 1e-12);
+}
+
 // The vectorised float forms of each ISA (deltanet_rows.h) against the double reference: the
 // convolution over odd channel counts (a partial vector, a partial block of four) and lengths
-// shorter than its taps, strided x; the gated RMSNorm over heads of odd widths.
+// shorter than its taps, strided x, one sequence a row and packed rows; the gated RMSNorm over
+// heads of odd widths.
 TEST(DeltanetRows, EachIsaTracksTheDoubleReference) {
   std::vector<const DeltanetKernels*> builds = {&deltanet_kernels_avx2()};
   if (cpu_features().avx512) builds.push_back(&deltanet_kernels_avx512());
   for (const DeltanetKernels* k : builds)
     for (const int64_t T : {1, 3, 17})
-      for (const int64_t C : {5, 37, 64, 131}) {
-        const Case c = draw(T, C, 4, C % 2 == 1 ? 3 : 0, false, 7);
-        const std::vector<double> want = forward(c);
-        const std::vector<float> x(c.x.begin(), c.x.end()), w(c.w.begin(), c.w.end());
-        std::vector<float> y(want.size());
-        k->conv_forward(c.s, x.data(), w.data(), y.data());
-        for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], want[i], 1e-5) << T << " " << C;
-        // Gradients: the double reference's from the same dy.
-        std::vector<double> dy(want.size()), dx(c.x.size()), dw(c.w.size(), 0.5);
-        std::mt19937 rng(11);
-        std::normal_distribution<double> normal(0.0, 1.0);
-        for (double& v : dy) v = normal(rng);
-        causal_conv_silu_backward<double>(c.s, c.x.data(), c.w.data(), nullptr, dy.data(),
-                                          dx.data(), dw.data(), nullptr);
-        const std::vector<float> dyf(dy.begin(), dy.end());
-        std::vector<float> dxf(dx.size(), 0.0f), dwf(dw.size(), 0.5f);
-        k->conv_backward(c.s, x.data(), w.data(), dyf.data(), dxf.data(), dwf.data());
-        for (int64_t b = 0; b < c.s.batch; ++b)
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t ch = 0; ch < C; ++ch) {
-              const size_t i = static_cast<size_t>((b * T + t) * c.s.x_row() + ch);
-              ASSERT_NEAR(dxf[i], dx[i], 1e-4) << T << " " << C;
-            }
-        for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dwf[i], dw[i], 1e-4) << T << " " << C;
-      }
+      for (const int64_t C : {5, 37, 64, 131})
+        for (const bool packed : {false, true}) {
+          Case c = draw(T, C, 4, C % 2 == 1 ? 3 : 0, false, 7);
+          // Packed: sequences of 2 positions, then one of the rest.
+          std::vector<int32_t> positions(static_cast<size_t>(c.s.batch * T));
+          for (int64_t i = 0; i < c.s.batch * T; ++i) {
+            const int64_t t = i % T;
+            positions[static_cast<size_t>(i)] =
+                static_cast<int32_t>(t < T - T / 2 ? t % 2 : t - (T - T / 2));
+          }
+          if (packed) c.s.positions = positions.data();
+          const std::vector<double> want = forward(c);
+          const std::vector<float> x(c.x.begin(), c.x.end()), w(c.w.begin(), c.w.end());
+          std::vector<float> y(want.size());
+          k->conv_forward(c.s, x.data(), w.data(), y.data());
+          for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], want[i], 1e-5) << T << " " << C;
+          // Gradients: the double reference's from the same dy.
+          std::vector<double> dy(want.size()), dx(c.x.size()), dw(c.w.size(), 0.5);
+          std::mt19937 rng(11);
+          std::normal_distribution<double> normal(0.0, 1.0);
+          for (double& v : dy) v = normal(rng);
+          causal_conv_silu_backward<double>(c.s, c.x.data(), c.w.data(), nullptr, dy.data(),
+                                            dx.data(), dw.data(), nullptr);
+          const std::vector<float> dyf(dy.begin(), dy.end());
+          std::vector<float> dxf(dx.size(), 0.0f), dwf(dw.size(), 0.5f);
+          k->conv_backward(c.s, x.data(), w.data(), dyf.data(), dxf.data(), dwf.data());
+          for (int64_t b = 0; b < c.s.batch; ++b)
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t ch = 0; ch < C; ++ch) {
+                const size_t i = static_cast<size_t>((b * T + t) * c.s.x_row() + ch);
+                ASSERT_NEAR(dxf[i], dx[i], 1e-4) << T << " " << C;
+              }
+          for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dwf[i], dw[i], 1e-4) << T << " " << C;
+        }
   for (const DeltanetKernels* k : builds)
     for (const int64_t D : {7, 16, 40, 128}) {
       const int64_t N = 300;

@@ -1,6 +1,7 @@
 // The gated delta rule's chunked form against its recurrent form, in double precision and in
-// float, across chunk edges, sequences shorter than a chunk and strided rows; its backward pass
-// against central differences of the chunked forward pass, for every input.
+// float, across chunk edges, sequences shorter than a chunk and strided rows, and packed rows
+// against each sequence alone; its backward pass against central differences of the chunked
+// forward pass, for every input.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -236,6 +237,56 @@ void check_gradients(const GatedDeltaShape& s, bool with_initial, bool with_dfin
   if (with_initial) check(&Inputs<double>::initial, dinit, "initial state", 0, 0);
 }
 
+// Each position's index within its sequence, for rows of sequences of `lengths` (each row's
+// summing to T).
+std::vector<int32_t> positions_of(const std::vector<std::vector<int64_t>>& lengths) {
+  std::vector<int32_t> out;
+  for (const std::vector<int64_t>& row : lengths)
+    for (const int64_t n : row)
+      for (int64_t i = 0; i < n; ++i) out.push_back(static_cast<int32_t>(i));
+  return out;
+}
+
+// Packed rows: each sequence as a row of its own would compute it (its own call, from a zero
+// state), the chunked form as the recurrent one, with sequences starting at a chunk's first
+// position, within a chunk, two in one chunk, and one of a single position.
+TEST(GatedDelta, PackedRowsComputeEachSequenceAlone) {
+  for (const int64_t chunk : {4, 5, 64}) {
+    const std::vector<std::vector<int64_t>> lengths = {{4, 7, 1, 2, 6}, {3, 17}};
+    GatedDeltaShape s = shape(20, chunk, 2);
+    const std::vector<int32_t> positions = positions_of(lengths);
+    s.positions = positions.data();
+    const Inputs<double> in(s, static_cast<uint32_t>(chunk), false);
+    const Result<double> got = chunked(in), rec = recurrent(in);
+    EXPECT_LT(max_relative(got.out, rec.out), 1e-12) << "chunk " << chunk;
+    // Each sequence alone: a batch of one row of its length.
+    for (int64_t b = 0; b < s.batch; ++b) {
+      int64_t t0 = 0;
+      for (const int64_t n : lengths[static_cast<size_t>(b)]) {
+        GatedDeltaShape one = shape(n, chunk, 2);
+        one.batch = 1;
+        Inputs<double> alone(one, 1, false);
+        const auto rows = [&](const std::vector<double>& from, std::vector<double>& to,
+                              int64_t row) {
+          std::copy_n(from.begin() + (b * s.length + t0) * row, n * row, to.begin());
+        };
+        rows(in.q, alone.q, s.qk_row());
+        rows(in.k, alone.k, s.qk_row());
+        rows(in.v, alone.v, s.v_row());
+        rows(in.g, alone.g, s.value_heads);
+        rows(in.beta, alone.beta, s.value_heads);
+        const Result<double> want = recurrent(alone);
+        const int64_t width = s.value_heads * s.value_dim;
+        const std::vector<double> part(got.out.begin() + (b * s.length + t0) * width,
+                                       got.out.begin() + (b * s.length + t0 + n) * width);
+        EXPECT_LT(max_relative(part, want.out), 1e-12)
+            << "chunk " << chunk << " row " << b << " from " << t0;
+        t0 += n;
+      }
+    }
+  }
+}
+
 TEST(GatedDelta, GradientsMatchCentralDifferences) {
   GatedDeltaShape s = shape(11, 4, 2);  // chunks of 4, 4 and 3
   s.batch = 1;
@@ -249,6 +300,14 @@ TEST(GatedDelta, GradientsMatchCentralDifferences) {
   s.chunk = 64;
   s.key_heads = s.value_heads = 3;
   check_gradients(s, true, false);
+  // Packed rows: sequences starting at a chunk's first position, within a chunk, two in one.
+  s = shape(13, 4, 2);
+  s.batch = 1;
+  s.key_dim = 3;
+  s.value_dim = 2;
+  const std::vector<int32_t> positions = positions_of({{4, 2, 1, 6}});
+  s.positions = positions.data();
+  check_gradients(s, false, true);
 }
 
 }  // namespace
