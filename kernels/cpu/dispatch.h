@@ -1,6 +1,6 @@
 // How every kernel family with per-ISA implementations (gemm, attention, swiglu, cross_entropy,
-// peak) chooses one. Each family has a table of implementations, fastest first, each row a name,
-// the ISA level it needs and its entry points. At first use the family takes, once:
+// deltanet, peak) chooses one. Each family has a table of implementations, fastest first, each
+// row a name, the ISA level it needs and its entry points. At first use the family takes, once:
 //   - the row CPUTRAIN_<FAMILY> names (CPUTRAIN_SWIGLU=avx2), or force_kernel(family, name)
 //     (the CLI's --kernel family=name);
 //   - else the first row that is taken by default and whose level this CPU has, at or below the
@@ -79,10 +79,10 @@ const KernelChoice<Entry>& choose_kernel(std::string_view family,
 // is what the user wrote, for messages (default "--kernel family=name"). Throws
 // std::invalid_argument for a family that is not one of kernel_families().
 void force_kernel(std::string_view family, std::string_view name, std::string_view source = {});
-// "gemm, attention, swiglu, cross_entropy, peak".
+// "gemm, attention, swiglu, cross_entropy, deltanet, peak".
 std::string kernel_families();
 // Makes every family choose now and names the choices: "gemm amx, attention amx, swiglu
-// avx512, cross_entropy avx512, peak amx". Throws what choose_kernel_row throws.
+// avx512, cross_entropy avx512, deltanet avx512, peak amx". Throws what choose_kernel_row throws.
 std::string kernel_choices();
 
 }  // namespace cputrain::kernels

@@ -80,13 +80,15 @@ TEST_F(Cli, KernelFlagsChooseEachFamilyAndTheLogSaysWhich) {
   const Result capped = run(base + " --isa avx2 --gemm reference");
   ASSERT_EQ(capped.exit_code, 0) << capped.err;
   EXPECT_NE(capped.out.find("kernels: gemm reference, attention avx2, swiglu avx2, "
-                            "cross_entropy avx2, peak avx2"),
+                            "cross_entropy avx2, deltanet avx2, peak avx2"),
             std::string::npos)
       << capped.out;
   fs::remove_all(dir_ / "run");
-  const Result forced = run("CPUTRAIN_SWIGLU=avx2", base + " --kernel cross_entropy=avx2");
+  const Result forced =
+      run("CPUTRAIN_SWIGLU=avx2", base + " --kernel cross_entropy=avx2 --kernel deltanet=avx2");
   ASSERT_EQ(forced.exit_code, 0) << forced.err;
-  EXPECT_NE(forced.out.find("swiglu avx2, cross_entropy avx2"), std::string::npos) << forced.out;
+  EXPECT_NE(forced.out.find("swiglu avx2, cross_entropy avx2, deltanet avx2"), std::string::npos)
+      << forced.out;
 }
 
 TEST_F(Cli, MissingAndEmptyCorpus) {
