@@ -118,6 +118,29 @@ def vocabulary(special=()):
     return tokens, scores, types
 
 
+def add_vocabulary(w, special=()):
+    """The vocabulary's size, tokens, scores, types and BOS/EOS/UNK ids into GGUF writer `w`;
+    returns its tokens and types."""
+    tokens, scores, types = vocabulary(special)
+    w.add_vocab_size(VOCAB)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    return tokens, types
+
+
+def finish(w):
+    """Writes GGUF writer `w`'s header, metadata and tensors, and closes its file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def llama3_factors(theta, head, factor, low, high, original):
     """The divisor of each frequency: Hugging Face's llama3 inv_freq is inv_freq / divisor."""
     out = []
@@ -222,15 +245,7 @@ def write_family(name, spec, seed):
         w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(spec["theta"])
     w.add_rope_dimension_count(spec.get("rope_dim", head))
-    w.add_vocab_size(VOCAB)
-    tokens, scores, types = vocabulary(spec.get("special", ()))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    tokens, types = add_vocabulary(w, spec.get("special", ()))
     if gemma:
         w.add_add_space_prefix(False)
     if spec.get("window"):
@@ -298,10 +313,7 @@ def write_family(name, spec, seed):
         w.add_tensor("rope_freqs.weight",
                      llama3_factors(spec["theta"], head, scaling["factor"], scaling["low"],
                                     scaling["high"], scaling["original"]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
     folder = f"{OUT}/{name}_hf"
     os.makedirs(folder, exist_ok=True)
@@ -465,15 +477,7 @@ def write_qwen35(name, spec, seed):
     w.add_ssm_time_step_rank(hv)
     w.add_ssm_inner_size(vd)
     w.add_full_attention_interval(interval)
-    w.add_vocab_size(VOCAB)
-    tokens, scores, types = vocabulary()
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    tokens, types = add_vocabulary(w)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.q_norm": "attn_q_norm",
@@ -523,10 +527,7 @@ def write_qwen35(name, spec, seed):
                  ("pre_fc_norm_hidden", "hnorm"), ("norm", "shared_head_norm")):
         a = mtp[f"mtp.{n}.weight"]
         w.add_tensor(f"blk.{layers}.nextn.{g}.weight", a if n == "fc" else a + np.float32(1.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
     folder = f"{OUT}/{name}_hf"
     os.makedirs(folder, exist_ok=True)
