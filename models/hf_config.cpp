@@ -343,9 +343,16 @@ SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
       n += vision;
     }
   }
-  if (const int64_t mtp = weights.leave_out("mtp."); mtp > 0) {
-    parts.push_back("multi-token prediction");
-    n += mtp;
+  // A multi-token-prediction block where the config declares one (Qwen3.5's
+  // mtp_num_hidden_layers); elsewhere its tensors have no place, as any other.
+  const json& text = hf_multimodal_architecture(j) ? j["text_config"] : j;
+  const auto declared = text.is_object() ? text.find("mtp_num_hidden_layers") : text.end();
+  if (text.is_object() && declared != text.end() && declared->is_number_integer() &&
+      declared->get<int64_t>() > 0) {
+    if (const int64_t mtp = weights.leave_out("mtp."); mtp > 0) {
+      parts.push_back("multi-token prediction");
+      n += mtp;
+    }
   }
   if (left_out) {
     left_out->clear();

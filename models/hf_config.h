@@ -31,7 +31,8 @@ ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx);
 // The folder's tensors as the model reads them. Of an image-and-text folder whose text model
 // cputrain reads (Architecture::hf_multimodal_types: Qwen3.5's published checkpoints), the text
 // model's under a text model's names (model.language_model. -> model.), the vision model's left
-// out; a multi-token-prediction block (mtp.*) left out. `left_out` receives what was, for the
+// out; a multi-token-prediction block (mtp.*) that config.json declares (mtp_num_hidden_layers)
+// left out. `left_out` receives what was, for the
 // line naming the model (" (its vision model and multi-token prediction, 1,234 tensors, left
 // out)"), empty where nothing.
 SafetensorsModel hf_weights(const std::string& folder, std::string* left_out = nullptr);

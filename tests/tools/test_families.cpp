@@ -242,16 +242,35 @@ std::vector<std::vector<float>> values_of(const LoadedModel& m) {
   return out;
 }
 
+// Two models' parameters the same bits, but Gated DeltaNet's A_log: GGUF holds -exp(A_log),
+// whose log gives it back within float's rounding.
+void expect_same_values(const LoadedModel& a, const LoadedModel& b, const std::string& where) {
+  const std::vector<std::vector<float>> want = values_of(a), got = values_of(b);
+  ASSERT_EQ(got.size(), want.size()) << where;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const std::string& name = a.model->parameters().infos()[i].name;
+    if (!name.ends_with(".a_log.weight")) {
+      EXPECT_TRUE(got[i] == want[i]) << where << ": " << name;
+      continue;
+    }
+    ASSERT_EQ(got[i].size(), want[i].size());
+    for (size_t j = 0; j < want[i].size(); ++j)
+      EXPECT_NEAR(got[i][j], want[i][j], 1e-6) << where << ": " << name;
+  }
+}
+
 // export (GGUF f32, Hugging Face F32) then import: the same configuration and the same bits, from
-// either format; llama.cpp computes the exported GGUF's logits as the original's.
+// either format; llama.cpp computes the exported GGUF's logits as the original's. The GGUF file
+// and the Hugging Face folder of the same weights read to the same bits.
 TEST(Families, ExportThenImportIsBitExact) {
   REQUIRE_ORACLE();
   const TempFolder folder{temp_dir("family_export")};
   for (const std::string family : kFamilies) {
+    expect_same_values(load(family_models() / (family + ".gguf")),
+                       load(family_models() / (family + "_hf")), family + ": GGUF and HF");
     for (const std::string& from : {family + ".gguf", family + "_hf"}) {
       const fs::path source = family_models() / from;
       LoadedModel original = load(source);
-      const std::vector<std::vector<float>> want = values_of(original);
       for (const char* to : {"out.gguf", "out_hf"}) {
         const fs::path out = folder.path / to;
         fs::remove_all(out);
@@ -275,20 +294,7 @@ TEST(Families, ExportThenImportIsBitExact) {
         EXPECT_EQ(back.config.rope_theta_swa, original.config.rope_theta_swa) << from << to;
         EXPECT_EQ(back.config.attn_softcap, original.config.attn_softcap) << from << to;
         EXPECT_EQ(back.config.final_softcap, original.config.final_softcap) << from << to;
-        // Bit for bit, but Gated DeltaNet's A_log: GGUF holds -exp(A_log), whose log gives it
-        // back within float's rounding.
-        const std::vector<std::vector<float>> got = values_of(back);
-        ASSERT_EQ(got.size(), want.size());
-        for (size_t i = 0; i < want.size(); ++i) {
-          const std::string& name = original.model->parameters().infos()[i].name;
-          if (!name.ends_with(".a_log.weight")) {
-            EXPECT_TRUE(got[i] == want[i]) << from << " -> " << to << ": " << name;
-            continue;
-          }
-          ASSERT_EQ(got[i].size(), want[i].size());
-          for (size_t j = 0; j < want[i].size(); ++j)
-            EXPECT_NEAR(got[i][j], want[i][j], 1e-6) << from << " -> " << to << ": " << name;
-        }
+        expect_same_values(original, back, from + " -> " + to);
       }
     }
     // (Not named after the family: llama.cpp treats a vocabulary of a model named phi3 as
@@ -589,6 +595,16 @@ TEST(Families, UnknownArchitecturesAndFieldsAreRefused) {
         return !key.starts_with("qwen35.");
       },
       nullptr, "architecture qwen3next, which cputrain does not compute");
+  // A Hugging Face folder's mtp.* tensors are left out where config.json declares the block, and
+  // have no place where it does not.
+  const fs::path undeclared = dir / "undeclared_mtp";
+  fs::copy(family_models() / "qwen35_hf", undeclared, fs::copy_options::recursive);
+  nlohmann::json config = nlohmann::json::parse(read_all(undeclared / "config.json"));
+  config.erase("mtp_num_hidden_layers");
+  std::ofstream(undeclared / "config.json") << config.dump();
+  expect_one_line_refusal(
+      run_cputrain("sample --model " + undeclared.string() + " --max-tokens 1", dir),
+      "has no place in the model cputrain computes");
   // The multi-token-prediction block is said, in the line naming the model.
   std::ofstream(dir / "text.txt") << "the cat sat on the mat and ran far";
   const Result said =
