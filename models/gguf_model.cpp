@@ -358,7 +358,7 @@ void check_no_other_tensors(const GgufFile& file, const std::set<std::string>& u
                             const ModelConfig& config) {
   for (const GgufTensor& t : file.tensors()) {
     // RoPE factors are read into the configuration (gguf_model_config); the blocks after the
-    // model's are its multi-token-prediction ones, left out (gguf_left_out_blocks).
+    // model's are its multi-token-prediction ones, left out (gguf_left_out).
     if (used.count(t.name) || t.name == "output.weight" || t.name == "rope_freqs.weight" ||
         t.name == "rope_factors_long.weight" || t.name == "rope_factors_short.weight" ||
         gguf_block_of(t.name) >= config.n_layers)
