@@ -26,6 +26,7 @@
 #include "engine/core/tensor.h"
 #include "kernels/cpu/peak.h"
 #include "kernels/deltanet/gated_delta.h"
+#include "models/architecture.h"
 #include "models/decoder.h"
 
 namespace cputrain::bench {
@@ -104,27 +105,19 @@ void delta_rule(benchmark::State& state, bool backward, const kernels::Peak& pea
 
 void layer(benchmark::State& state, const kernels::Peak& peak) {
   const kernels::GatedDeltaShape s = layer_shape();
-  ModelConfig c;
-  c.architecture = "qwen35";
-  c.vocab = 256;
-  c.d_model = 2048;
-  c.n_layers = 1;
-  c.n_heads = 16;
-  c.n_kv_heads = 4;
-  c.head_dim = 128;
-  c.ffn = 16;
-  c.ctx = s.length;
-  c.qk_norm = true;
-  c.attn_output_gate = true;
-  c.rope_pairs = RopePairs::HalfSplit;
-  c.rope_dim = 32;
-  c.tie_embeddings = true;
-  c.linear_layers = {0};
+  // One Gated DeltaNet layer as train --arch qwen35 builds it, with the layer shape's heads.
+  ModelConfig base;
+  base.vocab = 256;
+  base.d_model = 2048;
+  base.n_layers = 1;
+  base.n_heads = 16;
+  base.head_dim = 128;
+  base.ffn = 16;
+  base.ctx = s.length;
+  base.tie_embeddings = true;
+  ModelConfig c = with_architecture(base, *find_architecture("qwen35"));
   c.linear_key_heads = s.key_heads;
   c.linear_value_heads = s.value_heads;
-  c.linear_key_dim = s.key_dim;
-  c.linear_value_dim = s.value_dim;
-  c.linear_conv = 4;
   ModelOptions options;
   options.compute_dtype = DType::BF16;
   DecoderModel model(c, options);

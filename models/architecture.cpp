@@ -292,11 +292,16 @@ std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layer
   return out;
 }
 
-std::vector<int64_t> step_linear_layers(const Architecture& arch, int64_t layers) {
+std::vector<int64_t> linear_layers_between(int64_t interval, int64_t layers) {
   std::vector<int64_t> out;
-  for (int64_t i = 0; arch.linear_attention_step > 0 && i < layers; ++i)
-    if ((i + 1) % arch.linear_attention_step != 0) out.push_back(i);
+  for (int64_t i = 0; i < layers; ++i)
+    if ((i + 1) % interval != 0) out.push_back(i);
   return out;
+}
+
+std::vector<int64_t> step_linear_layers(const Architecture& arch, int64_t layers) {
+  if (arch.linear_attention_step <= 0) return {};
+  return linear_layers_between(arch.linear_attention_step, layers);
 }
 
 void require_files(const Architecture& arch, const std::string& what) {

@@ -153,6 +153,8 @@ void require_files(const Architecture& arch, const std::string& what);
 // The Gated DeltaNet layers of a model of `arch` with `layers` layers (all but every
 // linear_attention_step-th; none where it has none).
 std::vector<int64_t> step_linear_layers(const Architecture& arch, int64_t layers);
+// All of `layers` layers but every `interval`-th (from 1): a file's full_attention_interval.
+std::vector<int64_t> linear_layers_between(int64_t interval, int64_t layers);
 
 // The layers without RoPE of a model of `arch` with `layers` layers (every no_rope_layer_step-th).
 std::vector<int64_t> step_no_rope_layers(const Architecture& arch, int64_t layers);

@@ -229,10 +229,9 @@ class DecoderModel {
   Tensor capped(Tensor logits) const;
   // The parameter at index, or an undefined Variable for -1 (no bias).
   Variable bias(int index) const;
-  // x W^T (+ bias) of the block's projection, plus its adapter's update where it has one;
-  // `rounded` as linear_rounded where it has none.
-  // x through projection `which` of the block (weight, bias and its adapter, where it has one);
-  // `lora_b`: a B other than the projection's own (the gate's, which shares q's A).
+  // x W^T (+ bias) of the block's projection `which`, plus its adapter's update where it has one
+  // (`lora_b`: a B other than the projection's own, the gate's, which shares q's A); `rounded` as
+  // linear_rounded where it has none.
   Variable project(const Block& block, Projection which, int weight, int bias_index,
                    const Variable& x, bool rounded = false, int lora_b = -1) const;
 

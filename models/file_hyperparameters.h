@@ -19,6 +19,9 @@ namespace cputrain {
 
 // The longest context a model file may declare: above every published model's (10M tokens).
 inline constexpr int64_t kMaxFileContext = int64_t{1} << 24;
+// The most a Gated DeltaNet count (heads, a head's width, taps) a file gives may be: above every
+// model's, well within int64 products.
+inline constexpr int64_t kMaxLinearCount = int64_t{1} << 20;
 
 // One hyperparameter as the file gives it: its key in the file's terms ("llama.block_count",
 // "num_hidden_layers") and its value, absent where the file does not give it.

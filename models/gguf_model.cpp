@@ -49,9 +49,6 @@ std::string number_text(double v) {
   return buf;
 }
 
-// The most any Gated DeltaNet count may be: above every model's, well within int64 products.
-constexpr int64_t kMaxLinearCount = int64_t{1} << 20;
-
 // Qwen3.5's Gated DeltaNet layers (attention.recurrent_layers, else all but every
 // full_attention_interval-th) and their heads (the ssm.* keys), for a model of the file's
 // blocks less its multi-token-prediction ones (nextn_predict_layers, which the model leaves out).
@@ -93,9 +90,8 @@ void read_linear_attention(const GgufFile& file, const std::string& p, const Arc
       c.linear_layers.push_back(i);
     }
   } else {
-    const int64_t interval = count("full_attention_interval", false, arch.linear_attention_step);
-    for (int64_t i = 0; i < layers; ++i)
-      if ((i + 1) % interval != 0) c.linear_layers.push_back(i);
+    c.linear_layers = linear_layers_between(
+        count("full_attention_interval", false, arch.linear_attention_step), layers);
   }
   c.linear_conv = count("ssm.conv_kernel", true, 0);
   c.linear_key_dim = count("ssm.state_size", true, 0);
@@ -664,12 +660,10 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     w.set_u32(arch + ".ssm.group_count", static_cast<uint32_t>(c.linear_key_heads));
     w.set_u32(arch + ".full_attention_interval",
               static_cast<uint32_t>(description.linear_attention_step));
-    // M-RoPE's sections: text gives each the same position, so any split of the rotated pairs
-    // over the first three that reaches every pair rotates as plain RoPE does (Qwen3.5's own
-    // 11, 11, 10 of 32).
-    const auto pairs = static_cast<int32_t>(c.rope_dims() / 2);
-    const int32_t first = (pairs + 2) / 3, second = (pairs - first + 1) / 2;
-    w.set_i32s(arch + ".rope.dimension_sections", {first, second, pairs - first - second, 0});
+    const std::array<int64_t, 3> s = text_mrope_sections(c.rope_dims() / 2);
+    w.set_i32s(
+        arch + ".rope.dimension_sections",
+        {static_cast<int32_t>(s[0]), static_cast<int32_t>(s[1]), static_cast<int32_t>(s[2]), 0});
   }
   if (description.attn_softcap) w.set_f32(arch + ".attn_logit_softcapping", c.attn_softcap);
   if (description.swa_pattern > 0 &&

@@ -203,9 +203,9 @@ void hf_linear_attention(const ConfigValues& values, const Architecture& arch, M
   const auto count = [&](const char* key) {
     const std::optional<int64_t> v = values.whole(key);
     if (!v) throw UserError(where + ": no " + key);
-    if (*v <= 0 || *v > (int64_t{1} << 20))
+    if (*v <= 0 || *v > kMaxLinearCount)
       throw UserError(where + ": " + key + " " + std::to_string(*v) +
-                      " must be positive and at most 1048576");
+                      " must be positive and at most " + std::to_string(kMaxLinearCount));
     return *v;
   };
   c.linear_layers.clear();
@@ -228,8 +228,7 @@ void hf_linear_attention(const ConfigValues& values, const Architecture& arch, M
     if (interval <= 0)
       throw UserError(where + ": full_attention_interval " + std::to_string(interval) +
                       " must be positive");
-    for (int64_t i = 0; i < layers; ++i)
-      if ((i + 1) % interval != 0) c.linear_layers.push_back(i);
+    c.linear_layers = linear_layers_between(interval, layers);
   }
   c.linear_conv = count("linear_conv_kernel_dim");
   c.linear_key_dim = count("linear_key_head_dim");
@@ -336,7 +335,8 @@ SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
   const json j = fs::exists(path) ? read_json(path) : json();
   std::vector<std::string> parts;
   int64_t n = 0;
-  if (hf_multimodal_architecture(j)) {
+  const bool multimodal = hf_multimodal_architecture(j) != nullptr;
+  if (multimodal) {
     weights.rename_prefix("model.language_model.", "model.");
     if (const int64_t vision = weights.leave_out("model.visual."); vision > 0) {
       parts.push_back("its vision model");
@@ -345,7 +345,7 @@ SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
   }
   // A multi-token-prediction block where the config declares one (Qwen3.5's
   // mtp_num_hidden_layers); elsewhere its tensors have no place, as any other.
-  const json& text = hf_multimodal_architecture(j) ? j["text_config"] : j;
+  const json& text = multimodal ? j["text_config"] : j;
   const auto declared = text.is_object() ? text.find("mtp_num_hidden_layers") : text.end();
   if (text.is_object() && declared != text.end() && declared->is_number_integer() &&
       declared->get<int64_t>() > 0) {
@@ -522,14 +522,7 @@ namespace {
 // Whether parameter `info`'s values are not its rows of the file's tensor as they lie: q and gate
 // interleaved head by head, or Gated DeltaNet's value heads in another order.
 bool reordered_part(const ParameterInfo& info, const ModelConfig& c) {
-  if (interleaved_part(info, c)) return true;
-  if (info.name.find(".linear.") == std::string::npos || c.linear_value_heads == c.linear_key_heads)
-    return false;
-  std::vector<float> probe(static_cast<size_t>(info.shape.numel()));
-  for (size_t i = 0; i < probe.size(); ++i) probe[i] = static_cast<float>(i);
-  const std::vector<float> before = probe;
-  reorder_value_heads(probe, info, c, false);
-  return probe != before;
+  return interleaved_part(info, c) || value_heads_reordered(info, c);
 }
 
 }  // namespace
@@ -539,10 +532,9 @@ InPlaceWeight hf_in_place(const SafetensorsModel& weights, const ParameterInfo& 
   const TensorPart part = tensor_part(parameter, config, TensorNaming::HuggingFace);
   const SafetensorsTensor* t = weights.find(part.name);
   if (!t || t->dtype != "BF16" || reordered_part(parameter, config)) return {};
-  std::vector<int64_t> shape;
-  for (int d = 0; d < parameter.shape.ndim(); ++d) shape.push_back(parameter.shape[d]);
-  shape[0] = part.tensor_rows;
-  if (t->shape != shape || t->data.size() != static_cast<size_t>(t->numel()) * 2) return {};
+  if (t->shape != file_tensor_shape(parameter, part, TensorNaming::HuggingFace) ||
+      t->data.size() != static_cast<size_t>(t->numel()) * 2)
+    return {};
   const int64_t row = parameter.shape.numel() / parameter.shape[0];
   return {t->data.data() + part.first_row * row * 2, DType::BF16};
 }
@@ -558,11 +550,7 @@ const SafetensorsTensor& hf_tensor_of(const SafetensorsModel& weights, const Par
   const std::string& name = where.name;
   const SafetensorsTensor* t = weights.find(name);
   if (!t) throw UserError("the model's safetensors have no tensor " + name);
-  std::vector<int64_t> expected;
-  for (int d = 0; d < info.shape.ndim(); ++d) expected.push_back(info.shape[d]);
-  expected[0] = where.tensor_rows;
-  if (info.name.find(".linear.conv_") != std::string::npos)  // Conv1d's [channels, 1, taps]
-    expected.insert(expected.begin() + 1, 1);
+  const std::vector<int64_t> expected = file_tensor_shape(info, where, TensorNaming::HuggingFace);
   if (t->shape != expected)
     throw UserError(weights.file_of(name) + ": tensor " + name + " has shape " +
                     shape_text(t->shape) + " where config.json gives " + shape_text(expected));

@@ -238,8 +238,6 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
     json types = json::array();
     for (int64_t i = 0; i < c.n_layers; ++i)
       types.push_back(c.linear_layer(i) ? "linear_attention" : "full_attention");
-    const int64_t pairs = c.rope_dims() / 2, first = (pairs + 2) / 3,
-                  second = (pairs - first + 1) / 2;
     config.erase("rope_theta");
     config.erase("rope_scaling");
     config.erase("partial_rotary_factor");
@@ -258,7 +256,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                      {"partial_rotary_factor",
                       static_cast<double>(c.rope_dims()) / static_cast<double>(c.head_size())},
                      {"mrope_interleaved", true},
-                     {"mrope_section", {first, second, pairs - first - second}}}}});
+                     {"mrope_section", text_mrope_sections(c.rope_dims() / 2)}}}});
   }
   if (arch.no_rope_layer_step > 0) {
     json layers = json::array();

@@ -92,6 +92,11 @@ std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double fa
   return factors;
 }
 
+std::array<int64_t, 3> text_mrope_sections(int64_t pairs) {
+  const int64_t first = (pairs + 2) / 3, second = (pairs - first + 1) / 2;
+  return {first, second, pairs - first - second};
+}
+
 RopeScaling linear_rope_scaling(double factor, int64_t rope_dims) {
   RopeScaling r;
   r.type = "linear";

@@ -1,6 +1,7 @@
 // Configuration of the Llama-style decoder and the named presets of DESIGN.md.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -53,6 +54,10 @@ std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double fa
                                        int64_t original_ctx);
 
 struct ModelConfig;
+// M-RoPE's first three sections (Qwen3.5's files) for `pairs` rotated pairs: text gives each the
+// same position, so a split over the three that reaches every pair rotates as plain RoPE does
+// (Qwen3.5's own 11, 11, 10 of 32).
+std::array<int64_t, 3> text_mrope_sections(int64_t pairs);
 // Linear RoPE scaling by `factor` of a head rotating `rope_dims` dimensions.
 RopeScaling linear_rope_scaling(double factor, int64_t rope_dims);
 

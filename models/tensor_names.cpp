@@ -151,26 +151,37 @@ void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, cons
   values.swap(out);
 }
 
-void reorder_value_heads(std::vector<float>& values, const ParameterInfo& info,
-                         const ModelConfig& c, bool to_grouped) {
+namespace {
+
+// Where a parameter holds Gated DeltaNet's value heads: along its rows, or (the output
+// projection and its adapter's A) along its columns, `dim` elements a head; dim 0: nowhere.
+struct ValueHeads {
+  int64_t dim = 0;
+  bool columns = false;
+};
+ValueHeads value_heads_of(const ParameterInfo& info, const ModelConfig& c) {
   const size_t at = info.name.find(".linear.");
-  if (at == std::string::npos || c.linear_key_heads <= 0) return;
+  if (at == std::string::npos || c.linear_key_heads <= 0) return {};
   const std::string rest = info.name.substr(at + 8);
   const bool adapter_a = rest.ends_with(".lora_a"), adapter_b = rest.ends_with(".lora_b");
   const std::string base = rest.substr(0, rest.rfind('.'));
-  // The value heads along rows (or, for the output projection and its A, along columns), of
-  // `dim` elements each.
-  int64_t dim = 0;
-  bool columns = false;
-  if (base == "wv" || base == "wz" || base == "conv_v") {
-    dim = c.linear_value_dim;
-  } else if (base == "wb" || base == "wa" || base == "a_log" || base == "dt_bias") {
-    dim = 1;
-  } else if (base == "wo" && !adapter_b) {
-    dim = c.linear_value_dim;
-    columns = true;
-  }
-  if (dim == 0 || (adapter_a && !columns)) return;
+  if (base == "wo") return adapter_b ? ValueHeads{} : ValueHeads{c.linear_value_dim, true};
+  if (adapter_a) return {};
+  if (base == "wv" || base == "wz" || base == "conv_v") return {c.linear_value_dim, false};
+  if (base == "wb" || base == "wa" || base == "a_log" || base == "dt_bias") return {1, false};
+  return {};
+}
+
+}  // namespace
+
+bool value_heads_reordered(const ParameterInfo& info, const ModelConfig& c) {
+  return c.linear_value_heads != c.linear_key_heads && value_heads_of(info, c).dim > 0;
+}
+
+void reorder_value_heads(std::vector<float>& values, const ParameterInfo& info,
+                         const ModelConfig& c, bool to_grouped) {
+  if (!value_heads_reordered(info, c)) return;
+  const auto [dim, columns] = value_heads_of(info, c);
   const int64_t hk = c.linear_key_heads, per = c.linear_value_heads / hk;
   const int64_t rows = info.shape[0], cols = info.shape.ndim() == 2 ? info.shape[1] : 1;
   // Tiled head j * hk + k is grouped head k * per + j.
@@ -237,6 +248,17 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
   return part;
 }
 
+std::vector<int64_t> file_tensor_shape(const ParameterInfo& info, const TensorPart& part,
+                                       TensorNaming naming) {
+  std::vector<int64_t> shape;
+  for (int d = 0; d < info.shape.ndim(); ++d) shape.push_back(info.shape[d]);
+  shape[0] = part.tensor_rows;
+  // Hugging Face's Conv1d weight: [channels, 1, taps].
+  if (naming == TensorNaming::HuggingFace && info.name.find(".linear.conv_") != std::string::npos)
+    shape.insert(shape.begin() + 1, 1);
+  return shape;
+}
+
 bool interleaved_part(const ParameterInfo& info, const ModelConfig& c) {
   if (!c.attn_output_gate) return false;
   for (const char* part : {".attention.wq.", ".attention.wg."})
@@ -271,14 +293,7 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
     const TensorPart part = tensor_part(info, c, naming);
     auto [it, added] = at.emplace(part.name, out.size());
     if (added) {
-      FileTensor t{part.name, {}, {}};
-      for (int d = 0; d < info.shape.ndim(); ++d) t.shape.push_back(info.shape[d]);
-      t.shape[0] = part.tensor_rows;
-      // Hugging Face's Conv1d weight: [channels, 1, taps].
-      if (naming == TensorNaming::HuggingFace &&
-          info.name.find(".linear.conv_") != std::string::npos)
-        t.shape.insert(t.shape.begin() + 1, 1);
-      out.push_back(std::move(t));
+      out.push_back({part.name, file_tensor_shape(info, part, naming), {}});
       first_rows.emplace_back();
     }
     out[it->second].parts.push_back(static_cast<int>(i));
@@ -307,11 +322,7 @@ std::vector<float> file_tensor_values(const ParameterSet& params, const FileTens
     values.insert(values.end(), part.begin(), part.end());
   }
   // Attention's q and output gate (Qwen3.5): each head's q rows, then its gate's.
-  const std::string& second =
-      t.parts.size() == 2 ? params.infos()[static_cast<size_t>(t.parts[1])].name : "";
-  const bool gated =
-      c.attn_output_gate && (second.ends_with(".wg.weight") || second.ends_with(".wg.lora_b"));
-  if (gated) {
+  if (t.parts.size() == 2 && interleaved_part(params.infos()[static_cast<size_t>(t.parts[0])], c)) {
     const int64_t d = c.head_size(), row = t.shape.size() == 2 ? t.shape[1] : 1;
     std::vector<float> heads(values.size());
     for (int64_t h = 0; h < c.n_heads; ++h)

@@ -45,6 +45,9 @@ std::vector<float> parameter_values(const ParameterSet& params, int index,
 // Nothing for another parameter.
 void reorder_value_heads(std::vector<float>& values, const ParameterInfo& info,
                          const ModelConfig& config, bool to_grouped);
+// Whether reorder_value_heads moves anything of parameter `info` (value heads it holds, more
+// value heads than key heads).
+bool value_heads_reordered(const ParameterInfo& info, const ModelConfig& config);
 
 // The same reordering of values already read: `values` of parameter `info`, from the pairing
 // `from` to `to`.
@@ -62,6 +65,12 @@ struct TensorPart {
   int64_t tensor_rows = 0;  // the tensor's: its parts' together
 };
 TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& config, TensorNaming naming);
+
+// The shape of the file tensor (of `naming`) holding parameter `info` at `part`, as the model
+// orders dimensions (rows first): the parameter's, with the tensor's rows (a fused one's parts
+// together); Hugging Face's Conv1d weight [channels, 1, taps].
+std::vector<int64_t> file_tensor_shape(const ParameterInfo& info, const TensorPart& part,
+                                       TensorNaming naming);
 
 // Whether parameter `info`'s rows lie head by head between another's in its file tensor:
 // Qwen3.5's attention q and output gate (and their adapters' B), each head's q rows then its

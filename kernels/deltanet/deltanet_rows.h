@@ -165,36 +165,41 @@ void gated_rmsnorm_backward(float* dx, float* dz, float* dw, const float* dy, co
   const auto put = [accumulate](float* p, vf v, int n) {
     vec::store_n(p, accumulate ? vec::load_n(p, n) + v : v, n);
   };
-#pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    float* part = dw_parts.data() + blk * D;
-    for (int64_t r = blk * kNormBlock; r < std::min(N, (blk + 1) * kNormBlock); ++r) {
-      const float *xr = x + r * D, *zr = z + r * D, *dyr = dy + r * D;
-      const float s = rstd[r];
-      // n = x s w, y = n silu(z): dn = dy silu(z), dz = dy n silu'(z); dx from dn through the
-      // norm, with c = s^3 / D sum_i dn_i w_i x_i.
-      vf dot = vec::splat(0.0f);
-      for (int64_t i = 0; i < D; i += kLanes) {
-        const int n = static_cast<int>(std::min<int64_t>(kLanes, D - i));
-        const vf zv = vec::load_n(zr + i, n), xv = vec::load_n(xr + i, n);
-        const vf wv = vec::load_n(w + i, n), dyv = vec::load_n(dyr + i, n);
-        const vf sg = sigmoid(zv), silu = zv * sg;
-        put(dz + r * D + i, dyv * (xv * s * wv) * sg * (1.0f + zv * (1.0f - sg)), n);
-        dot += dyv * silu * wv * xv;
-        vec::store_n(part + i, vec::load_n(part + i, n) + dyv * xv * s * silu, n);
-      }
-      float lanes[kLanes];
-      vec::store(lanes, dot);
-      double total = 0;
-      for (const float l : lanes) total += l;
-      const float c = static_cast<float>(total) * s * s * s / static_cast<float>(D);
-      for (int64_t i = 0; i < D; i += kLanes) {
-        const int n = static_cast<int>(std::min<int64_t>(kLanes, D - i));
-        const vf zv = vec::load_n(zr + i, n);
-        put(dx + r * D + i,
-            vec::load_n(dyr + i, n) * (zv * sigmoid(zv)) * vec::load_n(w + i, n) * s -
-                vec::load_n(xr + i, n) * c,
-            n);
+#pragma omp parallel
+  {
+    std::vector<float> silu_row(static_cast<size_t>(D));  // silu(z) of the row, computed once
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      float* part = dw_parts.data() + blk * D;
+      for (int64_t r = blk * kNormBlock; r < std::min(N, (blk + 1) * kNormBlock); ++r) {
+        const float *xr = x + r * D, *zr = z + r * D, *dyr = dy + r * D;
+        const float s = rstd[r];
+        // n = x s w, y = n silu(z): dn = dy silu(z), dz = dy n silu'(z); dx from dn through the
+        // norm, with c = s^3 / D sum_i dn_i w_i x_i.
+        vf dot = vec::splat(0.0f);
+        for (int64_t i = 0; i < D; i += kLanes) {
+          const int n = static_cast<int>(std::min<int64_t>(kLanes, D - i));
+          const vf zv = vec::load_n(zr + i, n), xv = vec::load_n(xr + i, n);
+          const vf wv = vec::load_n(w + i, n), dyv = vec::load_n(dyr + i, n);
+          const vf sg = sigmoid(zv), silu = zv * sg;
+          vec::store_n(silu_row.data() + i, silu, n);
+          put(dz + r * D + i, dyv * (xv * s * wv) * sg * (1.0f + zv * (1.0f - sg)), n);
+          dot += dyv * silu * wv * xv;
+          vec::store_n(part + i, vec::load_n(part + i, n) + dyv * xv * s * silu, n);
+        }
+        float lanes[kLanes];
+        vec::store(lanes, dot);
+        double total = 0;
+        for (const float l : lanes) total += l;
+        const float c = static_cast<float>(total) * s * s * s / static_cast<float>(D);
+        for (int64_t i = 0; i < D; i += kLanes) {
+          const int n = static_cast<int>(std::min<int64_t>(kLanes, D - i));
+          put(dx + r * D + i,
+              vec::load_n(dyr + i, n) * vec::load_n(silu_row.data() + i, n) *
+                      vec::load_n(w + i, n) * s -
+                  vec::load_n(xr + i, n) * c,
+              n);
+        }
       }
     }
   }
