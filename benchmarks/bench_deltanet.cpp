@@ -1,5 +1,6 @@
-// Gated DeltaNet's chunked delta rule (kernels/deltanet/gated_delta.h), FP32, forward and
-// backward, at a layer of SHAPE heads: B sequences of T positions, Hk key heads and Hv value
+// Gated DeltaNet's chunked delta rule (kernels/deltanet/gated_delta.h), forward and backward,
+// its products in FP32 and on bf16 (bf16_products: vdpbf16ps, AMX where present), at a layer of
+// SHAPE heads: B sequences of T positions, Hk key heads and Hv value
 // heads of 128, chunks of 64. The default is Qwen3.5-2B's linear-attention layer (16 key and 16
 // value heads of 128) at ctx 2048, one sequence.
 //
@@ -7,7 +8,8 @@
 //   build/bench_deltanet --benchmark_filter=forward
 //
 // Counters: GFLOPS of the chunked algorithm's products (what its GEMMs and triangular solve
-// compute, counted below) and pct_peak of the machine's measured FP32 peak, all threads.
+// compute, counted below) and pct_peak of the machine's measured FP32 peak (bf16 peak for the
+// bf16 products), all threads.
 //
 // deltanet/qwen3.5-2b/layer: the whole Gated DeltaNet layer as the decoder trains it in bf16
 // (models/decoder.cpp: the q, k, v, z, beta and alpha projections, the convolutions, the L2 norms,
@@ -19,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
@@ -68,8 +71,9 @@ std::vector<float> values(int64_t n, float lo, float hi, uint32_t seed) {
   return v;
 }
 
-void delta_rule(benchmark::State& state, bool backward, const kernels::Peak& peak) {
-  const kernels::GatedDeltaShape s = layer_shape();
+void delta_rule(benchmark::State& state, bool backward, bool bf16, const kernels::Peak& peak) {
+  kernels::GatedDeltaShape s = layer_shape();
+  s.bf16_products = bf16;
   const int64_t rows = s.batch * s.length;
   std::vector<float> q = values(rows * s.key_heads * s.key_dim, -1, 1, 1);
   std::vector<float> k = values(rows * s.key_heads * s.key_dim, -1, 1, 2);
@@ -100,7 +104,7 @@ void delta_rule(benchmark::State& state, bool backward, const kernels::Peak& pea
         nullptr, dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), nullptr);
   };
   call();
-  report_gflops(state, layer_flops(s, backward) / timed_median(state, call) / 1e9, peak, false);
+  report_gflops(state, layer_flops(s, backward) / timed_median(state, call) / 1e9, peak, bf16);
 }
 
 void layer(benchmark::State& state, const kernels::Peak& peak) {
@@ -152,10 +156,13 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   const cputrain::kernels::Peak peak = cputrain::kernels::measure_peak(2'000'000, 10);
-  register_timed("deltanet/qwen3.5-2b/forward",
-                 [&peak](benchmark::State& st) { delta_rule(st, false, peak); });
-  register_timed("deltanet/qwen3.5-2b/backward",
-                 [&peak](benchmark::State& st) { delta_rule(st, true, peak); });
+  for (const bool bf16 : {false, true}) {
+    const std::string type = bf16 ? "bf16" : "fp32";
+    register_timed("deltanet/qwen3.5-2b/forward/" + type,
+                   [&peak, bf16](benchmark::State& st) { delta_rule(st, false, bf16, peak); });
+    register_timed("deltanet/qwen3.5-2b/backward/" + type,
+                   [&peak, bf16](benchmark::State& st) { delta_rule(st, true, bf16, peak); });
+  }
   register_timed("deltanet/qwen3.5-2b/layer", [&peak](benchmark::State& st) { layer(st, peak); });
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -186,6 +186,7 @@ Variable gated_delta_rule(const Variable& q, const Variable& k, const Variable& 
   s.value_dim = v.shape()[2] / value_heads;
   s.chunk = chunk;
   s.positions = packed_positions(positions, qs);
+  s.bf16_products = bf16_mode();
   require(state == nullptr || s.positions == nullptr, "gated_delta_rule: a state or positions");
   Scope scope("gated delta rule", Pass::Forward);
   Tensor y = new_activation(v.shape());

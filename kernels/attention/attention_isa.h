@@ -66,7 +66,7 @@ void attention_backward_avx512(float* dq, float* dk, float* dv, const float* dou
                                const float* k, const float* v, const float* out, const float* lse,
                                int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                                bool accumulate, const AttentionOptions& options);
-// amx: the products on AMX tiles (attention_product_amx), only where cpu_features().amx_bf16.
+// amx: the products on AMX tiles (kernels/cpu/pairs_amx.h), only where cpu_features().amx_bf16.
 void attention_forward_bf16_avx512(uint16_t* out, float* lse, const uint16_t* q, const uint16_t* k,
                                    const uint16_t* v, int64_t B, int64_t T, int64_t H, int64_t KVH,
                                    int64_t D, const AttentionOptions& options, bool amx);
@@ -92,12 +92,5 @@ void attention_backward_bf16_on(float* dq, float* dk, float* dv, const float* do
   attention_backward_bf16_avx512(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D, accumulate,
                                  options, Amx);
 }
-
-// AMX (attention_amx.cpp): loads the tile configuration on the calling thread; then
-// C[0:M, 0:N] (+)= A B with A (M x pairs, row stride lda) and B (pairs x N, row stride ldb) as
-// bf16 pairs, M, N and pairs multiples of 16.
-void attention_amx_configure();
-void attention_product_amx(float* C, int64_t ldc, const uint32_t* A, int64_t lda, const uint32_t* B,
-                           int64_t ldb, int64_t M, int64_t N, int64_t pairs, bool accumulate);
 
 }  // namespace cputrain::kernels

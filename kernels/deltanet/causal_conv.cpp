@@ -123,6 +123,8 @@ namespace {
 // The implementations, fastest first (kernels/cpu/dispatch.h).
 using DeltanetRow = KernelChoice<const DeltanetKernels& (*)()>;
 const DeltanetRow kDeltanet[] = {
+    {{"amx", Isa::Amx}, deltanet_kernels_amx},
+    {{"avx512_bf16", Isa::Avx512Bf16}, deltanet_kernels_avx512_bf16},
     {{"avx512", Isa::Avx512}, deltanet_kernels_avx512},
     {{"avx2", Isa::Avx2}, deltanet_kernels_avx2},
 };

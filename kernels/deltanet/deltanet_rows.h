@@ -208,7 +208,7 @@ void gated_rmsnorm_backward(float* dx, float* dz, float* dw, const float* dy, co
 }
 
 const DeltanetKernels kDeltanetKernels = {conv_forward, conv_backward, gated_rmsnorm_forward,
-                                          gated_rmsnorm_backward};
+                                          gated_rmsnorm_backward, nullptr};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/deltanet/deltanet_isa.h"
 #include "kernels/gemm/gemm.h"
 
 namespace cputrain::kernels {
@@ -49,25 +50,44 @@ void matvec_t(const T* m, const T* x, T* y, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) axpy(x[r], m + r * cols, y, cols);
 }
 
-// C (M x N) = op(A) op(B) + beta C, row-major, as gemm_f32: Eigen's product for float, a loop in
-// double. Each thread multiplies its own heads' chunks: Eigen blocks them on that thread's stack,
-// where the GEMM of gemm.h would grow buffers of each calling thread's that outlive the call and
-// that the memory budget, which measures the thread that runs a step, does not see.
-void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-        const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  gemm_f32_eigen(ta ? Transpose::Yes : Transpose::No, tb ? Transpose::Yes : Transpose::No, M, N, K,
-                 A, lda, B, ldb, beta, C, ldc);
-}
-void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda,
-        const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) {
-      double sum = 0;
-      for (int64_t p = 0; p < K; ++p)
-        sum += (ta ? A[p * lda + i] : A[i * lda + p]) * (tb ? B[j * ldb + p] : B[p * ldb + j]);
-      C[i * ldc + j] = sum + (beta != 0 ? beta * C[i * ldc + j] : 0.0);
-    }
-}
+// C (M x N) = op(A) op(B) + beta C, row-major, as gemm_f32: for float Eigen's product, or with
+// the shape's bf16_products the bf16 products of deltanet_kernels() where the CPU has them; for
+// double a loop. Each thread multiplies its own heads' chunks: Eigen blocks them on that thread's
+// stack and the bf16 products pack into the thread's scratch, where the GEMM of gemm.h would grow
+// buffers of each calling thread's that outlive the call and that the memory budget, which
+// measures the thread that runs a step, does not see.
+template <class T>
+struct Products;
+
+template <>
+struct Products<float> {
+  decltype(DeltanetKernels::product_bf16) bf16 = nullptr;
+  PairsScratch scratch;
+
+  explicit Products(const GatedDeltaShape& s)
+      : bf16(s.bf16_products ? deltanet_kernels().product_bf16 : nullptr) {}
+  void operator()(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                  const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+    if (bf16 != nullptr) return bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, scratch);
+    gemm_f32_eigen(ta ? Transpose::Yes : Transpose::No, tb ? Transpose::Yes : Transpose::No, M, N,
+                   K, A, lda, B, ldb, beta, C, ldc);
+  }
+};
+
+template <>
+struct Products<double> {
+  explicit Products(const GatedDeltaShape&) {}
+  void operator()(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda,
+                  const double* B, int64_t ldb, double beta, double* C, int64_t ldc) const {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double sum = 0;
+        for (int64_t p = 0; p < K; ++p)
+          sum += (ta ? A[p * lda + i] : A[i * lda + p]) * (tb ? B[j * ldb + p] : B[p * ldb + j]);
+        C[i * ldc + j] = sum + (beta != 0 ? beta * C[i * ldc + j] : 0.0);
+      }
+  }
+};
 
 // A chunk's inputs gathered (q scaled) and what its forward pass computes from them and S0, as
 // matrices of its n positions.
@@ -87,8 +107,9 @@ struct Chunk {
   std::vector<T> Ut, W, U;  // T Ru, T Rw, Ut - W S0
   std::vector<T> A;         // n x n, lower with diagonal: exp(G_i - G_j) q_i.k_j
   std::vector<T> Khat;      // n x dk: exp(G_n - G_j) k_j
+  Products<T> mm;
 
-  Chunk(int64_t C, int64_t dk_, int64_t dv_)
+  Chunk(const GatedDeltaShape& s, int64_t C, int64_t dk_, int64_t dv_)
       : dk(dk_),
         dv(dv_),
         q(C * dk_),
@@ -108,7 +129,8 @@ struct Chunk {
         W(C * dk_),
         U(C * dv_),
         A(C * C),
-        Khat(C * dk_) {}
+        Khat(C * dk_),
+        mm(s) {}
 
   void gather(const HeadRows<T>& h, T scale, const T* qp, const T* kp, const T* vp, const T* g,
               const T* bp, int64_t t0, int64_t len) {
@@ -223,7 +245,7 @@ void gated_delta_chunked_forward(const GatedDeltaShape& s, T scale, const T* q, 
   const int64_t out_row = s.value_heads * s.value_dim;
 #pragma omp parallel
   {
-    Chunk<T> ch(s.chunk, s.key_dim, s.value_dim);
+    Chunk<T> ch(s, s.chunk, s.key_dim, s.value_dim);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < s.batch * s.value_heads; ++bh) {
       const int64_t b = bh / s.value_heads, hv = bh % s.value_heads;
@@ -256,7 +278,7 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
   // the value heads that read it.
 #pragma omp parallel
   {
-    Chunk<T> ch(C, Dk, Dv);
+    Chunk<T> ch(s, C, Dk, Dv);
     // The decay's gradient gathers terms that cancel in pairs (each added at one position and
     // taken at another): summed in double, so that its sum over the chunk keeps the float
     // terms' own precision.
@@ -289,9 +311,9 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
           std::fill_n(dG.begin(), n, 0.0);
           // Through O = exp(G) Q S0 + A U and S_end = exp(G_n) S0 + K^T U:
           // dU = A^T dO + K^ dS; dA = dO U^T.
-          mm(true, false, n, Dv, n, ch.A.data(), n, dO, out_row, T(0), dU.data(), Dv);
-          mm(false, false, n, Dv, Dk, ch.Khat.data(), Dk, dS.data(), Dv, T(1), dU.data(), Dv);
-          mm(false, true, n, n, Dv, dO, out_row, ch.U.data(), Dv, T(0), D.data(), n);
+          ch.mm(true, false, n, Dv, n, ch.A.data(), n, dO, out_row, T(0), dU.data(), Dv);
+          ch.mm(false, false, n, Dv, Dk, ch.Khat.data(), Dk, dS.data(), Dv, T(1), dU.data(), Dv);
+          ch.mm(false, true, n, n, Dv, dO, out_row, ch.U.data(), Dv, T(0), D.data(), n);
           for (int64_t i = 0; i < n; ++i)
             for (int64_t j = 0; j < n; ++j) {
               T& d = D[i * n + j];
@@ -305,10 +327,10 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
               d *= ch.E[i * n + j];
             }
           // dQ = D K + exp(G) dO S0^T; dK = D^T Q + exp(G_n - G) U dS^T.
-          mm(false, false, n, Dk, n, D.data(), n, ch.k.data(), Dk, T(0), dQ.data(), Dk);
-          mm(false, true, n, Dk, Dv, dO, out_row, S0, Dv, T(0), P.data(), Dk);
-          mm(true, false, n, Dk, n, D.data(), n, ch.q.data(), Dk, T(0), dK.data(), Dk);
-          mm(false, true, n, Dk, Dv, ch.U.data(), Dv, dS.data(), Dv, T(0), Y.data(), Dk);
+          ch.mm(false, false, n, Dk, n, D.data(), n, ch.k.data(), Dk, T(0), dQ.data(), Dk);
+          ch.mm(false, true, n, Dk, Dv, dO, out_row, S0, Dv, T(0), P.data(), Dk);
+          ch.mm(true, false, n, Dk, n, D.data(), n, ch.q.data(), Dk, T(0), dK.data(), Dk);
+          ch.mm(false, true, n, Dk, Dv, ch.U.data(), Dv, dS.data(), Dv, T(0), Y.data(), Dk);
           for (int64_t i = 0; i < n; ++i) {
             axpy(eG[i], &P[i * Dk], &dQ[i * Dk], Dk);
             dG[i] += eG[i] * dot(&ch.q[i * Dk], &P[i * Dk], Dk);
@@ -323,17 +345,17 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
           const T en = eG[n - 1];
           dG[n - 1] += en * dot(S0, dS.data(), S);
           for (int64_t x = 0; x < S; ++x) dS0[x] = en * dS[x];
-          mm(true, false, Dk, Dv, n, eQ.data(), Dk, dO, out_row, T(1), dS0.data(), Dv);
-          mm(true, false, Dk, Dv, n, ch.W.data(), Dk, dU.data(), Dv, T(0), tmpS.data(), Dv);
+          ch.mm(true, false, Dk, Dv, n, eQ.data(), Dk, dO, out_row, T(1), dS0.data(), Dv);
+          ch.mm(true, false, Dk, Dv, n, ch.W.data(), Dk, dU.data(), Dv, T(0), tmpS.data(), Dv);
           for (int64_t x = 0; x < S; ++x) dS0[x] -= tmpS[x];
           // Through U = U~ - W S0 (dW = -dU S0^T) and [U~ W] = (I + X)^-1 [Ru Rw]: the right-hand
           // sides' gradients (I + X)^-T [dU dW], and dX = -[dRu dRw] [U~ W]^T.
-          mm(false, true, n, Dk, Dv, dU.data(), Dv, S0, Dv, T(0), dW.data(), Dk);
+          ch.mm(false, true, n, Dk, Dv, dU.data(), Dv, S0, Dv, T(0), dW.data(), Dk);
           for (int64_t x = 0; x < n * Dk; ++x) dW[x] = -dW[x];
-          mm(true, false, n, Dv, n, ch.Tinv.data(), n, dU.data(), Dv, T(0), dRU.data(), Dv);
-          mm(true, false, n, Dk, n, ch.Tinv.data(), n, dW.data(), Dk, T(0), dRW.data(), Dk);
-          mm(false, true, n, n, Dv, dRU.data(), Dv, ch.Ut.data(), Dv, T(0), dX.data(), n);
-          mm(false, true, n, n, Dk, dRW.data(), Dk, ch.W.data(), Dk, T(1), dX.data(), n);
+          ch.mm(true, false, n, Dv, n, ch.Tinv.data(), n, dU.data(), Dv, T(0), dRU.data(), Dv);
+          ch.mm(true, false, n, Dk, n, ch.Tinv.data(), n, dW.data(), Dk, T(0), dRW.data(), Dk);
+          ch.mm(false, true, n, n, Dv, dRU.data(), Dv, ch.Ut.data(), Dv, T(0), dX.data(), n);
+          ch.mm(false, true, n, n, Dk, dRW.data(), Dk, ch.W.data(), Dk, T(1), dX.data(), n);
           // X_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i), M_ij its gradient by k_i.k_j.
           for (int64_t i = 0; i < n; ++i) {
             db[i] = 0;
@@ -351,8 +373,8 @@ void gated_delta_chunked_backward(const GatedDeltaShape& s, T scale, const T* q,
               M[i * n + j] = dx * ch.beta[i] * e;
             }
           }
-          mm(false, false, n, Dk, n, M.data(), n, ch.k.data(), Dk, T(1), dK.data(), Dk);
-          mm(true, false, n, Dk, n, M.data(), n, ch.k.data(), Dk, T(1), dK.data(), Dk);
+          ch.mm(false, false, n, Dk, n, M.data(), n, ch.k.data(), Dk, T(1), dK.data(), Dk);
+          ch.mm(true, false, n, Dk, n, M.data(), n, ch.k.data(), Dk, T(1), dK.data(), Dk);
           // Ru = beta V, Rw = beta exp(G) K.
           for (int64_t i = 0; i < n; ++i) {
             const T* ru = &dRU[i * Dv];

@@ -50,6 +50,9 @@ struct GatedDeltaShape {
   int64_t chunk = 64;       // C, the chunked form's positions a chunk
   // (B, T): each position's index within its sequence (packed rows); nullptr: one a row.
   const int32_t* positions = nullptr;
+  // The float chunked form's matrix products with their operands rounded to bf16 and summed in
+  // FP32 (vdpbf16ps, AMX where present: deltanet_isa.h), where the CPU has them; else FP32.
+  bool bf16_products = false;
 
   int64_t qk_row() const { return qk_stride != 0 ? qk_stride : key_heads * key_dim; }
   int64_t v_row() const { return v_stride != 0 ? v_stride : value_heads * value_dim; }

@@ -1,7 +1,8 @@
 // The gated delta rule's chunked form against its recurrent form, in double precision and in
 // float, across chunk edges, sequences shorter than a chunk and strided rows, and packed rows
 // against each sequence alone; its backward pass against central differences of the chunked
-// forward pass, for every input.
+// forward pass, for every input; the bf16 products against rounded operands, and the chunked
+// form on them against double.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,8 +10,12 @@
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/deltanet/deltanet_isa.h"
 #include "kernels/deltanet/gated_delta.h"
 
 namespace cputrain::kernels {
@@ -131,21 +136,61 @@ TEST(GatedDelta, ChunkedEqualsRecurrentInDouble) {
         }
 }
 
+std::vector<float> narrow(const std::vector<double>& x) {
+  return std::vector<float>(x.begin(), x.end());
+}
+
+// The float inputs of `in` (its shape with `s`'s bf16_products).
+Inputs<float> narrowed(const Inputs<double>& in, uint32_t seed, bool bf16_products) {
+  GatedDeltaShape s = in.s;
+  s.bf16_products = bf16_products;
+  Inputs<float> f(s, seed, !in.initial.empty());
+  f.q = narrow(in.q), f.k = narrow(in.k), f.v = narrow(in.v), f.g = narrow(in.g);
+  f.beta = narrow(in.beta), f.initial = narrow(in.initial);
+  f.scale = static_cast<float>(in.scale);
+  return f;
+}
+
 TEST(GatedDelta, FloatTracksDouble) {
   for (const int64_t T : {70, 200}) {
     const Inputs<double> in(shape(T, 64), 11, true);
-    Inputs<float> f(in.s, 11, true);
-    const auto narrow = [](const std::vector<double>& x) {
-      return std::vector<float>(x.begin(), x.end());
-    };
-    f.q = narrow(in.q), f.k = narrow(in.k), f.v = narrow(in.v), f.g = narrow(in.g);
-    f.beta = narrow(in.beta), f.initial = narrow(in.initial);
-    f.scale = static_cast<float>(in.scale);
+    const Inputs<float> f = narrowed(in, 11, false);
     const Result<double> want = recurrent(in);
     EXPECT_LT(max_relative(chunked(f).out, want.out), 2e-5) << "T " << T;
     EXPECT_LT(max_relative(recurrent(f).out, want.out), 2e-5) << "T " << T;
     EXPECT_LT(max_relative(chunked(f).final_state, want.final_state), 2e-5) << "T " << T;
   }
+}
+
+// The chunked backward pass's gradients of q, k, v, g, beta and the initial state, from dout and
+// the final state's gradient dfinal.
+template <class T>
+std::vector<std::vector<T>> gradients(const Inputs<T>& x, const std::vector<T>& dout,
+                                      const std::vector<T>& dfinal) {
+  const GatedDeltaShape& s = x.s;
+  const Result<T> fwd = chunked(x);
+  std::vector<std::vector<T>> g = {
+      std::vector<T>(x.q.size()),    std::vector<T>(x.k.size()),
+      std::vector<T>(x.v.size()),    std::vector<T>(x.g.size()),
+      std::vector<T>(x.beta.size()), std::vector<T>(s.state_elements())};
+  gated_delta_chunked_backward<T>(s, x.scale, x.q.data(), x.k.data(), x.v.data(), x.g.data(),
+                                  x.beta.data(), fwd.states.data(), dout.data(), dfinal.data(),
+                                  g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(),
+                                  g[5].data());
+  return g;
+}
+
+const char* const kGradientNames[] = {"q", "k", "v", "g", "beta", "initial state"};
+
+// Normal draws for dout and the final state's gradient of `in`.
+void draw_output_gradients(const Inputs<double>& in, std::vector<double>* dout,
+                           std::vector<double>* dfinal) {
+  std::mt19937 rng(3);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  dout->resize(in.out_elements());
+  dfinal->resize(in.s.state_elements());
+  for (double& x : *dout) x = normal(rng);
+  for (double& x : *dfinal) x = normal(rng);
 }
 
 // The float backward (its products on the FP32 GEMM) against the double one, at head sizes whose
@@ -155,36 +200,86 @@ TEST(GatedDelta, FloatGradientsTrackDouble) {
   s.key_dim = 48;
   s.value_dim = 40;
   const Inputs<double> in(s, 13, true);
-  Inputs<float> f(s, 13, true);
-  const auto narrow = [](const std::vector<double>& x) {
-    return std::vector<float>(x.begin(), x.end());
-  };
-  f.q = narrow(in.q), f.k = narrow(in.k), f.v = narrow(in.v), f.g = narrow(in.g);
-  f.beta = narrow(in.beta), f.initial = narrow(in.initial);
-  f.scale = static_cast<float>(in.scale);
-  std::mt19937 rng(3);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<double> dout(in.out_elements()), dfinal(s.state_elements());
-  for (double& x : dout) x = normal(rng);
-  for (double& x : dfinal) x = normal(rng);
-  const auto grads = [&](const auto& x, const auto& dy, const auto& ds) {
-    using T = typename std::decay_t<decltype(dy)>::value_type;
-    const Result<T> fwd = chunked(x);
-    std::vector<std::vector<T>> g = {
-        std::vector<T>(x.q.size()),    std::vector<T>(x.k.size()),
-        std::vector<T>(x.v.size()),    std::vector<T>(x.g.size()),
-        std::vector<T>(x.beta.size()), std::vector<T>(s.state_elements())};
-    gated_delta_chunked_backward<T>(s, x.scale, x.q.data(), x.k.data(), x.v.data(), x.g.data(),
-                                    x.beta.data(), fwd.states.data(), dy.data(), ds.data(),
-                                    g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(),
-                                    g[5].data());
-    return g;
-  };
-  const auto want = grads(in, dout, dfinal);
-  const auto got = grads(f, narrow(dout), narrow(dfinal));
-  const char* names[] = {"q", "k", "v", "g", "beta", "initial state"};
+  const Inputs<float> f = narrowed(in, 13, false);
+  std::vector<double> dout, dfinal;
+  draw_output_gradients(in, &dout, &dfinal);
+  const auto want = gradients(in, dout, dfinal);
+  const auto got = gradients(f, narrow(dout), narrow(dfinal));
   for (size_t i = 0; i < want.size(); ++i)
-    EXPECT_LT(max_relative(got[i], want[i]), 5e-5) << names[i];
+    EXPECT_LT(max_relative(got[i], want[i]), 5e-5) << kGradientNames[i];
+}
+
+// Each table's bf16 products (deltanet_isa.h) against products in double of the operands rounded
+// to bf16, over sizes with partial pairs, partial vectors and partial AMX tiles, every
+// transposition, overwriting (C full of NaN) and accumulating.
+TEST(GatedDelta, Bf16ProductsEqualRoundedOperandsInFp32) {
+  std::vector<std::pair<const char*, const DeltanetKernels*>> tables;
+  if (cpu_features().avx512_bf16)
+    tables.emplace_back("avx512_bf16", &deltanet_kernels_avx512_bf16());
+  if (cpu_features().amx_bf16) tables.emplace_back("amx", &deltanet_kernels_amx());
+  if (tables.empty()) GTEST_SKIP() << "this CPU has no bf16 products";
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  PairsScratch scratch;
+  for (const auto& [name, table] : tables)
+    for (const int64_t M : {1, 5, 16, 33, 64})
+      for (const int64_t N : {1, 7, 16, 40, 128})
+        for (const int64_t K : {1, 2, 17, 64, 131})
+          for (const bool ta : {false, true})
+            for (const bool tb : {false, true})
+              for (const float beta : {0.0f, 1.0f}) {
+                const int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 1, ldc = N + 2;
+                std::vector<float> A((ta ? K : M) * lda), B((tb ? N : K) * ldb), C(M * ldc);
+                for (float& x : A) x = normal(rng);
+                for (float& x : B) x = normal(rng);
+                for (float& x : C) x = beta != 0 ? normal(rng) : std::nanf("");
+                const std::vector<float> C0 = C;
+                table->product_bf16(ta, tb, M, N, K, A.data(), lda, B.data(), ldb, beta, C.data(),
+                                    ldc, scratch);
+                const auto rounded = [](float x) { return double(bf16_to_fp32(fp32_to_bf16(x))); };
+                for (int64_t i = 0; i < M; ++i)
+                  for (int64_t j = 0; j < N; ++j) {
+                    double sum = beta != 0 ? double(C0[i * ldc + j]) : 0.0, size = 0;
+                    for (int64_t p = 0; p < K; ++p) {
+                      const double term = rounded(ta ? A[p * lda + i] : A[i * lda + p]) *
+                                          rounded(tb ? B[j * ldb + p] : B[p * ldb + j]);
+                      sum += term;
+                      size += std::abs(term);
+                    }
+                    ASSERT_NEAR(C[i * ldc + j], sum, 1e-6 * (size + 1.0))
+                        << name << " M " << M << " N " << N << " K " << K << " ta " << ta << " tb "
+                        << tb << " beta " << beta << " at " << i << ", " << j;
+                  }
+                for (int64_t i = 0; i < M; ++i)  // the padding between C's rows untouched
+                  for (int64_t j = N; j < ldc; ++j)
+                    ASSERT_TRUE(std::isnan(C[i * ldc + j]) ? std::isnan(C0[i * ldc + j])
+                                                           : C[i * ldc + j] == C0[i * ldc + j]);
+              }
+}
+
+// The chunked form with its products on bf16 against double, forward and every gradient, at
+// Qwen3.5's head sizes (dk = dv = 128) over 3 chunks of 64, the last partial, with an initial
+// state: within what rounding the products' operands to bf16 costs.
+TEST(GatedDelta, Bf16ProductsTrackDouble) {
+  if (deltanet_kernels().product_bf16 == nullptr) GTEST_SKIP() << "no bf16 products chosen";
+  GatedDeltaShape s = shape(150, 64, 0);
+  s.batch = 1;
+  s.key_dim = 128;
+  s.value_dim = 128;
+  const Inputs<double> in(s, 17, true);
+  const Inputs<float> f = narrowed(in, 17, true), f32 = narrowed(in, 17, false);
+  const Result<double> want = chunked(in);
+  const Result<float> got = chunked(f), got32 = chunked(f32);
+  // Rounding to bf16 (a relative 2^-9) shows: these are not the FP32 products.
+  EXPECT_GT(max_relative(got.out, want.out), 100 * max_relative(got32.out, want.out));
+  EXPECT_LT(max_relative(got.out, want.out), 1e-2);
+  EXPECT_LT(max_relative(got.final_state, want.final_state), 1e-2);
+  std::vector<double> dout, dfinal;
+  draw_output_gradients(in, &dout, &dfinal);
+  const auto gw = gradients(in, dout, dfinal);
+  const auto gg = gradients(f, narrow(dout), narrow(dfinal));
+  for (size_t i = 0; i < gw.size(); ++i)
+    EXPECT_LT(max_relative(gg[i], gw[i]), 1e-2) << kGradientNames[i];
 }
 
 // L = sum(w_out * out) + sum(w_state * final state), its gradient by the backward pass against
