@@ -58,6 +58,24 @@ std::vector<Architecture> table() {
   }
   {
     Architecture a;
+    a.name = "qwen3moe";
+    a.hf_model_types = {"qwen3_moe"};
+    a.hf_class = "Qwen3MoeForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qk_norm = true;
+    a.moe = true;
+    a.hf_files = false;
+    a.gguf_keys = {"expert_count", "expert_used_count", "expert_feed_forward_length"};
+    a.hf_keys = {"num_experts",          "num_experts_per_tok", "moe_intermediate_size",
+                 "norm_topk_prob",       "decoder_sparse_step", "mlp_only_layers",
+                 "router_aux_loss_coef", "output_router_logits"};
+    a.summary =
+        "qwen3's attention, and in every MLP's place a mixture of SwiGLU experts: a softmax "
+        "router over them, each token's top k renormalised";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
     a.name = "qwen35";
     a.hf_model_types = {"qwen3_5_text"};
     a.hf_multimodal_types = {"qwen3_5"};
@@ -311,6 +329,13 @@ void require_files(const Architecture& arch, const std::string& what) {
                     std::string(arch.name) + " trains one; its run's checkpoint holds it)");
 }
 
+void require_hf_files(const Architecture& arch, const std::string& what) {
+  require_files(arch, what);
+  if (!arch.hf_files)
+    throw UserError(what + ": Hugging Face folders of " + std::string(arch.name) +
+                    " are not read or written yet (its GGUF files are)");
+}
+
 std::string architecture_mismatch(const ModelConfig& c) {
   const Architecture* a = find_architecture(c.architecture);
   if (!a) return "architecture " + c.architecture + " is not one of " + architecture_names();
@@ -354,6 +379,14 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   c.final_softcap = arch.default_final_softcap;
   c.attn_output_gate = arch.attn_output_gate;
   c.linear_layers = step_linear_layers(arch, c.n_layers);
+  if (arch.moe && !c.moe()) {
+    // Qwen3-MoE's proportions, scaled: 8 experts, 2 of them a token, each of an eighth of the
+    // MLP's width (at least 16).
+    c.n_experts = 8;
+    c.experts_used = 2;
+    c.ffn = std::max<int64_t>(16, c.ffn / 8);
+  }
+  if (!arch.moe) c.n_experts = c.experts_used = 0;
   if (arch.linear_attention_step > 0) {
     // Qwen3.5's proportions: key heads half the query heads, value heads as many, each of the
     // attention head's width; RoPE on a quarter of each head.

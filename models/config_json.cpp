@@ -53,6 +53,9 @@ json model_config_json(const ModelConfig& c) {
         {"value_heads", c.linear_value_heads}, {"key_dim", c.linear_key_dim},
         {"value_dim", c.linear_value_dim},     {"conv", c.linear_conv}};
   if (c.attn_output_gate) j["attn_output_gate"] = true;
+  if (c.moe())
+    j["experts"] = {
+        {"count", c.n_experts}, {"used", c.experts_used}, {"weights_norm", c.expert_weights_norm}};
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
     for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
@@ -112,6 +115,12 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       c.linear_conv = l.at("conv").get<int64_t>();
     }
     c.attn_output_gate = m.value("attn_output_gate", false);
+    if (m.contains("experts")) {
+      const json& e = m.at("experts");
+      c.n_experts = e.at("count").get<int64_t>();
+      c.experts_used = e.at("used").get<int64_t>();
+      c.expert_weights_norm = e.at("weights_norm").get<bool>();
+    }
     if (m.contains("rope_scaling")) {
       const json& r = m.at("rope_scaling");
       c.rope_scaling.type = r.at("type").get<std::string>();
@@ -187,6 +196,13 @@ std::string describe_parts(const ModelConfig& c) {
     s += buf;
   }
   if (c.attn_output_gate) s += "; attention's output gated";
+  if (c.moe()) {
+    std::snprintf(buf, sizeof(buf), "; %lld experts of ffn %lld, %lld a token%s",
+                  static_cast<long long>(c.n_experts), static_cast<long long>(c.ffn),
+                  static_cast<long long>(c.experts_used),
+                  c.expert_weights_norm ? ", their weights renormalised" : "");
+    s += buf;
+  }
   if (c.sliding_window > 0) {
     std::snprintf(buf, sizeof(buf),
                   "; a sliding window of %lld on %lld of every %lld layers (RoPE theta %g)",

@@ -11,6 +11,7 @@
 
 #include "engine/core/deltanet_ops.h"
 #include "engine/core/hash.h"
+#include "engine/core/moe_ops.h"
 #include "engine/core/ops.h"
 #include "engine/io/mapped_file.h"
 #include "engine/io/offload.h"
@@ -85,12 +86,21 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.ffn_norm = params.add(l + "ffn_norm.weight", Shape{C}, false);
       b.ffn_norm_bias = bias_of(layer_norm, l + "ffn_norm.bias", C);
     }
-    if (arch.mlp != Mlp::Gelu)
-      b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
-    b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
-    b.b3 = bias_of(dense, l + "feed_forward.w3.bias", F);
-    b.w2 = params.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
-    b.b2 = bias_of(dense, l + "feed_forward.w2.bias", C);
+    if (config.moe()) {
+      const int64_t E = config.n_experts;
+      const std::string m = l + "feed_forward.";
+      b.router = params.add(m + "router.weight", Shape{E, C}, true, true);
+      b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, F, C}, true, true);
+      b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, F, C}, true, true);
+      b.experts_w2 = params.add(m + "experts.w2.weight", Shape{E, C, F}, true, true);
+    } else {
+      if (arch.mlp != Mlp::Gelu)
+        b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
+      b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
+      b.b3 = bias_of(dense, l + "feed_forward.w3.bias", F);
+      b.w2 = params.add(l + "feed_forward.w2.weight", Shape{C, F}, true, true);
+      b.b2 = bias_of(dense, l + "feed_forward.w2.bias", C);
+    }
     if (arch.post_norms) b.post_ffw_norm = params.add(l + "post_ffw_norm.weight", Shape{C}, false);
     if (lora.active()) {
       const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1,
@@ -174,6 +184,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
                        b.q_norm, b.k_norm, b.post_attention_norm, b.post_ffw_norm});
     v.insert(v.end(), {b.wg, b.wz, b.wa, b.wb, b.conv_q, b.conv_k, b.conv_v, b.dt_bias, b.a_log,
                        b.linear_norm});
+    v.insert(v.end(), {b.router, b.experts_w1, b.experts_w3, b.experts_w2});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     v.push_back(b.lora_b_gate);
@@ -249,9 +260,9 @@ void DecoderModel::init_weights(uint64_t seed) {
       // Gains of 1, held less 1 where the norms add it.
       std::fill(w.begin(), w.end(), 1.0f - config_.norm_offset());
     } else {
-      const bool residual = info.name.ends_with("attention.wo.weight") ||
-                            info.name.ends_with("linear.wo.weight") ||
-                            info.name.ends_with("feed_forward.w2.weight");
+      const bool residual =
+          info.name.ends_with("attention.wo.weight") || info.name.ends_with("linear.wo.weight") ||
+          info.name.ends_with("feed_forward.w2.weight") || info.name.ends_with("experts.w2.weight");
       const double stddev = residual ? std_residual : std_matrix;
       for (float& x : w) x = static_cast<float>(stddev * normal());
     }
@@ -415,6 +426,15 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
 }
 
 Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
+  if (b.router >= 0) {
+    // The router's logits in FP32, each token's experts and weights, the experts' sum.
+    const MoeRouting route = moe_route(linear(g, p(b.router)), config_.experts_used,
+                                       arch_->moe_gating, config_.expert_weights_norm);
+    const Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route);
+    return b.post_ffw_norm >= 0
+               ? head_rmsnorm(out, p(b.post_ffw_norm), config_.norm_eps, config_.norm_offset())
+               : out;
+  }
   Variable f;
   if (arch_->mlp == Mlp::Gelu) {
     f = gelu(project(b, Projection::Up, b.w3, b.b3, g));
@@ -642,7 +662,8 @@ void DecoderModel::read_ahead(size_t index, bool release) const {
     add(output_);
   } else {
     const Block& b = blocks_[index];
-    for (const int parameter : {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2, b.wg, b.wz, b.wa, b.wb})
+    for (const int parameter : {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2, b.wg, b.wz, b.wa, b.wb,
+                                b.router, b.experts_w1, b.experts_w3, b.experts_w2})
       add(parameter);
   }
   if (weights.empty()) return;

@@ -150,9 +150,12 @@ class DecoderModel {
  private:
   struct Block {
     int attention_norm, wq, wk, wv, wo;
-    int ffn_norm = -1;  // -1 in a parallel block
-    int w1 = -1;        // -1 without a gate
-    int w3, w2;
+    int ffn_norm = -1;     // -1 in a parallel block
+    int w1 = -1;           // -1 without a gate
+    int w3 = -1, w2 = -1;  // -1 in a mixture of experts
+    // A mixture of experts' router (E, C) and experts (E, F, C; E, C, F), in the MLP's place;
+    // -1 in a dense block.
+    int router = -1, experts_w1 = -1, experts_w3 = -1, experts_w2 = -1;
     int bq = -1, bk = -1, bv = -1;                     // the q, k, v biases; -1 without
     int bo = -1, b3 = -1, b2 = -1;                     // the o, up and down biases; -1 without
     int attention_norm_bias = -1, ffn_norm_bias = -1;  // LayerNorm's; -1 without

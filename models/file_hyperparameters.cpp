@@ -221,15 +221,33 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     check_heads(check, hp, wq, wk, arch, c);
   }
 
-  // The gate projection's rows, or half the fused gate and up tensor's, or without a gate the up
-  // projection's.
-  const std::string w1 = arch.fused_gate_up      ? "layers.0.feed_forward.w13.weight"
-                         : arch.mlp == Mlp::Gelu ? "layers.0.feed_forward.w3.weight"
-                                                 : "layers.0.feed_forward.w1.weight";
-  const std::vector<int64_t> gate = check.matrix(w1);
-  const int64_t parts = arch.fused_gate_up ? 2 : 1;
-  c.ffn = check.positive(hp.ffn);
-  if (c.ffn * parts != gate[0]) check.differs(hp.ffn, c.ffn, w1, gate, {parts * c.ffn, gate[1]});
+  if (arch.moe) {
+    // The router's rows are the experts; the experts' gate tensor (E, F, C) gives their width.
+    const std::string router = "layers.0.feed_forward.router.weight";
+    const std::vector<int64_t> r = check.matrix(router);
+    c.n_experts = check.positive(hp.n_experts);
+    if (c.n_experts != r[0])
+      check.differs(hp.n_experts, c.n_experts, router, r, {c.n_experts, r[1]});
+    c.experts_used = check.positive(hp.experts_used);
+    if (c.experts_used > c.n_experts)
+      check.fail(hp.experts_used, "is more than " + hp.n_experts.key + " " + text(c.n_experts));
+    const std::string w1 = "layers.0.feed_forward.experts.w1.weight";
+    const std::optional<std::vector<int64_t>> g = shape_of(check.name(w1));
+    if (!g || g->size() != 3)
+      throw UserError(hp.where + ": no tensor " + check.name(w1) + " of three dimensions");
+    c.ffn = check.positive(hp.ffn);
+    if (c.ffn != (*g)[1]) check.differs(hp.ffn, c.ffn, w1, *g, {(*g)[0], c.ffn, (*g)[2]});
+  } else {
+    // The gate projection's rows, or half the fused gate and up tensor's, or without a gate the up
+    // projection's.
+    const std::string w1 = arch.fused_gate_up      ? "layers.0.feed_forward.w13.weight"
+                           : arch.mlp == Mlp::Gelu ? "layers.0.feed_forward.w3.weight"
+                                                   : "layers.0.feed_forward.w1.weight";
+    const std::vector<int64_t> gate = check.matrix(w1);
+    const int64_t parts = arch.fused_gate_up ? 2 : 1;
+    c.ffn = check.positive(hp.ffn);
+    if (c.ffn * parts != gate[0]) check.differs(hp.ffn, c.ffn, w1, gate, {parts * c.ffn, gate[1]});
+  }
 
   c.ctx = check.positive(hp.ctx);
   if (c.ctx > kMaxFileContext)

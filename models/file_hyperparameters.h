@@ -42,6 +42,10 @@ struct FileHyperparameters {
   FileHyperparameter ffn;         // required
   FileHyperparameter ctx;         // required (a format's default given as its value)
   FileHyperparameter rope_dim;    // optional: the head dimension
+  // A mixture of experts (Architecture::moe): the experts and those a token uses, required
+  // there; ffn is then each expert's width.
+  FileHyperparameter n_experts;
+  FileHyperparameter experts_used;
   // Blocks the file holds after the model's n_layers that the model leaves out (a
   // multi-token-prediction block, numbered after the model's layers).
   int64_t extra_blocks = 0;

@@ -176,7 +176,13 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   hp.n_heads = given(p + "attention.head_count");
   hp.n_kv_heads = given(p + "attention.head_count_kv");
   hp.head_dim = given(p + "attention.key_length");
-  hp.ffn = given(p + "feed_forward_length");
+  hp.ffn = given(p + (arch->moe ? "expert_feed_forward_length" : "feed_forward_length"));
+  if (arch->moe) {
+    hp.n_experts = given(p + "expert_count");
+    hp.experts_used = given(p + "expert_used_count");
+    for (const FileHyperparameter* required : {&hp.n_experts, &hp.experts_used})
+      if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
+  }
   hp.ctx = given(p + "context_length");
   hp.rope_dim = given(p + "rope.dimension_count");
   for (const FileHyperparameter* required :
@@ -664,6 +670,11 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     w.set_i32s(
         arch + ".rope.dimension_sections",
         {static_cast<int32_t>(s[0]), static_cast<int32_t>(s[1]), static_cast<int32_t>(s[2]), 0});
+  }
+  if (c.moe()) {
+    w.set_u32(arch + ".expert_count", static_cast<uint32_t>(c.n_experts));
+    w.set_u32(arch + ".expert_used_count", static_cast<uint32_t>(c.experts_used));
+    w.set_u32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(c.ffn));
   }
   if (description.attn_softcap) w.set_f32(arch + ".attn_logit_softcapping", c.attn_softcap);
   if (description.swa_pattern > 0 &&

@@ -389,7 +389,7 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
     throw UserError(where + ": model_type " + type +
                     ", which cputrain does not compute (it computes " + hf_model_type_names() +
                     ")");
-  require_files(*arch, where);
+  require_hf_files(*arch, where);
   for (const auto& [key, value] : j.items())
     if (!hf_key_known(*arch, key))
       throw UserError(where + ": " + key + " " + json_shown(value) +

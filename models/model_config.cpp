@@ -169,7 +169,9 @@ int64_t parameter_count(const ModelConfig& c) {
   // Norms: the block's one or two, each with a bias in LayerNorm.
   const int64_t norms =
       ((parallel ? 1 : 2) * (layer_norm ? 2 : 1) + (arch && arch->post_norms ? 2 : 0)) * C;
-  const int64_t mlp = mlp_matrices(arch) * C * F + norms + (dense ? F + C : 0);
+  const int64_t mlp = (c.moe() ? c.n_experts * 3 * C * F + c.n_experts * C
+                               : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) +
+                      norms;
   const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
                             (c.qk_norm ? 2 * c.head_size() : 0) + (dense ? C : 0) +
                             (c.attn_output_gate ? C * q : 0);
@@ -199,6 +201,11 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
     if (v <= 0) return ConfigProblem{field, text(v), "must be positive", "", ""};
   if (c.n_kv_heads < 0)
     return ConfigProblem{"n_kv_heads", text(c.n_kv_heads), "must be positive", "", ""};
+  if (c.n_experts < 0)
+    return ConfigProblem{"n_experts", text(c.n_experts), "must be positive", "", ""};
+  if (c.moe() && (c.experts_used <= 0 || c.experts_used > c.n_experts))
+    return ConfigProblem{"experts_used", text(c.experts_used), "must be from 1 to", "n_experts",
+                         text(c.n_experts)};
   if (c.n_heads % c.kv_heads() != 0)
     return ConfigProblem{"n_heads", text(c.n_heads), "is not a multiple of", "n_kv_heads",
                          text(c.kv_heads())};
@@ -274,9 +281,12 @@ double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
   const auto d = static_cast<double>(c.d_model), layers = static_cast<double>(c.n_layers);
   const auto q = static_cast<double>(c.q_dim()), kv = static_cast<double>(c.kv_dim());
   const double matrices =
-      layers * (2.0 * d * q + 2.0 * d * kv +
-                static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d *
-                    static_cast<double>(c.ffn)) +
+      layers *
+          (2.0 * d * q + 2.0 * d * kv +
+           (c.moe() ? static_cast<double>(c.experts_used) * 3.0 * d * static_cast<double>(c.ffn) +
+                          static_cast<double>(c.n_experts) * d
+                    : static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d *
+                          static_cast<double>(c.ffn))) +
       static_cast<double>(c.vocab) * d;
   // Gated DeltaNet layers: their projections in place of attention's, and the delta rule's
   // products on a token of each value head, counted as the chunked form computes them forward

@@ -122,6 +122,13 @@ struct ModelConfig {
   // Full attention's output times sigmoid of a gate, a projection of the block's input of q's
   // width (Qwen3.5's, which its files hold beside each head's query in attn_q).
   bool attn_output_gate = false;
+  // A mixture of experts in every block's MLP place (Qwen3-MoE): n_experts SwiGLU experts, each
+  // of width ffn, of which a router (the architecture's gating, engine/core/moe_ops.h) chooses
+  // experts_used for each token and weighs them, the weights renormalised to sum 1 where
+  // expert_weights_norm; 0 experts: a dense MLP.
+  int64_t n_experts = 0;
+  int64_t experts_used = 0;
+  bool expert_weights_norm = true;
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
@@ -131,6 +138,7 @@ struct ModelConfig {
   bool rope_in_layer(int64_t layer) const;
   // Whether layer `layer` is Gated DeltaNet rather than attention.
   bool linear_layer(int64_t layer) const;
+  bool moe() const { return n_experts > 0; }
   int64_t linear_qk_dim() const { return linear_key_heads * linear_key_dim; }     // q's, k's width
   int64_t linear_v_dim() const { return linear_value_heads * linear_value_dim; }  // v's, z's
   // Whether layer `layer` attends within the sliding window.
@@ -166,11 +174,13 @@ std::vector<std::string> preset_names();
 // 2 C q_dim, wk and wv 2 C kv_dim (plus q_dim + 2 kv_dim biases), 3 C F (SwiGLU; 2 C F without a
 // gate) and 2 C (norms; C for one norm, twice with LayerNorm's biases, 2 C more with post-norms;
 // plus the o, up and down
-// biases where the architecture has them); the final norm C (2 C), the head's bias V.
+// biases where the architecture has them; with experts, E (3 C F) and the router's E C in the
+// MLP's place); the final norm C (2 C), the head's bias V.
 int64_t parameter_count(const ModelConfig& config);
 // FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
 // products (the blocks' and the LM head's) plus 6 x layers x ctx x q_dim for causal attention
-// (scores and weighted sum, forward and backward). The numerator of MFU.
+// (scores and weighted sum, forward and backward); with experts, the router's and the
+// experts_used experts' products a token computes. The numerator of MFU.
 double training_flops_per_token(const ModelConfig& config, int64_t ctx);
 
 // What is wrong with a configuration, in the config's own terms: `field` (a ModelConfig member

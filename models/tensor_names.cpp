@@ -39,6 +39,11 @@ constexpr Names kBlockNames[] = {
     {"feed_forward.w1", "ffn_gate", "mlp.gate_proj"},
     {"feed_forward.w3", "ffn_up", "mlp.up_proj"},
     {"feed_forward.w2", "ffn_down", "mlp.down_proj"},
+    // A mixture of experts' router and experts (E, F, C; E, C, F), each one tensor.
+    {"feed_forward.router", "ffn_gate_inp", "mlp.gate"},
+    {"feed_forward.experts.w1", "ffn_gate_exps", "mlp.experts.gate_proj"},
+    {"feed_forward.experts.w3", "ffn_up_exps", "mlp.experts.up_proj"},
+    {"feed_forward.experts.w2", "ffn_down_exps", "mlp.experts.down_proj"},
     // Norms after attention and the MLP (Architecture::post_norms).
     {"post_attention_norm", "post_attention_norm", "post_attention_layernorm"},
     {"post_ffw_norm", "post_ffw_norm", "post_feedforward_layernorm"},
@@ -138,7 +143,7 @@ void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, cons
     return;
   // Row j + k * D/2 of a half-split head is row 2j + k of an adjacent one.
   const int64_t heads = norm ? 1 : q ? c.n_heads : c.kv_heads(), d = c.head_size(), half = d / 2;
-  const int64_t row = info.shape.ndim() == 2 ? info.shape[1] : 1;
+  const int64_t row = info.shape.numel() / info.shape[0];
   std::vector<float> out(values.size());
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t j = 0; j < half; ++j)
@@ -269,7 +274,7 @@ bool interleaved_part(const ParameterInfo& info, const ModelConfig& c) {
 
 std::vector<float> part_values(const std::vector<float>& tensor, const ParameterInfo& info,
                                const TensorPart& part, const ModelConfig& c) {
-  const int64_t row = info.shape.ndim() == 2 ? info.shape[1] : 1;
+  const int64_t row = info.shape.numel() / info.shape[0];
   std::vector<float> values(static_cast<size_t>(part.rows * row));
   if (!interleaved_part(info, c)) {
     std::copy_n(tensor.begin() + part.first_row * row, values.size(), values.begin());

@@ -1,5 +1,6 @@
 #include "engine/core/op_support.h"
 
+#include <array>
 #include <stdexcept>
 
 #include "engine/core/memory.h"
@@ -28,6 +29,29 @@ bool computing() {
 const Tensor& fp32_value(const Variable& x) {
   require(x.value().dtype() == DType::F32, "an op on FP32 values given a bf16-only activation");
   return x.value();
+}
+
+Tensor to_bf16(const Tensor& t) {
+  Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
+  profiler::Scope scope("to bf16", profiler::Pass::Enclosing);
+  if (computing()) kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
+  return b;
+}
+
+Tensor weight_operand(const Variable& w, bool bf16) {
+  if (dtype_quantized(w.value().dtype())) return w.value();
+  return bf16 ? w.bf16_value() : w.value();
+}
+
+double gemm_flops(int64_t M, int64_t N, int64_t K) {
+  return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+}
+
+void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64_t M, int64_t N,
+                  int64_t K) {
+  const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+  for (const int buffer : {2, 3, 0, 1})
+    if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
 }
 
 Tensor saved(const Variable& x) {

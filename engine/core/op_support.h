@@ -8,6 +8,7 @@
 
 #include "engine/core/autograd.h"
 #include "engine/core/tensor.h"
+#include "kernels/gemm/gemm.h"
 
 namespace cputrain::op_support {
 
@@ -56,6 +57,20 @@ class OverwrittenGradient {
  private:
   Tensor target_, cell_;
 };
+
+// The bf16 rounding of an FP32 tensor, as workspace.
+Tensor to_bf16(const Tensor& t);
+// What an op multiplies of a weight: in bf16 mode its bf16 rounding (the parameter's copy), else
+// its FP32 value; a quantised weight as it is held, either way (its products dequantise it panel
+// by panel, to bf16 or FP32 as x is).
+Tensor weight_operand(const Variable& w, bool bf16);
+// 2 M N K.
+double gemm_flops(int64_t M, int64_t N, int64_t K);
+// While measuring, the allocations a GEMM of these sizes makes without computing it: its buffers
+// grow to what the product needs (kernels::gemm_buffer_bytes), in the order it takes them (the
+// widenings of bf16 operands first, then the packed panels of B and of A).
+void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64_t M, int64_t N,
+                  int64_t K);
 
 // A saved tensor as FP32, for kernels that compute in FP32: itself, or its widening from bf16,
 // counted as `category`.

@@ -56,13 +56,6 @@ uint16_t* bf16_or_null(const Tensor& t) {
   return t.defined() ? t.bf16() : nullptr;
 }
 
-Tensor to_bf16(const Tensor& t) {
-  Tensor b = Tensor::empty(t.shape(), DType::BF16, MemoryCategory::Workspace);
-  Scope scope("to bf16", Pass::Enclosing);
-  if (computing()) kernels::fp32_to_bf16_array(b.bf16(), t.f32(), t.numel());
-  return b;
-}
-
 // The profiler's names of a layer's three GEMMs.
 struct GemmNames {
   const char* y;   // Y = X W^T
@@ -72,15 +65,6 @@ struct GemmNames {
 constexpr GemmNames kLinearGemms{"linear GEMM Y=XW'", "linear GEMM dX=dY W", "linear GEMM dW=dY'X"};
 constexpr GemmNames kLmHeadGemms{"lm_head GEMM Y=XW'", "lm_head GEMM dX=dY W",
                                  "lm_head GEMM dW=dY'X"};
-
-// While measuring, the allocations a GEMM of these sizes makes without computing it: its buffers
-// grow to what the product needs (kernels::gemm_buffer_bytes), in the order it takes them (the
-// widenings of bf16 operands first, then the packed panels of B and of A).
-void measure_gemm(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
-  const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
-  for (const int buffer : {2, 3, 0, 1})
-    if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
-}
 
 // The same for gemm_bf16_rounded (No, Yes), which goes through an FP32 scratch of M x N where it
 // cannot round in its registers (kernels/gemm/gemm.h).
@@ -103,18 +87,6 @@ void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K
     measure_gemm(bf16, Transpose::No, Transpose::Yes, M, n, K);
   else
     measure_gemm(bf16, Transpose::No, Transpose::No, M, K, n);
-}
-
-double gemm_flops(int64_t M, int64_t N, int64_t K) {
-  return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-}
-
-// What a linear op multiplies of its weight: in bf16 mode its bf16 rounding (the parameter's
-// copy), else its FP32 value; a quantised weight as it is held, either way (its products
-// dequantise it panel by panel, to bf16 or FP32 as x is).
-Tensor weight_operand(const Variable& w, bool bf16) {
-  if (dtype_quantized(w.value().dtype())) return w.value();
-  return bf16 ? w.bf16_value() : w.value();
 }
 
 // out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:

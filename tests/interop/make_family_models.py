@@ -47,6 +47,9 @@ Face's rotate-half order:
   it (with the embedding's head every family's continuation repeats BOS); also as the published
   checkpoints hold it, the text model of an image-and-text Qwen3_5ForConditionalGeneration
   (qwen35_vl_hf: model.language_model.*, a vision model beside it).
+- qwen3moe, qwen3moe_top4: Qwen3-MoE's block, qwen3's attention and in the MLP's place 8 SwiGLU
+  experts of a router's softmax, each token's top 2 (top 4) renormalised; ffn_gate_inp and the
+  experts stacked as llama.cpp's converter stacks Hugging Face's per-expert tensors (GGUF alone).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -93,6 +96,12 @@ FAMILIES = {
     "gemma": dict(arch="gemma", hf_type="gemma", hf_class="GemmaForCausalLM", d=128, ffn=256,
                   layers=2, heads=4, kv=1, head=64, theta=10000.0, tied=True, adjacent=False,
                   gemma=True, mlp_std=0.025, special=("<start_of_turn>", "<end_of_turn>")),
+    "qwen3moe": dict(arch="qwen3moe", hf_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM", d=96,
+                     ffn=40, layers=2, heads=3, kv=1, head=32, theta=1e6, tied=False,
+                     adjacent=False, qk_norm=True, moe=dict(experts=8, used=2)),
+    "qwen3moe_top4": dict(arch="qwen3moe", hf_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
+                          d=80, ffn=24, layers=3, heads=2, kv=2, head=40, theta=1e6, tied=True,
+                          adjacent=False, qk_norm=True, moe=dict(experts=8, used=4)),
     "qwen35": dict(arch="qwen35", hf_type="qwen3_5_text", hf_class="Qwen3_5ForCausalLM", d=88,
                    ffn=200, layers=4, heads=4, kv=2, head=24, theta=1e7, tied=False,
                    adjacent=False, rope_dim=6, qwen35=dict(hk=2, hv=4, dk=24, conv=4, interval=4,
@@ -210,6 +219,13 @@ def write_family(name, spec, seed):
             # moves these logits by 2.5e-3; with the MLP zeroed they are 8e-6 apart) below 1e-4.
             hf[p + "post_feedforward_layernorm.weight"] = draw((d,), 0.002, gain - 0.97)
         mlp = spec.get("mlp_std", 0.05)
+        if spec.get("moe"):  # a router and experts of ffn each, in Hugging Face's per-expert names
+            hf[p + "mlp.gate.weight"] = draw((spec["moe"]["experts"], d), 0.5)
+            for e in range(spec["moe"]["experts"]):
+                hf[p + f"mlp.experts.{e}.gate_proj.weight"] = draw((ffn, d), 0.1)
+                hf[p + f"mlp.experts.{e}.up_proj.weight"] = draw((ffn, d), 0.1)
+                hf[p + f"mlp.experts.{e}.down_proj.weight"] = draw((d, ffn), 0.1)
+            continue
         hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), mlp)
         hf[p + "mlp.up_proj.weight"] = draw((ffn, d), mlp)
         hf[p + "mlp.down_proj.weight"] = draw((d, ffn), mlp)
@@ -234,7 +250,14 @@ def write_family(name, spec, seed):
     w.add_context_length(CTX)
     w.add_embedding_length(d)
     w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
+    moe = spec.get("moe")
+    if moe:  # the dense width Qwen3-MoE's files also give, and the experts'
+        w.add_feed_forward_length(6 * ffn)
+        w.add_expert_count(moe["experts"])
+        w.add_expert_used_count(moe["used"])
+        w.add_expert_feed_forward_length(ffn)
+    else:
+        w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_key_length(head)
@@ -271,6 +294,8 @@ def write_family(name, spec, seed):
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     tensors = {}
     for hname, a in hf.items():
+        if ".mlp.experts." in hname or hname.endswith(".mlp.gate.weight"):
+            continue
         if hname == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif hname.startswith("model.norm."):
@@ -295,6 +320,13 @@ def write_family(name, spec, seed):
             gate_up = [tensors.pop(b + p + ".weight") for p in ("ffn_gate", "ffn_up")]
             tensors[b + "attn_qkv.weight"] = np.concatenate(qkv)
             tensors[b + "ffn_up.weight"] = np.concatenate(gate_up)
+    if moe:  # the router, and each layer's experts stacked: (E, F, d) and (E, d, F)
+        for i in range(layers):
+            p = f"model.layers.{i}.mlp."
+            tensors[f"blk.{i}.ffn_gate_inp.weight"] = hf[p + "gate.weight"]
+            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                tensors[f"blk.{i}.ffn_{ours}_exps.weight"] = np.stack(
+                    [hf[p + f"experts.{e}.{theirs}.weight"] for e in range(moe["experts"])])
     for gname, a in tensors.items():
         w.add_tensor(gname, a)
     rope_dim = spec.get("rope_dim", head)
@@ -314,6 +346,8 @@ def write_family(name, spec, seed):
                      llama3_factors(spec["theta"], head, scaling["factor"], scaling["low"],
                                     scaling["high"], scaling["original"]))
     finish(w)
+    if moe:  # GGUF alone
+        return
 
     folder = f"{OUT}/{name}_hf"
     os.makedirs(folder, exist_ok=True)
@@ -462,7 +496,14 @@ def write_qwen35(name, spec, seed):
     w.add_embedding_length(d)
     w.add_block_count(layers + 1)
     w.add_nextn_predict_layers(1)
-    w.add_feed_forward_length(ffn)
+    moe = spec.get("moe")
+    if moe:  # the dense width Qwen3-MoE's files also give, and the experts'
+        w.add_feed_forward_length(6 * ffn)
+        w.add_expert_count(moe["experts"])
+        w.add_expert_used_count(moe["used"])
+        w.add_expert_feed_forward_length(ffn)
+    else:
+        w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_key_length(head)
@@ -528,6 +569,8 @@ def write_qwen35(name, spec, seed):
         a = mtp[f"mtp.{n}.weight"]
         w.add_tensor(f"blk.{layers}.nextn.{g}.weight", a if n == "fc" else a + np.float32(1.0))
     finish(w)
+    if moe:  # GGUF alone
+        return
 
     folder = f"{OUT}/{name}_hf"
     os.makedirs(folder, exist_ok=True)

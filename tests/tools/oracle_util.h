@@ -168,4 +168,45 @@ inline fs::path write_finetune_data(const fs::path& dir) {
   return dir / "data.jsonl";
 }
 
+// Each position's NLL of the next token, of logits (tokens, vocab).
+inline std::vector<double> token_nll(const std::vector<float>& logits,
+                                     const std::vector<int32_t>& tokens, int64_t vocab) {
+  std::vector<double> out;
+  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
+    const float* row = logits.data() + i * static_cast<size_t>(vocab);
+    double max = row[0], sum = 0.0;
+    for (int64_t v = 1; v < vocab; ++v) max = std::max<double>(max, row[v]);
+    for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - max);
+    out.push_back(max + std::log(sum) - row[tokens[i + 1]]);
+  }
+  return out;
+}
+
+// Two sets of logits over `tokens` (n x vocab): the share of positions whose argmax they agree on,
+// and each one's mean NLL of the next token.
+struct Agreement {
+  double argmax = 0.0;
+  double nll_ours = 0.0, nll_theirs = 0.0;
+};
+inline Agreement agreement(const std::vector<float>& ours, const std::vector<float>& theirs,
+                           const std::vector<int32_t>& tokens, int64_t vocab) {
+  Agreement a;
+  const size_t n = tokens.size() - 1;
+  const std::vector<double> nll_ours = token_nll(ours, tokens, vocab);
+  const std::vector<double> nll_theirs = token_nll(theirs, tokens, vocab);
+  for (size_t i = 0; i < n; ++i) {
+    const float* o = ours.data() + i * static_cast<size_t>(vocab);
+    const float* t = theirs.data() + i * static_cast<size_t>(vocab);
+    a.argmax += std::max_element(o, o + vocab) - o == std::max_element(t, t + vocab) - t;
+    a.nll_ours += nll_ours[i];
+    a.nll_theirs += nll_theirs[i];
+  }
+  a.argmax /= static_cast<double>(n);
+  a.nll_ours /= static_cast<double>(n);
+  a.nll_theirs /= static_cast<double>(n);
+  std::printf("argmax agreement %.4f, mean NLL %.5f (cputrain) %.5f (llama.cpp)\n", a.argmax,
+              a.nll_ours, a.nll_theirs);
+  return a;
+}
+
 }  // namespace cputrain::interop_test

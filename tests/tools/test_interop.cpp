@@ -106,22 +106,6 @@ TEST(LlamaCpp, AHuggingFaceFolderGivesItsGgufsLogits) {
       1e-4);
 }
 
-// How two models' next-token distributions over a sequence agree: the fraction of positions with
-// the same argmax, and the mean negative log-likelihood of the next token under each.
-// Each position's NLL of the next token, of logits (tokens, vocab).
-std::vector<double> token_nll(const std::vector<float>& logits, const std::vector<int32_t>& tokens,
-                              int64_t vocab) {
-  std::vector<double> out;
-  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
-    const float* row = logits.data() + i * static_cast<size_t>(vocab);
-    double max = row[0], sum = 0.0;
-    for (int64_t v = 1; v < vocab; ++v) max = std::max<double>(max, row[v]);
-    for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - max);
-    out.push_back(max + std::log(sum) - row[tokens[i + 1]]);
-  }
-  return out;
-}
-
 // 200 tokens the model itself would write from BOS (sampled at temperature 1), so that an NLL
 // measures its confidence in likely text rather than its surprise at noise.
 std::vector<int32_t> sampled_text(LoadedModel& m, uint64_t seed) {
@@ -131,31 +115,6 @@ std::vector<int32_t> sampled_text(LoadedModel& m, uint64_t seed) {
   options.top_k = 0;
   options.seed = seed;
   return generate(*m.model, {m.tokenizer->bos_id()}, options);
-}
-
-struct Agreement {
-  double argmax = 0.0;
-  double nll_ours = 0.0, nll_theirs = 0.0;
-};
-Agreement agreement(const std::vector<float>& ours, const std::vector<float>& theirs,
-                    const std::vector<int32_t>& tokens, int64_t vocab) {
-  Agreement a;
-  const size_t n = tokens.size() - 1;
-  const std::vector<double> nll_ours = token_nll(ours, tokens, vocab);
-  const std::vector<double> nll_theirs = token_nll(theirs, tokens, vocab);
-  for (size_t i = 0; i < n; ++i) {
-    const float* o = ours.data() + i * static_cast<size_t>(vocab);
-    const float* t = theirs.data() + i * static_cast<size_t>(vocab);
-    a.argmax += std::max_element(o, o + vocab) - o == std::max_element(t, t + vocab) - t;
-    a.nll_ours += nll_ours[i];
-    a.nll_theirs += nll_theirs[i];
-  }
-  a.argmax /= static_cast<double>(n);
-  a.nll_ours /= static_cast<double>(n);
-  a.nll_theirs /= static_cast<double>(n);
-  std::printf("argmax agreement %.4f, mean NLL %.5f (cputrain) %.5f (llama.cpp)\n", a.argmax,
-              a.nll_ours, a.nll_theirs);
-  return a;
 }
 
 // Files whose arithmetic llama.cpp does in lower precision (it rounds activations to bf16 for

@@ -2,12 +2,14 @@
 // output, d(sum(op(inputs) * R)) / d(input) from backward() must match central differences.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <random>
 #include <vector>
 
 #include "engine/core/deltanet_ops.h"
+#include "engine/core/moe_ops.h"
 #include "engine/core/ops.h"
 #include "kernels/ops/cross_entropy.h"
 #include "kernels/ops/rope.h"
@@ -337,6 +339,80 @@ TEST(OpsGradient, GatedDeltaRule) {
 }
 
 // LayerNorm with a bias: the input's, the gains' and the bias's gradients.
+// A mixture-of-experts block (engine/core/moe_ops.h): router logits whose order no step of the
+// differences changes (the choice of experts has no gradient), E = 5 experts, k = 2 and 3, each
+// gating, with and without renormalising the weights; x, the three expert tensors and the logits.
+Tensor separated_logits(int64_t N, int64_t E, std::mt19937& rng) {
+  Tensor t = random_tensor(Shape{N, E}, rng, 0.05f);
+  std::vector<int> order(static_cast<size_t>(E));
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = static_cast<int>(e);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t e = 0; e < E; ++e) t.f32()[n * E + e] += 0.5f * static_cast<float>(order[e]);
+  }
+  return t;
+}
+
+TEST(OpsGradient, MixtureOfExperts) {
+  for (const auto gating : {kernels::MoeGating::Softmax, kernels::MoeGating::SoftmaxTopK})
+    for (const bool normalize : {false, true})
+      for (const int64_t k : {2, 3}) {
+        if (gating == kernels::MoeGating::SoftmaxTopK && normalize) continue;
+        std::mt19937 rng(static_cast<uint32_t>(90 + k));
+        const int64_t N = 7, C = 6, F = 5, E = 5;
+        check_gradients(
+            [&](const auto& v) {
+              const MoeRouting route = moe_route(v[4], k, gating, normalize);
+              return moe_experts(v[0], v[1], v[2], v[3], route);
+            },
+            {random_tensor(Shape{1, N, C}, rng), random_tensor(Shape{E, F, C}, rng, 0.5f),
+             random_tensor(Shape{E, F, C}, rng, 0.5f), random_tensor(Shape{E, C, F}, rng, 0.5f),
+             separated_logits(N, E, rng)},
+            5e-3, 1e-3f);
+      }
+}
+
+// Its values: each token's experts by the formulas, one at a time.
+TEST(MoeOps, ValuesAreTheFormulas) {
+  std::mt19937 rng(93);
+  const int64_t N = 9, C = 7, F = 4, E = 6, k = 2;
+  const Tensor x = random_tensor(Shape{N, C}, rng), w1 = random_tensor(Shape{E, F, C}, rng),
+               w3 = random_tensor(Shape{E, F, C}, rng), w2 = random_tensor(Shape{E, C, F}, rng),
+               logits = random_tensor(Shape{N, E}, rng);
+  NoGradGuard no_grad;
+  const MoeRouting route = moe_route(Variable(logits, false), k, kernels::MoeGating::Softmax, true);
+  const Tensor y = moe_experts(Variable(x, false), Variable(w1, false), Variable(w3, false),
+                               Variable(w2, false), route)
+                       .value();
+  for (int64_t t = 0; t < N; ++t) {
+    std::vector<double> p(static_cast<size_t>(E));
+    double sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(double(logits.f32()[t * E + e]));
+    std::vector<int64_t> by(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) by[e] = e;
+    std::sort(by.begin(), by.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+    const double chosen = p[by[0]] + p[by[1]];
+    for (int64_t c = 0; c < C; ++c) {
+      double want = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = by[j];
+        EXPECT_EQ(route.experts.i32()[t * k + j], e);
+        double out = 0;
+        for (int64_t f = 0; f < F; ++f) {
+          double g = 0, u = 0;
+          for (int64_t i = 0; i < C; ++i) {
+            g += double(w1.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
+            u += double(w3.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
+          }
+          out += double(w2.f32()[(e * C + c) * F + f]) * g / (1 + std::exp(-g)) * u;
+        }
+        want += p[e] / chosen * out;
+      }
+      EXPECT_NEAR(y.f32()[t * C + c], want, 1e-4 * (1 + std::abs(want)));
+    }
+  }
+}
+
 TEST(OpsGradient, LayerNorm) {
   std::mt19937 rng(63);
   check_gradients([](const auto& v) { return layernorm(v[0], v[1], v[2], 1e-5f); },
