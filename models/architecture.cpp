@@ -105,6 +105,23 @@ std::vector<Architecture> table() {
         "Qwen3.5: three of every four layers Gated DeltaNet (linear attention with a recurrent "
         "state), the fourth attention with q/k norms, partial half-split RoPE and a gated output";
     t.push_back(a);
+    // Qwen3.5's mixtures of experts: its layers, qwen3moe's experts in every MLP's place and a
+    // shared expert beside them.
+    Architecture m = a;
+    m.name = "qwen35moe";
+    m.hf_model_types = {"qwen3_5_moe_text"};
+    m.hf_multimodal_types = {"qwen3_5_moe"};
+    m.hf_class = "Qwen3_5MoeForCausalLM";
+    m.moe = true;
+    m.shared_expert = true;
+    m.hf_files = false;
+    for (const char* key : {"expert_count", "expert_used_count", "expert_feed_forward_length",
+                            "expert_shared_feed_forward_length"})
+      m.gguf_keys.push_back(key);
+    m.summary =
+        "Qwen3.5's layers, and in every MLP's place qwen3moe's experts beside a shared expert "
+        "whose output a sigmoid gate scales";
+    t.push_back(m);
   }
   {
     Architecture a;
@@ -385,8 +402,11 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
     c.n_experts = 8;
     c.experts_used = 2;
     c.ffn = std::max<int64_t>(16, c.ffn / 8);
+    // Qwen3.5-MoE's shared expert: as wide as one expert.
+    if (arch.shared_expert) c.shared_expert_ffn = c.ffn;
   }
   if (!arch.moe) c.n_experts = c.experts_used = 0;
+  if (!arch.shared_expert) c.shared_expert_ffn = 0;
   if (arch.linear_attention_step > 0) {
     // Qwen3.5's proportions: key heads half the query heads, value heads as many, each of the
     // attention head's width; RoPE on a quarter of each head.

@@ -105,6 +105,8 @@ struct Architecture {
   // gating (kernels/moe/moe_route.h).
   bool moe = false;
   kernels::MoeGating moe_gating = kernels::MoeGating::Softmax;
+  // A shared expert beside the experts (ModelConfig::shared_expert_ffn).
+  bool shared_expert = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
   // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
   // for a whole model read and written as GGUF where gguf_written says so.

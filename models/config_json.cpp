@@ -54,8 +54,10 @@ json model_config_json(const ModelConfig& c) {
         {"value_dim", c.linear_value_dim},     {"conv", c.linear_conv}};
   if (c.attn_output_gate) j["attn_output_gate"] = true;
   if (c.moe())
-    j["experts"] = {
-        {"count", c.n_experts}, {"used", c.experts_used}, {"weights_norm", c.expert_weights_norm}};
+    j["experts"] = {{"count", c.n_experts},
+                    {"used", c.experts_used},
+                    {"weights_norm", c.expert_weights_norm},
+                    {"shared_ffn", c.shared_expert_ffn}};
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
     for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
@@ -120,6 +122,7 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       c.n_experts = e.at("count").get<int64_t>();
       c.experts_used = e.at("used").get<int64_t>();
       c.expert_weights_norm = e.at("weights_norm").get<bool>();
+      c.shared_expert_ffn = e.value("shared_ffn", int64_t{0});
     }
     if (m.contains("rope_scaling")) {
       const json& r = m.at("rope_scaling");
@@ -202,6 +205,8 @@ std::string describe_parts(const ModelConfig& c) {
                   static_cast<long long>(c.experts_used),
                   c.expert_weights_norm ? ", their weights renormalised" : "");
     s += buf;
+    if (c.shared_expert_ffn > 0)
+      s += "; a gated shared expert of ffn " + std::to_string(c.shared_expert_ffn);
   }
   if (c.sliding_window > 0) {
     std::snprintf(buf, sizeof(buf),

@@ -93,6 +93,13 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, F, C}, true, true);
       b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, F, C}, true, true);
       b.experts_w2 = params.add(m + "experts.w2.weight", Shape{E, C, F}, true, true);
+      if (config.shared_expert_ffn > 0) {
+        const int64_t S = config.shared_expert_ffn;
+        b.shared_w1 = params.add(m + "shared.w1.weight", Shape{S, C}, true, true);
+        b.shared_w3 = params.add(m + "shared.w3.weight", Shape{S, C}, true, true);
+        b.shared_w2 = params.add(m + "shared.w2.weight", Shape{C, S}, true, true);
+        b.shared_gate = params.add(m + "shared_gate.weight", Shape{1, C}, true, true);
+      }
     } else {
       if (arch.mlp != Mlp::Gelu)
         b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
@@ -184,7 +191,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
                        b.q_norm, b.k_norm, b.post_attention_norm, b.post_ffw_norm});
     v.insert(v.end(), {b.wg, b.wz, b.wa, b.wb, b.conv_q, b.conv_k, b.conv_v, b.dt_bias, b.a_log,
                        b.linear_norm});
-    v.insert(v.end(), {b.router, b.experts_w1, b.experts_w3, b.experts_w2});
+    v.insert(v.end(), {b.router, b.experts_w1, b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3,
+                       b.shared_w2, b.shared_gate});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     v.push_back(b.lora_b_gate);
@@ -262,7 +270,8 @@ void DecoderModel::init_weights(uint64_t seed) {
     } else {
       const bool residual =
           info.name.ends_with("attention.wo.weight") || info.name.ends_with("linear.wo.weight") ||
-          info.name.ends_with("feed_forward.w2.weight") || info.name.ends_with("experts.w2.weight");
+          info.name.ends_with("feed_forward.w2.weight") ||
+          info.name.ends_with("experts.w2.weight") || info.name.ends_with("shared.w2.weight");
       const double stddev = residual ? std_residual : std_matrix;
       for (float& x : w) x = static_cast<float>(stddev * normal());
     }
@@ -430,7 +439,13 @@ Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
     // The router's logits in FP32, each token's experts and weights, the experts' sum.
     const MoeRouting route = moe_route(linear(g, p(b.router)), config_.experts_used,
                                        arch_->moe_gating, config_.expert_weights_norm);
-    const Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route);
+    Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route);
+    if (b.shared_w1 >= 0) {
+      // The shared expert, its output scaled by sigmoid of the token's own gate.
+      const Variable shared =
+          linear(swiglu(linear(g, p(b.shared_w1)), linear(g, p(b.shared_w3))), p(b.shared_w2));
+      out = add(out, row_sigmoid_gated(shared, linear(g, p(b.shared_gate))));
+    }
     return b.post_ffw_norm >= 0
                ? head_rmsnorm(out, p(b.post_ffw_norm), config_.norm_eps, config_.norm_offset())
                : out;
@@ -662,8 +677,9 @@ void DecoderModel::read_ahead(size_t index, bool release) const {
     add(output_);
   } else {
     const Block& b = blocks_[index];
-    for (const int parameter : {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2, b.wg, b.wz, b.wa, b.wb,
-                                b.router, b.experts_w1, b.experts_w3, b.experts_w2})
+    for (const int parameter :
+         {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2, b.wg, b.wz, b.wa, b.wb, b.router, b.experts_w1,
+          b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3, b.shared_w2, b.shared_gate})
       add(parameter);
   }
   if (weights.empty()) return;

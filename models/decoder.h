@@ -156,6 +156,9 @@ class DecoderModel {
     // A mixture of experts' router (E, C) and experts (E, F, C; E, C, F), in the MLP's place;
     // -1 in a dense block.
     int router = -1, experts_w1 = -1, experts_w3 = -1, experts_w2 = -1;
+    // The shared expert's gate, up and down projections and its gate's projection (1, C); -1
+    // without.
+    int shared_w1 = -1, shared_w3 = -1, shared_w2 = -1, shared_gate = -1;
     int bq = -1, bk = -1, bv = -1;                     // the q, k, v biases; -1 without
     int bo = -1, b3 = -1, b2 = -1;                     // the o, up and down biases; -1 without
     int attention_norm_bias = -1, ffn_norm_bias = -1;  // LayerNorm's; -1 without

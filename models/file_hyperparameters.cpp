@@ -237,6 +237,14 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
       throw UserError(hp.where + ": no tensor " + check.name(w1) + " of three dimensions");
     c.ffn = check.positive(hp.ffn);
     if (c.ffn != (*g)[1]) check.differs(hp.ffn, c.ffn, w1, *g, {(*g)[0], c.ffn, (*g)[2]});
+    if (arch.shared_expert) {
+      const std::string s1 = "layers.0.feed_forward.shared.w1.weight";
+      const std::vector<int64_t> s = check.matrix(s1);
+      c.shared_expert_ffn = check.positive(hp.shared_expert_ffn);
+      if (c.shared_expert_ffn != s[0])
+        check.differs(hp.shared_expert_ffn, c.shared_expert_ffn, s1, s,
+                      {c.shared_expert_ffn, s[1]});
+    }
   } else {
     // The gate projection's rows, or half the fused gate and up tensor's, or without a gate the up
     // projection's.
@@ -261,7 +269,13 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     const std::string& ours = declared.infos()[static_cast<size_t>(t.parts[0])].name;
     const std::optional<std::vector<int64_t>> has = shape_of(t.name);
     if (!has) throw UserError(hp.where + ": no tensor " + t.name + " (the model's " + ours + ")");
-    if (*has != t.shape)
+    // A matrix of one row may be held as a vector (llama.cpp's quantiser writes a shared expert's
+    // gate, [C, 1] in the converter's file, as [C]).
+    const auto squeezed = [](std::vector<int64_t> d) {
+      while (d.size() > 1 && d.front() == 1) d.erase(d.begin());
+      return d;
+    };
+    if (squeezed(*has) != squeezed(t.shape))
       throw UserError(hp.where + ": tensor " + t.name + " has shape " + check.shape(*has) +
                       " where " +
                       (hp.naming == TensorNaming::Gguf ? "the model's hyperparameters give"

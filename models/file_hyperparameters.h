@@ -46,6 +46,7 @@ struct FileHyperparameters {
   // there; ffn is then each expert's width.
   FileHyperparameter n_experts;
   FileHyperparameter experts_used;
+  FileHyperparameter shared_expert_ffn;  // required where the architecture has a shared expert
   // Blocks the file holds after the model's n_layers that the model leaves out (a
   // multi-token-prediction block, numbered after the model's layers).
   int64_t extra_blocks = 0;

@@ -180,8 +180,11 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   if (arch->moe) {
     hp.n_experts = given(p + "expert_count");
     hp.experts_used = given(p + "expert_used_count");
+    hp.shared_expert_ffn = given(p + "expert_shared_feed_forward_length");
     for (const FileHyperparameter* required : {&hp.n_experts, &hp.experts_used})
       if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
+    if (arch->shared_expert && !hp.shared_expert_ffn.value)
+      throw UserError(file.path() + ": no metadata " + hp.shared_expert_ffn.key);
   }
   hp.ctx = given(p + "context_length");
   hp.rope_dim = given(p + "rope.dimension_count");
@@ -336,6 +339,8 @@ const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info
   std::vector<int64_t> expected;
   for (int d = info.shape.ndim() - 1; d >= 0; --d) expected.push_back(info.shape[d]);
   expected.back() = where.tensor_rows;
+  // A matrix of one row may be held as a vector (file_hyperparameters.cpp).
+  if (expected.size() == 2 && expected[1] == 1 && t->dims.size() == 1) expected.pop_back();
   if (t->dims != expected)
     throw UserError(file.path() + ": tensor " + name + " has shape " + shape_text(t->dims) +
                     " where the model's hyperparameters give " + shape_text(expected));
@@ -675,6 +680,9 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     w.set_u32(arch + ".expert_count", static_cast<uint32_t>(c.n_experts));
     w.set_u32(arch + ".expert_used_count", static_cast<uint32_t>(c.experts_used));
     w.set_u32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(c.ffn));
+    if (c.shared_expert_ffn > 0)
+      w.set_u32(arch + ".expert_shared_feed_forward_length",
+                static_cast<uint32_t>(c.shared_expert_ffn));
   }
   if (description.attn_softcap) w.set_f32(arch + ".attn_logit_softcapping", c.attn_softcap);
   if (description.swa_pattern > 0 &&

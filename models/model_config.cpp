@@ -169,7 +169,8 @@ int64_t parameter_count(const ModelConfig& c) {
   // Norms: the block's one or two, each with a bias in LayerNorm.
   const int64_t norms =
       ((parallel ? 1 : 2) * (layer_norm ? 2 : 1) + (arch && arch->post_norms ? 2 : 0)) * C;
-  const int64_t mlp = (c.moe() ? c.n_experts * 3 * C * F + c.n_experts * C
+  const int64_t mlp = (c.moe() ? c.n_experts * 3 * C * F + c.n_experts * C +
+                                     (c.shared_expert_ffn > 0 ? 3 * C * c.shared_expert_ffn + C : 0)
                                : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) +
                       norms;
   const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
@@ -284,7 +285,9 @@ double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
       layers *
           (2.0 * d * q + 2.0 * d * kv +
            (c.moe() ? static_cast<double>(c.experts_used) * 3.0 * d * static_cast<double>(c.ffn) +
-                          static_cast<double>(c.n_experts) * d
+                          static_cast<double>(c.n_experts) * d +
+                          3.0 * d * static_cast<double>(c.shared_expert_ffn) +
+                          (c.shared_expert_ffn > 0 ? d : 0.0)
                     : static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d *
                           static_cast<double>(c.ffn))) +
       static_cast<double>(c.vocab) * d;

@@ -129,6 +129,9 @@ struct ModelConfig {
   int64_t n_experts = 0;
   int64_t experts_used = 0;
   bool expert_weights_norm = true;
+  // A shared expert beside them (Qwen3.5-MoE): a SwiGLU MLP of this width that every token takes,
+  // its output times sigmoid of a projection of the token to one number; 0: none.
+  int64_t shared_expert_ffn = 0;
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
@@ -175,7 +178,7 @@ std::vector<std::string> preset_names();
 // gate) and 2 C (norms; C for one norm, twice with LayerNorm's biases, 2 C more with post-norms;
 // plus the o, up and down
 // biases where the architecture has them; with experts, E (3 C F) and the router's E C in the
-// MLP's place); the final norm C (2 C), the head's bias V.
+// MLP's place, and a shared expert's 3 C Fs + C); the final norm C (2 C), the head's bias V.
 int64_t parameter_count(const ModelConfig& config);
 // FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
 // products (the blocks' and the LM head's) plus 6 x layers x ctx x q_dim for causal attention

@@ -44,6 +44,10 @@ constexpr Names kBlockNames[] = {
     {"feed_forward.experts.w1", "ffn_gate_exps", "mlp.experts.gate_proj"},
     {"feed_forward.experts.w3", "ffn_up_exps", "mlp.experts.up_proj"},
     {"feed_forward.experts.w2", "ffn_down_exps", "mlp.experts.down_proj"},
+    {"feed_forward.shared.w1", "ffn_gate_shexp", "mlp.shared_expert.gate_proj"},
+    {"feed_forward.shared.w3", "ffn_up_shexp", "mlp.shared_expert.up_proj"},
+    {"feed_forward.shared.w2", "ffn_down_shexp", "mlp.shared_expert.down_proj"},
+    {"feed_forward.shared_gate", "ffn_gate_inp_shexp", "mlp.shared_expert_gate"},
     // Norms after attention and the MLP (Architecture::post_norms).
     {"post_attention_norm", "post_attention_norm", "post_attention_layernorm"},
     {"post_ffw_norm", "post_ffw_norm", "post_feedforward_layernorm"},

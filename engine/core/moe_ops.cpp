@@ -1,6 +1,7 @@
 #include "engine/core/moe_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -317,6 +318,47 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       }
     }
   });
+  return out;
+}
+
+Variable row_sigmoid_gated(const Variable& x, const Variable& gate) {
+  const Shape& xs = x.shape();
+  const int64_t C = xs[xs.ndim() - 1], N = x.value().numel() / C;
+  require(gate.value().numel() == N, "row_sigmoid_gated: x (..., C) and gate (..., 1)");
+  Scope scope("row sigmoid gate", Pass::Forward);
+  Tensor y = new_activation(xs);
+  const Tensor xv = fp32_value(x), gv = fp32_value(gate);
+  if (computing()) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N; ++t) {
+      const float s = 1.0f / (1.0f + std::exp(-gv.f32()[t]));
+      for (int64_t c = 0; c < C; ++c) y.f32()[t * C + c] = s * xv.f32()[t * C + c];
+    }
+  }
+  const bool grad = needs_grad({&x, &gate});
+  Variable out = Variable::op_output(y, grad);
+  if (!grad) return out;
+  record_backward("row sigmoid gate",
+                  [xv, gv, gx = x.grad_ref(), gg = gate.grad_ref(), gy = out.grad_ref(), N, C] {
+                    const Tensor& dyt = gy->tensor();
+                    if (!dyt.defined()) return;
+                    const Tensor dy = as_f32(dyt);
+                    float bx = 0.0f, bg = 0.0f;
+                    float* dx = gx ? gx->get_for_accumulate(&bx).f32() : nullptr;
+                    float* dg = gg ? gg->get_for_accumulate(&bg).f32() : nullptr;
+                    if (!computing()) return;
+#pragma omp parallel for schedule(static)
+                    for (int64_t t = 0; t < N; ++t) {
+                      const float s = 1.0f / (1.0f + std::exp(-gv.f32()[t]));
+                      double dot = 0;
+                      for (int64_t c = 0; c < C; ++c) {
+                        const float d = dy.f32()[t * C + c];
+                        dot += static_cast<double>(d) * xv.f32()[t * C + c];
+                        if (dx) dx[t * C + c] = s * d + bx * dx[t * C + c];
+                      }
+                      if (dg) dg[t] = static_cast<float>(dot) * s * (1.0f - s) + bg * dg[t];
+                    }
+                  });
   return out;
 }
 

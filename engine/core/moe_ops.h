@@ -28,4 +28,8 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
 Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, const Variable& w2,
                      const MoeRouting& route);
 
+// x (..., C), gate (..., 1) -> each row of x times sigmoid of its gate (a shared expert's output
+// scaled by its own gate).
+Variable row_sigmoid_gated(const Variable& x, const Variable& gate);
+
 }  // namespace cputrain

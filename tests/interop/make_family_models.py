@@ -49,7 +49,10 @@ Face's rotate-half order:
   (qwen35_vl_hf: model.language_model.*, a vision model beside it).
 - qwen3moe, qwen3moe_top4: Qwen3-MoE's block, qwen3's attention and in the MLP's place 8 SwiGLU
   experts of a router's softmax, each token's top 2 (top 4) renormalised; ffn_gate_inp and the
-  experts stacked as llama.cpp's converter stacks Hugging Face's per-expert tensors (GGUF alone).
+  experts stacked as llama.cpp's converter stacks Hugging Face's per-expert tensors (GGUF alone);
+- qwen35moe: Qwen3.5's layers with qwen3moe's experts (8, top 2) in every MLP's place and a shared
+  expert beside them, its output times sigmoid of a gate of its own (ffn_*_shexp,
+  ffn_gate_inp_shexp; GGUF alone).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -102,6 +105,11 @@ FAMILIES = {
     "qwen3moe_top4": dict(arch="qwen3moe", hf_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
                           d=80, ffn=24, layers=3, heads=2, kv=2, head=40, theta=1e6, tied=True,
                           adjacent=False, qk_norm=True, moe=dict(experts=8, used=4)),
+    "qwen35moe": dict(arch="qwen35moe", hf_type="qwen3_5_moe_text", hf_class="Qwen3_5MoeForCausalLM",
+                      d=72, ffn=32, layers=4, heads=2, kv=1, head=24, theta=1e7, tied=False,
+                      adjacent=False, rope_dim=6,
+                      qwen35=dict(hk=2, hv=4, dk=24, conv=4, interval=4, sections=[1, 1, 1, 0]),
+                      moe=dict(experts=8, used=2, shared=48)),
     "qwen35": dict(arch="qwen35", hf_type="qwen3_5_text", hf_class="Qwen3_5ForCausalLM", d=88,
                    ffn=200, layers=4, heads=4, kv=2, head=24, theta=1e7, tied=False,
                    adjacent=False, rope_dim=6, qwen35=dict(hk=2, hv=4, dk=24, conv=4, interval=4,
@@ -453,6 +461,19 @@ def write_qwen35(name, spec, seed):
 
     def mlp(p):
         hf[p + "post_attention_layernorm.weight"] = draw((d,), 0.05)
+        moe = spec.get("moe")
+        if moe:  # a router, experts, and a shared expert behind a sigmoid gate of its own
+            hf[p + "mlp.gate.weight"] = draw((moe["experts"], d), 0.5)
+            for e in range(moe["experts"]):
+                hf[p + f"mlp.experts.{e}.gate_proj.weight"] = draw((ffn, d), 0.1)
+                hf[p + f"mlp.experts.{e}.up_proj.weight"] = draw((ffn, d), 0.1)
+                hf[p + f"mlp.experts.{e}.down_proj.weight"] = draw((d, ffn), 0.1)
+            fs = moe["shared"]
+            hf[p + "mlp.shared_expert.gate_proj.weight"] = draw((fs, d), 0.1)
+            hf[p + "mlp.shared_expert.up_proj.weight"] = draw((fs, d), 0.1)
+            hf[p + "mlp.shared_expert.down_proj.weight"] = draw((d, fs), 0.1)
+            hf[p + "mlp.shared_expert_gate.weight"] = draw((1, d), 0.3)
+            return
         hf[p + "mlp.gate_proj.weight"] = draw((ffn, d), 0.05)
         hf[p + "mlp.up_proj.weight"] = draw((ffn, d), 0.05)
         hf[p + "mlp.down_proj.weight"] = draw((d, ffn), 0.05)
@@ -502,6 +523,8 @@ def write_qwen35(name, spec, seed):
         w.add_expert_count(moe["experts"])
         w.add_expert_used_count(moe["used"])
         w.add_expert_feed_forward_length(ffn)
+        if moe.get("shared"):
+            w.add_expert_shared_feed_forward_length(moe["shared"])
     else:
         w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
@@ -527,7 +550,12 @@ def write_qwen35(name, spec, seed):
              "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
              "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
              "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
-             "linear_attn.out_proj": "ssm_out"}
+             "linear_attn.out_proj": "ssm_out", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    experts = {}  # (block, projection) -> each expert's tensor, stacked as llama.cpp stacks them
     tiled = lambda a, axis=0, dim=dk: grouped_to_tiled(a, hk, hv, dim, axis)  # noqa: E731
     items = list(hf.items()) + [(k.replace("mtp.layers.0.", f"model.layers.{layers}."), a)
                                 for k, a in mtp.items() if k.startswith("mtp.layers.")]
@@ -543,6 +571,10 @@ def write_qwen35(name, spec, seed):
             continue
         _, _, layer, rest = hname.split(".", 3)
         b = f"blk.{layer}."
+        if rest.startswith("mlp.experts."):
+            _, _, e, proj, _ = rest.split(".")
+            experts.setdefault((b, proj), {})[int(e)] = a
+            continue
         if rest == "linear_attn.A_log":
             w.add_tensor(b + "ssm_a", -np.exp(tiled(a, dim=1)))
             continue
@@ -564,6 +596,9 @@ def write_qwen35(name, spec, seed):
         elif module.endswith("norm") and module != "linear_attn.norm":
             a = a + np.float32(1.0)
         w.add_tensor(f"{b}{names[module]}.{kind}", a)
+    for (b, proj), by_expert in experts.items():
+        ours = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+        w.add_tensor(b + ours[proj] + ".weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
     for n, g in (("fc", "eh_proj"), ("pre_fc_norm_embedding", "enorm"),
                  ("pre_fc_norm_hidden", "hnorm"), ("norm", "shared_head_norm")):
         a = mtp[f"mtp.{n}.weight"]

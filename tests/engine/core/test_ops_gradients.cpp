@@ -372,6 +372,14 @@ TEST(OpsGradient, MixtureOfExperts) {
       }
 }
 
+// A shared expert's output scaled by sigmoid of its gate, one a row.
+TEST(OpsGradient, RowSigmoidGated) {
+  std::mt19937 rng(94);
+  check_gradients([](const auto& v) { return row_sigmoid_gated(v[0], v[1]); },
+                  {random_tensor(Shape{2, 3, 7}, rng), random_tensor(Shape{2, 3, 1}, rng, 2.0f)},
+                  5e-3);
+}
+
 // Its values: each token's experts by the formulas, one at a time.
 TEST(MoeOps, ValuesAreTheFormulas) {
   std::mt19937 rng(93);
