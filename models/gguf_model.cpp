@@ -451,9 +451,18 @@ InPlaceWeight gguf_in_place(const GgufFile& file, const ParameterInfo& parameter
                             const ModelConfig& config) {
   const TensorPart part = tensor_part(parameter, config, TensorNaming::Gguf);
   const GgufTensor* t = file.tensor(part.name);
-  if (!t || parameter.shape.ndim() != 2 || interleaved_part(parameter, config)) return {};
+  if (!t || interleaved_part(parameter, config)) return {};
   const DType dtype = in_place_dtype(t->type);
   if (dtype == DType::F32) return {};
+  if (parameter.shape.ndim() == 3) {
+    // A mixture's experts (E, rows, cols), one tensor whole.
+    const std::vector<int64_t> whole{parameter.shape[2], parameter.shape[1], parameter.shape[0]};
+    if (part.first_row != 0 || t->dims != whole ||
+        t->data.size() != dtype_bytes(dtype, t->numel()))
+      return {};
+    return {t->data.data(), dtype};
+  }
+  if (parameter.shape.ndim() != 2) return {};
   const std::vector<int64_t> dims{parameter.shape[1], part.tensor_rows};
   const int64_t row = parameter.shape[1];
   if (t->dims != dims || t->data.size() != dtype_bytes(dtype, t->numel())) return {};

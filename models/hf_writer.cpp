@@ -103,7 +103,9 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
 
 void write_peft_adapter(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
                         const LoraConfig& lora, const std::string& base) {
-  require_hf_files(architecture_of(c), folder);
+  // PEFT's names are the attention's and dense MLP's modules, the same where cputrain does not
+  // read the architecture's folders yet (a mixture's).
+  require_files(architecture_of(c), folder);
   const fs::path dir(folder);
   std::error_code ec;
   fs::create_directories(dir, ec);

@@ -10,6 +10,7 @@
 #include "kernels/cpu/bf16.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ops/swiglu.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain {
 namespace {
@@ -28,6 +29,52 @@ void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const 
     kernels::gemm_bf16(ta, tb, M, N, K, a.bf16() + a0, lda, b.bf16() + b0, ldb, beta, c, ldc);
   else
     kernels::gemm_f32(ta, tb, M, N, K, a.f32() + a0, lda, b.f32() + b0, ldb, beta, c, ldc);
+}
+
+// Expert e's (rows, cols) matrix of w (E, rows, cols: bf16, FP32 or quantised).
+kernels::QuantMatrix expert_quant(const Tensor& w, int64_t e, int64_t rows, int64_t cols) {
+  kernels::QuantMatrix q{quant_type(w.dtype()), nullptr, rows, cols};
+  q.data = static_cast<const uint8_t*>(w.raw()) + e * rows * q.row_bytes();
+  return q;
+}
+
+// out (n, rows) = X W_e^T for X the n rows of x (of cols elements, bf16 or FP32) from row x0.
+void expert_forward(const Tensor& w, int64_t e, int64_t rows, int64_t cols, int64_t n,
+                    const Tensor& x, int64_t x0, float* out) {
+  const bool bf16 = x.dtype() == DType::BF16;
+  if (!dtype_quantized(w.dtype()))
+    return product(Transpose::No, Transpose::Yes, n, rows, cols, x, x0 * cols, cols, w,
+                   e * rows * cols, cols, 0.0f, out, rows);
+  const kernels::QuantMatrix q = expert_quant(w, e, rows, cols);
+  if (bf16)
+    kernels::gemm_quant_forward_bf16(n, x.bf16() + x0 * cols, cols, q, 0.0f, out, rows);
+  else
+    kernels::gemm_quant_forward(n, x.f32() + x0 * cols, cols, q, 0.0f, out, rows);
+}
+
+// dx (n, cols) = dY W_e + beta dx for dY the n rows of dy (of rows elements) from row d0.
+void expert_input(const Tensor& w, int64_t e, int64_t rows, int64_t cols, int64_t n,
+                  const Tensor& dy, int64_t d0, float beta, float* dx) {
+  const bool bf16 = dy.dtype() == DType::BF16;
+  if (!dtype_quantized(w.dtype()))
+    return product(Transpose::No, Transpose::No, n, cols, rows, dy, d0 * rows, rows, w,
+                   e * rows * cols, cols, beta, dx, cols);
+  const kernels::QuantMatrix q = expert_quant(w, e, rows, cols);
+  if (bf16)
+    kernels::gemm_quant_backward_input_bf16(n, dy.bf16() + d0 * rows, rows, q, beta, dx, cols);
+  else
+    kernels::gemm_quant_backward_input(n, dy.f32() + d0 * rows, rows, q, beta, dx, cols);
+}
+
+// While measuring: the allocations of the products by w of all R rows at once.
+void measure_expert(const Tensor& w, bool bf16, bool forward, int64_t R, int64_t rows,
+                    int64_t cols) {
+  if (dtype_quantized(w.dtype()))
+    measure_quant_gemm(bf16, forward, R, rows, cols);
+  else if (forward)
+    measure_gemm(bf16, Transpose::No, Transpose::Yes, R, rows, cols);
+  else
+    measure_gemm(bf16, Transpose::No, Transpose::No, R, cols, rows);
 }
 
 // Rows of `src` (of C elements; bf16 or FP32) into `dst` (rows x C, the same type): row r of dst
@@ -98,9 +145,10 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor w1v = weight_operand(w1, bf16), w3v = weight_operand(w3, bf16),
                w2v = weight_operand(w2, bf16);
-  require(!dtype_quantized(w1v.dtype()) && !dtype_quantized(w3v.dtype()) &&
-              !dtype_quantized(w2v.dtype()),
-          "moe_experts: FP32 or bf16 experts");
+  require((!dtype_quantized(w1v.dtype()) || !w1.requires_grad()) &&
+              (!dtype_quantized(w3v.dtype()) || !w3.requires_grad()) &&
+              (!dtype_quantized(w2v.dtype()) || !w2.requires_grad()),
+          "moe_experts: a quantised expert takes no gradient");
   const int64_t R = N * k;  // rows of the grouped products
   auto group = std::make_shared<Grouping>();
   group->offsets.assign(static_cast<size_t>(E + 1), 0);
@@ -118,14 +166,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   Tensor G = new_activation(Shape{R, F}), U = new_activation(Shape{R, F});
   {
     Scope gemms("moe GEMMs gate, up", Pass::Forward, 2 * gemm_flops(R, F, C));
-    if (!computing()) measure_gemm(bf16, Transpose::No, Transpose::Yes, R, F, C);
+    if (!computing()) measure_expert(w1v, bf16, true, R, F, C);
     for (int64_t e = 0; computing() && e < E; ++e) {
       const int64_t n = off[e + 1] - off[e];
       if (n == 0) continue;
-      product(Transpose::No, Transpose::Yes, n, F, C, xg, off[e] * C, C, w1v, e * F * C, C, 0.0f,
-              G.f32() + off[e] * F, F);
-      product(Transpose::No, Transpose::Yes, n, F, C, xg, off[e] * C, C, w3v, e * F * C, C, 0.0f,
-              U.f32() + off[e] * F, F);
+      expert_forward(w1v, e, F, C, n, xg, off[e], G.f32() + off[e] * F);
+      expert_forward(w3v, e, F, C, n, xg, off[e], U.f32() + off[e] * F);
     }
   }
   xg = Tensor();
@@ -139,12 +185,10 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   Tensor Y = Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
   {
     Scope gemms("moe GEMMs down", Pass::Forward, gemm_flops(R, C, F));
-    if (!computing()) measure_gemm(bf16, Transpose::No, Transpose::Yes, R, C, F);
+    if (!computing()) measure_expert(w2v, bf16, true, R, C, F);
     for (int64_t e = 0; computing() && e < E; ++e) {
       const int64_t n = off[e + 1] - off[e];
-      if (n == 0) continue;
-      product(Transpose::No, Transpose::Yes, n, C, F, H, off[e] * F, F, w2v, e * C * F, F, 0.0f,
-              Y.f32() + off[e] * C, C);
+      if (n > 0) expert_forward(w2v, e, C, F, n, H, off[e], Y.f32() + off[e] * C);
     }
   }
   H = Tensor();
@@ -192,12 +236,10 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     Tensor P = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
     {
       Scope gemms("moe GEMMs dH", Pass::Backward, gemm_flops(R, F, C));
-      if (!computing()) measure_gemm(bf16, Transpose::No, Transpose::No, R, F, C);
+      if (!computing()) measure_expert(w2v, bf16, false, R, C, F);
       for (int64_t e = 0; computing() && e < E; ++e) {
         const int64_t n = off[e + 1] - off[e];
-        if (n > 0)
-          product(Transpose::No, Transpose::No, n, F, C, dyg, off[e] * C, C, w2v, e * C * F, F,
-                  0.0f, P.f32() + off[e] * F, F);
+        if (n > 0) expert_input(w2v, e, C, F, n, dyg, off[e], 0.0f, P.f32() + off[e] * F);
       }
     }
     // The activation again (as the down product took it), the weights' gradient (H . P) and
@@ -226,7 +268,9 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       float beta = 0.0f;
       float* d = gw->get_for_accumulate(&beta).f32();
       if (computing())
-        for (int64_t i = 0; i < N * k; ++i) d[i] = dweights.f32()[i] + beta * d[i];
+        // beta 0: d holds garbage, which is not to be read (0 times NaN is NaN).
+        for (int64_t i = 0; i < N * k; ++i)
+          d[i] = beta == 0.0f ? dweights.f32()[i] : dweights.f32()[i] + d[i];
     }
     if (g2) {
       // dW2[e] += (weight dY)^T H.
@@ -292,14 +336,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       Tensor dxg = Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
       {
         Scope gemms("moe GEMMs dX", Pass::Backward, 2 * gemm_flops(R, C, F));
-        if (!computing()) measure_gemm(bf16, Transpose::No, Transpose::No, R, C, F);
+        if (!computing()) measure_expert(w1v, bf16, false, R, F, C);
         for (int64_t e = 0; computing() && e < E; ++e) {
           const int64_t n = off[e + 1] - off[e];
           if (n == 0) continue;
-          product(Transpose::No, Transpose::No, n, C, F, dG, off[e] * F, F, w1v, e * F * C, C, 0.0f,
-                  dxg.f32() + off[e] * C, C);
-          product(Transpose::No, Transpose::No, n, C, F, dU, off[e] * F, F, w3v, e * F * C, C, 1.0f,
-                  dxg.f32() + off[e] * C, C);
+          expert_input(w1v, e, F, C, n, dG, off[e], 0.0f, dxg.f32() + off[e] * C);
+          expert_input(w3v, e, F, C, n, dU, off[e], 1.0f, dxg.f32() + off[e] * C);
         }
       }
       float beta = 0.0f;
@@ -354,9 +396,10 @@ Variable row_sigmoid_gated(const Variable& x, const Variable& gate) {
                       for (int64_t c = 0; c < C; ++c) {
                         const float d = dy.f32()[t * C + c];
                         dot += static_cast<double>(d) * xv.f32()[t * C + c];
-                        if (dx) dx[t * C + c] = s * d + bx * dx[t * C + c];
+                        if (dx) dx[t * C + c] = bx == 0.0f ? s * d : s * d + dx[t * C + c];
                       }
-                      if (dg) dg[t] = static_cast<float>(dot) * s * (1.0f - s) + bg * dg[t];
+                      const float grad = static_cast<float>(dot) * s * (1.0f - s);
+                      if (dg) dg[t] = bg == 0.0f ? grad : grad + dg[t];
                     }
                   });
   return out;

@@ -1,5 +1,6 @@
 #include "engine/core/op_support.h"
 
+#include <algorithm>
 #include <array>
 #include <stdexcept>
 
@@ -7,6 +8,7 @@
 #include "engine/core/profiler.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/ops/vector_add.h"
+#include "kernels/quant/quant.h"
 
 namespace cputrain::op_support {
 
@@ -52,6 +54,17 @@ void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64
   const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
   for (const int buffer : {2, 3, 0, 1})
     if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
+}
+
+void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K) {
+  if (forward && M <= kernels::kQuantRowsM) return;
+  measure_buffer(kernels::kGemmQuantPanel, kernels::quant_panel_bytes(bf16, N, K),
+                 MemoryCategory::Workspace);
+  const int64_t n = std::min(N, kernels::quant_panel_rows(K));
+  if (forward)
+    measure_gemm(bf16, kernels::Transpose::No, kernels::Transpose::Yes, M, n, K);
+  else
+    measure_gemm(bf16, kernels::Transpose::No, kernels::Transpose::No, M, K, n);
 }
 
 Tensor saved(const Variable& x) {

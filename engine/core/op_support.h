@@ -72,6 +72,12 @@ double gemm_flops(int64_t M, int64_t N, int64_t K);
 void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64_t M, int64_t N,
                   int64_t K);
 
+// While measuring, the allocations of a product with a quantised W (kernels/quant/quant.h): the
+// dequantised panel of W, then the GEMM's buffers for its product with the first panel (the
+// largest). The few-row forward (decoding) allocates none of them. Forward: Y (M, N) = X W^T;
+// else dX (M, K) = dY W, W (N, K).
+void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K);
+
 // A saved tensor as FP32, for kernels that compute in FP32: itself, or its widening from bf16,
 // counted as `category`.
 Tensor as_f32(const Tensor& t, MemoryCategory category = MemoryCategory::Workspace);

@@ -75,20 +75,6 @@ void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
   measure_gemm(true, Transpose::No, Transpose::Yes, M, N, K);
 }
 
-// While measuring, the allocations of a product with a quantised W (kernels/quant/quant.h): the
-// dequantised panel of W, then the GEMM's buffers for its product with the first panel (the
-// largest). The few-row forward (decoding) allocates none of them.
-void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K) {
-  if (forward && M <= kernels::kQuantRowsM) return;
-  measure_buffer(kernels::kGemmQuantPanel, kernels::quant_panel_bytes(bf16, N, K),
-                 MemoryCategory::Workspace);
-  const int64_t n = std::min(N, kernels::quant_panel_rows(K));
-  if (forward)
-    measure_gemm(bf16, Transpose::No, Transpose::Yes, M, n, K);
-  else
-    measure_gemm(bf16, Transpose::No, Transpose::No, M, K, n);
-}
-
 // out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:
 // x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv); w may be quantised.
 void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,

@@ -172,8 +172,10 @@ void* Tensor::raw() const {
 }
 
 kernels::QuantMatrix Tensor::quant() const {
-  assert(dtype_quantized(dtype_) && ndim() == 2);
-  return {quant_type(dtype_), static_cast<const uint8_t*>(raw()), dim(0), dim(1)};
+  assert(dtype_quantized(dtype_) && ndim() >= 2);
+  // A 3-D tensor (a mixture's experts) as the matrix of all its rows.
+  const int64_t cols = dim(ndim() - 1);
+  return {quant_type(dtype_), static_cast<const uint8_t*>(raw()), numel() / cols, cols};
 }
 
 float* Tensor::f32() const {

@@ -100,10 +100,10 @@ void ParameterSet::allocate(DType compute) {
     const bool quantized = p.mapped && dtype_quantized(p.mapped_dtype);
     const bool bf16_only = (bf16 && !p.trainable && p.bf16_copy) || quantized;
     if (p.mapped &&
-        (p.trainable || (!quantized && !bf16_only) || (quantized && p.shape.ndim() != 2)))
+        (p.trainable || (!quantized && !bf16_only) || (quantized && p.shape.ndim() != 2 && p.shape.ndim() != 3)))
       throw std::logic_error("ParameterSet: " + p.name +
                              " is mapped but not a frozen bf16 weight of a bf16 set, nor a frozen "
-                             "quantised matrix");
+                             "quantised matrix (or experts' matrices)");
     const bool offloaded = offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
     p.master_sharded = comm_ && !offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
     if (p.master_sharded) sharded_numel_ += p.shape.numel();

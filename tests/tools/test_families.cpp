@@ -208,8 +208,8 @@ TEST(Families, GreedyContinuationIsLlamaCpps) {
 
 // Mixtures of experts (GGUF alone so far): Qwen3-MoE's 8 experts, each token's top 2 and top 4,
 // and Qwen3.5-MoE's (its layers, top 2, and a shared expert behind a sigmoid gate),
-// llama.cpp's logits at every position of 200 tokens, and its 60 greedy tokens after BOS; the
-// same files quantised.
+// llama.cpp's logits at every position of 200 tokens, and its 60 greedy tokens after BOS; an
+// adapter fine-tuned on each; the same files quantised.
 TEST(Families, MixturesOfExpertsAreLlamaCpps) {
   REQUIRE_ORACLE();
   for (const auto& [family, used] : {std::pair<std::string, int64_t>{"qwen3moe", 2},
@@ -241,6 +241,28 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     std::vector<int32_t> theirs = {g.tokenizer->bos_id()};
     for (int32_t id; line >> id;) theirs.push_back(id);
     EXPECT_EQ(ours, theirs) << family;
+    // A LoRA fine-tune (on attention; the experts take no adapters yet): llama.cpp with the base
+    // file and the adapter computes cputrain's logits within 1e-4, and they are not the base's.
+    const fs::path data = family_models() / "moe_finetune.jsonl";
+    {
+      std::ofstream f(data);
+      for (int i = 0; i < 24; ++i)
+        f << "{\"prompt\": \"the cat " << i << "\", \"completion\": \" sat on the mat " << 7 * i
+          << "\"}\n";
+    }
+    const fs::path run = family_models() / ("finetune_" + family);
+    ASSERT_EQ(
+        cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
+                 run.string() + " --steps 4 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1"),
+        0)
+        << family;
+    const fs::path adapter = run / "adapter.gguf";
+    LoadedModel adapted =
+        load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+    const std::vector<float> with = our_logits(adapted, tokens);
+    EXPECT_LT(max_abs_difference(with, oracle_logits(gguf, tokens, family_models(), adapter)), 1e-4)
+        << family;
+    EXPECT_GT(max_abs_difference(with, our_logits(g, tokens)), 1e-2) << family;
     // Quantised by llama.cpp's own quantiser (Q8_0, where a row's length allows; the experts
     // dequantised on reading): nearer the unquantised model than llama.cpp, which also rounds the
     // activations to 8 bits (the mean KL divergence of the next-token distributions from the
@@ -255,6 +277,14 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
                               .c_str()),
               0);
     LoadedModel q = load(q8);
+    // The experts held as the file holds them, in place, where their rows are whole Q8_0 blocks
+    // (qwen3moe's d_model of 96; the others' 80 and 72 and the down projections' rows of 40,
+    // 24 and 32 are F16, read to FP32).
+    const ParameterSet& qp = q.model->parameters();
+    for (const char* w : {"w1", "w3"})
+      EXPECT_EQ(qp.mapped(qp.find("layers.0.feed_forward.experts." + std::string(w) + ".weight")),
+                family == "qwen3moe")
+          << family << " " << w;
     const std::vector<float> ours_q = our_logits(q, tokens),
                              theirs_q = oracle_logits(q8, tokens, family_models()),
                              exact = our_logits(g, tokens);

@@ -380,6 +380,27 @@ TEST(OpsGradient, RowSigmoidGated) {
                   5e-3);
 }
 
+// The block inside a checkpoint region (--checkpoint mlp): recomputed in the backward pass.
+TEST(OpsGradient, MixtureOfExpertsInACheckpointRegion) {
+  std::mt19937 rng(95);
+  const int64_t N = 6, C = 5, F = 4, E = 4;
+  check_gradients(
+      [](const auto& v) {
+        const Variable w1 = v[1], w3 = v[2], w2 = v[3], router = v[4];
+        return checkpoint(
+            [w1, w3, w2, router](const Variable& in) {
+              const MoeRouting route =
+                  moe_route(linear(in, router), 2, kernels::MoeGating::Softmax, true);
+              return moe_experts(in, w1, w3, w2, route);
+            },
+            v[0]);
+      },
+      {random_tensor(Shape{1, N, C}, rng), random_tensor(Shape{E, F, C}, rng, 0.5f),
+       random_tensor(Shape{E, F, C}, rng, 0.5f), random_tensor(Shape{E, C, F}, rng, 0.5f),
+       random_tensor(Shape{E, C}, rng, 0.3f)},
+      2e-2, 1e-3f);
+}
+
 // Its values: each token's experts by the formulas, one at a time.
 TEST(MoeOps, ValuesAreTheFormulas) {
   std::mt19937 rng(93);
