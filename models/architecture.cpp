@@ -64,7 +64,6 @@ std::vector<Architecture> table() {
     a.gguf_rope_pairs = RopePairs::HalfSplit;
     a.qk_norm = true;
     a.moe = true;
-    a.hf_files = false;
     a.gguf_keys = {"expert_count", "expert_used_count", "expert_feed_forward_length"};
     a.hf_keys = {"num_experts",          "num_experts_per_tok", "moe_intermediate_size",
                  "norm_topk_prob",       "decoder_sparse_step", "mlp_only_layers",

@@ -331,6 +331,9 @@ const Architecture* hf_multimodal_architecture(const json& j) {
 
 SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
   SafetensorsModel weights(folder);
+  // A mixture's experts, one tensor each in the folder, as the one tensor of them all the model
+  // holds.
+  weights.stack_experts();
   const fs::path path = fs::path(folder) / "config.json";
   const json j = fs::exists(path) ? read_json(path) : json();
   std::vector<std::string> parts;
@@ -464,6 +467,24 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   c.rope_pairs = RopePairs::HalfSplit;
   if (arch->linear_attention_step > 0 && hp.n_layers.value)
     hf_linear_attention(values, *arch, c, *hp.n_layers.value, where);
+  if (arch->moe) {
+    // Qwen3-MoE's: every layer's MLP a mixture (decoder_sparse_step 1, no mlp_only_layers), its
+    // experts of moe_intermediate_size, the top k weights renormalised where norm_topk_prob.
+    hp.ffn = FileHyperparameter{"moe_intermediate_size", values.whole("moe_intermediate_size")};
+    hp.n_experts = FileHyperparameter{"num_experts", values.whole("num_experts")};
+    hp.experts_used =
+        FileHyperparameter{"num_experts_per_tok", values.whole("num_experts_per_tok")};
+    for (const FileHyperparameter* required : {&hp.ffn, &hp.n_experts, &hp.experts_used})
+      if (!required->value) throw UserError(where + ": no " + required->key);
+    if (const std::optional<int64_t> step = values.whole("decoder_sparse_step"); step && *step != 1)
+      throw UserError(where + ": decoder_sparse_step " + std::to_string(*step) +
+                      ": dense MLP layers among the mixtures, which cputrain does not compute");
+    if (const json* dense = values.find("mlp_only_layers");
+        dense && !(dense->is_array() && dense->empty()))
+      throw UserError(where + ": mlp_only_layers " + json_shown(*dense) +
+                      ": dense MLP layers among the mixtures, which cputrain does not compute");
+    c.expert_weights_norm = values.flag("norm_topk_prob", false);
+  }
   check_file_hyperparameters(
       hp, weights.names(),
       [&](const std::string& name) -> std::optional<std::vector<int64_t>> {

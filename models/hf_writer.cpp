@@ -260,6 +260,14 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                      {"mrope_interleaved", true},
                      {"mrope_section", text_mrope_sections(c.rope_dims() / 2)}}}});
   }
+  if (c.moe()) {
+    config.update({{"num_experts", c.n_experts},
+                   {"num_experts_per_tok", c.experts_used},
+                   {"moe_intermediate_size", c.ffn},
+                   {"norm_topk_prob", c.expert_weights_norm},
+                   {"decoder_sparse_step", 1},
+                   {"mlp_only_layers", json::array()}});
+  }
   if (arch.no_rope_layer_step > 0) {
     json layers = json::array();
     for (int64_t i = 0; i < c.n_layers; ++i) layers.push_back(c.rope_in_layer(i) ? 1 : 0);
@@ -283,6 +291,17 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
     const Shape shape = t.shape.size() == 1   ? Shape{t.shape[0]}
                         : t.shape.size() == 2 ? Shape{t.shape[0], t.shape[1]}
                                               : Shape{t.shape[0], t.shape[1], t.shape[2]};
+    if (t.shape.size() == 3 && t.name.find(".experts.") != std::string::npos) {
+      // A mixture's experts, one tensor each, as Hugging Face holds them
+      // (mlp.experts.<e>.gate_proj).
+      const size_t at = t.name.find(".experts.") + 9;
+      const int64_t n = t.shape[1] * t.shape[2];
+      for (int64_t e = 0; e < t.shape[0]; ++e)
+        entries.push_back({t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
+                           Shape{t.shape[1], t.shape[2]}, dtype,
+                           ggml_from_float(type, values.data() + e * n, n)});
+      continue;
+    }
     entries.push_back({t.name, shape, dtype,
                        ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
   }

@@ -1,5 +1,6 @@
 #include "engine/io/safetensors_file.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -131,6 +132,50 @@ int64_t SafetensorsModel::leave_out(const std::string& prefix) {
        ++n)
     it = index_.erase(it);
   return n;
+}
+
+int64_t SafetensorsModel::stack_experts() {
+  // (stacked name) -> expert -> its entry.
+  std::map<std::string, std::map<int64_t, std::string>> groups;
+  for (const auto& [name, where] : index_) {
+    const size_t at = name.find(".experts.");
+    if (at == std::string::npos) continue;
+    const size_t first = at + 9, end = name.find('.', first);
+    if (end == std::string::npos || end == first) continue;
+    const std::string number = name.substr(first, end - first);
+    if (!std::all_of(number.begin(), number.end(),
+                     [](char ch) { return ch >= '0' && ch <= '9'; }) ||
+        number.size() > 9)
+      continue;
+    groups[name.substr(0, first) + name.substr(end + 1)][std::stoll(number)] = name;
+  }
+  for (const auto& [stacked, experts] : groups) {
+    const auto& [_, first_name] = *experts.begin();
+    const auto [first, file] = index_.at(first_name);
+    const auto count = static_cast<int64_t>(experts.size());
+    if (experts.begin()->first != 0 || experts.rbegin()->first != count - 1)
+      throw UserError(files_[file]->path() + ": the experts of " + stacked +
+                      " are not numbered 0 to " + std::to_string(count - 1));
+    auto t = std::make_unique<SafetensorsTensor>();
+    t->dtype = first->dtype;
+    t->shape = first->shape;
+    t->shape.insert(t->shape.begin(), count);
+    std::vector<uint8_t> bytes;
+    bytes.reserve(first->data.size() * static_cast<size_t>(count));
+    for (const auto& [e, name] : experts) {
+      const SafetensorsTensor* x = index_.at(name).first;
+      if (x->dtype != first->dtype || x->shape != first->shape)
+        throw UserError(files_[index_.at(name).second]->path() + ": tensor " + name +
+                        " differs from " + first_name + " in dtype or shape");
+      bytes.insert(bytes.end(), x->data.begin(), x->data.end());
+    }
+    for (const auto& [e, name] : experts) index_.erase(name);
+    stacked_bytes_.push_back(std::move(bytes));
+    t->data = std::span<const uint8_t>(stacked_bytes_.back());
+    index_[stacked] = {t.get(), file};
+    stacked_.push_back(std::move(t));
+  }
+  return static_cast<int64_t>(groups.size());
 }
 
 const SafetensorsTensor* SafetensorsModel::find(const std::string& name) const {

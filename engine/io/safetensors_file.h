@@ -53,9 +53,18 @@ class SafetensorsModel {
   // Every tensor named `prefix`... taken out of the index (a part of the folder the model leaves
   // out); returns how many.
   int64_t leave_out(const std::string& prefix);
+  // Every group of tensors "<base>.experts.<e>.<rest>" (a mixture's experts one by one, e from 0
+  // to the group's count less 1, each of one dtype and shape) found instead as one tensor
+  // "<base>.experts.<rest>" of shape [count, ...], its experts' bytes copied together in order. A
+  // UserError naming the file where a group's experts are not 0 .. count - 1 alike; returns the
+  // groups.
+  int64_t stack_experts();
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  // The stacked tensors and their bytes (stack_experts).
+  std::vector<std::unique_ptr<SafetensorsTensor>> stacked_;
+  std::vector<std::vector<uint8_t>> stacked_bytes_;
   std::map<std::string, std::pair<const SafetensorsTensor*, size_t>> index_;
 };
 

@@ -49,7 +49,8 @@ Face's rotate-half order:
   (qwen35_vl_hf: model.language_model.*, a vision model beside it).
 - qwen3moe, qwen3moe_top4: Qwen3-MoE's block, qwen3's attention and in the MLP's place 8 SwiGLU
   experts of a router's softmax, each token's top 2 (top 4) renormalised; ffn_gate_inp and the
-  experts stacked as llama.cpp's converter stacks Hugging Face's per-expert tensors (GGUF alone);
+  experts stacked as llama.cpp's converter stacks Hugging Face's per-expert tensors
+  (mlp.gate, mlp.experts.<e>.gate_proj ...);
 - qwen35moe: Qwen3.5's layers with qwen3moe's experts (8, top 2) in every MLP's place and a shared
   expert beside them, its output times sigmoid of a gate of its own (ffn_*_shexp,
   ffn_gate_inp_shexp; GGUF alone).
@@ -354,8 +355,6 @@ def write_family(name, spec, seed):
                      llama3_factors(spec["theta"], head, scaling["factor"], scaling["low"],
                                     scaling["high"], scaling["original"]))
     finish(w)
-    if moe:  # GGUF alone
-        return
 
     folder = f"{OUT}/{name}_hf"
     os.makedirs(folder, exist_ok=True)
@@ -415,6 +414,11 @@ def write_family(name, spec, seed):
         del config["rms_norm_eps"], config["attention_bias"]
         config.update(hidden_act="gelu_new", layer_norm_eps=1e-5, qk_layernorm=False,
                       resid_pdrop=0.0, embd_pdrop=0.0)
+    if moe:
+        config.update(num_experts=moe["experts"], num_experts_per_tok=moe["used"],
+                      moe_intermediate_size=ffn, intermediate_size=6 * ffn, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                      output_router_logits=False)
     if spec.get("no_rope_step"):
         step = spec["no_rope_step"]
         config["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(layers)]

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/error.h"
 #include "engine/io/gguf_file.h"
 #include "engine/io/safetensors_file.h"
 #include "engine/train/parameters.h"
@@ -206,8 +207,11 @@ TEST(Families, GreedyContinuationIsLlamaCpps) {
   }
 }
 
-// Mixtures of experts (GGUF alone so far): Qwen3-MoE's 8 experts, each token's top 2 and top 4,
-// and Qwen3.5-MoE's (its layers, top 2, and a shared expert behind a sigmoid gate),
+void expect_same_values(const LoadedModel& a, const LoadedModel& b, const std::string& where);
+
+// Mixtures of experts: Qwen3-MoE's 8 experts, each token's top 2 and top 4 (GGUF, and a Hugging
+// Face folder of per-expert tensors that reads to the same bits), and Qwen3.5-MoE's (its layers,
+// top 2, and a shared expert behind a sigmoid gate; GGUF alone so far),
 // llama.cpp's logits at every position of 200 tokens, and its 60 greedy tokens after BOS; an
 // adapter fine-tuned on each; the same files quantised.
 TEST(Families, MixturesOfExpertsAreLlamaCpps) {
@@ -226,6 +230,38 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     EXPECT_EQ(g.config.linear_layers.size(), qwen35 ? 3u : 0u);
     const std::vector<int32_t> tokens =
         token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 29);
+    if (!qwen35) {
+      const LoadedModel h = load(family_models() / (family + "_hf"));
+      expect_same_values(g, h, family);
+      // Written as a Hugging Face folder (the experts one tensor each again), it reads back to
+      // the same bits.
+      const fs::path out = family_models() / (family + "_exported");
+      ASSERT_EQ(cputrain("export --model " + gguf.string() + " --out " + out.string()), 0);
+      EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+      expect_same_values(g, load(out), family + " exported");
+    }
+    if (family == "qwen3moe") {
+      // A folder whose config.json says what its tensors do not, or what cputrain does not
+      // compute: one line naming the key.
+      const auto refused = [&](const std::string& key, const nlohmann::json& value,
+                               const std::string& needle) {
+        const fs::path bad = family_models() / ("qwen3moe_bad_" + key);
+        fs::copy(family_models() / "qwen3moe_hf", bad, fs::copy_options::recursive);
+        nlohmann::json j = nlohmann::json::parse(read_all(bad / "config.json"));
+        j[key] = value;
+        std::ofstream(bad / "config.json", std::ios::trunc) << j.dump();
+        try {
+          load(bad);
+          ADD_FAILURE() << key << " taken";
+        } catch (const UserError& e) {
+          EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        }
+      };
+      refused("num_experts", 6, "num_experts 6 differs from the file's tensors");
+      refused("num_experts_per_tok", 9, "num_experts_per_tok 9 is more than num_experts 8");
+      refused("decoder_sparse_step", 2, "decoder_sparse_step 2: dense MLP layers");
+      refused("mlp_only_layers", nlohmann::json::array({1}), "mlp_only_layers [1]");
+    }
     EXPECT_LT(
         max_abs_difference(our_logits(g, tokens), oracle_logits(gguf, tokens, family_models())),
         1e-4)
