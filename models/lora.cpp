@@ -1,6 +1,7 @@
 #include "models/lora.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <stdexcept>
 #include <tuple>
@@ -89,7 +90,11 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
 bool has_projection(const ModelConfig& c, Projection p) {
   switch (p) {
     case Projection::Gate:
-      return architecture_of(c).mlp != Mlp::Gelu;
+      return architecture_of(c).mlp != Mlp::Gelu && !c.moe();
+    case Projection::Up:
+    case Projection::Down:
+      // A mixture's experts take no adapters (yet).
+      return !c.moe();
     case Projection::Z:
     case Projection::Beta:
     case Projection::Alpha:
@@ -97,6 +102,14 @@ bool has_projection(const ModelConfig& c, Projection p) {
     default:
       return true;
   }
+}
+
+std::string lora_targets_held(const ModelConfig& c, const LoraConfig& lora) {
+  std::array<bool, kProjectionCount> held = lora.targets;
+  for (int j = 0; j < kProjectionCount; ++j)
+    held[static_cast<size_t>(j)] =
+        held[static_cast<size_t>(j)] && has_projection(c, static_cast<Projection>(j));
+  return lora_targets_text(held);
 }
 
 int64_t projection_width(const ModelConfig& c, Projection p) {

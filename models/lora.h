@@ -45,6 +45,8 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
 // Whether a model of `config` has projection `p` (a gate in a gated MLP, Gated DeltaNet's z,
 // beta and alpha in a model with its layers).
 bool has_projection(const ModelConfig& config, Projection p);
+// The targets of `lora` that a model of `config` has, as lora_targets_text writes them.
+std::string lora_targets_held(const ModelConfig& config, const LoraConfig& lora);
 // The width of projection `p` of a model of `config`: the smaller of its input and output sizes
 // (the narrowest over its layers' kinds), the most rank an adapter on it can use.
 int64_t projection_width(const ModelConfig& config, Projection p);

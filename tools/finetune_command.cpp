@@ -631,8 +631,10 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
     log.info(
         "training: LoRA rank {}, alpha {:g} on {}: {} parameters ({:.2f}% of {}), the base "
         "frozen{}, {} ({})",
-        options.lora.rank, options.lora.alpha, lora_targets_text(options.lora.targets), trained,
-        100.0 * static_cast<double>(trained) / static_cast<double>(total), total,
+        options.lora.rank, options.lora.alpha,
+        lora_targets_held(m.config, options.lora) +
+            (m.config.moe() ? " (a mixture's experts take none yet)" : ""),
+        trained, 100.0 * static_cast<double>(trained) / static_cast<double>(total), total,
         bf16 ? " in bf16" : "", bf16 ? "bf16" : "fp32", dtype_reason);
   return m;
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -51,9 +52,12 @@ inline Tokenizer char_tokenizer() {
 struct TempFile {
   fs::path path;
   explicit TempFile(const std::string& text)
+      // The process and the suite in the name: two suites' tests of one name (BadLinesAreNamed)
+      // may run at once, each in its own test program.
       : path(fs::temp_directory_path() /
-             ("cputrain_ft_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-              "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".jsonl")) {
+             ("cputrain_ft_" + std::to_string(::getpid()) + "_" +
+              ::testing::UnitTest::GetInstance()->current_test_info()->test_suite_name() + "_" +
+              ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".jsonl")) {
     std::ofstream(path, std::ios::binary) << text;
   }
   ~TempFile() { fs::remove(path); }
