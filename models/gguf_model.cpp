@@ -457,8 +457,7 @@ InPlaceWeight gguf_in_place(const GgufFile& file, const ParameterInfo& parameter
   if (parameter.shape.ndim() == 3) {
     // A mixture's experts (E, rows, cols), one tensor whole.
     const std::vector<int64_t> whole{parameter.shape[2], parameter.shape[1], parameter.shape[0]};
-    if (part.first_row != 0 || t->dims != whole ||
-        t->data.size() != dtype_bytes(dtype, t->numel()))
+    if (part.first_row != 0 || t->dims != whole || t->data.size() != dtype_bytes(dtype, t->numel()))
       return {};
     return {t->data.data(), dtype};
   }

@@ -99,8 +99,8 @@ void ParameterSet::allocate(DType compute) {
   for (ParameterInfo& p : infos_) {
     const bool quantized = p.mapped && dtype_quantized(p.mapped_dtype);
     const bool bf16_only = (bf16 && !p.trainable && p.bf16_copy) || quantized;
-    if (p.mapped &&
-        (p.trainable || (!quantized && !bf16_only) || (quantized && p.shape.ndim() != 2 && p.shape.ndim() != 3)))
+    if (p.mapped && (p.trainable || (!quantized && !bf16_only) ||
+                     (quantized && p.shape.ndim() != 2 && p.shape.ndim() != 3)))
       throw std::logic_error("ParameterSet: " + p.name +
                              " is mapped but not a frozen bf16 weight of a bf16 set, nor a frozen "
                              "quantised matrix (or experts' matrices)");

@@ -199,6 +199,20 @@ def write_safetensors(path, tensors):
             f.write(c)
 
 
+def add_widths(w, ffn, moe):
+    """The MLP's width, or a mixture's: the dense width its files also give, the experts' count,
+    those a token uses and their width, and a shared expert's."""
+    if not moe:
+        w.add_feed_forward_length(ffn)
+        return
+    w.add_feed_forward_length(6 * ffn)
+    w.add_expert_count(moe["experts"])
+    w.add_expert_used_count(moe["used"])
+    w.add_expert_feed_forward_length(ffn)
+    if moe.get("shared"):
+        w.add_expert_shared_feed_forward_length(moe["shared"])
+
+
 def write_family(name, spec, seed):
     rng = np.random.default_rng(seed)
     d, ffn, layers, heads, kv, head = (spec[k] for k in ("d", "ffn", "layers", "heads", "kv", "head"))
@@ -260,13 +274,7 @@ def write_family(name, spec, seed):
     w.add_embedding_length(d)
     w.add_block_count(layers)
     moe = spec.get("moe")
-    if moe:  # the dense width Qwen3-MoE's files also give, and the experts'
-        w.add_feed_forward_length(6 * ffn)
-        w.add_expert_count(moe["experts"])
-        w.add_expert_used_count(moe["used"])
-        w.add_expert_feed_forward_length(ffn)
-    else:
-        w.add_feed_forward_length(ffn)
+    add_widths(w, ffn, moe)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_key_length(head)
@@ -522,15 +530,7 @@ def write_qwen35(name, spec, seed):
     w.add_block_count(layers + 1)
     w.add_nextn_predict_layers(1)
     moe = spec.get("moe")
-    if moe:  # the dense width Qwen3-MoE's files also give, and the experts'
-        w.add_feed_forward_length(6 * ffn)
-        w.add_expert_count(moe["experts"])
-        w.add_expert_used_count(moe["used"])
-        w.add_expert_feed_forward_length(ffn)
-        if moe.get("shared"):
-            w.add_expert_shared_feed_forward_length(moe["shared"])
-    else:
-        w.add_feed_forward_length(ffn)
+    add_widths(w, ffn, moe)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_key_length(head)

@@ -187,23 +187,28 @@ TEST(Families, GgufAndHuggingFaceGiveLlamaCppsLogits) {
   }
 }
 
+// 60 greedy tokens of `m` after BOS with the KV cache: those llama.cpp picks with `gguf`.
+void expect_greedy_as_llama_cpp(LoadedModel& m, const fs::path& gguf, const std::string& family) {
+  SampleOptions options;
+  options.max_new_tokens = 60;
+  options.temperature = 0.0f;
+  const std::vector<int32_t> ours = generate(*m.model, {m.tokenizer->bos_id()}, options);
+  const fs::path out = family_models() / (family + "_greedy.txt");
+  const std::string cmd = kOracle + " generate " + gguf.string() + " 60 2 > " + out.string();
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::istringstream line(read_all(out).substr(0, read_all(out).find('\n')));
+  std::vector<int32_t> theirs = {m.tokenizer->bos_id()};
+  for (int32_t id; line >> id;) theirs.push_back(id);
+  EXPECT_EQ(ours, theirs) << family;
+}
+
 // 60 greedy tokens after BOS with the KV cache: the tokens llama.cpp picks.
 TEST(Families, GreedyContinuationIsLlamaCpps) {
   REQUIRE_ORACLE();
   for (const std::string family : kFamilies) {
     const fs::path gguf = family_models() / (family + ".gguf");
     LoadedModel m = load(gguf);
-    SampleOptions options;
-    options.max_new_tokens = 60;
-    options.temperature = 0.0f;
-    const std::vector<int32_t> ours = generate(*m.model, {m.tokenizer->bos_id()}, options);
-    const fs::path out = family_models() / (family + "_greedy.txt");
-    const std::string cmd = kOracle + " generate " + gguf.string() + " 60 2 > " + out.string();
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    std::istringstream line(read_all(out).substr(0, read_all(out).find('\n')));
-    std::vector<int32_t> theirs = {m.tokenizer->bos_id()};
-    for (int32_t id; line >> id;) theirs.push_back(id);
-    EXPECT_EQ(ours, theirs) << family;
+    expect_greedy_as_llama_cpp(m, gguf, family);
   }
 }
 
@@ -266,17 +271,7 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
         max_abs_difference(our_logits(g, tokens), oracle_logits(gguf, tokens, family_models())),
         1e-4)
         << family;
-    SampleOptions options;
-    options.max_new_tokens = 60;
-    options.temperature = 0.0f;
-    const std::vector<int32_t> ours = generate(*g.model, {g.tokenizer->bos_id()}, options);
-    const fs::path out = family_models() / (family + "_greedy.txt");
-    const std::string cmd = kOracle + " generate " + gguf.string() + " 60 2 > " + out.string();
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    std::istringstream line(read_all(out).substr(0, read_all(out).find('\n')));
-    std::vector<int32_t> theirs = {g.tokenizer->bos_id()};
-    for (int32_t id; line >> id;) theirs.push_back(id);
-    EXPECT_EQ(ours, theirs) << family;
+    expect_greedy_as_llama_cpp(g, gguf, family);
     // A LoRA fine-tune (on attention; the experts take no adapters yet): llama.cpp with the base
     // file and the adapter computes cputrain's logits within 1e-4, and they are not the base's.
     const fs::path data = family_models() / "moe_finetune.jsonl";
