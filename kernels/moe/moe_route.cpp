@@ -73,24 +73,19 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
     const float* p = probs + t * E;
     // The gradient by each chosen probability: dw itself, or through w_j = p_j / S with S the
     // chosen probabilities' sum, (dw_j - sum_i dw_i w_i) / S (while S is above its clamp).
-    std::vector<float> dp(static_cast<size_t>(k));
     float S = 0;
     for (int64_t j = 0; j < k; ++j) S += p[chosen[j]];
     float dot = 0;
     for (int64_t j = 0; j < k; ++j) dot += dw[j] * w[j];
-    for (int64_t j = 0; j < k; ++j) {
-      if (!normalize)
-        dp[j] = dw[j];
-      else if (S > kMoeMinWeightSum)
-        dp[j] = (dw[j] - dot) / S;
-      else
-        dp[j] = dw[j] / kMoeMinWeightSum;
-    }
+    const auto dp = [&](int64_t j) {
+      if (!normalize) return dw[j];
+      return S > kMoeMinWeightSum ? (dw[j] - dot) / S : dw[j] / kMoeMinWeightSum;
+    };
     // Through the softmax: dl_e = p_e (dp_e - sum_i dp_i p_i), dp zero off the chosen.
     float pd = 0;
-    for (int64_t j = 0; j < k; ++j) pd += dp[j] * p[chosen[j]];
+    for (int64_t j = 0; j < k; ++j) pd += dp(j) * p[chosen[j]];
     for (int64_t e = 0; e < E; ++e) dl[e] = -p[e] * pd;
-    for (int64_t j = 0; j < k; ++j) dl[chosen[j]] += p[chosen[j]] * dp[j];
+    for (int64_t j = 0; j < k; ++j) dl[chosen[j]] += p[chosen[j]] * dp(j);
   }
 }
 
