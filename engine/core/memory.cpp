@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "engine/core/block_cache.h"
 #include "kernels/cpu/dispatch.h"
@@ -214,25 +215,31 @@ bool measuring() {
 
 struct MeasureScope::State {
   MeasureLedger ledger;
-  std::array<int64_t, kMeasureBuffers> buffers{};  // bytes held in each buffer slot
-  std::array<MemoryCategory, kMeasureBuffers> buffer_categories{};
+  struct Slots {
+    std::array<int64_t, kMeasureBuffers> bytes{};  // bytes held in each buffer slot
+    std::array<MemoryCategory, kMeasureBuffers> categories{};
+  };
+  std::vector<Slots> threads = std::vector<Slots>(1);  // each thread's slots
 };
 
 namespace {
 std::atomic<MeasureScope::State*> measure_state{nullptr};
 }  // namespace
 
-void measure_buffer(int slot, size_t bytes, MemoryCategory category) {
+void measure_buffer(int slot, size_t bytes, MemoryCategory category, int thread) {
   MeasureScope::State* m = measure_state.load(std::memory_order_relaxed);
-  if (m == nullptr || slot < 0 || slot >= kMeasureBuffers)
+  if (m == nullptr || slot < 0 || slot >= kMeasureBuffers || thread < 0)
     throw std::logic_error("measure_buffer: a slot of a live MeasureScope");
+  if (static_cast<size_t>(thread) >= m->threads.size())
+    m->threads.resize(static_cast<size_t>(thread) + 1);
+  MeasureScope::State::Slots& slots = m->threads[static_cast<size_t>(thread)];
   const auto n = static_cast<int64_t>(memory_counted_bytes(bytes));
-  int64_t& held = m->buffers[slot];
+  int64_t& held = slots.bytes[slot];
   if (held >= n) return;
-  if (held > 0) memory_free(nullptr, static_cast<size_t>(held), m->buffer_categories[slot]);
+  if (held > 0) memory_free(nullptr, static_cast<size_t>(held), slots.categories[slot]);
   memory_allocate(static_cast<size_t>(n), category);
   held = n;
-  m->buffer_categories[slot] = category;
+  slots.categories[slot] = category;
 }
 
 MeasureScope::MeasureScope() : state_(std::make_unique<State>()) {

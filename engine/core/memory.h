@@ -78,8 +78,10 @@ class MeasureScope {
 // While measuring, what a long-lived scratch buffer of a kernel's does where the kernel would
 // ask it for `bytes` (the GEMM's buffers, kernels/gemm/gemm_plan.h's five): each slot keeps the
 // largest size asked so far; a larger one frees the block it holds and allocates the new size.
+// Each thread has its own slots (`thread`: 0 the thread that runs the step, 1... OpenMP's other
+// threads, where products run one a thread).
 inline constexpr int kMeasureBuffers = 5;
-void measure_buffer(int slot, size_t bytes, MemoryCategory category);
+void measure_buffer(int slot, size_t bytes, MemoryCategory category, int thread = 0);
 
 // Resident set size and its high-water mark (VmRSS, VmHWM of /proc/self/status).
 struct ProcessMemory {

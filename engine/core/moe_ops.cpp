@@ -1,5 +1,7 @@
 #include "engine/core/moe_ops.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -31,50 +33,129 @@ void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const 
     kernels::gemm_f32(ta, tb, M, N, K, a.f32() + a0, lda, b.f32() + b0, ldb, beta, c, ldc);
 }
 
-// Expert e's (rows, cols) matrix of w (E, rows, cols: bf16, FP32 or quantised).
-kernels::QuantMatrix expert_quant(const Tensor& w, int64_t e, int64_t rows, int64_t cols) {
-  kernels::QuantMatrix q{quant_type(w.dtype()), nullptr, rows, cols};
-  q.data = static_cast<const uint8_t*>(w.raw()) + e * rows * q.row_bytes();
+// Expert e's rows r0 .. r0 + n of its (rows, cols) matrix of w (E, rows, cols: quantised).
+kernels::QuantMatrix expert_quant(const Tensor& w, int64_t e, int64_t rows, int64_t cols,
+                                  int64_t r0, int64_t n) {
+  kernels::QuantMatrix q{quant_type(w.dtype()), nullptr, n, cols};
+  q.data = static_cast<const uint8_t*>(w.raw()) + (e * rows + r0) * q.row_bytes();
   return q;
 }
 
-// out (n, rows) = X W_e^T for X the n rows of x (of cols elements, bf16 or FP32) from row x0.
-void expert_forward(const Tensor& w, int64_t e, int64_t rows, int64_t cols, int64_t n,
-                    const Tensor& x, int64_t x0, float* out) {
-  const bool bf16 = x.dtype() == DType::BF16;
-  if (!dtype_quantized(w.dtype()))
-    return product(Transpose::No, Transpose::Yes, n, rows, cols, x, x0 * cols, cols, w,
-                   e * rows * cols, cols, 0.0f, out, rows);
-  const kernels::QuantMatrix q = expert_quant(w, e, rows, cols);
-  if (bf16)
-    kernels::gemm_quant_forward_bf16(n, x.bf16() + x0 * cols, cols, q, 0.0f, out, rows);
-  else
-    kernels::gemm_quant_forward(n, x.f32() + x0 * cols, cols, q, 0.0f, out, rows);
+// A share of one expert's product: columns c0 .. c1 of its output, along the dimension the
+// product is split on.
+struct ExpertTask {
+  int64_t e, c0, c1;
+};
+
+// The tasks of one product over every expert with rows (rows of expert e at off[e] ..
+// off[e + 1]), for one parallel pass: each expert whole, or, where its rows are over half a
+// thread's fair share (a few tokens all sent to one expert), its `split` output columns in
+// parts of whole 64s (where `splittable`); the most rows first, so that the threads end
+// together.
+std::vector<ExpertTask> expert_tasks(const std::vector<int64_t>& off, int64_t split,
+                                     bool splittable) {
+  const auto E = static_cast<int64_t>(off.size()) - 1;
+  const int64_t share = std::max<int64_t>(1, off[E] / (2 * omp_get_max_threads()));
+  std::vector<int64_t> experts;
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e]) experts.push_back(e);
+  std::stable_sort(experts.begin(), experts.end(), [&off](int64_t a, int64_t b) {
+    return off[a + 1] - off[a] > off[b + 1] - off[b];
+  });
+  std::vector<ExpertTask> tasks;
+  for (const int64_t e : experts) {
+    const int64_t n = off[e + 1] - off[e];
+    const int64_t parts = splittable ? std::clamp<int64_t>((n + share - 1) / share, 1,
+                                                           std::max<int64_t>(1, split / 64))
+                                     : 1;
+    const int64_t width = ((split + parts - 1) / parts + 63) / 64 * 64;
+    for (int64_t c0 = 0; c0 < split; c0 += width)
+      tasks.push_back({e, c0, std::min(split, c0 + width)});
+  }
+  return tasks;
 }
 
-// dx (n, cols) = dY W_e + beta dx for dY the n rows of dy (of rows elements) from row d0.
-void expert_input(const Tensor& w, int64_t e, int64_t rows, int64_t cols, int64_t n,
+// Runs body(task) for each task, the tasks shared among OpenMP's threads, each product inside
+// on its thread alone (kernels::GemmSerialScope); a single task runs on all threads.
+template <class Body>
+void run_tasks(const std::vector<ExpertTask>& tasks, Body&& body) {
+  if (tasks.size() == 1) return body(tasks[0]);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t i = 0; i < tasks.size(); ++i) body(tasks[i]);
+}
+
+// While measuring: the buffers of a pass's products, `measure(thread)` for one product on all
+// threads (a pass of one task) and for each thread of a parallel pass.
+template <class Measure>
+void measure_pass(Measure&& measure) {
+  measure(-1);
+  for (int t = 0; t < omp_get_max_threads(); ++t) measure(t);
+}
+
+// Columns t.c0 .. t.c1 of out (n, rows) = X W_e^T, X the n rows of x (of cols elements, bf16 or
+// FP32) from row x0.
+void expert_forward(const Tensor& w, const ExpertTask& t, int64_t rows, int64_t cols, int64_t n,
+                    const Tensor& x, int64_t x0, float* out) {
+  const bool bf16 = x.dtype() == DType::BF16;
+  const int64_t m = t.c1 - t.c0;
+  if (!dtype_quantized(w.dtype()))
+    return product(Transpose::No, Transpose::Yes, n, m, cols, x, x0 * cols, cols, w,
+                   (t.e * rows + t.c0) * cols, cols, 0.0f, out + t.c0, rows);
+  const kernels::QuantMatrix q = expert_quant(w, t.e, rows, cols, t.c0, m);
+  if (bf16)
+    kernels::gemm_quant_forward_bf16(n, x.bf16() + x0 * cols, cols, q, 0.0f, out + t.c0, rows);
+  else
+    kernels::gemm_quant_forward(n, x.f32() + x0 * cols, cols, q, 0.0f, out + t.c0, rows);
+}
+
+// Columns t.c0 .. t.c1 of dx (n, cols) = dY W_e + beta dx, dY the n rows of dy (of rows
+// elements) from row d0; a quantised w's products take every column (a task of all of them).
+void expert_input(const Tensor& w, const ExpertTask& t, int64_t rows, int64_t cols, int64_t n,
                   const Tensor& dy, int64_t d0, float beta, float* dx) {
   const bool bf16 = dy.dtype() == DType::BF16;
   if (!dtype_quantized(w.dtype()))
-    return product(Transpose::No, Transpose::No, n, cols, rows, dy, d0 * rows, rows, w,
-                   e * rows * cols, cols, beta, dx, cols);
-  const kernels::QuantMatrix q = expert_quant(w, e, rows, cols);
+    return product(Transpose::No, Transpose::No, n, t.c1 - t.c0, rows, dy, d0 * rows, rows, w,
+                   t.e * rows * cols + t.c0, cols, beta, dx + t.c0, cols);
+  const kernels::QuantMatrix q = expert_quant(w, t.e, rows, cols, 0, rows);
   if (bf16)
     kernels::gemm_quant_backward_input_bf16(n, dy.bf16() + d0 * rows, rows, q, beta, dx, cols);
   else
     kernels::gemm_quant_backward_input(n, dy.f32() + d0 * rows, rows, q, beta, dx, cols);
 }
 
-// While measuring: the allocations of the products by w of all R rows at once.
-void measure_expert(const Tensor& w, bool bf16, bool forward, int64_t R, int64_t rows,
+// While measuring: the allocations of a pass of products by w of at most M rows an expert.
+void measure_expert(const Tensor& w, bool bf16, bool forward, int64_t M, int64_t rows,
                     int64_t cols) {
-  if (dtype_quantized(w.dtype()))
-    measure_quant_gemm(bf16, forward, R, rows, cols);
-  else if (forward)
-    measure_gemm(bf16, Transpose::No, Transpose::Yes, R, rows, cols);
-  else
-    measure_gemm(bf16, Transpose::No, Transpose::No, R, cols, rows);
+  measure_pass([&](int thread) {
+    if (dtype_quantized(w.dtype()))
+      measure_quant_gemm(bf16, forward, M, rows, cols, thread);
+    else if (forward)
+      measure_gemm(bf16, Transpose::No, Transpose::Yes, M, rows, cols, thread);
+    else
+      measure_gemm(bf16, Transpose::No, Transpose::No, M, cols, rows, thread);
+  });
+}
+
+// While measuring: the allocations of a pass of weight-gradient products dW (M, N) += dY^T X
+// over at most K rows an expert.
+void measure_weight_pass(bool bf16, int64_t M, int64_t N, int64_t K) {
+  measure_pass(
+      [&](int thread) { measure_gemm(bf16, Transpose::Yes, Transpose::No, M, N, K, thread); });
+}
+
+// sum over f of h[f] p[f] (h bf16 or FP32 as H is), in FP32.
+float row_dot(const Tensor& H, int64_t offset, const float* p, int64_t n) {
+  float sum = 0.0f;
+  if (H.dtype() == DType::BF16) {
+    const uint16_t* h = H.bf16() + offset;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t f = 0; f < n; ++f) sum += kernels::bf16_to_fp32(h[f]) * p[f];
+  } else {
+    const float* h = H.f32() + offset;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t f = 0; f < n; ++f) sum += h[f] * p[f];
+  }
+  return sum;
 }
 
 // Rows of `src` (of C elements; bf16 or FP32) into `dst` (rows x C, the same type): row r of dst
@@ -149,7 +230,9 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
               (!dtype_quantized(w3v.dtype()) || !w3.requires_grad()) &&
               (!dtype_quantized(w2v.dtype()) || !w2.requires_grad()),
           "moe_experts: a quantised expert takes no gradient");
-  const int64_t R = N * k;  // rows of the grouped products
+  const bool grad = needs_grad({&x, &w1, &w3, &w2, &route.weights});
+  const int64_t R = N * k;              // rows of the grouped products
+  const int64_t most = std::min(N, R);  // an expert's rows at most (a token takes it once)
   auto group = std::make_shared<Grouping>();
   group->offsets.assign(static_cast<size_t>(E + 1), 0);
   group->order = new_activation(Shape{R}, DType::I32);
@@ -162,36 +245,62 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   const std::vector<int64_t>& off = group->offsets;
   Tensor xg = Tensor::empty(Shape{R, C}, operand, MemoryCategory::Workspace);
   if (computing()) gather_rows(xg, xv, group->order.i32(), R, k, C);
-  // The gate and up products, kept for the backward pass.
-  Tensor G = new_activation(Shape{R, F}), U = new_activation(Shape{R, F});
+  // The gate and up products; kept for the backward pass (FP32; in bf16 mode their roundings,
+  // with the activation's, as the dense MLP keeps them). In bf16 mode the FP32 products and then
+  // the down product's rows share one block (fewer blocks for the allocator's cache to keep).
+  Tensor G, U, ws;
+  float *g32, *u32;
+  if (bf16) {
+    ws = Tensor::empty(Shape{R, std::max(C, 2 * F)}, DType::F32, MemoryCategory::Workspace);
+    g32 = ws.f32();
+    u32 = g32 + R * F;
+  } else {
+    G = new_activation(Shape{R, F});
+    U = new_activation(Shape{R, F});
+    g32 = G.f32();
+    u32 = U.f32();
+  }
   {
     Scope gemms("moe GEMMs gate, up", Pass::Forward, 2 * gemm_flops(R, F, C));
-    if (!computing()) measure_expert(w1v, bf16, true, R, F, C);
-    for (int64_t e = 0; computing() && e < E; ++e) {
-      const int64_t n = off[e + 1] - off[e];
-      if (n == 0) continue;
-      expert_forward(w1v, e, F, C, n, xg, off[e], G.f32() + off[e] * F);
-      expert_forward(w3v, e, F, C, n, xg, off[e], U.f32() + off[e] * F);
-    }
+    if (!computing()) measure_expert(w1v, bf16, true, most, F, C);
+    if (computing())
+      run_tasks(expert_tasks(off, F, true), [&](const ExpertTask& t) {
+        const int64_t n = off[t.e + 1] - off[t.e];
+        expert_forward(w1v, t, F, C, n, xg, off[t.e], g32 + off[t.e] * F);
+        expert_forward(w3v, t, F, C, n, xg, off[t.e], u32 + off[t.e] * F);
+      });
   }
   xg = Tensor();
-  Tensor H = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
-  if (computing()) {
-    if (bf16)
-      kernels::swiglu_forward_bf16(H.bf16(), nullptr, nullptr, G.f32(), U.f32(), R * F);
-    else
-      kernels::swiglu_forward(H.f32(), G.f32(), U.f32(), R * F);
+  Tensor H, G16, U16;
+  if (bf16) {
+    H = grad ? new_activation(Shape{R, F}, DType::BF16)
+             : Tensor::empty(Shape{R, F}, DType::BF16, MemoryCategory::Workspace);
+    if (grad) {
+      G16 = new_activation(Shape{R, F}, DType::BF16);
+      U16 = new_activation(Shape{R, F}, DType::BF16);
+    }
+    if (computing())
+      kernels::swiglu_forward_bf16(H.bf16(), grad ? G16.bf16() : nullptr,
+                                   grad ? U16.bf16() : nullptr, g32, u32, R * F);
+    G = G16;
+    U = U16;
+  } else {
+    H = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
+    if (computing()) kernels::swiglu_forward(H.f32(), g32, u32, R * F);
   }
-  Tensor Y = Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
+  Tensor Y = bf16 ? ws : Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
+  ws = Tensor();
   {
     Scope gemms("moe GEMMs down", Pass::Forward, gemm_flops(R, C, F));
-    if (!computing()) measure_expert(w2v, bf16, true, R, C, F);
-    for (int64_t e = 0; computing() && e < E; ++e) {
-      const int64_t n = off[e + 1] - off[e];
-      if (n > 0) expert_forward(w2v, e, C, F, n, H, off[e], Y.f32() + off[e] * C);
-    }
+    if (!computing()) measure_expert(w2v, bf16, true, most, C, F);
+    if (computing())
+      run_tasks(expert_tasks(off, C, true), [&](const ExpertTask& t) {
+        const int64_t n = off[t.e + 1] - off[t.e];
+        expert_forward(w2v, t, C, F, n, H, off[t.e], Y.f32() + off[t.e] * C);
+      });
   }
-  H = Tensor();
+  // FP32 mode computes the activation again in the backward pass; bf16 mode keeps it.
+  if (!bf16 || !grad) H = Tensor();
   Tensor y = new_activation(xs);
   const Tensor& wt = route.weights.value();
   if (computing()) {
@@ -207,13 +316,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       }
     }
   }
-  const bool grad = needs_grad({&x, &w1, &w3, &w2, &route.weights});
   Variable out = Variable::op_output(y, grad);
   if (!grad) return out;
-  record_backward("moe experts", [group, G, U, xv, w1v, w3v, w2v, wt, gx = x.grad_ref(),
+  record_backward("moe experts", [group, G, U, H, xv, w1v, w3v, w2v, wt, gx = x.grad_ref(),
                                   g1 = w1.grad_ref(), g3 = w3.grad_ref(), g2 = w2.grad_ref(),
-                                  gw = route.weights.grad_ref(), gy = out.grad_ref(), N, C, E, F, k,
-                                  R, bf16, operand] {
+                                  gw = route.weights.grad_ref(), gy = out.grad_ref(), N, C, F, k, R,
+                                  most, bf16, operand] {
     const Tensor& dyt = gy->tensor();
     if (!dyt.defined()) return;
     const Tensor dy = as_f32(dyt);
@@ -232,34 +340,32 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
           std::copy_n(src, C, dyg.f32() + r * C);
       }
     }
-    // P = dY w2[e] (R x F), the gradient of the activation before the weight.
-    Tensor P = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
+    // P = dY w2[e] (R x F), the gradient of the activation before the weight; later the rows
+    // of dX (R x C) in the same block.
+    Tensor ws = Tensor::empty(Shape{R, std::max(C, F)}, DType::F32, MemoryCategory::Workspace);
+    float* const P = ws.f32();
     {
       Scope gemms("moe GEMMs dH", Pass::Backward, gemm_flops(R, F, C));
-      if (!computing()) measure_expert(w2v, bf16, false, R, C, F);
-      for (int64_t e = 0; computing() && e < E; ++e) {
-        const int64_t n = off[e + 1] - off[e];
-        if (n > 0) expert_input(w2v, e, C, F, n, dyg, off[e], 0.0f, P.f32() + off[e] * F);
-      }
+      if (!computing()) measure_expert(w2v, bf16, false, most, C, F);
+      if (computing())
+        run_tasks(expert_tasks(off, F, !dtype_quantized(w2v.dtype())), [&](const ExpertTask& t) {
+          const int64_t n = off[t.e + 1] - off[t.e];
+          expert_input(w2v, t, C, F, n, dyg, off[t.e], 0.0f, P + off[t.e] * F);
+        });
     }
-    // The activation again (as the down product took it), the weights' gradient (H . P) and
-    // dH = weight P.
-    Tensor H = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
+    // The activation (kept in bf16 mode, computed again in FP32 mode as the down product took
+    // it), the weights' gradient (H . P) and dH = weight P.
+    Tensor h = H;
+    if (!bf16) {
+      h = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
+      if (computing()) kernels::swiglu_forward(h.f32(), G.f32(), U.f32(), R * F);
+    }
     Tensor dweights = Tensor::empty(Shape{N, k}, DType::F32, MemoryCategory::Workspace);
     if (computing()) {
-      if (bf16)
-        kernels::swiglu_forward_bf16(H.bf16(), nullptr, nullptr, G.f32(), U.f32(), R * F);
-      else
-        kernels::swiglu_forward(H.f32(), G.f32(), U.f32(), R * F);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < R; ++r) {
-        float* p = P.f32() + r * F;
-        double dot = 0;
-        for (int64_t f = 0; f < F; ++f)
-          dot += static_cast<double>(bf16 ? kernels::bf16_to_fp32(H.bf16()[r * F + f])
-                                          : H.f32()[r * F + f]) *
-                 p[f];
-        dweights.f32()[order[r]] = static_cast<float>(dot);
+        float* p = P + r * F;
+        if (gw) dweights.f32()[order[r]] = row_dot(h, r * F, p, F);
         const float w = wt.f32()[order[r]];
         for (int64_t f = 0; f < F; ++f) p[f] *= w;
       }
@@ -289,60 +395,57 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         }
       }
       Scope gemms("moe GEMMs dW2", Pass::Backward, gemm_flops(C, F, R));
-      if (!computing()) measure_gemm(bf16, Transpose::Yes, Transpose::No, C, F, R);
-      for (int64_t e = 0; computing() && e < E; ++e) {
-        const int64_t n = off[e + 1] - off[e];
-        if (n > 0)
-          product(Transpose::Yes, Transpose::No, C, F, n, dyg, off[e] * C, C, H, off[e] * F, F,
-                  1.0f, dw2.f32() + e * C * F, F);
-      }
+      if (!computing()) measure_weight_pass(bf16, C, F, most);
+      if (computing())
+        run_tasks(expert_tasks(off, C, true), [&](const ExpertTask& t) {
+          const int64_t n = off[t.e + 1] - off[t.e];
+          product(Transpose::Yes, Transpose::No, t.c1 - t.c0, F, n, dyg, off[t.e] * C + t.c0, C, h,
+                  off[t.e] * F, F, 1.0f, dw2.f32() + (t.e * C + t.c0) * F, F);
+        });
     }
     dyg = Tensor();
-    H = Tensor();
+    h = Tensor();
     // dG, dU from dH (P), in the products' precision.
     Tensor dG = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
     Tensor dU = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
     if (computing()) {
-      if (bf16) {
-        Tensor dg32 = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
-        Tensor du32 = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
-        kernels::swiglu_backward(dg32.f32(), du32.f32(), P.f32(), G.f32(), U.f32(), R * F, false);
-        kernels::fp32_to_bf16_array(dG.bf16(), dg32.f32(), R * F);
-        kernels::fp32_to_bf16_array(dU.bf16(), du32.f32(), R * F);
-      } else {
-        kernels::swiglu_backward(dG.f32(), dU.f32(), P.f32(), G.f32(), U.f32(), R * F, false);
-      }
+      if (bf16)
+        kernels::swiglu_backward_rounded(dG.bf16(), dU.bf16(), P, G.bf16(), U.bf16(), R * F);
+      else
+        kernels::swiglu_backward(dG.f32(), dU.f32(), P, G.f32(), U.f32(), R * F, false);
     }
-    P = Tensor();
     if (g1 || g3) {
+      ws = Tensor();  // P is spent: its block is not held through the gathered rows
       Tensor xg = Tensor::empty(Shape{R, C}, operand, MemoryCategory::Workspace);
       if (computing()) gather_rows(xg, xv, order, R, k, C);
       Scope gemms("moe GEMMs dW1, dW3", Pass::Backward, 2 * gemm_flops(F, C, R));
-      if (!computing()) measure_gemm(bf16, Transpose::Yes, Transpose::No, F, C, R);
+      if (!computing()) measure_weight_pass(bf16, F, C, most);
       const Tensor* dw1 = g1 ? &g1->get_or_zeros() : nullptr;
       const Tensor* dw3 = g3 ? &g3->get_or_zeros() : nullptr;
-      for (int64_t e = 0; computing() && e < E; ++e) {
-        const int64_t n = off[e + 1] - off[e];
-        if (n == 0) continue;
-        if (dw1)
-          product(Transpose::Yes, Transpose::No, F, C, n, dG, off[e] * F, F, xg, off[e] * C, C,
-                  1.0f, dw1->f32() + e * F * C, C);
-        if (dw3)
-          product(Transpose::Yes, Transpose::No, F, C, n, dU, off[e] * F, F, xg, off[e] * C, C,
-                  1.0f, dw3->f32() + e * F * C, C);
-      }
+      if (computing())
+        run_tasks(expert_tasks(off, F, true), [&](const ExpertTask& t) {
+          const int64_t n = off[t.e + 1] - off[t.e], m = t.c1 - t.c0;
+          if (dw1)
+            product(Transpose::Yes, Transpose::No, m, C, n, dG, off[t.e] * F + t.c0, F, xg,
+                    off[t.e] * C, C, 1.0f, dw1->f32() + (t.e * F + t.c0) * C, C);
+          if (dw3)
+            product(Transpose::Yes, Transpose::No, m, C, n, dU, off[t.e] * F + t.c0, F, xg,
+                    off[t.e] * C, C, 1.0f, dw3->f32() + (t.e * F + t.c0) * C, C);
+        });
     }
     if (gx) {
-      Tensor dxg = Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
+      if (!ws.defined()) ws = Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
+      float* const dxg = ws.f32();
       {
         Scope gemms("moe GEMMs dX", Pass::Backward, 2 * gemm_flops(R, C, F));
-        if (!computing()) measure_expert(w1v, bf16, false, R, F, C);
-        for (int64_t e = 0; computing() && e < E; ++e) {
-          const int64_t n = off[e + 1] - off[e];
-          if (n == 0) continue;
-          expert_input(w1v, e, F, C, n, dG, off[e], 0.0f, dxg.f32() + off[e] * C);
-          expert_input(w3v, e, F, C, n, dU, off[e], 1.0f, dxg.f32() + off[e] * C);
-        }
+        if (!computing()) measure_expert(w1v, bf16, false, most, F, C);
+        const bool splittable = !dtype_quantized(w1v.dtype()) && !dtype_quantized(w3v.dtype());
+        if (computing())
+          run_tasks(expert_tasks(off, C, splittable), [&](const ExpertTask& t) {
+            const int64_t n = off[t.e + 1] - off[t.e];
+            expert_input(w1v, t, F, C, n, dG, off[t.e], 0.0f, dxg + off[t.e] * C);
+            expert_input(w3v, t, F, C, n, dU, off[t.e], 1.0f, dxg + off[t.e] * C);
+          });
       }
       float beta = 0.0f;
       float* dx = gx->get_for_accumulate(&beta).f32();
@@ -353,7 +456,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
           float* d = dx + t * C;
           if (beta == 0.0f) std::fill_n(d, C, 0.0f);
           for (int64_t j = 0; j < k; ++j) {
-            const float* row = dxg.f32() + static_cast<int64_t>(pos[t * k + j]) * C;
+            const float* row = dxg + static_cast<int64_t>(pos[t * k + j]) * C;
             for (int64_t c = 0; c < C; ++c) d[c] += row[c];
           }
         }

@@ -50,21 +50,28 @@ double gemm_flops(int64_t M, int64_t N, int64_t K) {
 }
 
 void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64_t M, int64_t N,
-                  int64_t K) {
-  const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+                  int64_t K, int thread) {
+  std::array<size_t, 4> need;
+  if (thread >= 0) {
+    const kernels::GemmSerialScope serial;
+    need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+  } else {
+    need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+  }
   for (const int buffer : {2, 3, 0, 1})
-    if (need[buffer] > 0) measure_buffer(buffer, need[buffer], MemoryCategory::Workspace);
+    if (need[buffer] > 0)
+      measure_buffer(buffer, need[buffer], MemoryCategory::Workspace, std::max(thread, 0));
 }
 
-void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K) {
+void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K, int thread) {
   if (forward && M <= kernels::kQuantRowsM) return;
   measure_buffer(kernels::kGemmQuantPanel, kernels::quant_panel_bytes(bf16, N, K),
-                 MemoryCategory::Workspace);
+                 MemoryCategory::Workspace, std::max(thread, 0));
   const int64_t n = std::min(N, kernels::quant_panel_rows(K));
   if (forward)
-    measure_gemm(bf16, kernels::Transpose::No, kernels::Transpose::Yes, M, n, K);
+    measure_gemm(bf16, kernels::Transpose::No, kernels::Transpose::Yes, M, n, K, thread);
   else
-    measure_gemm(bf16, kernels::Transpose::No, kernels::Transpose::No, M, K, n);
+    measure_gemm(bf16, kernels::Transpose::No, kernels::Transpose::No, M, K, n, thread);
 }
 
 Tensor saved(const Variable& x) {

@@ -68,15 +68,19 @@ Tensor weight_operand(const Variable& w, bool bf16);
 double gemm_flops(int64_t M, int64_t N, int64_t K);
 // While measuring, the allocations a GEMM of these sizes makes without computing it: its buffers
 // grow to what the product needs (kernels::gemm_buffer_bytes), in the order it takes them (the
-// widenings of bf16 operands first, then the packed panels of B and of A).
+// widenings of bf16 operands first, then the packed panels of B and of A). `thread` -1: the
+// product runs on the thread that runs the step, on all threads; t >= 0: it runs inside a
+// parallel pass on that pass's thread t alone, with that thread's buffers
+// (kernels::GemmSerialScope).
 void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64_t M, int64_t N,
-                  int64_t K);
+                  int64_t K, int thread = -1);
 
 // While measuring, the allocations of a product with a quantised W (kernels/quant/quant.h): the
 // dequantised panel of W, then the GEMM's buffers for its product with the first panel (the
 // largest). The few-row forward (decoding) allocates none of them. Forward: Y (M, N) = X W^T;
 // else dX (M, K) = dY W, W (N, K).
-void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K);
+// `thread` as for measure_gemm.
+void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K, int thread = -1);
 
 // A saved tensor as FP32, for kernels that compute in FP32: itself, or its widening from bf16,
 // counted as `category`.

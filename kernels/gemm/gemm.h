@@ -91,4 +91,21 @@ void gemm_release_buffers();
 std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
                                         int64_t K);
 
+// A product called inside an OpenMP parallel region runs on its calling thread alone, with that
+// thread's buffers (so do a mixture's expert products, one expert a thread). While a
+// GemmSerialScope lives, products and gemm_buffer_bytes on the thread that made it plan for one
+// thread too: the budget sizes a worker thread's buffers with it.
+class GemmSerialScope {
+ public:
+  GemmSerialScope();
+  ~GemmSerialScope();
+  GemmSerialScope(const GemmSerialScope&) = delete;
+  GemmSerialScope& operator=(const GemmSerialScope&) = delete;
+
+ private:
+  bool was_;
+};
+// Whether the calling thread's products run on it alone (a parallel region or a GemmSerialScope).
+bool gemm_serial();
+
 }  // namespace cputrain::kernels

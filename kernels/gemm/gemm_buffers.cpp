@@ -2,6 +2,8 @@
 // widenings of bf16 operands, and the quantised products' dequantised panel,
 // kernels/quant/quant.h), grown to the largest need met and kept from call to call, from the
 // workspace allocator (kernels/cpu/workspace.h).
+#include <omp.h>
+
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -66,6 +68,22 @@ size_t gemm_workspace_bytes() {
 
 void gemm_release_buffers() {
   for (int i = 0; i < kGemmBuffers; ++i) detail::thread_buffers()[i].reset();
+}
+
+namespace {
+thread_local bool serial_scope = false;
+}  // namespace
+
+GemmSerialScope::GemmSerialScope() : was_(serial_scope) {
+  serial_scope = true;
+}
+
+GemmSerialScope::~GemmSerialScope() {
+  serial_scope = was_;
+}
+
+bool gemm_serial() {
+  return serial_scope || omp_in_parallel() != 0;
 }
 
 std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,

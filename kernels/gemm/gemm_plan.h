@@ -93,11 +93,12 @@ constexpr bool direct_path() {
     return false;
 }
 
-// The threads a product of M x N x K runs on: one below 2 MFLOP, else all of OpenMP's.
+// The threads a product of M x N x K runs on: one below 2 MFLOP or where the calling thread's
+// products run on it alone (gemm_serial), else all of OpenMP's.
 inline int blocked_threads(int64_t M, int64_t N, int64_t K) {
   const double flops =
       2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
-  return flops < 2e6 ? 1 : omp_get_max_threads();
+  return flops < 2e6 || gemm_serial() ? 1 : omp_get_max_threads();
 }
 
 // How gemm_blocked<P> splits an M x N x K product (M, N, K > 0).

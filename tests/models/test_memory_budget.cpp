@@ -1,9 +1,10 @@
 // The memory budget against the tracking allocator, to the byte: training steps of the tiny and
-// mini presets, fp32 and bf16, with and without checkpointing, and of GQA, tied, biased, frozen
-// and LoRA configurations, each step followed by a validation pass as training makes them (three
-// micro-batches, the last of one window). Every category's peak must equal the budget's, the
-// steps after the second make no block afresh, and what the process holds for tensors, live and
-// kept by the block cache, equals the budget's step peak plus its cache headroom.
+// mini presets, fp32 and bf16, with and without checkpointing, and of GQA, tied, biased, frozen,
+// LoRA and mixture-of-experts configurations, each step followed by a validation pass as training
+// makes them (three micro-batches, the last of one window). Every category's peak must equal the
+// budget's, the steps after the second make no block afresh, and what the process holds for
+// tensors, live and kept by the block cache, equals the budget's step peak plus its cache
+// headroom.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -11,6 +12,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -97,15 +99,30 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
     step(4);
     fourth = memory_stats();
   }
+  // A mixture's expert products run one expert a thread, each thread's GEMM buffers grown to
+  // the products it happens to take: the budget counts every thread's as grown by the largest,
+  // an upper bound on the workspace (and so on the totals) within a tenth of it.
+  const int64_t slack =
+      c.moe() ? budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)] / 10 : 0;
+  const auto expect_within = [slack](int64_t measured, int64_t budgeted, std::string_view what) {
+    EXPECT_GE(budgeted, measured) << what;
+    EXPECT_LE(budgeted, measured + slack) << what;
+  };
   for (int i = 0; i < kMemoryCategoryCount; ++i) {
-    EXPECT_EQ(after.peak_bytes[i] - before.live_bytes[i], budget.peak_bytes[i])
-        << memory_category_name(static_cast<MemoryCategory>(i));
+    const auto category = static_cast<MemoryCategory>(i);
+    expect_within(after.peak_bytes[i] - before.live_bytes[i], budget.peak_bytes[i],
+                  memory_category_name(category));
+    if (category != MemoryCategory::Workspace) {
+      EXPECT_EQ(after.peak_bytes[i] - before.live_bytes[i], budget.peak_bytes[i])
+          << memory_category_name(category);
+    }
   }
-  EXPECT_EQ(after.peak_total_bytes - before.live_total_bytes, budget.step_peak_bytes);
+  expect_within(after.peak_total_bytes - before.live_total_bytes, budget.step_peak_bytes,
+                "step peak");
   // From the third step on every block a step takes comes back from the block cache.
   EXPECT_EQ(fourth.fresh_blocks, after.fresh_blocks) << "blocks made afresh";
-  EXPECT_EQ(fourth.held_peak_bytes - before.live_total_bytes,
-            budget.step_peak_bytes + budget.cache_headroom_bytes);
+  expect_within(fourth.held_peak_bytes - before.live_total_bytes,
+                budget.step_peak_bytes + budget.cache_headroom_bytes, "held");
 }
 
 // A fine-tune (finetune_step on packed rows of examples, LoRA with and without dropout, a
@@ -254,7 +271,7 @@ std::vector<Case> cases() {
     lora.rank = 4;
     lora.targets = parse_lora_targets("q,v,down", "--lora-targets");
     all.push_back({"mini_" + d + "_lora_checkpoint", preset("mini"), dtype, kLayer, nullptr, lora});
-    for (const char* arch : {"phi2", "gemma3", "qwen35"}) {
+    for (const char* arch : {"phi2", "gemma3", "qwen35", "qwen3moe", "qwen35moe"}) {
       all.push_back({std::string(arch) + "_" + d, test::tiny_as(arch), dtype, kNone, nullptr});
       all.push_back(
           {std::string(arch) + "_" + d + "_mlp", test::tiny_as(arch), dtype, kMlp, nullptr});

@@ -3,7 +3,8 @@
 // and GeGLU), and where it has sliding-window layers, every other layer within 16 keys at a RoPE
 // base of 100 (the others at 10,000) with the scores scaled by 0.3, so that the tiny context of
 // 64 reaches past the window. Qwen3.5's, four layers: three Gated DeltaNet (2 key heads, 4 value
-// heads of 16) and one attention with its output gate.
+// heads of 16) and one attention with its output gate. A mixture of experts' (Qwen3-MoE,
+// Qwen3.5-MoE): 8 experts of half the MLP's width, 2 a token.
 #pragma once
 
 #include "models/architecture.h"
@@ -18,6 +19,12 @@ inline ModelConfig tiny_as(const char* arch) {
   const Architecture& a = *find_architecture(arch);
   if (a.linear_attention_step > 0) base.n_layers = a.linear_attention_step;
   ModelConfig c = with_architecture(base, a);
+  if (a.moe) {  // 8 experts, 2 a token (and Qwen3.5-MoE's shared expert), each half the MLP
+    c.ffn /= 2;
+    c.n_experts = 8;
+    c.experts_used = 2;
+    if (a.shared_expert) c.shared_expert_ffn = c.ffn;
+  }
   if (c.swa_pattern > 0) {
     c.sliding_window = 16;
     c.swa_pattern = 2;

@@ -1,6 +1,7 @@
 // Finite-difference checks of every differentiable op: for a random projection R of the
 // output, d(sum(op(inputs) * R)) / d(input) from backward() must match central differences.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -438,6 +439,78 @@ TEST(MoeOps, ValuesAreTheFormulas) {
         want += p[e] / chosen * out;
       }
       EXPECT_NEAR(y.f32()[t * C + c], want, 1e-4 * (1 + std::abs(want)));
+    }
+  }
+}
+
+// The experts' products as one parallel pass (one expert a thread, an expert with more than its
+// share of rows split by output columns) against the same products on one thread, FP32 and bf16:
+// a router that sends every token to expert 0 (its rows split on three threads), odd sizes past
+// the split's 64 columns; the output and every gradient (x, the three expert tensors, the
+// logits). The output is also the formulas' at a few tokens.
+TEST(MoeOps, OneParallelPassIsTheProductsOnOneThread) {
+  const int64_t N = 40, C = 130, F = 200, E = 8, k = 2;
+  std::mt19937 rng(96);
+  const Tensor x = random_tensor(Shape{1, N, C}, rng),
+               w1 = random_tensor(Shape{E, F, C}, rng, 0.1f),
+               w3 = random_tensor(Shape{E, F, C}, rng, 0.1f),
+               w2 = random_tensor(Shape{E, C, F}, rng, 0.1f),
+               dy = random_tensor(Shape{1, N, C}, rng);
+  Tensor logits = random_tensor(Shape{1, N, E}, rng);
+  for (int64_t t = 0; t < N; ++t) logits.f32()[t * E] += 8.0f;
+  struct Result {
+    std::vector<std::vector<float>> values;  // y, dx, dw1, dw3, dw2, dlogits
+  };
+  const auto run = [&](int threads, bool bf16) {
+    const int previous = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    ComputeDTypeGuard dtype(bf16 ? DType::BF16 : DType::F32);
+    Variable vx(x, true), v1(w1, true), v3(w3, true), v2(w2, true), vl(logits, true);
+    const MoeRouting route = moe_route(vl, k, kernels::MoeGating::Softmax, true);
+    const Variable y = moe_experts(vx, v1, v3, v2, route);
+    backward(y, dy);
+    omp_set_num_threads(previous);
+    Result r;
+    for (const Tensor& t : {y.value(), vx.grad(), v1.grad(), v3.grad(), v2.grad(), vl.grad()})
+      r.values.emplace_back(t.f32(), t.f32() + t.numel());
+    return r;
+  };
+  for (const bool bf16 : {false, true}) {
+    const Result one = run(1, bf16), three = run(3, bf16);
+    for (size_t i = 0; i < one.values.size(); ++i) {
+      double top = 0, diff = 0;
+      for (size_t j = 0; j < one.values[i].size(); ++j) {
+        top = std::max(top, std::abs(double(one.values[i][j])));
+        diff = std::max(diff, std::abs(double(one.values[i][j]) - three.values[i][j]));
+      }
+      EXPECT_GT(top, 0.0) << "result " << i;
+      EXPECT_LE(diff, 1e-5 * top) << "result " << i << (bf16 ? " bf16" : " fp32");
+    }
+    if (bf16) continue;
+    for (const int64_t t : {0, 17, 39}) {
+      std::vector<double> p(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) p[e] = std::exp(double(logits.f32()[t * E + e]));
+      std::vector<int64_t> by(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) by[e] = e;
+      std::sort(by.begin(), by.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+      ASSERT_EQ(by[0], 0);
+      for (int64_t c = 0; c < C; c += 43) {
+        double want = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t e = by[j];
+          double out = 0;
+          for (int64_t f = 0; f < F; ++f) {
+            double g = 0, u = 0;
+            for (int64_t i = 0; i < C; ++i) {
+              g += double(w1.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
+              u += double(w3.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
+            }
+            out += double(w2.f32()[(e * C + c) * F + f]) * g / (1 + std::exp(-g)) * u;
+          }
+          want += p[e] / (p[by[0]] + p[by[1]]) * out;
+        }
+        EXPECT_NEAR(three.values[0][t * C + c], want, 1e-4 * (1 + std::abs(want)));
+      }
     }
   }
 }
