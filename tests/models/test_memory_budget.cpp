@@ -100,10 +100,12 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
     fourth = memory_stats();
   }
   // A mixture's expert products run one expert a thread, each thread's GEMM buffers grown to
-  // the products it happens to take: the budget counts every thread's as grown by the largest,
-  // an upper bound on the workspace (and so on the totals) within a tenth of it.
+  // the products it happens to take: the budget counts every thread's as grown by the largest
+  // an expert can meet (every token's rows), an upper bound on the workspace (and so on the
+  // totals) within a fifth of it on these tiny models (where the GEMM has no bf16 instructions,
+  // the bf16 operands' FP32 widenings, which grow with the rows, are in the bound too).
   const int64_t slack =
-      c.moe() ? budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)] / 10 : 0;
+      c.moe() ? budget.peak_bytes[static_cast<int>(MemoryCategory::Workspace)] / 5 : 0;
   const auto expect_within = [slack](int64_t measured, int64_t budgeted, std::string_view what) {
     EXPECT_GE(budgeted, measured) << what;
     EXPECT_LE(budgeted, measured + slack) << what;
