@@ -58,6 +58,10 @@
 namespace cputrain {
 namespace {
 
+// Qwen3-MoE's router_aux_loss_coef: the load-balancing loss's coefficient a mixture trains with
+// unless --moe-balance says otherwise.
+constexpr double kMoeBalanceDefault = 0.001;
+
 namespace fs = std::filesystem;
 
 int64_t default_steps(const std::string& preset) {
@@ -165,6 +169,13 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   c.train.lr.min_ratio = 0.1;
   c.train.adamw.weight_decay = static_cast<float>(a.weight_decay);
   c.train.adamw.grad_clip = static_cast<float>(a.grad_clip);
+  if (!c.model.moe() && (a.moe_balance >= 0 || a.moe_z >= 0))
+    throw UserError(std::string(a.moe_balance >= 0 ? "--moe-balance" : "--moe-z-loss") +
+                    ": the model has no experts (a mixture is --arch qwen3moe or qwen35moe)");
+  c.train.moe_balance = static_cast<float>(a.moe_balance >= 0 ? a.moe_balance
+                                           : c.model.moe()    ? kMoeBalanceDefault
+                                                              : 0.0);
+  c.train.moe_z = static_cast<float>(std::max(a.moe_z, 0.0));
   if (a.eval_windows <= 0) throw UserError("--eval-windows must be positive");
   c.save_every = a.save_every >= 0 ? a.save_every : std::max<int64_t>(1, c.steps / 10);
   c.keep = a.keep;
@@ -240,6 +251,15 @@ void add_train_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--grad-clip", a.grad_clip, "Global gradient-norm clip (0: off)")
       ->capture_default_str()
       ->check(non_negative());
+  app.add_option("--moe-balance", a.moe_balance,
+                 "A mixture of experts' load-balancing loss coefficient (Switch Transformer; "
+                 "Qwen's router_aux_loss_coef), on each MoE layer's loss averaged over the layers "
+                 "(default 0.001)")
+      ->check(non_negative());
+  app.add_option("--moe-z-loss", a.moe_z,
+                 "A mixture of experts' router z-loss coefficient (ST-MoE: the mean squared "
+                 "log-sum-exp of the router's logits, averaged over the layers; default 0)")
+      ->check(non_negative());
   app.add_flag("--pin-threads", a.pin_threads,
                "Bind each OpenMP thread to one CPU of those the process may use");
   app.add_option("--eval-windows", a.eval_windows, "Validation windows of ctx tokens per eval")
@@ -265,7 +285,8 @@ constexpr const char* kRunFlags[] = {"--preset",     "--corpus",         "--out"
                                      "--batch",      "--accum",          "--ctx",
                                      "--lr",         "--warmup",         "--weight-decay",
                                      "--grad-clip",  "--seed",           "--dtype",
-                                     "--checkpoint", "--overwrite"};
+                                     "--checkpoint", "--overwrite",      "--moe-balance",
+                                     "--moe-z-loss"};
 
 // --resume: the run's own configuration (DIR/config.json) and what a resumed run may change:
 // where it ends (--steps), how it saves (--save-every, --keep) and how it executes.

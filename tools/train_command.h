@@ -35,6 +35,10 @@ struct TrainArgs : RunFlags {
   int64_t ffn = -1;
   int64_t warmup = -1;
   double grad_clip = 1.0;
+  // A mixture of experts' router losses' coefficients (TrainOptions::moe_balance, moe_z); -1:
+  // not given (the load-balancing loss at Qwen's 0.001 for a mixture, no z-loss).
+  double moe_balance = -1.0;
+  double moe_z = -1.0;
   bool pin_threads = false;  // bind each OpenMP thread to one CPU
   int64_t eval_windows = 32;
   int64_t sample_every = 0;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "engine/core/op_support.h"
@@ -171,6 +172,29 @@ void gather_rows(Tensor& dst, const Tensor& src, const int32_t* rows, int64_t n,
                 d + static_cast<size_t>(r) * bytes);
 }
 
+// What MoeLoadCount counts, and where the next router's count goes.
+struct LoadCounts {
+  bool on = false;
+  size_t next = 0;
+  std::vector<MoeLoad> loads;
+};
+
+// The router losses' weights MoeRouterLossScope sets.
+struct RouterLossWeights {
+  float balance = 0.0f;
+  float z = 0.0f;
+};
+
+RouterLossWeights& router_loss_weights() {
+  static RouterLossWeights weights;
+  return weights;
+}
+
+LoadCounts& load_counts() {
+  static LoadCounts counts;
+  return counts;
+}
+
 // The grouping of a routing: each expert's rows at order[offsets[e] .. offsets[e + 1]), and
 // where each (token, slot) pair's row is (position[token * k + slot]).
 struct Grouping {
@@ -188,21 +212,46 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
   const bool grad = needs_grad({&logits});
   const bool softmax = gating == kernels::MoeGating::Softmax;
   Tensor probs = new_activation(softmax ? Shape{N, E} : Shape{1});
+  Tensor lse = new_activation(softmax ? Shape{N} : Shape{1});  // for the router's losses
   Tensor experts = new_activation(Shape{N, k}, DType::I32);
   Tensor weights = new_activation(Shape{N, k});
   if (computing())
     kernels::moe_route_forward(fp32_value(logits).f32(), N, E, k, gating, normalize, probs.f32(),
-                               experts.i32(), weights.f32());
+                               experts.i32(), weights.f32(), softmax ? lse.f32() : nullptr);
+  LoadCounts& counts = load_counts();
+  if (computing() && counts.on) {
+    if (counts.loads.size() <= counts.next) counts.loads.resize(counts.next + 1);
+    MoeLoad& load = counts.loads[counts.next++];
+    load.tokens.resize(static_cast<size_t>(E), 0);
+    for (int64_t i = 0; i < N * k; ++i) ++load.tokens[static_cast<size_t>(experts.i32()[i])];
+    if (softmax) {
+      const kernels::MoeRouterLosses l =
+          kernels::moe_router_losses(probs.f32(), lse.f32(), experts.i32(), N, E, k);
+      load.balance += l.balance;
+      load.z += l.z;
+    }
+    ++load.passes;
+  }
+  // The router's losses' weights, as they are while the pass is recorded (a checkpoint region's
+  // second forward runs inside the same step's scope).
+  const RouterLossWeights aux = softmax ? router_loss_weights() : RouterLossWeights{};
   MoeRouting out{Variable::op_output(weights, grad), experts};
   if (grad) {
-    record_backward("moe route", [probs, experts, weights, gl = logits.grad_ref(),
-                                  gw = out.weights.grad_ref(), N, E, k, gating, normalize] {
+    record_backward("moe route", [probs, lse, experts, weights, gl = logits.grad_ref(),
+                                  gw = out.weights.grad_ref(), N, E, k, gating, normalize, aux] {
       const Tensor& dw = gw->tensor();
-      if (!dw.defined()) return;
+      const bool losses = aux.balance != 0.0f || aux.z != 0.0f;
+      if (!dw.defined() && !losses) return;
       const OverwrittenGradient dl(gl, Shape{N, E});
       if (!computing()) return;
-      kernels::moe_route_backward(probs.f32(), experts.i32(), weights.f32(), as_f32(dw).f32(), N, E,
-                                  k, gating, normalize, dl.data());
+      if (dw.defined())
+        kernels::moe_route_backward(probs.f32(), experts.i32(), weights.f32(), as_f32(dw).f32(), N,
+                                    E, k, gating, normalize, dl.data());
+      else
+        std::fill_n(dl.data(), N * E, 0.0f);
+      if (losses)
+        kernels::moe_router_losses_backward(probs.f32(), lse.f32(), experts.i32(), N, E, k,
+                                            aux.balance, aux.z, dl.data());
       dl.add_to_cell();
     });
   }
@@ -464,6 +513,29 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     }
   });
   return out;
+}
+
+MoeLoadCount::MoeLoadCount() {
+  LoadCounts& counts = load_counts();
+  counts.on = true;
+  counts.next = 0;
+}
+
+MoeLoadCount::~MoeLoadCount() {
+  load_counts().on = false;
+}
+
+std::vector<MoeLoad> moe_load_take() {
+  return std::exchange(load_counts().loads, {});
+}
+
+MoeRouterLossScope::MoeRouterLossScope(float balance_weight, float z_weight)
+    : balance_(router_loss_weights().balance), z_(router_loss_weights().z) {
+  router_loss_weights() = {balance_weight, z_weight};
+}
+
+MoeRouterLossScope::~MoeRouterLossScope() {
+  router_loss_weights() = {balance_, z_};
 }
 
 Variable row_sigmoid_gated(const Variable& x, const Variable& gate) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "engine/core/autograd.h"
 #include "kernels/moe/moe_route.h"
@@ -30,6 +31,42 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
 // the weights, w1, w3 and w2 (where each wants it) their gradients.
 Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, const Variable& w2,
                      const MoeRouting& route);
+
+// The router's auxiliary losses (kernels::MoeRouterLosses) in training: while a
+// MoeRouterLossScope lives, each Softmax routing recorded for the backward pass takes into its
+// logits the gradient of balance_weight times its load-balancing loss plus z_weight times its
+// z-loss (the trainer's coefficients times the micro-batch's share of the step). Set on the
+// thread that runs the step; scopes nest.
+class MoeRouterLossScope {
+ public:
+  MoeRouterLossScope(float balance_weight, float z_weight);
+  ~MoeRouterLossScope();
+  MoeRouterLossScope(const MoeRouterLossScope&) = delete;
+  MoeRouterLossScope& operator=(const MoeRouterLossScope&) = delete;
+
+ private:
+  float balance_, z_;  // the enclosing scope's
+};
+
+// Each router's load, router by router in the order the routers ran (a model's MoE layers in
+// order), over the forward passes run while a MoeLoadCount lives: a training step's
+// micro-batches, not a checkpoint region's second forward in the backward pass, nor validation.
+// Counted on the thread that runs the step, one count at a time.
+struct MoeLoad {
+  std::vector<int64_t> tokens;  // the tokens each expert took
+  double balance = 0.0;         // the sums over the passes of its losses (Softmax gating)
+  double z = 0.0;
+  int64_t passes = 0;
+};
+class MoeLoadCount {
+ public:
+  MoeLoadCount();  // from the first router again
+  ~MoeLoadCount();
+  MoeLoadCount(const MoeLoadCount&) = delete;
+  MoeLoadCount& operator=(const MoeLoadCount&) = delete;
+};
+// The loads so far, summed over the counts since the last take; then none.
+std::vector<MoeLoad> moe_load_take();
 
 // x (..., C), gate (..., 1) -> each row of x times sigmoid of its gate (a shared expert's output
 // scaled by its own gate).

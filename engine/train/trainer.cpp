@@ -4,6 +4,7 @@
 #include <chrono>
 #include <vector>
 
+#include "engine/core/moe_ops.h"
 #include "engine/core/profiler.h"
 #include "engine/data/batch_sampler.h"
 
@@ -57,8 +58,18 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
   // budget at any --accum takes two micro-batches' time. (One alone can leave the block cache
   // holding other blocks than a step of several does.)
   const int64_t micro_batches = measuring() ? std::min<int64_t>(options_.accum, 2) : options_.accum;
+  const int64_t ranks = options_.comm ? options_.comm->size() : 1;
+  moe_load_take();  // counts of forward passes outside a step are not this step's
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
-    Variable loss = micro_loss(micro);
+    // The router losses' share of this micro-batch: their coefficients over the step's
+    // micro-batches on every rank, as the loss's mean is.
+    const float share = 1.0f / static_cast<float>(options_.accum * ranks);
+    const MoeRouterLossScope router_losses(options_.moe_balance * share, options_.moe_z * share);
+    Variable loss;
+    {
+      const MoeLoadCount count;  // the forward pass's routing; not a recomputation's
+      loss = micro_loss(micro);
+    }
     if (!measuring()) loss_sum += loss.value().f32()[0];
     const bool last = micro == micro_batches - 1;
     if (reduce && last) {
@@ -82,6 +93,21 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
   }
   StepResult r;
   r.lr = learning_rate(options_.lr, step);
+  const std::vector<MoeLoad> loads = moe_load_take();
+  for (const MoeLoad& load : loads) {
+    int64_t most = 0, sum = 0;
+    for (const int64_t n : load.tokens) {
+      most = std::max(most, n);
+      sum += n;
+    }
+    r.expert_spread.push_back(sum > 0 ? static_cast<double>(most) *
+                                            static_cast<double>(load.tokens.size()) /
+                                            static_cast<double>(sum)
+                                      : 0.0);
+    const auto passes = static_cast<double>(std::max<int64_t>(load.passes, 1));
+    r.moe_balance += load.balance / passes / static_cast<double>(loads.size());
+    r.moe_z += load.z / passes / static_cast<double>(loads.size());
+  }
   r.loss = loss_sum / static_cast<double>(divisor);
   {
     profiler::Scope scope("gradient norm", profiler::Pass::Step);

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "engine/dist/communicator.h"
 #include "engine/dist/gradient_reducer.h"
@@ -32,6 +33,11 @@ struct TrainOptions {
   // Over several ranks: AdamW's state sharded (ZeRO-1; engine/train/adamw.h), else every rank holds
   // and updates the whole of it.
   bool shard_optimizer = true;
+  // A mixture of experts' router losses (engine/core/moe_ops.h): the load-balancing loss's
+  // coefficient (Switch Transformer; Qwen's router_aux_loss_coef) and the z-loss's (ST-MoE), each
+  // loss the mean of the MoE layers'. 0: none.
+  float moe_balance = 0.0f;
+  float moe_z = 0.0f;
 };
 
 struct StepResult {
@@ -44,6 +50,13 @@ struct StepResult {
   double reducing_ms = 0.0;  // the sum's own time, most of it behind the backward pass
   double gather_ms = 0.0;    // of ms, gathering the ranks' updated weights (AdamW sharded)
   bool skipped = false;      // the step filter refused the update: the weights are as before
+  // A mixture of experts': each MoE layer's busiest expert's tokens over the mean of its experts
+  // (1: an even load; E: every token to one expert), over the step's micro-batches on this rank.
+  std::vector<double> expert_spread;
+  // Its router losses, each the mean over the MoE layers and micro-batches (unweighted: the
+  // coefficients scale their gradients, which `loss` leaves out).
+  double moe_balance = 0.0;
+  double moe_z = 0.0;
 };
 
 // Mean loss of loss_fn over the first `windows` consecutive evaluation windows of `tokens`

@@ -24,7 +24,7 @@ void top_k(const float* row, int64_t E, int64_t k, int32_t* chosen) {
 }  // namespace
 
 void moe_route_forward(const float* logits, int64_t N, int64_t E, int64_t k, MoeGating gating,
-                       bool normalize, float* probs, int32_t* experts, float* weights) {
+                       bool normalize, float* probs, int32_t* experts, float* weights, float* lse) {
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
     const float* l = logits + t * E;
@@ -43,6 +43,7 @@ void moe_route_forward(const float* logits, int64_t N, int64_t E, int64_t k, Moe
     float sum = 0;
     for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(l[e] - top);
     for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    if (lse != nullptr) lse[t] = top + std::log(sum);
     top_k(p, E, k, chosen);
     float chosen_sum = 0;
     for (int64_t j = 0; j < k; ++j) chosen_sum += w[j] = p[chosen[j]];
@@ -86,6 +87,50 @@ void moe_route_backward(const float* probs, const int32_t* experts, const float*
     for (int64_t j = 0; j < k; ++j) pd += dp(j) * p[chosen[j]];
     for (int64_t e = 0; e < E; ++e) dl[e] = -p[e] * pd;
     for (int64_t j = 0; j < k; ++j) dl[chosen[j]] += p[chosen[j]] * dp(j);
+  }
+}
+
+namespace {
+
+// f_e: the rows that chose each expert, over N.
+std::vector<double> expert_shares(const int32_t* experts, int64_t N, int64_t E, int64_t k) {
+  std::vector<double> f(static_cast<size_t>(E), 0.0);
+  for (int64_t i = 0; i < N * k; ++i) f[static_cast<size_t>(experts[i])] += 1.0;
+  for (double& v : f) v /= static_cast<double>(N);
+  return f;
+}
+
+}  // namespace
+
+MoeRouterLosses moe_router_losses(const float* probs, const float* lse, const int32_t* experts,
+                                  int64_t N, int64_t E, int64_t k) {
+  MoeRouterLosses out;
+  if (N == 0) return out;
+  const std::vector<double> f = expert_shares(experts, N, E, k);
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t e = 0; e < E; ++e) out.balance += f[static_cast<size_t>(e)] * probs[t * E + e];
+    out.z += static_cast<double>(lse[t]) * lse[t];
+  }
+  out.balance *= static_cast<double>(E) / static_cast<double>(N);
+  out.z /= static_cast<double>(N);
+  return out;
+}
+
+void moe_router_losses_backward(const float* probs, const float* lse, const int32_t* experts,
+                                int64_t N, int64_t E, int64_t k, float balance_weight,
+                                float z_weight, float* dlogits) {
+  if (N == 0) return;
+  const std::vector<double> f = expert_shares(experts, N, E, k);
+  const double wb = static_cast<double>(balance_weight) * static_cast<double>(E) / N,
+               wz = 2.0 * static_cast<double>(z_weight) / N;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const float* p = probs + t * E;
+    double mean_f = 0.0;  // sum over e of f_e p_e
+    for (int64_t e = 0; e < E; ++e) mean_f += f[static_cast<size_t>(e)] * p[e];
+    for (int64_t e = 0; e < E; ++e)
+      dlogits[t * E + e] += static_cast<float>(
+          p[e] * (wb * (f[static_cast<size_t>(e)] - mean_f) + wz * static_cast<double>(lse[t])));
   }
 }
 

@@ -11,8 +11,10 @@
 
 #include "adapter_test_util.h"
 #include "engine/core/memory.h"
+#include "engine/core/moe_ops.h"
 #include "engine/core/profiler.h"
 #include "engine/train/adamw.h"
+#include "engine/train/trainer.h"
 #include "kernels/attention/attention.h"
 #include "kernels/gemm/gemm.h"
 #include "models/decoder.h"
@@ -826,6 +828,63 @@ TEST(DecoderModel, ProfiledStepCountsTheFlopsMfuCounts) {
   EXPECT_DOUBLE_EQ(attention_forward,
                    4.0 * c.n_layers * B * c.d_model * static_cast<double>(T * (T + 1)) / 2.0);
   EXPECT_EQ(linear_calls, 7 * c.n_layers);
+}
+
+// A mixture's expert load: each router's tokens counted once a forward pass, the same with the
+// MLP in a checkpoint region (whose second forward in the backward pass is not counted), none
+// in a pass no count is alive for; a training step's spread per layer from them.
+TEST(DecoderModel, ExpertLoadIsCountedOnceAForwardPass) {
+  const ModelConfig c = test::tiny_as("qwen3moe");
+  const int64_t B = 2, T = 24;
+  const Tensor x = random_tokens(B, T, c.vocab, 3), y = random_tokens(B, T, c.vocab, 4);
+  std::vector<std::vector<std::vector<int64_t>>> counts;  // [pass][layer][expert]
+  for (const Checkpointing checkpoint : {Checkpointing::None, Checkpointing::Layer}) {
+    DecoderModel model(c);
+    model.init_weights(1);
+    model.set_checkpointing(checkpoint);
+    moe_load_take();
+    Variable loss;
+    {
+      const MoeLoadCount count;
+      loss = model.loss(x, y);
+    }
+    backward(loss);
+    counts.emplace_back();
+    for (const MoeLoad& load : moe_load_take()) counts.back().push_back(load.tokens);
+    {
+      const NoGradGuard no_grad;
+      model.loss(x, y);
+    }
+    EXPECT_TRUE(moe_load_take().empty()) << "a pass with no count alive";
+  }
+  ASSERT_EQ(static_cast<int64_t>(counts[0].size()), c.n_layers);
+  for (const std::vector<int64_t>& load : counts[0]) {
+    ASSERT_EQ(static_cast<int64_t>(load.size()), c.n_experts);
+    int64_t sum = 0;
+    for (const int64_t n : load) sum += n;
+    EXPECT_EQ(sum, B * T * c.experts_used);
+  }
+  EXPECT_EQ(counts[0], counts[1]) << "a checkpoint region's recomputation counted";
+
+  DecoderModel model(c);
+  model.init_weights(1);
+  TrainOptions options;
+  options.batch = B;
+  options.ctx = T;
+  options.accum = 2;
+  options.lr.total_steps = 1;
+  Trainer trainer(
+      model.parameters(),
+      [&model](const Tensor& in, const Tensor& tgt) { return model.loss(in, tgt); }, options);
+  std::vector<int32_t> tokens(4000);
+  std::mt19937 rng(5);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % c.vocab);
+  const StepResult r = trainer.step(tokens, 1);
+  ASSERT_EQ(static_cast<int64_t>(r.expert_spread.size()), c.n_layers);
+  for (const double spread : r.expert_spread) {
+    EXPECT_GE(spread, 1.0);
+    EXPECT_LE(spread, static_cast<double>(c.n_experts) / c.experts_used);
+  }
 }
 
 TEST(Generate, GreedyIsDeterministicAndSamplingHonoursTopK) {

@@ -172,6 +172,48 @@ TEST_F(Cli, ProfileTimesTheOpsOfTheStepsAfterTheFirst) {
   EXPECT_LE(sum_ms, j["ms_per_step"].get<double>() * 1.0001);
 }
 
+// A mixture of experts: each step's expert load and router losses in metrics.jsonl and the log,
+// the load-balancing loss on by default (config.json keeps its coefficients), changing the run
+// against one without it; the router losses' flags refused for a dense model and below zero.
+TEST_F(Cli, AMixtureLogsItsLoadAndTrainsWithItsRouterLosses) {
+  const std::string base =
+      "--preset tiny --arch qwen3moe --vocab 300 --ctx 32 --batch 4 "
+      "--steps 3 --eval-every 3 --sample-tokens 0 --corpus " +
+      write_corpus(400).string();
+  const fs::path with = dir_ / "with", without = dir_ / "without";
+  const Result a = run(base + " --moe-z-loss 0.001 --out " + with.string());
+  ASSERT_EQ(a.exit_code, 0) << a.err << a.out;
+  const Result b = run(base + " --moe-balance 0 --out " + without.string());
+  ASSERT_EQ(b.exit_code, 0) << b.err << b.out;
+  const nlohmann::json train = nlohmann::json::parse(read_all(with / "config.json"))["train"];
+  EXPECT_FLOAT_EQ(train["moe_balance"].get<float>(), 0.001f);
+  EXPECT_FLOAT_EQ(train["moe_z_loss"].get<float>(), 0.001f);
+  std::ifstream metrics(with / "metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("expert_spread")) continue;
+    ++steps;
+    EXPECT_EQ(j["expert_spread"].size(), 2u);  // tiny's layers
+    for (const auto& spread : j["expert_spread"]) EXPECT_GE(spread.get<double>(), 1.0);
+    EXPECT_GT(j["moe_balance_loss"].get<double>(), 1.0);  // 2 experts a token: 2 when even
+    EXPECT_GT(j["moe_z_loss"].get<double>(), 0.0);
+  }
+  EXPECT_EQ(steps, 3);
+  EXPECT_NE(read_all(with / "train.log").find("balance loss"), std::string::npos);
+  const std::vector<double> la = losses_of(with), lb = losses_of(without);
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), 3u);
+  EXPECT_EQ(la[0], lb[0]);  // the same first step, then the router losses' gradients tell
+  EXPECT_NE(la[2], lb[2]);
+  const std::string dense =
+      "--preset tiny --corpus " + write_corpus(50).string() + " --out " + (dir_ / "d").string();
+  expect_one_line_error(run(dense + " --moe-balance 0.01"), "--moe-balance");
+  expect_one_line_error(run(dense + " --moe-z-loss 0.01"), "--moe-z-loss");
+  expect_one_line_error(run(base + " --moe-balance -1 --out " + (dir_ / "n").string()),
+                        "--moe-balance");
+}
+
 TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
   const fs::path run_dir = dir_ / "run";
   const Result r =

@@ -1,9 +1,12 @@
 #include "tools/run/loop.h"
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <fstream>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "engine/core/error.h"
 #include "engine/core/memory.h"
@@ -20,6 +23,16 @@ namespace {
 
 double gib(int64_t bytes) {
   return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0);
+}
+
+// A mixture of experts' load on the step line: the most uneven layer's busiest expert against
+// the mean of its experts (StepResult::expert_spread) and the router's load-balancing loss (k,
+// the experts a token takes, for an even load); nothing for a dense model.
+std::string expert_spread_text(const StepResult& r) {
+  if (r.expert_spread.empty()) return {};
+  const auto most = std::max_element(r.expert_spread.begin(), r.expert_spread.end());
+  return fmt::format(" | experts: busiest {:.2f}x the mean (layer {}), balance loss {:.3f}", *most,
+                     most - r.expert_spread.begin(), r.moe_balance);
 }
 
 // What every rank decides alike after a step.
@@ -174,11 +187,11 @@ class Steps {
     if (step % plan_.log_every == 0 || step == plan_.steps || val) {
       const int64_t budget = plan_.budget.total_bytes();
       log.info(
-          "step {:>5}/{} | loss {:.4f}{}{} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | "
+          "step {:>5}/{} | loss {:.4f}{}{} | lr {:.2e} | grad norm {:.3f}{} | {:.0f} tok/s | "
           "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}{}",
           step, plan_.steps, r.loss, source_.note(),
           val ? fmt::format(" | val {:.4f}{}", *val, source_.validation_note()) : std::string(),
-          r.lr, r.grad_norm, r.tokens_per_s, r.ms,
+          r.lr, r.grad_norm, expert_spread_text(r), r.tokens_per_s, r.ms,
           comm_.size() > 1 ? fmt::format(" (summing gradients {:.0f}, {:.0f} of it after the "
                                          "backward pass; gathering weights {:.0f})",
                                          r.reducing_ms, r.comm_ms, r.gather_ms)

@@ -35,6 +35,8 @@ std::string run_config_to_json(const RunConfig& c) {
         {"eps", shortest_decimal(c.train.adamw.eps)},
         {"weight_decay", shortest_decimal(c.train.adamw.weight_decay)},
         {"grad_clip", shortest_decimal(c.train.adamw.grad_clip)},
+        {"moe_balance", shortest_decimal(c.train.moe_balance)},
+        {"moe_z_loss", shortest_decimal(c.train.moe_z)},
         {"save_every", c.save_every},
         {"keep", c.keep},
         {"offload", c.offload},
@@ -81,6 +83,8 @@ RunConfig parse_run_config(const std::string& text, const std::string& path) {
     c.train.adamw.eps = t.at("eps").get<float>();
     c.train.adamw.weight_decay = t.at("weight_decay").get<float>();
     c.train.adamw.grad_clip = t.at("grad_clip").get<float>();
+    c.train.moe_balance = t.value("moe_balance", 0.0f);
+    c.train.moe_z = t.value("moe_z_loss", 0.0f);
     c.threads = t.at("threads").get<int>();
     c.ranks = t.value("ranks", 1);
     const std::string dtype = t.value("dtype", std::string("fp32"));

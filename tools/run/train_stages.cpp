@@ -271,6 +271,11 @@ nlohmann::json step_record(int64_t step, const StepResult& r, const ProcessMemor
                       {"skipped", r.skipped},
                       {"model_gflops_per_s", model_gflops}};
   if (mfu) m["mfu"] = *mfu;
+  if (!r.expert_spread.empty()) {
+    m["expert_spread"] = r.expert_spread;
+    m["moe_balance_loss"] = r.moe_balance;
+    m["moe_z_loss"] = r.moe_z;
+  }
   const MemoryStats stats = memory_stats();
   for (int i = 0; i < kMemoryCategoryCount; ++i) {
     const std::string name(memory_category_name(static_cast<MemoryCategory>(i)));

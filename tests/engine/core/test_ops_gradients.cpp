@@ -515,6 +515,79 @@ TEST(MoeOps, OneParallelPassIsTheProductsOnOneThread) {
   }
 }
 
+// The router's losses (kernels::MoeRouterLosses): their values, as a MoeLoadCount sums them,
+// against the formulas in double, and the gradient a MoeRouterLossScope puts into the logits
+// against central differences of the formulas, the choice of experts held by separated logits;
+// the output's gradient is zero, so nothing else reaches the logits.
+TEST(MoeOps, RouterLossesAreTheFormulasAndTheirGradients) {
+  const int64_t N = 9, E = 6, k = 2, C = 4, F = 3;
+  const double wb = 0.7, wz = 0.3;
+  std::mt19937 rng(97);
+  const Tensor logits = separated_logits(N, E, rng);
+  const Tensor x = random_tensor(Shape{N, C}, rng), w1 = random_tensor(Shape{E, F, C}, rng),
+               w3 = random_tensor(Shape{E, F, C}, rng), w2 = random_tensor(Shape{E, C, F}, rng);
+  Tensor dy = random_tensor(Shape{N, C}, rng);
+  std::fill_n(dy.f32(), dy.numel(), 0.0f);
+  // balance = E sum_e f_e P_e, z = mean lse^2, from logits l (N x E).
+  const auto formulas = [&](const std::vector<double>& l, double* balance, double* z) {
+    std::vector<double> f(static_cast<size_t>(E), 0.0), P(static_cast<size_t>(E), 0.0);
+    *z = 0;
+    for (int64_t t = 0; t < N; ++t) {
+      double top = l[t * E];
+      for (int64_t e = 1; e < E; ++e) top = std::max(top, l[t * E + e]);
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(l[t * E + e] - top);
+      const double lse = top + std::log(sum);
+      *z += lse * lse / N;
+      std::vector<int64_t> by(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) by[e] = e;
+      std::stable_sort(by.begin(), by.end(),
+                       [&](int64_t a, int64_t b) { return l[t * E + a] > l[t * E + b]; });
+      for (int64_t j = 0; j < k; ++j) f[by[j]] += 1.0 / N;
+      for (int64_t e = 0; e < E; ++e) P[e] += std::exp(l[t * E + e] - lse) / N;
+    }
+    *balance = 0;
+    for (int64_t e = 0; e < E; ++e) *balance += E * f[e] * P[e];
+  };
+  Variable vl(logits, true);
+  moe_load_take();
+  {
+    const MoeRouterLossScope scope(static_cast<float>(wb), static_cast<float>(wz));
+    Variable y;
+    {
+      const MoeLoadCount count;
+      const MoeRouting route = moe_route(vl, k, kernels::MoeGating::Softmax, true);
+      y = moe_experts(Variable(x, false), Variable(w1, false), Variable(w3, false),
+                      Variable(w2, false), route);
+    }
+    backward(y, dy);
+  }
+  std::vector<double> l(logits.f32(), logits.f32() + N * E);
+  double balance = 0, z = 0;
+  formulas(l, &balance, &z);
+  const std::vector<MoeLoad> loads = moe_load_take();
+  ASSERT_EQ(loads.size(), 1u);
+  EXPECT_NEAR(loads[0].balance, balance, 1e-5 * balance);
+  EXPECT_NEAR(loads[0].z, z, 1e-5 * z);
+  EXPECT_GT(balance, 1.0);  // separated logits load the experts unevenly
+  ASSERT_TRUE(vl.grad().defined());
+  const double h = 1e-4;
+  double worst = 0, largest = 0;
+  for (int64_t i = 0; i < N * E; ++i) {
+    double b1, z1, b2, z2;
+    l[i] += h;
+    formulas(l, &b1, &z1);
+    l[i] -= 2 * h;
+    formulas(l, &b2, &z2);
+    l[i] += h;
+    const double want = (wb * (b1 - b2) + wz * (z1 - z2)) / (2 * h);
+    worst = std::max(worst, std::abs(want - vl.grad().f32()[i]));
+    largest = std::max(largest, std::abs(want));
+  }
+  EXPECT_GT(largest, 1e-3);
+  EXPECT_LE(worst, 1e-4 + 1e-3 * largest);
+}
+
 TEST(OpsGradient, LayerNorm) {
   std::mt19937 rng(63);
   check_gradients([](const auto& v) { return layernorm(v[0], v[1], v[2], 1e-5f); },
