@@ -113,10 +113,14 @@ std::vector<Architecture> table() {
     m.hf_class = "Qwen3_5MoeForCausalLM";
     m.moe = true;
     m.shared_expert = true;
-    m.hf_files = false;
     for (const char* key : {"expert_count", "expert_used_count", "expert_feed_forward_length",
                             "expert_shared_feed_forward_length"})
       m.gguf_keys.push_back(key);
+    for (const char* key :
+         {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+          "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+          "mlp_only_layers", "router_aux_loss_coef", "output_router_logits"})
+      m.hf_keys.push_back(key);
     m.summary =
         "Qwen3.5's layers, and in every MLP's place qwen3moe's experts beside a shared expert "
         "whose output a sigmoid gate scales";

@@ -331,8 +331,9 @@ const Architecture* hf_multimodal_architecture(const json& j) {
 
 SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
   SafetensorsModel weights(folder);
-  // A mixture's experts, one tensor each in the folder, as the one tensor of them all the model
-  // holds.
+  // A mixture's experts, one tensor each in the folder (or, as Transformers 5 writes them, gate
+  // and up fused in one tensor of all experts), as the one tensor of them all the model holds.
+  weights.split_fused_experts();
   weights.stack_experts();
   const fs::path path = fs::path(folder) / "config.json";
   const json j = fs::exists(path) ? read_json(path) : json();
@@ -474,8 +475,13 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
     hp.n_experts = FileHyperparameter{"num_experts", values.whole("num_experts")};
     hp.experts_used =
         FileHyperparameter{"num_experts_per_tok", values.whole("num_experts_per_tok")};
+    if (arch->shared_expert)
+      hp.shared_expert_ffn = FileHyperparameter{"shared_expert_intermediate_size",
+                                                values.whole("shared_expert_intermediate_size")};
     for (const FileHyperparameter* required : {&hp.ffn, &hp.n_experts, &hp.experts_used})
       if (!required->value) throw UserError(where + ": no " + required->key);
+    if (arch->shared_expert && !hp.shared_expert_ffn.value)
+      throw UserError(where + ": no shared_expert_intermediate_size");
     if (const std::optional<int64_t> step = values.whole("decoder_sparse_step"); step && *step != 1)
       throw UserError(where + ": decoder_sparse_step " + std::to_string(*step) +
                       ": dense MLP layers among the mixtures, which cputrain does not compute");
@@ -483,7 +489,9 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
         dense && !(dense->is_array() && dense->empty()))
       throw UserError(where + ": mlp_only_layers " + json_shown(*dense) +
                       ": dense MLP layers among the mixtures, which cputrain does not compute");
-    c.expert_weights_norm = values.flag("norm_topk_prob", false);
+    // Transformers' default: Qwen3-MoE's router leaves its top k as they are, Qwen3.5-MoE's
+    // (with the shared expert) renormalises them.
+    c.expert_weights_norm = values.flag("norm_topk_prob", arch->shared_expert);
   }
   check_file_hyperparameters(
       hp, weights.names(),

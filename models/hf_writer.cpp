@@ -267,6 +267,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                    {"norm_topk_prob", c.expert_weights_norm},
                    {"decoder_sparse_step", 1},
                    {"mlp_only_layers", json::array()}});
+    if (c.shared_expert_ffn > 0) config["shared_expert_intermediate_size"] = c.shared_expert_ffn;
   }
   if (arch.no_rope_layer_step > 0) {
     json layers = json::array();

@@ -178,6 +178,53 @@ int64_t SafetensorsModel::stack_experts() {
   return static_cast<int64_t>(groups.size());
 }
 
+int64_t SafetensorsModel::split_fused_experts() {
+  std::vector<std::string> fused, down;
+  for (const auto& [name, where] : index_) {
+    const std::string bare = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    if (bare.ends_with(".experts.gate_up_proj")) fused.push_back(name);
+    if (bare.ends_with(".experts.down_proj") && bare == name) down.push_back(name);
+  }
+  for (const std::string& name : down) {
+    const auto where = index_.at(name);
+    index_.erase(name);
+    if (!index_.emplace(name + ".weight", where).second)
+      throw UserError(files_[where.second]->path() + ": tensor " + name + " is also " + name +
+                      ".weight");
+  }
+  for (const std::string& name : fused) {
+    const auto [t, file] = index_.at(name);
+    if (t->shape.size() != 3 || t->shape[1] % 2 != 0 || t->numel() == 0)
+      throw UserError(files_[file]->path() + ": tensor " + name +
+                      " is not each expert's gate and up rows ([experts, 2 F, C])");
+    const std::string base =
+        name.substr(0, name.find(".experts.gate_up_proj") + std::string(".experts.").size());
+    const int64_t E = t->shape[0], F = t->shape[1] / 2;
+    const auto row = static_cast<size_t>(t->data.size() / static_cast<size_t>(E * 2 * F));
+    for (const int64_t half : {0, 1}) {
+      auto part = std::make_unique<SafetensorsTensor>();
+      part->dtype = t->dtype;
+      part->shape = {E, F, t->shape[2]};
+      std::vector<uint8_t> bytes;
+      bytes.reserve(row * static_cast<size_t>(E * F));
+      for (int64_t e = 0; e < E; ++e) {
+        const auto from = t->data.begin() + static_cast<std::ptrdiff_t>(
+                                                row * static_cast<size_t>((2 * e + half) * F));
+        bytes.insert(bytes.end(), from,
+                     from + static_cast<std::ptrdiff_t>(row * static_cast<size_t>(F)));
+      }
+      stacked_bytes_.push_back(std::move(bytes));
+      part->data = std::span<const uint8_t>(stacked_bytes_.back());
+      const std::string now = base + (half == 0 ? "gate_proj.weight" : "up_proj.weight");
+      if (!index_.emplace(now, std::pair{part.get(), file}).second)
+        throw UserError(files_[file]->path() + ": tensor " + name + " is also " + now);
+      stacked_.push_back(std::move(part));
+    }
+    index_.erase(name);
+  }
+  return static_cast<int64_t>(fused.size());
+}
+
 const SafetensorsTensor* SafetensorsModel::find(const std::string& name) const {
   const auto it = index_.find(name);
   return it == index_.end() ? nullptr : it->second.first;

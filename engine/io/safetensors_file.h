@@ -59,6 +59,12 @@ class SafetensorsModel {
   // UserError naming the file where a group's experts are not 0 .. count - 1 alike; returns the
   // groups.
   int64_t stack_experts();
+  // Transformers 5's fused experts: "<base>.experts.gate_up_proj" ([count, 2 F, C]: each expert's
+  // gate rows, then its up rows) found instead as "<base>.experts.gate_proj.weight" and
+  // "<base>.experts.up_proj.weight" ([count, F, C] each, copied), and "<base>.experts.down_proj"
+  // as "<base>.experts.down_proj.weight" (either name with ".weight" or without). A UserError
+  // naming the file where a fused tensor is not of that shape; returns the tensors split.
+  int64_t split_fused_experts();
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

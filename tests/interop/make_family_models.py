@@ -53,7 +53,9 @@ Face's rotate-half order:
   (mlp.gate, mlp.experts.<e>.gate_proj ...);
 - qwen35moe: Qwen3.5's layers with qwen3moe's experts (8, top 2) in every MLP's place and a shared
   expert beside them, its output times sigmoid of a gate of its own (ffn_*_shexp,
-  ffn_gate_inp_shexp; GGUF alone).
+  ffn_gate_inp_shexp), and its Hugging Face folders: per-expert tensors (qwen35moe_hf) and, as
+  Transformers 5 writes them, each layer's experts in one tensor with gate and up fused
+  (qwen35moe_fused_hf).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -608,8 +610,6 @@ def write_qwen35(name, spec, seed):
         a = mtp[f"mtp.{n}.weight"]
         w.add_tensor(f"blk.{layers}.nextn.{g}.weight", a if n == "fc" else a + np.float32(1.0))
     finish(w)
-    if moe:  # GGUF alone
-        return
 
     folder = f"{OUT}/{name}_hf"
     os.makedirs(folder, exist_ok=True)
@@ -632,9 +632,32 @@ def write_qwen35(name, spec, seed):
                                   "mrope_interleaved": True,
                                   "mrope_section": q35["sections"][:3]},
               "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", "use_cache": True}
+    if moe:
+        config.update(num_experts=moe["experts"], num_experts_per_tok=moe["used"],
+                      moe_intermediate_size=ffn, shared_expert_intermediate_size=moe["shared"],
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      router_aux_loss_coef=0.001, output_router_logits=False)
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
     write_tokenizer(folder, tokens, types, False)
+    if moe:
+        # As Transformers 5 writes a mixture: each layer's experts one tensor, gate and up fused
+        # (each expert's gate rows, then its up rows), down_proj without ".weight".
+        folder = f"{OUT}/{name}_fused_hf"
+        os.makedirs(folder, exist_ok=True)
+        fused = {k: a for k, a in {**hf, **mtp}.items() if ".mlp.experts." not in k}
+        for i in range(layers):
+            p = f"model.layers.{i}.mlp.experts."
+            fused[p + "gate_up_proj"] = np.stack(
+                [np.concatenate([hf[p + f"{e}.gate_proj.weight"], hf[p + f"{e}.up_proj.weight"]])
+                 for e in range(moe["experts"])])
+            fused[p + "down_proj"] = np.stack(
+                [hf[p + f"{e}.down_proj.weight"] for e in range(moe["experts"])])
+        write_safetensors(f"{folder}/model.safetensors", fused)
+        with open(f"{folder}/config.json", "w") as f:
+            json.dump(config, f)
+        write_tokenizer(folder, tokens, types, False)
+        return
 
     # The published checkpoints' form: the text model inside an image-and-text one
     # (Qwen3_5ForConditionalGeneration), its tensors under model.language_model., a vision model

@@ -214,9 +214,10 @@ TEST(Families, GreedyContinuationIsLlamaCpps) {
 
 void expect_same_values(const LoadedModel& a, const LoadedModel& b, const std::string& where);
 
-// Mixtures of experts: Qwen3-MoE's 8 experts, each token's top 2 and top 4 (GGUF, and a Hugging
-// Face folder of per-expert tensors that reads to the same bits), and Qwen3.5-MoE's (its layers,
-// top 2, and a shared expert behind a sigmoid gate; GGUF alone so far),
+// Mixtures of experts: Qwen3-MoE's 8 experts, each token's top 2 and top 4, and Qwen3.5-MoE's (its
+// layers, top 2, and a shared expert behind a sigmoid gate): GGUF, and a Hugging Face folder of
+// per-expert tensors that reads to the same bits (for Qwen3.5-MoE also Transformers 5's fused
+// experts), written back as a folder that reads to them too;
 // llama.cpp's logits at every position of 200 tokens, and its 60 greedy tokens after BOS; an
 // adapter fine-tuned on each; the same files quantised.
 TEST(Families, MixturesOfExpertsAreLlamaCpps) {
@@ -235,9 +236,10 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     EXPECT_EQ(g.config.linear_layers.size(), qwen35 ? 3u : 0u);
     const std::vector<int32_t> tokens =
         token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 29);
-    if (!qwen35) {
+    {
       const LoadedModel h = load(family_models() / (family + "_hf"));
       expect_same_values(g, h, family);
+      if (qwen35) expect_same_values(g, load(family_models() / (family + "_fused_hf")), "fused");
       // Written as a Hugging Face folder (the experts one tensor each again), it reads back to
       // the same bits.
       const fs::path out = family_models() / (family + "_exported");

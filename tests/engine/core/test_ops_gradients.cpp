@@ -402,6 +402,22 @@ TEST(OpsGradient, MixtureOfExpertsInACheckpointRegion) {
       2e-2, 1e-3f);
 }
 
+// Expert e's output c for row t of x by the formulas, in double: w2[e] (silu(w1[e] x) * (w3[e] x)).
+double expert_output(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
+                     int64_t t, int64_t e, int64_t c) {
+  const int64_t F = w1.shape()[1], C = w1.shape()[2];
+  double out = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    double g = 0, u = 0;
+    for (int64_t i = 0; i < C; ++i) {
+      g += double(w1.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
+      u += double(w3.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
+    }
+    out += double(w2.f32()[(e * C + c) * F + f]) * g / (1 + std::exp(-g)) * u;
+  }
+  return out;
+}
+
 // Its values: each token's experts by the formulas, one at a time.
 TEST(MoeOps, ValuesAreTheFormulas) {
   std::mt19937 rng(93);
@@ -427,16 +443,7 @@ TEST(MoeOps, ValuesAreTheFormulas) {
       for (int64_t j = 0; j < k; ++j) {
         const int64_t e = by[j];
         EXPECT_EQ(route.experts.i32()[t * k + j], e);
-        double out = 0;
-        for (int64_t f = 0; f < F; ++f) {
-          double g = 0, u = 0;
-          for (int64_t i = 0; i < C; ++i) {
-            g += double(w1.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
-            u += double(w3.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
-          }
-          out += double(w2.f32()[(e * C + c) * F + f]) * g / (1 + std::exp(-g)) * u;
-        }
-        want += p[e] / chosen * out;
+        want += p[e] / chosen * expert_output(x, w1, w3, w2, t, e, c);
       }
       EXPECT_NEAR(y.f32()[t * C + c], want, 1e-4 * (1 + std::abs(want)));
     }
@@ -498,16 +505,7 @@ TEST(MoeOps, OneParallelPassIsTheProductsOnOneThread) {
         double want = 0;
         for (int64_t j = 0; j < k; ++j) {
           const int64_t e = by[j];
-          double out = 0;
-          for (int64_t f = 0; f < F; ++f) {
-            double g = 0, u = 0;
-            for (int64_t i = 0; i < C; ++i) {
-              g += double(w1.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
-              u += double(w3.f32()[(e * F + f) * C + i]) * x.f32()[t * C + i];
-            }
-            out += double(w2.f32()[(e * C + c) * F + f]) * g / (1 + std::exp(-g)) * u;
-          }
-          want += p[e] / (p[by[0]] + p[by[1]]) * out;
+          want += p[e] / (p[by[0]] + p[by[1]]) * expert_output(x, w1, w3, w2, t, e, c);
         }
         EXPECT_NEAR(three.values[0][t * C + c], want, 1e-4 * (1 + std::abs(want)));
       }
