@@ -1,7 +1,9 @@
 #include "models/architecture.h"
 
 #include <algorithm>
+#include <array>
 #include <stdexcept>
+#include <string_view>
 
 #include "engine/core/error.h"
 
@@ -20,6 +22,13 @@ constexpr std::string_view kHfCommonKeys[] = {
     // notes
     "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype", "transformers_version",
     "initializer_range", "use_cache", "pretraining_tp", "auto_map"};
+
+// The keys a mixture of experts' files add (qwen3moe's; qwen35moe's with its shared expert's).
+constexpr std::array<std::string_view, 3> kMoeGgufKeys = {"expert_count", "expert_used_count",
+                                                          "expert_feed_forward_length"};
+constexpr std::array<std::string_view, 8> kMoeHfKeys = {
+    "num_experts",         "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers",     "router_aux_loss_coef",  "output_router_logits"};
 
 std::vector<Architecture> table() {
   std::vector<Architecture> t;
@@ -64,10 +73,8 @@ std::vector<Architecture> table() {
     a.gguf_rope_pairs = RopePairs::HalfSplit;
     a.qk_norm = true;
     a.moe = true;
-    a.gguf_keys = {"expert_count", "expert_used_count", "expert_feed_forward_length"};
-    a.hf_keys = {"num_experts",          "num_experts_per_tok", "moe_intermediate_size",
-                 "norm_topk_prob",       "decoder_sparse_step", "mlp_only_layers",
-                 "router_aux_loss_coef", "output_router_logits"};
+    a.gguf_keys.assign(kMoeGgufKeys.begin(), kMoeGgufKeys.end());
+    a.hf_keys.assign(kMoeHfKeys.begin(), kMoeHfKeys.end());
     a.summary =
         "qwen3's attention, and in every MLP's place a mixture of SwiGLU experts: a softmax "
         "router over them, each token's top k renormalised";
@@ -113,14 +120,10 @@ std::vector<Architecture> table() {
     m.hf_class = "Qwen3_5MoeForCausalLM";
     m.moe = true;
     m.shared_expert = true;
-    for (const char* key : {"expert_count", "expert_used_count", "expert_feed_forward_length",
-                            "expert_shared_feed_forward_length"})
-      m.gguf_keys.push_back(key);
-    for (const char* key :
-         {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
-          "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-          "mlp_only_layers", "router_aux_loss_coef", "output_router_logits"})
-      m.hf_keys.push_back(key);
+    m.gguf_keys.insert(m.gguf_keys.end(), kMoeGgufKeys.begin(), kMoeGgufKeys.end());
+    m.gguf_keys.push_back("expert_shared_feed_forward_length");
+    m.hf_keys.insert(m.hf_keys.end(), kMoeHfKeys.begin(), kMoeHfKeys.end());
+    m.hf_keys.push_back("shared_expert_intermediate_size");
     m.summary =
         "Qwen3.5's layers, and in every MLP's place qwen3moe's experts beside a shared expert "
         "whose output a sigmoid gate scales";
@@ -347,13 +350,6 @@ void require_files(const Architecture& arch, const std::string& what) {
     throw UserError(what + ": " + std::string(arch.name) +
                     " files are not read or written yet (cputrain train --arch " +
                     std::string(arch.name) + " trains one; its run's checkpoint holds it)");
-}
-
-void require_hf_files(const Architecture& arch, const std::string& what) {
-  require_files(arch, what);
-  if (!arch.hf_files)
-    throw UserError(what + ": Hugging Face folders of " + std::string(arch.name) +
-                    " are not read or written yet (its GGUF files are)");
 }
 
 std::string architecture_mismatch(const ModelConfig& c) {

@@ -112,9 +112,6 @@ struct Architecture {
   // for a whole model read and written as GGUF where gguf_written says so.
   bool files = true;
   bool gguf_written = true;
-  // Whether its Hugging Face folders are read and written (where files says its files are):
-  // where not, its GGUF files alone.
-  bool hf_files = true;
   // GGUF names of its own for parameters, as hf_names ("ffn_norm" -> "post_attention_norm").
   std::vector<std::pair<std::string_view, std::string_view>> gguf_names;
   // The keys of its config.json beyond those every architecture reads (architecture.cpp), read or
@@ -159,8 +156,6 @@ ModelConfig with_architecture(ModelConfig config, const Architecture& arch);
 // A UserError where `arch`'s files are neither read nor written (Architecture::files): `what`
 // says what was asked ("path: reading", "writing GGUF").
 void require_files(const Architecture& arch, const std::string& what);
-// The same for its Hugging Face folders (Architecture::hf_files).
-void require_hf_files(const Architecture& arch, const std::string& what);
 
 // The Gated DeltaNet layers of a model of `arch` with `layers` layers (all but every
 // linear_attention_step-th; none where it has none).

@@ -393,7 +393,7 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
     throw UserError(where + ": model_type " + type +
                     ", which cputrain does not compute (it computes " + hf_model_type_names() +
                     ")");
-  require_hf_files(*arch, where);
+  require_files(*arch, where);
   for (const auto& [key, value] : j.items())
     if (!hf_key_known(*arch, key))
       throw UserError(where + ": " + key + " " + json_shown(value) +
@@ -478,10 +478,10 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
     if (arch->shared_expert)
       hp.shared_expert_ffn = FileHyperparameter{"shared_expert_intermediate_size",
                                                 values.whole("shared_expert_intermediate_size")};
-    for (const FileHyperparameter* required : {&hp.ffn, &hp.n_experts, &hp.experts_used})
-      if (!required->value) throw UserError(where + ": no " + required->key);
-    if (arch->shared_expert && !hp.shared_expert_ffn.value)
-      throw UserError(where + ": no shared_expert_intermediate_size");
+    std::vector<const FileHyperparameter*> required{&hp.ffn, &hp.n_experts, &hp.experts_used};
+    if (arch->shared_expert) required.push_back(&hp.shared_expert_ffn);
+    for (const FileHyperparameter* r : required)
+      if (!r->value) throw UserError(where + ": no " + r->key);
     if (const std::optional<int64_t> step = values.whole("decoder_sparse_step"); step && *step != 1)
       throw UserError(where + ": decoder_sparse_step " + std::to_string(*step) +
                       ": dense MLP layers among the mixtures, which cputrain does not compute");

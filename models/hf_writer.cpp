@@ -154,7 +154,7 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
 
 void write_hf_folder(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
                      const Tokenizer& tokenizer, const std::string& dtype) {
-  require_hf_files(architecture_of(c), folder);
+  require_files(architecture_of(c), folder);
   const fs::path dir(folder);
   std::error_code ec;
   fs::create_directories(dir, ec);

@@ -280,6 +280,8 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
               (!dtype_quantized(w2v.dtype()) || !w2.requires_grad()),
           "moe_experts: a quantised expert takes no gradient");
   const bool grad = needs_grad({&x, &w1, &w3, &w2, &route.weights});
+  // The backward pass reads the activation for the weights' and w2's gradients alone.
+  const bool keep_h = needs_grad({&w2, &route.weights});
   const int64_t R = N * k;              // rows of the grouped products
   const int64_t most = std::min(N, R);  // an expert's rows at most (a token takes it once)
   auto group = std::make_shared<Grouping>();
@@ -322,8 +324,8 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   xg = Tensor();
   Tensor H, G16, U16;
   if (bf16) {
-    H = grad ? new_activation(Shape{R, F}, DType::BF16)
-             : Tensor::empty(Shape{R, F}, DType::BF16, MemoryCategory::Workspace);
+    H = keep_h ? new_activation(Shape{R, F}, DType::BF16)
+               : Tensor::empty(Shape{R, F}, DType::BF16, MemoryCategory::Workspace);
     if (grad) {
       G16 = new_activation(Shape{R, F}, DType::BF16);
       U16 = new_activation(Shape{R, F}, DType::BF16);
@@ -349,7 +351,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       });
   }
   // FP32 mode computes the activation again in the backward pass; bf16 mode keeps it.
-  if (!bf16 || !grad) H = Tensor();
+  if (!bf16 || !keep_h) H = Tensor();
   Tensor y = new_activation(xs);
   const Tensor& wt = route.weights.value();
   if (computing()) {
@@ -405,7 +407,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     // The activation (kept in bf16 mode, computed again in FP32 mode as the down product took
     // it), the weights' gradient (H . P) and dH = weight P.
     Tensor h = H;
-    if (!bf16) {
+    if (!bf16 && (gw || g2)) {
       h = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
       if (computing()) kernels::swiglu_forward(h.f32(), G.f32(), U.f32(), R * F);
     }

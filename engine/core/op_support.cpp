@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <stdexcept>
 
 #include "engine/core/memory.h"
@@ -51,13 +52,10 @@ double gemm_flops(int64_t M, int64_t N, int64_t K) {
 
 void measure_gemm(bool bf16, kernels::Transpose ta, kernels::Transpose tb, int64_t M, int64_t N,
                   int64_t K, int thread) {
-  std::array<size_t, 4> need;
-  if (thread >= 0) {
-    const kernels::GemmSerialScope serial;
-    need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
-  } else {
-    need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
-  }
+  std::optional<kernels::GemmSerialScope> serial;  // a parallel pass's thread: its own plan
+  if (thread >= 0) serial.emplace();
+  const std::array<size_t, 4> need = kernels::gemm_buffer_bytes(bf16, ta, tb, M, N, K);
+  serial.reset();
   for (const int buffer : {2, 3, 0, 1})
     if (need[buffer] > 0)
       measure_buffer(buffer, need[buffer], MemoryCategory::Workspace, std::max(thread, 0));

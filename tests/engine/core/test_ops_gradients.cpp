@@ -493,6 +493,19 @@ TEST(MoeOps, OneParallelPassIsTheProductsOnOneThread) {
       EXPECT_GT(top, 0.0) << "result " << i;
       EXPECT_LE(diff, 1e-5 * top) << "result " << i << (bf16 ? " bf16" : " fp32");
     }
+    {
+      // With w2 and the router frozen the activation is neither kept nor computed again: x's
+      // gradient is the same.
+      ComputeDTypeGuard dtype(bf16 ? DType::BF16 : DType::F32);
+      Variable vx(x, true);
+      const MoeRouting route =
+          moe_route(Variable(logits, false), k, kernels::MoeGating::Softmax, true);
+      backward(moe_experts(vx, Variable(w1, true), Variable(w3, true), Variable(w2, false), route),
+               dy);
+      ASSERT_TRUE(vx.grad().defined());
+      for (int64_t j = 0; j < vx.grad().numel(); ++j)
+        ASSERT_EQ(vx.grad().f32()[j], one.values[1][static_cast<size_t>(j)]) << j;
+    }
     if (bf16) continue;
     for (const int64_t t : {0, 17, 39}) {
       std::vector<double> p(static_cast<size_t>(E));
