@@ -7,6 +7,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <stdexcept>
 #include <tuple>
+#include <vector>
 
 #include "kernels/gemm/gemm_isa.h"
 
@@ -26,7 +27,7 @@ struct Bf16Key {
 };
 
 struct Bf16Matmul {
-  memory::desc a, b, c;
+  memory::desc a, b, c, scratchpad;
   dnnl::matmul primitive;
 };
 
@@ -95,14 +96,18 @@ void gemm_bf16_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
       m.b = memory::desc({K, N}, memory::data_type::bf16,
                          key.tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
       m.c = memory::desc({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
+      // The caller's scratchpad: a primitive executes on any thread, also on several at once
+      // inside a parallel pass, which the library's shared scratchpad does not allow.
       dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
       if (beta != 0.0f) {
         dnnl::post_ops ops;
         ops.append_sum(beta);
         attr.set_post_ops(ops);
       }
-      m.primitive = dnnl::matmul(
-          dnnl::matmul::primitive_desc(dnnl::matmul::desc(m.a, m.b, m.c), attr, cpu_engine()));
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(m.a, m.b, m.c), attr, cpu_engine());
+      m.scratchpad = pd.scratchpad_desc();
+      m.primitive = dnnl::matmul(pd);
       it = cache.emplace(key, std::move(m)).first;
     }
     mm = &it->second;
@@ -111,7 +116,12 @@ void gemm_bf16_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
   memory a(mm->a, cpu_engine(), const_cast<uint16_t*>(A));
   memory b(mm->b, cpu_engine(), const_cast<uint16_t*>(B));
   memory c(mm->c, cpu_engine(), C);
-  mm->primitive.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+  thread_local std::vector<uint8_t> scratch;
+  if (scratch.size() < mm->scratchpad.get_size()) scratch.resize(mm->scratchpad.get_size());
+  memory pad(mm->scratchpad, cpu_engine(), scratch.data());
+  mm->primitive.execute(
+      stream,
+      {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, pad}});
   stream.wait();
 }
 
