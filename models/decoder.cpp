@@ -110,8 +110,9 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     }
     if (arch.post_norms) b.post_ffw_norm = params.add(l + "post_ffw_norm.weight", Shape{C}, false);
     if (lora.active()) {
-      const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1,
-                                             b.w3, b.w2, b.wz, b.wb, b.wa};
+      // A mixture's router; its experts' adapters (after) are one A and B of each expert.
+      const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1,    b.w3,
+                                             b.w2, b.wz, b.wb, b.wa, b.router};
       for (int j = 0; j < kProjectionCount; ++j) {
         // A projection the block does not have (a gate without a gated MLP) takes none.
         if (!lora.on(static_cast<Projection>(j)) || weights[j] < 0) continue;
@@ -126,6 +127,27 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       }
       if (b.wg >= 0 && b.lora_a[static_cast<size_t>(Projection::Q)] >= 0)
         b.lora_b_gate = params.add(l + "attention.wg.lora_b", Shape{Q, lora.rank}, true, true);
+      const Projection mlp[3] = {Projection::Gate, Projection::Up, Projection::Down};
+      const int experts[3] = {b.experts_w1, b.experts_w3, b.experts_w2};
+      const int shared[3] = {b.shared_w1, b.shared_w3, b.shared_w2};
+      for (int j = 0; j < 3; ++j) {
+        if (experts[j] < 0 || !lora.on(mlp[j])) continue;
+        const auto add = [&](int weight, int& a, int& bm) {
+          const ParameterInfo& w = params.infos()[static_cast<size_t>(weight)];
+          const std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
+          const int d = w.shape.ndim();
+          const int64_t out = w.shape[d - 2], in = w.shape[d - 1];
+          a = params.add(base + "lora_a",
+                         d == 3 ? Shape{w.shape[0], lora.rank, in} : Shape{lora.rank, in}, true,
+                         true);
+          bm = params.add(base + "lora_b",
+                          d == 3 ? Shape{w.shape[0], out, lora.rank} : Shape{out, lora.rank}, true,
+                          true);
+        };
+        const auto k = static_cast<size_t>(mlp[j]);
+        add(experts[j], b.lora_a[k], b.lora_b[k]);
+        if (shared[j] >= 0) add(shared[j], b.shared_lora_a[j], b.shared_lora_b[j]);
+      }
     }
     layout.blocks.push_back(b);
   }
@@ -196,6 +218,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     v.push_back(b.lora_b_gate);
+    v.insert(v.end(), b.shared_lora_a.begin(), b.shared_lora_a.end());
+    v.insert(v.end(), b.shared_lora_b.begin(), b.shared_lora_b.end());
     return v;
   };
   std::vector<bool> done(params_.infos().size(), false);
@@ -327,19 +351,26 @@ Variable DecoderModel::project(const Block& b, Projection which, int weight, int
                                const Variable& x, bool rounded, int lora_b) const {
   const auto j = static_cast<size_t>(which);
   if (lora_b < 0) lora_b = b.lora_b[j];
-  if (b.lora_a[j] < 0 || !adapters_on_)
+  // The parts of a fused projection draw one mask, their input's.
+  size_t group = j;
+  while (group > 0 && b.lora_a[j] >= 0 && b.lora_a[group - 1] == b.lora_a[j]) --group;
+  return adapted(b, group, weight, bias_index, b.lora_a[j], lora_b, x, rounded);
+}
+
+uint64_t DecoderModel::dropout_seed(const Block& b, size_t mask) const {
+  const auto layer = static_cast<uint64_t>(&b - blocks_.data());
+  return splitmix64(dropout_seed_ ^ splitmix64(layer * (kProjectionCount + 3) + mask + 1));
+}
+
+Variable DecoderModel::adapted(const Block& b, size_t mask, int weight, int bias_index, int lora_a,
+                               int lora_b, const Variable& x, bool rounded) const {
+  if (lora_a < 0 || !adapters_on_)
     return rounded ? linear_rounded(x, p(weight), bias(bias_index))
                    : linear(x, p(weight), bias(bias_index));
   // Dropout in training only, a mask of its own for each layer and projection.
   const bool dropout = lora_.dropout > 0.0 && grad_enabled();
-  const auto layer = static_cast<uint64_t>(&b - blocks_.data());
-  // The parts of a fused projection draw one mask, their input's.
-  size_t group = j;
-  while (group > 0 && b.lora_a[group - 1] == b.lora_a[j]) --group;
-  const uint64_t seed =
-      splitmix64(dropout_seed_ ^ splitmix64(layer * kProjectionCount + group + 1));
-  return lora_linear(x, p(weight), bias(bias_index), p(b.lora_a[j]), p(lora_b), lora_.scale(),
-                     dropout ? static_cast<float>(lora_.dropout) : 0.0f, seed);
+  return lora_linear(x, p(weight), bias(bias_index), p(lora_a), p(lora_b), lora_.scale(),
+                     dropout ? static_cast<float>(lora_.dropout) : 0.0f, dropout_seed(b, mask));
 }
 
 Variable DecoderModel::norm(const Variable& x, int weight, int bias_index) const {
@@ -437,13 +468,35 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
 Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
   if (b.router >= 0) {
     // The router's logits in FP32, each token's experts and weights, the experts' sum.
-    const MoeRouting route = moe_route(linear(g, p(b.router)), config_.experts_used,
-                                       arch_->moe_gating, config_.expert_weights_norm);
-    Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route);
+    const MoeRouting route =
+        moe_route(project(b, Projection::Router, b.router, -1, g), config_.experts_used,
+                  arch_->moe_gating, config_.expert_weights_norm);
+    // The experts' adapters (gate, up, down), dropout in training only.
+    MoeAdapters lora;
+    if (adapters_on_) {
+      const auto at = [&](const std::array<int, kProjectionCount>& ids, Projection which) {
+        const int i = ids[static_cast<size_t>(which)];
+        return i >= 0 ? p(i) : Variable();
+      };
+      lora = {at(b.lora_a, Projection::Gate),
+              at(b.lora_b, Projection::Gate),
+              at(b.lora_a, Projection::Up),
+              at(b.lora_b, Projection::Up),
+              at(b.lora_a, Projection::Down),
+              at(b.lora_b, Projection::Down),
+              lora_.active() ? lora_.scale() : 1.0f,
+              lora_.dropout > 0.0 && grad_enabled() ? static_cast<float>(lora_.dropout) : 0.0f,
+              dropout_seed(b, static_cast<size_t>(Projection::Gate))};
+    }
+    Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route, lora);
     if (b.shared_w1 >= 0) {
       // The shared expert, its output scaled by sigmoid of the token's own gate.
-      const Variable shared =
-          linear(swiglu(linear(g, p(b.shared_w1)), linear(g, p(b.shared_w3))), p(b.shared_w2));
+      const auto shared_proj = [&](size_t j, int weight, const Variable& in) {
+        return adapted(b, kProjectionCount + j, weight, -1, b.shared_lora_a[j], b.shared_lora_b[j],
+                       in, false);
+      };
+      const Variable shared = shared_proj(
+          2, b.shared_w2, swiglu(shared_proj(0, b.shared_w1, g), shared_proj(1, b.shared_w3, g)));
       out = add(out, row_sigmoid_gated(shared, linear(g, p(b.shared_gate))));
     }
     return b.post_ffw_norm >= 0

@@ -172,10 +172,13 @@ class DecoderModel {
     bool linear = false;
     int64_t layer = 0;
     // Each projection's adapter (by Projection), -1 without; a gated attention's gate takes q's
-    // A and a B of its own (q_proj holds both).
+    // A and a B of its own (q_proj holds both). In a mixture of experts gate, up and down's are
+    // the experts' (A (E, r, in), B (E, out, r)), and shared_lora_a / _b the shared expert's
+    // (its gate, up and down).
     std::array<int, kProjectionCount> lora_a = unadapted();
     std::array<int, kProjectionCount> lora_b = unadapted();
     int lora_b_gate = -1;
+    std::array<int, 3> shared_lora_a{-1, -1, -1}, shared_lora_b{-1, -1, -1};
     static std::array<int, kProjectionCount> unadapted() {
       std::array<int, kProjectionCount> a;
       a.fill(-1);
@@ -240,6 +243,12 @@ class DecoderModel {
   // linear_rounded where it has none.
   Variable project(const Block& block, Projection which, int weight, int bias_index,
                    const Variable& x, bool rounded = false, int lora_b = -1) const;
+  // The same with the adapter (lora_a, lora_b), -1 without, its dropout mask the one of
+  // `mask`, a slot of the block's (Projection, then one each for the shared expert's three).
+  Variable adapted(const Block& block, size_t mask, int weight, int bias_index, int lora_a,
+                   int lora_b, const Variable& x, bool rounded) const;
+  // The seed of dropout mask `mask` of a block (a projection's, or the shared expert's).
+  uint64_t dropout_seed(const Block& block, size_t mask) const;
 
   ModelConfig config_;
   const Architecture* arch_;  // config_'s description

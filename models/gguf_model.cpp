@@ -523,8 +523,10 @@ void write_lora_gguf(const std::string& path, const ModelConfig& c, const Parame
                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); });
   for (const FileTensor& t : tensors) {
     const std::vector<float> values = file_tensor_values(params, t, c, arch.gguf_rope_pairs, false);
-    w.add_tensor(t.name, {t.shape[1], t.shape[0]}, GgmlType::F32,
-                 ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1]));
+    // ggml's dimensions, innermost first: a mixture's experts' A (E, r, in) is [in, r, E].
+    w.add_tensor(
+        t.name, std::vector<int64_t>(t.shape.rbegin(), t.shape.rend()), GgmlType::F32,
+        ggml_from_float(GgmlType::F32, values.data(), static_cast<int64_t>(values.size())));
   }
   if (tensors.empty()) throw std::logic_error("write_lora_gguf: a model without adapters");
   w.write(path);
@@ -553,6 +555,14 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
       {"ffn_gate", {P::Gate}},
       {"ffn_up", fused_gate_up ? std::vector<P>{P::Gate, P::Up} : std::vector<P>{P::Up}},
       {"ffn_down", {P::Down}},
+      // A mixture's experts (an adapter each, in one tensor), shared expert and router.
+      {"ffn_gate_exps", {P::Gate}},
+      {"ffn_up_exps", {P::Up}},
+      {"ffn_down_exps", {P::Down}},
+      {"ffn_gate_shexp", {P::Gate}},
+      {"ffn_up_shexp", {P::Up}},
+      {"ffn_down_shexp", {P::Down}},
+      {"ffn_gate_inp", {P::Router}},
       {"ssm_out", linear ? std::vector<P>{P::O} : none},
       {"attn_gate", linear ? std::vector<P>{P::Z} : none},
       {"ssm_beta", linear ? std::vector<P>{P::Beta} : none},
@@ -570,7 +580,7 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
     if (!known)
       throw UserError(file.path() + ": tensor " + t.name +
                       " adapts a projection cputrain does not compute");
-    if (t.name.ends_with(".lora_a") && t.dims.size() == 2) {
+    if (t.name.ends_with(".lora_a") && (t.dims.size() == 2 || t.dims.size() == 3)) {
       if (lora.rank != 0 && lora.rank != t.dims[1])
         throw UserError(file.path() + ": adapters of more than one rank");
       lora.rank = t.dims[1];
@@ -596,7 +606,8 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
     const TensorPart part = tensor_part(info, c, TensorNaming::Gguf);
     const GgufTensor* t = file.tensor(part.name);
     if (!t) throw UserError(file.path() + ": no tensor " + part.name);
-    const std::vector<int64_t> expected = {info.shape[1], part.tensor_rows};
+    std::vector<int64_t> expected = {info.shape[1], part.tensor_rows};
+    if (info.shape.ndim() == 3) expected = {info.shape[2], info.shape[1], info.shape[0]};
     if (t->dims != expected)
       throw UserError(file.path() + ": tensor " + part.name + " has shape " + shape_text(t->dims) +
                       " where this model takes " + shape_text(expected));

@@ -103,8 +103,8 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
 
 void write_peft_adapter(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
                         const LoraConfig& lora, const std::string& base) {
-  // PEFT's names are the attention's and dense MLP's modules, the same where cputrain does not
-  // read the architecture's folders yet (a mixture's).
+  // PEFT's names are the Hugging Face modules': a mixture's experts' adapters one each
+  // (mlp.experts.<e>.gate_proj), its router's mlp.gate.
   require_files(architecture_of(c), folder);
   const fs::path dir(folder);
   std::error_code ec;
@@ -118,6 +118,15 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
                     [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
     const std::vector<float> values =
         file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true);
+    if (t.shape.size() == 3) {
+      const size_t at = t.name.find(".experts.") + 9;
+      const int64_t n = t.shape[1] * t.shape[2];
+      for (int64_t e = 0; e < t.shape[0]; ++e)
+        entries.push_back({t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
+                           Shape{t.shape[1], t.shape[2]}, "F32",
+                           ggml_from_float(GgmlType::F32, values.data() + e * n, n)});
+      continue;
+    }
     entries.push_back({t.name, Shape{t.shape[0], t.shape[1]}, "F32",
                        ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1])});
   }

@@ -18,11 +18,21 @@ namespace cputrain {
 
 namespace {
 constexpr std::string_view kNames[kProjectionCount] = {
-    "q", "k", "v", "o", "gate", "up", "down", "in_proj_z", "in_proj_b", "in_proj_a"};
+    "q", "k", "v", "o", "gate", "up", "down", "in_proj_z", "in_proj_b", "in_proj_a", "router"};
+// Every projection but a mixture's router, which is adapted only where named.
 std::array<bool, kProjectionCount> all_projections() {
   std::array<bool, kProjectionCount> all{};
   all.fill(true);
+  all[static_cast<size_t>(Projection::Router)] = false;
   return all;
+}
+
+// Whether `targets` are "all" (the router named or not).
+bool every_projection(const std::array<bool, kProjectionCount>& targets) {
+  for (int j = 0; j < kProjectionCount; ++j)
+    if (!targets[static_cast<size_t>(j)] && static_cast<Projection>(j) != Projection::Router)
+      return false;
+  return true;
 }
 
 }  // namespace
@@ -70,7 +80,7 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
       }
       throw UserError(flag + " " + list + ": " + what + " (the projections are " +
                       lora_targets_text(all_projections()) +
-                      ", or all; Phi-2's dense, fc1 and fc2 are o, up and down; Qwen3.5's "
+                      ", router, or all; Phi-2's dense, fc1 and fc2 are o, up and down; Qwen3.5's "
                       "in_proj_qkv and out_proj are q, k, v and o)");
     }
   }
@@ -90,11 +100,9 @@ std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets)
 bool has_projection(const ModelConfig& c, Projection p) {
   switch (p) {
     case Projection::Gate:
-      return architecture_of(c).mlp != Mlp::Gelu && !c.moe();
-    case Projection::Up:
-    case Projection::Down:
-      // A mixture's experts take no adapters (yet).
-      return !c.moe();
+      return architecture_of(c).mlp != Mlp::Gelu;
+    case Projection::Router:
+      return c.moe();
     case Projection::Z:
     case Projection::Beta:
     case Projection::Alpha:
@@ -134,7 +142,10 @@ int64_t projection_width(const ModelConfig& c, Projection p) {
     case Projection::Gate:
     case Projection::Up:
     case Projection::Down:
-      return std::min(c.d_model, c.ffn);
+      // A mixture's experts' and its shared expert's.
+      return std::min({c.d_model, c.ffn, c.shared_expert_ffn > 0 ? c.shared_expert_ffn : c.ffn});
+    case Projection::Router:
+      return std::min(c.d_model, c.n_experts);
     case Projection::Z:
       return std::min(c.d_model, c.linear_v_dim());
     case Projection::Beta:
@@ -226,22 +237,23 @@ void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std:
                     "'s " + names + " are one projection, " + module + ": adapt all or none");
   };
   // A gate the MLP does not have: refused when named, passed over in "all" (every projection).
-  if (arch.mlp == Mlp::Gelu && lora.on(Projection::Gate) &&
-      std::find(lora.targets.begin(), lora.targets.end(), false) != lora.targets.end())
+  if (arch.mlp == Mlp::Gelu && lora.on(Projection::Gate) && !every_projection(lora.targets))
     throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
                     " has no gate projection (its MLP is up, GELU, down: fc1 and fc2)");
   check(arch.fused_qkv, {Projection::Q, Projection::K, Projection::V}, "q, k and v", "qkv_proj");
   check(!c.linear_layers.empty(), {Projection::Q, Projection::K, Projection::V},
         "q, k and v (in its Gated DeltaNet layers)", "in_proj_qkv");
   // Gated DeltaNet's projections named for a model without its layers.
-  if (c.linear_layers.empty() &&
-      std::find(lora.targets.begin(), lora.targets.end(), false) != lora.targets.end())
+  if (c.linear_layers.empty() && !every_projection(lora.targets))
     for (const Projection p : {Projection::Z, Projection::Beta, Projection::Alpha})
       if (lora.on(p))
         throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " +
                         std::string(arch.name) + " has no " + std::string(projection_name(p)) +
                         " projection (Gated DeltaNet's)");
   check(arch.fused_gate_up, {Projection::Gate, Projection::Up}, "gate and up", "gate_up_proj");
+  if (!c.moe() && lora.on(Projection::Router))
+    throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
+                    " has no router (a mixture of experts' projection)");
 }
 
 void merge_lora(const ModelConfig& config, const ParameterSet& adapted, const LoraConfig& lora,
@@ -256,20 +268,24 @@ void merge_lora(const ModelConfig& config, const ParameterSet& adapted, const Lo
     const int b = info.name.ends_with(".weight") ? adapted.find(base + "lora_b") : -1;
     if (b >= 0) {
       const int a = adapted.find(fused_lora_a(config, base + "lora_a"));
-      const int64_t N = info.shape[0], K = info.shape[1], r = lora.rank;
-      std::vector<float> av(static_cast<size_t>(r * K)), bv(static_cast<size_t>(N * r));
+      // A mixture's experts (E, N, K): an adapter each, A (E, r, K) and B (E, N, r).
+      const int d = info.shape.ndim();
+      const int64_t N = info.shape[d - 2], K = info.shape[d - 1], r = lora.rank;
+      const int64_t E = info.shape.numel() / (N * K);
+      std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
       adapted.read_values(a, av.data());
       adapted.read_values(b, bv.data());
       const double s = lora.alpha / static_cast<double>(r);
-#pragma omp parallel for schedule(static)
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t k = 0; k < K; ++k) {
-          double sum = 0.0;
-          for (int64_t j = 0; j < r; ++j)
-            sum += static_cast<double>(bv[static_cast<size_t>(n * r + j)]) *
-                   av[static_cast<size_t>(j * K + k)];
-          w[static_cast<size_t>(n * K + k)] += static_cast<float>(s * sum);
-        }
+#pragma omp parallel for collapse(2) schedule(static)
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t k = 0; k < K; ++k) {
+            double sum = 0.0;
+            for (int64_t j = 0; j < r; ++j)
+              sum += static_cast<double>(bv[static_cast<size_t>((e * N + n) * r + j)]) *
+                     av[static_cast<size_t>((e * r + j) * K + k)];
+            w[static_cast<size_t>((e * N + n) * K + k)] += static_cast<float>(s * sum);
+          }
     }
     merged.write_values(static_cast<int>(i), w.data());
   }

@@ -17,10 +17,11 @@ class ParameterSet;
 
 // The projections of a block that can take an adapter, in Hugging Face's names: attention's (in
 // a Gated DeltaNet layer q, k and v are its in_proj_qkv, o its out_proj; a gated attention's q
-// holds its output gate), the MLP's, and Gated DeltaNet's z, beta and alpha projections.
-enum class Projection { Q, K, V, O, Gate, Up, Down, Z, Beta, Alpha };
-inline constexpr int kProjectionCount = 10;
-// "q", "k", "v", "o", "gate", "up", "down", "in_proj_z", "in_proj_b", "in_proj_a".
+// holds its output gate), the MLP's (in a mixture of experts every expert's, an adapter each, and
+// the shared expert's), Gated DeltaNet's z, beta and alpha projections, and a mixture's router.
+enum class Projection { Q, K, V, O, Gate, Up, Down, Z, Beta, Alpha, Router };
+inline constexpr int kProjectionCount = 11;
+// "q", "k", "v", "o", "gate", "up", "down", "in_proj_z", "in_proj_b", "in_proj_a", "router".
 std::string_view projection_name(Projection p);
 
 struct LoraConfig {
@@ -34,7 +35,8 @@ struct LoraConfig {
   bool on(Projection p) const { return rank > 0 && targets[static_cast<size_t>(p)]; }
 };
 
-// "q,k,v,o,gate,up,down" (any subset, any order; "all" for every one; Phi-2's "dense", "fc1" and
+// "q,k,v,o,gate,up,down" (any subset, any order; "all" for every one but the router, which
+// trains only where named; Phi-2's "dense", "fc1" and
 // "fc2" for o, up and down; Qwen3.5's "in_proj_qkv" for q, k, v and "out_proj" for o) -> targets. A
 // UserError naming `flag` and the unknown name, listing the known ones.
 std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
@@ -43,7 +45,7 @@ std::array<bool, kProjectionCount> parse_lora_targets(const std::string& list,
 std::string lora_targets_text(const std::array<bool, kProjectionCount>& targets);
 
 // Whether a model of `config` has projection `p` (a gate in a gated MLP, Gated DeltaNet's z,
-// beta and alpha in a model with its layers).
+// beta and alpha in a model with its layers, a router in a mixture of experts).
 bool has_projection(const ModelConfig& config, Projection p);
 // The targets of `lora` that a model of `config` has, as lora_targets_text writes them.
 std::string lora_targets_held(const ModelConfig& config, const LoraConfig& lora);

@@ -68,7 +68,8 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
                  "LoRA alpha; the update is scaled alpha / rank (default: twice the rank)")
       ->check(positive());
   app.add_option("--lora-targets", a.lora_targets,
-                 "Projections that get adapters: q,k,v,o,gate,up,down or all")
+                 "Projections that get adapters: q,k,v,o,gate,up,down or all (a mixture's "
+                 "experts through gate,up,down; its router only where named: router)")
       ->capture_default_str();
   app.add_option("--lora-dropout", a.lora_dropout,
                  "Dropout on the adapters' input in training (PEFT's lora_dropout)")
@@ -94,6 +95,17 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
       ->capture_default_str()
       ->check(positive())
       ->check(at_most(1000, "a margin of a nat would already decide every pair"));
+  app.add_option("--moe-balance", a.moe_balance,
+                 "A mixture of experts' load-balancing loss coefficient (Switch Transformer; "
+                 "Qwen's router_aux_loss_coef, 0.001 in its pretraining), averaged over the MoE "
+                 "layers; sft only")
+      ->capture_default_str()
+      ->check(non_negative());
+  app.add_option("--moe-z-loss", a.moe_z,
+                 "A mixture of experts' router z-loss coefficient (ST-MoE), averaged over the "
+                 "MoE layers; sft only")
+      ->capture_default_str()
+      ->check(non_negative());
   app.add_option("--orpo-lambda", a.orpo_lambda,
                  "ORPO's lambda: the weight of the odds-ratio term beside the chosen's NLL")
       ->capture_default_str()
@@ -135,6 +147,8 @@ constexpr std::pair<const char*, const char*> kRunKeys[] = {
     {"method", "--method"},
     {"beta", "--beta"},
     {"orpo_lambda", "--orpo-lambda"},
+    {"moe_balance", "--moe-balance"},
+    {"moe_z_loss", "--moe-z-loss"},
     {"seed", "--seed"}};
 
 // A fine-tune's config.json, parsed; a UserError naming it where it is missing, malformed or a
@@ -193,6 +207,8 @@ FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
     take("--method", r.method, "method");
     take("--beta", r.beta, "beta");
     take("--orpo-lambda", r.orpo_lambda, "orpo_lambda");
+    take("--moe-balance", r.moe_balance, "moe_balance");
+    take("--moe-z-loss", r.moe_z, "moe_z_loss");
     take("--seed", r.seed, "seed");
     if (!a.was_given("--chat-template"))
       r.chat_template = run.value("chat_template_flag", run.value("chat_template", std::string()));
@@ -231,6 +247,10 @@ ModelOptions model_options(const FinetuneArgs& a, std::string* dtype_reason) {
     throw UserError("--beta is DPO's: give --method dpo (the method is " + a.method + ")");
   if (a.was_given("--orpo-lambda") && a.method != "orpo")
     throw UserError("--orpo-lambda is ORPO's: give --method orpo (the method is " + a.method + ")");
+  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && a.method != "sft")
+    throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") +
+                    " and --method " + a.method +
+                    ": the router's losses are added to a fine-tune's own (sft) loss only");
   if (a.train_on_prompt && a.method != "sft")
     throw UserError("--train-on-prompt and --method " + a.method +
                     ": a preference pair's loss falls on its two completions");
@@ -420,6 +440,8 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
                  {"method", a.method},
                  {"beta", a.method == "dpo" ? a.beta : 0.0},
                  {"orpo_lambda", a.method == "orpo" ? a.orpo_lambda : 0.0},
+                 {"moe_balance", a.moe_balance},
+                 {"moe_z_loss", a.moe_z},
                  {"seed", a.seed}};
   // A job's batch is each rank's: the ranks are part of the run.
   if (ranks > 1) config["ranks"] = ranks;
@@ -610,6 +632,9 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
     check_lora_targets(config, options.lora, "--lora-targets");
     check_lora_rank(config, options.lora, "--lora-rank");
   }
+  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && !load_model_config(a.model, "--model", a.ctx).moe())
+    throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") + " " +
+                    a.model + ": the model has no experts");
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
   // A NaN or an infinity in the base makes every step's loss so: named here, not blamed on --lr.
   check_finite_weights(m, a.model, "--model");
@@ -631,10 +656,8 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
     log.info(
         "training: LoRA rank {}, alpha {:g} on {}: {} parameters ({:.2f}% of {}), the base "
         "frozen{}, {} ({})",
-        options.lora.rank, options.lora.alpha,
-        lora_targets_held(m.config, options.lora) +
-            (m.config.moe() ? " (a mixture's experts take none yet)" : ""),
-        trained, 100.0 * static_cast<double>(trained) / static_cast<double>(total), total,
+        options.lora.rank, options.lora.alpha, lora_targets_held(m.config, options.lora), trained,
+        100.0 * static_cast<double>(trained) / static_cast<double>(total), total,
         bf16 ? " in bf16" : "", bf16 ? "bf16" : "fp32", dtype_reason);
   return m;
 }
@@ -807,6 +830,8 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     train.seed = a.seed;
     train.lr = lr;
     train.adamw.weight_decay = static_cast<float>(a.weight_decay);
+    train.moe_balance = static_cast<float>(a.moe_balance);
+    train.moe_z = static_cast<float>(a.moe_z);
     train.comm = &comm;
     Trainer trainer(
         model.parameters(),

@@ -39,6 +39,10 @@ struct FinetuneArgs : RunFlags {
   std::string method = "sft";
   double beta = 0.1;         // DPO's
   double orpo_lambda = 0.1;  // ORPO's
+  // A mixture of experts' router losses' coefficients (TrainOptions::moe_balance, moe_z): off
+  // by default, as Transformers' output_router_logits is.
+  double moe_balance = 0.0;
+  double moe_z = 0.0;
 };
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& args);

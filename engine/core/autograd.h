@@ -62,9 +62,10 @@ class Variable {
   bool defined() const { return impl_ != nullptr; }
   const Tensor& value() const { return impl_->value; }
   const Shape& shape() const { return impl_->value.shape(); }
-  bool requires_grad() const { return impl_->grad != nullptr; }
-  // Null when the variable does not require a gradient.
-  const GradRef& grad_ref() const { return impl_->grad; }
+  // False for an undefined variable (an optional input an op was not given).
+  bool requires_grad() const { return impl_ && impl_->grad != nullptr; }
+  // Null when the variable does not require a gradient (or is undefined).
+  const GradRef& grad_ref() const { return impl_ ? impl_->grad : no_grad_ref(); }
   const Tensor& grad() const;
 
   // The value rounded to bf16 (same shape, dtype BF16). A bf16 value is its own rounding (an
@@ -91,6 +92,10 @@ class Variable {
     bool op_output = false;
     Tensor bf16;  // the attached copy or the cached rounding; undefined until there is one
   };
+  static const GradRef& no_grad_ref() {
+    static const GradRef none;
+    return none;
+  }
   std::shared_ptr<Impl> impl_;
 };
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -172,6 +173,152 @@ void gather_rows(Tensor& dst, const Tensor& src, const int32_t* rows, int64_t n,
                 d + static_cast<size_t>(r) * bytes);
 }
 
+// One product's adapter inside moe_experts: A (E, r, in) and B (E, out, r) as the products take
+// them, their gradients' cells, its dropout mask's seed, and what the forward keeps of it,
+// s (drop(X_e) A_e^T) for each grouped row (R x r, in the products' precision).
+struct ExpertAdapter {
+  Tensor a, b;
+  GradRef ga, gb;
+  Tensor su;
+  int64_t rows = 0;  // R, the grouped rows (offsets are not computed while measuring)
+  int64_t r = 0, in = 0, out = 0;
+  uint64_t seed = 0;
+  bool on() const { return a.defined(); }
+};
+
+ExpertAdapter expert_adapter(const Variable& a, const Variable& b, int64_t E, int64_t rows,
+                             int64_t in, int64_t out, bool bf16, uint64_t seed) {
+  ExpertAdapter ad;
+  require(a.defined() == b.defined(), "moe_experts: an adapter's A and B, or neither");
+  if (!a.defined()) return ad;
+  ad.r = a.shape()[1];
+  require(a.value().ndim() == 3 && a.shape()[0] == E && a.shape()[2] == in &&
+              b.value().ndim() == 3 && b.shape()[0] == E && b.shape()[1] == out &&
+              b.shape()[2] == ad.r,
+          "moe_experts: an adapter's A (E, r, in) and B (E, out, r)");
+  ad.a = bf16 ? a.bf16_value() : a.value();
+  ad.b = bf16 ? b.bf16_value() : b.value();
+  ad.ga = a.grad_ref();
+  ad.gb = b.grad_ref();
+  ad.rows = rows;
+  ad.in = in;
+  ad.out = out;
+  ad.seed = seed;
+  return ad;
+}
+
+// The adapter's first product over the grouped rows `in` (R x ad.in) of every expert, kept as
+// ad.su = s (drop(in) A_e^T); `most` rows an expert at most.
+void adapter_forward(ExpertAdapter& ad, const Tensor& in, const std::vector<int64_t>& off,
+                     int64_t most, float scale, float dropout, bool bf16) {
+  const int64_t R = ad.rows, r = ad.r, K = ad.in;
+  const Tensor u = Tensor::empty(Shape{R, r}, DType::F32, MemoryCategory::Workspace);
+  {
+    const Tensor xd = dropout > 0.0f ? dropped_out(in, dropout, ad.seed) : in;
+    if (!computing())
+      measure_pass([&](int thread) {
+        measure_gemm(bf16, Transpose::No, Transpose::Yes, most, r, K, thread);
+      });
+    if (computing())
+      run_tasks(expert_tasks(off, r, false), [&](const ExpertTask& t) {
+        const int64_t n = off[t.e + 1] - off[t.e];
+        product(Transpose::No, Transpose::Yes, n, r, K, xd, off[t.e] * K, K, ad.a, t.e * r * K, K,
+                0.0f, u.f32() + off[t.e] * r, r);
+      });
+  }
+  ad.su = scaled_operand(u, scale, bf16, MemoryCategory::Activations);
+}
+
+// While measuring: the allocations of the adapter's second product inside its product's pass.
+void measure_adapter_add(const ExpertAdapter& ad, bool bf16, int64_t most) {
+  if (ad.on())
+    measure_pass([&](int thread) {
+      measure_gemm(bf16, Transpose::No, Transpose::Yes, most, ad.out, ad.r, thread);
+    });
+}
+
+// Columns t.c0 .. t.c1 of expert t.e's n output rows (out, leading dimension ad.out, the rows'
+// first at `row0` of the grouping) += ad.su B_e^T.
+void adapter_add(const ExpertAdapter& ad, const ExpertTask& t, int64_t n, int64_t row0,
+                 float* out) {
+  if (!ad.on()) return;
+  product(Transpose::No, Transpose::Yes, n, t.c1 - t.c0, ad.r, ad.su, row0 * ad.r, ad.r, ad.b,
+          (t.e * ad.out + t.c0) * ad.r, ad.r, 1.0f, out + t.c0, ad.out);
+}
+
+// g = d_e B_e for each expert's rows of d (R x ad.out, the product's output gradient), FP32
+// (R x r).
+Tensor adapter_g(const ExpertAdapter& ad, const Tensor& d, const std::vector<int64_t>& off,
+                 int64_t most, bool bf16) {
+  const int64_t R = ad.rows, r = ad.r, N = ad.out;
+  Tensor g = Tensor::empty(Shape{R, r}, DType::F32, MemoryCategory::Workspace);
+  if (!computing())
+    measure_pass(
+        [&](int thread) { measure_gemm(bf16, Transpose::No, Transpose::No, most, r, N, thread); });
+  if (computing())
+    run_tasks(expert_tasks(off, r, false), [&](const ExpertTask& t) {
+      const int64_t n = off[t.e + 1] - off[t.e];
+      product(Transpose::No, Transpose::No, n, r, N, d, off[t.e] * N, N, ad.b, t.e * N * r, r, 0.0f,
+              g.f32() + off[t.e] * r, r);
+    });
+  return g;
+}
+
+// The adapter's weights' gradients: dB_e += d_e^T su_e, dA_e += sg_e^T drop(in)_e, with d the
+// product's output gradient (R x ad.out), sg the gradient of u (R x r) and `in` the product's
+// input (R x ad.in), all in the products' precision.
+void adapter_weight_grads(const ExpertAdapter& ad, const Tensor& d, const Tensor& sg,
+                          const Tensor& in, const std::vector<int64_t>& off, int64_t most,
+                          float dropout, bool bf16) {
+  if (!ad.ga && !ad.gb) return;
+  const int64_t r = ad.r, K = ad.in, N = ad.out;
+  const Tensor xd = ad.ga && dropout > 0.0f ? dropped_out(in, dropout, ad.seed) : in;
+  if (!computing())
+    measure_pass([&](int thread) {
+      if (ad.gb) measure_gemm(bf16, Transpose::Yes, Transpose::No, N, r, most, thread);
+      if (ad.ga) measure_gemm(bf16, Transpose::Yes, Transpose::No, r, K, most, thread);
+    });
+  const Tensor* db = ad.gb ? &ad.gb->get_or_zeros() : nullptr;
+  const Tensor* da = ad.ga ? &ad.ga->get_or_zeros() : nullptr;
+  if (computing())
+    run_tasks(expert_tasks(off, r, false), [&](const ExpertTask& t) {
+      const int64_t n = off[t.e + 1] - off[t.e];
+      if (db)
+        product(Transpose::Yes, Transpose::No, N, r, n, d, off[t.e] * N, N, ad.su, off[t.e] * r, r,
+                1.0f, db->f32() + t.e * N * r, r);
+      if (da)
+        product(Transpose::Yes, Transpose::No, r, K, n, sg, off[t.e] * r, r, xd, off[t.e] * K, K,
+                1.0f, da->f32() + t.e * r * K, K);
+    });
+}
+
+// The adapter's share of its input's gradient: din (R x ad.in, FP32) += sg_e A_e for each
+// expert's rows, masked and scaled as the forward's dropout took the input.
+void adapter_input_grad(const ExpertAdapter& ad, const Tensor& sg, const std::vector<int64_t>& off,
+                        int64_t most, float dropout, bool bf16, float* din) {
+  const int64_t R = ad.rows, r = ad.r, K = ad.in;
+  const Tensor t =
+      dropout > 0.0f ? Tensor::empty(Shape{R, K}, DType::F32, MemoryCategory::Workspace) : Tensor();
+  float* const dst = dropout > 0.0f ? t.f32() : din;
+  if (!computing())
+    measure_pass(
+        [&](int thread) { measure_gemm(bf16, Transpose::No, Transpose::No, most, K, r, thread); });
+  if (!computing()) return;
+  run_tasks(expert_tasks(off, K, true), [&](const ExpertTask& task) {
+    const int64_t n = off[task.e + 1] - off[task.e];
+    product(Transpose::No, Transpose::No, n, task.c1 - task.c0, r, sg, off[task.e] * r, r, ad.a,
+            task.e * r * K + task.c0, K, dropout > 0.0f ? 0.0f : 1.0f,
+            dst + off[task.e] * K + task.c0, K);
+  });
+  if (dropout > 0.0f) {
+    const uint32_t threshold = dropout_threshold(dropout);
+    const float keep = 1.0f / (1.0f - dropout);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < R * K; ++i)
+      if (dropout_keeps(ad.seed, i, threshold)) din[i] += keep * dst[i];
+  }
+}
+
 // What MoeLoadCount counts, and where the next router's count goes.
 struct LoadCounts {
   bool on = false;
@@ -259,7 +406,7 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
 }
 
 Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, const Variable& w2,
-                     const MoeRouting& route) {
+                     const MoeRouting& route, const MoeAdapters& lora) {
   const Shape& xs = x.shape();
   const int64_t C = xs[xs.ndim() - 1], N = x.value().numel() / C;
   require(w1.value().ndim() == 3 && w1.shape() == w3.shape() && w1.shape()[2] == C &&
@@ -279,9 +426,19 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
               (!dtype_quantized(w3v.dtype()) || !w3.requires_grad()) &&
               (!dtype_quantized(w2v.dtype()) || !w2.requires_grad()),
           "moe_experts: a quantised expert takes no gradient");
-  const bool grad = needs_grad({&x, &w1, &w3, &w2, &route.weights});
-  // The backward pass reads the activation for the weights' and w2's gradients alone.
-  const bool keep_h = needs_grad({&w2, &route.weights});
+  // The adapters, each product's mask seeded apart.
+  const float scale = lora.scale, dropout = lora.dropout;
+  auto ad1 = std::make_shared<ExpertAdapter>(
+      expert_adapter(lora.a1, lora.b1, E, N * k, C, F, bf16, lora.seed));
+  auto ad3 = std::make_shared<ExpertAdapter>(
+      expert_adapter(lora.a3, lora.b3, E, N * k, C, F, bf16, splitmix64(lora.seed + 1)));
+  auto ad2 = std::make_shared<ExpertAdapter>(
+      expert_adapter(lora.a2, lora.b2, E, N * k, F, C, bf16, splitmix64(lora.seed + 2)));
+  const bool grad = needs_grad({&x, &w1, &w3, &w2, &route.weights, &lora.a1, &lora.b1, &lora.a3,
+                                &lora.b3, &lora.a2, &lora.b2});
+  // The backward pass reads the activation for the weights', w2's and its adapter's A's
+  // gradients alone.
+  const bool keep_h = needs_grad({&w2, &route.weights, &lora.a2});
   const int64_t R = N * k;              // rows of the grouped products
   const int64_t most = std::min(N, R);  // an expert's rows at most (a token takes it once)
   auto group = std::make_shared<Grouping>();
@@ -313,12 +470,20 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   }
   {
     Scope gemms("moe GEMMs gate, up", Pass::Forward, 2 * gemm_flops(R, F, C));
-    if (!computing()) measure_expert(w1v, bf16, true, most, F, C);
+    for (ExpertAdapter* ad : {ad1.get(), ad3.get()})
+      if (ad->on()) adapter_forward(*ad, xg, off, most, scale, dropout, bf16);
+    if (!computing()) {
+      measure_expert(w1v, bf16, true, most, F, C);
+      measure_adapter_add(*ad1, bf16, most);
+      measure_adapter_add(*ad3, bf16, most);
+    }
     if (computing())
       run_tasks(expert_tasks(off, F, true), [&](const ExpertTask& t) {
         const int64_t n = off[t.e + 1] - off[t.e];
         expert_forward(w1v, t, F, C, n, xg, off[t.e], g32 + off[t.e] * F);
+        adapter_add(*ad1, t, n, off[t.e], g32 + off[t.e] * F);
         expert_forward(w3v, t, F, C, n, xg, off[t.e], u32 + off[t.e] * F);
+        adapter_add(*ad3, t, n, off[t.e], u32 + off[t.e] * F);
       });
   }
   xg = Tensor();
@@ -343,11 +508,16 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   ws = Tensor();
   {
     Scope gemms("moe GEMMs down", Pass::Forward, gemm_flops(R, C, F));
-    if (!computing()) measure_expert(w2v, bf16, true, most, C, F);
+    if (ad2->on()) adapter_forward(*ad2, H, off, most, scale, dropout, bf16);
+    if (!computing()) {
+      measure_expert(w2v, bf16, true, most, C, F);
+      measure_adapter_add(*ad2, bf16, most);
+    }
     if (computing())
       run_tasks(expert_tasks(off, C, true), [&](const ExpertTask& t) {
         const int64_t n = off[t.e + 1] - off[t.e];
         expert_forward(w2v, t, C, F, n, H, off[t.e], Y.f32() + off[t.e] * C);
+        adapter_add(*ad2, t, n, off[t.e], Y.f32() + off[t.e] * C);
       });
   }
   // FP32 mode computes the activation again in the backward pass; bf16 mode keeps it.
@@ -369,10 +539,11 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   }
   Variable out = Variable::op_output(y, grad);
   if (!grad) return out;
-  record_backward("moe experts", [group, G, U, H, xv, w1v, w3v, w2v, wt, gx = x.grad_ref(),
-                                  g1 = w1.grad_ref(), g3 = w3.grad_ref(), g2 = w2.grad_ref(),
-                                  gw = route.weights.grad_ref(), gy = out.grad_ref(), N, C, F, k, R,
-                                  most, bf16, operand] {
+  record_backward("moe experts", [group, G, U, H, xv, w1v, w3v, w2v, wt, ad1, ad3, ad2,
+                                  gx = x.grad_ref(), g1 = w1.grad_ref(), g3 = w3.grad_ref(),
+                                  g2 = w2.grad_ref(), gw = route.weights.grad_ref(),
+                                  gy = out.grad_ref(), N, C, F, k, R, most, bf16, operand, scale,
+                                  dropout] {
     const Tensor& dyt = gy->tensor();
     if (!dyt.defined()) return;
     const Tensor dy = as_f32(dyt);
@@ -404,10 +575,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
           expert_input(w2v, t, C, F, n, dyg, off[t.e], 0.0f, P + off[t.e] * F);
         });
     }
+    // The down adapter's g2 = dY B2[e] (R x r, unweighted).
+    const Tensor g2a = ad2->on() ? adapter_g(*ad2, dyg, off, most, bf16) : Tensor();
     // The activation (kept in bf16 mode, computed again in FP32 mode as the down product took
-    // it), the weights' gradient (H . P) and dH = weight P.
+    // it), the weights' gradient (H . P, and s u2 . g2 of the adapter) and dH = weight P.
     Tensor h = H;
-    if (!bf16 && (gw || g2)) {
+    if (!bf16 && (gw || g2 || ad2->ga)) {
       h = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
       if (computing()) kernels::swiglu_forward(h.f32(), G.f32(), U.f32(), R * F);
     }
@@ -416,10 +589,32 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < R; ++r) {
         float* p = P + r * F;
-        if (gw) dweights.f32()[order[r]] = row_dot(h, r * F, p, F);
+        if (gw)
+          dweights.f32()[order[r]] =
+              row_dot(h, r * F, p, F) +
+              (ad2->on() ? row_dot(ad2->su, r * ad2->r, g2a.f32() + r * ad2->r, ad2->r) : 0.0f);
         const float w = wt.f32()[order[r]];
         for (int64_t f = 0; f < F; ++f) p[f] *= w;
       }
+    }
+    // The down adapter: u2's gradient s weight g2, and dH += s weight g2 A2[e].
+    Tensor sg2;
+    if (ad2->on()) {
+      const int64_t r2 = ad2->r;
+      sg2 = Tensor::empty(Shape{R, r2}, operand, MemoryCategory::Workspace);
+      if (computing())
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = scale * wt.f32()[order[r]];
+          for (int64_t j = 0; j < r2; ++j) {
+            const float v = w * g2a.f32()[r * r2 + j];
+            if (bf16)
+              sg2.bf16()[r * r2 + j] = kernels::fp32_to_bf16(v);
+            else
+              sg2.f32()[r * r2 + j] = v;
+          }
+        }
+      Scope gemms("moe GEMMs adapters dH", Pass::Backward, gemm_flops(R, F, r2));
+      adapter_input_grad(*ad2, sg2, off, most, dropout, bf16, P);
     }
     if (gw) {
       float beta = 0.0f;
@@ -429,9 +624,8 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         for (int64_t i = 0; i < N * k; ++i)
           d[i] = beta == 0.0f ? dweights.f32()[i] : dweights.f32()[i] + d[i];
     }
-    if (g2) {
-      // dW2[e] += (weight dY)^T H.
-      const Tensor& dw2 = g2->get_or_zeros();
+    if (g2 || ad2->gb) {
+      // (weight dY) for dW2[e] += (weight dY)^T H and the adapter's B.
       if (computing()) {
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < R; ++r) {
@@ -445,6 +639,13 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
           }
         }
       }
+    }
+    if (ad2->on()) {
+      Scope gemms("moe GEMMs adapters dW2", Pass::Backward, 2 * gemm_flops(C + F, ad2->r, R));
+      adapter_weight_grads(*ad2, dyg, sg2, h, off, most, dropout, bf16);
+    }
+    if (g2) {
+      const Tensor& dw2 = g2->get_or_zeros();
       Scope gemms("moe GEMMs dW2", Pass::Backward, gemm_flops(C, F, R));
       if (!computing()) measure_weight_pass(bf16, C, F, most);
       if (computing())
@@ -456,6 +657,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     }
     dyg = Tensor();
     h = Tensor();
+    sg2 = Tensor();
     // dG, dU from dH (P), in the products' precision.
     Tensor dG = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
     Tensor dU = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
@@ -465,24 +667,38 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       else
         kernels::swiglu_backward(dG.f32(), dU.f32(), P, G.f32(), U.f32(), R * F, false);
     }
-    if (g1 || g3) {
+    // The gate and up adapters: u's gradient s dG B1[e] (and s dU B3[e]).
+    Tensor sg1, sg3;
+    for (auto [ad, d, sg] : {std::tuple(ad1.get(), &dG, &sg1), std::tuple(ad3.get(), &dU, &sg3)})
+      if (ad->on())
+        *sg = scaled_operand(adapter_g(*ad, *d, off, most, bf16), scale, bf16,
+                             MemoryCategory::Workspace);
+    if (g1 || g3 || ad1->ga || ad1->gb || ad3->ga || ad3->gb) {
       ws = Tensor();  // P is spent: its block is not held through the gathered rows
       Tensor xg = Tensor::empty(Shape{R, C}, operand, MemoryCategory::Workspace);
       if (computing()) gather_rows(xg, xv, order, R, k, C);
-      Scope gemms("moe GEMMs dW1, dW3", Pass::Backward, 2 * gemm_flops(F, C, R));
-      if (!computing()) measure_weight_pass(bf16, F, C, most);
-      const Tensor* dw1 = g1 ? &g1->get_or_zeros() : nullptr;
-      const Tensor* dw3 = g3 ? &g3->get_or_zeros() : nullptr;
-      if (computing())
-        run_tasks(expert_tasks(off, F, true), [&](const ExpertTask& t) {
-          const int64_t n = off[t.e + 1] - off[t.e], m = t.c1 - t.c0;
-          if (dw1)
-            product(Transpose::Yes, Transpose::No, m, C, n, dG, off[t.e] * F + t.c0, F, xg,
-                    off[t.e] * C, C, 1.0f, dw1->f32() + (t.e * F + t.c0) * C, C);
-          if (dw3)
-            product(Transpose::Yes, Transpose::No, m, C, n, dU, off[t.e] * F + t.c0, F, xg,
-                    off[t.e] * C, C, 1.0f, dw3->f32() + (t.e * F + t.c0) * C, C);
-        });
+      for (auto [ad, d, sg] : {std::tuple(ad1.get(), &dG, &sg1), std::tuple(ad3.get(), &dU, &sg3)})
+        if (ad->on()) {
+          Scope gemms("moe GEMMs adapters dW1, dW3", Pass::Backward,
+                      2 * gemm_flops(F + C, ad->r, R));
+          adapter_weight_grads(*ad, *d, *sg, xg, off, most, dropout, bf16);
+        }
+      if (g1 || g3) {
+        Scope gemms("moe GEMMs dW1, dW3", Pass::Backward, 2 * gemm_flops(F, C, R));
+        if (!computing()) measure_weight_pass(bf16, F, C, most);
+        const Tensor* dw1 = g1 ? &g1->get_or_zeros() : nullptr;
+        const Tensor* dw3 = g3 ? &g3->get_or_zeros() : nullptr;
+        if (computing())
+          run_tasks(expert_tasks(off, F, true), [&](const ExpertTask& t) {
+            const int64_t n = off[t.e + 1] - off[t.e], m = t.c1 - t.c0;
+            if (dw1)
+              product(Transpose::Yes, Transpose::No, m, C, n, dG, off[t.e] * F + t.c0, F, xg,
+                      off[t.e] * C, C, 1.0f, dw1->f32() + (t.e * F + t.c0) * C, C);
+            if (dw3)
+              product(Transpose::Yes, Transpose::No, m, C, n, dU, off[t.e] * F + t.c0, F, xg,
+                      off[t.e] * C, C, 1.0f, dw3->f32() + (t.e * F + t.c0) * C, C);
+          });
+      }
     }
     if (gx) {
       if (!ws.defined()) ws = Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
@@ -498,6 +714,11 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
             expert_input(w3v, t, F, C, n, dU, off[t.e], 1.0f, dxg + off[t.e] * C);
           });
       }
+      for (auto [ad, sg] : {std::pair(ad1.get(), &sg1), std::pair(ad3.get(), &sg3)})
+        if (ad->on()) {
+          Scope gemms("moe GEMMs adapters dX", Pass::Backward, gemm_flops(R, C, ad->r));
+          adapter_input_grad(*ad, *sg, off, most, dropout, bf16, dxg);
+        }
       float beta = 0.0f;
       float* dx = gx->get_for_accumulate(&beta).f32();
       if (computing()) {

@@ -29,8 +29,20 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
 // by output columns. The backward pass keeps x and the gate and up products (N k x F each: FP32;
 // in bf16 mode their roundings and the activation's, as the dense MLP keeps them), and gives x,
 // the weights, w1, w3 and w2 (where each wants it) their gradients.
+//
+// `lora`: low-rank adapters on any of the three products (models/lora.h), expert e's weight
+// w[e] + scale b[e] a[e] with a (E, r, in) and b (E, out, r); each adapter's two products run
+// inside its product's parallel pass. Its input takes PEFT's dropout where `dropout` > 0, each
+// product's mask drawn from its own seed over the rows grouped by expert. The backward pass also
+// keeps each adapter's scale (x a[e]^T) (N k x r).
+struct MoeAdapters {
+  Variable a1, b1, a3, b3, a2, b2;  // undefined where a product has none
+  float scale = 1.0f;
+  float dropout = 0.0f;
+  uint64_t seed = 0;  // w1's mask; w3's and w2's are drawn from seeds derived from it
+};
 Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, const Variable& w2,
-                     const MoeRouting& route);
+                     const MoeRouting& route, const MoeAdapters& lora = {});
 
 // The router's auxiliary losses (kernels::MoeRouterLosses) in training: while a
 // MoeRouterLossScope lives, each Softmax routing recorded for the backward pass takes into its

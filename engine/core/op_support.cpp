@@ -5,6 +5,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "engine/core/hash.h"
 #include "engine/core/memory.h"
 #include "engine/core/profiler.h"
 #include "kernels/cpu/bf16.h"
@@ -124,6 +125,44 @@ Tensor as_f32(const Tensor& t, MemoryCategory category) {
   profiler::Scope scope("to fp32", profiler::Pass::Enclosing);
   if (computing()) kernels::bf16_to_fp32_array(f.f32(), t.bf16(), t.numel());
   return f;
+}
+
+// s u in the compute precision: what the products take of a small FP32 (M x r) tensor.
+Tensor scaled_operand(const Tensor& u, float s, bool bf16, MemoryCategory category) {
+  Tensor out = Tensor::empty(u.shape(), bf16 ? DType::BF16 : DType::F32, category);
+  if (!computing()) return out;
+  const int64_t n = u.numel();
+  if (bf16) {
+    for (int64_t i = 0; i < n; ++i) out.bf16()[i] = kernels::fp32_to_bf16(s * u.f32()[i]);
+  } else {
+    kernels::vector_scale(out.f32(), u.f32(), s, n);
+  }
+  return out;
+}
+
+uint32_t dropout_threshold(float p) {
+  return static_cast<uint32_t>(std::min(4294967295.0, static_cast<double>(p) * 4294967296.0));
+}
+
+// x with dropout applied (the update's input), in x's precision.
+Tensor dropped_out(const Tensor& x, float p, uint64_t seed) {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), MemoryCategory::Workspace);
+  if (!computing()) return out;
+  const uint32_t threshold = dropout_threshold(p);
+  const float keep = 1.0f / (1.0f - p);
+  const int64_t n = x.numel();
+  if (x.dtype() == DType::BF16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      out.bf16()[i] = dropout_keeps(seed, i, threshold)
+                          ? kernels::fp32_to_bf16(kernels::bf16_to_fp32(x.bf16()[i]) * keep)
+                          : uint16_t{0};
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      out.f32()[i] = dropout_keeps(seed, i, threshold) ? x.f32()[i] * keep : 0.0f;
+  }
+  return out;
 }
 
 }  // namespace cputrain::op_support

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/core/autograd.h"
+#include "engine/core/hash.h"
 #include "engine/core/tensor.h"
 #include "kernels/gemm/gemm.h"
 
@@ -85,5 +86,18 @@ void measure_quant_gemm(bool bf16, bool forward, int64_t M, int64_t N, int64_t K
 // A saved tensor as FP32, for kernels that compute in FP32: itself, or its widening from bf16,
 // counted as `category`.
 Tensor as_f32(const Tensor& t, MemoryCategory category = MemoryCategory::Workspace);
+
+// s u in the compute precision (bf16 in bf16 mode, else FP32): what the products take of a
+// small FP32 tensor (a low-rank adapter's (M x r) intermediate), counted as `category`.
+Tensor scaled_operand(const Tensor& u, float s, bool bf16, MemoryCategory category);
+
+// PEFT's lora_dropout: element i of an adapter's input is kept (and scaled by 1 / (1 - p)) where
+// a hash of (seed, i) is at or above p of its range, so a backward pass draws the mask again.
+uint32_t dropout_threshold(float p);
+inline bool dropout_keeps(uint64_t seed, int64_t i, uint32_t threshold) {
+  return static_cast<uint32_t>(splitmix64(seed + static_cast<uint64_t>(i)) >> 32) >= threshold;
+}
+// x with dropout p applied, in x's precision, as workspace.
+Tensor dropped_out(const Tensor& x, float p, uint64_t seed);
 
 }  // namespace cputrain::op_support

@@ -291,49 +291,6 @@ void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const 
     kernels::gemm_f32(ta, tb, M, N, K, a.f32(), lda, b.f32(), ldb, beta, c, N);
 }
 
-// s u in the compute precision: what the products take of a small FP32 (M x r) tensor.
-Tensor scaled_operand(const Tensor& u, float s, bool bf16, MemoryCategory category) {
-  Tensor out = Tensor::empty(u.shape(), bf16 ? DType::BF16 : DType::F32, category);
-  if (!computing()) return out;
-  const int64_t n = u.numel();
-  if (bf16) {
-    for (int64_t i = 0; i < n; ++i) out.bf16()[i] = kernels::fp32_to_bf16(s * u.f32()[i]);
-  } else {
-    kernels::vector_scale(out.f32(), u.f32(), s, n);
-  }
-  return out;
-}
-
-// Dropout's mask for element i: kept where a hash of (seed, i) is at or above p of its range.
-inline bool dropout_keeps(uint64_t seed, int64_t i, uint32_t threshold) {
-  return static_cast<uint32_t>(splitmix64(seed + static_cast<uint64_t>(i)) >> 32) >= threshold;
-}
-
-uint32_t dropout_threshold(float p) {
-  return static_cast<uint32_t>(std::min(4294967295.0, static_cast<double>(p) * 4294967296.0));
-}
-
-// x with dropout applied (the update's input), in x's precision.
-Tensor dropped_out(const Tensor& x, float p, uint64_t seed) {
-  Tensor out = Tensor::empty(x.shape(), x.dtype(), MemoryCategory::Workspace);
-  if (!computing()) return out;
-  const uint32_t threshold = dropout_threshold(p);
-  const float keep = 1.0f / (1.0f - p);
-  const int64_t n = x.numel();
-  if (x.dtype() == DType::BF16) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i)
-      out.bf16()[i] = dropout_keeps(seed, i, threshold)
-                          ? kernels::fp32_to_bf16(kernels::bf16_to_fp32(x.bf16()[i]) * keep)
-                          : uint16_t{0};
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i)
-      out.f32()[i] = dropout_keeps(seed, i, threshold) ? x.f32()[i] * keep : 0.0f;
-  }
-  return out;
-}
-
 }  // namespace
 
 Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,

@@ -212,6 +212,30 @@ TEST_F(Cli, AMixtureLogsItsLoadAndTrainsWithItsRouterLosses) {
   expect_one_line_error(run(dense + " --moe-z-loss 0.01"), "--moe-z-loss");
   expect_one_line_error(run(base + " --moe-balance -1 --out " + (dir_ / "n").string()),
                         "--moe-balance");
+  // A fine-tune of the mixture: adapters on its experts, the router losses off unless asked
+  // (config.json keeps them, a resume takes them); refused for a preference method.
+  const fs::path data = dir_ / "sft.jsonl";
+  {
+    std::ofstream f(data);
+    for (int i = 0; i < 16; ++i)
+      f << "{\"prompt\": \"the cat " << i << "\", \"completion\": \" sat down\"}\n";
+  }
+  const std::string ft = "finetune --model " + with.string() + " --data " + data.string() +
+                         " --batch 2 --accum 1 --ctx 32 --lora-rank 4 --out ";
+  const fs::path tuned = dir_ / "tuned";
+  const Result f = run(ft + tuned.string() + " --steps 2 --moe-balance 0.01");
+  ASSERT_EQ(f.exit_code, 0) << f.err << f.out;
+  EXPECT_FLOAT_EQ(
+      nlohmann::json::parse(read_all(tuned / "config.json"))["moe_balance"].get<float>(), 0.01f);
+  EXPECT_NE(f.out.find("balance loss"), std::string::npos) << f.out;
+  const Result resumed = run("finetune --resume " + tuned.string() + " --steps 3");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err << resumed.out;
+  expect_one_line_error(run("finetune --resume " + tuned.string() + " --steps 4 --moe-balance 0"),
+                        "--moe-balance");
+  expect_one_line_error(run(ft + (dir_ / "dpo").string() +
+                            " --steps 2 --moe-z-loss 0.1 --method "
+                            "dpo"),
+                        "--moe-z-loss");
 }
 
 TEST_F(Cli, TinyRunTrainsSavesAndSamples) {

@@ -274,8 +274,10 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
         1e-4)
         << family;
     expect_greedy_as_llama_cpp(g, gguf, family);
-    // A LoRA fine-tune (on attention; the experts take no adapters yet): llama.cpp with the base
-    // file and the adapter computes cputrain's logits within 1e-4, and they are not the base's.
+    // A LoRA fine-tune, adapters on attention and on every expert (one A and B each, in one
+    // tensor of all experts), the shared expert and, for Qwen3.5-MoE, the router: llama.cpp with
+    // the base file and the adapter computes cputrain's logits within 1e-4, and they are not the
+    // base's. PEFT's adapter holds each expert's own (mlp.experts.<e>.gate_proj).
     const fs::path data = family_models() / "moe_finetune.jsonl";
     {
       std::ofstream f(data);
@@ -286,16 +288,47 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     const fs::path run = family_models() / ("finetune_" + family);
     ASSERT_EQ(
         cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
-                 run.string() + " --steps 4 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1"),
+                 run.string() +
+                 " --steps 4 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1 --lora-rank 8" +
+                 (qwen35 ? " --lora-targets q,k,v,o,gate,up,down,router" : "")),
         0)
         << family;
     const fs::path adapter = run / "adapter.gguf";
+    {
+      const GgufFile file(adapter.string());
+      const int64_t E = 8, F = g.config.ffn, C = g.config.d_model, r = 8;
+      ASSERT_NE(file.tensor("blk.1.ffn_gate_exps.weight.lora_a"), nullptr) << family;
+      EXPECT_EQ(file.tensor("blk.1.ffn_gate_exps.weight.lora_a")->dims,
+                (std::vector<int64_t>{C, r, E}));
+      ASSERT_NE(file.tensor("blk.1.ffn_down_exps.weight.lora_b"), nullptr) << family;
+      EXPECT_EQ(file.tensor("blk.1.ffn_down_exps.weight.lora_b")->dims,
+                (std::vector<int64_t>{r, C, E}));
+      EXPECT_EQ(file.tensor("blk.1.ffn_up_shexp.weight.lora_a") != nullptr, qwen35) << family;
+      EXPECT_EQ(file.tensor("blk.1.ffn_gate_inp.weight.lora_b") != nullptr, qwen35) << family;
+      const SafetensorsFile peft((run / "peft" / "adapter_model.safetensors").string());
+      const std::string expert = "base_model.model.model.layers.1.mlp.experts.7.down_proj.lora_";
+      ASSERT_EQ(peft.tensors().count(expert + "A.weight"), 1u) << family;
+      EXPECT_EQ(peft.tensors().at(expert + "A.weight").shape, (std::vector<int64_t>{r, F}));
+      EXPECT_EQ(peft.tensors().at(expert + "B.weight").shape, (std::vector<int64_t>{C, r}));
+      const nlohmann::json targets =
+          nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"))["target_modules"];
+      EXPECT_EQ(std::count(targets.begin(), targets.end(), "gate"), qwen35 ? 1 : 0) << targets;
+      EXPECT_EQ(std::count(targets.begin(), targets.end(), "down_proj"), 1) << targets;
+    }
     LoadedModel adapted =
         load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
     const std::vector<float> with = our_logits(adapted, tokens);
     EXPECT_LT(max_abs_difference(with, oracle_logits(gguf, tokens, family_models(), adapter)), 1e-4)
         << family;
     EXPECT_GT(max_abs_difference(with, our_logits(g, tokens)), 1e-2) << family;
+    // Merged into the base (export --merge, each expert's adapter into its own weights):
+    // llama.cpp computes the same from the one file.
+    const fs::path merged = family_models() / (family + "_merged.gguf");
+    fs::remove(merged);
+    ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0)
+        << family;
+    EXPECT_LT(max_abs_difference(with, oracle_logits(merged, tokens, family_models())), 1e-4)
+        << family;
     // Quantised by llama.cpp's own quantiser (Q8_0, where a row's length allows; the experts
     // dequantised on reading): nearer the unquantised model than llama.cpp, which also rounds the
     // activations to 8 bits (the mean KL divergence of the next-token distributions from the

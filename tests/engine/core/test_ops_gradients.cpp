@@ -7,6 +7,7 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "engine/core/deltanet_ops.h"
@@ -370,6 +371,132 @@ TEST(OpsGradient, MixtureOfExperts) {
              random_tensor(Shape{E, F, C}, rng, 0.5f), random_tensor(Shape{E, C, F}, rng, 0.5f),
              separated_logits(N, E, rng)},
             5e-3, 1e-3f);
+      }
+}
+
+// Adapters on the experts' three products (A (E, r, in), B (E, out, r)), with and without
+// dropout (one mask, a function of the seed): every input's gradient, the adapters' too.
+TEST(OpsGradient, MixtureOfExpertsWithAdapters) {
+  for (const float dropout : {0.0f, 0.3f}) {
+    std::mt19937 rng(97);
+    const int64_t N = 7, C = 6, F = 5, E = 4, k = 2, r = 3;
+    check_gradients(
+        [&](const auto& v) {
+          const MoeRouting route = moe_route(v[4], k, kernels::MoeGating::Softmax, true);
+          MoeAdapters lora{v[5], v[6], v[7], v[8], v[9], v[10], 0.7f, dropout, 11};
+          return moe_experts(v[0], v[1], v[2], v[3], route, lora);
+        },
+        {random_tensor(Shape{1, N, C}, rng), random_tensor(Shape{E, F, C}, rng, 0.5f),
+         random_tensor(Shape{E, F, C}, rng, 0.5f), random_tensor(Shape{E, C, F}, rng, 0.5f),
+         separated_logits(N, E, rng), random_tensor(Shape{E, r, C}, rng, 0.5f),
+         random_tensor(Shape{E, F, r}, rng, 0.5f), random_tensor(Shape{E, r, C}, rng, 0.5f),
+         random_tensor(Shape{E, F, r}, rng, 0.5f), random_tensor(Shape{E, r, F}, rng, 0.5f),
+         random_tensor(Shape{E, C, r}, rng, 0.5f)},
+        5e-3, 1e-3f);
+  }
+}
+
+// The adapters are their merged weights, w[e] + s b[e] a[e]: the output and x's and the
+// weights' gradients equal the op's over the merged weights, and each adapter's gradients are
+// the merged weight's by the chain rule (dA = s B^T dW, dB = s dW A^T); in FP32 and bf16 mode,
+// on one thread and three (an expert's rows split by columns), with adapters on some products.
+TEST(MoeOps, AdaptersAreTheirMergedWeights) {
+  const int64_t N = 40, C = 130, F = 72, E = 6, k = 2, r = 4;
+  const float s = 1.5f;
+  std::mt19937 rng(98);
+  const Tensor x = random_tensor(Shape{1, N, C}, rng), dy = random_tensor(Shape{1, N, C}, rng);
+  Tensor logits = random_tensor(Shape{1, N, E}, rng);
+  for (int64_t t = 0; t < N; ++t) logits.f32()[t * E] += 8.0f;  // expert 0's rows split
+  const Shape w13{E, F, C}, w2s{E, C, F};
+  const Tensor w[3] = {random_tensor(w13, rng, 0.1f), random_tensor(w13, rng, 0.1f),
+                       random_tensor(w2s, rng, 0.1f)};
+  const Tensor a[3] = {random_tensor(Shape{E, r, C}, rng, 0.1f),
+                       random_tensor(Shape{E, r, C}, rng, 0.1f),
+                       random_tensor(Shape{E, r, F}, rng, 0.1f)};
+  const Tensor b[3] = {random_tensor(Shape{E, F, r}, rng, 0.1f),
+                       random_tensor(Shape{E, F, r}, rng, 0.1f),
+                       random_tensor(Shape{E, C, r}, rng, 0.1f)};
+  // merged[j][e] = w[j][e] + s b[j][e] a[j][e]
+  Tensor merged[3];
+  for (int j = 0; j < 3; ++j) {
+    merged[j] = random_tensor(w[j].shape(), rng);
+    const int64_t rows = w[j].shape()[1], cols = w[j].shape()[2];
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = 0; c < cols; ++c) {
+          double sum = 0;
+          for (int64_t q = 0; q < r; ++q)
+            sum += double(b[j].f32()[(e * rows + i) * r + q]) * a[j].f32()[(e * r + q) * cols + c];
+          merged[j].f32()[(e * rows + i) * cols + c] =
+              w[j].f32()[(e * rows + i) * cols + c] + static_cast<float>(s * sum);
+        }
+  }
+  for (const bool bf16 : {false, true})
+    for (const int threads : {1, 3})
+      for (const int which : {7, 2}) {  // adapters on all three products; on up alone
+        const int previous = omp_get_max_threads();
+        omp_set_num_threads(threads);
+        ComputeDTypeGuard dtype(bf16 ? DType::BF16 : DType::F32);
+        Variable vx(x, true), vl(logits, true), vw[3], va[3], vb[3], mx(x, true), ml(logits, true),
+            mw[3];
+        for (int j = 0; j < 3; ++j) {
+          const bool on = (which >> j) & 1;
+          vw[j] = Variable(w[j], false);
+          mw[j] = Variable(on ? merged[j] : w[j], true);
+          if (on) {
+            va[j] = Variable(a[j], true);
+            vb[j] = Variable(b[j], true);
+          }
+        }
+        MoeAdapters lora{va[0], vb[0], va[1], vb[1], va[2], vb[2], s};
+        const Variable y = moe_experts(vx, vw[0], vw[1], vw[2],
+                                       moe_route(vl, k, kernels::MoeGating::Softmax, true), lora);
+        backward(y, dy);
+        const Variable my = moe_experts(mx, mw[0], mw[1], mw[2],
+                                        moe_route(ml, k, kernels::MoeGating::Softmax, true));
+        backward(my, dy);
+        omp_set_num_threads(previous);
+        const std::string at = std::string(bf16 ? "bf16" : "fp32") + ", " +
+                               std::to_string(threads) + " threads, adapters " +
+                               std::to_string(which);
+        // bf16 mode rounds the merged weight once and the adapter's products apart.
+        const double tol = bf16 ? 2e-2 : 1e-4;
+        const auto expect_close = [&](const Tensor& got, const std::vector<double>& want,
+                                      const char* what) {
+          double top = 0, diff = 0;
+          for (size_t i = 0; i < want.size(); ++i) {
+            top = std::max(top, std::abs(want[i]));
+            diff = std::max(diff, std::abs(want[i] - got.f32()[i]));
+          }
+          EXPECT_GT(top, 0.0) << what << ", " << at;
+          EXPECT_LE(diff, tol * top) << what << ", " << at;
+        };
+        const auto values = [](const Tensor& t) {
+          return std::vector<double>(t.f32(), t.f32() + t.numel());
+        };
+        expect_close(y.value(), values(my.value()), "output");
+        expect_close(vx.grad(), values(mx.grad()), "x's gradient");
+        expect_close(vl.grad(), values(ml.grad()), "the logits' gradient");
+        for (int j = 0; j < 3; ++j) {
+          if (!((which >> j) & 1)) continue;
+          const Tensor& dw = mw[j].grad();
+          const int64_t rows = w[j].shape()[1], cols = w[j].shape()[2];
+          std::vector<double> da(static_cast<size_t>(E * r * cols)),
+              db(static_cast<size_t>(E * rows * r));
+          for (int64_t e = 0; e < E; ++e)
+            for (int64_t i = 0; i < rows; ++i)
+              for (int64_t c = 0; c < cols; ++c) {
+                const double g = dw.f32()[(e * rows + i) * cols + c];
+                for (int64_t q = 0; q < r; ++q) {
+                  da[static_cast<size_t>((e * r + q) * cols + c)] +=
+                      s * g * b[j].f32()[(e * rows + i) * r + q];
+                  db[static_cast<size_t>((e * rows + i) * r + q)] +=
+                      s * g * a[j].f32()[(e * r + q) * cols + c];
+                }
+              }
+          expect_close(va[j].grad(), da, "an adapter's A");
+          expect_close(vb[j].grad(), db, "an adapter's B");
+        }
       }
 }
 
