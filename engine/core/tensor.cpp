@@ -22,6 +22,7 @@ size_t dtype_size(DType dtype) {
     case DType::Q4_K:
     case DType::Q5_K:
     case DType::Q6_K:
+    case DType::MXFP4:
       return 0;
   }
   return 0;
@@ -32,8 +33,8 @@ bool dtype_quantized(DType dtype) {
 }
 
 // The quantised dtypes are the kernels' formats in their order, from Q4_0.
-static_assert(static_cast<int>(DType::Q6_K) - static_cast<int>(DType::Q4_0) ==
-                  static_cast<int>(kernels::QuantType::Q6_K) -
+static_assert(static_cast<int>(DType::MXFP4) - static_cast<int>(DType::Q4_0) ==
+                  static_cast<int>(kernels::QuantType::MXFP4) -
                       static_cast<int>(kernels::QuantType::Q4_0) &&
               static_cast<int>(DType::Q4_K) - static_cast<int>(DType::Q4_0) ==
                   static_cast<int>(kernels::QuantType::Q4_K) -
@@ -81,6 +82,8 @@ std::string_view dtype_name(DType dtype) {
       return "q5_k";
     case DType::Q6_K:
       return "q6_k";
+    case DType::MXFP4:
+      return "mxfp4";
   }
   return "unknown";
 }

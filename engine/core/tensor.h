@@ -16,7 +16,7 @@ namespace cputrain {
 // Besides the element types, ggml's block-quantised formats (kernels/quant/quant.h): a tensor of
 // one holds its blocks as a model file does, row by row, each row whole blocks. Such a tensor is
 // read only by the ops that take a frozen weight (linear's products, the embedding's lookup).
-enum class DType { F32, BF16, I32, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+enum class DType { F32, BF16, I32, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 };
 // Bytes per element of an element type; 0 for a quantised one (see dtype_bytes).
 size_t dtype_size(DType dtype);
 std::string_view dtype_name(DType dtype);

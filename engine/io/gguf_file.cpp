@@ -258,6 +258,7 @@ bool ggml_type_supported(uint32_t type) {
     case GgmlType::Q4_K:
     case GgmlType::Q5_K:
     case GgmlType::Q6_K:
+    case GgmlType::MXFP4:
       return true;
   }
   return false;
@@ -279,6 +280,8 @@ std::optional<kernels::QuantType> ggml_quant_type(GgmlType type) {
       return kernels::QuantType::Q5_K;
     case GgmlType::Q6_K:
       return kernels::QuantType::Q6_K;
+    case GgmlType::MXFP4:
+      return kernels::QuantType::MXFP4;
     case GgmlType::F32:
     case GgmlType::F16:
     case GgmlType::BF16:
@@ -700,7 +703,7 @@ void check_tensor_type(const GgufFile& file, const GgufTensor& tensor) {
   if (!ggml_type_supported(tensor.type))
     throw UserError(file.path() + ": tensor " + tensor.name + " is " + ggml_type_name(tensor.type) +
                     ", a type cputrain does not read (F32, F16, BF16, Q4_0, Q5_0, Q5_1, Q8_0, "
-                    "Q4_K, Q5_K, Q6_K)");
+                    "Q4_K, Q5_K, Q6_K, MXFP4)");
 }
 
 std::vector<float> gguf_tensor_values(const GgufFile& file, const GgufTensor& tensor) {

@@ -28,6 +28,7 @@ enum class GgmlType : uint32_t {
   Q5_K = 13,
   Q6_K = 14,
   BF16 = 30,
+  MXFP4 = 39,
 };
 // "F32", "Q4_K", ...; "type N" for a number cputrain has no name for.
 std::string ggml_type_name(uint32_t type);

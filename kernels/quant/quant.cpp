@@ -60,6 +60,41 @@ void q4_0(const uint8_t* src, float* dst) {
 #endif
 }
 
+// E2M1's magnitudes, by the code's low three bits.
+constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+void mxfp4(const uint8_t* src, float* dst) {
+  // 2^(e - 127), e = 0 the subnormal 2^-127.
+  const float d = std::ldexp(1.0f, static_cast<int>(src[0]) - 127);
+  const uint8_t* q = src + 1;
+  for (int i = 0; i < 16; ++i) {
+    const int lo = q[i] & 15, hi = q[i] >> 4;
+    dst[i] = (lo & 8 ? -d : d) * kE2m1[lo & 7];
+    dst[i + 16] = (hi & 8 ? -d : d) * kE2m1[hi & 7];
+  }
+}
+
+void quantize_mxfp4(const float* x, uint8_t* b) {
+  float largest = 0.0f;
+  for (int i = 0; i < 32; ++i) largest = std::max(largest, std::abs(x[i]));
+  // The smallest e with 6 * 2^(e - 127) >= largest (e in 0 .. 254).
+  int e = 0;
+  while (e < 254 && 6.0f * std::ldexp(1.0f, e - 127) < largest) ++e;
+  b[0] = static_cast<uint8_t>(e);
+  const float d = std::ldexp(1.0f, e - 127);
+  uint8_t codes[32];
+  for (int i = 0; i < 32; ++i) {
+    const float m = std::abs(x[i]) / d;
+    int best = 0;
+    for (int c = 1; c < 8; ++c) {
+      const float err = std::abs(kE2m1[c] - m), was = std::abs(kE2m1[best] - m);
+      if (err < was || (err == was && c % 2 == 0)) best = c;
+    }
+    codes[i] = static_cast<uint8_t>(best | (x[i] < 0.0f && best != 0 ? 8 : 0));
+  }
+  for (int i = 0; i < 16; ++i) b[1 + i] = static_cast<uint8_t>(codes[i] | (codes[i + 16] << 4));
+}
+
 void q8_0(const uint8_t* src, float* dst) {
   const float d = half_at(src);
   const auto* q = reinterpret_cast<const int8_t*>(src + 2);
@@ -429,14 +464,17 @@ void quantize_q5_0(const float* x, uint8_t* b) {
 
 void quantize_blocks(QuantType type, const float* src, int64_t blocks, uint8_t* dst) {
   const int64_t bytes = quant_block_bytes(type), values = quant_block_values(type);
-  if (type != QuantType::Q4_K && type != QuantType::Q6_K && type != QuantType::Q5_0)
-    throw std::invalid_argument("quantize_blocks: Q4_K, Q6_K and Q5_0 only");
+  if (type != QuantType::Q4_K && type != QuantType::Q6_K && type != QuantType::Q5_0 &&
+      type != QuantType::MXFP4)
+    throw std::invalid_argument("quantize_blocks: Q4_K, Q6_K, Q5_0 and MXFP4 only");
 #pragma omp parallel for schedule(static) if (blocks >= 64)
   for (int64_t i = 0; i < blocks; ++i) {
     if (type == QuantType::Q4_K)
       quantize_q4_k(src + values * i, dst + bytes * i);
     else if (type == QuantType::Q6_K)
       quantize_q6_k(src + values * i, dst + bytes * i);
+    else if (type == QuantType::MXFP4)
+      quantize_mxfp4(src + values * i, dst + bytes * i);
     else
       quantize_q5_0(src + values * i, dst + bytes * i);
   }
@@ -462,6 +500,8 @@ int64_t quant_block_bytes(QuantType type) {
       return 176;
     case QuantType::Q6_K:
       return 210;
+    case QuantType::MXFP4:
+      return 17;
   }
   return 0;
 }
@@ -487,6 +527,8 @@ void dequantize_blocks(QuantType type, const uint8_t* src, int64_t blocks, float
       return each([](const uint8_t* b, float* d) { q45_k<true>(b, b + 16, b + 48, d); });
     case QuantType::Q6_K:
       return each(q6_k);
+    case QuantType::MXFP4:
+      return each(mxfp4);
   }
 }
 

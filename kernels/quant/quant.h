@@ -15,6 +15,9 @@
 //   Q5_K (256, 176) Q4_K's, with 32 bytes of fifth bits after the scales (sub-block j: bit j)
 //   Q6_K (256, 210) 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (per 16
 //                   values), f16 d; d * scale * (q - 32)
+//   MXFP4 (32, 17)  OCP's microscaling FP4 (gpt-oss's experts): an E8M0 exponent byte e, then 16
+//                   bytes of 4-bit E2M1 codes (low nibbles values 0-15, high 16-31; bit 3 the
+//                   sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6); code * 2^(e - 127)
 #pragma once
 
 #include <cstddef>
@@ -22,7 +25,7 @@
 
 namespace cputrain::kernels {
 
-enum class QuantType : uint8_t { Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+enum class QuantType : uint8_t { Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 };
 
 // An IEEE half (the formats' scales, F16 tensors) as FP32, exactly (F16C where the build has it);
 // FP32 rounded to the nearest half (even on ties; beyond 65504 infinity).
@@ -35,14 +38,16 @@ int64_t quant_block_bytes(QuantType type);
 // dst[0 .. blocks * values) = the values of `blocks` consecutive blocks from src.
 void dequantize_blocks(QuantType type, const uint8_t* src, int64_t blocks, float* dst);
 
-// dst = `blocks` blocks of Q4_K, Q6_K or Q5_0 holding src[0 .. blocks * values), for cputrain
-// export's q4_k (Q4_K_M's mix, with llama.cpp's Q5_0 where rows are not whole blocks of 256).
-// Each (sub-)block's scale (and Q4_K's minimum) is the candidate whose grid fits its values best:
-// their range over each number of levels from all of them down to two thirds (Q6_K, Q5_0: the
-// value of largest magnitude at each level from 3/4 of the largest), then least squares over the
-// levels they round to (Q4_K); the K-quants' sub-block scales are then the multiples of the
-// block's f16 scale(s) next to them that fit best. Values on a grid of the format whose scales
-// span their bits (a quantised file's) come back as they were.
+// dst = `blocks` blocks of Q4_K, Q6_K, Q5_0 or MXFP4 holding src[0 .. blocks * values), for
+// cputrain export's q4_k (MXFP4: the smallest exponent whose largest code, 6, covers the block's
+// largest magnitude, each value the nearest code, ties to the even code) (Q4_K_M's mix, with
+// llama.cpp's Q5_0 where rows are not whole blocks of 256). Each (sub-)block's scale (and Q4_K's
+// minimum) is the candidate whose grid fits its values best: their range over each number of levels
+// from all of them down to two thirds (Q6_K, Q5_0: the value of largest magnitude at each level
+// from 3/4 of the largest), then least squares over the levels they round to (Q4_K); the K-quants'
+// sub-block scales are then the multiples of the block's f16 scale(s) next to them that fit best.
+// Values on a grid of the format whose scales span their bits (a quantised file's) come back as
+// they were.
 void quantize_blocks(QuantType type, const float* src, int64_t blocks, uint8_t* dst);
 
 // A (rows, cols) matrix stored row by row, each row cols / block values blocks.

@@ -15,7 +15,7 @@ import gguf  # noqa: E402
 QUANTISED = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_0,
              gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0,
              gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
-             gguf.GGMLQuantizationType.Q6_K}
+             gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.MXFP4}
 
 reader = gguf.GGUFReader(sys.argv[2])
 with open(sys.argv[3] + ".txt", "w") as index, open(sys.argv[3] + ".f32", "wb") as values:

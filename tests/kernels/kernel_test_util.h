@@ -32,6 +32,9 @@ inline std::vector<uint8_t> random_quant_blocks(QuantType t, int64_t blocks, uin
     } else if (t == QuantType::Q4_K || t == QuantType::Q5_K) {
       half(p, false);
       half(p + 2, false);
+    } else if (t == QuantType::MXFP4) {
+      // Exponents from 2^-8 to 2^5 (1, 2^-127 and 2^128 apart, in the decoder test).
+      p[0] = static_cast<uint8_t>(119 + rng() % 14);
     } else if (t == QuantType::Q5_1) {
       half(p, true);
       half(p + 2, true);

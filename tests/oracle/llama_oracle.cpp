@@ -131,7 +131,7 @@ int tokenize(int argc, char** argv) {
 }
 
 int quantize(int argc, char** argv) {
-  if (argc != 5) fail("quantize IN OUT q8_0|q4_0|q5_0|q5_1|q4_k_m|q5_k_m");
+  if (argc != 5) fail("quantize IN OUT q8_0|q4_0|q5_0|q5_1|q4_k_m|q5_k_m|mxfp4_moe");
   llama_model_quantize_params params = llama_model_quantize_default_params();
   const std::string type = argv[4];
   if (type == "q8_0")
@@ -146,6 +146,8 @@ int quantize(int argc, char** argv) {
     params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M;
   else if (type == "q5_k_m")
     params.ftype = LLAMA_FTYPE_MOSTLY_Q5_K_M;
+  else if (type == "mxfp4_moe")  // a mixture's experts MXFP4, the rest Q8_0
+    params.ftype = LLAMA_FTYPE_MOSTLY_MXFP4_MOE;
   else
     fail("unknown type " + type);
   params.nthread = 2;

@@ -22,10 +22,10 @@ namespace cputrain::kernels {
 namespace {
 
 const QuantType kTypes[] = {QuantType::Q4_0, QuantType::Q5_0, QuantType::Q5_1, QuantType::Q8_0,
-                            QuantType::Q4_K, QuantType::Q5_K, QuantType::Q6_K};
+                            QuantType::Q4_K, QuantType::Q5_K, QuantType::Q6_K, QuantType::MXFP4};
 
 std::string type_name(QuantType t) {
-  const char* names[] = {"Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+  const char* names[] = {"Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"};
   return names[static_cast<int>(t)];
 }
 
@@ -92,6 +92,16 @@ double element(QuantType t, const uint8_t* b, int i, double* size) {
       const int scale = static_cast<int8_t>(b[192 + 8 * h + s * 2 + l / 16]);
       *size = std::abs(half_value(b + 208) * scale * (q - 32));
       return half_value(b + 208) * scale * (q - 32);
+    }
+    case QuantType::MXFP4: {
+      // E2M1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 subnormal
+      // (m / 2). Times 2^(e - 127), e the E8M0 byte.
+      const int code = i < 16 ? b[1 + i] & 15 : b[1 + i - 16] >> 4;
+      const int ex = (code >> 1) & 3, m = code & 1;
+      const double magnitude = ex == 0 ? 0.5 * m : (1.0 + 0.5 * m) * std::ldexp(1.0, ex - 1);
+      const double v = (code & 8 ? -magnitude : magnitude) * std::ldexp(1.0, b[0] - 127);
+      *size = std::abs(v);
+      return v;
     }
   }
   return 0.0;
@@ -296,6 +306,51 @@ TEST(Quant, QuantisedBlocksHoldTheNearestLevels) {
     dequantize_blocks(t, requantized.data(), blocks, again.data());
     EXPECT_EQ(again, on_grid) << type_name(t);
   }
+}
+
+// Quantising to MXFP4: each block's exponent the smallest whose largest code (6) covers its
+// largest magnitude (so that it is above 3 2^(e - 127)), each value within half the spacing of
+// the E2M1 codes around it (0.5 below 2, 1 below 4, 2 above, times 2^(e - 127)), over blocks of
+// sizes 10^-3 to 10; a block of zeros is zeros; decoded blocks whose largest code is 6 quantise
+// to themselves.
+TEST(Quant, Mxfp4BlocksHoldTheNearestCodes) {
+  std::mt19937 rng(14);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> exponent(-3.0f, 1.0f);
+  const QuantType t = QuantType::MXFP4;
+  const int64_t blocks = 512, n = blocks * 32;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; i += 32) {
+    const float size = std::pow(10.0f, exponent(rng));
+    for (int l = 0; l < 32; ++l) x[static_cast<size_t>(i + l)] = size * normal(rng);
+  }
+  std::fill_n(x.begin(), 32, 0.0f);
+  std::vector<uint8_t> q(static_cast<size_t>(blocks * 17));
+  quantize_blocks(t, x.data(), blocks, q.data());
+  std::vector<float> y(static_cast<size_t>(n));
+  dequantize_blocks(t, q.data(), blocks, y.data());
+  for (int64_t k = 1; k < blocks; ++k) {
+    const double d = std::ldexp(1.0, q[static_cast<size_t>(k * 17)] - 127);
+    double largest = 0.0;
+    for (int l = 0; l < 32; ++l) largest = std::max(largest, std::abs(double(x[k * 32 + l])));
+    ASSERT_LE(largest, 6.0 * d) << "block " << k;
+    ASSERT_GT(largest, 3.0 * d) << "block " << k;
+    for (int l = 0; l < 32; ++l) {
+      const int64_t i = k * 32 + l;
+      const double m = std::abs(double(x[i])) / d;
+      const double spacing = m < 2.0 ? 0.5 : m < 4.0 ? 1.0 : 2.0;
+      ASSERT_LE(std::abs(double(y[i]) - x[i]), 0.5 * spacing * d * (1 + 1e-6)) << i;
+    }
+  }
+  for (int l = 0; l < 32; ++l) ASSERT_EQ(y[l], 0.0f);
+  std::vector<uint8_t> grid = random_blocks(t, blocks, 15);
+  for (int64_t k = 0; k < blocks; ++k) grid[static_cast<size_t>(k * 17 + 1)] |= 7;  // a 6
+  std::vector<float> on_grid(static_cast<size_t>(n)), again(static_cast<size_t>(n));
+  dequantize_blocks(t, grid.data(), blocks, on_grid.data());
+  std::vector<uint8_t> requantized(grid.size());
+  quantize_blocks(t, on_grid.data(), blocks, requantized.data());
+  dequantize_blocks(t, requantized.data(), blocks, again.data());
+  EXPECT_EQ(again, on_grid);
 }
 
 }  // namespace
