@@ -77,6 +77,27 @@ struct SafetensorsEntry {
   std::vector<uint8_t> bytes;
 };
 
+// The entries of tensor t (its `values`, as `dtype`, ggml `type`): itself, or a mixture's experts
+// (E, rows, cols) and their adapters one tensor each, as Hugging Face and PEFT hold them
+// (mlp.experts.<e>.gate_proj).
+void add_entries(std::vector<SafetensorsEntry>& entries, const FileTensor& t,
+                 const std::vector<float>& values, const std::string& dtype, GgmlType type) {
+  if (t.shape.size() == 3 && t.name.find(".experts.") != std::string::npos) {
+    const size_t at = t.name.find(".experts.") + 9;
+    const int64_t n = t.shape[1] * t.shape[2];
+    for (int64_t e = 0; e < t.shape[0]; ++e)
+      entries.push_back({t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
+                         Shape{t.shape[1], t.shape[2]}, dtype,
+                         ggml_from_float(type, values.data() + e * n, n)});
+    return;
+  }
+  const Shape shape = t.shape.size() == 1   ? Shape{t.shape[0]}
+                      : t.shape.size() == 2 ? Shape{t.shape[0], t.shape[1]}
+                                            : Shape{t.shape[0], t.shape[1], t.shape[2]};
+  entries.push_back({t.name, shape, dtype,
+                     ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
+}
+
 // A safetensors file of `entries`, in order, written atomically.
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries) {
   json header = json::object();
@@ -116,19 +137,8 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
                     [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
-    const std::vector<float> values =
-        file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true);
-    if (t.shape.size() == 3) {
-      const size_t at = t.name.find(".experts.") + 9;
-      const int64_t n = t.shape[1] * t.shape[2];
-      for (int64_t e = 0; e < t.shape[0]; ++e)
-        entries.push_back({t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
-                           Shape{t.shape[1], t.shape[2]}, "F32",
-                           ggml_from_float(GgmlType::F32, values.data() + e * n, n)});
-      continue;
-    }
-    entries.push_back({t.name, Shape{t.shape[0], t.shape[1]}, "F32",
-                       ggml_from_float(GgmlType::F32, values.data(), t.shape[0] * t.shape[1])});
+    add_entries(entries, t, file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true),
+                "F32", GgmlType::F32);
   }
   if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
   write_safetensors((dir / "adapter_model.safetensors").string(), entries);
@@ -296,24 +306,9 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
   for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
                                           [](const ParameterInfo&) { return true; })) {
     // Gated DeltaNet's value heads grouped by key head, as Hugging Face holds them.
-    const std::vector<float> values =
-        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true);
-    const Shape shape = t.shape.size() == 1   ? Shape{t.shape[0]}
-                        : t.shape.size() == 2 ? Shape{t.shape[0], t.shape[1]}
-                                              : Shape{t.shape[0], t.shape[1], t.shape[2]};
-    if (t.shape.size() == 3 && t.name.find(".experts.") != std::string::npos) {
-      // A mixture's experts, one tensor each, as Hugging Face holds them
-      // (mlp.experts.<e>.gate_proj).
-      const size_t at = t.name.find(".experts.") + 9;
-      const int64_t n = t.shape[1] * t.shape[2];
-      for (int64_t e = 0; e < t.shape[0]; ++e)
-        entries.push_back({t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
-                           Shape{t.shape[1], t.shape[2]}, dtype,
-                           ggml_from_float(type, values.data() + e * n, n)});
-      continue;
-    }
-    entries.push_back({t.name, shape, dtype,
-                       ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
+    add_entries(entries, t,
+                file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true),
+                dtype, type);
   }
   write_safetensors((dir / "model.safetensors").string(), entries);
 

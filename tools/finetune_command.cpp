@@ -626,13 +626,14 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
 LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& options,
                                 const std::string& dtype_reason, spdlog::logger& log) {
   const Stopwatch load_time;
-  // An adapter wider than a projection is refused before anything is allocated.
+  // An adapter wider than a projection, or router losses without a router, are refused before
+  // anything is allocated.
+  const ModelConfig config = load_model_config(a.model, "--model", a.ctx);
   if (!a.full) {
-    const ModelConfig config = load_model_config(a.model, "--model", a.ctx);
     check_lora_targets(config, options.lora, "--lora-targets");
     check_lora_rank(config, options.lora, "--lora-rank");
   }
-  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && !load_model_config(a.model, "--model", a.ctx).moe())
+  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && !config.moe())
     throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") + " " +
                     a.model + ": the model has no experts");
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);

@@ -603,6 +603,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       const int64_t r2 = ad2->r;
       sg2 = Tensor::empty(Shape{R, r2}, operand, MemoryCategory::Workspace);
       if (computing())
+#pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < R; ++r) {
           const float w = scale * wt.f32()[order[r]];
           for (int64_t j = 0; j < r2; ++j) {

@@ -60,25 +60,29 @@ void q4_0(const uint8_t* src, float* dst) {
 #endif
 }
 
-// E2M1's magnitudes, by the code's low three bits.
-constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+// E2M1's values by code (bit 3 the sign; -0 read as 0); the magnitudes are the first eight.
+constexpr float kE2m1[16] = {0.0f, 0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 void mxfp4(const uint8_t* src, float* dst) {
   // 2^(e - 127), e = 0 the subnormal 2^-127.
   const float d = std::ldexp(1.0f, static_cast<int>(src[0]) - 127);
   const uint8_t* q = src + 1;
   for (int i = 0; i < 16; ++i) {
-    const int lo = q[i] & 15, hi = q[i] >> 4;
-    dst[i] = (lo & 8 ? -d : d) * kE2m1[lo & 7];
-    dst[i + 16] = (hi & 8 ? -d : d) * kE2m1[hi & 7];
+    dst[i] = d * kE2m1[q[i] & 15];
+    dst[i + 16] = d * kE2m1[q[i] >> 4];
   }
 }
 
 void quantize_mxfp4(const float* x, uint8_t* b) {
   float largest = 0.0f;
   for (int i = 0; i < 32; ++i) largest = std::max(largest, std::abs(x[i]));
-  // The smallest e with 6 * 2^(e - 127) >= largest (e in 0 .. 254).
-  int e = 0;
+  // The smallest e with 6 * 2^(e - 127) >= largest (e in 0 .. 254): from largest's binary
+  // exponent, then a step either way where the factor 6 decides.
+  int p = 0;
+  std::frexp(largest / 6.0f, &p);  // largest / 6 in [2^(p-1), 2^p)
+  int e = largest > 0.0f ? std::clamp(p + 127, 0, 254) : 0;
+  while (e > 0 && 6.0f * std::ldexp(1.0f, e - 1 - 127) >= largest) --e;
   while (e < 254 && 6.0f * std::ldexp(1.0f, e - 127) < largest) ++e;
   b[0] = static_cast<uint8_t>(e);
   const float d = std::ldexp(1.0f, e - 127);
