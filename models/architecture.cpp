@@ -131,6 +131,35 @@ std::vector<Architecture> table() {
   }
   {
     Architecture a;
+    a.name = "gpt-oss";
+    a.hf_model_types = {"gpt_oss"};
+    a.hf_class = "GptOssForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qkv_bias = Presence::Always;
+    a.attn_out_bias = true;
+    a.attn_sinks = true;
+    a.swa_pattern = 2;
+    a.default_window = 128;
+    a.rope_scalings = {"yarn"};
+    a.moe = true;
+    a.moe_gating = kernels::MoeGating::SoftmaxTopK;
+    a.moe_biases = true;
+    a.moe_activation = kernels::Activation::SiluClamped;
+    a.gguf_names = {{"ffn_norm", "post_attention_norm"}};
+    a.files = false;
+    a.gguf_keys.assign(kMoeGgufKeys.begin(), kMoeGgufKeys.end());
+    a.gguf_keys.insert(a.gguf_keys.end(),
+                       {"attention.sliding_window", "attention.sliding_window_pattern",
+                        "rope.freq_base_swa", "rope.scaling.factor",
+                        "rope.scaling.original_context_length", "rope.scaling.attn_factor"});
+    a.summary =
+        "attention with q/k/v/o biases and a learnt sink per head, every other layer "
+        "within a sliding window (128), YaRN RoPE; in every MLP's place experts with biases and a "
+        "clamped SwiGLU, each token's top k logits softmaxed";
+    t.push_back(a);
+  }
+  {
+    Architecture a;
     a.name = "phi3";
     a.hf_model_types = {"phi3"};
     a.hf_class = "Phi3ForCausalLM";

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/moe/moe_route.h"
+#include "kernels/ops/swiglu.h"
 #include "models/model_config.h"
 
 namespace cputrain {
@@ -107,6 +108,14 @@ struct Architecture {
   kernels::MoeGating moe_gating = kernels::MoeGating::Softmax;
   // A shared expert beside the experts (ModelConfig::shared_expert_ffn).
   bool shared_expert = false;
+  // Biases on the router and on each expert's gate, up and down products, and the experts'
+  // gated activation (gpt-oss's clamped SwiGLU).
+  bool moe_biases = false;
+  kernels::Activation moe_activation = kernels::Activation::Silu;
+  // A bias on attention's output projection (without dense_biases' others), and each head's
+  // attention sink (kernels/attention/attention.h), gpt-oss's.
+  bool attn_out_bias = false;
+  bool attn_sinks = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
   // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
   // for a whole model read and written as GGUF where gguf_written says so.

@@ -72,6 +72,11 @@ json model_config_json(const ModelConfig& c) {
       j["rope_scaling"]["long_factors"] = long_factors;
       j["rope_scaling"]["attn_factor"] = c.rope_scaling.attn_factor;
     }
+    if (c.rope_scaling.type == "yarn") {
+      j["rope_scaling"]["attn_factor"] = c.rope_scaling.attn_factor;
+      j["rope_scaling"]["beta_fast"] = c.rope_scaling.beta_fast;
+      j["rope_scaling"]["beta_slow"] = c.rope_scaling.beta_slow;
+    }
   }
   return j;
 }
@@ -128,9 +133,11 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       const json& r = m.at("rope_scaling");
       c.rope_scaling.type = r.at("type").get<std::string>();
       if (c.rope_scaling.type != "llama3" && c.rope_scaling.type != "longrope" &&
-          c.rope_scaling.type != "linear" && c.rope_scaling.type != "factors")
+          c.rope_scaling.type != "linear" && c.rope_scaling.type != "yarn" &&
+          c.rope_scaling.type != "factors")
         throw UserError(where + ": model.rope_scaling.type " + c.rope_scaling.type +
-                        ", which cputrain does not compute (llama3, longrope, linear, factors)");
+                        ", which cputrain does not compute (llama3, longrope, linear, yarn, "
+                        "factors)");
       c.rope_scaling.factor = r.value("factor", 0.0);
       c.rope_scaling.low_freq_factor = r.value("low_freq_factor", 0.0);
       c.rope_scaling.high_freq_factor = r.value("high_freq_factor", 0.0);
@@ -138,6 +145,8 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       c.rope_scaling.freq_factors = r.at("freq_factors").get<std::vector<float>>();
       c.rope_scaling.long_factors = r.value("long_factors", std::vector<float>{});
       c.rope_scaling.attn_factor = r.value("attn_factor", 1.0);
+      c.rope_scaling.beta_fast = r.value("beta_fast", 0.0);
+      c.rope_scaling.beta_slow = r.value("beta_slow", 0.0);
     }
   } catch (const json::exception& e) {
     throw UserError(where + ": model: " + e.what());
@@ -169,6 +178,10 @@ std::string describe_parts(const ModelConfig& c) {
   } else if (c.rope_scaling.type == "linear") {
     std::snprintf(buf, sizeof(buf), ", linear scaling (factor %g%s)", c.rope_scaling.factor,
                   c.sliding_window > 0 ? ", the global layers" : "");
+    s += buf;
+  } else if (c.rope_scaling.type == "yarn") {
+    std::snprintf(buf, sizeof(buf), ", YaRN scaling (factor %g, original ctx %lld)",
+                  c.rope_scaling.factor, static_cast<long long>(c.rope_scaling.original_ctx));
     s += buf;
   } else if (c.rope_scaling.active()) {
     s += ", scaled by frequency factors";
@@ -203,7 +216,10 @@ std::string describe_parts(const ModelConfig& c) {
     std::snprintf(buf, sizeof(buf), "; %lld experts of ffn %lld, %lld a token%s",
                   static_cast<long long>(c.n_experts), static_cast<long long>(c.ffn),
                   static_cast<long long>(c.experts_used),
-                  c.expert_weights_norm ? ", their weights renormalised" : "");
+                  architecture_of(c).moe_gating == kernels::MoeGating::SoftmaxTopK
+                      ? ", a softmax over their logits"
+                  : c.expert_weights_norm ? ", their weights renormalised"
+                                          : "");
     s += buf;
     if (c.shared_expert_ffn > 0)
       s += "; a gated shared expert of ffn " + std::to_string(c.shared_expert_ffn);

@@ -78,7 +78,9 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
         b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
       }
       b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
-      b.bo = bias_of(dense, l + "attention.wo.bias", C);
+      b.bo = bias_of(dense || arch.attn_out_bias, l + "attention.wo.bias", C);
+      if (arch.attn_sinks)
+        b.sinks = params.add(l + "attention.sinks.weight", Shape{config.n_heads}, false);
     }
     if (arch.post_norms)
       b.post_attention_norm = params.add(l + "post_attention_norm.weight", Shape{C}, false);
@@ -93,6 +95,12 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, F, C}, true, true);
       b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, F, C}, true, true);
       b.experts_w2 = params.add(m + "experts.w2.weight", Shape{E, C, F}, true, true);
+      if (arch.moe_biases) {
+        b.router_bias = params.add(m + "router.bias", Shape{E}, false);
+        b.experts_b1 = params.add(m + "experts.w1.bias", Shape{E, F}, false);
+        b.experts_b3 = params.add(m + "experts.w3.bias", Shape{E, F}, false);
+        b.experts_b2 = params.add(m + "experts.w2.bias", Shape{E, C}, false);
+      }
       if (config.shared_expert_ffn > 0) {
         const int64_t S = config.shared_expert_ffn;
         b.shared_w1 = params.add(m + "shared.w1.weight", Shape{S, C}, true, true);
@@ -215,6 +223,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
                        b.linear_norm});
     v.insert(v.end(), {b.router, b.experts_w1, b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3,
                        b.shared_w2, b.shared_gate});
+    v.insert(v.end(), {b.router_bias, b.experts_b1, b.experts_b3, b.experts_b2, b.sinks});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     v.push_back(b.lora_b_gate);
@@ -252,8 +261,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     rope_table_swa_ =
         Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
     if (!rope_table_swa_.measured())
-      kernels::rope_table(rope_table_swa_.f32(), config.ctx, R, config.rope_swa_theta(), nullptr,
-                          1.0);
+      kernels::rope_table(
+          rope_table_swa_.f32(), config.ctx, R, config.rope_swa_theta(),
+          config.rope_scaling.every_layer() ? config.rope_freq_factors() : nullptr,
+          config.rope_scaling.every_layer() ? config.rope_scaling.attn_factor : 1.0);
   }
 }
 
@@ -273,7 +284,7 @@ void DecoderModel::init_weights(uint64_t seed) {
     if (is_lora_parameter(info.name)) continue;  // init_adapters
     const int64_t n = info.shape.numel();
     w.assign(static_cast<size_t>(n), 0.0f);
-    if (info.name.ends_with(".bias")) {
+    if (info.name.ends_with(".bias") || info.name.ends_with("attention.sinks.weight")) {
       // zero
     } else if (info.name.ends_with("linear.a_log.weight")) {
       // Qwen3.5's: A uniform in (0, 16), held as log A: decays from none to fast.
@@ -447,7 +458,7 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
     const Variable gate =
         b.wg >= 0 ? project(b, Projection::Q, b.wg, -1, h, false, b.lora_b_gate) : Variable();
     if (!arch_->parallel_block) h = Variable();  // a parallel block's MLP reads it too
-    Variable heads = attend(q, k, v, options);
+    Variable heads = attend(q, k, v, options, b.sinks >= 0 ? p(b.sinks) : Variable());
     if (gate.defined()) heads = sigmoid_gated(heads, gate);
     attended = project(b, Projection::O, b.wo, b.bo, heads);
   }
@@ -469,7 +480,7 @@ Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
   if (b.router >= 0) {
     // The router's logits in FP32, each token's experts and weights, the experts' sum.
     const MoeRouting route =
-        moe_route(project(b, Projection::Router, b.router, -1, g), config_.experts_used,
+        moe_route(project(b, Projection::Router, b.router, b.router_bias, g), config_.experts_used,
                   arch_->moe_gating, config_.expert_weights_norm);
     // The experts' adapters (gate, up, down), dropout in training only.
     MoeAdapters lora;
@@ -488,7 +499,9 @@ Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
               lora_.dropout > 0.0 && grad_enabled() ? static_cast<float>(lora_.dropout) : 0.0f,
               dropout_seed(b, static_cast<size_t>(Projection::Gate))};
     }
-    Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route, lora);
+    Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route, lora,
+                               {bias(b.experts_b1), bias(b.experts_b3), bias(b.experts_b2)},
+                               arch_->moe_activation);
     if (b.shared_w1 >= 0) {
       // The shared expert, its output scaled by sigmoid of the token's own gate.
       const auto shared_proj = [&](size_t j, int weight, const Variable& in) {
@@ -523,8 +536,9 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
   const int64_t H = config_.n_heads, KVH = config_.kv_heads();
   const Attend attend = [H, KVH, packing](const Variable& q, const Variable& k, const Variable& v,
-                                          const kernels::AttentionOptions& options) {
-    return attention(q, k, v, H, KVH, packing, options);
+                                          const kernels::AttentionOptions& options,
+                                          const Variable& sinks) {
+    return attention(q, k, v, H, KVH, packing, options, sinks);
   };
   // Packed rows: each row's RoPE table, every sequence's positions from 0.
   RopeTables table{rope_table_, rope_table_swa_, Tensor()};
@@ -776,7 +790,9 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
     // A windowed layer's queries go in pieces of at most the window, each after its keys and
     // values, so the cache (2 x the window) holds what each piece attends.
     const Attend attend = [&, l](const Variable& q, const Variable& k, const Variable& v,
-                                 const kernels::AttentionOptions& options) {
+                                 kernels::AttentionOptions options, const Variable& sinks) {
+      const Tensor sink_values = sinks.defined() ? attention_input(sinks) : Tensor();
+      if (sink_values.defined()) options.sinks = sink_values.f32();
       Tensor& keys = cache.keys[l];
       Tensor& values = cache.values[l];
       int64_t& first = cache.first[l];

@@ -156,6 +156,9 @@ class DecoderModel {
     // A mixture of experts' router (E, C) and experts (E, F, C; E, C, F), in the MLP's place;
     // -1 in a dense block.
     int router = -1, experts_w1 = -1, experts_w3 = -1, experts_w2 = -1;
+    // gpt-oss's router bias (E) and expert biases (E, F; E, F; E, C); -1 without.
+    int router_bias = -1, experts_b1 = -1, experts_b3 = -1, experts_b2 = -1;
+    int sinks = -1;  // attention's sinks (H); -1 without
     // The shared expert's gate, up and down projections and its gate's projection (1, C); -1
     // without.
     int shared_w1 = -1, shared_w3 = -1, shared_w2 = -1, shared_gate = -1;
@@ -198,8 +201,10 @@ class DecoderModel {
   Variable hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing = nullptr);
   // Attention of q, k, v (after RoPE): the whole-sequence op in training and evaluation, the
   // KV cache in decoding.
-  using Attend = std::function<Variable(const Variable& q, const Variable& k, const Variable& v,
-                                        const kernels::AttentionOptions& options)>;
+  // `sinks`: the layer's attention sinks (H), undefined without.
+  using Attend =
+      std::function<Variable(const Variable& q, const Variable& k, const Variable& v,
+                             const kernels::AttentionOptions& options, const Variable& sinks)>;
   // The RoPE angles of the positions: the global layers', and the windowed layers' (the same
   // tensor where they share a base).
   struct RopeTables {

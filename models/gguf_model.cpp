@@ -35,11 +35,16 @@ constexpr const char* kGgufKeys[] = {"vocab_size",
                                      "rope.freq_base",
                                      "rope.scaling.type"};
 
+constexpr double kYarnBetaFast = 32.0, kYarnBetaSlow = 1.0;
+
 // Keys whose value in the file changes nothing: a mixture of experts with none, a scaling of 1,
 // notes of the context a scaled model was trained at.
 bool inert_key(const std::string& key, const GgufValue& value) {
   if (key == "expert_count" || key == "expert_used_count") return value.number == 0.0;
   if (key == "rope.scaling.factor" || key == "rope.scaling.attn_factor") return value.number == 1.0;
+  // YaRN's bounds where they are llama.cpp's, which it takes whatever a file says.
+  if (key == "rope.scaling.yarn_beta_fast") return value.number == kYarnBetaFast;
+  if (key == "rope.scaling.yarn_beta_slow") return value.number == kYarnBetaSlow;
   return key == "rope.scaling.original_context_length" || key == "rope.scaling.finetuned";
 }
 
@@ -206,7 +211,10 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   if (scaling == "none" && factor != 1.0)
     throw UserError(file.path() + ": " + p + "rope.scaling.factor " + number_text(factor) +
                     " beside rope.scaling.type none");
-  if (scaling != "none" && scaling != "linear")
+  const bool yarn = scaling == "yarn" &&
+                    std::find(arch->rope_scalings.begin(), arch->rope_scalings.end(), "yarn") !=
+                        arch->rope_scalings.end();
+  if (scaling != "none" && scaling != "linear" && !yarn)
     throw UserError(file.path() + ": " + p + "rope.scaling.type " + scaling +
                     ", which cputrain does not compute for " + name + " (it computes " +
                     rope_scaling_names(*arch) + ")");
@@ -287,6 +295,21 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
       throw UserError(file.path() + ": linear RoPE scaling beside " + c.rope_scaling.type +
                       " scaling");
     c.rope_scaling = linear_rope_scaling(factor, c.rope_dims());
+  }
+  if (yarn) {
+    // YaRN (gpt-oss) from the factor and the original context (the file's context where it
+    // gives none), on every layer; cos and sin also scaled by rope.scaling.attn_factor.
+    if (!(factor >= 1.0) || !std::isfinite(factor))
+      throw UserError(file.path() + ": " + p + "rope.scaling.factor " + number_text(factor) +
+                      " must be at least 1 for yarn scaling");
+    const int64_t original =
+        file.integer(p + "rope.scaling.original_context_length", *hp.ctx.value);
+    if (original <= 0)
+      throw UserError(file.path() + ": " + p + "rope.scaling.original_context_length " +
+                      std::to_string(original) + " must be positive");
+    c.rope_scaling = yarn_rope_scaling(c.rope_theta, c.rope_dims(), factor, original, kYarnBetaFast,
+                                       kYarnBetaSlow);
+    c.rope_scaling.attn_factor *= positive(p + "rope.scaling.attn_factor", 1.0);
   }
   const int64_t window = file.integer(p + "attention.sliding_window", arch->default_window);
   if (file.find(p + "attention.sliding_window") && window <= 0)
@@ -510,7 +533,7 @@ GgmlType q4_k_m_type(const std::string& name, const std::vector<int64_t>& shape,
 void write_lora_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                      double alpha, const std::string& name) {
   const Architecture& arch = architecture_of(c);
-  require_files(arch, path);
+  if (!arch.gguf_written) require_files(arch, path);
   GgufWriter w;
   w.set_string("general.architecture", std::string(arch.name));
   w.set_string("general.type", "adapter");
@@ -721,6 +744,11 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   } else if (c.rope_scaling.type == "linear") {
     w.set_string(arch + ".rope.scaling.type", "linear");
     w.set_f32(arch + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
+  } else if (c.rope_scaling.type == "yarn") {
+    w.set_string(arch + ".rope.scaling.type", "yarn");
+    w.set_f32(arch + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
+    w.set_u32(arch + ".rope.scaling.original_context_length",
+              static_cast<uint32_t>(c.rope_scaling.original_ctx));
   } else if (c.rope_scaling.active()) {
     factors("rope_freqs.weight", c.rope_scaling.freq_factors);
   }

@@ -92,6 +92,33 @@ std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double fa
   return factors;
 }
 
+RopeScaling yarn_rope_scaling(double theta, int64_t rope_dims, double factor, int64_t original_ctx,
+                              double beta_fast, double beta_slow) {
+  RopeScaling r;
+  r.type = "yarn";
+  r.factor = factor;
+  r.original_ctx = original_ctx;
+  r.beta_fast = beta_fast;
+  r.beta_slow = beta_slow;
+  // The pair whose wavelength fits `rotations` times in the original context.
+  const auto dim = [&](double rotations) {
+    return static_cast<double>(rope_dims) *
+           std::log(static_cast<double>(original_ctx) / (rotations * 2.0 * std::numbers::pi)) /
+           (2.0 * std::log(theta));
+  };
+  const double low = std::max(0.0, std::floor(dim(beta_fast)));
+  const double high = std::min(static_cast<double>(rope_dims - 1), std::ceil(dim(beta_slow)));
+  const double scale = 1.0 / factor;
+  for (int64_t j = 0; j < rope_dims / 2; ++j) {
+    const double y = (static_cast<double>(j) - low) / std::max(0.001, high - low);
+    const double extrapolated = 1.0 - std::clamp(y, 0.0, 1.0);
+    r.freq_factors.push_back(
+        static_cast<float>(1.0 / (scale * (1.0 - extrapolated) + extrapolated)));
+  }
+  r.attn_factor = factor > 1.0 ? 1.0 + 0.1 * std::log(factor) : 1.0;
+  return r;
+}
+
 std::array<int64_t, 3> text_mrope_sections(int64_t pairs) {
   const int64_t first = (pairs + 2) / 3, second = (pairs - first + 1) / 2;
   return {first, second, pairs - first - second};

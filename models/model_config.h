@@ -41,10 +41,21 @@ struct RopeScaling {
   int64_t original_ctx = 0;       // llama3, longrope: the context of the unscaled model
   std::vector<float> freq_factors;  // R/2 divisors (longrope: the short factors)
   std::vector<float> long_factors;  // longrope: R/2 divisors where ctx > original_ctx
-  double attn_factor = 1.0;         // longrope: cos and sin scaled by it
+  double attn_factor = 1.0;         // longrope, yarn: cos and sin scaled by it
+  double beta_fast = 0.0;           // yarn: the rotations per original context that bound the
+  double beta_slow = 0.0;           // blend of extrapolated and interpolated frequencies
 
   bool active() const { return !type.empty(); }
+  // Whether the windowed layers are scaled too (yarn, gpt-oss's; else the global layers alone).
+  bool every_layer() const { return type == "yarn"; }
 };
+
+// YaRN's factors (gpt-oss, "yarn"), as llama.cpp computes them: pair j of R/2 keeps its
+// frequency below the dimension where a wavelength fits beta_fast times in the original context
+// (rounded down), takes it divided by `factor` above the one where it fits beta_slow times
+// (rounded up), a linear blend between; cos and sin are scaled by 1 + 0.1 ln factor.
+RopeScaling yarn_rope_scaling(double theta, int64_t rope_dims, double factor, int64_t original_ctx,
+                              double beta_fast, double beta_slow);
 
 // Llama 3's factors: wavelengths below original_ctx / high_freq_factor keep their frequency,
 // those above original_ctx / low_freq_factor are divided by `factor`, and those between by a
@@ -152,7 +163,8 @@ struct ModelConfig {
   // (rope_swa_theta()), or unscaled where the global layers are scaled.
   bool rope_swa_apart() const {
     return (rope_theta_swa > 0.0 && rope_theta_swa != rope_theta) ||
-           (sliding_window > 0 && swa_pattern > 0 && rope_scaling.active());
+           (sliding_window > 0 && swa_pattern > 0 && rope_scaling.active() &&
+            !rope_scaling.every_layer());
   }
   double rope_swa_theta() const { return rope_theta_swa > 0.0 ? rope_theta_swa : rope_theta; }
   // What the RMSNorms add to their held weights: 1 with norm_plus_one, else 0.

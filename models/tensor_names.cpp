@@ -32,6 +32,7 @@ constexpr Names kBlockNames[] = {
     {"attention.q_norm", "attn_q_norm", "self_attn.q_norm"},
     {"attention.k_norm", "attn_k_norm", "self_attn.k_norm"},
     {"attention.wo", "attn_output", "self_attn.o_proj"},
+    {"attention.sinks", "attn_sinks", "self_attn.sinks"},
     // Fused tensors (Architecture::fused_qkv, fused_gate_up): q, k, v; gate, up.
     {"attention.wqkv", "attn_qkv", "self_attn.qkv_proj"},
     {"feed_forward.w13", "ffn_up", "mlp.gate_up_proj"},
@@ -69,7 +70,7 @@ constexpr Names kBlockNames[] = {
 // ssm_dt.bias, A (as -exp(A_log)) its bare ssm_a; Hugging Face's are the bare dt_bias and A_log.
 std::string file_kind(const std::string& rest, const std::string& kind, bool hf) {
   if (rest == "linear.dt_bias") return hf ? "" : ".bias";
-  if (rest == "linear.a_log") return "";
+  if (rest == "linear.a_log" || (hf && rest == "attention.sinks")) return "";
   return kind;
 }
 

@@ -30,6 +30,7 @@
 #include "engine/train/trainer.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/gemm/gemm.h"
+#include "models/architecture.h"
 #include "models/decoder.h"
 #include "models/finetune_step.h"
 #include "models/gguf_model.h"
@@ -510,16 +511,20 @@ class AdapterFiles final : public RunOutput {
       return;
     }
     write_lora_gguf(a_.out + "/adapter.gguf", m_.config, params, options_.lora.alpha, name("LoRA"));
-    write_peft_adapter(a_.out + "/peft", m_.config, params, options_.lora,
-                       fs::absolute(a_.model).string());
+    // PEFT's adapter where the architecture's Hugging Face names are known.
+    const bool peft = architecture_of(m_.config).files;
+    if (peft)
+      write_peft_adapter(a_.out + "/peft", m_.config, params, options_.lora,
+                         fs::absolute(a_.model).string());
     // llama.cpp takes the base as a GGUF file: a run's is written by export.
     const bool gguf_base = !fs::is_directory(a_.model);
     log_.info(
-        "wrote {0}/adapter.gguf (llama.cpp: --model {1} --lora {0}/adapter.gguf{2}) and {0}/peft "
-        "(PEFT's adapter_config.json and adapter_model.safetensors)",
-        a_.out, gguf_base ? a_.model : "BASE.gguf",
+        "wrote {0}/adapter.gguf (llama.cpp: --model {1} --lora {0}/adapter.gguf{2}){3}", a_.out,
+        gguf_base ? a_.model : "BASE.gguf",
         gguf_base ? ""
-                  : ", BASE.gguf from cputrain export --model " + a_.model + " --out BASE.gguf");
+                  : ", BASE.gguf from cputrain export --model " + a_.model + " --out BASE.gguf",
+        peft ? " and " + a_.out + "/peft (PEFT's adapter_config.json and adapter_model.safetensors)"
+             : "");
   }
 
  private:
@@ -636,6 +641,11 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
   if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && !config.moe())
     throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") + " " +
                     a.model + ": the model has no experts");
+  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) &&
+      architecture_of(config).moe_gating != kernels::MoeGating::Softmax)
+    throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") + " " +
+                    a.model + ": " + config.architecture +
+                    "'s router (top k, then softmax over them) takes no router losses");
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
   // A NaN or an infinity in the base makes every step's loss so: named here, not blamed on --lr.
   check_finite_weights(m, a.model, "--model");

@@ -319,6 +319,62 @@ void adapter_input_grad(const ExpertAdapter& ad, const Tensor& sg, const std::ve
   }
 }
 
+// Columns t.c0 .. t.c1 of expert t.e's n rows of out (leading dimension cols) += its row of b
+// (E, cols; undefined: nothing).
+void add_bias(const Tensor& b, const ExpertTask& t, int64_t n, int64_t cols, float* out) {
+  if (!b.defined()) return;
+  const float* row = b.f32() + t.e * cols;
+  for (int64_t i = 0; i < n; ++i)
+#pragma omp simd
+    for (int64_t c = t.c0; c < t.c1; ++c) out[i * cols + c] += row[c];
+}
+
+// The expert of grouped row r.
+int64_t expert_of(const std::vector<int64_t>& off, int64_t r) {
+  return std::upper_bound(off.begin(), off.end(), r) - off.begin() - 1;
+}
+
+// A bias's gradient (E, cols) += each expert's sum of its rows of d (R x cols, bf16 or FP32).
+void bias_grad(const GradRef& cell, const Tensor& d, const std::vector<int64_t>& off,
+               int64_t cols) {
+  const Tensor& g = cell->get_or_zeros();
+  if (!computing()) return;
+  const auto E = static_cast<int64_t>(off.size()) - 1;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t e = 0; e < E; ++e) {
+    float* dst = g.f32() + e * cols;
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      if (d.dtype() == DType::BF16) {
+        const uint16_t* row = d.bf16() + r * cols;
+        for (int64_t c = 0; c < cols; ++c) dst[c] += kernels::bf16_to_fp32(row[c]);
+      } else {
+        const float* row = d.f32() + r * cols;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) dst[c] += row[c];
+      }
+    }
+  }
+}
+
+// The down bias's gradient (E, C) += each expert's sum of weight * dy over its rows (dy (N, C)
+// FP32, each grouped row the token order[r] / k's with weight wt[order[r]]).
+void bias_grad(const GradRef& cell, const Tensor& dy, const int32_t* order, const Tensor& wt,
+               const std::vector<int64_t>& off, int64_t k, int64_t C) {
+  const Tensor& g = cell->get_or_zeros();
+  if (!computing()) return;
+  const auto E = static_cast<int64_t>(off.size()) - 1;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t e = 0; e < E; ++e) {
+    float* dst = g.f32() + e * C;
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+      const float w = wt.f32()[order[r]];
+      const float* row = dy.f32() + static_cast<int64_t>(order[r] / k) * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) dst[c] += w * row[c];
+    }
+  }
+}
+
 // What MoeLoadCount counts, and where the next router's count goes.
 struct LoadCounts {
   bool on = false;
@@ -406,7 +462,8 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
 }
 
 Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, const Variable& w2,
-                     const MoeRouting& route, const MoeAdapters& lora) {
+                     const MoeRouting& route, const MoeAdapters& lora, const MoeBiases& biases,
+                     kernels::Activation act) {
   const Shape& xs = x.shape();
   const int64_t C = xs[xs.ndim() - 1], N = x.value().numel() / C;
   require(w1.value().ndim() == 3 && w1.shape() == w3.shape() && w1.shape()[2] == C &&
@@ -416,6 +473,13 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   const int64_t E = w1.shape()[0], F = w1.shape()[1], k = route.experts.shape()[1];
   require(route.experts.numel() == N * k && route.weights.value().numel() == N * k,
           "moe_experts: a routing of x's rows");
+  const auto bias_of = [](const Variable& b, int64_t E, int64_t n) {
+    require(!b.defined() || b.shape() == Shape{E, n},
+            "moe_experts: biases b1, b3 (E, F), b2 (E, C)");
+    return b.defined() ? fp32_value(b) : Tensor();
+  };
+  const Tensor b1v = bias_of(biases.b1, E, F), b3v = bias_of(biases.b3, E, F),
+               b2v = bias_of(biases.b2, E, C);
   Scope scope("moe experts", Pass::Forward);
   const bool bf16 = bf16_mode();
   const DType operand = bf16 ? DType::BF16 : DType::F32;
@@ -435,7 +499,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   auto ad2 = std::make_shared<ExpertAdapter>(
       expert_adapter(lora.a2, lora.b2, E, N * k, F, C, bf16, splitmix64(lora.seed + 2)));
   const bool grad = needs_grad({&x, &w1, &w3, &w2, &route.weights, &lora.a1, &lora.b1, &lora.a3,
-                                &lora.b3, &lora.a2, &lora.b2});
+                                &lora.b3, &lora.a2, &lora.b2, &biases.b1, &biases.b3, &biases.b2});
   // The backward pass reads the activation for the weights', w2's and its adapter's A's
   // gradients alone.
   const bool keep_h = needs_grad({&w2, &route.weights, &lora.a2});
@@ -482,8 +546,10 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         const int64_t n = off[t.e + 1] - off[t.e];
         expert_forward(w1v, t, F, C, n, xg, off[t.e], g32 + off[t.e] * F);
         adapter_add(*ad1, t, n, off[t.e], g32 + off[t.e] * F);
+        add_bias(b1v, t, n, F, g32 + off[t.e] * F);
         expert_forward(w3v, t, F, C, n, xg, off[t.e], u32 + off[t.e] * F);
         adapter_add(*ad3, t, n, off[t.e], u32 + off[t.e] * F);
+        add_bias(b3v, t, n, F, u32 + off[t.e] * F);
       });
   }
   xg = Tensor();
@@ -497,12 +563,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     }
     if (computing())
       kernels::swiglu_forward_bf16(H.bf16(), grad ? G16.bf16() : nullptr,
-                                   grad ? U16.bf16() : nullptr, g32, u32, R * F);
+                                   grad ? U16.bf16() : nullptr, g32, u32, R * F, act);
     G = G16;
     U = U16;
   } else {
     H = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
-    if (computing()) kernels::swiglu_forward(H.f32(), g32, u32, R * F);
+    if (computing()) kernels::swiglu_forward(H.f32(), g32, u32, R * F, act);
   }
   Tensor Y = bf16 ? ws : Tensor::empty(Shape{R, C}, DType::F32, MemoryCategory::Workspace);
   ws = Tensor();
@@ -518,6 +584,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         const int64_t n = off[t.e + 1] - off[t.e];
         expert_forward(w2v, t, C, F, n, H, off[t.e], Y.f32() + off[t.e] * C);
         adapter_add(*ad2, t, n, off[t.e], Y.f32() + off[t.e] * C);
+        add_bias(b2v, t, n, C, Y.f32() + off[t.e] * C);
       });
   }
   // FP32 mode computes the activation again in the backward pass; bf16 mode keeps it.
@@ -539,11 +606,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   }
   Variable out = Variable::op_output(y, grad);
   if (!grad) return out;
-  record_backward("moe experts", [group, G, U, H, xv, w1v, w3v, w2v, wt, ad1, ad3, ad2,
+  record_backward("moe experts", [group, G, U, H, xv, w1v, w3v, w2v, wt, ad1, ad3, ad2, b2v,
                                   gx = x.grad_ref(), g1 = w1.grad_ref(), g3 = w3.grad_ref(),
                                   g2 = w2.grad_ref(), gw = route.weights.grad_ref(),
-                                  gy = out.grad_ref(), N, C, F, k, R, most, bf16, operand, scale,
-                                  dropout] {
+                                  gb1 = biases.b1.grad_ref(), gb3 = biases.b3.grad_ref(),
+                                  gb2 = biases.b2.grad_ref(), gy = out.grad_ref(), N, C, F, k, R,
+                                  most, bf16, operand, scale, dropout, act] {
     const Tensor& dyt = gy->tensor();
     if (!dyt.defined()) return;
     const Tensor dy = as_f32(dyt);
@@ -582,7 +650,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     Tensor h = H;
     if (!bf16 && (gw || g2 || ad2->ga)) {
       h = Tensor::empty(Shape{R, F}, DType::F32, MemoryCategory::Workspace);
-      if (computing()) kernels::swiglu_forward(h.f32(), G.f32(), U.f32(), R * F);
+      if (computing()) kernels::swiglu_forward(h.f32(), G.f32(), U.f32(), R * F, act);
     }
     Tensor dweights = Tensor::empty(Shape{N, k}, DType::F32, MemoryCategory::Workspace);
     if (computing()) {
@@ -592,7 +660,10 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         if (gw)
           dweights.f32()[order[r]] =
               row_dot(h, r * F, p, F) +
-              (ad2->on() ? row_dot(ad2->su, r * ad2->r, g2a.f32() + r * ad2->r, ad2->r) : 0.0f);
+              (ad2->on() ? row_dot(ad2->su, r * ad2->r, g2a.f32() + r * ad2->r, ad2->r) : 0.0f) +
+              (b2v.defined() ? row_dot(b2v, expert_of(off, r) * C,
+                                       dy.f32() + static_cast<int64_t>(order[r] / k) * C, C)
+                             : 0.0f);
         const float w = wt.f32()[order[r]];
         for (int64_t f = 0; f < F; ++f) p[f] *= w;
       }
@@ -641,6 +712,8 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         }
       }
     }
+    // db2[e] += the sum of its rows' weighted output gradients.
+    if (gb2) bias_grad(gb2, dy, order, wt, off, k, C);
     if (ad2->on()) {
       Scope gemms("moe GEMMs adapters dW2", Pass::Backward, 2 * gemm_flops(C + F, ad2->r, R));
       adapter_weight_grads(*ad2, dyg, sg2, h, off, most, dropout, bf16);
@@ -664,10 +737,13 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
     Tensor dU = Tensor::empty(Shape{R, F}, operand, MemoryCategory::Workspace);
     if (computing()) {
       if (bf16)
-        kernels::swiglu_backward_rounded(dG.bf16(), dU.bf16(), P, G.bf16(), U.bf16(), R * F);
+        kernels::swiglu_backward_rounded(dG.bf16(), dU.bf16(), P, G.bf16(), U.bf16(), R * F, act);
       else
-        kernels::swiglu_backward(dG.f32(), dU.f32(), P, G.f32(), U.f32(), R * F, false);
+        kernels::swiglu_backward(dG.f32(), dU.f32(), P, G.f32(), U.f32(), R * F, false, act);
     }
+    // db1[e], db3[e] += the sums of its rows of dG and dU.
+    if (gb1) bias_grad(gb1, dG, off, F);
+    if (gb3) bias_grad(gb3, dU, off, F);
     // The gate and up adapters: u's gradient s dG B1[e] (and s dU B3[e]).
     Tensor sg1, sg3;
     for (auto [ad, d, sg] : {std::tuple(ad1.get(), &dG, &sg1), std::tuple(ad3.get(), &dU, &sg3)})

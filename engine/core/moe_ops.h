@@ -8,6 +8,7 @@
 
 #include "engine/core/autograd.h"
 #include "kernels/moe/moe_route.h"
+#include "kernels/ops/swiglu.h"
 
 namespace cputrain {
 
@@ -41,8 +42,16 @@ struct MoeAdapters {
   float dropout = 0.0f;
   uint64_t seed = 0;  // w1's mask; w3's and w2's are drawn from seeds derived from it
 };
+// `biases`: gpt-oss's, b1 and b3 (E, F) added to the gate and up products, b2 (E, C) to the
+// down product's, each row its expert's (before the weight); undefined: none. `act`: the gated
+// activation (kernels/ops/swiglu.h), SiluClamped for gpt-oss.
+struct MoeBiases {
+  Variable b1, b3, b2;
+};
 Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, const Variable& w2,
-                     const MoeRouting& route, const MoeAdapters& lora = {});
+                     const MoeRouting& route, const MoeAdapters& lora = {},
+                     const MoeBiases& biases = {},
+                     kernels::Activation act = kernels::Activation::Silu);
 
 // The router's auxiliary losses (kernels::MoeRouterLosses) in training: while a
 // MoeRouterLossScope lives, each Softmax routing recorded for the backward pass takes into its

@@ -573,7 +573,7 @@ std::vector<AttentionPart> attention_parts(int64_t B, int64_t T, int64_t H,
 
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
                    int64_t n_kv_heads, std::shared_ptr<const Packing> packing,
-                   kernels::AttentionOptions options) {
+                   kernels::AttentionOptions options, const Variable& sinks) {
   const Shape& s = q.shape();
   const Shape& kvs = k.shape();
   require(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && s.ndim() == 3 &&
@@ -583,6 +583,9 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
   require(kvs == Shape{B, T, KVH * D} && v.shape() == kvs, "attention: k, v (B, T, KVH * D)");
   // A window no shorter than the sequence is none.
   if (options.window >= T) options.window = 0;
+  require(!sinks.defined() || sinks.value().numel() == H, "attention: sinks (H)");
+  const Tensor sv = sinks.defined() ? fp32_value(sinks) : Tensor();
+  if (sv.defined()) options.sinks = sv.f32();
   const std::vector<AttentionPart> parts = attention_parts(B, T, H, packing.get());
   // Causal: query t meets t + 1 keys (at most the window); each product is 2 D FLOPs per
   // (query, key) pair.
@@ -620,14 +623,39 @@ Variable attention(const Variable& q, const Variable& k, const Variable& v, int6
                                    qf.f32() + p.row_offset * QD, kf.f32() + p.row_offset * KD,
                                    vf.f32() + p.row_offset * KD, p.B, p.T, H, KVH, D, options);
   }
-  const bool grad = needs_grad({&q, &k, &v});
+  const bool grad = needs_grad({&q, &k, &v, &sinks});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
-    record_backward("attention", [qs, ks, vs, ys = saved(out), lse, gq = q.grad_ref(),
-                                  gk = k.grad_ref(), gv = v.grad_ref(), gy = out.grad_ref(), native,
-                                  pair_flops, parts, B, T, H, KVH, D, QD, KD, options] {
+    record_backward("attention", [qs, ks, vs, ys = saved(out), lse, sv, gq = q.grad_ref(),
+                                  gk = k.grad_ref(), gv = v.grad_ref(), gs = sinks.grad_ref(),
+                                  gy = out.grad_ref(), native, pair_flops, parts, B, T, H, KVH, D,
+                                  QD, KD, options] {
       const Tensor& dy = gy->tensor();
       if (!dy.defined()) return;
+      if (gs) {
+        // The sinks': -sum over each head's rows of exp(sink - lse) (dout . out).
+        float beta = 0.0f;
+        float* ds = gs->get_for_accumulate(&beta).f32();
+        if (computing()) {
+          const Tensor yf = as_f32(ys);
+          std::vector<double> sum(static_cast<size_t>(H), 0.0);
+          for (const AttentionPart& p : parts)
+            for (int64_t b = 0; b < p.B; ++b)
+              for (int64_t h = 0; h < H; ++h)
+                for (int64_t i = 0; i < p.T; ++i) {
+                  const int64_t row = (p.row_offset + b * p.T + i) * QD + h * D;
+                  double dot = 0.0;
+                  for (int64_t d = 0; d < D; ++d)
+                    dot += static_cast<double>(dy.f32()[row + d]) * yf.f32()[row + d];
+                  const float l = lse.f32()[p.lse_offset + (b * H + h) * p.T + i];
+                  sum[static_cast<size_t>(h)] -=
+                      std::exp(static_cast<double>(sv.f32()[h] - l)) * dot;
+                }
+          for (int64_t h = 0; h < H; ++h)
+            ds[h] = static_cast<float>(sum[static_cast<size_t>(h)]) + (beta == 0.0f ? 0.0f : ds[h]);
+        }
+      }
+      if (!gq && !gk && !gv) return;
       // S again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
       profiler::add_flops(5.0 * pair_flops);
       const Shape kv_shape{B, T, KVH * D};

@@ -62,9 +62,11 @@ struct Packing {
 // sequence, as if that sequence were a row of its own.
 // `options` (kernels/attention/attention.h): a scale of the scores other than 1/sqrt(D),
 // soft-capping, a sliding window (none where it is no shorter than T), in either mode.
+// `sinks` (H), where defined: each head's attention sink (AttentionOptions::sinks), FP32, which
+// takes its gradient, -sum over the head's rows of exp(sink - lse) (dout . out).
 Variable attention(const Variable& q, const Variable& k, const Variable& v, int64_t n_heads,
                    int64_t n_kv_heads, std::shared_ptr<const Packing> packing = nullptr,
-                   kernels::AttentionOptions options = {});
+                   kernels::AttentionOptions options = {}, const Variable& sinks = Variable());
 // silu(gate) * up, elementwise. In bf16 mode its value is its bf16 rounding only (what a GEMM
 // takes of it; ops on FP32 values refuse it), and it rounds gate and up for its backward in the
 // same pass.

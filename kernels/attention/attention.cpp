@@ -120,7 +120,8 @@ void attention_decode(float* out, const float* q, const float* keys, const float
           if (cap > 0.0f) p[j] = cap * std::tanh(p[j] / cap);
           max = std::max(max, p[j]);
         }
-        float sum = 0.0f;
+        if (options.sinks) max = std::max(max, options.sinks[h]);
+        float sum = options.sinks ? std::exp(options.sinks[h] - max) : 0.0f;
         for (int64_t j = first; j < len; ++j) {
           p[j] = std::exp(p[j] - max);
           sum += p[j];

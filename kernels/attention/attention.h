@@ -23,11 +23,16 @@ std::string_view attention_kernel();
 // query_pre_attn_scalar^-1/2), soft-capping, s = cap * tanh(s / cap) (Gemma 2's 50), and a
 // sliding window, query i attending keys i - window < j <= i (whose tiles wholly outside it are
 // never computed, so a windowed layer's cost grows with the window, not the sequence).
+//
+// Attention sinks (gpt-oss): each query head h has a learnt logit sinks[h], a key of zero value
+// that every row attends beside its keys, so a row's probabilities sum to
+// 1 - exp(sinks[h] - lse); lse includes it.
 struct AttentionOptions {
-  float scale = 0.0f;    // 0: 1 / sqrt(D)
-  float softcap = 0.0f;  // 0: none
-  int64_t window = 0;    // 0: every key up to the query
-  bool plain() const { return scale == 0.0f && softcap == 0.0f && window == 0; }
+  float scale = 0.0f;            // 0: 1 / sqrt(D)
+  float softcap = 0.0f;          // 0: none
+  int64_t window = 0;            // 0: every key up to the query
+  const float* sinks = nullptr;  // (H); null: none
+  bool plain() const { return scale == 0.0f && softcap == 0.0f && window == 0 && sinks == nullptr; }
 };
 
 // q, out (B, T, H, D); k, v (B, T, KVH, D); lse (B, H, T) receives log(sum_j exp(s_ij)) of the

@@ -332,6 +332,7 @@ struct Head {
         scale(attention_score_scale(o, D)),
         cap(o.softcap),
         window(o.window),
+        sinks(o.sinks),
         row(H * D),
         kv_row(KVH * D),
         group(H / KVH),
@@ -341,8 +342,9 @@ struct Head {
         in_place(D == Dp && !amx) {}
   bool amx;  // products on AMX tiles
   float scale;
-  float cap;       // soft-capping's cap, 0 for none
-  int64_t window;  // the sliding window, 0 for none
+  float cap;           // soft-capping's cap, 0 for none
+  int64_t window;      // the sliding window, 0 for none
+  const float* sinks;  // each query head's sink logit (H), null for none
   int64_t row, kv_row, group, Dp, Dh, Tp;
   // Q, K and V read where they are stored, not copied as padded rows of pairs: where a row is D
   // whole pairs and the products run on vdpbf16ps (AMX keeps the copies).
@@ -530,6 +532,15 @@ void forward_tiles(uint16_t* out, float* lse, const uint16_t* q, const uint16_t*
         }
         for (int64_t r = 0; r < rows; ++r)
           l_row[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * r));
+        // The sink joins the sum as one more key, of value zero (m in units of log2).
+        if (hd.sinks)
+          for (int64_t r = 0; r < rows; ++r) {
+            const float sink = hd.sinks[h] * kLog2e, top = std::max(m[r], sink);
+            const float a = std::exp2(m[r] - top);
+            l_row[r] = l_row[r] * a + std::exp2(sink - top);
+            m[r] = top;
+            for (int64_t d = 0; d < Dp; ++d) O[r * Dp + d] *= a;
+          }
         for (int64_t r = 0; r < rows; ++r) {
           uint16_t* dst = out + off + (i0 + r) * row;
           const __m512 inv = _mm512_set1_ps(1.0f / l_row[r]);
@@ -765,8 +776,11 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
         }
         for (int64_t i = 0; i < T; ++i) {
           float* gq = dq + off + i * row;
-          const float sum_i =
-              Capped ? _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + 16 * i)) : 0.0f;
+          // A row of dS sums to D_i times the sink's probability exp(sink - lse_i) (0 without a
+          // sink): taken so, exact, not from the rounded dS.
+          const float sum_i = Capped     ? _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + 16 * i))
+                              : hd.sinks ? Di[i] * std::exp(hd.sinks[h] - lse_bh[i]) * scale
+                                         : 0.0f;
           for (int64_t d = 0; d < D; ++d)
             gq[d] = (accumulate ? gq[d] : 0.0f) + (dQ[i * Dp + d] + sum_i * k_mean[d]);
         }

@@ -247,9 +247,16 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* dst = out + off + (i0 + r) * row;
-          const float inv = 1.0f / l[r];
+          float mr = m[r], lr = l[r], a = 1.0f;
+          if (opt.sinks) {  // the sink joins the sum as one more key, of value zero
+            const float sink = opt.sinks[h], top = std::max(mr, sink);
+            a = std::exp(mr - top);
+            lr = lr * a + std::exp(sink - top);
+            mr = top;
+          }
+          const float inv = a / lr;
           for (int64_t d = 0; d < D; ++d) dst[d] = O[r * Dp + d] * inv;
-          lse[bh * T + i0 + r] = m[r] + std::log(l[r]);
+          lse[bh * T + i0 + r] = mr + std::log(lr);
         }
       }
     }

@@ -21,13 +21,16 @@ const SwigluRow& chosen() {
 const SwigluKernels& kernels(Activation act) {
   static const SwigluKernels& silu = chosen().entry(Activation::Silu);
   static const SwigluKernels& gelu = chosen().entry(Activation::GeluTanh);
-  return act == Activation::Silu ? silu : gelu;
+  static const SwigluKernels& clamped = chosen().entry(Activation::SiluClamped);
+  return act == Activation::Silu ? silu : act == Activation::GeluTanh ? gelu : clamped;
 }
 
 }  // namespace
 
 std::string_view activation_name(Activation act) {
-  return act == Activation::Silu ? "silu" : "gelu_tanh";
+  return act == Activation::Silu       ? "silu"
+         : act == Activation::GeluTanh ? "gelu_tanh"
+                                       : "silu_clamped";
 }
 
 std::string_view swiglu_kernel() {

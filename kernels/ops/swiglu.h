@@ -2,6 +2,8 @@
 // x / (1 + exp(-x))) or GELU with the tanh approximation (GeGLU: gelu(x) = x / 2 (1 + tanh(
 // sqrt(2/pi) (x + 0.044715 x^3))), computed as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)),
 // the same function); and the activation alone (up null: out = act(gate), Phi-2's GELU MLP).
+// SiluClamped is gpt-oss's: out = g sigmoid(1.702 g) (clamp(up, -7, 7) + 1) with g = min(gate,
+// 7), no gradient through a clamp that bites (it always takes up).
 #pragma once
 
 #include <cstdint>
@@ -9,8 +11,9 @@
 
 namespace cputrain::kernels {
 
-enum class Activation { Silu, GeluTanh };
-std::string_view activation_name(Activation act);  // "silu", "gelu_tanh"
+enum class Activation { Silu, GeluTanh, SiluClamped };
+std::string_view activation_name(Activation act);  // "silu", "gelu_tanh", "silu_clamped"
+constexpr float kSiluClampedAlpha = 1.702f, kSiluClampedLimit = 7.0f;
 
 // The implementation the functions below run: "avx512" or "avx2" (kernels/cpu/dispatch.h).
 std::string_view swiglu_kernel();

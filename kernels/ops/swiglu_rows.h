@@ -22,14 +22,26 @@ inline vf sigmoid(vf g) {
 // 2 sqrt(2/pi): GELU's tanh approximation is 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi)
 // (g + 0.044715 g^3).
 constexpr float kGelu2 = 2.0f * 0.7978845608028654f;
+constexpr float kClampAlpha = kSiluClampedAlpha, kClampLimit = kSiluClampedLimit;
 
-// act(g).
+// act(g); SiluClamped's g at most kClampLimit.
 template <Activation A>
 inline vf activation(vf g) {
   if constexpr (A == Activation::Silu)
     return g * sigmoid(g);
-  else
+  else if constexpr (A == Activation::SiluClamped) {
+    g = vec::min_of(vec::splat(kClampLimit), g);
+    return g * sigmoid(kClampAlpha * g);
+  } else
     return g * sigmoid(kGelu2 * (g + 0.044715f * g * g * g));
+}
+// What multiplies act(g): up, or SiluClamped's clamp(up, -kClampLimit, kClampLimit) + 1.
+template <Activation A>
+inline vf up_factor(vf u) {
+  if constexpr (A == Activation::SiluClamped)
+    return vec::min_of(vec::splat(kClampLimit), vec::max_of(vec::splat(-kClampLimit), u)) + 1.0f;
+  else
+    return u;
 }
 // GELU's, and its derivative s + g s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 g^2).
 inline vf gelu(vf g, vf& derivative) {
@@ -74,7 +86,18 @@ void backward_runs(Out* dgate, Out* dup, const float* dout, const In* gate, cons
     const int64_t i = r * kLanes;
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
     const vf g = get(gate + i, m), dy = get(dout + i, m);
-    if constexpr (A == Activation::Silu) {
+    if constexpr (A == Activation::SiluClamped) {
+      // Through the clamps: no gradient where g > limit or |up| > limit.
+      const vf limit = vec::splat(kClampLimit), zero{};
+      const vf gc = vec::min_of(limit, g), sig = sigmoid(kClampAlpha * gc), a = gc * sig;
+      const vf da =
+          vec::select_less(limit, g, zero, sig * (1.0f + kClampAlpha * gc * (1.0f - sig)));
+      const vf u = get(up + i, m);
+      store_grad(dgate + i, dy * up_factor<A>(u) * da, m, accumulate);
+      store_grad(dup + i,
+                 vec::select_less(limit, u, zero, vec::select_less(u, -limit, zero, dy * a)), m,
+                 accumulate);
+    } else if constexpr (A == Activation::Silu) {
       // d silu / dg = sig * (1 + g * (1 - sig))
       const vf sig = sigmoid(g);
       store_grad(dgate + i, dy * get_up(up, i, m) * sig * (1.0f + g * (1.0f - sig)), m, accumulate);
@@ -102,7 +125,7 @@ void forward(float* out, const float* gate, const float* up, int64_t n) {
   for (int64_t r = 0; r < runs; ++r) {
     const int64_t i = r * kLanes;
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
-    put(out + i, activation<A>(get(gate + i, m)) * get_up(up, i, m), m);
+    put(out + i, activation<A>(get(gate + i, m)) * up_factor<A>(get_up(up, i, m)), m);
   }
 }
 
@@ -115,7 +138,7 @@ void forward_bf16(uint16_t* out, uint16_t* gate16, uint16_t* up16, const float* 
     const int64_t i = r * kLanes;
     const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
     const vf g = get(gate + i, m), u = get_up(up, i, m);
-    vec::store_bf16(out + i, activation<A>(g) * u, m);
+    vec::store_bf16(out + i, activation<A>(g) * up_factor<A>(u), m);
     if (gate16 != nullptr) vec::store_bf16(gate16 + i, g, m);
     if (up16 != nullptr && up != nullptr) vec::store_bf16(up16 + i, u, m);
   }
@@ -127,7 +150,8 @@ constexpr SwigluKernels kernels_of = {forward<A>, forward_bf16<A>, backward_runs
 
 // By Activation.
 constexpr SwigluKernels kSwigluKernels[] = {kernels_of<Activation::Silu>,
-                                            kernels_of<Activation::GeluTanh>};
+                                            kernels_of<Activation::GeluTanh>,
+                                            kernels_of<Activation::SiluClamped>};
 
 }  // namespace
 }  // namespace cputrain::kernels::detail

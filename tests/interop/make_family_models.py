@@ -56,6 +56,12 @@ Face's rotate-half order:
   ffn_gate_inp_shexp), and its Hugging Face folders: per-expert tensors (qwen35moe_hf) and, as
   Transformers 5 writes them, each layer's experts in one tensor with gate and up fused
   (qwen35moe_fused_hf).
+- gpt_oss: gpt-oss's block (llama.cpp's converter's names and keys; GGUF only): q, k, v and o
+  biases, a learnt sink per head (attn_sinks), layers 0 and 2 of 4 within a sliding window of 32
+  (the default pattern, no pattern key), YaRN RoPE (factor 32 from an original context of 64,
+  half-split), post_attention_norm as the MLP's norm, and 8 experts (top 4 of the router's
+  logits, softmaxed) with a router bias, biases on each expert's gate, up and down, and the
+  clamped SwiGLU (the gate and up products drawn wide enough that both clamps at 7 bite).
 Every family has the SentencePiece-style vocabulary of make_gguf_models.py (the tokenizer is not
 what these models test) and weights drawn so that the embedding dominates the residual stream: the
 next-token distribution is peaked, so greedy continuations compare the arithmetic, not ties.
@@ -117,6 +123,8 @@ FAMILIES = {
                    ffn=200, layers=4, heads=4, kv=2, head=24, theta=1e7, tied=False,
                    adjacent=False, rope_dim=6, qwen35=dict(hk=2, hv=4, dk=24, conv=4, interval=4,
                                                           sections=[1, 1, 1, 0])),
+    "gpt_oss": dict(arch="gpt-oss", d=88, ffn=24, layers=4, heads=4, kv=2, head=32, theta=1.5e5,
+                    window=32, yarn=dict(factor=32.0, original=64), moe=dict(experts=8, used=4)),
 }
 
 
@@ -681,6 +689,60 @@ def write_qwen35(name, spec, seed):
     write_tokenizer(folder, tokens, types, False)
 
 
+def write_gpt_oss(name, spec, seed):
+    """gpt-oss's block as llama.cpp's converter writes it (conversion/gpt_oss.py)."""
+    rng = np.random.default_rng(seed)
+    d, ffn, layers, heads, kv, head = (spec[k] for k in ("d", "ffn", "layers", "heads", "kv", "head"))
+    experts, used = spec["moe"]["experts"], spec["moe"]["used"]
+
+    def draw(shape, std, mean=0.0):
+        return (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+    w = gguf.GGUFWriter(f"{OUT}/{name}.gguf", "gpt-oss")
+    w.add_context_length(CTX)
+    w.add_embedding_length(d)
+    w.add_block_count(layers)
+    add_widths(w, ffn, spec["moe"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(spec["theta"])
+    w.add_rope_dimension_count(head)
+    w.add_sliding_window(spec["window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(spec["yarn"]["factor"])
+    w.add_rope_scaling_orig_ctx_len(spec["yarn"]["original"])
+    add_vocabulary(w)
+    t = {"token_embd.weight": draw((VOCAB, d), 0.15), "output_norm.weight": draw((d,), 0.05, 1.0)}
+    t["output.weight"] = t["token_embd.weight"] + draw((VOCAB, d), 0.1)
+    for i in range(layers):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = draw((d,), 0.05, 1.0)
+        t[b + "attn_q.weight"] = draw((heads * head, d), 0.05)
+        t[b + "attn_q.bias"] = draw((heads * head,), 0.1)
+        t[b + "attn_k.weight"] = draw((kv * head, d), 0.05)
+        t[b + "attn_k.bias"] = draw((kv * head,), 0.1)
+        t[b + "attn_v.weight"] = draw((kv * head, d), 0.05)
+        t[b + "attn_v.bias"] = draw((kv * head,), 0.1)
+        t[b + "attn_output.weight"] = draw((d, heads * head), 0.05)
+        t[b + "attn_output.bias"] = draw((d,), 0.05)
+        t[b + "attn_sinks.weight"] = draw((heads,), 1.0, 0.5)
+        t[b + "post_attention_norm.weight"] = draw((d,), 0.05, 1.0)
+        t[b + "ffn_gate_inp.weight"] = draw((experts, d), 0.5)
+        t[b + "ffn_gate_inp.bias"] = draw((experts,), 0.5)
+        t[b + "ffn_gate_exps.weight"] = draw((experts, ffn, d), 0.4)
+        t[b + "ffn_gate_exps.bias"] = draw((experts, ffn), 1.0)
+        t[b + "ffn_up_exps.weight"] = draw((experts, ffn, d), 0.4)
+        t[b + "ffn_up_exps.bias"] = draw((experts, ffn), 1.0)
+        t[b + "ffn_down_exps.weight"] = draw((experts, d, ffn), 0.003)
+        t[b + "ffn_down_exps.bias"] = draw((experts, d), 0.05)
+    for gname, a in t.items():
+        w.add_tensor(gname, a)
+    finish(w)
+
+
 def write_tokenizer(folder, tokens, types, gemma):
     tokenizer = {
         "version": "1.0",
@@ -701,4 +763,6 @@ def write_tokenizer(folder, tokens, types, gemma):
 
 
 for seed, (family, family_spec) in enumerate(FAMILIES.items()):
-    (write_qwen35 if family_spec.get("qwen35") else write_family)(family, family_spec, 10 + seed)
+    write = (write_gpt_oss if family_spec["arch"] == "gpt-oss" else
+             write_qwen35 if family_spec.get("qwen35") else write_family)
+    write(family, family_spec, 10 + seed)

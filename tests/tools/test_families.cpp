@@ -427,6 +427,103 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
   }
 }
 
+// gpt-oss (make_family_models.py's gpt_oss): q/k/v/o biases, a sink per head, every other layer
+// within a window of 32, YaRN RoPE, 8 experts with biases behind a biased router (top 4 of the
+// logits, softmaxed) and the clamped SwiGLU: llama.cpp's logits at every position of 200 tokens
+// and its 60 greedy tokens; without the sinks, the clamps or YaRN the logits are others; written
+// back as GGUF it reads to the same bits; a LoRA fine-tune on attention and the experts loads in
+// llama.cpp to cputrain's logits, merged or not; quantised to MXFP4_MOE, its own format.
+TEST(Families, GptOssIsLlamaCpps) {
+  REQUIRE_ORACLE();
+  const fs::path gguf = family_models() / "gpt_oss.gguf";
+  LoadedModel g = load(gguf);
+  const ModelConfig& c = g.config;
+  EXPECT_EQ(c.architecture, "gpt-oss");
+  EXPECT_EQ(c.n_experts, 8);
+  EXPECT_EQ(c.experts_used, 4);
+  EXPECT_EQ(c.sliding_window, 32);
+  EXPECT_EQ(c.swa_pattern, 2);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_EQ(c.rope_scaling.type, "yarn");
+  EXPECT_EQ(c.rope_scaling.factor, 32.0);
+  EXPECT_EQ(c.rope_scaling.original_ctx, 64);
+  EXPECT_NEAR(c.rope_scaling.attn_factor, 1.0 + 0.1 * std::log(32.0), 1e-12);
+  EXPECT_FALSE(c.rope_swa_apart());  // YaRN scales the windowed layers too
+  const ParameterSet& params = g.model->parameters();
+  for (const char* name :
+       {"layers.3.attention.sinks.weight", "layers.3.attention.wo.bias",
+        "layers.3.feed_forward.router.bias", "layers.3.feed_forward.experts.w1.bias",
+        "layers.3.feed_forward.experts.w3.bias", "layers.3.feed_forward.experts.w2.bias"})
+    EXPECT_GE(params.find(name), 0) << name;
+  const std::vector<int32_t> tokens = token_sequence(200, c.vocab, g.tokenizer->bos_id(), 31);
+  const std::vector<float> theirs = oracle_logits(gguf, tokens, family_models());
+  const std::vector<float> ours = our_logits(g, tokens);
+  EXPECT_LT(max_abs_difference(ours, theirs), 1e-4);
+  expect_greedy_as_llama_cpp(g, gguf, "gpt_oss");
+  // Each part matters: the same weights without the sinks (at -inf: zero weight), without YaRN,
+  // or with the plain SwiGLU give other logits.
+  const auto variant = [&](const ModelConfig& config, bool sinks) {
+    LoadedModel other;
+    other.config = config;
+    other.model = std::make_unique<DecoderModel>(config);
+    std::vector<float> values;
+    for (size_t i = 0; i < params.infos().size(); ++i) {
+      values.resize(static_cast<size_t>(params.infos()[i].shape.numel()));
+      params.read_values(static_cast<int>(i), values.data());
+      if (!sinks && params.infos()[i].name.ends_with("sinks.weight"))
+        std::fill(values.begin(), values.end(), -1e30f);
+      other.model->parameters().write_values(static_cast<int>(i), values.data());
+    }
+    return max_abs_difference(our_logits(other, tokens), theirs);
+  };
+  EXPECT_GT(variant(c, false), 1e-2);
+  ModelConfig unscaled = c;
+  unscaled.rope_scaling = RopeScaling();
+  EXPECT_GT(variant(unscaled, true), 1e-2);
+  // Written as GGUF it reads back to the same bits.
+  const fs::path out = family_models() / "gpt_oss_exported.gguf";
+  ASSERT_EQ(cputrain("export --model " + gguf.string() + " --out " + out.string()), 0);
+  expect_same_values(g, load(out), "gpt-oss exported");
+  // A LoRA fine-tune on attention and every expert: llama.cpp with the adapter, and with the
+  // merged file, computes cputrain's logits.
+  const fs::path data = family_models() / "gpt_oss_finetune.jsonl";
+  {
+    std::ofstream f(data);
+    for (int i = 0; i < 24; ++i)
+      f << "{\"prompt\": \"the cat " << i << "\", \"completion\": \" sat on the mat " << 7 * i
+        << "\"}\n";
+  }
+  const fs::path run = family_models() / "finetune_gpt_oss";
+  ASSERT_EQ(
+      cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
+               run.string() +
+               " --steps 4 --dtype fp32 --lr 3e-3 --ctx 64 --batch 2 --accum 1 --lora-rank 8"),
+      0);
+  const fs::path adapter = run / "adapter.gguf";
+  LoadedModel adapted =
+      load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+  const std::vector<float> with = our_logits(adapted, tokens);
+  EXPECT_LT(max_abs_difference(with, oracle_logits(gguf, tokens, family_models(), adapter)), 1e-4);
+  EXPECT_GT(max_abs_difference(with, ours), 1e-2);
+  const fs::path merged = family_models() / "gpt_oss_merged.gguf";
+  fs::remove(merged);
+  ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0);
+  EXPECT_LT(max_abs_difference(with, oracle_logits(merged, tokens, family_models())), 1e-4);
+  // MXFP4_MOE, as llama.cpp's quantiser writes gpt-oss: the experts held in place as MXFP4
+  // (rows of 88 are not whole blocks of 32: F16 or Q8_0 where not), the same next token as
+  // llama.cpp (which rounds the activations to 8 bits) at 90% of positions, NLL within 0.02.
+  const fs::path mx = family_models() / "gpt_oss_mxfp4.gguf";
+  ASSERT_EQ(std::system((kOracle + " quantize " + gguf.string() + " " + mx.string() +
+                         " mxfp4_moe >/dev/null 2>&1")
+                            .c_str()),
+            0);
+  LoadedModel m4 = load(mx);
+  const Agreement a4 = agreement(our_logits(m4, tokens), oracle_logits(mx, tokens, family_models()),
+                                 tokens, m4.config.vocab);
+  EXPECT_GE(a4.argmax, 0.9);
+  EXPECT_NEAR(a4.nll_ours, a4.nll_theirs, 0.02);
+}
+
 // Each family's vocabulary from its GGUF file (Gemma's without the space prefix) and from its
 // Hugging Face folder tokenizes as llama.cpp tokenizes the GGUF file, plain text and text with
 // the family's special tokens in it (parsed as those tokens).

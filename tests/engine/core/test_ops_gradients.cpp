@@ -212,6 +212,26 @@ TEST(OpsGradient, AttentionWithOptions) {
       5e-3);
 }
 
+// gpt-oss's sinks, a logit per query head, on packed rows with a window of 2: the sinks'
+// gradient (the op's own sum) and q's, k's and v's through the kernels.
+TEST(OpsGradient, AttentionWithSinks) {
+  std::mt19937 rng(29);
+  const int64_t B = 2, T = 7, H = 4, KVH = 2, D = 4;
+  auto packing = std::make_shared<Packing>();
+  packing->lengths = {{3, 1, 3}, {7}};
+  for (const int64_t window : {0, 2}) {
+    kernels::AttentionOptions options;
+    options.window = window;
+    check_gradients(
+        [packing, options](const auto& v) {
+          return attention(v[0], v[1], v[2], H, KVH, packing, options, v[3]);
+        },
+        {random_tensor(Shape{B, T, H * D}, rng), random_tensor(Shape{B, T, KVH * D}, rng),
+         random_tensor(Shape{B, T, KVH * D}, rng), random_tensor(Shape{H}, rng)},
+        5e-3);
+  }
+}
+
 TEST(OpsGradient, AttentionSeveralHeads) {
   std::mt19937 rng(4);
   const Shape s{2, 7, 12};  // B 2, T 7, H 3, D 4
@@ -372,6 +392,39 @@ TEST(OpsGradient, MixtureOfExperts) {
              separated_logits(N, E, rng)},
             5e-3, 1e-3f);
       }
+}
+
+// gpt-oss's experts: top k of the logits softmaxed, biases on each expert's gate, up and down
+// products and the clamped SwiGLU, the gate and up products wide enough that both clamps bite
+// (central differences away from them); every input's gradient, the biases' too; with an adapter
+// on each product as well.
+TEST(OpsGradient, MixtureOfExpertsWithBiasesClamped) {
+  for (const bool adapters : {false, true}) {
+    std::mt19937 rng(101);
+    const int64_t N = 7, C = 6, F = 5, E = 4, k = 2, r = 2;
+    std::vector<Tensor> in = {random_tensor(Shape{1, N, C}, rng),
+                              random_tensor(Shape{E, F, C}, rng, 3.0f),
+                              random_tensor(Shape{E, F, C}, rng, 3.0f),
+                              random_tensor(Shape{E, C, F}, rng, 0.5f),
+                              separated_logits(N, E, rng),
+                              random_tensor(Shape{E, F}, rng, 2.0f),
+                              random_tensor(Shape{E, F}, rng, 2.0f),
+                              random_tensor(Shape{E, C}, rng)};
+    if (adapters)
+      for (const Shape& s : {Shape{E, r, C}, Shape{E, F, r}, Shape{E, r, C}, Shape{E, F, r},
+                             Shape{E, r, F}, Shape{E, C, r}})
+        in.push_back(random_tensor(s, rng, 0.5f));
+    SCOPED_TRACE(adapters ? "adapters" : "no adapters");
+    check_gradients(
+        [&](const auto& v) {
+          const MoeRouting route = moe_route(v[4], k, kernels::MoeGating::SoftmaxTopK, false);
+          MoeAdapters lora;
+          if (adapters) lora = {v[8], v[9], v[10], v[11], v[12], v[13], 0.7f, 0.0f, 11};
+          return moe_experts(v[0], v[1], v[2], v[3], route, lora, {v[5], v[6], v[7]},
+                             kernels::Activation::SiluClamped);
+        },
+        in, 5e-3, 1e-3f);
+  }
 }
 
 // Adapters on the experts' three products (A (E, r, in), B (E, out, r)), with and without

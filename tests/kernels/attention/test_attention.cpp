@@ -86,7 +86,9 @@ double attention_ref(const Dims& s, const std::vector<double>& q, const std::vec
           score[j] = ref_cap(score[j], o);
           max = std::max(max, score[j]);
         }
-        double sum = 0.0;
+        // A sink: one more key of the head's logit and value zero.
+        if (o.sinks) max = std::max(max, static_cast<double>(o.sinks[h]));
+        double sum = o.sinks ? std::exp(o.sinks[h] - max) : 0.0;
         for (int64_t j = first; j <= i; ++j) sum += std::exp(score[j] - max);
         if (lse) (*lse)[(b * s.H + h) * s.T + i] = max + std::log(sum);
         for (int64_t d = 0; d < s.D; ++d) {
@@ -127,6 +129,8 @@ void attention_ref_backward(const Dims& s, const std::vector<double>& q,
           p[j] = ref_cap(p[j], o);
           max = std::max(max, p[j]);
         }
+        if (o.sinks) max = std::max(max, static_cast<double>(o.sinks[h]));
+        if (o.sinks) sum = std::exp(o.sinks[h] - max);
         for (int64_t j = first; j <= i; ++j) sum += std::exp(p[j] - max);
         for (int64_t j = first; j <= i; ++j) {
           p[j] = std::exp(p[j] - max) / sum;
@@ -540,12 +544,16 @@ TEST(AttentionDecode, MatchesFullForwardAtEveryPosition) {
 
 // Scores with options (Gemma 2 and 3): a scale of their own, soft-capping and a sliding window,
 // each alone and together.
+// gpt-oss's sinks (a logit per query head, up to 4 heads), alone and with a window.
+const float kSinks[] = {0.7f, -1.3f, 2.5f, 0.1f};
 const AttentionOptions kScoreOptions[] = {
-    {0.3f, 0.0f, 0}, {0.0f, 2.0f, 0}, {0.0f, 0.0f, 3}, {0.3f, 2.0f, 3}, {0.0f, 0.0f, 1}};
+    {0.3f, 0.0f, 0}, {0.0f, 2.0f, 0},         {0.0f, 0.0f, 3},        {0.3f, 2.0f, 3},
+    {0.0f, 0.0f, 1}, {0.0f, 0.0f, 0, kSinks}, {0.3f, 0.0f, 3, kSinks}};
 
 std::string options_name(const AttentionOptions& o) {
   std::ostringstream name;
-  name << "scale " << o.scale << " cap " << o.softcap << " window " << o.window;
+  name << "scale " << o.scale << " cap " << o.softcap << " window " << o.window
+       << (o.sinks ? " sinks" : "");
   return name.str();
 }
 
@@ -598,12 +606,13 @@ struct OptionsCase {
   AttentionOptions o;
 };
 const OptionsCase kOptionsCases[] = {
-    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 1}},    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 63}},
-    {{1, 200, 2, 2, 16}, {0.0f, 0.0f, 64}},   {{2, 130, 2, 1, 24}, {0.0f, 0.0f, 65}},
-    {{1, 260, 4, 2, 16}, {0.0f, 50.0f, 100}}, {{1, 150, 2, 1, 40}, {0.0f, 5.0f, 0}},
-    {{1, 90, 2, 2, 64}, {0.0625f, 5.0f, 70}}, {{1, 40, 2, 1, 16}, {0.0f, 0.0f, 100}},
-    {{1, 1, 1, 1, 8}, {0.2f, 3.0f, 1}},       {{1, 7, 2, 1, 5}, {0.3f, 2.0f, 3}},
-    {{2, 9, 2, 2, 4}, {0.0f, 2.0f, 0}}};
+    {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 1}},        {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 63}},
+    {{1, 200, 2, 2, 16}, {0.0f, 0.0f, 64}},       {{2, 130, 2, 1, 24}, {0.0f, 0.0f, 65}},
+    {{1, 260, 4, 2, 16}, {0.0f, 50.0f, 100}},     {{1, 150, 2, 1, 40}, {0.0f, 5.0f, 0}},
+    {{1, 90, 2, 2, 64}, {0.0625f, 5.0f, 70}},     {{1, 40, 2, 1, 16}, {0.0f, 0.0f, 100}},
+    {{1, 1, 1, 1, 8}, {0.2f, 3.0f, 1}},           {{1, 7, 2, 1, 5}, {0.3f, 2.0f, 3}},
+    {{2, 9, 2, 2, 4}, {0.0f, 2.0f, 0}},           {{1, 200, 2, 1, 16}, {0.0f, 0.0f, 63, kSinks}},
+    {{1, 260, 4, 2, 16}, {0.0f, 0.0f, 0, kSinks}}};
 
 TEST(AttentionOptions, WindowEdgesTailsAndCapsOverTiles) {
   for (const auto& [s, o] : kOptionsCases) {
@@ -639,7 +648,7 @@ TEST(AttentionOptions, WindowEdgesTailsAndCapsOverTiles) {
         else
           EXPECT_EQ(all, first) << impl.name << " " << what << ": depends on the thread count";
       }
-      if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f) continue;
+      if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f || o.sinks) continue;
       std::vector<float> plain(s.n()), plain_lse(s.B * s.H * s.T), windowed(s.n()),
           windowed_lse(s.B * s.H * s.T);
       impl.forward(plain.data(), plain_lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H,
@@ -695,7 +704,7 @@ TEST(AttentionOptions, Bf16WindowEdgesTailsAndCapsOverTiles) {
                       s.KVH, s.D, o);
     const std::vector<double> lse32d(lse32.begin(), lse32.end());
     EXPECT_LT(max_error(f.lse, lse32d), 1e-5) << what;
-    if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f) continue;
+    if (o.window < s.T || o.softcap > 0.0f || o.scale > 0.0f || o.sinks) continue;
     const Bf16Forward plain = forward_bf16(s, in);
     EXPECT_EQ(f.out16, plain.out16) << what;
     EXPECT_EQ(f.lse, plain.lse) << what;
@@ -710,7 +719,8 @@ TEST(AttentionOptions, DecodeMatchesFullForward) {
   const std::vector<float> v = random_floats(s.kv_n(), 63);
   for (const AttentionOptions& o :
        {AttentionOptions{0.3f, 2.0f, 3}, AttentionOptions{0.0f, 5.0f, 70},
-        AttentionOptions{0.0f, 0.0f, 1}, AttentionOptions{0.0f, 0.0f, 64}}) {
+        AttentionOptions{0.0f, 0.0f, 1}, AttentionOptions{0.0f, 0.0f, 64},
+        AttentionOptions{0.0f, 0.0f, 64, kSinks}}) {
     std::vector<float> full(s.n()), lse(s.H * s.T);
     attention_forward(full.data(), lse.data(), q.data(), k.data(), v.data(), s.B, s.T, s.H, s.KVH,
                       s.D, o);

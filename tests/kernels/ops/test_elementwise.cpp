@@ -284,6 +284,61 @@ TEST(SwiGlu, Bf16ForwardRoundsWhatFp32ForwardWrites) {
   EXPECT_EQ(alone, out16);
 }
 
+// gpt-oss's clamped SwiGLU: g sigmoid(1.702 g) (clamp(up, -7, 7) + 1), g = min(gate, 7), against
+// the formula in double and central differences away from the clamps' corners, over threads and
+// a partial last run, gate and up both reaching past the clamps; the bf16 forward rounds what the
+// FP32 one writes, and the AVX2 and AVX-512 builds agree bit for bit.
+TEST(SwiGlu, ClampedIsGptOss) {
+  const int64_t n = 40013;
+  const std::vector<float> gate = random_floats(n, 31, -12.0f, 12.0f);
+  const std::vector<float> up = random_floats(n, 32, -12.0f, 12.0f);
+  const std::vector<float> dout = random_floats(n, 33);
+  const Activation act = Activation::SiluClamped;
+  const auto value = [](double g, double u) {
+    const double gc = std::min(g, 7.0), uc = std::clamp(u, -7.0, 7.0);
+    return gc / (1.0 + std::exp(-1.702 * gc)) * (uc + 1.0);
+  };
+  std::vector<float> out(n), dg(n, 0.5f), du(n, -0.5f);
+  swiglu_forward(out.data(), gate.data(), up.data(), n, act);
+  swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n, true, act);
+  int64_t clamped_g = 0, clamped_u = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = gate[i], u = up[i], want = value(g, u);
+    ASSERT_NEAR(out[i], want, 1e-5 * std::max(1.0, std::abs(want))) << g << " " << u;
+    clamped_g += g > 7.0;
+    clamped_u += std::abs(u) > 7.0;
+    // Central differences of the formula, where a step of h crosses no clamp.
+    const double h = 1e-4;
+    if (std::abs(g - 7.0) < 2 * h || std::abs(std::abs(u) - 7.0) < 2 * h) continue;
+    const double want_dg = (value(g + h, u) - value(g - h, u)) / (2 * h);
+    const double want_du = (value(g, u + h) - value(g, u - h)) / (2 * h);
+    ASSERT_NEAR(dg[i], 0.5 + dout[i] * want_dg, 1e-4 * std::max(1.0, std::abs(want_dg))) << g;
+    ASSERT_NEAR(du[i], -0.5 + dout[i] * want_du, 1e-4 * std::max(1.0, std::abs(want_du))) << u;
+  }
+  EXPECT_GT(clamped_g, n / 10);
+  EXPECT_GT(clamped_u, n / 10);
+  std::vector<uint16_t> out16(n), gate16(n), up16(n);
+  swiglu_forward_bf16(out16.data(), gate16.data(), up16.data(), gate.data(), up.data(), n, act);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out16[i], fp32_to_bf16(out[i])) << i;
+  if (!cpu_features().avx512) return;
+  for (const bool bf16 : {false, true}) {
+    std::vector<float> a(n), b(n), ga(n), ua(n), gb(n), ub(n);
+    const SwigluKernels &x = swiglu_kernels_avx2(act), &y = swiglu_kernels_avx512(act);
+    if (bf16) {
+      x.backward_bf16(ga.data(), ua.data(), dout.data(), gate16.data(), up16.data(), n, false);
+      y.backward_bf16(gb.data(), ub.data(), dout.data(), gate16.data(), up16.data(), n, false);
+    } else {
+      x.forward(a.data(), gate.data(), up.data(), n);
+      y.forward(b.data(), gate.data(), up.data(), n);
+      x.backward(ga.data(), ua.data(), dout.data(), gate.data(), up.data(), n, false);
+      y.backward(gb.data(), ub.data(), dout.data(), gate.data(), up.data(), n, false);
+    }
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(ga, gb);
+    EXPECT_EQ(ua, ub);
+  }
+}
+
 // The AVX2 and AVX-512 builds of the SwiGLU loops give the same bits, for every entry.
 TEST(SwiGlu, IsaBuildsAgreeBitwise) {
   if (!cpu_features().avx512) GTEST_SKIP() << "no AVX-512 here: only the AVX2 build runs";
