@@ -146,7 +146,11 @@ std::vector<Architecture> table() {
     a.moe_biases = true;
     a.moe_activation = kernels::Activation::SiluClamped;
     a.gguf_names = {{"ffn_norm", "post_attention_norm"}};
-    a.files = false;
+    a.hf_gpt_oss_experts = true;
+    a.hf_names = {{"feed_forward.router", "mlp.router"}};
+    a.hf_keys = {"num_local_experts",     "num_experts_per_tok",  "experts_per_token",
+                 "router_aux_loss_coef",  "output_router_logits", "swiglu_limit",
+                 "initial_context_length"};
     a.gguf_keys.assign(kMoeGgufKeys.begin(), kMoeGgufKeys.end());
     a.gguf_keys.insert(a.gguf_keys.end(),
                        {"attention.sliding_window", "attention.sliding_window_pattern",

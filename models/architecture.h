@@ -116,6 +116,11 @@ struct Architecture {
   // attention sink (kernels/attention/attention.h), gpt-oss's.
   bool attn_out_bias = false;
   bool attn_sinks = false;
+  // Its Hugging Face files hold each layer's experts as gpt-oss's do: gate_up_proj [E, C, 2 F]
+  // (x times it; each expert's gate and up columns alternating), down_proj [E, F, C], biases
+  // gate_up_proj_bias and down_proj_bias; the experts' count num_local_experts, their width
+  // intermediate_size.
+  bool hf_gpt_oss_experts = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
   // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
   // for a whole model read and written as GGUF where gguf_written says so.

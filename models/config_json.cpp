@@ -76,6 +76,7 @@ json model_config_json(const ModelConfig& c) {
       j["rope_scaling"]["attn_factor"] = c.rope_scaling.attn_factor;
       j["rope_scaling"]["beta_fast"] = c.rope_scaling.beta_fast;
       j["rope_scaling"]["beta_slow"] = c.rope_scaling.beta_slow;
+      j["rope_scaling"]["truncate"] = c.rope_scaling.truncate;
     }
   }
   return j;
@@ -147,6 +148,7 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       c.rope_scaling.attn_factor = r.value("attn_factor", 1.0);
       c.rope_scaling.beta_fast = r.value("beta_fast", 0.0);
       c.rope_scaling.beta_slow = r.value("beta_slow", 0.0);
+      c.rope_scaling.truncate = r.value("truncate", true);
     }
   } catch (const json::exception& e) {
     throw UserError(where + ": model: " + e.what());

@@ -117,8 +117,12 @@ RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const 
           ? std::vector<std::string_view>{"rope_type",        "type",
                                           "factor",           "low_freq_factor",
                                           "high_freq_factor", "original_max_position_embeddings"}
-      : type == "linear"
-          ? std::vector<std::string_view>{"rope_type", "type", "factor"}
+      : type == "linear" ? std::vector<std::string_view>{"rope_type", "type", "factor"}
+      : type == "yarn"
+          ? std::vector<std::string_view>{"rope_type",        "type",
+                                          "factor",           "beta_fast",
+                                          "beta_slow",        "truncate",
+                                          "attention_factor", "original_max_position_embeddings"}
           : std::vector<std::string_view>{"rope_type",        "type",
                                           "long_factor",      "short_factor",
                                           "attention_factor", "original_max_position_embeddings"};
@@ -131,6 +135,22 @@ RopeScaling hf_rope_scaling(const json& scaling, const ConfigValues& top, const 
     if (!(factor > 0.0) || !std::isfinite(factor))
       throw UserError(where + ": rope_scaling of type linear needs a positive factor");
     return linear_rope_scaling(factor, c.rope_dims());
+  }
+  if (type == "yarn") {
+    // Transformers' defaults: beta 32 and 1, the dimensions rounded, cos and sin scaled by
+    // 1 + 0.1 ln factor.
+    const double factor = values.number("factor", 0.0);
+    const int64_t original = values.whole("original_max_position_embeddings").value_or(c.ctx);
+    const double fast = values.number("beta_fast", 32.0), slow = values.number("beta_slow", 1.0);
+    if (!(factor >= 1.0) || !std::isfinite(factor) || original <= 0 || !(fast > slow) ||
+        !(slow > 0.0) || !std::isfinite(fast))
+      throw UserError(where +
+                      ": rope_scaling of type yarn needs factor >= 1, beta_fast > beta_slow > 0 "
+                      "and a positive original_max_position_embeddings");
+    RopeScaling r = yarn_rope_scaling(c.rope_theta, c.rope_dims(), factor, original, fast, slow,
+                                      values.flag("truncate", true));
+    r.attn_factor = values.number("attention_factor", r.attn_factor);
+    return r;
   }
   RopeScaling r;
   r.type = type;
@@ -331,12 +351,20 @@ const Architecture* hf_multimodal_architecture(const json& j) {
 
 SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
   SafetensorsModel weights(folder);
-  // A mixture's experts, one tensor each in the folder (or, as Transformers 5 writes them, gate
-  // and up fused in one tensor of all experts), as the one tensor of them all the model holds.
-  weights.split_fused_experts();
-  weights.stack_experts();
   const fs::path path = fs::path(folder) / "config.json";
   const json j = fs::exists(path) ? read_json(path) : json();
+  // A mixture's experts, one tensor each in the folder (or, as Transformers 5 writes them, gate
+  // and up fused in one tensor of all experts; or gpt-oss's), as the one tensor of them all the
+  // model holds.
+  const Architecture* arch =
+      j.is_object() && j.contains("model_type") && j["model_type"].is_string()
+          ? find_hf_architecture(j["model_type"].get<std::string>())
+          : nullptr;
+  if (arch && arch->hf_gpt_oss_experts)
+    weights.split_gpt_oss_experts();
+  else
+    weights.split_fused_experts();
+  weights.stack_experts();
   std::vector<std::string> parts;
   int64_t n = 0;
   const bool multimodal = hf_multimodal_architecture(j) != nullptr;
@@ -471,10 +499,19 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (arch->moe) {
     // Qwen3-MoE's: every layer's MLP a mixture (decoder_sparse_step 1, no mlp_only_layers), its
     // experts of moe_intermediate_size, the top k weights renormalised where norm_topk_prob.
-    hp.ffn = FileHyperparameter{"moe_intermediate_size", values.whole("moe_intermediate_size")};
-    hp.n_experts = FileHyperparameter{"num_experts", values.whole("num_experts")};
-    hp.experts_used =
-        FileHyperparameter{"num_experts_per_tok", values.whole("num_experts_per_tok")};
+    // gpt-oss's: num_local_experts of intermediate_size, the clamped SwiGLU's limit 7.
+    const bool gpt_oss = arch->hf_gpt_oss_experts;
+    const char* width = gpt_oss ? "intermediate_size" : "moe_intermediate_size";
+    const char* count = gpt_oss ? "num_local_experts" : "num_experts";
+    const char* used = gpt_oss && !values.find("num_experts_per_tok") ? "experts_per_token"
+                                                                      : "num_experts_per_tok";
+    hp.ffn = FileHyperparameter{width, values.whole(width)};
+    hp.n_experts = FileHyperparameter{count, values.whole(count)};
+    hp.experts_used = FileHyperparameter{used, values.whole(used)};
+    if (gpt_oss && values.number("swiglu_limit", kernels::kSiluClampedLimit) !=
+                       static_cast<double>(kernels::kSiluClampedLimit))
+      throw UserError(where + ": swiglu_limit " + json_shown(*values.find("swiglu_limit")) +
+                      ", which cputrain does not compute (it computes 7)");
     if (arch->shared_expert)
       hp.shared_expert_ffn = FileHyperparameter{"shared_expert_intermediate_size",
                                                 values.whole("shared_expert_intermediate_size")};

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
@@ -96,6 +97,50 @@ void add_entries(std::vector<SafetensorsEntry>& entries, const FileTensor& t,
                                             : Shape{t.shape[0], t.shape[1], t.shape[2]};
   entries.push_back({t.name, shape, dtype,
                      ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
+}
+
+// gpt-oss's experts of one layer (`base` "model.layers.N.mlp.experts."), from the model's
+// gate, up and down weights and biases by their rest of name ("gate_proj.weight"): gate_up_proj
+// [E, C, 2 F] (each expert's gate and up columns alternating), gate_up_proj_bias [E, 2 F],
+// down_proj [E, F, C], down_proj_bias [E, C].
+void add_gpt_oss_experts(
+    std::vector<SafetensorsEntry>& entries, const std::string& base,
+    const std::map<std::string, std::pair<FileTensor, std::vector<float>>>& parts,
+    const std::string& dtype, GgmlType type) {
+  const auto part = [&](const char* rest) -> const std::pair<FileTensor, std::vector<float>>& {
+    const auto it = parts.find(rest);
+    if (it == parts.end()) throw std::logic_error("gpt-oss experts without " + base + rest);
+    return it->second;
+  };
+  const auto& [gate, g] = part("gate_proj.weight");
+  const auto& up = part("up_proj.weight").second;
+  const auto& gate_bias = part("gate_proj.bias").second;
+  const auto& up_bias = part("up_proj.bias").second;
+  const auto& d = part("down_proj.weight").second;
+  const auto& down_bias = part("down_proj.bias").second;
+  const int64_t E = gate.shape[0], F = gate.shape[1], C = gate.shape[2];
+  std::vector<float> gu(static_cast<size_t>(E * C * 2 * F)), gub(static_cast<size_t>(E * 2 * F)),
+      dn(static_cast<size_t>(E * F * C));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t f = 0; f < F; ++f) {
+      for (int64_t col = 0; col < C; ++col) {
+        const auto from = static_cast<size_t>((e * F + f) * C + col);
+        gu[static_cast<size_t>((e * C + col) * 2 * F + 2 * f)] = g[from];
+        gu[static_cast<size_t>((e * C + col) * 2 * F + 2 * f + 1)] = up[from];
+        dn[static_cast<size_t>((e * F + f) * C + col)] =
+            d[static_cast<size_t>((e * C + col) * F + f)];
+      }
+      gub[static_cast<size_t>(e * 2 * F + 2 * f)] = gate_bias[static_cast<size_t>(e * F + f)];
+      gub[static_cast<size_t>(e * 2 * F + 2 * f + 1)] = up_bias[static_cast<size_t>(e * F + f)];
+    }
+  const auto add = [&](const std::string& name, Shape shape, const std::vector<float>& v) {
+    entries.push_back({base + name, shape, dtype,
+                       ggml_from_float(type, v.data(), static_cast<int64_t>(v.size()))});
+  };
+  add("gate_up_proj", Shape{E, C, 2 * F}, gu);
+  add("gate_up_proj_bias", Shape{E, 2 * F}, gub);
+  add("down_proj", Shape{E, F, C}, dn);
+  add("down_proj_bias", Shape{E, C}, down_bias);
 }
 
 // A safetensors file of `entries`, in order, written atomically.
@@ -247,6 +292,14 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                               {"attention_factor", c.rope_scaling.attn_factor}};
   } else if (c.rope_scaling.type == "linear") {
     config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", c.rope_scaling.factor}};
+  } else if (c.rope_scaling.type == "yarn") {
+    config["rope_scaling"] = {{"rope_type", "yarn"},
+                              {"factor", c.rope_scaling.factor},
+                              {"beta_fast", c.rope_scaling.beta_fast},
+                              {"beta_slow", c.rope_scaling.beta_slow},
+                              {"truncate", c.rope_scaling.truncate},
+                              {"attention_factor", c.rope_scaling.attn_factor},
+                              {"original_max_position_embeddings", c.rope_scaling.original_ctx}};
   } else if (c.rope_scaling.active())
     config["rope_scaling"] = {{"rope_type", c.rope_scaling.type},
                               {"factor", c.rope_scaling.factor},
@@ -279,7 +332,21 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                      {"mrope_interleaved", true},
                      {"mrope_section", text_mrope_sections(c.rope_dims() / 2)}}}});
   }
-  if (c.moe()) {
+  if (c.moe() && arch.hf_gpt_oss_experts) {
+    // gpt-oss's: its experts' keys, the window by layer types, q/k/v/o biases.
+    json types = json::array();
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      types.push_back(c.windowed_layer(i) ? "sliding_attention" : "full_attention");
+    config.erase("query_pre_attn_scalar");
+    config.erase("final_logit_softcapping");
+    config.erase("attn_logit_softcapping");
+    config.update({{"num_local_experts", c.n_experts},
+                   {"num_experts_per_tok", c.experts_used},
+                   {"intermediate_size", c.ffn},
+                   {"layer_types", types},
+                   {"attention_bias", true},
+                   {"swiglu_limit", kernels::kSiluClampedLimit}});
+  } else if (c.moe()) {
     config.update({{"num_experts", c.n_experts},
                    {"num_experts_per_tok", c.experts_used},
                    {"moe_intermediate_size", c.ffn},
@@ -303,13 +370,21 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
   for (const ParameterInfo& info : params.infos())
     if (is_lora_parameter(info.name))
       throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
+  // gpt-oss's experts by layer ("model.layers.N.mlp.experts."), by our name's rest
+  // ("gate_proj.weight"), written fused after the others.
+  std::map<std::string, std::map<std::string, std::pair<FileTensor, std::vector<float>>>> experts;
   for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
                                           [](const ParameterInfo&) { return true; })) {
     // Gated DeltaNet's value heads grouped by key head, as Hugging Face holds them.
-    add_entries(entries, t,
-                file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true),
-                dtype, type);
+    std::vector<float> values =
+        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true);
+    if (const size_t at = t.name.find(".experts."); arch.hf_gpt_oss_experts && at != t.name.npos) {
+      experts[t.name.substr(0, at + 9)][t.name.substr(at + 9)] = {t, std::move(values)};
+      continue;
+    }
+    add_entries(entries, t, values, dtype, type);
   }
+  for (auto& [base, parts] : experts) add_gpt_oss_experts(entries, base, parts, dtype, type);
   write_safetensors((dir / "model.safetensors").string(), entries);
 
   json tconfig = {{"bos_token", token(v.bos)},  {"eos_token", token(v.eos)},

@@ -93,21 +93,23 @@ std::vector<float> llama3_freq_factors(double theta, int64_t head_dim, double fa
 }
 
 RopeScaling yarn_rope_scaling(double theta, int64_t rope_dims, double factor, int64_t original_ctx,
-                              double beta_fast, double beta_slow) {
+                              double beta_fast, double beta_slow, bool truncate) {
   RopeScaling r;
   r.type = "yarn";
   r.factor = factor;
   r.original_ctx = original_ctx;
   r.beta_fast = beta_fast;
   r.beta_slow = beta_slow;
+  r.truncate = truncate;
   // The pair whose wavelength fits `rotations` times in the original context.
   const auto dim = [&](double rotations) {
     return static_cast<double>(rope_dims) *
            std::log(static_cast<double>(original_ctx) / (rotations * 2.0 * std::numbers::pi)) /
            (2.0 * std::log(theta));
   };
-  const double low = std::max(0.0, std::floor(dim(beta_fast)));
-  const double high = std::min(static_cast<double>(rope_dims - 1), std::ceil(dim(beta_slow)));
+  const double low = std::max(0.0, truncate ? std::floor(dim(beta_fast)) : dim(beta_fast));
+  const double high = std::min(static_cast<double>(rope_dims - 1),
+                               truncate ? std::ceil(dim(beta_slow)) : dim(beta_slow));
   const double scale = 1.0 / factor;
   for (int64_t j = 0; j < rope_dims / 2; ++j) {
     const double y = (static_cast<double>(j) - low) / std::max(0.001, high - low);

@@ -44,18 +44,21 @@ struct RopeScaling {
   double attn_factor = 1.0;         // longrope, yarn: cos and sin scaled by it
   double beta_fast = 0.0;           // yarn: the rotations per original context that bound the
   double beta_slow = 0.0;           // blend of extrapolated and interpolated frequencies
+  bool truncate = true;             // yarn: those bounds rounded out to whole dimensions
 
   bool active() const { return !type.empty(); }
   // Whether the windowed layers are scaled too (yarn, gpt-oss's; else the global layers alone).
   bool every_layer() const { return type == "yarn"; }
 };
 
-// YaRN's factors (gpt-oss, "yarn"), as llama.cpp computes them: pair j of R/2 keeps its
-// frequency below the dimension where a wavelength fits beta_fast times in the original context
-// (rounded down), takes it divided by `factor` above the one where it fits beta_slow times
-// (rounded up), a linear blend between; cos and sin are scaled by 1 + 0.1 ln factor.
+// YaRN's factors (gpt-oss, "yarn"), as llama.cpp and Transformers compute them: pair j of R/2
+// keeps its frequency below the dimension where a wavelength fits beta_fast times in the original
+// context, takes it divided by `factor` above the one where it fits beta_slow times, a linear
+// blend between, those dimensions rounded out to whole ones where `truncate` (llama.cpp always;
+// Transformers unless the config says truncate false, as gpt-oss's does); cos and sin are scaled
+// by 1 + 0.1 ln factor.
 RopeScaling yarn_rope_scaling(double theta, int64_t rope_dims, double factor, int64_t original_ctx,
-                              double beta_fast, double beta_slow);
+                              double beta_fast, double beta_slow, bool truncate = true);
 
 // Llama 3's factors: wavelengths below original_ctx / high_freq_factor keep their frequency,
 // those above original_ctx / low_freq_factor are divided by `factor`, and those between by a

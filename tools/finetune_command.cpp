@@ -511,8 +511,13 @@ class AdapterFiles final : public RunOutput {
       return;
     }
     write_lora_gguf(a_.out + "/adapter.gguf", m_.config, params, options_.lora.alpha, name("LoRA"));
-    // PEFT's adapter where the architecture's Hugging Face names are known.
-    const bool peft = architecture_of(m_.config).files;
+    // PEFT's adapter where the architecture's Hugging Face names are known (gpt-oss's experts
+    // are one parameter of all experts there, which PEFT adapts otherwise).
+    const Architecture& arch = architecture_of(m_.config);
+    const bool peft =
+        arch.files && !(arch.hf_gpt_oss_experts &&
+                        (options_.lora.on(Projection::Gate) || options_.lora.on(Projection::Up) ||
+                         options_.lora.on(Projection::Down)));
     if (peft)
       write_peft_adapter(a_.out + "/peft", m_.config, params, options_.lora,
                          fs::absolute(a_.model).string());

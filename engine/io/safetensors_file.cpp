@@ -225,6 +225,91 @@ int64_t SafetensorsModel::split_fused_experts() {
   return static_cast<int64_t>(fused.size());
 }
 
+void SafetensorsModel::add_made(const std::string& name, const std::string& dtype,
+                                std::vector<int64_t> shape, std::vector<uint8_t> bytes,
+                                size_t file) {
+  auto t = std::make_unique<SafetensorsTensor>();
+  t->dtype = dtype;
+  t->shape = std::move(shape);
+  stacked_bytes_.push_back(std::move(bytes));
+  t->data = std::span<const uint8_t>(stacked_bytes_.back());
+  if (!index_.emplace(name, std::pair{t.get(), file}).second)
+    throw UserError(files_[file]->path() + ": tensor " + name + " appears twice");
+  stacked_.push_back(std::move(t));
+}
+
+int64_t SafetensorsModel::split_gpt_oss_experts() {
+  std::vector<std::string> layers;
+  for (const auto& [name, where] : index_) {
+    if (name.ends_with(".experts.gate_up_proj_blocks") ||
+        name.ends_with(".experts.down_proj_blocks"))
+      throw UserError(files_[where.second]->path() + ": tensor " + name +
+                      ", experts as MXFP4 blocks, which cputrain reads from GGUF (llama.cpp's "
+                      "convert_hf_to_gguf.py writes them so, and cputrain holds them in place)");
+    if (name.ends_with(".experts.gate_up_proj"))
+      layers.push_back(name.substr(0, name.size() - std::string("gate_up_proj").size()));
+  }
+  // Rows of `rows` elements (`bytes` each) of matrix `m` of `mat` matrices, transposed, taking
+  // every `step`-th column from `first`: [mat, cols / step, rows].
+  const auto transposed = [](const SafetensorsTensor& t, int64_t mat, int64_t rows, int64_t cols,
+                             int64_t first, int64_t step) {
+    const size_t bytes = dtype_bytes(t.dtype);
+    const int64_t out_rows = cols / step;
+    std::vector<uint8_t> out(static_cast<size_t>(mat * out_rows * rows) * bytes);
+    for (int64_t m = 0; m < mat; ++m)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < out_rows; ++c)
+          std::memcpy(
+              out.data() + static_cast<size_t>((m * out_rows + c) * rows + r) * bytes,
+              t.data.data() + static_cast<size_t>((m * rows + r) * cols + first + c * step) * bytes,
+              bytes);
+    return out;
+  };
+  for (const std::string& base : layers) {
+    const auto need = [&](const std::string& rest) {
+      const auto it = index_.find(base + rest);
+      if (it == index_.end())
+        throw UserError(files_[index_.at(base + "gate_up_proj").second]->path() + ": tensor " +
+                        base + "gate_up_proj without " + base + rest);
+      return it->second;
+    };
+    const auto [gu, file] = need("gate_up_proj");
+    const auto [gub, bias_file] = need("gate_up_proj_bias");
+    const auto [down, down_file] = need("down_proj");
+    const auto [db, db_file] = need("down_proj_bias");
+    const std::string path = files_[file]->path();
+    if (gu->shape.size() != 3 || gu->shape[2] % 2 != 0 || dtype_bytes(gu->dtype) == 0)
+      throw UserError(path + ": tensor " + base + "gate_up_proj is not [experts, C, 2 F]");
+    const int64_t E = gu->shape[0], C = gu->shape[1], F = gu->shape[2] / 2;
+    const auto check = [&](const SafetensorsTensor* t, const std::string& rest,
+                           std::vector<int64_t> shape) {
+      if (t->shape != shape || t->dtype != gu->dtype)
+        throw UserError(path + ": tensor " + base + rest + " is not [" + std::to_string(shape[0]) +
+                        ", " + std::to_string(shape[1]) +
+                        (shape.size() == 3 ? ", " + std::to_string(shape[2]) : "") + "] of " +
+                        gu->dtype + " beside " + base + "gate_up_proj");
+    };
+    check(gub, "gate_up_proj_bias", {E, 2 * F});
+    check(down, "down_proj", {E, F, C});
+    check(db, "down_proj_bias", {E, C});
+    for (const int64_t half : {0, 1}) {
+      const std::string part = half == 0 ? "gate_proj" : "up_proj";
+      add_made(base + part + ".weight", gu->dtype, {E, F, C}, transposed(*gu, E, C, 2 * F, half, 2),
+               file);
+      // The bias: every other element, a transpose of rows of one.
+      add_made(base + part + ".bias", gu->dtype, {E, F}, transposed(*gub, E, 1, 2 * F, half, 2),
+               bias_file);
+    }
+    add_made(base + "down_proj.weight", down->dtype, {E, C, F}, transposed(*down, E, F, C, 0, 1),
+             down_file);
+    add_made(base + "down_proj.bias", db->dtype, {E, C},
+             std::vector<uint8_t>(db->data.begin(), db->data.end()), db_file);
+    for (const char* rest : {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"})
+      index_.erase(base + rest);
+  }
+  return static_cast<int64_t>(layers.size());
+}
+
 const SafetensorsTensor* SafetensorsModel::find(const std::string& name) const {
   const auto it = index_.find(name);
   return it == index_.end() ? nullptr : it->second.first;

@@ -65,12 +65,24 @@ class SafetensorsModel {
   // as "<base>.experts.down_proj.weight" (either name with ".weight" or without). A UserError
   // naming the file where a fused tensor is not of that shape; returns the tensors split.
   int64_t split_fused_experts();
+  // gpt-oss's experts: "<base>.experts.gate_up_proj" ([count, C, 2 F], the layer's input times
+  // it; each expert's gate and up columns alternating) found instead as
+  // "<base>.experts.gate_proj.weight" and "up_proj.weight" ([count, F, C] each), its
+  // "gate_up_proj_bias" ([count, 2 F]) as "gate_proj.bias" and "up_proj.bias", "down_proj"
+  // ([count, F, C]) as "down_proj.weight" ([count, C, F]) and "down_proj_bias" as
+  // "down_proj.bias": copies, transposed. A UserError naming the file where one is not of that
+  // shape, or the experts are MXFP4 blocks (gpt-oss's published folders; llama.cpp's converter
+  // writes them as MXFP4 in GGUF, which cputrain reads in place); returns the layers split.
+  int64_t split_gpt_oss_experts();
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   // The stacked tensors and their bytes (stack_experts).
   std::vector<std::unique_ptr<SafetensorsTensor>> stacked_;
   std::vector<std::vector<uint8_t>> stacked_bytes_;
+  // Takes `bytes` as tensor `name` of `shape` and `dtype` (held here), in `file`'s place.
+  void add_made(const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
+                std::vector<uint8_t> bytes, size_t file);
   std::map<std::string, std::pair<const SafetensorsTensor*, size_t>> index_;
 };
 

@@ -56,7 +56,8 @@ Face's rotate-half order:
   ffn_gate_inp_shexp), and its Hugging Face folders: per-expert tensors (qwen35moe_hf) and, as
   Transformers 5 writes them, each layer's experts in one tensor with gate and up fused
   (qwen35moe_fused_hf).
-- gpt_oss: gpt-oss's block (llama.cpp's converter's names and keys; GGUF only): q, k, v and o
+- gpt_oss: gpt-oss's block (llama.cpp's converter's names and keys, and Transformers' folder,
+  the experts' gate and up alternating in one tensor, with truncate true): q, k, v and o
   biases, a learnt sink per head (attn_sinks), layers 0 and 2 of 4 within a sliding window of 32
   (the default pattern, no pattern key), YaRN RoPE (factor 32 from an original context of 64,
   half-split), post_attention_norm as the MLP's norm, and 8 experts (top 4 of the router's
@@ -714,7 +715,7 @@ def write_gpt_oss(name, spec, seed):
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(spec["yarn"]["factor"])
     w.add_rope_scaling_orig_ctx_len(spec["yarn"]["original"])
-    add_vocabulary(w)
+    tokens, types = add_vocabulary(w)
     t = {"token_embd.weight": draw((VOCAB, d), 0.15), "output_norm.weight": draw((d,), 0.05, 1.0)}
     t["output.weight"] = t["token_embd.weight"] + draw((VOCAB, d), 0.1)
     for i in range(layers):
@@ -741,6 +742,57 @@ def write_gpt_oss(name, spec, seed):
     for gname, a in t.items():
         w.add_tensor(gname, a)
     finish(w)
+
+    # The same weights as Transformers' GptOssForCausalLM holds them: the experts' gate and up
+    # columns alternating in gate_up_proj [E, d, 2 F] (x times it), down_proj [E, F, d].
+    hf = {"model.embed_tokens.weight": t["token_embd.weight"],
+          "model.norm.weight": t["output_norm.weight"], "lm_head.weight": t["output.weight"]}
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+             "ffn_gate_inp.bias": "mlp.router.bias"}
+    for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+        for kind in ("weight", "bias"):
+            names[f"attn_{x}.{kind}"] = f"self_attn.{y}_proj.{kind}"
+    for i in range(layers):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        for g, h in names.items():
+            hf[p + h] = t[b + g]
+        gate, up = t[b + "ffn_gate_exps.weight"], t[b + "ffn_up_exps.weight"]
+        gu = np.empty((experts, d, 2 * ffn), dtype=np.float32)
+        gu[:, :, 0::2] = gate.transpose(0, 2, 1)
+        gu[:, :, 1::2] = up.transpose(0, 2, 1)
+        gub = np.empty((experts, 2 * ffn), dtype=np.float32)
+        gub[:, 0::2] = t[b + "ffn_gate_exps.bias"]
+        gub[:, 1::2] = t[b + "ffn_up_exps.bias"]
+        hf[p + "mlp.experts.gate_up_proj"] = gu
+        hf[p + "mlp.experts.gate_up_proj_bias"] = gub
+        hf[p + "mlp.experts.down_proj"] = np.ascontiguousarray(
+            t[b + "ffn_down_exps.weight"].transpose(0, 2, 1))
+        hf[p + "mlp.experts.down_proj_bias"] = t[b + "ffn_down_exps.bias"]
+    folder = f"{OUT}/{name}_hf"
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors(f"{folder}/model.safetensors", hf)
+    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+              "vocab_size": VOCAB, "hidden_size": d, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head,
+              "intermediate_size": ffn, "num_local_experts": experts,
+              "num_experts_per_tok": used, "experts_per_token": used, "rms_norm_eps": 1e-5,
+              "rope_theta": spec["theta"], "max_position_embeddings": CTX,
+              "initial_context_length": spec["yarn"]["original"],
+              "rope_scaling": {"rope_type": "yarn", "factor": spec["yarn"]["factor"],
+                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                               "original_max_position_embeddings": spec["yarn"]["original"]},
+              "sliding_window": spec["window"],
+              "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(layers)],
+              "attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu",
+              "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "output_router_logits": False,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+              "torch_dtype": "float32", "use_cache": True, "initializer_range": 0.02}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    write_tokenizer(folder, tokens, types, False)
 
 
 def write_tokenizer(folder, tokens, types, gemma):

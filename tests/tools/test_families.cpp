@@ -484,6 +484,31 @@ TEST(Families, GptOssIsLlamaCpps) {
   const fs::path out = family_models() / "gpt_oss_exported.gguf";
   ASSERT_EQ(cputrain("export --model " + gguf.string() + " --out " + out.string()), 0);
   expect_same_values(g, load(out), "gpt-oss exported");
+  // Transformers' folder of the same weights (the experts' gate and up alternating in one
+  // tensor, transposed) reads to the same bits and llama.cpp's logits; written as a folder, it
+  // reads back so too. Its YaRN without truncation (gpt-oss's published config) is Transformers'
+  // unrounded blend, not llama.cpp's.
+  {
+    const fs::path folder = family_models() / "gpt_oss_hf";
+    LoadedModel h = load(folder);
+    expect_same_values(g, h, "gpt-oss folder");
+    EXPECT_EQ(h.config.rope_scaling.freq_factors, c.rope_scaling.freq_factors);
+    EXPECT_LT(max_abs_difference(our_logits(h, tokens), theirs), 1e-4);
+    const fs::path written = family_models() / "gpt_oss_written_hf";
+    ASSERT_EQ(cputrain("export --model " + gguf.string() + " --out " + written.string()), 0);
+    const nlohmann::json config = nlohmann::json::parse(read_all(written / "config.json"));
+    EXPECT_EQ(config["num_local_experts"], 8);
+    EXPECT_EQ(config["rope_scaling"]["rope_type"], "yarn");
+    expect_same_values(g, load(written), "gpt-oss written folder");
+    const fs::path untruncated = family_models() / "gpt_oss_untruncated_hf";
+    fs::copy(folder, untruncated, fs::copy_options::recursive);
+    nlohmann::json j = nlohmann::json::parse(read_all(folder / "config.json"));
+    j["rope_scaling"]["truncate"] = false;
+    std::ofstream(untruncated / "config.json", std::ios::trunc) << j.dump();
+    const ModelConfig u = load(untruncated).config;
+    EXPECT_FALSE(u.rope_scaling.truncate);
+    EXPECT_NE(u.rope_scaling.freq_factors, c.rope_scaling.freq_factors);
+  }
   // A LoRA fine-tune on attention and every expert: llama.cpp with the adapter, and with the
   // merged file, computes cputrain's logits.
   const fs::path data = family_models() / "gpt_oss_finetune.jsonl";
