@@ -378,6 +378,16 @@ std::vector<int64_t> step_linear_layers(const Architecture& arch, int64_t layers
   return linear_layers_between(arch.linear_attention_step, layers);
 }
 
+std::string router_losses_refusal(const ModelConfig& c) {
+  if (!c.moe()) return "the model has no experts";
+  const Architecture& arch = architecture_of(c);
+  if (arch.moe_gating != kernels::MoeGating::Softmax)
+    return std::string(arch.name) +
+           "'s router (top k, then a softmax over them) takes no router "
+           "losses";
+  return {};
+}
+
 void require_files(const Architecture& arch, const std::string& what) {
   if (!arch.files)
     throw UserError(what + ": " + std::string(arch.name) +

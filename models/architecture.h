@@ -167,6 +167,11 @@ std::string architecture_mismatch(const ModelConfig& config);
 // its GGUF's RoPE pairing), the rest as `config`: what `train --arch` starts from.
 ModelConfig with_architecture(ModelConfig config, const Architecture& arch);
 
+// Why a model of `c` takes no router losses (kernels::MoeRouterLosses): it has no experts, or
+// its router (gpt-oss's, top k then softmax) has no probabilities over all of them to balance;
+// empty where it takes them.
+std::string router_losses_refusal(const ModelConfig& c);
+
 // A UserError where `arch`'s files are neither read nor written (Architecture::files): `what`
 // says what was asked ("path: reading", "writing GGUF").
 void require_files(const Architecture& arch, const std::string& what);

@@ -643,14 +643,10 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
     check_lora_targets(config, options.lora, "--lora-targets");
     check_lora_rank(config, options.lora, "--lora-rank");
   }
-  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && !config.moe())
+  if (const std::string refusal = router_losses_refusal(config);
+      !refusal.empty() && (a.moe_balance > 0.0 || a.moe_z > 0.0))
     throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") + " " +
-                    a.model + ": the model has no experts");
-  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) &&
-      architecture_of(config).moe_gating != kernels::MoeGating::Softmax)
-    throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") + " " +
-                    a.model + ": " + config.architecture +
-                    "'s router (top k, then softmax over them) takes no router losses");
+                    a.model + ": " + refusal);
   LoadedModel m = load_model_to_train(a.model, "--model", a.ctx, options);
   // A NaN or an infinity in the base makes every step's loss so: named here, not blamed on --lr.
   check_finite_weights(m, a.model, "--model");

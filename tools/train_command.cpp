@@ -169,18 +169,12 @@ RunConfig resolve_run_config(const TrainArgs& a) {
   c.train.lr.min_ratio = 0.1;
   c.train.adamw.weight_decay = static_cast<float>(a.weight_decay);
   c.train.adamw.grad_clip = static_cast<float>(a.grad_clip);
-  if (!c.model.moe() && (a.moe_balance >= 0 || a.moe_z >= 0))
-    throw UserError(std::string(a.moe_balance >= 0 ? "--moe-balance" : "--moe-z-loss") +
-                    ": the model has no experts (a mixture is --arch qwen3moe or qwen35moe)");
-  // A router of top k then softmax (gpt-oss's) has no probabilities over all experts to balance.
-  const bool losses =
-      c.model.moe() && architecture_of(c.model).moe_gating == kernels::MoeGating::Softmax;
-  if (c.model.moe() && !losses && (a.moe_balance > 0 || a.moe_z > 0))
-    throw UserError(std::string(a.moe_balance > 0 ? "--moe-balance" : "--moe-z-loss") + ": " +
-                    c.model.architecture +
-                    "'s router (top k, then softmax over them) takes no router losses");
+  const std::string refusal = router_losses_refusal(c.model);
+  if (!refusal.empty() && (a.moe_balance >= 0 || a.moe_z >= 0))
+    throw UserError(std::string(a.moe_balance >= 0 ? "--moe-balance" : "--moe-z-loss") + ": " +
+                    refusal);
   c.train.moe_balance = static_cast<float>(a.moe_balance >= 0 ? a.moe_balance
-                                           : losses           ? kMoeBalanceDefault
+                                           : refusal.empty()  ? kMoeBalanceDefault
                                                               : 0.0);
   c.train.moe_z = static_cast<float>(std::max(a.moe_z, 0.0));
   if (a.eval_windows <= 0) throw UserError("--eval-windows must be positive");

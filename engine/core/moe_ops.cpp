@@ -432,6 +432,7 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
           kernels::moe_router_losses(probs.f32(), lse.f32(), experts.i32(), N, E, k);
       load.balance += l.balance;
       load.z += l.z;
+      load.losses = true;
     }
     ++load.passes;
   }

@@ -78,6 +78,7 @@ struct MoeLoad {
   double balance = 0.0;         // the sums over the passes of its losses (Softmax gating)
   double z = 0.0;
   int64_t passes = 0;
+  bool losses = false;  // whether its gating has router losses (Softmax), which were summed
 };
 class MoeLoadCount {
  public:

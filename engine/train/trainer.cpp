@@ -105,6 +105,7 @@ StepResult Trainer::step_with(int64_t step, const std::function<Variable(int64_t
                                             static_cast<double>(sum)
                                       : 0.0);
     const auto passes = static_cast<double>(std::max<int64_t>(load.passes, 1));
+    r.router_losses = r.router_losses || load.losses;
     r.moe_balance += load.balance / passes / static_cast<double>(loads.size());
     r.moe_z += load.z / passes / static_cast<double>(loads.size());
   }

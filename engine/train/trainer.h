@@ -54,7 +54,9 @@ struct StepResult {
   // (1: an even load; E: every token to one expert), over the step's micro-batches on this rank.
   std::vector<double> expert_spread;
   // Its router losses, each the mean over the MoE layers and micro-batches (unweighted: the
-  // coefficients scale their gradients, which `loss` leaves out).
+  // coefficients scale their gradients, which `loss` leaves out), where its routers have them
+  // (router_losses; gpt-oss's has none).
+  bool router_losses = false;
   double moe_balance = 0.0;
   double moe_z = 0.0;
 };

@@ -174,7 +174,8 @@ TEST_F(Cli, ProfileTimesTheOpsOfTheStepsAfterTheFirst) {
 
 // A mixture of experts: each step's expert load and router losses in metrics.jsonl and the log,
 // the load-balancing loss on by default (config.json keeps its coefficients), changing the run
-// against one without it; the router losses' flags refused for a dense model and below zero.
+// against one without it; the router losses' flags refused for a dense model, for gpt-oss's
+// router and below zero.
 TEST_F(Cli, AMixtureLogsItsLoadAndTrainsWithItsRouterLosses) {
   const std::string base =
       "--preset tiny --arch qwen3moe --vocab 300 --ctx 32 --batch 4 "
@@ -212,6 +213,20 @@ TEST_F(Cli, AMixtureLogsItsLoadAndTrainsWithItsRouterLosses) {
   expect_one_line_error(run(dense + " --moe-z-loss 0.01"), "--moe-z-loss");
   expect_one_line_error(run(base + " --moe-balance -1 --out " + (dir_ / "n").string()),
                         "--moe-balance");
+  // gpt-oss's router (top k, then a softmax over them) has none: the flags are refused, and its
+  // step line and metrics give the experts' load alone.
+  const std::string oss =
+      "--preset tiny --arch gpt-oss --vocab 300 --ctx 32 --batch 4 --steps 2 --eval-every 2 "
+      "--sample-tokens 0 --corpus " +
+      write_corpus(400).string() + " --out ";
+  expect_one_line_error(run(oss + (dir_ / "oss_refused").string() + " --moe-balance 0.01"),
+                        "takes no router losses");
+  const Result o = run(oss + (dir_ / "oss").string());
+  ASSERT_EQ(o.exit_code, 0) << o.err << o.out;
+  const std::string oss_log = read_all(dir_ / "oss" / "train.log");
+  EXPECT_NE(oss_log.find("experts: busiest"), std::string::npos) << oss_log;
+  EXPECT_EQ(oss_log.find("balance loss"), std::string::npos) << oss_log;
+  EXPECT_EQ(read_all(dir_ / "oss" / "metrics.jsonl").find("moe_balance_loss"), std::string::npos);
   // A fine-tune of the mixture: adapters on its experts, the router losses off unless asked
   // (config.json keeps them, a resume takes them); refused for a preference method.
   const fs::path data = dir_ / "sft.jsonl";

@@ -26,13 +26,15 @@ double gib(int64_t bytes) {
 }
 
 // A mixture of experts' load on the step line: the most uneven layer's busiest expert against
-// the mean of its experts (StepResult::expert_spread) and the router's load-balancing loss (k,
-// the experts a token takes, for an even load); nothing for a dense model.
+// the mean of its experts (StepResult::expert_spread) and, where its routers have one, the
+// load-balancing loss (k, the experts a token takes, for an even load); nothing for a dense
+// model.
 std::string expert_spread_text(const StepResult& r) {
   if (r.expert_spread.empty()) return {};
   const auto most = std::max_element(r.expert_spread.begin(), r.expert_spread.end());
-  return fmt::format(" | experts: busiest {:.2f}x the mean (layer {}), balance loss {:.3f}", *most,
-                     most - r.expert_spread.begin(), r.moe_balance);
+  return fmt::format(" | experts: busiest {:.2f}x the mean (layer {}){}", *most,
+                     most - r.expert_spread.begin(),
+                     r.router_losses ? fmt::format(", balance loss {:.3f}", r.moe_balance) : "");
 }
 
 // What every rank decides alike after a step.

@@ -273,8 +273,10 @@ nlohmann::json step_record(int64_t step, const StepResult& r, const ProcessMemor
   if (mfu) m["mfu"] = *mfu;
   if (!r.expert_spread.empty()) {
     m["expert_spread"] = r.expert_spread;
-    m["moe_balance_loss"] = r.moe_balance;
-    m["moe_z_loss"] = r.moe_z;
+    if (r.router_losses) {
+      m["moe_balance_loss"] = r.moe_balance;
+      m["moe_z_loss"] = r.moe_z;
+    }
   }
   const MemoryStats stats = memory_stats();
   for (int i = 0; i < kMemoryCategoryCount; ++i) {
