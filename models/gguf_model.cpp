@@ -745,10 +745,15 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     w.set_string(arch + ".rope.scaling.type", "linear");
     w.set_f32(arch + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
   } else if (c.rope_scaling.type == "yarn") {
+    // llama.cpp computes YaRN from these alone: beta 32 and 1, its dimensions rounded (a
+    // Hugging Face config's other betas or truncate false are not in the file, as its converter
+    // writes none), cos and sin scaled by 1 + 0.1 ln factor times rope.scaling.attn_factor.
     w.set_string(arch + ".rope.scaling.type", "yarn");
     w.set_f32(arch + ".rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
     w.set_u32(arch + ".rope.scaling.original_context_length",
               static_cast<uint32_t>(c.rope_scaling.original_ctx));
+    const double attn = c.rope_scaling.attn_factor / yarn_attn_factor(c.rope_scaling.factor);
+    if (attn != 1.0) w.set_f32(arch + ".rope.scaling.attn_factor", static_cast<float>(attn));
   } else if (c.rope_scaling.active()) {
     factors("rope_freqs.weight", c.rope_scaling.freq_factors);
   }

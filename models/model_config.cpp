@@ -117,8 +117,12 @@ RopeScaling yarn_rope_scaling(double theta, int64_t rope_dims, double factor, in
     r.freq_factors.push_back(
         static_cast<float>(1.0 / (scale * (1.0 - extrapolated) + extrapolated)));
   }
-  r.attn_factor = factor > 1.0 ? 1.0 + 0.1 * std::log(factor) : 1.0;
+  r.attn_factor = yarn_attn_factor(factor);
   return r;
+}
+
+double yarn_attn_factor(double factor) {
+  return factor > 1.0 ? 1.0 + 0.1 * std::log(factor) : 1.0;
 }
 
 std::array<int64_t, 3> text_mrope_sections(int64_t pairs) {

@@ -59,6 +59,8 @@ struct RopeScaling {
 // by 1 + 0.1 ln factor.
 RopeScaling yarn_rope_scaling(double theta, int64_t rope_dims, double factor, int64_t original_ctx,
                               double beta_fast, double beta_slow, bool truncate = true);
+// YaRN's own scale of cos and sin: 1 + 0.1 ln factor (1 for a factor of at most 1).
+double yarn_attn_factor(double factor);
 
 // Llama 3's factors: wavelengths below original_ctx / high_freq_factor keep their frequency,
 // those above original_ctx / low_freq_factor are divided by `factor`, and those between by a

@@ -25,6 +25,7 @@
 #include "engine/train/parameters.h"
 #include "models/architecture.h"
 #include "models/generate.h"
+#include "models/gguf_model.h"
 #include "models/tensor_names.h"
 #include "tools/cli_test_util.h"
 #include "tools/model_source.h"
@@ -430,7 +431,8 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
 // gpt-oss (make_family_models.py's gpt_oss): q/k/v/o biases, a sink per head, every other layer
 // within a window of 32, YaRN RoPE, 8 experts with biases behind a biased router (top 4 of the
 // logits, softmaxed) and the clamped SwiGLU: llama.cpp's logits at every position of 200 tokens
-// and its 60 greedy tokens; without the sinks, the clamps or YaRN the logits are others; written
+// and its 60 greedy tokens; without the sinks or YaRN the logits are others; YaRN's scale of cos
+// and sin beside its own (rope.scaling.attn_factor) written and read as llama.cpp reads it; written
 // back as GGUF it reads to the same bits; a LoRA fine-tune on attention and the experts loads in
 // llama.cpp to cputrain's logits, merged or not; quantised to MXFP4_MOE, its own format.
 TEST(Families, GptOssIsLlamaCpps) {
@@ -462,6 +464,7 @@ TEST(Families, GptOssIsLlamaCpps) {
   expect_greedy_as_llama_cpp(g, gguf, "gpt_oss");
   // Each part matters: the same weights without the sinks (at -inf: zero weight), without YaRN,
   // or with the plain SwiGLU give other logits.
+  // The same weights as a model of `config`, the sinks at -inf (zero weight) where not `sinks`.
   const auto variant = [&](const ModelConfig& config, bool sinks) {
     LoadedModel other;
     other.config = config;
@@ -474,12 +477,28 @@ TEST(Families, GptOssIsLlamaCpps) {
         std::fill(values.begin(), values.end(), -1e30f);
       other.model->parameters().write_values(static_cast<int>(i), values.data());
     }
-    return max_abs_difference(our_logits(other, tokens), theirs);
+    return other;
   };
-  EXPECT_GT(variant(c, false), 1e-2);
+  LoadedModel without_sinks = variant(c, false);
+  EXPECT_GT(max_abs_difference(our_logits(without_sinks, tokens), theirs), 1e-2);
   ModelConfig unscaled = c;
   unscaled.rope_scaling = RopeScaling();
-  EXPECT_GT(variant(unscaled, true), 1e-2);
+  LoadedModel without_yarn = variant(unscaled, true);
+  EXPECT_GT(max_abs_difference(our_logits(without_yarn, tokens), theirs), 1e-2);
+  // A scale of cos and sin beside YaRN's own (rope.scaling.attn_factor) is written, read back,
+  // and computed by llama.cpp from the file as by cputrain.
+  {
+    ModelConfig scaled = c;
+    scaled.rope_scaling.attn_factor *= 1.1;
+    const LoadedModel s = variant(scaled, true);
+    const fs::path file = family_models() / "gpt_oss_attn_factor.gguf";
+    write_gguf(file.string(), scaled, s.model->parameters(), g.tokenizer->to_vocabulary(), {});
+    LoadedModel back = load(file);
+    EXPECT_NEAR(back.config.rope_scaling.attn_factor, scaled.rope_scaling.attn_factor, 1e-6);
+    const std::vector<float> logits = our_logits(back, tokens);
+    EXPECT_LT(max_abs_difference(logits, oracle_logits(file, tokens, family_models())), 1e-4);
+    EXPECT_GT(max_abs_difference(logits, theirs), 1e-2);
+  }
   // Written as GGUF it reads back to the same bits.
   const fs::path out = family_models() / "gpt_oss_exported.gguf";
   ASSERT_EQ(cputrain("export --model " + gguf.string() + " --out " + out.string()), 0);
