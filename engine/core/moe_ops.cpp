@@ -334,45 +334,31 @@ int64_t expert_of(const std::vector<int64_t>& off, int64_t r) {
   return std::upper_bound(off.begin(), off.end(), r) - off.begin() - 1;
 }
 
-// A bias's gradient (E, cols) += each expert's sum of its rows of d (R x cols, bf16 or FP32).
-void bias_grad(const GradRef& cell, const Tensor& d, const std::vector<int64_t>& off,
-               int64_t cols) {
+// A bias's gradient (E, cols) += for each expert the sum over its grouped rows r of
+// add_row(r, dst), which adds row r's share into dst (cols values); one expert a thread.
+template <class AddRow>
+void bias_grad(const GradRef& cell, const std::vector<int64_t>& off, int64_t cols,
+               AddRow&& add_row) {
   const Tensor& g = cell->get_or_zeros();
   if (!computing()) return;
   const auto E = static_cast<int64_t>(off.size()) - 1;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t e = 0; e < E; ++e) {
-    float* dst = g.f32() + e * cols;
-    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
-      if (d.dtype() == DType::BF16) {
-        const uint16_t* row = d.bf16() + r * cols;
-        for (int64_t c = 0; c < cols; ++c) dst[c] += kernels::bf16_to_fp32(row[c]);
-      } else {
-        const float* row = d.f32() + r * cols;
-#pragma omp simd
-        for (int64_t c = 0; c < cols; ++c) dst[c] += row[c];
-      }
-    }
-  }
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = off[e]; r < off[e + 1]; ++r) add_row(r, g.f32() + e * cols);
 }
 
-// The down bias's gradient (E, C) += each expert's sum of weight * dy over its rows (dy (N, C)
-// FP32, each grouped row the token order[r] / k's with weight wt[order[r]]).
-void bias_grad(const GradRef& cell, const Tensor& dy, const int32_t* order, const Tensor& wt,
-               const std::vector<int64_t>& off, int64_t k, int64_t C) {
-  const Tensor& g = cell->get_or_zeros();
-  if (!computing()) return;
-  const auto E = static_cast<int64_t>(off.size()) - 1;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t e = 0; e < E; ++e) {
-    float* dst = g.f32() + e * C;
-    for (int64_t r = off[e]; r < off[e + 1]; ++r) {
-      const float w = wt.f32()[order[r]];
-      const float* row = dy.f32() + static_cast<int64_t>(order[r] / k) * C;
+// add_row for bias_grad: row r of d (R x cols, bf16 or FP32).
+auto rows_of(const Tensor& d, int64_t cols) {
+  return [&d, cols](int64_t r, float* dst) {
+    if (d.dtype() == DType::BF16) {
+      const uint16_t* row = d.bf16() + r * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] += kernels::bf16_to_fp32(row[c]);
+    } else {
+      const float* row = d.f32() + r * cols;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) dst[c] += w * row[c];
+      for (int64_t c = 0; c < cols; ++c) dst[c] += row[c];
     }
-  }
+  };
 }
 
 // What MoeLoadCount counts, and where the next router's count goes.
@@ -714,7 +700,13 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       }
     }
     // db2[e] += the sum of its rows' weighted output gradients.
-    if (gb2) bias_grad(gb2, dy, order, wt, off, k, C);
+    if (gb2)
+      bias_grad(gb2, off, C, [&](int64_t r, float* dst) {
+        const float w = wt.f32()[order[r]];
+        const float* row = dy.f32() + static_cast<int64_t>(order[r] / k) * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) dst[c] += w * row[c];
+      });
     if (ad2->on()) {
       Scope gemms("moe GEMMs adapters dW2", Pass::Backward, 2 * gemm_flops(C + F, ad2->r, R));
       adapter_weight_grads(*ad2, dyg, sg2, h, off, most, dropout, bf16);
@@ -743,8 +735,8 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
         kernels::swiglu_backward(dG.f32(), dU.f32(), P, G.f32(), U.f32(), R * F, false, act);
     }
     // db1[e], db3[e] += the sums of its rows of dG and dU.
-    if (gb1) bias_grad(gb1, dG, off, F);
-    if (gb3) bias_grad(gb3, dU, off, F);
+    if (gb1) bias_grad(gb1, off, F, rows_of(dG, F));
+    if (gb3) bias_grad(gb3, off, F, rows_of(dU, F));
     // The gate and up adapters: u's gradient s dG B1[e] (and s dU B3[e]).
     Tensor sg1, sg3;
     for (auto [ad, d, sg] : {std::tuple(ad1.get(), &dG, &sg1), std::tuple(ad3.get(), &dU, &sg3)})

@@ -22,24 +22,26 @@ inline vf sigmoid(vf g) {
 // 2 sqrt(2/pi): GELU's tanh approximation is 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi)
 // (g + 0.044715 g^3).
 constexpr float kGelu2 = 2.0f * 0.7978845608028654f;
-constexpr float kClampAlpha = kSiluClampedAlpha, kClampLimit = kSiluClampedLimit;
 
-// act(g); SiluClamped's g at most kClampLimit.
+// act(g); SiluClamped's g at most kSiluClampedLimit.
 template <Activation A>
 inline vf activation(vf g) {
   if constexpr (A == Activation::Silu)
     return g * sigmoid(g);
   else if constexpr (A == Activation::SiluClamped) {
-    g = vec::min_of(vec::splat(kClampLimit), g);
-    return g * sigmoid(kClampAlpha * g);
+    g = vec::min_of(vec::splat(kSiluClampedLimit), g);
+    return g * sigmoid(kSiluClampedAlpha * g);
   } else
     return g * sigmoid(kGelu2 * (g + 0.044715f * g * g * g));
 }
-// What multiplies act(g): up, or SiluClamped's clamp(up, -kClampLimit, kClampLimit) + 1.
+// What multiplies act(g): up, or SiluClamped's clamp(up, -kSiluClampedLimit, kSiluClampedLimit)
+// + 1.
 template <Activation A>
 inline vf up_factor(vf u) {
   if constexpr (A == Activation::SiluClamped)
-    return vec::min_of(vec::splat(kClampLimit), vec::max_of(vec::splat(-kClampLimit), u)) + 1.0f;
+    return vec::min_of(vec::splat(kSiluClampedLimit),
+                       vec::max_of(vec::splat(-kSiluClampedLimit), u)) +
+           1.0f;
   else
     return u;
 }
@@ -88,10 +90,10 @@ void backward_runs(Out* dgate, Out* dup, const float* dout, const In* gate, cons
     const vf g = get(gate + i, m), dy = get(dout + i, m);
     if constexpr (A == Activation::SiluClamped) {
       // Through the clamps: no gradient where g > limit or |up| > limit.
-      const vf limit = vec::splat(kClampLimit), zero{};
-      const vf gc = vec::min_of(limit, g), sig = sigmoid(kClampAlpha * gc), a = gc * sig;
+      const vf limit = vec::splat(kSiluClampedLimit), zero{};
+      const vf gc = vec::min_of(limit, g), sig = sigmoid(kSiluClampedAlpha * gc), a = gc * sig;
       const vf da =
-          vec::select_less(limit, g, zero, sig * (1.0f + kClampAlpha * gc * (1.0f - sig)));
+          vec::select_less(limit, g, zero, sig * (1.0f + kSiluClampedAlpha * gc * (1.0f - sig)));
       const vf u = get(up + i, m);
       store_grad(dgate + i, dy * up_factor<A>(u) * da, m, accumulate);
       store_grad(dup + i,
