@@ -510,21 +510,26 @@ uint32_t file_type(GgmlType type) {
 }
 
 // Of Q4_K_M's mix, llama.cpp's rule for it: the head (the embedding where it is tied) Q6_K; the
-// value projections and the MLP's down projections of the first and last eighth of the layers
-// and of every third between them Q6_K; the other matrices Q4_K. A matrix whose rows are not
-// whole blocks of 256 is, as llama.cpp writes it, Q5_0 for Q4_K and Q8_0 for Q6_K (F16 where
-// they are not whole blocks of 32).
+// value projections and the MLP's down projections (a mixture's experts' and shared expert's
+// too) of the first and last eighth of the layers and of every third between them Q6_K; the
+// other matrices Q4_K. Of a mixture of 8 experts the key and value
+// projections are Q8_0 (llama.cpp's attention output of one, Q5_K, is Q4_K here: cputrain does
+// not write Q5_K). A matrix whose rows are not whole blocks of 256 is, as llama.cpp writes it,
+// Q5_0 for Q4_K and Q8_0 for Q6_K (F16 where they are not whole blocks of 32).
 GgmlType q4_k_m_type(const std::string& name, const std::vector<int64_t>& shape, bool tied,
-                     int64_t layers) {
+                     int64_t layers, int64_t experts) {
   int64_t layer = -1;
   if (name.starts_with("blk.")) layer = std::stoll(name.substr(4));
   const bool more_bits = layer >= 0 && (layer < layers / 8 || layer >= 7 * layers / 8 ||
                                         (layer - layers / 8) % 3 == 2);
   const bool v = name.ends_with(".attn_v.weight") || name.ends_with(".attn_qkv.weight");
+  const int64_t row = shape.back();
+  if (experts == 8 && (v || name.ends_with(".attn_k.weight")))
+    return row % 32 == 0 ? GgmlType::Q8_0 : GgmlType::F16;
   const bool six = name == "output.weight" || (tied && name == "token_embd.weight") ||
-                   (more_bits && (v || name.ends_with(".ffn_down.weight")));
-  if (shape[1] % 256 == 0) return six ? GgmlType::Q6_K : GgmlType::Q4_K;
-  if (shape[1] % 32 == 0) return six ? GgmlType::Q8_0 : GgmlType::Q5_0;
+                   (more_bits && (v || name.find(".ffn_down") != std::string::npos));
+  if (row % 256 == 0) return six ? GgmlType::Q6_K : GgmlType::Q4_K;
+  if (row % 32 == 0) return six ? GgmlType::Q8_0 : GgmlType::Q5_0;
   return GgmlType::F16;
 }
 
@@ -679,7 +684,9 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   GgmlType matrices = options.type;
   if (matrices == GgmlType::Q8_0) {
     for (const ParameterInfo& info : params.infos())
-      if (info.shape.ndim() == 2 && info.shape[1] % 32 != 0) matrices = GgmlType::F16;
+      if (info.shape.ndim() >= 2 && info.shape[info.shape.ndim() - 1] % 32 != 0 &&
+          !is_lora_parameter(info.name))
+        matrices = GgmlType::F16;
   }
   GgufWriter w;
   w.set_string("general.architecture", arch);
@@ -757,28 +764,36 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   } else if (c.rope_scaling.active()) {
     factors("rope_freqs.weight", c.rope_scaling.freq_factors);
   }
-  for (const ParameterInfo& info : params.infos())
-    if (is_lora_parameter(info.name))
-      throw std::logic_error("write_gguf: a model with adapters (merge them first)");
+  if (!options.read)
+    for (const ParameterInfo& info : params.infos())
+      if (is_lora_parameter(info.name))
+        throw std::logic_error("write_gguf: a model with adapters (merge them first)");
   const std::vector<FileTensor> tensors =
-      file_tensors(params, c, TensorNaming::Gguf, [](const ParameterInfo&) { return true; });
+      file_tensors(params, c, TensorNaming::Gguf,
+                   [](const ParameterInfo& info) { return !is_lora_parameter(info.name); });
   const bool tied = std::none_of(tensors.begin(), tensors.end(),
                                  [](const FileTensor& t) { return t.name == "output.weight"; });
   for (const FileTensor& t : tensors) {
-    // q and k rows in the pairing llama.cpp applies to the architecture; norm gains whole.
-    std::vector<float> values =
-        file_tensor_values(params, t, c, description.gguf_rope_pairs, false);
-    // Gated DeltaNet's A, held as log A: llama.cpp's ssm_a is -A.
-    if (t.name.ends_with(".ssm_a"))
-      for (float& v : values) v = -std::exp(v);
     const std::vector<int64_t> dims(t.shape.rbegin(), t.shape.rend());
-    // The convolution's taps stay F32, as llama.cpp's converter keeps them.
+    // The convolution's taps, biases (a mixture's experts' are 2-D) and a mixture's routers
+    // (ffn_gate_inp, ffn_gate_inp_shexp) stay F32, as llama.cpp's converter and quantiser keep
+    // them; a mixture's experts (E, rows, cols) are matrices.
     const GgmlType type =
-        t.shape.size() != 2 || t.name.ends_with(".ssm_conv1d.weight") ? GgmlType::F32
-        : matrices == GgmlType::Q4_K ? q4_k_m_type(t.name, t.shape, tied, c.n_layers)
+        (t.shape.size() != 2 && t.shape.size() != 3) || !t.name.ends_with(".weight") ||
+                t.name.ends_with(".ssm_conv1d.weight") ||
+                t.name.find(".ffn_gate_inp") != std::string::npos
+            ? GgmlType::F32
+        : matrices == GgmlType::Q4_K ? q4_k_m_type(t.name, t.shape, tied, c.n_layers, c.n_experts)
                                      : matrices;
-    w.add_tensor(t.name, dims, type,
-                 ggml_from_float(type, values.data(), static_cast<int64_t>(values.size())));
+    w.add_tensor(t.name, dims, type, [&, t, type] {
+      // q and k rows in the pairing llama.cpp applies to the architecture; norm gains whole.
+      std::vector<float> values =
+          file_tensor_values(params, t, c, description.gguf_rope_pairs, false, false, options.read);
+      // Gated DeltaNet's A, held as log A: llama.cpp's ssm_a is -A.
+      if (t.name.ends_with(".ssm_a"))
+        for (float& v : values) v = -std::exp(v);
+      return ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()));
+    });
   }
   w.write(path);
   return matrices;

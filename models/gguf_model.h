@@ -9,6 +9,7 @@
 #include "engine/train/parameters.h"
 #include "models/lora.h"
 #include "models/model_config.h"
+#include "models/tensor_names.h"
 
 namespace cputrain {
 
@@ -55,6 +56,9 @@ struct GgufExport {
   // Of the matrices (norms and biases are always F32); Q4_K: Q4_K_M's mix of Q4_K and Q6_K.
   GgmlType type = GgmlType::F32;
   std::string name;  // general.name
+  // How the parameters' values are read (null: ParameterSet::read_values); with one, the
+  // parameters' adapters are left out (a reader that merges them: lora.h merged_values).
+  ValueReader read;
 };
 
 // Writes the model (`config`, its parameters) and its tokenizer as a GGUF file llama.cpp runs:
@@ -62,7 +66,9 @@ struct GgufExport {
 // computes the same attention), every hyperparameter llama.cpp reads, RoPE scaling as
 // rope_freqs.weight; the tokenizer as tokenizer.ggml.* (with its chat template, where it has one).
 // Returns the matrices' type, which is F16 where Q8_0 was asked for rows that are not whole
-// blocks of 32.
+// blocks of 32. The file is written one tensor at a time, each converted from the parameters as
+// it is written: what it holds beside them is one tensor's values (a base read in place from its
+// own file is exported in the memory its fine-tune takes).
 GgmlType write_gguf(const std::string& path, const ModelConfig& config, const ParameterSet& params,
                     const Vocabulary& vocabulary, const GgufExport& options);
 

@@ -217,7 +217,8 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
 }
 
 void write_hf_folder(const std::string& folder, const ModelConfig& c, const ParameterSet& params,
-                     const Tokenizer& tokenizer, const std::string& dtype) {
+                     const Tokenizer& tokenizer, const std::string& dtype,
+                     const ValueReader& read) {
   require_files(architecture_of(c), folder);
   const fs::path dir(folder);
   std::error_code ec;
@@ -367,17 +368,19 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
                         : dtype == "F16" ? GgmlType::F16
                                          : GgmlType::BF16;
   std::vector<SafetensorsEntry> entries;
-  for (const ParameterInfo& info : params.infos())
-    if (is_lora_parameter(info.name))
-      throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
+  if (!read)
+    for (const ParameterInfo& info : params.infos())
+      if (is_lora_parameter(info.name))
+        throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
   // gpt-oss's experts by layer ("model.layers.N.mlp.experts."), by our name's rest
   // ("gate_proj.weight"), written fused after the others.
   std::map<std::string, std::map<std::string, std::pair<FileTensor, std::vector<float>>>> experts;
-  for (const FileTensor& t : file_tensors(params, c, TensorNaming::HuggingFace,
-                                          [](const ParameterInfo&) { return true; })) {
+  for (const FileTensor& t :
+       file_tensors(params, c, TensorNaming::HuggingFace,
+                    [](const ParameterInfo& info) { return !is_lora_parameter(info.name); })) {
     // Gated DeltaNet's value heads grouped by key head, as Hugging Face holds them.
     std::vector<float> values =
-        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true);
+        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true, read);
     if (const size_t at = t.name.find(".experts."); arch.hf_gpt_oss_experts && at != t.name.npos) {
       experts[t.name.substr(0, at + 9)][t.name.substr(at + 9)] = {t, std::move(values)};
       continue;

@@ -6,6 +6,7 @@
 #include "engine/train/parameters.h"
 #include "models/lora.h"
 #include "models/model_config.h"
+#include "models/tensor_names.h"
 
 namespace cputrain {
 
@@ -18,9 +19,11 @@ class Tokenizer;
 // uses those), and the tokenizer: cputrain's own SentencePiece model as tokenizer.model, a model
 // file's vocabulary as tokenizer.json; tokenizer_config.json with the special tokens and the chat
 // template. `folder` is created; files of the same names in it are replaced.
+// With `read`, the parameters' values as it reads them, and their adapters left out (a reader
+// that merges them: lora.h merged_values).
 void write_hf_folder(const std::string& folder, const ModelConfig& config,
                      const ParameterSet& params, const Tokenizer& tokenizer,
-                     const std::string& dtype);
+                     const std::string& dtype, const ValueReader& read = nullptr);
 
 // The model's adapters as PEFT saves them: adapter_model.safetensors (F32, PEFT's module names,
 // B's q and k rows in rotate-half order) and adapter_config.json (LORA, r, lora_alpha, the

@@ -263,32 +263,39 @@ void merge_lora(const ModelConfig& config, const ParameterSet& adapted, const Lo
     const int from = adapted.find(info.name);
     if (from < 0) throw std::logic_error("merge_lora: no parameter " + info.name);
     std::vector<float> w(static_cast<size_t>(info.shape.numel()));
-    adapted.read_values(from, w.data());
-    const std::string base = info.name.substr(0, info.name.size() - std::string("weight").size());
-    const int b = info.name.ends_with(".weight") ? adapted.find(base + "lora_b") : -1;
-    if (b >= 0) {
-      const int a = adapted.find(fused_lora_a(config, base + "lora_a"));
-      // A mixture's experts (E, N, K): an adapter each, A (E, r, K) and B (E, N, r).
-      const int d = info.shape.ndim();
-      const int64_t N = info.shape[d - 2], K = info.shape[d - 1], r = lora.rank;
-      const int64_t E = info.shape.numel() / (N * K);
-      std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
-      adapted.read_values(a, av.data());
-      adapted.read_values(b, bv.data());
-      const double s = lora.alpha / static_cast<double>(r);
-#pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t e = 0; e < E; ++e)
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t k = 0; k < K; ++k) {
-            double sum = 0.0;
-            for (int64_t j = 0; j < r; ++j)
-              sum += static_cast<double>(bv[static_cast<size_t>((e * N + n) * r + j)]) *
-                     av[static_cast<size_t>((e * r + j) * K + k)];
-            w[static_cast<size_t>((e * N + n) * K + k)] += static_cast<float>(s * sum);
-          }
-    }
+    merged_values(config, adapted, lora, from, w.data());
     merged.write_values(static_cast<int>(i), w.data());
   }
+}
+
+void merged_values(const ModelConfig& config, const ParameterSet& adapted, const LoraConfig& lora,
+                   int index, float* w) {
+  const ParameterInfo& info = adapted.infos().at(static_cast<size_t>(index));
+  if (is_lora_parameter(info.name))
+    throw std::logic_error("merged_values: " + info.name + " is an adapter");
+  adapted.read_values(index, w);
+  const std::string base = info.name.substr(0, info.name.size() - std::string("weight").size());
+  const int b = info.name.ends_with(".weight") ? adapted.find(base + "lora_b") : -1;
+  if (b < 0) return;
+  const int a = adapted.find(fused_lora_a(config, base + "lora_a"));
+  // A mixture's experts (E, N, K): an adapter each, A (E, r, K) and B (E, N, r).
+  const int d = info.shape.ndim();
+  const int64_t N = info.shape[d - 2], K = info.shape[d - 1], r = lora.rank;
+  const int64_t E = info.shape.numel() / (N * K);
+  std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
+  adapted.read_values(a, av.data());
+  adapted.read_values(b, bv.data());
+  const double s = lora.alpha / static_cast<double>(r);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < r; ++j)
+          sum += static_cast<double>(bv[static_cast<size_t>((e * N + n) * r + j)]) *
+                 av[static_cast<size_t>((e * r + j) * K + k)];
+        w[static_cast<size_t>((e * N + n) * K + k)] += static_cast<float>(s * sum);
+      }
 }
 
 std::string fingerprint_text(uint64_t fingerprint) {

@@ -84,5 +84,10 @@ std::string fingerprint_text(uint64_t fingerprint);
 // adapter W + (alpha / rank) B A.
 void merge_lora(const ModelConfig& config, const ParameterSet& adapted, const LoraConfig& lora,
                 const ParameterSet& merged);
+// merge_lora's value of one parameter of `adapted` (not an adapter's) into `w` (its element
+// count): W + (alpha / rank) B A for a projection with an adapter, W for any other. What a writer
+// that merges as it writes, one tensor at a time, reads (tensor_names.h ValueReader).
+void merged_values(const ModelConfig& config, const ParameterSet& adapted, const LoraConfig& lora,
+                   int index, float* w);
 
 }  // namespace cputrain

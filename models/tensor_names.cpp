@@ -122,10 +122,14 @@ bool is_norm_gain(const std::string& name) {
 }
 
 std::vector<float> parameter_values(const ParameterSet& params, int index, const ModelConfig& c,
-                                    RopePairs pairs, bool norm_plus_one, bool grouped) {
+                                    RopePairs pairs, bool norm_plus_one, bool grouped,
+                                    const ValueReader& read) {
   const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
   std::vector<float> values(static_cast<size_t>(info.shape.numel()));
-  params.read_values(index, values.data());
+  if (read)
+    read(index, values.data());
+  else
+    params.read_values(index, values.data());
   reorder_qk_rows(values, info, c, c.rope_pairs, pairs);
   if (grouped) reorder_value_heads(values, info, c, true);
   if (norm_plus_one != c.norm_plus_one && is_norm_gain(info.name)) {
@@ -324,11 +328,11 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
 
 std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& t,
                                       const ModelConfig& c, RopePairs pairs, bool norm_plus_one,
-                                      bool grouped) {
+                                      bool grouped, const ValueReader& read) {
   std::vector<float> values;
   for (const int index : t.parts) {
     const std::vector<float> part =
-        parameter_values(params, index, c, pairs, norm_plus_one, grouped);
+        parameter_values(params, index, c, pairs, norm_plus_one, grouped, read);
     values.insert(values.end(), part.begin(), part.end());
   }
   // Attention's q and output gate (Qwen3.5): each head's q rows, then its gate's.

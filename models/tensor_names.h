@@ -26,17 +26,22 @@ enum class TensorNaming { Gguf, HuggingFace };
 std::string tensor_name(const std::string& parameter, TensorNaming naming,
                         const Architecture& arch);
 
-// The FP32 values of parameter `index` of a model of `config`, with the rows of wq and wk (and
-// their biases, and the B of their adapters) in the pairing `pairs` wants: llama.cpp's llama
-// architecture rotates adjacent pairs (2j, 2j+1), Hugging Face's rotate_half the pairs (j, j +
-// D/2). A model computing with one pairing and the other's rows reordered computes the same
-// attention. An RMSNorm's gains as the file wants them: less 1 where `norm_plus_one` (Gemma's
-// Hugging Face files), whole where not, whichever way the model holds them
+// How a parameter's values are read (index, out): ParameterSet::read_values where null, else
+// another reading of them (lora.h merged_values: the adapters merged into their projections).
+using ValueReader = std::function<void(int index, float* values)>;
+
+// The FP32 values of parameter `index` of a model of `config` (as `read` reads them), with the rows
+// of wq and wk (and their biases, and the B of their adapters) in the pairing `pairs` wants:
+// llama.cpp's llama architecture rotates adjacent pairs (2j, 2j+1), Hugging Face's rotate_half the
+// pairs (j, j + D/2). A model computing with one pairing and the other's rows reordered computes
+// the same attention. An RMSNorm's gains as the file wants them: less 1 where `norm_plus_one`
+// (Gemma's Hugging Face files), whole where not, whichever way the model holds them
 // (ModelConfig::norm_plus_one).
 // With `grouped`, Gated DeltaNet's value heads in Hugging Face's order (reorder_value_heads).
 std::vector<float> parameter_values(const ParameterSet& params, int index,
                                     const ModelConfig& config, RopePairs pairs,
-                                    bool norm_plus_one = false, bool grouped = false);
+                                    bool norm_plus_one = false, bool grouped = false,
+                                    const ValueReader& read = nullptr);
 
 // Gated DeltaNet's value heads (of v, z, beta's and a's rows, A and dt_bias, v's convolution,
 // the output projection's columns, and their adapters' rows or columns) from the model's order,
@@ -97,7 +102,8 @@ std::vector<FileTensor> file_tensors(const ParameterSet& params, const ModelConf
 // `norm_plus_one` says: parameter_values) one after another.
 std::vector<float> file_tensor_values(const ParameterSet& params, const FileTensor& tensor,
                                       const ModelConfig& config, RopePairs pairs,
-                                      bool norm_plus_one, bool grouped = false);
+                                      bool norm_plus_one, bool grouped = false,
+                                      const ValueReader& read = nullptr);
 
 // Whether parameter `name` is a norm's gains ("layers.0.ffn_norm.weight", "norm.weight").
 bool is_norm_gain(const std::string& name);

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -59,17 +60,29 @@ int run_export(const ExportArgs& a) {
   if (exists && !gguf && !std::filesystem::is_directory(a.out, ec))
     throw UserError("--out " + a.out + ": a file, where a Hugging Face folder is to be written");
   // The model is built with a context of its own (its RoPE table holds ctx rows) and written with
-  // the one its file declares.
-  LoadedModel m = load_model(source, flag, a.weights, kDefaultImportCtx, false, a.adapter);
+  // the one its file declares. Its quantised and BF16 matrices stay in its file, read in place,
+  // and each tensor is converted (and merged) as it is written: the export holds one tensor
+  // beside the file's pages.
+  LoadedModel m = load_model(source, flag, a.weights, kDefaultImportCtx, true, a.adapter);
   check_finite_weights(m, source, flag, a.adapter);
+  ValueReader read;
   if (m.model->lora().active()) {
-    // The base with the adapter merged: a model of the same shape without adapters.
-    auto merged = std::make_unique<DecoderModel>(m.config);
-    merge_lora(m.config, m.model->parameters(), m.model->lora(), merged->parameters());
-    check_finite(
-        merged->parameters(),
-        "--merge " + (a.adapter.empty() ? "the adapter of " : a.adapter + " into ") + source);
-    m.model = std::move(merged);
+    // The base with the adapter merged, projection by projection as the writer reads them.
+    const std::string merging =
+        "--merge " + (a.adapter.empty() ? "the adapter of " : a.adapter + " into ") + source;
+    read = [&m, merging](int index, float* values) {
+      const ParameterSet& params = m.model->parameters();
+      merged_values(m.config, params, m.model->lora(), index, values);
+      const ParameterInfo& info = params.infos()[static_cast<size_t>(index)];
+      for (int64_t i = 0; i < info.shape.numel(); ++i)
+        if (!std::isfinite(values[i]))
+          throw UserError(merging + ": " + info.name + " merged holds " +
+                          (std::isnan(values[i]) ? "nan"
+                           : values[i] > 0       ? "inf"
+                                                 : "-inf") +
+                          " (element " + std::to_string(i) +
+                          "), and cputrain writes finite weights only");
+    };
   }
   m.config.ctx = m.declared_ctx;
   GgufExport options;
@@ -81,6 +94,7 @@ int run_export(const ExportArgs& a) {
   // As llama.cpp's converter names it (the source's own name): never the file's, which llama.cpp
   // would read as a hint of the model ("phi3.gguf").
   options.name = m.name;
+  options.read = read;
   if (!gguf) {
     const std::string dtype = a.type == "f16" ? "F16" : a.type == "bf16" ? "BF16" : "F32";
     // The folder is written whole beside --out, then its files are moved in: an export that
@@ -94,7 +108,7 @@ int run_export(const ExportArgs& a) {
     if (ec) throw UserError("--out " + a.out + ": cannot create (" + ec.message() + ")");
     try {
       fs::remove_all(staging, ec);
-      write_hf_folder(staging.string(), m.config, m.model->parameters(), *m.tokenizer, dtype);
+      write_hf_folder(staging.string(), m.config, m.model->parameters(), *m.tokenizer, dtype, read);
       fs::create_directories(out, ec);
       if (ec) throw UserError("--out " + a.out + ": cannot create (" + ec.message() + ")");
       for (const auto& entry : fs::directory_iterator(staging)) {

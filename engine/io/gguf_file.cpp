@@ -600,7 +600,19 @@ void GgufWriter::set_i32s(const std::string& key, const std::vector<int32_t>& va
 
 void GgufWriter::add_tensor(const std::string& name, const std::vector<int64_t>& dims,
                             GgmlType type, std::vector<uint8_t> data) {
-  tensors_.push_back({name, dims, type, std::move(data)});
+  tensors_.push_back({name, dims, type, std::move(data), nullptr});
+}
+
+void GgufWriter::add_tensor(const std::string& name, const std::vector<int64_t>& dims,
+                            GgmlType type, std::function<std::vector<uint8_t>()> produce) {
+  tensors_.push_back({name, dims, type, {}, std::move(produce)});
+}
+
+size_t GgufWriter::Tensor::bytes() const {
+  if (!produce) return data.size();
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return ggml_bytes(type, n);
 }
 
 void GgufWriter::write(const std::string& path) const {
@@ -688,13 +700,20 @@ void GgufWriter::write(const std::string& path) const {
     for (int64_t d : t.dims) u64(static_cast<uint64_t>(d));
     u32(static_cast<uint32_t>(t.type));
     u64(offset);
-    offset += (t.data.size() + kAlign - 1) / kAlign * kAlign;
+    offset += (t.bytes() + kAlign - 1) / kAlign * kAlign;
   }
   const char zeros[kAlign] = {};
   bytes(zeros, (kAlign - written % kAlign) % kAlign);
   for (const Tensor& t : tensors_) {
-    bytes(t.data.data(), t.data.size());
-    bytes(zeros, (kAlign - t.data.size() % kAlign) % kAlign);
+    if (t.produce) {
+      const std::vector<uint8_t> data = t.produce();
+      if (data.size() != t.bytes())
+        throw std::logic_error("GgufWriter: tensor " + t.name + " made of another size");
+      bytes(data.data(), data.size());
+    } else {
+      bytes(t.data.data(), t.data.size());
+    }
+    bytes(zeros, (kAlign - t.bytes() % kAlign) % kAlign);
   }
   out.commit();
 }

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -133,6 +134,10 @@ class GgufWriter {
   // `dims` as ggml's ne (dims[0] a row's length); `data` the tensor's bytes in `type`.
   void add_tensor(const std::string& name, const std::vector<int64_t>& dims, GgmlType type,
                   std::vector<uint8_t> data);
+  // A tensor whose bytes `produce` gives while write() writes it (ggml_bytes of its elements),
+  // one tensor at a time: a file larger than memory is written holding one tensor.
+  void add_tensor(const std::string& name, const std::vector<int64_t>& dims, GgmlType type,
+                  std::function<std::vector<uint8_t>()> produce);
   void write(const std::string& path) const;
 
  private:
@@ -145,6 +150,8 @@ class GgufWriter {
     std::vector<int64_t> dims;
     GgmlType type;
     std::vector<uint8_t> data;
+    std::function<std::vector<uint8_t>()> produce;  // where data is to be made while writing
+    size_t bytes() const;
   };
   std::vector<Entry> metadata_;
   std::vector<Tensor> tensors_;

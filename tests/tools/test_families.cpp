@@ -568,6 +568,58 @@ TEST(Families, GptOssIsLlamaCpps) {
   EXPECT_NEAR(a4.nll_ours, a4.nll_theirs, 0.02);
 }
 
+// A mixture written as q4_k (export --type q4_k, one tensor at a time) takes the types llama.cpp's
+// own quantiser gives the same file for Q4_K_M: its routers F32, its experts quantised as
+// matrices, the down projections' (and a shared expert's) extra bits in llama.cpp's layers; a
+// mixture of 8 experts' k and v Q8_0. (llama.cpp gives such a mixture's attention output Q5_K, or
+// Q5_1 where rows are not whole blocks of 256, which cputrain does not write: Q4_K or Q5_0 there.)
+// llama.cpp computes cputrain's logits on it: argmax at 90% of positions, mean NLL within 0.01
+// (these small random models' logits are flat, and llama.cpp's 8-bit activations swap near-ties:
+// on llama.cpp's own Q4_K_M file of qwen3moe and qwen35moe the argmax agrees at 94% and 95%).
+TEST(Families, AMixtureExportedAsQ4KTakesLlamaCppsMix) {
+  REQUIRE_ORACLE();
+  for (const std::string family : {"qwen3moe", "qwen35moe", "gpt_oss"}) {
+    // llama.cpp's quantiser is given the model as cputrain writes it in F32 (without what it
+    // leaves out, as Qwen3.5's multi-token prediction block, which llama.cpp's layer count for
+    // the extra bits would include).
+    const fs::path file = family_models() / (family + ".gguf");
+    const fs::path f32 = family_models() / (family + "_f32.gguf");
+    const fs::path mine = family_models() / (family + "_q4k.gguf");
+    const fs::path theirs = family_models() / (family + "_q4_k_m.gguf");
+    ASSERT_EQ(cputrain("export --model " + file.string() + " --out " + f32.string()), 0);
+    ASSERT_EQ(cputrain("export --model " + file.string() + " --type q4_k --out " + mine.string()),
+              0);
+    ASSERT_EQ(std::system((kOracle + " quantize " + f32.string() + " " + theirs.string() +
+                           " q4_k_m >/dev/null 2>&1")
+                              .c_str()),
+              0);
+    const GgufFile a(mine.string()), b(theirs.string());
+    ASSERT_EQ(a.tensors().size(), b.tensors().size()) << family;
+    int experts_quantised = 0;
+    for (const GgufTensor& t : b.tensors()) {
+      const GgufTensor* ours = a.tensor(t.name);
+      ASSERT_NE(ours, nullptr) << family << " " << t.name;
+      // (llama.cpp writes no trailing dimensions of 1.)
+      std::vector<int64_t> dims = ours->dims;
+      while (dims.size() > t.dims.size() && dims.back() == 1) dims.pop_back();
+      EXPECT_EQ(dims, t.dims) << family << " " << t.name;
+      if (t.name.ends_with(".attn_output.weight")) continue;
+      EXPECT_EQ(ggml_type_name(ours->type), ggml_type_name(t.type)) << family << " " << t.name;
+      experts_quantised += t.name.find("_exps.weight") != std::string::npos &&
+                           ours->type != static_cast<uint32_t>(GgmlType::F32);
+    }
+    EXPECT_GT(experts_quantised, 0) << family;
+    LoadedModel m = load(mine);
+    const std::vector<int32_t> tokens =
+        token_sequence(120, m.config.vocab, m.tokenizer->bos_id(), 5);
+    const Agreement g =
+        agreement(our_logits(m, tokens), oracle_logits(mine, tokens, family_models()), tokens,
+                  m.config.vocab);
+    EXPECT_GE(g.argmax, 0.9) << family;
+    EXPECT_NEAR(g.nll_ours, g.nll_theirs, 0.01) << family;
+  }
+}
+
 // Each family's vocabulary from its GGUF file (Gemma's without the space prefix) and from its
 // Hugging Face folder tokenizes as llama.cpp tokenizes the GGUF file, plain text and text with
 // the family's special tokens in it (parsed as those tokens).
