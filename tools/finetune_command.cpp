@@ -99,12 +99,12 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--moe-balance", a.moe_balance,
                  "A mixture of experts' load-balancing loss coefficient (Switch Transformer; "
                  "Qwen's router_aux_loss_coef, 0.001 in its pretraining), averaged over the MoE "
-                 "layers; sft only")
+                 "layers; with dpo and orpo too, added to their loss")
       ->capture_default_str()
       ->check(non_negative());
   app.add_option("--moe-z-loss", a.moe_z,
                  "A mixture of experts' router z-loss coefficient (ST-MoE), averaged over the "
-                 "MoE layers; sft only")
+                 "MoE layers")
       ->capture_default_str()
       ->check(non_negative());
   app.add_option("--orpo-lambda", a.orpo_lambda,
@@ -248,10 +248,6 @@ ModelOptions model_options(const FinetuneArgs& a, std::string* dtype_reason) {
     throw UserError("--beta is DPO's: give --method dpo (the method is " + a.method + ")");
   if (a.was_given("--orpo-lambda") && a.method != "orpo")
     throw UserError("--orpo-lambda is ORPO's: give --method orpo (the method is " + a.method + ")");
-  if ((a.moe_balance > 0.0 || a.moe_z > 0.0) && a.method != "sft")
-    throw UserError(std::string(a.moe_balance > 0.0 ? "--moe-balance" : "--moe-z-loss") +
-                    " and --method " + a.method +
-                    ": the router's losses are added to a fine-tune's own (sft) loss only");
   if (a.train_on_prompt && a.method != "sft")
     throw UserError("--train-on-prompt and --method " + a.method +
                     ": a preference pair's loss falls on its two completions");

@@ -228,7 +228,8 @@ TEST_F(Cli, AMixtureLogsItsLoadAndTrainsWithItsRouterLosses) {
   EXPECT_EQ(oss_log.find("balance loss"), std::string::npos) << oss_log;
   EXPECT_EQ(read_all(dir_ / "oss" / "metrics.jsonl").find("moe_balance_loss"), std::string::npos);
   // A fine-tune of the mixture: adapters on its experts, the router losses off unless asked
-  // (config.json keeps them, a resume takes them); refused for a preference method.
+  // (config.json keeps them, a resume takes them); with a preference method's loss too, their
+  // gradients changing DPO's steps against a run without them.
   const fs::path data = dir_ / "sft.jsonl";
   {
     std::ofstream f(data);
@@ -247,10 +248,31 @@ TEST_F(Cli, AMixtureLogsItsLoadAndTrainsWithItsRouterLosses) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err << resumed.out;
   expect_one_line_error(run("finetune --resume " + tuned.string() + " --steps 4 --moe-balance 0"),
                         "--moe-balance");
-  expect_one_line_error(run(ft + (dir_ / "dpo").string() +
-                            " --steps 2 --moe-z-loss 0.1 --method "
-                            "dpo"),
-                        "--moe-z-loss");
+  const fs::path pairs = dir_ / "pairs.jsonl";
+  {
+    std::ofstream f(pairs);
+    for (int i = 0; i < 16; ++i)
+      f << "{\"prompt\": \"the cat " << i
+        << "\", \"chosen\": \" sat down\", \"rejected\": \" ran off\"}\n";
+  }
+  const std::string dpo = "finetune --model " + with.string() + " --data " + pairs.string() +
+                          " --batch 2 --accum 1 --ctx 32 --lora-rank 4 --lr 1e-2 --steps 3 --out ";
+  for (const char* method : {"dpo", "orpo"}) {
+    const std::string m = std::string(" --method ") + method;
+    const Result plain = run(dpo + (dir_ / (std::string(method) + "_plain")).string() + m);
+    ASSERT_EQ(plain.exit_code, 0) << plain.err << plain.out;
+    const fs::path routed = dir_ / (std::string(method) + "_routed");
+    const Result r = run(dpo + routed.string() + m + " --moe-balance 0.5 --moe-z-loss 0.1");
+    ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+    EXPECT_NE(r.out.find("balance loss"), std::string::npos) << r.out;
+    EXPECT_NE(read_all(routed / "metrics.jsonl").find("moe_balance_loss"), std::string::npos);
+    const std::vector<double> lp = losses_of(dir_ / (std::string(method) + "_plain")),
+                              lr = losses_of(routed);
+    ASSERT_EQ(lp.size(), 3u) << method;
+    ASSERT_EQ(lr.size(), 3u) << method;
+    EXPECT_EQ(lp[0], lr[0]) << method;  // the router losses are not in the logged loss
+    EXPECT_NE(lp[2], lr[2]) << method;
+  }
 }
 
 TEST_F(Cli, TinyRunTrainsSavesAndSamples) {
