@@ -12,6 +12,7 @@
 #include "engine/dist/gradient_reducer.h"
 #include "engine/train/adamw.h"
 #include "engine/train/trainer.h"
+#include "models/architecture.h"
 #include "models/decoder.h"
 #include "models/model_config.h"
 
@@ -31,18 +32,22 @@ std::vector<int32_t> patterned_tokens(int64_t vocab) {
   return tokens;
 }
 
-// 10 steps of the tiny preset (fp32, 2 micro-batches a step of `batch` rows each) on a
-// patterned stream, as a rank of `comm`, its gradients summed in buckets of `bucket` elements.
+// 10 steps of the tiny preset (fp32, `accum` micro-batches a step of `batch` rows each) on a
+// patterned stream, as a rank of `comm`, its gradients summed in buckets of `bucket` elements;
+// of architecture `arch` (tiny's own where empty), with router losses of `moe_balance` and
+// `moe_z` for a mixture.
 Trained train(const Communicator& comm, int64_t batch, int64_t bucket = int64_t{1} << 22,
-              bool shard = true) {
+              bool shard = true, const std::string& arch = "", float moe_balance = 0.0f,
+              float moe_z = 0.0f, int64_t accum = 2) {
   ModelConfig config = find_preset("tiny")->config;
+  if (!arch.empty()) config = with_architecture(config, *find_architecture(arch));
   config.ctx = 32;
   DecoderModel model(config);
   model.init_weights(7);
   const std::vector<int32_t> tokens = patterned_tokens(config.vocab);
   TrainOptions options;
   options.batch = batch;
-  options.accum = 2;
+  options.accum = accum;
   options.ctx = config.ctx;
   options.seed = 3;
   options.lr.peak = 3e-3;
@@ -51,6 +56,8 @@ Trained train(const Communicator& comm, int64_t batch, int64_t bucket = int64_t{
   options.comm = &comm;
   options.reduce_bucket = bucket;
   options.shard_optimizer = shard;
+  options.moe_balance = moe_balance;
+  options.moe_z = moe_z;
   Trainer trainer(
       model.parameters(), [&model](const Tensor& x, const Tensor& y) { return model.loss(x, y); },
       options);
@@ -82,6 +89,39 @@ TEST(DataParallel, RanksAtBatchBAreOneProcessAtBatchBN) {
   // The sums differ in their last bits (B rows a GEMM, not B N), which AdamW's normalised steps
   // carry into the weights: within 1e-4 after 10 steps of up to 3e-3 each.
   EXPECT_LT(max_diff, 1e-4);
+}
+
+// A mixture of experts (qwen3moe: 8 experts, 2 a token) over the ranks: its router and experts'
+// gradients summed as any others', N ranks at batch B are one process at batch B N. With router
+// losses, each micro-batch computes them over its own rows (the load's fractions are its rows'),
+// so N ranks of 2 micro-batches are one process of 2 N micro-batches of batch B, the micro-batch
+// of rank r being that process's (micro N + r)th: the losses' share of each is theirs.
+TEST(DataParallel, AMixtureOfExpertsOverRanksIsOneProcess) {
+  const int n = world().size();
+  ASSERT_GE(n, 2) << "run under mpirun -np 2 or more";
+  const int64_t bucket = int64_t{1} << 22;
+  const auto max_difference = [](const Trained& a, const Trained& b) {
+    double d = 0.0;
+    for (size_t i = 0; i < a.weights.size(); ++i)
+      d = std::max(d, std::abs(static_cast<double>(a.weights[i] - b.weights[i])));
+    return d;
+  };
+  const Trained ranks = train(world(), 2, bucket, true, "qwen3moe");
+  const Trained alone = train(Communicator::solo(), 2 * n, bucket, true, "qwen3moe");
+  for (size_t s = 0; s < alone.losses.size(); ++s)
+    EXPECT_NEAR(ranks.losses[s], alone.losses[s], 1e-6 * std::abs(alone.losses[s]))
+        << "step " << s + 1;
+  EXPECT_LT(alone.losses.back(), alone.losses.front() - 0.1);
+  EXPECT_LT(max_difference(ranks, alone), 1e-4);
+  const Trained routed = train(world(), 2, bucket, true, "qwen3moe", 0.05f, 0.01f);
+  const Trained routed_alone =
+      train(Communicator::solo(), 2, bucket, true, "qwen3moe", 0.05f, 0.01f, 2 * n);
+  for (size_t s = 0; s < routed.losses.size(); ++s)
+    EXPECT_NEAR(routed.losses[s], routed_alone.losses[s], 1e-6 * std::abs(routed_alone.losses[s]))
+        << "step " << s + 1;
+  EXPECT_LT(max_difference(routed, routed_alone), 1e-4);
+  // The router losses change the run: their gradients reach every weight below the routers.
+  EXPECT_GT(max_difference(routed, ranks), 1e-3);
 }
 
 TEST(DataParallel, RanksHoldTheSameWeightsAndRunsRepeat) {
