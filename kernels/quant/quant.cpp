@@ -65,13 +65,37 @@ constexpr float kE2m1[16] = {0.0f, 0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0
                              0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 void mxfp4(const uint8_t* src, float* dst) {
-  // 2^(e - 127), e = 0 the subnormal 2^-127.
-  const float d = std::ldexp(1.0f, static_cast<int>(src[0]) - 127);
+  // 2^(e - 127) from its bits: e in the exponent field, or for e = 0 the subnormal 2^-127 (bit
+  // 22); e = 255 is infinity, as 2^128 is.
+  const uint32_t bits = src[0] == 0 ? 0x00400000u : static_cast<uint32_t>(src[0]) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
   const uint8_t* q = src + 1;
+#ifdef __AVX2__
+  // Each code's value from the table: its low three bits index the magnitudes (the first eight
+  // entries) and the negated ones (the last eight), bit 3 choosing between them; times d.
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i nibbles[2] = {_mm_and_si128(bytes, mask),
+                              _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+  const __m256 positive = _mm256_loadu_ps(kE2m1), negative = _mm256_loadu_ps(kE2m1 + 8);
+  const __m256 scale = _mm256_set1_ps(d);
+  for (int h = 0; h < 2; ++h)
+    for (int part = 0; part < 2; ++part) {
+      const __m128i eight_bytes =
+          part == 0 ? nibbles[h] : _mm_unpackhi_epi64(nibbles[h], nibbles[h]);
+      const __m256i code = _mm256_cvtepu8_epi32(eight_bytes);
+      const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(positive, code),
+                                        _mm256_permutevar8x32_ps(negative, code),
+                                        _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+      _mm256_storeu_ps(dst + 16 * h + 8 * part, _mm256_mul_ps(scale, v));
+    }
+#else
   for (int i = 0; i < 16; ++i) {
     dst[i] = d * kE2m1[q[i] & 15];
     dst[i + 16] = d * kE2m1[q[i] >> 4];
   }
+#endif
 }
 
 void quantize_mxfp4(const float* x, uint8_t* b) {
