@@ -87,8 +87,10 @@ DType choose_dtype(const std::string& flag, std::string* why) {
 
 int64_t memory_limit_bytes(double gib) {
   if (gib > 0.0) return static_cast<int64_t>(gib * 1024.0 * 1024.0 * 1024.0);
+  // Its anonymous memory alone: the pages of files it maps (a model file read in place) are page
+  // cache, which MemAvailable already counts.
   return available_memory_bytes() / Communicator::launched_local_ranks() +
-         process_memory().rss_bytes;
+         process_memory().rss_anon_bytes;
 }
 
 bool RunFlags::was_given(std::string_view flag) const {

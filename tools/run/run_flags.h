@@ -36,8 +36,9 @@ Preset preset_flag(const std::string& name);
 // bf16 instructions and fp32 elsewhere (bf16 emulated in software is slower than fp32), with the
 // reason in *why. A UserError for anything else.
 DType choose_dtype(const std::string& flag, std::string* why);
-// --mem-limit in bytes (each rank's), or when it is 0 the memory available to this process: what
-// it holds now and MemAvailable, shared among a job's ranks on this machine.
+// --mem-limit in bytes (each rank's), or when it is 0 the memory available to this process: the
+// anonymous memory it holds now and MemAvailable (which counts the page cache, a mapped model
+// file's pages among it), shared among a job's ranks on this machine.
 int64_t memory_limit_bytes(double mem_limit_gib);
 
 // The flags train and finetune share. A command's own defaults are set by its arguments' type
