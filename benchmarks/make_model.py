@@ -30,10 +30,19 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
                of 256, its output gated, RoPE on 64 of each head's 256), ffn 3584, vocab 248320
                (0.75B)
   qwen35-2b    Qwen3.5-2B: the same with d_model 2048, ffn 6144 (1.9B)
-All but phi2 and llama3.1-8b tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
+  qwen3-30b-a3b  Qwen3-30B-A3B: d_model 2048, 48 layers, 32 heads over 4 of 128, q/k norms, a
+               mixture of 128 experts of 768 in every MLP's place, 8 a token, an untied head
+               (30.5B; 3.3B active)
+  gpt-oss-20b  gpt-oss-20b: d_model 2880, 24 layers, 64 heads over 8 of 64 with q/k/v/o biases
+               and a sink each, every other layer within a window of 128, YaRN (factor 32 from
+               4096), 32 experts of 2880 with biases, 4 a token, vocab 201088, an untied head
+               (20.9B; 3.6B active)
+All but phi2, llama3.1-8b and the mixtures tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
 (models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
 vocabulary as the published files are. Tensors are generated and written one at a time, so the
-writer holds one in memory.
+writer holds one in memory. A mixture's matrices are Q8_0 (uniform random codes, std 0.02), not
+BF16: half the disk for a file that llama.cpp's quantiser then turns into Q4_K_M or MXFP4_MOE
+(build/llama_oracle quantize).
 """
 import math
 import os
@@ -66,6 +75,10 @@ SHAPES = {
                     {"qk_norm": True, "rope_dim": 64, "qwen35": (16, 16, 128, 4)}),
     "qwen35-2b": ("qwen35", 2048, 6144, 24, 8, 2, 256, 248320, 1e7, "qwen35",
                   {"qk_norm": True, "rope_dim": 64, "qwen35": (16, 16, 128, 4)}),
+    "qwen3-30b-a3b": ("qwen3moe", 2048, 768, 48, 32, 4, 128, 151936, 1e6, "qwen2",
+                      {"qk_norm": True, "untied": True, "moe": (128, 8, 6144)}),
+    "gpt-oss-20b": ("gpt-oss", 2880, 2880, 24, 64, 8, 64, 201088, 1.5e5, "qwen2",
+                    {"gpt_oss": True, "untied": True, "moe": (32, 4, 2880)}),
 }
 ALIASES = {"0.5b": "qwen2-0.5b", "3b": "qwen2-3b"}
 shape = sys.argv[3] if len(sys.argv) > 3 else "qwen2-0.5b"
@@ -76,11 +89,18 @@ ARCH, D, F, LAYERS, HEADS, KV, HEAD, VOCAB, THETA, TOKENIZER, EXTRA = SHAPES[sha
 rng = np.random.default_rng(3)
 
 w = gguf.GGUFWriter(sys.argv[2], ARCH)
-CTX = EXTRA["longrope"][1] if "longrope" in EXTRA else 32768
+CTX = EXTRA["longrope"][1] if "longrope" in EXTRA else 131072 if "gpt_oss" in EXTRA else 32768
 w.add_context_length(CTX)
 w.add_embedding_length(D)
 w.add_block_count(LAYERS)
-w.add_feed_forward_length(F)
+if "moe" in EXTRA:
+    EXPERTS, USED, DENSE_FFN = EXTRA["moe"]
+    w.add_feed_forward_length(DENSE_FFN)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(USED)
+    w.add_expert_feed_forward_length(F)
+else:
+    w.add_feed_forward_length(F)
 w.add_head_count(HEADS)
 w.add_head_count_kv(KV)
 w.add_key_length(HEAD)
@@ -89,7 +109,7 @@ w.add_rope_dimension_count(EXTRA.get("rope_dim", HEAD))
 if ARCH == "phi2":
     w.add_layer_norm_eps(1e-5)
 else:
-    w.add_layer_norm_rms_eps(1e-6 if ARCH != "llama" else 1e-5)
+    w.add_layer_norm_rms_eps(1e-5 if ARCH in ("llama", "gpt-oss") else 1e-6)
 w.add_rope_freq_base(THETA)
 vocab = gguf.GGUFReader(os.path.join(sys.argv[1], "..", "models", f"ggml-vocab-{TOKENIZER}.gguf"))
 
@@ -127,18 +147,46 @@ if "qwen35" in EXTRA:
     w.add_ssm_inner_size(HV * DK)
     w.add_full_attention_interval(4)
     w.add_rope_dimension_sections([11, 11, 10, 0])
+if "gpt_oss" in EXTRA:
+    w.add_sliding_window(128)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
 if "window" in EXTRA:
     w.add_sliding_window(EXTRA["window"])
     w.add_sliding_window_pattern(6)
     w.add_rope_freq_base_swa(1e4)
 
-# (name, shape, what): "bf16" Normal(0, 0.02) rounded to bf16, "ones" and "bias" FP32, "factors"
-# RoPE factors FP32.
+# (name, shape, what): "bf16" Normal(0, 0.02) rounded to bf16, "q8_0" a mixture's matrices,
+# "ones" and "bias" FP32, "factors" RoPE factors FP32.
 Q, KVD = HEADS * HEAD, KV * HEAD
-tensors = [("token_embd.weight", (VOCAB, D), "bf16")]
+MATRIX = "q8_0" if "moe" in EXTRA else "bf16"
+tensors = [("token_embd.weight", (VOCAB, D), MATRIX)]
 for i in range(LAYERS):
     b = f"blk.{i}."
     tensors.append((b + "attn_norm.weight", (D,), "ones"))
+    if "moe" in EXTRA:  # qwen3moe's or gpt-oss's block
+        tensors += [(b + "attn_q.weight", (Q, D), MATRIX), (b + "attn_k.weight", (KVD, D), MATRIX),
+                    (b + "attn_v.weight", (KVD, D), MATRIX),
+                    (b + "attn_output.weight", (D, Q), MATRIX),
+                    (b + "ffn_gate_inp.weight", (EXPERTS, D), "router")]
+        if "gpt_oss" in EXTRA:
+            tensors += [(b + "attn_q.bias", (Q,), "bias"), (b + "attn_k.bias", (KVD,), "bias"),
+                        (b + "attn_v.bias", (KVD,), "bias"), (b + "attn_output.bias", (D,), "bias"),
+                        (b + "attn_sinks.weight", (HEADS,), "bias"),
+                        (b + "post_attention_norm.weight", (D,), "ones"),
+                        (b + "ffn_gate_inp.bias", (EXPERTS,), "bias"),
+                        (b + "ffn_gate_exps.bias", (EXPERTS, F), "bias"),
+                        (b + "ffn_up_exps.bias", (EXPERTS, F), "bias"),
+                        (b + "ffn_down_exps.bias", (EXPERTS, D), "bias")]
+        else:
+            tensors += [(b + "attn_q_norm.weight", (HEAD,), "ones"),
+                        (b + "attn_k_norm.weight", (HEAD,), "ones"),
+                        (b + "ffn_norm.weight", (D,), "ones")]
+        tensors += [(b + "ffn_gate_exps.weight", (EXPERTS, F, D), MATRIX),
+                    (b + "ffn_up_exps.weight", (EXPERTS, F, D), MATRIX),
+                    (b + "ffn_down_exps.weight", (EXPERTS, D, F), MATRIX)]
+        continue
     if "qwen35" in EXTRA:  # Gated DeltaNet, or gated attention every fourth layer
         if (i + 1) % 4 != 0:
             channels = 2 * HK * DK + HV * DK
@@ -193,7 +241,7 @@ if EXTRA.get("phi2"):
     tensors += [("output_norm.bias", (D,), "bias"), ("output.weight", (VOCAB, D), "bf16"),
                 ("output.bias", (VOCAB,), "bias")]
 if EXTRA.get("untied"):
-    tensors.append(("output.weight", (VOCAB, D), "bf16"))
+    tensors.append(("output.weight", (VOCAB, D), MATRIX))
 rope = EXTRA.get("rope_dim", HEAD)
 if "llama3" in EXTRA:
     factor, low, high, original = EXTRA["llama3"]
@@ -227,6 +275,13 @@ def values(shape, what):
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
     if what == "conv":  # a causal convolution's taps
         return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    if what == "router":  # F32, as llama.cpp's quantiser leaves it
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if what == "q8_0":  # blocks of 32: an f16 scale, then 32 int8 codes uniform in [-127, 127]
+        blocks = np.empty((int(np.prod(shape)) // 32, 34), dtype=np.uint8)
+        blocks[:, :2] = np.array([0.02 / (127 / math.sqrt(3))], dtype=np.float16).view(np.uint8)
+        blocks[:, 2:] = rng.integers(-127, 128, (blocks.shape[0], 32), dtype=np.int8).view(np.uint8)
+        return blocks
     if what == "decay":  # ssm_a = -exp(A_log), A in [1, 16] as Qwen3.5 initialises it
         return (-rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     a = (0.02 * rng.standard_normal(shape, dtype=np.float32)).view(np.uint32)
@@ -237,6 +292,9 @@ for name, dims, what in tensors:
     if isinstance(what, str) and what == "bf16":
         w.add_tensor_info(name, dims, np.dtype(np.uint16), 2 * int(np.prod(dims)),
                           raw_dtype=gguf.GGMLQuantizationType.BF16)
+    elif isinstance(what, str) and what == "q8_0":
+        w.add_tensor_info(name, dims, np.dtype(np.int8), int(np.prod(dims)) // 32 * 34,
+                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     else:
         w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
 w.write_header_to_file()

@@ -151,6 +151,7 @@ int quantize(int argc, char** argv) {
   else
     fail("unknown type " + type);
   params.nthread = 2;
+  params.allow_requantize = true;  // a Q8_0 file in (benchmarks/make_model.py's mixtures)
   if (llama_model_quantize(argv[2], argv[3], &params) != 0) fail("llama_model_quantize failed");
   return 0;
 }
