@@ -202,13 +202,17 @@ int64_t parameter_count(const ModelConfig& c) {
   // Norms: the block's one or two, each with a bias in LayerNorm.
   const int64_t norms =
       ((parallel ? 1 : 2) * (layer_norm ? 2 : 1) + (arch && arch->post_norms ? 2 : 0)) * C;
-  const int64_t mlp = (c.moe() ? c.n_experts * 3 * C * F + c.n_experts * C +
-                                     (c.shared_expert_ffn > 0 ? 3 * C * c.shared_expert_ffn + C : 0)
-                               : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) +
-                      norms;
+  // A mixture: the experts, the router, the shared expert; gpt-oss's router and expert biases.
+  const int64_t E = c.n_experts, S = c.shared_expert_ffn;
+  const bool moe_biases = arch && arch->moe_biases;
+  const int64_t experts =
+      E * 3 * C * F + E * C + (S > 0 ? 3 * C * S + C : 0) + (moe_biases ? E * (1 + 2 * F + C) : 0);
+  const int64_t mlp =
+      (c.moe() ? experts : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) + norms;
+  const bool out_bias = dense || (arch && arch->attn_out_bias), sinks = arch && arch->attn_sinks;
   const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
-                            (c.qk_norm ? 2 * c.head_size() : 0) + (dense ? C : 0) +
-                            (c.attn_output_gate ? C * q : 0);
+                            (c.qk_norm ? 2 * c.head_size() : 0) + (out_bias ? C : 0) +
+                            (c.attn_output_gate ? C * q : 0) + (sinks ? c.n_heads : 0);
   // Gated DeltaNet: q, k, v and z projections and their way out, the write strength's and the
   // decay's projections, the convolution's taps, dt_bias, A_log and the output norm's gains.
   const int64_t qk = c.linear_qk_dim(), v = c.linear_v_dim(), Hv = c.linear_value_heads;

@@ -195,7 +195,8 @@ std::vector<std::string> preset_names();
 // gate) and 2 C (norms; C for one norm, twice with LayerNorm's biases, 2 C more with post-norms;
 // plus the o, up and down
 // biases where the architecture has them; with experts, E (3 C F) and the router's E C in the
-// MLP's place, and a shared expert's 3 C Fs + C); the final norm C (2 C), the head's bias V.
+// MLP's place, and a shared expert's 3 C Fs + C, gpt-oss's router and expert biases E (1 + 2 F +
+// C), its sinks H); the final norm C (2 C), the head's bias V.
 int64_t parameter_count(const ModelConfig& config);
 // FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
 // products (the blocks' and the LM head's) plus 6 x layers x ctx x q_dim for causal attention

@@ -10,15 +10,16 @@ projections, partial rotary and longrope scaling; one with Gemma's, GeGLU, RMSNo
 1 + w and embeddings scaled by sqrt(d_model); one with Phi-2's, a parallel block from one LayerNorm,
 a GELU MLP and biases everywhere; one with Gemma 3's, post-norms and sliding-window layers at a
 RoPE base of their own; one with Gemma 2's soft-capping; one with Qwen3.5's, Gated DeltaNet layers
-(the delta rule in its recurrent form) beside gated attention): from one seeded set of weights and
-one batch it records the
-logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
+(the delta rule in its recurrent form) beside gated attention; and three mixtures of experts,
+Qwen3-MoE's, Qwen3.5-MoE's with its shared expert, gpt-oss's with its sinks, biases and clamped
+SwiGLU): from one seeded set of weights and one batch it records the logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping; and of the configurations with adapters,
 DPO's and ORPO's losses and gradients on two preference pairs (preference_records).
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
-which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,gemma3,gemma2,phi2,qwen35}_reference.ctrf.
+which rewrites tests/data/llama_{tiny,gqa,lora,parts,phi3,gemma,gemma3,gemma2,phi2,qwen35,
+    qwen3moe,qwen35moe,gpt_oss}_reference.ctrf.
 
 File format "CTRF", little-endian: magic b"CTRF", u32 version (1), u32 record count; then per
 record u32 name length, name (utf-8), u32 dtype (0 f32, 1 i32), u32 ndim, ndim x u64 dims, data.
@@ -83,6 +84,17 @@ class Config:
     # interval-th layer (from 1) attention with its output times sigmoid of a gate projection
     # (wg), the others Gated DeltaNet, written here in its recurrent form.
     qwen35: tuple = None
+    # A mixture of experts in every MLP's place: (experts, used, renormalised, shared width);
+    # `gating` "softmax" (softmax over all, the top k taken, renormalised where asked: Qwen3-MoE,
+    # Qwen3.5-MoE) or "topk_softmax" (the top k logits softmaxed: gpt-oss's). A shared width: a
+    # SwiGLU expert every token takes, times sigmoid of its own gate (Qwen3.5-MoE).
+    moe: tuple = None
+    gating: str = "softmax"
+    # gpt-oss's: biases on the router and each expert's three products, the experts' clamped
+    # SwiGLU, a bias on attention's output and a learnt sink logit per head.
+    gpt_oss: bool = False
+    # The architecture's name where the parts alone do not say it.
+    arch: str = None
 
     def linear(self, i):
         return self.qwen35 is not None and (i + 1) % self.qwen35[5] != 0
@@ -136,6 +148,23 @@ CONFIGS = [
     Config("llama_qwen35_reference.ctrf", V=256, C=64, L=3, H=4, F=96, B=2, T=70, KVH=2, D=12,
            half_split=True, theta=10000.0, eps=1e-6, qk_norm=True, rope_dim=6,
            qwen35=(2, 4, 6, 5, 4, 3)),
+    # Qwen3-MoE's parts, trained whole: per-head q/k norms, 8 experts of width 36, each token's
+    # softmax over them, its top 2 renormalised.
+    Config("llama_qwen3moe_reference.ctrf", V=256, C=64, L=2, H=4, F=36, B=2, T=24, KVH=2, D=16,
+           half_split=True, theta=1e6, eps=1e-6, qk_norm=True, moe=(8, 2, True, 0),
+           arch="qwen3moe"),
+    # Qwen3.5-MoE's: a DeltaNet layer and a gated attention layer, each with 8 experts of width 28,
+    # the top 4 of the softmax renormalised, and a shared expert of width 44 gated by a sigmoid.
+    Config("llama_qwen35moe_reference.ctrf", V=256, C=64, L=2, H=4, F=28, B=2, T=24, KVH=2,
+           D=12, half_split=True, theta=10000.0, eps=1e-6, qk_norm=True, rope_dim=6,
+           qwen35=(2, 4, 6, 5, 4, 2), moe=(8, 4, True, 44), arch="qwen35moe"),
+    # gpt-oss's: q/k/v/o biases, a sink per head, layer 0 within a window of 5 keys; 7 experts of
+    # width 36 with biases, each token's top 3 logits (the router's bias added) softmaxed, the
+    # clamped SwiGLU drawn wide enough that its clamps bite.
+    Config("llama_gpt_oss_reference.ctrf", V=256, C=64, L=2, H=4, F=36, B=2, T=24, KVH=2, D=16,
+           bias=True, half_split=True, theta=10000.0, eps=1e-5, window=5, swa_pattern=2,
+           theta_swa=10000.0, moe=(7, 3, False, 0), gating="topk_softmax", gpt_oss=True,
+           arch="gpt-oss"),
 ]
 PROJECTIONS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
                "feed_forward.w3", "feed_forward.w2"]
@@ -160,10 +189,8 @@ def parameter_shapes(c):
                        (d + "conv_q.weight", (Hk * dk, K)), (d + "conv_k.weight", (Hk * dk, K)),
                        (d + "conv_v.weight", (Hv * dv, K)), (d + "dt_bias.weight", (Hv,)),
                        (d + "a_log.weight", (Hv,)), (d + "gain.weight", (dv,)),
-                       (d + "wo.weight", (c.C, Hv * dv)), (p + "ffn_norm.weight", (c.C,)),
-                       (p + "feed_forward.w1.weight", (c.F, c.C)),
-                       (p + "feed_forward.w3.weight", (c.F, c.C)),
-                       (p + "feed_forward.w2.weight", (c.C, c.F))]
+                       (d + "wo.weight", (c.C, Hv * dv)), (p + "ffn_norm.weight", (c.C,))]
+            shapes += mlp_shapes(c, p)
             continue
         if c.qwen35:
             shapes += [(p + "attention.wg.weight", (Q, c.C))]
@@ -176,6 +203,8 @@ def parameter_shapes(c):
         ]
         if c.qk_norm:
             shapes += [(p + "attention.q_norm.weight", (c.D,)), (p + "attention.k_norm.weight", (c.D,))]
+        if c.gpt_oss:
+            shapes += [(p + "attention.wo.bias", (c.C,)), (p + "attention.sinks.weight", (c.H,))]
         if c.post_norms:
             shapes += [(p + "post_attention_norm.weight", (c.C,)),
                        (p + "post_ffw_norm.weight", (c.C,))]
@@ -195,13 +224,8 @@ def parameter_shapes(c):
                 (p + "feed_forward.w2.bias", (c.C,)),
             ]
         else:
-            shapes += [
-                (p + "attention.wo.weight", (c.C, Q)),
-                (p + "ffn_norm.weight", (c.C,)),
-                (p + "feed_forward.w1.weight", (c.F, c.C)),
-                (p + "feed_forward.w3.weight", (c.F, c.C)),
-                (p + "feed_forward.w2.weight", (c.C, c.F)),
-            ]
+            shapes += [(p + "attention.wo.weight", (c.C, Q)), (p + "ffn_norm.weight", (c.C,))]
+            shapes += mlp_shapes(c, p)
         if c.lora_rank:  # each projection's A (rank, in) and B (out, rank)
             dims = dict(shapes)
             for proj in PROJECTIONS:
@@ -220,6 +244,31 @@ def parameter_shapes(c):
     if c.phi2:
         shapes += [("output.bias", (c.V,))]
     return shapes
+
+
+def mlp_shapes(c, p):
+    """A block's SwiGLU MLP, or its mixture of experts: the router (E, C), each expert's gate and
+    up (E, F, C) and down (E, C, F), their biases (gpt-oss), the shared expert and its gate."""
+    f = p + "feed_forward."
+    if not c.moe:
+        return [(f + "w1.weight", (c.F, c.C)), (f + "w3.weight", (c.F, c.C)),
+                (f + "w2.weight", (c.C, c.F))]
+    E, _, _, S = c.moe
+    shapes = [(f + "router.weight", (E, c.C)), (f + "experts.w1.weight", (E, c.F, c.C)),
+              (f + "experts.w3.weight", (E, c.F, c.C)), (f + "experts.w2.weight", (E, c.C, c.F))]
+    if c.gpt_oss:
+        shapes += [(f + "router.bias", (E,)), (f + "experts.w1.bias", (E, c.F)),
+                   (f + "experts.w3.bias", (E, c.F)), (f + "experts.w2.bias", (E, c.C))]
+    if S:
+        shapes += [(f + "shared.w1.weight", (S, c.C)), (f + "shared.w3.weight", (S, c.C)),
+                   (f + "shared.w2.weight", (c.C, S)), (f + "shared_gate.weight", (1, c.C))]
+    return shapes
+
+
+def decays(name, t):
+    """Whether AdamW decays the parameter: matrices and the experts' weights, not biases, gains
+    or sinks."""
+    return t.dim() >= 2 and not name.endswith(".bias")
 
 
 def fused_a(c, name):
@@ -252,6 +301,17 @@ def init_parameters(c, gen):
             t = torch.log(1.0 + 7.0 * torch.rand(shape, generator=gen))
         elif ".conv_" in name:
             t = 0.3 * torch.randn(shape, generator=gen)
+        elif name.endswith("sinks.weight"):
+            # Sinks about as large as the scores, so that each takes a share of the weights.
+            t = torch.randn(shape, generator=gen)
+        elif name.endswith("router.weight"):
+            # Logits of about 1: routing neither uniform nor one-hot.
+            t = 0.15 * torch.randn(shape, generator=gen)
+        elif name.endswith("shared_gate.weight"):
+            t = 0.2 * torch.randn(shape, generator=gen)
+        elif c.gpt_oss and (name.endswith("experts.w1.weight") or name.endswith("experts.w3.weight")):
+            # The gate and up products at a spread of about 5, so that the clamp at 7 bites.
+            t = 0.6 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
             # Gains away from 1 so their gradients matter (held less 1 in Gemma's norms).
             t = (0.0 if c.gemma else 1.0) + 0.1 * torch.randn(shape, generator=gen)
@@ -330,7 +390,7 @@ def rope(c, x, cos, sin):
     return torch.stack((x0 * cs - x1 * sn, x0 * sn + x1 * cs), dim=-1).flatten(-2)
 
 
-def attention(c, q, k, v, window=0):
+def attention(c, q, k, v, window=0, sinks=None):
     # q (B, T, H, D), k and v (B, T, KVH, D) -> (B, T, H, D), causal, scale 1/sqrt(D) (or
     # attn_scale), within `window` keys of each query where given; query head h reads kv head
     # h // (H / KVH).
@@ -344,6 +404,10 @@ def attention(c, q, k, v, window=0):
     if window:
         mask = mask & ~torch.ones(c.T, c.T, dtype=torch.bool).tril(-window)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        # Each head's sink, one more logit in its softmax whose value is zero (gpt-oss).
+        sink = sinks[None, :, None, None].expand(scores.shape[0], c.H, c.T, 1)
+        return (torch.cat((scores, sink), -1).softmax(-1)[..., :-1] @ v).transpose(1, 2)
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
@@ -398,6 +462,62 @@ def gated_deltanet(c, p, n, h):
     return o.reshape(B, T, Hv * dv) @ p[d + "wo.weight"].T
 
 
+ROUTING_GAPS = []  # each routing's smallest margin at its k-th choice (a tie would be ambiguous)
+CLAMPED = []  # the share of the clamped SwiGLU's gate and up elements that its clamps bite
+
+
+def swiglu(c, gate, up):
+    if c.gpt_oss:
+        # gpt-oss's: the gate clamped above at 7, up to [-7, 7]; g sigmoid(1.702 g) (up + 1).
+        CLAMPED.append(((gate > 7).float().mean().item(), (up.abs() > 7).float().mean().item()))
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def mlp(c, p, n, g):
+    """A block's MLP from its normed input g: SwiGLU, or the mixture of experts (each expert run
+    on every token here, each token's output the weighted sum of its chosen experts')."""
+    f = n + "feed_forward."
+    if not c.moe:
+        act = torch.nn.functional.silu(projection(c, p, f + "w1", g))
+        return projection(c, p, f + "w2", act * projection(c, p, f + "w3", g))
+    E, k, renormalise, S = c.moe
+    logits = g @ p[f + "router.weight"].T
+    if c.gpt_oss:
+        logits = logits + p[f + "router.bias"]
+    if c.gating == "softmax":
+        probs = logits.softmax(-1)
+        weights, chosen = probs.topk(k, dim=-1)
+        if renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        ranked = probs.detach().sort(-1, descending=True).values
+    else:
+        top, chosen = logits.topk(k, dim=-1)
+        weights = top.softmax(-1)
+        ranked = logits.detach().sort(-1, descending=True).values
+    ROUTING_GAPS.append((ranked[..., k - 1] - ranked[..., k]).min().item())
+    outs = []
+    for e in range(E):
+        gate = g @ p[f + "experts.w1.weight"][e].T
+        up = g @ p[f + "experts.w3.weight"][e].T
+        if c.gpt_oss:
+            gate, up = gate + p[f + "experts.w1.bias"][e], up + p[f + "experts.w3.bias"][e]
+        y = swiglu(c, gate, up) @ p[f + "experts.w2.weight"][e].T
+        if c.gpt_oss:
+            y = y + p[f + "experts.w2.bias"][e]
+        outs.append(y)
+    every = torch.stack(outs, -2)  # (B, T, E, C)
+    picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, c.C))  # (B, T, k, C)
+    out = (weights[..., None] * picked).sum(-2)
+    if S:
+        shared = torch.nn.functional.silu(g @ p[f + "shared.w1.weight"].T) * (
+            g @ p[f + "shared.w3.weight"].T)
+        shared = shared @ p[f + "shared.w2.weight"].T
+        out = out + shared * torch.sigmoid(g @ p[f + "shared_gate.weight"].T)
+    return out
+
+
 def forward(c, p, tokens, cos, sin):
     B, T, H, KVH, D = c.B, c.T, c.H, c.KVH, c.D
     cos_swa, sin_swa = rope_table(c, c.theta_swa) if c.window else (cos, sin)
@@ -412,9 +532,7 @@ def forward(c, p, tokens, cos, sin):
             h = rmsnorm(c, x, p[n + "attention_norm.weight"])
         if c.linear(i):
             x = x + gated_deltanet(c, p, n, h)
-            g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
-            act = torch.nn.functional.silu(projection(c, p, n + "feed_forward.w1", g))
-            x = x + projection(c, p, n + "feed_forward.w2", act * projection(c, p, n + "feed_forward.w3", g))
+            x = x + mlp(c, p, n, rmsnorm(c, x, p[n + "ffn_norm.weight"]))
             continue
         q = projection(c, p, n + "attention.wq", h).view(B, T, H, D)
         k = projection(c, p, n + "attention.wk", h).view(B, T, KVH, D)
@@ -426,7 +544,8 @@ def forward(c, p, tokens, cos, sin):
         if i not in c.no_rope:
             q, k = rope(c, q, cs, sn), rope(c, k, cs, sn)
         v = projection(c, p, n + "attention.wv", h).view(B, T, KVH, D)
-        heads = attention(c, q, k, v, c.window if windowed else 0).reshape(B, T, H * D)
+        sinks = p[n + "attention.sinks.weight"] if c.gpt_oss else None
+        heads = attention(c, q, k, v, c.window if windowed else 0, sinks).reshape(B, T, H * D)
         if c.qwen35:  # the output gated
             heads = heads * torch.sigmoid(h @ p[n + "attention.wg.weight"].T)
         attended = projection(c, p, n + "attention.wo", heads)
@@ -439,6 +558,9 @@ def forward(c, p, tokens, cos, sin):
             continue
         x = x + attended
         g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
+        if c.moe:
+            x = x + mlp(c, p, n, g)
+            continue
         gate = projection(c, p, n + "feed_forward.w1", g)
         up = projection(c, p, n + "feed_forward.w3", g)
         if c.gemma:
@@ -552,8 +674,8 @@ def float64_grad_norms(c):
     try:
         params = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
         cos, sin = cos.double(), sin.double()
-        matrices = [t for t in params.values() if t.dim() == 2]
-        vectors = [t for t in params.values() if t.dim() == 1]
+        matrices = [t for name, t in params.items() if decays(name, t)]
+        vectors = [t for name, t in params.items() if not decays(name, t)]
         opt = torch.optim.AdamW([{"params": matrices, "weight_decay": DECAY},
                                  {"params": vectors, "weight_decay": 0.0}],
                                 lr=LR, betas=BETAS, eps=ADAM_EPS)
@@ -594,15 +716,20 @@ def write_reference(c):
             short, long = longrope_factors(c)
             out.add("short_factors", short)
             out.add("long_factors", long)
-        if c.gemma or c.phi2:
+        if c.gemma or c.phi2 or c.arch:
             name = b"phi2"
             if c.gemma:
                 name = (b"gemma2" if c.attn_softcap else b"gemma3") if c.post_norms else b"gemma"
+            if c.arch:
+                name = c.arch.encode()
             out.add("architecture", torch.tensor(list(name), dtype=torch.int32))
         if c.phi2:
             out.add("rope_dim", torch.tensor([c.rope_dim], dtype=torch.int32))
         if c.qwen35:  # its heads, dims, taps and interval; RoPE's dimensions
             out.add("qwen35", torch.tensor(list(c.qwen35) + [c.rope_dim], dtype=torch.int32))
+        if c.moe:  # experts, used, renormalised, the shared expert's width
+            E, k, renormalise, S = c.moe
+            out.add("moe", torch.tensor([E, k, int(renormalise), S], dtype=torch.int32))
         if c.window:  # the window, the pattern; RoPE base of the windowed layers, the scale
             out.add("window", torch.tensor([c.window, c.swa_pattern], dtype=torch.int32))
             out.add("window_f32", torch.tensor([c.theta_swa, c.attn_scale, c.attn_softcap,
@@ -633,8 +760,8 @@ def write_reference(c):
     if c.lora_rank:
         preference_records(c, params, trained, cos, sin, out)
 
-    matrices = [t for t in trained.values() if t.dim() == 2]
-    vectors = [t for t in trained.values() if t.dim() == 1]  # gains and biases: no decay
+    matrices = [t for name, t in trained.items() if decays(name, t)]
+    vectors = [t for name, t in trained.items() if not decays(name, t)]  # gains, biases: no decay
     groups = [{"params": matrices, "weight_decay": DECAY}]
     if vectors:
         groups.append({"params": vectors, "weight_decay": 0.0})
@@ -648,6 +775,15 @@ def write_reference(c):
         opt.step()
         losses.append(loss.item())
         norms.append(norm.item())
+    if c.moe:
+        # The routing's smallest margin at the k-th choice over the forward passes; the share of
+        # the clamps that bite.
+        print(f"{c.file}: smallest routing margin {min(ROUTING_GAPS):.3g}")
+        if CLAMPED:
+            print(f"{c.file}: clamps bite on {100 * sum(g for g, _ in CLAMPED) / len(CLAMPED):.1f}% "
+                  f"of gates, {100 * sum(u for _, u in CLAMPED) / len(CLAMPED):.1f}% of ups")
+        ROUTING_GAPS.clear()
+        CLAMPED.clear()
     out.add("steps/loss", torch.tensor(losses))
     out.add("steps/grad_norm", torch.tensor(norms))
     if c.qwen35:

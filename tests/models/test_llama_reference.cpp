@@ -13,7 +13,12 @@
 // one with Gemma 2's soft-capped scores and logits; and one with Qwen3.5's: Gated DeltaNet layers
 // (2 key heads read by 4 value heads, convolutions, the decay and write strength, the gated
 // norm; the reference's delta rule in its recurrent form against the chunked kernel, over 70
-// positions, past a chunk) beside attention with its output gated.
+// positions, past a chunk) beside attention with its output gated; and three mixtures of experts,
+// trained whole: Qwen3-MoE's (8 experts, the softmax's top 2 renormalised), Qwen3.5-MoE's (a
+// DeltaNet and an attention layer, the top 4 of 8 and a shared expert gated by a sigmoid) and
+// gpt-oss's (attention sinks, a window, q/k/v/o biases; the router's and experts' biases, the top
+// 3 of 7 logits softmaxed, the clamped SwiGLU with its clamps biting): the gradients of the
+// router, the chosen experts' weights, the shared expert's gate, the sinks and the clamp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -110,7 +115,7 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
     if (ref_.count("qwen35")) {  // key and value heads and dims, taps, interval; RoPE's dims
       const std::vector<int32_t>& q = ref_.at("qwen35").i32;
       ASSERT_EQ(q.size(), 7u);
-      config_.architecture = "qwen35";
+      if (!ref_.count("architecture")) config_.architecture = "qwen35";  // else qwen35moe
       config_.attn_output_gate = true;
       config_.linear_key_heads = q[0];
       config_.linear_value_heads = q[1];
@@ -121,6 +126,14 @@ class LlamaReference : public ::testing::TestWithParam<std::string> {
         if ((i + 1) % q[5] != 0) config_.linear_layers.push_back(i);
       config_.rope_dim = q[6];
       config_.ctx = std::max<int64_t>(config_.ctx, T_);
+    }
+    if (ref_.count("moe")) {  // experts, used, renormalised, the shared expert's width
+      const std::vector<int32_t>& m = ref_.at("moe").i32;
+      ASSERT_EQ(m.size(), 4u);
+      config_.n_experts = m[0];
+      config_.experts_used = m[1];
+      config_.expert_weights_norm = m[2] != 0;
+      config_.shared_expert_ffn = m[3];
     }
     if (ref_.count("window")) {  // the window and its pattern; their RoPE base, the scale
       config_.sliding_window = ref_.at("window").i32.at(0);
@@ -340,7 +353,9 @@ INSTANTIATE_TEST_SUITE_P(
                       "llama_lora_reference.ctrf", "llama_parts_reference.ctrf",
                       "llama_phi3_reference.ctrf", "llama_gemma_reference.ctrf",
                       "llama_gemma3_reference.ctrf", "llama_gemma2_reference.ctrf",
-                      "llama_phi2_reference.ctrf", "llama_qwen35_reference.ctrf"),
+                      "llama_phi2_reference.ctrf", "llama_qwen35_reference.ctrf",
+                      "llama_qwen3moe_reference.ctrf", "llama_qwen35moe_reference.ctrf",
+                      "llama_gpt_oss_reference.ctrf"),
     [](const auto& info) { return info.param.substr(6, info.param.find("_reference") - 6); });
 
 }  // namespace
