@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -71,89 +72,114 @@ const char* hf_pattern(const std::string& pre) {
 
 namespace {
 
-struct SafetensorsEntry {
-  std::string name;
-  Shape shape;
-  std::string dtype;
-  std::vector<uint8_t> bytes;
+// Tensors of a safetensors file read together (one of the model's, or a gpt-oss layer's six
+// expert tensors) and the entries made of them: `entry(values, i)` gives entry i's bytes from the
+// parts' values, in the file's order.
+struct SafetensorsGroup {
+  std::vector<FileTensor> parts;
+  std::vector<std::pair<std::string, Shape>> entries;
+  std::function<std::vector<uint8_t>(const std::vector<std::vector<float>>&, size_t)> entry;
 };
 
-// The entries of tensor t (its `values`, as `dtype`, ggml `type`): itself, or a mixture's experts
-// (E, rows, cols) and their adapters one tensor each, as Hugging Face and PEFT hold them
-// (mlp.experts.<e>.gate_proj).
-void add_entries(std::vector<SafetensorsEntry>& entries, const FileTensor& t,
-                 const std::vector<float>& values, const std::string& dtype, GgmlType type) {
+Shape shape_of(const std::vector<int64_t>& dims) {
+  return dims.size() == 1   ? Shape{dims[0]}
+         : dims.size() == 2 ? Shape{dims[0], dims[1]}
+                            : Shape{dims[0], dims[1], dims[2]};
+}
+
+// Tensor t as `type`: itself, or a mixture's experts (E, rows, cols) and their adapters one entry
+// each, as Hugging Face and PEFT hold them (mlp.experts.<e>.gate_proj).
+SafetensorsGroup tensor_group(const FileTensor& t, GgmlType type) {
+  SafetensorsGroup g;
+  g.parts = {t};
   if (t.shape.size() == 3 && t.name.find(".experts.") != std::string::npos) {
     const size_t at = t.name.find(".experts.") + 9;
     const int64_t n = t.shape[1] * t.shape[2];
     for (int64_t e = 0; e < t.shape[0]; ++e)
-      entries.push_back({t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
-                         Shape{t.shape[1], t.shape[2]}, dtype,
-                         ggml_from_float(type, values.data() + e * n, n)});
-    return;
+      g.entries.emplace_back(t.name.substr(0, at) + std::to_string(e) + "." + t.name.substr(at),
+                             Shape{t.shape[1], t.shape[2]});
+    g.entry = [type, n](const std::vector<std::vector<float>>& v, size_t e) {
+      return ggml_from_float(type, v[0].data() + static_cast<int64_t>(e) * n, n);
+    };
+    return g;
   }
-  const Shape shape = t.shape.size() == 1   ? Shape{t.shape[0]}
-                      : t.shape.size() == 2 ? Shape{t.shape[0], t.shape[1]}
-                                            : Shape{t.shape[0], t.shape[1], t.shape[2]};
-  entries.push_back({t.name, shape, dtype,
-                     ggml_from_float(type, values.data(), static_cast<int64_t>(values.size()))});
+  g.entries.emplace_back(t.name, shape_of(t.shape));
+  g.entry = [type](const std::vector<std::vector<float>>& v, size_t) {
+    return ggml_from_float(type, v[0].data(), static_cast<int64_t>(v[0].size()));
+  };
+  return g;
 }
 
-// gpt-oss's experts of one layer (`base` "model.layers.N.mlp.experts."), from the model's
-// gate, up and down weights and biases by their rest of name ("gate_proj.weight"): gate_up_proj
+// gpt-oss's experts of one layer (`base` "model.layers.N.mlp.experts."), from the model's gate,
+// up and down weights and biases by their rest of name ("gate_proj.weight"): gate_up_proj
 // [E, C, 2 F] (each expert's gate and up columns alternating), gate_up_proj_bias [E, 2 F],
 // down_proj [E, F, C], down_proj_bias [E, C].
-void add_gpt_oss_experts(
-    std::vector<SafetensorsEntry>& entries, const std::string& base,
-    const std::map<std::string, std::pair<FileTensor, std::vector<float>>>& parts,
-    const std::string& dtype, GgmlType type) {
-  const auto part = [&](const char* rest) -> const std::pair<FileTensor, std::vector<float>>& {
+SafetensorsGroup gpt_oss_experts_group(const std::string& base,
+                                       const std::map<std::string, FileTensor>& parts,
+                                       GgmlType type) {
+  constexpr const char* kParts[] = {"gate_proj.weight", "up_proj.weight",   "gate_proj.bias",
+                                    "up_proj.bias",     "down_proj.weight", "down_proj.bias"};
+  SafetensorsGroup g;
+  for (const char* rest : kParts) {
     const auto it = parts.find(rest);
     if (it == parts.end()) throw std::logic_error("gpt-oss experts without " + base + rest);
-    return it->second;
-  };
-  const auto& [gate, g] = part("gate_proj.weight");
-  const auto& up = part("up_proj.weight").second;
-  const auto& gate_bias = part("gate_proj.bias").second;
-  const auto& up_bias = part("up_proj.bias").second;
-  const auto& d = part("down_proj.weight").second;
-  const auto& down_bias = part("down_proj.bias").second;
-  const int64_t E = gate.shape[0], F = gate.shape[1], C = gate.shape[2];
-  std::vector<float> gu(static_cast<size_t>(E * C * 2 * F)), gub(static_cast<size_t>(E * 2 * F)),
-      dn(static_cast<size_t>(E * F * C));
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t f = 0; f < F; ++f) {
-      for (int64_t col = 0; col < C; ++col) {
-        const auto from = static_cast<size_t>((e * F + f) * C + col);
-        gu[static_cast<size_t>((e * C + col) * 2 * F + 2 * f)] = g[from];
-        gu[static_cast<size_t>((e * C + col) * 2 * F + 2 * f + 1)] = up[from];
-        dn[static_cast<size_t>((e * F + f) * C + col)] =
-            d[static_cast<size_t>((e * C + col) * F + f)];
+    g.parts.push_back(it->second);
+  }
+  const int64_t E = g.parts[0].shape[0], F = g.parts[0].shape[1], C = g.parts[0].shape[2];
+  g.entries = {{base + "gate_up_proj", Shape{E, C, 2 * F}},
+               {base + "gate_up_proj_bias", Shape{E, 2 * F}},
+               {base + "down_proj", Shape{E, F, C}},
+               {base + "down_proj_bias", Shape{E, C}}};
+  g.entry = [type, E, F, C](const std::vector<std::vector<float>>& v, size_t i) {
+    const auto at = [](int64_t j) { return static_cast<size_t>(j); };
+    std::vector<float> out;
+    if (i == 0) {  // gate_up_proj: x times it, gate and up columns alternating
+      out.resize(at(E * C * 2 * F));
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t col = 0; col < C; ++col) {
+            const size_t from = at((e * F + f) * C + col);
+            out[at((e * C + col) * 2 * F + 2 * f)] = v[0][from];
+            out[at((e * C + col) * 2 * F + 2 * f + 1)] = v[1][from];
+          }
+    } else if (i == 1) {
+      out.resize(at(E * 2 * F));
+      for (int64_t j = 0; j < E * F; ++j) {
+        out[at(2 * j)] = v[2][at(j)];
+        out[at(2 * j + 1)] = v[3][at(j)];
       }
-      gub[static_cast<size_t>(e * 2 * F + 2 * f)] = gate_bias[static_cast<size_t>(e * F + f)];
-      gub[static_cast<size_t>(e * 2 * F + 2 * f + 1)] = up_bias[static_cast<size_t>(e * F + f)];
+    } else if (i == 2) {  // down_proj [E, F, C]: the model's (E, C, F) transposed
+      out.resize(at(E * F * C));
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t col = 0; col < C; ++col)
+            out[at((e * F + f) * C + col)] = v[4][at((e * C + col) * F + f)];
+    } else {
+      return ggml_from_float(type, v[5].data(), static_cast<int64_t>(v[5].size()));
     }
-  const auto add = [&](const std::string& name, Shape shape, const std::vector<float>& v) {
-    entries.push_back({base + name, shape, dtype,
-                       ggml_from_float(type, v.data(), static_cast<int64_t>(v.size()))});
+    return ggml_from_float(type, out.data(), static_cast<int64_t>(out.size()));
   };
-  add("gate_up_proj", Shape{E, C, 2 * F}, gu);
-  add("gate_up_proj_bias", Shape{E, 2 * F}, gub);
-  add("down_proj", Shape{E, F, C}, dn);
-  add("down_proj_bias", Shape{E, C}, down_bias);
+  return g;
 }
 
-// A safetensors file of `entries`, in order, written atomically.
-void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries) {
+// A safetensors file of the groups' entries, in order, written atomically: the header from their
+// shapes, then group by group their parts' values (`values`) and each entry's bytes, so that one
+// group's values are held at a time.
+void write_safetensors(const std::string& path, const std::vector<SafetensorsGroup>& groups,
+                       GgmlType type, const std::string& dtype,
+                       const std::function<std::vector<float>(const FileTensor&)>& values) {
   json header = json::object();
   uint64_t offset = 0;
-  for (const SafetensorsEntry& e : entries) {
-    std::vector<int64_t> shape;
-    for (int d = 0; d < e.shape.ndim(); ++d) shape.push_back(e.shape[d]);
-    header[e.name] = {
-        {"dtype", e.dtype}, {"shape", shape}, {"data_offsets", {offset, offset + e.bytes.size()}}};
-    offset += e.bytes.size();
-  }
+  const auto element = static_cast<uint64_t>(type == GgmlType::F32 ? 4 : 2);
+  for (const SafetensorsGroup& g : groups)
+    for (const auto& [name, shape] : g.entries) {
+      std::vector<int64_t> dims;
+      for (int d = 0; d < shape.ndim(); ++d) dims.push_back(shape[d]);
+      const uint64_t bytes = element * static_cast<uint64_t>(shape.numel());
+      header[name] = {
+          {"dtype", dtype}, {"shape", dims}, {"data_offsets", {offset, offset + bytes}}};
+      offset += bytes;
+    }
   header["__metadata__"] = {{"format", "pt"}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -161,7 +187,16 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   const uint64_t n = text.size();
   out.write(&n, 8);
   out.write(text.data(), text.size());
-  for (const SafetensorsEntry& e : entries) out.write(e.bytes.data(), e.bytes.size());
+  for (const SafetensorsGroup& g : groups) {
+    std::vector<std::vector<float>> parts;
+    for (const FileTensor& t : g.parts) parts.push_back(values(t));
+    for (size_t i = 0; i < g.entries.size(); ++i) {
+      const std::vector<uint8_t> bytes = g.entry(parts, i);
+      if (bytes.size() != element * static_cast<uint64_t>(g.entries[i].second.numel()))
+        throw std::logic_error("safetensors entry " + g.entries[i].first + ": its size");
+      out.write(bytes.data(), bytes.size());
+    }
+  }
   out.commit();
 }
 
@@ -176,17 +211,18 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw UserError(folder + ": cannot create (" + ec.message() + ")");
-  std::vector<SafetensorsEntry> entries;
-  // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are; a fused
-  // projection's parts' B rows one after another.
+  std::vector<SafetensorsGroup> groups;
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
-                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
-    add_entries(entries, t, file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true),
-                "F32", GgmlType::F32);
-  }
-  if (entries.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
-  write_safetensors((dir / "adapter_model.safetensors").string(), entries);
+                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); }))
+    groups.push_back(tensor_group(t, GgmlType::F32));
+  if (groups.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
+  // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are; a fused
+  // projection's parts' B rows one after another.
+  write_safetensors((dir / "adapter_model.safetensors").string(), groups, GgmlType::F32, "F32",
+                    [&](const FileTensor& t) {
+                      return file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true);
+                    });
   // The modules, by the architecture's names (Phi-3's fused qkv_proj and gate_up_proj, Phi-2's
   // dense, fc1, fc2, Qwen3.5's in_proj_qkv and out_proj beside its attention's q_proj...): the
   // last part of each adapted tensor's name, in the order the blocks first have them.
@@ -367,28 +403,32 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
   const GgmlType type = dtype == "F32"   ? GgmlType::F32
                         : dtype == "F16" ? GgmlType::F16
                                          : GgmlType::BF16;
-  std::vector<SafetensorsEntry> entries;
   if (!read)
     for (const ParameterInfo& info : params.infos())
       if (is_lora_parameter(info.name))
         throw std::logic_error("write_hf_folder: a model with adapters (merge them first)");
   // gpt-oss's experts by layer ("model.layers.N.mlp.experts."), by our name's rest
   // ("gate_proj.weight"), written fused after the others.
-  std::map<std::string, std::map<std::string, std::pair<FileTensor, std::vector<float>>>> experts;
+  std::vector<SafetensorsGroup> groups;
+  std::map<std::string, std::map<std::string, FileTensor>> experts;
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
                     [](const ParameterInfo& info) { return !is_lora_parameter(info.name); })) {
-    // Gated DeltaNet's value heads grouped by key head, as Hugging Face holds them.
-    std::vector<float> values =
-        file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true, read);
     if (const size_t at = t.name.find(".experts."); arch.hf_gpt_oss_experts && at != t.name.npos) {
-      experts[t.name.substr(0, at + 9)][t.name.substr(at + 9)] = {t, std::move(values)};
+      experts[t.name.substr(0, at + 9)][t.name.substr(at + 9)] = t;
       continue;
     }
-    add_entries(entries, t, values, dtype, type);
+    groups.push_back(tensor_group(t, type));
   }
-  for (auto& [base, parts] : experts) add_gpt_oss_experts(entries, base, parts, dtype, type);
-  write_safetensors((dir / "model.safetensors").string(), entries);
+  for (const auto& [base, parts] : experts)
+    groups.push_back(gpt_oss_experts_group(base, parts, type));
+  // Each tensor's values read as it is written (Gated DeltaNet's value heads grouped by key head,
+  // as Hugging Face holds them).
+  write_safetensors((dir / "model.safetensors").string(), groups, type, dtype,
+                    [&](const FileTensor& t) {
+                      return file_tensor_values(params, t, c, RopePairs::HalfSplit,
+                                                arch.hf_norm_plus_one, true, read);
+                    });
 
   json tconfig = {{"bos_token", token(v.bos)},  {"eos_token", token(v.eos)},
                   {"unk_token", token(v.unk)},  {"add_bos_token", v.add_bos},
