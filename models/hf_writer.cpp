@@ -166,18 +166,18 @@ SafetensorsGroup gpt_oss_experts_group(const std::string& base,
 // shapes, then group by group their parts' values (`values`) and each entry's bytes, so that one
 // group's values are held at a time.
 void write_safetensors(const std::string& path, const std::vector<SafetensorsGroup>& groups,
-                       GgmlType type, const std::string& dtype,
+                       GgmlType type,
                        const std::function<std::vector<float>(const FileTensor&)>& values) {
   json header = json::object();
   uint64_t offset = 0;
-  const auto element = static_cast<uint64_t>(type == GgmlType::F32 ? 4 : 2);
   for (const SafetensorsGroup& g : groups)
     for (const auto& [name, shape] : g.entries) {
       std::vector<int64_t> dims;
       for (int d = 0; d < shape.ndim(); ++d) dims.push_back(shape[d]);
-      const uint64_t bytes = element * static_cast<uint64_t>(shape.numel());
-      header[name] = {
-          {"dtype", dtype}, {"shape", dims}, {"data_offsets", {offset, offset + bytes}}};
+      const uint64_t bytes = ggml_bytes(type, shape.numel());
+      header[name] = {{"dtype", ggml_type_name(static_cast<uint32_t>(type))},
+                      {"shape", dims},
+                      {"data_offsets", {offset, offset + bytes}}};
       offset += bytes;
     }
   header["__metadata__"] = {{"format", "pt"}};
@@ -192,7 +192,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsGro
     for (const FileTensor& t : g.parts) parts.push_back(values(t));
     for (size_t i = 0; i < g.entries.size(); ++i) {
       const std::vector<uint8_t> bytes = g.entry(parts, i);
-      if (bytes.size() != element * static_cast<uint64_t>(g.entries[i].second.numel()))
+      if (bytes.size() != ggml_bytes(type, g.entries[i].second.numel()))
         throw std::logic_error("safetensors entry " + g.entries[i].first + ": its size");
       out.write(bytes.data(), bytes.size());
     }
@@ -219,7 +219,7 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   if (groups.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
   // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are; a fused
   // projection's parts' B rows one after another.
-  write_safetensors((dir / "adapter_model.safetensors").string(), groups, GgmlType::F32, "F32",
+  write_safetensors((dir / "adapter_model.safetensors").string(), groups, GgmlType::F32,
                     [&](const FileTensor& t) {
                       return file_tensor_values(params, t, c, RopePairs::HalfSplit, false, true);
                     });
@@ -424,11 +424,10 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
     groups.push_back(gpt_oss_experts_group(base, parts, type));
   // Each tensor's values read as it is written (Gated DeltaNet's value heads grouped by key head,
   // as Hugging Face holds them).
-  write_safetensors((dir / "model.safetensors").string(), groups, type, dtype,
-                    [&](const FileTensor& t) {
-                      return file_tensor_values(params, t, c, RopePairs::HalfSplit,
-                                                arch.hf_norm_plus_one, true, read);
-                    });
+  write_safetensors((dir / "model.safetensors").string(), groups, type, [&](const FileTensor& t) {
+    return file_tensor_values(params, t, c, RopePairs::HalfSplit, arch.hf_norm_plus_one, true,
+                              read);
+  });
 
   json tconfig = {{"bos_token", token(v.bos)},  {"eos_token", token(v.eos)},
                   {"unk_token", token(v.unk)},  {"add_bos_token", v.add_bos},

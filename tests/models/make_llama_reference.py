@@ -466,22 +466,26 @@ ROUTING_GAPS = []  # each routing's smallest margin at its k-th choice (a tie wo
 CLAMPED = []  # the share of the clamped SwiGLU's gate and up elements that its clamps bite
 
 
-def swiglu(c, gate, up):
-    if c.gpt_oss:
-        # gpt-oss's: the gate clamped above at 7, up to [-7, 7]; g sigmoid(1.702 g) (up + 1).
+def gated(c, gate, up, clamped=False):
+    """act(gate) * up: SiLU, Gemma's GELU, or gpt-oss's clamped SwiGLU (the gate clamped above at
+    7, up to [-7, 7]; g sigmoid(1.702 g) (up + 1))."""
+    if clamped:
         CLAMPED.append(((gate > 7).float().mean().item(), (up.abs() > 7).float().mean().item()))
         gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
         return gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    if c.gemma:
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     return torch.nn.functional.silu(gate) * up
 
 
 def mlp(c, p, n, g):
-    """A block's MLP from its normed input g: SwiGLU, or the mixture of experts (each expert run
-    on every token here, each token's output the weighted sum of its chosen experts')."""
+    """A block's MLP from its normed input g: gated (SwiGLU, GeGLU), or the mixture of experts
+    (each expert run on every token here, each token's output the weighted sum of its chosen
+    experts')."""
     f = n + "feed_forward."
     if not c.moe:
-        act = torch.nn.functional.silu(projection(c, p, f + "w1", g))
-        return projection(c, p, f + "w2", act * projection(c, p, f + "w3", g))
+        gate, up = projection(c, p, f + "w1", g), projection(c, p, f + "w3", g)
+        return projection(c, p, f + "w2", gated(c, gate, up))
     E, k, renormalise, S = c.moe
     logits = g @ p[f + "router.weight"].T
     if c.gpt_oss:
@@ -503,7 +507,7 @@ def mlp(c, p, n, g):
         up = g @ p[f + "experts.w3.weight"][e].T
         if c.gpt_oss:
             gate, up = gate + p[f + "experts.w1.bias"][e], up + p[f + "experts.w3.bias"][e]
-        y = swiglu(c, gate, up) @ p[f + "experts.w2.weight"][e].T
+        y = gated(c, gate, up, c.gpt_oss) @ p[f + "experts.w2.weight"][e].T
         if c.gpt_oss:
             y = y + p[f + "experts.w2.bias"][e]
         outs.append(y)
@@ -511,8 +515,7 @@ def mlp(c, p, n, g):
     picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, c.C))  # (B, T, k, C)
     out = (weights[..., None] * picked).sum(-2)
     if S:
-        shared = torch.nn.functional.silu(g @ p[f + "shared.w1.weight"].T) * (
-            g @ p[f + "shared.w3.weight"].T)
+        shared = gated(c, g @ p[f + "shared.w1.weight"].T, g @ p[f + "shared.w3.weight"].T)
         shared = shared @ p[f + "shared.w2.weight"].T
         out = out + shared * torch.sigmoid(g @ p[f + "shared_gate.weight"].T)
     return out
@@ -557,17 +560,7 @@ def forward(c, p, tokens, cos, sin):
             x = x + attended + projection(c, p, n + "feed_forward.w2", act)
             continue
         x = x + attended
-        g = rmsnorm(c, x, p[n + "ffn_norm.weight"])
-        if c.moe:
-            x = x + mlp(c, p, n, g)
-            continue
-        gate = projection(c, p, n + "feed_forward.w1", g)
-        up = projection(c, p, n + "feed_forward.w3", g)
-        if c.gemma:
-            act = torch.nn.functional.gelu(gate, approximate="tanh")
-        else:
-            act = torch.nn.functional.silu(gate)
-        down = projection(c, p, n + "feed_forward.w2", act * up)
+        down = mlp(c, p, n, rmsnorm(c, x, p[n + "ffn_norm.weight"]))
         if c.post_norms:
             down = rmsnorm(c, down, p[n + "post_ffw_norm.weight"])
         x = x + down
@@ -776,12 +769,17 @@ def write_reference(c):
         losses.append(loss.item())
         norms.append(norm.item())
     if c.moe:
-        # The routing's smallest margin at the k-th choice over the forward passes; the share of
-        # the clamps that bite.
-        print(f"{c.file}: smallest routing margin {min(ROUTING_GAPS):.3g}")
+        # The routing's smallest margin at the k-th choice over the forward passes, far above
+        # float32's rounding (a near tie could choose otherwise in cputrain); the share of the
+        # clamps that bite, enough that their gradients are tested.
+        gap = min(ROUTING_GAPS)
+        print(f"{c.file}: smallest routing margin {gap:.3g}")
+        assert gap > 1e-6, f"{c.file}: a near tie in the routing ({gap:.3g}): draw again"
         if CLAMPED:
-            print(f"{c.file}: clamps bite on {100 * sum(g for g, _ in CLAMPED) / len(CLAMPED):.1f}% "
-                  f"of gates, {100 * sum(u for _, u in CLAMPED) / len(CLAMPED):.1f}% of ups")
+            gates = sum(g for g, _ in CLAMPED) / len(CLAMPED)
+            ups = sum(u for _, u in CLAMPED) / len(CLAMPED)
+            print(f"{c.file}: clamps bite on {100 * gates:.1f}% of gates, {100 * ups:.1f}% of ups")
+            assert gates > 0.01 and ups > 0.01, f"{c.file}: the clamps hardly bite"
         ROUTING_GAPS.clear()
         CLAMPED.clear()
     out.add("steps/loss", torch.tensor(losses))
