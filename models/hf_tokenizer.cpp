@@ -55,11 +55,16 @@ Tokenizer hf_tokenizer(const std::string& folder) {
   std::vector<json> byte_level;
   collect(j.value("pre_tokenizer", json()), "ByteLevel", byte_level);
   const bool spm = byte_level.empty();
-  // SentencePiece-style vocabularies: their own SentencePiece model is the reference.
-  if (spm && fs::exists(dir / "tokenizer.model"))
+  // Gemma 4's (model_type gemma4, gemma4_text): BPE by rank on the text's bytes, spaces as U+2581.
+  const json model_config =
+      fs::exists(dir / "config.json") ? read_json(dir / "config.json") : json::object();
+  const bool gemma4 = spm && model_config.is_object() &&
+                      model_config.value("model_type", std::string()).starts_with("gemma4");
+  // Other SentencePiece-style vocabularies: their own SentencePiece model is the reference.
+  if (spm && !gemma4 && fs::exists(dir / "tokenizer.model"))
     return Tokenizer::load((dir / "tokenizer.model").string());
   Vocabulary v;
-  v.model = spm ? "llama" : "gpt2";
+  v.model = gemma4 ? "gemma4" : spm ? "llama" : "gpt2";
   try {
     // Ids may leave gaps, never more than the tokens listed, many times over, could fill.
     const json added = j.value("added_tokens", json::array());
@@ -97,7 +102,18 @@ Tokenizer hf_tokenizer(const std::string& folder) {
   } catch (const json::exception& e) {
     throw UserError(where + ": " + e.what());
   }
-  if (spm) {
+  if (gemma4) {
+    v.pre = "gemma4";
+    v.add_space_prefix = false;
+    for (size_t i = 0; i < v.tokens.size(); ++i) {
+      const std::string& t = v.tokens[i];
+      if (t.size() == 6 && t.starts_with("<0x") && t.back() == '>') v.types[i] = Vocabulary::kByte;
+      if (model.value("unk_token", json()) == t) {
+        v.unk = static_cast<int32_t>(i);
+        v.types[i] = Vocabulary::kUnknown;
+      }
+    }
+  } else if (spm) {
     // Pieces merge by score; a BPE vocabulary's merges are ranks: a merged piece scores minus the
     // rank of the merge that makes it.
     v.scores.assign(v.tokens.size(), 0.0f);
@@ -160,11 +176,10 @@ Tokenizer hf_tokenizer(const std::string& folder) {
   v.bos = id_of_text(config.value("bos_token", json()));
   v.eos = id_of_text(config.value("eos_token", json()));
   if (v.eos < 0) {
-    const json model_config = read_json(dir / "config.json");
     if (model_config.contains("eos_token_id") && model_config["eos_token_id"].is_number_integer())
       v.eos = model_config["eos_token_id"].get<int32_t>();
   }
-  v.add_bos = config.value("add_bos_token", spm || v.pre == "llama-bpe") && v.bos >= 0;
+  v.add_bos = (config.value("add_bos_token", spm || v.pre == "llama-bpe") || gemma4) && v.bos >= 0;
   v.add_eos = config.value("add_eos_token", false);
   if (config.contains("chat_template") && config["chat_template"].is_string())
     v.chat_template = config["chat_template"].get<std::string>();

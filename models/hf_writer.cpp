@@ -495,7 +495,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
            {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
             {{"type", "ByteFallback"}},
             {{"type", "Fuse"}}}}};
-      model["merges"] = merges_of(v);
+      model["merges"] = v.model == "gemma4" ? v.merges : merges_of(v);
       model["byte_fallback"] = true;
       model["unk_token"] = token(v.unk);
     }

@@ -133,11 +133,12 @@ Vocabulary gguf_vocabulary(const GgufFile& file) {
     throw UserError(path + ": no tokenizer (tokenizer.ggml.tokens)");
   Vocabulary v;
   v.model = file.string("tokenizer.ggml.model", "llama");
-  if (v.model != "llama" && v.model != "gpt2")
+  if (v.model != "llama" && v.model != "gpt2" && v.model != "gemma4")
     throw UserError(path + ": tokenizer " + v.model +
-                    ", which cputrain does not read (it reads llama and gpt2)");
-  if (v.model == "gpt2") v.merges = file.strings("tokenizer.ggml.merges");
-  v.pre = file.string("tokenizer.ggml.pre", "");
+                    ", which cputrain does not read (it reads llama, gpt2 and gemma4)");
+  if (v.model != "llama") v.merges = file.strings("tokenizer.ggml.merges");
+  // Gemma 4's files name no pre-tokenizer: its model is its own.
+  v.pre = file.string("tokenizer.ggml.pre", v.model == "gemma4" ? "gemma4" : "");
   v.tokens = file.strings("tokenizer.ggml.tokens");
   const int64_t n = static_cast<int64_t>(v.tokens.size());
   if (file.find("tokenizer.ggml.scores")) {
@@ -166,7 +167,9 @@ Vocabulary gguf_vocabulary(const GgufFile& file) {
   v.bos = id("tokenizer.ggml.bos_token_id", spm ? 1 : -1);
   v.eos = id("tokenizer.ggml.eos_token_id", spm ? 2 : -1);
   v.unk = id("tokenizer.ggml.unknown_token_id", spm ? 0 : -1);
-  v.add_bos = file.flag("tokenizer.ggml.add_bos_token", spm || v.pre == "llama-bpe");
+  // Gemma 4 begins every text with BOS whatever its file says, as llama.cpp reads it.
+  v.add_bos =
+      file.flag("tokenizer.ggml.add_bos_token", spm || v.pre == "llama-bpe") || v.model == "gemma4";
   v.add_eos = file.flag("tokenizer.ggml.add_eos_token", false);
   v.add_space_prefix = file.flag("tokenizer.ggml.add_space_prefix", spm);
   v.chat_template = file.string("tokenizer.chat_template", "");
@@ -206,6 +209,7 @@ void set_gguf_vocabulary(GgufWriter& w, const Vocabulary& v) {
 
 VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)) {
   bpe_ = v_.model == "gpt2";
+  raw_bpe_ = v_.model == "gemma4";
   ids_.reserve(v_.tokens.size());
   for (size_t i = 0; i < v_.tokens.size(); ++i) ids_.emplace(v_.tokens[i], static_cast<int32_t>(i));
   for (size_t i = 0; i < v_.tokens.size(); ++i) {
@@ -222,6 +226,11 @@ VocabTokenizer::VocabTokenizer(Vocabulary vocabulary) : v_(std::move(vocabulary)
       char piece[8];
       std::snprintf(piece, sizeof(piece), "<0x%02X>", b);
       byte_ids_[b] = find(piece);
+    }
+    if (raw_bpe_) {
+      merge_rank_.reserve(v_.merges.size());
+      for (size_t i = 0; i < v_.merges.size(); ++i)
+        merge_rank_.emplace(v_.merges[i], static_cast<int32_t>(i));
     }
     return;
   }
@@ -309,6 +318,8 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,
     if (part.empty()) return;
     if (bpe_)
       encode_bpe(part, out);
+    else if (raw_bpe_)
+      encode_raw_bpe(part, out);
     else
       encode_spm(part, v_.add_space_prefix && after_special, out);
     after_special = false;
@@ -497,6 +508,98 @@ void VocabTokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>
       }
       pos += n;
     }
+  }
+}
+
+void VocabTokenizer::encode_raw_bpe(std::string_view text, std::vector<int32_t>& out) const {
+  // Spaces as U+2581, then each line and each run of line breaks a word of its own. A run of
+  // line breaks that is a token is that token.
+  std::string s;
+  s.reserve(text.size() + 8);
+  for (char c : text) {
+    if (c == ' ')
+      s += kSpace;
+    else
+      s += c;
+  }
+  const std::string_view all(s);
+  for (size_t pos = 0; pos < all.size();) {
+    const bool breaks = all[pos] == '\n';
+    size_t end = pos;
+    while (end < all.size() && (all[end] == '\n') == breaks) ++end;
+    const std::string_view word = all.substr(pos, end - pos);
+    pos = end;
+    if (breaks)
+      if (const int32_t id = find(word); id >= 0) {
+        out.push_back(id);
+        continue;
+      }
+    encode_ranked_word(word, out);
+  }
+}
+
+void VocabTokenizer::encode_ranked_word(std::string_view word, std::vector<int32_t>& out) const {
+  // One symbol per character at first, as a linked list; the pair whose merge ranks lowest (the
+  // leftmost among equals) merges first, until no pair is a merge.
+  struct Symbol {
+    size_t start, size;
+    int prev, next;
+  };
+  std::vector<Symbol> symbols;
+  for (size_t pos = 0; pos < word.size();) {
+    const size_t n =
+        std::min(utf8_char_bytes(static_cast<unsigned char>(word[pos])), word.size() - pos);
+    const int i = static_cast<int>(symbols.size());
+    symbols.push_back({pos, n, i - 1, i + 1});
+    pos += n;
+  }
+  if (symbols.empty()) return;
+  symbols.back().next = -1;
+  struct Pair {
+    int left, right;
+    int32_t rank;
+    size_t size;
+  };
+  const auto later = [](const Pair& a, const Pair& b) {
+    return a.rank > b.rank || (a.rank == b.rank && a.left > b.left);
+  };
+  std::priority_queue<Pair, std::vector<Pair>, decltype(later)> queue(later);
+  std::string pair;  // "left right", reused
+  const auto consider = [&](int left, int right) {
+    if (left < 0 || right < 0) return;
+    const Symbol& l = symbols[static_cast<size_t>(left)];
+    const Symbol& r = symbols[static_cast<size_t>(right)];
+    pair.assign(word.substr(l.start, l.size)).append(1, ' ').append(word.substr(r.start, r.size));
+    const auto it = merge_rank_.find(pair);
+    if (it != merge_rank_.end()) queue.push({left, right, it->second, l.size + r.size});
+  };
+  for (int i = 0; i + 1 < static_cast<int>(symbols.size()); ++i) consider(i, i + 1);
+  while (!queue.empty()) {
+    const Pair p = queue.top();
+    queue.pop();
+    Symbol& left = symbols[static_cast<size_t>(p.left)];
+    Symbol& right = symbols[static_cast<size_t>(p.right)];
+    // Stale: one side was merged into something else since.
+    if (left.size == 0 || right.size == 0 || left.next != p.right ||
+        left.size + right.size != p.size)
+      continue;
+    left.size += right.size;
+    right.size = 0;
+    left.next = right.next;
+    if (right.next >= 0) symbols[static_cast<size_t>(right.next)].prev = p.left;
+    consider(left.prev, p.left);
+    consider(p.left, left.next);
+  }
+  for (int i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next) {
+    const Symbol& sym = symbols[static_cast<size_t>(i)];
+    const std::string_view piece = word.substr(sym.start, sym.size);
+    if (const int32_t id = find(piece); id >= 0) {
+      out.push_back(id);
+      continue;
+    }
+    // Not a token: its bytes, each a byte piece where the vocabulary has one.
+    for (unsigned char c : piece)
+      if (byte_ids_[c] >= 0) out.push_back(byte_ids_[c]);
   }
 }
 

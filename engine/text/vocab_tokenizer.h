@@ -6,6 +6,8 @@
 // - Byte-level BPE ("gpt2"): text split into words by the pre-tokenizer's regular expressions
 //   (PCRE2; gpt-2, llama-bpe for Llama 3, qwen2, smollm for SmolLM2), each word's bytes written as
 //   GPT-2's printable characters and merged by the rank of the merges, the lowest first.
+// - Gemma 4's BPE ("gemma4"): spaces as U+2581, each line and each run of line breaks a word,
+//   merged by rank on the text's own bytes, with byte pieces for what no piece covers.
 #pragma once
 
 #include <cstdint>
@@ -90,9 +92,14 @@ class VocabTokenizer {
   void encode_spm(std::string_view text, bool prefix, std::vector<int32_t>& out) const;
   void encode_bpe(std::string_view text, std::vector<int32_t>& out) const;
   void encode_bpe_word(std::string_view word, std::vector<int32_t>& out) const;
+  void encode_raw_bpe(std::string_view text, std::vector<int32_t>& out) const;
+  // `word` merged by the ranks of merge_rank_, its pieces' ids (byte pieces where a piece is not
+  // a token).
+  void encode_ranked_word(std::string_view word, std::vector<int32_t>& out) const;
 
   Vocabulary v_;
-  bool bpe_ = false;
+  bool bpe_ = false;            // byte-level BPE (gpt2)
+  bool raw_bpe_ = false;        // BPE on the text's bytes (gemma4)
   bool ignore_merges_ = false;  // llama-bpe: a word that is a token is that token
   // Looked up by string_view, without a string made for each look-up.
   struct Hash {

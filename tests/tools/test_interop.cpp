@@ -251,9 +251,11 @@ void expect_test_vectors(const std::string& name) {
 // The same vocabulary as a Hugging Face folder's tokenizer.json (byte-level BPE, its
 // pre-tokenizer as Hugging Face writes it, added tokens) gives the same ids over llama.cpp's test
 // texts: qwen2's (a Split by its regular expression) and Command R's (SmolLM's Digits, each digit
-// apart, then ByteLevel's own split).
+// apart, then ByteLevel's own split); Gemma 4's (spaces replaced by U+2581, no pre-tokenizer, byte
+// pieces; known by its config.json's model_type).
 void expect_tokenizer_json_ids(const std::string& name, const nlohmann::json& pre_tokenizer,
-                               const std::string& pre) {
+                               const std::string& pre, const nlohmann::json& normalizer = nullptr,
+                               const std::string& model_type = "qwen2") {
   const fs::path base =
       fs::path(CPUTRAIN_LLAMACPP_SRC) / "models" / ("ggml-vocab-" + name + ".gguf");
   const Vocabulary v = gguf_vocabulary(GgufFile(base.string()));
@@ -267,11 +269,13 @@ void expect_tokenizer_json_ids(const std::string& name, const nlohmann::json& pr
   }
   const nlohmann::json tokenizer = {
       {"added_tokens", added},
+      {"normalizer", normalizer},
       {"pre_tokenizer", pre_tokenizer},
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", v.merges}}}};
+      {"model",
+       {{"type", "BPE"}, {"vocab", vocab}, {"merges", v.merges}, {"byte_fallback", true}}}};
   const TempFolder folder{temp_dir("tokenizer_json")};
   std::ofstream(folder.path / "tokenizer.json") << tokenizer.dump();
-  std::ofstream(folder.path / "config.json") << R"({"model_type": "qwen2"})";
+  std::ofstream(folder.path / "config.json") << nlohmann::json{{"model_type", model_type}}.dump();
   const std::string eos = v.tokens[static_cast<size_t>(v.eos)];
   std::ofstream(folder.path / "tokenizer_config.json")
       << nlohmann::json{{"eos_token", eos}, {"bos_token", nullptr}}.dump();
@@ -312,6 +316,9 @@ TEST(LlamaCppVocab, TokenizerJsonGivesTheSameIds) {
       {{"type", "Sequence"},
        {"pretokenizers", {{{"type", "Digits"}, {"individual_digits", true}}, byte_level}}},
       "smollm");
+  expect_tokenizer_json_ids(
+      "gemma-4", nullptr, "gemma4",
+      {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}}, "gemma4_text");
 }
 
 TEST(LlamaCppVocab, LlamaSpmTestVectors) {
@@ -369,23 +376,21 @@ TEST(LlamaCppVocab, TheHeapOfAVocabularyIsWhatTheBudgetCounts) {
 
 // Every other vocabulary llama.cpp's source ships with test vectors: the same ids on every text
 // (Phi-3's SentencePiece; Qwen3.5's, MPT's, StarCoder's, Refact's, Falcon's and DeepSeek's
-// pre-tokenizers), or, for a tokenizer cputrain does not read, one line naming it.
+// pre-tokenizers; Gemma 4's BPE on raw bytes), or, for a tokenizer cputrain does not read (an
+// encoder's WordPiece), one line naming it.
 TEST(LlamaCppVocab, EveryShippedVocabularyMatchesOrIsRefused) {
   REQUIRE_ORACLE();
   for (const char* name : {"phi-3", "qwen35", "mpt", "starcoder", "refact", "falcon",
-                           "deepseek-llm", "deepseek-coder"})
+                           "deepseek-llm", "deepseek-coder", "gemma-4"})
     expect_test_vectors(name);
   const TempFolder dir{temp_dir("vocab_refused")};
   const fs::path models = fs::path(CPUTRAIN_LLAMACPP_SRC) / "models";
   std::ofstream(dir.path / "text.txt") << "Hello world";
-  for (const auto& [name, tokenizer] :
-       {std::pair{"bert-bge", "tokenizer bert"}, std::pair{"gemma-4", "tokenizer gemma4"}})
-    expect_one_line_refusal(
-        run_cputrain("tokenize --model " +
-                         (models / ("ggml-vocab-" + std::string(name) + ".gguf")).string() +
-                         " --text " + (dir.path / "text.txt").string(),
-                     dir.path),
-        std::string(tokenizer) + ", which cputrain does not read (it reads llama and gpt2)");
+  expect_one_line_refusal(
+      run_cputrain("tokenize --model " + (models / "ggml-vocab-bert-bge.gguf").string() +
+                       " --text " + (dir.path / "text.txt").string(),
+                   dir.path),
+      "tokenizer bert, which cputrain does not read (it reads llama, gpt2 and gemma4)");
   // Every vocabulary with test vectors is one of the above or of the tests before.
   size_t shipped = 0;
   for (const auto& entry : fs::directory_iterator(models))
