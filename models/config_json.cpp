@@ -53,6 +53,7 @@ json model_config_json(const ModelConfig& c) {
         {"value_heads", c.linear_value_heads}, {"key_dim", c.linear_key_dim},
         {"value_dim", c.linear_value_dim},     {"conv", c.linear_conv}};
   if (c.attn_output_gate) j["attn_output_gate"] = true;
+  if (c.qkv_fused) j["qkv_fused"] = true;
   if (c.moe())
     j["experts"] = {{"count", c.n_experts},
                     {"used", c.experts_used},
@@ -123,6 +124,7 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
       c.linear_conv = l.at("conv").get<int64_t>();
     }
     c.attn_output_gate = m.value("attn_output_gate", false);
+    c.qkv_fused = m.value("qkv_fused", false);
     if (m.contains("experts")) {
       const json& e = m.at("experts");
       c.n_experts = e.at("count").get<int64_t>();

@@ -195,7 +195,7 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
       check.fail(hp.n_kv_heads, c.n_kv_heads,
                  "does not divide " + hp.n_heads.key + " " + text(c.n_heads));
     check_rope_dim(check, hp, arch, c.head_size(), c);
-  } else if (arch.fused_qkv) {
+  } else if (arch.fused_qkv || c.qkv_fused) {
     const std::string wqkv = "layers.0.attention.wqkv.weight";
     const std::vector<int64_t> qkv = check.matrix(wqkv);
     int64_t head = 0;

@@ -227,8 +227,13 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   c.rope_theta = file.number(p + "rope.freq_base", 10000.0);  // validate()'s: above 1
   c.rope_pairs = arch->gguf_rope_pairs;
   c.tie_embeddings = arch->always_tied || file.tensor("output.weight") == nullptr;
+  // q, k and v in one tensor where the family's own are apart: llama.cpp reads either form of
+  // any family with plain attention (Phi-2's files converted from its original checkpoint).
+  c.qkv_fused = !arch->fused_qkv && arch->linear_attention_step == 0 && !arch->attn_output_gate &&
+                file.tensor("blk.0.attn_qkv.weight") && !file.tensor("blk.0.attn_q.weight");
   c.qkv_bias = arch->qkv_bias == Presence::Always ||
-               (arch->qkv_bias == Presence::Optional && file.tensor("blk.0.attn_q.bias"));
+               (arch->qkv_bias == Presence::Optional &&
+                file.tensor(c.qkv_fused ? "blk.0.attn_qkv.bias" : "blk.0.attn_q.bias") != nullptr);
   c.qk_norm = arch->qk_norm;
   if (arch->linear_attention_step > 0) read_linear_attention(file, p, *arch, hp, c);
   std::vector<std::string> names;
@@ -569,8 +574,8 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
   // Each tensor name's projections: a fused tensor's are its parts'.
   const Architecture* arch = find_architecture(file.string("general.architecture", ""));
   const bool fused_gate_up = arch && arch->fused_gate_up;
-  // q, k and v in one: Phi-3's attention, Qwen3.5's Gated DeltaNet layers.
-  const bool fused_qkv = arch && (arch->fused_qkv || arch->linear_attention_step > 0);
+  // q, k and v in one (attn_qkv): Phi-3's attention, Qwen3.5's Gated DeltaNet layers, any
+  // family's base file that holds them so.
   const bool linear = arch && arch->linear_attention_step > 0;
   using P = Projection;
   const std::vector<P> none;
@@ -578,7 +583,7 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
       {"attn_q", {P::Q}},
       {"attn_k", {P::K}},
       {"attn_v", {P::V}},
-      {"attn_qkv", fused_qkv ? std::vector<P>{P::Q, P::K, P::V} : none},
+      {"attn_qkv", {P::Q, P::K, P::V}},
       {"attn_output", {P::O}},
       {"ffn_gate", {P::Gate}},
       {"ffn_up", fused_gate_up ? std::vector<P>{P::Gate, P::Up} : std::vector<P>{P::Up}},

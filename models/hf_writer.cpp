@@ -212,10 +212,22 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
   fs::create_directories(dir, ec);
   if (ec) throw UserError(folder + ": cannot create (" + ec.message() + ")");
   std::vector<SafetensorsGroup> groups;
+  const bool shared_qkv_a = c.qkv_fused && !architecture_of(c).fused_qkv;
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
-                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); }))
+                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); })) {
     groups.push_back(tensor_group(t, GgmlType::F32));
+    // A model read from a GGUF file with q, k and v in one tensor shares one A among them
+    // (ModelConfig::qkv_fused): PEFT's q_proj, k_proj and v_proj each hold it.
+    const size_t at = t.name.find(".qkv_proj.");
+    if (shared_qkv_a && at != std::string::npos) {
+      SafetensorsGroup& g = groups.back();
+      g.entries.clear();
+      for (const char* p : {".q_proj.", ".k_proj.", ".v_proj."})
+        g.entries.emplace_back(t.name.substr(0, at) + p + t.name.substr(at + 10),
+                               shape_of(t.shape));
+    }
+  }
   if (groups.empty()) throw std::logic_error("write_peft_adapter: a model without adapters");
   // B's q and k rows in Hugging Face's rotate-half order, as its projections' rows are; a fused
   // projection's parts' B rows one after another.

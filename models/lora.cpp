@@ -205,9 +205,9 @@ std::string fused_lora_a(const ModelConfig& c, const std::string& lora_a) {
   const Architecture& arch = architecture_of(c);
   // (part, fused projection, whether the model fuses them)
   const std::tuple<const char*, const char*, bool> fused[] = {
-      {".attention.wq.", ".attention.wqkv.", arch.fused_qkv},
-      {".attention.wk.", ".attention.wqkv.", arch.fused_qkv},
-      {".attention.wv.", ".attention.wqkv.", arch.fused_qkv},
+      {".attention.wq.", ".attention.wqkv.", arch.fused_qkv || c.qkv_fused},
+      {".attention.wk.", ".attention.wqkv.", arch.fused_qkv || c.qkv_fused},
+      {".attention.wv.", ".attention.wqkv.", arch.fused_qkv || c.qkv_fused},
       {".feed_forward.w1.", ".feed_forward.w13.", arch.fused_gate_up},
       {".feed_forward.w3.", ".feed_forward.w13.", arch.fused_gate_up},
       // Qwen3.5: a Gated DeltaNet layer's in_proj_qkv; a gated attention's q_proj (q and gate).
@@ -241,6 +241,8 @@ void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std:
     throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
                     " has no gate projection (its MLP is up, GELU, down: fc1 and fc2)");
   check(arch.fused_qkv, {Projection::Q, Projection::K, Projection::V}, "q, k and v", "qkv_proj");
+  check(!arch.fused_qkv && c.qkv_fused, {Projection::Q, Projection::K, Projection::V},
+        "q, k and v (in its GGUF file)", "attn_qkv");
   check(!c.linear_layers.empty(), {Projection::Q, Projection::K, Projection::V},
         "q, k and v (in its Gated DeltaNet layers)", "in_proj_qkv");
   // Gated DeltaNet's projections named for a model without its layers.

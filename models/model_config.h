@@ -101,7 +101,12 @@ struct ModelConfig {
   float norm_eps = 1e-5f;  // RMSNorm epsilon
   double rope_theta = 10000.0;
   RopePairs rope_pairs = RopePairs::Adjacent;
-  bool qkv_bias = false;        // the q, k and v projections have biases
+  bool qkv_bias = false;  // the q, k and v projections have biases
+  // Its GGUF file holds q, k and v (and their biases) in one tensor, attn_qkv, in a family whose
+  // llama.cpp loader reads either form (Phi-2 converted from its original checkpoint): split on
+  // reading and fused again on writing, and adapters on q, k and v share one A, as llama.cpp
+  // adapts the one tensor. Phi-3's are fused in every file (Architecture::fused_qkv).
+  bool qkv_fused = false;
   bool tie_embeddings = false;  // the LM head is the token embedding matrix
   bool qk_norm = false;         // RMSNorm of each head of q and k before RoPE (Qwen3)
   RopeScaling rope_scaling;

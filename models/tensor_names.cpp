@@ -222,9 +222,12 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
   if (!info.name.starts_with("layers.")) return part;
   const size_t dot = info.name.find('.', 7);
   const std::string layer = info.name.substr(0, dot + 1), rest = info.name.substr(dot + 1);
-  const bool adapter = rest.ends_with(".lora_b");
-  if (!adapter && !rest.ends_with(".weight")) return part;
-  const std::string suffix = adapter ? "lora_b" : "weight";
+  const bool adapter = rest.ends_with(".lora_b"), bias = rest.ends_with(".bias");
+  if (!adapter && !bias && !rest.ends_with(".weight")) return part;
+  const std::string suffix = adapter ? "lora_b" : bias ? "bias" : "weight";
+  // q, k and v in one tensor: Phi-3's in every file, any family's in a GGUF file that holds them
+  // so (ModelConfig::qkv_fused).
+  const bool fused_qkv = arch.fused_qkv || (c.qkv_fused && naming == TensorNaming::Gguf);
   // (parameter, fused tensor, first row, the fused tensor's rows)
   const int64_t Q = c.q_dim(), KV = c.kv_dim(), F = c.ffn;
   const std::tuple<const char*, const char*, int64_t, int64_t> fused[] = {
@@ -235,7 +238,7 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
       {"feed_forward.w3.", "feed_forward.w13.", F, 2 * F}};
   for (const auto& [ours, whole, first, rows] : fused) {
     const bool qkv = std::string_view(whole) == "attention.wqkv.";
-    if ((qkv ? !arch.fused_qkv : !arch.fused_gate_up) || rest != std::string(ours) + suffix)
+    if ((qkv ? !fused_qkv : !arch.fused_gate_up || bias) || rest != std::string(ours) + suffix)
       continue;
     return {tensor_name(layer + whole + suffix, naming, arch), first, info.shape[0], rows};
   }
@@ -254,7 +257,7 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
       {"attention.wg.", "attention.wqg.", Q, 2 * Q}};
   for (const auto& [ours, whole, first, rows] : qwen35) {
     const bool gate = std::string_view(whole) == "attention.wqg.";
-    if ((gate ? !c.attn_output_gate : c.linear_layers.empty()) ||
+    if (bias || (gate ? !c.attn_output_gate : c.linear_layers.empty()) ||
         rest != std::string(ours) + suffix)
       continue;
     return {tensor_name(layer + whole + suffix, naming, arch), first, info.shape[0], rows};

@@ -28,6 +28,8 @@ Face's rotate-half order:
   an untied head; its MLP (weights and biases) drawn at a tenth of the others' scale, for
   llama.cpp's GELU table as Gemma's (at half scale the table moves the logits by 1.2e-3; with
   the MLP zeroed, llama.cpp's and cputrain's logits are 7.6e-6 apart);
+- phi2_fused: the same parts, with q, k and v (weights and biases) in one tensor, attn_qkv, as
+  llama.cpp's converter writes Phi-2's original checkpoint;
 - gemma3: Gemma's parts with per-head q/k norms (1 + w) and norms after attention and the MLP
   (post_attention_norm / post_attention_layernorm, post_ffw_norm / post_feedforward_layernorm,
   the MLP's pre-norm pre_feedforward_layernorm), layers 0-4 of 6 within a sliding window of 32
@@ -128,6 +130,11 @@ FAMILIES = {
                                                           sections=[1, 1, 1, 0])),
     "gpt_oss": dict(arch="gpt-oss", d=88, ffn=24, layers=4, heads=4, kv=2, head=32, theta=1.5e5,
                     window=32, yarn=dict(factor=32.0, original=64), moe=dict(experts=8, used=4)),
+    # Phi-2 as converted from its original checkpoint: q, k, v (weights and biases) in attn_qkv.
+    # (Last, so that the others keep their seeds.)
+    "phi2_fused": dict(arch="phi2", hf_type="phi", hf_class="PhiForCausalLM", d=160, ffn=320,
+                       layers=2, heads=2, kv=2, head=80, theta=10000.0, tied=False,
+                       adjacent=False, phi2=True, rope_dim=32, mlp_std=0.005, fused_qkv=True),
 }
 
 
@@ -350,6 +357,12 @@ def write_family(name, spec, seed):
             gate_up = [tensors.pop(b + p + ".weight") for p in ("ffn_gate", "ffn_up")]
             tensors[b + "attn_qkv.weight"] = np.concatenate(qkv)
             tensors[b + "ffn_up.weight"] = np.concatenate(gate_up)
+    if spec.get("fused_qkv"):  # q, k, v rows (and biases) in attn_qkv alone
+        for i in range(layers):
+            for kind in ("weight", "bias"):
+                b = f"blk.{i}."
+                qkv = [tensors.pop(f"{b}{p}.{kind}") for p in ("attn_q", "attn_k", "attn_v")]
+                tensors[f"{b}attn_qkv.{kind}"] = np.concatenate(qkv)
     if moe:  # the router, and each layer's experts stacked: (E, F, d) and (E, d, F)
         for i in range(layers):
             p = f"model.layers.{i}.mlp."

@@ -830,6 +830,87 @@ TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
   }
 }
 
+// Phi-2 as converted from its original checkpoint, q, k and v (weights and biases) in one tensor
+// (attn_qkv): llama.cpp's logits and greedy continuation; exported as GGUF it is fused again, as
+// a Hugging Face folder split as Transformers' Phi holds it, both reading back to the same bits.
+// Adapters on q, k and v share one A, written as one attn_qkv adapter that llama.cpp applies to
+// the fused tensor (merged too), and as PEFT's q_proj, k_proj and v_proj; part of the three is
+// refused.
+TEST(Families, Phi2WithFusedQkvIsLlamaCpps) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("phi2_fused")};
+  const fs::path gguf = family_models() / "phi2_fused.gguf";
+  LoadedModel g = load(gguf);
+  expect_parts("phi2", g.config);
+  EXPECT_TRUE(g.config.qkv_fused);
+  EXPECT_FALSE(load(family_models() / "phi2.gguf").config.qkv_fused);
+  const std::vector<int32_t> tokens =
+      token_sequence(200, g.config.vocab, g.tokenizer->bos_id(), 31);
+  const std::vector<float> theirs = oracle_logits(gguf, tokens, folder.path);
+  EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4);
+  expect_greedy_as_llama_cpp(g, gguf, "phi2_fused");
+  for (const char* to : {"out.gguf", "out_hf"}) {
+    const fs::path out = folder.path / to;
+    ASSERT_EQ(cputrain("export --model " + gguf.string() + " --type f32 --out " + out.string()), 0)
+        << to;
+    LoadedModel back = load(out);
+    EXPECT_EQ(back.config.qkv_fused, std::string(to) == "out.gguf") << to;
+    expect_same_values(g, back, to);
+  }
+  const GgufFile exported((folder.path / "out.gguf").string());
+  EXPECT_NE(exported.tensor("blk.1.attn_qkv.weight"), nullptr);
+  EXPECT_NE(exported.tensor("blk.1.attn_qkv.bias"), nullptr);
+  EXPECT_EQ(exported.tensor("blk.1.attn_q.weight"), nullptr);
+  EXPECT_LT(
+      max_abs_difference(oracle_logits(folder.path / "out.gguf", tokens, folder.path), theirs),
+      1e-6);
+
+  const fs::path data = write_finetune_data(folder.path);
+  const fs::path run = folder.path / "run";
+  ASSERT_EQ(cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
+                     run.string() +
+                     " --steps 3 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1 "
+                     "--lora-rank 4 --lora-targets all"),
+            0);
+  const fs::path adapter = run / "adapter.gguf";
+  const GgufFile a(adapter.string());
+  ASSERT_NE(a.tensor("blk.0.attn_qkv.weight.lora_a"), nullptr);
+  EXPECT_EQ(a.tensor("blk.0.attn_qkv.weight.lora_b")->dims, (std::vector<int64_t>{4, 3 * 160}));
+  EXPECT_EQ(a.tensor("blk.0.attn_q.weight.lora_a"), nullptr);
+  LoadedModel with =
+      load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+  const std::vector<int32_t> few = token_sequence(48, g.config.vocab, 1, 5);
+  const std::vector<float> ours = our_logits(with, few);
+  EXPECT_LT(max_abs_difference(ours, oracle_logits(gguf, few, folder.path, adapter)), 1e-4);
+  EXPECT_GT(max_abs_difference(ours, our_logits(g, few)), 1e-3);
+  const fs::path merged = folder.path / "merged.gguf";
+  ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0);
+  EXPECT_NE(GgufFile(merged.string()).tensor("blk.0.attn_qkv.weight"), nullptr);
+  EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, few, folder.path)), 1e-4);
+  // PEFT's modules are Transformers' Phi's: q_proj, k_proj and v_proj, each with the one A.
+  EXPECT_EQ(nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"))["target_modules"],
+            nlohmann::json({"q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"}));
+  const SafetensorsFile peft((run / "peft" / "adapter_model.safetensors").string());
+  const std::string at = "base_model.model.model.layers.1.self_attn.";
+  for (const char* p : {"q_proj", "k_proj", "v_proj"}) {
+    ASSERT_EQ(peft.tensors().count(at + p + ".lora_A.weight"), 1u) << p;
+    EXPECT_EQ(peft.tensors().at(at + p + ".lora_A.weight").shape, (std::vector<int64_t>{4, 160}));
+    EXPECT_EQ(peft.tensors().at(at + p + ".lora_B.weight").shape, (std::vector<int64_t>{160, 4}));
+  }
+  const auto bytes = [&](const std::string& name) {
+    const std::span<const uint8_t> d = peft.tensors().at(name).data;
+    return std::vector<uint8_t>(d.begin(), d.end());
+  };
+  EXPECT_EQ(bytes(at + "q_proj.lora_A.weight"), bytes(at + "v_proj.lora_A.weight"));
+  EXPECT_NE(bytes(at + "q_proj.lora_B.weight"), bytes(at + "v_proj.lora_B.weight"));
+  expect_one_line_refusal(
+      run_cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
+                       (folder.path / "partial").string() + " --lora-targets q,o",
+                   folder.path),
+      "--lora-targets q,o: phi2's q, k and v (in its GGUF file) are one projection, attn_qkv: "
+      "adapt all or none");
+}
+
 // A key that a file gives at a value where nothing is computable is refused in one line, not read
 // as "off": a sliding window of 0 or below, a soft-cap of 0, a RoPE base of 0, in GGUF and in
 // config.json. A Gemma 3 GGUF with a RoPE factor and no scaling type is scaled linearly, as
