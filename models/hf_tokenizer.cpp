@@ -102,31 +102,24 @@ Tokenizer hf_tokenizer(const std::string& folder) {
   } catch (const json::exception& e) {
     throw UserError(where + ": " + e.what());
   }
-  if (gemma4) {
-    v.pre = "gemma4";
-    v.add_space_prefix = false;
-    for (size_t i = 0; i < v.tokens.size(); ++i) {
-      const std::string& t = v.tokens[i];
-      if (t.size() == 6 && t.starts_with("<0x") && t.back() == '>') v.types[i] = Vocabulary::kByte;
-      if (model.value("unk_token", json()) == t) {
-        v.unk = static_cast<int32_t>(i);
-        v.types[i] = Vocabulary::kUnknown;
-      }
-    }
-  } else if (spm) {
-    // Pieces merge by score; a BPE vocabulary's merges are ranks: a merged piece scores minus the
-    // rank of the merge that makes it.
-    v.scores.assign(v.tokens.size(), 0.0f);
+  if (spm) {
     std::unordered_map<std::string, size_t> id_of;
     for (size_t i = 0; i < v.tokens.size(); ++i) id_of.emplace(v.tokens[i], i);
-    for (size_t r = 0; r < v.merges.size(); ++r) {
-      const std::string& m = v.merges[r];
-      const size_t space = m.find(' ');
-      const auto it = id_of.find(m.substr(0, space) + m.substr(space + 1));
-      if (it != id_of.end() && v.scores[it->second] == 0.0f)
-        v.scores[it->second] = -static_cast<float>(r + 1);
+    if (gemma4) {
+      v.pre = "gemma4";  // its merges are its ranks, kept
+    } else {
+      // Pieces merge by score; a BPE vocabulary's merges are ranks: a merged piece scores minus
+      // the rank of the merge that makes it.
+      v.scores.assign(v.tokens.size(), 0.0f);
+      for (size_t r = 0; r < v.merges.size(); ++r) {
+        const std::string& m = v.merges[r];
+        const size_t space = m.find(' ');
+        const auto it = id_of.find(m.substr(0, space) + m.substr(space + 1));
+        if (it != id_of.end() && v.scores[it->second] == 0.0f)
+          v.scores[it->second] = -static_cast<float>(r + 1);
+      }
+      v.merges.clear();
     }
-    v.merges.clear();
     for (size_t i = 0; i < v.tokens.size(); ++i) {
       const std::string& t = v.tokens[i];
       if (t.size() == 6 && t.starts_with("<0x") && t.back() == '>') v.types[i] = Vocabulary::kByte;
@@ -136,8 +129,9 @@ Tokenizer hf_tokenizer(const std::string& folder) {
     std::vector<json> metaspace;
     collect(j.value("pre_tokenizer", json()), "Metaspace", metaspace);
     v.add_space_prefix =
-        !prepends.empty() ||
-        (!metaspace.empty() && metaspace[0].value("prepend_scheme", "always") != "never");
+        !gemma4 &&
+        (!prepends.empty() ||
+         (!metaspace.empty() && metaspace[0].value("prepend_scheme", "always") != "never"));
     if (const auto unk = model.value("unk_token", json()); unk.is_string())
       if (const auto it = id_of.find(unk.get<std::string>()); it != id_of.end()) {
         v.unk = static_cast<int32_t>(it->second);

@@ -219,12 +219,13 @@ void write_peft_adapter(const std::string& folder, const ModelConfig& c, const P
     groups.push_back(tensor_group(t, GgmlType::F32));
     // A model read from a GGUF file with q, k and v in one tensor shares one A among them
     // (ModelConfig::qkv_fused): PEFT's q_proj, k_proj and v_proj each hold it.
-    const size_t at = t.name.find(".qkv_proj.");
+    constexpr std::string_view kFused = ".qkv_proj.";
+    const size_t at = t.name.find(kFused);
     if (shared_qkv_a && at != std::string::npos) {
       SafetensorsGroup& g = groups.back();
       g.entries.clear();
       for (const char* p : {".q_proj.", ".k_proj.", ".v_proj."})
-        g.entries.emplace_back(t.name.substr(0, at) + p + t.name.substr(at + 10),
+        g.entries.emplace_back(t.name.substr(0, at) + p + t.name.substr(at + kFused.size()),
                                shape_of(t.shape));
     }
   }

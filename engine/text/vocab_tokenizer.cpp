@@ -7,6 +7,7 @@
 #include <array>
 #include <cctype>
 #include <cstdio>
+#include <optional>
 #include <queue>
 
 #include "engine/core/error.h"
@@ -123,6 +124,78 @@ uint32_t code_point(const char* p, size_t n) {
   if (n == 2) return ((b(0) & 0x1f) << 6) | (b(1) & 0x3f);
   if (n == 3) return ((b(0) & 0x0f) << 12) | ((b(1) & 0x3f) << 6) | (b(2) & 0x3f);
   return ((b(0) & 0x07) << 18) | ((b(1) & 0x3f) << 12) | ((b(2) & 0x3f) << 6) | (b(3) & 0x3f);
+}
+
+// `text` with each space as U+2581, and one more before it where `prefix` is set.
+std::string escaped_spaces(std::string_view text, bool prefix) {
+  std::string s;
+  s.reserve(text.size() + 8);
+  if (prefix) s += kSpace;
+  for (char c : text) {
+    if (c == ' ')
+      s += kSpace;
+    else
+      s += c;
+  }
+  return s;
+}
+
+// `s` split into its characters, then adjacent pieces merged pairwise until no pair merges: at each
+// step the pair of highest `priority(left, right)` (nullopt: the two never merge), the leftmost
+// among equals. The pieces, in order.
+template <typename Priority>
+std::vector<std::string_view> merge_pairs(std::string_view s, const Priority& priority) {
+  // The symbols, one per character at first, as a linked list.
+  struct Symbol {
+    size_t start, size;
+    int prev, next;
+  };
+  std::vector<Symbol> symbols;
+  for (size_t pos = 0; pos < s.size();) {
+    const size_t n = std::min(utf8_char_bytes(static_cast<unsigned char>(s[pos])), s.size() - pos);
+    const int i = static_cast<int>(symbols.size());
+    symbols.push_back({pos, n, i - 1, i + 1});
+    pos += n;
+  }
+  if (symbols.empty()) return {};
+  symbols.back().next = -1;
+  const auto piece = [&](int i) {
+    return s.substr(symbols[static_cast<size_t>(i)].start, symbols[static_cast<size_t>(i)].size);
+  };
+  struct Pair {
+    int left, right;
+    double priority;
+    size_t size;
+  };
+  const auto later = [](const Pair& a, const Pair& b) {
+    return a.priority < b.priority || (a.priority == b.priority && a.left > b.left);
+  };
+  std::priority_queue<Pair, std::vector<Pair>, decltype(later)> queue(later);
+  const auto consider = [&](int left, int right) {
+    if (left < 0 || right < 0) return;
+    if (const std::optional<double> p = priority(piece(left), piece(right)))
+      queue.push(
+          {left, right, *p,
+           symbols[static_cast<size_t>(left)].size + symbols[static_cast<size_t>(right)].size});
+  };
+  for (int i = 0; i + 1 < static_cast<int>(symbols.size()); ++i) consider(i, i + 1);
+  while (!queue.empty()) {
+    const Pair p = queue.top();
+    queue.pop();
+    Symbol& left = symbols[static_cast<size_t>(p.left)];
+    Symbol& right = symbols[static_cast<size_t>(p.right)];
+    // Stale: one side was merged into something else since.
+    if (left.size == 0 || right.size == 0 || left.size + right.size != p.size) continue;
+    left.size += right.size;
+    right.size = 0;
+    left.next = right.next;
+    if (right.next >= 0) symbols[static_cast<size_t>(right.next)].prev = p.left;
+    consider(left.prev, p.left);
+    consider(p.left, left.next);
+  }
+  std::vector<std::string_view> pieces;
+  for (int i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next) pieces.push_back(piece(i));
+  return pieces;
 }
 
 }  // namespace
@@ -353,62 +426,14 @@ std::vector<int32_t> VocabTokenizer::encode(std::string_view text, bool special,
 
 void VocabTokenizer::encode_spm(std::string_view text, bool prefix,
                                 std::vector<int32_t>& out) const {
-  std::string s;
-  s.reserve(text.size() + 8);
-  if (prefix) s += kSpace;
-  for (char c : text) {
-    if (c == ' ')
-      s += kSpace;
-    else
-      s += c;
-  }
-  // The symbols, one per character at first, as a linked list.
-  struct Symbol {
-    size_t start, size;
-    int prev, next;
+  const std::string s = escaped_spaces(text, prefix);
+  // The pair whose merge is a piece of highest score first.
+  const auto score = [&](std::string_view left, std::string_view right) -> std::optional<double> {
+    const int32_t id = find(std::string_view(left.data(), left.size() + right.size()));
+    if (id < 0) return std::nullopt;
+    return v_.scores.empty() ? 0.0 : v_.scores[static_cast<size_t>(id)];
   };
-  std::vector<Symbol> symbols;
-  for (size_t pos = 0; pos < s.size();) {
-    const size_t n = std::min(utf8_char_bytes(static_cast<unsigned char>(s[pos])), s.size() - pos);
-    const int i = static_cast<int>(symbols.size());
-    symbols.push_back({pos, n, i - 1, i + 1});
-    pos += n;
-  }
-  symbols.back().next = -1;
-  // Candidate merges: the higher score first, then the leftmost.
-  struct Pair {
-    int left, right;
-    float score;
-    size_t size;
-  };
-  const auto later = [](const Pair& a, const Pair& b) {
-    return a.score < b.score || (a.score == b.score && a.left > b.left);
-  };
-  std::priority_queue<Pair, std::vector<Pair>, decltype(later)> queue(later);
-  const auto consider = [&](int left, int right) {
-    if (left < 0 || right < 0) return;
-    const size_t size = symbols[left].size + symbols[right].size;
-    const int32_t id = find(std::string_view(s).substr(symbols[left].start, size));
-    if (id < 0) return;
-    queue.push({left, right, v_.scores.empty() ? 0.0f : v_.scores[static_cast<size_t>(id)], size});
-  };
-  for (int i = 0; i + 1 < static_cast<int>(symbols.size()); ++i) consider(i, i + 1);
-  while (!queue.empty()) {
-    const Pair p = queue.top();
-    queue.pop();
-    Symbol& left = symbols[p.left];
-    Symbol& right = symbols[p.right];
-    // Stale: one side was merged into something else since.
-    if (left.size == 0 || right.size == 0 || left.size + right.size != p.size) continue;
-    left.size += right.size;
-    right.size = 0;
-    left.next = right.next;
-    if (right.next >= 0) symbols[right.next].prev = p.left;
-    consider(left.prev, p.left);
-    consider(p.left, left.next);
-  }
-  for (int i = 0; i >= 0; i = symbols[i].next) {
-    const std::string_view piece = std::string_view(s).substr(symbols[i].start, symbols[i].size);
+  for (const std::string_view piece : merge_pairs(s, score)) {
     const int32_t id = find(piece);
     if (id >= 0) {
       out.push_back(id);
@@ -512,16 +537,9 @@ void VocabTokenizer::encode_bpe_word(std::string_view word, std::vector<int32_t>
 }
 
 void VocabTokenizer::encode_raw_bpe(std::string_view text, std::vector<int32_t>& out) const {
-  // Spaces as U+2581, then each line and each run of line breaks a word of its own. A run of
-  // line breaks that is a token is that token.
-  std::string s;
-  s.reserve(text.size() + 8);
-  for (char c : text) {
-    if (c == ' ')
-      s += kSpace;
-    else
-      s += c;
-  }
+  // Each line and each run of line breaks a word of its own. A run of line breaks that is a token
+  // is that token.
+  const std::string s = escaped_spaces(text, false);
   const std::string_view all(s);
   for (size_t pos = 0; pos < all.size();) {
     const bool breaks = all[pos] == '\n';
@@ -539,60 +557,15 @@ void VocabTokenizer::encode_raw_bpe(std::string_view text, std::vector<int32_t>&
 }
 
 void VocabTokenizer::encode_ranked_word(std::string_view word, std::vector<int32_t>& out) const {
-  // One symbol per character at first, as a linked list; the pair whose merge ranks lowest (the
-  // leftmost among equals) merges first, until no pair is a merge.
-  struct Symbol {
-    size_t start, size;
-    int prev, next;
-  };
-  std::vector<Symbol> symbols;
-  for (size_t pos = 0; pos < word.size();) {
-    const size_t n =
-        std::min(utf8_char_bytes(static_cast<unsigned char>(word[pos])), word.size() - pos);
-    const int i = static_cast<int>(symbols.size());
-    symbols.push_back({pos, n, i - 1, i + 1});
-    pos += n;
-  }
-  if (symbols.empty()) return;
-  symbols.back().next = -1;
-  struct Pair {
-    int left, right;
-    int32_t rank;
-    size_t size;
-  };
-  const auto later = [](const Pair& a, const Pair& b) {
-    return a.rank > b.rank || (a.rank == b.rank && a.left > b.left);
-  };
-  std::priority_queue<Pair, std::vector<Pair>, decltype(later)> queue(later);
+  // The pair whose merge ranks lowest first.
   std::string pair;  // "left right", reused
-  const auto consider = [&](int left, int right) {
-    if (left < 0 || right < 0) return;
-    const Symbol& l = symbols[static_cast<size_t>(left)];
-    const Symbol& r = symbols[static_cast<size_t>(right)];
-    pair.assign(word.substr(l.start, l.size)).append(1, ' ').append(word.substr(r.start, r.size));
+  const auto rank = [&](std::string_view left, std::string_view right) -> std::optional<double> {
+    pair.assign(left).append(1, ' ').append(right);
     const auto it = merge_rank_.find(pair);
-    if (it != merge_rank_.end()) queue.push({left, right, it->second, l.size + r.size});
+    if (it == merge_rank_.end()) return std::nullopt;
+    return -static_cast<double>(it->second);
   };
-  for (int i = 0; i + 1 < static_cast<int>(symbols.size()); ++i) consider(i, i + 1);
-  while (!queue.empty()) {
-    const Pair p = queue.top();
-    queue.pop();
-    Symbol& left = symbols[static_cast<size_t>(p.left)];
-    Symbol& right = symbols[static_cast<size_t>(p.right)];
-    // Stale: one side was merged into something else since.
-    if (left.size == 0 || right.size == 0 || left.next != p.right ||
-        left.size + right.size != p.size)
-      continue;
-    left.size += right.size;
-    right.size = 0;
-    left.next = right.next;
-    if (right.next >= 0) symbols[static_cast<size_t>(right.next)].prev = p.left;
-    consider(left.prev, p.left);
-    consider(p.left, left.next);
-  }
-  for (int i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next) {
-    const Symbol& sym = symbols[static_cast<size_t>(i)];
-    const std::string_view piece = word.substr(sym.start, sym.size);
+  for (const std::string_view piece : merge_pairs(word, rank)) {
     if (const int32_t id = find(piece); id >= 0) {
       out.push_back(id);
       continue;
