@@ -292,6 +292,46 @@ std::vector<Architecture> table() {
         "RoPE scaling on the global ones (4B and larger)";
     t.push_back(a);
   }
+  {
+    Architecture a;
+    a.name = "gemma4";
+    a.hf_model_types = {"gemma4_text"};
+    a.hf_multimodal_types = {"gemma4"};
+    a.hf_class = "Gemma4ForCausalLM";
+    a.gguf_rope_pairs = RopePairs::HalfSplit;
+    a.qk_norm = true;
+    a.partial_rotary = true;
+    a.mlp = Mlp::GeGlu;
+    a.scale_embeddings = true;
+    a.always_tied = true;
+    a.post_norms = true;
+    a.swa_pattern = 5;
+    a.default_window = 512;
+    // Proportional RoPE: the global layers' rope_freqs, a factor of 1e30 for each pair that
+    // does not rotate.
+    a.rope_scalings = {"factors"};
+    a.default_rope_theta_swa = 10000.0;
+    a.v_norm = true;
+    a.unscaled_scores = true;
+    a.layer_output_scale = true;
+    a.layer_shapes = true;
+    a.per_layer_inputs = true;
+    a.files = false;  // GGUF alone
+    a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
+                  {"post_attention_norm", "post_attention_layernorm"},
+                  {"post_ffw_norm", "post_feedforward_layernorm"}};
+    a.gguf_keys = {"attention.sliding_window",  "attention.sliding_window_pattern",
+                   "rope.freq_base_swa",        "final_logit_softcapping",
+                   "attention.key_length_swa",  "attention.value_length_swa",
+                   "rope.dimension_count_swa",  "embedding_length_per_layer_input",
+                   "attention.shared_kv_layers"};
+    a.summary =
+        "Gemma 3's block with v normed, unscaled scores, a learnt scale of each layer's output "
+        "and a soft-cap on the logits; windowed layers with their own head size, global ones "
+        "with proportional RoPE; per-layer embeddings and layers sharing keys and values (E2B, "
+        "E4B)";
+    t.push_back(a);
+  }
   return t;
 }
 
@@ -418,6 +458,8 @@ std::string architecture_mismatch(const ModelConfig& c) {
   if (c.final_softcap > 0.0f && a->swa_pattern == 0) return "soft-capped logits" + of;
   if (!c.linear_layers.empty() && a->linear_attention_step == 0)
     return "Gated DeltaNet layers" + of;
+  if (c.per_layer_dim > 0 && !a->per_layer_inputs) return "per-layer embeddings" + of;
+  if (c.layers_differ() && !a->layer_shapes) return "layers of different shapes" + of;
   if (c.attn_output_gate != a->attn_output_gate)
     return std::string(c.attn_output_gate ? "an attention output gate"
                                           : "no attention output gate") +
@@ -447,6 +489,12 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
     // Qwen3.5-MoE's shared expert: as wide as one expert.
     if (arch.shared_expert) c.shared_expert_ffn = c.ffn;
   }
+  if (!arch.layer_shapes) {
+    c.head_dim_swa = c.n_kv_heads_swa = c.rope_dim_swa = c.shared_kv_layers = 0;
+    c.layer_ffn.clear();
+  }
+  // Gemma 4 E2B's per-layer embeddings, scaled: a sixth of the width (at least 8).
+  c.per_layer_dim = arch.per_layer_inputs ? std::max<int64_t>(8, c.d_model / 6 / 2 * 2) : 0;
   if (!arch.moe) c.n_experts = c.experts_used = 0;
   if (!arch.shared_expert) c.shared_expert_ffn = 0;
   if (arch.linear_attention_step > 0) {

@@ -121,6 +121,18 @@ struct Architecture {
   // gate_up_proj_bias and down_proj_bias; the experts' count num_local_experts, their width
   // intermediate_size.
   bool hf_gpt_oss_experts = false;
+  // Gemma 4's attention: v normed per head without a gain, scores unscaled (a scale of 1, the
+  // q and k norms standing in for it).
+  bool v_norm = false;
+  bool unscaled_scores = false;
+  // A learnt scalar multiplying each layer's output, its residual included (Gemma 4's
+  // layer_scalar).
+  bool layer_output_scale = false;
+  // Layers that differ in shape (ModelConfig::layers_differ: the windowed layers' own head size,
+  // key/value heads and rotation, MLP widths per layer, layers sharing another's keys and values)
+  // and per-layer embeddings (ModelConfig::per_layer_dim), Gemma 4's.
+  bool layer_shapes = false;
+  bool per_layer_inputs = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
   // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
   // for a whole model read and written as GGUF where gguf_written says so.

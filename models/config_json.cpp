@@ -54,6 +54,12 @@ json model_config_json(const ModelConfig& c) {
         {"value_dim", c.linear_value_dim},     {"conv", c.linear_conv}};
   if (c.attn_output_gate) j["attn_output_gate"] = true;
   if (c.qkv_fused) j["qkv_fused"] = true;
+  if (c.head_dim_swa > 0) j["head_dim_swa"] = c.head_dim_swa;
+  if (c.n_kv_heads_swa > 0) j["n_kv_heads_swa"] = c.n_kv_heads_swa;
+  if (c.rope_dim_swa > 0) j["rope_dim_swa"] = c.rope_dim_swa;
+  if (!c.layer_ffn.empty()) j["layer_ffn"] = c.layer_ffn;
+  if (c.shared_kv_layers > 0) j["shared_kv_layers"] = c.shared_kv_layers;
+  if (c.per_layer_dim > 0) j["per_layer_dim"] = c.per_layer_dim;
   if (c.moe())
     j["experts"] = {{"count", c.n_experts},
                     {"used", c.experts_used},
@@ -125,6 +131,12 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
     }
     c.attn_output_gate = m.value("attn_output_gate", false);
     c.qkv_fused = m.value("qkv_fused", false);
+    c.head_dim_swa = m.value("head_dim_swa", int64_t{0});
+    c.n_kv_heads_swa = m.value("n_kv_heads_swa", int64_t{0});
+    c.rope_dim_swa = m.value("rope_dim_swa", int64_t{0});
+    c.layer_ffn = m.value("layer_ffn", std::vector<int64_t>{});
+    c.shared_kv_layers = m.value("shared_kv_layers", int64_t{0});
+    c.per_layer_dim = m.value("per_layer_dim", int64_t{0});
     if (m.contains("experts")) {
       const json& e = m.at("experts");
       c.n_experts = e.at("count").get<int64_t>();
@@ -241,8 +253,37 @@ std::string describe_parts(const ModelConfig& c) {
     s += buf;
   }
   if (c.attn_softcap > 0.0f || c.final_softcap > 0.0f) {
-    std::snprintf(buf, sizeof(buf), "; soft-capped scores %g, logits %g",
-                  static_cast<double>(c.attn_softcap), static_cast<double>(c.final_softcap));
+    if (c.attn_softcap > 0.0f) {
+      std::snprintf(buf, sizeof(buf), "; soft-capped scores %g",
+                    static_cast<double>(c.attn_softcap));
+      s += buf;
+    }
+    if (c.final_softcap > 0.0f) {
+      std::snprintf(buf, sizeof(buf), "; soft-capped logits %g",
+                    static_cast<double>(c.final_softcap));
+      s += buf;
+    }
+  }
+  if (c.head_dim_swa > 0 || c.n_kv_heads_swa > 0) {
+    std::snprintf(buf, sizeof(buf), "; windowed layers' heads of %lld (%lld key/value heads)",
+                  static_cast<long long>(c.head_size(0)), static_cast<long long>(c.kv_heads(0)));
+    s += buf;
+  }
+  if (!c.layer_ffn.empty()) {
+    s += "; ffn by layer";
+    for (const int64_t f : c.layer_ffn) {
+      std::snprintf(buf, sizeof(buf), " %lld", static_cast<long long>(f));
+      s += buf;
+    }
+  }
+  if (c.shared_kv_layers > 0) {
+    std::snprintf(buf, sizeof(buf), "; the last %lld layers share earlier ones' keys and values",
+                  static_cast<long long>(c.shared_kv_layers));
+    s += buf;
+  }
+  if (c.per_layer_dim > 0) {
+    std::snprintf(buf, sizeof(buf), "; per-layer embeddings of %lld",
+                  static_cast<long long>(c.per_layer_dim));
     s += buf;
   }
   if (c.qk_norm) s += "; q/k norms";

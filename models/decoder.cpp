@@ -25,8 +25,7 @@ namespace cputrain {
 
 DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const LoraConfig& lora,
                                            ParameterSet& params) {
-  const int64_t V = config.vocab, C = config.d_model, F = config.ffn;
-  const int64_t Q = config.q_dim(), KV = config.kv_dim();
+  const int64_t V = config.vocab, C = config.d_model;
   const Architecture& arch = architecture_of(config);
   const bool layer_norm = arch.norm == Norm::LayerNorm, dense = arch.dense_biases;
   // A bias of `n` named `name`, or -1 where `present` is false.
@@ -37,10 +36,23 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
   // Tied: the embedding is also the LM head's weight, a GEMM operand (bf16 copy).
   layout.tok_embeddings =
       params.add("tok_embeddings.weight", Shape{V, C}, true, config.tie_embeddings);
+  const int64_t P = config.per_layer_dim;
+  if (P > 0) {
+    // Looked up row by row, as the embedding.
+    layout.pl_table =
+        params.add("per_layer.embeddings.weight", Shape{V, config.n_layers * P}, true);
+    layout.pl_model_proj =
+        params.add("per_layer.model_proj.weight", Shape{config.n_layers * P, C}, true, true);
+    layout.pl_proj_norm = params.add("per_layer.proj_norm.weight", Shape{P}, false);
+  }
   for (int64_t i = 0; i < config.n_layers; ++i) {
     const std::string l = "layers." + std::to_string(i) + ".";
+    const int64_t F = config.ffn_width(i);
+    const int64_t Q = config.q_dim(i), KV = config.kv_dim(i), D = config.head_size(i);
     Block b;
     b.layer = i;
+    b.kv_from = config.kv_layer(i);
+    const bool own_kv = b.kv_from == i;
     b.attention_norm = params.add(l + "attention_norm.weight", Shape{C}, false);
     b.attention_norm_bias = bias_of(layer_norm, l + "attention_norm.bias", C);
     b.linear = config.linear_layer(i);
@@ -64,18 +76,18 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.wo = params.add(d + "wo.weight", Shape{C, LV}, true, true);
     } else {
       b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
-      b.wk = params.add(l + "attention.wk.weight", Shape{KV, C}, true, true);
-      b.wv = params.add(l + "attention.wv.weight", Shape{KV, C}, true, true);
+      b.wk = own_kv ? params.add(l + "attention.wk.weight", Shape{KV, C}, true, true) : -1;
+      b.wv = own_kv ? params.add(l + "attention.wv.weight", Shape{KV, C}, true, true) : -1;
       if (config.attn_output_gate)
         b.wg = params.add(l + "attention.wg.weight", Shape{Q, C}, true, true);
       if (config.qkv_bias) {
         b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
-        b.bk = params.add(l + "attention.wk.bias", Shape{KV}, false);
-        b.bv = params.add(l + "attention.wv.bias", Shape{KV}, false);
+        b.bk = own_kv ? params.add(l + "attention.wk.bias", Shape{KV}, false) : -1;
+        b.bv = own_kv ? params.add(l + "attention.wv.bias", Shape{KV}, false) : -1;
       }
       if (config.qk_norm) {
-        b.q_norm = params.add(l + "attention.q_norm.weight", Shape{config.head_size()}, false);
-        b.k_norm = params.add(l + "attention.k_norm.weight", Shape{config.head_size()}, false);
+        b.q_norm = params.add(l + "attention.q_norm.weight", Shape{D}, false);
+        b.k_norm = own_kv ? params.add(l + "attention.k_norm.weight", Shape{D}, false) : -1;
       }
       b.wo = params.add(l + "attention.wo.weight", Shape{C, Q}, true, true);
       b.bo = bias_of(dense || arch.attn_out_bias, l + "attention.wo.bias", C);
@@ -117,6 +129,13 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.b2 = bias_of(dense, l + "feed_forward.w2.bias", C);
     }
     if (arch.post_norms) b.post_ffw_norm = params.add(l + "post_ffw_norm.weight", Shape{C}, false);
+    if (P > 0) {
+      b.pl_gate = params.add(l + "per_layer.gate.weight", Shape{P, C}, true, true);
+      b.pl_proj = params.add(l + "per_layer.proj.weight", Shape{C, P}, true, true);
+      b.pl_norm = params.add(l + "per_layer.norm.weight", Shape{C}, false);
+    }
+    if (arch.layer_output_scale)
+      b.layer_scale = params.add(l + "layer_scale.weight", Shape{1}, false);
     if (lora.active()) {
       // A mixture's router; its experts' adapters (after) are one A and B of each expert.
       const int weights[kProjectionCount] = {b.wq, b.wk, b.wv, b.wo, b.w1,    b.w3,
@@ -182,6 +201,9 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     throw std::invalid_argument("LoRA rank must be >= 0, its alpha > 0 and its dropout in [0, 1)");
   Layout layout = declare(config, lora_, params_);
   tok_embeddings_ = layout.tok_embeddings;
+  pl_table_ = layout.pl_table;
+  pl_model_proj_ = layout.pl_model_proj;
+  pl_proj_norm_ = layout.pl_proj_norm;
   blocks_ = std::move(layout.blocks);
   norm_ = layout.norm;
   norm_bias_ = layout.norm_bias;
@@ -195,12 +217,14 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
       params_.set_trainable(static_cast<int>(i), is_lora_parameter(name));
   }
   params_.set_master_read(tok_embeddings_);  // the embedding looks up its FP32 rows
+  if (pl_table_ >= 0) params_.set_master_read(pl_table_);
   if (options.offload) params_.set_offload(options.offload_dir);
   params_.set_shard(options.shard);
   if (options.in_place) {
     for (size_t i = 0; i < params_.infos().size(); ++i) {
       const ParameterInfo& p = params_.infos()[i];
-      if (p.trainable || (!p.bf16_copy && static_cast<int>(i) != tok_embeddings_)) continue;
+      const bool table = static_cast<int>(i) == tok_embeddings_ || static_cast<int>(i) == pl_table_;
+      if (p.trainable || (!p.bf16_copy && !table)) continue;
       const InPlaceWeight w = options.in_place(p);
       if ((w.dtype == DType::BF16 && options.compute_dtype == DType::BF16 && p.bf16_copy) ||
           dtype_quantized(w.dtype))
@@ -224,6 +248,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     v.insert(v.end(), {b.router, b.experts_w1, b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3,
                        b.shared_w2, b.shared_gate});
     v.insert(v.end(), {b.router_bias, b.experts_b1, b.experts_b3, b.experts_b2, b.sinks});
+    v.insert(v.end(), {b.pl_gate, b.pl_proj, b.pl_norm, b.layer_scale});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     v.push_back(b.lora_b_gate);
@@ -250,7 +275,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     if (tail) final_from_[stage] = from;
   }
 
-  // The rotated dimensions' angles: (ctx, R/2, 2); the windowed layers' at their own base.
+  // The rotated dimensions' angles: (ctx, R/2, 2); the windowed layers' at their own base (and
+  // of their own rotated dimensions).
   const int64_t R = config.rope_dims();
   rope_table_ = Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
   if (!rope_table_.measured())
@@ -258,13 +284,23 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
                         config.rope_freq_factors(), config.rope_scaling.attn_factor);
   rope_table_swa_ = rope_table_;
   if (config.rope_swa_apart()) {
+    const int64_t Rs = config.rope_dims_swa();
     rope_table_swa_ =
-        Tensor::empty(Shape{config.ctx, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
+        Tensor::empty(Shape{config.ctx, Rs / 2, 2}, DType::F32, MemoryCategory::Workspace);
     if (!rope_table_swa_.measured())
       kernels::rope_table(
-          rope_table_swa_.f32(), config.ctx, R, config.rope_swa_theta(),
+          rope_table_swa_.f32(), config.ctx, Rs, config.rope_swa_theta(),
           config.rope_scaling.every_layer() ? config.rope_freq_factors() : nullptr,
           config.rope_scaling.every_layer() ? config.rope_scaling.attn_factor : 1.0);
+  }
+  if (arch_->v_norm) {
+    const auto ones = [](int64_t n) {
+      Tensor t = Tensor::empty(Shape{n}, DType::F32, MemoryCategory::Workspace);
+      if (!t.measured()) std::fill_n(t.f32(), n, 1.0f);
+      return t;
+    };
+    v_gain_ = ones(config.head_size());
+    v_gain_swa_ = config.head_dim_swa > 0 ? ones(config.head_dim_swa) : v_gain_;
   }
 }
 
@@ -415,24 +451,26 @@ Variable DecoderModel::linear_attention(const Block& b, const Variable& h, const
 }
 
 Variable DecoderModel::block_forward(const Block& b, const Variable& x, const RopeTables& tables,
-                                     bool per_row, const Attend& attend, LinearState* state) {
+                                     bool per_row, const Attend& attend, LinearState* state,
+                                     const std::vector<Variable>& extra) {
   const bool windowed = config_.windowed_layer(b.layer);
   const Tensor& rope_table = windowed ? tables.windowed : tables.global;
   kernels::AttentionOptions options;
-  options.scale = config_.attn_scale;
+  options.scale = arch_->unscaled_scores ? 1.0f : config_.attn_scale;
   options.softcap = config_.attn_softcap;
   if (windowed) options.window = config_.sliding_window;
   const float eps = config_.norm_eps;
-  const int64_t H = config_.n_heads, KVH = config_.kv_heads();
+  const int64_t H = config_.n_heads, KVH = config_.kv_heads(b.layer);
   const bool half_split = config_.rope_pairs == RopePairs::HalfSplit;
   const bool rotate = config_.rope_in_layer(b.layer);
   const float offset = config_.norm_offset();
   // RoPE where the layer applies it, after the head's norm where the block has one.
   const auto position = [&](const Variable& x, int norm, int64_t heads) {
     const Variable normed = norm >= 0 ? head_rmsnorm(x, p(norm), eps, offset) : x;
-    return rotate ? rope(normed, rope_table, heads, half_split, per_row, config_.rope_dims())
+    return rotate ? rope(normed, rope_table, heads, half_split, per_row, config_.rope_dims(b.layer))
                   : normed;
   };
+  const size_t P = b.pl_gate >= 0 ? 1 : 0;  // where the per-layer input is in `extra`
   // The MLP on x (normed first where `normed` is false); with --checkpoint mlp a checkpoint
   // region of its own, which keeps only x.
   const auto mlp = [&](const Variable& x, bool normed) {
@@ -451,9 +489,22 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   } else {
     Variable q, k, v;
     q = position(project(b, Projection::Q, b.wq, b.bq, h), b.q_norm, H);
-    k = position(project(b, Projection::K, b.wk, b.bk, h), b.k_norm, KVH);
-    // Attention reads only v's rounding.
-    v = project(b, Projection::V, b.wv, b.bv, h, true);
+    // A shared-KV layer's keys and values: its source layer's, from that layer's input (in
+    // decoding, the cache's).
+    const bool shared = b.kv_from != b.layer;
+    const Block& kb = blocks_[static_cast<size_t>(b.kv_from)];
+    if (!shared || extra.size() > P) {
+      const Variable kh = shared ? norm(extra[P], kb.attention_norm, kb.attention_norm_bias) : h;
+      k = position(project(kb, Projection::K, kb.wk, kb.bk, kh), kb.k_norm, KVH);
+      if (arch_->v_norm) {
+        // Gemma 4's: each head normed, without a gain.
+        v = head_rmsnorm(project(kb, Projection::V, kb.wv, kb.bv, kh),
+                         Variable(windowed ? v_gain_swa_ : v_gain_, false), eps);
+      } else {
+        // Attention reads only v's rounding.
+        v = project(kb, Projection::V, kb.wv, kb.bv, kh, true);
+      }
+    }
     // The output gate, q_proj's other half: q's adapter A, a B of its own.
     const Variable gate =
         b.wg >= 0 ? project(b, Projection::Q, b.wg, -1, h, false, b.lora_b_gate) : Variable();
@@ -473,7 +524,14 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   }
   const Variable a = add(x, attended);
   attended = Variable();
-  return add(a, mlp(a, false));
+  Variable out = add(a, mlp(a, false));
+  if (b.pl_gate >= 0) {
+    // Gemma 4's per-layer input: gelu of a gate of the layer's output times the input, projected
+    // back, normed and added.
+    const Variable gated = geglu(linear(out, p(b.pl_gate)), extra[0]);
+    out = add(out, head_rmsnorm(linear(gated, p(b.pl_proj)), p(b.pl_norm), eps, offset));
+  }
+  return b.layer_scale >= 0 ? scale_by(out, p(b.layer_scale)) : out;
 }
 
 Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
@@ -534,19 +592,22 @@ Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
 Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {
   if (inputs.ndim() != 2 || inputs.dim(1) > config_.ctx)
     throw std::invalid_argument("model input must be (B, T) with T <= ctx");
-  const int64_t H = config_.n_heads, KVH = config_.kv_heads();
-  const Attend attend = [H, KVH, packing](const Variable& q, const Variable& k, const Variable& v,
-                                          const kernels::AttentionOptions& options,
-                                          const Variable& sinks) {
-    return attention(q, k, v, H, KVH, packing, options, sinks);
+  const int64_t H = config_.n_heads;
+  const Attend attend = [H, packing](const Variable& q, const Variable& k, const Variable& v,
+                                     const kernels::AttentionOptions& options,
+                                     const Variable& sinks) {
+    // The layer's key/value heads: k's width in heads of q's size.
+    const int64_t D = q.shape()[q.shape().ndim() - 1] / H;
+    return attention(q, k, v, H, k.shape()[k.shape().ndim() - 1] / D, packing, options, sinks);
   };
   // Packed rows: each row's RoPE table, every sequence's positions from 0.
   RopeTables table{rope_table_, rope_table_swa_, Tensor()};
   if (packing) {
-    const int64_t B = inputs.dim(0), T = inputs.dim(1), R = config_.rope_dims();
+    const int64_t B = inputs.dim(0), T = inputs.dim(1);
     if (static_cast<int64_t>(packing->lengths.size()) != B)
       throw std::invalid_argument("packing of another batch");
     const auto per_row_table = [&](const Tensor& whole) {
+      const int64_t R = whole.dim(1) * 2;
       Tensor rows = Tensor::empty(Shape{B, T, R / 2, 2}, DType::F32, MemoryCategory::Activations);
       if (rows.measured()) return rows;
       for (int64_t b = 0; b < B; ++b) {
@@ -576,6 +637,9 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
   const bool per_row = packing != nullptr;
   read_ahead(0);
   Variable x = embedding(p(tok_embeddings_), inputs, embedding_scale());
+  std::vector<Variable> per_layer = per_layer_inputs(inputs, x);
+  // The inputs of the layers whose keys and values later layers share.
+  std::vector<Variable> block_input(blocks_.size());
   const bool recording = read_ahead_queue_ && grad_enabled();
   const auto final_from = [this](size_t stage) {
     if (grad_enabled() && final_from_[stage] >= 0)
@@ -588,15 +652,25 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     final_from(i);
     if (recording) record_backward("read_ahead", [this, i] { read_ahead(i, true); });
     read_ahead(i + 1);  // the next block's weights (the head's after the last) while this runs
+    // The block's per-layer input, and a shared-KV layer's source's input.
+    std::vector<Variable> extra;
+    if (!per_layer.empty()) extra.push_back(std::move(per_layer[i]));
+    if (b.kv_from != b.layer) extra.push_back(block_input[static_cast<size_t>(b.kv_from)]);
+    if (config_.shared_kv_layers > 0 && b.kv_from == b.layer &&
+        static_cast<int64_t>(i) >= config_.n_layers - config_.shared_kv_layers - 2)
+      block_input[i] = x;
     if (checkpointing_ == Checkpointing::Layer) {
       // The region reruns in backward: it holds its own copies of attend and the table.
+      std::vector<Variable> in = {x};
+      in.insert(in.end(), extra.begin(), extra.end());
       x = checkpoint(
-          [this, &b, attend, table, per_row](const Variable& in) {
-            return block_forward(b, in, table, per_row, attend);
+          [this, &b, attend, table, per_row](const std::vector<Variable>& in) {
+            return block_forward(b, in[0], table, per_row, attend, nullptr,
+                                 std::vector<Variable>(in.begin() + 1, in.end()));
           },
-          x);
+          in);
     } else {
-      x = block_forward(b, x, table, per_row, attend);
+      x = block_forward(b, x, table, per_row, attend, nullptr, extra);
     }
     read_ahead(i, true);
     // The backward pass reaches this just before the block's own backward: the block before's
@@ -605,6 +679,22 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
   }
   final_from(blocks_.size());  // reached after the head's backward
   return norm(x, norm_, norm_bias_);
+}
+
+std::vector<Variable> DecoderModel::per_layer_inputs(const Tensor& inputs, const Variable& x) {
+  if (pl_table_ < 0) return {};
+  const int64_t P = config_.per_layer_dim, L = config_.n_layers;
+  const auto Pf = static_cast<float>(P), Cf = static_cast<float>(config_.d_model);
+  // The table's rows times sqrt(P), plus the embedding's projection times 1 / sqrt(C) normed in
+  // each layer's P, the sum times 1 / sqrt(2).
+  const Variable looked_up = embedding(p(pl_table_), inputs, std::sqrt(Pf));
+  const Variable projected =
+      head_rmsnorm(scale(linear(x, p(pl_model_proj_)), 1.0f / std::sqrt(Cf)), p(pl_proj_norm_),
+                   config_.norm_eps, config_.norm_offset());
+  const Variable sum = scale(add(projected, looked_up), 1.0f / std::sqrt(2.0f));
+  std::vector<Variable> out;
+  for (int64_t l = 0; l < L; ++l) out.push_back(column_slice(sum, l * P, P));
+  return out;
 }
 
 Variable DecoderModel::loss(const Tensor& inputs, const Tensor& targets) {
@@ -713,10 +803,16 @@ DecoderModel::KvCache DecoderModel::new_kv_cache() const {
       continue;
     }
     cache.linear.emplace_back();
-    const int64_t rows = config_.windowed_layer(static_cast<int64_t>(l))
+    const auto layer = static_cast<int64_t>(l);
+    if (blocks_[l].kv_from != layer) {  // reads its source layer's
+      cache.keys.emplace_back();
+      cache.values.emplace_back();
+      continue;
+    }
+    const int64_t rows = config_.windowed_layer(layer)
                              ? std::min(config_.ctx, 2 * config_.sliding_window)
                              : config_.ctx;
-    const Shape shape{rows, config_.kv_dim()};
+    const Shape shape{rows, config_.kv_dim(layer)};
     cache.keys.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
     cache.values.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
   }
@@ -745,8 +841,10 @@ void DecoderModel::read_ahead(size_t index, bool release) const {
   } else {
     const Block& b = blocks_[index];
     for (const int parameter :
-         {b.wq, b.wk, b.wv, b.wo, b.w1, b.w3, b.w2, b.wg, b.wz, b.wa, b.wb, b.router, b.experts_w1,
-          b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3, b.shared_w2, b.shared_gate})
+         {b.wq,          b.wk,         b.wv,         b.wo,        b.w1,        b.w3,
+          b.w2,          b.wg,         b.wz,         b.wa,        b.wb,        b.router,
+          b.experts_w1,  b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3, b.shared_w2,
+          b.shared_gate, b.pl_gate,    b.pl_proj})
       add(parameter);
   }
   if (weights.empty()) return;
@@ -759,12 +857,20 @@ void DecoderModel::read_ahead(size_t index, bool release) const {
 
 Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
   const auto m = static_cast<int64_t>(tokens.size());
-  const int64_t n = cache.length, H = config_.n_heads, KVH = config_.kv_heads();
-  const int64_t D = config_.head_size(), Q = config_.q_dim(), KV = config_.kv_dim();
-  const int64_t R = config_.rope_dims();
+  const int64_t n = cache.length, H = config_.n_heads;
   if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size() ||
       cache.first.size() != blocks_.size())
     throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
+  if (config_.shared_kv_layers > 0 && config_.sliding_window > 0 && m > config_.sliding_window) {
+    // A shared-KV layer attends with its source's cache as the source left it: in pieces of at
+    // most the window, that cache holds every key each piece's queries see.
+    Tensor last;
+    for (int64_t s = 0; s < m; s += config_.sliding_window)
+      last = decode(std::vector<int32_t>(tokens.begin() + s,
+                                         tokens.begin() + std::min(m, s + config_.sliding_window)),
+                    cache);
+    return last;
+  }
   if (n == 0) {
     std::fill(cache.first.begin(), cache.first.end(), 0);
     for (LinearState& state : cache.linear)
@@ -777,6 +883,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   std::copy(tokens.begin(), tokens.end(), input.i32());
   // RoPE angles of positions n .. n + m - 1.
   const auto rows_of = [&](const Tensor& whole) {
+    const int64_t R = whole.dim(1) * 2;
     Tensor rows = Tensor::empty(Shape{m, R / 2, 2}, DType::F32, MemoryCategory::Workspace);
     std::copy_n(whole.f32() + n * R, m * R, rows.f32());
     return rows;
@@ -784,7 +891,14 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   RopeTables table{rows_of(rope_table_), Tensor(), Tensor()};
   table.windowed = config_.rope_swa_apart() ? rows_of(rope_table_swa_) : table.global;
   Variable x = embedding(p(tok_embeddings_), input, embedding_scale());
+  std::vector<Variable> per_layer = per_layer_inputs(input, x);
   for (size_t l = 0; l < blocks_.size(); ++l) {
+    const auto layer = static_cast<int64_t>(l);
+    const int64_t D = config_.head_size(layer), Q = config_.q_dim(layer);
+    const int64_t KVH = config_.kv_heads(layer), KV = config_.kv_dim(layer);
+    // A shared-KV layer's queries attend to its source's cache, which holds this call's keys
+    // and values already.
+    const auto source = static_cast<size_t>(blocks_[l].kv_from);
     // The new positions' keys and values join the cache as attention would see them (bf16
     // roundings in bf16 mode); their queries attend to everything cached.
     // A windowed layer's queries go in pieces of at most the window, each after its keys and
@@ -793,6 +907,14 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
                                  kernels::AttentionOptions options, const Variable& sinks) {
       const Tensor sink_values = sinks.defined() ? attention_input(sinks) : Tensor();
       if (sink_values.defined()) options.sinks = sink_values.f32();
+      if (source != l) {
+        const Tensor qt = attention_input(q);
+        Tensor att = Tensor::empty(Shape{1, m, Q}, DType::F32, MemoryCategory::Workspace);
+        kernels::attention_decode(att.f32(), qt.f32(), cache.keys[source].f32(),
+                                  cache.values[source].f32(), n - cache.first[source], m, H, KVH, D,
+                                  options);
+        return Variable(att, false);
+      }
       Tensor& keys = cache.keys[l];
       Tensor& values = cache.values[l];
       int64_t& first = cache.first[l];
@@ -818,8 +940,10 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
       }
       return Variable(att, false);
     };
+    std::vector<Variable> extra;
+    if (!per_layer.empty()) extra.push_back(std::move(per_layer[l]));
     x = block_forward(blocks_[l], x, table, false, attend,
-                      blocks_[l].linear ? &cache.linear[l] : nullptr);
+                      blocks_[l].linear ? &cache.linear[l] : nullptr, extra);
   }
   cache.length = n + m;
   return last_position_logits(norm(x, norm_, norm_bias_).value(), 1, m);

@@ -86,7 +86,9 @@ class DecoderModel {
   DType compute_dtype() const { return compute_dtype_; }
   // Gradient checkpointing (Checkpointing): each block (layer), or each block's MLP with its
   // norm (mlp), is a checkpoint region (autograd.h), which the backward pass recomputes one at a
-  // time. Gradients are bitwise the same as without.
+  // time. Gradients are bitwise the same as without, but per layer in a model whose layers read
+  // more than the layer before (Gemma 4's per-layer inputs and shared keys and values): there an
+  // input several layers read sums its gradient's terms in another order.
   void set_checkpointing(Checkpointing level) { checkpointing_ = level; }
   void set_checkpointing(bool on) {
     set_checkpointing(on ? Checkpointing::Layer : Checkpointing::None);
@@ -174,6 +176,12 @@ class DecoderModel {
     int dt_bias = -1, a_log = -1, linear_norm = -1;
     bool linear = false;
     int64_t layer = 0;
+    // The layer whose keys and values it attends with (ModelConfig::kv_layer): its own, or a
+    // shared-KV layer's source, whose wk and wv it then has none of.
+    int64_t kv_from = 0;
+    // Gemma 4's per-layer input's gate (P, C), projection (C, P) and norm (C), and the layer's
+    // output scale (1); -1 without.
+    int pl_gate = -1, pl_proj = -1, pl_norm = -1, layer_scale = -1;
     // Each projection's adapter (by Projection), -1 without; a gated attention's gate takes q's
     // A and a B of its own (q_proj holds both). In a mixture of experts gate, up and down's are
     // the experts' (A (E, r, in), B (E, out, r)), and shared_lora_a / _b the shared expert's
@@ -190,6 +198,9 @@ class DecoderModel {
   };
   struct Layout {
     int tok_embeddings = 0;
+    // Per-layer embeddings: the table (V, L P), the projection of the embedding (L P, C) and
+    // its norm (P); -1 without.
+    int pl_table = -1, pl_model_proj = -1, pl_proj_norm = -1;
     std::vector<Block> blocks;
     int norm = 0;
     int norm_bias = -1;
@@ -215,8 +226,15 @@ class DecoderModel {
   };
   // One block on x, whose positions take their RoPE angles from the rows of its layer's table.
   // With `per_row`, a table holds one of T rows for each row of x (ops.h rope).
+  // `extra`: the block's per-layer input (B, T, P) where the model has them, then for a
+  // shared-KV layer in training the input of its kv_from layer, whose keys and values it
+  // computes again from it (the same values that layer attends with); in decoding it reads them
+  // from the cache instead.
   Variable block_forward(const Block& block, const Variable& x, const RopeTables& tables,
-                         bool per_row, const Attend& attend, LinearState* state = nullptr);
+                         bool per_row, const Attend& attend, LinearState* state = nullptr,
+                         const std::vector<Variable>& extra = {});
+  // Each layer's per-layer input (B, T, P) of the batch's tokens and embeddings x.
+  std::vector<Variable> per_layer_inputs(const Tensor& inputs, const Variable& x);
   // A Gated DeltaNet layer's mixing of the normed input h (packed rows: `positions`, as
   // RopeTables holds them); decoding from and into `state`.
   Variable linear_attention(const Block& block, const Variable& h, const Tensor& positions,
@@ -261,6 +279,9 @@ class DecoderModel {
   uint64_t dropout_seed_ = 0;
   ParameterSet params_;
   int tok_embeddings_ = 0;
+  int pl_table_ = -1, pl_model_proj_ = -1, pl_proj_norm_ = -1;
+  // The gains of 1 of Gemma 4's v norm: of the global layers' heads, of the windowed ones'.
+  Tensor v_gain_, v_gain_swa_;
   std::vector<Block> blocks_;
   int norm_ = 0;
   int norm_bias_ = -1;

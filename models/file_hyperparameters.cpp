@@ -257,6 +257,7 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     if (c.ffn * parts != gate[0]) check.differs(hp.ffn, c.ffn, w1, gate, {parts * c.ffn, gate[1]});
   }
 
+  if (hp.layer_shapes) hp.layer_shapes(c);
   c.ctx = check.positive(hp.ctx);
   if (c.ctx > kMaxFileContext)
     check.fail(hp.ctx, "is more than cputrain computes (at most " + text(kMaxFileContext) + ")");

@@ -50,6 +50,10 @@ struct FileHyperparameters {
   // Blocks the file holds after the model's n_layers that the model leaves out (a
   // multi-token-prediction block, numbered after the model's layers).
   int64_t extra_blocks = 0;
+  // Where layers differ in shape (Gemma 4's): run once the first layer's heads and MLP width
+  // are read into the config, before every tensor is checked against it, to set the other
+  // layers' shapes.
+  std::function<void(ModelConfig&)> layer_shapes;
 };
 
 // The shape of the file's tensor `name` (in the file's naming) as DecoderModel holds it (a matrix

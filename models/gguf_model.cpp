@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <set>
 #include <stdexcept>
 #include <tuple>
@@ -149,6 +150,146 @@ std::string gguf_supported_architectures() {
   return architecture_names();
 }
 
+// A per-layer key (head_count_kv, feed_forward_length) of `layers` values: one for all, or an
+// array of one a layer; empty where the file does not give it.
+std::vector<int64_t> per_layer_values(const GgufFile& file, const std::string& key,
+                                      int64_t layers) {
+  const GgufValue* v = file.find(key);
+  if (!v) return {};
+  if (v->type != GgufType::Array)
+    return std::vector<int64_t>(static_cast<size_t>(layers), file.integer(key));
+  const std::vector<double>& values = file.numbers(key);
+  if (static_cast<int64_t>(values.size()) != layers)
+    throw UserError(file.path() + ": metadata " + key + " has " + std::to_string(values.size()) +
+                    " values for " + std::to_string(layers) + " layers");
+  std::vector<int64_t> out;
+  for (const double x : values) {
+    if (!(x >= 1.0) || x != std::floor(x) || x > static_cast<double>(kMaxLinearCount))
+      throw UserError(file.path() + ": metadata " + key + " holds " + number_text(x) +
+                      ", not a positive count");
+    out.push_back(static_cast<int64_t>(x));
+  }
+  return out;
+}
+
+// The sliding-window pattern of attention.sliding_window_pattern: a number (every pattern-th
+// layer global), or an array of a flag a layer (Gemma 4's) whose windowed layers must be those
+// of some pattern.
+int64_t window_pattern(const GgufFile& file, const std::string& key, int64_t fallback,
+                       int64_t layers) {
+  const GgufValue* v = file.find(key);
+  if (!v || v->type != GgufType::Array) return file.integer(key, fallback);
+  const std::vector<double>& flags = file.numbers(key);
+  if (static_cast<int64_t>(flags.size()) != layers)
+    throw UserError(file.path() + ": metadata " + key + " has " + std::to_string(flags.size()) +
+                    " values for " + std::to_string(layers) + " layers");
+  int64_t pattern = 1;
+  while (pattern <= layers && flags[static_cast<size_t>(pattern - 1)] != 0.0) ++pattern;
+  for (int64_t i = 0; i < layers; ++i)
+    if ((flags[static_cast<size_t>(i)] != 0.0) != (i % pattern < pattern - 1))
+      throw UserError(file.path() + ": metadata " + key +
+                      " windows layers in no repeating pattern of windowed layers then one "
+                      "global, which cputrain does not compute (layer " +
+                      std::to_string(i) + ")");
+  return pattern;
+}
+
+// Gemma 4's layers of two shapes: the windowed layers' head size, key/value heads and rotated
+// dimensions (the first layer's, which hp's keys check against its tensors) and the global
+// layers' (`layer_shapes` sets them once the first layer is read); the MLP's width per layer;
+// the layers sharing keys and values; the per-layer embeddings' width.
+void read_layer_shapes(const GgufFile& file, const std::string& p, const Architecture& arch,
+                       FileHyperparameters& hp, ModelConfig& c) {
+  const int64_t layers = hp.n_layers.value.value_or(0);
+  if (layers <= 0 || layers > kMaxLinearCount)
+    throw UserError(file.path() + ": metadata " + hp.n_layers.key + " " + std::to_string(layers) +
+                    " must be a positive count");
+  c.sliding_window = file.integer(p + "attention.sliding_window", arch.default_window);
+  if (c.sliding_window < 0)
+    throw UserError(file.path() + ": " + p + "attention.sliding_window must be positive");
+  c.swa_pattern =
+      c.sliding_window > 0
+          ? window_pattern(file, p + "attention.sliding_window_pattern", arch.swa_pattern, layers)
+          : 0;
+  if (c.swa_pattern == 1) c.sliding_window = c.swa_pattern = 0;
+  const bool first_windowed = c.windowed_layer(0);
+  // The first global layer's value and the first windowed layer's of a per-layer key, checked
+  // the same in every layer of its kind.
+  const auto kinds =
+      [&](const std::string& key) -> std::pair<std::optional<int64_t>, std::optional<int64_t>> {
+    const std::vector<int64_t> v = per_layer_values(file, key, layers);
+    if (v.empty()) return {};
+    std::optional<int64_t> global, windowed;
+    for (int64_t i = 0; i < layers; ++i) {
+      std::optional<int64_t>& kind = c.windowed_layer(i) ? windowed : global;
+      if (!kind) kind = v[static_cast<size_t>(i)];
+      if (*kind != v[static_cast<size_t>(i)])
+        throw UserError(file.path() + ": metadata " + key +
+                        " differs between layers of one kind (windowed or global), which "
+                        "cputrain does not compute (layer " +
+                        std::to_string(i) + ")");
+    }
+    return {global, windowed};
+  };
+  const auto [kv_global, kv_windowed] = kinds(p + "attention.head_count_kv");
+  const auto optional_integer = [&](const std::string& key) {
+    return file.find(key) ? std::optional<int64_t>(file.integer(key)) : std::nullopt;
+  };
+  const std::optional<int64_t> head_global = optional_integer(p + "attention.key_length");
+  const std::optional<int64_t> head_windowed = optional_integer(p + "attention.key_length_swa");
+  const std::optional<int64_t> rope_global = optional_integer(p + "rope.dimension_count");
+  const std::optional<int64_t> rope_windowed = optional_integer(p + "rope.dimension_count_swa");
+  for (const auto& [key, head] : {std::pair{"attention.value_length_swa", head_windowed},
+                                  std::pair{"attention.value_length", head_global}})
+    if (file.find(p + key) && head && file.integer(p + key) != *head)
+      throw UserError(file.path() + ": " + p + key +
+                      " differs from its key length, which "
+                      "cputrain does not compute");
+  // The first layer's, which the file's tensors are checked against first.
+  if (first_windowed) {
+    hp.n_kv_heads = {p + "attention.head_count_kv", kv_windowed};
+    if (head_windowed) hp.head_dim = {p + "attention.key_length_swa", head_windowed};
+    hp.rope_dim = {p + "rope.dimension_count_swa", rope_windowed ? rope_windowed : head_windowed};
+  } else {
+    hp.n_kv_heads = {p + "attention.head_count_kv", kv_global};
+    hp.rope_dim = {p + "rope.dimension_count", rope_global};
+  }
+  std::vector<int64_t> widths = per_layer_values(file, p + "feed_forward_length", layers);
+  hp.ffn = {p + "feed_forward_length",
+            widths.empty() ? std::nullopt : std::optional<int64_t>(widths[0])};
+  c.shared_kv_layers = file.integer(p + "attention.shared_kv_layers", 0);
+  c.per_layer_dim = file.integer(p + "embedding_length_per_layer_input", 0);
+  for (const auto& [key, v] : {std::pair{"attention.shared_kv_layers", c.shared_kv_layers},
+                               std::pair{"embedding_length_per_layer_input", c.per_layer_dim}})
+    if (v < 0 || v > kMaxLinearCount)
+      throw UserError(file.path() + ": metadata " + p + key + " " + std::to_string(v) +
+                      " is not a count cputrain reads");
+  hp.layer_shapes = [=, where = file.path()](ModelConfig& m) {
+    if (!first_windowed) return;
+    // The first layer's are the windowed layers'; the global layers' as the file gives them.
+    m.head_dim_swa = m.head_size();
+    m.n_kv_heads_swa = m.kv_heads();
+    m.rope_dim_swa = m.rope_dim > 0 ? m.rope_dim : m.head_dim_swa;
+    if (head_global) m.head_dim = *head_global;
+    if (kv_global) m.n_kv_heads = *kv_global;
+    m.rope_dim = rope_global ? *rope_global : 0;
+    if (m.head_dim <= 0 || m.head_dim > kMaxLinearCount || m.n_kv_heads <= 0 ||
+        m.n_kv_heads > m.n_heads || m.rope_dim < 0 || m.rope_dim > m.head_size())
+      throw UserError(where +
+                      ": the global layers' head size, key/value heads or rotated "
+                      "dimensions (" +
+                      p +
+                      "attention.key_length, head_count_kv, "
+                      "rope.dimension_count) do not fit together");
+    if (m.rope_dim == m.head_size()) m.rope_dim = 0;
+    if (m.rope_dim_swa == m.head_dim_swa) m.rope_dim_swa = 0;
+    if (m.head_dim_swa == m.head_size()) m.head_dim_swa = 0;
+    if (m.n_kv_heads_swa == m.kv_heads()) m.n_kv_heads_swa = 0;
+    if (std::adjacent_find(widths.begin(), widths.end(), std::not_equal_to<>()) != widths.end())
+      m.layer_ffn = widths;
+  };
+}
+
 ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   const std::string name = file.string("general.architecture");
   const Architecture* arch = find_architecture(name);
@@ -179,9 +320,21 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   hp.d_model = given(p + "embedding_length");
   hp.n_layers = given(p + "block_count");
   hp.n_heads = given(p + "attention.head_count");
-  hp.n_kv_heads = given(p + "attention.head_count_kv");
-  hp.head_dim = given(p + "attention.key_length");
-  hp.ffn = given(p + (arch->moe ? "expert_feed_forward_length" : "feed_forward_length"));
+  // Per-layer values where the layers differ in shape (read_layer_shapes).
+  if (!arch->layer_shapes) {
+    hp.n_kv_heads = given(p + "attention.head_count_kv");
+    hp.head_dim = given(p + "attention.key_length");
+    hp.ffn = given(p + (arch->moe ? "expert_feed_forward_length" : "feed_forward_length"));
+  } else {
+    // The first layer's width, for the keys every architecture requires (read_layer_shapes
+    // reads them all).
+    hp.head_dim = given(p + "attention.key_length");
+    const std::vector<int64_t> widths = per_layer_values(
+        file, p + "feed_forward_length",
+        std::clamp<int64_t>(file.integer(p + "block_count", 1), 1, kMaxLinearCount));
+    hp.ffn = {p + "feed_forward_length",
+              widths.empty() ? std::nullopt : std::optional<int64_t>(widths[0])};
+  }
   if (arch->moe) {
     hp.n_experts = given(p + "expert_count");
     hp.experts_used = given(p + "expert_used_count");
@@ -192,7 +345,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
       throw UserError(file.path() + ": no metadata " + hp.shared_expert_ffn.key);
   }
   hp.ctx = given(p + "context_length");
-  hp.rope_dim = given(p + "rope.dimension_count");
+  if (!arch->layer_shapes) hp.rope_dim = given(p + "rope.dimension_count");
   for (const FileHyperparameter* required :
        {&hp.d_model, &hp.n_layers, &hp.n_heads, &hp.ffn, &hp.ctx})
     if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
@@ -236,6 +389,7 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
                 file.tensor(c.qkv_fused ? "blk.0.attn_qkv.bias" : "blk.0.attn_q.bias") != nullptr);
   c.qk_norm = arch->qk_norm;
   if (arch->linear_attention_step > 0) read_linear_attention(file, p, *arch, hp, c);
+  if (arch->layer_shapes) read_layer_shapes(file, p, *arch, hp, c);
   std::vector<std::string> names;
   names.reserve(file.tensors().size());
   for (const GgufTensor& t : file.tensors()) names.push_back(t.name);
@@ -259,8 +413,13 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
   const auto factors = [&](const char* tensor, const char* type) -> std::vector<float> {
     const GgufTensor* t = file.tensor(tensor);
     if (!t) return {};
-    if (std::find(arch->rope_scalings.begin(), arch->rope_scalings.end(), type) ==
-        arch->rope_scalings.end())
+    const auto applies = [&](std::string_view t) {
+      return std::find(arch->rope_scalings.begin(), arch->rope_scalings.end(), t) !=
+             arch->rope_scalings.end();
+    };
+    // Factors of no known scaling (Gemma 4's proportional RoPE) where the architecture reads
+    // them so.
+    if (!applies(type) && !(std::string_view(type) == "llama3" && applies("factors")))
       throw UserError(file.path() + ": tensor " + tensor + ", RoPE scaling (" + type +
                       ") which cputrain does not compute for " + name + " (it computes " +
                       rope_scaling_names(*arch) + ")");
@@ -324,7 +483,8 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     // Sliding-window layers (Gemma 2, 3): every pattern-th global, the others within the window
     // at their own RoPE base (llama.cpp's defaults: Gemma 3's 10,000, Gemma 2's the model's).
     c.sliding_window = window;
-    c.swa_pattern = file.integer(p + "attention.sliding_window_pattern", arch->swa_pattern);
+    c.swa_pattern =
+        window_pattern(file, p + "attention.sliding_window_pattern", arch->swa_pattern, c.n_layers);
     if (c.swa_pattern <= 0)
       throw UserError(file.path() + ": " + p + "attention.sliding_window_pattern " +
                       std::to_string(c.swa_pattern) + " must be positive");
@@ -716,6 +876,30 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     w.set_u32(arch + ".attention.sliding_window_pattern", static_cast<uint32_t>(c.swa_pattern));
     w.set_f32(arch + ".rope.freq_base_swa",
               static_cast<float>(c.rope_theta_swa > 0.0 ? c.rope_theta_swa : c.rope_theta));
+  }
+  if (description.layer_shapes) {
+    // Gemma 4's: values per layer where they differ, the windowed layers' head size and
+    // rotation apart, the window pattern a flag a layer.
+    std::vector<int32_t> kv_heads, widths;
+    GgufValue windowed;
+    windowed.type = GgufType::Array;
+    windowed.element = GgufType::Bool;
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      kv_heads.push_back(static_cast<int32_t>(c.kv_heads(l)));
+      widths.push_back(static_cast<int32_t>(c.ffn_width(l)));
+      windowed.numbers.push_back(c.windowed_layer(l) ? 1.0 : 0.0);
+    }
+    w.set_i32s(arch + ".attention.head_count_kv", kv_heads);
+    if (!c.layer_ffn.empty()) w.set_i32s(arch + ".feed_forward_length", widths);
+    if (c.sliding_window > 0) {
+      w.set_value(arch + ".attention.sliding_window_pattern", std::move(windowed));
+      const int64_t head_swa = c.head_dim_swa > 0 ? c.head_dim_swa : c.head_size();
+      w.set_u32(arch + ".attention.key_length_swa", static_cast<uint32_t>(head_swa));
+      w.set_u32(arch + ".attention.value_length_swa", static_cast<uint32_t>(head_swa));
+      w.set_u32(arch + ".rope.dimension_count_swa", static_cast<uint32_t>(c.rope_dims_swa()));
+    }
+    w.set_u32(arch + ".attention.shared_kv_layers", static_cast<uint32_t>(c.shared_kv_layers));
+    w.set_u32(arch + ".embedding_length_per_layer_input", static_cast<uint32_t>(c.per_layer_dim));
   }
   if (!c.linear_layers.empty()) {
     w.set_u32(arch + ".ssm.conv_kernel", static_cast<uint32_t>(c.linear_conv));

@@ -165,6 +165,21 @@ const float* ModelConfig::rope_freq_factors() const {
   return rope_scaling.freq_factors.data();
 }
 
+int64_t ModelConfig::rope_dims_swa() const {
+  if (rope_dim_swa > 0) return rope_dim_swa;
+  return head_dim_swa > 0 ? head_dim_swa : rope_dims();
+}
+
+int64_t ModelConfig::rope_dims(int64_t layer) const {
+  return windowed_layer(layer) ? rope_dims_swa() : rope_dims();
+}
+
+int64_t ModelConfig::kv_layer(int64_t layer) const {
+  const int64_t first = n_layers - shared_kv_layers;
+  if (shared_kv_layers <= 0 || layer < first) return layer;
+  return first - (windowed_layer(layer) ? 2 : 1);
+}
+
 bool ModelConfig::rope_in_layer(int64_t layer) const {
   return std::find(no_rope_layers.begin(), no_rope_layers.end(), layer) == no_rope_layers.end();
 }
@@ -198,29 +213,40 @@ int64_t parameter_count(const ModelConfig& c) {
   const Architecture* arch = find_architecture(c.architecture);
   const bool layer_norm = arch && arch->norm == Norm::LayerNorm;
   const bool parallel = arch && arch->parallel_block, dense = arch && arch->dense_biases;
-  const int64_t C = c.d_model, q = c.q_dim(), kv = c.kv_dim(), F = c.ffn;
+  const int64_t C = c.d_model;
   // Norms: the block's one or two, each with a bias in LayerNorm.
   const int64_t norms =
       ((parallel ? 1 : 2) * (layer_norm ? 2 : 1) + (arch && arch->post_norms ? 2 : 0)) * C;
   // A mixture: the experts, the router, the shared expert; gpt-oss's router and expert biases.
   const int64_t E = c.n_experts, S = c.shared_expert_ffn;
   const bool moe_biases = arch && arch->moe_biases;
-  const int64_t experts =
-      E * 3 * C * F + E * C + (S > 0 ? 3 * C * S + C : 0) + (moe_biases ? E * (1 + 2 * F + C) : 0);
-  const int64_t mlp =
-      (c.moe() ? experts : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) + norms;
   const bool out_bias = dense || (arch && arch->attn_out_bias), sinks = arch && arch->attn_sinks;
-  const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
-                            (c.qk_norm ? 2 * c.head_size() : 0) + (out_bias ? C : 0) +
-                            (c.attn_output_gate ? C * q : 0) + (sinks ? c.n_heads : 0);
   // Gated DeltaNet: q, k, v and z projections and their way out, the write strength's and the
   // decay's projections, the convolution's taps, dt_bias, A_log and the output norm's gains.
   const int64_t qk = c.linear_qk_dim(), v = c.linear_v_dim(), Hv = c.linear_value_heads;
   const int64_t linear = C * (2 * qk + v) + 2 * C * v + 2 * C * Hv + c.linear_conv * (2 * qk + v) +
                          2 * Hv + c.linear_value_dim;
-  const auto linear_count = static_cast<int64_t>(c.linear_layers.size());
-  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + c.n_layers * mlp +
-         (c.n_layers - linear_count) * attention + linear_count * linear +
+  // Per-layer embeddings: each layer's gate, projection and norm, and the output scale.
+  const int64_t P = c.per_layer_dim;
+  const int64_t per_layer = (P > 0 ? 2 * C * P + C : 0) + (arch && arch->layer_output_scale);
+  int64_t blocks = 0;
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const int64_t q = c.q_dim(l), F = c.ffn_width(l);
+    // A shared-KV layer has no k and v of its own.
+    const int64_t kv = c.kv_layer(l) == l ? c.kv_dim(l) : 0;
+    const int64_t experts = E * 3 * C * F + E * C + (S > 0 ? 3 * C * S + C : 0) +
+                            (moe_biases ? E * (1 + 2 * F + C) : 0);
+    const int64_t mlp =
+        (c.moe() ? experts : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) + norms;
+    const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
+                              (c.qk_norm ? (kv > 0 ? 2 : 1) * c.head_size(l) : 0) +
+                              (out_bias ? C : 0) + (c.attn_output_gate ? C * q : 0) +
+                              (sinks ? c.n_heads : 0);
+    blocks += mlp + per_layer + (c.linear_layer(l) ? linear : attention);
+  }
+  // The per-layer table, its projection from the embedding and that projection's norm.
+  const int64_t per_layer_inputs = P > 0 ? (c.vocab + C) * c.n_layers * P + P : 0;
+  return (c.tie_embeddings ? 1 : 2) * c.vocab * C + blocks + per_layer_inputs +
          (layer_norm ? 2 : 1) * C + (dense ? c.vocab : 0);
 }
 
@@ -300,6 +326,39 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
     if (layer < 0 || layer >= c.n_layers)
       return ConfigProblem{"linear_layers", text(layer), "is not a layer of", "n_layers",
                            text(c.n_layers)};
+  for (const auto& [field, v] :
+       {std::pair{"head_dim_swa", c.head_dim_swa}, std::pair{"n_kv_heads_swa", c.n_kv_heads_swa},
+        std::pair{"rope_dim_swa", c.rope_dim_swa},
+        std::pair{"shared_kv_layers", c.shared_kv_layers},
+        std::pair{"per_layer_dim", c.per_layer_dim}})
+    if (v < 0) return ConfigProblem{field, text(v), "must be positive, or 0", "", ""};
+  if (c.head_dim_swa % 2 != 0)
+    return ConfigProblem{"head_dim_swa", text(c.head_dim_swa), "must be even for RoPE", "", ""};
+  if (c.n_kv_heads_swa > 0 && c.n_heads % c.n_kv_heads_swa != 0)
+    return ConfigProblem{"n_heads", text(c.n_heads), "is not a multiple of", "n_kv_heads_swa",
+                         text(c.n_kv_heads_swa)};
+  if (c.rope_dim_swa % 2 != 0 ||
+      c.rope_dim_swa > (c.head_dim_swa > 0 ? c.head_dim_swa : c.head_size()))
+    return ConfigProblem{"rope_dim_swa", text(c.rope_dim_swa), "must be even and at most",
+                         "head_dim_swa", text(c.head_dim_swa > 0 ? c.head_dim_swa : c.head_size())};
+  if (!c.layer_ffn.empty() && static_cast<int64_t>(c.layer_ffn.size()) != c.n_layers)
+    return ConfigProblem{"layer_ffn", text(static_cast<int64_t>(c.layer_ffn.size())) + " widths",
+                         "are not one a layer of", "n_layers", text(c.n_layers)};
+  for (const int64_t f : c.layer_ffn)
+    if (f <= 0) return ConfigProblem{"layer_ffn", text(f), "must be positive", "", ""};
+  if (c.shared_kv_layers > 0) {
+    // Each shared layer reads a layer of its kind before the shared ones.
+    if (c.shared_kv_layers > c.n_layers - 2)
+      return ConfigProblem{"shared_kv_layers", text(c.shared_kv_layers),
+                           "leaves fewer than 2 layers of their own keys and values of", "n_layers",
+                           text(c.n_layers)};
+    for (int64_t l = c.n_layers - c.shared_kv_layers; l < c.n_layers; ++l)
+      if (c.windowed_layer(c.kv_layer(l)) != c.windowed_layer(l))
+        return ConfigProblem{"shared_kv_layers", text(c.shared_kv_layers),
+                             "has layer " + text(l) + " read layer " + text(c.kv_layer(l)) +
+                                 " of the other kind (windowed or global), with",
+                             "swa_pattern", text(c.swa_pattern)};
+  }
   if (!c.linear_layers.empty()) {
     const std::pair<const char*, int64_t> linear[] = {{"linear_key_heads", c.linear_key_heads},
                                                       {"linear_value_heads", c.linear_value_heads},
@@ -318,16 +377,25 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
 double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
   const auto d = static_cast<double>(c.d_model), layers = static_cast<double>(c.n_layers);
   const auto q = static_cast<double>(c.q_dim()), kv = static_cast<double>(c.kv_dim());
-  const double matrices =
-      layers *
-          (2.0 * d * q + 2.0 * d * kv +
-           (c.moe() ? static_cast<double>(c.experts_used) * 3.0 * d * static_cast<double>(c.ffn) +
-                          static_cast<double>(c.n_experts) * d +
-                          3.0 * d * static_cast<double>(c.shared_expert_ffn) +
-                          (c.shared_expert_ffn > 0 ? d : 0.0)
-                    : static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d *
-                          static_cast<double>(c.ffn))) +
-      static_cast<double>(c.vocab) * d;
+  // Each layer's attention projections (none for a shared-KV layer's k and v) and MLP, and its
+  // per-layer input's gate and projection.
+  double blocks = 0.0, attention_width = 0.0;
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const auto ql = static_cast<double>(c.q_dim(l));
+    const auto kvl = c.kv_layer(l) == l ? static_cast<double>(c.kv_dim(l)) : 0.0;
+    const auto F = static_cast<double>(c.ffn_width(l));
+    blocks +=
+        2.0 * d * ql + 2.0 * d * kvl +
+        (c.moe() ? static_cast<double>(c.experts_used) * 3.0 * d * F +
+                       static_cast<double>(c.n_experts) * d +
+                       3.0 * d * static_cast<double>(c.shared_expert_ffn) +
+                       (c.shared_expert_ffn > 0 ? d : 0.0)
+                 : static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d * F) +
+        2.0 * d * static_cast<double>(c.per_layer_dim);
+    if (!c.linear_layer(l)) attention_width += ql;
+  }
+  const double matrices = blocks + static_cast<double>(c.vocab) * d +
+                          d * static_cast<double>(c.n_layers * c.per_layer_dim);
   // Gated DeltaNet layers: their projections in place of attention's, and the delta rule's
   // products on a token of each value head, counted as the chunked form computes them forward
   // (chunks of 64: 10 x 64 x dk and 6 x dk x dv) and three times that in all.
@@ -343,7 +411,7 @@ double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
       linear * static_cast<double>(c.linear_value_heads) * (10.0 * 64.0 * dk + 6.0 * dk * dv);
   const double gate = (layers - linear) * (c.attn_output_gate ? d * q : 0.0);
   return 6.0 * (matrices + linear_matrices + gate) + 3.0 * delta_rule +
-         6.0 * (layers - linear) * static_cast<double>(ctx) * q;
+         6.0 * static_cast<double>(ctx) * attention_width;
 }
 
 }  // namespace cputrain

@@ -153,12 +153,51 @@ struct ModelConfig {
   // A shared expert beside them (Qwen3.5-MoE): a SwiGLU MLP of this width that every token takes,
   // its output times sigmoid of a projection of the token to one number; 0: none.
   int64_t shared_expert_ffn = 0;
+  // Gemma 4's windowed layers' own attention: their head size, key/value heads and rotated
+  // dimensions (0: the global layers' head_dim, n_kv_heads and rope_dim).
+  int64_t head_dim_swa = 0;
+  int64_t n_kv_heads_swa = 0;
+  int64_t rope_dim_swa = 0;
+  // Each layer's MLP width where the layers differ (Gemma 4 E2B's shared-KV layers are twice as
+  // wide); empty: ffn in every layer.
+  std::vector<int64_t> layer_ffn;
+  // The last shared_kv_layers layers compute no keys and values of their own: each attends with
+  // those of an earlier layer of its kind (kv_layer), as Gemma 4's do; 0: none.
+  int64_t shared_kv_layers = 0;
+  // Per-layer embeddings (Gemma 4 E2B, E4B): each layer takes an input of this width from a
+  // table of its own per token and a projection of the embedding; 0: none.
+  int64_t per_layer_dim = 0;
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
   int64_t q_dim() const { return n_heads * head_size(); }      // rows of wq, columns of wo
   int64_t kv_dim() const { return kv_heads() * head_size(); }  // rows of wk and wv
   int64_t rope_dims() const { return rope_dim > 0 ? rope_dim : head_size(); }
+  // The same of layer `layer`: a windowed layer's own where the model gives them.
+  int64_t kv_heads(int64_t layer) const {
+    return n_kv_heads_swa > 0 && windowed_layer(layer) ? n_kv_heads_swa : kv_heads();
+  }
+  int64_t head_size(int64_t layer) const {
+    return head_dim_swa > 0 && windowed_layer(layer) ? head_dim_swa : head_size();
+  }
+  int64_t q_dim(int64_t layer) const { return n_heads * head_size(layer); }
+  int64_t kv_dim(int64_t layer) const { return kv_heads(layer) * head_size(layer); }
+  int64_t rope_dims(int64_t layer) const;
+  // The windowed layers' rotated dimensions (rope_dims() where they have no head size of their
+  // own).
+  int64_t rope_dims_swa() const;
+  int64_t ffn_width(int64_t layer) const {
+    return layer_ffn.empty() ? ffn : layer_ffn[static_cast<size_t>(layer)];
+  }
+  // The layer whose keys and values layer `layer` attends with: itself, or for a shared-KV
+  // layer the last of its kind before them (llama.cpp's: the one two before the first shared
+  // layer where windowed, the one just before it where global).
+  int64_t kv_layer(int64_t layer) const;
+  // Whether the model's layers differ in their attention's or MLP's shape.
+  bool layers_differ() const {
+    return head_dim_swa > 0 || n_kv_heads_swa > 0 || rope_dim_swa > 0 || !layer_ffn.empty() ||
+           shared_kv_layers > 0;
+  }
   bool rope_in_layer(int64_t layer) const;
   // Whether layer `layer` is Gated DeltaNet rather than attention.
   bool linear_layer(int64_t layer) const;
@@ -173,6 +212,7 @@ struct ModelConfig {
   // (rope_swa_theta()), or unscaled where the global layers are scaled.
   bool rope_swa_apart() const {
     return (rope_theta_swa > 0.0 && rope_theta_swa != rope_theta) ||
+           (sliding_window > 0 && swa_pattern > 0 && rope_dims_swa() != rope_dims()) ||
            (sliding_window > 0 && swa_pattern > 0 && rope_scaling.active() &&
             !rope_scaling.every_layer());
   }

@@ -22,6 +22,10 @@ constexpr Names kModelNames[] = {
     {"tok_embeddings", "token_embd", "model.embed_tokens"},
     {"norm", "output_norm", "model.norm"},
     {"output", "output", "lm_head"},
+    // Per-layer embeddings (Gemma 4 E2B, E4B).
+    {"per_layer.embeddings", "per_layer_token_embd", "model.embed_tokens_per_layer"},
+    {"per_layer.model_proj", "per_layer_model_proj", "model.per_layer_model_projection"},
+    {"per_layer.proj_norm", "per_layer_proj_norm", "model.per_layer_projection_norm"},
 };
 
 constexpr Names kBlockNames[] = {
@@ -64,13 +68,19 @@ constexpr Names kBlockNames[] = {
     {"linear.a_log", "ssm_a", "linear_attn.A_log"},
     {"linear.gain", "ssm_norm", "linear_attn.norm"},
     {"linear.wo", "ssm_out", "linear_attn.out_proj"},
+    // Gemma 4: a layer's per-layer input's gate, projection and norm, and its output scale.
+    {"per_layer.gate", "inp_gate", "per_layer_input_gate"},
+    {"per_layer.proj", "proj", "per_layer_projection"},
+    {"per_layer.norm", "post_norm", "post_per_layer_input_norm"},
+    {"layer_scale", "layer_output_scale", "layer_scalar"},
 };
 
 // The kind a file gives a Gated DeltaNet parameter's tensor: dt_bias is llama.cpp's
 // ssm_dt.bias, A (as -exp(A_log)) its bare ssm_a; Hugging Face's are the bare dt_bias and A_log.
 std::string file_kind(const std::string& rest, const std::string& kind, bool hf) {
   if (rest == "linear.dt_bias") return hf ? "" : ".bias";
-  if (rest == "linear.a_log" || (hf && rest == "attention.sinks")) return "";
+  if (rest == "linear.a_log" || (hf && (rest == "attention.sinks" || rest == "layer_scale")))
+    return "";
   return kind;
 }
 
@@ -151,7 +161,11 @@ void reorder_qk_rows(std::vector<float>& values, const ParameterInfo& info, cons
       info.name.ends_with(".lora_a"))
     return;
   // Row j + k * D/2 of a half-split head is row 2j + k of an adjacent one.
-  const int64_t heads = norm ? 1 : q ? c.n_heads : c.kv_heads(), d = c.head_size(), half = d / 2;
+  // The layer's heads (Gemma 4's windowed layers have their own).
+  int64_t layer = 0;
+  if (info.name.starts_with("layers.")) layer = std::stoll(info.name.substr(7));
+  const int64_t heads = norm ? 1 : q ? c.n_heads : c.kv_heads(layer);
+  const int64_t d = c.head_size(layer), half = d / 2;
   const int64_t row = info.shape.numel() / info.shape[0];
   std::vector<float> out(values.size());
   for (int64_t h = 0; h < heads; ++h)

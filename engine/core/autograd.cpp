@@ -179,30 +179,48 @@ size_t tape_size() {
 }
 
 Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable& x) {
-  if (!g_grad_enabled) return fn(x);
+  return checkpoint([fn = std::move(fn)](const std::vector<Variable>& in) { return fn(in[0]); },
+                    std::vector<Variable>{x});
+}
+
+Variable checkpoint(std::function<Variable(const std::vector<Variable>&)> fn,
+                    const std::vector<Variable>& xs) {
+  if (!g_grad_enabled) return fn(xs);
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = fn(x).value();
+    y = fn(xs).value();
   }
   Variable out = Variable::op_output(y, true);
-  if (x.requires_grad()) x.grad_ref()->add_contribution();
-  record_backward("checkpoint", [fn = std::move(fn), xv = x.value(), gx = x.grad_ref(),
-                                 gy = out.grad_ref(), dtype = g_compute_dtype] {
+  std::vector<Tensor> values;
+  std::vector<GradRef> grads;
+  for (const Variable& x : xs) {
+    if (x.requires_grad()) x.grad_ref()->add_contribution();
+    values.push_back(x.value());
+    grads.push_back(x.grad_ref());
+  }
+  record_backward("checkpoint", [fn = std::move(fn), values = std::move(values),
+                                 grads = std::move(grads), gy = out.grad_ref(),
+                                 dtype = g_compute_dtype] {
     const Tensor& dy = gy->tensor();
     if (!dy.defined()) return;
     ComputeDTypeGuard precision(dtype);
     TapeScope tape;
-    // The input enters as it did in the forward pass: the output of an op.
-    Variable xr = Variable::op_output(xv, gx != nullptr);
-    Variable yr = fn(xr);
+    // The inputs enter as they did in the forward pass: outputs of ops.
+    std::vector<Variable> in;
+    for (size_t i = 0; i < values.size(); ++i)
+      in.push_back(Variable::op_output(values[i], grads[i] != nullptr));
+    Variable yr = fn(in);
     if (!yr.requires_grad()) return;  // nothing inside needs a gradient
     backward(yr, dy);
-    if (!gx || !xr.grad().defined()) return;
-    if (!gx->tensor().defined()) {
-      gx->get_or_zeros().copy_from(xr.grad());
-    } else if (!measuring()) {
-      kernels::vector_accumulate(gx->get_or_zeros().f32(), xr.grad().f32(), xv.numel());
+    for (size_t i = 0; i < values.size(); ++i) {
+      const GradRef& gx = grads[i];
+      if (!gx || !in[i].grad().defined()) continue;
+      if (!gx->tensor().defined()) {
+        gx->get_or_zeros().copy_from(in[i].grad());
+      } else if (!measuring()) {
+        kernels::vector_accumulate(gx->get_or_zeros().f32(), in[i].grad().f32(), values[i].numel());
+      }
     }
   });
   return out;

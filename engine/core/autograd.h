@@ -157,6 +157,9 @@ size_t tape_size();
 // on anything that changes between the forward and the backward pass. Without grad enabled it
 // is fn(x).
 Variable checkpoint(std::function<Variable(const Variable&)> fn, const Variable& x);
+// The same for a region of several inputs, each kept.
+Variable checkpoint(std::function<Variable(const std::vector<Variable>&)> fn,
+                    const std::vector<Variable>& xs);
 
 // Records onto a fresh tape for its scope; the enclosing tape is restored afterwards.
 class TapeScope {

@@ -798,6 +798,115 @@ Variable add(const Variable& a, const Variable& b) {
   return out;
 }
 
+namespace {
+
+// Adds dy (n FP32 values) times `s` into gradient `g`, the first contribution overwriting.
+void add_scaled_gradient(const GradRef& g, const float* dy, int64_t n, float s) {
+  if (!g) return;
+  float beta = 0.0f;
+  float* d = g->get_for_accumulate(&beta).f32();
+  if (!computing()) return;
+  if (beta == 0.0f) {
+    for (int64_t i = 0; i < n; ++i) d[i] = dy[i] * s;
+  } else {
+    for (int64_t i = 0; i < n; ++i) d[i] += dy[i] * s;
+  }
+}
+
+}  // namespace
+
+Variable scale(const Variable& x, float s) {
+  const int64_t n = x.value().numel();
+  Scope scope("scale", Pass::Forward);
+  Tensor y = new_activation(x.shape());
+  if (computing()) {
+    const float* a = fp32_value(x).f32();
+    float* o = y.f32();
+    for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
+  }
+  const bool grad = needs_grad({&x});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("scale", [gx = x.grad_ref(), gy = out.grad_ref(), n, s] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      add_scaled_gradient(gx, computing() ? dy.f32() : nullptr, n, s);
+    });
+  }
+  return out;
+}
+
+Variable scale_by(const Variable& x, const Variable& w) {
+  require(w.value().numel() == 1, "scale_by: w of one element");
+  const int64_t n = x.value().numel();
+  Scope scope("scale_by", Pass::Forward);
+  Tensor y = new_activation(x.shape());
+  const float s = computing() ? w.value().f32()[0] : 0.0f;
+  if (computing()) {
+    const float* a = fp32_value(x).f32();
+    float* o = y.f32();
+    for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
+  }
+  const bool grad = needs_grad({&x, &w});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    // x's values for w's gradient, where it takes one.
+    const Tensor xv = w.requires_grad() ? fp32_value(x) : Tensor();
+    record_backward("scale_by", [gx = x.grad_ref(), gw = w.grad_ref(), gy = out.grad_ref(), xv,
+                                 wv = w.value(), n] {
+      const Tensor& dy = gy->tensor();
+      if (!dy.defined()) return;
+      const float s = computing() ? wv.f32()[0] : 0.0f;
+      add_scaled_gradient(gx, computing() ? dy.f32() : nullptr, n, s);
+      if (!gw) return;
+      double sum = 0.0;
+      if (computing())
+        for (int64_t i = 0; i < n; ++i)
+          sum += static_cast<double>(dy.f32()[i]) * static_cast<double>(xv.f32()[i]);
+      const float dw = static_cast<float>(sum);
+      add_scaled_gradient(gw, &dw, 1, 1.0f);
+    });
+  }
+  return out;
+}
+
+Variable column_slice(const Variable& x, int64_t start, int64_t width) {
+  const Shape& xs = x.shape();
+  const int64_t K = xs[xs.ndim() - 1];
+  require(start >= 0 && width > 0 && start + width <= K, "column_slice: columns within x's");
+  const int64_t rows = x.value().numel() / K;
+  const Shape ys = xs.ndim() == 3 ? Shape{xs[0], xs[1], width} : Shape{rows, width};
+  Scope scope("column_slice", Pass::Forward);
+  Tensor y = new_activation(ys);
+  if (computing()) {
+    const float* a = fp32_value(x).f32();
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(a + r * K + start, width, y.f32() + r * width);
+  }
+  const bool grad = needs_grad({&x});
+  Variable out = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("column_slice",
+                    [gx = x.grad_ref(), gy = out.grad_ref(), rows, K, start, width] {
+                      const Tensor& dy = gy->tensor();
+                      if (!dy.defined()) return;
+                      float beta = 0.0f;
+                      float* d = gx->get_for_accumulate(&beta).f32();
+                      if (!computing()) return;
+                      for (int64_t r = 0; r < rows; ++r) {
+                        float* row = d + r * K;
+                        const float* g = dy.f32() + r * width;
+                        if (beta == 0.0f) {
+                          std::fill_n(row, K, 0.0f);
+                          std::copy_n(g, width, row + start);
+                        } else {
+                          for (int64_t c = 0; c < width; ++c) row[start + c] += g[c];
+                        }
+                      }
+                    });
+  }
+  return out;
+}
+
 Variable gather_rows(const Variable& x, std::vector<int64_t> rows) {
   const Shape& xs = x.shape();
   const int64_t K = xs[xs.ndim() - 1], N = x.value().numel() / K;

@@ -77,6 +77,14 @@ Variable geglu(const Variable& gate, const Variable& up);
 Variable gelu(const Variable& x);
 // a + b, equal shapes.
 Variable add(const Variable& a, const Variable& b);
+// x * s, elementwise, for a constant s.
+Variable scale(const Variable& x, float s);
+// x * w[0] for a parameter w of one element (Gemma 4's layer output scale); w's gradient the
+// sum of x * dy.
+Variable scale_by(const Variable& x, const Variable& w);
+// Columns [start, start + width) of x (..., K) -> (..., width); backward writes their gradient
+// into those columns of x's (zeros into the others where it is the first to write).
+Variable column_slice(const Variable& x, int64_t start, int64_t width);
 // What attention computes on for x, in FP32: x's value, or in bf16 mode its bf16 rounding
 // widened (the value the ops save and share).
 Tensor attention_input(const Variable& x);

@@ -58,6 +58,19 @@ Face's rotate-half order:
   ffn_gate_inp_shexp), and its Hugging Face folders: per-expert tensors (qwen35moe_hf) and, as
   Transformers 5 writes them, each layer's experts in one tensor with gate and up fused
   (qwen35moe_fused_hf).
+- gemma4: Gemma 4 E2B's parts (conversion/gemma.py's names and keys): 9 layers, two windowed
+  (a window of 32 keys, RoPE base 10,000, heads of 32, 2 key/value heads) to one global
+  (heads of 64, 1 key/value head, RoPE base 1,000,000, proportional RoPE: rope_freqs of 1 for
+  a quarter of the pairs and 1e30, no rotation, for the others); the last 3 layers sharing the
+  keys and values of layers 4 (windowed) and 5 (global), their MLPs twice as wide; per-layer
+  embeddings of 16 a layer (per_layer_token_embd, per_layer_model_proj and its norm; each
+  layer's inp_gate, proj and post_norm); q, k and v norms (v's without a gain); a learnt output
+  scale per layer; the logits soft-capped at 5. The scores are not scaled (a scale of 1): the q
+  and k norms' gains are near 0.3, as at gains near 1 over heads of 64 the scores reach tens
+  and the softmax is so sharp that float rounding alone moves the logits by up to 1e-3 (with
+  the MLPs zeroed; 1.5e-6 at 0.3). GELU (the MLP's and the per-layer gate's) goes
+  through llama.cpp's fp16 table: the norms after the MLP and after the per-layer projection
+  have gains of 0.03, as gemma3's post-MLP norm, which keeps the table's effect small;
 - gpt_oss: gpt-oss's block (llama.cpp's converter's names and keys, and Transformers' folder,
   the experts' gate and up alternating in one tensor, with truncate true): q, k, v and o
   biases, a learnt sink per head (attn_sinks), layers 0 and 2 of 4 within a sliding window of 32
@@ -135,6 +148,10 @@ FAMILIES = {
     "phi2_fused": dict(arch="phi2", hf_type="phi", hf_class="PhiForCausalLM", d=160, ffn=320,
                        layers=2, heads=2, kv=2, head=80, theta=10000.0, tied=False,
                        adjacent=False, phi2=True, rope_dim=32, mlp_std=0.005, fused_qkv=True),
+    # Gemma 4 E2B's parts, small: written as llama.cpp's converter writes gemma4.
+    "gemma4": dict(arch="gemma4", d=64, ffn=96, layers=9, heads=2, kv=1, head=64, kv_swa=2,
+                   head_swa=32, theta=1e6, theta_swa=1e4, window=32, pattern=3, shared=3,
+                   per_layer=16, rotated=0.25, cap=5.0),
 }
 
 
@@ -810,6 +827,75 @@ def write_gpt_oss(name, spec, seed):
     write_tokenizer(folder, tokens, types, False)
 
 
+def write_gemma4(name, spec, seed):
+    """Gemma 4's block as llama.cpp's converter writes it (conversion/gemma.py Gemma4Model)."""
+    rng = np.random.default_rng(seed)
+    d, ffn, layers, heads = (spec[k] for k in ("d", "ffn", "layers", "heads"))
+    pattern, shared, P = spec["pattern"], spec["shared"], spec["per_layer"]
+
+    def draw(shape, std, mean=0.0):
+        return (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+    windowed = [i % pattern < pattern - 1 for i in range(layers)]
+    first_shared = layers - shared
+    widths = [ffn if i < first_shared else 2 * ffn for i in range(layers)]
+    kv = [spec["kv_swa"] if w else spec["kv"] for w in windowed]
+    head = [spec["head_swa"] if w else spec["head"] for w in windowed]
+    w = gguf.GGUFWriter(f"{OUT}/{name}.gguf", "gemma4")
+    w.add_context_length(CTX)
+    w.add_embedding_length(d)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(widths)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(spec["head"])
+    w.add_value_length(spec["head"])
+    w.add_key_length_swa(spec["head_swa"])
+    w.add_value_length_swa(spec["head_swa"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(spec["theta"])
+    w.add_rope_freq_base_swa(spec["theta_swa"])
+    w.add_rope_dimension_count(spec["head"])
+    w.add_rope_dimension_count_swa(spec["head_swa"])
+    w.add_sliding_window(spec["window"])
+    w.add_sliding_window_pattern(windowed)
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(P)
+    w.add_final_logit_softcapping(spec["cap"])
+    add_vocabulary(w, ("<start_of_turn>", "<end_of_turn>"))
+    rotated = int(spec["head"] * spec["rotated"] / 2)
+    t = {"token_embd.weight": draw((VOCAB, d), 0.15),
+         "per_layer_token_embd.weight": draw((VOCAB, layers * P), 0.5),
+         "per_layer_model_proj.weight": draw((layers * P, d), 0.1),
+         "per_layer_proj_norm.weight": draw((P,), 0.05, 1.0),
+         "rope_freqs.weight": np.array([1.0] * rotated + [1e30] * (spec["head"] // 2 - rotated),
+                                       dtype=np.float32),
+         "output_norm.weight": draw((d,), 0.05, 1.0)}
+    for i in range(layers):
+        b, D = f"blk.{i}.", head[i]
+        t[b + "attn_norm.weight"] = draw((d,), 0.05, 1.0)
+        t[b + "attn_q.weight"] = draw((heads * D, d), 0.1)
+        t[b + "attn_q_norm.weight"] = draw((D,), 0.03, 0.3)
+        if i < first_shared:
+            t[b + "attn_k.weight"] = draw((kv[i] * D, d), 0.1)
+            t[b + "attn_v.weight"] = draw((kv[i] * D, d), 0.1)
+            t[b + "attn_k_norm.weight"] = draw((D,), 0.03, 0.3)
+        t[b + "attn_output.weight"] = draw((d, heads * D), 0.05)
+        t[b + "post_attention_norm.weight"] = draw((d,), 0.05, 1.0)
+        t[b + "ffn_norm.weight"] = draw((d,), 0.05, 1.0)
+        t[b + "ffn_gate.weight"] = draw((widths[i], d), 0.05)
+        t[b + "ffn_up.weight"] = draw((widths[i], d), 0.05)
+        t[b + "ffn_down.weight"] = draw((d, widths[i]), 0.05)
+        t[b + "post_ffw_norm.weight"] = draw((d,), 0.002, 0.03)
+        t[b + "inp_gate.weight"] = draw((P, d), 0.1)
+        t[b + "proj.weight"] = draw((d, P), 0.1)
+        t[b + "post_norm.weight"] = draw((d,), 0.002, 0.03)
+        t[b + "layer_output_scale.weight"] = draw((1,), 0.1, 0.8)
+    for gname, a in t.items():
+        w.add_tensor(gname, a)
+    finish(w)
+
+
 def write_tokenizer(folder, tokens, types, gemma):
     tokenizer = {
         "version": "1.0",
@@ -831,5 +917,6 @@ def write_tokenizer(folder, tokens, types, gemma):
 
 for seed, (family, family_spec) in enumerate(FAMILIES.items()):
     write = (write_gpt_oss if family_spec["arch"] == "gpt-oss" else
+             write_gemma4 if family_spec["arch"] == "gemma4" else
              write_qwen35 if family_spec.get("qwen35") else write_family)
     write(family, family_spec, 10 + seed)

@@ -177,6 +177,99 @@ TEST(DecoderModel, Qwen35GradientsMatchCentralDifferences) {
   EXPECT_GE(checked, 3 * 17 + 14);  // every parameter of the four layers
 }
 
+// Gemma 4's parts (tiny_as: per-layer embeddings, layers sharing keys and values, two head
+// sizes, v norms, output scales, a soft-cap): every parameter's gradient against central
+// differences, and with each checkpointing level, in fp32 and bf16, the same loss, and the same
+// gradients (to the bit with the MLP level).
+TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact) {
+  const ModelConfig c = test::tiny_as("gemma4");
+  ASSERT_EQ(c.kv_layer(4), 2);
+  ASSERT_EQ(c.kv_layer(5), 3);
+  DecoderModel model(c);
+  model.init_weights(3);
+  ParameterSet& p = model.parameters();
+  int64_t declared = 0;
+  for (const ParameterInfo& info : p.infos()) declared += info.shape.numel();
+  EXPECT_EQ(declared, parameter_count(c));
+  // Output scales away from 1; q and k norms' gains of 0.3, so that the unscaled scores (heads
+  // of 8 and 16) stay where a step of 2e-2 is within the softmax's linear range.
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string at = "layers." + std::to_string(l) + ".";
+    const float s = 0.7f + 0.1f * static_cast<float>(l);
+    p.write_values(p.find(at + "layer_scale.weight"), &s);
+    for (const char* norm : {"attention.q_norm.weight", "attention.k_norm.weight"}) {
+      const int i = p.find(at + norm);
+      if (i < 0) continue;
+      std::vector<float> gains(static_cast<size_t>(p.infos()[static_cast<size_t>(i)].shape.numel()),
+                               0.3f);
+      p.write_values(i, gains.data());
+    }
+  }
+  const Tensor x = random_tokens(2, 40, c.vocab, 1), y = random_tokens(2, 40, c.vocab, 2);
+  const auto loss_now = [&] {
+    NoGradGuard no_grad;
+    return static_cast<double>(model.loss(x, y).value().f32()[0]);
+  };
+  p.zero_grad();
+  backward(model.loss(x, y));
+  int checked = 0;
+  for (const ParameterInfo& info : p.infos()) {
+    if (info.name == "tok_embeddings.weight") continue;
+    const float* g = p.gradients().f32() + info.grad_offset;
+    int64_t at = 0;
+    for (int64_t i = 0; i < info.shape.numel(); ++i)
+      if (std::abs(g[i]) > std::abs(g[at])) at = i;
+    float* w = p.weights().f32() + info.offset + at;
+    const float keep = *w, h = 5e-3f;
+    *w = keep + h;
+    const double up = loss_now();
+    *w = keep - h;
+    const double down = loss_now();
+    *w = keep;
+    const double difference = (up - down) / (2.0 * h);
+    EXPECT_NEAR(g[at], difference, 3e-2 * std::abs(g[at]) + 1e-4) << info.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, static_cast<int>(p.infos().size()) - 1);
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    DecoderModel none(c), layer(c), mlp(c);
+    std::vector<float> values;
+    for (DecoderModel* m : {&none, &layer, &mlp}) {
+      for (size_t i = 0; i < p.infos().size(); ++i) {
+        values.resize(static_cast<size_t>(p.infos()[i].shape.numel()));
+        p.read_values(static_cast<int>(i), values.data());
+        m->parameters().write_values(static_cast<int>(i), values.data());
+      }
+      m->set_compute_dtype(dtype);
+    }
+    layer.set_checkpointing(Checkpointing::Layer);
+    mlp.set_checkpointing(Checkpointing::Mlp);
+    std::vector<float> losses;
+    for (DecoderModel* m : {&none, &layer, &mlp}) {
+      m->parameters().zero_grad();
+      Variable loss = m->loss(x, y);
+      losses.push_back(loss.value().f32()[0]);
+      backward(loss);
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+    EXPECT_EQ(losses[0], losses[2]);
+    const int64_t n = none.parameters().trainable_numel();
+    // The MLP level to the bit. Per layer, an input that more than one layer reads (the
+    // embedding, which the per-layer inputs project; a shared-KV source's input) sums its
+    // gradient's terms in another order: within float rounding of the largest.
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(none.parameters().gradients().f32()[i], mlp.parameters().gradients().f32()[i])
+          << dtype_name(dtype) << " " << i;
+    double worst = 0.0, largest = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double a = none.parameters().gradients().f32()[i];
+      worst = std::max(worst, std::abs(a - layer.parameters().gradients().f32()[i]));
+      largest = std::max(largest, std::abs(a));
+    }
+    EXPECT_LT(worst, 1e-5 * largest) << dtype_name(dtype);
+  }
+}
+
 TEST(DecoderModel, InitialLossIsNearUniform) {
   const ModelConfig c = find_preset("tiny")->config;
   DecoderModel model(c);
@@ -601,7 +694,7 @@ class PackedRows : public ::testing::TestWithParam<const char*> {};
 TEST_P(PackedRows, ComputeEachSequenceAlone) {
   ModelConfig c = lora_shape();
   c.rope_pairs = RopePairs::HalfSplit;
-  if (std::string(GetParam()) == "qwen35") c = test::tiny_as("qwen35");
+  if (std::string(GetParam()) != "llama") c = test::tiny_as(GetParam());
   const std::vector<std::vector<int64_t>> rows = {{5, 9, 2}, {16}};
   const int64_t T = 16;
   const Tensor x = random_tokens(2, T, c.vocab, 31), y = random_tokens(2, T, c.vocab, 32);
@@ -669,7 +762,7 @@ TEST_P(PackedRows, ComputeEachSequenceAlone) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Architectures, PackedRows, ::testing::Values("llama", "qwen35"));
+INSTANTIATE_TEST_SUITE_P(Architectures, PackedRows, ::testing::Values("llama", "qwen35", "gemma4"));
 
 // The LM head on the positions with a target alone (a prompt's and padding's have none) against
 // the head on every position: the same loss and the same gradients bit for bit, LoRA adapters'
@@ -938,14 +1031,26 @@ TEST(Generate, KvCacheMatchesFullForward) {
   using test::tiny_as;
   for (const ModelConfig& c :
        {find_preset("tiny")->config, gqa, mqa, tiny_as("gemma"), tiny_as("phi2"), tiny_as("gemma2"),
-        tiny_as("gemma3"), tiny_as("qwen35")})
+        tiny_as("gemma3"), tiny_as("qwen35"), tiny_as("gemma4")})
     for (DType dtype : {DType::F32, DType::BF16}) {
       DecoderModel model(c);
       model.init_weights(6);
+      if (architecture_of(c).unscaled_scores) {
+        // Gemma 4's scores are unscaled: with unit q and k norms over heads of 16 they reach
+        // 16, where bf16's rounding of q and k moves them by up to 16 x 2^-8; gains of 0.3
+        // keep them where the other families' are.
+        ParameterSet& p = model.parameters();
+        for (size_t i = 0; i < p.infos().size(); ++i) {
+          const std::string& name = p.infos()[i].name;
+          if (!name.ends_with("q_norm.weight") && !name.ends_with("k_norm.weight")) continue;
+          std::vector<float> gains(static_cast<size_t>(p.infos()[i].shape.numel()), 0.3f);
+          p.write_values(static_cast<int>(i), gains.data());
+        }
+      }
       model.set_compute_dtype(dtype);
       DecoderModel::KvCache cache = model.new_kv_cache();
       for (int64_t l = 0; l < c.n_layers; ++l) {
-        if (c.linear_layer(l)) continue;
+        if (c.linear_layer(l) || c.kv_layer(l) != l) continue;  // none, or its source's
         EXPECT_EQ(cache.keys[l].shape()[0], c.windowed_layer(l) ? 32 : c.ctx) << "layer " << l;
       }
       for (const int64_t prompt : {int64_t{5}, int64_t{40}}) {

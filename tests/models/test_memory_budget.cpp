@@ -273,7 +273,7 @@ std::vector<Case> cases() {
     lora.rank = 4;
     lora.targets = parse_lora_targets("q,v,down", "--lora-targets");
     all.push_back({"mini_" + d + "_lora_checkpoint", preset("mini"), dtype, kLayer, nullptr, lora});
-    for (const char* arch : {"phi2", "gemma3", "qwen35", "qwen3moe", "qwen35moe"}) {
+    for (const char* arch : {"phi2", "gemma3", "qwen35", "qwen3moe", "qwen35moe", "gemma4"}) {
       all.push_back({std::string(arch) + "_" + d, test::tiny_as(arch), dtype, kNone, nullptr});
       all.push_back(
           {std::string(arch) + "_" + d + "_mlp", test::tiny_as(arch), dtype, kMlp, nullptr});

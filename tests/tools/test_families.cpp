@@ -911,6 +911,112 @@ TEST(Families, Phi2WithFusedQkvIsLlamaCpps) {
       "adapt all or none");
 }
 
+// Gemma 4 E2B's parts (make_family_models.py gemma4): two head sizes, key/value heads per kind,
+// proportional RoPE on the global layers, layers sharing keys and values, per-layer embeddings,
+// v norms, output scales and the logits' soft-cap give llama.cpp's logits, greedy continuation
+// (through the shared cache), and export back to the same bits; a LoRA adapter fine-tuned on it
+// gives llama.cpp's logits with the base.
+TEST(Families, Gemma4IsLlamaCpps) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("gemma4")};
+  const fs::path gguf = family_models() / "gemma4.gguf";
+  LoadedModel g = load(gguf);
+  const ModelConfig& c = g.config;
+  EXPECT_EQ(c.architecture, "gemma4");
+  EXPECT_EQ(c.head_size(), 64);
+  EXPECT_EQ(c.head_dim_swa, 32);
+  EXPECT_EQ(c.kv_heads(), 1);
+  EXPECT_EQ(c.n_kv_heads_swa, 2);
+  EXPECT_EQ(c.swa_pattern, 3);
+  EXPECT_EQ(c.sliding_window, 32);
+  EXPECT_EQ(c.shared_kv_layers, 3);
+  EXPECT_EQ(c.per_layer_dim, 16);
+  EXPECT_EQ(c.final_softcap, 5.0f);
+  EXPECT_EQ(c.rope_scaling.type, "factors");
+  EXPECT_EQ(c.layer_ffn, (std::vector<int64_t>{96, 96, 96, 96, 96, 96, 192, 192, 192}));
+  for (const auto& [layer, from] :
+       {std::pair{5, 5}, std::pair{6, 4}, std::pair{7, 4}, std::pair{8, 5}})
+    EXPECT_EQ(c.kv_layer(layer), from) << layer;
+  const ParameterSet& params = g.model->parameters();
+  EXPECT_LT(params.find("layers.6.attention.wk.weight"), 0);
+  EXPECT_GE(params.find("layers.6.per_layer.gate.weight"), 0);
+  int64_t declared = 0;
+  for (const ParameterInfo& info : params.infos()) declared += info.shape.numel();
+  EXPECT_EQ(declared, parameter_count(c));
+  const std::vector<int32_t> tokens = token_sequence(200, c.vocab, g.tokenizer->bos_id(), 37);
+  const std::vector<float> theirs = oracle_logits(gguf, tokens, folder.path);
+  EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4);
+  expect_greedy_as_llama_cpp(g, gguf, "gemma4");
+  // The per-layer inputs matter: without their table (zeros) the same weights give other
+  // logits.
+  const auto variant = [&](const ModelConfig& config, const std::string& zeroed) {
+    LoadedModel other;
+    other.config = config;
+    other.model = std::make_unique<DecoderModel>(config);
+    std::vector<float> values;
+    for (size_t i = 0; i < params.infos().size(); ++i) {
+      const std::string& name = params.infos()[i].name;
+      const int to = other.model->parameters().find(name);
+      if (to < 0) continue;
+      values.resize(static_cast<size_t>(params.infos()[i].shape.numel()));
+      params.read_values(static_cast<int>(i), values.data());
+      if (name == zeroed) std::fill(values.begin(), values.end(), 0.0f);
+      other.model->parameters().write_values(to, values.data());
+    }
+    return other;
+  };
+  LoadedModel no_table = variant(c, "per_layer.embeddings.weight");
+  EXPECT_GT(max_abs_difference(our_logits(no_table, tokens), theirs), 1e-2);
+  // A cache of one chunk and of many give the same continuation (the shared layers read their
+  // source's cache as it stands).
+  {
+    DecoderModel::KvCache one = g.model->new_kv_cache(), pieces = g.model->new_kv_cache();
+    const std::vector<int32_t> prompt(tokens.begin(), tokens.begin() + 90);
+    const Tensor whole = g.model->decode(prompt, one);
+    Tensor last;
+    for (size_t s = 0; s < prompt.size(); s += 7)
+      last = g.model->decode(
+          std::vector<int32_t>(prompt.begin() + static_cast<long>(s),
+                               prompt.begin() + static_cast<long>(std::min(prompt.size(), s + 7))),
+          pieces);
+    const std::vector<float> a(whole.f32(), whole.f32() + c.vocab),
+        b(last.f32(), last.f32() + c.vocab);
+    const std::vector<float> ref(theirs.begin() + 89 * c.vocab, theirs.begin() + 90 * c.vocab);
+    EXPECT_LT(max_abs_difference(a, ref), 1e-4);
+    EXPECT_LT(max_abs_difference(b, ref), 1e-4);
+  }
+  // Written as GGUF it reads back to the same bits, and llama.cpp computes the written file
+  // as the original.
+  const fs::path out = folder.path / "out.gguf";
+  ASSERT_EQ(cputrain("export --model " + gguf.string() + " --type f32 --out " + out.string()), 0);
+  expect_same_values(g, load(out), "gemma4 exported");
+  EXPECT_LT(max_abs_difference(oracle_logits(out, tokens, folder.path), theirs), 1e-6);
+
+  // A LoRA fine-tune (bf16, each layer recomputed in backward): the shared layers adapt q and o
+  // alone; llama.cpp applies the adapter to the base as cputrain does, and the merged model.
+  const fs::path data = write_finetune_data(folder.path);
+  const fs::path run = folder.path / "run";
+  ASSERT_EQ(cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
+                     run.string() +
+                     " --steps 3 --dtype bf16 --checkpoint layer --lr 1e-2 --ctx 64 --batch 2 "
+                     "--accum 1 --lora-rank 4 --lora-targets all"),
+            0);
+  const fs::path adapter = run / "adapter.gguf";
+  const GgufFile a(adapter.string());
+  EXPECT_NE(a.tensor("blk.5.attn_k.weight.lora_a"), nullptr);
+  EXPECT_EQ(a.tensor("blk.6.attn_k.weight.lora_a"), nullptr);
+  EXPECT_NE(a.tensor("blk.6.attn_q.weight.lora_a"), nullptr);
+  LoadedModel with =
+      load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+  const std::vector<int32_t> few = token_sequence(48, c.vocab, 1, 5);
+  const std::vector<float> adapted = our_logits(with, few);
+  EXPECT_LT(max_abs_difference(adapted, oracle_logits(gguf, few, folder.path, adapter)), 1e-4);
+  EXPECT_GT(max_abs_difference(adapted, our_logits(g, few)), 1e-3);
+  const fs::path merged = folder.path / "merged.gguf";
+  ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0);
+  EXPECT_LT(max_abs_difference(adapted, oracle_logits(merged, few, folder.path)), 1e-4);
+}
+
 // A key that a file gives at a value where nothing is computable is refused in one line, not read
 // as "off": a sliding window of 0 or below, a soft-cap of 0, a RoPE base of 0, in GGUF and in
 // config.json. A Gemma 3 GGUF with a RoPE factor and no scaling type is scaled linearly, as
