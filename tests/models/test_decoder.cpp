@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 #include <set>
 #include <tuple>
@@ -136,20 +137,15 @@ Tensor random_tokens(int64_t B, int64_t T, int64_t V, uint32_t seed) {
   return t;
 }
 
-// Qwen3.5's layers (three Gated DeltaNet, one attention with its output gate): the gradient of
-// every parameter, by the element of its largest, against central differences of the FP32 loss,
-// over a sequence of 40 (the delta rule's chunks of 64 cross no edge; the kernels' tests cross
-// them); and the parameter count declared is parameter_count's.
-TEST(DecoderModel, Qwen35GradientsMatchCentralDifferences) {
-  const ModelConfig c = test::tiny_as("qwen35");
-  ASSERT_EQ(c.linear_layers, (std::vector<int64_t>{0, 1, 2}));
-  DecoderModel model(c);
-  model.init_weights(3);
+// The gradient of `model`'s loss on x, y at the largest element of each parameter `which`
+// takes, against central differences of the FP32 loss at steps of h; how many were checked.
+// Also that the parameters declared are parameter_count's.
+int expect_central_differences(DecoderModel& model, const Tensor& x, const Tensor& y, float h,
+                               const std::function<bool(const std::string&)>& which) {
   ParameterSet& p = model.parameters();
   int64_t declared = 0;
   for (const ParameterInfo& info : p.infos()) declared += info.shape.numel();
-  EXPECT_EQ(declared, parameter_count(c));
-  const Tensor x = random_tokens(2, 40, c.vocab, 1), y = random_tokens(2, 40, c.vocab, 2);
+  EXPECT_EQ(declared, parameter_count(model.config()));
   const auto loss_now = [&] {
     NoGradGuard no_grad;
     return static_cast<double>(model.loss(x, y).value().f32()[0]);
@@ -158,13 +154,13 @@ TEST(DecoderModel, Qwen35GradientsMatchCentralDifferences) {
   backward(model.loss(x, y));
   int checked = 0;
   for (const ParameterInfo& info : p.infos()) {
-    if (info.name.find("layers.") != 0) continue;
+    if (!which(info.name)) continue;
     const float* g = p.gradients().f32() + info.grad_offset;
     int64_t at = 0;
     for (int64_t i = 0; i < info.shape.numel(); ++i)
       if (std::abs(g[i]) > std::abs(g[at])) at = i;
     float* w = p.weights().f32() + info.offset + at;
-    const float keep = *w, h = 2e-2f;
+    const float keep = *w;
     *w = keep + h;
     const double up = loss_now();
     *w = keep - h;
@@ -174,6 +170,21 @@ TEST(DecoderModel, Qwen35GradientsMatchCentralDifferences) {
     EXPECT_NEAR(g[at], difference, 3e-2 * std::abs(g[at]) + 1e-4) << info.name;
     ++checked;
   }
+  return checked;
+}
+
+// Qwen3.5's layers (three Gated DeltaNet, one attention with its output gate): the gradient of
+// every parameter, by the element of its largest, against central differences of the FP32 loss,
+// over a sequence of 40 (the delta rule's chunks of 64 cross no edge; the kernels' tests cross
+// them); and the parameter count declared is parameter_count's.
+TEST(DecoderModel, Qwen35GradientsMatchCentralDifferences) {
+  const ModelConfig c = test::tiny_as("qwen35");
+  ASSERT_EQ(c.linear_layers, (std::vector<int64_t>{0, 1, 2}));
+  DecoderModel model(c);
+  model.init_weights(3);
+  const Tensor x = random_tokens(2, 40, c.vocab, 1), y = random_tokens(2, 40, c.vocab, 2);
+  const int checked = expect_central_differences(
+      model, x, y, 2e-2f, [](const std::string& name) { return name.starts_with("layers."); });
   EXPECT_GE(checked, 3 * 17 + 14);  // every parameter of the four layers
 }
 
@@ -188,11 +199,8 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
   DecoderModel model(c);
   model.init_weights(3);
   ParameterSet& p = model.parameters();
-  int64_t declared = 0;
-  for (const ParameterInfo& info : p.infos()) declared += info.shape.numel();
-  EXPECT_EQ(declared, parameter_count(c));
   // Output scales away from 1; q and k norms' gains of 0.3, so that the unscaled scores (heads
-  // of 8 and 16) stay where a step of 2e-2 is within the softmax's linear range.
+  // of 8 and 16) stay where a step of 5e-3 is within the softmax's linear range.
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const std::string at = "layers." + std::to_string(l) + ".";
     const float s = 0.7f + 0.1f * static_cast<float>(l);
@@ -206,30 +214,8 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
     }
   }
   const Tensor x = random_tokens(2, 40, c.vocab, 1), y = random_tokens(2, 40, c.vocab, 2);
-  const auto loss_now = [&] {
-    NoGradGuard no_grad;
-    return static_cast<double>(model.loss(x, y).value().f32()[0]);
-  };
-  p.zero_grad();
-  backward(model.loss(x, y));
-  int checked = 0;
-  for (const ParameterInfo& info : p.infos()) {
-    if (info.name == "tok_embeddings.weight") continue;
-    const float* g = p.gradients().f32() + info.grad_offset;
-    int64_t at = 0;
-    for (int64_t i = 0; i < info.shape.numel(); ++i)
-      if (std::abs(g[i]) > std::abs(g[at])) at = i;
-    float* w = p.weights().f32() + info.offset + at;
-    const float keep = *w, h = 5e-3f;
-    *w = keep + h;
-    const double up = loss_now();
-    *w = keep - h;
-    const double down = loss_now();
-    *w = keep;
-    const double difference = (up - down) / (2.0 * h);
-    EXPECT_NEAR(g[at], difference, 3e-2 * std::abs(g[at]) + 1e-4) << info.name;
-    ++checked;
-  }
+  const int checked = expect_central_differences(
+      model, x, y, 5e-3f, [](const std::string& name) { return name != "tok_embeddings.weight"; });
   EXPECT_EQ(checked, static_cast<int>(p.infos().size()) - 1);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     DecoderModel none(c), layer(c), mlp(c);
@@ -256,7 +242,9 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
     const int64_t n = none.parameters().trainable_numel();
     // The MLP level to the bit. Per layer, an input that more than one layer reads (the
     // embedding, which the per-layer inputs project; a shared-KV source's input) sums its
-    // gradient's terms in another order: within float rounding of the largest.
+    // gradient's terms in another order: within float rounding of the largest in fp32, and in
+    // bf16 within the rounding of the products' bf16 inputs (6e-4 of the largest under the
+    // reference GEMM, whose products round as the others' do not).
     for (int64_t i = 0; i < n; ++i)
       ASSERT_EQ(none.parameters().gradients().f32()[i], mlp.parameters().gradients().f32()[i])
           << dtype_name(dtype) << " " << i;
@@ -266,7 +254,7 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
       worst = std::max(worst, std::abs(a - layer.parameters().gradients().f32()[i]));
       largest = std::max(largest, std::abs(a));
     }
-    EXPECT_LT(worst, 1e-5 * largest) << dtype_name(dtype);
+    EXPECT_LT(worst, (dtype == DType::F32 ? 1e-5 : 2e-3) * largest) << dtype_name(dtype);
   }
 }
 
@@ -1076,9 +1064,12 @@ TEST(Generate, KvCacheMatchesFullForward) {
           // rounding of each: an output a last bit apart can round to neighbouring bf16 values
           // (2^-8 apart), a few 1e-4 of the logits, up to 2.3e-3 through Gemma 2's post-norms,
           // which scale each layer's attention output to unit RMS before the residual.
-          const double tol = dtype == DType::F32                ? 1e-5
-                             : kernels::attention_bf16_native() ? 1e-2
-                                                                : 4e-3;
+          // Gemma 4's layers each add two more bf16 products (the per-layer input's gate and
+          // projection) to what the roundings reach: up to 1.01e-2 under the reference GEMM.
+          const double tol = (dtype == DType::F32                ? 1e-5
+                              : kernels::attention_bf16_native() ? 1e-2
+                                                                 : 4e-3) *
+                             (dtype != DType::F32 && c.per_layer_dim > 0 ? 2.0 : 1.0);
           ASSERT_LT(max_diff / max_ref, tol)
               << "step " << step << (dtype == DType::F32 ? " fp32" : " bf16") << ", kv heads "
               << c.kv_heads() << ", prompt " << prompt << ", " << c.architecture;
