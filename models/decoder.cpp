@@ -176,6 +176,7 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
         if (shared[j] >= 0) add(shared[j], b.shared_lora_a[j], b.shared_lora_b[j]);
       }
     }
+    if (!own_kv) layout.blocks[static_cast<size_t>(b.kv_from)].kv_source = true;
     layout.blocks.push_back(b);
   }
   layout.norm = params.add("norm.weight", Shape{C}, false);
@@ -656,9 +657,7 @@ Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packin
     std::vector<Variable> extra;
     if (!per_layer.empty()) extra.push_back(std::move(per_layer[i]));
     if (b.kv_from != b.layer) extra.push_back(block_input[static_cast<size_t>(b.kv_from)]);
-    if (config_.shared_kv_layers > 0 && b.kv_from == b.layer &&
-        static_cast<int64_t>(i) >= config_.n_layers - config_.shared_kv_layers - 2)
-      block_input[i] = x;
+    if (b.kv_source) block_input[i] = x;
     if (checkpointing_ == Checkpointing::Layer) {
       // The region reruns in backward: it holds its own copies of attend and the table.
       std::vector<Variable> in = {x};

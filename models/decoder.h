@@ -179,6 +179,7 @@ class DecoderModel {
     // The layer whose keys and values it attends with (ModelConfig::kv_layer): its own, or a
     // shared-KV layer's source, whose wk and wv it then has none of.
     int64_t kv_from = 0;
+    bool kv_source = false;  // a later layer's kv_from
     // Gemma 4's per-layer input's gate (P, C), projection (C, P) and norm (C), and the layer's
     // output scale (1); -1 without.
     int pl_gate = -1, pl_proj = -1, pl_norm = -1, layer_scale = -1;

@@ -200,7 +200,8 @@ int64_t window_pattern(const GgufFile& file, const std::string& key, int64_t fal
 // the layers sharing keys and values; the per-layer embeddings' width.
 void read_layer_shapes(const GgufFile& file, const std::string& p, const Architecture& arch,
                        FileHyperparameters& hp, ModelConfig& c) {
-  const int64_t layers = hp.n_layers.value.value_or(0);
+  if (!hp.n_layers.value) throw UserError(file.path() + ": no metadata " + hp.n_layers.key);
+  const int64_t layers = *hp.n_layers.value;
   if (layers <= 0 || layers > kMaxLinearCount)
     throw UserError(file.path() + ": metadata " + hp.n_layers.key + " " + std::to_string(layers) +
                     " must be a positive count");
@@ -313,6 +314,8 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     return FileHyperparameter{
         key, file.find(key) ? std::optional<int64_t>(file.integer(key)) : std::nullopt};
   };
+  ModelConfig c;
+  c.architecture = name;
   FileHyperparameters hp;
   hp.where = file.path();
   hp.naming = TensorNaming::Gguf;
@@ -326,14 +329,8 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     hp.head_dim = given(p + "attention.key_length");
     hp.ffn = given(p + (arch->moe ? "expert_feed_forward_length" : "feed_forward_length"));
   } else {
-    // The first layer's width, for the keys every architecture requires (read_layer_shapes
-    // reads them all).
     hp.head_dim = given(p + "attention.key_length");
-    const std::vector<int64_t> widths = per_layer_values(
-        file, p + "feed_forward_length",
-        std::clamp<int64_t>(file.integer(p + "block_count", 1), 1, kMaxLinearCount));
-    hp.ffn = {p + "feed_forward_length",
-              widths.empty() ? std::nullopt : std::optional<int64_t>(widths[0])};
+    read_layer_shapes(file, p, *arch, hp, c);
   }
   if (arch->moe) {
     hp.n_experts = given(p + "expert_count");
@@ -371,8 +368,6 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
     throw UserError(file.path() + ": " + p + "rope.scaling.type " + scaling +
                     ", which cputrain does not compute for " + name + " (it computes " +
                     rope_scaling_names(*arch) + ")");
-  ModelConfig c;
-  c.architecture = name;
   c.norm_eps = static_cast<float>(
       file.number(p + (arch->norm == Norm::LayerNorm ? "attention.layer_norm_epsilon"
                                                      : "attention.layer_norm_rms_epsilon"),
@@ -389,7 +384,6 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
                 file.tensor(c.qkv_fused ? "blk.0.attn_qkv.bias" : "blk.0.attn_q.bias") != nullptr);
   c.qk_norm = arch->qk_norm;
   if (arch->linear_attention_step > 0) read_linear_attention(file, p, *arch, hp, c);
-  if (arch->layer_shapes) read_layer_shapes(file, p, *arch, hp, c);
   std::vector<std::string> names;
   names.reserve(file.tensors().size());
   for (const GgufTensor& t : file.tensors()) names.push_back(t.name);
@@ -893,9 +887,8 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
     if (!c.layer_ffn.empty()) w.set_i32s(arch + ".feed_forward_length", widths);
     if (c.sliding_window > 0) {
       w.set_value(arch + ".attention.sliding_window_pattern", std::move(windowed));
-      const int64_t head_swa = c.head_dim_swa > 0 ? c.head_dim_swa : c.head_size();
-      w.set_u32(arch + ".attention.key_length_swa", static_cast<uint32_t>(head_swa));
-      w.set_u32(arch + ".attention.value_length_swa", static_cast<uint32_t>(head_swa));
+      w.set_u32(arch + ".attention.key_length_swa", static_cast<uint32_t>(c.head_size_swa()));
+      w.set_u32(arch + ".attention.value_length_swa", static_cast<uint32_t>(c.head_size_swa()));
       w.set_u32(arch + ".rope.dimension_count_swa", static_cast<uint32_t>(c.rope_dims_swa()));
     }
     w.set_u32(arch + ".attention.shared_kv_layers", static_cast<uint32_t>(c.shared_kv_layers));

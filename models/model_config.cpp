@@ -337,10 +337,9 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
   if (c.n_kv_heads_swa > 0 && c.n_heads % c.n_kv_heads_swa != 0)
     return ConfigProblem{"n_heads", text(c.n_heads), "is not a multiple of", "n_kv_heads_swa",
                          text(c.n_kv_heads_swa)};
-  if (c.rope_dim_swa % 2 != 0 ||
-      c.rope_dim_swa > (c.head_dim_swa > 0 ? c.head_dim_swa : c.head_size()))
+  if (c.rope_dim_swa % 2 != 0 || c.rope_dim_swa > c.head_size_swa())
     return ConfigProblem{"rope_dim_swa", text(c.rope_dim_swa), "must be even and at most",
-                         "head_dim_swa", text(c.head_dim_swa > 0 ? c.head_dim_swa : c.head_size())};
+                         "head_dim_swa", text(c.head_size_swa())};
   if (!c.layer_ffn.empty() && static_cast<int64_t>(c.layer_ffn.size()) != c.n_layers)
     return ConfigProblem{"layer_ffn", text(static_cast<int64_t>(c.layer_ffn.size())) + " widths",
                          "are not one a layer of", "n_layers", text(c.n_layers)};

@@ -177,8 +177,10 @@ struct ModelConfig {
   int64_t kv_heads(int64_t layer) const {
     return n_kv_heads_swa > 0 && windowed_layer(layer) ? n_kv_heads_swa : kv_heads();
   }
+  // The windowed layers' head size: their own, else head_size().
+  int64_t head_size_swa() const { return head_dim_swa > 0 ? head_dim_swa : head_size(); }
   int64_t head_size(int64_t layer) const {
-    return head_dim_swa > 0 && windowed_layer(layer) ? head_dim_swa : head_size();
+    return windowed_layer(layer) ? head_size_swa() : head_size();
   }
   int64_t q_dim(int64_t layer) const { return n_heads * head_size(layer); }
   int64_t kv_dim(int64_t layer) const { return kv_heads(layer) * head_size(layer); }

@@ -807,10 +807,17 @@ void add_scaled_gradient(const GradRef& g, const float* dy, int64_t n, float s) 
   float* d = g->get_for_accumulate(&beta).f32();
   if (!computing()) return;
   if (beta == 0.0f) {
-    for (int64_t i = 0; i < n; ++i) d[i] = dy[i] * s;
+    kernels::vector_scale(d, dy, s, n);
   } else {
     for (int64_t i = 0; i < n; ++i) d[i] += dy[i] * s;
   }
+}
+
+// x's values times s, an op's output.
+Tensor scaled_value(const Variable& x, float s) {
+  Tensor y = new_activation(x.shape());
+  if (computing()) kernels::vector_scale(y.f32(), fp32_value(x).f32(), s, x.value().numel());
+  return y;
 }
 
 }  // namespace
@@ -818,12 +825,7 @@ void add_scaled_gradient(const GradRef& g, const float* dy, int64_t n, float s) 
 Variable scale(const Variable& x, float s) {
   const int64_t n = x.value().numel();
   Scope scope("scale", Pass::Forward);
-  Tensor y = new_activation(x.shape());
-  if (computing()) {
-    const float* a = fp32_value(x).f32();
-    float* o = y.f32();
-    for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
-  }
+  Tensor y = scaled_value(x, s);
   const bool grad = needs_grad({&x});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -840,13 +842,7 @@ Variable scale_by(const Variable& x, const Variable& w) {
   require(w.value().numel() == 1, "scale_by: w of one element");
   const int64_t n = x.value().numel();
   Scope scope("scale_by", Pass::Forward);
-  Tensor y = new_activation(x.shape());
-  const float s = computing() ? w.value().f32()[0] : 0.0f;
-  if (computing()) {
-    const float* a = fp32_value(x).f32();
-    float* o = y.f32();
-    for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
-  }
+  Tensor y = scaled_value(x, computing() ? w.value().f32()[0] : 0.0f);
   const bool grad = needs_grad({&x, &w});
   Variable out = Variable::op_output(y, grad);
   if (grad) {

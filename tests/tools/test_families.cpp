@@ -727,6 +727,30 @@ TEST(Families, ExportThenImportIsBitExact) {
   }
 }
 
+// A 3-step LoRA fine-tune of `gguf` on `data` into `run` (rank 4, every target, `flags` beside):
+// on 48 tokens llama.cpp with the base and the run's adapter.gguf computes cputrain's logits with
+// the adapter (within 1e-4), which differ from the base's; so does llama.cpp with the adapter
+// merged into the base (export --merge, to `merged`). `scratch` holds llama.cpp's outputs.
+void expect_fine_tune_as_llama_cpp(const fs::path& gguf, const fs::path& data, const fs::path& run,
+                                   const fs::path& merged, const std::string& flags,
+                                   const fs::path& scratch) {
+  ASSERT_EQ(cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
+                     run.string() + " --steps 3 " + flags +
+                     " --lr 1e-2 --ctx 64 --batch 2 --accum 1 --lora-rank 4 --lora-targets all"),
+            0);
+  const fs::path adapter = run / "adapter.gguf";
+  LoadedModel plain = load(gguf);
+  LoadedModel with =
+      load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
+  const std::vector<int32_t> tokens = token_sequence(48, plain.config.vocab, 1, 5);
+  const std::vector<float> ours = our_logits(with, tokens);
+  EXPECT_LT(max_abs_difference(ours, oracle_logits(gguf, tokens, scratch, adapter)), 1e-4);
+  EXPECT_GT(max_abs_difference(ours, our_logits(plain, tokens)), 1e-3);
+  fs::remove(merged);
+  ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0);
+  EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, tokens, scratch)), 1e-4);
+}
+
 // A LoRA fine-tune of each family (adapters on all its projections, fp32): llama.cpp with the
 // base GGUF and the adapter computes what cputrain computes, and both differ from the base; so
 // does llama.cpp with the adapter merged into the base (export --merge).
@@ -737,27 +761,11 @@ TEST(Families, FineTunedAdaptersGiveLlamaCppsLogits) {
   for (const std::string family : kFamilies) {
     const fs::path base = family_models() / (family + ".gguf");
     const fs::path run = folder.path / family;
-    ASSERT_EQ(cputrain("finetune --model " + base.string() + " --data " + data.string() +
-                       " --out " + run.string() +
-                       " --steps 3 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1 "
-                       "--lora-rank 4 --lora-targets all"),
-              0)
-        << family;
-    const fs::path adapter = run / "adapter.gguf";
-    LoadedModel plain = load(base);
-    LoadedModel with =
-        load_model(base.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
-    const std::vector<int32_t> tokens = token_sequence(48, plain.config.vocab, 1, 5);
-    const std::vector<float> ours = our_logits(with, tokens);
-    EXPECT_LT(max_abs_difference(ours, oracle_logits(base, tokens, folder.path, adapter)), 1e-4)
-        << family;
-    EXPECT_GT(max_abs_difference(ours, our_logits(plain, tokens)), 1e-3) << family;
-    // Merged into the base (export --merge): llama.cpp computes the same from the one file.
-    const fs::path merged = folder.path / "merged.gguf";
-    fs::remove(merged);
-    ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0)
-        << family;
-    EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, tokens, folder.path)), 1e-4) << family;
+    {
+      SCOPED_TRACE(family);
+      expect_fine_tune_as_llama_cpp(base, data, run, folder.path / "merged.gguf", "--dtype fp32",
+                                    folder.path);
+    }
     if (family == "phi2") {
       // Phi-2's modules by its own names; it has no gate to adapt.
       const nlohmann::json config =
@@ -866,27 +874,13 @@ TEST(Families, Phi2WithFusedQkvIsLlamaCpps) {
       1e-6);
 
   const fs::path data = write_finetune_data(folder.path);
-  const fs::path run = folder.path / "run";
-  ASSERT_EQ(cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
-                     run.string() +
-                     " --steps 3 --dtype fp32 --lr 1e-2 --ctx 64 --batch 2 --accum 1 "
-                     "--lora-rank 4 --lora-targets all"),
-            0);
-  const fs::path adapter = run / "adapter.gguf";
-  const GgufFile a(adapter.string());
+  const fs::path run = folder.path / "run", merged = folder.path / "merged.gguf";
+  expect_fine_tune_as_llama_cpp(gguf, data, run, merged, "--dtype fp32", folder.path);
+  const GgufFile a((run / "adapter.gguf").string());
   ASSERT_NE(a.tensor("blk.0.attn_qkv.weight.lora_a"), nullptr);
   EXPECT_EQ(a.tensor("blk.0.attn_qkv.weight.lora_b")->dims, (std::vector<int64_t>{4, 3 * 160}));
   EXPECT_EQ(a.tensor("blk.0.attn_q.weight.lora_a"), nullptr);
-  LoadedModel with =
-      load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
-  const std::vector<int32_t> few = token_sequence(48, g.config.vocab, 1, 5);
-  const std::vector<float> ours = our_logits(with, few);
-  EXPECT_LT(max_abs_difference(ours, oracle_logits(gguf, few, folder.path, adapter)), 1e-4);
-  EXPECT_GT(max_abs_difference(ours, our_logits(g, few)), 1e-3);
-  const fs::path merged = folder.path / "merged.gguf";
-  ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0);
   EXPECT_NE(GgufFile(merged.string()).tensor("blk.0.attn_qkv.weight"), nullptr);
-  EXPECT_LT(max_abs_difference(ours, oracle_logits(merged, few, folder.path)), 1e-4);
   // PEFT's modules are Transformers' Phi's: q_proj, k_proj and v_proj, each with the one A.
   EXPECT_EQ(nlohmann::json::parse(read_all(run / "peft" / "adapter_config.json"))["target_modules"],
             nlohmann::json({"q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"}));
@@ -994,27 +988,14 @@ TEST(Families, Gemma4IsLlamaCpps) {
 
   // A LoRA fine-tune (bf16, each layer recomputed in backward): the shared layers adapt q and o
   // alone; llama.cpp applies the adapter to the base as cputrain does, and the merged model.
-  const fs::path data = write_finetune_data(folder.path);
   const fs::path run = folder.path / "run";
-  ASSERT_EQ(cputrain("finetune --model " + gguf.string() + " --data " + data.string() + " --out " +
-                     run.string() +
-                     " --steps 3 --dtype bf16 --checkpoint layer --lr 1e-2 --ctx 64 --batch 2 "
-                     "--accum 1 --lora-rank 4 --lora-targets all"),
-            0);
-  const fs::path adapter = run / "adapter.gguf";
-  const GgufFile a(adapter.string());
+  expect_fine_tune_as_llama_cpp(gguf, write_finetune_data(folder.path), run,
+                                folder.path / "merged.gguf", "--dtype bf16 --checkpoint layer",
+                                folder.path);
+  const GgufFile a((run / "adapter.gguf").string());
   EXPECT_NE(a.tensor("blk.5.attn_k.weight.lora_a"), nullptr);
   EXPECT_EQ(a.tensor("blk.6.attn_k.weight.lora_a"), nullptr);
   EXPECT_NE(a.tensor("blk.6.attn_q.weight.lora_a"), nullptr);
-  LoadedModel with =
-      load_model(gguf.string(), "--model", "", kDefaultImportCtx, false, adapter.string());
-  const std::vector<int32_t> few = token_sequence(48, c.vocab, 1, 5);
-  const std::vector<float> adapted = our_logits(with, few);
-  EXPECT_LT(max_abs_difference(adapted, oracle_logits(gguf, few, folder.path, adapter)), 1e-4);
-  EXPECT_GT(max_abs_difference(adapted, our_logits(g, few)), 1e-3);
-  const fs::path merged = folder.path / "merged.gguf";
-  ASSERT_EQ(cputrain("export --run " + run.string() + " --merge --out " + merged.string()), 0);
-  EXPECT_LT(max_abs_difference(adapted, oracle_logits(merged, few, folder.path)), 1e-4);
 }
 
 // A key that a file gives at a value where nothing is computable is refused in one line, not read
