@@ -316,20 +316,24 @@ std::vector<Architecture> table() {
     a.layer_output_scale = true;
     a.layer_shapes = true;
     a.per_layer_inputs = true;
+    a.experts_beside_mlp = true;
+    a.moe_activation = kernels::Activation::GeluTanh;
+    a.k_as_v = true;
     a.files = false;  // GGUF alone
     a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
                   {"post_attention_norm", "post_attention_layernorm"},
                   {"post_ffw_norm", "post_feedforward_layernorm"}};
-    a.gguf_keys = {"attention.sliding_window",  "attention.sliding_window_pattern",
-                   "rope.freq_base_swa",        "final_logit_softcapping",
-                   "attention.key_length_swa",  "attention.value_length_swa",
-                   "rope.dimension_count_swa",  "embedding_length_per_layer_input",
-                   "attention.shared_kv_layers"};
+    a.gguf_keys = {"attention.sliding_window",   "attention.sliding_window_pattern",
+                   "rope.freq_base_swa",         "final_logit_softcapping",
+                   "attention.key_length_swa",   "attention.value_length_swa",
+                   "rope.dimension_count_swa",   "embedding_length_per_layer_input",
+                   "attention.shared_kv_layers", "expert_count",
+                   "expert_used_count",          "expert_feed_forward_length"};
     a.summary =
         "Gemma 3's block with v normed, unscaled scores, a learnt scale of each layer's output "
         "and a soft-cap on the logits; windowed layers with their own head size, global ones "
         "with proportional RoPE; per-layer embeddings and layers sharing keys and values (E2B, "
-        "E4B)";
+        "E4B); GELU experts beside the MLP (26B-A4B); global layers taking k as v (31B)";
     t.push_back(a);
   }
   return t;
@@ -460,6 +464,11 @@ std::string architecture_mismatch(const ModelConfig& c) {
     return "Gated DeltaNet layers" + of;
   if (c.per_layer_dim > 0 && !a->per_layer_inputs) return "per-layer embeddings" + of;
   if (c.layers_differ() && !a->layer_shapes) return "layers of different shapes" + of;
+  if (c.moe() && !a->moe && !a->experts_beside_mlp) return "experts" + of;
+  if (a->experts_beside_mlp && c.moe() != c.experts_beside_mlp())
+    return "experts in the MLP's place" + of;
+  if (a->moe && c.expert_ffn > 0) return "experts beside a dense MLP" + of;
+  if (c.k_as_v && !a->k_as_v) return "global layers taking k as v" + of;
   if (c.attn_output_gate != a->attn_output_gate)
     return std::string(c.attn_output_gate ? "an attention output gate"
                                           : "no attention output gate") +
@@ -496,6 +505,8 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   // Gemma 4 E2B's per-layer embeddings, scaled: a sixth of the width (at least 8).
   c.per_layer_dim = arch.per_layer_inputs ? std::max<int64_t>(8, c.d_model / 6 / 2 * 2) : 0;
   if (!arch.moe) c.n_experts = c.experts_used = 0;
+  c.expert_ffn = 0;
+  c.experts_gate_up_fused = c.k_as_v = false;
   if (!arch.shared_expert) c.shared_expert_ffn = 0;
   if (arch.linear_attention_step > 0) {
     // Qwen3.5's proportions: key heads half the query heads, value heads as many, each of the

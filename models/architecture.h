@@ -133,6 +133,11 @@ struct Architecture {
   // and per-layer embeddings (ModelConfig::per_layer_dim), Gemma 4's.
   bool layer_shapes = false;
   bool per_layer_inputs = false;
+  // Experts beside each block's dense MLP where its files have them (ModelConfig::expert_ffn:
+  // Gemma 4 26B-A4B's), GELU-gated; global layers taking k as v where its files give them no
+  // attn_v (ModelConfig::k_as_v: Gemma 4 31B's).
+  bool experts_beside_mlp = false;
+  bool k_as_v = false;
   // Whether its GGUF and Hugging Face files are read and written; where not, `train --arch`
   // trains one and its run's checkpoint holds it, and a file of it is refused in one line, but
   // for a whole model read and written as GGUF where gguf_written says so.

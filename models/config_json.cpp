@@ -65,6 +65,9 @@ json model_config_json(const ModelConfig& c) {
                     {"used", c.experts_used},
                     {"weights_norm", c.expert_weights_norm},
                     {"shared_ffn", c.shared_expert_ffn}};
+  if (c.expert_ffn > 0) j["experts"]["ffn"] = c.expert_ffn;
+  if (c.experts_gate_up_fused) j["experts"]["gate_up_fused"] = true;
+  if (c.k_as_v) j["k_as_v"] = true;
   if (c.rope_scaling.active()) {
     json factors = json::array(), long_factors = json::array();
     for (const float f : c.rope_scaling.freq_factors) factors.push_back(shortest_decimal(f));
@@ -137,12 +140,15 @@ ModelConfig model_config_from_json(const json& m, const std::string& where) {
     c.layer_ffn = m.value("layer_ffn", std::vector<int64_t>{});
     c.shared_kv_layers = m.value("shared_kv_layers", int64_t{0});
     c.per_layer_dim = m.value("per_layer_dim", int64_t{0});
+    c.k_as_v = m.value("k_as_v", false);
     if (m.contains("experts")) {
       const json& e = m.at("experts");
       c.n_experts = e.at("count").get<int64_t>();
       c.experts_used = e.at("used").get<int64_t>();
       c.expert_weights_norm = e.at("weights_norm").get<bool>();
       c.shared_expert_ffn = e.value("shared_ffn", int64_t{0});
+      c.expert_ffn = e.value("ffn", int64_t{0});
+      c.experts_gate_up_fused = e.value("gate_up_fused", false);
     }
     if (m.contains("rope_scaling")) {
       const json& r = m.at("rope_scaling");
@@ -230,7 +236,7 @@ std::string describe_parts(const ModelConfig& c) {
   if (c.attn_output_gate) s += "; attention's output gated";
   if (c.moe()) {
     std::snprintf(buf, sizeof(buf), "; %lld experts of ffn %lld, %lld a token%s",
-                  static_cast<long long>(c.n_experts), static_cast<long long>(c.ffn),
+                  static_cast<long long>(c.n_experts), static_cast<long long>(c.expert_width()),
                   static_cast<long long>(c.experts_used),
                   architecture_of(c).moe_gating == kernels::MoeGating::SoftmaxTopK
                       ? ", a softmax over their logits"
@@ -239,6 +245,11 @@ std::string describe_parts(const ModelConfig& c) {
     s += buf;
     if (c.shared_expert_ffn > 0)
       s += "; a gated shared expert of ffn " + std::to_string(c.shared_expert_ffn);
+    if (c.experts_beside_mlp())
+      s += "; beside a dense MLP, each expert's output scaled, the router on the residual";
+  }
+  if (c.k_as_v) {
+    s += "; the global layers' v is k's projection";
   }
   if (c.sliding_window > 0) {
     std::snprintf(buf, sizeof(buf),

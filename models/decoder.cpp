@@ -77,13 +77,13 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
     } else {
       b.wq = params.add(l + "attention.wq.weight", Shape{Q, C}, true, true);
       b.wk = own_kv ? params.add(l + "attention.wk.weight", Shape{KV, C}, true, true) : -1;
-      b.wv = own_kv ? params.add(l + "attention.wv.weight", Shape{KV, C}, true, true) : -1;
+      b.wv = config.own_v(i) ? params.add(l + "attention.wv.weight", Shape{KV, C}, true, true) : -1;
       if (config.attn_output_gate)
         b.wg = params.add(l + "attention.wg.weight", Shape{Q, C}, true, true);
       if (config.qkv_bias) {
         b.bq = params.add(l + "attention.wq.bias", Shape{Q}, false);
         b.bk = own_kv ? params.add(l + "attention.wk.bias", Shape{KV}, false) : -1;
-        b.bv = own_kv ? params.add(l + "attention.wv.bias", Shape{KV}, false) : -1;
+        b.bv = config.own_v(i) ? params.add(l + "attention.wv.bias", Shape{KV}, false) : -1;
       }
       if (config.qk_norm) {
         b.q_norm = params.add(l + "attention.q_norm.weight", Shape{D}, false);
@@ -101,17 +101,26 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       b.ffn_norm_bias = bias_of(layer_norm, l + "ffn_norm.bias", C);
     }
     if (config.moe()) {
-      const int64_t E = config.n_experts;
+      const int64_t E = config.n_experts, Fe = config.expert_width();
       const std::string m = l + "feed_forward.";
       b.router = params.add(m + "router.weight", Shape{E, C}, true, true);
-      b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, F, C}, true, true);
-      b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, F, C}, true, true);
-      b.experts_w2 = params.add(m + "experts.w2.weight", Shape{E, C, F}, true, true);
+      b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, Fe, C}, true, true);
+      b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, Fe, C}, true, true);
+      b.experts_w2 = params.add(m + "experts.w2.weight", Shape{E, C, Fe}, true, true);
       if (arch.moe_biases) {
         b.router_bias = params.add(m + "router.bias", Shape{E}, false);
-        b.experts_b1 = params.add(m + "experts.w1.bias", Shape{E, F}, false);
-        b.experts_b3 = params.add(m + "experts.w3.bias", Shape{E, F}, false);
+        b.experts_b1 = params.add(m + "experts.w1.bias", Shape{E, Fe}, false);
+        b.experts_b3 = params.add(m + "experts.w3.bias", Shape{E, Fe}, false);
         b.experts_b2 = params.add(m + "experts.w2.bias", Shape{E, C}, false);
+      }
+      if (config.experts_beside_mlp()) {
+        // Gemma 4's: the router's input scale, each expert's output scale, the experts' norm
+        // before and after, and the dense MLP's norm after.
+        b.router_scale = params.add(m + "router_scale.weight", Shape{C}, false);
+        b.expert_scale = params.add(m + "expert_scale.weight", Shape{E}, false);
+        b.moe_norm = params.add(l + "moe_norm.weight", Shape{C}, false);
+        b.post_moe_norm = params.add(l + "post_moe_norm.weight", Shape{C}, false);
+        b.post_mlp_norm = params.add(l + "post_mlp_norm.weight", Shape{C}, false);
       }
       if (config.shared_expert_ffn > 0) {
         const int64_t S = config.shared_expert_ffn;
@@ -120,7 +129,8 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
         b.shared_w2 = params.add(m + "shared.w2.weight", Shape{C, S}, true, true);
         b.shared_gate = params.add(m + "shared_gate.weight", Shape{1, C}, true, true);
       }
-    } else {
+    }
+    if (!config.moe() || config.experts_beside_mlp()) {
       if (arch.mlp != Mlp::Gelu)
         b.w1 = params.add(l + "feed_forward.w1.weight", Shape{F, C}, true, true);
       b.w3 = params.add(l + "feed_forward.w3.weight", Shape{F, C}, true, true);
@@ -164,15 +174,18 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
           const std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
           const int d = w.shape.ndim();
           const int64_t out = w.shape[d - 2], in = w.shape[d - 1];
-          a = params.add(base + "lora_a",
-                         d == 3 ? Shape{w.shape[0], lora.rank, in} : Shape{lora.rank, in}, true,
-                         true);
+          // The experts' gate and up in one tensor share an A (fused_lora_a).
+          const std::string a_name = fused_lora_a(config, base + "lora_a");
+          a = params.find(a_name);
+          if (a < 0)
+            a = params.add(a_name, d == 3 ? Shape{w.shape[0], lora.rank, in} : Shape{lora.rank, in},
+                           true, true);
           bm = params.add(base + "lora_b",
                           d == 3 ? Shape{w.shape[0], out, lora.rank} : Shape{out, lora.rank}, true,
                           true);
         };
-        const auto k = static_cast<size_t>(mlp[j]);
-        add(experts[j], b.lora_a[k], b.lora_b[k]);
+        add(experts[j], b.expert_lora_a[static_cast<size_t>(j)],
+            b.expert_lora_b[static_cast<size_t>(j)]);
         if (shared[j] >= 0) add(shared[j], b.shared_lora_a[j], b.shared_lora_b[j]);
       }
     }
@@ -249,10 +262,14 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
     v.insert(v.end(), {b.router, b.experts_w1, b.experts_w3, b.experts_w2, b.shared_w1, b.shared_w3,
                        b.shared_w2, b.shared_gate});
     v.insert(v.end(), {b.router_bias, b.experts_b1, b.experts_b3, b.experts_b2, b.sinks});
+    v.insert(v.end(),
+             {b.router_scale, b.expert_scale, b.moe_norm, b.post_moe_norm, b.post_mlp_norm});
     v.insert(v.end(), {b.pl_gate, b.pl_proj, b.pl_norm, b.layer_scale});
     v.insert(v.end(), b.lora_a.begin(), b.lora_a.end());
     v.insert(v.end(), b.lora_b.begin(), b.lora_b.end());
     v.push_back(b.lora_b_gate);
+    v.insert(v.end(), b.expert_lora_a.begin(), b.expert_lora_a.end());
+    v.insert(v.end(), b.expert_lora_b.begin(), b.expert_lora_b.end());
     v.insert(v.end(), b.shared_lora_a.begin(), b.shared_lora_a.end());
     v.insert(v.end(), b.shared_lora_b.begin(), b.shared_lora_b.end());
     return v;
@@ -475,9 +492,7 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   // The MLP on x (normed first where `normed` is false); with --checkpoint mlp a checkpoint
   // region of its own, which keeps only x.
   const auto mlp = [&](const Variable& x, bool normed) {
-    auto run = [this, &b, normed](const Variable& in) {
-      return mlp_forward(b, normed ? in : norm(in, b.ffn_norm, b.ffn_norm_bias));
-    };
+    auto run = [this, &b, normed](const Variable& in) { return mlp_forward(b, in, normed); };
     return checkpointing_ == Checkpointing::Mlp ? checkpoint(std::move(run), x) : run(x);
   };
   // Each scope ends where its intermediates are last used, so their FP32 values are freed
@@ -496,10 +511,12 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
     const Block& kb = blocks_[static_cast<size_t>(b.kv_from)];
     if (!shared || extra.size() > P) {
       const Variable kh = shared ? norm(extra[P], kb.attention_norm, kb.attention_norm_bias) : h;
-      k = position(project(kb, Projection::K, kb.wk, kb.bk, kh), kb.k_norm, KVH);
+      const Variable kp = project(kb, Projection::K, kb.wk, kb.bk, kh);
+      k = position(kp, kb.k_norm, KVH);
       if (arch_->v_norm) {
-        // Gemma 4's: each head normed, without a gain.
-        v = head_rmsnorm(project(kb, Projection::V, kb.wv, kb.bv, kh),
+        // Gemma 4's: each head normed, without a gain; k's projection where the layer has no v
+        // (ModelConfig::k_as_v).
+        v = head_rmsnorm(kb.wv >= 0 ? project(kb, Projection::V, kb.wv, kb.bv, kh) : kp,
                          Variable(windowed ? v_gain_swa_ : v_gain_, false), eps);
       } else {
         // Attention reads only v's rounding.
@@ -535,46 +552,68 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
   return b.layer_scale >= 0 ? scale_by(out, p(b.layer_scale)) : out;
 }
 
-Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
-  if (b.router >= 0) {
-    // The router's logits in FP32, each token's experts and weights, the experts' sum.
-    const MoeRouting route =
-        moe_route(project(b, Projection::Router, b.router, b.router_bias, g), config_.experts_used,
-                  arch_->moe_gating, config_.expert_weights_norm);
-    // The experts' adapters (gate, up, down), dropout in training only.
-    MoeAdapters lora;
-    if (adapters_on_) {
-      const auto at = [&](const std::array<int, kProjectionCount>& ids, Projection which) {
-        const int i = ids[static_cast<size_t>(which)];
-        return i >= 0 ? p(i) : Variable();
-      };
-      lora = {at(b.lora_a, Projection::Gate),
-              at(b.lora_b, Projection::Gate),
-              at(b.lora_a, Projection::Up),
-              at(b.lora_b, Projection::Up),
-              at(b.lora_a, Projection::Down),
-              at(b.lora_b, Projection::Down),
-              lora_.active() ? lora_.scale() : 1.0f,
-              lora_.dropout > 0.0 && grad_enabled() ? static_cast<float>(lora_.dropout) : 0.0f,
-              dropout_seed(b, static_cast<size_t>(Projection::Gate))};
-    }
-    Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route, lora,
-                               {bias(b.experts_b1), bias(b.experts_b3), bias(b.experts_b2)},
-                               arch_->moe_activation);
-    if (b.shared_w1 >= 0) {
-      // The shared expert, its output scaled by sigmoid of the token's own gate.
-      const auto shared_proj = [&](size_t j, int weight, const Variable& in) {
-        return adapted(b, kProjectionCount + j, weight, -1, b.shared_lora_a[j], b.shared_lora_b[j],
-                       in, false);
-      };
-      const Variable shared = shared_proj(
-          2, b.shared_w2, swiglu(shared_proj(0, b.shared_w1, g), shared_proj(1, b.shared_w3, g)));
-      out = add(out, row_sigmoid_gated(shared, linear(g, p(b.shared_gate))));
-    }
-    return b.post_ffw_norm >= 0
-               ? head_rmsnorm(out, p(b.post_ffw_norm), config_.norm_eps, config_.norm_offset())
-               : out;
+Variable DecoderModel::mlp_forward(const Block& b, const Variable& x, bool normed) const {
+  const float eps = config_.norm_eps, offset = config_.norm_offset();
+  Variable out;
+  if (b.moe_norm >= 0) {
+    // Gemma 4's: the dense MLP on its norm, its output normed; the experts on theirs, routed by
+    // rmsnorm(x) times the router's scale over sqrt(C), their sum normed; the two added.
+    const Variable dense = head_rmsnorm(dense_mlp(b, norm(x, b.ffn_norm, b.ffn_norm_bias)),
+                                        p(b.post_mlp_norm), eps, offset);
+    const Variable r = scale(head_rmsnorm(x, p(b.router_scale), eps),
+                             1.0f / std::sqrt(static_cast<float>(config_.d_model)));
+    const Variable experts = head_rmsnorm(experts_forward(b, norm(x, b.moe_norm, -1), r),
+                                          p(b.post_moe_norm), eps, offset);
+    out = add(dense, experts);
+  } else {
+    const Variable g = normed ? x : norm(x, b.ffn_norm, b.ffn_norm_bias);
+    out = b.router >= 0 ? experts_forward(b, g, g) : dense_mlp(b, g);
   }
+  return b.post_ffw_norm >= 0 ? head_rmsnorm(out, p(b.post_ffw_norm), eps, offset) : out;
+}
+
+Variable DecoderModel::experts_forward(const Block& b, const Variable& g, const Variable& r) const {
+  // The router's logits in FP32, each token's experts and weights (times each expert's output
+  // scale where it has one), the experts' sum.
+  MoeRouting route =
+      moe_route(project(b, Projection::Router, b.router, b.router_bias, r), config_.experts_used,
+                arch_->moe_gating, config_.expert_weights_norm);
+  if (b.expert_scale >= 0) route = moe_expert_scaled(route, p(b.expert_scale));
+  // The experts' adapters (gate, up, down), dropout in training only; beside a dense MLP, masks
+  // other than its gate's.
+  MoeAdapters lora;
+  if (adapters_on_) {
+    const auto at = [&](const std::array<int, 3>& ids, size_t j) {
+      return ids[j] >= 0 ? p(ids[j]) : Variable();
+    };
+    const uint64_t seed = dropout_seed(b, static_cast<size_t>(Projection::Gate));
+    lora = {at(b.expert_lora_a, 0),
+            at(b.expert_lora_b, 0),
+            at(b.expert_lora_a, 1),
+            at(b.expert_lora_b, 1),
+            at(b.expert_lora_a, 2),
+            at(b.expert_lora_b, 2),
+            lora_.active() ? lora_.scale() : 1.0f,
+            lora_.dropout > 0.0 && grad_enabled() ? static_cast<float>(lora_.dropout) : 0.0f,
+            b.moe_norm >= 0 ? splitmix64(seed + 1) : seed};
+  }
+  Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route, lora,
+                             {bias(b.experts_b1), bias(b.experts_b3), bias(b.experts_b2)},
+                             arch_->moe_activation);
+  if (b.shared_w1 >= 0) {
+    // The shared expert, its output scaled by sigmoid of the token's own gate.
+    const auto shared_proj = [&](size_t j, int weight, const Variable& in) {
+      return adapted(b, kProjectionCount + j, weight, -1, b.shared_lora_a[j], b.shared_lora_b[j],
+                     in, false);
+    };
+    const Variable shared = shared_proj(
+        2, b.shared_w2, swiglu(shared_proj(0, b.shared_w1, g), shared_proj(1, b.shared_w3, g)));
+    out = add(out, row_sigmoid_gated(shared, linear(g, p(b.shared_gate))));
+  }
+  return out;
+}
+
+Variable DecoderModel::dense_mlp(const Block& b, Variable g) const {
   Variable f;
   if (arch_->mlp == Mlp::Gelu) {
     f = gelu(project(b, Projection::Up, b.w3, b.b3, g));
@@ -584,10 +623,7 @@ Variable DecoderModel::mlp_forward(const Block& b, Variable g) const {
     f = arch_->mlp == Mlp::GeGlu ? geglu(gate, up) : swiglu(gate, up);
   }
   g = Variable();  // let go of before the down projection
-  const Variable down = project(b, Projection::Down, b.w2, b.b2, f);
-  return b.post_ffw_norm >= 0
-             ? head_rmsnorm(down, p(b.post_ffw_norm), config_.norm_eps, config_.norm_offset())
-             : down;
+  return project(b, Projection::Down, b.w2, b.b2, f);
 }
 
 Variable DecoderModel::hidden(const Tensor& inputs, std::shared_ptr<const Packing> packing) {

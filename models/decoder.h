@@ -161,6 +161,10 @@ class DecoderModel {
     // gpt-oss's router bias (E) and expert biases (E, F; E, F; E, C); -1 without.
     int router_bias = -1, experts_b1 = -1, experts_b3 = -1, experts_b2 = -1;
     int sinks = -1;  // attention's sinks (H); -1 without
+    // Experts beside a dense MLP (ModelConfig::expert_ffn): the router's input scale (C), each
+    // expert's output scale (E), the experts' norm before and after and the dense MLP's after
+    // (C each); -1 without.
+    int router_scale = -1, expert_scale = -1, moe_norm = -1, post_moe_norm = -1, post_mlp_norm = -1;
     // The shared expert's gate, up and down projections and its gate's projection (1, C); -1
     // without.
     int shared_w1 = -1, shared_w3 = -1, shared_w2 = -1, shared_gate = -1;
@@ -185,11 +189,12 @@ class DecoderModel {
     int pl_gate = -1, pl_proj = -1, pl_norm = -1, layer_scale = -1;
     // Each projection's adapter (by Projection), -1 without; a gated attention's gate takes q's
     // A and a B of its own (q_proj holds both). In a mixture of experts gate, up and down's are
-    // the experts' (A (E, r, in), B (E, out, r)), and shared_lora_a / _b the shared expert's
-    // (its gate, up and down).
+    // in expert_lora_a / _b (A (E, r, in), B (E, out, r); gate, up, down), and shared_lora_a / _b
+    // the shared expert's (its gate, up and down).
     std::array<int, kProjectionCount> lora_a = unadapted();
     std::array<int, kProjectionCount> lora_b = unadapted();
     int lora_b_gate = -1;
+    std::array<int, 3> expert_lora_a{-1, -1, -1}, expert_lora_b{-1, -1, -1};
     std::array<int, 3> shared_lora_a{-1, -1, -1}, shared_lora_b{-1, -1, -1};
     static std::array<int, kProjectionCount> unadapted() {
       std::array<int, kProjectionCount> a;
@@ -240,8 +245,13 @@ class DecoderModel {
   // RopeTables holds them); decoding from and into `state`.
   Variable linear_attention(const Block& block, const Variable& h, const Tensor& positions,
                             LinearState* state);
-  // A block's MLP on its norm's output g, the down projection (and a post-MLP norm) included.
-  Variable mlp_forward(const Block& block, Variable g) const;
+  // A block's MLP on x, normed first unless `normed`, the post-MLP norm included: the dense
+  // MLP, the experts, or (Gemma 4 26B-A4B) both side by side.
+  Variable mlp_forward(const Block& block, const Variable& x, bool normed) const;
+  // The dense MLP on its norm's output g, the down projection included.
+  Variable dense_mlp(const Block& block, Variable g) const;
+  // The experts (and a shared expert) on their norm's output g, routed by the router's input r.
+  Variable experts_forward(const Block& block, const Variable& g, const Variable& r) const;
   // The logits (B, V) of the last of the T positions of each sequence in h (B, T, d_model).
   Tensor last_position_logits(const Tensor& h, int64_t B, int64_t T);
   const Variable& p(int index) const { return params_.var(index); }

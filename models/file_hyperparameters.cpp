@@ -221,8 +221,9 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     check_heads(check, hp, wq, wk, arch, c);
   }
 
-  if (arch.moe) {
-    // The router's rows are the experts; the experts' gate tensor (E, F, C) gives their width.
+  if (arch.moe || (arch.experts_beside_mlp && hp.n_experts.value)) {
+    // The router's rows are the experts; the experts' gate tensor (E, F, C) gives their width
+    // (half the rows of each expert's gate and up where they are one tensor).
     const std::string router = "layers.0.feed_forward.router.weight";
     const std::vector<int64_t> r = check.matrix(router);
     c.n_experts = check.positive(hp.n_experts);
@@ -231,12 +232,16 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
     c.experts_used = check.positive(hp.experts_used);
     if (c.experts_used > c.n_experts)
       check.fail(hp.experts_used, "is more than " + hp.n_experts.key + " " + text(c.n_experts));
-    const std::string w1 = "layers.0.feed_forward.experts.w1.weight";
+    const int64_t parts = c.experts_gate_up_fused ? 2 : 1;
+    const std::string w1 = parts == 2 ? "layers.0.feed_forward.experts.w13.weight"
+                                      : "layers.0.feed_forward.experts.w1.weight";
     const std::optional<std::vector<int64_t>> g = shape_of(check.name(w1));
     if (!g || g->size() != 3)
       throw UserError(hp.where + ": no tensor " + check.name(w1) + " of three dimensions");
-    c.ffn = check.positive(hp.ffn);
-    if (c.ffn != (*g)[1]) check.differs(hp.ffn, c.ffn, w1, *g, {(*g)[0], c.ffn, (*g)[2]});
+    const FileHyperparameter& width = arch.moe ? hp.ffn : hp.expert_ffn;
+    int64_t& F = arch.moe ? c.ffn : c.expert_ffn;
+    F = check.positive(width);
+    if (F * parts != (*g)[1]) check.differs(width, F, w1, *g, {(*g)[0], parts * F, (*g)[2]});
     if (arch.shared_expert) {
       const std::string s1 = "layers.0.feed_forward.shared.w1.weight";
       const std::vector<int64_t> s = check.matrix(s1);
@@ -245,7 +250,8 @@ void check_file_hyperparameters(const FileHyperparameters& hp,
         check.differs(hp.shared_expert_ffn, c.shared_expert_ffn, s1, s,
                       {c.shared_expert_ffn, s[1]});
     }
-  } else {
+  }
+  if (!arch.moe) {
     // The gate projection's rows, or half the fused gate and up tensor's, or without a gate the up
     // projection's.
     const std::string w1 = arch.fused_gate_up      ? "layers.0.feed_forward.w13.weight"

@@ -47,6 +47,9 @@ struct FileHyperparameters {
   FileHyperparameter n_experts;
   FileHyperparameter experts_used;
   FileHyperparameter shared_expert_ffn;  // required where the architecture has a shared expert
+  // The experts' width where they are beside a dense MLP (Architecture::experts_beside_mlp);
+  // given there where n_experts is.
+  FileHyperparameter expert_ffn;
   // Blocks the file holds after the model's n_layers that the model leaves out (a
   // multi-token-prediction block, numbered after the model's layers).
   int64_t extra_blocks = 0;

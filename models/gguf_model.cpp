@@ -265,7 +265,15 @@ void read_layer_shapes(const GgufFile& file, const std::string& p, const Archite
     if (v < 0 || v > kMaxLinearCount)
       throw UserError(file.path() + ": metadata " + p + key + " " + std::to_string(v) +
                       " is not a count cputrain reads");
+  // The layers whose file gives no attn_v (Gemma 4 31B's global layers take k as v).
+  std::vector<bool> no_v(static_cast<size_t>(layers));
+  for (int64_t i = 0; i < layers; ++i)
+    no_v[static_cast<size_t>(i)] =
+        arch.k_as_v && !file.tensor("blk." + std::to_string(i) + ".attn_v.weight");
   hp.layer_shapes = [=, where = file.path()](ModelConfig& m) {
+    for (int64_t i = 0; i < m.n_layers && i < layers; ++i)
+      if (no_v[static_cast<size_t>(i)] && !m.windowed_layer(i) && m.kv_layer(i) == i)
+        m.k_as_v = true;
     if (!first_windowed) return;
     // The first layer's are the windowed layers'; the global layers' as the file gives them.
     m.head_dim_swa = m.head_size();
@@ -340,6 +348,16 @@ ModelConfig gguf_model_config(const GgufFile& file, int64_t max_ctx) {
       if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
     if (arch->shared_expert && !hp.shared_expert_ffn.value)
       throw UserError(file.path() + ": no metadata " + hp.shared_expert_ffn.key);
+  } else if (arch->experts_beside_mlp && file.integer(p + "expert_count", 0) != 0) {
+    // Experts beside the dense MLP (Gemma 4 26B-A4B), their gate and up in one tensor as its
+    // converter writes them, or apart.
+    hp.n_experts = given(p + "expert_count");
+    hp.experts_used = given(p + "expert_used_count");
+    hp.expert_ffn = given(p + "expert_feed_forward_length");
+    for (const FileHyperparameter* required : {&hp.experts_used, &hp.expert_ffn})
+      if (!required->value) throw UserError(file.path() + ": no metadata " + required->key);
+    c.experts_gate_up_fused =
+        file.tensor("blk.0.ffn_gate_up_exps.weight") && !file.tensor("blk.0.ffn_gate_exps.weight");
   }
   hp.ctx = given(p + "context_length");
   if (!arch->layer_shapes) hp.rope_dim = given(p + "rope.dimension_count");
@@ -518,9 +536,8 @@ const GgufTensor& gguf_tensor_of(const GgufFile& file, const ParameterInfo& info
   const std::string& name = where.name;
   const GgufTensor* t = file.tensor(name);
   if (!t) throw UserError(file.path() + ": no tensor " + name + " (the model's " + info.name + ")");
-  std::vector<int64_t> expected;
-  for (int d = info.shape.ndim() - 1; d >= 0; --d) expected.push_back(info.shape[d]);
-  expected.back() = where.tensor_rows;
+  const std::vector<int64_t> shape = file_tensor_shape(info, where, TensorNaming::Gguf);
+  std::vector<int64_t> expected(shape.rbegin(), shape.rend());
   // A matrix of one row may be held as a vector (file_hyperparameters.cpp).
   if (expected.size() == 2 && expected[1] == 1 && t->dims.size() == 1) expected.pop_back();
   if (t->dims != expected)
@@ -608,7 +625,8 @@ void load_gguf_weights(const GgufFile& file, const ParameterSet& params,
       if (in_place_dtype(t->type) != info.mapped_dtype)
         throw std::logic_error("load_gguf_weights: " + name + " mapped as another type");
     } else if (t->type == static_cast<uint32_t>(GgmlType::BF16) &&
-               params.bf16_only(static_cast<int>(i)) && !interleaved_part(info, config)) {
+               params.bf16_only(static_cast<int>(i)) && !interleaved_part(info, config) &&
+               !part.per_expert) {
       params.write_bf16_values(static_cast<int>(i), t->data.data() + part.first_row * row * 2);
     } else {
       if (converted != t) values = gguf_tensor_values(file, *t);
@@ -694,6 +712,35 @@ GgmlType q4_k_m_type(const std::string& name, const std::vector<int64_t>& shape,
 
 }  // namespace
 
+namespace {
+
+// llama.cpp scales each expert's down product by ffn_down_exps.scale before it adds the
+// adapter's (Gemma 4's), where the model scales the adapted product: an adapter's B of the
+// experts' down product (E, C, r) is written times each expert's scale and read divided by it.
+void scale_down_adapter(std::vector<float>& b, const ParameterInfo& info,
+                        const ParameterSet& params, bool divide, const std::string& path) {
+  const std::string adapter = "feed_forward.experts.w2.lora_b";
+  if (!info.name.ends_with(adapter)) return;
+  const int scale = params.find(info.name.substr(0, info.name.size() - adapter.size()) +
+                                "feed_forward.expert_scale.weight");
+  if (scale < 0) return;
+  const int64_t E = info.shape[0], block = info.shape.numel() / E;
+  std::vector<float> s(static_cast<size_t>(E));
+  params.read_values(scale, s.data());
+  for (int64_t e = 0; e < E; ++e) {
+    const float f = s[static_cast<size_t>(e)];
+    if (divide && !(f != 0.0f))
+      throw UserError(path + ": expert " + std::to_string(e) + " of " + info.name +
+                      " has an output scale of 0, through which its adapter cannot be read");
+    for (int64_t i = 0; i < block; ++i) {
+      float& v = b[static_cast<size_t>(e * block + i)];
+      v = divide ? v / f : v * f;
+    }
+  }
+}
+
+}  // namespace
+
 void write_lora_gguf(const std::string& path, const ModelConfig& c, const ParameterSet& params,
                      double alpha, const std::string& name) {
   const Architecture& arch = architecture_of(c);
@@ -709,7 +756,10 @@ void write_lora_gguf(const std::string& path, const ModelConfig& c, const Parame
       file_tensors(params, c, TensorNaming::Gguf,
                    [](const ParameterInfo& info) { return is_lora_parameter(info.name); });
   for (const FileTensor& t : tensors) {
-    const std::vector<float> values = file_tensor_values(params, t, c, arch.gguf_rope_pairs, false);
+    std::vector<float> values = file_tensor_values(params, t, c, arch.gguf_rope_pairs, false);
+    if (t.parts.size() == 1)
+      scale_down_adapter(values, params.infos()[static_cast<size_t>(t.parts[0])], params, false,
+                         path);
     // ggml's dimensions, innermost first: a mixture's experts' A (E, r, in) is [in, r, E].
     w.add_tensor(
         t.name, std::vector<int64_t>(t.shape.rbegin(), t.shape.rend()), GgmlType::F32,
@@ -746,6 +796,7 @@ LoraConfig lora_gguf_config(const GgufFile& file) {
       {"ffn_gate_exps", {P::Gate}},
       {"ffn_up_exps", {P::Up}},
       {"ffn_down_exps", {P::Down}},
+      {"ffn_gate_up_exps", {P::Gate, P::Up}},
       {"ffn_gate_shexp", {P::Gate}},
       {"ffn_up_shexp", {P::Up}},
       {"ffn_down_shexp", {P::Down}},
@@ -793,8 +844,8 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
     const TensorPart part = tensor_part(info, c, TensorNaming::Gguf);
     const GgufTensor* t = file.tensor(part.name);
     if (!t) throw UserError(file.path() + ": no tensor " + part.name);
-    std::vector<int64_t> expected = {info.shape[1], part.tensor_rows};
-    if (info.shape.ndim() == 3) expected = {info.shape[2], info.shape[1], info.shape[0]};
+    const std::vector<int64_t> shape = file_tensor_shape(info, part, TensorNaming::Gguf);
+    const std::vector<int64_t> expected(shape.rbegin(), shape.rend());
     if (t->dims != expected)
       throw UserError(file.path() + ": tensor " + part.name + " has shape " + shape_text(t->dims) +
                       " where this model takes " + shape_text(expected));
@@ -817,6 +868,7 @@ void load_lora_gguf(const GgufFile& file, const ModelConfig& c, const ParameterS
     converted = t;
     std::vector<float> values = part_values(all, info, part, c);
     reorder_qk_rows(values, info, c, arch.gguf_rope_pairs, c.rope_pairs);
+    scale_down_adapter(values, info, params, true, file.path());
     params.write_values(static_cast<int>(i), values.data());
   }
 }
@@ -910,7 +962,7 @@ GgmlType write_gguf(const std::string& path, const ModelConfig& c, const Paramet
   if (c.moe()) {
     w.set_u32(arch + ".expert_count", static_cast<uint32_t>(c.n_experts));
     w.set_u32(arch + ".expert_used_count", static_cast<uint32_t>(c.experts_used));
-    w.set_u32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(c.ffn));
+    w.set_u32(arch + ".expert_feed_forward_length", static_cast<uint32_t>(c.expert_width()));
     if (c.shared_expert_ffn > 0)
       w.set_u32(arch + ".expert_shared_feed_forward_length",
                 static_cast<uint32_t>(c.shared_expert_ffn));

@@ -142,8 +142,9 @@ int64_t projection_width(const ModelConfig& c, Projection p) {
     case Projection::Gate:
     case Projection::Up:
     case Projection::Down:
-      // A mixture's experts' and its shared expert's.
-      return std::min({c.d_model, c.ffn, c.shared_expert_ffn > 0 ? c.shared_expert_ffn : c.ffn});
+      // A mixture's experts' (and a dense MLP's beside them) and its shared expert's.
+      return std::min({c.d_model, c.ffn, c.expert_width(),
+                       c.shared_expert_ffn > 0 ? c.shared_expert_ffn : c.ffn});
     case Projection::Router:
       return std::min(c.d_model, c.n_experts);
     case Projection::Z:
@@ -215,7 +216,10 @@ std::string fused_lora_a(const ModelConfig& c, const std::string& lora_a) {
       {".linear.wk.", ".linear.wqkv.", !c.linear_layers.empty()},
       {".linear.wv.", ".linear.wqkv.", !c.linear_layers.empty()},
       {".attention.wq.", ".attention.wqg.", c.attn_output_gate},
-      {".attention.wg.", ".attention.wqg.", c.attn_output_gate}};
+      {".attention.wg.", ".attention.wqg.", c.attn_output_gate},
+      // A mixture's experts' gate and up in one GGUF tensor.
+      {".feed_forward.experts.w1.", ".feed_forward.experts.w13.", c.experts_gate_up_fused},
+      {".feed_forward.experts.w3.", ".feed_forward.experts.w13.", c.experts_gate_up_fused}};
   for (const auto& [part, whole, on] : fused) {
     const size_t at = lora_a.find(part);
     if (at == std::string::npos || !on) continue;
@@ -253,6 +257,8 @@ void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std:
                         std::string(arch.name) + " has no " + std::string(projection_name(p)) +
                         " projection (Gated DeltaNet's)");
   check(arch.fused_gate_up, {Projection::Gate, Projection::Up}, "gate and up", "gate_up_proj");
+  check(c.experts_gate_up_fused, {Projection::Gate, Projection::Up},
+        "experts' gate and up (in its GGUF file)", "ffn_gate_up_exps");
   if (!c.moe() && lora.on(Projection::Router))
     throw UserError(flag + " " + lora_targets_text(lora.targets) + ": " + std::string(arch.name) +
                     " has no router (a mixture of experts' projection)");

@@ -234,11 +234,17 @@ int64_t parameter_count(const ModelConfig& c) {
     const int64_t q = c.q_dim(l), F = c.ffn_width(l);
     // A shared-KV layer has no k and v of its own.
     const int64_t kv = c.kv_layer(l) == l ? c.kv_dim(l) : 0;
-    const int64_t experts = E * 3 * C * F + E * C + (S > 0 ? 3 * C * S + C : 0) +
-                            (moe_biases ? E * (1 + 2 * F + C) : 0);
+    const int64_t v = c.own_v(l) ? c.kv_dim(l) : 0;
+    // Experts beside a dense MLP: their own width, the router's scale (C), each expert's output
+    // scale (E) and three norms more.
+    const int64_t Fe = c.expert_width();
+    const int64_t experts = E * 3 * C * Fe + E * C + (S > 0 ? 3 * C * S + C : 0) +
+                            (moe_biases ? E * (1 + 2 * Fe + C) : 0) +
+                            (c.experts_beside_mlp() ? C + E + 3 * C : 0);
+    const int64_t dense_mlp = mlp_matrices(arch) * C * F + (dense ? F + C : 0);
     const int64_t mlp =
-        (c.moe() ? experts : mlp_matrices(arch) * C * F + (dense ? F + C : 0)) + norms;
-    const int64_t attention = 2 * C * q + 2 * C * kv + (c.qkv_bias ? q + 2 * kv : 0) +
+        (c.moe() ? experts + (c.experts_beside_mlp() ? dense_mlp : 0) : dense_mlp) + norms;
+    const int64_t attention = C * (2 * q + kv + v) + (c.qkv_bias ? q + kv + v : 0) +
                               (c.qk_norm ? (kv > 0 ? 2 : 1) * c.head_size(l) : 0) +
                               (out_bias ? C : 0) + (c.attn_output_gate ? C * q : 0) +
                               (sinks ? c.n_heads : 0);
@@ -270,6 +276,9 @@ std::optional<ConfigProblem> validate(const ModelConfig& c) {
   if (c.moe() && (c.experts_used <= 0 || c.experts_used > c.n_experts))
     return ConfigProblem{"experts_used", text(c.experts_used), "must be from 1 to", "n_experts",
                          text(c.n_experts)};
+  if (c.expert_ffn < 0 || (c.expert_ffn > 0 && !c.moe()))
+    return ConfigProblem{"expert_ffn", text(c.expert_ffn), "must be positive with experts",
+                         "n_experts", text(c.n_experts)};
   if (c.n_heads % c.kv_heads() != 0)
     return ConfigProblem{"n_heads", text(c.n_heads), "is not a multiple of", "n_kv_heads",
                          text(c.kv_heads())};
@@ -382,15 +391,19 @@ double training_flops_per_token(const ModelConfig& c, int64_t ctx) {
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const auto ql = static_cast<double>(c.q_dim(l));
     const auto kvl = c.kv_layer(l) == l ? static_cast<double>(c.kv_dim(l)) : 0.0;
+    const auto vl = c.own_v(l) ? static_cast<double>(c.kv_dim(l)) : 0.0;
     const auto F = static_cast<double>(c.ffn_width(l));
-    blocks +=
-        2.0 * d * ql + 2.0 * d * kvl +
-        (c.moe() ? static_cast<double>(c.experts_used) * 3.0 * d * F +
-                       static_cast<double>(c.n_experts) * d +
-                       3.0 * d * static_cast<double>(c.shared_expert_ffn) +
-                       (c.shared_expert_ffn > 0 ? d : 0.0)
-                 : static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d * F) +
-        2.0 * d * static_cast<double>(c.per_layer_dim);
+    const double dense_mlp =
+        static_cast<double>(mlp_matrices(find_architecture(c.architecture))) * d * F;
+    blocks += 2.0 * d * ql + d * (kvl + vl) +
+              (c.moe() ? static_cast<double>(c.experts_used) * 3.0 * d *
+                                 static_cast<double>(c.expert_width()) +
+                             static_cast<double>(c.n_experts) * d +
+                             3.0 * d * static_cast<double>(c.shared_expert_ffn) +
+                             (c.shared_expert_ffn > 0 ? d : 0.0) +
+                             (c.experts_beside_mlp() ? dense_mlp : 0.0)
+                       : dense_mlp) +
+              2.0 * d * static_cast<double>(c.per_layer_dim);
     if (!c.linear_layer(l)) attention_width += ql;
   }
   const double matrices = blocks + static_cast<double>(c.vocab) * d +

@@ -153,6 +153,17 @@ struct ModelConfig {
   // A shared expert beside them (Qwen3.5-MoE): a SwiGLU MLP of this width that every token takes,
   // its output times sigmoid of a projection of the token to one number; 0: none.
   int64_t shared_expert_ffn = 0;
+  // The experts' width where each block keeps a dense MLP of width ffn beside them (Gemma 4
+  // 26B-A4B: the experts on a norm of their own and the router on the unnormed residual, each
+  // expert's output scaled by a learnt factor, the two outputs normed and added); 0: the experts
+  // take the MLP's place, each of width ffn.
+  int64_t expert_ffn = 0;
+  // A GGUF file's experts' gate and up in one tensor (ffn_gate_up_exps: each expert's gate rows,
+  // then its up rows), as Gemma 4's converter writes them: read so and written back so.
+  bool experts_gate_up_fused = false;
+  // The global layers that compute keys have no v projection: v is k's projection before k's
+  // norm and RoPE (Gemma 4 31B's attention_k_eq_v).
+  bool k_as_v = false;
   // Gemma 4's windowed layers' own attention: their head size, key/value heads and rotated
   // dimensions (0: the global layers' head_dim, n_kv_heads and rope_dim).
   int64_t head_dim_swa = 0;
@@ -204,6 +215,14 @@ struct ModelConfig {
   // Whether layer `layer` is Gated DeltaNet rather than attention.
   bool linear_layer(int64_t layer) const;
   bool moe() const { return n_experts > 0; }
+  // Whether each block has a dense MLP beside its experts (expert_ffn), and the experts' width.
+  bool experts_beside_mlp() const { return moe() && expert_ffn > 0; }
+  int64_t expert_width() const { return expert_ffn > 0 ? expert_ffn : ffn; }
+  // Whether layer `layer` computes a v projection of its own: not a shared-KV layer, nor a
+  // global layer of a model whose global layers take k as v.
+  bool own_v(int64_t layer) const {
+    return kv_layer(layer) == layer && !(k_as_v && !windowed_layer(layer));
+  }
   int64_t linear_qk_dim() const { return linear_key_heads * linear_key_dim; }     // q's, k's width
   int64_t linear_v_dim() const { return linear_value_heads * linear_value_dim; }  // v's, z's
   // Whether layer `layer` attends within the sliding window.
@@ -243,7 +262,9 @@ std::vector<std::string> preset_names();
 // plus the o, up and down
 // biases where the architecture has them; with experts, E (3 C F) and the router's E C in the
 // MLP's place, and a shared expert's 3 C Fs + C, gpt-oss's router and expert biases E (1 + 2 F +
-// C), its sinks H); the final norm C (2 C), the head's bias V.
+// C), its sinks H; experts beside a dense MLP (expert_ffn) keep the MLP and add the router's
+// scale C, the experts' output scales E and three norms 3 C; no wv (nor its bias) where a layer
+// takes k as v); the final norm C (2 C), the head's bias V.
 int64_t parameter_count(const ModelConfig& config);
 // FLOPs of training on one token with sequences of ctx tokens: 6 x the parameters of the matrix
 // products (the blocks' and the LM head's) plus 6 x layers x ctx x q_dim for causal attention

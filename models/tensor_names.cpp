@@ -73,12 +73,23 @@ constexpr Names kBlockNames[] = {
     {"per_layer.proj", "proj", "per_layer_projection"},
     {"per_layer.norm", "post_norm", "post_per_layer_input_norm"},
     {"layer_scale", "layer_output_scale", "layer_scalar"},
+    // Gemma 4 26B-A4B: the experts beside the dense MLP, their norms, the router's input scale
+    // and each expert's output scale (GGUF's ffn_gate_inp.scale, ffn_down_exps.scale); the
+    // experts' gate and up in one tensor (ModelConfig::experts_gate_up_fused).
+    {"moe_norm", "pre_ffw_norm_2", "pre_feedforward_layernorm_2"},
+    {"post_mlp_norm", "post_ffw_norm_1", "post_feedforward_layernorm_1"},
+    {"post_moe_norm", "post_ffw_norm_2", "post_feedforward_layernorm_2"},
+    {"feed_forward.router_scale", "ffn_gate_inp", "router.scale"},
+    {"feed_forward.expert_scale", "ffn_down_exps", "router.per_expert_scale"},
+    {"feed_forward.experts.w13", "ffn_gate_up_exps", "experts.gate_up_proj"},
 };
 
 // The kind a file gives a Gated DeltaNet parameter's tensor: dt_bias is llama.cpp's
 // ssm_dt.bias, A (as -exp(A_log)) its bare ssm_a; Hugging Face's are the bare dt_bias and A_log.
 std::string file_kind(const std::string& rest, const std::string& kind, bool hf) {
   if (rest == "linear.dt_bias") return hf ? "" : ".bias";
+  if (rest == "feed_forward.router_scale" || rest == "feed_forward.expert_scale")
+    return hf ? "" : ".scale";
   if (rest == "linear.a_log" || (hf && (rest == "attention.sinks" || rest == "layer_scale")))
     return "";
   return kind;
@@ -256,6 +267,18 @@ TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& c, TensorNa
       continue;
     return {tensor_name(layer + whole + suffix, naming, arch), first, info.shape[0], rows};
   }
+  // A mixture's experts' gate and up in one GGUF tensor: each expert's gate rows, then its up
+  // rows (the weights' and their adapters' B).
+  const int64_t Fe = c.expert_width();
+  const std::tuple<const char*, int64_t> experts[] = {{"feed_forward.experts.w1.", 0},
+                                                      {"feed_forward.experts.w3.", Fe}};
+  for (const auto& [ours, first] : experts) {
+    if (!c.experts_gate_up_fused || naming != TensorNaming::Gguf || bias ||
+        rest != std::string(ours) + suffix)
+      continue;
+    return {tensor_name(layer + "feed_forward.experts.w13." + suffix, naming, arch), first,
+            info.shape[1], 2 * Fe, true};
+  }
   // Qwen3.5's, in every file: a DeltaNet layer's q, k, v in one tensor and their convolutions in
   // another; attention's q and output gate in one (whose rows file_tensor_values interleaves
   // head by head).
@@ -283,7 +306,7 @@ std::vector<int64_t> file_tensor_shape(const ParameterInfo& info, const TensorPa
                                        TensorNaming naming) {
   std::vector<int64_t> shape;
   for (int d = 0; d < info.shape.ndim(); ++d) shape.push_back(info.shape[d]);
-  shape[0] = part.tensor_rows;
+  shape[part.per_expert ? 1 : 0] = part.tensor_rows;
   // Hugging Face's Conv1d weight: [channels, 1, taps].
   if (naming == TensorNaming::HuggingFace && info.name.find(".linear.conv_") != std::string::npos)
     shape.insert(shape.begin() + 1, 1);
@@ -300,6 +323,15 @@ bool interleaved_part(const ParameterInfo& info, const ModelConfig& c) {
 
 std::vector<float> part_values(const std::vector<float>& tensor, const ParameterInfo& info,
                                const TensorPart& part, const ModelConfig& c) {
+  if (part.per_expert) {
+    // Each expert's rows of its block of the tensor.
+    const int64_t E = info.shape[0], row = info.shape.numel() / (E * part.rows);
+    std::vector<float> values(static_cast<size_t>(info.shape.numel()));
+    for (int64_t e = 0; e < E; ++e)
+      std::copy_n(tensor.begin() + (e * part.tensor_rows + part.first_row) * row, part.rows * row,
+                  values.begin() + e * part.rows * row);
+    return values;
+  }
   const int64_t row = info.shape.numel() / info.shape[0];
   std::vector<float> values(static_cast<size_t>(part.rows * row));
   if (!interleaved_part(info, c)) {
@@ -351,6 +383,19 @@ std::vector<float> file_tensor_values(const ParameterSet& params, const FileTens
     const std::vector<float> part =
         parameter_values(params, index, c, pairs, norm_plus_one, grouped, read);
     values.insert(values.end(), part.begin(), part.end());
+  }
+  // A mixture's experts' parts (gate and up): each expert's block holds its rows of each part.
+  if (t.parts.size() > 1 && t.shape.size() == 3 &&
+      tensor_part(params.infos()[static_cast<size_t>(t.parts[0])], c, TensorNaming::Gguf)
+          .per_expert) {
+    const int64_t E = t.shape[0], block = t.shape[1] * t.shape[2];
+    const int64_t piece = block / static_cast<int64_t>(t.parts.size());
+    std::vector<float> experts(values.size());
+    for (int64_t e = 0; e < E; ++e)
+      for (size_t j = 0; j < t.parts.size(); ++j)
+        std::copy_n(values.begin() + (static_cast<int64_t>(j) * E + e) * piece, piece,
+                    experts.begin() + e * block + static_cast<int64_t>(j) * piece);
+    values.swap(experts);
   }
   // Attention's q and output gate (Qwen3.5): each head's q rows, then its gate's.
   if (t.parts.size() == 2 && interleaved_part(params.infos()[static_cast<size_t>(t.parts[0])], c)) {

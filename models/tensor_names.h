@@ -68,6 +68,9 @@ struct TensorPart {
   int64_t first_row = 0;
   int64_t rows = 0;         // the parameter's (its shape[0])
   int64_t tensor_rows = 0;  // the tensor's: its parts' together
+  // The rows are each expert's (shape[1] of a mixture's (E, rows, cols) experts): the experts'
+  // gate and up in one GGUF tensor (ModelConfig::experts_gate_up_fused).
+  bool per_expert = false;
 };
 TensorPart tensor_part(const ParameterInfo& info, const ModelConfig& config, TensorNaming naming);
 

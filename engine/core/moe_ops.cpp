@@ -831,6 +831,48 @@ MoeRouterLossScope::~MoeRouterLossScope() {
   router_loss_weights() = {balance_, z_};
 }
 
+MoeRouting moe_expert_scaled(const MoeRouting& route, const Variable& scale) {
+  const Tensor experts = route.experts;
+  const int64_t n = experts.numel(), E = scale.value().numel();
+  require(route.weights.value().numel() == n && scale.shape().ndim() == 1,
+          "moe_expert_scaled: weights (N, k) and a scale (E)");
+  Scope scope("expert scale", Pass::Forward);
+  Tensor y = new_activation(route.weights.shape());
+  const Tensor wv = fp32_value(route.weights), sv = fp32_value(scale);
+  if (computing())
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t e = experts.i32()[i];
+      require(e >= 0 && e < E, "moe_expert_scaled: an expert beyond the scale's");
+      y.f32()[i] = wv.f32()[i] * sv.f32()[e];
+    }
+  const bool grad = needs_grad({&route.weights, &scale});
+  Variable out = Variable::op_output(y, grad);
+  if (grad)
+    record_backward("expert scale", [wv, sv, experts, n, E, gw = route.weights.grad_ref(),
+                                     gs = scale.grad_ref(), gy = out.grad_ref()] {
+      const Tensor& dyt = gy->tensor();
+      if (!dyt.defined()) return;
+      const Tensor dy = as_f32(dyt);
+      float bw = 0.0f, bs = 0.0f;
+      float* dw = gw ? gw->get_for_accumulate(&bw).f32() : nullptr;
+      float* ds = gs ? gs->get_for_accumulate(&bs).f32() : nullptr;
+      if (!computing()) return;
+      std::vector<double> sums(static_cast<size_t>(E), 0.0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t e = experts.i32()[i];
+        const float d = dy.f32()[i];
+        if (dw) dw[i] = bw == 0.0f ? d * sv.f32()[e] : d * sv.f32()[e] + dw[i];
+        sums[static_cast<size_t>(e)] += static_cast<double>(d) * wv.f32()[i];
+      }
+      if (ds)
+        for (int64_t e = 0; e < E; ++e) {
+          const auto g = static_cast<float>(sums[static_cast<size_t>(e)]);
+          ds[e] = bs == 0.0f ? g : g + ds[e];
+        }
+    });
+  return {out, experts};
+}
+
 Variable row_sigmoid_gated(const Variable& x, const Variable& gate) {
   const Shape& xs = x.shape();
   const int64_t C = xs[xs.ndim() - 1], N = x.value().numel() / C;

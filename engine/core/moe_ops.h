@@ -22,6 +22,11 @@ struct MoeRouting {
 // logits (..., E), FP32 -> the k experts of each of the N rows and their weights (MoeGating).
 MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gating, bool normalize);
 
+// The routing with each weight times its expert's output scale, scale (E) (Gemma 4's
+// per-expert scale of the down product): the scale's gradient is each expert's sum over its
+// rows of the weight times the weight's gradient.
+MoeRouting moe_expert_scaled(const MoeRouting& route, const Variable& scale);
+
 // x (..., C) -> sum over each row's k experts e of weight * w2[e] (silu(w1[e] x) * (w3[e] x)), of
 // x's shape; w1, w3 (E, F, C), w2 (E, C, F). The rows routed to an expert are gathered and each
 // of its products is one GEMM over them (bf16 operands in bf16 mode, FP32 sums); each product

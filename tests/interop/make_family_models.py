@@ -152,6 +152,12 @@ FAMILIES = {
     "gemma4": dict(arch="gemma4", d=64, ffn=96, layers=9, heads=2, kv=1, head=64, kv_swa=2,
                    head_swa=32, theta=1e6, theta_swa=1e4, window=32, pattern=3, shared=3,
                    per_layer=16, rotated=0.25, cap=5.0),
+    # Gemma 4 26B-A4B's and 31B's parts, small: GELU experts beside the dense MLP (their gate and
+    # up in one tensor, as the converter writes them), global layers taking k as v.
+    "gemma4_moe": dict(arch="gemma4", d=64, ffn=64, layers=4, heads=2, kv=1, head=64, kv_swa=2,
+                       head_swa=32, theta=1e6, theta_swa=1e4, window=32, pattern=3, shared=0,
+                       per_layer=0, rotated=0.25, cap=5.0, experts=8, experts_used=2,
+                       expert_ffn=32, k_as_v=True),
 }
 
 
@@ -862,15 +868,21 @@ def write_gemma4(name, spec, seed):
     w.add_shared_kv_layers(shared)
     w.add_embedding_length_per_layer_input(P)
     w.add_final_logit_softcapping(spec["cap"])
+    E = spec.get("experts", 0)
+    if E:
+        w.add_expert_count(E)
+        w.add_expert_used_count(spec["experts_used"])
+        w.add_expert_feed_forward_length(spec["expert_ffn"])
     add_vocabulary(w, ("<start_of_turn>", "<end_of_turn>"))
     rotated = int(spec["head"] * spec["rotated"] / 2)
     t = {"token_embd.weight": draw((VOCAB, d), 0.15),
-         "per_layer_token_embd.weight": draw((VOCAB, layers * P), 0.5),
-         "per_layer_model_proj.weight": draw((layers * P, d), 0.1),
-         "per_layer_proj_norm.weight": draw((P,), 0.05, 1.0),
          "rope_freqs.weight": np.array([1.0] * rotated + [1e30] * (spec["head"] // 2 - rotated),
                                        dtype=np.float32),
          "output_norm.weight": draw((d,), 0.05, 1.0)}
+    if P:
+        t["per_layer_token_embd.weight"] = draw((VOCAB, layers * P), 0.5)
+        t["per_layer_model_proj.weight"] = draw((layers * P, d), 0.1)
+        t["per_layer_proj_norm.weight"] = draw((P,), 0.05, 1.0)
     for i in range(layers):
         b, D = f"blk.{i}.", head[i]
         t[b + "attn_norm.weight"] = draw((d,), 0.05, 1.0)
@@ -878,7 +890,8 @@ def write_gemma4(name, spec, seed):
         t[b + "attn_q_norm.weight"] = draw((D,), 0.03, 0.3)
         if i < first_shared:
             t[b + "attn_k.weight"] = draw((kv[i] * D, d), 0.1)
-            t[b + "attn_v.weight"] = draw((kv[i] * D, d), 0.1)
+            if windowed[i] or not spec.get("k_as_v"):
+                t[b + "attn_v.weight"] = draw((kv[i] * D, d), 0.1)
             t[b + "attn_k_norm.weight"] = draw((D,), 0.03, 0.3)
         t[b + "attn_output.weight"] = draw((d, heads * D), 0.05)
         t[b + "post_attention_norm.weight"] = draw((d,), 0.05, 1.0)
@@ -887,9 +900,22 @@ def write_gemma4(name, spec, seed):
         t[b + "ffn_up.weight"] = draw((widths[i], d), 0.05)
         t[b + "ffn_down.weight"] = draw((d, widths[i]), 0.05)
         t[b + "post_ffw_norm.weight"] = draw((d,), 0.002, 0.03)
-        t[b + "inp_gate.weight"] = draw((P, d), 0.1)
-        t[b + "proj.weight"] = draw((d, P), 0.1)
-        t[b + "post_norm.weight"] = draw((d,), 0.002, 0.03)
+        if E:
+            # The experts on a norm of their own, the router on the residual through its scale,
+            # each expert's output scaled; both outputs normed, their sum normed small.
+            Fe = spec["expert_ffn"]
+            t[b + "post_ffw_norm_1.weight"] = draw((d,), 0.05, 1.0)
+            t[b + "pre_ffw_norm_2.weight"] = draw((d,), 0.05, 1.0)
+            t[b + "post_ffw_norm_2.weight"] = draw((d,), 0.05, 1.0)
+            t[b + "ffn_gate_inp.weight"] = draw((E, d), 0.5)
+            t[b + "ffn_gate_inp.scale"] = draw((d,), 0.1, 1.0)
+            t[b + "ffn_gate_up_exps.weight"] = draw((E, 2 * Fe, d), 0.05)
+            t[b + "ffn_down_exps.weight"] = draw((E, d, Fe), 0.05)
+            t[b + "ffn_down_exps.scale"] = draw((E,), 0.2, 1.0)
+        if P:
+            t[b + "inp_gate.weight"] = draw((P, d), 0.1)
+            t[b + "proj.weight"] = draw((d, P), 0.1)
+            t[b + "post_norm.weight"] = draw((d,), 0.002, 0.03)
         t[b + "layer_output_scale.weight"] = draw((1,), 0.1, 0.8)
     for gname, a in t.items():
         w.add_tensor(gname, a)

@@ -258,6 +258,49 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
   }
 }
 
+// Gemma 4 26B-A4B's and 31B's parts on the tiny Gemma 4: GELU experts beside each dense MLP
+// (the router on the residual through its scale, each expert's output scaled away from 1),
+// global layers taking k as v. Every gradient matches central differences, the router's scale
+// and the experts' output scales included; a layer-checkpointed pass gives the same loss. Every
+// token takes every expert, so that no step of a weight changes a token's choice (a jump in the
+// loss); the choice of some is the MoE kernels' tests' and llama.cpp's comparison's.
+TEST(DecoderModel, Gemma4ExpertsBesideTheMlpMatchCentralDifferences) {
+  ModelConfig c = test::tiny_gemma4_experts();
+  c.experts_used = 4;
+  ASSERT_FALSE(validate(c).has_value());
+  DecoderModel model(c);
+  model.init_weights(5);
+  ParameterSet& p = model.parameters();
+  EXPECT_LT(p.find("layers.1.attention.wv.weight"), 0);
+  EXPECT_GE(p.find("layers.2.attention.wv.weight"), 0);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string at = "layers." + std::to_string(l) + ".";
+    const std::vector<float> scales{0.6f, 0.9f, 1.2f, 1.5f};
+    p.write_values(p.find(at + "feed_forward.expert_scale.weight"), scales.data());
+    for (const char* norm : {"attention.q_norm.weight", "attention.k_norm.weight"}) {
+      const int i = p.find(at + norm);
+      if (i < 0) continue;
+      std::vector<float> gains(static_cast<size_t>(p.infos()[static_cast<size_t>(i)].shape.numel()),
+                               0.3f);
+      p.write_values(i, gains.data());
+    }
+  }
+  const Tensor x = random_tokens(2, 40, c.vocab, 3), y = random_tokens(2, 40, c.vocab, 4);
+  const int checked = expect_central_differences(
+      model, x, y, 5e-3f, [](const std::string& name) { return name != "tok_embeddings.weight"; });
+  EXPECT_EQ(checked, static_cast<int>(p.infos().size()) - 1);
+  DecoderModel layer(c);
+  std::vector<float> values;
+  for (size_t i = 0; i < p.infos().size(); ++i) {
+    values.resize(static_cast<size_t>(p.infos()[i].shape.numel()));
+    p.read_values(static_cast<int>(i), values.data());
+    layer.parameters().write_values(static_cast<int>(i), values.data());
+  }
+  layer.set_checkpointing(Checkpointing::Layer);
+  NoGradGuard no_grad;
+  EXPECT_EQ(model.loss(x, y).value().f32()[0], layer.loss(x, y).value().f32()[0]);
+}
+
 TEST(DecoderModel, InitialLossIsNearUniform) {
   const ModelConfig c = find_preset("tiny")->config;
   DecoderModel model(c);

@@ -282,6 +282,10 @@ std::vector<Case> cases() {
       all.push_back({std::string(arch) + "_" + d + "_lora_checkpoint", test::tiny_as(arch), dtype,
                      kLayer, nullptr, lora});
     }
+    // Gemma 4's experts beside the dense MLP, the global layers taking k as v.
+    all.push_back({"gemma4_experts_" + d, test::tiny_gemma4_experts(), dtype, kNone, nullptr});
+    all.push_back({"gemma4_experts_" + d + "_lora_mlp", test::tiny_gemma4_experts(), dtype, kMlp,
+                   nullptr, lora});
   }
   return all;
 }

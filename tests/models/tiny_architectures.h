@@ -50,4 +50,15 @@ inline ModelConfig tiny_as(const char* arch) {
   return c;
 }
 
+// Gemma 4 26B-A4B's and 31B's parts on the tiny Gemma 4: 4 GELU experts of 16 beside each
+// dense MLP, 2 a token; the global layers that compute keys taking k as v (layers 1 and 3).
+inline ModelConfig tiny_gemma4_experts() {
+  ModelConfig c = tiny_as("gemma4");
+  c.n_experts = 4;
+  c.experts_used = 2;
+  c.expert_ffn = 16;
+  c.k_as_v = true;
+  return c;
+}
+
 }  // namespace cputrain::test

@@ -998,6 +998,68 @@ TEST(Families, Gemma4IsLlamaCpps) {
   EXPECT_NE(a.tensor("blk.6.attn_q.weight.lora_a"), nullptr);
 }
 
+// Gemma 4 26B-A4B's and 31B's parts (make_family_models.py gemma4_moe): GELU experts beside the
+// dense MLP, their gate and up in one tensor as llama.cpp's converter writes them, the router on
+// the residual through a scale of its own, each expert's output scaled; global layers without
+// attn_v, taking k as v. llama.cpp computes the same logits and continuation, of the file and of
+// cputrain's export of it (written as it was read), and applies a LoRA fine-tune's adapter
+// (the experts' gate and up sharing an A, the down product's B under its expert's scale) as
+// cputrain does.
+TEST(Families, Gemma4ExpertsAndKAsVAreLlamaCpps) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("gemma4_moe")};
+  const fs::path gguf = family_models() / "gemma4_moe.gguf";
+  LoadedModel g = load(gguf);
+  const ModelConfig& c = g.config;
+  EXPECT_EQ(c.n_experts, 8);
+  EXPECT_EQ(c.experts_used, 2);
+  EXPECT_EQ(c.ffn, 64);
+  EXPECT_EQ(c.expert_ffn, 32);
+  EXPECT_TRUE(c.experts_gate_up_fused);
+  EXPECT_TRUE(c.k_as_v);
+  EXPECT_EQ(c.per_layer_dim, 0);
+  const ParameterSet& params = g.model->parameters();
+  EXPECT_GE(params.find("layers.0.attention.wv.weight"), 0);
+  EXPECT_LT(params.find("layers.2.attention.wv.weight"), 0);
+  EXPECT_GE(params.find("layers.2.feed_forward.w1.weight"), 0);
+  EXPECT_GE(params.find("layers.2.feed_forward.expert_scale.weight"), 0);
+  int64_t declared = 0;
+  for (const ParameterInfo& info : params.infos()) declared += info.shape.numel();
+  EXPECT_EQ(declared, parameter_count(c));
+  const std::vector<int32_t> tokens = token_sequence(200, c.vocab, g.tokenizer->bos_id(), 41);
+  const std::vector<float> theirs = oracle_logits(gguf, tokens, folder.path);
+  EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4);
+  expect_greedy_as_llama_cpp(g, gguf, "gemma4_moe");
+  // Each expert's output scale matters: all of 1 give other logits.
+  {
+    LoadedModel ones = load(gguf);
+    ParameterSet& p = ones.model->parameters();
+    const std::vector<float> one(8, 1.0f);
+    for (int64_t l = 0; l < c.n_layers; ++l)
+      p.write_values(p.find("layers." + std::to_string(l) + ".feed_forward.expert_scale.weight"),
+                     one.data());
+    EXPECT_GT(max_abs_difference(our_logits(ones, tokens), theirs), 1e-3);
+  }
+  const fs::path out = folder.path / "out.gguf";
+  ASSERT_EQ(cputrain("export --model " + gguf.string() + " --type f32 --out " + out.string()), 0);
+  expect_same_values(g, load(out), "gemma4_moe exported");
+  {
+    const GgufFile written(out.string());
+    EXPECT_NE(written.tensor("blk.0.ffn_gate_up_exps.weight"), nullptr);
+    EXPECT_EQ(written.tensor("blk.0.ffn_gate_exps.weight"), nullptr);
+    EXPECT_NE(written.tensor("blk.0.attn_v.weight"), nullptr);
+    EXPECT_EQ(written.tensor("blk.2.attn_v.weight"), nullptr);
+  }
+  EXPECT_LT(max_abs_difference(oracle_logits(out, tokens, folder.path), theirs), 1e-6);
+  const fs::path run = folder.path / "run";
+  expect_fine_tune_as_llama_cpp(gguf, write_finetune_data(folder.path), run,
+                                folder.path / "merged.gguf", "--dtype fp32", folder.path);
+  const GgufFile a((run / "adapter.gguf").string());
+  EXPECT_NE(a.tensor("blk.0.ffn_gate_up_exps.weight.lora_a"), nullptr);
+  EXPECT_NE(a.tensor("blk.0.ffn_down_exps.weight.lora_b"), nullptr);
+  EXPECT_NE(a.tensor("blk.0.ffn_gate.weight.lora_a"), nullptr);
+}
+
 // A key that a file gives at a value where nothing is computable is refused in one line, not read
 // as "off": a sliding window of 0 or below, a soft-cap of 0, a RoPE base of 0, in GGUF and in
 // config.json. A Gemma 3 GGUF with a RoPE factor and no scaling type is scaled linearly, as
