@@ -37,6 +37,12 @@ SHAPE (default qwen2-0.5b; 0.5b and 3b are qwen2-0.5b and qwen2-3b):
                and a sink each, every other layer within a window of 128, YaRN (factor 32 from
                4096), 32 experts of 2880 with biases, 4 a token, vocab 201088, an untied head
                (20.9B; 3.6B active)
+  gemma4-e2b   Gemma 4 E2B: d_model 1536, 35 layers, 8 heads over 1, of 256 in the windowed
+               layers (four of five, a window of 512) and 512 in the global ones (proportional
+               RoPE on a quarter), ffn 6144 (12288 in the last 20 layers, which share the keys and
+               values of layers 13 and 14), per-layer embeddings of 256 (a table of 262144 x
+               8960), a soft-cap of 30, vocab 262144, the gemma-4 tokenizer (5.1B; 2.3B without
+               the per-layer table)
 All but phi2, llama3.1-8b and the mixtures tie the head to the embedding. The tokenizer is llama.cpp's test vocabulary of the family
 (models/ggml-vocab-*.gguf next to gguf-py: qwen2, llama-bpe, phi-3), padded to the model's
 vocabulary as the published files are. Tensors are generated and written one at a time, so the
@@ -79,6 +85,9 @@ SHAPES = {
                       {"qk_norm": True, "untied": True, "moe": (128, 8, 6144)}),
     "gpt-oss-20b": ("gpt-oss", 2880, 2880, 24, 64, 8, 64, 201088, 1.5e5, "qwen2",
                     {"gpt_oss": True, "untied": True, "moe": (32, 4, 2880)}),
+    "gemma4-e2b": ("gemma4", 1536, 6144, 35, 8, 1, 512, 262144, 1e6, "gemma-4",
+                   {"gemma4": dict(head_swa=256, pattern=5, shared=20, per_layer=256, window=512,
+                                   rotated=0.25, cap=30.0)}),
 }
 ALIASES = {"0.5b": "qwen2-0.5b", "3b": "qwen2-3b"}
 shape = sys.argv[3] if len(sys.argv) > 3 else "qwen2-0.5b"
@@ -93,12 +102,19 @@ CTX = EXTRA["longrope"][1] if "longrope" in EXTRA else 131072 if "gpt_oss" in EX
 w.add_context_length(CTX)
 w.add_embedding_length(D)
 w.add_block_count(LAYERS)
+G4 = EXTRA.get("gemma4")
+if G4:
+    WINDOWED = [i % G4["pattern"] < G4["pattern"] - 1 for i in range(LAYERS)]
+    FIRST_SHARED = LAYERS - G4["shared"]
+    WIDTHS = [F if i < FIRST_SHARED else 2 * F for i in range(LAYERS)]
 if "moe" in EXTRA:
     EXPERTS, USED, DENSE_FFN = EXTRA["moe"]
     w.add_feed_forward_length(DENSE_FFN)
     w.add_expert_count(EXPERTS)
     w.add_expert_used_count(USED)
     w.add_expert_feed_forward_length(F)
+elif G4:
+    w.add_feed_forward_length(WIDTHS)
 else:
     w.add_feed_forward_length(F)
 w.add_head_count(HEADS)
@@ -124,9 +140,15 @@ def field(name):
 tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
 tokens += [f"[PAD{i}]" for i in range(len(tokens), VOCAB)]
 types += [gguf.TokenType.UNUSED] * (VOCAB - len(types))
-model = "llama" if TOKENIZER in ("phi-3", "llama-spm") else "gpt2"
+model = "llama" if TOKENIZER in ("phi-3", "llama-spm") else "gemma4" if G4 else "gpt2"
 w.add_tokenizer_model(model)
-if model == "gpt2":
+if model == "gemma4":
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id")[0])
+    w.add_add_space_prefix(False)
+    w.add_chat_template(bytes(vocab.fields["tokenizer.chat_template"].parts[
+        vocab.fields["tokenizer.chat_template"].data[0]]).decode())
+elif model == "gpt2":
     w.add_tokenizer_pre(TOKENIZER)
     w.add_token_merges(field("tokenizer.ggml.merges"))
 else:
@@ -135,7 +157,7 @@ else:
 w.add_token_list(tokens)
 w.add_token_types(types)
 w.add_eos_token_id(field("tokenizer.ggml.eos_token_id")[0])
-w.add_add_bos_token(model == "llama")
+w.add_add_bos_token(model == "llama" or TOKENIZER == "gemma-4")
 if ARCH in ("gemma", "gemma3"):
     w.add_add_space_prefix(False)
 if "qwen35" in EXTRA:
@@ -152,6 +174,17 @@ if "gpt_oss" in EXTRA:
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)
+if G4:
+    HEAD_SWA = G4["head_swa"]
+    w.add_key_length_swa(HEAD_SWA)
+    w.add_value_length_swa(HEAD_SWA)
+    w.add_rope_dimension_count_swa(HEAD_SWA)
+    w.add_rope_freq_base_swa(1e4)
+    w.add_sliding_window(G4["window"])
+    w.add_sliding_window_pattern(WINDOWED)
+    w.add_shared_kv_layers(G4["shared"])
+    w.add_embedding_length_per_layer_input(G4["per_layer"])
+    w.add_final_logit_softcapping(G4["cap"])
 if "window" in EXTRA:
     w.add_sliding_window(EXTRA["window"])
     w.add_sliding_window_pattern(6)
@@ -162,9 +195,35 @@ if "window" in EXTRA:
 Q, KVD = HEADS * HEAD, KV * HEAD
 MATRIX = "q8_0" if "moe" in EXTRA else "bf16"
 tensors = [("token_embd.weight", (VOCAB, D), MATRIX)]
+if G4:
+    P = G4["per_layer"]
+    rotated = int(HEAD * G4["rotated"] / 2)
+    tensors += [("per_layer_token_embd.weight", (VOCAB, LAYERS * P), "bf16"),
+                ("per_layer_model_proj.weight", (LAYERS * P, D), "bf16"),
+                ("per_layer_proj_norm.weight", (P,), "ones"),
+                ("rope_freqs.weight", (HEAD // 2,),
+                 np.array([1.0] * rotated + [1e30] * (HEAD // 2 - rotated), dtype=np.float32))]
 for i in range(LAYERS):
     b = f"blk.{i}."
     tensors.append((b + "attn_norm.weight", (D,), "ones"))
+    if G4:  # Gemma 4's block: two head sizes, shared keys and values, the per-layer input
+        Dl, Fl = HEAD_SWA if WINDOWED[i] else HEAD, WIDTHS[i]
+        tensors += [(b + "attn_q.weight", (HEADS * Dl, D), "bf16"),
+                    (b + "attn_q_norm.weight", (Dl,), "ones")]
+        if i < FIRST_SHARED:
+            tensors += [(b + "attn_k.weight", (KV * Dl, D), "bf16"),
+                        (b + "attn_v.weight", (KV * Dl, D), "bf16"),
+                        (b + "attn_k_norm.weight", (Dl,), "ones")]
+        tensors += [(b + "attn_output.weight", (D, HEADS * Dl), "bf16"),
+                    (b + "post_attention_norm.weight", (D,), "ones"),
+                    (b + "ffn_norm.weight", (D,), "ones"),
+                    (b + "ffn_gate.weight", (Fl, D), "bf16"), (b + "ffn_up.weight", (Fl, D), "bf16"),
+                    (b + "ffn_down.weight", (D, Fl), "bf16"),
+                    (b + "post_ffw_norm.weight", (D,), "ones"),
+                    (b + "inp_gate.weight", (P, D), "bf16"), (b + "proj.weight", (D, P), "bf16"),
+                    (b + "post_norm.weight", (D,), "ones"),
+                    (b + "layer_output_scale.weight", (1,), "ones")]
+        continue
     if "moe" in EXTRA:  # qwen3moe's or gpt-oss's block
         tensors += [(b + "attn_q.weight", (Q, D), MATRIX), (b + "attn_k.weight", (KVD, D), MATRIX),
                     (b + "attn_v.weight", (KVD, D), MATRIX),
@@ -284,8 +343,13 @@ def values(shape, what):
         return blocks
     if what == "decay":  # ssm_a = -exp(A_log), A in [1, 16] as Qwen3.5 initialises it
         return (-rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-    a = (0.02 * rng.standard_normal(shape, dtype=np.float32)).view(np.uint32)
-    return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16).astype(np.uint16)
+    # Drawn in pieces, so that a table of billions (Gemma 4's per-layer one) takes its own size.
+    out = np.empty(int(np.prod(shape)), dtype=np.uint16)
+    for at in range(0, out.size, 1 << 24):
+        n = min(1 << 24, out.size - at)
+        a = (0.02 * rng.standard_normal(n, dtype=np.float32)).view(np.uint32)
+        out[at:at + n] = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
+    return out.reshape(shape)
 
 
 for name, dims, what in tensors:

@@ -240,7 +240,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, const ModelOptions& option
       const bool table = static_cast<int>(i) == tok_embeddings_ || static_cast<int>(i) == pl_table_;
       if (p.trainable || (!p.bf16_copy && !table)) continue;
       const InPlaceWeight w = options.in_place(p);
-      if ((w.dtype == DType::BF16 && options.compute_dtype == DType::BF16 && p.bf16_copy) ||
+      // A table read only row by row (not a tied head): BF16 in place in either precision.
+      const bool rows_only = table && !p.bf16_copy;
+      if ((w.dtype == DType::BF16 &&
+           ((options.compute_dtype == DType::BF16 && p.bf16_copy) || rows_only)) ||
           dtype_quantized(w.dtype))
         params_.map_in_place(static_cast<int>(i), w.data, w.dtype, options.mapped_owner);
     }

@@ -39,9 +39,10 @@ struct ModelOptions {
   std::function<bool(const std::string& name)> trainable;
   // Frozen weights read in place from a mapped model file (ParameterSet::map_in_place): where a
   // parameter's values are in the file and as what (InPlaceWeight). A BF16 one is read in place
-  // by a BF16 model, as the GEMM weight's bf16 copy; a quantised one by either, as a GEMM weight
-  // or the embedding table. `mapped_owner` keeps the file mapped. While measuring, the data may
-  // be null.
+  // by a BF16 model, as the GEMM weight's bf16 copy, and by either as a table read only row by
+  // row (an untied embedding, Gemma 4's per-layer table: each row widened as it is looked up); a
+  // quantised one by either, as a GEMM weight or the embedding table. `mapped_owner` keeps the file
+  // mapped. While measuring, the data may be null.
   std::function<InPlaceWeight(const ParameterInfo& parameter)> in_place;
   std::shared_ptr<const void> mapped_owner;
   // --offload: the FP32 masters of a bf16 model's trained matrices, and AdamW's m and v, in state

@@ -84,7 +84,8 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--chat-template", a.chat_template,
-                 "chatml, llama3, llama2, mistral or zephyr (default: the model's, recognised)");
+                 "chatml, llama3, llama2, mistral, zephyr, phi3, gemma or gemma4 (default: the "
+                 "model's, recognised)");
   app.add_flag("--train-on-prompt", a.train_on_prompt,
                "The loss on every token, not only on completions and replies");
   app.add_option("--method", a.method,

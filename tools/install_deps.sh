@@ -14,7 +14,7 @@ for arg in "$@"; do
   case "$arg" in
     --torch) packages+=(python3 python3-torch libopenblas0-openmp libtcmalloc-minimal4) ;;
     --fuzz) packages+=(clang libclang-rt-14-dev) ;;
-    --llamacpp) llamacpp=1; packages+=(git python3 python3-numpy) ;;
+    --llamacpp) llamacpp=1; packages+=(git python3 python3-numpy python3-jinja2) ;;
     *) echo "install_deps.sh: unknown option $arg (--torch, --fuzz, --llamacpp)" >&2; exit 2 ;;
   esac
 done

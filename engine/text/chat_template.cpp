@@ -6,7 +6,7 @@ namespace cputrain {
 namespace {
 
 constexpr std::string_view kNames[] = {"chatml", "llama3", "llama2", "mistral",
-                                       "zephyr", "phi3",   "gemma"};
+                                       "zephyr", "phi3",   "gemma",  "gemma4"};
 
 std::string trimmed(const std::string& s) {
   const char* space = " \t\n\r\f\v";
@@ -70,6 +70,10 @@ std::optional<ChatTemplate> detect_chat_template(std::string_view jinja, const s
   }
   if (has("<|assistant|>") && has("<|end|>")) {
     t.family = ChatFamily::Phi3;
+    return t;
+  }
+  if (has("<|turn>") && has("<turn|>")) {
+    t.family = ChatFamily::Gemma4;
     return t;
   }
   if (has("<start_of_turn>")) {
@@ -203,6 +207,19 @@ std::vector<ChatPiece> render_chat(const ChatTemplate& t, std::span<const ChatMe
       if (generation_prompt) marker("<start_of_turn>model\n");
       break;
     }
+    case ChatFamily::Gemma4:
+      // Every message a turn of its role's, its content trimmed; the assistant is "model". The
+      // next reply opens with an empty thought channel, as the template writes it with thinking
+      // off.
+      for (const ChatMessage& m : messages) {
+        const bool reply = m.role == "assistant";
+        marker("<|turn>" + (reply ? std::string("model") : m.role) + "\n");
+        put(out, trimmed(m.content), false, reply);
+        put(out, "<turn|>", true, reply);
+        marker("\n");
+      }
+      if (generation_prompt) marker("<|turn>model\n<|channel>thought\n<channel|>");
+      break;
   }
   return out;
 }

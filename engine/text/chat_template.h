@@ -9,6 +9,8 @@
 //   phi3     <|user|>\n...<|end|>\n<|assistant|>\n...<|end|>\n  Phi-3, Phi-4
 //   gemma    <start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n...  Gemma (the system
 //            message opens the first user turn)
+//   gemma4   <|turn>role\n...<turn|>\n (the assistant "model")  Gemma 4: a system turn of its
+//            own; the next reply begins after an empty thought channel (thinking off)
 #pragma once
 
 #include <optional>
@@ -19,7 +21,7 @@
 
 namespace cputrain {
 
-enum class ChatFamily { ChatMl, Llama3, Llama2, Mistral, Zephyr, Phi3, Gemma };
+enum class ChatFamily { ChatMl, Llama3, Llama2, Mistral, Zephyr, Phi3, Gemma, Gemma4 };
 
 struct ChatTemplate {
   ChatFamily family = ChatFamily::ChatMl;
@@ -32,7 +34,7 @@ struct ChatTemplate {
   std::string end = "<|endoftext|>";
 };
 
-// "chatml", "llama3", "llama2", "mistral", "zephyr", "phi3", "gemma".
+// "chatml", "llama3", "llama2", "mistral", "zephyr", "phi3", "gemma", "gemma4".
 std::string_view chat_family_name(ChatFamily family);
 std::string chat_family_names();
 

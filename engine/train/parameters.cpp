@@ -98,12 +98,16 @@ void ParameterSet::allocate(DType compute) {
   offloaded_numel_ = 0;
   for (ParameterInfo& p : infos_) {
     const bool quantized = p.mapped && dtype_quantized(p.mapped_dtype);
-    const bool bf16_only = (bf16 && !p.trainable && p.bf16_copy) || quantized;
+    // A frozen table read row by row (master_read, no GEMM copy), held as the file's BF16 in a
+    // set of either precision.
+    const bool bf16_table = p.mapped && p.mapped_dtype == DType::BF16 && !p.trainable &&
+                            p.master_read && !p.bf16_copy && p.shape.ndim() == 2;
+    const bool bf16_only = (bf16 && !p.trainable && p.bf16_copy) || quantized || bf16_table;
     if (p.mapped && (p.trainable || (!quantized && !bf16_only) ||
                      (quantized && p.shape.ndim() != 2 && p.shape.ndim() != 3)))
       throw std::logic_error("ParameterSet: " + p.name +
-                             " is mapped but not a frozen bf16 weight of a bf16 set, nor a frozen "
-                             "quantised matrix (or experts' matrices)");
+                             " is mapped but not a frozen bf16 weight of a bf16 set, a frozen "
+                             "bf16 table, nor a frozen quantised matrix (or experts' matrices)");
     const bool offloaded = offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
     p.master_sharded = comm_ && !offload_ && bf16 && p.trainable && p.bf16_copy && !p.master_read;
     if (p.master_sharded) sharded_numel_ += p.shape.numel();

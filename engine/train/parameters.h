@@ -61,10 +61,11 @@ class ParameterSet {
   // Before allocate: the parameter, frozen, takes as its value the `dtype` values at `data` in
   // place (row-major, as the parameter is shaped; any alignment), which `owner` keeps alive: a
   // model file's tensor, mapped. Nothing is allocated for it, and its values cannot be written.
-  // BF16: a parameter with a bf16 copy, in a set allocated for bf16 compute. A quantised format
-  // (engine/core/tensor.h): a matrix that only the ops taking frozen weights read (linear's
-  // products, the embedding), in either compute precision. While measuring, `data` and `owner`
-  // may be null: the value is a measured tensor of the file's bytes.
+  // BF16: a parameter with a bf16 copy, in a set allocated for bf16 compute, or a table read row
+  // by row (set_master_read, no bf16 copy: the embedding widens each row), in either. A quantised
+  // format (engine/core/tensor.h): a matrix that only the ops taking frozen weights read
+  // (linear's products, the embedding), in either compute precision. While measuring, `data` and
+  // `owner` may be null: the value is a measured tensor of the file's bytes.
   void map_in_place(int index, const void* data, DType dtype, std::shared_ptr<const void> owner);
   // Before allocate: computing reads the parameter's FP32 master, so offloading keeps it in RAM.
   void set_master_read(int index);

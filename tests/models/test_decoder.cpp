@@ -173,6 +173,19 @@ int expect_central_differences(DecoderModel& model, const Tensor& x, const Tenso
   return checked;
 }
 
+// Gemma 4's q and k norms' gains at 0.3 in every layer, so that its unscaled scores (heads of 8
+// and 16) stay where a step of 5e-3 is within the softmax's linear range.
+void set_gemma4_qk_gains(ParameterSet& p, const ModelConfig& c) {
+  for (int64_t l = 0; l < c.n_layers; ++l)
+    for (const char* norm : {"attention.q_norm.weight", "attention.k_norm.weight"}) {
+      const int i = p.find("layers." + std::to_string(l) + "." + norm);
+      if (i < 0) continue;
+      std::vector<float> gains(static_cast<size_t>(p.infos()[static_cast<size_t>(i)].shape.numel()),
+                               0.3f);
+      p.write_values(i, gains.data());
+    }
+}
+
 // Qwen3.5's layers (three Gated DeltaNet, one attention with its output gate): the gradient of
 // every parameter, by the element of its largest, against central differences of the FP32 loss,
 // over a sequence of 40 (the delta rule's chunks of 64 cross no edge; the kernels' tests cross
@@ -199,19 +212,11 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
   DecoderModel model(c);
   model.init_weights(3);
   ParameterSet& p = model.parameters();
-  // Output scales away from 1; q and k norms' gains of 0.3, so that the unscaled scores (heads
-  // of 8 and 16) stay where a step of 5e-3 is within the softmax's linear range.
+  // Output scales away from 1.
+  set_gemma4_qk_gains(p, c);
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    const std::string at = "layers." + std::to_string(l) + ".";
     const float s = 0.7f + 0.1f * static_cast<float>(l);
-    p.write_values(p.find(at + "layer_scale.weight"), &s);
-    for (const char* norm : {"attention.q_norm.weight", "attention.k_norm.weight"}) {
-      const int i = p.find(at + norm);
-      if (i < 0) continue;
-      std::vector<float> gains(static_cast<size_t>(p.infos()[static_cast<size_t>(i)].shape.numel()),
-                               0.3f);
-      p.write_values(i, gains.data());
-    }
+    p.write_values(p.find("layers." + std::to_string(l) + ".layer_scale.weight"), &s);
   }
   const Tensor x = random_tokens(2, 40, c.vocab, 1), y = random_tokens(2, 40, c.vocab, 2);
   const int checked = expect_central_differences(
@@ -273,18 +278,11 @@ TEST(DecoderModel, Gemma4ExpertsBesideTheMlpMatchCentralDifferences) {
   ParameterSet& p = model.parameters();
   EXPECT_LT(p.find("layers.1.attention.wv.weight"), 0);
   EXPECT_GE(p.find("layers.2.attention.wv.weight"), 0);
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    const std::string at = "layers." + std::to_string(l) + ".";
-    const std::vector<float> scales{0.6f, 0.9f, 1.2f, 1.5f};
-    p.write_values(p.find(at + "feed_forward.expert_scale.weight"), scales.data());
-    for (const char* norm : {"attention.q_norm.weight", "attention.k_norm.weight"}) {
-      const int i = p.find(at + norm);
-      if (i < 0) continue;
-      std::vector<float> gains(static_cast<size_t>(p.infos()[static_cast<size_t>(i)].shape.numel()),
-                               0.3f);
-      p.write_values(i, gains.data());
-    }
-  }
+  set_gemma4_qk_gains(p, c);
+  const std::vector<float> scales{0.6f, 0.9f, 1.2f, 1.5f};
+  for (int64_t l = 0; l < c.n_layers; ++l)
+    p.write_values(p.find("layers." + std::to_string(l) + ".feed_forward.expert_scale.weight"),
+                   scales.data());
   const Tensor x = random_tokens(2, 40, c.vocab, 3), y = random_tokens(2, 40, c.vocab, 4);
   const int checked = expect_central_differences(
       model, x, y, 5e-3f, [](const std::string& name) { return name != "tok_embeddings.weight"; });

@@ -26,6 +26,7 @@
 #include "models/architecture.h"
 #include "models/generate.h"
 #include "models/gguf_model.h"
+#include "models/lora.h"
 #include "models/tensor_names.h"
 #include "tools/cli_test_util.h"
 #include "tools/model_source.h"
@@ -905,6 +906,21 @@ TEST(Families, Phi2WithFusedQkvIsLlamaCpps) {
       "adapt all or none");
 }
 
+// A family's model whose parameters are parameter_count's: its logits of `tokens` within 1e-4 of
+// llama.cpp's (which it returns), and its greedy continuation llama.cpp's.
+std::vector<float> expect_as_llama_cpp(LoadedModel& g, const fs::path& gguf,
+                                       const std::string& family,
+                                       const std::vector<int32_t>& tokens,
+                                       const fs::path& scratch) {
+  int64_t declared = 0;
+  for (const ParameterInfo& info : g.model->parameters().infos()) declared += info.shape.numel();
+  EXPECT_EQ(declared, parameter_count(g.config)) << family;
+  std::vector<float> theirs = oracle_logits(gguf, tokens, scratch);
+  EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4) << family;
+  expect_greedy_as_llama_cpp(g, gguf, family);
+  return theirs;
+}
+
 // Gemma 4 E2B's parts (make_family_models.py gemma4): two head sizes, key/value heads per kind,
 // proportional RoPE on the global layers, layers sharing keys and values, per-layer embeddings,
 // v norms, output scales and the logits' soft-cap give llama.cpp's logits, greedy continuation
@@ -934,13 +950,8 @@ TEST(Families, Gemma4IsLlamaCpps) {
   const ParameterSet& params = g.model->parameters();
   EXPECT_LT(params.find("layers.6.attention.wk.weight"), 0);
   EXPECT_GE(params.find("layers.6.per_layer.gate.weight"), 0);
-  int64_t declared = 0;
-  for (const ParameterInfo& info : params.infos()) declared += info.shape.numel();
-  EXPECT_EQ(declared, parameter_count(c));
   const std::vector<int32_t> tokens = token_sequence(200, c.vocab, g.tokenizer->bos_id(), 37);
-  const std::vector<float> theirs = oracle_logits(gguf, tokens, folder.path);
-  EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4);
-  expect_greedy_as_llama_cpp(g, gguf, "gemma4");
+  const std::vector<float> theirs = expect_as_llama_cpp(g, gguf, "gemma4", tokens, folder.path);
   // The per-layer inputs matter: without their table (zeros) the same weights give other
   // logits.
   const auto variant = [&](const ModelConfig& config, const std::string& zeroed) {
@@ -996,6 +1007,28 @@ TEST(Families, Gemma4IsLlamaCpps) {
   EXPECT_NE(a.tensor("blk.5.attn_k.weight.lora_a"), nullptr);
   EXPECT_EQ(a.tensor("blk.6.attn_k.weight.lora_a"), nullptr);
   EXPECT_NE(a.tensor("blk.6.attn_q.weight.lora_a"), nullptr);
+
+  // A LoRA fine-tune's base in BF16 holds the per-layer table (the largest part of an E2B) in
+  // place in either precision, each row widened as it is looked up: the same logits as the file
+  // read into FP32 masters.
+  const fs::path bf16 = folder.path / "bf16.gguf";
+  ASSERT_EQ(cputrain("export --model " + gguf.string() + " --type bf16 --out " + bf16.string()), 0);
+  LoadedModel widened = load(bf16);
+  const std::vector<int32_t> some(tokens.begin(), tokens.begin() + 64);
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    ModelOptions options;
+    options.compute_dtype = dtype;
+    options.lora.rank = 4;
+    options.lora.alpha = 8;
+    options.lora.targets = parse_lora_targets("q,v", "--lora-targets");
+    LoadedModel tuned = load_model_to_train(bf16.string(), "--model", kDefaultImportCtx, options);
+    const ParameterSet& tp = tuned.model->parameters();
+    EXPECT_TRUE(tp.mapped(tp.find("per_layer.embeddings.weight"))) << dtype_name(dtype);
+    EXPECT_EQ(tp.mapped(tp.find("tok_embeddings.weight")), dtype == DType::BF16);
+    if (dtype == DType::F32) {
+      EXPECT_LT(max_abs_difference(our_logits(tuned, some), our_logits(widened, some)), 1e-6);
+    }
+  }
 }
 
 // Gemma 4 26B-A4B's and 31B's parts (make_family_models.py gemma4_moe): GELU experts beside the
@@ -1023,13 +1056,8 @@ TEST(Families, Gemma4ExpertsAndKAsVAreLlamaCpps) {
   EXPECT_LT(params.find("layers.2.attention.wv.weight"), 0);
   EXPECT_GE(params.find("layers.2.feed_forward.w1.weight"), 0);
   EXPECT_GE(params.find("layers.2.feed_forward.expert_scale.weight"), 0);
-  int64_t declared = 0;
-  for (const ParameterInfo& info : params.infos()) declared += info.shape.numel();
-  EXPECT_EQ(declared, parameter_count(c));
   const std::vector<int32_t> tokens = token_sequence(200, c.vocab, g.tokenizer->bos_id(), 41);
-  const std::vector<float> theirs = oracle_logits(gguf, tokens, folder.path);
-  EXPECT_LT(max_abs_difference(our_logits(g, tokens), theirs), 1e-4);
-  expect_greedy_as_llama_cpp(g, gguf, "gemma4_moe");
+  const std::vector<float> theirs = expect_as_llama_cpp(g, gguf, "gemma4_moe", tokens, folder.path);
   // Each expert's output scale matters: all of 1 give other logits.
   {
     LoadedModel ones = load(gguf);

@@ -452,6 +452,25 @@ std::string oracle_chat(const std::string& tmpl, const std::vector<ChatMessage>&
   return read_all(dir / "chat.txt");
 }
 
+// A Jinja template rendered by jinja2 as Hugging Face renders it, with no BOS text
+// (tests/interop/render_chat_template.py): the reference where llama.cpp's
+// llama_chat_apply_template does not render a template.
+std::string jinja_chat(const fs::path& tmpl, const std::vector<ChatMessage>& messages, bool prompt,
+                       const fs::path& dir) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});
+  {
+    std::ofstream out(dir / "messages.json");
+    out << list.dump();
+  }
+  const std::string cmd = "/usr/bin/python3 " + std::string(CPUTRAIN_SOURCE_DIR) +
+                          "/tests/interop/render_chat_template.py '" + tmpl.string() + "' " +
+                          (dir / "messages.json").string() + (prompt ? " prompt" : "") + " > " +
+                          (dir / "jinja.txt").string();
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  return read_all(dir / "jinja.txt");
+}
+
 // Chat templates against llama.cpp's llama_chat_apply_template: each family (and Llama 2's
 // variants) by name, and real models' templates recognised from their Jinja text, render the
 // same text, with and without the assistant's turn begun, with a system message or none, and
@@ -525,6 +544,28 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
                 oracle_chat((templates / file).string(), with_system, prompt, dir.path))
           << file;
   }
+  // Gemma 4's, which llama_chat_apply_template does not render: as jinja2 renders the template
+  // itself, with a system turn and without, the next reply begun (after its empty thought
+  // channel) and not.
+  for (const char* file :
+       {"google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"}) {
+    const std::optional<ChatTemplate> t = detect_chat_template(read_all(templates / file), "<eos>");
+    ASSERT_TRUE(t.has_value()) << file;
+    EXPECT_EQ(t->family, ChatFamily::Gemma4) << file;
+    for (const std::vector<ChatMessage>* messages : {&with_system, &without})
+      for (const bool prompt : {false, true})
+        EXPECT_EQ(render_chat_text(*t, *messages, prompt),
+                  jinja_chat(templates / file, *messages, prompt, dir.path))
+            << file << (prompt ? ", prompt" : "") << (messages == &without ? ", no system" : "");
+  }
+  {
+    // Its replies: each assistant content, trimmed, and the marker that ends it.
+    std::string replies;
+    for (const ChatPiece& p :
+         render_chat(chat_template_named("gemma4", "--chat-template", "<eos>"), with_system, false))
+      if (p.reply) replies += p.text + "|";
+    EXPECT_EQ(replies, "4|<turn|>|6|<turn|>|");
+  }
   // Llama 2's own template, and Mistral v0.1's (which llama.cpp renders as Llama 2's).
   const std::pair<std::string, std::string> jinja[] = {
       {"llama2-chat",
@@ -562,8 +603,7 @@ TEST(LlamaCppChat, TemplatesRenderAsLlamaCppRendersThem) {
             "<|user|>\n What is 2+2?\n</s>\n<|assistant|>\n4</s>\n<|user|>\nAnd 3+3?</s>\n"
             "<|assistant|>\n  6 \n</s>\n<|assistant|>\n");
   for (const char* other :
-       {"mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja",
-        "google-gemma-4-31B-it.jinja"})
+       {"mistralai-Mistral-Nemo-Instruct-2407.jinja", "unsloth-mistral-Devstral-Small-2507.jinja"})
     EXPECT_FALSE(detect_chat_template(read_all(templates / other), "</s>").has_value()) << other;
   EXPECT_THROW(chat_template_named("vicuna", "--chat-template", ""), UserError);
 }
