@@ -222,7 +222,7 @@ TEST(PreferenceData, BadLinesAreNamed) {
                       reply + "}\n",
                   PreferenceDataOptions{}),
             ":1: a conversational pair, and the model has no chat template cputrain recognises "
-            "(give --chat-template: chatml, llama3, llama2, mistral, zephyr, phi3, gemma)");
+            "(give --chat-template: chatml, llama3, llama2, mistral, zephyr, phi3, gemma, gemma4)");
   EXPECT_EQ(error(""), ": no preference pair (the file is empty)");
 }
 
