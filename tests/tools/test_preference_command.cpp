@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tools/cli_fixture.h"
@@ -262,6 +263,9 @@ TEST_F(PreferenceRanksCli, TwoRanksTuneAsOneProcessAtTwiceTheBatch) {
   ASSERT_EQ(two.exit_code, 0) << two.err << two.out;
   const auto a = records(dir_ / "one"), b = records(dir_ / "two");
   // Float rounding apart: the ranks sum the gradients in another order, and a loss is a float.
+  // A margin is beta times a difference of log-probability sums near each other (at the first
+  // steps the adapters have hardly moved them), so its rounding is the sums', not 1e-5 of the
+  // margin: a floor of 1e-6 (two ranks and one process differ by 6e-8 under oneDNN's GEMMs).
   ASSERT_EQ(a.size(), b.size());
   for (const char* key : {"loss", "val_loss", "rewards/margins", "val_rewards/margins",
                           "logps/chosen", "val_logps/rejected"})
@@ -269,7 +273,8 @@ TEST_F(PreferenceRanksCli, TwoRanksTuneAsOneProcessAtTwiceTheBatch) {
       ASSERT_EQ(a[i].contains(key), b[i].contains(key)) << key << " at line " << i;
       if (!a[i].contains(key)) continue;
       const double x = a[i][key].get<double>(), y = b[i][key].get<double>();
-      EXPECT_LE(std::abs(x - y), 1e-5 * std::abs(x) + 1e-9) << key << " at line " << i;
+      const double floor = std::string_view(key).ends_with("margins") ? 1e-6 : 1e-9;
+      EXPECT_LE(std::abs(x - y), 1e-5 * std::abs(x) + floor) << key << " at line " << i;
     }
   const fs::path resumed = dir_ / "resumed";
   fs::copy(dir_ / "two", resumed, fs::copy_options::recursive);
