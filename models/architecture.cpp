@@ -319,10 +319,30 @@ std::vector<Architecture> table() {
     a.experts_beside_mlp = true;
     a.moe_activation = kernels::Activation::GeluTanh;
     a.k_as_v = true;
-    a.files = false;  // GGUF alone
+    // The experts and their router beside the MLP, not in its place.
     a.hf_names = {{"ffn_norm", "pre_feedforward_layernorm"},
                   {"post_attention_norm", "post_attention_layernorm"},
-                  {"post_ffw_norm", "post_feedforward_layernorm"}};
+                  {"post_ffw_norm", "post_feedforward_layernorm"},
+                  {"feed_forward.router", "router.proj"},
+                  {"feed_forward.experts.w1", "experts.gate_proj"},
+                  {"feed_forward.experts.w3", "experts.up_proj"},
+                  {"feed_forward.experts.w2", "experts.down_proj"}};
+    a.hf_keys = {"hidden_activation",
+                 "final_logit_softcapping",
+                 "rope_parameters",
+                 "global_head_dim",
+                 "num_global_key_value_heads",
+                 "attention_k_eq_v",
+                 "num_kv_shared_layers",
+                 "hidden_size_per_layer_input",
+                 "vocab_size_per_layer_input",
+                 "use_double_wide_mlp",
+                 "enable_moe_block",
+                 "num_experts",
+                 "top_k_experts",
+                 "moe_intermediate_size",
+                 "expert_intermediate_size",
+                 "use_bidirectional_attention"};
     a.gguf_keys = {"attention.sliding_window",   "attention.sliding_window_pattern",
                    "rope.freq_base_swa",         "final_logit_softcapping",
                    "attention.key_length_swa",   "attention.value_length_swa",

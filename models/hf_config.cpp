@@ -30,6 +30,10 @@ class ConfigValues {
  public:
   ConfigValues(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
 
+  bool has_null(const std::string& key) const {
+    const auto it = j_.find(key);
+    return it != j_.end() && it->is_null();
+  }
   const json* find(const std::string& key) const {
     const auto it = j_.find(key);
     return it == j_.end() || it->is_null() ? nullptr : &*it;
@@ -327,6 +331,205 @@ void hf_sliding_window(const ConfigValues& values, const Architecture& arch, Mod
   }
 }
 
+// Gemma 4's config.json (gemma4_text): each layer's kind by layer_types (windowed ones in a
+// repeating pattern, then one global); the windowed layers' head_dim and num_key_value_heads,
+// the global layers' global_head_dim and, where they take k as v (attention_k_eq_v),
+// num_global_key_value_heads; rope_parameters by kind (the global layers' proportional RoPE, as
+// a factor of 1e30 on each pair that does not rotate); the layers sharing keys and values, the
+// double-wide MLPs of those layers, the per-layer embeddings' width, and the experts beside the
+// MLP. Sets `hp`'s first layer's values and its layer_shapes for the others.
+void hf_gemma4(const ConfigValues& values, const Architecture& arch, FileHyperparameters& hp,
+               ModelConfig& c, const std::string& where) {
+  if (!hp.n_layers.value) throw UserError(where + ": no num_hidden_layers");
+  const int64_t layers = *hp.n_layers.value;
+  if (layers <= 0 || layers > kMaxLinearCount)
+    throw UserError(where + ": num_hidden_layers " + std::to_string(layers) +
+                    " must be a positive count");
+  const json* types = values.find("layer_types");
+  if (!types || !types->is_array() || static_cast<int64_t>(types->size()) != layers)
+    throw UserError(where + ": layer_types " + (types ? json_shown(*types) : "absent") +
+                    " is not one per layer");
+  std::vector<bool> windowed;
+  for (const json& t : *types) {
+    if (t != "sliding_attention" && t != "full_attention")
+      throw UserError(where + ": layer_types holds " + json_shown(t) +
+                      ", which cputrain does not compute for gemma4 (it computes "
+                      "sliding_attention and full_attention)");
+    windowed.push_back(t == "sliding_attention");
+  }
+  int64_t pattern = 1;
+  while (pattern <= layers && windowed[static_cast<size_t>(pattern - 1)]) ++pattern;
+  for (int64_t i = 0; i < layers; ++i)
+    if (windowed[static_cast<size_t>(i)] != (i % pattern < pattern - 1))
+      throw UserError(where + ": layer_types windows layers in no repeating pattern of windowed " +
+                      "layers then one global, which cputrain does not compute (layer " +
+                      std::to_string(i) + ")");
+  c.sliding_window = values.whole("sliding_window").value_or(arch.default_window);
+  if (c.sliding_window <= 0)
+    throw UserError(where + ": sliding_window " + std::to_string(c.sliding_window) +
+                    " must be positive");
+  c.swa_pattern = pattern;
+  if (c.swa_pattern == 1) c.sliding_window = c.swa_pattern = 0;
+  const bool first_windowed = c.windowed_layer(0);
+  const std::optional<int64_t> head_windowed = values.whole("head_dim");
+  const std::optional<int64_t> head_global = values.whole("global_head_dim");
+  const bool k_as_v = values.flag("attention_k_eq_v", false);
+  const std::optional<int64_t> kv_windowed = values.whole("num_key_value_heads");
+  const std::optional<int64_t> kv_global =
+      k_as_v ? values.whole("num_global_key_value_heads") : kv_windowed;
+  if (k_as_v && !kv_global)
+    throw UserError(where + ": attention_k_eq_v without num_global_key_value_heads");
+  // RoPE by the layers' kind: the base, and the share of each head it rotates.
+  const json* rope = values.find("rope_parameters");
+  if (!rope || !rope->is_object())
+    throw UserError(where + ": rope_parameters " + (rope ? json_shown(*rope) : "absent") +
+                    " is not an object of full_attention's and sliding_attention's");
+  struct KindRope {
+    double theta = 10000.0;
+    double partial = 1.0;
+    bool proportional = false;
+  };
+  const auto kind_rope = [&](const char* kind, double theta) {
+    const auto it = rope->find(kind);
+    KindRope r;
+    r.theta = theta;
+    if (it == rope->end()) return r;
+    const std::string at = where + ": rope_parameters." + kind;
+    if (!it->is_object()) throw UserError(at + " " + json_shown(*it) + " is not an object");
+    const ConfigValues v(*it, at);
+    for (const auto& [key, value] : it->items())
+      if (key != "rope_type" && key != "rope_theta" && key != "partial_rotary_factor")
+        throw UserError(at + ": " + key + " " + json_shown(value) +
+                        ", which cputrain does not read (nothing in config.json is passed over)");
+    const std::string type = v.text("rope_type", "default");
+    if (type != "default" && type != "proportional")
+      throw UserError(at + ": rope_type " + type +
+                      ", which cputrain does not compute for gemma4 (it computes default and "
+                      "proportional)");
+    r.proportional = type == "proportional";
+    r.theta = v.number("rope_theta", theta);
+    r.partial = v.number("partial_rotary_factor", 1.0);
+    if (!(r.theta > 1.0) || !std::isfinite(r.theta))
+      throw UserError(at + ": rope_theta " + json_shown(*v.find("rope_theta")) +
+                      " must be a number above 1");
+    if (!(r.partial > 0.0 && r.partial <= 1.0))
+      throw UserError(at + ": partial_rotary_factor " +
+                      json_shown(*v.find("partial_rotary_factor")) +
+                      " must be above 0 and at most 1");
+    return r;
+  };
+  const KindRope full = kind_rope("full_attention", 1e6);
+  const KindRope sliding = kind_rope("sliding_attention", arch.default_rope_theta_swa);
+  c.rope_theta = full.theta;
+  c.rope_theta_swa = sliding.theta;
+  // The rotated dimensions of a head of `head` by `partial` (even, at least 2).
+  const auto rotated = [where = std::string(where)](double partial, int64_t head,
+                                                    const char* kind) {
+    const auto n = static_cast<int64_t>(static_cast<double>(head) * partial);
+    if (n < 2 || n % 2 != 0)
+      throw UserError(where + ": rope_parameters." + kind + ".partial_rotary_factor does not " +
+                      "give an even number of the head's " + std::to_string(head) + " dimensions");
+    return n;
+  };
+  if (first_windowed) {
+    hp.head_dim = {"head_dim", head_windowed};
+    hp.n_kv_heads = {"num_key_value_heads", kv_windowed};
+  } else {
+    hp.head_dim = head_global ? FileHyperparameter{"global_head_dim", head_global}
+                              : FileHyperparameter{"head_dim", head_windowed};
+    hp.n_kv_heads = k_as_v ? FileHyperparameter{"num_global_key_value_heads", kv_global}
+                           : FileHyperparameter{"num_key_value_heads", kv_windowed};
+  }
+  const int64_t shared = values.whole("num_kv_shared_layers").value_or(0);
+  if (shared < 0 || shared >= layers)
+    throw UserError(where + ": num_kv_shared_layers " + std::to_string(shared) +
+                    " must be at least 0 and below num_hidden_layers");
+  c.shared_kv_layers = shared;
+  c.per_layer_dim = values.whole("hidden_size_per_layer_input").value_or(0);
+  if (c.per_layer_dim < 0 || c.per_layer_dim > kMaxLinearCount)
+    throw UserError(where + ": hidden_size_per_layer_input " + std::to_string(c.per_layer_dim) +
+                    " is not a count cputrain reads");
+  if (c.per_layer_dim > 0 && hp.vocab.value)
+    if (const std::optional<int64_t> v = values.whole("vocab_size_per_layer_input");
+        v && *v != *hp.vocab.value)
+      throw UserError(where + ": vocab_size_per_layer_input " + std::to_string(*v) +
+                      " differs from vocab_size " + std::to_string(*hp.vocab.value) +
+                      ", which cputrain does not compute");
+  const bool double_wide = values.flag("use_double_wide_mlp", false);
+  if (values.flag("enable_moe_block", false)) {
+    const char* width = values.find("expert_intermediate_size") ? "expert_intermediate_size"
+                                                                : "moe_intermediate_size";
+    hp.n_experts = {"num_experts", values.whole("num_experts")};
+    hp.experts_used = {"top_k_experts", values.whole("top_k_experts")};
+    hp.expert_ffn = {width, values.whole(width)};
+    for (const FileHyperparameter* r : {&hp.n_experts, &hp.experts_used, &hp.expert_ffn})
+      if (!r->value) throw UserError(where + ": enable_moe_block without " + r->key);
+  }
+  const bool moe = hp.n_experts.value.has_value();
+  hp.rope_dim = {"rope_parameters", std::nullopt};
+  if (first_windowed && head_windowed && !sliding.proportional)
+    hp.rope_dim.value = rotated(sliding.partial, *head_windowed, "sliding_attention");
+  hp.layer_shapes = [=, where = std::string(where)](ModelConfig& m) {
+    // The first layer's are the windowed layers' where it is one; the global layers' as given.
+    if (first_windowed) {
+      m.head_dim_swa = m.head_size();
+      m.n_kv_heads_swa = m.kv_heads();
+      m.rope_dim_swa = m.rope_dim > 0 ? m.rope_dim : m.head_dim_swa;
+      if (head_global) m.head_dim = *head_global;
+      if (kv_global) m.n_kv_heads = *kv_global;
+    }
+    if (m.head_dim <= 0 || m.head_dim > kMaxLinearCount || m.n_kv_heads <= 0 ||
+        m.n_kv_heads > m.n_heads || m.n_heads % m.n_kv_heads != 0)
+      throw UserError(where +
+                      ": the global layers' head size or key/value heads (global_head_dim, "
+                      "num_global_key_value_heads) do not fit together");
+    const int64_t head = m.head_size();
+    if (full.proportional) {
+      // Pairs from the first rotate as a full head's would; the others do not.
+      m.rope_dim = 0;
+      const int64_t pairs = rotated(full.partial, head, "full_attention") / 2;
+      std::vector<float> factors(static_cast<size_t>(head / 2), 1e30f);
+      std::fill_n(factors.begin(), pairs, 1.0f);
+      if (pairs < head / 2) m.rope_scaling = rope_scaling_of_factors(std::move(factors), m);
+    } else {
+      m.rope_dim = rotated(full.partial, head, "full_attention");
+    }
+    if (m.rope_dim == head) m.rope_dim = 0;
+    if (m.rope_dim_swa == m.head_dim_swa) m.rope_dim_swa = 0;
+    if (m.head_dim_swa == head) m.head_dim_swa = 0;
+    if (m.n_kv_heads_swa == m.kv_heads()) m.n_kv_heads_swa = 0;
+    if (double_wide && shared > 0) {
+      m.layer_ffn.assign(static_cast<size_t>(m.n_layers), m.ffn);
+      for (int64_t i = m.n_layers - shared; i < m.n_layers; ++i)
+        m.layer_ffn[static_cast<size_t>(i)] = 2 * m.ffn;
+    }
+    for (int64_t i = 0; i < m.n_layers; ++i) {
+      if (k_as_v && !m.windowed_layer(i) && m.kv_layer(i) == i) m.k_as_v = true;
+      // A shared layer reads the last layer of its kind before the shared ones (Transformers'),
+      // which is the one llama.cpp reads where the layers before them end windowed, global.
+      int64_t source = -1;
+      for (int64_t j = 0; j < m.n_layers - shared; ++j)
+        if (m.windowed_layer(j) == m.windowed_layer(i)) source = j;
+      if (m.kv_layer(i) != i && m.kv_layer(i) != source)
+        throw UserError(where + ": num_kv_shared_layers " + std::to_string(shared) +
+                        " leaves layer " + std::to_string(i) +
+                        " reading keys and values of a layer whose kind's last before the "
+                        "shared ones is not the layer llama.cpp reads, which cputrain does not "
+                        "compute");
+    }
+    // Written back as the converter writes them: each expert's gate and up rows in one tensor.
+    m.experts_gate_up_fused = moe;
+  };
+  c.final_softcap = values.has_null("final_logit_softcapping") ? 0.0f : arch.default_final_softcap;
+  if (const json* cap = values.find("final_logit_softcapping")) {
+    const double x = values.number("final_logit_softcapping", 0.0);
+    if (!(x > 0.0) || !std::isfinite(x))
+      throw UserError(where + ": final_logit_softcapping " + json_shown(*cap) +
+                      " must be positive, or null");
+    c.final_softcap = static_cast<float>(x);
+  }
+}
+
 }  // namespace
 
 ModelConfig hf_model_config(const std::string& folder, int64_t max_ctx) {
@@ -370,10 +573,17 @@ SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
   const bool multimodal = hf_multimodal_architecture(j) != nullptr;
   if (multimodal) {
     weights.rename_prefix("model.language_model.", "model.");
-    if (const int64_t vision = weights.leave_out("model.visual."); vision > 0) {
-      parts.push_back("its vision model");
-      n += vision;
-    }
+    int64_t vision = 0, audio = 0;
+    for (const char* prefix : {"model.visual.", "model.vision_tower.", "model.embed_vision."})
+      vision += weights.leave_out(prefix);
+    for (const char* prefix : {"model.audio_tower.", "model.embed_audio."})
+      audio += weights.leave_out(prefix);
+    for (const auto& [model, count] :
+         {std::pair{"its vision model", vision}, std::pair{"its audio model", audio}})
+      if (count > 0) {
+        parts.push_back(model);
+        n += count;
+      }
   }
   // A multi-token-prediction block where the config declares one (Qwen3.5's
   // mtp_num_hidden_layers); elsewhere its tensors have no place, as any other.
@@ -386,11 +596,31 @@ SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
       n += mtp;
     }
   }
+  // Gemma 4's layers sharing keys and values compute none: a checkpoint's k and v projections
+  // and norms of theirs are left out, as Transformers leaves them.
+  const Architecture* text_arch = multimodal ? hf_multimodal_architecture(j) : arch;
+  if (text.is_object() && text_arch && text_arch->layer_shapes) {
+    const auto count = [&](const char* key) {
+      const auto it = text.find(key);
+      return it != text.end() && it->is_number_integer() ? it->get<int64_t>() : int64_t{0};
+    };
+    const int64_t layers = count("num_hidden_layers"), shared = count("num_kv_shared_layers");
+    int64_t unused = 0;
+    for (int64_t i = std::max<int64_t>(0, layers - shared); i < layers && shared > 0; ++i)
+      for (const char* part : {"k_proj.", "v_proj.", "k_norm.", "v_norm."})
+        unused += weights.leave_out("model.layers." + std::to_string(i) + ".self_attn." + part);
+    if (unused > 0) {
+      parts.push_back("the shared-KV layers' own k and v");
+      n += unused;
+    }
+  }
   if (left_out) {
     left_out->clear();
+    std::string listed;
+    for (size_t i = 0; i < parts.size(); ++i)
+      listed += (i == 0 ? "" : i + 1 == parts.size() ? " and " : ", ") + parts[i];
     if (!parts.empty())
-      *left_out = " (" + parts[0] + (parts.size() > 1 ? " and " + parts[1] : "") + ", " +
-                  std::to_string(n) + " tensors, left out)";
+      *left_out = " (" + listed + ", " + std::to_string(n) + " tensors, left out)";
   }
   return weights;
 }
@@ -462,8 +692,11 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
     throw UserError(where + ": " + cap + " " + json_shown(*v) +
                     ", which cputrain does not compute for " + type);
   }
-  if (values.flag("use_bidirectional_attention", false))
-    throw UserError(where + ": use_bidirectional_attention, which cputrain does not compute");
+  // Gemma 4's "vision": bidirectional among an image's tokens, causal over text.
+  if (const json* both = values.find("use_bidirectional_attention");
+      both && !(arch->layer_shapes && *both == "vision") && *both != false)
+    throw UserError(where + ": use_bidirectional_attention " + json_shown(*both) +
+                    ", which cputrain does not compute");
   FileHyperparameters hp;
   hp.where = where;
   hp.naming = TensorNaming::HuggingFace;
@@ -496,6 +729,7 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   c.rope_pairs = RopePairs::HalfSplit;
   if (arch->linear_attention_step > 0 && hp.n_layers.value)
     hf_linear_attention(values, *arch, c, *hp.n_layers.value, where);
+  if (arch->layer_shapes) hf_gemma4(values, *arch, hp, c, where);
   if (arch->moe) {
     // Qwen3-MoE's: every layer's MLP a mixture (decoder_sparse_step 1, no mlp_only_layers), its
     // experts of moe_intermediate_size, the top k weights renormalised where norm_topk_prob.
@@ -567,7 +801,9 @@ ModelConfig hf_model_config(const std::string& folder, const SafetensorsModel& w
   if (const json* scaling = values.find("rope_scaling"))
     c.rope_scaling = hf_rope_scaling(*scaling, values, *arch, c, where);
   c.no_rope_layers = hf_no_rope_layers(values, *arch, c.n_layers, where);
-  if (arch->swa_pattern > 0) {
+  if (arch->layer_shapes) {
+    // hf_gemma4's.
+  } else if (arch->swa_pattern > 0) {
     hf_sliding_window(values, *arch, c, where);
   } else if (values.flag("use_sliding_window", type == "mistral" || type == "phi3")) {
     if (const std::optional<int64_t> window = values.whole("sliding_window")) {

@@ -162,6 +162,102 @@ SafetensorsGroup gpt_oss_experts_group(const std::string& base,
   return g;
 }
 
+// Gemma 4's experts of one layer (`base` "model.layers.N.experts."), from the model's gate, up
+// and down weights by their rest of name: gate_up_proj [E, 2 F, C] (each expert's gate rows,
+// then its up rows) and down_proj [E, C, F], as Transformers holds them.
+SafetensorsGroup gemma4_experts_group(const std::string& base,
+                                      const std::map<std::string, FileTensor>& parts,
+                                      GgmlType type) {
+  SafetensorsGroup g;
+  for (const char* rest : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) {
+    const auto it = parts.find(rest);
+    if (it == parts.end()) throw std::logic_error("Gemma 4 experts without " + base + rest);
+    g.parts.push_back(it->second);
+  }
+  const int64_t E = g.parts[0].shape[0], F = g.parts[0].shape[1], C = g.parts[0].shape[2];
+  g.entries = {{base + "gate_up_proj", Shape{E, 2 * F, C}}, {base + "down_proj", Shape{E, C, F}}};
+  g.entry = [type, E, F, C](const std::vector<std::vector<float>>& v, size_t i) {
+    if (i == 1) return ggml_from_float(type, v[2].data(), static_cast<int64_t>(v[2].size()));
+    std::vector<float> out(static_cast<size_t>(E * 2 * F * C));
+    const int64_t n = F * C;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t half = 0; half < 2; ++half)
+        std::copy_n(v[static_cast<size_t>(half)].begin() + e * n, n,
+                    out.begin() + (2 * e + half) * n);
+    return ggml_from_float(type, out.data(), static_cast<int64_t>(out.size()));
+  };
+  return g;
+}
+
+// Gemma 4's config.json keys in `config` (gemma4_text's): layer_types, the windowed layers' head
+// size and key/value heads and the global layers' own, RoPE by the layers' kind (the global
+// layers' proportional: their frequency factors of 1 and then 1e30), the layers sharing keys and
+// values and their double-wide MLPs, the per-layer embeddings' width, the experts beside the MLP.
+// A UserError for what Transformers' Gemma4 does not express.
+void gemma4_config(const ModelConfig& c, json& config) {
+  const auto refuse = [](const std::string& what) {
+    throw UserError("a gemma4 model " + what +
+                    ", which Hugging Face's Gemma4 config does not express (export it as GGUF)");
+  };
+  json types = json::array();
+  for (int64_t i = 0; i < c.n_layers; ++i)
+    types.push_back(c.windowed_layer(i) ? "sliding_attention" : "full_attention");
+  const int64_t kv_windowed = c.n_kv_heads_swa > 0 ? c.n_kv_heads_swa : c.kv_heads();
+  if (!c.k_as_v && kv_windowed != c.kv_heads())
+    refuse("whose global layers have key/value heads of their own without taking k as v");
+  // Proportional RoPE on the global layers: the first pairs rotate as a full head's, the others
+  // (a factor of 1e30) do not.
+  const int64_t head = c.head_size(), pairs = head / 2;
+  int64_t rotated = pairs;
+  if (c.rope_scaling.active()) {
+    const std::vector<float>& f = c.rope_scaling.freq_factors;
+    rotated = 0;
+    while (rotated < static_cast<int64_t>(f.size()) && f[static_cast<size_t>(rotated)] == 1.0f)
+      ++rotated;
+    const bool proportional =
+        c.rope_scaling.type == "factors" && static_cast<int64_t>(f.size()) == pairs &&
+        std::all_of(f.begin() + rotated, f.end(), [](float x) { return x >= 1e29f; });
+    if (!proportional) refuse("with RoPE scaling other than proportional RoPE");
+  }
+  if (c.rope_dim > 0 || c.rope_dim_swa > 0) refuse("rotating part of each head without factors");
+  if (!c.layer_ffn.empty()) {
+    bool doubled = c.shared_kv_layers > 0;
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      doubled = doubled && c.layer_ffn[static_cast<size_t>(i)] ==
+                               (i < c.n_layers - c.shared_kv_layers ? c.ffn : 2 * c.ffn);
+    if (!doubled) refuse("whose MLP widths are not those of use_double_wide_mlp");
+  }
+  for (const char* key : {"rope_theta", "rope_scaling", "partial_rotary_factor", "hidden_act",
+                          "query_pre_attn_scalar", "attn_logit_softcapping",
+                          "sliding_window_pattern", "rope_local_base_freq", "num_experts_per_tok",
+                          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"})
+    config.erase(key);
+  config["architectures"] = {"Gemma4ForCausalLM"};
+  config["model_type"] = "gemma4_text";
+  config["layer_types"] = types;
+  config["head_dim"] = c.head_size_swa();
+  config["global_head_dim"] = head;
+  config["num_key_value_heads"] = kv_windowed;
+  config["num_global_key_value_heads"] = c.k_as_v ? json(c.kv_heads()) : json();
+  config["attention_k_eq_v"] = c.k_as_v;
+  config["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json();
+  config["rope_parameters"] = {
+      {"full_attention",
+       {{"rope_type", "proportional"},
+        {"rope_theta", c.rope_theta},
+        {"partial_rotary_factor", static_cast<double>(2 * rotated) / static_cast<double>(head)}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", c.rope_swa_theta()}}}};
+  config["num_kv_shared_layers"] = c.shared_kv_layers;
+  config["use_double_wide_mlp"] = !c.layer_ffn.empty();
+  config["hidden_size_per_layer_input"] = c.per_layer_dim;
+  config["vocab_size_per_layer_input"] = c.vocab;
+  config["enable_moe_block"] = c.experts_beside_mlp();
+  config["num_experts"] = c.experts_beside_mlp() ? json(c.n_experts) : json();
+  config["top_k_experts"] = c.experts_beside_mlp() ? json(c.experts_used) : json();
+  config["moe_intermediate_size"] = c.experts_beside_mlp() ? json(c.expert_ffn) : json();
+  config["use_bidirectional_attention"] = nullptr;
+}
+
 // A safetensors file of the groups' entries, in order, written atomically: the header from their
 // shapes, then group by group their parts' values (`values`) and each entry's bytes, so that one
 // group's values are held at a time.
@@ -278,7 +374,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
     throw UserError("a " + std::string(arch.name) + " model with q/k/v biases: Hugging Face's " +
                     std::string(arch.hf_class) +
                     " has none (train it with --arch qwen2, or export it as GGUF)");
-  if (c.rope_scaling.type == "factors")
+  if (c.rope_scaling.type == "factors" && !arch.layer_shapes)
     throw UserError(
         "RoPE frequency factors that are not Llama 3's scaling: config.json has no "
         "rope_scaling for them (export the model as GGUF)");
@@ -410,6 +506,7 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
     for (int64_t i = 0; i < c.n_layers; ++i) layers.push_back(c.rope_in_layer(i) ? 1 : 0);
     config["no_rope_layers"] = layers;
   }
+  if (arch.layer_shapes) gemma4_config(c, config);
   write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n");
 
   // model.safetensors: the header, then each tensor's bytes in order.
@@ -427,14 +524,16 @@ void write_hf_folder(const std::string& folder, const ModelConfig& c, const Para
   for (const FileTensor& t :
        file_tensors(params, c, TensorNaming::HuggingFace,
                     [](const ParameterInfo& info) { return !is_lora_parameter(info.name); })) {
-    if (const size_t at = t.name.find(".experts."); arch.hf_gpt_oss_experts && at != t.name.npos) {
+    if (const size_t at = t.name.find(".experts.");
+        (arch.hf_gpt_oss_experts || arch.experts_beside_mlp) && at != t.name.npos) {
       experts[t.name.substr(0, at + 9)][t.name.substr(at + 9)] = t;
       continue;
     }
     groups.push_back(tensor_group(t, type));
   }
   for (const auto& [base, parts] : experts)
-    groups.push_back(gpt_oss_experts_group(base, parts, type));
+    groups.push_back(arch.hf_gpt_oss_experts ? gpt_oss_experts_group(base, parts, type)
+                                             : gemma4_experts_group(base, parts, type));
   // Each tensor's values read as it is written (Gated DeltaNet's value heads grouped by key head,
   // as Hugging Face holds them).
   write_safetensors((dir / "model.safetensors").string(), groups, type, [&](const FileTensor& t) {

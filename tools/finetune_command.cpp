@@ -508,11 +508,14 @@ class AdapterFiles final : public RunOutput {
       return;
     }
     write_lora_gguf(a_.out + "/adapter.gguf", m_.config, params, options_.lora.alpha, name("LoRA"));
-    // PEFT's adapter where the architecture's Hugging Face names are known (gpt-oss's experts
-    // are one parameter of all experts there, which PEFT adapts otherwise).
+    // PEFT's adapter where the architecture's Hugging Face names are known (gpt-oss's and Gemma
+    // 4's experts are one parameter of all experts there, not modules, which PEFT adapts
+    // otherwise).
     const Architecture& arch = architecture_of(m_.config);
+    const bool experts_as_parameters =
+        m_.config.moe() && (arch.hf_gpt_oss_experts || m_.config.experts_beside_mlp());
     const bool peft =
-        arch.files && !(arch.hf_gpt_oss_experts &&
+        arch.files && !(experts_as_parameters &&
                         (options_.lora.on(Projection::Gate) || options_.lora.on(Projection::Up) ||
                          options_.lora.on(Projection::Down)));
     if (peft)
@@ -526,7 +529,9 @@ class AdapterFiles final : public RunOutput {
         gguf_base ? ""
                   : ", BASE.gguf from cputrain export --model " + a_.model + " --out BASE.gguf",
         peft ? " and " + a_.out + "/peft (PEFT's adapter_config.json and adapter_model.safetensors)"
-             : "");
+        : arch.files ? "; no PEFT adapter: the experts are one parameter of all experts in " +
+                           std::string(arch.hf_class) + ", not modules PEFT adapts by name"
+                     : "");
   }
 
  private:

@@ -71,6 +71,13 @@ Face's rotate-half order:
   the MLPs zeroed; 1.5e-6 at 0.3). GELU (the MLP's and the per-layer gate's) goes
   through llama.cpp's fp16 table: the norms after the MLP and after the per-layer projection
   have gains of 0.03, as gemma3's post-MLP norm, which keeps the table's effect small;
+- gemma4_e2b: gemma4's parts with one key/value head in every layer (as E2B's: Hugging Face's
+  config gives the global layers heads of their own only beside attention_k_eq_v), and
+  Transformers' folder of it (gemma4_e2b_hf: Gemma4ForCausalLM, norms as their gains, the
+  experts' and router's names, layer_scalar; the shared-KV layers' k and v projections and k
+  norms beside, which the model leaves out as Transformers does); gemma4_moe's folder
+  (gemma4_moe_hf) is the text model of Gemma4ForConditionalGeneration, vision and audio towers
+  beside it;
 - gpt_oss: gpt-oss's block (llama.cpp's converter's names and keys, and Transformers' folder,
   the experts' gate and up alternating in one tensor, with truncate true): q, k, v and o
   biases, a learnt sink per head (attn_sinks), layers 0 and 2 of 4 within a sliding window of 32
@@ -157,7 +164,12 @@ FAMILIES = {
     "gemma4_moe": dict(arch="gemma4", d=64, ffn=64, layers=4, heads=2, kv=1, head=64, kv_swa=2,
                        head_swa=32, theta=1e6, theta_swa=1e4, window=32, pattern=3, shared=0,
                        per_layer=0, rotated=0.25, cap=5.0, experts=8, experts_used=2,
-                       expert_ffn=32, k_as_v=True),
+                       expert_ffn=32, k_as_v=True, hf="multimodal"),
+    # Gemma 4 E2B's parts with one key/value head in every layer, as Hugging Face's config
+    # expresses them (num_global_key_value_heads only beside attention_k_eq_v), and its folder.
+    "gemma4_e2b": dict(arch="gemma4", d=64, ffn=96, layers=9, heads=2, kv=1, head=64, kv_swa=1,
+                       head_swa=32, theta=1e6, theta_swa=1e4, window=32, pattern=3, shared=3,
+                       per_layer=16, rotated=0.25, cap=5.0, hf="text"),
 }
 
 
@@ -920,6 +932,103 @@ def write_gemma4(name, spec, seed):
     for gname, a in t.items():
         w.add_tensor(gname, a)
     finish(w)
+    if spec.get("hf"):
+        write_gemma4_hf(name, spec, t, windowed, kv, head)
+
+
+# Gemma 4's GGUF tensors (less blk.N.) by Transformers' names (less model.layers.N.).
+GEMMA4_HF = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_inp.weight": "router.proj.weight", "ffn_gate_inp.scale": "router.scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "inp_gate.weight": "per_layer_input_gate.weight", "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight", "layer_output_scale.weight": "layer_scalar",
+}
+
+
+def write_gemma4_hf(name, spec, t, windowed, kv, head):
+    """Gemma 4's weights `t` as Transformers holds them (norms as their gains, q and k rows in
+    rotate-half order as in GGUF, rope_freqs derived from rope_parameters): Gemma4ForCausalLM's
+    folder ("text"; with k and v projections of the shared-KV layers that the model leaves
+    out, as a checkpoint may hold them), or the text model of Gemma4ForConditionalGeneration
+    ("multimodal": model.language_model.*, vision and audio towers beside it)."""
+    rng = np.random.default_rng(7)
+    layers, d, shared = spec["layers"], spec["d"], spec["shared"]
+    hf = {}
+    model_names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                   "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+                   "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+                   "per_layer_proj_norm.weight": "per_layer_projection_norm.weight"}
+    for gname, a in t.items():
+        if gname == "rope_freqs.weight":
+            continue
+        if gname in model_names:
+            hf["model." + model_names[gname]] = a
+            continue
+        _, i, rest = gname.split(".", 2)
+        hf[f"model.layers.{i}." + GEMMA4_HF[rest]] = a
+    for i in range(layers - shared, layers):
+        D = head[i]
+        for part, shape in (("k_proj.weight", (kv[i] * D, d)), ("v_proj.weight", (kv[i] * D, d)),
+                            ("k_norm.weight", (D,))):
+            hf[f"model.layers.{i}.self_attn.{part}"] = rng.standard_normal(shape).astype(np.float32)
+    types = ["sliding_attention" if w else "full_attention" for w in windowed]
+    E = spec.get("experts", 0)
+    text = {"model_type": "gemma4_text", "vocab_size": VOCAB, "hidden_size": d,
+            "num_hidden_layers": layers, "num_attention_heads": spec["heads"],
+            "num_key_value_heads": spec["kv_swa"],
+            "num_global_key_value_heads": spec["kv"] if spec.get("k_as_v") else None,
+            "head_dim": spec["head_swa"], "global_head_dim": spec["head"],
+            "intermediate_size": spec["ffn"], "use_double_wide_mlp": shared > 0,
+            "num_kv_shared_layers": shared, "hidden_size_per_layer_input": spec["per_layer"],
+            "vocab_size_per_layer_input": VOCAB, "layer_types": types,
+            "sliding_window": spec["window"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "proportional", "rope_theta": spec["theta"],
+                                   "partial_rotary_factor": spec["rotated"]},
+                "sliding_attention": {"rope_type": "default", "rope_theta": spec["theta_swa"]}},
+            "final_logit_softcapping": spec["cap"], "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh", "attention_k_eq_v": bool(spec.get("k_as_v")),
+            "enable_moe_block": E > 0, "num_experts": E or None,
+            "top_k_experts": spec.get("experts_used"), "moe_intermediate_size": spec.get("expert_ffn"),
+            "max_position_embeddings": CTX, "tie_word_embeddings": True, "attention_bias": False,
+            "attention_dropout": 0.0, "use_bidirectional_attention": None, "bos_token_id": 1,
+            "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32", "use_cache": True,
+            "initializer_range": 0.02}
+    if spec["hf"] == "multimodal":
+        hf = {k.replace("model.", "model.language_model.", 1): a for k, a in hf.items()}
+        for k, shape in (("model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight",
+                          (32, 32)),
+                         ("model.embed_vision.embedding_projection.weight", (d, 32)),
+                         ("model.audio_tower.subsample_conv_projection.layer0.conv.weight",
+                          (8, 1, 3, 3)),
+                         ("model.embed_audio.embedding_projection.weight", (d, 32))):
+            hf[k] = rng.standard_normal(shape).astype(np.float32)
+        config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+                  "text_config": text, "tie_word_embeddings": True,
+                  "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32},
+                  "audio_config": {"model_type": "gemma4_audio", "hidden_size": 32},
+                  "image_token_id": 3, "dtype": "float32"}
+    else:
+        config = dict(text, architectures=["Gemma4ForCausalLM"])
+    folder = f"{OUT}/{name}_hf"
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors(f"{folder}/model.safetensors", hf)
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    tokens, _, types_ = vocabulary(("<start_of_turn>", "<end_of_turn>"))
+    write_tokenizer(folder, tokens, types_, True)
 
 
 def write_tokenizer(folder, tokens, types, gemma):

@@ -1088,6 +1088,132 @@ TEST(Families, Gemma4ExpertsAndKAsVAreLlamaCpps) {
   EXPECT_NE(a.tensor("blk.0.ffn_gate.weight.lora_a"), nullptr);
 }
 
+// Gemma 4's Hugging Face folders (make_family_models.py gemma4_e2b, gemma4_moe): Transformers'
+// Gemma4ForCausalLM with the shared-KV layers' unused k and v beside it, and the text model of
+// Gemma4ForConditionalGeneration with vision and audio towers beside it, read to their GGUF
+// files' bits (their config.json's layer_types, two head sizes, rope_parameters by kind,
+// num_kv_shared_layers, double-wide MLPs, per-layer embeddings, attention_k_eq_v and the experts
+// beside the MLP) and give llama.cpp's logits; written as a folder, each tensor is the bytes and
+// name Transformers holds, and reads back to the same bits. What its config does not express is
+// refused in one line.
+TEST(Families, Gemma4HuggingFaceFoldersAreTheirGgufs) {
+  REQUIRE_ORACLE();
+  const TempFolder folder{temp_dir("gemma4_hf")};
+  for (const auto& [family, left_out] :
+       {std::pair<std::string, std::string>{"gemma4_e2b",
+                                            "(the shared-KV layers' own k and v, 9 tensors, "
+                                            "left out)"},
+        std::pair<std::string, std::string>{"gemma4_moe",
+                                            "(its vision model and its audio model, 4 tensors, "
+                                            "left out)"}}) {
+    const fs::path gguf = family_models() / (family + ".gguf");
+    const fs::path hf = family_models() / (family + "_hf");
+    LoadedModel g = load(gguf), h = load(hf);
+    const ModelConfig &a = g.config, &b = h.config;
+    EXPECT_EQ(b.architecture, "gemma4");
+    EXPECT_FALSE(b.norm_plus_one);
+    EXPECT_EQ(b.head_size(), a.head_size()) << family;
+    EXPECT_EQ(b.head_dim_swa, a.head_dim_swa) << family;
+    EXPECT_EQ(b.head_dim_swa, 32) << family;
+    EXPECT_EQ(b.kv_heads(), a.kv_heads()) << family;
+    EXPECT_EQ(b.n_kv_heads_swa, a.n_kv_heads_swa) << family;
+    EXPECT_EQ(b.swa_pattern, 3) << family;
+    EXPECT_EQ(b.sliding_window, 32) << family;
+    EXPECT_EQ(b.rope_theta, 1e6) << family;
+    EXPECT_EQ(b.rope_theta_swa, 1e4) << family;
+    EXPECT_EQ(b.rope_dim, a.rope_dim) << family;
+    EXPECT_EQ(b.rope_dim_swa, a.rope_dim_swa) << family;
+    EXPECT_EQ(b.rope_scaling.freq_factors, a.rope_scaling.freq_factors) << family;
+    EXPECT_EQ(b.shared_kv_layers, a.shared_kv_layers) << family;
+    EXPECT_EQ(b.layer_ffn, a.layer_ffn) << family;
+    EXPECT_EQ(b.per_layer_dim, a.per_layer_dim) << family;
+    EXPECT_EQ(b.final_softcap, 5.0f) << family;
+    EXPECT_EQ(b.n_experts, a.n_experts) << family;
+    EXPECT_EQ(b.experts_used, a.experts_used) << family;
+    EXPECT_EQ(b.expert_ffn, a.expert_ffn) << family;
+    EXPECT_EQ(b.experts_gate_up_fused, a.experts_gate_up_fused) << family;
+    EXPECT_EQ(b.k_as_v, a.k_as_v) << family;
+    EXPECT_EQ(b.k_as_v, family == "gemma4_moe");
+    EXPECT_NE(h.source.find(left_out), std::string::npos) << h.source;
+    expect_same_values(g, h, family);
+    const std::vector<int32_t> tokens = token_sequence(200, a.vocab, g.tokenizer->bos_id(), 43);
+    EXPECT_LT(max_abs_difference(our_logits(h, tokens), oracle_logits(gguf, tokens, folder.path)),
+              1e-4)
+        << family;
+    // Exported, every tensor is the one the Transformers-named folder holds, by name and bytes,
+    // and the folder reads back to the same bits.
+    const fs::path out = folder.path / (family + "_exported");
+    ASSERT_EQ(cputrain("export --model " + gguf.string() + " --out " + out.string()), 0);
+    {
+      const SafetensorsModel written(out.string()), theirs(hf.string());
+      const nlohmann::json config = nlohmann::json::parse(read_all(hf / "config.json"));
+      const std::string prefix = config.contains("text_config") ? "model.language_model." : "";
+      size_t n = 0;
+      for (const std::string& name : written.names()) {
+        const std::string their_name =
+            prefix.empty() || !name.starts_with("model.") ? name : prefix + name.substr(6);
+        const SafetensorsTensor* t = theirs.find(their_name);
+        if (!t) {
+          ADD_FAILURE() << family << ": " << their_name;
+          continue;
+        }
+        const SafetensorsTensor& w = *written.find(name);
+        EXPECT_EQ(w.shape, t->shape) << name;
+        EXPECT_TRUE(w.data.size() == t->data.size() &&
+                    std::memcmp(w.data.data(), t->data.data(), w.data.size()) == 0)
+            << name;
+        ++n;
+      }
+      EXPECT_GT(n, 40u) << family;
+      EXPECT_NE(written.find("model.layers.2.layer_scalar"), nullptr) << family;
+      if (family == "gemma4_moe") {
+        EXPECT_NE(written.find("model.layers.0.experts.gate_up_proj"), nullptr);
+        EXPECT_NE(written.find("model.layers.0.router.per_expert_scale"), nullptr);
+      }
+    }
+    expect_same_values(g, load(out), family + " exported");
+  }
+  // gemma4's global layers with a key/value head count of their own, not taking k as v: no
+  // config.json says so.
+  const fs::path refused = folder.path / "gemma4_refused";
+  const auto r = run_cputrain(
+      "export --model " + (family_models() / "gemma4.gguf").string() + " --out " + refused.string(),
+      folder.path);
+  expect_one_line_refusal(r,
+                          "a gemma4 model whose global layers have key/value heads of their own "
+                          "without taking k as v, which Hugging Face's Gemma4 config does not "
+                          "express (export it as GGUF)");
+  EXPECT_FALSE(fs::exists(refused));
+  // A layer_types of no repeating pattern, and proportional RoPE of no even share of the head.
+  const auto bad = [&](const std::string& name, const std::function<void(nlohmann::json&)>& edit,
+                       const std::string& needle) {
+    const fs::path to = folder.path / name;
+    fs::copy(family_models() / "gemma4_e2b_hf", to, fs::copy_options::recursive);
+    nlohmann::json config = nlohmann::json::parse(read_all(to / "config.json"));
+    edit(config);
+    std::ofstream(to / "config.json", std::ios::trunc) << config.dump();
+    expect_one_line_refusal(run_cputrain("inspect " + to.string(), folder.path), needle);
+  };
+  bad(
+      "types", [](nlohmann::json& j) { j["layer_types"][1] = "full_attention"; },
+      "layer_types windows layers in no repeating pattern of windowed layers then one global");
+  bad(
+      "rope",
+      [](nlohmann::json& j) {
+        j["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 0.01;
+      },
+      "rope_parameters.full_attention.partial_rotary_factor does not give an even number of "
+      "the head's 64 dimensions");
+  bad(
+      "rope_type",
+      [](nlohmann::json& j) { j["rope_parameters"]["sliding_attention"]["rope_type"] = "yarn"; },
+      "rope_parameters.sliding_attention: rope_type yarn, which cputrain does not compute for "
+      "gemma4");
+  bad(
+      "per_layer_vocab", [](nlohmann::json& j) { j["vocab_size_per_layer_input"] = 100; },
+      "vocab_size_per_layer_input 100 differs from vocab_size 512");
+}
+
 // A key that a file gives at a value where nothing is computable is refused in one line, not read
 // as "off": a sliding window of 0 or below, a soft-cap of 0, a RoPE base of 0, in GGUF and in
 // config.json. A Gemma 3 GGUF with a RoPE factor and no scaling type is scaled linearly, as
