@@ -35,6 +35,7 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
   MemoryStats stats;
   int64_t disk_bytes = 0, mapped_bytes = 0;
   std::array<int64_t, kMemoryCategoryCount> mapped_peak{};
+  MemoryBudget b;
   {
     // What training builds, in the order it builds it: the model (its parameters and RoPE
     // table), the trainer (AdamW's state and the token buffers).
@@ -62,6 +63,12 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
         mapped_peak[static_cast<size_t>(w.category())] +=
             static_cast<int64_t>(memory_counted_bytes(w.bytes()));
       }
+    if (const int table = model.parameters().find("per_layer.embeddings.weight"); table >= 0) {
+      const Tensor& w = model.parameters().var(table).value();
+      b.per_layer_table_bytes = static_cast<int64_t>(memory_counted_bytes(w.bytes()));
+      b.per_layer_table_category = w.category();
+      b.per_layer_table_mapped = model.parameters().mapped(table);
+    }
     if (o.offload)
       disk_bytes =
           (model.parameters().offloaded_numel() + 2 * model.parameters().trainable_numel()) * 4;
@@ -113,7 +120,6 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
     step(3);
     stats = measure.stats();
   }
-  MemoryBudget b;
   b.peak_bytes = stats.peak_bytes;
   b.step_peak_bytes = stats.peak_total_bytes;
   b.cache_headroom_bytes = std::max<int64_t>(0, stats.held_peak_bytes - stats.peak_total_bytes);

@@ -87,6 +87,12 @@ struct MemoryBudget {
   // Of each category's peak, the part read in place (mapped_bytes, by the category the weights
   // are counted in).
   std::array<int64_t, kMemoryCategoryCount> mapped_peak_bytes{};
+  // Per-layer embeddings' table (Gemma 4 E2B's, larger than the rest of the model): its bytes,
+  // the category its weights are counted in, and whether it is read in place (among
+  // mapped_bytes); 0 bytes: none.
+  int64_t per_layer_table_bytes = 0;
+  MemoryCategory per_layer_table_category = MemoryCategory::Weights;
+  bool per_layer_table_mapped = false;
   // What the process holds, anonymous memory: the total a memory limit covers.
   int64_t total_bytes() const {
     return step_peak_bytes + cache_headroom_bytes + corpus_bytes + runtime_bytes - mapped_bytes;

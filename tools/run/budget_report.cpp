@@ -73,6 +73,8 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
     row(c == MemoryCategory::OptimizerState && b.disk_bytes > 0 ? "AdamW staging (--offload)"
                                                                 : category_label(c),
         own);
+    if (b.per_layer_table_bytes > 0 && !b.per_layer_table_mapped && c == b.per_layer_table_category)
+      row("  of which the per-layer embeddings", b.per_layer_table_bytes);
   }
   row("step peak (all of the above at once)", b.step_peak_bytes - b.mapped_bytes);
   row("kept for the next step (block cache)", b.cache_headroom_bytes);
@@ -81,6 +83,8 @@ std::string budget_table(const MemoryBudget& b, int64_t available) {
   row(b.mapped_bytes > 0 ? "total (the process's own memory)" : "total", b.total_bytes());
   if (b.mapped_bytes > 0) {
     row("base read in place (the file's pages)", b.mapped_bytes, "+");
+    if (b.per_layer_table_bytes > 0 && b.per_layer_table_mapped)
+      row("  of which the per-layer embeddings", b.per_layer_table_bytes);
     row("total with the base's pages", b.total_with_mapped_bytes());
   }
   if (b.disk_bytes > 0) row("on disk (--offload: masters, m and v)", b.disk_bytes);
