@@ -31,6 +31,7 @@
 #include "tools/cli_test_util.h"
 #include "tools/model_source.h"
 #include "tools/oracle_util.h"
+#include "tools/run/budget_report.h"
 
 namespace cputrain {
 namespace {
@@ -1014,6 +1015,22 @@ TEST(Families, Gemma4IsLlamaCpps) {
   const fs::path bf16 = folder.path / "bf16.gguf";
   ASSERT_EQ(cputrain("export --model " + gguf.string() + " --type bf16 --out " + bf16.string()), 0);
   LoadedModel widened = load(bf16);
+  // The budget's table gives the per-layer table its own line: under the base read in place
+  // (BF16), or under the weights held in memory (F32), at its bytes (512 tokens x 9 x 16).
+  for (const auto& [file, under] : {std::pair{bf16, std::string("base read in place")},
+                                    std::pair{gguf, std::string("weights (FP32 master)")}}) {
+    const auto r = run_cputrain("budget --model " + file.string() +
+                                    " --lora-rank 4 --batch 1 --accum 1 --ctx 64 --dtype bf16",
+                                folder.path);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const size_t at = r.out.find("\n  " + under);
+    ASSERT_NE(at, std::string::npos) << r.out;
+    const size_t next = r.out.find('\n', at + 1);
+    const std::string line = r.out.substr(next + 1, r.out.find('\n', next + 1) - next - 1);
+    EXPECT_NE(line.find("of which the per-layer embeddings"), std::string::npos) << r.out;
+    EXPECT_NE(line.find(format_bytes(512 * 9 * 16 * (file == bf16 ? 2 : 4))), std::string::npos)
+        << r.out;
+  }
   const std::vector<int32_t> some(tokens.begin(), tokens.begin() + 64);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     ModelOptions options;
