@@ -326,6 +326,7 @@ std::vector<Architecture> table() {
                   {"feed_forward.router", "router.proj"},
                   {"feed_forward.experts.w1", "experts.gate_proj"},
                   {"feed_forward.experts.w3", "experts.up_proj"},
+                  {"feed_forward.experts.w13", "experts.gate_up_proj"},
                   {"feed_forward.experts.w2", "experts.down_proj"}};
     a.hf_keys = {"hidden_activation",
                  "final_logit_softcapping",
@@ -400,6 +401,13 @@ const Architecture& architecture_of(const ModelConfig& config) {
 std::string architecture_names() {
   std::vector<std::string_view> names;
   for (const Architecture& a : architectures()) names.push_back(a.name);
+  return joined(names);
+}
+
+std::string expert_architecture_names() {
+  std::vector<std::string_view> names;
+  for (const Architecture& a : architectures())
+    if (a.moe || a.experts_beside_mlp) names.push_back(a.name);
   return joined(names);
 }
 
@@ -521,6 +529,15 @@ ModelConfig with_architecture(ModelConfig c, const Architecture& arch) {
   if (!arch.layer_shapes) {
     c.head_dim_swa = c.n_kv_heads_swa = c.rope_dim_swa = c.shared_kv_layers = 0;
     c.layer_ffn.clear();
+  }
+  // Gemma 4's global layers' proportional RoPE on a quarter of each head (its
+  // partial_rotary_factor 0.25): the first pairs' factors 1, the others' 1e30 (llama.cpp's
+  // rope_freqs, which its gemma4 requires).
+  if (arch.layer_shapes && !c.rope_scaling.active()) {
+    const int64_t pairs = c.head_size() / 2;
+    std::vector<float> factors(static_cast<size_t>(pairs), 1e30f);
+    std::fill_n(factors.begin(), std::max<int64_t>(1, pairs / 4), 1.0f);
+    c.rope_scaling = rope_scaling_of_factors(std::move(factors), c);
   }
   // Gemma 4 E2B's per-layer embeddings, scaled: a sixth of the width (at least 8).
   c.per_layer_dim = arch.per_layer_inputs ? std::max<int64_t>(8, c.d_model / 6 / 2 * 2) : 0;

@@ -166,6 +166,8 @@ const Architecture* find_hf_architecture(std::string_view type);
 const Architecture& architecture_of(const ModelConfig& config);
 // "llama, qwen2, qwen3, phi3, smollm3".
 std::string architecture_names();
+// Those of them with a mixture of experts ("qwen3moe, ..."), the same way.
+std::string expert_architecture_names();
 // Whether config.json key `key` is one cputrain reads, or knows to change nothing it computes,
 // for a model of `arch` (keys from "_", such as _name_or_path, are notes of the tools).
 bool hf_key_known(const Architecture& arch, std::string_view key);

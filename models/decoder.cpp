@@ -104,8 +104,14 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       const int64_t E = config.n_experts, Fe = config.expert_width();
       const std::string m = l + "feed_forward.";
       b.router = params.add(m + "router.weight", Shape{E, C}, true, true);
-      b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, Fe, C}, true, true);
-      b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, Fe, C}, true, true);
+      // A GGUF file's gate and up in one tensor (ffn_gate_up_exps) are one parameter, read in
+      // place as the file holds them.
+      if (config.experts_gate_up_fused) {
+        b.experts_w1 = params.add(m + "experts.w13.weight", Shape{E, 2 * Fe, C}, true, true);
+      } else {
+        b.experts_w1 = params.add(m + "experts.w1.weight", Shape{E, Fe, C}, true, true);
+        b.experts_w3 = params.add(m + "experts.w3.weight", Shape{E, Fe, C}, true, true);
+      }
       b.experts_w2 = params.add(m + "experts.w2.weight", Shape{E, C, Fe}, true, true);
       if (arch.moe_biases) {
         b.router_bias = params.add(m + "router.bias", Shape{E}, false);
@@ -165,15 +171,23 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
       if (b.wg >= 0 && b.lora_a[static_cast<size_t>(Projection::Q)] >= 0)
         b.lora_b_gate = params.add(l + "attention.wg.lora_b", Shape{Q, lora.rank}, true, true);
       const Projection mlp[3] = {Projection::Gate, Projection::Up, Projection::Down};
-      const int experts[3] = {b.experts_w1, b.experts_w3, b.experts_w2};
+      const bool fused = config.experts_gate_up_fused;
+      const int experts[3] = {b.experts_w1, fused ? b.experts_w1 : b.experts_w3, b.experts_w2};
       const int shared[3] = {b.shared_w1, b.shared_w3, b.shared_w2};
       for (int j = 0; j < 3; ++j) {
         if (experts[j] < 0 || !lora.on(mlp[j])) continue;
         const auto add = [&](int weight, int& a, int& bm) {
           const ParameterInfo& w = params.infos()[static_cast<size_t>(weight)];
-          const std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
+          std::string base = w.name.substr(0, w.name.size() - std::string("weight").size());
           const int d = w.shape.ndim();
-          const int64_t out = w.shape[d - 2], in = w.shape[d - 1];
+          int64_t out = w.shape[d - 2];
+          const int64_t in = w.shape[d - 1];
+          // The fused gate and up take an adapter each, by the parts' names (their B of the
+          // part's rows; one A, as fused_lora_a names it).
+          if (base.ends_with(".experts.w13.")) {
+            base = base.substr(0, base.size() - 3) + (j == 0 ? "1." : "3.");
+            out /= 2;
+          }
           // The experts' gate and up in one tensor share an A (fused_lora_a).
           const std::string a_name = fused_lora_a(config, base + "lora_a");
           a = params.find(a_name);
@@ -600,9 +614,9 @@ Variable DecoderModel::experts_forward(const Block& b, const Variable& g, const 
             lora_.dropout > 0.0 && grad_enabled() ? static_cast<float>(lora_.dropout) : 0.0f,
             b.moe_norm >= 0 ? splitmix64(seed + 1) : seed};
   }
-  Variable out = moe_experts(g, p(b.experts_w1), p(b.experts_w3), p(b.experts_w2), route, lora,
-                             {bias(b.experts_b1), bias(b.experts_b3), bias(b.experts_b2)},
-                             arch_->moe_activation);
+  Variable out = moe_experts(
+      g, p(b.experts_w1), b.experts_w3 >= 0 ? p(b.experts_w3) : Variable(), p(b.experts_w2), route,
+      lora, {bias(b.experts_b1), bias(b.experts_b3), bias(b.experts_b2)}, arch_->moe_activation);
   if (b.shared_w1 >= 0) {
     // The shared expert, its output scaled by sigmoid of the token's own gate.
     const auto shared_proj = [&](size_t j, int weight, const Variable& in) {

@@ -157,7 +157,8 @@ class DecoderModel {
     int w1 = -1;           // -1 without a gate
     int w3 = -1, w2 = -1;  // -1 in a mixture of experts
     // A mixture of experts' router (E, C) and experts (E, F, C; E, C, F), in the MLP's place;
-    // -1 in a dense block.
+    // -1 in a dense block. The gate and up in one (E, 2 F, C) where the file holds them so
+    // (ModelConfig::experts_gate_up_fused): experts_w1 that, experts_w3 -1.
     int router = -1, experts_w1 = -1, experts_w3 = -1, experts_w2 = -1;
     // gpt-oss's router bias (E) and expert biases (E, F; E, F; E, C); -1 without.
     int router_bias = -1, experts_b1 = -1, experts_b3 = -1, experts_b2 = -1;

@@ -466,6 +466,17 @@ void hf_gemma4(const ConfigValues& values, const Architecture& arch, FileHyperpa
       if (!r->value) throw UserError(where + ": enable_moe_block without " + r->key);
   }
   const bool moe = hp.n_experts.value.has_value();
+  // Read as one parameter of the model as Transformers holds them: each expert's gate and up rows
+  // in one tensor.
+  c.experts_gate_up_fused = moe;
+  // Proportional RoPE on the windowed layers (frequency factors the model holds for the global
+  // layers' alone) rotates part of each head by another rule than partial rotation.
+  if (sliding.proportional && sliding.partial < 1.0)
+    throw UserError(where +
+                    ": rope_parameters.sliding_attention is proportional with "
+                    "partial_rotary_factor " +
+                    json_shown(*rope->at("sliding_attention").find("partial_rotary_factor")) +
+                    ", which cputrain does not compute (it computes it on full_attention's)");
   hp.rope_dim = {"rope_parameters", std::nullopt};
   if (first_windowed && head_windowed && !sliding.proportional)
     hp.rope_dim.value = rotated(sliding.partial, *head_windowed, "sliding_attention");
@@ -563,10 +574,12 @@ SafetensorsModel hf_weights(const std::string& folder, std::string* left_out) {
       j.is_object() && j.contains("model_type") && j["model_type"].is_string()
           ? find_hf_architecture(j["model_type"].get<std::string>())
           : nullptr;
+  // Gemma 4's fused experts are one parameter of the model (ModelConfig::experts_gate_up_fused).
+  const Architecture* fused = arch ? arch : hf_multimodal_architecture(j);
   if (arch && arch->hf_gpt_oss_experts)
     weights.split_gpt_oss_experts();
   else
-    weights.split_fused_experts();
+    weights.split_fused_experts(fused && fused->experts_beside_mlp);
   weights.stack_experts();
   std::vector<std::string> parts;
   int64_t n = 0;

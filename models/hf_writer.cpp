@@ -163,12 +163,26 @@ SafetensorsGroup gpt_oss_experts_group(const std::string& base,
 }
 
 // Gemma 4's experts of one layer (`base` "model.layers.N.experts."), from the model's gate, up
-// and down weights by their rest of name: gate_up_proj [E, 2 F, C] (each expert's gate rows,
-// then its up rows) and down_proj [E, C, F], as Transformers holds them.
+// and down weights by their rest of name (the gate and up in one, where the model holds them
+// so): gate_up_proj [E, 2 F, C] (each expert's gate rows, then its up rows) and down_proj
+// [E, C, F], as Transformers holds them.
 SafetensorsGroup gemma4_experts_group(const std::string& base,
                                       const std::map<std::string, FileTensor>& parts,
                                       GgmlType type) {
   SafetensorsGroup g;
+  if (parts.contains("gate_up_proj.weight")) {
+    for (const char* rest : {"gate_up_proj.weight", "down_proj.weight"}) {
+      const auto it = parts.find(rest);
+      if (it == parts.end()) throw std::logic_error("Gemma 4 experts without " + base + rest);
+      g.parts.push_back(it->second);
+      g.entries.emplace_back(base + std::string(rest).substr(0, std::string(rest).size() - 7),
+                             shape_of(it->second.shape));
+    }
+    g.entry = [type](const std::vector<std::vector<float>>& v, size_t i) {
+      return ggml_from_float(type, v[i].data(), static_cast<int64_t>(v[i].size()));
+    };
+    return g;
+  }
   for (const char* rest : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) {
     const auto it = parts.find(rest);
     if (it == parts.end()) throw std::logic_error("Gemma 4 experts without " + base + rest);

@@ -282,28 +282,36 @@ void merged_values(const ModelConfig& config, const ParameterSet& adapted, const
   if (is_lora_parameter(info.name))
     throw std::logic_error("merged_values: " + info.name + " is an adapter");
   adapted.read_values(index, w);
+  if (!info.name.ends_with(".weight")) return;
   const std::string base = info.name.substr(0, info.name.size() - std::string("weight").size());
-  const int b = info.name.ends_with(".weight") ? adapted.find(base + "lora_b") : -1;
-  if (b < 0) return;
-  const int a = adapted.find(fused_lora_a(config, base + "lora_a"));
-  // A mixture's experts (E, N, K): an adapter each, A (E, r, K) and B (E, N, r).
+  // A mixture's experts (E, N, K): an adapter each, A (E, r, K) and B (E, N, r). The gate and up
+  // in one (E, 2 N, K): each part's adapter (B by the part's name, one A) on its rows.
   const int d = info.shape.ndim();
-  const int64_t N = info.shape[d - 2], K = info.shape[d - 1], r = lora.rank;
-  const int64_t E = info.shape.numel() / (N * K);
-  std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
-  adapted.read_values(a, av.data());
-  adapted.read_values(b, bv.data());
+  const bool fused = base.ends_with(".experts.w13.");
+  const int parts = fused ? 2 : 1;
+  const int64_t pitch = info.shape[d - 2], N = pitch / parts, K = info.shape[d - 1];
+  const int64_t r = lora.rank, E = info.shape.numel() / (pitch * K);
   const double s = lora.alpha / static_cast<double>(r);
+  for (int part = 0; part < parts; ++part) {
+    const std::string name =
+        fused ? base.substr(0, base.size() - 3) + (part == 0 ? "1." : "3.") : base;
+    const int b = adapted.find(name + "lora_b");
+    if (b < 0) continue;
+    const int a = adapted.find(fused_lora_a(config, name + "lora_a"));
+    std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
+    adapted.read_values(a, av.data());
+    adapted.read_values(b, bv.data());
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k) {
-        double sum = 0.0;
-        for (int64_t j = 0; j < r; ++j)
-          sum += static_cast<double>(bv[static_cast<size_t>((e * N + n) * r + j)]) *
-                 av[static_cast<size_t>((e * r + j) * K + k)];
-        w[static_cast<size_t>((e * N + n) * K + k)] += static_cast<float>(s * sum);
-      }
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          double sum = 0.0;
+          for (int64_t j = 0; j < r; ++j)
+            sum += static_cast<double>(bv[static_cast<size_t>((e * N + n) * r + j)]) *
+                   av[static_cast<size_t>((e * r + j) * K + k)];
+          w[static_cast<size_t>((e * pitch + part * N + n) * K + k)] += static_cast<float>(s * sum);
+        }
+  }
 }
 
 std::string fingerprint_text(uint64_t fingerprint) {

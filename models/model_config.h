@@ -159,7 +159,8 @@ struct ModelConfig {
   // take the MLP's place, each of width ffn.
   int64_t expert_ffn = 0;
   // A GGUF file's experts' gate and up in one tensor (ffn_gate_up_exps: each expert's gate rows,
-  // then its up rows), as Gemma 4's converter writes them: read so and written back so.
+  // then its up rows), as Gemma 4's converter writes them: one parameter of the model
+  // (feed_forward.experts.w13), read in place and written back so.
   bool experts_gate_up_fused = false;
   // The global layers that compute keys have no v projection: v is k's projection before k's
   // norm and RoPE (Gemma 4 31B's attention_k_eq_v).

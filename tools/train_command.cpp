@@ -89,6 +89,9 @@ std::string flag_message(const ConfigProblem& problem) {
                                                               {"n_kv_heads", "--kv-heads"},
                                                               {"head_dim", "--head-dim"},
                                                               {"ffn", "--ffn"},
+                                                              {"n_experts", "--experts"},
+                                                              {"experts_used", "--experts-used"},
+                                                              {"expert_ffn", "--expert-ffn"},
                                                               {"ctx", "--ctx"},
                                                               {"rope_theta", "--rope-theta"}};
   const auto flag = [](const std::string& field) {
@@ -103,6 +106,52 @@ std::string flag_message(const ConfigProblem& problem) {
 }
 
 namespace {
+
+// --experts, --experts-used, --expert-ffn over the architecture's mixture (with_architecture's):
+// a mixture's experts in the MLP's place (qwen3moe, qwen35moe, gpt-oss: at least 2), or Gemma 4's
+// beside it (0: none, the default).
+void apply_expert_flags(ModelConfig& c, const Architecture& arch, const TrainArgs& a) {
+  const bool given = a.experts != -1 || a.experts_used != -1 || a.expert_ffn != -1;
+  if (!given) return;
+  const char* flag = a.experts != -1        ? "--experts"
+                     : a.experts_used != -1 ? "--experts-used"
+                                            : "--expert-ffn";
+  if (!arch.moe && !arch.experts_beside_mlp)
+    throw UserError(std::string(flag) + ": a " + std::string(arch.name) +
+                    " model has no experts (" + expert_architecture_names() + " have)");
+  if (a.experts != -1) {
+    if (a.experts < (arch.moe ? 2 : 0) || a.experts > 4096)
+      throw UserError("--experts " + std::to_string(a.experts) + ": a " + std::string(arch.name) +
+                      " model takes " + (arch.moe ? "2" : "0") + " to 4096 experts");
+    c.n_experts = a.experts;
+    if (arch.experts_beside_mlp && c.n_experts > 0 && c.experts_used == 0)
+      c.experts_used = std::min<int64_t>(2, c.n_experts);
+  }
+  if (a.experts_used != -1) {
+    if (c.n_experts == 0)
+      throw UserError("--experts-used: a " + std::string(arch.name) +
+                      " model has no experts unless --experts says how many");
+    if (a.experts_used > c.n_experts)
+      throw UserError("--experts-used " + std::to_string(a.experts_used) +
+                      " is more than the experts (--experts " + std::to_string(c.n_experts) + ")");
+    c.experts_used = a.experts_used;
+  }
+  c.experts_used = std::min(c.experts_used, c.n_experts);
+  // The experts' width: in the MLP's place, the MLP's own (--ffn); beside it, an eighth of it
+  // (at least 16) unless --expert-ffn says.
+  if (a.expert_ffn != -1) {
+    if (a.expert_ffn <= 0)
+      throw UserError("--expert-ffn must be positive (got " + std::to_string(a.expert_ffn) + ")");
+    if (c.n_experts == 0)
+      throw UserError("--expert-ffn: a " + std::string(arch.name) +
+                      " model has no experts unless --experts says how many");
+    if (arch.moe) c.ffn = a.expert_ffn;
+  }
+  if (arch.experts_beside_mlp)
+    c.expert_ffn = c.n_experts == 0     ? 0
+                   : a.expert_ffn != -1 ? a.expert_ffn
+                                        : std::max<int64_t>(16, c.ffn / 8);
+}
 
 // --offload DIR as config.json records it: absolute; "none" (or nothing) holds the state in RAM.
 std::string offload_folder(const std::string& flag) {
@@ -139,6 +188,7 @@ RunConfig resolve_run_config(const TrainArgs& a) {
     throw UserError("--arch " + a.arch + ": not an architecture cputrain computes (" +
                     architecture_names() + ")");
   c.model = with_architecture(c.model, *arch);
+  apply_expert_flags(c.model, *arch, a);
   if (a.rope_pairs == "half-split")
     c.model.rope_pairs = RopePairs::HalfSplit;
   else if (a.rope_pairs == "adjacent")
@@ -221,6 +271,16 @@ void add_model_flags(CLI::App& app, TrainArgs& a) {
   app.add_option("--head-dim", a.head_dim, "Width of one head (default: --d-model / --heads)")
       ->check(positive_whole());
   app.add_option("--ffn", a.ffn, "SwiGLU hidden width")->check(positive_whole());
+  app.add_option("--experts", a.experts,
+                 "A mixture of experts' count (qwen3moe, qwen35moe, gpt-oss: default 8; gemma4: "
+                 "experts beside the MLP, default 0, as its dense sizes)")
+      ->check(non_negative());
+  app.add_option("--experts-used", a.experts_used,
+                 "The experts each token takes (default 2, at most --experts)")
+      ->check(positive_whole());
+  app.add_option("--expert-ffn", a.expert_ffn,
+                 "Each expert's hidden width (default --ffn / 8, at least 16)")
+      ->check(positive_whole());
   app.add_option("--rope-theta", a.rope_theta, "RoPE base (default 10000)")->check(positive());
   app.add_option("--arch", a.arch,
                  "The architecture, whose parts the model has (" + architecture_names() +
@@ -282,6 +342,7 @@ constexpr const char* kRunFlags[] = {"--preset",     "--corpus",         "--out"
                                      "--vocab",      "--d-model",        "--layers",
                                      "--heads",      "--kv-heads",       "--head-dim",
                                      "--ffn",        "--rope-theta",     "--rope-pairs",
+                                     "--experts",    "--experts-used",   "--expert-ffn",
                                      "--qkv-bias",   "--tie-embeddings", "--sliding-window",
                                      "--batch",      "--accum",          "--ctx",
                                      "--lr",         "--warmup",         "--weight-decay",
@@ -313,10 +374,10 @@ RunConfig resume_config(const TrainArgs& a) {
 }
 
 // The flags that shape the model: with --model the shape is the model's.
-constexpr const char* kShapeFlags[] = {"--vocab",    "--d-model",        "--layers",
-                                       "--heads",    "--kv-heads",       "--head-dim",
-                                       "--ffn",      "--rope-theta",     "--rope-pairs",
-                                       "--qkv-bias", "--tie-embeddings", "--sliding-window"};
+constexpr const char* kShapeFlags[] = {
+    "--vocab",        "--d-model",    "--layers",     "--heads",          "--kv-heads",
+    "--head-dim",     "--ffn",        "--rope-theta", "--rope-pairs",     "--experts",
+    "--experts-used", "--expert-ffn", "--qkv-bias",   "--tie-embeddings", "--sliding-window"};
 
 // --model: the run takes the model's shape (its context at most --ctx, else 512) and records
 // where it began; its tokenizer and weights are taken when the run directory is open.

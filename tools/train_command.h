@@ -33,6 +33,11 @@ struct TrainArgs : RunFlags {
   bool tie_embeddings = false;  // the LM head is the embedding matrix
   int64_t sliding_window = -1;  // -1: the architecture's (sliding-window layers only)
   int64_t ffn = -1;
+  // A mixture of experts: how many, how many a token takes, each one's width; -1: the
+  // architecture's (models/architecture.cpp with_architecture).
+  int64_t experts = -1;
+  int64_t experts_used = -1;
+  int64_t expert_ffn = -1;
   int64_t warmup = -1;
   double grad_clip = 1.0;
   // A mixture of experts' router losses' coefficients (TrainOptions::moe_balance, moe_z); -1:

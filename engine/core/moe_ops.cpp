@@ -35,11 +35,20 @@ void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const 
     kernels::gemm_f32(ta, tb, M, N, K, a.f32() + a0, lda, b.f32() + b0, ldb, beta, c, ldc);
 }
 
-// Expert e's rows r0 .. r0 + n of its (rows, cols) matrix of w (E, rows, cols: quantised).
-kernels::QuantMatrix expert_quant(const Tensor& w, int64_t e, int64_t rows, int64_t cols,
-                                  int64_t r0, int64_t n) {
+// The experts' matrices of one product in w: expert e's (rows, cols) matrix is rows
+// e * pitch + first onwards (pitch: its rows, or of the gate and up in one tensor, both).
+struct ExpertMatrix {
+  Tensor w;
+  int64_t pitch = 0, first = 0;
+  DType dtype() const { return w.dtype(); }
+  int64_t row(int64_t e, int64_t r) const { return e * pitch + first + r; }
+};
+
+// Expert e's rows r0 .. r0 + n of its (.., cols) matrix of w (quantised).
+kernels::QuantMatrix expert_quant(const ExpertMatrix& w, int64_t e, int64_t cols, int64_t r0,
+                                  int64_t n) {
   kernels::QuantMatrix q{quant_type(w.dtype()), nullptr, n, cols};
-  q.data = static_cast<const uint8_t*>(w.raw()) + (e * rows + r0) * q.row_bytes();
+  q.data = static_cast<const uint8_t*>(w.w.raw()) + w.row(e, r0) * q.row_bytes();
   return q;
 }
 
@@ -96,14 +105,14 @@ void measure_pass(Measure&& measure) {
 
 // Columns t.c0 .. t.c1 of out (n, rows) = X W_e^T, X the n rows of x (of cols elements, bf16 or
 // FP32) from row x0.
-void expert_forward(const Tensor& w, const ExpertTask& t, int64_t rows, int64_t cols, int64_t n,
-                    const Tensor& x, int64_t x0, float* out) {
+void expert_forward(const ExpertMatrix& w, const ExpertTask& t, int64_t rows, int64_t cols,
+                    int64_t n, const Tensor& x, int64_t x0, float* out) {
   const bool bf16 = x.dtype() == DType::BF16;
   const int64_t m = t.c1 - t.c0;
   if (!dtype_quantized(w.dtype()))
-    return product(Transpose::No, Transpose::Yes, n, m, cols, x, x0 * cols, cols, w,
-                   (t.e * rows + t.c0) * cols, cols, 0.0f, out + t.c0, rows);
-  const kernels::QuantMatrix q = expert_quant(w, t.e, rows, cols, t.c0, m);
+    return product(Transpose::No, Transpose::Yes, n, m, cols, x, x0 * cols, cols, w.w,
+                   w.row(t.e, t.c0) * cols, cols, 0.0f, out + t.c0, rows);
+  const kernels::QuantMatrix q = expert_quant(w, t.e, cols, t.c0, m);
   if (bf16)
     kernels::gemm_quant_forward_bf16(n, x.bf16() + x0 * cols, cols, q, 0.0f, out + t.c0, rows);
   else
@@ -112,13 +121,13 @@ void expert_forward(const Tensor& w, const ExpertTask& t, int64_t rows, int64_t 
 
 // Columns t.c0 .. t.c1 of dx (n, cols) = dY W_e + beta dx, dY the n rows of dy (of rows
 // elements) from row d0; a quantised w's products take every column (a task of all of them).
-void expert_input(const Tensor& w, const ExpertTask& t, int64_t rows, int64_t cols, int64_t n,
+void expert_input(const ExpertMatrix& w, const ExpertTask& t, int64_t rows, int64_t cols, int64_t n,
                   const Tensor& dy, int64_t d0, float beta, float* dx) {
   const bool bf16 = dy.dtype() == DType::BF16;
   if (!dtype_quantized(w.dtype()))
-    return product(Transpose::No, Transpose::No, n, t.c1 - t.c0, rows, dy, d0 * rows, rows, w,
-                   t.e * rows * cols + t.c0, cols, beta, dx + t.c0, cols);
-  const kernels::QuantMatrix q = expert_quant(w, t.e, rows, cols, 0, rows);
+    return product(Transpose::No, Transpose::No, n, t.c1 - t.c0, rows, dy, d0 * rows, rows, w.w,
+                   w.row(t.e, 0) * cols + t.c0, cols, beta, dx + t.c0, cols);
+  const kernels::QuantMatrix q = expert_quant(w, t.e, cols, 0, rows);
   if (bf16)
     kernels::gemm_quant_backward_input_bf16(n, dy.bf16() + d0 * rows, rows, q, beta, dx, cols);
   else
@@ -126,7 +135,7 @@ void expert_input(const Tensor& w, const ExpertTask& t, int64_t rows, int64_t co
 }
 
 // While measuring: the allocations of a pass of products by w of at most M rows an expert.
-void measure_expert(const Tensor& w, bool bf16, bool forward, int64_t M, int64_t rows,
+void measure_expert(const ExpertMatrix& w, bool bf16, bool forward, int64_t M, int64_t rows,
                     int64_t cols) {
   measure_pass([&](int thread) {
     if (dtype_quantized(w.dtype()))
@@ -453,11 +462,14 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
                      kernels::Activation act) {
   const Shape& xs = x.shape();
   const int64_t C = xs[xs.ndim() - 1], N = x.value().numel() / C;
-  require(w1.value().ndim() == 3 && w1.shape() == w3.shape() && w1.shape()[2] == C &&
-              w2.value().ndim() == 3 && w2.shape()[0] == w1.shape()[0] && w2.shape()[1] == C &&
-              w2.shape()[2] == w1.shape()[1],
-          "moe_experts: x (..., C), w1 and w3 (E, F, C), w2 (E, C, F)");
-  const int64_t E = w1.shape()[0], F = w1.shape()[1], k = route.experts.shape()[1];
+  // w3 undefined: w1 holds each expert's gate rows and then its up rows.
+  const bool fused = !w3.defined();
+  require(w1.value().ndim() == 3 && w2.value().ndim() == 3 && w1.shape()[2] == C &&
+              w2.shape()[0] == w1.shape()[0] && w2.shape()[1] == C &&
+              (fused ? w1.shape()[1] == 2 * w2.shape()[2]
+                     : w1.shape() == w3.shape() && w2.shape()[2] == w1.shape()[1]),
+          "moe_experts: x (..., C), w1 and w3 (E, F, C) or w1 alone (E, 2 F, C), w2 (E, C, F)");
+  const int64_t E = w1.shape()[0], F = w2.shape()[2], k = route.experts.shape()[1];
   require(route.experts.numel() == N * k && route.weights.value().numel() == N * k,
           "moe_experts: a routing of x's rows");
   const auto bias_of = [](const Variable& b, int64_t E, int64_t n) {
@@ -471,10 +483,12 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
   const bool bf16 = bf16_mode();
   const DType operand = bf16 ? DType::BF16 : DType::F32;
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
-  const Tensor w1v = weight_operand(w1, bf16), w3v = weight_operand(w3, bf16),
-               w2v = weight_operand(w2, bf16);
+  const Tensor w1t = weight_operand(w1, bf16);
+  const ExpertMatrix w1v{w1t, fused ? 2 * F : F, 0},
+      w3v{fused ? w1t : weight_operand(w3, bf16), fused ? 2 * F : F, fused ? F : 0},
+      w2v{weight_operand(w2, bf16), C, 0};
   require((!dtype_quantized(w1v.dtype()) || !w1.requires_grad()) &&
-              (!dtype_quantized(w3v.dtype()) || !w3.requires_grad()) &&
+              (!dtype_quantized(w3v.dtype()) || fused || !w3.requires_grad()) &&
               (!dtype_quantized(w2v.dtype()) || !w2.requires_grad()),
           "moe_experts: a quantised expert takes no gradient");
   // The adapters, each product's mask seeded apart.
@@ -598,7 +612,7 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
                                   g2 = w2.grad_ref(), gw = route.weights.grad_ref(),
                                   gb1 = biases.b1.grad_ref(), gb3 = biases.b3.grad_ref(),
                                   gb2 = biases.b2.grad_ref(), gy = out.grad_ref(), N, C, F, k, R,
-                                  most, bf16, operand, scale, dropout, act] {
+                                  most, bf16, operand, scale, dropout, act, fused] {
     const Tensor& dyt = gy->tensor();
     if (!dyt.defined()) return;
     const Tensor dy = as_f32(dyt);
@@ -756,17 +770,18 @@ Variable moe_experts(const Variable& x, const Variable& w1, const Variable& w3, 
       if (g1 || g3) {
         Scope gemms("moe GEMMs dW1, dW3", Pass::Backward, 2 * gemm_flops(F, C, R));
         if (!computing()) measure_weight_pass(bf16, F, C, most);
+        // Fused, one gradient of each expert's gate rows and then its up rows.
         const Tensor* dw1 = g1 ? &g1->get_or_zeros() : nullptr;
-        const Tensor* dw3 = g3 ? &g3->get_or_zeros() : nullptr;
+        const Tensor* dw3 = fused ? dw1 : g3 ? &g3->get_or_zeros() : nullptr;
         if (computing())
           run_tasks(expert_tasks(off, F, true), [&](const ExpertTask& t) {
             const int64_t n = off[t.e + 1] - off[t.e], m = t.c1 - t.c0;
             if (dw1)
               product(Transpose::Yes, Transpose::No, m, C, n, dG, off[t.e] * F + t.c0, F, xg,
-                      off[t.e] * C, C, 1.0f, dw1->f32() + (t.e * F + t.c0) * C, C);
+                      off[t.e] * C, C, 1.0f, dw1->f32() + w1v.row(t.e, t.c0) * C, C);
             if (dw3)
               product(Transpose::Yes, Transpose::No, m, C, n, dU, off[t.e] * F + t.c0, F, xg,
-                      off[t.e] * C, C, 1.0f, dw3->f32() + (t.e * F + t.c0) * C, C);
+                      off[t.e] * C, C, 1.0f, dw3->f32() + w3v.row(t.e, t.c0) * C, C);
           });
       }
     }

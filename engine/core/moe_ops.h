@@ -28,13 +28,14 @@ MoeRouting moe_route(const Variable& logits, int64_t k, kernels::MoeGating gatin
 MoeRouting moe_expert_scaled(const MoeRouting& route, const Variable& scale);
 
 // x (..., C) -> sum over each row's k experts e of weight * w2[e] (silu(w1[e] x) * (w3[e] x)), of
-// x's shape; w1, w3 (E, F, C), w2 (E, C, F). The rows routed to an expert are gathered and each
-// of its products is one GEMM over them (bf16 operands in bf16 mode, FP32 sums); each product
-// of a layer is one parallel pass over its experts, one expert a thread (its GEMM on that thread
-// alone, packing its operands once), an expert with over half a thread's share of the rows split
-// by output columns. The backward pass keeps x and the gate and up products (N k x F each: FP32;
-// in bf16 mode their roundings and the activation's, as the dense MLP keeps them), and gives x,
-// the weights, w1, w3 and w2 (where each wants it) their gradients.
+// x's shape; w1, w3 (E, F, C), w2 (E, C, F); or w3 undefined and w1 (E, 2 F, C), each expert's
+// gate rows and then its up rows (a GGUF file's ffn_gate_up_exps, read in place). The rows routed
+// to an expert are gathered and each of its products is one GEMM over them (bf16 operands in bf16
+// mode, FP32 sums); each product of a layer is one parallel pass over its experts, one expert a
+// thread (its GEMM on that thread alone, packing its operands once), an expert with over half a
+// thread's share of the rows split by output columns. The backward pass keeps x and the gate and up
+// products (N k x F each: FP32; in bf16 mode their roundings and the activation's, as the dense MLP
+// keeps them), and gives x, the weights, w1, w3 and w2 (where each wants it) their gradients.
 //
 // `lora`: low-rank adapters on any of the three products (models/lora.h), expert e's weight
 // w[e] + scale b[e] a[e] with a (E, r, in) and b (E, out, r); each adapter's two products run

@@ -178,7 +178,7 @@ int64_t SafetensorsModel::stack_experts() {
   return static_cast<int64_t>(groups.size());
 }
 
-int64_t SafetensorsModel::split_fused_experts() {
+int64_t SafetensorsModel::split_fused_experts(bool keep) {
   std::vector<std::string> fused, down;
   for (const auto& [name, where] : index_) {
     const std::string bare = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
@@ -199,6 +199,14 @@ int64_t SafetensorsModel::split_fused_experts() {
                       " is not each expert's gate and up rows ([experts, 2 F, C])");
     const std::string base =
         name.substr(0, name.find(".experts.gate_up_proj") + std::string(".experts.").size());
+    if (keep) {
+      const std::string whole = base + "gate_up_proj.weight";
+      if (whole == name) continue;
+      index_.erase(name);
+      if (!index_.emplace(whole, std::pair{t, file}).second)
+        throw UserError(files_[file]->path() + ": tensor " + name + " is also " + whole);
+      continue;
+    }
     const int64_t E = t->shape[0], F = t->shape[1] / 2;
     const auto row = static_cast<size_t>(t->data.size() / static_cast<size_t>(E * 2 * F));
     for (const int64_t half : {0, 1}) {

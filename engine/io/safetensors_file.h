@@ -63,8 +63,9 @@ class SafetensorsModel {
   // gate rows, then its up rows) found instead as "<base>.experts.gate_proj.weight" and
   // "<base>.experts.up_proj.weight" ([count, F, C] each, copied), and "<base>.experts.down_proj"
   // as "<base>.experts.down_proj.weight" (either name with ".weight" or without). A UserError
-  // naming the file where a fused tensor is not of that shape; returns the tensors split.
-  int64_t split_fused_experts();
+  // naming the file where a fused tensor is not of that shape; returns the tensors split. `keep`:
+  // the fused tensor is found as "<base>.experts.gate_up_proj.weight", whole (in place).
+  int64_t split_fused_experts(bool keep = false);
   // gpt-oss's experts: "<base>.experts.gate_up_proj" ([count, C, 2 F], the layer's input times
   // it; each expert's gate and up columns alternating) found instead as
   // "<base>.experts.gate_proj.weight" and "up_proj.weight" ([count, F, C] each), its

@@ -523,6 +523,14 @@ TEST_F(Cli, ShapeFlagsTrainRecordAndRebuildTheModel) {
   expect_one_line_error(run(base + " --sliding-window 8"),
                         "--sliding-window: a llama model has no sliding-window layers");
   expect_one_line_error(run(base + " --arch gemma3 --sliding-window 0"), "--sliding-window");
+  expect_one_line_error(run(base + " --experts 4"),
+                        "--experts: a llama model has no experts (qwen3moe, ");
+  expect_one_line_error(run(base + " --arch gemma4 --experts-used 2"),
+                        "--experts-used: a gemma4 model has no experts unless --experts says");
+  expect_one_line_error(run(base + " --arch gemma4 --experts 4 --experts-used 5"),
+                        "--experts-used 5 is more than the experts (--experts 4)");
+  expect_one_line_error(run(base + " --arch qwen3moe --experts 1"),
+                        "--experts 1: a qwen3moe model takes 2 to 4096 experts");
   EXPECT_FALSE(fs::exists(dir_ / "bad" / "model.bin"));
 
   // --arch: the architecture's parts, recorded by name; the run rebuilds it.

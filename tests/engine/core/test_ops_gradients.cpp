@@ -553,6 +553,85 @@ TEST(MoeOps, AdaptersAreTheirMergedWeights) {
       }
 }
 
+// The experts' gate and up in one tensor (E, 2 F, C) (w3 undefined): every input's gradient,
+// the fused tensor's and the adapters' on the gate and up parts.
+TEST(OpsGradient, MixtureOfExpertsGateAndUpInOne) {
+  std::mt19937 rng(103);
+  const int64_t N = 7, C = 6, F = 5, E = 4, k = 2, r = 2;
+  check_gradients(
+      [&](const auto& v) {
+        const MoeRouting route = moe_route(v[3], k, kernels::MoeGating::Softmax, true);
+        MoeAdapters lora{v[4], v[5], v[4], v[6], Variable(), Variable(), 0.7f, 0.0f, 11};
+        return moe_experts(v[0], v[1], Variable(), v[2], route, lora);
+      },
+      {random_tensor(Shape{1, N, C}, rng), random_tensor(Shape{E, 2 * F, C}, rng, 0.5f),
+       random_tensor(Shape{E, C, F}, rng, 0.5f), separated_logits(N, E, rng),
+       random_tensor(Shape{E, r, C}, rng, 0.5f), random_tensor(Shape{E, F, r}, rng, 0.5f),
+       random_tensor(Shape{E, F, r}, rng, 0.5f)},
+      5e-3, 1e-3f);
+}
+
+// The gate and up in one tensor compute as the two apart: the output and every gradient (the
+// fused tensor's, each expert's gate rows then up rows, is the two gradients'), in FP32 and bf16
+// mode, on one thread and three (expert 0's rows split by columns), with adapters on both parts.
+TEST(MoeOps, GateAndUpInOneAreTheTwo) {
+  const int64_t N = 40, C = 130, F = 72, E = 6, k = 2, r = 3;
+  std::mt19937 rng(104);
+  const Tensor x = random_tensor(Shape{1, N, C}, rng), dy = random_tensor(Shape{1, N, C}, rng);
+  Tensor logits = random_tensor(Shape{1, N, E}, rng);
+  for (int64_t t = 0; t < N; ++t) logits.f32()[t * E] += 8.0f;
+  const Tensor w13 = random_tensor(Shape{E, 2 * F, C}, rng, 0.1f),
+               w2 = random_tensor(Shape{E, C, F}, rng, 0.1f),
+               a = random_tensor(Shape{E, r, C}, rng, 0.1f),
+               b1 = random_tensor(Shape{E, F, r}, rng, 0.1f),
+               b3 = random_tensor(Shape{E, F, r}, rng, 0.1f);
+  Tensor half[2];
+  for (int h = 0; h < 2; ++h) {
+    half[h] = Tensor::empty(Shape{E, F, C}, DType::F32, MemoryCategory::Workspace);
+    for (int64_t e = 0; e < E; ++e)
+      std::copy_n(w13.f32() + (2 * e + h) * F * C, F * C, half[h].f32() + e * F * C);
+  }
+  for (const bool bf16 : {false, true})
+    for (const int threads : {1, 3}) {
+      const int previous = omp_get_max_threads();
+      omp_set_num_threads(threads);
+      ComputeDTypeGuard dtype(bf16 ? DType::BF16 : DType::F32);
+      Variable fx(x, true), fl(logits, true), f13(w13, true), f2(w2, true), fa(a, true),
+          fb1(b1, true), fb3(b3, true);
+      Variable sx(x, true), sl(logits, true), s1(half[0], true), s3(half[1], true), s2(w2, true),
+          sa(a, true), sb1(b1, true), sb3(b3, true);
+      const Variable fy =
+          moe_experts(fx, f13, Variable(), f2, moe_route(fl, k, kernels::MoeGating::Softmax, true),
+                      MoeAdapters{fa, fb1, fa, fb3, Variable(), Variable(), 1.5f});
+      backward(fy, dy);
+      const Variable sy =
+          moe_experts(sx, s1, s3, s2, moe_route(sl, k, kernels::MoeGating::Softmax, true),
+                      MoeAdapters{sa, sb1, sa, sb3, Variable(), Variable(), 1.5f});
+      backward(sy, dy);
+      omp_set_num_threads(previous);
+      const std::string at =
+          std::string(bf16 ? "bf16" : "fp32") + ", " + std::to_string(threads) + " threads";
+      const auto expect_equal = [&](const Tensor& got, const Tensor& want, const char* what) {
+        ASSERT_EQ(got.numel(), want.numel()) << what;
+        for (int64_t i = 0; i < want.numel(); ++i)
+          ASSERT_EQ(got.f32()[i], want.f32()[i]) << what << " " << i << ", " << at;
+      };
+      expect_equal(fy.value(), sy.value(), "output");
+      expect_equal(fx.grad(), sx.grad(), "x's gradient");
+      expect_equal(fl.grad(), sl.grad(), "the logits' gradient");
+      expect_equal(f2.grad(), s2.grad(), "w2's gradient");
+      expect_equal(fa.grad(), sa.grad(), "the shared A's gradient");
+      expect_equal(fb1.grad(), sb1.grad(), "the gate's B's gradient");
+      expect_equal(fb3.grad(), sb3.grad(), "the up's B's gradient");
+      for (int64_t e = 0; e < E; ++e)
+        for (int h = 0; h < 2; ++h)
+          for (int64_t i = 0; i < F * C; ++i)
+            ASSERT_EQ(f13.grad().f32()[(2 * e + h) * F * C + i],
+                      (h ? s3 : s1).grad().f32()[e * F * C + i])
+                << "expert " << e << (h ? " up" : " gate") << " " << i << ", " << at;
+    }
+}
+
 // A shared expert's output scaled by sigmoid of its gate, one a row.
 TEST(OpsGradient, RowSigmoidGated) {
   std::mt19937 rng(94);

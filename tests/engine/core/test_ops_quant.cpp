@@ -3,6 +3,7 @@
 // FP32 and in bf16 compute, for every format; and a LoRA's gradients over a quantised base
 // against central differences.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/moe_ops.h"
 #include "engine/core/ops.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/kernel_test_util.h"
@@ -228,6 +230,73 @@ TEST(OpsQuant, LoraGradientsOverAQuantisedBaseMatchFiniteDifferences) {
             << dtype_name(dtype) << " input " << which << " element " << i;
       }
     }
+  }
+}
+
+// A mixture's experts quantised with each expert's gate and up rows in one tensor (a GGUF file's
+// ffn_gate_up_exps, read in place) compute bitwise as the two tensors of the same blocks apart:
+// the output and x's and the adapters' gradients, in FP32 and bf16 compute, on one thread and
+// three; and as the dequantised fused tensor within rounding.
+TEST(OpsQuant, ExpertsGateAndUpInOneQuantisedAreTheTwo) {
+  std::mt19937 rng(12);
+  for (const DType dtype : {DType::Q8_0, DType::Q4_K}) {
+    const int64_t N = 24, C = 256, F = 40, E = 4, k = 2, r = 2;
+    const Tensor flat = random_quantised(dtype, E * 2 * F, C, 13);
+    const Tensor w13 = Tensor::empty(Shape{E, 2 * F, C}, dtype, MemoryCategory::Workspace);
+    std::memcpy(w13.raw(), flat.raw(), flat.bytes());
+    const size_t row = flat.bytes() / static_cast<size_t>(E * 2 * F);
+    Tensor half[2];
+    for (int h = 0; h < 2; ++h) {
+      half[h] = Tensor::empty(Shape{E, F, C}, dtype, MemoryCategory::Workspace);
+      for (int64_t e = 0; e < E; ++e)
+        std::memcpy(
+            static_cast<uint8_t*>(half[h].raw()) + static_cast<size_t>(e * F) * row,
+            static_cast<const uint8_t*>(w13.raw()) + static_cast<size_t>((2 * e + h) * F) * row,
+            static_cast<size_t>(F) * row);
+    }
+    Tensor w13d = Tensor::empty(Shape{E, 2 * F, C}, DType::F32, MemoryCategory::Workspace);
+    kernels::dequantize_rows(flat.quant(), 0, E * 2 * F, w13d.f32());
+    const Tensor x = random_tensor(Shape{1, N, C}, rng), dy = random_tensor(Shape{1, N, C}, rng),
+                 logits = random_tensor(Shape{1, N, E}, rng),
+                 w2 = random_tensor(Shape{E, C, F}, rng, 0.1f),
+                 a = random_tensor(Shape{E, r, C}, rng, 0.1f),
+                 b1 = random_tensor(Shape{E, F, r}, rng, 0.1f),
+                 b3 = random_tensor(Shape{E, F, r}, rng, 0.1f);
+    struct Run {
+      Tensor y, dx, da, db1, db3;
+    };
+    const auto run = [&](const Tensor& w1, const Tensor& w3, int threads, DType compute) {
+      const int previous = omp_get_max_threads();
+      omp_set_num_threads(threads);
+      ComputeDTypeGuard precision(compute);
+      Variable vx(x, true), va(a, true), vb1(b1, true), vb3(b3, true);
+      const MoeRouting route =
+          moe_route(Variable(logits, false), k, kernels::MoeGating::Softmax, true);
+      const Variable y = moe_experts(
+          vx, Variable(w1, false), w3.defined() ? Variable(w3, false) : Variable(),
+          Variable(w2, false), route, MoeAdapters{va, vb1, va, vb3, Variable(), Variable(), 0.5f});
+      backward(y, dy);
+      omp_set_num_threads(previous);
+      return Run{y.value(), vx.grad(), va.grad(), vb1.grad(), vb3.grad()};
+    };
+    for (const DType compute : {DType::F32, DType::BF16})
+      for (const int threads : {1, 3}) {
+        const std::string what = std::string(dtype_name(dtype)) + " " +
+                                 std::string(dtype_name(compute)) + " " + std::to_string(threads) +
+                                 " threads";
+        const Run fused = run(w13, Tensor(), threads, compute),
+                  apart = run(half[0], half[1], threads, compute);
+        const Tensor* got[] = {&fused.y, &fused.dx, &fused.da, &fused.db1, &fused.db3};
+        const Tensor* want[] = {&apart.y, &apart.dx, &apart.da, &apart.db1, &apart.db3};
+        for (size_t j = 0; j < 5; ++j)
+          for (int64_t i = 0; i < want[j]->numel(); ++i)
+            ASSERT_EQ(got[j]->f32()[i], want[j]->f32()[i]) << what << ", result " << j << " " << i;
+        if (compute == DType::F32) {
+          const Run values = run(w13d, Tensor(), threads, compute);
+          EXPECT_LT(relative_difference(fused.y, values.y), 1e-5) << what;
+          EXPECT_LT(relative_difference(fused.dx, values.dx), 1e-5) << what;
+        }
+      }
   }
 }
 
