@@ -836,8 +836,10 @@ Tensor DecoderModel::last_position_logits(const Tensor& h, int64_t B, int64_t T)
   return capped(linear(Variable(last, false), p(output_), bias(output_bias_)).value());
 }
 
-DecoderModel::KvCache DecoderModel::new_kv_cache() const {
+DecoderModel::KvCache DecoderModel::new_kv_cache(int64_t batch) const {
+  if (batch < 1) throw std::invalid_argument("new_kv_cache: a batch of at least one sequence");
   KvCache cache;
+  cache.batch = batch;
   for (size_t l = 0; l < blocks_.size(); ++l) {
     cache.first.push_back(0);
     if (blocks_[l].linear) {
@@ -845,10 +847,10 @@ DecoderModel::KvCache DecoderModel::new_kv_cache() const {
       const auto zeros = [](const Shape& shape) {
         return Tensor::zeros(shape, DType::F32, MemoryCategory::Workspace);
       };
-      cache.linear.push_back({zeros(Shape{1, config_.linear_qk_dim(), taps}),
-                              zeros(Shape{1, config_.linear_qk_dim(), taps}),
-                              zeros(Shape{1, config_.linear_v_dim(), taps}),
-                              zeros(Shape{1, config_.linear_value_heads, config_.linear_key_dim,
+      cache.linear.push_back({zeros(Shape{batch, config_.linear_qk_dim(), taps}),
+                              zeros(Shape{batch, config_.linear_qk_dim(), taps}),
+                              zeros(Shape{batch, config_.linear_v_dim(), taps}),
+                              zeros(Shape{batch, config_.linear_value_heads, config_.linear_key_dim,
                                           config_.linear_value_dim})});
       cache.keys.emplace_back();
       cache.values.emplace_back();
@@ -864,11 +866,68 @@ DecoderModel::KvCache DecoderModel::new_kv_cache() const {
     const int64_t rows = config_.windowed_layer(layer)
                              ? std::min(config_.ctx, 2 * config_.sliding_window)
                              : config_.ctx;
-    const Shape shape{rows, config_.kv_dim(layer)};
+    const Shape shape{batch * rows, config_.kv_dim(layer)};
     cache.keys.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
     cache.values.push_back(Tensor::empty(shape, DType::F32, MemoryCategory::Workspace));
   }
   return cache;
+}
+
+namespace {
+
+// Of a tensor of `batch` sequences' equal parts (rows first), the parts `from` in order into
+// `to` (a tensor of from.size() parts).
+void copy_parts(const Tensor& src, int64_t batch, const std::vector<int64_t>& from, Tensor& to) {
+  const int64_t part = src.numel() / batch;
+  for (size_t i = 0; i < from.size(); ++i)
+    std::copy_n(src.f32() + from[i] * part, part, to.f32() + static_cast<int64_t>(i) * part);
+}
+
+// The tensor of the parts `from` of src's `batch` (a new one; src's own where they are all).
+Tensor parts_of(const Tensor& src, int64_t batch, const std::vector<int64_t>& from) {
+  if (!src.defined()) return src;
+  const Shape& d = src.shape();
+  const int64_t first = d[0] / batch * static_cast<int64_t>(from.size());
+  const Shape shape = d.ndim() == 2   ? Shape{first, d[1]}
+                      : d.ndim() == 3 ? Shape{first, d[1], d[2]}
+                                      : Shape{first, d[1], d[2], d[3]};
+  Tensor to = Tensor::empty(shape, DType::F32, MemoryCategory::Workspace);
+  copy_parts(src, batch, from, to);
+  return to;
+}
+
+}  // namespace
+
+DecoderModel::KvCache DecoderModel::repeat_kv_cache(const KvCache& one, int64_t batch) const {
+  if (one.batch != 1 || batch < 1)
+    throw std::invalid_argument("repeat_kv_cache: a cache of one sequence, into one or more");
+  KvCache cache = one;
+  const std::vector<int64_t> from(static_cast<size_t>(batch), 0);
+  for (size_t l = 0; l < cache.keys.size(); ++l) {
+    cache.keys[l] = parts_of(one.keys[l], 1, from);
+    cache.values[l] = parts_of(one.values[l], 1, from);
+    for (Tensor LinearState::*t :
+         {&LinearState::conv_q, &LinearState::conv_k, &LinearState::conv_v, &LinearState::delta})
+      cache.linear[l].*t = parts_of(one.linear[l].*t, 1, from);
+  }
+  cache.batch = batch;
+  return cache;
+}
+
+void DecoderModel::keep_sequences(KvCache& cache, const std::vector<int64_t>& keep) {
+  for (size_t i = 0; i < keep.size(); ++i)
+    if (keep[i] < 0 || keep[i] >= cache.batch || (i > 0 && keep[i] <= keep[i - 1]))
+      throw std::invalid_argument("keep_sequences: increasing indices of the cache's sequences");
+  if (keep.empty()) throw std::invalid_argument("keep_sequences: at least one sequence");
+  if (static_cast<int64_t>(keep.size()) == cache.batch) return;
+  for (size_t l = 0; l < cache.keys.size(); ++l) {
+    cache.keys[l] = parts_of(cache.keys[l], cache.batch, keep);
+    cache.values[l] = parts_of(cache.values[l], cache.batch, keep);
+    for (Tensor LinearState::*t :
+         {&LinearState::conv_q, &LinearState::conv_k, &LinearState::conv_v, &LinearState::delta})
+      cache.linear[l].*t = parts_of(cache.linear[l].*t, cache.batch, keep);
+  }
+  cache.batch = static_cast<int64_t>(keep.size());
 }
 
 void DecoderModel::set_read_ahead(bool on) {
@@ -908,19 +967,24 @@ void DecoderModel::read_ahead(size_t index, bool release) const {
 }
 
 Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) {
-  const auto m = static_cast<int64_t>(tokens.size());
+  const int64_t B = cache.batch;
+  const auto m = B > 0 ? static_cast<int64_t>(tokens.size()) / B : 0;
   const int64_t n = cache.length, H = config_.n_heads;
-  if (m == 0 || n + m > config_.ctx || cache.keys.size() != blocks_.size() ||
-      cache.first.size() != blocks_.size())
-    throw std::invalid_argument("decode: 1 .. ctx - cached tokens, with a cache of this model");
+  if (m == 0 || m * B != static_cast<int64_t>(tokens.size()) || n + m > config_.ctx ||
+      cache.keys.size() != blocks_.size() || cache.first.size() != blocks_.size())
+    throw std::invalid_argument(
+        "decode: 1 .. ctx - cached tokens of each sequence, with a cache of this model");
   if (config_.shared_kv_layers > 0 && config_.sliding_window > 0 && m > config_.sliding_window) {
     // A shared-KV layer attends with its source's cache as the source left it: in pieces of at
     // most the window, that cache holds every key each piece's queries see.
     Tensor last;
-    for (int64_t s = 0; s < m; s += config_.sliding_window)
-      last = decode(std::vector<int32_t>(tokens.begin() + s,
-                                         tokens.begin() + std::min(m, s + config_.sliding_window)),
-                    cache);
+    for (int64_t s = 0; s < m; s += config_.sliding_window) {
+      const int64_t c = std::min(m - s, config_.sliding_window);
+      std::vector<int32_t> piece;
+      for (int64_t b = 0; b < B; ++b)
+        piece.insert(piece.end(), tokens.begin() + b * m + s, tokens.begin() + b * m + s + c);
+      last = decode(piece, cache);
+    }
     return last;
   }
   if (n == 0) {
@@ -931,7 +995,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
   }
   NoGradGuard no_grad;
   ComputeDTypeGuard precision(compute_dtype_);
-  Tensor input = Tensor::empty(Shape{1, m}, DType::I32, MemoryCategory::Workspace);
+  Tensor input = Tensor::empty(Shape{B, m}, DType::I32, MemoryCategory::Workspace);
   std::copy(tokens.begin(), tokens.end(), input.i32());
   // RoPE angles of positions n .. n + m - 1.
   const auto rows_of = [&](const Tensor& whole) {
@@ -959,36 +1023,48 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
                                  kernels::AttentionOptions options, const Variable& sinks) {
       const Tensor sink_values = sinks.defined() ? attention_input(sinks) : Tensor();
       if (sink_values.defined()) options.sinks = sink_values.f32();
+      // Each sequence's queries attend to its own rows of the cache.
       if (source != l) {
         const Tensor qt = attention_input(q);
-        Tensor att = Tensor::empty(Shape{1, m, Q}, DType::F32, MemoryCategory::Workspace);
-        kernels::attention_decode(att.f32(), qt.f32(), cache.keys[source].f32(),
-                                  cache.values[source].f32(), n - cache.first[source], m, H, KVH, D,
-                                  options);
+        Tensor att = Tensor::empty(Shape{B, m, Q}, DType::F32, MemoryCategory::Workspace);
+        const int64_t rows = cache.keys[source].shape()[0] / B;
+        for (int64_t b = 0; b < B; ++b)
+          kernels::attention_decode(att.f32() + b * m * Q, qt.f32() + b * m * Q,
+                                    cache.keys[source].f32() + b * rows * KV,
+                                    cache.values[source].f32() + b * rows * KV,
+                                    n - cache.first[source], m, H, KVH, D, options);
         return Variable(att, false);
       }
       Tensor& keys = cache.keys[l];
       Tensor& values = cache.values[l];
       int64_t& first = cache.first[l];
-      const int64_t rows = keys.shape()[0];
+      const int64_t rows = keys.shape()[0] / B;
       const int64_t piece = options.window > 0 ? options.window : m;
       const Tensor kt = attention_input(k), vt = attention_input(v), qt = attention_input(q);
       const float *kn = kt.f32(), *vn = vt.f32(), *qn = qt.f32();
-      Tensor att = Tensor::empty(Shape{1, m, Q}, DType::F32, MemoryCategory::Workspace);
+      Tensor att = Tensor::empty(Shape{B, m, Q}, DType::F32, MemoryCategory::Workspace);
       for (int64_t s = 0; s < m; s += piece) {
         const int64_t c = std::min(piece, m - s);
         int64_t held = n + s - first;
         if (held + c > rows) {  // keep the last window - 1 positions
           const int64_t keep = std::min(held, options.window - 1);
-          std::memmove(keys.f32(), keys.f32() + (held - keep) * KV, sizeof(float) * keep * KV);
-          std::memmove(values.f32(), values.f32() + (held - keep) * KV, sizeof(float) * keep * KV);
+          for (int64_t b = 0; b < B; ++b) {
+            float* kb = keys.f32() + b * rows * KV;
+            float* vb = values.f32() + b * rows * KV;
+            std::memmove(kb, kb + (held - keep) * KV, sizeof(float) * keep * KV);
+            std::memmove(vb, vb + (held - keep) * KV, sizeof(float) * keep * KV);
+          }
           first += held - keep;
           held = keep;
         }
-        std::copy_n(kn + s * KV, c * KV, keys.f32() + held * KV);
-        std::copy_n(vn + s * KV, c * KV, values.f32() + held * KV);
-        kernels::attention_decode(att.f32() + s * Q, qn + s * Q, keys.f32(), values.f32(), held, c,
-                                  H, KVH, D, options);
+        for (int64_t b = 0; b < B; ++b) {
+          float* kb = keys.f32() + b * rows * KV;
+          float* vb = values.f32() + b * rows * KV;
+          std::copy_n(kn + (b * m + s) * KV, c * KV, kb + held * KV);
+          std::copy_n(vn + (b * m + s) * KV, c * KV, vb + held * KV);
+          kernels::attention_decode(att.f32() + (b * m + s) * Q, qn + (b * m + s) * Q, kb, vb, held,
+                                    c, H, KVH, D, options);
+        }
       }
       return Variable(att, false);
     };
@@ -998,7 +1074,7 @@ Tensor DecoderModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) 
                       blocks_[l].linear ? &cache.linear[l] : nullptr, extra);
   }
   cache.length = n + m;
-  return last_position_logits(norm(x, norm_, norm_bias_).value(), 1, m);
+  return last_position_logits(norm(x, norm_, norm_bias_).value(), B, m);
 }
 
 }  // namespace cputrain

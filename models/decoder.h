@@ -138,16 +138,28 @@ class DecoderModel {
   struct LinearState {
     Tensor conv_q, conv_k, conv_v, delta;
   };
+  // The caches of `batch` sequences decoded together, all at the same position: each layer's
+  // keys and values (batch * rows, kv_dim), sequence b's rows from b * rows; the DeltaNet
+  // states (batch, ...).
   struct KvCache {
-    std::vector<Tensor> keys, values;  // per layer (rows, kv_dim); empty in a DeltaNet layer
-    std::vector<int64_t> first;        // per layer, the position of row 0
+    std::vector<Tensor> keys, values;  // per layer; empty in a DeltaNet or shared-KV layer
+    std::vector<int64_t> first;        // per layer, the position of row 0 (every sequence's)
     std::vector<LinearState> linear;   // per layer; empty in an attention layer
     int64_t length = 0;
+    int64_t batch = 1;
   };
-  KvCache new_kv_cache() const;
-  // Runs `tokens` (non-empty; positions cache.length ..; cache.length + size <= ctx) through the
-  // model, appends their keys and values to the cache, and returns the logits (1, V) of the
-  // last one: what last_logits gives for the whole sequence so far. Records nothing.
+  KvCache new_kv_cache(int64_t batch = 1) const;
+  // A cache of `batch` sequences, each a copy of `one`'s single sequence (a prompt filled once
+  // for several continuations).
+  KvCache repeat_kv_cache(const KvCache& one, int64_t batch) const;
+  // Keeps the sequences `keep` (increasing indices) of the cache, in that order: the batch of
+  // the sequences still going.
+  static void keep_sequences(KvCache& cache, const std::vector<int64_t>& keep);
+  // Runs `tokens` through the model: of each of the cache's sequences, m tokens (tokens holds
+  // sequence b's at b * m; m >= 1; positions cache.length ..; cache.length + m <= ctx). Appends
+  // their keys and values to the cache and returns the logits (batch, V) of each sequence's last
+  // one: what last_logits gives for each whole sequence so far. Each projection is one GEMM over
+  // the batch's rows. Records nothing.
   Tensor decode(const std::vector<int32_t>& tokens, KvCache& cache);
 
  private:

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tools/train_command.h"
 
@@ -21,6 +22,8 @@ struct SampleArgs {
   int64_t top_k = 40;
   double top_p = 1.0;
   uint64_t seed = 1;
+  int64_t n = 1;                  // continuations of the prompt, decoded together (--n)
+  std::vector<std::string> stop;  // each continuation ends before the first of these (--stop)
   int threads = 0;
   bool stats = false;  // load time and tokens/s on stderr
   KernelArgs kernels;

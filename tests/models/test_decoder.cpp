@@ -1125,6 +1125,84 @@ TEST(Generate, KvCacheMatchesFullForward) {
     }
 }
 
+// Sequences decoded together are each what it gives alone, token for token: for every
+// architecture (and Gemma 4's experts, their gate and up in one tensor), in FP32 and bf16, greedy
+// from three prompts of one length past the context (every sequence restarted from its last
+// ctx / 2 at once); with a stop token that ends one sequence early (the batch goes on without it,
+// its cache's rows dropped); and, sampling at temperature 1, from one prompt filled once, sequence
+// i as the prompt alone with seed + i. In bf16 a product over the batch's rows can round an
+// activation to a neighbouring bf16 value: the sequences may part where the token alone leads the
+// next by less than bf16's resolution (2^-8 of the logit), and only there. Decoding a batch whose
+// tokens are not m of each sequence is refused.
+TEST(Generate, BatchedIsEachSequenceAlone) {
+  std::vector<std::pair<std::string, ModelConfig>> configs;
+  for (const Architecture& a : architectures())
+    configs.emplace_back(a.name, test::tiny_as(std::string(a.name).c_str()));
+  ModelConfig fused = test::tiny_gemma4_experts();
+  fused.experts_gate_up_fused = true;
+  configs.emplace_back("gemma4 experts", fused);
+  for (const auto& [name, c] : configs)
+    for (const DType dtype : {DType::F32, DType::BF16}) {
+      DecoderModel model(c);
+      model.init_weights(8);
+      model.set_compute_dtype(dtype);
+      const std::string at = name + (dtype == DType::F32 ? " fp32" : " bf16");
+      std::vector<std::vector<int32_t>> prompts;
+      for (int32_t i = 0; i < 3; ++i) {
+        prompts.emplace_back();
+        for (int32_t t = 0; t < 40; ++t)
+          prompts.back().push_back((t * (7 + 4 * i) + 3 * i + 1) % static_cast<int32_t>(c.vocab));
+      }
+      SampleOptions greedy;
+      greedy.temperature = 0.0f;
+      greedy.max_new_tokens = 40;  // past the tiny context of 64
+      // Equal, or in bf16 equal up to a near-tie of the sequence alone.
+      const auto expect_alone = [&](const std::vector<int32_t>& batched,
+                                    const std::vector<int32_t>& alone, const std::string& what) {
+        size_t d = 0;
+        while (d < std::min(alone.size(), batched.size()) && alone[d] == batched[d]) ++d;
+        if (d == alone.size() && d == batched.size()) return;
+        ASSERT_EQ(dtype, DType::BF16) << what;
+        ASSERT_LT(d, std::min(alone.size(), batched.size())) << what;
+        DecoderModel::KvCache one = model.new_kv_cache();
+        const Tensor l = model.decode(std::vector<int32_t>(alone.begin(), alone.begin() + d), one);
+        std::vector<float> v(l.f32(), l.f32() + c.vocab);
+        std::partial_sort(v.begin(), v.begin() + 2, v.end(), std::greater<>());
+        EXPECT_LT(v[0] - v[1], std::abs(v[0]) * 0x1.0p-8f) << what << ", parting at " << d;
+      };
+      const std::vector<std::vector<int32_t>> together = generate_batch(model, prompts, greedy);
+      ASSERT_EQ(together.size(), 3u);
+      for (size_t i = 0; i < 3; ++i)
+        expect_alone(together[i], generate(model, prompts[i], greedy),
+                     at + ", sequence " + std::to_string(i));
+      EXPECT_NE(together[0], together[1]) << at;
+      // Sequence 1's sixth new token ends it (and any other that emits it).
+      SampleOptions stopping = greedy;
+      stopping.stop_token = together[1][40 + 5];
+      const std::vector<std::vector<int32_t>> stopped = generate_batch(model, prompts, stopping);
+      EXPECT_LE(stopped[1].size(), 46u) << at;
+      for (size_t i = 0; i < 3; ++i)
+        expect_alone(stopped[i], generate(model, prompts[i], stopping),
+                     at + ", stopping, sequence " + std::to_string(i));
+      if (dtype == DType::BF16) continue;
+      SampleOptions sampling;
+      sampling.temperature = 1.0f;
+      sampling.max_new_tokens = 12;
+      sampling.seed = 5;
+      const std::vector<std::vector<int32_t>> fanned =
+          generate_batch(model, std::vector<std::vector<int32_t>>(4, prompts[2]), sampling);
+      for (size_t i = 0; i < 4; ++i) {
+        SampleOptions alone = sampling;
+        alone.seed = sampling.seed + i;
+        EXPECT_EQ(fanned[i], generate(model, prompts[2], alone)) << at << ", sequence " << i;
+      }
+      EXPECT_NE(fanned[0], fanned[1]) << at;
+    }
+  DecoderModel model(find_preset("tiny")->config);
+  DecoderModel::KvCache cache = model.new_kv_cache(2);
+  EXPECT_THROW(model.decode({1, 2, 3}, cache), std::invalid_argument);
+}
+
 // Past ctx tokens, generation goes on from the last ctx / 2 (a fresh cache), as a full forward
 // pass over those tokens would.
 TEST(Generate, GoesOnPastTheContext) {

@@ -364,6 +364,22 @@ TEST_F(Cli, ARunIsABaseToFineTune) {
   };
   EXPECT_NE(sample(adapter).find("The cat paints small green apples."), std::string::npos);
   EXPECT_EQ(sample("").find("The cat paints small green apples."), std::string::npos);
+  // --stop ends the text before the string; --n decodes continuations together, the i-th what
+  // --seed SEED+i gives alone.
+  EXPECT_EQ(sample(adapter + " --stop ' green' --stop apples"), "The cat paints small\n");
+  const std::string sampling =
+      "sample --run " + run_dir.string() + adapter + " --prompt 'The cat' --max-tokens 16";
+  const Result together = run(sampling + " --n 3 --seed 7 --temperature 1.5");
+  ASSERT_EQ(together.exit_code, 0) << together.err;
+  std::string alone;
+  for (int i = 0; i < 3; ++i) {
+    const Result one = run(sampling + " --seed " + std::to_string(7 + i) + " --temperature 1.5");
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    alone += "--- " + std::to_string(i + 1) + " of 3 (seed " + std::to_string(7 + i) + ") ---\n" +
+             one.out;
+  }
+  EXPECT_EQ(together.out, alone);
+  expect_one_line_error(run(sampling + " --stop ''"), "--stop: an empty string");
   const fs::path merged = dir_ / "merged.gguf";
   ASSERT_EQ(run("export --run " + run_dir.string() + adapter + " --merge --out " + merged.string())
                 .exit_code,
