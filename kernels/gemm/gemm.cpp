@@ -92,6 +92,13 @@ const GemmKernels& selected() {
   return *selected_slot().load(std::memory_order_relaxed);
 }
 
+// Eigen packs the whole of B for each product: a few rows of A over a large B (decoding a batch
+// of sequences, a row each) read it several times over, where oneDNN's sgemm streams it once.
+constexpr int64_t kFewRows = 16;
+bool few_rows_through_onednn(int64_t M, int64_t N, int64_t K) {
+  return M <= kFewRows && N * K >= (int64_t{1} << 18) && selected().backend == GemmBackend::Eigen;
+}
+
 bool native(const GemmKernels& k) {
   return k.bf16 != nullptr && k.bf16_instructions != nullptr && k.bf16_instructions();
 }
@@ -100,6 +107,8 @@ bool native(const GemmKernels& k) {
 
 void gemm_f32(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (few_rows_through_onednn(M, N, K))
+    return gemm_f32_onednn(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   selected().f32(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
@@ -130,6 +139,7 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
   const GemmKernels& k = selected();
   if (k.bf16 != nullptr && (k.bf16_instructions == nullptr || k.bf16_instructions()))
     return k.bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+
   // No bf16 instructions: widen both operands to FP32 and run the backend's FP32 GEMM. The
   // product of two bf16 values is exact in FP32, so this is the same arithmetic: bf16 inputs,
   // FP32 accumulation.
@@ -138,7 +148,7 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
   const float* a = widen(A, at ? K : M, at ? M : K, lda, 2);
   const float* b = widen(B, bt ? N : K, bt ? K : N, ldb, 3);
-  k.f32(ta, tb, M, N, K, a, at ? M : K, b, bt ? K : N, beta, C, ldc);
+  gemm_f32(ta, tb, M, N, K, a, at ? M : K, b, bt ? K : N, beta, C, ldc);
 }
 
 bool gemm_bf16_rounded_direct(int64_t K) {

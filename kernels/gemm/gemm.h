@@ -41,7 +41,9 @@ bool gemm_bf16_rounded_direct(int64_t K);
 
 // The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
 //   Reference  triple loop in double (the ground truth for tests)
-//   Eigen      Eigen's FP32 GEMM (BF16: widened to FP32, see gemm_bf16_native)
+//   Eigen      Eigen's FP32 GEMM (BF16: widened to FP32, see gemm_bf16_native); a product of at
+//              most 16 rows of A over a B of 2^18 elements or more, oneDNN's sgemm (Eigen packs
+//              all of B for each product, which a few rows, as in decoding, cannot repay)
 //   Avx512     our blocked AVX-512 kernels (BF16 needs AVX512_BF16; without it, widened)
 //   Amx        BF16 on AMX tiles (FP32: the AVX-512 kernel); available only where the CPU has
 //              AMX and it passed a self-test against the AVX-512 BF16 kernel at first use
