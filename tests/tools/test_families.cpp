@@ -54,6 +54,14 @@ const fs::path& family_models() {
   return dir.path;
 }
 
+// llama.cpp's quantiser (llama_model_quantize) of `from` into `to` as `type` ("q8_0",
+// "mxfp4_moe", ...): whether it succeeded.
+bool oracle_quantize(const fs::path& from, const fs::path& to, const std::string& type) {
+  return std::system((kOracle + " quantize " + from.string() + " " + to.string() + " " + type +
+                      " >/dev/null 2>&1")
+                         .c_str()) == 0;
+}
+
 LoadedModel load(const fs::path& path) {
   return load_model(path.string(), "--model", "", kDefaultImportCtx);
 }
@@ -341,10 +349,7 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     // tie, swap them: on these random tokens, llama.cpp's argmax departs from the unquantised
     // model's at up to 9% of positions, cputrain's at up to 5%).
     const fs::path q8 = family_models() / (family + "_q8_0.gguf");
-    ASSERT_EQ(std::system((kOracle + " quantize " + gguf.string() + " " + q8.string() +
-                           " q8_0 >/dev/null 2>&1")
-                              .c_str()),
-              0);
+    ASSERT_TRUE(oracle_quantize(gguf, q8, "q8_0"));
     LoadedModel q = load(q8);
     // The experts held as the file holds them, in place, where their rows are whole Q8_0 blocks
     // (qwen3moe's d_model of 96; the others' 80 and 72 and the down projections' rows of 40,
@@ -388,10 +393,7 @@ TEST(Families, MixturesOfExpertsAreLlamaCpps) {
     // are gguf-py's, held in place as MXFP4; llama.cpp (which rounds the activations to 8 bits)
     // gives the same next token at 90% of positions or more and a mean NLL within 0.02.
     const fs::path mx = family_models() / (family + "_mxfp4.gguf");
-    ASSERT_EQ(std::system((kOracle + " quantize " + gguf.string() + " " + mx.string() +
-                           " mxfp4_moe >/dev/null 2>&1")
-                              .c_str()),
-              0);
+    ASSERT_TRUE(oracle_quantize(gguf, mx, "mxfp4_moe"));
     const GgufFile mx_file(mx.string());
     ASSERT_NE(mx_file.tensor("blk.0.ffn_up_exps.weight"), nullptr);
     EXPECT_EQ(mx_file.tensor("blk.0.ffn_up_exps.weight")->type,
@@ -559,10 +561,7 @@ TEST(Families, GptOssIsLlamaCpps) {
   // (rows of 88 are not whole blocks of 32: F16 or Q8_0 where not), the same next token as
   // llama.cpp (which rounds the activations to 8 bits) at 90% of positions, NLL within 0.02.
   const fs::path mx = family_models() / "gpt_oss_mxfp4.gguf";
-  ASSERT_EQ(std::system((kOracle + " quantize " + gguf.string() + " " + mx.string() +
-                         " mxfp4_moe >/dev/null 2>&1")
-                            .c_str()),
-            0);
+  ASSERT_TRUE(oracle_quantize(gguf, mx, "mxfp4_moe"));
   LoadedModel m4 = load(mx);
   const Agreement a4 = agreement(our_logits(m4, tokens), oracle_logits(mx, tokens, family_models()),
                                  tokens, m4.config.vocab);
@@ -591,10 +590,7 @@ TEST(Families, AMixtureExportedAsQ4KTakesLlamaCppsMix) {
     ASSERT_EQ(cputrain("export --model " + file.string() + " --out " + f32.string()), 0);
     ASSERT_EQ(cputrain("export --model " + file.string() + " --type q4_k --out " + mine.string()),
               0);
-    ASSERT_EQ(std::system((kOracle + " quantize " + f32.string() + " " + theirs.string() +
-                           " q4_k_m >/dev/null 2>&1")
-                              .c_str()),
-              0);
+    ASSERT_TRUE(oracle_quantize(f32, theirs, "q4_k_m"));
     const GgufFile a(mine.string()), b(theirs.string());
     ASSERT_EQ(a.tensors().size(), b.tensors().size()) << family;
     int experts_quantised = 0;
@@ -1101,10 +1097,7 @@ TEST(Families, Gemma4ExpertsAndKAsVAreLlamaCpps) {
   // next token at 90% of positions or more and a mean NLL within 0.02 (it rounds the activations
   // to 8 bits); a LoRA fine-tune's BF16 base gives the logits of the same values held in memory.
   const fs::path q8 = folder.path / "q8_0.gguf";
-  ASSERT_EQ(std::system((kOracle + " quantize " + gguf.string() + " " + q8.string() +
-                         " q8_0 >/dev/null 2>&1")
-                            .c_str()),
-            0);
+  ASSERT_TRUE(oracle_quantize(gguf, q8, "q8_0"));
   {
     LoadedModel q = load(q8);
     const ParameterSet& qp = q.model->parameters();
