@@ -184,8 +184,8 @@ DecoderModel::Layout DecoderModel::declare(const ModelConfig& config, const Lora
           const int64_t in = w.shape[d - 1];
           // The fused gate and up take an adapter each, by the parts' names (their B of the
           // part's rows; one A, as fused_lora_a names it).
-          if (base.ends_with(".experts.w13.")) {
-            base = base.substr(0, base.size() - 3) + (j == 0 ? "1." : "3.");
+          if (is_fused_experts(base)) {
+            base = fused_experts_part(base, j);
             out /= 2;
           }
           // The experts' gate and up in one tensor share an A (fused_lora_a).

@@ -466,8 +466,8 @@ void hf_gemma4(const ConfigValues& values, const Architecture& arch, FileHyperpa
       if (!r->value) throw UserError(where + ": enable_moe_block without " + r->key);
   }
   const bool moe = hp.n_experts.value.has_value();
-  // Read as one parameter of the model as Transformers holds them: each expert's gate and up rows
-  // in one tensor.
+  // Read as one parameter of the model as Transformers holds them (each expert's gate and up rows
+  // in one tensor), and written back so, as the converter writes them.
   c.experts_gate_up_fused = moe;
   // Proportional RoPE on the windowed layers (frequency factors the model holds for the global
   // layers' alone) rotates part of each head by another rule than partial rotation.
@@ -528,8 +528,6 @@ void hf_gemma4(const ConfigValues& values, const Architecture& arch, FileHyperpa
                         "shared ones is not the layer llama.cpp reads, which cputrain does not "
                         "compute");
     }
-    // Written back as the converter writes them: each expert's gate and up rows in one tensor.
-    m.experts_gate_up_fused = moe;
   };
   c.final_softcap = values.has_null("final_logit_softcapping") ? 0.0f : arch.default_final_softcap;
   if (const json* cap = values.find("final_logit_softcapping")) {

@@ -228,6 +228,14 @@ std::string fused_lora_a(const ModelConfig& c, const std::string& lora_a) {
   return lora_a;
 }
 
+bool is_fused_experts(const std::string& base) {
+  return base.ends_with(".experts.w13.");
+}
+
+std::string fused_experts_part(const std::string& base, int part) {
+  return base.substr(0, base.size() - 3) + (part == 0 ? "1." : "3.");
+}
+
 void check_lora_targets(const ModelConfig& c, const LoraConfig& lora, const std::string& flag) {
   if (!lora.active()) return;
   const Architecture& arch = architecture_of(c);
@@ -286,20 +294,27 @@ void merged_values(const ModelConfig& config, const ParameterSet& adapted, const
   const std::string base = info.name.substr(0, info.name.size() - std::string("weight").size());
   // A mixture's experts (E, N, K): an adapter each, A (E, r, K) and B (E, N, r). The gate and up
   // in one (E, 2 N, K): each part's adapter (B by the part's name, one A) on its rows.
-  const int d = info.shape.ndim();
-  const bool fused = base.ends_with(".experts.w13.");
+  const bool fused = is_fused_experts(base);
   const int parts = fused ? 2 : 1;
+  std::string names[2];
+  int bs[2] = {-1, -1};
+  for (int part = 0; part < parts; ++part) {
+    names[part] = fused ? fused_experts_part(base, part) : base;
+    bs[part] = adapted.find(names[part] + "lora_b");
+  }
+  if (bs[0] < 0 && bs[1] < 0) return;  // no adapter (a norm, a frozen projection)
+  const int d = info.shape.ndim();
   const int64_t pitch = info.shape[d - 2], N = pitch / parts, K = info.shape[d - 1];
   const int64_t r = lora.rank, E = info.shape.numel() / (pitch * K);
   const double s = lora.alpha / static_cast<double>(r);
+  std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
+  int read_a = -1;  // the parts share their A: read once
   for (int part = 0; part < parts; ++part) {
-    const std::string name =
-        fused ? base.substr(0, base.size() - 3) + (part == 0 ? "1." : "3.") : base;
-    const int b = adapted.find(name + "lora_b");
+    const int b = bs[part];
     if (b < 0) continue;
-    const int a = adapted.find(fused_lora_a(config, name + "lora_a"));
-    std::vector<float> av(static_cast<size_t>(E * r * K)), bv(static_cast<size_t>(E * N * r));
-    adapted.read_values(a, av.data());
+    const int a = adapted.find(fused_lora_a(config, names[part] + "lora_a"));
+    if (a != read_a) adapted.read_values(a, av.data());
+    read_a = a;
     adapted.read_values(b, bv.data());
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t e = 0; e < E; ++e)

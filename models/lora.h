@@ -62,6 +62,11 @@ void check_lora_rank(const ModelConfig& config, const LoraConfig& lora, const st
 // itself, or where its architecture fuses the projection with others (q, k, v; gate, up) the
 // fused projection's, which its parts share ("layers.0.attention.wqkv.lora_a").
 std::string fused_lora_a(const ModelConfig& config, const std::string& lora_a);
+// Whether `base` ("layers.0.feed_forward.experts.w13.") is the experts' gate and up in one
+// parameter; the base of its part 0 (the gate, "....experts.w1.") or 1 (the up, "....experts.w3."),
+// by which that part's adapter is named.
+bool is_fused_experts(const std::string& base);
+std::string fused_experts_part(const std::string& base, int part);
 // A UserError naming `flag` where `lora` adapts some parts of a fused projection of the
 // architecture but not the others ("--lora-targets q: phi3's q, k and v are one projection,
 // qkv_proj: adapt all three or none"), or names a gate the architecture's MLP does not have (all

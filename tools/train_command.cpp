@@ -140,8 +140,7 @@ void apply_expert_flags(ModelConfig& c, const Architecture& arch, const TrainArg
   // The experts' width: in the MLP's place, the MLP's own (--ffn); beside it, an eighth of it
   // (at least 16) unless --expert-ffn says.
   if (a.expert_ffn != -1) {
-    if (a.expert_ffn <= 0)
-      throw UserError("--expert-ffn must be positive (got " + std::to_string(a.expert_ffn) + ")");
+    require_positive(a.expert_ffn, "--expert-ffn");
     if (c.n_experts == 0)
       throw UserError("--expert-ffn: a " + std::string(arch.name) +
                       " model has no experts unless --experts says how many");

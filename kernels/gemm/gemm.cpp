@@ -139,7 +139,6 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
   const GemmKernels& k = selected();
   if (k.bf16 != nullptr && (k.bf16_instructions == nullptr || k.bf16_instructions()))
     return k.bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-
   // No bf16 instructions: widen both operands to FP32 and run the backend's FP32 GEMM. The
   // product of two bf16 values is exact in FP32, so this is the same arithmetic: bf16 inputs,
   // FP32 accumulation.
