@@ -67,6 +67,33 @@ StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                           });
 }
 
+void for_each_log_prob_batch(
+    DecoderModel& model, const std::vector<PackedRow>& rows,
+    const std::vector<FinetuneExample>& examples, int64_t ctx, int64_t batch, int32_t pad,
+    size_t rank, size_t ranks, int64_t measure_rows, int64_t measured_targets,
+    const std::function<void(std::span<const PackedRow* const> rows, const float* logps)>& each) {
+  NoGradGuard no_grad;
+  const Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+  const Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
+  const auto B = static_cast<size_t>(batch);
+  const size_t count = measuring() ? static_cast<size_t>(measure_rows) : rows.size();
+  std::vector<const PackedRow*> all;
+  for (const PackedRow& r : rows) all.push_back(&r);
+  for (size_t first = rank * B; first < count; first += B * ranks) {
+    const size_t n = std::min(count - first, B);
+    const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
+    const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
+    if (measuring()) {
+      model.target_log_probs(in, tg, pack_batch({}, examples, pad, in, tg, measured_targets));
+      continue;
+    }
+    const auto mine = std::span<const PackedRow* const>(all).subspan(first, n);
+    const Variable logps =
+        model.target_log_probs(in, tg, pack_batch(mine, examples, pad, in, tg, 0));
+    each(mine, logps.value().f32());
+  }
+}
+
 double packed_validation_loss(DecoderModel& model, const std::vector<FinetuneExample>& examples,
                               int64_t ctx, int64_t batch, int32_t pad, int64_t measure_rows,
                               const Communicator* comm, int64_t measured_targets) {

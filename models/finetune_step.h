@@ -48,6 +48,16 @@ StepResult finetune_step(Trainer& trainer, DecoderModel& model, int64_t step,
                          const std::vector<FinetuneExample>& examples, int32_t pad,
                          const Tensor& inputs, const Tensor& targets, int64_t measured_targets = 0);
 
+// Runs `rows` through `model` without gradients, `batch` rows at a time (over `ranks`, rank r
+// takes batches r, r + N, ...), giving each batch's rows and its targets' log-probabilities (in
+// the order of the rows' examples' targets) to `each`. While measuring, `measure_rows` rows of one
+// sequence each (a batch with `measured_targets` targets; 0: all), and `each` is not called.
+void for_each_log_prob_batch(
+    DecoderModel& model, const std::vector<PackedRow>& rows,
+    const std::vector<FinetuneExample>& examples, int64_t ctx, int64_t batch, int32_t pad,
+    size_t rank, size_t ranks, int64_t measure_rows, int64_t measured_targets,
+    const std::function<void(std::span<const PackedRow* const> rows, const float* logps)>& each);
+
 // The mean loss over every target of `examples`, packed into rows of ctx, batch rows at a time,
 // without gradients. While measuring, `measure_rows` rows of one sequence each, a batch of them
 // with `measured_targets` positions with a target (0: all). Over the ranks of `comm`, rank r

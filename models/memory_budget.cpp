@@ -88,6 +88,15 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
       inputs = Tensor::empty(Shape{o.batch, o.ctx}, DType::I32, MemoryCategory::Workspace);
       targets = Tensor::empty(Shape{o.batch, o.ctx}, DType::I32, MemoryCategory::Workspace);
     }
+    // GRPO's generation: the caches of its sequences and their logits, counted as held through
+    // the steps (the allocator's cache keeps their blocks once freed).
+    DecoderModel::KvCache generation;
+    Tensor generation_logits;
+    if (o.generations > 0) {
+      generation = model.new_kv_cache(o.generations);
+      generation_logits =
+          Tensor::empty(Shape{o.generations, c.vocab}, DType::F32, MemoryCategory::Workspace);
+    }
     // The validation split's windows (evaluate reads only their count while measuring).
     const std::vector<int32_t> eval_tokens(
         static_cast<size_t>(std::max<int64_t>(0, o.eval_windows) * o.ctx + 1));

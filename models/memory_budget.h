@@ -44,6 +44,9 @@ struct BudgetOptions {
   // preference_validation_loss and, before the first step, DPO's reference pass over them
   // (counted for ORPO too: a pass without gradients holds less than the step after it).
   bool preference = false;
+  // GRPO (--method grpo): the sequences generated together, whose caches (KV rows of ctx each,
+  // DeltaNet states) and logits are held beside the steps' memory (0: no generation).
+  int64_t generations = 0;
   // Of packed rows, the most positions with a target that a micro-batch of `batch` rows holds
   // (the LM head runs on those alone); 0: every position.
   int64_t packed_targets = 0;

@@ -151,32 +151,16 @@ std::vector<double> sequence_log_probs(DecoderModel& model, const std::vector<Pa
                                        const std::vector<FinetuneExample>& examples, int64_t ctx,
                                        int64_t batch, int32_t pad, const Communicator* comm,
                                        int64_t measure_rows, int64_t measured_targets) {
-  NoGradGuard no_grad;
   const size_t ranks = comm ? static_cast<size_t>(comm->size()) : 1;
   const size_t rank = comm ? static_cast<size_t>(comm->rank()) : 0;
-  const Tensor inputs = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
-  const Tensor targets = Tensor::empty(Shape{batch, ctx}, DType::I32, MemoryCategory::Workspace);
-  const auto B = static_cast<size_t>(batch);
-  const size_t count = measuring() ? static_cast<size_t>(measure_rows) : rows.size();
-  std::vector<const PackedRow*> all;
-  for (const PackedRow& r : rows) all.push_back(&r);
   std::vector<double> sums(measuring() ? 0 : examples.size(), 0.0);
-  for (size_t first = rank * B; first < count; first += B * ranks) {
-    const size_t n = std::min(count - first, B);
-    const Tensor in = inputs.view(0, Shape{static_cast<int64_t>(n), ctx});
-    const Tensor tg = targets.view(0, Shape{static_cast<int64_t>(n), ctx});
-    if (measuring()) {
-      model.target_log_probs(in, tg, pack_batch({}, examples, pad, in, tg, measured_targets));
-      continue;
-    }
-    const auto mine = std::span<const PackedRow* const>(all).subspan(first, n);
-    const Variable logps =
-        model.target_log_probs(in, tg, pack_batch(mine, examples, pad, in, tg, 0));
-    const BatchSequences seq = sequences_of(mine, examples);
-    const float* v = logps.value().f32();
-    for (size_t k = 0; k < seq.owner.size(); ++k)
-      sums[static_cast<size_t>(seq.example[static_cast<size_t>(seq.owner[k])])] += v[k];
-  }
+  for_each_log_prob_batch(
+      model, rows, examples, ctx, batch, pad, rank, ranks, measure_rows, measured_targets,
+      [&](std::span<const PackedRow* const> mine, const float* v) {
+        const BatchSequences seq = sequences_of(mine, examples);
+        for (size_t k = 0; k < seq.owner.size(); ++k)
+          sums[static_cast<size_t>(seq.example[static_cast<size_t>(seq.owner[k])])] += v[k];
+      });
   // Each sum has one rank's addend and the others' zeros: every rank gets one process's sums.
   if (ranks > 1 && !measuring())
     comm->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));

@@ -93,9 +93,14 @@ void add_budget_flags(CLI::App& app, BudgetArgs& a) {
                  "With --model: rows of validation examples evaluated between steps")
       ->check(non_negative());
   app.add_option("--method", a.method,
-                 "With --model: sft, or dpo or orpo (preference pairs), as finetune --method")
+                 "With --model: sft, dpo or orpo (preference pairs), or grpo (completions "
+                 "generated, --generations at once), as finetune --method")
       ->capture_default_str()
-      ->check(CLI::IsMember({"sft", "dpo", "orpo"}));
+      ->check(CLI::IsMember({"sft", "dpo", "orpo", "grpo"}));
+  app.add_option("--generations", a.generations,
+                 "With --method grpo: completions of each prompt, generated together")
+      ->capture_default_str()
+      ->check(positive_whole());
 }
 
 namespace {
@@ -117,8 +122,14 @@ int fine_tune_budget(const BudgetArgs& a) {
   o.checkpoint = *parse_checkpointing(t.checkpoint);
   o.threads = t.threads > 0 ? t.threads : omp_get_num_procs();
   o.packed = true;
-  o.preference = a.method != "sft";
+  o.preference = a.method == "dpo" || a.method == "orpo";
   o.eval_windows = a.val_rows;
+  if (a.method == "grpo") {
+    // The generation's caches, and a pass without gradients over a micro-batch (the reference's
+    // log-probabilities with --beta, or the generating policy's with --iterations).
+    o.generations = a.generations;
+    o.eval_windows = std::max(a.val_rows, o.batch);
+  }
   o.ranks = a.ranks;
   if (a.lora_rank > 0) {
     o.lora.rank = a.lora_rank;
@@ -140,6 +151,7 @@ int fine_tune_budget(const BudgetArgs& a) {
                         {"dtype", dtype_string(o.dtype)},
                         {"lora_rank", o.lora.rank},
                         {"method", a.method},
+                        {"generations", a.method == "grpo" ? a.generations : 0},
                         {"batch", o.batch},
                         {"accum", o.accum},
                         {"ctx", o.ctx},
@@ -150,15 +162,18 @@ int fine_tune_budget(const BudgetArgs& a) {
     return fits ? 0 : kDoesNotFit;
   }
   std::printf(
-      "%s", fmt::format(
-                "memory budget: {} {} ({} parameters), {}, {}, {} x {} "
-                "packed rows of {} positions, checkpointing {}\n",
-                o.preference ? "preference tuning (" + a.method + ")" : std::string("fine-tuning"),
-                a.model, parameter_count(model),
-                o.lora.rank > 0 ? fmt::format("LoRA rank {}", o.lora.rank)
-                                : std::string("every parameter"),
-                dtype_string(o.dtype), o.batch, o.accum, o.ctx, checkpointing_words(o.checkpoint))
-                .c_str());
+      "%s",
+      fmt::format("memory budget: {} {} ({} parameters), {}, {}, {} x {} "
+                  "packed rows of {} positions, checkpointing {}\n",
+                  o.preference ? "preference tuning (" + a.method + ")"
+                  : o.generations > 0
+                      ? fmt::format("GRPO ({} completions generated together)", o.generations)
+                      : std::string("fine-tuning"),
+                  a.model, parameter_count(model),
+                  o.lora.rank > 0 ? fmt::format("LoRA rank {}", o.lora.rank)
+                                  : std::string("every parameter"),
+                  dtype_string(o.dtype), o.batch, o.accum, o.ctx, checkpointing_words(o.checkpoint))
+          .c_str());
   std::printf("%s", budget_table(b, available).c_str());
   // The levers not in use: each alone, with its total.
   std::string levers;

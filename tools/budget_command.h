@@ -26,7 +26,8 @@ struct BudgetArgs {
   std::string lora_targets = "q,k,v,o,gate,up,down";
   int64_t val_rows = 0;        // validation rows of --ctx evaluated between steps
   int ranks = 1;               // each rank's budget in a job of this many (mpirun -np N)
-  std::string method = "sft";  // or dpo, orpo: preference pairs (finetune --method)
+  std::string method = "sft";  // or dpo, orpo: preference pairs; grpo (finetune --method)
+  int64_t generations = 8;     // grpo: the sequences generated together
 };
 
 void add_budget_flags(CLI::App& app, BudgetArgs& args);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <string_view>
@@ -40,6 +41,7 @@
 #include "models/preference_step.h"
 #include "tools/budget_command.h"
 #include "tools/flag_checks.h"
+#include "tools/grpo_source.h"
 #include "tools/model_source.h"
 #include "tools/preference_rows.h"
 #include "tools/run/job.h"
@@ -50,6 +52,67 @@
 #include "tools/run/train_stages.h"
 
 namespace cputrain {
+
+namespace {
+
+// --method grpo's flags, by TRL's names where it has them.
+void add_grpo_flags(CLI::App& app, FinetuneArgs& a) {
+  app.add_option("--generations", a.generations,
+                 "GRPO: completions of each prompt, a group (num_generations); --batch x --accum "
+                 "completions make a step")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--max-completion-length", a.max_completion, "GRPO: tokens a completion may have")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--temperature", a.temperature, "GRPO: the sampling temperature")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--top-p", a.top_p, "GRPO: nucleus sampling's probability")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--top-k", a.top_k, "GRPO: sample among the k most likely tokens (0: all)")
+      ->capture_default_str()
+      ->check(non_negative());
+  app.add_option("--epsilon", a.epsilon, "GRPO: the clipping of the probability ratio")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--epsilon-high", a.epsilon_high,
+                 "GRPO: the clipping above (DAPO's clip-higher; default --epsilon)")
+      ->check(CLI::Range(0.0, 10.0));
+  app.add_option("--iterations", a.iterations,
+                 "GRPO: updates on each generation's completions (num_iterations)")
+      ->capture_default_str()
+      ->check(positive_whole());
+  app.add_option("--loss-type", a.loss_type,
+                 "GRPO: dapo (over the step's completion tokens), grpo (each completion's mean) or "
+                 "dr_grpo (over completions x --max-completion-length)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dapo", "grpo", "dr_grpo"}));
+  app.add_option("--scale-rewards", a.scale_rewards,
+                 "GRPO: group (advantages over each group's standard deviation) or none")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"group", "none"}));
+  app.add_option("--reward", a.rewards,
+                 "GRPO: rewards, NAME[:WEIGHT],...: exact (the answer field), regex "
+                 "(--reward-pattern), length (a penalty), command (--reward-command)");
+  app.add_option("--answer-pattern", a.answer_pattern,
+                 "exact reward: the completion's answer, the pattern's first group (default: the "
+                 "last number)");
+  app.add_option("--answer-field", a.answer_field, "exact reward: the prompt's field to match")
+      ->capture_default_str();
+  app.add_option("--reward-pattern", a.reward_pattern,
+                 "regex reward: 1 where a completion matches it ({FIELD}: the prompt's field)");
+  app.add_option("--reward-command", a.reward_command,
+                 "A program that scores: JSON Lines of {prompt, completion, fields} on its stdin, "
+                 "one number a line on its stdout (flushed), one process for the run");
+  app.add_option("--reward-timeout", a.reward_timeout,
+                 "Seconds the reward command may take for a score before the run stops")
+      ->capture_default_str()
+      ->check(positive());
+}
+
+}  // namespace
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
   app.add_option("--model", a.model,
@@ -90,10 +153,13 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
                "The loss on every token, not only on completions and replies");
   app.add_option("--method", a.method,
                  "sft: examples with targets; dpo or orpo: preference pairs, {prompt, chosen, "
-                 "rejected} (strings or messages) or {chosen, rejected}")
+                 "rejected} (strings or messages) or {chosen, rejected}; grpo: prompts, {prompt} "
+                 "or {messages} with any other fields, each given completions scored by --reward")
       ->capture_default_str()
-      ->check(CLI::IsMember({"sft", "dpo", "orpo"}));
-  app.add_option("--beta", a.beta, "DPO's beta: the scale of the log-ratios to the reference")
+      ->check(CLI::IsMember({"sft", "dpo", "orpo", "grpo"}));
+  app.add_option("--beta", a.beta,
+                 "DPO's beta: the scale of the log-ratios to the reference; GRPO's: the weight "
+                 "of the KL to the reference (default 0: none)")
       ->capture_default_str()
       ->check(positive())
       ->check(at_most(1000, "a margin of a nat would already decide every pair"));
@@ -108,6 +174,7 @@ void add_finetune_flags(CLI::App& app, FinetuneArgs& a) {
                  "MoE layers")
       ->capture_default_str()
       ->check(non_negative());
+  add_grpo_flags(app, a);
   app.add_option("--orpo-lambda", a.orpo_lambda,
                  "ORPO's lambda: the weight of the odds-ratio term beside the chosen's NLL")
       ->capture_default_str()
@@ -151,7 +218,32 @@ constexpr std::pair<const char*, const char*> kRunKeys[] = {
     {"orpo_lambda", "--orpo-lambda"},
     {"moe_balance", "--moe-balance"},
     {"moe_z_loss", "--moe-z-loss"},
+    {"generations", "--generations"},
+    {"max_completion_length", "--max-completion-length"},
+    {"temperature", "--temperature"},
+    {"top_p", "--top-p"},
+    {"top_k", "--top-k"},
+    {"epsilon", "--epsilon"},
+    {"epsilon_high", "--epsilon-high"},
+    {"iterations", "--iterations"},
+    {"loss_type", "--loss-type"},
+    {"scale_rewards", "--scale-rewards"},
+    {"rewards", "--reward"},
+    {"answer_pattern", "--answer-pattern"},
+    {"answer_field", "--answer-field"},
+    {"reward_pattern", "--reward-pattern"},
+    {"reward_command", "--reward-command"},
     {"seed", "--seed"}};
+
+// --method grpo's flags: given with another method, refused.
+constexpr const char* kGrpoFlags[] = {"--generations",    "--max-completion-length",
+                                      "--temperature",    "--top-p",
+                                      "--top-k",          "--epsilon",
+                                      "--epsilon-high",   "--iterations",
+                                      "--loss-type",      "--scale-rewards",
+                                      "--reward",         "--answer-pattern",
+                                      "--answer-field",   "--reward-pattern",
+                                      "--reward-command", "--reward-timeout"};
 
 // A fine-tune's config.json, parsed; a UserError naming it where it is missing, malformed or a
 // training run's.
@@ -211,6 +303,24 @@ FinetuneArgs resumed_args(const FinetuneArgs& a, const json& run) {
     take("--orpo-lambda", r.orpo_lambda, "orpo_lambda");
     take("--moe-balance", r.moe_balance, "moe_balance");
     take("--moe-z-loss", r.moe_z, "moe_z_loss");
+    if (r.method == "grpo") {
+      take("--generations", r.generations, "generations");
+      take("--max-completion-length", r.max_completion, "max_completion_length");
+      take("--temperature", r.temperature, "temperature");
+      take("--top-p", r.top_p, "top_p");
+      take("--top-k", r.top_k, "top_k");
+      take("--epsilon", r.epsilon, "epsilon");
+      take("--epsilon-high", r.epsilon_high, "epsilon_high");
+      take("--iterations", r.iterations, "iterations");
+      take("--loss-type", r.loss_type, "loss_type");
+      take("--scale-rewards", r.scale_rewards, "scale_rewards");
+      take("--reward", r.rewards, "rewards");
+      take("--answer-pattern", r.answer_pattern, "answer_pattern");
+      take("--answer-field", r.answer_field, "answer_field");
+      take("--reward-pattern", r.reward_pattern, "reward_pattern");
+      take("--reward-command", r.reward_command, "reward_command");
+      take("--reward-timeout", r.reward_timeout, "reward_timeout");
+    }
     take("--seed", r.seed, "seed");
     if (!a.was_given("--chat-template"))
       r.chat_template = run.value("chat_template_flag", run.value("chat_template", std::string()));
@@ -245,8 +355,33 @@ void check_resumed(const std::string& dir, const json& run, const json& now) {
 // The model to fine-tune as the flags ask: adapters or every parameter, the precision, offload.
 ModelOptions model_options(const FinetuneArgs& a, std::string* dtype_reason) {
   if (!a.val.empty() && a.val_fraction > 0.0) throw UserError("--val and --val-fraction: give one");
-  if (a.was_given("--beta") && a.method != "dpo")
-    throw UserError("--beta is DPO's: give --method dpo (the method is " + a.method + ")");
+  if (a.was_given("--beta") && a.method != "dpo" && a.method != "grpo")
+    throw UserError("--beta is DPO's and GRPO's: give --method dpo or grpo (the method is " +
+                    a.method + ")");
+  if (a.method != "grpo")
+    for (const char* flag : kGrpoFlags)
+      if (a.was_given(flag))
+        throw UserError(std::string(flag) + " is GRPO's: give --method grpo (the method is " +
+                        a.method + ")");
+  if (a.method == "grpo") {
+    if (a.full && a.beta > 0.0)
+      throw UserError(
+          "--beta " + fmt::format("{:g}", a.beta) +
+          " with --full: GRPO's KL is to the base, which a full fine-tune changes and cputrain "
+          "keeps no copy of: train adapters (without --full), or give --beta 0");
+    if ((a.batch * a.accum) % a.generations != 0)
+      throw UserError(fmt::format(
+          "--batch {} x --accum {} = {} completions a step: not whole groups of --generations {}",
+          a.batch, a.accum, a.batch * a.accum, a.generations));
+    if (a.max_completion >= a.ctx)
+      throw UserError(fmt::format(
+          "--max-completion-length {} leaves no room for a prompt within --ctx {}: a prompt and "
+          "its completion share a row",
+          a.max_completion, a.ctx));
+    if (a.epsilon_high > 0.0 && a.epsilon_high < a.epsilon)
+      throw UserError(
+          fmt::format("--epsilon-high {:g} is below --epsilon {:g}", a.epsilon_high, a.epsilon));
+  }
   if (a.was_given("--orpo-lambda") && a.method != "orpo")
     throw UserError("--orpo-lambda is ORPO's: give --method orpo (the method is " + a.method + ")");
   if (a.train_on_prompt && a.method != "sft")
@@ -278,6 +413,10 @@ struct Examples {
   std::string chat_template;  // the family rendered with ("" none)
   uint64_t fingerprint = 0;   // every example's tokens and targets, training and validation
   bool pairs = false;         // preference pairs (--method dpo, orpo): two examples a pair
+  // --method grpo: prompts, not examples (data and val are empty).
+  bool grpo = false;
+  GrpoPrompts prompts, val_prompts;
+  std::optional<ChatTemplate> chat;
 };
 
 // The chat template: --chat-template, else the model's, where it is a known family.
@@ -361,6 +500,40 @@ void read_pairs(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
              d.same, ctx);
 }
 
+// Prompts (--method grpo), each with room for --max-completion-length tokens after it.
+void read_prompts(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
+                  const FinetuneDataOptions& options, Examples& e, spdlog::logger& log) {
+  const int64_t room = ctx - a.max_completion;
+  e.prompts = read_grpo_prompts(a.data, tokenizer, options.chat, room, options.max_line_bytes);
+  if (!a.val.empty()) {
+    e.val_prompts = read_grpo_prompts(a.val, tokenizer, options.chat, room, options.max_line_bytes);
+  } else if (a.val_fraction > 0.0) {
+    std::vector<size_t> order(e.prompts.prompts.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    seeded_shuffle(order, a.seed + 17);
+    const auto n = static_cast<size_t>(
+        std::max(1.0, std::round(a.val_fraction * static_cast<double>(order.size()))));
+    if (n >= order.size())
+      throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
+                      std::to_string(order.size()) + " prompts leave none to train on");
+    std::vector<GrpoPrompt> kept;
+    for (size_t k = 0; k < order.size(); ++k)
+      (k + n < order.size() ? kept : e.val_prompts.prompts)
+          .push_back(std::move(e.prompts.prompts[order[k]]));
+    e.prompts.prompts = std::move(kept);
+  }
+  log.info(
+      "data: {} prompts ({} text, {} chat), {} held out; {} dropped, longer than --ctx {} less "
+      "--max-completion-length {}",
+      e.prompts.prompts.size(), e.prompts.text, e.prompts.chat, e.val_prompts.prompts.size(),
+      e.prompts.dropped + e.val_prompts.dropped, ctx, a.max_completion);
+  if (e.prompts.dropped + e.val_prompts.dropped > 0)
+    log.warn(
+        "{} prompts are longer than {} tokens (--ctx {} less --max-completion-length {}) and "
+        "were dropped",
+        e.prompts.dropped + e.val_prompts.dropped, room, ctx, a.max_completion);
+}
+
 Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx,
                        int64_t available, spdlog::logger& log) {
   FinetuneDataOptions options;
@@ -373,8 +546,12 @@ Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_
   options.chat = choose_chat_template(a, tokenizer, log);
   Examples e;
   e.chat_template = options.chat ? std::string(chat_family_name(options.chat->family)) : "";
-  e.pairs = a.method != "sft";
-  if (e.pairs) {
+  e.pairs = a.method == "dpo" || a.method == "orpo";
+  e.grpo = a.method == "grpo";
+  e.chat = options.chat;
+  if (e.grpo) {
+    read_prompts(a, tokenizer, ctx, options, e, log);
+  } else if (e.pairs) {
     read_pairs(a, tokenizer, ctx, options, e, log);
   } else {
     e.data = read_finetune_jsonl(a.data, tokenizer, options);
@@ -399,6 +576,11 @@ Examples read_examples(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_
       log.warn("{} examples are longer than --ctx {} and were cut", data.truncated, ctx);
   }
   e.fingerprint = kFnvOffset;
+  for (const auto* set : {&e.prompts, &e.val_prompts})
+    for (const GrpoPrompt& p : set->prompts) {
+      e.fingerprint = fnv1a(p.tokens.data(), p.tokens.size() * sizeof(int32_t), e.fingerprint);
+      e.fingerprint = fnv1a(p.fields.dump(), e.fingerprint);
+    }
   for (const auto* set : {&e.data.examples, &e.val})
     for (const FinetuneExample& x : *set) {
       e.fingerprint = fnv1a(x.tokens.data(), x.tokens.size() * sizeof(int32_t), e.fingerprint);
@@ -441,9 +623,88 @@ json finetune_config(const FinetuneArgs& a, const ModelOptions& options, const E
                  {"moe_balance", a.moe_balance},
                  {"moe_z_loss", a.moe_z},
                  {"seed", a.seed}};
+  if (a.method == "grpo") {
+    config["beta"] = a.beta;
+    config["generations"] = a.generations;
+    config["max_completion_length"] = a.max_completion;
+    config["temperature"] = a.temperature;
+    config["top_p"] = a.top_p;
+    config["top_k"] = a.top_k;
+    config["epsilon"] = a.epsilon;
+    config["epsilon_high"] = a.epsilon_high > 0.0 ? a.epsilon_high : a.epsilon;
+    config["iterations"] = a.iterations;
+    config["loss_type"] = a.loss_type;
+    config["scale_rewards"] = a.scale_rewards;
+    config["rewards"] = a.rewards;
+    config["answer_pattern"] = a.answer_pattern;
+    config["answer_field"] = a.answer_field;
+    config["reward_pattern"] = a.reward_pattern;
+    config["reward_command"] = a.reward_command;
+    config["reward_timeout"] = a.reward_timeout;
+  }
   // A job's batch is each rank's: the ranks are part of the run.
   if (ranks > 1) config["ranks"] = ranks;
   return config;
+}
+
+// GRPO's rewards, each prompt's fields checked against what they read.
+std::vector<WeightedReward> make_grpo_rewards(const FinetuneArgs& a, const Examples& e) {
+  RewardOptions ro;
+  ro.rewards = a.rewards;
+  ro.answer_pattern = a.answer_pattern;
+  ro.answer_field = a.answer_field;
+  ro.reward_pattern = a.reward_pattern;
+  ro.command = a.reward_command;
+  ro.timeout_s = a.reward_timeout;
+  ro.command_log = a.out + "/reward_command.log";
+  ro.max_completion = a.max_completion;
+  std::vector<WeightedReward> rewards = make_rewards(ro);
+  for (const auto& [set, path] :
+       {std::pair{&e.prompts, a.data}, std::pair{&e.val_prompts, a.val.empty() ? a.data : a.val}})
+    for (const GrpoPrompt& p : set->prompts)
+      for (const WeightedReward& r : rewards)
+        r.function->check_fields(p.fields, path + ":" + std::to_string(p.line));
+  return rewards;
+}
+
+GrpoOptions grpo_options(const FinetuneArgs& a, int64_t ctx) {
+  GrpoOptions o;
+  o.generations = a.generations;
+  o.max_completion = a.max_completion;
+  o.temperature = static_cast<float>(a.temperature);
+  o.top_p = static_cast<float>(a.top_p);
+  o.top_k = a.top_k;
+  o.iterations = a.iterations;
+  o.scale_rewards = a.scale_rewards == "group";
+  o.loss.beta = a.beta;
+  o.loss.epsilon = a.epsilon;
+  o.loss.epsilon_high = a.epsilon_high > 0.0 ? a.epsilon_high : a.epsilon;
+  o.loss.type = a.loss_type == "grpo"      ? GrpoLossType::Grpo
+                : a.loss_type == "dr_grpo" ? GrpoLossType::DrGrpo
+                                           : GrpoLossType::Dapo;
+  o.batch = a.batch;
+  o.accum = a.accum;
+  o.ctx = ctx;
+  o.seed = a.seed;
+  return o;
+}
+
+// What ends a completion: the vocabulary's EOS (a SentencePiece model of llama2.c's, BOS), and
+// the chat template's end of a reply where it is one token.
+std::vector<int32_t> stop_tokens(const Tokenizer& tokenizer,
+                                 const std::optional<ChatTemplate>& chat) {
+  std::vector<int32_t> stop = {tokenizer.vocabulary() ? tokenizer.eos_id() : tokenizer.bos_id()};
+  if (chat) {
+    const std::vector<ChatMessage> messages = {{"user", "x"}, {"assistant", "y"}};
+    for (const ChatPiece& piece : render_chat(*chat, messages, false)) {
+      if (!piece.reply || !piece.markers) continue;
+      const std::vector<int32_t> ids = tokenizer.encode_piece(piece.text, true, false);
+      if (!ids.empty() && tokenizer.is_special(ids[0]) &&
+          std::find(stop.begin(), stop.end(), ids[0]) == stop.end())
+        stop.push_back(ids[0]);
+    }
+  }
+  return stop;
 }
 
 // Packed rows of the training examples, a step's rows in an order shuffled anew each epoch;
@@ -585,6 +846,14 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   // The LM head runs on the positions with a target: its memory is that of the batch with most.
   bo.packed_targets =
       std::max(most_targets(packed, e.data.examples, a.batch), most_targets(val, e.val, a.batch));
+  if (e.grpo) {
+    // The generation's caches of G sequences; a pass without gradients over a micro-batch's rows
+    // for the reference's (or the generating policy's) log-probabilities; every position may be a
+    // completion's.
+    bo.generations = a.generations;
+    bo.eval_windows = a.beta > 0.0 || a.iterations > 1 ? a.batch : 0;
+    bo.packed_targets = 0;
+  }
   // The model file's index and the tokenizer (the examples are held within a quarter of the
   // memory limit, read_examples).
   bo.host_bytes = m.host_bytes;
@@ -733,6 +1002,8 @@ FinetuneArgs resolve_args(FinetuneArgs a, json* run) {
     *run = read_finetune_config(a.out);
     a = resumed_args(a, *run);
   }
+  // GRPO's KL is off unless asked for (TRL's beta 0).
+  if (!resuming && a.method == "grpo" && !a.was_given("--beta")) a.beta = 0.0;
   for (const auto& [value, flag] : {std::pair{&a.model, "--model"}, std::pair{&a.data, "--data"}})
     if (value->empty())
       throw UserError(std::string(flag) + " is required (or --resume RUN, which has its own)");
@@ -813,6 +1084,10 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     // The memory available, read once: the data and the budget are held to the same figure.
     const int64_t available = memory_limit_bytes(a.mem_limit_gib);
     const Examples examples = read_examples(a, *m.tokenizer, ctx, available, log);
+    // GRPO's rewards, their flags and what they read of each prompt checked before the run
+    // directory holds anything.
+    std::vector<WeightedReward> rewards;
+    if (examples.grpo) rewards = make_grpo_rewards(a, examples);
     session.prepared();
 
     const int64_t per_step = a.batch * a.accum * comm.size();
@@ -821,9 +1096,18 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     const size_t rows = packed.size();
     // The steps by epoch: each epoch's last step takes the rows left of it (RowPlan), so that
     // --epochs 1 is one pass. (A run begun before steps kept to epochs draws as it began.)
-    const RowPlan plan_rows{static_cast<int64_t>(rows), per_step,
+    const RowPlan plan_rows{static_cast<int64_t>(std::max<size_t>(rows, 1)), per_step,
                             !a.resuming() || run.value("rows_by_epoch", false)};
-    const int64_t steps = a.steps > 0 ? a.steps : plan_rows.steps_for(a.epochs);
+    // GRPO: a step's prompts are its completions over --generations; each generation trains
+    // --iterations steps.
+    const int64_t grpo_prompts = per_step / a.generations;
+    const int64_t steps =
+        a.steps > 0 ? a.steps
+        : examples.grpo
+            ? a.iterations * static_cast<int64_t>(std::ceil(
+                                 a.epochs * static_cast<double>(examples.prompts.prompts.size()) /
+                                 static_cast<double>(grpo_prompts)))
+            : plan_rows.steps_for(a.epochs);
     // A resumed run keeps the schedule it began with, wherever it now ends; the steps past it
     // run at a tenth of the peak (the schedule decays to 0).
     LrSchedule lr{a.lr, static_cast<int64_t>(std::round(a.warmup * static_cast<double>(steps))),
@@ -856,13 +1140,23 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
         [&model](const Tensor& in, const Tensor& tg) { return model.loss(in, tg); }, train);
     int64_t used = 0;
     for (const PackedRow& r : packed) used += r.positions;
-    log.info(
-        "packed: {} rows of {} positions, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
-        "validation: {} {}",
-        rows, ctx,
-        100.0 * static_cast<double>(used) / static_cast<double>(std::ssize(packed) * ctx), steps,
-        per_step, plan_rows.epochs_of(steps), examples.val.size() / (examples.pairs ? 2 : 1),
-        examples.pairs ? "pairs" : "examples");
+    if (examples.grpo)
+      log.info(
+          "GRPO: {} steps of {} prompts x {} completions ({:.2f} epochs), each generation "
+          "trained {} time{}; at most {} tokens a completion; validation: {} prompts",
+          steps, grpo_prompts, a.generations,
+          static_cast<double>(steps / a.iterations * grpo_prompts) /
+              static_cast<double>(examples.prompts.prompts.size()),
+          a.iterations, a.iterations == 1 ? "" : "s", a.max_completion,
+          examples.val_prompts.prompts.size());
+    else
+      log.info(
+          "packed: {} rows of {} positions, {:.1f}% filled; {} steps of {} rows ({:.2f} epochs); "
+          "validation: {} {}",
+          rows, ctx,
+          100.0 * static_cast<double>(used) / static_cast<double>(std::ssize(packed) * ctx), steps,
+          per_step, plan_rows.epochs_of(steps), examples.val.size() / (examples.pairs ? 2 : 1),
+          examples.pairs ? "pairs" : "examples");
 
     const json config = finetune_config(a, options, examples, ctx, steps, lr, comm.size());
     if (a.resuming()) check_resumed(a.out, run, config);
@@ -888,6 +1182,15 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     process_memory_reset_peak();
     AdapterFiles output(a, m, options, log);
     const int32_t pad = m.tokenizer->eos_id();
+    if (examples.grpo) {
+      GrpoOptions go = grpo_options(a, ctx);
+      go.dir = a.out;
+      go.identity = fnv1a_u64(a.seed, examples.fingerprint);
+      GrpoSource source(model, *m.tokenizer, examples.prompts, examples.val_prompts, rewards, go,
+                        stop_tokens(*m.tokenizer, examples.chat), !a.full, comm,
+                        lead ? session.io().log : nullptr);
+      return run_loop(plan, trainer, model.parameters(), source, output, comm, session.io());
+    }
     if (!examples.pairs) {
       PackedRows batches(model, examples, std::move(packed), ctx, a.batch, plan_rows, a.seed, pad,
                          comm);
@@ -927,6 +1230,11 @@ int eval_finetune(const std::string& dir, const std::string& flag, const std::st
   FinetuneArgs given;
   given.out = dir;
   const FinetuneArgs a = resumed_args(given, run);
+  if (a.method == "grpo")
+    throw UserError(flag + " " + dir +
+                    ": a GRPO fine-tune is validated by generating completions and scoring them: "
+                    "its held-out mean reward is val_reward in " +
+                    dir + "/metrics.jsonl");
   if (a.val.empty() && !(a.val_fraction > 0.0))
     throw UserError(flag + " " + dir +
                     ": the fine-tune held out no examples (it ran without --val or "

@@ -1,6 +1,7 @@
 // `cputrain finetune`: LoRA (or full) fine-tuning of a model file on JSON Lines examples, packed
-// into rows, the loss on the replies (or with --method dpo or orpo, on preference pairs); the
-// adapter written as llama.cpp's LoRA GGUF and PEFT's folder.
+// into rows, the loss on the replies (or with --method dpo or orpo, on preference pairs; with
+// --method grpo, on completions it generates, scored by rewards); the adapter written as
+// llama.cpp's LoRA GGUF and PEFT's folder.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -43,6 +44,26 @@ struct FinetuneArgs : RunFlags {
   // by default, as Transformers' output_router_logits is.
   double moe_balance = 0.0;
   double moe_z = 0.0;
+  // GRPO (--method grpo), by TRL's names: completions of each prompt (num_generations), their
+  // sampling, the clipped surrogate's epsilons, updates of each generation (num_iterations), the
+  // loss's normalisation (loss_type) and the rewards (tools/grpo_rewards.h). beta is 0 unless
+  // given (no reference pass).
+  int64_t generations = 8;
+  int64_t max_completion = 256;
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  double epsilon = 0.2;
+  double epsilon_high = 0.0;  // 0: epsilon
+  int64_t iterations = 1;
+  std::string loss_type = "dapo";
+  std::string scale_rewards = "group";
+  std::string rewards;
+  std::string answer_pattern;
+  std::string answer_field = "answer";
+  std::string reward_pattern;
+  std::string reward_command;
+  double reward_timeout = 60.0;
 };
 
 void add_finetune_flags(CLI::App& app, FinetuneArgs& args);

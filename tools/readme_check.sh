@@ -11,6 +11,8 @@
 #   --preset mini|mega|behemoth|titan -> --preset tiny
 #   train.jsonl                      -> a small file of prompt/completion pairs written here
 #   pairs.jsonl                      -> a small file of preference pairs written here
+#   prompts.jsonl, score.py          -> a small file of prompts with answers, and a reward
+#                                       command scoring a completion's length, written here
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 shared=$(cd "${CPUTRAIN_SHARED:-$repo/../shared}" && pwd)
@@ -59,6 +61,14 @@ for i in $(seq 1 64); do
   printf '{"prompt": "Q: What is %d plus %d?\\nA:", "chosen": " %d.", "rejected": " %d."}\n' \
     "$i" "$i" $((2 * i)) $((2 * i + 1))
 done >"$work/pairs.jsonl"
+for i in $(seq 1 64); do
+  printf '{"prompt": "Q: What is %d plus %d?\\nA:", "answer": "%d"}\n' "$i" "$i" $((2 * i))
+done >"$work/prompts.jsonl"
+cat >"$work/score.py" <<'PY'
+import json, sys
+for line in sys.stdin:
+    print(len(json.loads(line)["completion"]) % 7 / 7, flush=True)
+PY
 
 failed=0
 for command in "${commands[@]}"; do

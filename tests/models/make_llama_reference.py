@@ -14,7 +14,8 @@ RoPE base of their own; one with Gemma 2's soft-capping; one with Qwen3.5's, Gat
 Qwen3-MoE's, Qwen3.5-MoE's with its shared expert, gpt-oss's with its sinks, biases and clamped
 SwiGLU): from one seeded set of weights and one batch it records the logits, the loss, every trainable parameter's gradient, and the losses, gradient norms and
 weights of 10 AdamW steps with global norm clipping; and of the configurations with adapters,
-DPO's and ORPO's losses and gradients on two preference pairs (preference_records).
+DPO's and ORPO's losses and gradients on two preference pairs (preference_records), and GRPO's
+on two groups of completions (grpo_records).
 
 Regenerate (Debian's python3-torch; `tools/install_deps.sh --torch` installs it):
     /usr/bin/python3 tests/models/make_llama_reference.py
@@ -172,6 +173,10 @@ LR, BETAS, ADAM_EPS, DECAY, CLIP, STEPS = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 10
 # The preference records of the configurations with adapters: each pair's prompt length, DPO's
 # beta and ORPO's lambda.
 PREF_PROMPTS, PREF_BETA, PREF_LAMBDA = (6, 9), 0.5, 0.5
+# GRPO's records: each group's prompt length, the completions' rewards (three a group), beta and
+# the clipping's epsilons.
+GRPO_PROMPTS, GRPO_REWARDS = (5, 8), (1.0, 0.0, 0.5, 0.2, 0.9, 0.9)
+GRPO_BETA, GRPO_EPS, GRPO_EPS_HIGH = 0.04, 0.2, 0.28
 
 
 def parameter_shapes(c):
@@ -654,6 +659,70 @@ def preference_records(c, params, trained, cos, sin, out):
         t.grad = None
 
 
+def grpo_records(c, params, trained, cos, sin, out):
+    """GRPO on two groups of three completions, from TRL's formulas: advantages (r - mean) /
+    (std + 1e-4) within each group (Bessel's std); per completion token r = exp(logp - old),
+    -min(r A, clamp(r, 1 - GRPO_EPS, 1 + GRPO_EPS_HIGH) A) + GRPO_BETA (exp(ref - logp) - (ref -
+    logp) - 1), the reference's log-probabilities from the same weights without the adapters and
+    the old ones the policy's perturbed (so that some ratios are clipped); the losses of TRL's
+    dapo (over all completion tokens), grpo (each completion's mean, then their mean) and dr_grpo
+    (over completions x T) and the adapters' gradients."""
+    gen = torch.Generator().manual_seed(8765)
+    G = 3
+    rows = dataclasses.replace(c, B=2 * G)
+    seqs, masks = [], []
+    for g, prompt in enumerate(GRPO_PROMPTS):
+        head = torch.randint(0, c.V, (prompt,), generator=gen)
+        for i in range(G):
+            seq = torch.randint(0, c.V, (c.T + 1,), generator=gen)
+            seq[:prompt] = head
+            end = c.T + 1 - (2 * i + g)  # completions of several lengths
+            positions = torch.arange(c.T) + 1
+            seqs.append(seq)
+            masks.append(((positions >= prompt) & (positions < end)).float())
+    seqs, mask = torch.stack(seqs), torch.stack(masks)
+    inputs, targets = seqs[:, :c.T], seqs[:, 1:]
+    rewards = torch.tensor(GRPO_REWARDS, dtype=torch.float32)
+
+    def token_logps(config):
+        logp = torch.log_softmax(forward(config, params, inputs, cos, sin), -1)
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():
+        reference = token_logps(dataclasses.replace(rows, lora_rank=0))
+        old = token_logps(rows) + 0.3 * torch.randn(mask.shape, generator=gen)
+    grouped = rewards.view(-1, G)
+    advantages = (rewards - grouped.mean(1).repeat_interleave(G)) / (
+        grouped.std(1).repeat_interleave(G) + 1e-4)
+    out.add("grpo/tokens", seqs)
+    out.add("grpo/mask", mask)
+    out.add("grpo/rewards", rewards)
+    out.add("grpo/old", old)
+    out.add("grpo/options", torch.tensor([GRPO_BETA, GRPO_EPS, GRPO_EPS_HIGH, G]))
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        for t in trained.values():
+            t.grad = None
+        logp = token_logps(rows)
+        coef_1 = torch.exp(logp - old)
+        coef_2 = torch.clamp(coef_1, 1 - GRPO_EPS, 1 + GRPO_EPS_HIGH)
+        a = advantages.unsqueeze(1)
+        per_token = -torch.min(coef_1 * a, coef_2 * a)
+        d = reference - logp
+        per_token = per_token + GRPO_BETA * (torch.exp(d) - d - 1)
+        if loss_type == "dapo":
+            loss = (per_token * mask).sum() / mask.sum()
+        elif loss_type == "grpo":
+            loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        else:
+            loss = (per_token * mask).sum() / (mask.shape[0] * c.T)
+        loss.backward()
+        out.add(loss_type + "/loss", loss.reshape(1))
+        for name, t in trained.items():
+            out.add(loss_type + "/grad/" + name, t.grad)
+    for t in trained.values():
+        t.grad = None
+
+
 def float64_grad_norms(c):
     """The gradient norms of write_reference's 10 AdamW steps (all parameters trained), in
     float64 from the same weights and batch."""
@@ -752,6 +821,7 @@ def write_reference(c):
 
     if c.lora_rank:
         preference_records(c, params, trained, cos, sin, out)
+        grpo_records(c, params, trained, cos, sin, out)
 
     matrices = [t for name, t in trained.items() if decays(name, t)]
     vectors = [t for name, t in trained.items() if not decays(name, t)]  # gains, biases: no decay

@@ -28,6 +28,7 @@
 #include "engine/data/finetune_data.h"
 #include "engine/train/adamw.h"
 #include "models/decoder.h"
+#include "models/grpo_step.h"
 #include "models/preference_step.h"
 #include "reference_file.h"
 
@@ -344,6 +345,88 @@ TEST_P(LlamaReference, PreferenceLossesAndGradients) {
       const double difference = (up - down) / (2.0 * h);
       EXPECT_NEAR(g, difference, 2e-2 * std::abs(g) + 2e-4) << name << " " << info->name;
     }
+  }
+}
+
+// The configurations with adapters: GRPO on two groups of three completions of several lengths
+// (a sequence a row), the old log-probabilities given, the reference's from the same weights with
+// the adapters switched off; each loss type's loss and the adapters' gradients.
+TEST_P(LlamaReference, GrpoLossesAndGradients) {
+  if (!ref_.count("dapo/loss")) GTEST_SKIP() << "no adapters in this configuration";
+  DecoderModel model(config_, options_);
+  load_initial_weights(model);
+  const ReferenceTensor& tokens = ref_.at("grpo/tokens");
+  const std::vector<float>& mask = ref_.at("grpo/mask").f32;
+  const std::vector<float>& old_flat = ref_.at("grpo/old").f32;
+  const std::vector<float>& options = ref_.at("grpo/options").f32;
+  const std::vector<float>& reward_values = ref_.at("grpo/rewards").f32;
+  const int64_t rows = tokens.shape[0];
+  ASSERT_EQ(tokens.shape, (std::vector<int64_t>{rows, T_ + 1}));
+  std::vector<FinetuneExample> examples(static_cast<size_t>(rows));
+  std::vector<PackedRow> packed(static_cast<size_t>(rows));
+  std::vector<std::vector<float>> old(static_cast<size_t>(rows));
+  std::vector<double> lengths(static_cast<size_t>(rows), 0.0);
+  double all_tokens = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    FinetuneExample& e = examples[static_cast<size_t>(r)];
+    e.tokens.assign(tokens.i32.begin() + r * (T_ + 1), tokens.i32.begin() + (r + 1) * (T_ + 1));
+    e.target.assign(static_cast<size_t>(T_ + 1), 0);
+    for (int64_t t = 0; t < T_; ++t)
+      if (mask[static_cast<size_t>(r * T_ + t)] != 0.0f) {
+        e.target[static_cast<size_t>(t + 1)] = 1;
+        old[static_cast<size_t>(r)].push_back(old_flat[static_cast<size_t>(r * T_ + t)]);
+        lengths[static_cast<size_t>(r)] += 1.0;
+      }
+    all_tokens += lengths[static_cast<size_t>(r)];
+    packed[static_cast<size_t>(r)] = {{static_cast<int32_t>(r)}, T_};
+  }
+  model.set_adapters_enabled(false);
+  const std::vector<std::vector<float>> reference =
+      target_log_probs_of(model, packed, examples, T_, rows, 0);
+  model.set_adapters_enabled(true);
+  const std::vector<double> rewards(reward_values.begin(), reward_values.end());
+  const std::vector<double> advantages =
+      group_advantages(rewards, static_cast<int64_t>(options[3]), true);
+  std::vector<const PackedRow*> all;
+  for (const PackedRow& r : packed) all.push_back(&r);
+  const Tensor inputs = Tensor::empty(Shape{rows, T_}, DType::I32, MemoryCategory::Workspace);
+  const Tensor targets = Tensor::empty(Shape{rows, T_}, DType::I32, MemoryCategory::Workspace);
+  for (const GrpoLossType type : {GrpoLossType::Dapo, GrpoLossType::Grpo, GrpoLossType::DrGrpo}) {
+    const std::string name = grpo_loss_type_name(type);
+    std::vector<double> weights(static_cast<size_t>(rows));
+    for (size_t i = 0; i < weights.size(); ++i)
+      weights[i] = type == GrpoLossType::Dapo   ? 1.0 / all_tokens
+                   : type == GrpoLossType::Grpo ? 1.0 / (static_cast<double>(rows) * lengths[i])
+                                                : 1.0 / static_cast<double>(rows * T_);
+    GrpoStats stats;
+    GrpoBatches b;
+    b.examples = &examples;
+    b.advantages = advantages;
+    b.weights = weights;
+    b.old = &old;
+    b.reference = &reference;
+    b.loss.beta = options[0];
+    b.loss.epsilon = options[1];
+    b.loss.epsilon_high = options[2];
+    b.loss.type = type;
+    b.stats = &stats;
+    ParameterSet& p = model.parameters();
+    p.zero_grad();
+    const Variable loss = grpo_batch_loss(model, all, b, 0, inputs, targets);
+    const double want = ref_.at(name + "/loss").f32[0];
+    EXPECT_NEAR(loss.value().f32()[0], want, kLossTolerance * std::abs(want)) << name;
+    backward(loss);
+    for (const ParameterInfo& info : p.infos()) {
+      if (!info.trainable) continue;
+      EXPECT_LT(relative_error(p.gradients().f32() + info.grad_offset,
+                               ref_.at(name + "/grad/" + info.name).f32),
+                kTensorTolerance)
+          << name << " " << info.name;
+    }
+    // The old log-probabilities put some ratios outside the clipping, on both sides.
+    EXPECT_EQ(stats.tokens, all_tokens);
+    EXPECT_GT(stats.clipped_low + stats.clipped_high, 0.0) << name;
+    EXPECT_LT(stats.clipped_low + stats.clipped_high, stats.tokens) << name;
   }
 }
 

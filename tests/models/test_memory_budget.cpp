@@ -295,3 +295,39 @@ INSTANTIATE_TEST_SUITE_P(Configurations, BudgetVsMeasured, ::testing::ValuesIn(c
 
 }  // namespace
 }  // namespace cputrain
+
+namespace cputrain {
+namespace {
+
+// GRPO's generation: the caches of its G sequences and their logits are counted in the budget,
+// as many bytes as they hold allocated.
+TEST(BudgetGrpo, GenerationCachesAreCounted) {
+  ModelConfig c = find_preset("tiny")->config;
+  c.ctx = 64;
+  BudgetOptions bo;
+  bo.batch = 2;
+  bo.ctx = c.ctx;
+  bo.threads = omp_get_max_threads();
+  bo.packed = true;
+  bo.lora.rank = 4;
+  bo.lora.alpha = 8;
+  bo.lora.targets.fill(true);
+  const MemoryBudget without = memory_budget(c, bo);
+  bo.generations = 8;
+  const MemoryBudget with = memory_budget(c, bo);
+  ModelOptions mo;
+  mo.lora = bo.lora;
+  DecoderModel model(c, mo);
+  const MemoryStats before = memory_stats();
+  int64_t held = 0;
+  {
+    const DecoderModel::KvCache cache = model.new_kv_cache(8);
+    const Tensor logits = Tensor::empty(Shape{8, c.vocab}, DType::F32, MemoryCategory::Workspace);
+    held = memory_stats().live_total_bytes - before.live_total_bytes;
+  }
+  ASSERT_GT(held, 8 * c.ctx * c.n_layers * 2 * 4);
+  EXPECT_EQ(with.total_bytes() - without.total_bytes(), held);
+}
+
+}  // namespace
+}  // namespace cputrain

@@ -161,6 +161,27 @@ class Cli : public ::testing::Test {
     return corpus;
   }
 
+  // Starts `args`, held as `hold` asks; sends SIGINT once its log says `held`; its exit status
+  // (-1 where it never held there or did not exit).
+  int interrupted(const std::string& args, const fs::path& log, const std::string& hold,
+                  const std::string& held) {
+    const pid_t pid = start(args, log, hold);
+    if (pid <= 0 || !wait_until([&] { return read_all(log).find(held) != std::string::npos; }) ||
+        ::kill(pid, SIGINT) != 0)
+      return -1;
+    int status = 0;
+    if (!wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; })) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  // A run's metrics.jsonl, a JSON object a line.
+  static std::vector<nlohmann::json> records(const fs::path& run_dir) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(run_dir / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  }
+
   static void expect_one_line_error(const Result& r, const std::string& needle) {
     EXPECT_NE(r.exit_code, 0);
     EXPECT_NE(r.err.find(needle), std::string::npos) << "stderr: " << r.err;
@@ -186,12 +207,6 @@ class DataParallelCli : public Cli {
   }
   Result ranks(int n, const std::string& args) const {
     return run(launcher(n), args + " --threads 1");
-  }
-  static std::vector<nlohmann::json> records(const fs::path& run_dir) {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(run_dir / "metrics.jsonl");
-    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-    return out;
   }
   static void expect_close(const std::vector<nlohmann::json>& a,
                            const std::vector<nlohmann::json>& b, const char* key) {

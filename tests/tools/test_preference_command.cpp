@@ -68,24 +68,6 @@ class PreferenceCli : public Cli {
            write_pairs("train.jsonl", 96, 1).string() + " --val " +
            write_pairs("val.jsonl", 24, 2).string() + " --ctx 128 --batch 4 --accum 2 --lr " + lr;
   }
-  // Starts `args`, held as `hold` asks; sends SIGINT once its log says `held`; its exit status
-  // (-1 where it never held there or did not exit).
-  int interrupted(const std::string& args, const fs::path& log, const std::string& hold,
-                  const std::string& held) {
-    const pid_t pid = start(args, log, hold);
-    if (pid <= 0 || !wait_until([&] { return read_all(log).find(held) != std::string::npos; }) ||
-        ::kill(pid, SIGINT) != 0)
-      return -1;
-    int status = 0;
-    if (!wait_until([&] { return ::waitpid(pid, &status, WNOHANG) == pid; })) return -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-  static std::vector<nlohmann::json> metrics(const fs::path& run) {
-    std::vector<nlohmann::json> lines;
-    std::ifstream in(run / "metrics.jsonl");
-    for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-    return lines;
-  }
 };
 
 // DPO and ORPO each learn the held-out pairs: their reward accuracy ends at 0.9 or more (DPO's
@@ -97,7 +79,7 @@ TEST_F(PreferenceCli, DpoAndOrpoLearnHeldOutPairs) {
     const fs::path run = dir_ / method;
     const Result r = this->run(flags(method) + " --steps 24 --eval-every 12 --out " + run.string());
     ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
-    const std::vector<nlohmann::json> lines = metrics(run);
+    const std::vector<nlohmann::json> lines = records(run);
     std::vector<nlohmann::json> val;
     for (const nlohmann::json& j : lines)
       if (j.contains("val_loss")) val.push_back(j);
@@ -218,8 +200,9 @@ TEST_F(PreferenceCli, BadInputGetsOneLine) {
   const std::string base = "finetune --model " + model() + " --ctx 64 --steps 1 --out " +
                            (dir_ / "run").string() + " --data ";
   const std::string pairs = write_pairs("pairs.jsonl", 8, 3).string();
-  expect_one_line_error(run(base + pairs + " --beta 0.2"),
-                        "--beta is DPO's: give --method dpo (the method is sft)");
+  expect_one_line_error(
+      run(base + pairs + " --beta 0.2"),
+      "--beta is DPO's and GRPO's: give --method dpo or grpo (the method is sft)");
   expect_one_line_error(run(base + pairs + " --method dpo --orpo-lambda 0.2"),
                         "--orpo-lambda is ORPO's: give --method orpo (the method is dpo)");
   expect_one_line_error(run(base + pairs + " --method orpo --train-on-prompt"),

@@ -73,11 +73,16 @@ class Steps {
 
   void validate_first() {
     if (!plan_.validate_first || plan_.first_step != 1 || !source_.validates()) return;
-    const double v = source_.validate(trainer_);
+    double v = 0.0;
+    try {
+      v = source_.validate(trainer_);
+    } catch (const StepFailure& failure) {
+      fail(0, failure, true);
+    }
     if (!lead_) return;
-    io_.log->info("step {:>5}/{} | val {:.4f}{} (before the first step)", 0, plan_.steps, v,
-                  source_.validation_note());
-    nlohmann::json line{{"step", 0}, {"val_loss", v}};
+    io_.log->info("step {:>5}/{} | {} {:.4f}{} (before the first step)", 0, plan_.steps,
+                  source_.validation_label(), v, source_.validation_note());
+    nlohmann::json line{{"step", 0}, {source_.validation_key(), v}};
     source_.describe_validation(line);
     metrics_ << line.dump() << "\n" << std::flush;
   }
@@ -88,7 +93,13 @@ class Steps {
     const bool profile_step =
         plan_.profile && (step > plan_.first_step || plan_.first_step == plan_.steps);
     profiler::set_enabled(profile_step);
-    const StepResult r = source_.step(trainer_, step);
+    StepResult r;
+    try {
+      r = source_.step(trainer_, step);
+    } catch (const StepFailure& failure) {
+      profiler::set_enabled(false);
+      fail(step - 1, failure, step - 1 < plan_.first_step || saves_after(plan_, step - 1, 0));
+    }
     profiler::set_enabled(false);
     if (profile_step) {
       ++profiled_steps_;
@@ -121,7 +132,13 @@ class Steps {
     last_not_finite_ =
         r.skipped && !(std::isfinite(r.loss) && std::isfinite(r.grad_norm)) ? step : 0;
     std::optional<double> val;
-    if (source_.validates() && evaluates_after(plan_, step)) val = source_.validate(trainer_);
+    if (source_.validates() && evaluates_after(plan_, step)) {
+      try {
+        val = source_.validate(trainer_);
+      } catch (const StepFailure& failure) {
+        fail(step, failure, false);
+      }
+    }
     if (val) last_val_ = val;
     if (lead_) record(step, r, mem, ranks, largest, val);
     if (plan_.sample && plan_.sample_every > 0 && step % plan_.sample_every == 0 &&
@@ -177,7 +194,7 @@ class Steps {
     source_.describe(step, m);
     if (comm_.size() > 1) m["ranks"] = rank_records(ranks, plan_.positions);
     if (val) {
-      m["val_loss"] = *val;
+      m[source_.validation_key()] = *val;
       source_.describe_validation(m);
     }
     metrics_ << m.dump() << "\n" << std::flush;
@@ -192,7 +209,9 @@ class Steps {
           "step {:>5}/{} | loss {:.4f}{}{} | lr {:.2e} | grad norm {:.3f}{} | {:.0f} tok/s | "
           "{:.0f} ms{} | mem {:.2f} GiB / budget {:.2f} GiB ({:+.1f}%){}{}",
           step, plan_.steps, r.loss, source_.note(),
-          val ? fmt::format(" | val {:.4f}{}", *val, source_.validation_note()) : std::string(),
+          val ? fmt::format(" | {} {:.4f}{}", source_.validation_label(), *val,
+                            source_.validation_note())
+              : std::string(),
           r.lr, r.grad_norm, expert_spread_text(r), r.tokens_per_s, r.ms,
           comm_.size() > 1 ? fmt::format(" (summing gradients {:.0f}, {:.0f} of it after the "
                                          "backward pass; gathering weights {:.0f})",
@@ -212,6 +231,26 @@ class Steps {
           step, plan_.steps, plan_.first_step - 1, loop_time_.seconds(), "steps",
           fmt::format("loss {:.3f} | {:.0f} tok/s{}", r.loss, r.tokens_per_s, mfu_text)));
     }
+  }
+
+  // The step after `done` (the step trained last) failed before changing the weights: they are
+  // saved as `done` left them, unless this run trained nothing or `saved` (its checkpoint is
+  // written), and the run stops.
+  [[noreturn]] void fail(int64_t done, const StepFailure& failure, bool saved) {
+    const int64_t step = done + 1;
+    if (done >= plan_.first_step && !saved) save(done, 1);
+    job_ended();
+    // A rank whose own step failed says why; the others' failure is another rank's.
+    const std::string why = *failure.what() ? failure.what() : "another rank's step failed";
+    if (!lead_) {
+      if (*failure.what()) throw UserError(why);
+      throw QuietExit{1};
+    }
+    throw UserError(why + "; step " + std::to_string(step) + " not trained, " +
+                    (last_checkpoint_.empty() ? std::string("and no checkpoint")
+                                              : "the last checkpoint is " + last_checkpoint_ +
+                                                    " (continue with: cputrain " + plan_.command +
+                                                    " --resume " + plan_.dir + ")"));
   }
 
   void save(int64_t step, int stop) {

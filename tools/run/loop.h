@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "engine/core/error.h"
 #include "engine/dist/communicator.h"
 #include "engine/train/trainer.h"
 #include "models/memory_budget.h"
@@ -42,6 +43,15 @@ class BatchSource {
   // The same of the last validation: its metrics.jsonl fields, and words for its log line.
   virtual void describe_validation(nlohmann::json& /*line*/) const {}
   virtual std::string validation_note() const { return ""; }
+  // What validation measures: its words on the log line and its metrics.jsonl key.
+  virtual const char* validation_label() const { return "val"; }
+  virtual const char* validation_key() const { return "val_loss"; }
+};
+
+// A step that could not be made (a reward command that failed) before it changed anything: the
+// loop saves a checkpoint of the weights as the step found them and stops with the message.
+struct StepFailure : UserError {
+  using UserError::UserError;
 };
 
 // What a run leaves once it has trained all its steps.
