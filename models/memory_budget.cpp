@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "engine/train/trainer.h"
@@ -87,6 +88,27 @@ MemoryBudget memory_budget(const ModelConfig& c, const BudgetOptions& o) {
     if (o.packed) {
       inputs = Tensor::empty(Shape{o.batch, o.ctx}, DType::I32, MemoryCategory::Workspace);
       targets = Tensor::empty(Shape{o.batch, o.ctx}, DType::I32, MemoryCategory::Workspace);
+    }
+    // A full fine-tune's GRPO reference: the base again, frozen, beside the model that trains.
+    std::unique_ptr<DecoderModel> reference;
+    if (o.reference_copy) {
+      ModelOptions frozen;
+      frozen.compute_dtype = o.dtype;
+      frozen.trainable = [](const std::string&) { return false; };
+      if (o.reference_in_place)
+        frozen.in_place = [&o](const ParameterInfo& p) {
+          InPlaceWeight w = o.reference_in_place(p);
+          w.data = nullptr;  // measured, not read
+          return w;
+        };
+      reference = std::make_unique<DecoderModel>(c, frozen);
+      for (size_t i = 0; i < reference->parameters().infos().size(); ++i)
+        if (reference->parameters().mapped(static_cast<int>(i))) {
+          const Tensor& w = reference->parameters().var(static_cast<int>(i)).value();
+          mapped_bytes += static_cast<int64_t>(w.bytes());
+          mapped_peak[static_cast<size_t>(w.category())] +=
+              static_cast<int64_t>(memory_counted_bytes(w.bytes()));
+        }
     }
     // GRPO's generation: the caches of its sequences and their logits, counted as held through
     // the steps (the allocator's cache keeps their blocks once freed).

@@ -47,6 +47,10 @@ struct BudgetOptions {
   // GRPO (--method grpo): the sequences generated together, whose caches (KV rows of ctx each,
   // DeltaNet states) and logits are held beside the steps' memory (0: no generation).
   int64_t generations = 0;
+  // And a full fine-tune's reference (--beta): a frozen copy of the base, its matrices read in
+  // place where `reference_in_place` says (the model file's types), counted in mapped_bytes.
+  bool reference_copy = false;
+  std::function<InPlaceWeight(const ParameterInfo&)> reference_in_place;
   // Of packed rows, the most positions with a target that a micro-batch of `batch` rows holds
   // (the LM head runs on those alone); 0: every position.
   int64_t packed_targets = 0;

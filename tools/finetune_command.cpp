@@ -364,11 +364,6 @@ ModelOptions model_options(const FinetuneArgs& a, std::string* dtype_reason) {
         throw UserError(std::string(flag) + " is GRPO's: give --method grpo (the method is " +
                         a.method + ")");
   if (a.method == "grpo") {
-    if (a.full && a.beta > 0.0)
-      throw UserError(
-          "--beta " + fmt::format("{:g}", a.beta) +
-          " with --full: GRPO's KL is to the base, which a full fine-tune changes and cputrain "
-          "keeps no copy of: train adapters (without --full), or give --beta 0");
     if ((a.batch * a.accum) % a.generations != 0)
       throw UserError(fmt::format(
           "--batch {} x --accum {} = {} completions a step: not whole groups of --generations {}",
@@ -849,8 +844,11 @@ MemoryBudget plan_finetune_memory(const FinetuneArgs& a, const LoadedModel& m,
   if (e.grpo) {
     // The generation's caches of G sequences; a pass without gradients over a micro-batch's rows
     // for the reference's (or the generating policy's) log-probabilities; every position may be a
-    // completion's.
+    // completion's; a full fine-tune's reference, a frozen copy of the base.
     bo.generations = a.generations;
+    if (a.full && a.beta > 0.0)
+      bo.reference_in_place = in_place_weights(a.model, "--model", m.config);
+    bo.reference_copy = a.full && a.beta > 0.0;
     bo.eval_windows = a.beta > 0.0 || a.iterations > 1 ? a.batch : 0;
     bo.packed_targets = 0;
   }
@@ -1088,6 +1086,25 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
     // directory holds anything.
     std::vector<WeightedReward> rewards;
     if (examples.grpo) rewards = make_grpo_rewards(a, examples);
+    // GRPO's reference in a full fine-tune with --beta: the base as its file holds it, frozen
+    // (its quantised and BF16 matrices read in place where the precision allows), beside the
+    // model that trains.
+    std::optional<LoadedModel> grpo_reference;
+    if (examples.grpo && a.full && a.beta > 0.0) {
+      ModelOptions frozen;
+      frozen.compute_dtype = options.compute_dtype;
+      frozen.trainable = [](const std::string&) { return false; };
+      grpo_reference = load_model_to_train(a.model, "--model", a.ctx, frozen);
+      int64_t held = 0, mapped = 0;
+      const ParameterSet& rp = grpo_reference->model->parameters();
+      for (size_t i = 0; i < rp.infos().size(); ++i) {
+        const auto bytes = static_cast<int64_t>(rp.var(static_cast<int>(i)).value().bytes());
+        (rp.mapped(static_cast<int>(i)) ? mapped : held) += bytes;
+      }
+      log.info(
+          "reference (--beta with --full): the base from {}, frozen: {} held, {} read in place",
+          a.model, format_bytes(held), format_bytes(mapped));
+    }
     session.prepared();
 
     const int64_t per_step = a.batch * a.accum * comm.size();
@@ -1187,7 +1204,8 @@ int finetune(const FinetuneArgs& given, const Communicator& comm, JobStart& star
       go.dir = a.out;
       go.identity = fnv1a_u64(a.seed, examples.fingerprint);
       GrpoSource source(model, *m.tokenizer, examples.prompts, examples.val_prompts, rewards, go,
-                        stop_tokens(*m.tokenizer, examples.chat), !a.full, comm,
+                        stop_tokens(*m.tokenizer, examples.chat),
+                        grpo_reference ? grpo_reference->model.get() : nullptr, comm,
                         lead ? session.io().log : nullptr);
       return run_loop(plan, trainer, model.parameters(), source, output, comm, session.io());
     }

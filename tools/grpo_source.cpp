@@ -94,8 +94,9 @@ struct GrpoSource::Generation {
 
 GrpoSource::GrpoSource(DecoderModel& model, const Tokenizer& tokenizer, const GrpoPrompts& train,
                        const GrpoPrompts& val, std::vector<WeightedReward>& rewards,
-                       const GrpoOptions& options, std::vector<int32_t> stop_tokens, bool adapters,
-                       const Communicator& comm, std::shared_ptr<spdlog::logger> log)
+                       const GrpoOptions& options, std::vector<int32_t> stop_tokens,
+                       DecoderModel* reference, const Communicator& comm,
+                       std::shared_ptr<spdlog::logger> log)
     : model_(model),
       tokenizer_(tokenizer),
       train_(train),
@@ -103,7 +104,7 @@ GrpoSource::GrpoSource(DecoderModel& model, const Tokenizer& tokenizer, const Gr
       rewards_(rewards),
       o_(options),
       stop_(std::move(stop_tokens)),
-      adapters_(adapters),
+      reference_(reference),
       comm_(comm),
       log_(std::move(log)),
       order_(train.prompts.size(), options.seed + 29) {
@@ -193,7 +194,9 @@ void GrpoSource::make_generation(int64_t cycle) {
   generate(train_, prompts, keys, splitmix64(o_.seed ^ 0x67656eull), *g);
   g->rows = pack_examples(g->examples, o_.ctx);
   const int32_t pad = tokenizer_.eos_id();
-  if (o_.loss.beta > 0.0) {
+  if (o_.loss.beta > 0.0 && reference_) {
+    g->reference = target_log_probs_of(*reference_, g->rows, g->examples, o_.ctx, o_.batch, pad);
+  } else if (o_.loss.beta > 0.0) {
     model_.set_adapters_enabled(false);
     g->reference = target_log_probs_of(model_, g->rows, g->examples, o_.ctx, o_.batch, pad);
     model_.set_adapters_enabled(true);

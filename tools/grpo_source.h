@@ -74,7 +74,7 @@ class GrpoSource final : public BatchSource {
  public:
   GrpoSource(DecoderModel& model, const Tokenizer& tokenizer, const GrpoPrompts& train,
              const GrpoPrompts& val, std::vector<WeightedReward>& rewards,
-             const GrpoOptions& options, std::vector<int32_t> stop_tokens, bool adapters,
+             const GrpoOptions& options, std::vector<int32_t> stop_tokens, DecoderModel* reference,
              const Communicator& comm, std::shared_ptr<spdlog::logger> log);
   ~GrpoSource() override;
   StepResult step(Trainer& trainer, int64_t step) override;
@@ -109,7 +109,7 @@ class GrpoSource final : public BatchSource {
   std::vector<WeightedReward>& rewards_;
   GrpoOptions o_;
   std::vector<int32_t> stop_;
-  bool adapters_;
+  DecoderModel* reference_;  // the KL's (nullptr: the model with its adapters switched off)
   const Communicator& comm_;
   std::shared_ptr<spdlog::logger> log_;
   RowOrder order_;

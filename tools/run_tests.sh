@@ -23,7 +23,7 @@ if has amx_bf16; then levels+=(avx512_bf16); fi
 # The passes again leave out the tests of what a command does with its input, files and signals
 # (bad model files, refusals, interruptions, run directories), which compute the same whatever
 # kernel runs; every test that computes runs in each pass.
-again=(-E '^(BadModels|ModelBounds|FinetuneCli\.(AStopSignal|ADamaged|AResume|AnExport|BadInput|ANonFinite|Epochs|Exports)|PreferenceCli\.(AnInterrupted|AStopSignal|BadInput)|DataParallelCli\.(AStoppedOrKilled|BadInputIsSaidOnce)|Cli\.(UnknownPreset|NonPositive|OutOfRange|MissingAndEmpty|Unwritable|SampleFromMissing|ARunDirectoryIsNever|RunsResumeFromAny|ASecondProcess|WhatARunCannot|InterruptWhilePreparing|SecondInterrupt|BadDtypeAnd|BudgetThatDoesNotFit|ParityHelp))')
+again=(-E '^(BadModels|ModelBounds|FinetuneCli\.(AStopSignal|ADamaged|AResume|AnExport|BadInput|ANonFinite|Epochs|Exports)|PreferenceCli\.(AnInterrupted|AStopSignal|BadInput)|GrpoCli\.(AnInterrupted|AFailing|BadInput)|DataParallelCli\.(AStoppedOrKilled|BadInputIsSaidOnce)|Cli\.(UnknownPreset|NonPositive|OutOfRange|MissingAndEmpty|Unwritable|SampleFromMissing|ARunDirectoryIsNever|RunsResumeFromAny|ASecondProcess|WhatARunCannot|InterruptWhilePreparing|SecondInterrupt|BadDtypeAnd|BudgetThatDoesNotFit|ParityHelp))')
 for level in "${levels[@]}"; do
   echo "== the suite again with CPUTRAIN_ISA=${level}"
   CPUTRAIN_ISA=${level} ctest --output-on-failure --timeout 900 "${again[@]}" "$@"

@@ -112,6 +112,31 @@ TEST_F(GrpoCli, GroupsOfOneMakeNoUpdate) {
   EXPECT_EQ(adapters[0], adapters[1]);
 }
 
+// A full fine-tune with --beta keeps the base, frozen, as its reference: the KL is 0 at the first
+// step (the policy is the base) and grows as the weights move; the budget counts the copy.
+TEST_F(GrpoCli, AFullFineTuneKeepsItsBaseAsTheReference) {
+  const fs::path run = dir_ / "full";
+  const Result r =
+      this->run(flags(false, "1e-3") + " --full --beta 0.1 --steps 4 --out " + run.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> lines = records(run);
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[0]["kl"].get<double>(), 0.0);
+  EXPECT_GT(lines[3]["kl"].get<double>(), 0.0);
+  const std::string log = read_all(run / "train.log");
+  EXPECT_NE(log.find("reference (--beta with --full): the base from"), std::string::npos);
+  EXPECT_TRUE(fs::exists(run / "model.gguf"));
+  // Its budget is the one without --beta and the reference's weights (stories260K's, F32: held).
+  const Result without =
+      this->run(flags(false, "1e-3") + " --full --steps 1 --out " + (dir_ / "without").string());
+  ASSERT_EQ(without.exit_code, 0) << without.err;
+  const auto budget = [](const std::string& text) {
+    const size_t at = text.find("memory budget: ");
+    return at == std::string::npos ? std::string() : text.substr(at, text.find(' ', at + 15) - at);
+  };
+  EXPECT_NE(budget(log), budget(read_all(dir_ / "without" / "train.log")));
+}
+
 // Interrupted during step 5 (a stop signal ends the run after it: within the generation of steps
 // 5 and 6, --iterations 2) and resumed, the run ends with the adapter and losses of the run that
 // never stopped: step 6 trains on the generation kept in the run directory.
@@ -210,7 +235,6 @@ TEST_F(GrpoCli, BadInputGetsOneLine) {
   expect_one_line_error(run(base + " --method grpo --batch 4 --generations 4 --reward length "
                                    "--max-completion-length 64"),
                         "--max-completion-length 64 leaves no room for a prompt within --ctx 64");
-  expect_one_line_error(run(grpo + " --reward length --full --beta 0.1"), "--beta 0.1 with --full");
   const fs::path bad = dir_ / "bad.jsonl";
   std::ofstream(bad) << "{\"question\": \"a\"}\n";
   expect_one_line_error(
