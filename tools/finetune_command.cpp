@@ -441,9 +441,10 @@ std::optional<ChatTemplate> choose_chat_template(const FinetuneArgs& a, const To
 }
 
 // --val-fraction: a seeded choice of `per` consecutive examples at a time (an example, or a
-// pair's two), taken out of `all` into `val`.
-void hold_out(const FinetuneArgs& a, std::vector<FinetuneExample>& all,
-              std::vector<FinetuneExample>& val, size_t per, const char* what) {
+// pair's two; a prompt), taken out of `all` into `val`.
+template <typename Item>
+void hold_out(const FinetuneArgs& a, std::vector<Item>& all, std::vector<Item>& val, size_t per,
+              const char* what) {
   std::vector<size_t> order(all.size() / per);
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   seeded_shuffle(order, a.seed + 17);
@@ -452,7 +453,7 @@ void hold_out(const FinetuneArgs& a, std::vector<FinetuneExample>& all,
   if (n >= order.size())
     throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
                     std::to_string(order.size()) + " " + what + " leave none to train on");
-  std::vector<FinetuneExample> kept;
+  std::vector<Item> kept;
   for (size_t k = 0; k < order.size(); ++k)
     for (size_t j = 0; j < per; ++j)
       (k + n < order.size() ? kept : val).push_back(std::move(all[order[k] * per + j]));
@@ -503,19 +504,7 @@ void read_prompts(const FinetuneArgs& a, const Tokenizer& tokenizer, int64_t ctx
   if (!a.val.empty()) {
     e.val_prompts = read_grpo_prompts(a.val, tokenizer, options.chat, room, options.max_line_bytes);
   } else if (a.val_fraction > 0.0) {
-    std::vector<size_t> order(e.prompts.prompts.size());
-    std::iota(order.begin(), order.end(), size_t{0});
-    seeded_shuffle(order, a.seed + 17);
-    const auto n = static_cast<size_t>(
-        std::max(1.0, std::round(a.val_fraction * static_cast<double>(order.size()))));
-    if (n >= order.size())
-      throw UserError("--val-fraction " + std::to_string(a.val_fraction) + ": " +
-                      std::to_string(order.size()) + " prompts leave none to train on");
-    std::vector<GrpoPrompt> kept;
-    for (size_t k = 0; k < order.size(); ++k)
-      (k + n < order.size() ? kept : e.val_prompts.prompts)
-          .push_back(std::move(e.prompts.prompts[order[k]]));
-    e.prompts.prompts = std::move(kept);
+    hold_out(a, e.prompts.prompts, e.val_prompts.prompts, 1, "prompts");
   }
   log.info(
       "data: {} prompts ({} text, {} chat), {} held out; {} dropped, longer than --ctx {} less "

@@ -35,6 +35,9 @@ class Regex {
                       " (at offset " + std::to_string(offset) + ")");
     }
     data_ = pcre2_match_data_create_from_pattern(code_, nullptr);
+    uint32_t n = 0;
+    pcre2_pattern_info(code_, PCRE2_INFO_CAPTURECOUNT, &n);
+    group_ = n > 0 ? 1 : 0;
   }
   ~Regex() {
     pcre2_match_data_free(data_);
@@ -42,17 +45,12 @@ class Regex {
   }
   Regex(const Regex&) = delete;
   Regex& operator=(const Regex&) = delete;
-  bool groups() const {
-    uint32_t n = 0;
-    pcre2_pattern_info(code_, PCRE2_INFO_CAPTURECOUNT, &n);
-    return n > 0;
-  }
   // The last match in `text` (its first group where the pattern has one, else the match), or
   // nullopt; `any` stops at the first.
   std::optional<std::string> last(const std::string& text, bool any = false) const {
     std::optional<std::string> found;
     PCRE2_SIZE start = 0;
-    const int group = groups() ? 1 : 0;
+    const int group = group_;
     while (start <= text.size()) {
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(),
                                  start, 0, data_, nullptr);
@@ -71,6 +69,7 @@ class Regex {
  private:
   pcre2_code* code_ = nullptr;
   pcre2_match_data* data_ = nullptr;
+  int group_ = 0;  // the ovector pair reported: the first group where there is one
 };
 
 // A number as written: digits with commas between thousands, a sign, decimals.

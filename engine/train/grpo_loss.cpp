@@ -23,7 +23,6 @@ GrpoTokenTerm grpo_token(double logp, double old_logp, double ref_logp, double a
                          const GrpoLossOptions& o) {
   GrpoTokenTerm t;
   const double r = std::exp(logp - old_logp);
-  t.ratio = r;
   const double clipped = std::clamp(r, 1.0 - o.epsilon, 1.0 + o.epsilon_high);
   const double unclipped_term = r * advantage, clipped_term = clipped * advantage;
   // The smaller term is taken: where it is the clipped one and the clamp holds, no gradient.
@@ -104,11 +103,10 @@ void GrpoStats::add(const GrpoTokenTerm& t) {
   kl += t.kl;
   clipped_low += t.clipped_low ? 1.0 : 0.0;
   clipped_high += t.clipped_high ? 1.0 : 0.0;
-  ratio += t.ratio;
 }
 
 std::array<double, GrpoStats::kFields> GrpoStats::values() const {
-  return {tokens, kl, clipped_low, clipped_high, ratio};
+  return {tokens, kl, clipped_low, clipped_high};
 }
 
 void GrpoStats::set(const std::array<double, kFields>& v) {
@@ -116,7 +114,6 @@ void GrpoStats::set(const std::array<double, kFields>& v) {
   kl = v[1];
   clipped_low = v[2];
   clipped_high = v[3];
-  ratio = v[4];
 }
 
 }  // namespace cputrain

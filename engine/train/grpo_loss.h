@@ -35,7 +35,6 @@ struct GrpoTokenTerm {
   double loss = 0.0;
   double d_logp = 0.0;
   double kl = 0.0;
-  double ratio = 1.0;
   bool clipped_low = false;   // r < 1 - epsilon with A < 0: the clipped term is taken
   bool clipped_high = false;  // r > 1 + epsilon_high with A > 0
 };
@@ -54,11 +53,10 @@ double zero_std_fraction(std::span<const double> rewards, int64_t group);
 
 // The figures of a step's completion tokens, as TRL logs them: sums to be divided by `tokens`.
 struct GrpoStats {
-  static constexpr int kFields = 5;
+  static constexpr int kFields = 4;
   double tokens = 0.0;
   double kl = 0.0;
   double clipped_low = 0.0, clipped_high = 0.0;
-  double ratio = 0.0;
   void add(const GrpoTokenTerm& t);
   std::array<double, kFields> values() const;
   void set(const std::array<double, kFields>& v);
