@@ -1,16 +1,19 @@
-// Elementwise kernel benchmark: SwiGLU (forward, forward with bf16 output, backward) and the
-// cross-entropy forward at the shapes of one mega micro-batch (4096 tokens x ffn 1536; one LM
-// head chunk of 512 rows x vocabulary 16384), for each ISA build this CPU runs (avx2 always,
-// avx512 where present), so the builds can be compared on one machine. Next to them, what the
-// memory-bound passes are measured against: the AdamW update over 16M parameters (30 bytes
-// each) and a triad over arrays as large (c = a + s b), and the cost of entering an OpenMP
-// parallel region.
+// Elementwise kernel benchmark: SwiGLU (forward, forward with bf16 output, backward), the
+// residual sum into the next norm (apart and fused) and the cross-entropy forward at the shapes of
+// one mega micro-batch (4096 tokens x ffn 1536; one LM head chunk of 512 rows x vocabulary 16384),
+// for each ISA build this CPU runs (avx2 always, avx512 where present), so the builds can be
+// compared on one machine. Next to them, what the memory-bound passes are measured against: the
+// AdamW update over 16M parameters (30 bytes each) and a triad over arrays as large (c = a + s b),
+// and the cost of entering an OpenMP parallel region.
 //
 //   build/bench_elementwise
 //   build/bench_elementwise --benchmark_filter=avx2
 //   build/bench_elementwise --benchmark_filter='memory|openmp'
 //
-// Benchmarks are named elementwise/<isa>/<kernel>, memory/<pass> (counter GBps: bytes read and
+//   build/bench_elementwise --benchmark_filter=residual
+//
+// Benchmarks are named elementwise/<isa>/<kernel>, residual/<variant> (the residual sum and the
+// next norm, apart and fused), memory/<pass> (counter GBps: bytes read and
 // written per second) and openmp/empty_parallel_region (counter us per region).
 #include <benchmark/benchmark.h>
 #include <omp.h>
@@ -21,10 +24,13 @@
 #include <vector>
 
 #include "benchmarks/bench_timing.h"
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/ops/adamw.h"
 #include "kernels/ops/cross_entropy_isa.h"
+#include "kernels/ops/rmsnorm.h"
 #include "kernels/ops/swiglu_isa.h"
+#include "kernels/ops/vector_add.h"
 
 namespace cputrain::bench {
 namespace {
@@ -78,6 +84,59 @@ void cross_entropy(benchmark::State& state, const CrossEntropyKernels& k) {
   };
   call();
   state.counters["GBps"] = 4.0 * kRows * kVocab / timed_median(state, call) / 1e9;
+}
+
+// The residual sum into the next norm at one mega micro-batch (4096 tokens x 512), bf16 mode:
+// apart (vector_add, then rmsnorm_forward_bf16 rounding the sum; backward rmsnorm_backward
+// onto the sum's gradient, then add's copy to one side and rounding to the other) or fused
+// (add_rmsnorm_forward_bf16; add_rmsnorm_backward). Counter GBps: the bytes each variant reads
+// and writes per second; ms: one call.
+constexpr int64_t kTokens = 4096, kModel = 512;
+
+void residual_norm(benchmark::State& state, bool fused, bool forward) {
+  const int64_t N = kTokens, C = kModel, n = N * C;
+  const std::vector<float> a = values(n, 1.0f), b = values(n, 0.5f), w = values(C, 1.0f);
+  const std::vector<float> dy = values(n, 0.01f), dsum0 = values(n, 0.02f);
+  std::vector<float> sum(n), rstd(N, 1.0f), dsum = dsum0, da(n), dw(C);
+  std::vector<uint16_t> out16(n), sum16(n), db16(n);
+  for (int64_t i = 0; i < n; ++i) sum16[i] = cputrain::kernels::fp32_to_bf16(a[i] + b[i]);
+  std::function<void()> call;
+  double bytes = 0.0;
+  if (forward && fused) {
+    call = [&] {
+      kernels::add_rmsnorm_forward_bf16(sum.data(), out16.data(), sum16.data(), rstd.data(),
+                                        a.data(), b.data(), w.data(), N, C, 1e-5f);
+    };
+    bytes = 16.0 * n;  // reads a, b; writes the sum, its rounding, the norm's
+  } else if (forward) {
+    call = [&] {
+      kernels::vector_add(sum.data(), a.data(), b.data(), n);
+      kernels::rmsnorm_forward_bf16(out16.data(), sum16.data(), rstd.data(), sum.data(), w.data(),
+                                    N, C, 1e-5f);
+    };
+    bytes = 20.0 * n;  // the add's 12, the norm's read of the sum and its two roundings
+  } else if (fused) {
+    call = [&] {
+      kernels::SumGradient to_a, to_b;
+      to_a.grad = da.data();
+      to_b.rounded = db16.data();
+      kernels::add_rmsnorm_backward(to_a, to_b, dw.data(), dsum.data(), dy.data(), sum16.data(),
+                                    w.data(), rstd.data(), N, C);
+    };
+    bytes = 16.0 * n;  // reads dsum, dy, the sum's rounding; writes da, db's rounding
+  } else {
+    call = [&] {
+      kernels::rmsnorm_backward(dsum.data(), dw.data(), dy.data(), sum16.data(), w.data(),
+                                rstd.data(), N, C, true);
+      kernels::vector_copy(da.data(), dsum.data(), n);
+      kernels::fp32_to_bf16_array(db16.data(), dsum.data(), n);
+    };
+    bytes = 28.0 * n;  // the norm's 14, the copy's 8, the rounding's 6
+  }
+  call();
+  const double seconds = timed_median(state, call);
+  state.counters["GBps"] = bytes / seconds / 1e9;
+  state.counters["ms"] = seconds * 1e3;
 }
 
 constexpr int64_t kParams = int64_t{16} << 20;
@@ -153,6 +212,11 @@ int main(int argc, char** argv) {
     register_timed(prefix + "cross_entropy_forward",
                    [ce](benchmark::State& st) { cross_entropy(st, *ce); });
   }
+  for (const bool forward : {true, false})
+    for (const bool fused : {false, true})
+      register_timed(std::string("residual/") + (fused ? "add_rmsnorm_" : "add_then_rmsnorm_") +
+                         (forward ? "forward_bf16" : "backward"),
+                     [fused, forward](benchmark::State& st) { residual_norm(st, fused, forward); });
   register_timed("memory/adamw_update", adamw);
   register_timed("memory/triad", triad);
   register_timed("openmp/empty_parallel_region", empty_parallel_regions);

@@ -557,9 +557,18 @@ Variable DecoderModel::block_forward(const Block& b, const Variable& x, const Ro
     h = Variable();
     return add(add(attended, m), x);
   }
-  const Variable a = add(x, attended);
-  attended = Variable();
-  Variable out = add(a, mlp(a, false));
+  Variable out;
+  if (arch_->norm == Norm::RmsNorm && b.ffn_norm >= 0 && b.moe_norm < 0 &&
+      checkpointing_ != Checkpointing::Mlp) {
+    // The residual sum and the MLP's norm of it in one pass.
+    const SumAndNorm a = add_rmsnorm(x, attended, p(b.ffn_norm), eps, offset);
+    attended = Variable();
+    out = add(a.sum, mlp(a.normed, true));
+  } else {
+    const Variable a = add(x, attended);
+    attended = Variable();
+    out = add(a, mlp(a, false));
+  }
   if (b.pl_gate >= 0) {
     // Gemma 4's per-layer input: gelu of a gate of the layer's output times the input, projected
     // back, normed and added.

@@ -445,6 +445,93 @@ Variable head_rmsnorm(const Variable& x, const Variable& w, float eps, float off
   return rmsnorm_groups(x, w, eps, offset, false);
 }
 
+SumAndNorm add_rmsnorm(const Variable& a, const Variable& b, const Variable& w, float eps,
+                       float offset) {
+  const Shape& xs = a.shape();
+  require(a.shape() == b.shape(), "add_rmsnorm: a and b of equal shapes");
+  require(w.value().ndim() == 1 && w.shape()[0] == xs[xs.ndim() - 1],
+          "add_rmsnorm: a, b (..., C) and w (C)");
+  const int64_t C = w.shape()[0];
+  const int64_t N = a.value().numel() / C;
+  Scope scope("add_rmsnorm", Pass::Forward);
+  const bool grad = needs_grad({&a, &b, &w});
+  Tensor s = new_activation(xs);
+  Tensor rstd = new_activation(Shape{N});
+  Variable sum = Variable::op_output(s, grad);
+  Tensor y;
+  if (bf16_mode()) {
+    // The norm, as rmsnorm's, only ever a GEMM input: its rounding alone, and the sum's for
+    // the backward in the same pass.
+    y = new_activation(xs, DType::BF16);
+    const Tensor s16 = rounding_in_pass(sum, grad);
+    if (computing())
+      kernels::add_rmsnorm_forward_bf16(s.f32(), y.bf16(), bf16_or_null(s16), rstd.f32(),
+                                        fp32_value(a).f32(), fp32_value(b).f32(), w.value().f32(),
+                                        N, C, eps, offset);
+  } else {
+    y = new_activation(xs);
+    if (computing())
+      kernels::add_rmsnorm_forward(s.f32(), y.f32(), rstd.f32(), fp32_value(a).f32(),
+                                   fp32_value(b).f32(), w.value().f32(), N, C, eps, offset);
+  }
+  Variable normed = Variable::op_output(y, grad);
+  if (grad) {
+    record_backward("add_rmsnorm",
+                    [ss = saved(sum), wv = w.value(), rstd, ga = a.grad_ref(), gb = b.grad_ref(),
+                     gw = w.grad_ref(), gs = sum.grad_ref(), gy = normed.grad_ref(), N, C, offset] {
+                      const Tensor& dy = gy->tensor();
+                      const Tensor& dsum = gs->tensor();
+                      if (!dy.defined()) {
+                        // The norm unread: the sum's gradient alone, as add's backward passes it
+                        // on.
+                        if (!dsum.defined()) return;
+                        for (const GradRef* g : {&ga, &gb}) {
+                          if (!*g) continue;
+                          const Tensor rounded = (*g)->rounded_for_overwrite();
+                          if (rounded.defined()) {
+                            if (computing())
+                              kernels::fp32_to_bf16_array(rounded.bf16(), dsum.f32(), N * C);
+                            continue;
+                          }
+                          float beta = 0.0f;
+                          float* d = (*g)->get_for_accumulate(&beta).f32();
+                          if (!computing()) continue;
+                          if (beta == 0.0f)
+                            kernels::vector_copy(d, dsum.f32(), N * C);
+                          else
+                            kernels::vector_accumulate(d, dsum.f32(), N * C);
+                        }
+                        return;
+                      }
+                      // Each side's target, a's first (a and b may be one variable).
+                      const auto side = [](const GradRef& g) {
+                        kernels::SumGradient out;
+                        if (!g) return out;
+                        const Tensor rounded = g->rounded_for_overwrite();
+                        if (rounded.defined()) {
+                          out.rounded = rounded.bf16();
+                          return out;
+                        }
+                        float beta = 0.0f;
+                        out.grad = g->get_for_accumulate(&beta).f32();
+                        out.accumulate = beta != 0.0f;
+                        return out;
+                      };
+                      const kernels::SumGradient da = side(ga), db = side(gb);
+                      Tensor dw = summed_gradient(gw, Shape{C});
+                      if (!computing()) return;
+                      const float* ds = dsum.defined() ? dsum.f32() : nullptr;
+                      if (ss.dtype() == DType::BF16)
+                        kernels::add_rmsnorm_backward(da, db, dw.f32(), ds, dy.f32(), ss.bf16(),
+                                                      wv.f32(), rstd.f32(), N, C, offset);
+                      else
+                        kernels::add_rmsnorm_backward(da, db, dw.f32(), ds, dy.f32(), ss.f32(),
+                                                      wv.f32(), rstd.f32(), N, C, offset);
+                    });
+  }
+  return {sum, normed};
+}
+
 Variable layernorm(const Variable& x, const Variable& w, const Variable& b, float eps) {
   const Shape& xs = x.shape();
   const int64_t C = xs[xs.ndim() - 1];

@@ -35,6 +35,14 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
 // held as Gemma's Hugging Face files hold them. In bf16 mode its value is its bf16 rounding
 // alone (a GEMM's input).
 Variable rmsnorm(const Variable& x, const Variable& w, float eps, float offset = 0.0f);
+// add(a, b) and rmsnorm of the sum in one pass over the rows (a residual into the next norm):
+// the sum (FP32) and its norm, each with the values and gradients of the two ops apart.
+struct SumAndNorm {
+  Variable sum;
+  Variable normed;
+};
+SumAndNorm add_rmsnorm(const Variable& a, const Variable& b, const Variable& w, float eps,
+                       float offset = 0.0f);
 // x (..., H * D), w (D) -> each of the H heads of D normalised as rmsnorm does, FP32 in either
 // compute mode (Qwen3's norms of q and k, whose output RoPE takes).
 Variable head_rmsnorm(const Variable& x, const Variable& w, float eps, float offset = 0.0f);

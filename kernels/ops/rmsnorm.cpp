@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
@@ -36,20 +37,44 @@ inline void put(uint16_t& out, float y) {
   out = fp32_to_bf16(y);
 }
 
+// One row of the norm: y (C) from x (C), x16 (where not null) the rounding of x; returns the
+// reciprocal norm.
+template <class Out>
+inline float norm_row(Out* y, uint16_t* x16, const float* x, const float* weight, int64_t C,
+                      float eps, float offset) {
+  const double ss = sum8(C, [x](int64_t c) { return static_cast<double>(x[c]) * x[c]; });
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
+  for (int64_t c = 0; c < C; ++c) put(y[c], x[c] * r * (weight[c] + offset));
+  if (x16 != nullptr)
+    for (int64_t c = 0; c < C; ++c) x16[c] = fp32_to_bf16(x[c]);
+  return r;
+}
+
 // Out FP32 or bf16 (rounded); inp16, where not null, receives the rounding of inp.
 template <class Out>
 void forward(Out* out, uint16_t* inp16, float* rstd, const float* inp, const float* weight,
              int64_t N, int64_t C, float eps, float offset) {
 #pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i)
+    rstd[i] = norm_row(out + i * C, inp16 != nullptr ? inp16 + i * C : nullptr, inp + i * C, weight,
+                       C, eps, offset);
+}
+
+inline void add_row(float* __restrict s, const float* __restrict x, const float* __restrict y,
+                    int64_t C) {
+  for (int64_t c = 0; c < C; ++c) s[c] = x[c] + y[c];
+}
+
+// The sum a + b written to `sum`, each row normed while it is in cache.
+template <class Out>
+void add_forward(float* sum, Out* out, uint16_t* sum16, float* rstd, const float* a, const float* b,
+                 const float* weight, int64_t N, int64_t C, float eps, float offset) {
+#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
-    const float* x = inp + i * C;
-    Out* y = out + i * C;
-    const double ss = sum8(C, [x](int64_t c) { return static_cast<double>(x[c]) * x[c]; });
-    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(C) + eps));
-    for (int64_t c = 0; c < C; ++c) put(y[c], x[c] * r * (weight[c] + offset));
-    if (inp16 != nullptr)
-      for (int64_t c = 0; c < C; ++c) inp16[i * C + c] = fp32_to_bf16(x[c]);
-    rstd[i] = r;
+    float* s = sum + i * C;
+    add_row(s, a + i * C, b + i * C, C);
+    rstd[i] = norm_row(out + i * C, sum16 != nullptr ? sum16 + i * C : nullptr, s, weight, C, eps,
+                       offset);
   }
 }
 
@@ -75,6 +100,16 @@ void rows_with_weight_sums(int64_t N, int64_t C, float* dweight, float* second, 
   }
 }
 
+// The norm's row term: k, where x's gradient is dy (w + offset) r - k x.
+template <class In>
+inline float row_k(const float* dy, const In* x, const float* weight, float r, int64_t C,
+                   float offset) {
+  const double dot = sum8(C, [=](int64_t c) {  // sum_c dy * w * x
+    return static_cast<double>(dy[c]) * (weight[c] + offset) * value(x[c]);
+  });
+  return static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
+}
+
 // inp FP32 or bf16.
 template <class In>
 void backward(float* dinp, float* dweight, const float* dout, const In* inp, const float* weight,
@@ -84,15 +119,67 @@ void backward(float* dinp, float* dweight, const float* dout, const In* inp, con
     const float* dy = dout + i * C;
     float* dx = dinp + i * C;
     const float r = rstd[i];
-    const double dot = sum8(C, [=](int64_t c) {  // sum_c dy * w * x
-      return static_cast<double>(dy[c]) * (weight[c] + offset) * value(x[c]);
-    });
-    const float k = static_cast<float>(dot / static_cast<double>(C)) * r * r * r;
+    const float k = row_k(dy, x, weight, r, C, offset);
     for (int64_t c = 0; c < C; ++c) {
       const float xc = value(x[c]);
       dx[c] = (accumulate ? dx[c] : 0.0f) + (dy[c] * (weight[c] + offset) * r - k * xc);
       dw[c] += dy[c] * xc * r;
     }
+  });
+}
+
+// Writes one row's gradient g (C) to a side's, at element j: its rounding, a copy, or added on.
+inline void put_side(const SumGradient& side, int64_t j, const float* g, int64_t C) {
+  if (side.rounded != nullptr) {
+    uint16_t* d = side.rounded + j;
+    for (int64_t c = 0; c < C; ++c) d[c] = fp32_to_bf16(g[c]);
+  } else if (side.grad != nullptr && side.accumulate) {
+    float* d = side.grad + j;
+    for (int64_t c = 0; c < C; ++c) d[c] += g[c];
+  } else if (side.grad != nullptr) {
+    std::memcpy(side.grad + j, g, static_cast<size_t>(C) * sizeof(float));
+  }
+}
+
+// One row of the sum's gradient: g = (the sum's other gradient ds, or 0 where null) + the
+// norm's, as rmsnorm_backward adds them; dw += the row's part of the weight's.
+template <class In>
+inline void sum_gradient_row(float* __restrict g, float* __restrict dw, const float* __restrict ds,
+                             const float* __restrict dy, const In* __restrict x,
+                             const float* __restrict weight, float r, float k, int64_t C,
+                             float offset) {
+  if (ds != nullptr) {
+    for (int64_t c = 0; c < C; ++c) {
+      const float xc = value(x[c]);
+      g[c] = ds[c] + (dy[c] * (weight[c] + offset) * r - k * xc);
+      dw[c] += dy[c] * xc * r;
+    }
+  } else {
+    for (int64_t c = 0; c < C; ++c) {
+      const float xc = value(x[c]);
+      g[c] = 0.0f + (dy[c] * (weight[c] + offset) * r - k * xc);
+      dw[c] += dy[c] * xc * r;
+    }
+  }
+}
+
+template <class In>
+void add_backward(const SumGradient& da, const SumGradient& db, float* dweight, const float* dsum,
+                  const float* dout, const In* inp, const float* weight, const float* rstd,
+                  int64_t N, int64_t C, float offset) {
+  rows_with_weight_sums(N, C, dweight, nullptr, [=](int64_t i, float* dw) {
+    // The row's gradient of the sum, in cache while it goes to both sides.
+    thread_local std::vector<float> row;
+    row.resize(static_cast<size_t>(C));
+    float* g = row.data();
+    const In* x = inp + i * C;
+    const float* dy = dout + i * C;
+    const float r = rstd[i];
+    const float k = row_k(dy, x, weight, r, C, offset);
+    sum_gradient_row(g, dw, dsum != nullptr ? dsum + i * C : nullptr, dy, x, weight, r, k, C,
+                     offset);
+    put_side(da, i * C, g, C);
+    put_side(db, i * C, g, C);
   });
 }
 
@@ -169,6 +256,31 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const uint
                       const float* weight, const float* rstd, int64_t N, int64_t C, bool accumulate,
                       float offset) {
   backward(dinp, dweight, dout, inp, weight, rstd, N, C, accumulate, offset);
+}
+
+void add_rmsnorm_forward(float* sum, float* out, float* rstd, const float* a, const float* b,
+                         const float* weight, int64_t N, int64_t C, float eps, float offset) {
+  add_forward(sum, out, nullptr, rstd, a, b, weight, N, C, eps, offset);
+}
+
+void add_rmsnorm_forward_bf16(float* sum, uint16_t* out, uint16_t* sum16, float* rstd,
+                              const float* a, const float* b, const float* weight, int64_t N,
+                              int64_t C, float eps, float offset) {
+  add_forward(sum, out, sum16, rstd, a, b, weight, N, C, eps, offset);
+}
+
+void add_rmsnorm_backward(const SumGradient& da, const SumGradient& db, float* dweight,
+                          const float* dsum, const float* dout, const float* sum,
+                          const float* weight, const float* rstd, int64_t N, int64_t C,
+                          float offset) {
+  add_backward(da, db, dweight, dsum, dout, sum, weight, rstd, N, C, offset);
+}
+
+void add_rmsnorm_backward(const SumGradient& da, const SumGradient& db, float* dweight,
+                          const float* dsum, const float* dout, const uint16_t* sum,
+                          const float* weight, const float* rstd, int64_t N, int64_t C,
+                          float offset) {
+  add_backward(da, db, dweight, dsum, dout, sum, weight, rstd, N, C, offset);
 }
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,

@@ -26,6 +26,35 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const uint
                       const float* weight, const float* rstd, int64_t N, int64_t C, bool accumulate,
                       float offset = 0.0f);
 
+// The residual sum into the next norm in one pass over the rows: sum = a + b (each row as
+// vector_add writes it), then out and rstd as rmsnorm_forward(_bf16) gives them for sum, sum16
+// (where not null) the rounding of sum.
+void add_rmsnorm_forward(float* sum, float* out, float* rstd, const float* a, const float* b,
+                         const float* weight, int64_t N, int64_t C, float eps, float offset = 0.0f);
+void add_rmsnorm_forward_bf16(float* sum, uint16_t* out, uint16_t* sum16, float* rstd,
+                              const float* a, const float* b, const float* weight, int64_t N,
+                              int64_t C, float eps, float offset = 0.0f);
+// Where one side of the sum takes its gradient (N, C): its bf16 rounding (`rounded`, the
+// gradient's first and only contribution), else `grad`, added onto where `accumulate`; neither
+// set: nothing.
+struct SumGradient {
+  float* grad = nullptr;
+  uint16_t* rounded = nullptr;
+  bool accumulate = false;
+};
+// The backward of both: the sum's gradient g = dsum (its other readers'; null: none) + the
+// norm's d/dsum given dout, the bits of rmsnorm_backward accumulating onto dsum; g goes to
+// each side (a's first, then b's: they may be one tensor), dweight (C) += d/dweight. sum FP32
+// or its bf16 rounding, as rmsnorm_backward's inp.
+void add_rmsnorm_backward(const SumGradient& da, const SumGradient& db, float* dweight,
+                          const float* dsum, const float* dout, const float* sum,
+                          const float* weight, const float* rstd, int64_t N, int64_t C,
+                          float offset = 0.0f);
+void add_rmsnorm_backward(const SumGradient& da, const SumGradient& db, float* dweight,
+                          const float* dsum, const float* dout, const uint16_t* sum,
+                          const float* weight, const float* rstd, int64_t N, int64_t C,
+                          float offset = 0.0f);
+
 // inp, out (N, C); weight, bias (C); mean and rstd (N) receive each row's mean and
 // 1 / sqrt(var + eps) for backward.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,

@@ -368,6 +368,56 @@ TEST(OpsBf16, LinearRoundedIsLinearsRounding) {
   }
 }
 
+// add_rmsnorm is add then rmsnorm bit for bit: the sum, the norm and every gradient, in FP32
+// and bf16, with and without Gemma's offset, over rows of no vector width's multiple; the sum
+// read again after the norm's reader or by the norm alone, one side a linear layer's output
+// (whose gradient bf16 mode writes as its rounding), or the two sides one variable.
+TEST(OpsBf16, AddRmsNormIsAddThenRmsNormBitForBit) {
+  std::mt19937 rng(21);
+  const int64_t B = 3, T = 5;
+  for (const int64_t C : {int64_t{37}, int64_t{200}}) {
+    const Tensor x0 = random_tensor(Shape{B, T, C}, rng, false);
+    const Tensor y0 = random_tensor(Shape{B, T, C}, rng, false);
+    const Tensor g0 = random_tensor(Shape{C}, rng, false);
+    const Tensor wb0 = random_tensor(Shape{C, C}, rng, false, 0.2f);
+    const Tensor wm0 = random_tensor(Shape{C, C}, rng, false, 0.2f);
+    const Tensor r = random_tensor(Shape{B, T, C}, rng, false);
+    for (const float offset : {0.0f, 1.0f})
+      for (const DType dtype : {DType::F32, DType::BF16})
+        for (const int reading : {0, 1, 2}) {  // the sum read again; the norm alone; b = a
+          const auto run = [&](bool fused) {
+            ComputeDTypeGuard precision(dtype);
+            Variable x(x0, true), y(y0, true), g(g0, true), wb(wb0, true), wm(wm0, true);
+            const Tensor zeros = Tensor::zeros(x0.shape(), DType::F32, MemoryCategory::Workspace);
+            const Variable a = add(x, Variable(zeros, false));
+            const Variable b = reading == 2 ? a : linear(add(y, Variable(zeros, false)), wb);
+            Variable sum, normed;
+            if (fused) {
+              SumAndNorm both = add_rmsnorm(a, b, g, 1e-5f, offset);
+              sum = both.sum;
+              normed = both.normed;
+            } else {
+              sum = add(a, b);
+              normed = rmsnorm(sum, g, 1e-5f, offset);
+            }
+            const Variable m = linear(normed, wm);
+            std::vector<std::vector<float>> got{values(sum.value()), values(normed.value())};
+            backward(reading == 1 ? m : add(sum, m), r);
+            for (const Variable* v : {&x, &y, &g, &wb, &wm})
+              got.push_back(v->requires_grad() && v->grad().defined() ? values(v->grad())
+                                                                      : std::vector<float>());
+            return got;
+          };
+          const auto fused = run(true), apart = run(false);
+          ASSERT_EQ(fused.size(), apart.size());
+          for (size_t i = 0; i < fused.size(); ++i)
+            EXPECT_EQ(fused[i], apart[i])
+                << "C " << C << " offset " << offset << " bf16 " << (dtype == DType::BF16)
+                << " reading " << reading << " tensor " << i;
+        }
+  }
+}
+
 TEST(OpsBf16, SavedActivationsAreBf16) {
   std::mt19937 rng(6);
   const int64_t B = 2, T = 16, H = 4, C = 32, E = B * T * C;

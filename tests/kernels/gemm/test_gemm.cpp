@@ -591,15 +591,23 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
   }
 }
 
+// Clears the GEMM tunings at the end of a test.
+struct ClearTunings {
+  ~ClearTunings() { gemm_clear_tunings(); }
+};
+
 // Where a thread's B block on the fused path is larger than L2, bf16 packs A once for all
 // threads: a row's packed A is taken from a shared slot another thread has filled, or packed
 // where it is not ready. The bits are the blocked path's: 2 threads with 18 micro-panels of
 // columns each and 3 threads with 18, K over three blocks of 1024 (the third refills the first
 // block's slots), rows ending short of a micro-panel, beta 1 and 0; and rows are read from the
-// shared slots.
+// shared slots. The threshold is the tuning's L2 of 1 MiB, whatever this CPU's L2.
 TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
   if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the fused path is the avx512 kernels'";
   const OnAvx512Kernels on_avx512;
+  const ClearTunings clear;
+  for (const int threads : {2, 3})
+    gemm_set_tuning(TunedGemm::Bf16Avx512, threads, {.shared_a_kib = 1024});
   struct Setting {
     int threads;
     Case c;
@@ -625,11 +633,6 @@ TEST(GemmPaths, Bf16FusedSharedPackingOfAGivesTheBlockedPathsBits) {
         << what << ": no row read its packed A from the shared slots";
   }
 }
-
-// Clears the GEMM tunings at the end of a test.
-struct ClearTunings {
-  ~ClearTunings() { gemm_clear_tunings(); }
-};
 
 // The tuned blocking (gemm_tuning.h) decides only how a product is split into work items and
 // packed blocks, never the order in which a tile sums its K: every tuning gives the default's
