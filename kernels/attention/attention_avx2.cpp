@@ -1,5 +1,5 @@
-// The tiled attention compiled for the baseline ISA (AVX2 and FMA): a vector is two ymm, so
-// register blocks are of one row.
+// The tiled attention compiled for the baseline ISA (AVX2 and FMA): a vector is two ymm; the
+// tiles' products run in blocks of 6 rows x 16 columns of their own (tile_product_avx2).
 #include "kernels/attention/attention_isa.h"
 #include "kernels/attention/attention_tiled.h"
 
@@ -8,14 +8,14 @@ namespace cputrain::kernels {
 void attention_forward_avx2(float* out, float* lse, const float* q, const float* k, const float* v,
                             int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                             const AttentionOptions& options) {
-  detail::attention_forward_tiled<1>(out, lse, q, k, v, B, T, H, KVH, D, options);
+  detail::attention_forward_tiled<6>(out, lse, q, k, v, B, T, H, KVH, D, options);
 }
 
 void attention_backward_avx2(float* dq, float* dk, float* dv, const float* dout, const float* q,
                              const float* k, const float* v, const float* out, const float* lse,
                              int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                              bool accumulate, const AttentionOptions& options) {
-  detail::attention_backward_tiled<1>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D,
+  detail::attention_backward_tiled<6>(dq, dk, dv, dout, q, k, v, out, lse, B, T, H, KVH, D,
                                       accumulate, options);
 }
 

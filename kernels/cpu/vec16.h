@@ -67,17 +67,54 @@ inline vf load_bf16(const uint16_t* p, int n) {
   typedef uint16_t vh __attribute__((vector_size(32), may_alias));
   vh h{};
   std::memcpy(&h, p, sizeof(uint16_t) * static_cast<size_t>(n));
+#if defined(__AVX512F__)
   return (vf)(__builtin_convertvector(h, vu) << 16);
+#else
+  // GCC lowers the conversion above lane by lane where a vector spans two registers.
+  const __m256i x = (__m256i)h;
+  union {
+    __m256i w[2];
+    vf v;
+  } r;
+  r.w[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), 16);
+  r.w[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), 16);
+  return r.v;
+#endif
 }
 
 // The first n (<= kLanes) lanes of v rounded to bf16 at p, as fp32_to_bf16 rounds (to
 // nearest even; a NaN stays a quiet NaN).
 inline void store_bf16(uint16_t* p, vf v, int n) {
   typedef uint16_t vh __attribute__((vector_size(32), may_alias));
+#if defined(__AVX512F__)
   const vu bits = (vu)v;
   const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   const vu quiet = (bits >> 16) | 0x0040u;
   const vh h = __builtin_convertvector((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, vh);
+#else
+  // The same in AVX2 intrinsics: GCC lowers the selection and the narrowing above lane by lane
+  // where a vector spans two registers.
+  union {
+    vf v;
+    __m256i w[2];
+  } in{v};
+  __m256i half[2];
+  for (int k = 0; k < 2; ++k) {
+    const __m256i bits = in.w[k];
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)),
+                                           _mm256_and_si256(high, _mm256_set1_epi32(1))),
+                          16);
+    const __m256i quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x0040));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    half[k] = _mm256_blendv_epi8(rounded, quiet, nan);
+  }
+  // Both halves hold values below 2^16, so the saturating pack keeps them; it interleaves the
+  // halves' 128-bit lanes, which the permutation puts back in order.
+  const vh h = (vh)_mm256_permute4x64_epi64(_mm256_packus_epi32(half[0], half[1]), 0xD8);
+#endif
   if (n == kLanes)
     std::memcpy(p, &h, sizeof(h));
   else

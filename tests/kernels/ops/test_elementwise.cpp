@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <iterator>
 #include <limits>
@@ -262,9 +263,12 @@ TEST(SwiGlu, Bf16ForwardRoundsWhatFp32ForwardWrites) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   const float denormal = std::numeric_limits<float>::denorm_min() * 3.0f;
-  // 1 + 2^-8 is a tie between two bf16 values (rounds to even: 1); 1 + 3 * 2^-8 rounds up.
-  const float specials[] = {nan,         inf,         -inf,  denormal, -denormal,
-                            1.00390625f, 1.01171875f, -0.0f, 3.0e38f,  -100.0f};
+  // 1 + 2^-8 is a tie between two bf16 values (rounds to even: 1); 1 + 3 * 2^-8 rounds up. NaNs
+  // whose rounding would carry into the sign, or drop the payload to infinity, stay quiet NaNs.
+  const float full_payload = std::bit_cast<float>(0xffffffffu);
+  const float signaling = std::bit_cast<float>(0x7f800001u);
+  const float specials[] = {nan,   inf,     -inf,         denormal,  -denormal,   1.00390625f,
+                            -0.0f, 3.0e38f, full_payload, signaling, 1.01171875f, -100.0f};
   for (size_t i = 0; i < std::size(specials); ++i) {
     gate[n - 1 - i] = specials[i];
     up[n - 1 - 2 * i] = specials[i];
