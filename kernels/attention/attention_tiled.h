@@ -43,11 +43,10 @@ using vec::vf;
 constexpr int64_t kTile = kAttentionTile;  // a multiple of kLanes
 
 #if !defined(__AVX512F__)
-// tile_product (below) on AVX2, in intrinsics: GCC keeps 64-byte vectors that span two ymm on the
-// stack inside loops, which ran these products at a twentieth of the peak. Blocks of 6 rows x 16
-// columns: 12 accumulators, two vectors of B and a broadcast of A in the 16 ymm registers. Each
-// element sums its products in the order of k, one fused multiply-add each, as the generic
-// version does.
+// tile_product (below) on AVX2, in intrinsics: blocks of 6 rows x 16 columns, 12 accumulators,
+// two vectors of B and a broadcast of A in the 16 ymm registers, where the generic blocks of
+// 16-float vectors hold one row. Each element sums its products in the order of k, one fused
+// multiply-add each, as the generic version does.
 template <bool TA>
 void tile_product_avx2(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
                        int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate) {

@@ -1,7 +1,8 @@
-// Vectors of 16 floats as GCC vector types, and a vectorised exp on them. The ISA comes from
-// the flags of the file that includes this header (one zmm per vector with AVX-512, two ymm
-// with AVX2), so everything here has internal linkage: each file gets its own copy, and code
-// built for AVX-512 can never be picked by the linker for a file built for AVX2.
+// Vectors of 16 floats, and a vectorised exp on them: a GCC vector type (one zmm) with AVX-512, a
+// pair of 8-float ones (two ymm) with the operators of one with AVX2. The ISA comes from the
+// flags of the file that includes this header, so everything here has internal linkage: each
+// file gets its own copy, and code built for AVX-512 can never be picked by the linker for a file
+// built for AVX2.
 #pragma once
 
 // Vectors are passed only between inline functions, so the ABI note GCC gives for them where
@@ -17,6 +18,8 @@ namespace cputrain::kernels::vec {
 namespace {
 
 constexpr int kLanes = 16;
+
+#if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64), may_alias));
 typedef uint32_t vu __attribute__((vector_size(64), may_alias));
 typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
@@ -27,6 +30,76 @@ inline __attribute__((always_inline)) vf load(const float* p) {
 inline __attribute__((always_inline)) void store(float* p, vf v) {
   *reinterpret_cast<vf_unaligned*>(p) = v;
 }
+// The bits of each lane, and the lanes of those bits.
+inline __attribute__((always_inline)) vu bits_of(vf v) {
+  return (vu)v;
+}
+inline __attribute__((always_inline)) vf from_bits(vu u) {
+  return (vf)u;
+}
+#else
+// Two ymm: a pair of 8-lane vectors with the operators of a GCC vector. A 64-byte GCC vector
+// does the same arithmetic, but GCC keeps one that spans two registers on the stack wherever it
+// lives across a loop's iterations (narrow stores read back wide, which stalls), which makes the
+// cross-entropy's and SwiGLU's loops 2-4 times slower and attention's products 20 times.
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef float v8f_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+
+struct vf {
+  v8f lo, hi;
+  float operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  float& operator[](int i) { return reinterpret_cast<float*>(this)[i]; }
+};
+struct vu {
+  v8u lo, hi;
+};
+
+#define CPUTRAIN_VEC16_OPS(V, S, op)                                   \
+  inline __attribute__((always_inline)) V operator op(V a, V b) {      \
+    return {a.lo op b.lo, a.hi op b.hi};                               \
+  }                                                                    \
+  inline __attribute__((always_inline)) V operator op(V a, S b) {      \
+    return {a.lo op b, a.hi op b};                                     \
+  }                                                                    \
+  inline __attribute__((always_inline)) V operator op(S a, V b) {      \
+    return {a op b.lo, a op b.hi};                                     \
+  }                                                                    \
+  inline __attribute__((always_inline)) V& operator op##=(V& a, V b) { \
+    return a = a op b;                                                 \
+  }                                                                    \
+  inline __attribute__((always_inline)) V& operator op##=(V& a, S b) { \
+    return a = a op b;                                                 \
+  }
+CPUTRAIN_VEC16_OPS(vf, float, +)
+CPUTRAIN_VEC16_OPS(vf, float, -)
+CPUTRAIN_VEC16_OPS(vf, float, *)
+CPUTRAIN_VEC16_OPS(vf, float, /)
+CPUTRAIN_VEC16_OPS(vu, uint32_t, +)
+CPUTRAIN_VEC16_OPS(vu, uint32_t, &)
+CPUTRAIN_VEC16_OPS(vu, uint32_t, |)
+CPUTRAIN_VEC16_OPS(vu, uint32_t, >>)
+CPUTRAIN_VEC16_OPS(vu, uint32_t, <<)
+#undef CPUTRAIN_VEC16_OPS
+inline __attribute__((always_inline)) vf operator-(vf a) {
+  return {-a.lo, -a.hi};
+}
+
+inline __attribute__((always_inline)) vf load(const float* p) {
+  return {*reinterpret_cast<const v8f_unaligned*>(p),
+          *reinterpret_cast<const v8f_unaligned*>(p + 8)};
+}
+inline __attribute__((always_inline)) void store(float* p, vf v) {
+  *reinterpret_cast<v8f_unaligned*>(p) = v.lo;
+  *reinterpret_cast<v8f_unaligned*>(p + 8) = v.hi;
+}
+inline __attribute__((always_inline)) vu bits_of(vf v) {
+  return {(v8u)v.lo, (v8u)v.hi};
+}
+inline __attribute__((always_inline)) vf from_bits(vu u) {
+  return {(v8f)u.lo, (v8f)u.hi};
+}
+#endif
 inline __attribute__((always_inline)) vf splat(float a) {
   return vf{} + a;
 }
@@ -70,15 +143,9 @@ inline vf load_bf16(const uint16_t* p, int n) {
 #if defined(__AVX512F__)
   return (vf)(__builtin_convertvector(h, vu) << 16);
 #else
-  // GCC lowers the conversion above lane by lane where a vector spans two registers.
   const __m256i x = (__m256i)h;
-  union {
-    __m256i w[2];
-    vf v;
-  } r;
-  r.w[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), 16);
-  r.w[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), 16);
-  return r.v;
+  return {(v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x)), 16),
+          (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1)), 16)};
 #endif
 }
 
@@ -92,15 +159,11 @@ inline void store_bf16(uint16_t* p, vf v, int n) {
   const vu quiet = (bits >> 16) | 0x0040u;
   const vh h = __builtin_convertvector((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded, vh);
 #else
-  // The same in AVX2 intrinsics: GCC lowers the selection and the narrowing above lane by lane
-  // where a vector spans two registers.
-  union {
-    vf v;
-    __m256i w[2];
-  } in{v};
+  // The same in AVX2 intrinsics, a register at a time.
+  const __m256i in[2] = {(__m256i)v.lo, (__m256i)v.hi};
   __m256i half[2];
   for (int k = 0; k < 2; ++k) {
-    const __m256i bits = in.w[k];
+    const __m256i bits = in[k];
     const __m256i high = _mm256_srli_epi32(bits, 16);
     const __m256i rounded =
         _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)),
@@ -122,9 +185,8 @@ inline void store_bf16(uint16_t* p, vf v, int n) {
 }
 
 // max_of(a, b) = a > b ? a : b and min_of(a, b) = a < b ? a : b per lane, b where either is NaN
-// (the x86 max and min instructions). Selections go through them because GCC lowers a ?: on
-// these vectors lane by lane, through the stack, where a vector spans two registers (AVX2): vec
-// exp took 8.7 ms per 4M floats that way against 1.1 ms so.
+// (the x86 max and min instructions). Selections go through them and select_less: GCC lowers a
+// ?: on a 64-byte vector lane by lane where it spans two registers, and AVX2's pair has none.
 #if defined(__AVX512F__)
 inline __attribute__((always_inline)) vf max_of(vf a, vf b) {
   return (vf)_mm512_max_ps((__m512)a, (__m512)b);
@@ -133,21 +195,13 @@ inline __attribute__((always_inline)) vf min_of(vf a, vf b) {
   return (vf)_mm512_min_ps((__m512)a, (__m512)b);
 }
 #else
-union Halves {
-  vf v;
-  __m256 h[2];
-};
 inline __attribute__((always_inline)) vf max_of(vf a, vf b) {
-  Halves x{a}, y{b}, r;
-  r.h[0] = _mm256_max_ps(x.h[0], y.h[0]);
-  r.h[1] = _mm256_max_ps(x.h[1], y.h[1]);
-  return r.v;
+  return {(v8f)_mm256_max_ps((__m256)a.lo, (__m256)b.lo),
+          (v8f)_mm256_max_ps((__m256)a.hi, (__m256)b.hi)};
 }
 inline __attribute__((always_inline)) vf min_of(vf a, vf b) {
-  Halves x{a}, y{b}, r;
-  r.h[0] = _mm256_min_ps(x.h[0], y.h[0]);
-  r.h[1] = _mm256_min_ps(x.h[1], y.h[1]);
-  return r.v;
+  return {(v8f)_mm256_min_ps((__m256)a.lo, (__m256)b.lo),
+          (v8f)_mm256_min_ps((__m256)a.hi, (__m256)b.hi)};
 }
 #endif
 
@@ -158,10 +212,7 @@ inline __attribute__((always_inline)) vf sqrt(vf a) {
 }
 #else
 inline __attribute__((always_inline)) vf sqrt(vf a) {
-  Halves x{a}, r;
-  r.h[0] = _mm256_sqrt_ps(x.h[0]);
-  r.h[1] = _mm256_sqrt_ps(x.h[1]);
-  return r.v;
+  return {(v8f)_mm256_sqrt_ps((__m256)a.lo), (v8f)_mm256_sqrt_ps((__m256)a.hi)};
 }
 #endif
 
@@ -173,10 +224,11 @@ inline __attribute__((always_inline)) vf select_less(vf a, vf b, vf x, vf y) {
 }
 #else
 inline __attribute__((always_inline)) vf select_less(vf a, vf b, vf x, vf y) {
-  Halves p{a}, q{b}, s{x}, t{y}, r;
-  for (int h = 0; h < 2; ++h)
-    r.h[h] = _mm256_blendv_ps(t.h[h], s.h[h], _mm256_cmp_ps(p.h[h], q.h[h], _CMP_LT_OQ));
-  return r.v;
+  const auto half = [](v8f p, v8f q, v8f s, v8f t) {
+    return (v8f)_mm256_blendv_ps((__m256)t, (__m256)s,
+                                 _mm256_cmp_ps((__m256)p, (__m256)q, _CMP_LT_OQ));
+  };
+  return {half(a.lo, b.lo, x.lo, y.lo), half(a.hi, b.hi, x.hi, y.hi)};
 }
 #endif
 
@@ -220,8 +272,8 @@ inline __attribute__((always_inline)) vf exp(vf x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   // 2^n: the exponent field n + 127, from t's bits 0x4B400000 + n.
-  const vu scale = ((vu)t + (127u - 0x4B400000u)) << 23;
-  return p * (vf)scale;
+  const vu scale = (bits_of(t) + (127u - 0x4B400000u)) << 23u;
+  return p * from_bits(scale);
 }
 
 inline float exp(float x) {
@@ -231,7 +283,7 @@ inline float exp(float x) {
 // tanh(x) per lane, within a few ulp: the odd Taylor polynomial to x^9 below |x| = 0.25 (the next
 // term under 3e-9), (1 - e) / (1 + e) with e = exp(-2|x|) above, with x's sign.
 inline __attribute__((always_inline)) vf tanh(vf x) {
-  const vf a = (vf)((vu)x & 0x7FFFFFFFu);  // |x|
+  const vf a = from_bits(bits_of(x) & 0x7FFFFFFFu);  // |x|
   const vf e = exp(-2.0f * a);
   const vf big = (1.0f - e) / (1.0f + e);
   const vf x2 = x * x;
@@ -242,7 +294,7 @@ inline __attribute__((always_inline)) vf tanh(vf x) {
   small = small * x2 + 1.0f;
   small = small * a;
   const vf mag = select_less(a, splat(0.25f), small, big);
-  return (vf)(((vu)x & 0x80000000u) | (vu)mag);
+  return from_bits((bits_of(x) & 0x80000000u) | bits_of(mag));
 }
 
 }  // namespace
