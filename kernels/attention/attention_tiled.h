@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention/attention.h"
@@ -80,25 +81,11 @@ void tile_product_avx2(float* C, int64_t ldc, const float* A, int64_t lda, const
       }
     };
     for (; m0 + 6 <= M; m0 += 6) block(std::integral_constant<int, 6>{});
-    switch (M - m0) {
-      case 5:
-        block(std::integral_constant<int, 5>{});
-        break;
-      case 4:
-        block(std::integral_constant<int, 4>{});
-        break;
-      case 3:
-        block(std::integral_constant<int, 3>{});
-        break;
-      case 2:
-        block(std::integral_constant<int, 2>{});
-        break;
-      case 1:
-        block(std::integral_constant<int, 1>{});
-        break;
-      default:
-        break;
+    // The last M % 6 rows: one block of their count.
+    [&]<int... R>(std::integer_sequence<int, R...>) {
+      ((M - m0 == R + 1 ? block(std::integral_constant<int, R + 1>{}) : void()), ...);
     }
+    (std::make_integer_sequence<int, 5>{});
   }
 }
 #endif
