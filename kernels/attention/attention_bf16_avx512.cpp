@@ -113,21 +113,6 @@ void rows_as_pairs(uint32_t* dst, const uint16_t* src, int64_t stride, int64_t T
   }
 }
 
-// The same from FP32 rows, rounded to bf16 (to nearest, ties to even).
-void rows_as_pairs_rounded(uint32_t* dst, const float* src, int64_t stride, int64_t T, int64_t Tp,
-                           int64_t D, int64_t Dp) {
-  auto* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t t = 0; t < Tp; ++t) {
-    uint16_t* o = out + t * Dp;
-    for (int64_t d = 0; d < Dp; d += 16) {
-      const int64_t n = t < T ? std::clamp<int64_t>(D - d, 0, 16) : 0;
-      const __m512 x =
-          _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), src + t * stride + d);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(x));
-    }
-  }
-}
-
 // Pairs along T: dst[p][c] = (rows[2p][c], rows[2p + 1][c]) for p < Tp / 2, c < Dp, from rows
 // of Dp bf16 values (zero past D and past T, as rows_as_pairs writes them).
 void pairs_along_rows(uint32_t* dst, const uint32_t* rows, int64_t Tp, int64_t Dp) {
@@ -259,14 +244,17 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
 }
 
-// Rounds two rows of 64 floats, a and b, to bf16 pairs along the rows: dst[c] = (a[c], b[c]).
-inline void interleave_rows(uint32_t* dst, const __m512 a[4], const __m512 b[4]) {
+// The 16 pairs (a[c], b[c]) of 16 floats a and b rounded to bf16.
+inline __m512i rounded_pairs(__m512 a, __m512 b) {
   // Lane 2i takes a's value i (the low half of cvtne2ps's result), lane 2i + 1 b's.
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
                                          8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int v = 0; v < 4; ++v)
-    _mm512_storeu_si512(dst + 16 * v,
-                        _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b[v], a[v])));
+  return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// Rounds two rows of 64 floats, a and b, to bf16 pairs along the rows: dst[c] = (a[c], b[c]).
+inline void interleave_rows(uint32_t* dst, const __m512 a[4], const __m512 b[4]) {
+  for (int v = 0; v < 4; ++v) _mm512_storeu_si512(dst + 16 * v, rounded_pairs(a[v], b[v]));
 }
 
 // dst[c * row + d] = (accumulate ? dst[c * row + d] : 0) + src[c * Dp + d] for c < cols, d < D.
@@ -297,31 +285,72 @@ inline __m512 widen16(__m256i x) {
 
 // The mean over rows 0..T of the bf16 rows (Dp values each, zero past D, `stride` values
 // apart): mean[0:Dp].
+// One pass over the rows, Dp / 16 sums of 16 lanes each added in row order.
 void column_means(float* mean, const uint16_t* in, int64_t stride, int64_t T, int64_t Dp) {
-  for (int64_t d = 0; d < Dp; d += 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = 0; t < T; ++t)
-      acc = _mm512_add_ps(
-          acc, widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * stride + d))));
-    _mm512_storeu_ps(mean + d, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / static_cast<float>(T))));
-  }
+  for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(mean + d, _mm512_setzero_ps());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < Dp; d += 16)
+      _mm512_storeu_ps(
+          mean + d,
+          _mm512_add_ps(
+              _mm512_loadu_ps(mean + d),
+              widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * stride + d)))));
+  for (int64_t d = 0; d < Dp; d += 16)
+    _mm512_storeu_ps(mean + d, _mm512_mul_ps(_mm512_loadu_ps(mean + d),
+                                             _mm512_set1_ps(1.0f / static_cast<float>(T))));
 }
 
-// dst rows t < T: bf16(src row t - mean); rows T..Tp zero. Rows of Dp bf16 values, those of src
-// `stride` values apart.
-void rows_centered(uint32_t* dst, const uint16_t* in, int64_t stride, const float* mean, int64_t T,
-                   int64_t Tp, int64_t Dp) {
-  auto* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t t = 0; t < Tp; ++t)
+// Pairs along T of the centred rows: dst[p][c] = (bf16(in row 2p [c] - mean[c]), bf16(in row
+// 2p + 1 [c] - mean[c])) for p < Tp / 2, c < Dp, zero for rows at or past T. Rows of Dp bf16
+// values, `stride` values apart.
+void centered_pairs_along_rows(uint32_t* dst, const uint16_t* in, int64_t stride, const float* mean,
+                               int64_t T, int64_t Tp, int64_t Dp) {
+  const auto centered = [&](int64_t t, int64_t d) {
+    if (t >= T) return _mm512_setzero_ps();
+    const __m512 x =
+        widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * stride + d)));
+    return _mm512_sub_ps(x, _mm512_loadu_ps(mean + d));
+  };
+  for (int64_t p = 0; p < Tp / 2; ++p)
+    for (int64_t d = 0; d < Dp; d += 16)
+      _mm512_storeu_si512(dst + p * Dp + d,
+                          rounded_pairs(centered(2 * p, d), centered(2 * p + 1, d)));
+}
+
+// The output gradient as the products take it, from its FP32 rows (`stride` values apart, D
+// values each): rows[t] its rounding to bf16 (Dp values, zero past D and past T), pairs[p] the
+// pairs (rows[2p][c], rows[2p + 1][c]) along T, and Di[t] = rows[t] . out row t (bf16, `stride`
+// values apart) for t < T, the sum over d in lanes of 16 and then across them.
+void output_gradient_rows(uint32_t* rows, uint32_t* pairs, float* Di, const float* dout,
+                          const uint16_t* out, int64_t stride, int64_t T, int64_t Tp, int64_t D,
+                          int64_t Dp) {
+  auto* r16 = reinterpret_cast<uint16_t*>(rows);
+  for (int64_t p = 0; p < Tp / 2; ++p) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t d = 0; d < Dp; d += 16) {
-      __m256i r = _mm256_setzero_si256();
-      if (t < T) {
-        const __m512 x =
-            widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + t * stride + d)));
-        r = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_loadu_ps(mean + d)));
+      const __mmask16 lanes = valid_lanes(d, D);
+      __m512 x[2];
+      for (int i = 0; i < 2; ++i) {
+        const int64_t t = 2 * p + i;
+        x[i] = _mm512_maskz_loadu_ps(t < T ? lanes : 0, dout + t * stride + d);
       }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * Dp + d), r);
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r16 + 2 * p * Dp + d),
+                          _mm512_castsi512_si256(b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r16 + (2 * p + 1) * Dp + d),
+                          _mm512_extracti64x4_epi64(b, 1));
+      _mm512_storeu_si512(pairs + p * Dp + d, rounded_pairs(x[0], x[1]));
+      for (int i = 0; i < 2; ++i) {
+        const int64_t t = 2 * p + i;
+        if (t >= T) continue;
+        const __m256i g = i == 0 ? _mm512_castsi512_si256(b) : _mm512_extracti64x4_epi64(b, 1);
+        acc[i] = _mm512_fmadd_ps(
+            widen16(g), widen16(_mm256_maskz_loadu_epi16(lanes, out + t * stride + d)), acc[i]);
+      }
     }
+    for (int i = 0; i < 2; ++i)
+      if (2 * p + i < T) Di[2 * p + i] = _mm512_reduce_add_ps(acc[i]);
+  }
 }
 
 // One head's shapes: rows of H * D values (queries) and KVH * D (keys and values), query heads
@@ -574,16 +603,15 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
 #pragma omp parallel
   {
     // Each Tp * Dh words. Whole key/value head: K, V as rows of pairs (not in place); K^T and V^T
-    // per key tile; K less its mean, as rows and as pairs along T. Whole query head: Q (not in
-    // place), dO as rows of pairs; Q less its mean (rows); Q less its mean and dO as pairs along
-    // T; on AMX, (Q less its mean)^T and dO^T.
-    Carve<0> head((13 - (in_place ? 3 : 0) - (hd.amx ? 0 : 2)) * Tp * Dh);
+    // per key tile; K less its mean as pairs along T. Whole query head: Q (not in place), dO as
+    // rows of pairs; Q less its mean and dO as pairs along T; on AMX, (Q less its mean)^T and
+    // dO^T.
+    Carve<0> head((11 - (in_place ? 3 : 0) - (hd.amx ? 0 : 2)) * Tp * Dh);
     const auto copy = [&] { return in_place ? nullptr : head.words(Tp * Dh); };
     const auto on_amx = [&] { return hd.amx ? head.words(Tp * Dh) : nullptr; };
     uint32_t *Kr = copy(), *Vr = copy(), *Qr = copy(), *QT = on_amx(), *GT = on_amx();
-    uint32_t *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh), *Kc = head.words(Tp * Dh);
-    uint32_t *Ki = head.words(Tp * Dh), *Gr = head.words(Tp * Dh), *Qc = head.words(Tp * Dh);
-    uint32_t *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
+    uint32_t *Kt = head.words(Tp * Dh), *Vt = head.words(Tp * Dh), *Ki = head.words(Tp * Dh);
+    uint32_t *Gr = head.words(Tp * Dh), *Qi = head.words(Tp * Dh), *Gi = head.words(Tp * Dh);
     // dQ, D_i and, with soft-capping, the row sums of dS of the query head (16 partial sums a
     // row, added up once the row's last tile is done); the means of K and Q; per key tile dK^T and
     // dV^T (dK and dV where not on AMX), and on AMX the scratch of their transposes; per tile
@@ -622,8 +650,7 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
       // column sums of dS exact in FP32. Where keys (queries) share a large component, the
       // rounding error of dS then scales with their spread, not their size.
       column_means(k_mean, Ks, ks_ld, T, Dp);
-      rows_centered(Kc, Ks, ks_ld, k_mean, T, Tp, Dp);
-      pairs_along_rows(Ki, Kc, Tp, Dp);
+      centered_pairs_along_rows(Ki, Ks, ks_ld, k_mean, T, Tp, Dp);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kh * group + g, bh = b * H + h;
         const int64_t off = b * T * row + h * D;
@@ -639,26 +666,14 @@ void backward_tiles(float* dq, float* dk, float* dv, const float* dout, const ui
           Qs = reinterpret_cast<const uint16_t*>(Qr);
           qs_ld = Dp;
         }
-        rows_as_pairs_rounded(Gr, dout + off, row, T, Tp, D, Dp);
+        // dO rounded, as rows and as pairs along T, and D_i = sum_j P_ij dP_ij = dO_i . out_i
+        // from the bf16 dO the products see.
+        output_gradient_rows(Gr, Gi, Di, dout + off, out + off, row, T, Tp, D, Dp);
         column_means(q_mean, Qs, qs_ld, T, Dp);
-        rows_centered(Qc, Qs, qs_ld, q_mean, T, Tp, Dp);
-        pairs_along_rows(Qi, Qc, Tp, Dp);
-        pairs_along_rows(Gi, Gr, Tp, Dp);
+        centered_pairs_along_rows(Qi, Qs, qs_ld, q_mean, T, Tp, Dp);
         if (hd.amx) {  // dK^T and dV^T on AMX tiles take Q^T and dO^T as rows
           transpose_words(QT, Qi, Tp / 2, Dp);
           transpose_words(GT, Gi, Tp / 2, Dp);
-        }
-        // D_i = sum_j P_ij dP_ij = dO_i . out_i, from the bf16 dO the products see.
-        const auto* g16 = reinterpret_cast<const uint16_t*>(Gr);
-        for (int64_t i = 0; i < T; ++i) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16) {
-            const __mmask16 lanes = valid_lanes(d, D);
-            acc = _mm512_fmadd_ps(
-                widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g16 + i * Dp + d))),
-                widen16(_mm256_maskz_loadu_epi16(lanes, out + off + i * row + d)), acc);
-          }
-          Di[i] = _mm512_reduce_add_ps(acc);
         }
         std::fill(dQ, dQ + Tp * Dp, 0.0f);
         if (Capped) std::fill(row_sum, row_sum + 16 * Tp, 0.0f);
