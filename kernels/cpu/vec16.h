@@ -37,6 +37,13 @@ inline __attribute__((always_inline)) vu bits_of(vf v) {
 inline __attribute__((always_inline)) vf from_bits(vu u) {
   return (vf)u;
 }
+// v as computed, rounded: GCC cannot fuse the product that gives v into a sum that takes it (an
+// FMA). Where that fusing depends on how the code around it compiles (a sum in another basic
+// block from the product is not fused), it would differ between the ISA builds.
+inline __attribute__((always_inline)) vf rounded(vf v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
 #else
 // Two ymm: a pair of 8-lane vectors with the operators of a GCC vector. A 64-byte GCC vector
 // does the same arithmetic, but GCC keeps one that spans two registers on the stack wherever it
@@ -98,6 +105,10 @@ inline __attribute__((always_inline)) vu bits_of(vf v) {
 }
 inline __attribute__((always_inline)) vf from_bits(vu u) {
   return {(v8f)u.lo, (v8f)u.hi};
+}
+inline __attribute__((always_inline)) vf rounded(vf v) {
+  __asm__("" : "+x"(v.lo), "+x"(v.hi));
+  return v;
 }
 #endif
 inline __attribute__((always_inline)) vf splat(float a) {
