@@ -244,12 +244,17 @@ inline void round_row(uint32_t* dst, const __m512 x[4]) {
   _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
 }
 
-// The 16 pairs (a[c], b[c]) of 16 floats a and b rounded to bf16.
-inline __m512i rounded_pairs(__m512 a, __m512 b) {
-  // Lane 2i takes a's value i (the low half of cvtne2ps's result), lane 2i + 1 b's.
+// The 16 pairs (a[c], b[c]) from the 32 bf16 values of cvtne2ps(b, a): a's in the low half.
+inline __m512i pairs_of_halves(__m512i rounded) {
+  // Lane 2i takes a's value i, lane 2i + 1 b's.
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
                                          8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  return _mm512_permutexvar_epi16(order, rounded);
+}
+
+// The 16 pairs (a[c], b[c]) of 16 floats a and b rounded to bf16.
+inline __m512i rounded_pairs(__m512 a, __m512 b) {
+  return pairs_of_halves((__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
 // Rounds two rows of 64 floats, a and b, to bf16 pairs along the rows: dst[c] = (a[c], b[c]).
@@ -284,8 +289,7 @@ inline __m512 widen16(__m256i x) {
 }
 
 // The mean over rows 0..T of the bf16 rows (Dp values each, zero past D, `stride` values
-// apart): mean[0:Dp].
-// One pass over the rows, Dp / 16 sums of 16 lanes each added in row order.
+// apart): mean[0:Dp], in one pass over the rows, each lane's sum added in row order.
 void column_means(float* mean, const uint16_t* in, int64_t stride, int64_t T, int64_t Dp) {
   for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(mean + d, _mm512_setzero_ps());
   for (int64_t t = 0; t < T; ++t)
@@ -335,17 +339,15 @@ void output_gradient_rows(uint32_t* rows, uint32_t* pairs, float* Di, const floa
         x[i] = _mm512_maskz_loadu_ps(t < T ? lanes : 0, dout + t * stride + d);
       }
       const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r16 + 2 * p * Dp + d),
-                          _mm512_castsi512_si256(b));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r16 + (2 * p + 1) * Dp + d),
-                          _mm512_extracti64x4_epi64(b, 1));
-      _mm512_storeu_si512(pairs + p * Dp + d, rounded_pairs(x[0], x[1]));
+      const __m256i g[2] = {_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1)};
+      _mm512_storeu_si512(pairs + p * Dp + d, pairs_of_halves(b));
       for (int i = 0; i < 2; ++i) {
         const int64_t t = 2 * p + i;
-        if (t >= T) continue;
-        const __m256i g = i == 0 ? _mm512_castsi512_si256(b) : _mm512_extracti64x4_epi64(b, 1);
-        acc[i] = _mm512_fmadd_ps(
-            widen16(g), widen16(_mm256_maskz_loadu_epi16(lanes, out + t * stride + d)), acc[i]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r16 + t * Dp + d), g[i]);
+        if (t < T)
+          acc[i] = _mm512_fmadd_ps(widen16(g[i]),
+                                   widen16(_mm256_maskz_loadu_epi16(lanes, out + t * stride + d)),
+                                   acc[i]);
       }
     }
     for (int i = 0; i < 2; ++i)

@@ -37,10 +37,10 @@ inline __attribute__((always_inline)) vu bits_of(vf v) {
 inline __attribute__((always_inline)) vf from_bits(vu u) {
   return (vf)u;
 }
-// v as computed, rounded: GCC cannot fuse the product that gives v into a sum that takes it (an
-// FMA). Where that fusing depends on how the code around it compiles (a sum in another basic
-// block from the product is not fused), it would differ between the ISA builds.
-inline __attribute__((always_inline)) vf rounded(vf v) {
+// v as computed, its own rounding: GCC cannot fuse the product that gives v into a sum that
+// takes it (an FMA). Where that fusing depends on how the code around it compiles (a sum in
+// another basic block from the product is not fused), it would differ between the ISA builds.
+inline __attribute__((always_inline)) vf unfused(vf v) {
   __asm__("" : "+v"(v));
   return v;
 }
@@ -106,7 +106,7 @@ inline __attribute__((always_inline)) vu bits_of(vf v) {
 inline __attribute__((always_inline)) vf from_bits(vu u) {
   return {(v8f)u.lo, (v8f)u.hi};
 }
-inline __attribute__((always_inline)) vf rounded(vf v) {
+inline __attribute__((always_inline)) vf unfused(vf v) {
   __asm__("" : "+x"(v.lo), "+x"(v.hi));
   return v;
 }

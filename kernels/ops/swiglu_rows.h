@@ -73,7 +73,7 @@ inline vf get_up(const In* up, int64_t i, int m) {
 // rounding (always overwriting). The sum takes v rounded, never fused with the product that
 // gives it, in every ISA build alike.
 inline void store_grad(float* p, vf v, int m, bool accumulate) {
-  put(p, (accumulate ? get(p, m) : vf{}) + vec::rounded(v), m);
+  put(p, (accumulate ? get(p, m) : vf{}) + vec::unfused(v), m);
 }
 inline void store_grad(uint16_t* p, vf v, int m, bool) {
   vec::store_bf16(p, vf{} + v, m);
