@@ -179,6 +179,103 @@ struct Bf16Avx512 {
   }
 };
 
+// Products of few columns, C (M x N, N <= kSkinnyCols) = A op(B) + beta C with A stored (M, K):
+// a LoRA adapter's u = X A' and g = dY B (N its rank). On the blocked path such a product packs
+// all of A, each value of which then serves N columns only, and fills half a 32-column tile or
+// less: its time went on A's packing and stores. Here op(B), a few KiB, is packed once as pairs
+// by column (the blocked path's B panel, zero past N), and each thread's rows of A are read where
+// they are stored, 8 rows at a time, one pair of each broadcast against the packed B. The sums are
+// the blocked path's: per K block of KC, from zero, pair by pair in order, then added to C (beta
+// on the first block) as its micro-kernel stores them, so the bits are the same.
+constexpr int64_t kSkinnyCols = 32;
+constexpr int64_t kSkinnyRows = 8;
+
+bool takes_skinny(Transpose ta, int64_t M, int64_t N, int64_t K) {
+  return ta == Transpose::No && M >= 2 && N >= 1 && N <= kSkinnyCols && K > 0;
+}
+
+// Rows i0..i0 + R of C over the pairs p0..p1 of one K block, NV vectors of 16 columns.
+template <int R, int NV>
+inline __attribute__((always_inline)) void skinny_block(float* C, int64_t ldc, const uint16_t* A,
+                                                        int64_t lda, const uint32_t* bp, int64_t p0,
+                                                        int64_t p1, int64_t K, float beta,
+                                                        __mmask16 last_mask) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  // A pair whose second value is past K is taken with a zero there, as the packing writes it.
+  const int64_t whole = std::min(p1, K / 2);
+  const auto step = [&](int64_t p, const auto& pair_of) __attribute__((always_inline)) {
+    __m512bh b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_load_si512(bp + p * kSkinnyCols + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of(r)));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  };
+  for (int64_t p = p0; p < whole; ++p)
+    step(
+        p, [&](int r) __attribute__((always_inline)) {
+          uint32_t pair;  // rows of any stride: the pair where it is stored
+          std::memcpy(&pair, A + r * lda + 2 * p, sizeof pair);
+          return pair;
+        });
+  if (whole < p1)  // odd K: the last value and a zero
+    step(whole, [&](int r) { return uint32_t{A[r * lda + K - 1]}; });
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 mask = v == NV - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+      float* c = C + r * ldc + 16 * v;
+      __m512 out = acc[r][v];
+      if (beta != 0.0f)
+        out = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(mask, c), out);
+      _mm512_mask_storeu_ps(c, mask, out);
+    }
+}
+
+template <int NV>
+void skinny_rows(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* bp,
+                 int64_t M, int64_t N, int64_t K, float beta, int threads) {
+  const int64_t kp = (K + 1) / 2, block_pairs = Bf16Avx512::KC / 2;
+  const auto last_mask = static_cast<__mmask16>((1u << (N - 16 * (NV - 1))) - 1u);
+  const int64_t blocks = (M + kSkinnyRows - 1) / kSkinnyRows;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i0 = blk * kSkinnyRows;
+    const int64_t rows = std::min(kSkinnyRows, M - i0);
+    for (int64_t p0 = 0; p0 < kp; p0 += block_pairs) {
+      const int64_t p1 = std::min(kp, p0 + block_pairs);
+      const float beta_block = p0 == 0 ? beta : 1.0f;
+      float* c = C + i0 * ldc;
+      const uint16_t* a = A + i0 * lda;
+      int64_t r = 0;
+      for (; r + 8 <= rows; r += 8)
+        skinny_block<8, NV>(c + r * ldc, ldc, a + r * lda, lda, bp, p0, p1, K, beta_block,
+                            last_mask);
+      for (; r < rows; ++r)
+        skinny_block<1, NV>(c + r * ldc, ldc, a + r * lda, lda, bp, p0, p1, K, beta_block,
+                            last_mask);
+    }
+  }
+}
+
+void gemm_skinny(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+                 const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const int64_t kp = (K + 1) / 2;
+  auto* bp = reinterpret_cast<uint32_t*>(
+      detail::gemm_pack_buffer(static_cast<size_t>(kp * kSkinnyCols), 0));
+  const bool bt = tb == Transpose::Yes;
+  const auto b = [&](int64_t k, int64_t j) -> uint16_t {
+    return k < K ? (bt ? B[j * ldb + k] : B[k * ldb + j]) : uint16_t{0};
+  };
+  for (int64_t p = 0; p < kp; ++p)
+    for (int64_t j = 0; j < kSkinnyCols; ++j)
+      bp[p * kSkinnyCols + j] = j < N ? bf16_pair(b(2 * p, j), b(2 * p + 1, j)) : 0u;
+  const int threads = detail::blocked_threads(M, N, K);
+  if (N > 16) return skinny_rows<2>(C, ldc, A, lda, bp, M, N, K, beta, threads);
+  skinny_rows<1>(C, ldc, A, lda, bp, M, N, K, beta, threads);
+}
+
 }  // namespace
 
 void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
@@ -186,6 +283,8 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
                       float* C, int64_t ldc) {
   if (M == 1 && ta == Transpose::No && tb == Transpose::Yes && K > 0)
     return gemv_bf16_avx512(N, K, A, B, ldb, beta, C);
+  if (takes_skinny(ta, M, N, K) && gemm_skinny_enabled())
+    return gemm_skinny(tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
@@ -201,7 +300,12 @@ int64_t gemm_bf16_avx512_block_k() {
 
 std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
                                                     int64_t N, int64_t K) {
+  if (takes_skinny(ta, M, N, K) && gemm_skinny_enabled()) return {(K + 1) / 2 * kSkinnyCols, 0};
   return detail::blocked_pack_floats<Bf16Avx512>(ta, tb, M, N, K);
+}
+
+bool gemm_bf16_avx512_takes_skinny(Transpose ta, Transpose, int64_t M, int64_t N, int64_t K) {
+  return takes_skinny(ta, M, N, K) && gemm_skinny_enabled();
 }
 
 bool gemm_bf16_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {

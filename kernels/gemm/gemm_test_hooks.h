@@ -19,6 +19,14 @@ bool gemm_fused();
 // gemm_set_fused(false) turns both off.
 void gemm_set_direct(bool on);
 bool gemm_direct();
+// Whether the AVX-512 BF16 kernel takes its path for products of at most 32 columns with A not
+// transposed (kernels/gemm/gemm_bf16_avx512.cpp) where it would run the blocked path: on by
+// default; off, the blocked path, with the same results bit for bit. For tests and comparisons.
+void gemm_set_skinny(bool on);
+bool gemm_skinny_enabled();
+// Whether the AVX-512 BF16 kernel takes that path for an M x N x K product, with
+// gemm_skinny_enabled() as it is now.
+bool gemm_bf16_avx512_takes_skinny(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
 // K blocks of 512 the fused path takes as one where no tuning says otherwise (2 by default;
 // kernels/gemm/gemm_test_hooks.cpp says why; kernels/gemm/gemm_tuning.h): any count gives the same
 // results bit for bit. For tests and comparisons (gemm_alternate

@@ -8,9 +8,11 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <sstream>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -588,6 +590,48 @@ TEST(GemmPaths, FusedRowsTakenByAnotherThreadGiveTheSameBits) {
     EXPECT_GT(gemm_fused_rows_shared(), shared_before)
         << (bf16 ? "bf16" : "f32") << ": no row was taken by the other thread in " << kCalls
         << " calls";
+  }
+}
+
+// Products of at most 32 columns with A not transposed (a LoRA adapter's u = X A' and g = dY B)
+// take the bf16 kernel's own path, which sums as the blocked path does: the same bits, on rows
+// by 8 and their tails, columns 1 to 32 (one vector and two, masked), K within a block, at a
+// block's end, over several and odd (the last pair's zero), both layouts of B, strides past the
+// widths (odd ones too), beta 0 over NaN, 1 and 0.5, on 1 and 2 threads; C's padding untouched.
+TEST(GemmPaths, Bf16SkinnyPathGivesTheBlockedPathsBits) {
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the skinny path is the avx512 kernels'";
+  const OnAvx512Kernels on_avx512;
+  struct Restore {
+    ~Restore() { gemm_set_skinny(true); }
+  } restore;
+  uint32_t seed = 50;
+  for (const int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    for (const int64_t M : {2, 9, 37, 300})
+      for (const int64_t N : {1, 7, 16, 17, 32})
+        for (const int64_t K : {1, 3, 64, 512, 1025})
+          for (const Transpose tb : {Transpose::No, Transpose::Yes})
+            for (const float beta : {0.0f, 1.0f, 0.5f}) {
+              const Case c{Transpose::No, tb, M, N, K, 3, beta};
+              const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
+              std::vector<uint16_t> a(c.a_rows() * c.lda()), b(c.b_rows() * c.ldb());
+              const std::vector<float> af = random_vector(a.size(), seed++);
+              const std::vector<float> bf = random_vector(b.size(), seed++);
+              fp32_to_bf16_array(a.data(), af.data(), static_cast<int64_t>(a.size()));
+              fp32_to_bf16_array(b.data(), bf.data(), static_cast<int64_t>(b.size()));
+              std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
+              if (beta == 0.0f)
+                for (int64_t i = 0; i < M; ++i) C[i * c.ldc()] = std::nan("");
+              std::vector<float> got[2] = {C, C};
+              for (const bool skinny : {false, true}) {
+                gemm_set_skinny(skinny);
+                ASSERT_EQ(gemm_bf16_avx512_takes_skinny(c.ta, c.tb, M, N, K), skinny) << what;
+                gemm_bf16(c.ta, c.tb, M, N, K, a.data(), c.lda(), b.data(), c.ldb(), beta,
+                          got[skinny].data(), c.ldc());
+              }
+              ASSERT_EQ(0, std::memcmp(got[0].data(), got[1].data(), sizeof(float) * C.size()))
+                  << what;
+            }
   }
 }
 
