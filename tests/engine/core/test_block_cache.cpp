@@ -36,6 +36,15 @@ struct Allocator {
     if (!cache.put(block, bytes, live, peak)) dropped.emplace_back(block, bytes);
     held_peak = std::max(held_peak, live + cache.cached());
   }
+  // Makes blocks of `mib` MiB in turn, then frees them in the order of `freed` (indices into
+  // mib); the blocks' numbers.
+  std::vector<int> make_then_free(const std::vector<int64_t>& mib,
+                                  const std::vector<size_t>& freed) {
+    std::vector<int> blocks;
+    for (const int64_t m : mib) blocks.push_back(allocate(m * kMiB));
+    for (const size_t i : freed) free(blocks[i], mib[i] * kMiB);
+    return blocks;
+  }
 };
 
 TEST(BlockCache, TakesTheBlockKeptLastOfItsSize) {
@@ -71,10 +80,9 @@ TEST(BlockCache, KeepsWithinThePeakPlusTheLargestBlock) {
 
 TEST(BlockCache, DropsTheBlockKeptLongestFirst) {
   Allocator a;
-  const int b2 = a.allocate(2 * kMiB), b8 = a.allocate(8 * kMiB), b4 = a.allocate(4 * kMiB);
-  a.free(b2, 2 * kMiB);
-  a.free(b8, 8 * kMiB);
-  a.free(b4, 4 * kMiB);  // kept: 2, 8, 4 in that order; peak 14, largest 8
+  // Kept: 2, 8 and 4 MiB in that order; the peak 14, the largest 8.
+  const std::vector<int> kept = a.make_then_free({2, 8, 4}, {0, 1, 2});
+  const int b2 = kept[0], b8 = kept[1];
   // 16 MiB of a size not kept: kept bytes brought within 14 + 8 - 16 = 6 MiB.
   a.allocate(16 * kMiB);
   // Kept longest first: the 2 and then the 8, not the 8 alone (the largest).
@@ -88,10 +96,7 @@ TEST(BlockCache, DropsTheBlockKeptLongestFirst) {
 // and 6 MiB blocks pushed each other out on every step instead, two made afresh each time.
 TEST(BlockCache, ARepeatedStepSettlesAfterADifferentFirstOne) {
   Allocator a;
-  const int p1 = a.allocate(4 * kMiB), p2 = a.allocate(4 * kMiB), p0 = a.allocate(2 * kMiB);
-  a.free(p0, 2 * kMiB);
-  a.free(p2, 4 * kMiB);
-  a.free(p1, 4 * kMiB);
+  a.make_then_free({4, 4, 2}, {2, 1, 0});
   std::vector<int> made_by_step;
   for (int step = 0; step < 8; ++step) {
     const int before = a.made;
