@@ -21,7 +21,9 @@
 // alternate steps, about 25000 page faults and 50-70 ms of the cross-entropy's pass a step. Kept
 // longest first, none from the third step on, at the same live + kept peak; replays of the
 // allocations of mini, a 0.5B LoRA fine-tune and a full one made none from the third step either
-// way.
+// way. Neither order is the better on every sequence (on random ones, after a first step of
+// other sizes, each made fewer blocks afresh about as often as the other): this one is chosen on
+// the recorded runs.
 //
 // Not thread-safe: the allocator holds a lock around it.
 #pragma once
