@@ -182,16 +182,18 @@ struct Bf16Avx512 {
 // Products of few columns, C (M x N, N <= kSkinnyCols) = A op(B) + beta C with A stored (M, K):
 // a LoRA adapter's u = X A' and g = dY B (N its rank). On the blocked path such a product packs
 // all of A, each value of which then serves N columns only, and fills half a 32-column tile or
-// less: its time went on A's packing and stores. Here op(B), a few KiB, is packed once as pairs
-// by column (the blocked path's B panel, zero past N), and each thread's rows of A are read where
-// they are stored, 8 rows at a time, one pair of each broadcast against the packed B. The sums are
-// the blocked path's: per K block of KC, from zero, pair by pair in order, then added to C (beta
-// on the first block) as its micro-kernel stores them, so the bits are the same.
-constexpr int64_t kSkinnyCols = 32;
+// less: its time went on A's packing and stores. Here op(B), a few KiB, is packed once as the
+// blocked path's B panel of 32 columns (pack_b: pairs by column, zero past N), and each thread's
+// rows of A are read where they are stored, 8 rows at a time, one pair of each broadcast against
+// the packed B. The sums are the blocked path's: per K block of KC, from zero, pair by pair in
+// order, then added to C (beta on the first block) as its micro-kernel stores them, so the bits are
+// the same.
+constexpr int64_t kSkinnyCols = Bf16Avx512::NR;  // one B panel
 constexpr int64_t kSkinnyRows = 8;
 
 bool takes_skinny(Transpose ta, int64_t M, int64_t N, int64_t K) {
-  return ta == Transpose::No && M >= 2 && N >= 1 && N <= kSkinnyCols && K > 0;
+  return ta == Transpose::No && M >= 2 && N >= 1 && N <= kSkinnyCols && K > 0 &&
+         gemm_skinny_enabled();
 }
 
 // Rows i0..i0 + R of C over the pairs p0..p1 of one K block, NV vectors of 16 columns.
@@ -261,16 +263,9 @@ void skinny_rows(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const ui
 
 void gemm_skinny(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
                  const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  const int64_t kp = (K + 1) / 2;
   auto* bp = reinterpret_cast<uint32_t*>(
-      detail::gemm_pack_buffer(static_cast<size_t>(kp * kSkinnyCols), 0));
-  const bool bt = tb == Transpose::Yes;
-  const auto b = [&](int64_t k, int64_t j) -> uint16_t {
-    return k < K ? (bt ? B[j * ldb + k] : B[k * ldb + j]) : uint16_t{0};
-  };
-  for (int64_t p = 0; p < kp; ++p)
-    for (int64_t j = 0; j < kSkinnyCols; ++j)
-      bp[p * kSkinnyCols + j] = j < N ? bf16_pair(b(2 * p, j), b(2 * p + 1, j)) : 0u;
+      detail::gemm_pack_buffer(static_cast<size_t>((K + 1) / 2 * kSkinnyCols), 0));
+  Bf16Avx512::pack_b(bp, B, ldb, tb == Transpose::Yes, 0, N, 0, K);
   const int threads = detail::blocked_threads(M, N, K);
   if (N > 16) return skinny_rows<2>(C, ldc, A, lda, bp, M, N, K, beta, threads);
   skinny_rows<1>(C, ldc, A, lda, bp, M, N, K, beta, threads);
@@ -283,8 +278,7 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
                       float* C, int64_t ldc) {
   if (M == 1 && ta == Transpose::No && tb == Transpose::Yes && K > 0)
     return gemv_bf16_avx512(N, K, A, B, ldb, beta, C);
-  if (takes_skinny(ta, M, N, K) && gemm_skinny_enabled())
-    return gemm_skinny(tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  if (takes_skinny(ta, M, N, K)) return gemm_skinny(tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
@@ -300,12 +294,12 @@ int64_t gemm_bf16_avx512_block_k() {
 
 std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
                                                     int64_t N, int64_t K) {
-  if (takes_skinny(ta, M, N, K) && gemm_skinny_enabled()) return {(K + 1) / 2 * kSkinnyCols, 0};
+  if (takes_skinny(ta, M, N, K)) return {(K + 1) / 2 * kSkinnyCols, 0};
   return detail::blocked_pack_floats<Bf16Avx512>(ta, tb, M, N, K);
 }
 
 bool gemm_bf16_avx512_takes_skinny(Transpose ta, Transpose, int64_t M, int64_t N, int64_t K) {
-  return takes_skinny(ta, M, N, K) && gemm_skinny_enabled();
+  return takes_skinny(ta, M, N, K);
 }
 
 bool gemm_bf16_avx512_takes_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K) {
