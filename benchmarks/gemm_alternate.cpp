@@ -1,16 +1,18 @@
 // GEMM comparison robust to a shared machine's changes of speed: for each training shape of a
-// preset, calls ours, ours with the fused and direct paths off (weight-gradient shapes only) and
-// oneDNN in turn, call after call, so that a spell of slowness falls on all of them alike; prints
-// the median GFLOP/s of each and the ratios. With --fused-k-blocks N, weight gradients are also
-// timed with the fused path taking N K blocks of 512 as one (gemm_set_fused_k_blocks), in the
-// same turn; with --fused-column, FP32 weight gradients also with the direct path off (the fused
-// path where it suits them, gemm_set_direct). Operands are 64-byte aligned, as the trainer's
-// tensors.
+// preset, calls ours, ours with the fused, direct and skinny paths off (weight-gradient shapes, and
+// bf16 products of at most 32 columns) and oneDNN in turn, call after call, so that a spell of
+// slowness falls on all of them alike; prints the median GFLOP/s of each and the ratios. With
+// --fused-k-blocks N, weight gradients are also timed with the fused path taking N K blocks of 512
+// as one (gemm_set_fused_k_blocks), in the same turn; with --fused-column, FP32 weight gradients
+// also with the direct path off (the fused path where it suits them, gemm_set_direct). With
+// --lora-rank R, also a LoRA adapter's narrow products of each layer type, u = X A' (T x R x in)
+// and g = dY B (T x R x out). Operands are 64-byte aligned, as the trainer's tensors.
 //
 //   build/gemm_alternate                                 mega, f32 and bf16, 9 calls each
 //   build/gemm_alternate --preset mini --dtype bf16 --calls 15 --products _dw
 //   build/gemm_alternate --products _dw --fused-k-blocks 1
 //   build/gemm_alternate --dtype f32 --products _dw --fused-column
+//   build/gemm_alternate --dtype bf16 --lora-rank 16 --products lora
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -21,6 +23,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "benchmarks/gemm_shapes.h"
@@ -47,13 +50,16 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) 
   const int64_t lda = s.ta == Transpose::No ? s.K : s.M;
   const int64_t ldb = s.tb == Transpose::No ? s.N : s.K;
   const bool weight_gradient = s.ta == Transpose::Yes && s.tb == Transpose::No;
-  // 0: ours, 1: ours with the fused and direct paths off, 2: oneDNN, 3: ours with k_blocks K
-  // blocks as one, 4: ours with the direct path off
+  const bool skinny = bf16 && kernels::gemm_bf16_avx512_takes_skinny(s.ta, s.tb, s.M, s.N, s.K);
+  const bool with_blocked = weight_gradient || skinny;
+  // 0: ours, 1: ours with the fused, direct and skinny paths off, 2: oneDNN, 3: ours with k_blocks
+  // K blocks as one, 4: ours with the direct path off
   const int default_k_blocks = kernels::gemm_fused_k_blocks();
   const auto call = [&](int which) {
     kernels::gemm_set_backend(which == 2 ? GemmBackend::Onednn : GemmBackend::Avx512);
     kernels::gemm_set_fused(which != 1);
     kernels::gemm_set_direct(which != 4);
+    kernels::gemm_set_skinny(which != 1);
     kernels::gemm_set_fused_k_blocks(which == 3 ? k_blocks : default_k_blocks);
     const auto start = std::chrono::steady_clock::now();
     if (bf16)
@@ -71,7 +77,7 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) 
   for (int i = 0; i <= calls; ++i)
     for (int w = 0; w < 5; ++w) {
       const int which = i % 2 == 0 ? w : 4 - w;
-      if ((which == 1 && !weight_gradient) || (which == 3 && !with_k_blocks) ||
+      if ((which == 1 && !with_blocked) || (which == 3 && !with_k_blocks) ||
           (which == 4 && !with_fused))
         continue;
       const double t = call(which);
@@ -79,18 +85,19 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) 
     }
   kernels::gemm_set_fused(true);
   kernels::gemm_set_direct(true);
+  kernels::gemm_set_skinny(true);
   kernels::gemm_set_fused_k_blocks(default_k_blocks);
   const double flops = 2.0 * static_cast<double>(s.M) * s.N * s.K;
   const double ours = flops / median(times[0]) / 1e9, onednn = flops / median(times[2]) / 1e9;
-  std::printf("%-5s %-9s %-13s %6lld %6lld %6lld  %7.1f", bf16 ? "bf16" : "f32", s.preset.c_str(),
+  std::printf("%-5s %-9s %-15s %6lld %6lld %6lld  %7.1f", bf16 ? "bf16" : "f32", s.preset.c_str(),
               s.product.c_str(), static_cast<long long>(s.M), static_cast<long long>(s.N),
               static_cast<long long>(s.K), ours);
-  if (weight_gradient)
+  if (with_blocked)
     std::printf(" %7.1f", flops / median(times[1]) / 1e9);
   else
     std::printf(" %7s", "-");
   std::printf(" %7.1f  %6.3f", onednn, ours / onednn);
-  if (weight_gradient) std::printf("  %6.3f", flops / median(times[1]) / 1e9 / onednn);
+  if (with_blocked) std::printf("  %6.3f", flops / median(times[1]) / 1e9 / onednn);
   if (with_k_blocks) {
     const double kb = flops / median(times[3]) / 1e9;
     std::printf("  %7.1f  %6.3f  %7.3f", kb, kb / onednn, kb / ours);
@@ -102,6 +109,25 @@ void run(const Shape& s, bool bf16, int calls, int k_blocks, bool fused_column) 
   std::printf("\n");
 }
 
+// A LoRA adapter's narrow products of rank r on each layer type of the preset's micro-batch:
+// u = X A' (T x r x in, A stored r x in) and g = dY B (T x r x out, B stored out x r).
+std::vector<Shape> lora_shapes(const std::string& preset, int64_t r) {
+  const Preset p = *find_preset(preset);
+  const ModelConfig& c = p.config;
+  const int64_t T = p.batch * c.ctx;
+  std::vector<Shape> shapes;
+  for (const auto& [layer, in, out] :
+       {std::tuple<const char*, int64_t, int64_t>{"attn", c.d_model, c.d_model},
+        {"ffn_up", c.d_model, c.ffn},
+        {"ffn_down", c.ffn, c.d_model}}) {
+    shapes.push_back(
+        {preset, std::string("lora_u_") + layer, Transpose::No, Transpose::Yes, T, r, in, 0.0f});
+    shapes.push_back(
+        {preset, std::string("lora_g_") + layer, Transpose::No, Transpose::No, T, r, out, 0.0f});
+  }
+  return shapes;
+}
+
 }  // namespace
 }  // namespace cputrain::bench
 
@@ -110,7 +136,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "GEMM shapes of a preset: ours, ours without the fused and direct paths, oneDNN, in turn"};
   std::string preset = "mega", dtype = "both", products;
-  int calls = 9, k_blocks = 0;
+  int calls = 9, k_blocks = 0, lora_rank = 0;
   bool fused_column = false;
   app.add_option("--preset", preset, "Preset whose training shapes to run")
       ->check([](const std::string& name) {
@@ -128,6 +154,10 @@ int main(int argc, char** argv) {
   app.add_flag("--fused-column", fused_column,
                "Also time FP32 weight gradients with the direct path off (columns fused, fu/o, "
                "fu/ours)");
+  app.add_option("--lora-rank", lora_rank,
+                 "Also a LoRA adapter's products of this rank on each layer type (lora_u_*, "
+                 "lora_g_*)")
+      ->check(CLI::Range(1, 256));
   CLI11_PARSE(app, argc, argv);
   if (!kernels::gemm_backend_available(kernels::GemmBackend::Avx512) ||
       !kernels::gemm_backend_available(kernels::GemmBackend::Onednn)) {
@@ -136,21 +166,26 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf(
-      "%d threads, %d calls each, medians; blocked: ours with the fused and direct paths off "
-      "(weight gradients)\n",
+      "%d threads, %d calls each, medians; blocked: ours with the fused, direct and skinny paths "
+      "off (weight gradients, bf16 products of at most 32 columns)\n",
       omp_get_max_threads(), calls);
   if (k_blocks > 0)
     std::printf("kblk: ours with the fused path taking %d K blocks of 512 as one (default %d)\n",
                 k_blocks, kernels::gemm_fused_k_blocks());
   if (fused_column) std::printf("fused: ours with the direct path off (FP32 weight gradients)\n");
-  std::printf("%-5s %-9s %-13s %6s %6s %6s  %7s %7s %7s  %6s  %6s", "dtype", "preset", "product",
+  std::printf("%-5s %-9s %-15s %6s %6s %6s  %7s %7s %7s  %6s  %6s", "dtype", "preset", "product",
               "M", "N", "K", "ours", "blocked", "onednn", "ours/o", "blk/o");
   if (k_blocks > 0) std::printf("  %7s  %6s  %7s", "kblk", "kb/o", "kb/ours");
   if (fused_column) std::printf("  %7s  %6s  %7s", "fused", "fu/o", "fu/ours");
   std::printf("\n");
   for (const bool bf16 : {false, true}) {
     if ((bf16 && dtype == "f32") || (!bf16 && dtype == "bf16")) continue;
-    for (const bench::Shape& s : bench::training_shapes({preset}))
+    std::vector<bench::Shape> shapes = bench::training_shapes({preset});
+    if (lora_rank > 0) {
+      const std::vector<bench::Shape> lora = bench::lora_shapes(preset, lora_rank);
+      shapes.insert(shapes.end(), lora.begin(), lora.end());
+    }
+    for (const bench::Shape& s : shapes)
       if (products.empty() || s.product.find(products) != std::string::npos)
         bench::run(s, bf16, calls, k_blocks, fused_column);
   }
