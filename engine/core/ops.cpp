@@ -291,6 +291,27 @@ void product(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const 
     kernels::gemm_f32(ta, tb, M, N, K, a.f32(), lda, b.f32(), ldb, beta, c, N);
 }
 
+// C (M x N) = a op(b) + beta C + u op(v) on bf16 operands, a stored (M, K) and u (M, r): a frozen
+// product and a LoRA adapter's rank-r update, as one product where the kernel adds the update to
+// each tile of C while it is in cache (kernels::gemm_bf16_low_rank; the same bits as two), or
+// the allocations it makes while measuring.
+void product_low_rank(Transpose tb, int64_t M, int64_t N, int64_t K, const Tensor& a,
+                      const Tensor& b, float beta, float* c, const Tensor& u, const Tensor& v,
+                      Transpose tv, int64_t r) {
+  if (!computing()) {
+    measure_gemm(true, Transpose::No, tb, M, N, K);
+    const size_t update = kernels::gemm_low_rank_buffer_bytes(Transpose::No, tb, M, N, K, r);
+    if (update > 0)
+      measure_buffer(2, update, MemoryCategory::Workspace);
+    else
+      measure_gemm(true, Transpose::No, tv, M, N, r);
+    return;
+  }
+  const kernels::LowRankUpdate up{u.bf16(), r, v.bf16(), tv == Transpose::Yes ? r : N, tv, r};
+  kernels::gemm_bf16_low_rank(Transpose::No, tb, M, N, K, a.bf16(), K, b.bf16(),
+                              tb == Transpose::Yes ? K : N, beta, c, N, up);
+}
+
 }  // namespace
 
 Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, const Variable& a,
@@ -311,18 +332,27 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
   const Tensor wv = weight_operand(w, bf16);
   const Tensor av = bf16 ? a.bf16_value() : a.value();
   const Tensor bv = bf16 ? bm.bf16_value() : bm.value();
-  linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
-  if (b.defined() && computing()) kernels::bias_add(y.f32(), b.value().f32(), M, N);
-  // u = x A', then y += (s u) B': the update's one large product accumulates into y.
+  // u = x A' first, then y = x W' + (s u) B' and the bias: in bf16 over a weight of bf16 values,
+  // one product that adds the update to each tile of y while it is in cache (the update's FLOPs
+  // counted in the frozen product's scope then); else the update's product accumulates into y.
+  const bool one_product = bf16 && wv.dtype() == DType::BF16;
   Tensor su;
   {
-    Scope gemm(kLoraGemms.y, Pass::Forward, gemm_flops(M, r, K) + gemm_flops(M, N, r));
+    Scope gemm(kLoraGemms.y, Pass::Forward, gemm_flops(M, r, K));
     const Tensor u = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
     const Tensor xd = dropout > 0.0f ? dropped_out(xv, dropout, dropout_seed) : xv;
     product(Transpose::No, Transpose::Yes, M, r, K, xd, av, 0.0f, u.f32());
     su = scaled_operand(u, scale, bf16, MemoryCategory::Activations);
+  }
+  if (one_product) {
+    Scope gemm(kLinearGemms.y, Pass::Forward, gemm_flops(M, N, K) + gemm_flops(M, N, r));
+    product_low_rank(Transpose::Yes, M, N, K, xv, wv, 0.0f, y.f32(), su, bv, Transpose::Yes, r);
+  } else {
+    linear_product(xv, 0, wv, y.f32(), M, N, K, kLinearGemms);
+    Scope gemm(kLoraGemms.y, Pass::Forward, gemm_flops(M, N, r));
     product(Transpose::No, Transpose::Yes, M, N, r, su, bv, 1.0f, y.f32());
   }
+  if (b.defined() && computing()) kernels::bias_add(y.f32(), b.value().f32(), M, N);
   const bool grad = b.defined() ? needs_grad({&x, &w, &b, &a, &bm}) : needs_grad({&x, &w, &a, &bm});
   Variable out = Variable::op_output(y, grad);
   if (grad) {
@@ -335,19 +365,46 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
       if (!dy.defined()) return;
       const Tensor dyv = bf16 && dy.dtype() != DType::BF16 ? to_bf16(dy) : dy;
       if (gb) bias_gradient(gb, dyv, M, N);
-      // The base's products: dX = dY W (and dW where W trains).
-      linear_backward_products(dyv, xv, wv, gx, gw, M, N, K, kLinearGemms);
+      // g = dY B (M x r) first; the update's gradients: dB = dY' (s u), dA = (s g)' X, and
+      // dX = dY W + (s g) A, in bf16 without dropout over a weight of bf16 values one product
+      // that adds the update to each tile of dX while it is in cache (its FLOPs counted in the
+      // base's dX scope then).
+      const bool one_product = gx && bf16 && dropout == 0.0f && wv.dtype() == DType::BF16;
+      Tensor sg;
+      {
+        Scope gemm(kLoraGemms.dx, Pass::Backward, gemm_flops(M, r, N));
+        const Tensor g = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
+        product(Transpose::No, Transpose::No, M, r, N, dyv, bv, 0.0f, g.f32());
+        sg = scaled_operand(g, scale, bf16, MemoryCategory::Workspace);
+      }
+      // The base's products: dX = dY W (with the update where one product) and dW where W
+      // trains.
+      linear_backward_products(dyv, xv, wv, one_product ? GradRef() : gx, gw, M, N, K,
+                               kLinearGemms);
+      if (one_product) {
+        Scope gemm(kLinearGemms.dx, Pass::Backward, gemm_flops(M, K, N) + gemm_flops(M, K, r));
+        float beta = 0.0f;
+        float* d = gx->get_for_accumulate(&beta).f32();
+        product_low_rank(Transpose::No, M, K, N, dyv, wv, beta, d, sg, av, Transpose::No, r);
+      }
       Scope gemm(
           kLoraGemms.dx, Pass::Backward,
-          gemm_flops(M, r, N) + gemm_flops(M, K, r) + gemm_flops(N, r, M) + gemm_flops(r, K, M));
-      // g = dY B (M x r); the update's gradients: dB = dY' (s u), dA = (s g)' X, dX += (s g) A.
-      const Tensor g = Tensor::empty(Shape{M, r}, DType::F32, MemoryCategory::Workspace);
-      product(Transpose::No, Transpose::No, M, r, N, dyv, bv, 0.0f, g.f32());
-      const Tensor sg = scaled_operand(g, scale, bf16, MemoryCategory::Workspace);
+          gemm_flops(N, r, M) + gemm_flops(r, K, M) + (one_product ? 0 : gemm_flops(M, K, r)));
       if (gbm) {
+        // dB (N x r) as its transpose (s u)' dY (r x N): a product of r rows by N columns runs
+        // up to 2.6 times as fast as one of N rows by r columns (docs/BENCHMARKS.md). dB goes
+        // through t and back where it accumulates, so that the bf16 kernel's bits are those of
+        // dY' (s u) into dB (the same pair sums in the same order; GemmPaths tests it).
         float beta = 0.0f;
         float* d = gbm->get_for_accumulate(&beta).f32();
-        product(Transpose::Yes, Transpose::No, N, r, M, dyv, su, beta, d);
+        const Tensor t = Tensor::empty(Shape{r, N}, DType::F32, MemoryCategory::Workspace);
+        if (computing() && beta != 0.0f)
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t j = 0; j < r; ++j) t.f32()[j * N + n] = d[n * r + j];
+        product(Transpose::Yes, Transpose::No, r, N, M, su, dyv, beta, t.f32());
+        if (computing())
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t j = 0; j < r; ++j) d[n * r + j] = t.f32()[j * N + n];
       }
       if (ga) {
         float beta = 0.0f;
@@ -372,7 +429,7 @@ Variable lora_linear(const Variable& x, const Variable& w, const Variable& b, co
             d[i] = beta != 0.0f ? d[i] + v : v;
           }
         }
-      } else if (gx) {
+      } else if (gx && !one_product) {
         float beta = 0.0f;
         float* d = gx->get_for_accumulate(&beta).f32();
         product(Transpose::No, Transpose::No, M, K, r, sg, av, beta, d);

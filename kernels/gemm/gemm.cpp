@@ -171,6 +171,30 @@ void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
   for (int64_t i = 0; i < M; ++i) fp32_to_bf16_array(C + i * ldc, scratch.get() + i * N, N);
 }
 
+bool gemm_bf16_low_rank_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              int64_t r) {
+  const GemmKernels& k = selected();
+  return k.backend == GemmBackend::Avx512 && native(k) &&
+         gemm_bf16_avx512_takes_low_rank(ta, tb, M, N, K, r);
+}
+
+size_t gemm_low_rank_buffer_bytes(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                                  int64_t r) {
+  if (!gemm_bf16_low_rank_fused(ta, tb, M, N, K, r)) return 0;
+  return (static_cast<size_t>(gemm_bf16_avx512_low_rank_floats(M, N, r)) * sizeof(float) + 63) /
+         64 * 64;
+}
+
+void gemm_bf16_low_rank(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                        float* C, int64_t ldc, const LowRankUpdate& update) {
+  if (gemm_bf16_low_rank_fused(ta, tb, M, N, K, update.r))
+    return gemm_bf16_low_rank_avx512(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, update);
+  gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  gemm_bf16(Transpose::No, update.tv, M, N, update.r, update.u, update.ldu, update.v, update.ldv,
+            1.0f, C, ldc);
+}
+
 std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
                                         int64_t K) {
   const GemmKernels& k = selected();

@@ -39,6 +39,35 @@ void gemm_bf16_rounded(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t
 // (the AVX-512 BF16 or the AMX kernel, K within its one K block).
 bool gemm_bf16_rounded_direct(int64_t K);
 
+// A rank-r update added to a product's C: C += U op(V), U (M x r) stored (M, r) with leading
+// dimension ldu, op(V) (r x N) from V stored (N, r) where tv is Yes (a LoRA adapter's B, in the
+// forward) or (r, N) where it is No (its A, in dX), leading dimension ldv; all bf16.
+struct LowRankUpdate {
+  const uint16_t* u;
+  int64_t ldu;
+  const uint16_t* v;
+  int64_t ldv;
+  Transpose tv;
+  int64_t r;
+};
+
+// gemm_bf16 (op(A) op(B) + beta C) and then C += U op(V): bitwise gemm_bf16(ta, tb, M, N, K, A,
+// lda, B, ldb, beta, C, ldc) followed by gemm_bf16(No, tv, M, N, r, u, ldu, v, ldv, 1, C, ldc).
+// Where gemm_bf16_low_rank_fused, the backend adds the update to each tile of C right after the
+// tile's last K block, while the tile is in L1, instead of in a second pass over C; elsewhere
+// the two products run one after the other.
+void gemm_bf16_low_rank(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
+                        float* C, int64_t ldc, const LowRankUpdate& update);
+// Whether gemm_bf16_low_rank adds the update inside the product on the selected backend (the
+// AVX-512 BF16 kernel's blocked path, A not transposed, r up to its K block).
+bool gemm_bf16_low_rank_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              int64_t r);
+// Bytes of buffer 2 that gemm_bf16_low_rank takes, where fused, for the update's packed operands
+// (beside the product's buffers, gemm_buffer_bytes); 0 where it is not fused.
+size_t gemm_low_rank_buffer_bytes(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                                  int64_t r);
+
 // The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
 //   Reference  triple loop in double (the ground truth for tests)
 //   Eigen      Eigen's FP32 GEMM (BF16: widened to FP32, see gemm_bf16_native); a product of at

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 
 #include "kernels/cpu/bf16_pairs_avx512.h"
@@ -280,6 +281,31 @@ void gemm_bf16_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t 
     return gemv_bf16_avx512(N, K, A, B, ldb, beta, C);
   if (takes_skinny(ta, M, N, K)) return gemm_skinny(tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+// Whether gemm_bf16_low_rank_avx512 adds a rank-r update inside an M x N x K product: on the
+// blocked path with A not transposed (never the fused or direct path, which are for a transposed
+// A), r within one K block.
+bool takes_low_rank(Transpose ta, int64_t M, int64_t N, int64_t K, int64_t r) {
+  return ta == Transpose::No && M >= 2 && N >= 1 && K > 0 && !takes_skinny(ta, M, N, K) && r >= 1 &&
+         r <= Bf16Avx512::KC && gemm_low_rank_enabled();
+}
+
+void gemm_bf16_low_rank_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                               float beta, float* C, int64_t ldc, const LowRankUpdate& update) {
+  if (!takes_low_rank(ta, M, N, K, update.r))
+    throw std::logic_error("gemm_bf16_low_rank_avx512: a product that does not take the update");
+  detail::gemm_blocked<Bf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, &update);
+}
+
+bool gemm_bf16_avx512_takes_low_rank(Transpose ta, Transpose, int64_t M, int64_t N, int64_t K,
+                                     int64_t r) {
+  return takes_low_rank(ta, M, N, K, r);
+}
+
+int64_t gemm_bf16_avx512_low_rank_floats(int64_t M, int64_t N, int64_t r) {
+  return detail::low_rank_pack_floats<Bf16Avx512>(M, N, r);
 }
 
 void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,

@@ -28,6 +28,13 @@
 // C is FP32, or bf16 (uint16_t, where P's micro takes it): the product rounded once, which needs
 // the whole K in one block (K <= KC) and beta 0.
 //
+// With a rank-r update (LowRankUpdate, bf16 operands and an FP32 C, r <= KC, not on the fused or
+// direct path), C += U op(V) is added to each tile right after its last K block, while the tile
+// is in L1: U and op(V) are packed once for the call, before the first B block, as the blocked
+// path packs A and B (pack_a and pack_b over one K block of r), and each tile's update is P's
+// micro over them with beta 1. That is the blocked path's own product U op(V) with beta 1 on C,
+// tile by tile, so the bits are those of the two products one after the other.
+//
 // Weight gradients may take the fused path (gemm_fused.h) or the direct one (gemm_direct.h)
 // instead; blocked_plan (gemm_plan.h) says which.
 #pragma once
@@ -46,10 +53,19 @@
 
 namespace cputrain::kernels::detail {
 
+// Floats of buffer 2 that gemm_blocked<P> takes for a rank-r update's packed U (M x r) and op(V)
+// (r x N): whole micro-panels of each.
+template <class P>
+int64_t low_rank_pack_floats(int64_t M, int64_t N, int64_t r) {
+  const int64_t kp = (r + P::KU - 1) / P::KU;
+  return ((M + P::MR - 1) / P::MR * P::MR + (N + P::NR - 1) / P::NR * P::NR) * kp;
+}
+
 template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
-                  float beta, CT* C, int64_t ldc) {
+                  float beta, CT* C, int64_t ldc, const LowRankUpdate* update = nullptr) {
+  constexpr bool kUpdates = std::is_same_v<typename P::In, uint16_t> && std::is_same_v<CT, float>;
   using Packed = typename P::Packed;
   static_assert(sizeof(Packed) == sizeof(float));
   if (M <= 0 || N <= 0) return;
@@ -68,6 +84,9 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   constexpr int64_t MR = P::MR, NR = P::NR, KU = P::KU;
   const BlockedPlan<P> plan = blocked_plan<P>(at, bt, M, N, K, std::is_same_v<CT, float>, lda, ldb,
                                               operands_start_lines(A, lda, B, ldb));
+  if (update != nullptr &&
+      (!kUpdates || plan.direct || plan.fused || update->r < 1 || update->r > P::KC))
+    throw std::logic_error("gemm_blocked: a rank-r update on a path that does not add it");
   if constexpr (direct_path<P>() && std::is_same_v<CT, float>) {
     if (plan.direct) return gemm_direct<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc);
   }
@@ -78,6 +97,15 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   if constexpr (fused_packing<P>() && std::is_same_v<CT, float>) {
     if (plan.fused) return gemm_fused<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc, apack, bpack);
   }
+  // The update's packed op(V) (every micro-panel of N, first: the micro-kernel loads B's
+  // vectors aligned) and U (n_ir micro-panels).
+  const int64_t n_jr_all = (N + NR - 1) / NR;
+  const int64_t kp_update = update != nullptr ? (update->r + KU - 1) / KU : 0;
+  Packed* const vpack = update != nullptr
+                            ? reinterpret_cast<Packed*>(gemm_pack_buffer(
+                                  static_cast<size_t>(low_rank_pack_floats<P>(M, N, update->r)), 2))
+                            : nullptr;
+  Packed* const upack = vpack + n_jr_all * kp_update * NR;
   const int64_t n_ir = plan.n_ir, ir_per_block = plan.ir_per_block;
   // Row blocks of ir_per_block micro-panels, and at the end, the last threads x 2 blocks' worth
   // in blocks of a quarter of that, so that the threads end closer together.
@@ -104,6 +132,20 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
     const int nt = omp_get_num_threads();
     int64_t items_begin = 0;
     Packed* const my_a = apack + omp_get_thread_num() * plan.a_floats_per_thread();
+    if constexpr (kUpdates) {
+      if (update != nullptr) {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < plan.n_ir + n_jr_all; ++item) {
+          if (item < plan.n_ir)
+            P::pack_a(upack + item * kp_update * MR, update->u, update->ldu, false, item * MR,
+                      M - item * MR, 0, update->r);
+          else
+            P::pack_b(vpack + (item - plan.n_ir) * kp_update * NR, update->v, update->ldv,
+                      update->tv == Transpose::Yes, (item - plan.n_ir) * NR,
+                      N - (item - plan.n_ir) * NR, 0, update->r);
+        }
+      }
+    }
     for (int64_t jc = 0; jc < N; jc += plan.nc) {
       const int64_t nc = std::min<int64_t>(plan.nc, N - jc);
       const int64_t n_jr = (nc + NR - 1) / NR;
@@ -181,6 +223,11 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                 const int n = static_cast<int>(std::min<int64_t>(NR, N - j));
                 P::micro(kp, my_a + (ir - ir0) * kp * MR, block + jr * kp * NR, C + i * ldc + j,
                          ldc, beta_block, m, n);
+                if constexpr (kUpdates) {
+                  if (update != nullptr && pc + kc == K)
+                    P::micro(kp_update, upack + ir * kp_update * MR,
+                             vpack + j / NR * kp_update * NR, C + i * ldc + j, ldc, 1.0f, m, n);
+                }
                 ahead.step();
               }
             }

@@ -32,6 +32,13 @@ void gemv_bf16_avx512(int64_t N, int64_t K, const uint16_t* x, const uint16_t* W
 // The same in FP32 (AVX-512F).
 void gemv_f32_avx512(int64_t N, int64_t K, const float* x, const float* W, int64_t ldw, float beta,
                      float* y);
+// gemm_bf16_low_rank on the AVX-512 BF16 kernel, the update added in its blocked driver; only
+// where gemm_bf16_avx512_takes_low_rank (else it throws std::logic_error).
+void gemm_bf16_low_rank_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                               float beta, float* C, int64_t ldc, const LowRankUpdate& update);
+// Floats of buffer 2 it takes for the update's packed operands.
+int64_t gemm_bf16_avx512_low_rank_floats(int64_t M, int64_t N, int64_t r);
 // gemm_bf16_rounded on the AVX-512 BF16 kernel; K <= gemm_bf16_avx512_block_k().
 void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,

@@ -27,6 +27,15 @@ bool gemm_skinny_enabled();
 // Whether the AVX-512 BF16 kernel takes that path for an M x N x K product, with
 // gemm_skinny_enabled() as it is now.
 bool gemm_bf16_avx512_takes_skinny(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K);
+// Whether gemm_bf16_low_rank adds its update inside the AVX-512 BF16 kernel's product where it
+// can (on by default); off, it runs the two products one after the other, with the same results
+// bit for bit. For tests and comparisons.
+void gemm_set_low_rank(bool on);
+bool gemm_low_rank_enabled();
+// Whether the AVX-512 BF16 kernel adds a rank-r update inside an M x N x K product, with
+// gemm_low_rank_enabled() as it is now.
+bool gemm_bf16_avx512_takes_low_rank(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                                     int64_t r);
 // K blocks of 512 the fused path takes as one where no tuning says otherwise (2 by default;
 // kernels/gemm/gemm_test_hooks.cpp says why; kernels/gemm/gemm_tuning.h): any count gives the same
 // results bit for bit. For tests and comparisons (gemm_alternate

@@ -14,6 +14,8 @@
 #include "engine/core/ops.h"
 #include "kernels/attention/attention.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_test_hooks.h"
 #include "kernels/ops/rope.h"
 
 namespace cputrain {
@@ -329,6 +331,57 @@ TEST(OpsBf16, LinearOutputGradientsRoundedWhereProducedSameBits) {
   for (DType d : unrounded) EXPECT_EQ(d, DType::F32);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "gradient " << i;
+}
+
+// lora_linear in bf16 mode: y = x W' + (s u) B' and dX = dY W + (s g) A each as one product that
+// adds the update inside it (kernels::gemm_bf16_low_rank), with the bits of the two products one
+// after the other: the output and every gradient (x, W, the bias, A, B) the same with the update
+// inside the product and outside it, over a frozen W and a trained one; and within bf16
+// rounding of FP32 mode.
+TEST(OpsBf16, LoraLinearInOneProductGivesTheTwoProductsBits) {
+  std::mt19937 rng(13);
+  const int64_t M = 80, N = 100, K = 72, r = 16;
+  if (!kernels::gemm_bf16_low_rank_fused(kernels::Transpose::No, kernels::Transpose::Yes, M, N, K,
+                                         r) ||
+      !kernels::gemm_bf16_low_rank_fused(kernels::Transpose::No, kernels::Transpose::No, M, K, N,
+                                         r))
+    GTEST_SKIP() << "the selected GEMM runs the update as a second product";
+  struct Restore {
+    ~Restore() { kernels::gemm_set_low_rank(true); }
+  } restore;
+  const std::vector<Tensor> inputs = {
+      random_tensor(Shape{2, M / 2, K}, rng, false), random_tensor(Shape{N, K}, rng, false, 0.3f),
+      random_tensor(Shape{N}, rng, false), random_tensor(Shape{r, K}, rng, false, 0.3f),
+      random_tensor(Shape{N, r}, rng, false, 0.3f)};
+  const Tensor out_grad = random_tensor(Shape{2, M / 2, N}, rng, false);
+  const OpFn op = [](const auto& v) { return lora_linear(v[0], v[1], v[2], v[3], v[4], 0.75f); };
+  for (const bool w_trains : {false, true}) {
+    ModeRun runs[2];
+    for (const bool inside : {false, true}) {
+      kernels::gemm_set_low_rank(inside);
+      ComputeDTypeGuard precision(DType::BF16);
+      std::vector<Variable> leaves, vars;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        leaves.emplace_back(inputs[i], i != 1 || w_trains);
+        vars.push_back(
+            i == 1 ? leaves.back()
+                   : add(leaves.back(), Variable(Tensor::zeros(inputs[i].shape(), DType::F32,
+                                                               MemoryCategory::Workspace),
+                                                 false)));
+      }
+      const Variable out = op(vars);
+      runs[inside].out = values(out.value());
+      backward(out, out_grad);
+      for (size_t i = 0; i < leaves.size(); ++i)
+        if (i != 1 || w_trains) runs[inside].grads.push_back(values(leaves[i].grad()));
+    }
+    EXPECT_EQ(runs[0].out, runs[1].out) << "W trains: " << w_trains;
+    ASSERT_EQ(runs[0].grads.size(), runs[1].grads.size());
+    for (size_t i = 0; i < runs[0].grads.size(); ++i)
+      EXPECT_EQ(runs[0].grads[i], runs[1].grads[i])
+          << "gradient " << i << ", W trains " << w_trains;
+  }
+  compare_modes(op, inputs, Shape{2, M / 2, N}, 2e-2, 2e-2);
 }
 
 // linear_rounded: in bf16 mode its value is linear's rounded (bf16 only, refused by ops on FP32

@@ -897,6 +897,13 @@ TEST(OpsGradient, LoraLinear) {
   check_gradients(
       [](const auto& v) { return lora_linear(v[0], v[1], Variable(), v[2], v[3], -1.5f); },
       {inputs[0], inputs[1], inputs[3], inputs[4]}, 2e-3);
+  // Two uses of one adapter: the second's gradients accumulate into the first's.
+  check_gradients(
+      [](const auto& v) {
+        return add(lora_linear(v[0], v[1], v[2], v[3], v[4], 0.75f),
+                   lora_linear(v[0], v[1], v[2], v[3], v[4], -0.5f));
+      },
+      inputs, 2e-3);
   // The values: x W' + b + 0.75 (x A') B', from linear's products.
   NoGradGuard no_grad;
   const auto var = [&](size_t i) { return Variable(inputs[i], false); };

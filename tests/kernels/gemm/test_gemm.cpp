@@ -635,10 +635,122 @@ TEST(GemmPaths, Bf16SkinnyPathGivesTheBlockedPathsBits) {
   }
 }
 
+// A weight gradient's product and its transpose, dY' U (N x r) and U' dY (r x N) with dY (T x
+// N) and U (T x r) both stored along T, give the same bits on the bf16 kernel: the same pair sums
+// (a times b is b times a) in the same K blocks, whichever path each takes (a LoRA adapter's dB
+// is computed as its transpose, which runs faster). N within a tile and over several, r 1, 16 and
+// 32, T within a block and over several, beta 0 and 1, on 1 and 2 threads.
+TEST(GemmPaths, Bf16WeightGradientAndItsTransposeGiveTheSameBits) {
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "a property of the avx512 bf16 kernel";
+  const OnAvx512Kernels on_avx512;
+  uint32_t seed = 90;
+  for (const int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    for (const int64_t N : {20, 128, 900})
+      for (const int64_t r : {1, 16, 32})
+        for (const int64_t T : {37, 512, 2100})
+          for (const float beta : {0.0f, 1.0f}) {
+            std::vector<uint16_t> dy(T * N), u(T * r);
+            const std::vector<float> dyf = random_vector(dy.size(), seed++);
+            const std::vector<float> uf = random_vector(u.size(), seed++);
+            fp32_to_bf16_array(dy.data(), dyf.data(), static_cast<int64_t>(dy.size()));
+            fp32_to_bf16_array(u.data(), uf.data(), static_cast<int64_t>(u.size()));
+            const std::vector<float> c0 = random_vector(N * r, seed++);
+            std::vector<float> direct = c0, transposed(r * N);
+            for (int64_t n = 0; n < N; ++n)
+              for (int64_t j = 0; j < r; ++j) transposed[j * N + n] = c0[n * r + j];
+            gemm_bf16(Transpose::Yes, Transpose::No, N, r, T, dy.data(), N, u.data(), r, beta,
+                      direct.data(), r);
+            gemm_bf16(Transpose::Yes, Transpose::No, r, N, T, u.data(), r, dy.data(), N, beta,
+                      transposed.data(), N);
+            for (int64_t n = 0; n < N; ++n)
+              for (int64_t j = 0; j < r; ++j)
+                ASSERT_EQ(direct[n * r + j], transposed[j * N + n])
+                    << "N=" << N << " r=" << r << " T=" << T << " beta=" << beta << ", " << threads
+                    << " threads, at " << n << ", " << j;
+          }
+  }
+}
+
 // Clears the GEMM tunings at the end of a test.
 struct ClearTunings {
   ~ClearTunings() { gemm_clear_tunings(); }
 };
+
+// gemm_bf16_low_rank adds its rank-r update C += U op(V) inside the blocked product, each tile
+// right after its last K block: the same bits as the two products one after the other (the
+// switch off). Rows short of a micro-panel and of 8, columns past one B block (with the
+// tuning's NC at 128, several) and short of a micro-panel, K within a block, at its end and over
+// several, both layouts of B and of V, ranks 1 (odd: the pair's zero), 16 and 33, strides past
+// the widths, beta 0 over NaN, 1 and 0.5, on 1 and 2 threads; and the update's product on its
+// own against the reference.
+TEST(GemmPaths, Bf16LowRankUpdateGivesTheTwoProductsBits) {
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "the update is added by the avx512 kernel";
+  const OnAvx512Kernels on_avx512;
+  const ClearTunings clear;
+  struct Restore {
+    ~Restore() { gemm_set_low_rank(true); }
+  } restore;
+  uint32_t seed = 70;
+  const auto bf16_of = [&](size_t n) {
+    const std::vector<float> f = random_vector(n, seed++);
+    std::vector<uint16_t> out(n);
+    fp32_to_bf16_array(out.data(), f.data(), static_cast<int64_t>(n));
+    return out;
+  };
+  for (const int threads : {1, 2})
+    for (const int64_t nc : {int64_t{0}, int64_t{128}}) {
+      omp_set_num_threads(threads);
+      gemm_clear_tunings();
+      if (nc > 0) gemm_set_tuning(TunedGemm::Bf16Avx512, threads, {.nc = nc});
+      for (const int64_t M : {2, 37, 300})
+        for (const int64_t N : {33, 130, 600})
+          for (const int64_t K : {3, 512, 1100})
+            for (const Transpose tb : {Transpose::No, Transpose::Yes})
+              for (const Transpose tv : {Transpose::No, Transpose::Yes})
+                for (const int64_t r : {1, 16, 33})
+                  for (const float beta : {0.0f, 1.0f, 0.5f}) {
+                    const Case c{Transpose::No, tb, M, N, K, (M + N + r) % 3, beta};
+                    std::ostringstream what;
+                    what << describe(c) << " r=" << r << " tv=" << (tv == Transpose::Yes) << ", "
+                         << threads << " threads, nc " << nc;
+                    const std::vector<uint16_t> a = bf16_of(c.a_rows() * c.lda());
+                    const std::vector<uint16_t> b = bf16_of(c.b_rows() * c.ldb());
+                    const int64_t ldu = r + c.pad, ldv = (tv == Transpose::Yes ? r : N) + c.pad;
+                    const std::vector<uint16_t> u = bf16_of(M * ldu);
+                    const std::vector<uint16_t> v = bf16_of((tv == Transpose::Yes ? N : r) * ldv);
+                    const LowRankUpdate update{u.data(), ldu, v.data(), ldv, tv, r};
+                    std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
+                    if (beta == 0.0f)
+                      for (int64_t i = 0; i < M; ++i) C[i * c.ldc()] = std::nan("");
+                    std::vector<float> got[2] = {C, C};
+                    for (const bool fused : {false, true}) {
+                      gemm_set_low_rank(fused);
+                      ASSERT_EQ(gemm_bf16_low_rank_fused(c.ta, c.tb, M, N, K, r), fused)
+                          << what.str();
+                      gemm_bf16_low_rank(c.ta, c.tb, M, N, K, a.data(), c.lda(), b.data(), c.ldb(),
+                                         beta, got[fused].data(), c.ldc(), update);
+                    }
+                    ASSERT_EQ(0,
+                              std::memcmp(got[0].data(), got[1].data(), sizeof(float) * C.size()))
+                        << what.str();
+                    // The update alone (K 0 rows of the product are not a case: a zero A
+                    // instead) against the reference, so that both sides cannot be wrong alike.
+                    if (K != 3 || beta != 1.0f) continue;
+                    const std::vector<uint16_t> zero_a(a.size(), 0);
+                    std::vector<float> alone = C, want = C;
+                    gemm_bf16_low_rank(c.ta, c.tb, M, N, K, zero_a.data(), c.lda(), b.data(),
+                                       c.ldb(), 1.0f, alone.data(), c.ldc(), update);
+                    gemm_bf16_reference(Transpose::No, tv, M, N, r, u.data(), ldu, v.data(), ldv,
+                                        1.0f, want.data(), c.ldc());
+                    for (int64_t i = 0; i < M; ++i)
+                      for (int64_t j = 0; j < N; ++j)
+                        ASSERT_NEAR(alone[i * c.ldc() + j], want[i * c.ldc() + j],
+                                    1e-5f * (1.0f + std::fabs(want[i * c.ldc() + j])) * r)
+                            << what.str() << " at " << i << ", " << j;
+                  }
+    }
+}
 
 // Where a thread's B block on the fused path is larger than L2, bf16 packs A once for all
 // threads: a row's packed A is taken from a shared slot another thread has filled, or packed
