@@ -38,6 +38,10 @@ struct Shape {
   kernels::Transpose ta, tb;
   int64_t M, N, K;
   float beta;
+  // Where above 0, the product and then a LoRA adapter's update of this rank, C += U op(V)
+  // (kernels::gemm_bf16_low_rank): U (M x rank); V (N x rank), transposed, with B transposed (a
+  // forward), else (rank x N) (a dX).
+  int64_t rank = 0;
 };
 
 // For a linear layer Y = X W^T with X (T, in) and W (out, in), T = batch x ctx tokens:
