@@ -178,13 +178,6 @@ bool gemm_bf16_low_rank_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, 
          gemm_bf16_avx512_takes_low_rank(ta, tb, M, N, K, r);
 }
 
-size_t gemm_low_rank_buffer_bytes(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
-                                  int64_t r) {
-  if (!gemm_bf16_low_rank_fused(ta, tb, M, N, K, r)) return 0;
-  return (static_cast<size_t>(gemm_bf16_avx512_low_rank_floats(M, N, r)) * sizeof(float) + 63) /
-         64 * 64;
-}
-
 void gemm_bf16_low_rank(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta,
                         float* C, int64_t ldc, const LowRankUpdate& update) {

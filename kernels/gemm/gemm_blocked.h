@@ -135,14 +135,14 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
     if constexpr (kUpdates) {
       if (update != nullptr) {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < plan.n_ir + n_jr_all; ++item) {
-          if (item < plan.n_ir)
+        for (int64_t item = 0; item < n_ir + n_jr_all; ++item) {
+          if (item < n_ir)
             P::pack_a(upack + item * kp_update * MR, update->u, update->ldu, false, item * MR,
                       M - item * MR, 0, update->r);
           else
-            P::pack_b(vpack + (item - plan.n_ir) * kp_update * NR, update->v, update->ldv,
-                      update->tv == Transpose::Yes, (item - plan.n_ir) * NR,
-                      N - (item - plan.n_ir) * NR, 0, update->r);
+            P::pack_b(vpack + (item - n_ir) * kp_update * NR, update->v, update->ldv,
+                      update->tv == Transpose::Yes, (item - n_ir) * NR, N - (item - n_ir) * NR, 0,
+                      update->r);
         }
       }
     }

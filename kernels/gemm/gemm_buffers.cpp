@@ -23,6 +23,11 @@ namespace detail {
 
 namespace {
 
+// The bytes a buffer of `floats` takes: whole 64-byte lines.
+size_t buffer_bytes(size_t floats) {
+  return (floats * sizeof(float) + 63) / 64 * 64;
+}
+
 // Each buffer remembers the allocator it came from, in case another is installed later.
 struct Buffer {
   float* data = nullptr;
@@ -51,7 +56,7 @@ float* gemm_pack_buffer(size_t floats, int which) {
   if (b.bytes < floats * sizeof(float)) {
     b.reset();
     const WorkspaceAllocator allocator = workspace_allocator();
-    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+    const size_t bytes = buffer_bytes(floats);
     b.data = static_cast<float*>(allocator.allocate(bytes));
     b.bytes = bytes;
     b.release = allocator.free;
@@ -90,9 +95,7 @@ std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, i
                                         int64_t K) {
   std::array<size_t, 4> bytes{};
   if (M <= 0 || N <= 0 || K <= 0) return bytes;
-  auto rounded = [](int64_t floats) {
-    return (static_cast<size_t>(floats) * sizeof(float) + 63) / 64 * 64;
-  };
+  auto rounded = [](int64_t floats) { return detail::buffer_bytes(static_cast<size_t>(floats)); };
   if (bf16 && gemm_backend() != GemmBackend::Reference && !gemm_bf16_native(gemm_backend())) {
     const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
     bytes[2] = rounded((at ? K : M) * (at ? M : K));
@@ -103,6 +106,12 @@ std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, i
   if (packs[0] > 0) bytes[0] = rounded(packs[0]);
   if (packs[1] > 0) bytes[1] = rounded(packs[1]);
   return bytes;
+}
+
+size_t gemm_low_rank_buffer_bytes(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                                  int64_t r) {
+  if (!gemm_bf16_low_rank_fused(ta, tb, M, N, K, r)) return 0;
+  return detail::buffer_bytes(static_cast<size_t>(gemm_bf16_avx512_low_rank_floats(M, N, r)));
 }
 
 }  // namespace cputrain::kernels

@@ -39,6 +39,14 @@ Vector random_vector(size_t n, uint32_t seed) {
   return v;
 }
 
+// random_vector's values rounded to bf16.
+std::vector<uint16_t> random_bf16(size_t n, uint32_t seed) {
+  const std::vector<float> f = random_vector(n, seed);
+  std::vector<uint16_t> out(n);
+  fp32_to_bf16_array(out.data(), f.data(), static_cast<int64_t>(n));
+  return out;
+}
+
 // Storage that starts a 64-byte cache line, as the engine's tensors do (the direct path takes
 // only operands whose rows start lines).
 template <class T>
@@ -614,11 +622,8 @@ TEST(GemmPaths, Bf16SkinnyPathGivesTheBlockedPathsBits) {
             for (const float beta : {0.0f, 1.0f, 0.5f}) {
               const Case c{Transpose::No, tb, M, N, K, 3, beta};
               const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
-              std::vector<uint16_t> a(c.a_rows() * c.lda()), b(c.b_rows() * c.ldb());
-              const std::vector<float> af = random_vector(a.size(), seed++);
-              const std::vector<float> bf = random_vector(b.size(), seed++);
-              fp32_to_bf16_array(a.data(), af.data(), static_cast<int64_t>(a.size()));
-              fp32_to_bf16_array(b.data(), bf.data(), static_cast<int64_t>(b.size()));
+              const std::vector<uint16_t> a = random_bf16(c.a_rows() * c.lda(), seed++);
+              const std::vector<uint16_t> b = random_bf16(c.b_rows() * c.ldb(), seed++);
               std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
               if (beta == 0.0f)
                 for (int64_t i = 0; i < M; ++i) C[i * c.ldc()] = std::nan("");
@@ -650,11 +655,8 @@ TEST(GemmPaths, Bf16WeightGradientAndItsTransposeGiveTheSameBits) {
       for (const int64_t r : {1, 16, 32})
         for (const int64_t T : {37, 512, 2100})
           for (const float beta : {0.0f, 1.0f}) {
-            std::vector<uint16_t> dy(T * N), u(T * r);
-            const std::vector<float> dyf = random_vector(dy.size(), seed++);
-            const std::vector<float> uf = random_vector(u.size(), seed++);
-            fp32_to_bf16_array(dy.data(), dyf.data(), static_cast<int64_t>(dy.size()));
-            fp32_to_bf16_array(u.data(), uf.data(), static_cast<int64_t>(u.size()));
+            const std::vector<uint16_t> dy = random_bf16(T * N, seed++);
+            const std::vector<uint16_t> u = random_bf16(T * r, seed++);
             const std::vector<float> c0 = random_vector(N * r, seed++);
             std::vector<float> direct = c0, transposed(r * N);
             for (int64_t n = 0; n < N; ++n)
@@ -692,12 +694,6 @@ TEST(GemmPaths, Bf16LowRankUpdateGivesTheTwoProductsBits) {
     ~Restore() { gemm_set_low_rank(true); }
   } restore;
   uint32_t seed = 70;
-  const auto bf16_of = [&](size_t n) {
-    const std::vector<float> f = random_vector(n, seed++);
-    std::vector<uint16_t> out(n);
-    fp32_to_bf16_array(out.data(), f.data(), static_cast<int64_t>(n));
-    return out;
-  };
   for (const int threads : {1, 2})
     for (const int64_t nc : {int64_t{0}, int64_t{128}}) {
       omp_set_num_threads(threads);
@@ -714,11 +710,12 @@ TEST(GemmPaths, Bf16LowRankUpdateGivesTheTwoProductsBits) {
                     std::ostringstream what;
                     what << describe(c) << " r=" << r << " tv=" << (tv == Transpose::Yes) << ", "
                          << threads << " threads, nc " << nc;
-                    const std::vector<uint16_t> a = bf16_of(c.a_rows() * c.lda());
-                    const std::vector<uint16_t> b = bf16_of(c.b_rows() * c.ldb());
+                    const std::vector<uint16_t> a = random_bf16(c.a_rows() * c.lda(), seed++);
+                    const std::vector<uint16_t> b = random_bf16(c.b_rows() * c.ldb(), seed++);
                     const int64_t ldu = r + c.pad, ldv = (tv == Transpose::Yes ? r : N) + c.pad;
-                    const std::vector<uint16_t> u = bf16_of(M * ldu);
-                    const std::vector<uint16_t> v = bf16_of((tv == Transpose::Yes ? N : r) * ldv);
+                    const std::vector<uint16_t> u = random_bf16(M * ldu, seed++);
+                    const std::vector<uint16_t> v =
+                        random_bf16((tv == Transpose::Yes ? N : r) * ldv, seed++);
                     const LowRankUpdate update{u.data(), ldu, v.data(), ldv, tv, r};
                     std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
                     if (beta == 0.0f)
