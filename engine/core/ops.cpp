@@ -77,8 +77,9 @@ void measure_gemm_rounded(int64_t M, int64_t N, int64_t K) {
 
 // out (M, N) = x (M, K) w^T for rows row0 .. row0 + M of x, on the values linear multiplies:
 // x's and w's bf16 roundings in bf16 mode, else their FP32 values (xv, wv); w may be quantised.
+// `kept`: w^T packed once for the products of several chunks of rows (bf16, not quantised).
 void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out, int64_t M,
-                    int64_t N, int64_t K, const GemmNames& names) {
+                    int64_t N, int64_t K, const GemmNames& names, kernels::KeptB* kept = nullptr) {
   Scope scope(names.y, Pass::Forward, gemm_flops(M, N, K));
   const bool bf16 = xv.dtype() == DType::BF16;
   if (!computing() && dtype_quantized(wv.dtype())) {
@@ -89,6 +90,9 @@ void linear_product(const Tensor& xv, int64_t row0, const Tensor& wv, float* out
     kernels::gemm_quant_forward_bf16(M, xv.bf16() + row0 * K, K, wv.quant(), 0.0f, out, N);
   } else if (dtype_quantized(wv.dtype())) {
     kernels::gemm_quant_forward(M, xv.f32() + row0 * K, K, wv.quant(), 0.0f, out, N);
+  } else if (bf16 && kept != nullptr) {
+    kernels::gemm_bf16_kept(Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K, wv.bf16(), K, 0.0f,
+                            out, N, *kept);
   } else if (bf16) {
     kernels::gemm_bf16(Transpose::No, Transpose::Yes, M, N, K, xv.bf16() + row0 * K, K, wv.bf16(),
                        K, 0.0f, out, N);
@@ -1134,8 +1138,8 @@ Variable cross_entropy(const Variable& logits, const Tensor& targets) {
   return out;
 }
 
-int64_t lm_head_chunk_rows(int64_t V) {
-  return std::max<int64_t>(512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
+int64_t lm_head_chunk_rows(int64_t V, bool kept) {
+  return std::max<int64_t>(kept ? 256 : 512, (int64_t{32} << 20) / (4 * std::max<int64_t>(V, 1)));
 }
 
 namespace {
@@ -1154,11 +1158,22 @@ Variable lm_head_loss(const Variable& x, const Variable& w, const Tensor& target
   const int64_t N = x.value().numel() / K;
   require(targets.dtype() == DType::I32 && targets.numel() == N,
           "lm_head_cross_entropy: one i32 target per row of x");
-  const int64_t rows = std::min(N, chunk_rows > 0 ? chunk_rows : lm_head_chunk_rows(V));
   Scope scope("lm_head + cross_entropy", Pass::Forward);
   const bool bf16 = bf16_mode();
   const Tensor xv = bf16 ? x.bf16_value() : fp32_value(x);
   const Tensor wv = weight_operand(w, bf16);
+  // W^T packed once for every chunk's product where the GEMM keeps it, instead of once a chunk.
+  const size_t kept_bytes =
+      bf16 && !dtype_quantized(wv.dtype()) ? kernels::gemm_bf16_kept_b_bytes(V, K) : 0;
+  const int64_t rows =
+      std::min(N, chunk_rows > 0 ? chunk_rows : lm_head_chunk_rows(V, kept_bytes > 0));
+  Tensor kept_w;
+  kernels::KeptB kept{nullptr};
+  if (kept_bytes > 0 && rows < N && kernels::gemm_bf16_keeps_b(Transpose::Yes, rows, V, K)) {
+    kept_w = Tensor::empty(Shape{static_cast<int64_t>(kept_bytes / sizeof(float))}, DType::F32,
+                           MemoryCategory::Workspace);
+    kept.data = kept_w.f32();
+  }
   const bool grad = b.defined() ? needs_grad({&x, &w, &b}) : needs_grad({&x, &w});
   // The gradient by the logits, (N, V): also where fp32 mode computes each chunk's logits.
   Tensor dl;
@@ -1193,7 +1208,7 @@ Variable lm_head_loss(const Variable& x, const Variable& w, const Tensor& target
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t m = std::min(rows, N - r0);
     float* logits = chunk.defined() ? chunk.f32() : dl.f32() + r0 * V;
-    linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms);
+    linear_product(xv, r0, wv, logits, m, V, K, kLmHeadGemms, kept_w.defined() ? &kept : nullptr);
     if (b.defined() && computing()) kernels::bias_add(logits, b.value().f32(), m, V);
     if (capped && computing()) kernels::logit_soft_cap(logits, m * V, softcap);
     Scope ce("cross_entropy", Pass::Forward);

@@ -128,7 +128,9 @@ Variable lm_head_log_probs(const Variable& x, const Variable& w, const Tensor& t
                            float softcap = 0.0f);
 // Rows per chunk of lm_head_cross_entropy for a vocabulary of V: about 32 MiB of FP32 logits,
 // and at least 512 rows, enough that packing the weight again for each chunk costs little next
-// to the product (a 150k vocabulary's weight is over 250 MB).
-int64_t lm_head_chunk_rows(int64_t V);
+// to the product (a 150k vocabulary's weight is over 250 MB); at least 256 where the weight is
+// `kept`, packed once for all chunks (bf16 mode where the GEMM keeps it,
+// kernels::gemm_bf16_kept_b_bytes), which then holds a packed copy of the weight beside them.
+int64_t lm_head_chunk_rows(int64_t V, bool kept = false);
 
 }  // namespace cputrain

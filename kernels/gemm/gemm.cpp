@@ -188,6 +188,25 @@ void gemm_bf16_low_rank(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_
             1.0f, C, ldc);
 }
 
+bool gemm_bf16_keeps_b(Transpose tb, int64_t M, int64_t N, int64_t K) {
+  const GemmKernels& k = selected();
+  return k.backend == GemmBackend::Avx512 && native(k) && gemm_bf16_avx512_keeps_b(tb, M, N, K);
+}
+
+size_t gemm_bf16_kept_b_bytes(int64_t N, int64_t K) {
+  const GemmKernels& k = selected();
+  if (k.backend != GemmBackend::Avx512 || !native(k) || N <= 0 || K <= 0) return 0;
+  return static_cast<size_t>(gemm_bf16_avx512_kept_b_floats(N, K)) * sizeof(float);
+}
+
+void gemm_bf16_kept(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+                    const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                    KeptB& kept) {
+  if (gemm_bf16_keeps_b(tb, M, N, K))
+    return gemm_bf16_kept_avx512(tb, M, N, K, A, lda, B, ldb, beta, C, ldc, kept);
+  gemm_bf16(Transpose::No, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
 std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
                                         int64_t K) {
   const GemmKernels& k = selected();

@@ -68,6 +68,26 @@ bool gemm_bf16_low_rank_fused(Transpose ta, Transpose tb, int64_t M, int64_t N, 
 size_t gemm_low_rank_buffer_bytes(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                                   int64_t r);
 
+// op(B) packed once for several products that read the same B with A not transposed, such as an
+// LM head's logits computed a chunk of rows at a time: the first product packs op(B) into `data`
+// as it goes, and the ones after it read it there instead of packing it again. The caller owns
+// `data` (gemm_bf16_kept_b_bytes, 64-byte aligned) and gives every product the same tb, N, K, B
+// and ldb; packed_nc is the kernel's, 0 until the first product.
+struct KeptB {
+  void* data;
+  int64_t packed_nc = 0;
+};
+// Bytes a KeptB needs for products that read op(B) (K x N) where gemm_bf16_keeps_b; 0 where the
+// selected backend keeps none (all but the AVX-512 BF16 kernel).
+size_t gemm_bf16_kept_b_bytes(int64_t N, int64_t K);
+// Whether gemm_bf16_kept packs into or reads a KeptB for an M x N x K product (A not transposed)
+// on the selected backend: the AVX-512 BF16 kernel's blocked path.
+bool gemm_bf16_keeps_b(Transpose tb, int64_t M, int64_t N, int64_t K);
+// gemm_bf16(No, tb, ...) with op(B) kept in `kept` where gemm_bf16_keeps_b, bitwise the same;
+// elsewhere gemm_bf16 itself, `kept` untouched.
+void gemm_bf16_kept(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+                    const uint16_t* B, int64_t ldb, float beta, float* C, int64_t ldc, KeptB& kept);
+
 // The implementations behind gemm_f32 and gemm_bf16. Each has the exact contract above.
 //   Reference  triple loop in double (the ground truth for tests)
 //   Eigen      Eigen's FP32 GEMM (BF16: widened to FP32, see gemm_bf16_native); a product of at

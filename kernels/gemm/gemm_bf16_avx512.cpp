@@ -308,6 +308,31 @@ int64_t gemm_bf16_avx512_low_rank_floats(int64_t M, int64_t N, int64_t r) {
   return detail::low_rank_pack_floats<Bf16Avx512>(M, N, r);
 }
 
+// Whether gemm_bf16_kept_avx512 keeps op(B): where gemm_bf16_avx512 runs the blocked path with A
+// not transposed (not one row, not the skinny path), and gemm_kept_b_enabled().
+bool keeps_b(Transpose tb, int64_t M, int64_t N, int64_t K) {
+  return M > 0 && N > 0 && K > 0 && !(M == 1 && tb == Transpose::Yes) &&
+         !takes_skinny(Transpose::No, M, N, K) && gemm_kept_b_enabled();
+}
+
+void gemm_bf16_kept_avx512(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                           int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
+                           int64_t ldc, KeptB& kept) {
+  if (!keeps_b(tb, M, N, K))
+    throw std::logic_error("gemm_bf16_kept_avx512: a product that does not keep B");
+  const detail::KeptBlocks blocks{kept.data, &kept.packed_nc};
+  detail::gemm_blocked<Bf16Avx512>(Transpose::No, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
+                                   nullptr, &blocks);
+}
+
+bool gemm_bf16_avx512_keeps_b(Transpose tb, int64_t M, int64_t N, int64_t K) {
+  return keeps_b(tb, M, N, K);
+}
+
+int64_t gemm_bf16_avx512_kept_b_floats(int64_t N, int64_t K) {
+  return detail::kept_b_floats<Bf16Avx512>(N, K);
+}
+
 void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                               uint16_t* C, int64_t ldc) {

@@ -35,6 +35,11 @@
 // micro over them with beta 1. That is the blocked path's own product U op(V) with beta 1 on C,
 // tile by tile, so the bits are those of the two products one after the other.
 //
+// With a kept B (KeptBlocks: an LM head's weight, shared by its chunks of rows), each (jc, K block)
+// block of packed B has its own place in the caller's buffer instead of buffer 0: the first
+// product packs every block there, and the products after it, which read the same B, skip the
+// packing. The packed values are those buffer 0 would hold, so the bits are the same.
+//
 // Weight gradients may take the fused path (gemm_fused.h) or the direct one (gemm_direct.h)
 // instead; blocked_plan (gemm_plan.h) says which.
 #pragma once
@@ -61,10 +66,24 @@ int64_t low_rank_pack_floats(int64_t M, int64_t N, int64_t r) {
   return ((M + P::MR - 1) / P::MR * P::MR + (N + P::NR - 1) / P::NR * P::NR) * kp;
 }
 
+// Floats of a kept B for N x K: every column micro-panel over all of K.
+template <class P>
+int64_t kept_b_floats(int64_t N, int64_t K) {
+  return (N + P::NR - 1) / P::NR * P::NR * ((K + P::KU - 1) / P::KU);
+}
+
+// A kept B as gemm_blocked<P> takes it: where its blocks go, and the column block width (the
+// plan's nc, which fixes where each block lies) they were packed with, 0 before the first product.
+struct KeptBlocks {
+  void* data;
+  int64_t* packed_nc;
+};
+
 template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
-                  float beta, CT* C, int64_t ldc, const LowRankUpdate* update = nullptr) {
+                  float beta, CT* C, int64_t ldc, const LowRankUpdate* update = nullptr,
+                  const KeptBlocks* kept = nullptr) {
   constexpr bool kUpdates = std::is_same_v<typename P::In, uint16_t> && std::is_same_v<CT, float>;
   using Packed = typename P::Packed;
   static_assert(sizeof(Packed) == sizeof(float));
@@ -87,6 +106,8 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   if (update != nullptr &&
       (!kUpdates || plan.direct || plan.fused || update->r < 1 || update->r > P::KC))
     throw std::logic_error("gemm_blocked: a rank-r update on a path that does not add it");
+  if (kept != nullptr && (plan.direct || plan.fused))
+    throw std::logic_error("gemm_blocked: a kept B on a path that packs B its own way");
   if constexpr (direct_path<P>() && std::is_same_v<CT, float>) {
     if (plan.direct) return gemm_direct<P>(plan, M, N, K, A, lda, B, ldb, beta, C, ldc);
   }
@@ -124,6 +145,14 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   const int64_t k_chunks_block = (P::KC + kPackRows - 1) / kPackRows;
   const bool a_rows_alias = rows_alias_in_l1(lda * static_cast<int64_t>(sizeof(typename P::In)));
   const int64_t a_pack_rows = a_rows_alias ? kPackRowsAliased : kPackRows;
+
+  // The kept B's blocks: column block jc's start after jc columns of all of K, K block q after
+  // q whole blocks of the column block's micro-panels (b_block_floats each; only the last block
+  // is shorter). Packed again where it was packed with another nc (the plan of a smaller
+  // product may take fewer threads).
+  Packed* const kept_b = kept != nullptr ? static_cast<Packed*>(kept->data) : nullptr;
+  const int64_t kp_all = (K + KU - 1) / KU;
+  const bool pack_b = kept_b == nullptr || *kept->packed_nc != plan.nc;
 
   std::atomic<int64_t> next_item{0};  // work items of every (jc, ps) block, numbered on
 
@@ -163,17 +192,21 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
         // micro-panel, reading each row once from start to end; otherwise it packs whole
         // micro-panels. The same for A below, whose rows run along M when transposed.
         const int64_t b_items = bt ? n_jr : k_chunks_block;
+        Packed* const b_blocks =
+            kept_b != nullptr ? kept_b + jc * kp_all + ps / P::KC * b_block_floats : bpack;
+        if (pack_b) {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < q_blocks * b_items; ++item) {
-          const int64_t q = item / b_items, pc = ps + q * P::KC;
-          const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
-          const int64_t k0 = bt ? 0 : item % b_items * kPackRows;
-          if (k0 >= kc) continue;
-          const int64_t klen = bt ? kc : std::min<int64_t>(kPackRows, kc - k0);
-          Packed* const block = bpack + q * b_block_floats;
-          for (int64_t jr = bt ? item % b_items : 0; jr < (bt ? item % b_items + 1 : n_jr); ++jr)
-            P::pack_b(block + jr * kp * NR + k0 / KU * NR, B, ldb, bt, jc + jr * NR,
-                      N - jc - jr * NR, pc + k0, klen);
+          for (int64_t item = 0; item < q_blocks * b_items; ++item) {
+            const int64_t q = item / b_items, pc = ps + q * P::KC;
+            const int64_t kc = std::min<int64_t>(P::KC, K - pc), kp = (kc + KU - 1) / KU;
+            const int64_t k0 = bt ? 0 : item % b_items * kPackRows;
+            if (k0 >= kc) continue;
+            const int64_t klen = bt ? kc : std::min<int64_t>(kPackRows, kc - k0);
+            Packed* const block = b_blocks + q * b_block_floats;
+            for (int64_t jr = bt ? item % b_items : 0; jr < (bt ? item % b_items + 1 : n_jr); ++jr)
+              P::pack_b(block + jr * kp * NR + k0 / KU * NR, B, ldb, bt, jc + jr * NR,
+                        N - jc - jr * NR, pc + k0, klen);
+          }
         }
         // Each item runs over the super-block's K blocks, its rows of C staying in L2. Items
         // are handed out one ahead, so that a thread fetches the transposed A it packs next
@@ -213,7 +246,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                 P::pack_a(my_a + (ir - ir0) * kp * MR + k0 / KU * MR, A, lda, at, ir * MR,
                           M - ir * MR, pc + k0, klen);
             }
-            const Packed* const block = bpack + q * b_block_floats;
+            const Packed* const block = b_blocks + q * b_block_floats;
             // The A micro-panel stays in L1 while B micro-panels stream from L2 and L3.
             for (int64_t ir = ir0; ir < ir1; ++ir) {
               const int64_t i = ir * MR;
@@ -235,10 +268,15 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
           item = next;
         }
         items_begin = items_end;
+        // (A kept B's blocks stay: there only before the next super-block adds to the same
+        // tiles of C.)
+        if (kept_b == nullptr || ps + plan.ks < K) {
 #pragma omp barrier
+        }
       }
     }
   }
+  if (kept_b != nullptr) *kept->packed_nc = plan.nc;
 }
 
 }  // namespace cputrain::kernels::detail

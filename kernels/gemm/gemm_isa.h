@@ -39,6 +39,15 @@ void gemm_bf16_low_rank_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                float beta, float* C, int64_t ldc, const LowRankUpdate& update);
 // Floats of buffer 2 it takes for the update's packed operands.
 int64_t gemm_bf16_avx512_low_rank_floats(int64_t M, int64_t N, int64_t r);
+// gemm_bf16(No, tb, ...) on the AVX-512 BF16 kernel with op(B) kept in `kept` (packed by the
+// first product, read by the next); only where gemm_bf16_avx512_keeps_b (else it throws
+// std::logic_error).
+void gemm_bf16_kept_avx512(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                           int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
+                           int64_t ldc, KeptB& kept);
+bool gemm_bf16_avx512_keeps_b(Transpose tb, int64_t M, int64_t N, int64_t K);
+// Floats of the kept op(B) (K x N) it takes.
+int64_t gemm_bf16_avx512_kept_b_floats(int64_t N, int64_t K);
 // gemm_bf16_rounded on the AVX-512 BF16 kernel; K <= gemm_bf16_avx512_block_k().
 void gemm_bf16_rounded_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                               const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,

@@ -19,6 +19,7 @@ std::atomic<bool> fused_on{true};
 std::atomic<bool> direct_on{true};
 std::atomic<bool> skinny_on{true};
 std::atomic<bool> low_rank_on{true};
+std::atomic<bool> kept_b_on{true};
 // Two: the rows of C a thread computes on the fused path do not stay in L2 from one K block to
 // the next (its packed B and the A read past them take it), so each K block reads and writes
 // them from L3 or memory; two blocks as one halve that traffic, and more make each row's B
@@ -48,6 +49,14 @@ void gemm_set_low_rank(bool on) {
 
 bool gemm_low_rank_enabled() {
   return low_rank_on.load(std::memory_order_relaxed);
+}
+
+void gemm_set_kept_b(bool on) {
+  kept_b_on.store(on);
+}
+
+bool gemm_kept_b_enabled() {
+  return kept_b_on.load(std::memory_order_relaxed);
 }
 
 void gemm_set_direct(bool on) {

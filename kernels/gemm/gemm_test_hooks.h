@@ -36,6 +36,10 @@ bool gemm_low_rank_enabled();
 // gemm_low_rank_enabled() as it is now.
 bool gemm_bf16_avx512_takes_low_rank(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                                      int64_t r);
+// Whether gemm_bf16_kept keeps op(B) on the AVX-512 BF16 kernel where it can (on by default);
+// off, each product packs B itself, with the same results bit for bit. For tests and comparisons.
+void gemm_set_kept_b(bool on);
+bool gemm_kept_b_enabled();
 // K blocks of 512 the fused path takes as one where no tuning says otherwise (2 by default;
 // kernels/gemm/gemm_test_hooks.cpp says why; kernels/gemm/gemm_tuning.h): any count gives the same
 // results bit for bit. For tests and comparisons (gemm_alternate

@@ -34,6 +34,7 @@ struct Case {
   Checkpointing checkpoint;
   std::function<bool(const std::string&)> trainable;
   LoraConfig lora = {};
+  int64_t ctx = 64;
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
@@ -48,7 +49,7 @@ TEST_P(BudgetVsMeasured, EveryCategoryPeakMatchesToTheByte) {
   // Small batches keep the test quick; the measurement does not depend on their size.
   TrainOptions options;
   options.batch = c.d_model <= 64 ? 2 : 1;
-  options.ctx = 64;
+  options.ctx = k.ctx;
   options.accum =
       3;  // the budget measures two micro-batches of a step: the third must hold no more
   options.lr.total_steps = 4;
@@ -282,6 +283,13 @@ std::vector<Case> cases() {
       all.push_back({std::string(arch) + "_" + d + "_lora_checkpoint", test::tiny_as(arch), dtype,
                      kLayer, nullptr, lora});
     }
+    // A vocabulary whose LM head takes its rows in two chunks (in bf16 mode, W^T packed once
+    // for both, beside them), trained and frozen under LoRA.
+    ModelConfig wide = preset("tiny");
+    wide.vocab = 40000;
+    wide.ctx = 160;
+    all.push_back({"wide_vocab_" + d, wide, dtype, kNone, nullptr, {}, 160});
+    all.push_back({"wide_vocab_" + d + "_lora", wide, dtype, kNone, nullptr, lora, 160});
     // Gemma 4's experts beside the dense MLP, the global layers taking k as v.
     all.push_back({"gemma4_experts_" + d, test::tiny_gemma4_experts(), dtype, kNone, nullptr});
     all.push_back({"gemma4_experts_" + d + "_lora_mlp", test::tiny_gemma4_experts(), dtype, kMlp,

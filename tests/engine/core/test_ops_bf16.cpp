@@ -384,6 +384,45 @@ TEST(OpsBf16, LoraLinearInOneProductGivesTheTwoProductsBits) {
   compare_modes(op, inputs, Shape{2, M / 2, N}, 2e-2, 2e-2);
 }
 
+// The LM head's chunks in bf16 mode read one packing of W^T kept for all of them
+// (kernels::gemm_bf16_kept): the loss (or log-probabilities), its gradients by x, W and the bias,
+// the same bits as with each chunk packing W itself; over chunks that leave a short last one,
+// with a bias and a soft cap, for the mean loss and for lm_head_log_probs.
+TEST(OpsBf16, LmHeadKeptWeightGivesEachChunksBits) {
+  std::mt19937 rng(29);
+  const int64_t N = 2 * 23, V = 300, K = 40, chunk = 10;
+  if (kernels::gemm_bf16_kept_b_bytes(V, K) == 0 ||
+      !kernels::gemm_bf16_keeps_b(kernels::Transpose::Yes, chunk, V, K))
+    GTEST_SKIP() << "the selected GEMM keeps no packed B";
+  struct Restore {
+    ~Restore() { kernels::gemm_set_kept_b(true); }
+  } restore;
+  const std::vector<Tensor> inputs = {random_tensor(Shape{2, N / 2, K}, rng, false),
+                                      random_tensor(Shape{V, K}, rng, false, 0.3f),
+                                      random_tensor(Shape{V}, rng, false)};
+  Tensor targets = Tensor::empty(Shape{N}, DType::I32, MemoryCategory::Workspace);
+  for (int64_t i = 0; i < N; ++i) targets.i32()[i] = static_cast<int32_t>((i * 37 + 5) % V);
+  targets.i32()[7] = -1;
+  for (const bool per_row : {false, true})
+    for (const float softcap : {0.0f, 4.0f}) {
+      const Tensor r = random_tensor(Shape{per_row ? N : 1}, rng, false);
+      const OpFn op = [&](const auto& v) {
+        return per_row ? lm_head_log_probs(v[0], v[1], targets, chunk, v[2], softcap)
+                       : lm_head_cross_entropy(v[0], v[1], targets, chunk, 0, v[2], softcap);
+      };
+      ModeRun runs[2];
+      for (const bool kept : {false, true}) {
+        kernels::gemm_set_kept_b(kept);
+        runs[kept] = run(op, inputs, r, DType::BF16);
+      }
+      EXPECT_EQ(runs[0].out, runs[1].out) << "per row " << per_row << ", cap " << softcap;
+      ASSERT_EQ(runs[0].grads.size(), 3u);
+      for (size_t i = 0; i < runs[0].grads.size(); ++i)
+        EXPECT_EQ(runs[0].grads[i], runs[1].grads[i])
+            << "gradient " << i << ", per row " << per_row << ", cap " << softcap;
+    }
+}
+
 // linear_rounded: in bf16 mode its value is linear's rounded (bf16 only, refused by ops on FP32
 // values) and the gradients are linear's; in fp32 mode it is linear. Over a K within the GEMM's
 // one block and one past it (where it rounds through a scratch).

@@ -749,6 +749,80 @@ TEST(GemmPaths, Bf16LowRankUpdateGivesTheTwoProductsBits) {
     }
 }
 
+// An LM head's products over chunks of rows that share one kept op(B): each chunk's bits are
+// gemm_bf16's, whether the chunk packs B into the KeptB (the first) or reads it there (B is
+// zeroed after the first chunk, so a chunk that packed it again would differ); rows short of a
+// micro-panel, one row, N short of a micro-panel and over several NC blocks, K within / at /
+// over a block, both layouts of B, padded strides, beta 0 over NaN and 1; 1 and 2 threads, K
+// blocks one super-block at a time (super_block_kib 64), and a change of thread count between
+// chunks whose tunings differ in NC (packed again, the same bits).
+TEST(GemmPaths, Bf16KeptBGivesEachProductsBits) {
+  if (!isa_usable(Isa::Avx512Bf16)) GTEST_SKIP() << "B is kept by the avx512 kernel";
+  const OnAvx512Kernels on_avx512;
+  const ClearTunings clear;
+  struct Restore {
+    ~Restore() { gemm_set_kept_b(true); }
+  } restore;
+  uint32_t seed = 90;
+  const std::vector<int64_t> chunks = {37, 64, 1, 2, 29};
+  const int64_t M = 37 + 64 + 1 + 2 + 29;
+  for (const int threads : {1, 2})
+    for (const int64_t nc : {int64_t{0}, int64_t{128}})
+      for (const int64_t N : {33, 130, 600})
+        for (const int64_t K : {3, 512, 1100})
+          for (const Transpose tb : {Transpose::No, Transpose::Yes})
+            for (const float beta : {0.0f, 1.0f})
+              for (const bool switch_threads : {false, true}) {
+                if (switch_threads && (threads != 2 || nc == 0)) continue;
+                omp_set_num_threads(threads);
+                gemm_clear_tunings();
+                // (Products too small for two threads run on one: the same NC on both, but
+                // where the thread count switches.)
+                if (nc > 0)
+                  for (const int t : {1, 2})
+                    if (t == threads || !switch_threads)
+                      gemm_set_tuning(TunedGemm::Bf16Avx512, t, {.nc = nc, .super_block_kib = 64});
+                const Case c{Transpose::No, tb, M, N, K, (N + K) % 3, beta};
+                std::ostringstream what;
+                what << describe(c) << ", " << threads << " threads, nc " << nc
+                     << (switch_threads ? ", one thread from the second chunk on" : "");
+                const std::vector<uint16_t> a = random_bf16(c.a_rows() * c.lda(), seed++);
+                std::vector<uint16_t> b = random_bf16(c.b_rows() * c.ldb(), seed++);
+                const std::vector<uint16_t> b0 = b;
+                std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
+                if (beta == 0.0f)
+                  for (int64_t i = 0; i < M; ++i) C[i * c.ldc()] = std::nan("");
+                std::vector<float> got = C, want = C;
+                gemm_set_kept_b(true);
+                const size_t bytes = gemm_bf16_kept_b_bytes(N, K);
+                ASSERT_GE(bytes, static_cast<size_t>(N * K) * 2) << what.str();
+                LineFloats kept_data(bytes / sizeof(float));
+                KeptB kept{kept_data.data()};
+                int64_t r0 = 0;
+                for (const int64_t m : chunks) {
+                  const bool keeps = gemm_bf16_keeps_b(tb, m, N, K);
+                  ASSERT_EQ(keeps, !(m == 1 && tb == Transpose::Yes)) << what.str() << " m " << m;
+                  // (One row of a transposed B is gemm_bf16's own product, which reads B.)
+                  gemm_bf16_kept(tb, m, N, K, a.data() + r0 * c.lda(), c.lda(),
+                                 keeps ? b.data() : b0.data(), c.ldb(), beta,
+                                 got.data() + r0 * c.ldc(), c.ldc(), kept);
+                  gemm_bf16(Transpose::No, tb, m, N, K, a.data() + r0 * c.lda(), c.lda(), b0.data(),
+                            c.ldb(), beta, want.data() + r0 * c.ldc(), c.ldc());
+                  ASSERT_EQ(0, std::memcmp(got.data() + r0 * c.ldc(), want.data() + r0 * c.ldc(),
+                                           sizeof(float) * m * c.ldc()))
+                      << what.str() << ", rows " << r0 << " + " << m;
+                  if (r0 == 0) {
+                    ASSERT_GT(kept.packed_nc, 0) << what.str();
+                    if (switch_threads)
+                      omp_set_num_threads(1);
+                    else
+                      std::fill(b.begin(), b.end(), uint16_t{0});
+                  }
+                  r0 += m;
+                }
+              }
+}
+
 // Where a thread's B block on the fused path is larger than L2, bf16 packs A once for all
 // threads: a row's packed A is taken from a shared slot another thread has filled, or packed
 // where it is not ready. The bits are the blocked path's: 2 threads with 18 micro-panels of
