@@ -320,9 +320,8 @@ void gemm_bf16_kept_avx512(Transpose tb, int64_t M, int64_t N, int64_t K, const 
                            int64_t ldc, KeptB& kept) {
   if (!keeps_b(tb, M, N, K))
     throw std::logic_error("gemm_bf16_kept_avx512: a product that does not keep B");
-  const detail::KeptBlocks blocks{kept.data, &kept.packed_nc};
   detail::gemm_blocked<Bf16Avx512>(Transpose::No, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
-                                   nullptr, &blocks);
+                                   nullptr, &kept);
 }
 
 bool gemm_bf16_avx512_keeps_b(Transpose tb, int64_t M, int64_t N, int64_t K) {

@@ -35,7 +35,7 @@
 // micro over them with beta 1. That is the blocked path's own product U op(V) with beta 1 on C,
 // tile by tile, so the bits are those of the two products one after the other.
 //
-// With a kept B (KeptBlocks: an LM head's weight, shared by its chunks of rows), each (jc, K block)
+// With a kept B (KeptB: an LM head's weight, shared by its chunks of rows), each (jc, K block)
 // block of packed B has its own place in the caller's buffer instead of buffer 0: the first
 // product packs every block there, and the products after it, which read the same B, skip the
 // packing. The packed values are those buffer 0 would hold, so the bits are the same.
@@ -72,18 +72,11 @@ int64_t kept_b_floats(int64_t N, int64_t K) {
   return (N + P::NR - 1) / P::NR * P::NR * ((K + P::KU - 1) / P::KU);
 }
 
-// A kept B as gemm_blocked<P> takes it: where its blocks go, and the column block width (the
-// plan's nc, which fixes where each block lies) they were packed with, 0 before the first product.
-struct KeptBlocks {
-  void* data;
-  int64_t* packed_nc;
-};
-
 template <class P, class CT>
 void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
                   const typename P::In* A, int64_t lda, const typename P::In* B, int64_t ldb,
                   float beta, CT* C, int64_t ldc, const LowRankUpdate* update = nullptr,
-                  const KeptBlocks* kept = nullptr) {
+                  KeptB* kept = nullptr) {
   constexpr bool kUpdates = std::is_same_v<typename P::In, uint16_t> && std::is_same_v<CT, float>;
   using Packed = typename P::Packed;
   static_assert(sizeof(Packed) == sizeof(float));
@@ -149,10 +142,10 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
   // The kept B's blocks: column block jc's start after jc columns of all of K, K block q after
   // q whole blocks of the column block's micro-panels (b_block_floats each; only the last block
   // is shorter). Packed again where it was packed with another nc (the plan of a smaller
-  // product may take fewer threads).
+  // product may take fewer threads; kept->packed_nc is the nc it was packed with).
   Packed* const kept_b = kept != nullptr ? static_cast<Packed*>(kept->data) : nullptr;
   const int64_t kp_all = (K + KU - 1) / KU;
-  const bool pack_b = kept_b == nullptr || *kept->packed_nc != plan.nc;
+  const bool packs_b = kept_b == nullptr || kept->packed_nc != plan.nc;
 
   std::atomic<int64_t> next_item{0};  // work items of every (jc, ps) block, numbered on
 
@@ -194,7 +187,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
         const int64_t b_items = bt ? n_jr : k_chunks_block;
         Packed* const b_blocks =
             kept_b != nullptr ? kept_b + jc * kp_all + ps / P::KC * b_block_floats : bpack;
-        if (pack_b) {
+        if (packs_b) {
 #pragma omp for schedule(static)
           for (int64_t item = 0; item < q_blocks * b_items; ++item) {
             const int64_t q = item / b_items, pc = ps + q * P::KC;
@@ -276,7 +269,7 @@ void gemm_blocked(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
       }
     }
   }
-  if (kept_b != nullptr) *kept->packed_nc = plan.nc;
+  if (kept_b != nullptr) kept->packed_nc = plan.nc;
 }
 
 }  // namespace cputrain::kernels::detail

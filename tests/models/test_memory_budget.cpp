@@ -288,8 +288,8 @@ std::vector<Case> cases() {
     ModelConfig wide = preset("tiny");
     wide.vocab = 40000;
     wide.ctx = 160;
-    all.push_back({"wide_vocab_" + d, wide, dtype, kNone, nullptr, {}, 160});
-    all.push_back({"wide_vocab_" + d + "_lora", wide, dtype, kNone, nullptr, lora, 160});
+    all.push_back({"wide_vocab_" + d, wide, dtype, kNone, nullptr, {}, wide.ctx});
+    all.push_back({"wide_vocab_" + d + "_lora", wide, dtype, kNone, nullptr, lora, wide.ctx});
     // Gemma 4's experts beside the dense MLP, the global layers taking k as v.
     all.push_back({"gemma4_experts_" + d, test::tiny_gemma4_experts(), dtype, kNone, nullptr});
     all.push_back({"gemma4_experts_" + d + "_lora_mlp", test::tiny_gemma4_experts(), dtype, kMlp,
