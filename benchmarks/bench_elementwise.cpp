@@ -86,6 +86,27 @@ void cross_entropy(benchmark::State& state, const CrossEntropyKernels& k) {
   state.counters["GBps"] = 4.0 * kRows * kVocab / timed_median(state, call) / 1e9;
 }
 
+// The LM head's bf16-mode pass over a chunk of FP32 logits: losses and the gradient's bf16
+// rounding in one kernel, which overwrites the logits (the values it then sees differ, the work
+// does not). At mega's vocabulary (512 rows) and at Qwen's (64 rows of 151936). Counter GBps:
+// the chunk's FP32 bytes read and its bf16 bytes written per second.
+void cross_entropy_forward_gradient_bf16(benchmark::State& state, const CrossEntropyKernels& k,
+                                         int64_t rows, int64_t vocab) {
+  std::vector<float> logits = values(rows * vocab, 8.0f);
+  std::vector<int32_t> targets(rows);
+  for (int64_t i = 0; i < rows; ++i) targets[i] = static_cast<int32_t>((i * 131) % vocab);
+  std::vector<float> losses(rows);
+  std::vector<uint16_t> out16(rows * vocab);
+  auto call = [&] {
+    k.forward_gradient(nullptr, out16.data(), losses.data(), logits.data(), logits.data(),
+                       targets.data(), 1.0f / static_cast<float>(rows), rows, vocab);
+  };
+  call();
+  const double seconds = timed_median(state, call);
+  state.counters["GBps"] = 6.0 * rows * vocab / seconds / 1e9;
+  state.counters["ms"] = seconds * 1e3;
+}
+
 // The residual sum into the next norm at one mega micro-batch (4096 tokens x 512), bf16 mode:
 // apart (vector_add, then rmsnorm_forward_bf16 rounding the sum; backward rmsnorm_backward
 // onto the sum's gradient, then add's copy to one side and rounding to the other) or fused
@@ -211,6 +232,13 @@ int main(int argc, char** argv) {
     const auto* ce = b.cross_entropy;
     register_timed(prefix + "cross_entropy_forward",
                    [ce](benchmark::State& st) { cross_entropy(st, *ce); });
+    register_timed(prefix + "cross_entropy_forward_gradient_bf16/v16384",
+                   [ce](benchmark::State& st) {
+                     cross_entropy_forward_gradient_bf16(st, *ce, kRows, kVocab);
+                   });
+    register_timed(
+        prefix + "cross_entropy_forward_gradient_bf16/v151936",
+        [ce](benchmark::State& st) { cross_entropy_forward_gradient_bf16(st, *ce, 64, 151936); });
   }
   for (const bool forward : {true, false})
     for (const bool fused : {false, true})

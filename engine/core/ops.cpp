@@ -1224,7 +1224,7 @@ Variable lm_head_loss(const Variable& x, const Variable& w, const Tensor& target
         std::copy_n(capped_grad.f32(), m * V, dl.f32() + r0 * V);
     } else if (!grad) {
       kernels::cross_entropy_forward(losses.f32() + r0, lse.f32(), logits, tg + r0, m, V);
-    } else if (bf16) {  // the gradient's rounding straight from each row, while it is in cache
+    } else if (bf16) {  // the gradient's rounding straight from each row (the chunk overwritten)
       kernels::cross_entropy_forward_gradient_bf16(dl.bf16() + r0 * V, losses.f32() + r0, logits,
                                                    tg + r0, each, m, V);
     } else {

@@ -46,13 +46,13 @@ void cross_entropy_gradient(float* out, const float* logits, const float* lse,
 
 void cross_entropy_forward_gradient(float* out, float* losses, const float* logits,
                                     const int32_t* targets, float scale, int64_t N, int64_t V) {
-  kernels().forward_gradient(out, nullptr, losses, logits, targets, scale, N, V);
+  kernels().forward_gradient(out, nullptr, losses, logits, out, targets, scale, N, V);
 }
 
-void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, const float* logits,
+void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, float* logits,
                                          const int32_t* targets, float scale, int64_t N,
                                          int64_t V) {
-  kernels().forward_gradient(nullptr, out_bf16, losses, logits, targets, scale, N, V);
+  kernels().forward_gradient(nullptr, out_bf16, losses, logits, logits, targets, scale, N, V);
 }
 
 void logit_soft_cap(float* x, int64_t n, float cap) {

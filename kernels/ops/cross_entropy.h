@@ -22,12 +22,15 @@ void cross_entropy_backward(float* dlogits, const float* logits, const float* ls
 void cross_entropy_gradient(float* out, const float* logits, const float* lse,
                             const int32_t* targets, float scale, int64_t N, int64_t V);
 
-// cross_entropy_forward and then cross_entropy_gradient(out, ...) in one pass over each row:
-// losses (N) and out (N, V) as they give (out may be logits); lse is not kept.
+// cross_entropy_forward and then cross_entropy_gradient(out, ...) in one pass over each row, with
+// one exponential per element: losses (N) bitwise as the forward gives them; out (N, V) the
+// gradient scale * exp(x - max) / sum (minus scale at the target), which differs from
+// cross_entropy_gradient's exp(x - lse) by a rounding; out may be logits. lse is not kept.
 void cross_entropy_forward_gradient(float* out, float* losses, const float* logits,
                                     const int32_t* targets, float scale, int64_t N, int64_t V);
-// The same with out_bf16 (N, V) receiving the bf16 rounding (fp32_to_bf16) of that gradient.
-void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, const float* logits,
+// The same with out_bf16 (N, V) receiving the bf16 rounding (fp32_to_bf16) of that gradient; the
+// logits are overwritten (with each row's exp(x - max)).
+void cross_entropy_forward_gradient_bf16(uint16_t* out_bf16, float* losses, float* logits,
                                          const int32_t* targets, float scale, int64_t N, int64_t V);
 
 // Soft-capping of logits (Gemma 2's final one): x (n) = cap * tanh(x / cap) in place; and a

@@ -15,7 +15,7 @@ struct CrossEntropyKernels {
   void (*gradient)(float* out, const float* logits, const float* lse, const int32_t* targets,
                    float scale, int64_t N, int64_t V);
   void (*forward_gradient)(float* out, uint16_t* out_bf16, float* losses, const float* logits,
-                           const int32_t* targets, float scale, int64_t N, int64_t V);
+                           float* work, const int32_t* targets, float scale, int64_t N, int64_t V);
   void (*soft_cap)(float* x, int64_t n, float cap);
   void (*soft_cap_gradient)(float* g, const float* capped, int64_t n, float cap);
 };

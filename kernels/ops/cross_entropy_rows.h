@@ -83,29 +83,54 @@ inline void ce_gradient(float* out, const float* logits, const float* lse, const
   }
 }
 
-// ce_forward and ce_gradient of one row at a time, the gradient written as FP32 (out may be
-// logits) or as its bf16 rounding: the row is read from memory once and stays in cache for the
-// other two passes, where the separate kernels stream the whole chunk three times.
+// ce_forward and then the gradient scale * (softmax - onehot) of one row at a time, with one
+// exponential per element: exp(x - max) goes to `work` (which may be out or the logits) as the
+// row's sum is taken, and the gradient is that times scale / sum, then minus scale at the target,
+// written as FP32 (out may be logits) or as its bf16 rounding. The losses are ce_forward's bits;
+// the gradient differs from ce_gradient's exp(x - lse) by a rounding (here exp sees x - max,
+// exact near the top of the row, not x - lse with lse's own rounding). The row stays in cache
+// across the three passes, where the separate kernels stream the whole chunk three times.
 inline void ce_forward_gradient(float* out, uint16_t* out_bf16, float* losses, const float* logits,
-                                const int32_t* targets, float scale, int64_t N, int64_t V) {
+                                float* work, const int32_t* targets, float scale, int64_t N,
+                                int64_t V) {
   using vec::kLanes, vec::vf;
   const int64_t whole = V / kLanes * kLanes;
   const int tail = static_cast<int>(V - whole);
+  const float lowest = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
-    const double ld = row_lse(x, V);
-    const float l = static_cast<float>(ld);
+    float* e = work + i * V;  // may be x itself: each element is read before it is written
     const int64_t t = targets[i];
-    losses[i] = static_cast<float>(ld - x[t]);
-    // As scaled_softmax_row, then minus scale at the target, before any rounding.
+    const float xt = x[t];
+    // As row_lse, lane for lane, keeping each exponential.
+    vf vmax = vec::splat(lowest);
+    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
+    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
+    const float max = vec::hmax(vmax);
+    vf vsum{};
+    for (int64_t j = 0; j < whole; j += kLanes) {
+      const vf ej = vec::exp(vec::load(x + j) - max);
+      vec::store(e + j, ej);
+      vsum += ej;
+    }
+    if (tail) {
+      vf ej = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
+      for (int l = tail; l < kLanes; ++l) ej[l] = 0.0f;
+      vec::store_partial(e + whole, ej, tail);
+      vsum += ej;
+    }
+    const float sum = vec::hsum(vsum);
+    losses[i] = static_cast<float>(static_cast<double>(max) + std::log(static_cast<double>(sum)) -
+                                   static_cast<double>(xt));
+    const float c = scale / sum;
     auto grad = [&](int64_t j, int n) {
-      vf e = scale * vec::exp(vec::load_n(x + j, n) - l);
-      if (t >= j && t < j + n) e[t - j] -= scale;
+      vf g = vec::load_n(e + j, n) * c;
+      if (t >= j && t < j + n) g[t - j] -= scale;
       if (out_bf16 != nullptr)
-        vec::store_bf16(out_bf16 + i * V + j, e, n);
+        vec::store_bf16(out_bf16 + i * V + j, g, n);
       else
-        vec::store_n(out + i * V + j, e, n);
+        vec::store_n(out + i * V + j, g, n);
     };
     for (int64_t j = 0; j < whole; j += kLanes) grad(j, kLanes);
     if (tail) grad(whole, tail);

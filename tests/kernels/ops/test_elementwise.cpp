@@ -481,66 +481,94 @@ TEST(CrossEntropy, ForwardAndBackwardMatchReference) {
   }
 }
 
-// The fused kernel, per build, against the two it fuses: losses and gradient bitwise what
-// forward then gradient give, in place over the logits too, and the bf16 output their rounding.
-TEST(CrossEntropy, FusedForwardGradientEqualsForwardThenGradient) {
+// The fused kernel, per build: losses bitwise what the forward gives; the gradient within a few
+// ulp of scale * (softmax - onehot) computed in double (one exponential per element, so not the
+// bits of the gradient kernel's exp(x - lse)); in place over the logits the same bits; the bf16
+// output their rounding; every build the same bits.
+TEST(CrossEntropy, FusedForwardGradientIsTheForwardsLossesAndTheGradient) {
   struct Build {
     const char* name;
     const CrossEntropyKernels& k;
   };
   std::vector<Build> builds{{"avx2", cross_entropy_kernels_avx2()}};
   if (cpu_features().avx512) builds.push_back({"avx512", cross_entropy_kernels_avx512()});
-  for (const int64_t V : {int64_t{53}, int64_t{32}, int64_t{7}}) {  // tails, none, only a tail
-    const int64_t N = 5;
+  for (const int64_t V : {int64_t{53}, int64_t{32}, int64_t{7}, int64_t{1000}}) {
+    const int64_t N = 5;  // tails, none, only a tail, a row with many small probabilities
     const std::vector<float> logits = random_floats(N * V, 23, -9.0f, 9.0f);
     // First column, last column (in the tail where there is one), and between.
     const std::vector<int32_t> targets = {0, static_cast<int32_t>(V - 1),
                                           static_cast<int32_t>(V / 2), static_cast<int32_t>(V - 2),
                                           1};
     const float scale = 0.37f;
+    std::vector<float> want(N * V);
+    for (int64_t i = 0; i < N; ++i) {
+      const float* x = logits.data() + i * V;
+      double max = x[0], sum = 0.0;
+      for (int64_t j = 0; j < V; ++j) max = std::max(max, static_cast<double>(x[j]));
+      for (int64_t j = 0; j < V; ++j) sum += std::exp(x[j] - max);
+      for (int64_t j = 0; j < V; ++j)
+        want[i * V + j] = static_cast<float>(
+            scale * (std::exp(x[j] - max) / sum - (j == targets[i] ? 1.0 : 0.0)));
+    }
+    std::vector<float> first;
     for (const Build& b : builds) {
       const CrossEntropyKernels& k = b.k;
-      std::vector<float> want_losses(N), lse(N), want(N * V);
+      std::vector<float> want_losses(N), lse(N);
       k.forward(want_losses.data(), lse.data(), logits.data(), targets.data(), N, V);
-      k.gradient(want.data(), logits.data(), lse.data(), targets.data(), scale, N, V);
 
       std::vector<float> losses(N), out(N * V);
-      k.forward_gradient(out.data(), nullptr, losses.data(), logits.data(), targets.data(), scale,
-                         N, V);
+      k.forward_gradient(out.data(), nullptr, losses.data(), logits.data(), out.data(),
+                         targets.data(), scale, N, V);
       EXPECT_EQ(losses, want_losses) << b.name << " V " << V;
-      EXPECT_EQ(out, want) << b.name << " V " << V;
+      for (int64_t i = 0; i < N * V; ++i) {
+        // Within 2^-19 of each probability times scale (the exponential's, the float sum's and
+        // the product's roundings), and of scale itself at the target (the subtraction's).
+        const bool target = i % V == targets[i / V];
+        const float p = std::abs(want[i] + (target ? scale : 0.0f));
+        const float tolerance = 0x1p-19f * (p + (target ? scale : 0.0f));
+        ASSERT_NEAR(out[i], want[i], tolerance) << b.name << " V " << V << " at " << i;
+      }
 
       std::vector<float> in_place = logits, losses2(N);
-      k.forward_gradient(in_place.data(), nullptr, losses2.data(), in_place.data(), targets.data(),
-                         scale, N, V);
-      EXPECT_EQ(in_place, want) << b.name << " in place, V " << V;
+      k.forward_gradient(in_place.data(), nullptr, losses2.data(), in_place.data(), in_place.data(),
+                         targets.data(), scale, N, V);
+      EXPECT_EQ(in_place, out) << b.name << " in place, V " << V;
       EXPECT_EQ(losses2, want_losses) << b.name << " in place, V " << V;
 
+      // bf16: the work rows over a copy of the logits, as the LM head's chunk is used.
+      std::vector<float> scratch = logits;
       std::vector<uint16_t> out16(N * V + 3, 0xBEEF);  // past the end stays untouched
       std::vector<float> losses3(N);
-      k.forward_gradient(nullptr, out16.data(), losses3.data(), logits.data(), targets.data(),
-                         scale, N, V);
+      k.forward_gradient(nullptr, out16.data(), losses3.data(), scratch.data(), scratch.data(),
+                         targets.data(), scale, N, V);
       for (int64_t i = 0; i < N * V; ++i)
-        ASSERT_EQ(out16[i], fp32_to_bf16(want[i])) << b.name << " V " << V << " at " << i;
+        ASSERT_EQ(out16[i], fp32_to_bf16(out[i])) << b.name << " V " << V << " at " << i;
       for (int64_t i = N * V; i < N * V + 3; ++i) EXPECT_EQ(out16[i], 0xBEEF) << b.name;
       EXPECT_EQ(losses3, want_losses) << b.name;
+      if (first.empty())
+        first = out;
+      else
+        EXPECT_EQ(out, first) << b.name << " V " << V;
     }
   }
-  // The dispatching entry points are the fused kernel of the best build.
+  // The dispatching entry points are the fused kernel (every build's bits are the same).
   const int64_t N = 3, V = 41;
   const std::vector<float> logits = random_floats(N * V, 24, -5.0f, 5.0f);
   const std::vector<int32_t> targets = {40, 0, 20};
-  std::vector<float> losses(N), lse(N), want(N * V), out(N * V), losses2(N);
-  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
-  cross_entropy_gradient(want.data(), logits.data(), lse.data(), targets.data(), 2.0f, N, V);
-  cross_entropy_forward_gradient(out.data(), losses2.data(), logits.data(), targets.data(), 2.0f, N,
+  std::vector<float> want_losses(N), want(N * V), out(N * V), losses(N);
+  cross_entropy_kernels_avx2().forward_gradient(want.data(), nullptr, want_losses.data(),
+                                                logits.data(), want.data(), targets.data(), 2.0f, N,
+                                                V);
+  cross_entropy_forward_gradient(out.data(), losses.data(), logits.data(), targets.data(), 2.0f, N,
                                  V);
   EXPECT_EQ(out, want);
-  EXPECT_EQ(losses2, losses);
+  EXPECT_EQ(losses, want_losses);
+  std::vector<float> scratch = logits;
   std::vector<uint16_t> out16(N * V);
-  cross_entropy_forward_gradient_bf16(out16.data(), losses2.data(), logits.data(), targets.data(),
+  cross_entropy_forward_gradient_bf16(out16.data(), losses.data(), scratch.data(), targets.data(),
                                       2.0f, N, V);
   for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(out16[i], fp32_to_bf16(want[i])) << i;
+  EXPECT_EQ(losses, want_losses);
 }
 
 // Backward kernels told not to accumulate write their gradient over whatever the buffer held
