@@ -44,6 +44,10 @@ struct GemmKernels {
   int64_t (*rounded_block_k)();
   // Floats of packing buffers 0 and 1 the FP32 and the bf16 products take, or null: none.
   PackFloats f32_pack, bf16_pack;
+  // Where `bf16` is not taken: the bf16 product widening its operands as it packs them, and
+  // its buffers; null: whole operands widened into buffers 2 and 3, then `f32`.
+  GemmBf16 widened = nullptr;
+  PackFloats widened_pack = nullptr;
 };
 
 bool always() {
@@ -66,7 +70,8 @@ const GemmRow kGemm[] = {
     {{"avx512", Isa::Avx512},
      {GemmBackend::Avx512, gemm_f32_avx512, gemm_bf16_avx512, avx512_bf16_usable,
       gemm_bf16_rounded_avx512, gemm_bf16_avx512_block_k, gemm_f32_avx512_pack_floats,
-      gemm_bf16_avx512_pack_floats}},
+      gemm_bf16_avx512_pack_floats, gemm_bf16_widened_avx512,
+      gemm_bf16_widened_avx512_pack_floats}},
     {{"eigen", Isa::Avx2},
      {GemmBackend::Eigen, gemm_f32_eigen, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}},
     {{"onednn", Isa::Avx2, false},
@@ -139,9 +144,10 @@ void gemm_bf16(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, cons
   const GemmKernels& k = selected();
   if (k.bf16 != nullptr && (k.bf16_instructions == nullptr || k.bf16_instructions()))
     return k.bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  // No bf16 instructions: widen both operands to FP32 and run the backend's FP32 GEMM. The
-  // product of two bf16 values is exact in FP32, so this is the same arithmetic: bf16 inputs,
-  // FP32 accumulation.
+  // No bf16 instructions: the FP32 kernel over operands widened to FP32, as it packs them where
+  // the backend can, else whole. The product of two bf16 values is exact in FP32, so this is the
+  // same arithmetic: bf16 inputs, FP32 accumulation.
+  if (k.widened != nullptr) return k.widened(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
   if (M == 0 || N == 0) return;
   if (K == 0) return detail::scale_c(C, M, N, ldc, beta);
   const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
@@ -210,9 +216,14 @@ void gemm_bf16_kept(Transpose tb, int64_t M, int64_t N, int64_t K, const uint16_
 std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
                                         int64_t K) {
   const GemmKernels& k = selected();
-  const PackFloats pack = bf16 ? k.bf16_pack : k.f32_pack;
+  const PackFloats pack = !bf16 ? k.f32_pack : native(k) ? k.bf16_pack : k.widened_pack;
   if (pack == nullptr) return {};
   return pack(ta, tb, M, N, K);
+}
+
+bool gemm_bf16_widens_in_packing() {
+  const GemmKernels& k = selected();
+  return !native(k) && k.widened != nullptr;
 }
 
 bool gemm_backend_available(GemmBackend backend) {

@@ -96,7 +96,8 @@ std::array<size_t, 4> gemm_buffer_bytes(bool bf16, Transpose ta, Transpose tb, i
   std::array<size_t, 4> bytes{};
   if (M <= 0 || N <= 0 || K <= 0) return bytes;
   auto rounded = [](int64_t floats) { return detail::buffer_bytes(static_cast<size_t>(floats)); };
-  if (bf16 && gemm_backend() != GemmBackend::Reference && !gemm_bf16_native(gemm_backend())) {
+  if (bf16 && gemm_backend() != GemmBackend::Reference && !gemm_bf16_native(gemm_backend()) &&
+      !gemm_bf16_widens_in_packing()) {
     const bool at = ta == Transpose::Yes, bt = tb == Transpose::Yes;
     bytes[2] = rounded((at ? K : M) * (at ? M : K));
     bytes[3] = rounded((bt ? N : K) * (bt ? K : N));

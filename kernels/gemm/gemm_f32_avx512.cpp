@@ -295,7 +295,95 @@ struct F32Avx512 {
   }
 };
 
+// bf16 values to FP32: each value's 16 bits above 16 zero bits (exact).
+inline __attribute__((always_inline)) __m512 widen16(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __attribute__((always_inline)) __m256i load_bf16(const uint16_t* p, int n) {
+  return n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+}
+
+// pack_transposed over bf16 rows: `rows` (<= 16) rows of `count` bf16 values, row r at
+// src + r * ld, widened and transposed to dst[k * dst_stride + r] (lanes at or past rows zero).
+inline void pack_transposed_bf16(float* dst, int64_t dst_stride, int lanes, const uint16_t* src,
+                                 int64_t ld, int rows, int64_t count) {
+  const __mmask16 lane_mask = static_cast<__mmask16>((1u << lanes) - 1);
+  __m512 r[16];
+  for (int64_t k = 0; k < count; k += 16) {
+    const int rem = static_cast<int>(count - k < 16 ? count - k : 16);
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t* row = src + i * ld + k;
+      if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(row + 64), _MM_HINT_T0);
+      r[i] = i >= rows ? _mm512_setzero_ps() : widen16(load_bf16(row, rem));
+    }
+    detail::transpose16x16(r);
+    for (int kk = 0; kk < rem; ++kk)
+      _mm512_mask_storeu_ps(dst + (k + kk) * dst_stride, lane_mask, r[kk]);
+  }
+}
+
+// bf16 operands on a CPU whose bf16 instructions are absent or slower than its FMA: the FP32
+// kernel's blocked path over panels widened to FP32 as they are packed (each product of two bf16
+// values is exact in FP32, so this is bf16 inputs with FP32 accumulation, in the FP32 kernel's
+// order), instead of widening whole operands in memory first.
+struct WidenedBf16Avx512 {
+  using In = uint16_t;
+  using Packed = float;
+  static constexpr int64_t KU = 1, MR = kTileRows, NR = kTileCols;
+  static constexpr int64_t KC = F32Avx512::KC;
+  static constexpr TunedGemm kTuned = TunedGemm::F32Avx512;
+
+  static void pack_a(float* dst, const uint16_t* A, int64_t lda, bool trans, int64_t i0, int64_t m,
+                     int64_t k0, int64_t kc) {
+    const int rows = static_cast<int>(std::min<int64_t>(m, MR));
+    if (trans) {  // A stored (K, M)
+      const __mmask16 store = static_cast<__mmask16>((1u << MR) - 1);
+      for (int64_t k = 0; k < kc; ++k)
+        _mm512_mask_storeu_ps(dst + k * MR, store,
+                              widen16(load_bf16(A + (k0 + k) * lda + i0, rows)));
+      return;
+    }
+    pack_transposed_bf16(dst, MR, MR, A + i0 * lda + k0, lda, rows, kc);
+  }
+
+  static void pack_b(float* dst, const uint16_t* B, int64_t ldb, bool trans, int64_t j0, int64_t n,
+                     int64_t k0, int64_t kc) {
+    if (!trans) {  // B stored (K, N)
+      const int lo = static_cast<int>(std::clamp<int64_t>(n, 0, 16));
+      const int hi = static_cast<int>(std::clamp<int64_t>(n - 16, 0, 16));
+      for (int64_t k = 0; k < kc; ++k) {
+        const uint16_t* src = B + (k0 + k) * ldb + j0;
+        _mm512_store_ps(dst + k * NR, widen16(load_bf16(src, lo)));
+        _mm512_store_ps(dst + k * NR + 16,
+                        hi > 0 ? widen16(load_bf16(src + 16, hi)) : _mm512_setzero_ps());
+      }
+      return;
+    }
+    for (int64_t half = 0; half < 2; ++half) {  // B stored (N, K)
+      const int rows = static_cast<int>(std::clamp<int64_t>(n - 16 * half, 0, 16));
+      pack_transposed_bf16(dst + 16 * half, NR, 16, B + (j0 + 16 * half) * ldb + k0, ldb, rows, kc);
+    }
+  }
+
+  static void micro(int64_t kp, const float* a, const float* b, float* C, int64_t ldc, float beta,
+                    int m, int n) {
+    F32Avx512::micro(kp, a, b, C, ldc, beta, m, n);
+  }
+};
+
 }  // namespace
+
+void gemm_bf16_widened_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                              float beta, float* C, int64_t ldc) {
+  detail::gemm_blocked<WidenedBf16Avx512>(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+std::array<int64_t, 2> gemm_bf16_widened_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
+                                                            int64_t N, int64_t K) {
+  return detail::blocked_pack_floats<WidenedBf16Avx512>(ta, tb, M, N, K);
+}
 
 void gemm_f32_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {

@@ -64,6 +64,11 @@ int64_t gemm_bf16_amx_block_k();
 // every transpose combination and both betas (a warning on stderr where they disagree). Only
 // where cpu_features().amx_bf16 is set; the GEMM runs it once, before it first selects AMX.
 bool gemm_bf16_amx_self_test();
+// bf16 operands through the FP32 AVX-512 kernel, widened to FP32 as they are packed: the bf16
+// product where the CPU has no bf16 instructions (AVX-512 without AVX512_BF16).
+void gemm_bf16_widened_avx512(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K,
+                              const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                              float beta, float* C, int64_t ldc);
 // Floats the blocked kernels take of packing buffers 0 and 1 for an M x N x K product.
 std::array<int64_t, 2> gemm_f32_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                                    int64_t K);
@@ -71,10 +76,16 @@ std::array<int64_t, 2> gemm_bf16_avx512_pack_floats(Transpose ta, Transpose tb, 
                                                     int64_t N, int64_t K);
 std::array<int64_t, 2> gemm_bf16_amx_pack_floats(Transpose ta, Transpose tb, int64_t M, int64_t N,
                                                  int64_t K);
+std::array<int64_t, 2> gemm_bf16_widened_avx512_pack_floats(Transpose ta, Transpose tb, int64_t M,
+                                                            int64_t N, int64_t K);
 // Floats of packing buffers 0 and 1 the selected backend's FP32 product (bf16 false) or bf16
-// product with bf16 instructions takes for an M x N x K product (gemm.cpp).
+// product (with bf16 instructions, or widened in its packing) takes for an M x N x K product
+// (gemm.cpp).
 std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
                                         int64_t K);
+// Whether the selected backend's bf16 product without bf16 instructions widens its operands as it
+// packs them (no whole FP32 copies in buffers 2 and 3).
+bool gemm_bf16_widens_in_packing();
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).

@@ -640,6 +640,53 @@ TEST(GemmPaths, Bf16SkinnyPathGivesTheBlockedPathsBits) {
   }
 }
 
+// The bf16 product of a CPU without bf16 instructions widens its operands as it packs them and
+// runs the FP32 kernel's blocked path: the FP32 kernel's bits on the same values widened (every
+// path of it gives the blocked path's bits; one row against a transposed B, which the FP32 kernel
+// streams instead, within rounding), over every case of the suite on 1 and 2 threads, and
+// within the naive product's tolerance; C's padding untouched.
+TEST(GemmPaths, Bf16WidenedInPackingGivesTheFp32KernelsBits) {
+  if (!isa_usable(Isa::Avx512)) GTEST_SKIP() << "the widened path is the avx512 kernel's";
+  const OnAvx512Kernels on_avx512;
+  uint32_t seed = 70;
+  for (const int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    for (const Case& c : cases()) {
+      const std::string what = describe(c) + ", " + std::to_string(threads) + " threads";
+      const std::vector<uint16_t> a = random_bf16(c.a_rows() * c.lda(), seed++);
+      const std::vector<uint16_t> b = random_bf16(c.b_rows() * c.ldb(), seed++);
+      std::vector<float> af(a.size()), bf(b.size());
+      bf16_to_fp32_array(af.data(), a.data(), static_cast<int64_t>(a.size()));
+      bf16_to_fp32_array(bf.data(), b.data(), static_cast<int64_t>(b.size()));
+      std::vector<float> C = random_vector(c.M * c.ldc(), seed++);
+      if (c.beta == 0.0f)
+        for (int64_t i = 0; i < c.M; ++i) C[i * c.ldc()] = std::nan("");
+      std::vector<float> want = C, got = C;
+      gemm_f32_avx512(c.ta, c.tb, c.M, c.N, c.K, af.data(), c.lda(), bf.data(), c.ldb(), c.beta,
+                      want.data(), c.ldc());
+      gemm_bf16_widened_avx512(c.ta, c.tb, c.M, c.N, c.K, a.data(), c.lda(), b.data(), c.ldb(),
+                               c.beta, got.data(), c.ldc());
+      std::vector<double> exact, scale;
+      naive(c, af, bf, C, &exact, &scale);
+      const bool streamed = c.M == 1 && c.ta == Transpose::No && c.tb == Transpose::Yes;
+      for (int64_t i = 0; i < c.M; ++i)
+        for (int64_t j = 0; j < c.ldc(); ++j) {
+          const size_t at = i * c.ldc() + j;
+          if (j >= c.N) {
+            ASSERT_EQ(got[at], C[at]) << "padding written: " << what;
+            continue;
+          }
+          ASSERT_NEAR(got[at], exact[at], 2e-6 * scale[at] + 1e-6) << what;
+          if (!streamed) {
+            ASSERT_EQ(got[at], want[at]) << what << " at " << i << "," << j;
+          }
+        }
+    }
+  }
+  // gemm_bf16 takes it where the backend has no bf16 instructions (below AVX512_BF16).
+  EXPECT_EQ(gemm_bf16_widens_in_packing(), !gemm_bf16_native(GemmBackend::Avx512));
+}
+
 // A weight gradient's product and its transpose, dY' U (N x r) and U' dY (r x N) with dY (T x
 // N) and U (T x r) both stored along T, give the same bits on the bf16 kernel: the same pair sums
 // (a times b is b times a) in the same K blocks, whichever path each takes (a LoRA adapter's dB
