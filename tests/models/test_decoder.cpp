@@ -248,8 +248,10 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
     // The MLP level to the bit. Per layer, an input that more than one layer reads (the
     // embedding, which the per-layer inputs project; a shared-KV source's input) sums its
     // gradient's terms in another order: within float rounding of the largest in fp32, and in
-    // bf16 within the rounding of the products' bf16 inputs (6e-4 of the largest under the
-    // reference GEMM, whose products round as the others' do not).
+    // bf16 within 2^-7 of the largest, one bf16 rounding: a sum in another order that rounds a
+    // product's bf16 input to the next value feeds every product after it (seen: 1e-8 of the
+    // largest on the AVX-512 kernels, 6e-4 under the reference GEMM, 2.7e-3 under AVX2 and
+    // Eigen).
     for (int64_t i = 0; i < n; ++i)
       ASSERT_EQ(none.parameters().gradients().f32()[i], mlp.parameters().gradients().f32()[i])
           << dtype_name(dtype) << " " << i;
@@ -259,7 +261,7 @@ TEST(DecoderModel, Gemma4GradientsMatchCentralDifferencesAndCheckpointingIsExact
       worst = std::max(worst, std::abs(a - layer.parameters().gradients().f32()[i]));
       largest = std::max(largest, std::abs(a));
     }
-    EXPECT_LT(worst, (dtype == DType::F32 ? 1e-5 : 2e-3) * largest) << dtype_name(dtype);
+    EXPECT_LT(worst, (dtype == DType::F32 ? 1e-5 : 0x1p-7) * largest) << dtype_name(dtype);
   }
 }
 
