@@ -17,8 +17,10 @@
 namespace cputrain::kernels::detail {
 namespace {
 
-// log(sum_j exp(x[j])) over one row of V, as max + log(sum exp(x - max)).
-inline double row_lse(const float* x, int64_t V) {
+// One row of V: its max, and the sum of exp(x - max) over it, each exponential also stored in
+// keep[0:V] where keep is given (keep may be x itself: each element is read before it is written).
+inline void row_max_exp_sum(const float* x, int64_t V, float* keep, float* max_out,
+                            float* sum_out) {
   using vec::kLanes, vec::vf;
   const int64_t whole = V / kLanes * kLanes;
   const int tail = static_cast<int>(V - whole);
@@ -28,13 +30,26 @@ inline double row_lse(const float* x, int64_t V) {
   if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
   const float max = vec::hmax(vmax);
   vf vsum{};
-  for (int64_t j = 0; j < whole; j += kLanes) vsum += vec::exp(vec::load(x + j) - max);
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const vf e = vec::exp(vec::load(x + j) - max);
+    if (keep != nullptr) vec::store(keep + j, e);
+    vsum += e;
+  }
   if (tail) {
     vf e = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
     for (int l = tail; l < kLanes; ++l) e[l] = 0.0f;
+    if (keep != nullptr) vec::store_partial(keep + whole, e, tail);
     vsum += e;
   }
-  return static_cast<double>(max) + std::log(static_cast<double>(vec::hsum(vsum)));
+  *max_out = max;
+  *sum_out = vec::hsum(vsum);
+}
+
+// log(sum_j exp(x[j])) over one row of V, as max + log(sum exp(x - max)).
+inline double row_lse(const float* x, int64_t V) {
+  float max, sum;
+  row_max_exp_sum(x, V, nullptr, &max, &sum);
+  return static_cast<double>(max) + std::log(static_cast<double>(sum));
 }
 
 inline void ce_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
@@ -96,31 +111,14 @@ inline void ce_forward_gradient(float* out, uint16_t* out_bf16, float* losses, c
   using vec::kLanes, vec::vf;
   const int64_t whole = V / kLanes * kLanes;
   const int tail = static_cast<int>(V - whole);
-  const float lowest = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* x = logits + i * V;
-    float* e = work + i * V;  // may be x itself: each element is read before it is written
+    float* e = work + i * V;
     const int64_t t = targets[i];
     const float xt = x[t];
-    // As row_lse, lane for lane, keeping each exponential.
-    vf vmax = vec::splat(lowest);
-    for (int64_t j = 0; j < whole; j += kLanes) vmax = vec::max(vmax, vec::load(x + j));
-    if (tail) vmax = vec::max(vmax, vec::load_partial(x + whole, tail, lowest));
-    const float max = vec::hmax(vmax);
-    vf vsum{};
-    for (int64_t j = 0; j < whole; j += kLanes) {
-      const vf ej = vec::exp(vec::load(x + j) - max);
-      vec::store(e + j, ej);
-      vsum += ej;
-    }
-    if (tail) {
-      vf ej = vec::exp(vec::load_partial(x + whole, tail, 0.0f) - max);
-      for (int l = tail; l < kLanes; ++l) ej[l] = 0.0f;
-      vec::store_partial(e + whole, ej, tail);
-      vsum += ej;
-    }
-    const float sum = vec::hsum(vsum);
+    float max, sum;
+    row_max_exp_sum(x, V, e, &max, &sum);  // as row_lse, keeping each exponential
     losses[i] = static_cast<float>(static_cast<double>(max) + std::log(static_cast<double>(sum)) -
                                    static_cast<double>(xt));
     const float c = scale / sum;
