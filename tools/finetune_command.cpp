@@ -30,6 +30,7 @@
 #include "engine/train/checkpoint_file.h"
 #include "engine/train/trainer.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/dispatch.h"
 #include "kernels/gemm/gemm.h"
 #include "models/architecture.h"
 #include "models/decoder.h"
@@ -915,8 +916,10 @@ LoadedModel load_finetune_model(const FinetuneArgs& a, const ModelOptions& optio
   if (!a.full) m.model->init_adapters(a.seed);
   m.model->set_checkpointing(*parse_checkpointing(a.checkpoint));
   log.info("model: {}, {:.2f} s", m.source, load_time.seconds());
-  log.info("cpu: {}; gemm {}, blocking: {}", kernels::cpu_features_string(),
-           kernels::gemm_backend_name(kernels::gemm_backend()), gemm_blocking());
+  const std::string isa_note = kernels::isa_default_note();
+  log.info("cpu: {}; gemm {}, blocking: {}{}{}", kernels::cpu_features_string(),
+           kernels::gemm_backend_name(kernels::gemm_backend()), gemm_blocking(),
+           isa_note.empty() ? "" : "; ", isa_note);
   int64_t trained = 0, total = 0;
   for (const ParameterInfo& p : m.model->parameters().infos()) {
     total += p.shape.numel();

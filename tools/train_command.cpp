@@ -235,9 +235,11 @@ RunConfig resolve_run_config(const TrainArgs& a) {
 }
 
 std::string describe_compute() {
-  return fmt::format("cpu: {}; kernels: {} (gemm available: {}); gemm blocking: {}",
+  const std::string note = kernels::isa_default_note();
+  return fmt::format("cpu: {}; kernels: {} (gemm available: {}); gemm blocking: {}{}{}",
                      kernels::cpu_features_string(), kernels::kernel_choices(),
-                     kernels::gemm_available_backends(), gemm_blocking());
+                     kernels::gemm_available_backends(), gemm_blocking(), note.empty() ? "" : "; ",
+                     note);
 }
 
 namespace {

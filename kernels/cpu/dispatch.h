@@ -29,8 +29,18 @@ Isa cpu_isa();
 // The level `name` names, at most cpu_isa(); else std::invalid_argument "<source>: not a level
 // this CPU runs (avx2 up to ...)", source being what the user wrote (CPUTRAIN_ISA=x, --isa x).
 Isa isa_level(std::string_view name, std::string_view source);
-// The highest level kernels may use: cpu_isa(), lowered by CPUTRAIN_ISA or set_isa_ceiling.
-// Throws std::invalid_argument for a CPUTRAIN_ISA that is not a level.
+// The level kernels take when nothing sets one: `top` (cpu_isa()), except avx512 where the CPU's
+// top is avx512_bf16 and vdpbf16ps does under kWidenBelow of the FP32 FMA's FLOPs a second
+// (bf16_over_f32, one thread; half on an Intel Xeon whose AMX is not offered): there the bf16
+// products run faster widened to FP32 as the GEMM packs them, and FP32 attention too.
+inline constexpr double kWidenBelow = 0.75;
+Isa default_isa_level(Isa top, double bf16_over_f32);
+// Where the default level is below cpu_isa(), why (with the rates' ratio, measured once at first
+// use in about 3 ms), for the start-up log; else empty.
+std::string isa_default_note();
+// The highest level kernels may use: the default level above, or the one CPUTRAIN_ISA or
+// set_isa_ceiling sets (any level up to cpu_isa()). Throws std::invalid_argument for a
+// CPUTRAIN_ISA that is not a level.
 Isa isa_ceiling();
 // Lowers (or restores) the ceiling for families that have not chosen yet; throws
 // std::invalid_argument above cpu_isa().

@@ -114,8 +114,11 @@ bool gemm_backend_available(GemmBackend backend);
 // Whether the backend's BF16 path uses bf16 instructions on this CPU. Where it does not
 // (Eigen; AVX-512 without AVX512_BF16; oneDNN without its bf16 kernels), gemm_bf16 widens the
 // operands to FP32 and runs the FP32 GEMM: the same results (bf16 products are exact in FP32),
-// no faster than FP32. The reference backend computes in double.
+// at FP32's rate. The reference backend computes in double.
 bool gemm_bf16_native(GemmBackend backend);
+// Whether the selected backend's bf16 product without bf16 instructions widens its operands as it
+// packs them (the AVX-512 blocked path; not whole FP32 copies in buffers 2 and 3).
+bool gemm_bf16_widens_in_packing();
 // The fastest available; the environment variable CPUTRAIN_GEMM (a backend name) overrides it.
 GemmBackend gemm_default_backend();
 // Selects the implementation gemm_f32 and gemm_bf16 call; throws std::invalid_argument for a

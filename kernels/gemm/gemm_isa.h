@@ -83,9 +83,6 @@ std::array<int64_t, 2> gemm_bf16_widened_avx512_pack_floats(Transpose ta, Transp
 // (gemm.cpp).
 std::array<int64_t, 2> gemm_pack_floats(bool bf16, Transpose ta, Transpose tb, int64_t M, int64_t N,
                                         int64_t K);
-// Whether the selected backend's bf16 product without bf16 instructions widens its operands as it
-// packs them (no whole FP32 copies in buffers 2 and 3).
-bool gemm_bf16_widens_in_packing();
 void gemm_f32_onednn(Transpose ta, Transpose tb, int64_t M, int64_t N, int64_t K, const float* A,
                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // Whether oneDNN has a bf16 matmul for this CPU (its bf16 kernels need AVX-512 or AMX).

@@ -79,6 +79,12 @@ DType choose_dtype(const std::string& flag, std::string* why) {
     *why = "the " + name + " GEMM has bf16 instructions on this CPU";
     return DType::BF16;
   }
+  if (kernels::gemm_bf16_widens_in_packing()) {
+    *why = "the " + name +
+           " GEMM widens bf16 to FP32 as it packs: FP32's rate in half the memory; --dtype fp32 "
+           "keeps every value in FP32";
+    return DType::BF16;
+  }
   *why = "the " + name +
          " GEMM has no bf16 instructions on this CPU, where bf16 would be emulated and slower "
          "than fp32 (--dtype bf16 forces it)";

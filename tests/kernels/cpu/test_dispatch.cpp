@@ -54,6 +54,28 @@ TEST(Dispatch, IsaNamesRoundTripAndTheCeilingIsAtMostTheCpu) {
                std::invalid_argument);
 }
 
+// The default level is the CPU's own unless its vdpbf16ps runs under kWidenBelow of the FMA's
+// rate: then avx512, where bf16 products widen to FP32. An unmeasured rate (0) keeps the top.
+TEST(Dispatch, TheDefaultLevelLeavesVdpbf16psOnlyWhereItIsSlowerThanTheFma) {
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 0.49), Isa::Avx512);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, kWidenBelow * 0.99), Isa::Avx512);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, kWidenBelow), Isa::Avx512Bf16);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 1.0), Isa::Avx512Bf16);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 2.0), Isa::Avx512Bf16);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 0.0), Isa::Avx512Bf16);
+  // AMX is the bf16 path where the CPU has it; below AVX512_BF16 there is nothing to leave.
+  EXPECT_EQ(default_isa_level(Isa::Amx, 0.49), Isa::Amx);
+  EXPECT_EQ(default_isa_level(Isa::Avx512, 0.49), Isa::Avx512);
+  EXPECT_EQ(default_isa_level(Isa::Avx2, 0.49), Isa::Avx2);
+  // The note says why only where the default is below the CPU's level and is the ceiling.
+  const std::string note = isa_default_note();
+  if (!note.empty()) {
+    EXPECT_EQ(cpu_isa(), Isa::Avx512Bf16);
+    EXPECT_EQ(isa_ceiling(), Isa::Avx512);
+    EXPECT_EQ(note.rfind("avx512 by default: vdpbf16ps runs at 0.", 0), 0u) << note;
+  }
+}
+
 TEST(Dispatch, TakesTheFirstDefaultRowThisCpuRunsUnlessOneIsForced) {
   // "amx" where AMX is usable; else "checked" fails its check and "forced_only" is not a default.
   const std::size_t expected = isa_usable(Isa::Amx) ? 0 : 3;
