@@ -137,7 +137,11 @@ void tile_product(float* C, int64_t ldc, const float* A, int64_t lda, const floa
         for (int v = 0; v < nv; ++v) store(C + (m0 + r) * ldc + n0 + v * kLanes, acc[r][v]);
     };
     for (; m0 + RB <= M; m0 += RB) block(std::integral_constant<int, RB>{});
-    for (; m0 < M; ++m0) block(std::integral_constant<int, 1>{});
+    // The last M % RB rows: one block of their count.
+    [&]<int... R>(std::integer_sequence<int, R...>) {
+      ((M - m0 == R + 1 ? block(std::integral_constant<int, R + 1>{}) : void()), ...);
+    }
+    (std::make_integer_sequence<int, RB - 1>{});
   }
 #endif
 }
@@ -180,8 +184,12 @@ inline void pack_rows(float* dst, const float* src, int64_t stride, int64_t rows
 inline void pack_transposed_tile(float* dst, const float* src, int64_t stride, int64_t cols,
                                  int64_t D, int64_t Dp) {
   std::memset(dst, 0, sizeof(float) * static_cast<size_t>(Dp * kTile));
-  for (int64_t c = 0; c < cols; ++c)
+  for (int64_t c = 0; c < cols; ++c) {
+    // The rows are a head's slice of each token's row: fetch the slice 8 rows ahead.
+    if (c + 8 < cols)
+      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(src + (c + 8) * stride + d);
     for (int64_t d = 0; d < D; ++d) dst[d * kTile + c] = src[c * stride + d];
+  }
 }
 
 // The key columns c of a tile (keys j0 + c, cols of them) query i attends: first <= c < valid,
@@ -191,6 +199,59 @@ inline int64_t first_key(int64_t i, int64_t j0, int64_t window) {
 }
 inline int64_t valid_keys(int64_t i, int64_t j0, int64_t cols) {
   return std::min(cols, i - j0 + 1);
+}
+
+// x, with the lanes whose key column (c + lane) is outside [first, valid) set to `fill`.
+inline vf keys_only(vf x, int64_t c, int64_t first, int64_t valid, float fill) {
+  if (c >= first && c + kLanes <= valid) return x;
+  alignas(64) static constexpr float kLaneIndex[kLanes] = {0, 1, 2,  3,  4,  5,  6,  7,
+                                                           8, 9, 10, 11, 12, 13, 14, 15};
+  const vf column = load(kLaneIndex) + static_cast<float>(c);
+  x = vec::select_less(column, splat(static_cast<float>(valid)), x, splat(fill));
+  return vec::select_less(column, splat(static_cast<float>(first)), splat(fill), x);
+}
+
+// The forward's online softmax over one tile of scores S (rows x kTile) of query rows i0.. and
+// key columns j0.. (cols of them): each row's running maximum m and sum l move to this tile,
+// its scores become exp(S - m) (zero where the key is past the query or the sequence, or before
+// a window), and its output row in O (Dp wide) is scaled by exp(m_old - m). One pass for the
+// maximum and one for the exponentials and their sum, each over the row's vectors with keys.
+inline void online_softmax_tile(float* S, float* O, float* m, float* l, int64_t rows, int64_t cols,
+                                int64_t i0, int64_t j0, int64_t window, int64_t Dp) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = S + r * kTile;
+    const int64_t valid = valid_keys(i0 + r, j0, cols);
+    const int64_t first = first_key(i0 + r, j0, window);
+    // The vectors holding keys: [begin, end).
+    const int64_t begin = first / kLanes * kLanes;
+    const int64_t end = valid <= first ? begin : (valid + kLanes - 1) / kLanes * kLanes;
+    vf top = splat(kNegInf);
+    for (int64_t c = begin; c < end; c += kLanes)
+      top = vec::max(top, keys_only(load(s + c), c, first, valid, kNegInf));
+    const float mx = std::max(m[r], vec::hmax(top));
+    // m[r] = -inf on the first tile: alpha ~ 0; a row with no key yet (a window's first tiles)
+    // keeps its zeros.
+    const float alpha = mx == kNegInf ? 1.0f : vec::exp(m[r] - mx);
+    m[r] = mx;
+    const vf shift = splat(mx);
+    vf sum{};
+    for (int64_t c = 0; c < kTile; c += kLanes) {
+      if (c < begin || c >= end) {
+        store(s + c, vf{});
+        continue;
+      }
+      const vf p = keys_only(vec::exp(load(s + c) - shift), c, first, valid, 0.0f);
+      sum += p;
+      store(s + c, p);
+    }
+    l[r] = l[r] * alpha + vec::hsum(sum);
+    if (alpha != 1.0f) {
+      float* o = O + r * Dp;
+      const vf a = splat(alpha);
+      for (int64_t d = 0; d < Dp; d += kLanes) store(o + d, load(o + d) * a);
+    }
+  }
 }
 
 // Replaces the scores S (rows x kTile) of query rows i0.. and key columns j0.. by
@@ -242,14 +303,13 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
   {
     // Whole key/value head: K^T per key tile and V; per query tile: Q, O, scores, statistics.
     float* Kt = attention_buffer(
-        static_cast<size_t>(2 * Tp * Dp + 2 * kTile * Dp + kTile * kTile + 3 * kTile));
+        static_cast<size_t>(2 * Tp * Dp + 2 * kTile * Dp + kTile * kTile + 2 * kTile));
     float* V = Kt + Tp * Dp;
     float* Q = V + Tp * Dp;
     float* O = Q + kTile * Dp;
     float* S = O + kTile * Dp;
     float* m = S + kTile * kTile;
     float* l = m + kTile;
-    float* alpha = l + kTile;
     int64_t packed = -1;  // b * KVH + the key/value head whose K^T and V are in Kt and V
 #pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; ++bh) {
@@ -273,28 +333,7 @@ void attention_forward_tiled(float* out, float* lse, const float* q, const float
           const int64_t cols = std::min(kTile, T - j0);
           tile_nn<RB>(S, kTile, Q, Dp, Kt + j0 * Dp, kTile, rows, kTile, Dp, false);
           if (opt.softcap > 0.0f) softcap_scores(S, nullptr, rows, opt.softcap);
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* s = S + r * kTile;
-            const int64_t valid = valid_keys(i0 + r, j0, cols);
-            float mx = m[r];
-            for (int64_t c = first_key(i0 + r, j0, window); c < valid; ++c) mx = std::max(mx, s[c]);
-            // m[r] = -inf on the first tile: alpha ~ 0; a row with no key yet (a window's first
-            // tiles) keeps its zeros.
-            alpha[r] = mx == -std::numeric_limits<float>::infinity() ? 1.0f : vec::exp(m[r] - mx);
-            m[r] = mx;
-          }
-          exp_scores(S, m, rows, cols, i0, j0, window);
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* p = S + r * kTile;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c < kTile; ++c) sum += p[c];
-            l[r] = l[r] * alpha[r] + sum;
-            float* o = O + r * Dp;
-            const float a = alpha[r];
-#pragma omp simd
-            for (int64_t d = 0; d < Dp; ++d) o[d] *= a;
-          }
+          online_softmax_tile(S, O, m, l, rows, cols, i0, j0, window, Dp);
           tile_nn<RB>(O, Dp, S, kTile, V + j0 * Dp, Dp, rows, Dp, cols, true);
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -365,7 +404,18 @@ void attention_backward_tiled(float* dq, float* dk, float* dv, const float* dout
         std::fill(dQ, dQ + T * Dp, 0.0f);
         // D_i = sum_j P_ij dP_ij = dout_i . out_i, summed in the order tile_nn sums dP_ij, so
         // that where P_ii = 1 (a single key) dS is exactly 0.
-        for (int64_t i = 0; i < T; ++i) {
+        // Eight rows' sums side by side: each its own chain of multiply-adds in the order of d,
+        // eight chains in flight where one row at a time waits on each one's latency.
+        int64_t i = 0;
+        for (; i + 8 <= T; i += 8) {
+          float s[8] = {};
+          for (int64_t d = 0; d < D; ++d)
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; ++u)
+              s[u] = std::fma(G[(i + u) * Dp + d], out[off + (i + u) * row + d], s[u]);
+          for (int u = 0; u < 8; ++u) Di[i + u] = s[u];
+        }
+        for (; i < T; ++i) {
           const float* gi = G + i * Dp;
           const float* o = out + off + i * row;
           float s = 0.0f;

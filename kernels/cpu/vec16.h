@@ -111,8 +111,15 @@ inline __attribute__((always_inline)) vf unfused(vf v) {
   return v;
 }
 #endif
+// Every lane a. A broadcast, where vf{} + a is an addition GCC must keep (it turns -0 into +0)
+// before the broadcast, and in a product's inner loop takes the ports the multiply-adds need.
 inline __attribute__((always_inline)) vf splat(float a) {
-  return vf{} + a;
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(a);
+#else
+  const v8f half = (v8f)_mm256_set1_ps(a);
+  return vf{half, half};
+#endif
 }
 
 // The first n (< kLanes) values at p, the other lanes `fill`.
