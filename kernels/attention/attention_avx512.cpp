@@ -1,4 +1,4 @@
-// The tiled attention compiled for AVX-512: one zmm per vector, register blocks of 4 rows.
+// The tiled attention compiled for AVX-512: one zmm per vector, register blocks of 6 rows.
 #include "kernels/attention/attention_isa.h"
 #include "kernels/attention/attention_tiled.h"
 
