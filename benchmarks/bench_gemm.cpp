@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <random>
 #include <string>
@@ -27,6 +28,7 @@
 #include "benchmarks/gemm_shapes.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/peak.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/gemm/gemm_isa.h"
@@ -203,6 +205,10 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   const auto& cpu = cputrain::kernels::cpu_features();
   std::printf("cpu features: %s\n", cputrain::kernels::cpu_features_string().c_str());
+  // Each row names its kernel (ours in bf16: vdpbf16ps wherever the CPU has it), so the peaks are
+  // the CPU's own level's unless CPUTRAIN_ISA sets one, also where training's default is lower.
+  if (std::getenv("CPUTRAIN_ISA") == nullptr)
+    cputrain::kernels::set_isa_ceiling(cputrain::kernels::cpu_isa());
   peak = cputrain::kernels::measure_peak();
   const std::vector<Shape> shapes = training_shapes({"mini", "mega", "behemoth"});
   for (const Shape& s : shapes) {
