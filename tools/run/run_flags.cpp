@@ -26,7 +26,8 @@ void add_kernel_flags(CLI::App& app, KernelArgs& a) {
                      kernels::kernel_families() + "; also CPUTRAIN_<FAMILY>=NAME); repeatable");
   app.add_option("--isa", a.isa,
                  "Highest instruction set any kernel may use: avx2, avx512, avx512_bf16 or amx "
-                 "(default: all this CPU has; also CPUTRAIN_ISA)");
+                 "(default: all this CPU has, but avx512 where its vdpbf16ps is slower than its "
+                 "FMA; also CPUTRAIN_ISA)");
 }
 
 namespace {
