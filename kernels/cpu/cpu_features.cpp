@@ -37,7 +37,7 @@ CpuFeatures detect() {
   const bool avx2 = (b >> 5) & 1;
   const bool avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
              avx512vl = (b >> 31) & 1;
-  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1, avx512_fp16 = (d >> 23) & 1;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   const bool avx512_bf16 = (a1 >> 5) & 1;
@@ -45,6 +45,7 @@ CpuFeatures detect() {
   f.avx512 = f.avx2 && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
   f.avx512_bf16 = f.avx512 && avx512_bf16;
   f.amx_bf16 = f.avx512_bf16 && amx_tile && amx_bf16 && tile_state && request_amx_permission();
+  f.avx512_fp16 = f.avx512 && avx512_fp16;
   return f;
 }
 

@@ -13,6 +13,7 @@ struct CpuFeatures {
   bool avx512 = false;       // F, BW, VL, DQ, with the OS saving zmm state
   bool avx512_bf16 = false;  // vdpbf16ps
   bool amx_bf16 = false;     // AMX-TILE and AMX-BF16, and the OS granted tile data
+  bool avx512_fp16 = false;  // AVX512_FP16: an Intel core of Sapphire Rapids or after
 };
 
 // The data caches of one core, from cpuid (leaf 4 on Intel, 0x8000001D on AMD), in bytes; a

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
-#include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -26,42 +24,15 @@ constexpr Isa kAllIsas[] = {Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
 constexpr std::string_view kFamilies[] = {"gemm",          "attention", "swiglu",
                                           "cross_entropy", "deltanet",  "peak"};
 
-// vdpbf16ps's rate over the FP32 FMA's, one thread, each the best of five short runs taken in
-// turn (about 3 ms); zero where the CPU lacks AVX512_BF16.
-double measured_bf16_over_f32() {
-  if (!cpu_features().avx512_bf16) return 0.0;
-  double f32 = 0.0, bf16 = 0.0;
-  const auto rate = [](double (*loop)(int64_t)) {
-    const auto start = std::chrono::steady_clock::now();
-    const double flops = loop(50'000);
-    return flops / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
-  for (int rep = 0; rep < 5; ++rep) {
-    f32 = std::max(f32, rate(fma_f32_avx512_loop));
-    bf16 = std::max(bf16, rate(dpbf16_avx512_loop));
-  }
-  return f32 > 0.0 ? bf16 / f32 : 0.0;
-}
-
-struct DefaultCeiling {
-  Isa isa;
-  double bf16_over_f32;  // measured where it decided, else 0
-};
-
-const DefaultCeiling& default_ceiling() {
-  static const DefaultCeiling c = [] {
-    const Isa top = cpu_isa();
-    if (top != Isa::Avx512Bf16) return DefaultCeiling{top, 0.0};
-    const double ratio = measured_bf16_over_f32();
-    return DefaultCeiling{default_isa_level(top, ratio), ratio};
-  }();
-  return c;
+const Isa& default_ceiling() {
+  static const Isa isa = default_isa_level(cpu_isa(), vdpbf16ps_slower_than_fma(cpu_features()));
+  return isa;
 }
 
 std::atomic<int>& ceiling_slot() {
   static std::atomic<int> slot{[] {
     const char* env = std::getenv("CPUTRAIN_ISA");
-    if (env == nullptr || *env == '\0') return static_cast<int>(default_ceiling().isa);
+    if (env == nullptr || *env == '\0') return static_cast<int>(default_ceiling());
     return static_cast<int>(isa_level(env, std::string("CPUTRAIN_ISA=") + env));
   }()};
   return slot;
@@ -126,19 +97,20 @@ Isa isa_level(std::string_view name, std::string_view source) {
   return isa;
 }
 
-Isa default_isa_level(Isa top, double bf16_over_f32) {
-  if (top == Isa::Avx512Bf16 && bf16_over_f32 > 0.0 && bf16_over_f32 < kWidenBelow)
-    return Isa::Avx512;
-  return top;
+bool vdpbf16ps_slower_than_fma(const CpuFeatures& f) {
+  return f.avx512_bf16 && f.avx512_fp16 && !f.amx_bf16;
+}
+
+Isa default_isa_level(Isa top, bool slow_vdpbf16ps) {
+  return top == Isa::Avx512Bf16 && slow_vdpbf16ps ? Isa::Avx512 : top;
 }
 
 std::string isa_default_note() {
-  const DefaultCeiling& d = default_ceiling();
-  if (d.isa == cpu_isa() || isa_ceiling() != d.isa) return "";
-  char ratio[32];
-  std::snprintf(ratio, sizeof ratio, "%.2f", d.bf16_over_f32);
-  return std::string(isa_name(d.isa)) + " by default: vdpbf16ps runs at " + ratio +
-         "x the FP32 FMA's rate on this CPU, so bf16 products widen to FP32 as they pack (--isa " +
+  const Isa d = default_ceiling();
+  if (d == cpu_isa() || isa_ceiling() != d) return "";
+  return std::string(isa_name(d)) +
+         " by default: on an Intel core with AVX512_FP16 whose AMX is not offered, vdpbf16ps runs "
+         "at half the FP32 FMA's rate, so bf16 products widen to FP32 as they pack (--isa " +
          std::string(isa_name(cpu_isa())) + " takes vdpbf16ps)";
 }
 

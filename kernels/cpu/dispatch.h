@@ -29,14 +29,19 @@ Isa cpu_isa();
 // The level `name` names, at most cpu_isa(); else std::invalid_argument "<source>: not a level
 // this CPU runs (avx2 up to ...)", source being what the user wrote (CPUTRAIN_ISA=x, --isa x).
 Isa isa_level(std::string_view name, std::string_view source);
-// The level kernels take when nothing sets one: `top` (cpu_isa()), except avx512 where the CPU's
-// top is avx512_bf16 and vdpbf16ps does under kWidenBelow of the FP32 FMA's FLOPs a second
-// (bf16_over_f32, one thread; half on an Intel Xeon whose AMX is not offered): there the bf16
-// products run faster widened to FP32 as the GEMM packs them, and FP32 attention too.
-inline constexpr double kWidenBelow = 0.75;
-Isa default_isa_level(Isa top, double bf16_over_f32);
-// Where the default level is below cpu_isa(), why (with the rates' ratio, measured once at first
-// use in about 3 ms), for the start-up log; else empty.
+struct CpuFeatures;
+// Whether the CPU's vdpbf16ps is known to retire fewer FLOPs than its FP32 FMA: an Intel core with
+// AVX512_FP16 (Sapphire Rapids and after) whose AMX is not offered, as in a VM that hides it (half
+// the FMA's rate, measured on family 6 model 207). Zen 4 and 5 (twice the FMA's rate) have no
+// AVX512_FP16, nor Cooper Lake.
+bool vdpbf16ps_slower_than_fma(const CpuFeatures& f);
+// The level kernels take when nothing sets one: `top` (cpu_isa()), except avx512 where the top is
+// avx512_bf16 and vdpbf16ps is slower than the FMA: there bf16 products run faster widened to FP32
+// as the GEMM packs them, and FP32 attention too. Decided from cpuid alone, so every rank and
+// every resume of a run on the machine takes the same kernels.
+Isa default_isa_level(Isa top, bool slow_vdpbf16ps);
+// Where the default level is below cpu_isa() and is the ceiling, why, for the start-up log; else
+// empty.
 std::string isa_default_note();
 // The highest level kernels may use: the default level above, or the one CPUTRAIN_ISA or
 // set_isa_ceiling sets (any level up to cpu_isa()). Throws std::invalid_argument for a

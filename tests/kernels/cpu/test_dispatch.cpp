@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "kernels/attention/attention.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/peak.h"
 #include "kernels/gemm/gemm.h"
@@ -54,25 +55,30 @@ TEST(Dispatch, IsaNamesRoundTripAndTheCeilingIsAtMostTheCpu) {
                std::invalid_argument);
 }
 
-// The default level is the CPU's own unless its vdpbf16ps runs under kWidenBelow of the FMA's
-// rate: then avx512, where bf16 products widen to FP32. An unmeasured rate (0) keeps the top.
+// The default level is the CPU's own unless its vdpbf16ps is slower than its FMA (an Intel core
+// with AVX512_FP16 whose AMX is not offered): then avx512, where bf16 products widen to FP32.
 TEST(Dispatch, TheDefaultLevelLeavesVdpbf16psOnlyWhereItIsSlowerThanTheFma) {
-  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 0.49), Isa::Avx512);
-  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, kWidenBelow * 0.99), Isa::Avx512);
-  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, kWidenBelow), Isa::Avx512Bf16);
-  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 1.0), Isa::Avx512Bf16);
-  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 2.0), Isa::Avx512Bf16);
-  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, 0.0), Isa::Avx512Bf16);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, true), Isa::Avx512);
+  EXPECT_EQ(default_isa_level(Isa::Avx512Bf16, false), Isa::Avx512Bf16);
   // AMX is the bf16 path where the CPU has it; below AVX512_BF16 there is nothing to leave.
-  EXPECT_EQ(default_isa_level(Isa::Amx, 0.49), Isa::Amx);
-  EXPECT_EQ(default_isa_level(Isa::Avx512, 0.49), Isa::Avx512);
-  EXPECT_EQ(default_isa_level(Isa::Avx2, 0.49), Isa::Avx2);
+  EXPECT_EQ(default_isa_level(Isa::Amx, true), Isa::Amx);
+  EXPECT_EQ(default_isa_level(Isa::Avx512, true), Isa::Avx512);
+  EXPECT_EQ(default_isa_level(Isa::Avx2, true), Isa::Avx2);
+  CpuFeatures f;
+  f.avx2 = f.avx512 = f.avx512_bf16 = true;
+  EXPECT_FALSE(vdpbf16ps_slower_than_fma(f));  // Zen 4 and 5, Cooper Lake
+  f.avx512_fp16 = true;
+  EXPECT_TRUE(vdpbf16ps_slower_than_fma(f));  // a Sapphire Rapids core without its AMX
+  f.amx_bf16 = true;
+  EXPECT_FALSE(vdpbf16ps_slower_than_fma(f));  // with it: AMX
   // The note says why only where the default is below the CPU's level and is the ceiling.
   const std::string note = isa_default_note();
   if (!note.empty()) {
-    EXPECT_EQ(cpu_isa(), Isa::Avx512Bf16);
+    EXPECT_TRUE(vdpbf16ps_slower_than_fma(cpu_features()));
     EXPECT_EQ(isa_ceiling(), Isa::Avx512);
-    EXPECT_EQ(note.rfind("avx512 by default: vdpbf16ps runs at 0.", 0), 0u) << note;
+    EXPECT_EQ(note.rfind("avx512 by default: on an Intel core with AVX512_FP16", 0), 0u) << note;
+  } else if (vdpbf16ps_slower_than_fma(cpu_features())) {
+    EXPECT_NE(isa_ceiling(), Isa::Avx512);  // CPUTRAIN_ISA set another level
   }
 }
 
