@@ -24,7 +24,7 @@ constexpr Isa kAllIsas[] = {Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx};
 constexpr std::string_view kFamilies[] = {"gemm",          "attention", "swiglu",
                                           "cross_entropy", "deltanet",  "peak"};
 
-const Isa& default_ceiling() {
+Isa default_ceiling() {
   static const Isa isa = default_isa_level(cpu_isa(), vdpbf16ps_slower_than_fma(cpu_features()));
   return isa;
 }
